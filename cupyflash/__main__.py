@@ -1,0 +1,174 @@
+"""``python -m cupyflash {info,warmup,demo,bench}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.cuda.is_available())
+    except Exception:  # no CuPy, or no driver
+        return False
+
+
+def cmd_info(_: argparse.Namespace) -> int:
+    from . import __version__, _kernels, _source
+
+    print(f"cupyflash {__version__}")
+    print(f"kernel sources: {_source.kernel_dir()} (sha256 {_source.fingerprint()[:16]})")
+    print(f"kernel cache:   {_kernels.cache_dir()}")
+    if _gpu_available():
+        import cupy
+
+        for device_id in range(cupy.cuda.runtime.getDeviceCount()):
+            props = cupy.cuda.runtime.getDeviceProperties(device_id)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            print(f"GPU {device_id}: {name}, {props['multiProcessorCount']} SMs, arch {_kernels.device_arch(device_id)}")
+    else:
+        print("GPU: none visible (attention() runs the array-API algorithms on the host)")
+    variants = _kernels.cached_variants()
+    print(f"compiled variants in the cache for these sources: {len(variants)}")
+    for v in variants:
+        spill = f", {v['local_bytes']} B local" if v["local_bytes"] else ""
+        print(f"  {v['arch']:7} {v['name']}  ({v['registers']} regs{spill}, {v['seconds']} s)")
+    return 0
+
+
+def _progress(total: int) -> object:
+    done = [0]
+    start = time.perf_counter()
+
+    def update(kernel: object) -> None:
+        done[0] += 1
+        width = 30
+        filled = width * done[0] // total
+        name = getattr(getattr(kernel, "spec", None), "name", "")
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {done[0]}/{total} {time.perf_counter() - start:5.1f}s {name[:60]:60}"
+        )
+        if done[0] == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return update
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from . import _kernels
+    from ._dispatch import all_fa2_fwd_specs
+
+    specs = all_fa2_fwd_specs()
+    if args.arch:  # no GPU needed: check that every variant builds for an arch
+        update = _progress(len(specs))
+        worst = 0
+        for spec in specs:
+            build = _kernels.compile_offline(spec, args.arch)
+            worst = max(worst, build.spill_bytes)
+            update(type("Done", (), {"spec": spec})())
+        print(f"{len(specs)} variants built for {args.arch}; largest spill: {worst} bytes")
+        return 0
+    if not _gpu_available():
+        print("no GPU visible: use --arch sm_80|sm_90a to build offline", file=sys.stderr)
+        return 1
+    import cupy
+
+    device_id = cupy.cuda.runtime.getDevice()
+    max_smem = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    specs = [s for s in specs if s.smem_bytes <= max_smem]
+    kernels = _kernels.warmup(specs, device_id, workers=args.jobs, on_done=_progress(len(specs)))  # type: ignore[arg-type]
+    spilled = [k.spec.name for k in kernels if k.local_bytes]
+    print(f"{len(kernels)} variants ready on GPU {device_id}; with local memory: {spilled or 'none'}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    import cupyflash
+    from cupyflash import reference
+
+    b, n, h, d = 2, args.seqlen, 8, 128
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((b, n, h, d)).astype(np.float32) for _ in range(3)]
+    if _gpu_available():
+        import cupy
+
+        q, k, v = (cupy.asarray(x).astype(cupy.float16) for x in host)
+        where = f"GPU ({cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}), float16"
+        cupyflash.attention(q, k, v, causal=True)  # compile (or load from the cache)
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        out = cupyflash.attention(q, k, v, causal=True)
+        cupy.cuda.Device().synchronize()
+        seconds = time.perf_counter() - start
+        ref = reference.attention(q, k, v, causal=True)
+        out_host = cupy.asnumpy(out).astype(np.float64)
+    else:
+        q, k, v = host
+        where = "CPU (array-API FA2 in NumPy), float32"
+        start = time.perf_counter()
+        out = cupyflash.attention(q, k, v, causal=True)
+        seconds = time.perf_counter() - start
+        ref = reference.attention(q, k, v, causal=True)
+        out_host = np.asarray(out, dtype=np.float64)
+    rel = np.linalg.norm(out_host - ref) / np.linalg.norm(ref)
+    print(f"cupyflash.attention on {where}: q, k, v of shape {(b, n, h, d)}, causal")
+    print(f"relative error vs float64 reference: {rel:.2e}")
+    print(f"time: {seconds * 1e3:.3f} ms")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if not _gpu_available():
+        print("bench needs a GPU", file=sys.stderr)
+        return 1
+    from . import bench
+
+    shapes = bench.prefill_shapes(tuple(args.dtype))
+    if args.quick:
+        shapes = [s for s in shapes if s.seqlen == 4096]
+    rows = []
+    for shape in shapes:
+        rows.append(bench.run_prefill(shape))
+        print(bench.format_prefill_table(rows[-1:]).splitlines()[-1], flush=True)
+    print(bench.format_prefill_table(rows))
+    overhead = {
+        "cupyflash_torch_us": round(bench.host_overhead_us("torch"), 2),
+        "cupyflash_cupy_us": round(bench.host_overhead_us("cupy"), 2),
+        "sdpa_us": round(bench.sdpa_host_overhead_us(), 2),
+    }
+    print(f"host time of a tiny call (1 query, 128 keys, 8 heads, d=128): {overhead}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"prefill": rows, "host_overhead": overhead}, f, indent=1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="GPU, arch, kernel cache and compiled variants").set_defaults(func=cmd_info)
+    warm = sub.add_parser("warmup", help="compile every kernel variant (progress bar)")
+    warm.add_argument("--jobs", type=int, default=8, help="parallel NVRTC compiles")
+    warm.add_argument("--arch", help="build offline for this arch (sm_80, sm_90a) without a GPU")
+    warm.set_defaults(func=cmd_warmup)
+    demo = sub.add_parser("demo", help="one call, its error against float64 and its time")
+    demo.add_argument("--seqlen", type=int, default=1024)
+    demo.set_defaults(func=cmd_demo)
+    bench = sub.add_parser("bench", help="TFLOP/s against PyTorch SDPA (flash, cuDNN)")
+    bench.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
+    bench.add_argument("--quick", action="store_true", help="only N = 4096")
+    bench.add_argument("--json", help="write the results here")
+    bench.set_defaults(func=cmd_bench)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

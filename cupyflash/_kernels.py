@@ -1,0 +1,210 @@
+"""spec -> compiled kernel: compiled once per (spec, device) per process, thread-safe.
+
+At run time the module goes through ``cupy.RawModule``, so CuPy's disk cache keeps the binary
+between processes (the fingerprint in the source invalidates it when ``kernels_cu`` changes).
+``compile_offline`` runs NVRTC directly for a named arch and needs no GPU: CI uses it to build
+every variant for sm_80 and sm_90a, and ``python -m cupyflash warmup --arch`` can use it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._source import fingerprint, render
+from ._specs import KernelSpec
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a variant; the message names the variant and carries the NVRTC log."""
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    spec: KernelSpec
+    arch: str
+    function: Any  # cupy.cuda.function.Function
+    num_regs: int
+    local_bytes: int  # > 0 means registers spilled to local memory
+    compile_seconds: float
+
+
+@dataclass(frozen=True)
+class OfflineBuild:
+    cubin: bytes
+    log: str
+    seconds: float
+
+    @property
+    def spill_bytes(self) -> int:
+        """Bytes of spill stores ptxas reported (0 for a clean variant)."""
+        for line in self.log.splitlines():
+            if "spill stores" in line:
+                return int(line.split("bytes spill stores")[0].split(",")[-1])
+        return 0
+
+    @property
+    def registers(self) -> int | None:
+        for line in self.log.splitlines():
+            if "Used" in line and "registers" in line:
+                return int(line.split("Used")[1].split("registers")[0])
+        return None
+
+
+def arch_option(arch: str) -> str:
+    return f"--gpu-architecture={arch}"
+
+
+def device_arch(device_id: int) -> str:
+    """NVRTC target for a device: Hopper gets sm_90a (wgmma, setmaxnreg), others sm_XY."""
+    import cupy
+
+    capability = cupy.cuda.Device(device_id).compute_capability  # e.g. "90"
+    return "sm_90a" if capability == "90" else f"sm_{capability}"
+
+
+def compile_offline(spec: KernelSpec, arch: str) -> OfflineBuild:
+    """Compile one variant to a cubin with NVRTC for ``arch``; no GPU or driver needed."""
+    from cupy.cuda import nvrtc
+
+    code, options, name = render(spec)
+    start = time.perf_counter()
+    program = nvrtc.createProgram(code, f"{name}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, [*options, arch_option(arch), "--ptxas-options=-v"])
+        except nvrtc.NVRTCError as error:
+            log = nvrtc.getProgramLog(program)
+            raise KernelCompileError(f"compiling {name} for {arch} failed ({error}):\n{log}") from None
+        log = nvrtc.getProgramLog(program)
+        cubin = nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    return OfflineBuild(cubin=cubin, log=log, seconds=time.perf_counter() - start)
+
+
+_compiled: dict[tuple[KernelSpec, int], CompiledKernel] = {}
+_key_locks: dict[tuple[KernelSpec, int], threading.Lock] = {}
+_registry_lock = threading.Lock()
+
+
+def get_kernel(spec: KernelSpec, device_id: int) -> CompiledKernel:
+    """The compiled variant on a device; the first caller compiles, concurrent callers wait."""
+    key = (spec, device_id)
+    hit = _compiled.get(key)
+    if hit is not None:
+        return hit
+    with _registry_lock:
+        lock = _key_locks.setdefault(key, threading.Lock())
+    with lock:
+        hit = _compiled.get(key)
+        if hit is None:
+            hit = _compiled[key] = _compile_for_device(spec, device_id)
+    return hit
+
+
+def _compile_for_device(spec: KernelSpec, device_id: int) -> CompiledKernel:
+    import cupy
+
+    code, options, name = render(spec)
+    arch = device_arch(device_id)
+    if arch.endswith("a"):
+        options = (*options, arch_option(arch))
+    start = time.perf_counter()
+    with cupy.cuda.Device(device_id):
+        try:
+            raw = cupy.RawModule(code=code, options=options).get_function(name)
+            function = raw.kernel  # compiles (or loads from CuPy's disk cache) and loads
+        except cupy.cuda.compiler.CompileException as error:
+            raise KernelCompileError(f"compiling {name} for {arch} failed:\n{error}") from None
+        if spec.smem_bytes > 48 * 1024:
+            raw.max_dynamic_shared_size_bytes = spec.smem_bytes
+        compiled = CompiledKernel(
+            spec=spec,
+            arch=arch,
+            function=function,
+            num_regs=raw.num_regs,
+            local_bytes=raw.local_size_bytes,
+            compile_seconds=time.perf_counter() - start,
+        )
+    _record(compiled)
+    return compiled
+
+
+def cache_dir() -> Path:
+    """CuPy's kernel cache directory (where the compiled binaries persist between processes)."""
+    return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+
+
+def _index_path() -> Path:
+    return cache_dir() / "cupyflash_variants.jsonl"
+
+
+def _record(kernel: CompiledKernel) -> None:
+    """Note a compiled variant in the cache's index (what `python -m cupyflash info` lists)."""
+    entry = {
+        "name": kernel.spec.name,
+        "arch": kernel.arch,
+        "registers": kernel.num_regs,
+        "local_bytes": kernel.local_bytes,
+        "seconds": round(kernel.compile_seconds, 3),
+        "fingerprint": fingerprint()[:16],
+    }
+    try:
+        _index_path().parent.mkdir(parents=True, exist_ok=True)
+        with _registry_lock, open(_index_path(), "a") as index:
+            index.write(json.dumps(entry) + "\n")
+    except OSError:  # a read-only cache only loses the listing, never the kernel
+        pass
+
+
+def cached_variants() -> list[dict[str, Any]]:
+    """Variants in the disk cache built from the current kernel sources (latest entry each)."""
+    try:
+        lines = _index_path().read_text().splitlines()
+    except OSError:
+        return []
+    current = fingerprint()[:16]
+    entries: dict[tuple[str, str], dict[str, Any]] = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if entry.get("fingerprint") == current:
+            entries[(entry["name"], entry["arch"])] = entry
+    return sorted(entries.values(), key=lambda e: (e["arch"], e["name"]))
+
+
+def warmup(
+    specs: Iterable[KernelSpec],
+    device_id: int,
+    *,
+    workers: int = 8,
+    on_done: Callable[[CompiledKernel], None] | None = None,
+) -> list[CompiledKernel]:
+    """Compile variants for a device on a thread pool (NVRTC runs without the GIL)."""
+    specs = list(specs)
+    if not specs:
+        return []
+    done = [get_kernel(specs[0], device_id)]  # first one alone: loads NVRTC and its builtins
+    if on_done:
+        on_done(done[0])
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for kernel in pool.map(lambda spec: get_kernel(spec, device_id), specs[1:]):
+            done.append(kernel)
+            if on_done:
+                on_done(kernel)
+    return done
+
+
+def compiled_variants() -> list[CompiledKernel]:
+    """Variants compiled by this process so far (for ``python -m cupyflash info``)."""
+    return list(_compiled.values())

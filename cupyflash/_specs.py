@@ -1,0 +1,97 @@
+"""Kernel variants: one frozen dataclass per kernel, one field per C++ template argument.
+
+``spec.name`` is the ``extern "C"`` symbol of the variant, its log label and its error label.
+The compiled binary is keyed by ``(spec, arch)``; the source does not depend on the arch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Element types the tensor-core kernels take, with their C++ spelling.
+CUDA_ELEMENT_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+_SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
+
+#: Head dimensions with a compiled FA2 variant (multiples of 32: 16-byte swizzle groups).
+FA2_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+#: Targets every variant is compiled for in CI: Ampere (sm_80) and Hopper (sm_90a).
+CI_ARCHS = ("sm_80", "sm_90a")
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """CTA tiling of the FA2 forward: query rows x key rows per block, warps, K/V ring depth."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    stages: int = 2
+    q_in_regs: bool = False
+
+    def __post_init__(self) -> None:
+        rows_per_warp, rem = divmod(self.block_m, self.num_warps)
+        if rem or rows_per_warp % 16:
+            raise ValueError(f"block_m={self.block_m} must give each of {self.num_warps} warps whole 16-row tiles")
+        if self.block_n % 16 or self.stages < 2:
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 16 and stages >= 2")
+
+
+@dataclass(frozen=True, slots=True)
+class Fa2FwdSpec:
+    """A variant of ``kernels_cu/fa2_fwd.cu`` (template ``Fa2FwdTraits``)."""
+
+    dtype: str  # "float16" | "bfloat16"
+    head_dim: int
+    tile: TileConfig
+    causal: bool = False  # right bound: key <= row + shift + window_right
+    local: bool = False  # left bound: key >= row + shift - window_left
+    softcap: bool = False
+
+    kernel = "fa2_fwd"
+    source_file = "fa2_fwd.cu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in CUDA_ELEMENT_TYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(CUDA_ELEMENT_TYPES)}")
+        if self.head_dim not in FA2_HEAD_DIMS:
+            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA2_HEAD_DIMS}")
+
+    @property
+    def name(self) -> str:
+        t = self.tile
+        flags = "".join(
+            f"_{flag}"
+            for flag, on in (("qreg", t.q_in_regs), ("causal", self.causal), ("local", self.local), ("softcap", self.softcap))
+            if on
+        )
+        return (
+            f"cf_fa2_fwd_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
+            f"_m{t.block_m}_n{t.block_n}_w{t.num_warps}_s{t.stages}{flags}"
+        )
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.tile.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        t = self.tile
+        elements = t.block_m * self.head_dim + 2 * t.stages * t.block_n * self.head_dim
+        return 2 * elements
+
+    def template_args(self) -> str:
+        t = self.tile
+        b = lambda flag: "true" if flag else "false"  # noqa: E731
+        return (
+            f"Fa2FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
+            f"{b(t.q_in_regs)}, {CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}, {b(self.local)}, "
+            f"{b(self.softcap)}>"
+        )
+
+    @property
+    def entry_body(self) -> str:
+        return "fa2_fwd<Traits>(params);"
+
+
+KernelSpec = Fa2FwdSpec

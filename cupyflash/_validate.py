@@ -1,0 +1,142 @@
+"""Input checks and their error messages, and the normalised description of one call.
+
+Nothing here touches array data: only shapes, dtypes and options, so a rejected call never
+launches, writes or loses anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+LAYOUTS = ("bshd", "bhsd")
+ALGORITHMS = ("auto", "fa2", "fa1", "naive", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One attention call, normalised. Window bounds: -1 = unbounded (see normalize_window)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    layout: str
+    scale: float
+    softcap: float
+    window_left: int
+    window_right: int
+
+    @property
+    def causal_bound(self) -> bool:
+        """The variant needs the right (causal) bound."""
+        return self.window_right >= 0
+
+    @property
+    def local_bound(self) -> bool:
+        """The variant needs the left (sliding-window) bound."""
+        return self.window_left >= 0
+
+
+def split_dims(shape: tuple[int, ...], layout: str) -> tuple[int, int, int, int]:
+    """(batch, seqlen, heads, head_dim) of a 4-D shape in ``layout``."""
+    if layout == "bshd":
+        b, s, h, d = shape
+    else:
+        b, h, s, d = shape
+    return b, s, h, d
+
+
+def normalize_window(causal: bool, window: Any, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """(window_left, window_right) with -1 for "no bound", bounds that hide nothing dropped.
+
+    Query i sees key j iff i + shift - left <= j <= i + shift + right, shift = seqlen_k - seqlen_q.
+    A right bound >= seqlen_q - 1 hides no key (the last query sees up to key seqlen_k - 1), and a
+    left bound >= seqlen_k - 1 hides none either: both become -1, so e.g. one query token with
+    causal=True runs the unmasked variant.
+    """
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}") from None
+    for bound in (left, right):
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < -1:
+            raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
+    if causal:
+        if right > 0:
+            raise ValueError(f"causal=True means a right window bound of 0, but window={window!r} asks for {right}")
+        right = 0
+    if right >= seqlen_q - 1:
+        right = -1
+    if left >= seqlen_k - 1:
+        left = -1
+    return left, right
+
+
+def check_scale(scale: Any, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite real number, got {scale!r}")
+    return float(scale)
+
+
+def check_softcap(softcap: Any) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
+    return float(softcap)
+
+
+def attention_problem(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    *,
+    causal: bool,
+    scale: Any,
+    window: Any,
+    softcap: Any,
+    layout: str,
+) -> Problem:
+    """Check the shapes and options of ``attention`` and normalise them."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shape) != 4:
+            axes = "(batch, seqlen, heads, head_dim)" if layout == "bshd" else "(batch, heads, seqlen, head_dim)"
+            raise ValueError(f"{name} must be 4-D {axes} for layout={layout!r}, got shape {tuple(shape)}")
+    if tuple(k_shape) != tuple(v_shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
+    b, sq, hq, d = split_dims(tuple(q_shape), layout)
+    bk, sk, hk, dk = split_dims(tuple(k_shape), layout)
+    if bk != b:
+        raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
+    if dk != d:
+        raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hk})")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    left, right = normalize_window(causal, window, sq, sk)
+    return Problem(
+        batch=b,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        heads_q=hq,
+        heads_kv=hk,
+        head_dim=d,
+        layout=layout,
+        scale=check_scale(scale, d),
+        softcap=check_softcap(softcap),
+        window_left=left,
+        window_right=right,
+    )
+
+
+def check_algorithm(algorithm: Any) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    return algorithm

@@ -1,0 +1,174 @@
+"""Benchmark harness: cupyflash beside PyTorch SDPA (flash and cuDNN backends) in one process,
+on the same inputs, timed with CUDA events (median after warm-up), never on zeros.
+
+Used by ``python -m cupyflash bench``, scripts/gpu_check.sh and the asv suite. FLOPs follow
+DESIGN.md: forward ``4 * B * H * Nq * Nk * d``, halved for causal.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# The prefill shapes of the FA2 target: H * d = 2048, B * N = 16384.
+PREFILL_HEAD_DIMS = (64, 128)
+PREFILL_SEQLENS = (1024, 4096, 16384)
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+    causal: bool
+    dtype: str
+
+    @property
+    def flops(self) -> float:
+        full = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
+        return full / 2 if self.causal else full
+
+
+def prefill_shapes(dtypes: tuple[str, ...] = ("bfloat16", "float16")) -> list[PrefillShape]:
+    return [
+        PrefillShape(16384 // n, n, 2048 // d, d, causal, dtype)
+        for dtype in dtypes
+        for d in PREFILL_HEAD_DIMS
+        for n in PREFILL_SEQLENS
+        for causal in (False, True)
+    ]
+
+
+def cuda_time_ms(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 20) -> float:
+    """Median milliseconds of ``fn`` between CUDA events on PyTorch's current stream."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def prefill_inputs(shape: PrefillShape, seed: int = 0) -> tuple[Any, Any, Any]:
+    """Random q, k, v in ``bshd`` (B, N, H, d), torch CUDA tensors."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+    dims = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
+    return tuple(torch.randn(dims, generator=gen, device="cuda", dtype=dtype) for _ in range(3))  # type: ignore[return-value]
+
+
+def sdpa_call(backend: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
+    """PyTorch SDPA forced to one backend ("flash" or "cudnn"), on bhsd views of bshd data."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def call() -> Any:
+        with sdpa_kernel(chosen):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    return call
+
+
+def run_prefill(shape: PrefillShape, backends: tuple[str, ...] = ("cupyflash", "flash", "cudnn")) -> dict[str, Any]:
+    """TFLOP/s of each backend on one shape (None where a backend refused the inputs)."""
+    import cupyflash
+
+    q, k, v = prefill_inputs(shape)
+    row: dict[str, Any] = asdict(shape)
+    for backend in backends:
+        if backend == "cupyflash":
+            call = lambda: cupyflash.attention(q, k, v, causal=shape.causal)  # noqa: E731
+        else:
+            call = sdpa_call(backend, q, k, v, shape.causal)
+        try:
+            ms = cuda_time_ms(call)
+        except RuntimeError as error:  # a backend that does not take this shape/dtype
+            row[backend] = None
+            row[f"{backend}_error"] = str(error).splitlines()[0][:200]
+            continue
+        row[backend] = round(shape.flops / ms / 1e9, 1)
+        row[f"{backend}_ms"] = round(ms, 4)
+    return row
+
+
+def host_overhead_us(kind: str, *, calls: int = 2000) -> float:
+    """Median host time of one tiny call (1 query, 128 keys, 8 heads, d = 128, bf16)."""
+    import cupyflash
+
+    if kind == "torch":
+        import torch
+
+        q = torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 128, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        sync = torch.cuda.synchronize
+    else:
+        import cupy
+
+        rng = cupy.random.default_rng(0)
+        q = rng.standard_normal((1, 1, 8, 128), dtype=cupy.float32).astype(cupy.float16)
+        k = rng.standard_normal((1, 128, 8, 128), dtype=cupy.float32).astype(cupy.float16)
+        v = rng.standard_normal((1, 128, 8, 128), dtype=cupy.float32).astype(cupy.float16)
+        sync = cupy.cuda.Device().synchronize
+    for _ in range(50):
+        cupyflash.attention(q, k, v, causal=True)
+    sync()
+    samples = []
+    for i in range(calls):
+        start = time.perf_counter()
+        cupyflash.attention(q, k, v, causal=True)
+        samples.append(time.perf_counter() - start)
+        if i % 100 == 99:
+            sync()  # keep the launch queue short: measure the host, not a full queue
+    sync()
+    return statistics.median(samples) * 1e6
+
+
+def sdpa_host_overhead_us(*, calls: int = 2000) -> float:
+    """The same tiny call through PyTorch SDPA (default backend choice), for comparison."""
+    import torch
+
+    q = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, 128, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    f = torch.nn.functional.scaled_dot_product_attention
+    for _ in range(50):
+        f(q, k, v)
+    torch.cuda.synchronize()
+    samples = []
+    for i in range(calls):
+        start = time.perf_counter()
+        f(q, k, v)
+        samples.append(time.perf_counter() - start)
+        if i % 100 == 99:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(samples) * 1e6
+
+
+def format_prefill_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'dtype':9} {'d':>4} {'N':>6} {'B':>3} {'H':>3} {'causal':>6} | {'cupyflash':>9} {'flash':>7} {'cudnn':>7} | {'vs flash':>8}"]
+    for r in rows:
+        ratio = r["cupyflash"] / r["flash"] if r.get("cupyflash") and r.get("flash") else float("nan")
+        lines.append(
+            f"{r['dtype']:9} {r['head_dim']:>4} {r['seqlen']:>6} {r['batch']:>3} {r['heads']:>3} {str(r['causal']):>6} | "
+            f"{r.get('cupyflash') or float('nan'):>9.1f} {r.get('flash') or float('nan'):>7.1f} "
+            f"{r.get('cudnn') or float('nan'):>7.1f} | {ratio:>8.2f}x"
+        )
+    return "\n".join(lines)

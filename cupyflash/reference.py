@@ -1,0 +1,84 @@
+"""The oracle: float64 naive attention on the host, written directly from the definition.
+
+``out = softmax(scale * q @ k^T + mask) @ v`` with the mask rule of DESIGN.md applied from the
+raw ``causal``/``window`` arguments (not from the normalised bounds the kernels use), softcap
+``s -> softcap * tanh(s / softcap)``, bottom-right causal alignment, GQA by head grouping.
+Rows that see no key give 0 and LSE -inf. Every test compares against this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._validate import attention_problem
+
+
+def to_numpy64(x: Any) -> np.ndarray:
+    """Copy any array (NumPy, CuPy, PyTorch, JAX, array-API, DLPack) to a float64 NumPy array."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy":
+        return x.get().astype(np.float64)
+    if module == "torch":
+        return x.detach().to(dtype=__import__("torch").float64).cpu().numpy()
+    try:
+        return np.asarray(x).astype(np.float64)
+    except Exception:  # array_api_strict and other DLPack-only arrays on the host
+        return np.from_dlpack(x).astype(np.float64)
+
+
+def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int]) -> np.ndarray:
+    """Boolean [seqlen_q, seqlen_k]: query i sees key j (bottom-right aligned)."""
+    left, right = window
+    if causal:
+        right = 0
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    shift = seqlen_k - seqlen_q
+    ok = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if right >= 0:
+        ok &= j <= i + shift + right
+    if left >= 0:
+        ok &= j >= i + shift - left
+    return ok
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    layout: str = "bshd",
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """float64 attention; returns NumPy arrays (out in ``layout``, LSE ``[B, Hq, Nq]``)."""
+    q64, k64, v64 = (to_numpy64(x) for x in (q, k, v))
+    p = attention_problem(
+        q64.shape, k64.shape, v64.shape, causal=causal, scale=scale, window=window, softcap=softcap, layout=layout
+    )
+    if layout == "bshd":  # -> [B, H, N, d]
+        q64, k64, v64 = (x.transpose(0, 2, 1, 3) for x in (q64, k64, v64))
+    group = p.heads_q // p.heads_kv
+    k64 = np.repeat(k64, group, axis=1)
+    v64 = np.repeat(v64, group, axis=1)
+
+    s = p.scale * (q64 @ k64.transpose(0, 1, 3, 2))
+    if p.softcap > 0:
+        s = p.softcap * np.tanh(s / p.softcap)
+    s = np.where(visible_keys(p.seqlen_q, p.seqlen_k, causal, tuple(window)), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m_finite = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m_finite)
+    l = e.sum(axis=-1, keepdims=True)
+    out = (e @ v64) / np.where(l > 0, l, 1.0)
+    lse = np.where(l > 0, np.log(np.where(l > 0, l, 1.0)) + m_finite, -np.inf)[..., 0]
+    if layout == "bshd":
+        out = out.transpose(0, 2, 1, 3)
+    return (out, lse) if return_lse else out

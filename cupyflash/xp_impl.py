@@ -1,0 +1,290 @@
+"""The algorithms once more, written against the array-API standard: the CPU path of
+``attention`` and the readable twin of each CUDA kernel.
+
+* ``naive``  -- standard attention: S = Q K^T and P = softmax(S) materialised, O = P V.
+* ``fa1``    -- FlashAttention-1: outer loop over K/V blocks (B_c = ceil(M / 4d)), inner over
+  Q blocks (B_r = min(B_c, d)); O, l, m live in "HBM" (one array per Q block) and are read and
+  written back at every outer step (Algorithm 1 of the paper).
+* ``fa2``    -- FlashAttention-2: outer loop over Q blocks, inner over K/V blocks, O, l, m kept
+  "on chip" for the whole inner loop, normalised once at the end.
+* ``decode`` -- FlashDecoding: the K/V range split into chunks, each chunk an FA2 pass that
+  returns its normalised partial (O_s, LSE_s); the partials are merged exactly.
+
+The online-softmax verbs below carry the same names as in kernels_cu/softmax.cuh
+(update_max, exp_accumulate, finalize, merge) and the same log2-domain arithmetic; here the
+logits arrive already scaled (scale, softcap), so ``scale_log2 = log2(e)``. The key-block
+range of a query block is ``KeyMask``, the twin of kernels_cu/mask.cuh. Arrays are
+``[B, Hkv, G, N, d]`` inside (G = query heads per K/V head), computed in float32 (float64
+inputs stay float64).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ._validate import Problem
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+#: FA1's on-chip memory M in elements: the H200's 227 KB of shared memory per block, 16-bit.
+DEFAULT_SRAM_ELEMENTS = 227 * 1024 // 2
+
+
+def _exp2(xp: Any, x: Any) -> Any:
+    return xp.exp(x * LN2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The online-softmax verbs (twins of kernels_cu/softmax.cuh).
+# ---------------------------------------------------------------------------------------------
+def update_max(xp: Any, row_max: Any, logits: Any, scale_log2: float) -> tuple[Any, Any]:
+    """Verb 1: new running max and the factor exp2((m_old - m_new) * scale_log2) for O and l.
+
+    The factor is 0 while the old max is -inf (first visible block: nothing to rescale).
+    """
+    new_max = xp.maximum(row_max, xp.max(logits, axis=-1))
+    never_seen = row_max == -math.inf
+    safe_new = xp.where(new_max == -math.inf, xp.zeros_like(new_max), new_max)
+    safe_old = xp.where(never_seen, safe_new, row_max)
+    rescale = xp.where(never_seen, xp.zeros_like(new_max), _exp2(xp, (safe_old - safe_new) * scale_log2))
+    return new_max, rescale
+
+
+def _max_scaled(xp: Any, row_max: Any, scale_log2: float) -> Any:
+    """The max subtracted in the exponent; 0 for a row with no visible key (avoids -inf + inf)."""
+    return xp.where(row_max == -math.inf, xp.zeros_like(row_max), row_max * scale_log2)
+
+
+def exp_accumulate(
+    xp: Any, logits: Any, row_max: Any, row_sum: Any, rescale: Any, scale_log2: float
+) -> tuple[Any, Any]:
+    """Verb 2: probabilities p = exp2(x * scale_log2 - m) and the rescaled running sum."""
+    p = _exp2(xp, logits * scale_log2 - _max_scaled(xp, row_max, scale_log2)[..., None])
+    return p, row_sum * rescale + xp.sum(p, axis=-1)
+
+
+def finalize(xp: Any, row_max: Any, row_sum: Any, scale_log2: float) -> tuple[Any, Any]:
+    """Verb 3: 1 / l for the output and the natural-log LSE; an empty row gives 0 and -inf."""
+    empty = (row_sum == 0) | (row_max == -math.inf)
+    safe_sum = xp.where(empty, xp.ones_like(row_sum), row_sum)
+    inv_sum = xp.where(empty, xp.zeros_like(row_sum), 1.0 / safe_sum)
+    lse = (row_max * scale_log2 + xp.log2(safe_sum)) * LN2
+    return inv_sum, xp.where(empty, xp.full_like(lse, -math.inf), lse)
+
+
+def merge(xp: Any, outs: list[Any], lses: list[Any]) -> tuple[Any, Any]:
+    """Verb 4: exact merge of normalised partials: lse = log sum exp(lse_i),
+    O = sum_i exp(lse_i - lse) O_i. Parts that saw no key (lse -inf) weigh 0; all empty -> 0, -inf.
+    """
+    lse_stack = xp.stack(lses, axis=0)
+    m = xp.max(lse_stack, axis=0)
+    empty = m == -math.inf
+    safe_m = xp.where(empty, xp.zeros_like(m), m)
+    weights = _exp2(xp, (lse_stack - safe_m) * LOG2E)  # exp(-inf) = 0 for empty parts
+    total = xp.sum(weights, axis=0)
+    safe_total = xp.where(empty, xp.ones_like(total), total)
+    lse = xp.where(empty, xp.full_like(m, -math.inf), safe_m + xp.log(safe_total))
+    out = xp.zeros_like(outs[0])
+    for i, o in enumerate(outs):
+        w = xp.where(empty, xp.zeros_like(total), weights[i, ...] / safe_total)
+        out = out + w[..., None] * o
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks (twin of kernels_cu/mask.cuh).
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KeyMask:
+    """Visible keys of query rows [row_first, row_last] under the normalised window bounds."""
+
+    row_first: int
+    row_last: int
+    seqlen_q: int
+    seqlen_k: int
+    window_left: int
+    window_right: int
+
+    @property
+    def shift(self) -> int:
+        return self.seqlen_k - self.seqlen_q
+
+    def key_begin(self) -> int:
+        if self.window_left < 0:
+            return 0
+        return max(0, self.row_first + self.shift - self.window_left)
+
+    def key_end(self) -> int:
+        end = self.seqlen_k
+        if self.window_right >= 0:
+            end = min(end, self.row_last + self.shift + self.window_right + 1)
+        return max(end, 0)
+
+    def needs_mask(self, key_first: int, key_last: int) -> bool:
+        partial = key_last >= self.seqlen_k
+        if self.window_right >= 0:
+            partial |= key_last > self.row_first + self.shift + self.window_right
+        if self.window_left >= 0:
+            partial |= key_first < self.row_last + self.shift - self.window_left
+        return partial
+
+    def apply(self, xp: Any, logits: Any, key_first: int, key_last: int) -> Any:
+        """Set hidden logits of the [rows, keys] block (last two axes) to -inf."""
+        rows = xp.reshape(xp.arange(self.row_first, self.row_last + 1), (-1, 1))
+        keys = xp.reshape(xp.arange(key_first, key_last + 1), (1, -1))
+        ok = keys < self.seqlen_k
+        if self.window_right >= 0:
+            ok = ok & (keys <= rows + self.shift + self.window_right)
+        if self.window_left >= 0:
+            ok = ok & (keys >= rows + self.shift - self.window_left)
+        return xp.where(ok, logits, xp.full_like(logits, -math.inf))
+
+
+def _logits(xp: Any, q_blk: Any, k_blk: Any, p: Problem) -> Any:
+    """Scaled (and soft-capped) scores of a block: [.., rows, d] x [.., keys, d] -> [.., rows, keys]."""
+    s = q_blk @ xp.matrix_transpose(k_blk)
+    if p.softcap > 0:
+        return p.softcap * xp.tanh(s * (p.scale / p.softcap))
+    return s * p.scale
+
+
+# ---------------------------------------------------------------------------------------------
+# The algorithms. q: [B, Hkv, G, Nq, d]; k, v: [B, Hkv, 1, Nk, d]. Return (O, LSE [B, Hkv, G, Nq]).
+# ---------------------------------------------------------------------------------------------
+def naive(xp: Any, q: Any, k: Any, v: Any, p: Problem) -> tuple[Any, Any]:
+    """Three passes over N x N matrices: S = Q K^T, P = softmax(S), O = P V."""
+    mask = KeyMask(0, p.seqlen_q - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
+    s = mask.apply(xp, _logits(xp, q, k, p), 0, p.seqlen_k - 1)  # pass 1: S
+    row_max = xp.max(s, axis=-1)
+    zero_state = xp.zeros_like(row_max)
+    probs, row_sum = exp_accumulate(xp, s, row_max, zero_state, zero_state, LOG2E)  # pass 2: P
+    inv_sum, lse = finalize(xp, row_max, row_sum, LOG2E)
+    return (probs @ v) * inv_sum[..., None], lse  # pass 3: O
+
+
+def fa2_partial(
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int, block_n: int, key_range: tuple[int, int]
+) -> tuple[Any, Any]:
+    """FA2 over keys in ``key_range`` (the whole sequence, or one split of FlashDecoding).
+
+    Query blocks outer; for each, the visible key blocks inner, last first (as the kernel), with
+    O, m, l carried across the inner loop and normalised once.
+    """
+    outs, lses = [], []
+    for row0 in range(0, p.seqlen_q, block_m):
+        row1 = min(row0 + block_m, p.seqlen_q)
+        mask = KeyMask(row0, row1 - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
+        q_blk = q[..., row0:row1, :]
+        acc = xp.zeros_like(q_blk)
+        row_max = xp.full(q_blk.shape[:-1], -math.inf, dtype=q.dtype, device=_device(q))
+        row_sum = xp.zeros(q_blk.shape[:-1], dtype=q.dtype, device=_device(q))
+        key_begin = max(mask.key_begin(), key_range[0])
+        key_end = min(mask.key_end(), key_range[1])
+        first_block = key_begin // block_n
+        for key0 in range((key_end - 1) // block_n * block_n, first_block * block_n - 1, -block_n):
+            key0 = max(key0, key_begin)
+            key1 = min(key0 - key0 % block_n + block_n, key_end)
+            if key1 <= key0:
+                continue
+            # -- scores of this block, masked only where the block straddles a bound
+            s = _logits(xp, q_blk, k[..., key0:key1, :], p)
+            if mask.needs_mask(key0, key1 - 1):
+                s = mask.apply(xp, s, key0, key1 - 1)
+            # -- update m and l, rescale O, accumulate P V
+            row_max, rescale = update_max(xp, row_max, s, LOG2E)
+            probs, row_sum = exp_accumulate(xp, s, row_max, row_sum, rescale, LOG2E)
+            acc = acc * rescale[..., None] + probs @ v[..., key0:key1, :]
+        inv_sum, lse = finalize(xp, row_max, row_sum, LOG2E)
+        outs.append(acc * inv_sum[..., None])
+        lses.append(lse)
+    return xp.concat(outs, axis=-2), xp.concat(lses, axis=-1)
+
+
+def fa2(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int = 64, block_n: int = 64) -> tuple[Any, Any]:
+    return fa2_partial(xp, q, k, v, p, block_m=block_m, block_n=block_n, key_range=(0, p.seqlen_k))
+
+
+def fa1_block_sizes(head_dim: int, sram_elements: int = DEFAULT_SRAM_ELEMENTS) -> tuple[int, int]:
+    """(B_r, B_c) of FlashAttention-1: B_c = ceil(M / 4d), B_r = min(B_c, d)."""
+    block_c = -(-sram_elements // (4 * head_dim))
+    return min(block_c, head_dim), block_c
+
+
+def fa1(
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEFAULT_SRAM_ELEMENTS
+) -> tuple[Any, Any]:
+    """Algorithm 1 of FlashAttention: K/V blocks outer, Q blocks inner, O/l/m through "HBM"."""
+    block_r, block_c = fa1_block_sizes(p.head_dim, sram_elements)
+    row_starts = list(range(0, p.seqlen_q, block_r))
+    dev = _device(q)
+    # "HBM": O (normalised), l and m of every query block.
+    o_hbm = [xp.zeros_like(q[..., r : min(r + block_r, p.seqlen_q), :]) for r in row_starts]
+    l_hbm = [xp.zeros(o.shape[:-1], dtype=q.dtype, device=dev) for o in o_hbm]
+    m_hbm = [xp.full(o.shape[:-1], -math.inf, dtype=q.dtype, device=dev) for o in o_hbm]
+    for key0 in range(0, p.seqlen_k, block_c):  # outer: load K_j, V_j
+        key1 = min(key0 + block_c, p.seqlen_k)
+        k_blk, v_blk = k[..., key0:key1, :], v[..., key0:key1, :]
+        for i, row0 in enumerate(row_starts):  # inner: load Q_i, O_i, l_i, m_i
+            row1 = min(row0 + block_r, p.seqlen_q)
+            mask = KeyMask(row0, row1 - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
+            if key1 <= mask.key_begin() or key0 >= mask.key_end():
+                continue  # every key of the block hidden from every row of Q_i
+            s = _logits(xp, q[..., row0:row1, :], k_blk, p)
+            if mask.needs_mask(key0, key1 - 1):
+                s = mask.apply(xp, s, key0, key1 - 1)
+            m_new, rescale = update_max(xp, m_hbm[i], s, LOG2E)
+            probs, l_new = exp_accumulate(xp, s, m_new, l_hbm[i], rescale, LOG2E)
+            # O_i = diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + e^{m~_ij - m_new} P~_ij V_j)
+            inv_l_new, _ = finalize(xp, m_new, l_new, LOG2E)
+            weight_old = (l_hbm[i] * rescale * inv_l_new)[..., None]
+            o_hbm[i] = o_hbm[i] * weight_old + (probs @ v_blk) * inv_l_new[..., None]
+            l_hbm[i], m_hbm[i] = l_new, m_new  # write back
+    lse = [finalize(xp, m, l, LOG2E)[1] for m, l in zip(m_hbm, l_hbm)]
+    return xp.concat(o_hbm, axis=-2), xp.concat(lse, axis=-1)
+
+
+def decode(
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, num_splits: int = 4, block_n: int = 64
+) -> tuple[Any, Any]:
+    """FlashDecoding: split the keys into ``num_splits`` chunks, one FA2 partial each, merge."""
+    chunk = -(-max(p.seqlen_k, 1) // max(num_splits, 1))
+    chunk = -(-chunk // block_n) * block_n  # whole key blocks per split, as the kernel
+    outs, lses = [], []
+    for key0 in range(0, max(p.seqlen_k, 1), chunk):
+        o, lse = fa2_partial(xp, q, k, v, p, block_m=64, block_n=block_n, key_range=(key0, key0 + chunk))
+        outs.append(o)
+        lses.append(lse)
+    return merge(xp, outs, lses)
+
+
+ALGORITHMS = {"naive": naive, "fa1": fa1, "fa2": fa2, "decode": decode}
+
+
+def _device(x: Any) -> Any:
+    from array_api_compat import device
+
+    return device(x)
+
+
+def attention(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", **options: Any) -> tuple[Any, Any]:
+    """Run one algorithm on caller arrays in ``p.layout``; returns (out in the caller's dtype and
+    layout, LSE float32 [B, Hq, Nq])."""
+    compute = xp.float64 if q.dtype == xp.float64 else xp.float32
+    b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
+    if p.layout == "bshd":  # -> [B, H, N, d]
+        q, k, v = (xp.permute_dims(x, (0, 2, 1, 3)) for x in (q, k, v))
+    q5 = xp.reshape(xp.astype(q, compute), (b, hkv, group, p.seqlen_q, p.head_dim))
+    k5 = xp.expand_dims(xp.astype(k, compute), axis=2)
+    v5 = xp.expand_dims(xp.astype(v, compute), axis=2)
+    if p.seqlen_q == 0 or b == 0:
+        out5, lse4 = xp.zeros_like(q5), xp.zeros(q5.shape[:-1], dtype=compute, device=_device(q5))
+    else:
+        out5, lse4 = ALGORITHMS[algorithm](xp, q5, k5, v5, p, **options)
+    out = xp.reshape(out5, (b, p.heads_q, p.seqlen_q, p.head_dim))
+    if p.layout == "bshd":
+        out = xp.permute_dims(out, (0, 2, 1, 3))
+    lse = xp.astype(xp.reshape(lse4, (b, p.heads_q, p.seqlen_q)), xp.float32)
+    return xp.astype(out, q.dtype), lse

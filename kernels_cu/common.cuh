@@ -1,0 +1,170 @@
+// Shared building blocks of every cupyflash kernel: fixed-width integers,
+// element-type traits, and thin wrappers over the PTX instructions the kernels are built from
+// (mma.sync, ldmatrix, cp.async, ex2/tanh approximations) plus the shared-memory swizzle.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#if defined(__CUDACC_RTC__)  // NVRTC ships no <cstdint>
+typedef int int32_t;
+typedef long long int64_t;
+typedef unsigned int uint32_t;
+#else
+#include <cstdint>
+#endif
+
+#define CF_DEVICE __device__ __forceinline__
+
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLog2e)
+constexpr float kLn2 = 0.6931471805599453f;    // ln(2): turns a log2-domain LSE into natural log
+
+CF_DEVICE float neg_infinity() { return -__int_as_float(0x7f800000); }
+
+CF_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------------
+// Element types: the two 16-bit floating types the tensor cores take.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+struct ElementTraits;
+
+template <>
+struct ElementTraits<__half> {
+  // Two floats rounded to one 32-bit register holding (lo, hi): an MMA A/B operand word.
+  static CF_DEVICE uint32_t pack2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  // D = A * B + D with A 16x16 (row), B 16x8 (col), fp32 accumulate.
+  static CF_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct ElementTraits<__nv_bfloat16> {
+  static CF_DEVICE uint32_t pack2(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static CF_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Fast math. ex2.approx is the MUFU instruction the online softmax is built around (one per
+// score); ex2.approx(-inf) = +0, which is how masked scores vanish.
+// ---------------------------------------------------------------------------------------------
+CF_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+CF_DEVICE float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory and asynchronous copies.
+// ---------------------------------------------------------------------------------------------
+// Kernels address shared memory with 32-bit .shared-window addresses from one base: NVRTC
+// lowered pointer arithmetic on the generic `extern __shared__` pointer to 64-bit math (464
+// add.s64 against nvcc's 83 in the d = 256 kernel) and spilled where nvcc did not.
+CF_DEVICE uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+CF_DEVICE void st_shared_b32(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
+}
+
+CF_DEVICE uint4 ld_shared_b128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
+}
+
+// 16-byte global -> shared copy that bypasses L1 (.cg). When !valid the 16 bytes are zero-filled
+// and nothing is read: rows past the end of a sequence become zeros, never garbage (a NaN in
+// an unused V row would survive 0 * NaN in P @ V).
+CF_DEVICE void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+CF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most kPending committed groups are still in flight.
+template <int kPending>
+CF_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Four 8x8 b16 matrices; lane i gives the row address of matrix i / 8, row i % 8, and receives
+// in r[j] the two elements (row lane / 4, cols 2 * (lane % 4) + {0, 1}) of matrix j.
+CF_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Same, transposed: r[j] receives (rows 2 * (lane % 4) + {0, 1}, col lane / 4) of matrix j.
+CF_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Swizzled row-major tile [rows][kHeadDim] of 16-bit elements in shared memory.
+//
+// A row is kHeadDim / 8 chunks of 16 bytes. ldmatrix reads one chunk from each of 8 consecutive
+// rows per phase; unswizzled, rows 256 bytes apart (d = 128) land in the same 4 banks: an 8-way
+// conflict. XOR-ing the chunk index with the row puts the 8 chunks in 8 different 16-byte bank
+// groups. When a row is an odd multiple of 64 bytes (d = 32, 96) consecutive rows already
+// alternate between the two halves of the 128-byte bank window, so XOR-ing with (row / 2) % 4
+// within aligned groups of 4 chunks is enough (and keeps the chunk inside the row).
+// ---------------------------------------------------------------------------------------------
+template <int kHeadDim>
+struct SwizzledTile {
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static_assert(kChunksPerRow % 4 == 0, "head dim must be a multiple of 32");
+  static constexpr bool kFullXor = kChunksPerRow % 8 == 0;
+
+  static constexpr int kGroup = kFullXor ? 8 : 4;  // chunks permuted among themselves
+
+  // Swizzle pattern of a row.
+  static CF_DEVICE int pattern(int row) { return kFullXor ? (row & 7) : ((row >> 1) & 3); }
+
+  // Element offset of (row, first element of 16-byte chunk `chunk`).
+  static CF_DEVICE int offset(int row, int chunk) {
+    return row * kHeadDim + (chunk ^ pattern(row)) * 8;
+  }
+
+  // ldmatrix addressing: a lane reads row (multiple of 8) + lane % 8 -- whose pattern is
+  // pattern(lane) -- at chunk 2 * step + bit, bit in {0, 1} per lane, step an unrolled index.
+  // With xor_bits = pattern(lane) ^ bit as the only run-time part of the swizzle, the steps of
+  // an unrolled loop share kGroup / 2 base addresses. Written as offset(row, 2 * step + bit),
+  // ptxas kept one address per step live across the main loop and spilled (d = 256).
+  static CF_DEVICE int pair_offset(int row, int step, int xor_bits) {
+    const int chunk_even = 2 * step;
+    return row * kHeadDim + (chunk_even & ~(kGroup - 1)) * 8 +
+           ((chunk_even & (kGroup - 1)) ^ xor_bits) * 8;
+  }
+};

@@ -1,0 +1,368 @@
+// FlashAttention-2 forward (Dao, 2023) on mma.sync tensor cores.
+//
+// Grid (num_m_blocks, B, Hq): one CTA per block of kBlockM query rows of one (batch, head).
+// blockIdx.x runs fastest, so the CTAs resident at one time share a (batch, head) and its K/V
+// stays in L2. Each warp owns kBlockM / kNWarps query rows end to end (no cross-warp reduction):
+//
+//   O = 0, m = -inf, l = 0                                       (registers)
+//   for each visible key block j (last first, so the masked blocks come first):
+//     S = Q K_j^T                    mma.sync, Q from registers or smem, K via ldmatrix
+//     S = softcap / mask (only blocks that need it)
+//     m_new = max(m, rowmax S); O *= exp2(m - m_new); P = exp2(S - m_new); l = l * .. + rowsum P
+//     O += P V_j                     P re-packed from the S accumulators as the A operand
+//   O /= l, LSE = m + log l                                      (once, at the end)
+//
+// K/V tiles stream through a kStages-deep cp.async ring: while block j is computed, blocks
+// j - 1 .. j - kStages + 1 are in flight.
+#pragma once
+
+#include "common.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool Q_in_regs_,
+          typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
+struct Fa2FwdTraits {
+  using Element = Element_;
+  using Ops = ElementTraits<Element>;
+  using Tile = SwizzledTile<kHeadDim_>;
+
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool Q_in_regs = Q_in_regs_;
+  static constexpr bool Is_causal = Is_causal_;
+  static constexpr bool Is_local = Is_local_;
+  static constexpr bool Has_softcap = Has_softcap_;
+
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kRowsPerWarp = kBlockM / kNWarps;
+  static constexpr int kMTiles = kRowsPerWarp / 16;  // 16-row MMA tiles per warp
+  static constexpr int kNTiles = kBlockN / 8;        // 8-key column tiles of S
+  static constexpr int kDTiles = kHeadDim / 8;       // 8-wide column tiles of O
+  static constexpr int kDSteps = kHeadDim / 16;      // k-steps of Q K^T
+  static constexpr int kNSteps = kBlockN / 16;       // k-steps of P V
+
+  static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
+  static constexpr int kSmemQElems = kBlockM * kHeadDim;
+  static constexpr int kSmemKVElems = kBlockN * kHeadDim;  // one K (or V) stage
+  static constexpr int kSmemBytes =
+      (kSmemQElems + 2 * kStages * kSmemKVElems) * kElemBytes;
+
+  static_assert(kRowsPerWarp % 16 == 0, "each warp needs whole 16-row MMA tiles");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
+  static_assert(kStages >= 2, "the K/V ring needs at least two stages");
+};
+
+// Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] global tile into a swizzled shared
+// tile; rows >= rows_valid are zero-filled. Consecutive threads take consecutive 16-byte chunks
+// of a row, so a warp reads 512 contiguous bytes per instruction (coalesced). The source pointer
+// advances by a stride step instead of being recomputed per row: with every row address live,
+// ptxas hoisted 16 64-bit addresses out of the main loop and spilled (d = 128, 128 x 64 tile).
+template <typename Traits, int kRows>
+CF_DEVICE void load_tile_async(uint32_t s_tile, const typename Traits::Element* g_tile,
+                               int64_t row_stride,
+                               int rows_valid, int tid) {
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  constexpr int kElemBytes = sizeof(typename Traits::Element);
+  if constexpr (Traits::kNThreads % kChunksPerRow == 0) {
+    // Every thread keeps one chunk column and walks down the rows.
+    constexpr int kRowsPerIter = Traits::kNThreads / kChunksPerRow;
+    constexpr int kIters = ceil_div(kRows, kRowsPerIter);
+    const int chunk = tid % kChunksPerRow;
+    int row = tid / kChunksPerRow;
+    const auto* src = g_tile + row * row_stride + chunk * 8;
+    const int64_t src_step = kRowsPerIter * row_stride;
+#pragma unroll 1
+    for (int it = 0; it < kIters; ++it, row += kRowsPerIter, src += src_step) {
+      if (kRows % kRowsPerIter == 0 || row < kRows) {
+        const bool valid = row < rows_valid;
+        cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * kElemBytes, valid ? src : g_tile,
+                    valid);
+      }
+    }
+  } else {
+    // Rows of 12 or 24 chunks (d = 96, 192) do not divide the thread count: index chunk by chunk.
+    constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll 1
+    for (int idx = tid; idx < kChunks; idx += Traits::kNThreads) {
+      const int row = idx / kChunksPerRow;
+      const int chunk = idx % kChunksPerRow;
+      const bool valid = row < rows_valid;
+      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * kElemBytes,
+                  g_tile + (valid ? row : 0) * row_stride + chunk * 8, valid);
+    }
+  }
+}
+
+// A operand of Q K^T for the warp's kMTiles row tiles at k-step ds (columns 16 ds .. 16 ds + 15).
+// ldmatrix matrices 0..3 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
+// (rows 8-15, k 8-15): exactly the a0..a3 registers of m16n8k16.
+template <typename Traits>
+CF_DEVICE void load_q_frag(uint32_t (&a)[Traits::kMTiles][4], uint32_t s_q, int warp_row0, int ds,
+                           int lane) {
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+    const int row = warp_row0 + 16 * mt + (lane % 16);
+    const int xor_bits = Traits::Tile::pattern(lane) ^ (lane / 16);
+    ldmatrix_x4(a[mt], s_q + Traits::Tile::pair_offset(row, ds, xor_bits) * Traits::kElemBytes);
+  }
+}
+
+// S = Q K^T for one key block. K is [kBlockN][d] row-major = B^T, which is the "col" layout of
+// the B operand: plain ldmatrix gives b0/b1 of two 8-key tiles per call.
+template <typename Traits>
+CF_DEVICE void gemm_qk(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
+                       const uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps][4], uint32_t s_q,
+                       uint32_t s_k, int warp_row0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Traits::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+
+#pragma unroll
+  for (int ds = 0; ds < Traits::kDSteps; ++ds) {
+    uint32_t a[Traits::kMTiles][4];
+    if constexpr (Traits::Q_in_regs) {
+#pragma unroll
+      for (int mt = 0; mt < Traits::kMTiles; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[mt][i] = r_q[mt][ds][i];
+    } else {
+      load_q_frag<Traits>(a, s_q, warp_row0, ds, lane);
+    }
+#pragma unroll
+    for (int np = 0; np < Traits::kNTiles / 2; ++np) {
+      // matrices: (keys 0-7, k 0-7), (keys 0-7, k 8-15), (keys 8-15, k 0-7), (keys 8-15, k 8-15)
+      const int key = 16 * np + (lane % 8) + 8 * (lane / 16);
+      const int xor_bits = Traits::Tile::pattern(lane) ^ ((lane / 8) % 2);
+      uint32_t b[4];
+      ldmatrix_x4(b, s_k + Traits::Tile::pair_offset(key, ds, xor_bits) * Traits::kElemBytes);
+#pragma unroll
+      for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+        Traits::Ops::mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
+        Traits::Ops::mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// O += P V for one key block. The S accumulator of 8-key tiles 2 ks and 2 ks + 1 is, element
+// for element, the A operand of k-step ks (rows g / g + 8, keys 2t.. / 2t + 8..), so P never
+// leaves registers. V is [kBlockN][d] row-major = B row-major: ldmatrix.trans gives the "col"
+// fragments of two 8-wide d tiles per call.
+template <typename Traits>
+CF_DEVICE void gemm_pv(float (&o)[Traits::kMTiles][Traits::kDTiles][4],
+                       const float (&p)[Traits::kMTiles][Traits::kNTiles][4], uint32_t s_v,
+                       int lane) {
+#pragma unroll
+  for (int ks = 0; ks < Traits::kNSteps; ++ks) {
+    uint32_t a[Traits::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+      a[mt][0] = Traits::Ops::pack2(p[mt][2 * ks][0], p[mt][2 * ks][1]);
+      a[mt][1] = Traits::Ops::pack2(p[mt][2 * ks][2], p[mt][2 * ks][3]);
+      a[mt][2] = Traits::Ops::pack2(p[mt][2 * ks + 1][0], p[mt][2 * ks + 1][1]);
+      a[mt][3] = Traits::Ops::pack2(p[mt][2 * ks + 1][2], p[mt][2 * ks + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
+      // matrices: (keys 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15)
+      const int key = 16 * ks + (lane % 8) + 8 * ((lane / 8) % 2);
+      const int xor_bits = Traits::Tile::pattern(lane) ^ (lane / 16);
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, s_v + Traits::Tile::pair_offset(key, dp, xor_bits) * Traits::kElemBytes);
+#pragma unroll
+      for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+        Traits::Ops::mma_16816(o[mt][2 * dp], a[mt], b[0], b[1]);
+        Traits::Ops::mma_16816(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// logit = tanh(s * scale / softcap); the softcap factor itself is folded into scale_log2.
+template <int kMTiles, int kNTiles>
+CF_DEVICE void apply_softcap(float (&s)[kMTiles][kNTiles][4], float prescale) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = fast_tanh(s[mt][nt][e] * prescale);
+}
+
+// Multiply each accumulator row by its factor (row slot 2 mt + e / 2).
+template <int kMTiles, int kCols>
+CF_DEVICE void scale_rows(float (&acc)[kMTiles][kCols][4], const float (&factor)[2 * kMTiles]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][c][e] *= factor[2 * mt + e / 2];
+}
+
+template <typename Traits>
+CF_DEVICE void fa2_fwd(const AttnParams& params) {
+  using Element = typename Traits::Element;
+  using Tile = typename Traits::Tile;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kMTiles = Traits::kMTiles;
+  constexpr int kStages = Traits::kStages;
+
+  constexpr int kStageBytes = Traits::kSmemKVElems * Traits::kElemBytes;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t s_q = smem_addr(smem_raw);                          // [kBlockM][d], then O
+  const uint32_t s_k = s_q + Traits::kSmemQElems * Traits::kElemBytes;  // [kStages][kBlockN][d]
+  const uint32_t s_v = s_k + kStages * kStageBytes;                  // [kStages][kBlockN][d]
+
+  // Causal: the last query blocks see the most keys; launch them first so the long CTAs do not
+  // straggle at the end of the grid.
+  const int m_block = Traits::Is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int batch = blockIdx.y;
+  const int head = blockIdx.z;
+  const int head_k = head / params.h_h_k_ratio;
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp_row0 = (tid / 32) * Traits::kRowsPerWarp;  // first row of this warp in the block
+
+  const int seqlen_q = params.seqlen_q;
+  const int seqlen_k = params.seqlen_k;
+  const int row_block0 = m_block * kBlockM;
+  const KeyMask<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> mask(
+      m_block, seqlen_q, seqlen_k, params.window_left, params.window_right);
+  const int n_begin = mask.n_block_begin();
+  const int n_end = mask.n_block_end();
+
+  const Element* g_q = static_cast<const Element*>(params.q_ptr) + batch * params.q_batch_stride +
+                       head * params.q_head_stride + row_block0 * params.q_row_stride;
+  const Element* g_k = static_cast<const Element*>(params.k_ptr) + batch * params.k_batch_stride +
+                       head_k * params.k_head_stride;
+  const Element* g_v = static_cast<const Element*>(params.v_ptr) + batch * params.v_batch_stride +
+                       head_k * params.v_head_stride;
+
+  auto load_kv = [&](int n_block, int stage) {
+    const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
+    const int rows_valid = seqlen_k - n_block * kBlockN;
+    load_tile_async<Traits, kBlockN>(s_k + stage * kStageBytes,
+                                     g_k + key0 * params.k_row_stride, params.k_row_stride,
+                                     rows_valid, tid);
+    load_tile_async<Traits, kBlockN>(s_v + stage * kStageBytes,
+                                     g_v + key0 * params.v_row_stride, params.v_row_stride,
+                                     rows_valid, tid);
+  };
+
+  // Prologue: Q and the first kStages - 1 key blocks, one commit group each (Q rides with the
+  // first), so that the group arithmetic of the main loop holds even for short ranges.
+  load_tile_async<Traits, kBlockM>(s_q, g_q, params.q_row_stride, seqlen_q - row_block0, tid);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (n_end - 1 - s >= n_begin) load_kv(n_end - 1 - s, s);
+    cp_async_commit();
+  }
+
+  float acc_o[kMTiles][Traits::kDTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < Traits::kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+
+  OnlineSoftmax<kMTiles> softmax;
+  uint32_t r_q[kMTiles][Traits::kDSteps][4];  // Q fragments; optimised away unless Q_in_regs
+  const float scale_log2 = params.softmax_scale_log2;
+
+  for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
+    // Block n_block has landed (and, for it == 0, Q); the barrier also tells every warp that
+    // the stage about to be refilled was released by all warps in the previous iteration.
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const int n_prefetch = n_block - (kStages - 1);
+    if (n_prefetch >= n_begin) load_kv(n_prefetch, (it + kStages - 1) % kStages);
+    cp_async_commit();
+
+    if constexpr (Traits::Q_in_regs) {
+      if (it == 0) {
+#pragma unroll
+        for (int ds = 0; ds < Traits::kDSteps; ++ds) {
+          uint32_t a[kMTiles][4];
+          load_q_frag<Traits>(a, s_q, warp_row0, ds, lane);
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) r_q[mt][ds][i] = a[mt][i];
+        }
+      }
+    }
+
+    const int stage = it % kStages;
+    float acc_s[kMTiles][Traits::kNTiles][4];
+    gemm_qk<Traits>(acc_s, r_q, s_q, s_k + stage * kStageBytes, warp_row0, lane);
+
+    if constexpr (Traits::Has_softcap) apply_softcap(acc_s, params.softcap_prescale);
+    if (mask.needs_mask(n_block)) {
+      mask.apply(acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
+    }
+
+    float rescale[2 * kMTiles];
+    softmax.update_max(acc_s, scale_log2, rescale);
+    scale_rows(acc_o, rescale);
+    softmax.exp_accumulate(acc_s, scale_log2, rescale);
+
+    gemm_pv<Traits>(acc_o, acc_s, s_v + stage * kStageBytes, lane);
+  }
+
+  // Epilogue: normalise once, stage the warp's rows of O through shared memory (the Q tile,
+  // which no warp reads any more after the barrier), then write 16-byte coalesced rows.
+  float inv_sum[2 * kMTiles], lse[2 * kMTiles];
+  softmax.finalize(scale_log2, inv_sum, lse);
+  scale_rows(acc_o, inv_sum);
+
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < Traits::kDTiles; ++dt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp_row0 + 16 * mt + lane / 4 + 8 * half;
+        st_shared_b32(s_q + (Tile::offset(row, dt) + 2 * (lane % 4)) * Traits::kElemBytes,
+                      Traits::Ops::pack2(acc_o[mt][dt][2 * half], acc_o[mt][dt][2 * half + 1]));
+      }
+    }
+  }
+  __syncthreads();
+
+  Element* g_o = static_cast<Element*>(params.o_ptr) + batch * params.o_batch_stride +
+                 head * params.o_head_stride + row_block0 * params.o_row_stride;
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  constexpr int kChunks = kBlockM * kChunksPerRow;
+#pragma unroll
+  for (int it = 0; it < ceil_div(kChunks, Traits::kNThreads); ++it) {
+    const int idx = it * Traits::kNThreads + tid;
+    const int row = idx / kChunksPerRow;
+    const int chunk = idx % kChunksPerRow;
+    if ((kChunks % Traits::kNThreads == 0 || idx < kChunks) && row < seqlen_q - row_block0) {
+      *reinterpret_cast<uint4*>(g_o + row * params.o_row_stride + chunk * 8) =
+          ld_shared_b128(s_q + Tile::offset(row, chunk) * Traits::kElemBytes);
+    }
+  }
+
+  if (params.lse_ptr != nullptr && lane % 4 == 0) {
+    float* g_lse = params.lse_ptr + batch * params.lse_batch_stride + head * params.lse_head_stride;
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) {
+      const int row = row_block0 + warp_row0 + 16 * (r / 2) + lane / 4 + 8 * (r % 2);
+      if (row < seqlen_q) g_lse[row] = lse[r];
+    }
+  }
+}

@@ -1,0 +1,76 @@
+// Which keys a block of query rows sees: the range of key blocks to visit, whether a block needs
+// element-wise masking, and the masking itself (causal / sliding window / ragged tail).
+//
+// Query row i sees key j iff  j < seqlen_k,
+//                             j <= i + shift + window_right   (Is_causal; causal: window_right = 0)
+//                             j >= i + shift - window_left    (Is_local)
+// with shift = seqlen_k - seqlen_q (bottom-right alignment, as flash-attn >= 2.1).
+#pragma once
+
+#include "common.cuh"
+
+template <int kBlockM, int kBlockN, bool Is_causal, bool Is_local>
+struct KeyMask {
+  int row_first;   // first query row of the block
+  int row_last;    // last real query row of the block (< seqlen_q)
+  int seqlen_k;
+  int shift;
+  int window_left, window_right;
+
+  CF_DEVICE KeyMask(int m_block, int seqlen_q, int seqlen_k_, int window_left_, int window_right_)
+      : row_first(m_block * kBlockM),
+        row_last(min(m_block * kBlockM + kBlockM, seqlen_q) - 1),
+        seqlen_k(seqlen_k_),
+        shift(seqlen_k_ - seqlen_q),
+        window_left(window_left_),
+        window_right(window_right_) {}
+
+  // First key block with a visible key for some row of the block.
+  CF_DEVICE int n_block_begin() const {
+    if (!Is_local) return 0;
+    return max(0, row_first + shift - window_left) / kBlockN;
+  }
+
+  // One past the last key block with a visible key (<= n_block_begin() when none is visible).
+  CF_DEVICE int n_block_end() const {
+    int key_end = seqlen_k;
+    if (Is_causal) key_end = min(key_end, row_last + shift + window_right + 1);
+    return ceil_div(max(key_end, 0), kBlockN);
+  }
+
+  // Does key block n hide any key from any row of the block (ragged tail included)?
+  CF_DEVICE bool needs_mask(int n_block) const {
+    const int key_first = n_block * kBlockN;
+    const int key_last = key_first + kBlockN - 1;
+    bool partial = key_last >= seqlen_k;
+    if (Is_causal) partial |= key_last > row_first + shift + window_right;
+    if (Is_local) partial |= key_first < row_last + shift - window_left;
+    return partial;
+  }
+
+  CF_DEVICE bool visible(int row, int key) const {
+    bool ok = key < seqlen_k;
+    if (Is_causal) ok &= key <= row + shift + window_right;
+    if (Is_local) ok &= key >= row + shift - window_left;
+    return ok;
+  }
+
+  // Set hidden scores of an MMA accumulator tile to -inf. Fragment layout of m16n8 tiles:
+  // element e of tile (mt, nt) sits at row row0 + 16 mt + lane / 4 + 8 (e / 2),
+  // key key0 + 8 nt + 2 (lane % 4) + e % 2.
+  template <int kMTiles, int kNTiles>
+  CF_DEVICE void apply(float (&s)[kMTiles][kNTiles][4], int row0, int key0, int lane) const {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2);
+          const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+          if (!visible(row, key)) s[mt][nt][e] = neg_infinity();
+        }
+      }
+    }
+  }
+};

@@ -1,0 +1,39 @@
+// AttnParams: the one runtime argument of every attention kernel, passed by value.
+//
+// Python mirrors this struct as a NumPy structured dtype (cupyflash/_params.py); a CPU test
+// compiles static_asserts generated from that dtype against this header, so the two layouts
+// cannot drift apart. Strides are in elements and 64-bit: B * N * H * d can pass 2^31.
+#pragma once
+
+#include "common.cuh"
+
+struct AttnParams {
+  const void* q_ptr;  // [B, Nq, Hq, d] through the strides below; unit stride on d
+  const void* k_ptr;  // [B, Nk, Hkv, d]
+  const void* v_ptr;  // [B, Nk, Hkv, d]
+  void* o_ptr;        // [B, Nq, Hq, d], same element type as q
+  float* lse_ptr;     // [B, Hq, Nq] natural-log LSE, or nullptr when not requested
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t lse_batch_stride, lse_head_stride;  // row stride is 1
+
+  int32_t batch;
+  int32_t seqlen_q, seqlen_k;
+  int32_t h, h_k;       // query heads, key/value heads
+  int32_t h_h_k_ratio;  // h / h_k: query head i reads key/value head i / h_h_k_ratio
+
+  // Visible keys of query row i (bottom-right aligned, shift = seqlen_k - seqlen_q):
+  //   i + shift - window_left <= j <= i + shift + window_right.
+  // Causal is window_right = 0; kernels only read a bound when the variant's flag enables it.
+  int32_t window_left, window_right;
+
+  // Scores s = q . k enter the softmax as exp2(logit(s) * softmax_scale_log2 - max) with
+  //   logit(s) = s                                  (softmax_scale_log2 = scale * log2 e), or
+  //   logit(s) = tanh(s * softcap_prescale)         (softcap_prescale = scale / softcap,
+  //                                                  softmax_scale_log2 = softcap * log2 e).
+  float softmax_scale_log2;
+  float softcap_prescale;
+};

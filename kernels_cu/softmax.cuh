@@ -1,0 +1,136 @@
+// The online softmax: the one place where the running max, the running sum, the rescaling of
+// the output accumulator and the merge of partial results are computed. Every kernel (FA1's
+// per-step update, FA2, the split-KV partial and combine) uses these verbs; cupyflash/xp_impl.py
+// implements the same verbs under the same names.
+//
+// Log2 domain: a logit x enters as exp2(x * scale_log2 - m * scale_log2), one FFMA and one MUFU.
+// The running max m is kept on the raw logits (scale_log2 > 0 keeps the order), so masked
+// logits (-inf) give exp2(-inf) = 0 and a row that has seen no key keeps m = -inf.
+// Every LSE that leaves a kernel is natural log.
+#pragma once
+
+#include "common.cuh"
+
+// Combine the values of the 4 lanes that hold one accumulator row (lanes 4g .. 4g + 3).
+CF_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+CF_DEVICE float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The per-row state for the rows one thread holds in m16n8 accumulator tiles: kMTiles tiles of
+// 16 rows, two rows each per thread (lane / 4 and lane / 4 + 8) -> kRows = 2 * kMTiles.
+// Element e of a tile belongs to row slot 2 * mt + e / 2.
+template <int kMTiles>
+struct OnlineSoftmax {
+  static constexpr int kRows = 2 * kMTiles;
+  float row_max[kRows];  // running max of raw logits, -inf until a visible key is seen
+  float row_sum[kRows];  // running sum of exp2(..): this lane's columns only until finalize()
+
+  CF_DEVICE OnlineSoftmax() {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = neg_infinity();
+      row_sum[r] = 0.f;
+    }
+  }
+
+  // The max subtracted in the exponent; 0 for a row with no visible key yet so that
+  // exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
+  static CF_DEVICE float max_scaled(float m, float scale_log2) {
+    return m == neg_infinity() ? 0.f : m * scale_log2;
+  }
+
+  // Verb 1 -- update the running max with a tile of logits. Returns in `rescale` the factor
+  // exp2((m_old - m_new) * scale_log2) by which the output accumulator and the running sum
+  // must be multiplied (0 on the first visible tile, 1 when the max did not move).
+  template <int kNTiles>
+  CF_DEVICE void update_max(const float (&s)[kMTiles][kNTiles][4], float scale_log2,
+                            float (&rescale)[kRows]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mt + half;
+        float m = row_max[r];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        }
+        m = quad_max(m);
+        // The first visible tile finds row_max = -inf: the accumulators are still 0 and the
+        // factor must be 0 too (exp2 of a finite difference could overflow to inf, 0 * inf = NaN).
+        rescale[r] = row_max[r] == neg_infinity()
+                         ? 0.f
+                         : fast_exp2((row_max[r] - m) * scale_log2);
+        row_max[r] = m;
+      }
+    }
+  }
+
+  // Verb 2 -- turn the logits into probabilities in place, p = exp2(x * scale_log2 - m), and
+  // accumulate them into the rescaled running sum.
+  template <int kNTiles>
+  CF_DEVICE void exp_accumulate(float (&s)[kMTiles][kNTiles][4], float scale_log2,
+                                const float (&rescale)[kRows]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mt + half;
+        const float m = max_scaled(row_max[r], scale_log2);
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -m));
+            sum += s[mt][nt][e];
+          }
+        }
+        row_sum[r] = row_sum[r] * rescale[r] + sum;
+      }
+    }
+  }
+
+  // Verb 3 -- finish the rows: 1 / l for the output and the natural-log LSE
+  // (m * scale + ln l). A row that saw no key gets 1 / l = 0 (output 0) and LSE = -inf.
+  CF_DEVICE void finalize(float scale_log2, float (&inv_sum)[kRows], float (&lse)[kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float l = quad_sum(row_sum[r]);
+      const bool empty = l == 0.f || row_max[r] == neg_infinity();
+      inv_sum[r] = empty ? 0.f : 1.f / l;
+      lse[r] = empty ? neg_infinity() : (row_max[r] * scale_log2 + __log2f(l)) * kLn2;
+    }
+  }
+};
+
+// Verb 4 -- merge partial results (O_i, lse_i), each O_i normalised over its own keys:
+//   lse = log(sum_i exp(lse_i)),   O = sum_i exp(lse_i - lse) * O_i.
+// merge_weights fills w_i = exp(lse_i - lse) and returns lse; if every part is empty
+// (all lse_i = -inf) the weights are 0 and the LSE stays -inf.
+template <int kParts>
+CF_DEVICE float merge_weights(const float (&lse)[kParts], float (&w)[kParts]) {
+  float m = neg_infinity();
+#pragma unroll
+  for (int i = 0; i < kParts; ++i) m = fmaxf(m, lse[i]);
+  if (m == neg_infinity()) {
+#pragma unroll
+    for (int i = 0; i < kParts; ++i) w[i] = 0.f;
+    return m;
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kParts; ++i) {
+    w[i] = fast_exp2((lse[i] - m) * kLog2e);
+    sum += w[i];
+  }
+  const float inv = 1.f / sum;
+#pragma unroll
+  for (int i = 0; i < kParts; ++i) w[i] *= inv;
+  return m + __logf(sum);
+}

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install what it lacks, warm the kernel cache, run every test
+# (the `gpu` ones included), benchmark against PyTorch SDPA, and log it all.
+#   usage: scripts/gpu_check.sh [LOG_DIR] [--tune]     (LOG_DIR defaults to $OUT, else gpu_logs)
+# The machine has no network: Python packages it lacks travel as wheels in .whl/ (see README).
+set -uo pipefail
+LOG_DIR=${1:-${OUT:-gpu_logs}}
+TUNE=${2:-}
+mkdir -p "$LOG_DIR"
+cd "$(dirname "$0")/.."
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupyflash_cache}
+
+status=0
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.memory,power.limit --format=csv
+  python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)"
+  python3 -m cupyflash info | head -5
+} 2>&1 | tee "$LOG_DIR/env.log"
+
+echo "== warmup (compile every variant)"
+python3 -m cupyflash warmup --jobs 16 2>&1 | tee "$LOG_DIR/warmup.log" || status=1
+
+echo "== tests"
+python3 -m pytest -q -n 8 -p no:cacheprovider tests 2>&1 | tee "$LOG_DIR/tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+if [ "$TUNE" = "--tune" ]; then
+  echo "== tile tuning"
+  python3 scripts/tune_fa2.py --json "$LOG_DIR/tune.json" 2>&1 | tee "$LOG_DIR/tune.log"
+fi
+
+echo "== benchmark"
+python3 -m cupyflash bench --json "$LOG_DIR/bench.json" 2>&1 | tee "$LOG_DIR/bench.log" || status=1
+python3 -m cupyflash info > "$LOG_DIR/variants.log" 2>&1
+exit $status

@@ -1,0 +1,69 @@
+"""Fixtures shared by the tests: the array-API namespaces of the CPU tests, the `gpu` marker's
+skip, and NaN-poisoned outputs for every GPU launch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.cuda.is_available())
+    except Exception:
+        return False
+
+
+HAS_GPU = _gpu_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no GPU visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _namespaces() -> list[object]:
+    spaces = [pytest.param("numpy", id="numpy"), pytest.param("array_api_strict", id="array_api_strict")]
+    try:
+        import torch  # noqa: F401
+
+        spaces.append(pytest.param("torch", id="torch-cpu"))
+    except ImportError:
+        pass
+    return spaces
+
+
+@pytest.fixture(params=_namespaces())
+def xp(request: pytest.FixtureRequest) -> object:
+    """An array-API namespace for the host path (numpy, array_api_strict, torch CPU if present)."""
+    if request.param == "numpy":
+        return np
+    if request.param == "torch":
+        from array_api_compat import torch as torch_compat
+
+        return torch_compat
+    import array_api_strict
+
+    return array_api_strict
+
+
+@pytest.fixture(autouse=True)
+def poison_gpu_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every GPU output is filled with NaN before its kernel runs."""
+    from cupyflash import _api
+
+    monkeypatch.setattr(_api, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """Fresh random data per test (seeded by the test's name: reproducible, never shared)."""
+    import zlib
+
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,52 @@
+"""Every kernel variant the dispatcher can pick compiles through NVRTC for sm_80 and sm_90a on a
+machine with no GPU, with no local-memory spills."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cupyflash import _kernels
+from cupyflash._dispatch import all_fa2_fwd_specs
+from cupyflash._specs import CI_ARCHS, Fa2FwdSpec, TileConfig
+
+JOBS = [(spec, arch) for spec in all_fa2_fwd_specs() for arch in CI_ARCHS]
+
+
+def _build(job):
+    spec, arch = job
+    return spec.name, arch, _kernels.compile_offline(spec, arch)
+
+
+@pytest.fixture(scope="module")
+def builds():
+    """All variants, compiled on a thread pool (NVRTC runs without the GIL)."""
+    first = _build(JOBS[0])  # alone first: loads NVRTC and its builtins library once
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        return [first, *pool.map(_build, JOBS[1:])]
+
+
+def test_every_variant_compiles_without_spills(builds):
+    assert len(builds) == len(JOBS) > 0
+    spilled = [(name, arch, b.spill_bytes) for name, arch, b in builds if b.spill_bytes]
+    assert not spilled, f"variants spilling to local memory: {spilled}"
+    for name, arch, build in builds:
+        assert build.cubin, f"{name} {arch}: empty cubin"
+        assert f"Compiling entry function '{name}' for '{arch}'" in build.log
+
+
+def test_compile_error_names_the_variant(monkeypatch):
+    from cupyflash import _source
+
+    spec = Fa2FwdSpec("float16", 64, TileConfig(64, 64, 4))
+    real_render = _source.render
+
+    def broken(s):
+        code, options, name = real_render(s)
+        return code + "\nthis is not C++;\n", options, name
+
+    monkeypatch.setattr(_kernels, "render", broken)
+    with pytest.raises(_kernels.KernelCompileError, match=rf"(?s){spec.name} for sm_90a failed.*this is not C\+\+"):
+        _kernels.compile_offline(spec, "sm_90a")

@@ -1,0 +1,233 @@
+"""The FA2 forward kernel on the GPU against the float64 reference.
+
+Outputs are NaN-poisoned before every launch (conftest), inputs are fresh random data, and the
+error must stay under the dtype's bound and within 2x the error of naive attention computed in
+the same low precision (flash-attn's rule) plus a rounding floor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import reference
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+BOUND = {"float16": 2e-3, "bfloat16": 1e-2}
+FLOOR = {"float16": 5e-5, "bfloat16": 4e-4}  # ~ 0.1 unit roundoff
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _gpu_inputs(rng, shape_q, shape_kv, dtype, lib="torch"):
+    host = [rng.standard_normal(s).astype(np.float32) for s in (shape_q, shape_kv, shape_kv)]
+    if lib == "torch":
+        torch = _torch()
+        dev = [torch.from_numpy(h).to("cuda", getattr(torch, dtype)) for h in host]
+    else:
+        import cupy
+
+        dev = [cupy.asarray(h).astype(dtype) for h in host]
+    return dev
+
+
+def _naive_low_precision(q, k, v, *, causal, window, softcap, scale, layout):
+    """Standard attention in the inputs' own precision (PyTorch's math path, unfused)."""
+    torch = _torch()
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    d = q.shape[-1]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)).float() * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    visible = torch.from_numpy(reference.visible_keys(q.shape[2], k.shape[2], causal, window)).cuda()
+    s = s.masked_fill(~visible, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(q.dtype)
+    out = p @ v
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd"):
+    out, lse = cupyflash.attention(
+        q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout, return_lse=True
+    )
+    assert type(out) is type(q) and out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
+    ref, ref_lse = reference.attention(
+        q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout, return_lse=True
+    )
+    out64 = reference.to_numpy64(out)
+    assert not np.isnan(out64).any(), "unwritten (NaN-poisoned) or NaN output"
+    dtype = str(q.dtype).removeprefix("torch.")
+    err = _rel(out64, ref)
+    naive = reference.to_numpy64(_naive_low_precision(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout))
+    naive_err = _rel(naive, ref)
+    assert err <= BOUND[dtype], f"relative error {err:.2e} over the {dtype} bound {BOUND[dtype]}"
+    assert err <= 2 * naive_err + FLOOR[dtype], f"error {err:.2e} > 2 x naive low-precision error {naive_err:.2e}"
+    lse64 = reference.to_numpy64(lse)
+    assert not np.isnan(lse64).any()
+    assert (np.isneginf(lse64) == np.isneginf(ref_lse)).all(), "rows that see no key must have LSE = -inf"
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse64[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
+    return out, err
+
+
+# (B, Nq, Nk, Hq, Hkv, causal, window, softcap): Nq != Nk, odd lengths, GQA/MQA, rows with no
+# visible key (Nq > Nk, causal), a single query over a long cache, windows, softcap.
+SHAPES = {
+    "square": (2, 128, 128, 4, 4, False, (-1, -1), 0.0),
+    "causal-gqa-odd": (1, 97, 200, 6, 2, True, (-1, -1), 0.0),
+    "causal-mqa-nq>nk": (2, 200, 97, 4, 1, True, (-1, -1), 0.0),
+    "one-query": (1, 1, 1025, 8, 2, True, (-1, -1), 0.0),
+}
+EXTRA = {
+    "window-causal": (3, 257, 257, 2, 2, True, (64, -1), 0.0),
+    "window-both": (1, 300, 301, 4, 2, False, (16, 16), 0.0),
+    "softcap": (1, 300, 301, 4, 2, True, (-1, -1), 30.0),
+    "window-softcap": (2, 130, 70, 2, 1, False, (-1, 3), 5.0),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("case", list(SHAPES), ids=str)
+def test_fa2_matches_reference(rng, dtype, head_dim, case):
+    b, nq, nk, hq, hkv, causal, window, softcap = SHAPES[case]
+    q, k, v = _gpu_inputs(rng, (b, nq, hq, head_dim), (b, nk, hkv, head_dim), dtype)
+    check_attention(q, k, v, causal=causal, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+@pytest.mark.parametrize("case", list(EXTRA), ids=str)
+def test_fa2_windows_and_softcap(rng, dtype, head_dim, case):
+    b, nq, nk, hq, hkv, causal, window, softcap = EXTRA[case]
+    q, k, v = _gpu_inputs(rng, (b, nq, hq, head_dim), (b, nk, hkv, head_dim), dtype)
+    check_attention(q, k, v, causal=causal, window=window, softcap=softcap)
+
+
+def test_long_sequence(rng):
+    q, k, v = _gpu_inputs(rng, (1, 4099, 2, 128), (1, 4099, 1, 128), "bfloat16")
+    check_attention(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("scale", [0.3, -0.2, 0.0])
+def test_any_scale(rng, scale):
+    q, k, v = _gpu_inputs(rng, (1, 65, 2, 64), (1, 80, 2, 64), "float16")
+    check_attention(q, k, v, causal=True, scale=scale)
+
+
+def test_bhsd_and_strided_inputs(rng):
+    torch = _torch()
+    q, k, v = _gpu_inputs(rng, (2, 4, 77, 64), (2, 2, 91, 64), "bfloat16")
+    check_attention(q, k, v, layout="bhsd", causal=True)
+    # a head slice (strided batch/row axes) and a transposed view (head_dim not unit-stride)
+    qs = torch.randn(2, 77, 8, 64, device="cuda", dtype=torch.bfloat16)[:, :, ::2]
+    kt = torch.randn(2, 64, 91, 2, device="cuda", dtype=torch.bfloat16).permute(0, 2, 3, 1)
+    vt = torch.randn(2, 91, 2, 64, device="cuda", dtype=torch.bfloat16)
+    assert kt.stride(-1) != 1
+    check_attention(qs, kt, vt, causal=True)
+
+
+def test_cupy_arrays_in_cupy_out(rng):
+    import cupy
+
+    q, k, v = _gpu_inputs(rng, (2, 33, 4, 128), (2, 65, 2, 128), "float16", lib="cupy")
+    out, _ = check_attention(q, k, v, causal=True)
+    assert isinstance(out, cupy.ndarray)
+
+
+def test_jax_arrays_round_trip(rng):
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    import jax.numpy as jnp
+
+    host = [rng.standard_normal(s).astype(np.float32) for s in ((1, 40, 4, 64), (1, 50, 4, 64), (1, 50, 4, 64))]
+    q, k, v = (jnp.asarray(h, dtype=jnp.bfloat16) for h in host)
+    out = cupyflash.attention(q, k, v, causal=True)
+    assert isinstance(out, jax.Array) and out.dtype == jnp.bfloat16
+    ref = reference.attention(q, k, v, causal=True)
+    assert _rel(reference.to_numpy64(out), ref) < BOUND["bfloat16"]
+
+
+def test_torch_non_default_stream(rng):
+    """Work is queued on PyTorch's current stream: launched elsewhere it would read q before the
+    copy that the side stream makes after a long sleep, and see NaNs."""
+    torch = _torch()
+    q_real, k, v = _gpu_inputs(rng, (1, 256, 8, 128), (1, 256, 8, 128), "bfloat16")
+    q = torch.full_like(q_real, math.nan)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the copy lands
+        q.copy_(q_real)
+        out = cupyflash.attention(q, k, v, causal=True)
+    side.synchronize()
+    ref = reference.attention(q_real, k, v, causal=True)
+    assert _rel(reference.to_numpy64(out), ref) < BOUND["bfloat16"]
+
+
+def test_empty_and_degenerate_shapes():
+    torch = _torch()
+    kw = {"device": "cuda", "dtype": torch.float16}
+    out, lse = cupyflash.attention(torch.randn(2, 0, 4, 64, **kw), torch.randn(2, 5, 4, 64, **kw), torch.randn(2, 5, 4, 64, **kw), return_lse=True)
+    assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+    out, lse = cupyflash.attention(torch.randn(1, 3, 2, 64, **kw), torch.randn(1, 0, 2, 64, **kw), torch.randn(1, 0, 2, 64, **kw), return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    out = cupyflash.attention(torch.randn(0, 3, 2, 64, **kw), torch.randn(0, 4, 2, 64, **kw), torch.randn(0, 4, 2, 64, **kw))
+    assert out.shape == (0, 3, 2, 64)
+
+
+def test_gpu_rejects_unsupported_inputs():
+    torch = _torch()
+    x = torch.randn(1, 8, 2, 64, device="cuda")
+    with pytest.raises(TypeError, match="the GPU kernels take"):
+        cupyflash.attention(x, x, x)
+    y = torch.randn(1, 8, 2, 80, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="head_dim in"):
+        cupyflash.attention(y, y, y)
+    with pytest.raises(ValueError, match="has no GPU kernel yet"):
+        cupyflash.attention(x.half(), x.half(), x.half(), algorithm="naive")
+    with pytest.raises(ValueError, match="q is a torch array on the host but k is a torch array on GPU"):
+        cupyflash.attention(x.half().cpu(), x.half(), x.half())
+
+
+def test_deterministic_bitwise(rng):
+    """The same inputs give the same bits: a moving result would be a race."""
+    q, k, v = _gpu_inputs(rng, (2, 1000, 8, 128), (2, 1000, 2, 128), "bfloat16")
+    first = cupyflash.attention(q, k, v, causal=True)
+    for _ in range(3):
+        assert bool((cupyflash.attention(q, k, v, causal=True) == first).all())
+
+
+def test_params_offsets_on_device():
+    """The struct's real field offsets, read on the device, equal the NumPy mirror's."""
+    import cupy
+
+    from cupyflash import _source
+    from cupyflash._params import ATTN_PARAMS_DTYPE, ATTN_PARAMS_FIELDS
+
+    body = "\n".join(
+        f"  out[{i}] = (long long)((const char*)&p.{name} - (const char*)&p);" for i, (name, _) in enumerate(ATTN_PARAMS_FIELDS)
+    )
+    code = f'#include "params.cuh"\nextern "C" __global__ void offsets(AttnParams p, long long* out) {{\n{body}\n}}\n'
+    kernel = cupy.RawKernel(code, "offsets", options=("--std=c++17", f"-I{_source.kernel_dir()}", *_source.cuda_include_options()))
+    out = cupy.zeros(len(ATTN_PARAMS_FIELDS), dtype=cupy.int64)
+    kernel((1,), (1,), (np.zeros(1, dtype=ATTN_PARAMS_DTYPE), out))
+    expected = [ATTN_PARAMS_DTYPE.fields[name][1] for name, _ in ATTN_PARAMS_FIELDS]
+    assert out.get().tolist() == expected

@@ -1,0 +1,59 @@
+"""The Python mirror of AttnParams has the C++ struct's exact layout (checked by the compiler)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cupyflash import _kernels, _source
+from cupyflash._params import ATTN_PARAMS_DTYPE, ATTN_PARAMS_FIELDS, pack_attn_params
+
+
+def _compile(source: str, std: str = "c++20") -> None:
+    from cupy.cuda import nvrtc
+
+    program = nvrtc.createProgram(source, "layout_check.cu", [], [])
+    options = [f"--std={std}", f"-I{_source.kernel_dir()}", *_source.cuda_include_options(), _kernels.arch_option("sm_90a")]
+    try:
+        nvrtc.compileProgram(program, options)
+    except nvrtc.NVRTCError:
+        raise AssertionError(nvrtc.getProgramLog(program)) from None
+
+
+def _layout_check_source(fields) -> str:
+    """Compile-time checks of AttnParams against a field list (NVRTC has no constant offsetof):
+    the size, each field's size, and the field order -- C++20 designated initializers must
+    follow declaration order. Natural alignment then fixes every offset; the GPU test
+    test_gpu_fa2.py::test_params_offsets_on_device reads the real offsets back."""
+    lines = ['#include "params.cuh"', f"static_assert(sizeof(AttnParams) == {ATTN_PARAMS_DTYPE.itemsize});"]
+    for name, code in fields:
+        lines.append(f'static_assert(sizeof(AttnParams::{name}) == {np.dtype(code).itemsize}, "{name}");')
+    inits = ", ".join(f".{name} = {{}}" for name, _ in fields)
+    lines.append(f"constexpr AttnParams kOrderProbe{{{inits}}};")
+    lines.append('extern "C" __global__ void layout_check(AttnParams p) {}')
+    return "\n".join(lines)
+
+
+def test_params_struct_matches_python_fields():
+    _compile(_layout_check_source(ATTN_PARAMS_FIELDS))
+
+
+def test_layout_check_catches_a_swap():
+    swapped = list(ATTN_PARAMS_FIELDS)
+    swapped[1], swapped[2] = swapped[2], swapped[1]
+    try:
+        _compile(_layout_check_source(swapped))
+    except AssertionError as error:
+        assert "designator" in str(error) or "initializ" in str(error)
+    else:
+        raise AssertionError("a field order swap went unnoticed")
+
+
+def test_pack_round_trips_through_the_dtype():
+    values = []
+    for name, code in ATTN_PARAMS_FIELDS:
+        values.append(1.5 if code == "f4" else (len(values) + 1) * (1 << 33 if code in ("u8", "i8") else 7))
+    packed = pack_attn_params(*values)
+    assert packed.shape == (1,) and packed.dtype == ATTN_PARAMS_DTYPE
+    for (name, _), value in zip(ATTN_PARAMS_FIELDS, values):
+        assert packed[name][0] == value, name
+    assert np.dtype(ATTN_PARAMS_DTYPE).itemsize % 8 == 0

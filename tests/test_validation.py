@@ -1,0 +1,113 @@
+"""Bad input gets a clear error naming the problem; nothing runs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _api, _interop
+
+Q = np.zeros((2, 5, 4, 16), dtype=np.float32)
+K = np.zeros((2, 7, 2, 16), dtype=np.float32)
+
+
+@pytest.mark.parametrize(
+    ("q", "k", "v", "kwargs", "message"),
+    [
+        (Q[0], K, K, {}, "q must be 4-D"),
+        (Q, K[0], K[0], {}, "k must be 4-D"),
+        (Q, K, K[:, :6], {}, "k and v must have the same shape"),
+        (Q[:1], K, K, {}, "same batch size"),
+        (Q[..., :8], K, K, {}, "same head_dim"),
+        (Q[:, :, :3], K, K, {}, "multiple of the number of key/value heads"),
+        (Q, K[:, :, :0], K[:, :, :0], {}, "multiple of the number of key/value heads"),
+        (Q, K, K, {"scale": math.nan}, "scale must be a finite real number"),
+        (Q, K, K, {"scale": math.inf}, "scale must be a finite real number"),
+        (Q, K, K, {"scale": "0.1"}, "scale must be a finite real number"),
+        (Q, K, K, {"softcap": -1.0}, "softcap must be a finite number >= 0"),
+        (Q, K, K, {"window": (-2, 0)}, "window must be a pair"),
+        (Q, K, K, {"window": (3,)}, "window must be a pair"),
+        (Q, K, K, {"window": (1.5, 2)}, "window must be a pair"),
+        (Q, K, K, {"causal": True, "window": (4, 3)}, "causal=True means a right window bound of 0"),
+        (Q, K, K, {"causal": 1}, "causal must be a bool"),
+        (Q, K, K, {"layout": "sbhd"}, "layout must be one of"),
+        (Q, K, K, {"algorithm": "flash3"}, "algorithm must be one of"),
+        (Q.astype(np.int32), K.astype(np.int32), K.astype(np.int32), {}, "real floating dtype"),
+        (Q, K.astype(np.float64), K.astype(np.float64), {}, "one dtype"),
+    ],
+)
+def test_bad_input_raises(q, k, v, kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        cupyflash.attention(q, k, v, **kwargs)
+
+
+def test_bhsd_shapes_are_read_as_bhsd():
+    q = np.zeros((2, 4, 5, 16), dtype=np.float32)
+    k = np.zeros((2, 3, 7, 16), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of the number of key/value heads \(3\)"):
+        cupyflash.attention(q, k, k, layout="bhsd")
+
+
+def test_gpu_dtype_and_head_dim_errors_list_what_is_supported():
+    with pytest.raises(TypeError, match=r"the GPU kernels take \['bfloat16', 'float16'\], got float32"):
+        _api._check_gpu_dtypes("float32", "float32", "float32", 64)
+    with pytest.raises(TypeError, match="one dtype"):
+        _api._check_gpu_dtypes("float16", "bfloat16", "float16", 64)
+    with pytest.raises(ValueError, match=r"head_dim in \(32, 64, 96, 128, 192, 256\), got 80"):
+        _api._check_gpu_dtypes("float16", "float16", "float16", 80)
+
+
+class _FakeGpuArray:
+    """Stands for a GPU array of an unknown library: only the DLPack device query."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA, device 0
+
+
+def test_mixed_devices_are_refused():
+    with pytest.raises(ValueError, match="q is a numpy array on the host but k is a .* array on GPU 0"):
+        cupyflash.attention(Q, _FakeGpuArray(K.shape), K)
+
+
+def test_mixed_libraries_are_refused():
+    import array_api_strict as xps
+
+    with pytest.raises(ValueError, match="all inputs must be arrays of one library on one device"):
+        cupyflash.attention(Q, xps.asarray(K), K)
+
+
+def test_window_normalisation():
+    from cupyflash._validate import normalize_window
+
+    assert normalize_window(True, (-1, -1), 1, 100) == (-1, -1)  # one query token: causal hides nothing
+    assert normalize_window(True, (-1, -1), 10, 100) == (-1, 0)
+    assert normalize_window(False, (200, 9), 10, 100) == (-1, -1)  # bounds wider than the sequence
+    assert normalize_window(False, (98, 8), 10, 100) == (98, 8)
+    assert normalize_window(True, (5, 0), 10, 100) == (5, 0)
+
+
+def test_readable_layout_rules():
+    ok = _interop.GpuView(256, (2, 5, 4, 64), (1280, 256, 64, 1), "float16")
+    assert _interop.kernel_readable(ok)
+    assert not _interop.kernel_readable(_interop.GpuView(258, ok.shape, ok.strides, "float16"))  # misaligned base
+    assert not _interop.kernel_readable(_interop.GpuView(256, ok.shape, (1280, 256, 1, 4), "float16"))  # d not unit
+    assert not _interop.kernel_readable(_interop.GpuView(256, ok.shape, (1284, 257, 64, 1), "float16"))  # odd rows
+    # strides of size-1 axes are never used
+    assert _interop.kernel_readable(_interop.GpuView(256, (1, 1, 4, 64), (3, 5, 64, 1), "float16"))
+
+
+def test_gpu_scale_range_is_checked_before_launch():
+    from cupyflash._validate import attention_problem
+
+    p = attention_problem(Q.shape, K.shape, K.shape, causal=False, scale=1e9, window=(-1, -1), softcap=0.0, layout="bshd")
+    with pytest.raises(ValueError, match=r"\|scale\| <= 1e\+06"):
+        _api._softmax_factors(p)
+    capped = attention_problem(Q.shape, K.shape, K.shape, causal=False, scale=1.0, window=(-1, -1), softcap=1e-300, layout="bshd")
+    scale_log2, prescale, negate = _api._softmax_factors(capped)
+    assert prescale == 1e30 and not negate and scale_log2 > 0
