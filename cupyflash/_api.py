@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 from . import _interop, _kernels
-from ._dispatch import MaskFlags, fa2_fwd_grid, fa2_fwd_spec
+from ._dispatch import MaskFlags, fa2_fwd_spec
 from ._params import pack_attn_params
 from ._specs import CUDA_ELEMENT_TYPES, FA2_HEAD_DIMS
 from ._validate import Problem, attention_problem, check_algorithm
@@ -108,6 +108,18 @@ def attention(
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
+    options = (causal, scale, window, softcap, layout, algorithm)
+    kind = _interop.same_array_kind(q, k, v)
+    if kind == _interop.TORCH:
+        device = q.get_device()
+        if device >= 0 and k.get_device() == device and v.get_device() == device:
+            return _torch_attention(q, k, v, device, options, return_lse)
+    elif kind == _interop.CUPY:
+        device = q.device.id
+        if k.device.id == device and v.device.id == device:
+            return _cupy_attention(q, k, v, device, options, return_lse)
+
+    # Everything else, and every mismatch, goes through the full checks with their messages.
     algorithm = check_algorithm(algorithm)
     kind, device = _interop.common_placement(q=q, k=k, v=v)
     problem = attention_problem(
@@ -115,13 +127,7 @@ def attention(
     )
     if kind == _interop.HOST:
         return _host_attention(q, k, v, problem, algorithm, return_lse)
-    if algorithm not in GPU_ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r} has no GPU kernel yet; on the GPU use one of {GPU_ALGORITHMS}")
-    if kind == _interop.TORCH:
-        return _torch_attention(q, k, v, problem, device, return_lse)
-    if kind == _interop.CUPY:
-        return _cupy_attention(q, k, v, problem, device, return_lse)
-    return _dlpack_attention(q, k, v, problem, return_lse)
+    return _dlpack_attention(q, k, v, options, return_lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,17 +149,27 @@ def _host_attention(q: Any, k: Any, v: Any, problem: Problem, algorithm: str, re
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: one launch plan per (variant, device), cached; one params pack per call.
+# GPU. Everything that depends only on shapes, dtypes, device and options -- validation, the
+# variant, its compiled kernel, grid, the fixed fields of AttnParams -- is a _GpuPlan, cached
+# per call signature. A call then reads pointers and strides, allocates the output, packs the
+# params and launches: the host time of a decode step is a few dict lookups and one launch.
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class _Fa2Launch:
-    kernel: _kernels.CompiledKernel
-    block_m: int
+class _GpuPlan:
+    problem: Problem
+    function: Any  # compiled kernel; None when the output is empty (nothing to launch)
+    grid: tuple[int, int, int]
     threads: tuple[int, int, int]
     smem: int
+    negate_q: bool  # a negative scale runs as |scale| on -q
+    axes: tuple[int, int, int]  # positions of the (batch, row, head) axes in the layout
+    o_strides: tuple[int, int, int]  # of the contiguous output, in (batch, row, head) order
+    lse_shape: tuple[int, int, int]
+    tail: tuple[int | float, ...]  # AttnParams fields after the o strides
 
 
-_launches: dict[tuple[str, int, bool, bool, bool, int], _Fa2Launch] = {}
+_plans: dict[tuple[Any, ...], _GpuPlan] = {}
+_MAX_PLANS = 4096  # a long-running process with endlessly new shapes starts over, not grows
 _max_smem: dict[int, int] = {}
 
 
@@ -175,17 +191,6 @@ def _check_gpu_dtypes(q_dtype: str, k_dtype: str, v_dtype: str, head_dim: int) -
         raise ValueError(f"the GPU kernels support head_dim in {FA2_HEAD_DIMS}, got {head_dim}")
 
 
-def _fa2_launch(dtype: str, problem: Problem, device: int) -> _Fa2Launch:
-    key = (dtype, problem.head_dim, problem.causal_bound, problem.local_bound, problem.softcap > 0, device)
-    launch = _launches.get(key)
-    if launch is None:
-        flags = MaskFlags(problem.causal_bound, problem.local_bound, problem.softcap > 0)
-        spec = fa2_fwd_spec(dtype, problem.head_dim, flags, _device_max_smem(device))
-        kernel = _kernels.get_kernel(spec, device)
-        launch = _launches[key] = _Fa2Launch(kernel, spec.tile.block_m, (spec.num_threads, 1, 1), spec.smem_bytes)
-    return launch
-
-
 def _softmax_factors(problem: Problem) -> tuple[float, float, bool]:
     """(softmax_scale_log2, softcap_prescale, negate_q) for AttnParams.
 
@@ -203,100 +208,134 @@ def _softmax_factors(problem: Problem) -> tuple[float, float, bool]:
     return max(abs(problem.scale), _ZERO_SCALE_SURROGATE) * log2e, 0.0, problem.scale < 0
 
 
-def _row_strides(view: _interop.GpuView, layout: str) -> tuple[int, int, int]:
-    """(batch, row, head) strides of a 4-D view."""
-    s = view.strides
-    return (s[0], s[1], s[2]) if layout == "bshd" else (s[0], s[2], s[1])
-
-
-def _launch_fa2(
-    launch: _Fa2Launch,
-    problem: Problem,
-    q: _interop.GpuView,
-    k: _interop.GpuView,
-    v: _interop.GpuView,
-    o: _interop.GpuView,
-    lse_ptr: int,
-    stream: Any,
-) -> None:
-    p = problem
-    scale_log2, softcap_prescale, _ = _softmax_factors(p)
-    params = pack_attn_params(
-        q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr,
-        *_row_strides(q, p.layout), *_row_strides(k, p.layout), *_row_strides(v, p.layout),
-        *_row_strides(o, p.layout),
-        p.heads_q * p.seqlen_q, p.seqlen_q,
+def _make_plan(
+    shapes: tuple[Any, Any, Any], dtypes: tuple[str, str, str], device: int, options: tuple[Any, ...]
+) -> _GpuPlan:
+    causal, scale, window, softcap, layout, algorithm = options
+    check_algorithm(algorithm)
+    p = attention_problem(*shapes, causal=causal, scale=scale, window=window, softcap=softcap, layout=layout)
+    if algorithm not in GPU_ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} has no GPU kernel yet; on the GPU use one of {GPU_ALGORITHMS}")
+    _check_gpu_dtypes(*dtypes, p.head_dim)
+    if p.batch > 65535 or p.heads_q > 65535:
+        raise ValueError(f"batch ({p.batch}) and heads ({p.heads_q}) must be <= 65535 on the GPU")
+    scale_log2, softcap_prescale, negate_q = _softmax_factors(p)
+    axes = (0, 1, 2) if layout == "bshd" else (0, 2, 1)
+    q_shape = tuple(shapes[0])
+    contiguous = (q_shape[1] * q_shape[2] * q_shape[3], q_shape[2] * q_shape[3], q_shape[3], 1)
+    function, grid, threads, smem = None, (0, 0, 0), (0, 0, 0), 0
+    if p.batch and p.seqlen_q and p.heads_q:
+        flags = MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
+        spec = fa2_fwd_spec(dtypes[0], p.head_dim, flags, _device_max_smem(device))
+        function = _kernels.get_kernel(spec, device).function
+        grid = (-(-p.seqlen_q // spec.tile.block_m), p.batch, p.heads_q)
+        threads, smem = (spec.num_threads, 1, 1), spec.smem_bytes
+    tail = (
+        p.heads_q * p.seqlen_q, p.seqlen_q,  # LSE strides (batch, head)
         p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.heads_q // p.heads_kv,
         p.window_left, p.window_right, scale_log2, softcap_prescale,
     )  # fmt: skip
-    grid = (-(-p.seqlen_q // launch.block_m), p.batch, p.heads_q)
-    launch.kernel.function(grid, launch.threads, (params,), shared_mem=launch.smem, stream=stream)
+    return _GpuPlan(
+        problem=p,
+        function=function,
+        grid=grid,
+        threads=threads,
+        smem=smem,
+        negate_q=negate_q,
+        axes=axes,
+        o_strides=tuple(contiguous[a] for a in axes),  # type: ignore[arg-type]
+        lse_shape=(p.batch, p.heads_q, p.seqlen_q),
+        tail=tail,
+    )
 
 
-def _gpu_shape_check(problem: Problem) -> bool:
-    """False when there is nothing to compute (an empty output)."""
-    if problem.batch > 65535 or problem.heads_q > 65535:
-        raise ValueError(f"batch ({problem.batch}) and heads ({problem.heads_q}) must be <= 65535 on the GPU")
-    return problem.batch > 0 and problem.seqlen_q > 0 and problem.heads_q > 0
+def _plan_for(shapes: tuple[Any, Any, Any], dtypes: tuple[Any, Any, Any], names: Any, device: int, options: tuple[Any, ...]) -> _GpuPlan:
+    key = (*shapes, *dtypes, device, options)
+    try:
+        return _plans[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable option (a window given as a list): plan without caching
+        return _make_plan(shapes, names(), device, options)
+    plan = _make_plan(shapes, names(), device, options)
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
 
 
-def _torch_attention(q: Any, k: Any, v: Any, problem: Problem, device: int, return_lse: bool) -> Any:
+def _launch(plan: _GpuPlan, ptrs: tuple[int, int, int], strides: tuple[Any, Any, Any], out_ptr: int, lse_ptr: int, stream: Any) -> None:
+    b, r, h = plan.axes
+    qs, ks, vs = strides
+    params = pack_attn_params(
+        *ptrs, out_ptr, lse_ptr,
+        qs[b], qs[r], qs[h], ks[b], ks[r], ks[h], vs[b], vs[r], vs[h],
+        *plan.o_strides, *plan.tail,
+    )  # fmt: skip
+    plan.function(plan.grid, plan.threads, (params,), shared_mem=plan.smem, stream=stream)
+
+
+def _torch_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ...], return_lse: bool) -> Any:
     import torch
 
-    views = [_interop.torch_view(x) for x in (q, k, v)]
-    _check_gpu_dtypes(views[0].dtype, views[1].dtype, views[2].dtype, problem.head_dim)
-    *_, negate_q = _softmax_factors(problem)
-    if negate_q:
+    names = lambda: tuple(str(x.dtype).removeprefix("torch.") for x in (q, k, v))  # noqa: E731
+    plan = _plan_for((q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), names, device, options)
+    if plan.negate_q:
         q = -q
-        views[0] = _interop.torch_view(q)
-    for i, (x, view) in enumerate(zip((q, k, v), views)):
-        if not _interop.kernel_readable(view):
-            views[i] = _interop.torch_view(_interop.readable_copy(_interop.TORCH, x))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((problem.batch, problem.heads_q, problem.seqlen_q), dtype=torch.float32, device=q.device)
+    inputs = [q, k, v]
+    for i, x in enumerate(inputs):  # copies stay referenced in `inputs` until the launch
+        if not _interop.kernel_readable(x.data_ptr(), x.shape, x.stride()):
+            inputs[i] = _interop.readable_copy(_interop.TORCH, x)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
     if POISON_OUTPUTS:
         out.fill_(math.nan)
-        lse.fill_(math.nan)
-    if _gpu_shape_check(problem):
-        launch = _fa2_launch(views[0].dtype, problem, device)
-        stream = _interop.torch_current_stream(device)
+        if lse is not None:
+            lse.fill_(math.nan)
+    if plan.function is not None:
+        ptrs = (inputs[0].data_ptr(), inputs[1].data_ptr(), inputs[2].data_ptr())
+        strides = (inputs[0].stride(), inputs[1].stride(), inputs[2].stride())
         with _on_device(device):
-            _launch_fa2(launch, problem, *views, _interop.torch_view(out), lse.data_ptr() if return_lse else 0, stream)
+            _launch(plan, ptrs, strides, out.data_ptr(), 0 if lse is None else lse.data_ptr(), _interop.torch_current_stream(device))
     return (out, lse) if return_lse else out
 
 
-def _cupy_attention(q: Any, k: Any, v: Any, problem: Problem, device: int, return_lse: bool) -> Any:
+def _cupy_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ...], return_lse: bool) -> Any:
     import cupy
 
-    views = [_interop.cupy_view(x) for x in (q, k, v)]
-    _check_gpu_dtypes(views[0].dtype, views[1].dtype, views[2].dtype, problem.head_dim)
+    names = lambda: (q.dtype.name, k.dtype.name, v.dtype.name)  # noqa: E731
+    plan = _plan_for((q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), names, device, options)
     with _on_device(device):
-        *_, negate_q = _softmax_factors(problem)
-        if negate_q:
+        if plan.negate_q:
             q = -q
-            views[0] = _interop.cupy_view(q)
-        for i, (x, view) in enumerate(zip((q, k, v), views)):
-            if not _interop.kernel_readable(view):
-                views[i] = _interop.cupy_view(_interop.readable_copy(_interop.CUPY, x))
+        inputs = [q, k, v]
+        strides = []
+        for i, x in enumerate(inputs):  # copies stay referenced in `inputs` until the launch
+            elem_strides = _interop.element_strides(x)
+            if not _interop.kernel_readable(x.data.ptr, x.shape, elem_strides):
+                inputs[i] = x = _interop.readable_copy(_interop.CUPY, x)
+                elem_strides = _interop.element_strides(x)
+            strides.append(elem_strides)
         out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((problem.batch, problem.heads_q, problem.seqlen_q), dtype=cupy.float32)
+        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if return_lse else None
         if POISON_OUTPUTS:
             out.fill(math.nan)
-            lse.fill(math.nan)
-        if _gpu_shape_check(problem):
-            launch = _fa2_launch(views[0].dtype, problem, device)
-            stream = cupy.cuda.get_current_stream()
-            _launch_fa2(launch, problem, *views, _interop.cupy_view(out), lse.data.ptr if return_lse else 0, stream)
+            if lse is not None:
+                lse.fill(math.nan)
+        if plan.function is not None:
+            ptrs = (inputs[0].data.ptr, inputs[1].data.ptr, inputs[2].data.ptr)
+            lse_ptr = 0 if lse is None else lse.data.ptr
+            _launch(plan, ptrs, tuple(strides), out.data.ptr, lse_ptr, cupy.cuda.get_current_stream())  # type: ignore[arg-type]
     return (out, lse) if return_lse else out
 
 
-def _dlpack_attention(q: Any, k: Any, v: Any, problem: Problem, return_lse: bool) -> Any:
+def _dlpack_attention(q: Any, k: Any, v: Any, options: tuple[Any, ...], return_lse: bool) -> Any:
     """Any other GPU array: zero-copy into CuPy, run, hand the results back through DLPack."""
     import cupy
     from array_api_compat import array_namespace
 
     q_cp, k_cp, v_cp = (cupy.from_dlpack(x) for x in (q, k, v))
-    out, lse = _cupy_attention(q_cp, k_cp, v_cp, problem, q_cp.device.id, return_lse=True)
+    out, lse = _cupy_attention(q_cp, k_cp, v_cp, q_cp.device.id, options, return_lse=True)
     xp = array_namespace(q)
     return (xp.from_dlpack(out), xp.from_dlpack(lse)) if return_lse else xp.from_dlpack(out)
 

@@ -38,6 +38,15 @@ def _type_kind(x: Any) -> str:
     return kind
 
 
+def same_array_kind(q: Any, k: Any, v: Any) -> str | None:
+    """CUPY or TORCH when all three are of that one type (the lean paths), else None."""
+    cls = type(q)
+    if type(k) is not cls or type(v) is not cls:
+        return None
+    kind = _kind_of_type.get(cls)
+    return kind if kind is not None else _type_kind(q)
+
+
 def placement(x: Any) -> tuple[str, int]:
     """(kind, device id) of an array: CUPY / TORCH / DLPACK on a GPU, or HOST (-1)."""
     kind = _type_kind(x)
@@ -109,39 +118,24 @@ def torch_current_stream(device_index: int) -> StreamRef:
 # ---------------------------------------------------------------------------------------------
 # What the kernels need of a GPU array, read without copies.
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class GpuView:
-    ptr: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]  # elements
-    dtype: str  # "float16", "bfloat16", ...
-
-
-def cupy_view(x: Any) -> GpuView:
+def element_strides(x: Any) -> tuple[int, ...]:
+    """Strides of a CuPy array in elements (CuPy reports bytes)."""
     itemsize = x.itemsize
-    return GpuView(x.data.ptr, x.shape, tuple(s // itemsize for s in x.strides), x.dtype.name)
+    return tuple(s // itemsize for s in x.strides)
 
 
-_TORCH_DTYPE_NAMES: dict[Any, str] = {}
-
-
-def torch_view(x: Any) -> GpuView:
-    name = _TORCH_DTYPE_NAMES.get(x.dtype)
-    if name is None:
-        name = _TORCH_DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
-    return GpuView(x.data_ptr(), tuple(x.shape), tuple(x.stride()), name)
-
-
-def kernel_readable(view: GpuView) -> bool:
+def kernel_readable(ptr: int, shape: Any, strides: Any) -> bool:
     """Unit stride on head_dim, 16-byte aligned base and strides (cp.async moves 16 bytes).
 
     Strides of size-1 axes are never used, so they may be anything.
     """
-    if view.ptr % 16:
-        return False
-    if view.shape[-1] > 1 and view.strides[-1] != 1:
-        return False
-    return all(stride % 8 == 0 for size, stride in zip(view.shape[:-1], view.strides[:-1]) if size > 1)
+    return (
+        ptr % 16 == 0
+        and (strides[3] == 1 or shape[3] <= 1)
+        and (strides[0] % 8 == 0 or shape[0] <= 1)
+        and (strides[1] % 8 == 0 or shape[1] <= 1)
+        and (strides[2] % 8 == 0 or shape[2] <= 1)
+    )
 
 
 def readable_copy(kind: str, x: Any) -> Any:

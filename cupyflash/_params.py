@@ -53,7 +53,13 @@ def _struct_format(dtype: np.dtype) -> str:
 _PACKER = struct.Struct(_struct_format(ATTN_PARAMS_DTYPE))
 assert _PACKER.size == ATTN_PARAMS_DTYPE.itemsize
 
+# The packed bytes travel as one opaque void element: CuPy passes a size-1 NumPy array by value,
+# reading it through __array_interface__, which for the structured dtype rebuilt the 30-field
+# description on every call (~40 us measured on the H200, a third of a tiny call).
+_OPAQUE = np.dtype((np.void, ATTN_PARAMS_DTYPE.itemsize))
+
 
 def pack_attn_params(*values: int | float) -> np.ndarray:
-    """Pack one call's field values (in field order) into a size-1 array CuPy passes by value."""
-    return np.frombuffer(_PACKER.pack(*values), dtype=ATTN_PARAMS_DTYPE)
+    """Pack one call's field values (in field order) into a size-1 array CuPy passes by value.
+    ``.view(ATTN_PARAMS_DTYPE)`` reads the fields back."""
+    return np.frombuffer(_PACKER.pack(*values), dtype=_OPAQUE)

@@ -28,6 +28,8 @@ class TileConfig:
     num_warps: int
     stages: int = 2
     q_in_regs: bool = False
+    overlap: bool = False  # issue Q K_{j+1}^T before the softmax of block j (two K, two V stages)
+    min_blocks: int = 1  # CTAs per SM to fit in registers (__launch_bounds__'s second argument)
 
     def __post_init__(self) -> None:
         rows_per_warp, rem = divmod(self.block_m, self.num_warps)
@@ -35,6 +37,8 @@ class TileConfig:
             raise ValueError(f"block_m={self.block_m} must give each of {self.num_warps} warps whole 16-row tiles")
         if self.block_n % 16 or self.stages < 2:
             raise ValueError(f"block_n={self.block_n} must be a multiple of 16 and stages >= 2")
+        if self.overlap and self.stages != 2:
+            raise ValueError("the overlapped loop runs exactly two K and two V stages")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +66,14 @@ class Fa2FwdSpec:
         t = self.tile
         flags = "".join(
             f"_{flag}"
-            for flag, on in (("qreg", t.q_in_regs), ("causal", self.causal), ("local", self.local), ("softcap", self.softcap))
+            for flag, on in (
+                ("qreg", t.q_in_regs),
+                ("ovl", t.overlap),
+                (f"b{t.min_blocks}", t.min_blocks > 1),
+                ("causal", self.causal),
+                ("local", self.local),
+                ("softcap", self.softcap),
+            )
             if on
         )
         return (
@@ -85,9 +96,13 @@ class Fa2FwdSpec:
         b = lambda flag: "true" if flag else "false"  # noqa: E731
         return (
             f"Fa2FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
-            f"{b(t.q_in_regs)}, {CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}, {b(self.local)}, "
+            f"{b(t.q_in_regs)}, {b(t.overlap)}, {CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}, {b(self.local)}, "
             f"{b(self.softcap)}>"
         )
+
+    @property
+    def launch_bounds(self) -> str:
+        return f"{self.num_threads}, {self.tile.min_blocks}"
 
     @property
     def entry_body(self) -> str:

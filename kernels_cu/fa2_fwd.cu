@@ -13,7 +13,8 @@
 //   O /= l, LSE = m + log l                                      (once, at the end)
 //
 // K/V tiles stream through a kStages-deep cp.async ring: while block j is computed, blocks
-// j - 1 .. j - kStages + 1 are in flight.
+// j - 1 .. j - kStages + 1 are in flight. With Overlap, the loop is software-pipelined instead:
+// the MMAs of block j + 1's scores are issued before block j's softmax (see the loop).
 #pragma once
 
 #include "common.cuh"
@@ -22,7 +23,7 @@
 #include "softmax.cuh"
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool Q_in_regs_,
-          typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
+          bool Overlap_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
 struct Fa2FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -34,6 +35,7 @@ struct Fa2FwdTraits {
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kStages = kStages_;
   static constexpr bool Q_in_regs = Q_in_regs_;
+  static constexpr bool Overlap = Overlap_;  // issue Q K_{j+1}^T before the softmax of block j
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
@@ -55,6 +57,7 @@ struct Fa2FwdTraits {
   static_assert(kRowsPerWarp % 16 == 0, "each warp needs whole 16-row MMA tiles");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
+  static_assert(!Overlap || kStages == 2, "the overlapped loop runs two K and two V stages");
 };
 
 // Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] global tile into a swizzled shared
@@ -259,15 +262,6 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
                                      rows_valid, tid);
   };
 
-  // Prologue: Q and the first kStages - 1 key blocks, one commit group each (Q rides with the
-  // first), so that the group arithmetic of the main loop holds even for short ranges.
-  load_tile_async<Traits, kBlockM>(s_q, g_q, params.q_row_stride, seqlen_q - row_block0, tid);
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (n_end - 1 - s >= n_begin) load_kv(n_end - 1 - s, s);
-    cp_async_commit();
-  }
-
   float acc_o[kMTiles][Traits::kDTiles][4];
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -280,44 +274,114 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   uint32_t r_q[kMTiles][Traits::kDSteps][4];  // Q fragments; optimised away unless Q_in_regs
   const float scale_log2 = params.softmax_scale_log2;
 
-  for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
-    // Block n_block has landed (and, for it == 0, Q); the barrier also tells every warp that
-    // the stage about to be refilled was released by all warps in the previous iteration.
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    const int n_prefetch = n_block - (kStages - 1);
-    if (n_prefetch >= n_begin) load_kv(n_prefetch, (it + kStages - 1) % kStages);
-    cp_async_commit();
-
+  auto load_q_regs = [&]() {
     if constexpr (Traits::Q_in_regs) {
-      if (it == 0) {
 #pragma unroll
-        for (int ds = 0; ds < Traits::kDSteps; ++ds) {
-          uint32_t a[kMTiles][4];
-          load_q_frag<Traits>(a, s_q, warp_row0, ds, lane);
+      for (int ds = 0; ds < Traits::kDSteps; ++ds) {
+        uint32_t a[kMTiles][4];
+        load_q_frag<Traits>(a, s_q, warp_row0, ds, lane);
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt)
+        for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) r_q[mt][ds][i] = a[mt][i];
-        }
+          for (int i = 0; i < 4; ++i) r_q[mt][ds][i] = a[mt][i];
       }
     }
+  };
 
-    const int stage = it % kStages;
-    float acc_s[kMTiles][Traits::kNTiles][4];
-    gemm_qk<Traits>(acc_s, r_q, s_q, s_k + stage * kStageBytes, warp_row0, lane);
+  // Logits of key block n_block from the K tile in `stage`: S = Q K^T, softcap, mask.
+  auto scores = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int stage) {
+    gemm_qk<Traits>(s, r_q, s_q, s_k + stage * kStageBytes, warp_row0, lane);
+    if constexpr (Traits::Has_softcap) apply_softcap(s, params.softcap_prescale);
+    if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
+  };
 
-    if constexpr (Traits::Has_softcap) apply_softcap(acc_s, params.softcap_prescale);
-    if (mask.needs_mask(n_block)) {
-      mask.apply(acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
-    }
-
+  // Online softmax of one block of logits, then O += P V with V from `stage`.
+  auto softmax_pv = [&](float (&s)[kMTiles][Traits::kNTiles][4], int stage) {
     float rescale[2 * kMTiles];
-    softmax.update_max(acc_s, scale_log2, rescale);
+    softmax.update_max(s, scale_log2, rescale);
     scale_rows(acc_o, rescale);
-    softmax.exp_accumulate(acc_s, scale_log2, rescale);
+    softmax.exp_accumulate(s, scale_log2, rescale);
+    gemm_pv<Traits>(acc_o, s, s_v + stage * kStageBytes, lane);
+  };
 
-    gemm_pv<Traits>(acc_o, acc_s, s_v + stage * kStageBytes, lane);
+  load_tile_async<Traits, kBlockM>(s_q, g_q, params.q_row_stride, seqlen_q - row_block0, tid);
+  if constexpr (!Traits::Overlap) {
+    // Ring of kStages K/V pairs: Q and the first kStages - 1 key blocks in the prologue, one
+    // commit group each (Q rides with the first), so the group arithmetic holds for short ranges.
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (n_end - 1 - s >= n_begin) load_kv(n_end - 1 - s, s);
+      cp_async_commit();
+    }
+    for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
+      // Block n_block has landed (and, for it == 0, Q); the barrier also tells every warp that
+      // the stage about to be refilled was released by all warps in the previous iteration.
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      const int n_prefetch = n_block - (kStages - 1);
+      if (n_prefetch >= n_begin) load_kv(n_prefetch, (it + kStages - 1) % kStages);
+      cp_async_commit();
+      if (it == 0) load_q_regs();
+      float acc_s[kMTiles][Traits::kNTiles][4];
+      scores(acc_s, n_block, it % kStages);
+      softmax_pv(acc_s, it % kStages);
+    }
+  } else {
+    // Software pipeline: the MMAs of S_{j+1} = Q K_{j+1}^T are issued before the softmax of
+    // block j, so the tensor cores work while the same warp does max / exp2 / rescale (the
+    // intra-warp overlap of FlashAttention-3, on mma.sync). K runs one block ahead of V: two
+    // K stages and two V stages, each refilled one iteration before it is read.
+    const int n_blocks = max(n_end - n_begin, 0);
+    auto load_k = [&](int it) {  // K of the it-th visited block (n_end - 1 - it) into stage it % 2
+      const int n_block = n_end - 1 - it;
+      load_tile_async<Traits, kBlockN>(s_k + (it % 2) * kStageBytes,
+                                       g_k + static_cast<int64_t>(n_block) * kBlockN * params.k_row_stride,
+                                       params.k_row_stride, seqlen_k - n_block * kBlockN, tid);
+    };
+    auto load_v = [&](int it) {
+      const int n_block = n_end - 1 - it;
+      load_tile_async<Traits, kBlockN>(s_v + (it % 2) * kStageBytes,
+                                       g_v + static_cast<int64_t>(n_block) * kBlockN * params.v_row_stride,
+                                       params.v_row_stride, seqlen_k - n_block * kBlockN, tid);
+    };
+    if (n_blocks > 0) load_k(0);
+    cp_async_commit();  // group: Q, K_0
+    if (n_blocks > 1) load_k(1);
+    if (n_blocks > 0) load_v(0);
+    cp_async_commit();  // group: K_1, V_0
+
+    float s_even[kMTiles][Traits::kNTiles][4], s_odd[kMTiles][Traits::kNTiles][4];
+    if (n_blocks > 0) {
+      cp_async_wait<1>();
+      __syncthreads();
+      load_q_regs();
+      scores(s_even, n_end - 1, 0);
+    }
+    // Step it: S_it is in `cur`; computes S_{it+1} into `next` and O += softmax(S_it) V_it.
+    auto step = [&](float (&cur)[kMTiles][Traits::kNTiles][4],
+                    float (&next)[kMTiles][Traits::kNTiles][4], int it) {
+      // K_{it+1} and V_it have landed; every warp is done with K_it and V_{it-1}, whose stages
+      // now take K_{it+2} and V_{it+1}.
+      cp_async_wait<0>();
+      __syncthreads();
+      if (it + 2 < n_blocks) load_k(it + 2);
+      if (it + 1 < n_blocks) load_v(it + 1);
+      cp_async_commit();
+      if (it + 1 < n_blocks) {
+        gemm_qk<Traits>(next, r_q, s_q, s_k + ((it + 1) % 2) * kStageBytes, warp_row0, lane);
+      }
+      softmax_pv(cur, it % 2);
+      if (it + 1 < n_blocks) {
+        const int n_next = n_end - 2 - it;
+        if constexpr (Traits::Has_softcap) apply_softcap(next, params.softcap_prescale);
+        if (mask.needs_mask(n_next)) mask.apply(next, row_block0 + warp_row0, n_next * kBlockN, lane);
+      }
+    };
+    // Unrolled by two so that `cur` and `next` swap names instead of registers.
+    for (int it = 0; it < n_blocks; it += 2) {
+      step(s_even, s_odd, it);
+      if (it + 1 < n_blocks) step(s_odd, s_even, it + 1);
+    }
   }
 
   // Epilogue: normalise once, stage the warp's rows of O through shared memory (the Q tile,

@@ -18,31 +18,28 @@ from cupyflash import _api, _dispatch, _kernels, bench, reference
 from cupyflash._specs import Fa2FwdSpec, TileConfig
 
 CANDIDATES = {
-    32: [TileConfig(128, 128, 8, q_in_regs=True), TileConfig(128, 64, 4, q_in_regs=True), TileConfig(128, 64, 8)],
+    32: [TileConfig(128, 128, 8, q_in_regs=True), TileConfig(128, 64, 4), TileConfig(64, 64, 4, q_in_regs=True, min_blocks=3)],
     64: [
-        TileConfig(128, 128, 8, q_in_regs=True),
-        TileConfig(128, 64, 4, q_in_regs=True),
-        TileConfig(128, 64, 8, q_in_regs=True),
-        TileConfig(64, 64, 4, q_in_regs=True),
-        TileConfig(128, 128, 8, stages=3, q_in_regs=True),
+        TileConfig(128, 64, 4),
+        TileConfig(128, 64, 4, stages=3),
+        TileConfig(64, 64, 4, q_in_regs=True, min_blocks=3),
+        TileConfig(128, 128, 8, q_in_regs=True, overlap=True),
     ],
-    96: [TileConfig(128, 64, 8, q_in_regs=True), TileConfig(128, 64, 8), TileConfig(64, 64, 4, q_in_regs=True)],
+    96: [TileConfig(128, 64, 8, q_in_regs=True), TileConfig(128, 64, 8, q_in_regs=True, overlap=True)],
     128: [
-        TileConfig(128, 64, 8, q_in_regs=True),
-        TileConfig(128, 64, 8),
-        TileConfig(64, 64, 4, q_in_regs=True),
         TileConfig(128, 128, 8, q_in_regs=True),
-        TileConfig(128, 32, 8),
-        TileConfig(128, 64, 8, stages=3, q_in_regs=True),
+        TileConfig(128, 128, 8, stages=3, q_in_regs=True),
+        TileConfig(128, 32, 4, min_blocks=2),
+        TileConfig(64, 64, 4, q_in_regs=True, overlap=True, min_blocks=2),
     ],
     192: [TileConfig(128, 64, 8), TileConfig(64, 64, 4), TileConfig(128, 32, 8)],
-    256: [TileConfig(128, 64, 8), TileConfig(64, 64, 4), TileConfig(128, 32, 8)],
+    256: [TileConfig(128, 64, 8), TileConfig(64, 64, 4), TileConfig(64, 64, 4, overlap=True)],
 }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=sorted(CANDIDATES))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -67,19 +64,21 @@ def main() -> int:
                 continue
             _dispatch.FA2_FWD_TILES[d] = (tile,)
             _api._launches.clear()
-            # correctness on an awkward shape first
+            # correctness on awkward shapes first (odd lengths, Nq != Nk, GQA, causal, window)
             rng = np.random.default_rng(d)
-            q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda().to(getattr(torch, args.dtype))
-                       for s in ((1, 300, 4, d), (1, 333, 2, d), (1, 333, 2, d)))
-            out = cupyflash.attention(q, k, v, causal=True)
-            ref = reference.attention(q, k, v, causal=True)
-            err = float(np.linalg.norm(reference.to_numpy64(out) - ref) / np.linalg.norm(ref))
+            err = 0.0
+            for nq, nk, causal, window in ((300, 333, True, (-1, -1)), (77, 200, False, (-1, -1)), (129, 64, False, (20, 7))):
+                q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda().to(getattr(torch, args.dtype))
+                           for s in ((2, nq, 4, d), (2, nk, 2, d), (2, nk, 2, d)))
+                out = cupyflash.attention(q, k, v, causal=causal, window=window)
+                ref = reference.attention(q, k, v, causal=causal, window=window)
+                err = max(err, float(np.linalg.norm(reference.to_numpy64(out) - ref) / np.linalg.norm(ref)))
             row = {"head_dim": d, "tile": repr(tile), "regs": regs, "err": err}
-            for shape in bench.prefill_shapes((args.dtype,)):
-                if shape.head_dim != d:
-                    continue
-                r = bench.run_prefill(shape, backends=("cupyflash",))
-                row[f"N{shape.seqlen}{'c' if shape.causal else ''}"] = r["cupyflash"]
+            for n in bench.PREFILL_SEQLENS:  # the benchmark's shapes: H * d = 2048, B * N = 16384
+                for causal in (False, True):
+                    shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, causal, args.dtype)
+                    r = bench.run_prefill(shape, backends=("cupyflash",))
+                    row[f"N{shape.seqlen}{'c' if shape.causal else ''}"] = r["cupyflash"]
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

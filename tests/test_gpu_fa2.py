@@ -42,6 +42,7 @@ def _gpu_inputs(rng, shape_q, shape_kv, dtype, lib="torch"):
 def _naive_low_precision(q, k, v, *, causal, window, softcap, scale, layout):
     """Standard attention in the inputs' own precision (PyTorch's math path, unfused)."""
     torch = _torch()
+    q, k, v = (x if isinstance(x, torch.Tensor) else torch.from_dlpack(x) for x in (q, k, v))
     if layout == "bshd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]

@@ -93,13 +93,12 @@ def test_window_normalisation():
 
 
 def test_readable_layout_rules():
-    ok = _interop.GpuView(256, (2, 5, 4, 64), (1280, 256, 64, 1), "float16")
-    assert _interop.kernel_readable(ok)
-    assert not _interop.kernel_readable(_interop.GpuView(258, ok.shape, ok.strides, "float16"))  # misaligned base
-    assert not _interop.kernel_readable(_interop.GpuView(256, ok.shape, (1280, 256, 1, 4), "float16"))  # d not unit
-    assert not _interop.kernel_readable(_interop.GpuView(256, ok.shape, (1284, 257, 64, 1), "float16"))  # odd rows
-    # strides of size-1 axes are never used
-    assert _interop.kernel_readable(_interop.GpuView(256, (1, 1, 4, 64), (3, 5, 64, 1), "float16"))
+    shape, strides = (2, 5, 4, 64), (1280, 256, 64, 1)
+    assert _interop.kernel_readable(256, shape, strides)
+    assert not _interop.kernel_readable(258, shape, strides)  # misaligned base
+    assert not _interop.kernel_readable(256, shape, (1280, 256, 1, 4))  # head_dim not unit-stride
+    assert not _interop.kernel_readable(256, shape, (1284, 257, 64, 1))  # rows not 16-byte multiples
+    assert _interop.kernel_readable(256, (1, 1, 4, 64), (3, 5, 64, 1))  # size-1 axes: strides unused
 
 
 def test_gpu_scale_range_is_checked_before_launch():
