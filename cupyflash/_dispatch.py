@@ -1,9 +1,8 @@
 """A pure ``plan()``: algorithm, kernel variant, grid, block and shared memory for one call.
 
 Tile tables list candidates per head dim, best first; the first whose shared memory fits the
-device is used (A100: 163 KB per block, H100/H200: 227 KB). Register counts come from ptxas
-(sm_90a, bf16, causal); every shipped candidate compiles with no local-memory spills
-(tests/test_compile.py checks it).
+device is used (A100: 163 KB per block, H100/H200: 227 KB). Every shipped candidate compiles
+with no local-memory spills (tests/test_compile.py checks it).
 """
 
 from __future__ import annotations
@@ -12,14 +11,28 @@ from dataclasses import dataclass
 
 from ._specs import Fa2FwdSpec, TileConfig
 
-# head_dim -> candidates, best first.
+# head_dim -> candidates, best first. TFLOP/s measured on the H200 (bf16, B * N = 16384,
+# H * d = 2048; N = 1024 / 4096 / 16384, non-causal then causal; scripts/tune_fa2.py,
+# docs/gpu_runs/): the 4-warp 32-row tiles fit two CTAs per SM, whose independent barriers
+# keep the tensor cores busier than one 8-warp CTA in lock-step.
 FA2_FWD_TILES: dict[int, tuple[TileConfig, ...]] = {
-    32: (TileConfig(128, 128, 8, q_in_regs=True),),  # 144 regs, 40 KB
-    64: (TileConfig(128, 128, 8, q_in_regs=True),),  # 174 regs, 80 KB
-    96: (TileConfig(128, 64, 8, q_in_regs=True),),  # 170 regs, 72 KB
-    128: (TileConfig(128, 64, 8, q_in_regs=True),),  # 212 regs, 96 KB
-    192: (TileConfig(128, 64, 8), TileConfig(64, 64, 4)),  # 215 regs, 144 KB | 177 regs, 120 KB
-    256: (TileConfig(128, 64, 8), TileConfig(64, 64, 4)),  # 253 regs, 192 KB | 252 regs, 160 KB
+    # 189/146 208/192 214/212 vs 128x128 8 warps 152/115 171/155 177/174
+    32: (TileConfig(128, 64, 4),),
+    # 260/203 289/261 296/285 vs 128x128 8 warps (Q in registers, overlapped) 230/175 259/240 271/273
+    64: (TileConfig(128, 64, 4),),
+    # 219/171 245/226 253/245; the overlapped loop 2-5% slower
+    96: (TileConfig(128, 64, 8, q_in_regs=True),),
+    # 277/216 318/285 333/335 vs 128x32 4 warps 2 CTAs/SM 279/204 315/265 325/289
+    128: (TileConfig(128, 128, 8, q_in_regs=True),),
+    # 234/177 263/229 271/276 vs 128x32 8 warps 206/160 226/203 234/240, 64x64 4 warps 150/126 ..
+    192: (TileConfig(128, 64, 8), TileConfig(64, 64, 4)),
+    # 276/202 310/257 321/316 vs 64x64 4 warps 196/161 213/199 219/224 (the A100 fallback: 160 KB)
+    256: (TileConfig(128, 64, 8), TileConfig(64, 64, 4)),
+}
+
+# Softcap adds a tanh per score and its registers: d = 128's 128 x 128 tile spilled (12-16 B).
+FA2_FWD_SOFTCAP_TILES: dict[int, tuple[TileConfig, ...]] = {
+    128: (TileConfig(128, 64, 8, q_in_regs=True),),
 }
 
 
@@ -32,27 +45,26 @@ class MaskFlags:
     softcap: bool
 
 
+def fa2_fwd_tiles(head_dim: int, softcap: bool) -> tuple[TileConfig, ...]:
+    return (softcap and FA2_FWD_SOFTCAP_TILES.get(head_dim)) or FA2_FWD_TILES[head_dim]
+
+
 def fa2_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, max_smem: int) -> Fa2FwdSpec:
-    for tile in FA2_FWD_TILES[head_dim]:
+    for tile in fa2_fwd_tiles(head_dim, flags.softcap):
         spec = Fa2FwdSpec(dtype, head_dim, tile, flags.causal, flags.local, flags.softcap)
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(f"no FA2 tile for head_dim={head_dim} fits in {max_smem} bytes of shared memory")
 
 
-def fa2_fwd_grid(spec: Fa2FwdSpec, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
-    block_m = spec.tile.block_m
-    return ((seqlen_q + block_m - 1) // block_m, batch, heads)
-
-
 def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
     """Every variant the dispatcher can pick: what warmup and the CI compile test build."""
     specs = []
-    for head_dim, tiles in FA2_FWD_TILES.items():
-        for tile in tiles:
-            for dtype in ("float16", "bfloat16"):
-                for causal in (False, True):
-                    for local in (False, True):
-                        for softcap in (False, True):
+    for head_dim in FA2_FWD_TILES:
+        for softcap in (False, True):
+            for tile in fa2_fwd_tiles(head_dim, softcap):
+                for dtype in ("float16", "bfloat16"):
+                    for causal in (False, True):
+                        for local in (False, True):
                             specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap))
     return specs

@@ -118,10 +118,18 @@ def torch_current_stream(device_index: int) -> StreamRef:
 # ---------------------------------------------------------------------------------------------
 # What the kernels need of a GPU array, read without copies.
 # ---------------------------------------------------------------------------------------------
+_element_strides: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+
+
 def element_strides(x: Any) -> tuple[int, ...]:
-    """Strides of a CuPy array in elements (CuPy reports bytes)."""
-    itemsize = x.itemsize
-    return tuple(s // itemsize for s in x.strides)
+    """Strides of a CuPy array in elements (CuPy reports bytes); memoised, a call is hot."""
+    key = (x.strides, x.itemsize)
+    strides = _element_strides.get(key)
+    if strides is None:
+        if len(_element_strides) > 4096:
+            _element_strides.clear()
+        strides = _element_strides[key] = tuple(s // key[1] for s in key[0])
+    return strides
 
 
 def kernel_readable(ptr: int, shape: Any, strides: Any) -> bool:

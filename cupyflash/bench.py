@@ -43,20 +43,25 @@ def prefill_shapes(dtypes: tuple[str, ...] = ("bfloat16", "float16")) -> list[Pr
     ]
 
 
-def cuda_time_ms(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 20) -> float:
-    """Median milliseconds of ``fn`` between CUDA events on PyTorch's current stream."""
+def cuda_time_ms(fn: Callable[[], Any], *, warmup_ms: float = 300.0, repeat: int = 30) -> float:
+    """Median milliseconds of ``fn`` between CUDA events on PyTorch's current stream, after
+    at least ``warmup_ms`` of warm-up (clocks ramp up; first calls compile or load kernels)."""
     import torch
 
-    for _ in range(warmup):
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < warmup_ms:
         fn()
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
     return statistics.median(times)
 
 

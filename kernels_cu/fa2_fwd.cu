@@ -299,7 +299,12 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   auto softmax_pv = [&](float (&s)[kMTiles][Traits::kNTiles][4], int stage) {
     float rescale[2 * kMTiles];
     softmax.update_max(s, scale_log2, rescale);
-    scale_rows(acc_o, rescale);
+    // Once the row maxima settle most blocks leave every factor at exactly 1: skip the
+    // d / 4 multiplies per row then (warp-uniform branch; results bitwise unchanged).
+    bool moved = false;
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) moved |= rescale[r] != 1.f;
+    if (__any_sync(0xffffffffu, moved)) scale_rows(acc_o, rescale);
     softmax.exp_accumulate(s, scale_log2, rescale);
     gemm_pv<Traits>(acc_o, s, s_v + stage * kStageBytes, lane);
   };

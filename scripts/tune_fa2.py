@@ -63,7 +63,7 @@ def main() -> int:
                 print(f"d={d} {tile}: spills ({[k.local_bytes for k in kernels]} B), skipped")
                 continue
             _dispatch.FA2_FWD_TILES[d] = (tile,)
-            _api._launches.clear()
+            _api._plans.clear()
             # correctness on awkward shapes first (odd lengths, Nq != Nk, GQA, causal, window)
             rng = np.random.default_rng(d)
             err = 0.0
