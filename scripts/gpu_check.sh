@@ -20,6 +20,7 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupyflash_cache}
 status=0
 {
   date -u
+  echo "commit: ${CUPYFLASH_COMMIT:-unknown (set CUPYFLASH_COMMIT=\$(git rev-parse HEAD))}"
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.memory,power.limit --format=csv
   python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)"
   python3 -m cupyflash info | head -5
