@@ -10,7 +10,6 @@ from typing import Any, Literal, overload
 
 from . import _interop, _kernels
 from ._dispatch import MaskFlags, fa2_fwd_spec
-from ._params import pack_attn_params
 from ._specs import CUDA_ELEMENT_TYPES, FA2_HEAD_DIMS
 from ._validate import Problem, attention_problem, check_algorithm
 
@@ -157,7 +156,7 @@ def _host_attention(q: Any, k: Any, v: Any, problem: Problem, algorithm: str, re
 @dataclass(frozen=True, slots=True)
 class _GpuPlan:
     problem: Problem
-    function: Any  # compiled kernel; None when the output is empty (nothing to launch)
+    kernel: _kernels.CompiledKernel | None  # None when the output is empty (nothing to launch)
     grid: tuple[int, int, int]
     threads: tuple[int, int, int]
     smem: int
@@ -223,11 +222,11 @@ def _make_plan(
     axes = (0, 1, 2) if layout == "bshd" else (0, 2, 1)
     q_shape = tuple(shapes[0])
     contiguous = (q_shape[1] * q_shape[2] * q_shape[3], q_shape[2] * q_shape[3], q_shape[3], 1)
-    function, grid, threads, smem = None, (0, 0, 0), (0, 0, 0), 0
+    kernel, grid, threads, smem = None, (0, 0, 0), (0, 0, 0), 0
     if p.batch and p.seqlen_q and p.heads_q:
         flags = MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
         spec = fa2_fwd_spec(dtypes[0], p.head_dim, flags, _device_max_smem(device))
-        function = _kernels.get_kernel(spec, device).function
+        kernel = _kernels.get_kernel(spec, device)
         grid = (-(-p.seqlen_q // spec.tile.block_m), p.batch, p.heads_q)
         threads, smem = (spec.num_threads, 1, 1), spec.smem_bytes
     tail = (
@@ -237,7 +236,7 @@ def _make_plan(
     )  # fmt: skip
     return _GpuPlan(
         problem=p,
-        function=function,
+        kernel=kernel,
         grid=grid,
         threads=threads,
         smem=smem,
@@ -264,15 +263,16 @@ def _plan_for(shapes: tuple[Any, Any, Any], dtypes: tuple[Any, Any, Any], names:
     return plan
 
 
-def _launch(plan: _GpuPlan, ptrs: tuple[int, int, int], strides: tuple[Any, Any, Any], out_ptr: int, lse_ptr: int, stream: Any) -> None:
+def _launch(plan: _GpuPlan, ptrs: tuple[int, int, int], strides: tuple[Any, Any, Any], out_ptr: int, lse_ptr: int, stream_ptr: int) -> None:
+    assert plan.kernel is not None
     b, r, h = plan.axes
     qs, ks, vs = strides
-    params = pack_attn_params(
+    plan.kernel.launch(
+        plan.grid, plan.threads, plan.smem, stream_ptr,
         *ptrs, out_ptr, lse_ptr,
         qs[b], qs[r], qs[h], ks[b], ks[r], ks[h], vs[b], vs[r], vs[h],
         *plan.o_strides, *plan.tail,
     )  # fmt: skip
-    plan.function(plan.grid, plan.threads, (params,), shared_mem=plan.smem, stream=stream)
 
 
 def _torch_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ...], return_lse: bool) -> Any:
@@ -292,7 +292,7 @@ def _torch_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ..
         out.fill_(math.nan)
         if lse is not None:
             lse.fill_(math.nan)
-    if plan.function is not None:
+    if plan.kernel is not None:
         ptrs = (inputs[0].data_ptr(), inputs[1].data_ptr(), inputs[2].data_ptr())
         strides = (inputs[0].stride(), inputs[1].stride(), inputs[2].stride())
         lse_ptr = 0 if lse is None else lse.data_ptr()
@@ -331,10 +331,10 @@ def _cupy_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ...
         out.fill(math.nan)
         if lse is not None:
             lse.fill(math.nan)
-    if plan.function is not None:
+    if plan.kernel is not None:
         ptrs = (inputs[0].data.ptr, inputs[1].data.ptr, inputs[2].data.ptr)
         lse_ptr = 0 if lse is None else lse.data.ptr
-        _launch(plan, ptrs, tuple(strides), out.data.ptr, lse_ptr, cupy.cuda.get_current_stream())  # type: ignore[arg-type]
+        _launch(plan, ptrs, tuple(strides), out.data.ptr, lse_ptr, cupy.cuda.get_current_stream().ptr)  # type: ignore[arg-type]
     return (out, lse) if return_lse else out
 
 

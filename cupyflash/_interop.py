@@ -9,7 +9,6 @@ arrays on the host run the array-API algorithms in their own namespace.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 HOST = "host"
@@ -88,31 +87,17 @@ def common_placement(**arrays: Any) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Streams: CuPy launches on any object with a `.ptr`; one per raw stream, cached.
+# Streams.
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StreamRef:
-    ptr: int
-
-
-_stream_refs: dict[int, StreamRef] = {}
-
-
-def stream_ref(ptr: int) -> StreamRef:
-    ref = _stream_refs.get(ptr)
-    if ref is None:
-        ref = _stream_refs[ptr] = StreamRef(ptr)
-    return ref
-
-
-def torch_current_stream(device_index: int) -> StreamRef:
-    """PyTorch's current stream on a device (the raw getter: 5 us faster than current_stream())."""
+def torch_current_stream(device_index: int) -> int:
+    """PyTorch's current stream on a device, as a raw pointer (the raw getter is 5 us faster
+    than torch.cuda.current_stream())."""
     import torch
 
     getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if getter is not None:
-        return stream_ref(getter(device_index))
-    return stream_ref(torch.cuda.current_stream(device_index).cuda_stream)
+        return int(getter(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
 # ---------------------------------------------------------------------------------------------

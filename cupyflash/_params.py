@@ -59,6 +59,11 @@ assert _PACKER.size == ATTN_PARAMS_DTYPE.itemsize
 _OPAQUE = np.dtype((np.void, ATTN_PARAMS_DTYPE.itemsize))
 
 
+def pack_attn_params_into(buffer: memoryview, *values: int | float) -> None:
+    """Pack one call's field values into a caller-owned buffer (the direct-launch path)."""
+    _PACKER.pack_into(buffer, 0, *values)
+
+
 def pack_attn_params(*values: int | float) -> np.ndarray:
     """Pack one call's field values (in field order) into a size-1 array CuPy passes by value.
     ``.view(ATTN_PARAMS_DTYPE)`` reads the fields back."""

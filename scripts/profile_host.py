@@ -12,6 +12,7 @@ import torch
 
 import cupyflash
 from cupyflash import _api, _interop
+from cupyflash._params import ATTN_PARAMS_DTYPE, pack_attn_params_into
 from cupyflash._validate import attention_problem
 
 
@@ -41,6 +42,7 @@ def main() -> None:
     strides = (q.stride(), k.stride(), v.stride())
     out = torch.empty_like(q)
     stream = _interop.torch_current_stream(0)
+    buffer = memoryview(bytearray(ATTN_PARAMS_DTYPE.itemsize))
     steps = {
         "whole call, torch": lambda: cupyflash.attention(q, k, v, causal=True),
         "whole call, cupy": lambda: cupyflash.attention(qc, kc, vc, causal=True),
@@ -53,7 +55,7 @@ def main() -> None:
         "torch_current_stream": lambda: _interop.torch_current_stream(0),
         "cupy current stream": lambda: cupy.cuda.get_current_stream(),
         "_plan_for (cached)": lambda: _api._plan_for((q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), names, 0, options),
-        "pack params": lambda: _api.pack_attn_params(*range(27), 1.0, 1.0),
+        "pack params": lambda: pack_attn_params_into(buffer, *range(27), 1.0, 1.0),
         "_launch (pack + launch)": lambda: _api._launch(plan, ptrs, strides, out.data_ptr(), 0, stream),
         "getDevice": lambda: cupy.cuda.runtime.getDevice(),
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),

@@ -208,6 +208,20 @@ def test_gpu_rejects_unsupported_inputs():
         cupyflash.attention(x.half().cpu(), x.half(), x.half())
 
 
+def test_call_from_a_fresh_thread(rng):
+    """A thread that never touched CUDA has no current context: the launch must still work."""
+    import threading
+
+    q, k, v = _gpu_inputs(rng, (1, 70, 4, 64), (1, 90, 2, 64), "float16")
+    ref = reference.attention(q, k, v, causal=True)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=cupyflash.attention(q, k, v, causal=True)))
+    thread.start()
+    thread.join()
+    _torch().cuda.synchronize()
+    assert _rel(reference.to_numpy64(result["out"]), ref) < BOUND["float16"]
+
+
 def test_deterministic_bitwise(rng):
     """The same inputs give the same bits: a moving result would be a race."""
     q, k, v = _gpu_inputs(rng, (2, 1000, 8, 128), (2, 1000, 2, 128), "bfloat16")
