@@ -1,8 +1,8 @@
 """cupyflash: exact attention (FlashAttention-1/2, FlashDecoding) as CUDA C compiled at run time
 through CuPy, behind one function that takes CuPy, PyTorch, JAX or any array-API array."""
 
-from ._api import attention
+from ._api import attention, attention_varlen
 from ._kernels import KernelCompileError
 from ._version import __version__
 
-__all__ = ["KernelCompileError", "__version__", "attention"]
+__all__ = ["KernelCompileError", "__version__", "attention", "attention_varlen"]

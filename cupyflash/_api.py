@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 from . import _interop, _kernels
 from ._dispatch import MaskFlags, fa2_fwd_spec
 from ._specs import CUDA_ELEMENT_TYPES, FA2_HEAD_DIMS
-from ._validate import Problem, attention_problem, check_algorithm
+from ._validate import Problem, attention_problem, check_algorithm, check_cu_seqlens_values, varlen_problem
 
 GPU_ALGORITHMS = ("auto", "fa2")
 
@@ -129,6 +129,70 @@ def attention(
     return _dlpack_attention(q, k, v, options, return_lse)
 
 
+def attention_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+) -> Any:
+    """Attention over a batch of sequences of different lengths packed end to end, as
+    flash-attn's ``flash_attn_varlen_func``.
+
+    Parameters
+    ----------
+    q : array ``(total_q, Hq, d)``; sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
+    k, v : arrays ``(total_k, Hkv, d)``, split by ``cu_seqlens_k``
+    cu_seqlens_q, cu_seqlens_k : int32 arrays ``(batch + 1,)``, starting at 0, non-decreasing,
+        on the same device as ``q``
+    max_seqlen_q, max_seqlen_k : int
+        The longest query / key sequence (they size the grid).
+    causal, scale, window, softcap : as in :func:`attention`, per sequence (bottom-right causal
+        within each sequence).
+    return_lse : bool
+        Also return the float32 LSE, shape ``(Hq, total_q)``.
+
+    Notes
+    -----
+    On the GPU the offsets are not read back to the host (that would synchronise the device on
+    every call): they are trusted like flash-attn's, and the kernel clamps them into the packed
+    tensors so that wrong offsets can never read or write out of bounds. Host arrays are checked.
+
+    Examples
+    --------
+    >>> import numpy as np, cupyflash
+    >>> q = k = v = np.ones((7, 2, 16), dtype=np.float32)
+    >>> cu = np.array([0, 3, 7], dtype=np.int32)
+    >>> cupyflash.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).shape
+    (7, 2, 16)
+    """
+    kind, device = _interop.common_placement(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    problem = varlen_problem(
+        q.shape, k.shape, v.shape, cu_seqlens_q.shape, cu_seqlens_k.shape, max_seqlen_q, max_seqlen_k,
+        causal=causal, scale=scale, window=window, softcap=softcap,
+    )  # fmt: skip
+    if kind == _interop.HOST:
+        return _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, return_lse)
+    if kind == _interop.DLPACK:
+        import cupy
+        from array_api_compat import array_namespace
+
+        arrays = [cupy.from_dlpack(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k)]
+        out, lse = _gpu_varlen(_interop.CUPY, *arrays, problem, device, return_lse=True)
+        xp = array_namespace(q)
+        return (xp.from_dlpack(out), xp.from_dlpack(lse)) if return_lse else xp.from_dlpack(out)
+    out, lse = _gpu_varlen(kind, q, k, v, cu_seqlens_q, cu_seqlens_k, problem, device, return_lse)
+    return (out, lse) if return_lse else out
+
+
 # ---------------------------------------------------------------------------------------------
 # Host arrays: the array-API algorithms.
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +211,29 @@ def _host_attention(q: Any, k: Any, v: Any, problem: Problem, algorithm: str, re
     return (out, lse) if return_lse else out
 
 
+def _host_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, return_lse: bool) -> Any:
+    """One dense attention per sequence, in the arrays' own namespace."""
+    from array_api_compat import array_namespace
+
+    xp = array_namespace(q, k, v)
+    check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], problem.seqlen_q, problem.seqlen_k)
+    outs, lses = [], []
+    for b in range(problem.batch):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        seq = [xp.expand_dims(x, axis=0) for x in (q[q0:q1, ...], k[k0:k1, ...], v[k0:k1, ...])]
+        window = (problem.window_left, problem.window_right)
+        out, lse = attention(*seq, scale=problem.scale, window=window, softcap=problem.softcap, return_lse=True)
+        outs.append(out[0, ...])
+        lses.append(lse[0, ...])
+    out = xp.concat(outs, axis=0) if outs else xp.zeros_like(q)
+    lse = xp.concat(lses, axis=1) if lses else xp.zeros((problem.heads_q, q.shape[0]), dtype=xp.float32)
+    pad = q.shape[0] - int(cu_q[-1])  # rows after the last sequence: zero, LSE -inf
+    if pad > 0:
+        out = xp.concat([out, xp.zeros((pad, *q.shape[1:]), dtype=q.dtype)], axis=0)
+        lse = xp.concat([lse, xp.full((problem.heads_q, pad), -math.inf, dtype=xp.float32)], axis=1)
+    return (out, lse) if return_lse else out
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU. Everything that depends only on shapes, dtypes, device and options -- validation, the
 # variant, its compiled kernel, grid, the fixed fields of AttnParams -- is a _GpuPlan, cached
@@ -161,10 +248,11 @@ class _GpuPlan:
     threads: tuple[int, int, int]
     smem: int
     negate_q: bool  # a negative scale runs as |scale| on -q
-    axes: tuple[int, int, int]  # positions of the (batch, row, head) axes in the layout
-    o_strides: tuple[int, int, int]  # of the contiguous output, in (batch, row, head) order
-    lse_shape: tuple[int, int, int]
-    tail: tuple[int | float, ...]  # AttnParams fields after the o strides
+    # Positions of the (batch, row, head) strides among an input's strides; -1 picks the 0 that
+    # _launch appends (packed varlen tensors have no batch axis).
+    axes: tuple[int, int, int]
+    lse_shape: tuple[int, ...]
+    tail: tuple[int | float, ...]  # AttnParams fields from the o strides on
 
 
 _plans: dict[tuple[Any, ...], _GpuPlan] = {}
@@ -215,13 +303,31 @@ def _make_plan(
     p = attention_problem(*shapes, causal=causal, scale=scale, window=window, softcap=softcap, layout=layout)
     if algorithm not in GPU_ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} has no GPU kernel yet; on the GPU use one of {GPU_ALGORITHMS}")
+    axes = (0, 1, 2) if layout == "bshd" else (0, 2, 1)
+    b, s0, s1, d = shapes[0]
+    contiguous = (s0 * s1 * d, s1 * d, d)
+    return _build_plan(
+        p, dtypes, device, axes=axes, o_strides=tuple(contiguous[a] for a in axes),  # type: ignore[arg-type]
+        lse_shape=(p.batch, p.heads_q, p.seqlen_q), lse_strides=(p.heads_q * p.seqlen_q, p.seqlen_q),
+        param_seqlens=(p.seqlen_q, p.seqlen_k),
+    )  # fmt: skip
+
+
+def _build_plan(
+    p: Problem,
+    dtypes: tuple[str, str, str],
+    device: int,
+    *,
+    axes: tuple[int, int, int],
+    o_strides: tuple[int, int, int],
+    lse_shape: tuple[int, ...],
+    lse_strides: tuple[int, int],
+    param_seqlens: tuple[int, int],
+) -> _GpuPlan:
     _check_gpu_dtypes(*dtypes, p.head_dim)
     if p.batch > 65535 or p.heads_q > 65535:
         raise ValueError(f"batch ({p.batch}) and heads ({p.heads_q}) must be <= 65535 on the GPU")
     scale_log2, softcap_prescale, negate_q = _softmax_factors(p)
-    axes = (0, 1, 2) if layout == "bshd" else (0, 2, 1)
-    q_shape = tuple(shapes[0])
-    contiguous = (q_shape[1] * q_shape[2] * q_shape[3], q_shape[2] * q_shape[3], q_shape[3], 1)
     kernel, grid, threads, smem = None, (0, 0, 0), (0, 0, 0), 0
     if p.batch and p.seqlen_q and p.heads_q:
         flags = MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
@@ -230,8 +336,8 @@ def _make_plan(
         grid = (-(-p.seqlen_q // spec.tile.block_m), p.batch, p.heads_q)
         threads, smem = (spec.num_threads, 1, 1), spec.smem_bytes
     tail = (
-        p.heads_q * p.seqlen_q, p.seqlen_q,  # LSE strides (batch, head)
-        p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.heads_q // p.heads_kv,
+        *o_strides, *lse_strides,
+        p.batch, *param_seqlens, p.heads_q, p.heads_kv, p.heads_q // p.heads_kv,
         p.window_left, p.window_right, scale_log2, softcap_prescale,
     )  # fmt: skip
     return _GpuPlan(
@@ -242,8 +348,7 @@ def _make_plan(
         smem=smem,
         negate_q=negate_q,
         axes=axes,
-        o_strides=tuple(contiguous[a] for a in axes),  # type: ignore[arg-type]
-        lse_shape=(p.batch, p.heads_q, p.seqlen_q),
+        lse_shape=lse_shape,
         tail=tail,
     )
 
@@ -263,15 +368,23 @@ def _plan_for(shapes: tuple[Any, Any, Any], dtypes: tuple[Any, Any, Any], names:
     return plan
 
 
-def _launch(plan: _GpuPlan, ptrs: tuple[int, int, int], strides: tuple[Any, Any, Any], out_ptr: int, lse_ptr: int, stream_ptr: int) -> None:
+def _launch(
+    plan: _GpuPlan,
+    ptrs: tuple[int, int, int],
+    strides: tuple[Any, Any, Any],
+    out_ptr: int,
+    lse_ptr: int,
+    stream_ptr: int,
+    cu_seqlens: tuple[int, int] = (0, 0),
+) -> None:
     assert plan.kernel is not None
     b, r, h = plan.axes
-    qs, ks, vs = strides
+    qs, ks, vs = ((*x, 0) for x in strides)
     plan.kernel.launch(
         plan.grid, plan.threads, plan.smem, stream_ptr,
-        *ptrs, out_ptr, lse_ptr,
+        *ptrs, out_ptr, lse_ptr, *cu_seqlens,
         qs[b], qs[r], qs[h], ks[b], ks[r], ks[h], vs[b], vs[r], vs[h],
-        *plan.o_strides, *plan.tail,
+        *plan.tail,
     )  # fmt: skip
 
 
@@ -336,6 +449,67 @@ def _cupy_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ...
         lse_ptr = 0 if lse is None else lse.data.ptr
         _launch(plan, ptrs, tuple(strides), out.data.ptr, lse_ptr, cupy.cuda.get_current_stream().ptr)  # type: ignore[arg-type]
     return (out, lse) if return_lse else out
+
+
+def _gpu_varlen(
+    kind: str, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, device: int, return_lse: bool
+) -> tuple[Any, Any]:
+    """The FA2 kernel on packed sequences: batch strides 0, each CTA finds its rows in cu_seqlens.
+
+    Output rows outside every sequence (past cu_seqlens_q[-1]) are zero, their LSE -inf.
+    """
+    import cupy
+
+    torch_like = kind == _interop.TORCH
+    if torch_like:
+        import torch
+
+        def name(x: Any) -> str:
+            return str(x.dtype).removeprefix("torch.")
+
+        ptr = lambda x: x.data_ptr()  # noqa: E731
+        strides = lambda x: tuple(x.stride())  # noqa: E731
+    else:
+
+        def name(x: Any) -> str:
+            return str(x.dtype.name)
+
+        ptr = lambda x: x.data.ptr  # noqa: E731
+        strides = _interop.element_strides
+    for label, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if name(cu) != "int32":
+            raise TypeError(f"{label} must be int32 (as flash-attn's), got {name(cu)}")
+    p = problem
+    total_q, total_k = q.shape[0], k.shape[0]
+    plan = _build_plan(
+        p, (name(q), name(k), name(v)), device, axes=(-1, 0, 1), o_strides=(0, p.heads_q * p.head_dim, p.head_dim),
+        lse_shape=(p.heads_q, total_q), lse_strides=(0, total_q), param_seqlens=(total_q, total_k),
+    )  # fmt: skip
+    with cupy.cuda.Device(device):
+        if plan.negate_q:
+            q = -q
+        inputs = [q, k, v]
+        for i, x in enumerate(inputs):  # copies stay referenced in `inputs` until the launch
+            if not _interop.kernel_readable(ptr(x), x.shape, strides(x)):
+                inputs[i] = _interop.readable_copy(kind, x)
+        cus = [c if c.stride(0) == 1 else c.contiguous() for c in (cu_q, cu_k)] if torch_like else [
+            cupy.ascontiguousarray(c) for c in (cu_q, cu_k)]  # fmt: skip
+        fill = math.nan if POISON_OUTPUTS else 0.0  # rows outside every sequence stay 0 / -inf
+        lse_fill = math.nan if POISON_OUTPUTS else -math.inf
+        if torch_like:
+            out = torch.full(q.shape, fill, dtype=q.dtype, device=q.device)
+            lse = torch.full(plan.lse_shape, lse_fill, dtype=torch.float32, device=q.device)
+            stream = _interop.torch_current_stream(device)
+        else:
+            out = cupy.full(q.shape, fill, dtype=q.dtype)
+            lse = cupy.full(plan.lse_shape, lse_fill, dtype=cupy.float32)
+            stream = cupy.cuda.get_current_stream().ptr
+        if plan.kernel is not None:
+            _launch(
+                plan, tuple(ptr(x) for x in inputs), tuple(strides(x) for x in inputs),  # type: ignore[arg-type]
+                ptr(out), ptr(lse) if return_lse else 0, stream, cu_seqlens=(ptr(cus[0]), ptr(cus[1])),
+            )  # fmt: skip
+    return out, lse
 
 
 def _dlpack_attention(q: Any, k: Any, v: Any, options: tuple[Any, ...], return_lse: bool) -> Any:

@@ -122,13 +122,12 @@ def kernel_readable(ptr: int, shape: Any, strides: Any) -> bool:
 
     Strides of size-1 axes are never used, so they may be anything.
     """
-    return (
-        ptr % 16 == 0
-        and (strides[3] == 1 or shape[3] <= 1)
-        and (strides[0] % 8 == 0 or shape[0] <= 1)
-        and (strides[1] % 8 == 0 or shape[1] <= 1)
-        and (strides[2] % 8 == 0 or shape[2] <= 1)
-    )
+    if ptr % 16 or (strides[-1] != 1 and shape[-1] > 1):
+        return False
+    for size, stride in zip(shape[:-1], strides[:-1]):
+        if stride % 8 and size > 1:
+            return False
+    return True
 
 
 def readable_copy(kind: str, x: Any) -> Any:

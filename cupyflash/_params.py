@@ -20,6 +20,8 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("v_ptr", "u8"),
     ("o_ptr", "u8"),
     ("lse_ptr", "u8"),
+    ("cu_seqlens_q", "u8"),
+    ("cu_seqlens_k", "u8"),
     *((f"{t}_{s}_stride", "i8") for t in ("q", "k", "v", "o") for s in ("batch", "row", "head")),
     ("lse_batch_stride", "i8"),
     ("lse_head_stride", "i8"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 LAYOUTS = ("bshd", "bhsd")
+VARLEN_LAYOUT = "thd"  # packed sequences: (total_tokens, heads, head_dim)
 ALGORITHMS = ("auto", "fa2", "fa1", "naive", "decode")
 
 
@@ -134,6 +135,76 @@ def attention_problem(
         window_left=left,
         window_right=right,
     )
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def varlen_problem(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    cu_seqlens_q_shape: tuple[int, ...],
+    cu_seqlens_k_shape: tuple[int, ...],
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    *,
+    causal: bool,
+    scale: Any,
+    window: Any,
+    softcap: Any,
+) -> Problem:
+    """Check ``attention_varlen``'s arguments. The Problem's seqlens are the maxima (they size
+    the grid and bound the window normalisation, which is then right for every sequence)."""
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shape) != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) for attention_varlen, got shape {tuple(shape)}")
+    if tuple(k_shape) != tuple(v_shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
+    for name, shape in (("cu_seqlens_q", cu_seqlens_q_shape), ("cu_seqlens_k", cu_seqlens_k_shape)):
+        if len(shape) != 1 or shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {tuple(shape)}")
+    if cu_seqlens_q_shape[0] != cu_seqlens_k_shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {cu_seqlens_q_shape[0]} and {cu_seqlens_k_shape[0]}"
+        )
+    total_q, hq, d = q_shape
+    total_k, hk, dk = k_shape
+    max_q = _check_count("max_seqlen_q", max_seqlen_q)
+    max_k = _check_count("max_seqlen_k", max_seqlen_k)
+    if max_q > total_q or max_k > total_k:
+        raise ValueError(f"max_seqlen_q/k ({max_q}, {max_k}) exceed the packed lengths ({total_q}, {total_k})")
+    dense = attention_problem(
+        (1, max_q, hq, d), (1, max_k, hk, dk), (1, max_k, hk, dk),
+        causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd",
+    )  # fmt: skip
+    return Problem(
+        batch=cu_seqlens_q_shape[0] - 1,
+        seqlen_q=max_q,
+        seqlen_k=max_k,
+        heads_q=hq,
+        heads_kv=hk,
+        head_dim=d,
+        layout=VARLEN_LAYOUT,
+        scale=dense.scale,
+        softcap=dense.softcap,
+        window_left=dense.window_left,
+        window_right=dense.window_right,
+    )
+
+
+def check_cu_seqlens_values(cu_q: Any, cu_k: Any, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
+    """Host-side check of cu_seqlens contents (only where they already live on the host: on the
+    GPU this would cost a device synchronisation per call)."""
+    for name, cu, total, longest in (("cu_seqlens_q", cu_q, total_q, max_q), ("cu_seqlens_k", cu_k, total_k, max_k)):
+        values = [int(x) for x in cu]
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] > total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {values}")
+        if any(b - a > longest for a, b in zip(values, values[1:])):
+            raise ValueError(f"{name} has a sequence longer than its max_seqlen ({longest}): {values}")
 
 
 def check_algorithm(algorithm: Any) -> str:

@@ -236,20 +236,24 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   const int lane = tid % 32;
   const int warp_row0 = (tid / 32) * Traits::kRowsPerWarp;  // first row of this warp in the block
 
-  const int seqlen_q = params.seqlen_q;
-  const int seqlen_k = params.seqlen_k;
+  const SeqRange rows_q = seq_range(params.cu_seqlens_q, batch, params.seqlen_q);
+  const SeqRange rows_k = seq_range(params.cu_seqlens_k, batch, params.seqlen_k);
+  const int seqlen_q = rows_q.len;
+  const int seqlen_k = rows_k.len;
   const int row_block0 = m_block * kBlockM;
+  if (row_block0 >= seqlen_q) return;  // varlen: a sequence shorter than the grid (whole CTA)
   const KeyMask<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> mask(
       m_block, seqlen_q, seqlen_k, params.window_left, params.window_right);
   const int n_begin = mask.n_block_begin();
   const int n_end = mask.n_block_end();
 
+  const int64_t q_row0 = rows_q.start + row_block0;  // first query row of the block
   const Element* g_q = static_cast<const Element*>(params.q_ptr) + batch * params.q_batch_stride +
-                       head * params.q_head_stride + row_block0 * params.q_row_stride;
+                       head * params.q_head_stride + q_row0 * params.q_row_stride;
   const Element* g_k = static_cast<const Element*>(params.k_ptr) + batch * params.k_batch_stride +
-                       head_k * params.k_head_stride;
+                       head_k * params.k_head_stride + rows_k.start * params.k_row_stride;
   const Element* g_v = static_cast<const Element*>(params.v_ptr) + batch * params.v_batch_stride +
-                       head_k * params.v_head_stride;
+                       head_k * params.v_head_stride + rows_k.start * params.v_row_stride;
 
   auto load_kv = [&](int n_block, int stage) {
     const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
@@ -412,7 +416,7 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   __syncthreads();
 
   Element* g_o = static_cast<Element*>(params.o_ptr) + batch * params.o_batch_stride +
-                 head * params.o_head_stride + row_block0 * params.o_row_stride;
+                 head * params.o_head_stride + q_row0 * params.o_row_stride;
   constexpr int kChunksPerRow = Traits::kHeadDim / 8;
   constexpr int kChunks = kBlockM * kChunksPerRow;
 #pragma unroll
@@ -427,7 +431,8 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   }
 
   if (params.lse_ptr != nullptr && lane % 4 == 0) {
-    float* g_lse = params.lse_ptr + batch * params.lse_batch_stride + head * params.lse_head_stride;
+    float* g_lse = params.lse_ptr + batch * params.lse_batch_stride +
+                   head * params.lse_head_stride + rows_q.start;
 #pragma unroll
     for (int r = 0; r < 2 * kMTiles; ++r) {
       const int row = row_block0 + warp_row0 + 16 * (r / 2) + lane / 4 + 8 * (r % 2);

@@ -13,6 +13,10 @@ struct AttnParams {
   const void* v_ptr;  // [B, Nk, Hkv, d]
   void* o_ptr;        // [B, Nq, Hq, d], same element type as q
   float* lse_ptr;     // [B, Hq, Nq] natural-log LSE, or nullptr when not requested
+  // Variable length (packed sequences): batch entry b owns rows cu_seqlens[b] .. cu_seqlens[b+1]
+  // of the packed [total, H, d] tensors (batch strides 0); nullptr for padded batches.
+  const int32_t* cu_seqlens_q;  // [B + 1]
+  const int32_t* cu_seqlens_k;  // [B + 1]
 
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   int64_t k_batch_stride, k_row_stride, k_head_stride;
@@ -21,7 +25,7 @@ struct AttnParams {
   int64_t lse_batch_stride, lse_head_stride;  // row stride is 1
 
   int32_t batch;
-  int32_t seqlen_q, seqlen_k;
+  int32_t seqlen_q, seqlen_k;  // per batch entry, or the packed totals when varlen
   int32_t h, h_k;       // query heads, key/value heads
   int32_t h_h_k_ratio;  // h / h_k: query head i reads key/value head i / h_h_k_ratio
 
@@ -37,3 +41,17 @@ struct AttnParams {
   float softmax_scale_log2;
   float softcap_prescale;
 };
+
+// The rows of one batch entry: [start, start + len). Offsets are clamped into [0, total], so a
+// wrong cu_seqlens array can give a wrong answer but never a read or write outside the tensors.
+struct SeqRange {
+  int start;
+  int len;
+};
+
+CF_DEVICE SeqRange seq_range(const int32_t* cu_seqlens, int batch, int seqlen_or_total) {
+  if (cu_seqlens == nullptr) return {0, seqlen_or_total};
+  const int end = min(max(cu_seqlens[batch + 1], 0), seqlen_or_total);
+  const int start = min(max(cu_seqlens[batch], 0), end);
+  return {start, end - start};
+}

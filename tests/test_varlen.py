@@ -1,0 +1,101 @@
+"""attention_varlen: packed sequences of different lengths, on the host and on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import reference
+
+# (query lengths, key lengths): empty sequences, single tokens, Nq != Nk, a long one.
+LENGTHS = [([3, 0, 7, 15], [5, 1, 0, 24]), ([1], [1]), ([130, 65, 1], [64, 200, 129])]
+
+
+def _packed(rng, q_lens, k_lens, hq=4, hkv=2, d=32, dtype=np.float32):
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], hq, d)).astype(dtype)
+    k = rng.standard_normal((cu_k[-1], hkv, d)).astype(dtype)
+    v = rng.standard_normal((cu_k[-1], hkv, d)).astype(dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def _check(out, lse, q, k, v, cu_q, cu_k, atol, **kw):
+    out, lse = reference.to_numpy64(out), reference.to_numpy64(lse)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ref, ref_lse = reference.attention(q[None, rows], k[None, keys], v[None, keys], return_lse=True, **kw)
+        assert not np.isnan(out[rows]).any()
+        np.testing.assert_allclose(out[rows], ref[0], atol=atol)
+        assert (np.isneginf(lse[:, rows]) == np.isneginf(ref_lse[0])).all()
+        finite = np.isfinite(ref_lse[0])
+        np.testing.assert_allclose(lse[:, rows][finite], ref_lse[0][finite], atol=max(atol, 1e-5))
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (5, 2), "softcap": 3.0}], ids=str)
+def test_host_varlen_matches_reference(xp, rng, lengths, kw):
+    q, k, v, cu_q, cu_k = _packed(rng, *lengths)
+    args = [xp.asarray(x) for x in (q, k, v, cu_q, cu_k)]
+    out, lse = cupyflash.attention_varlen(*args, max(lengths[0]), max(lengths[1]), return_lse=True, **kw)
+    _check(out, lse, q, k, v, cu_q, cu_k, atol=1e-5, **kw)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"q": np.zeros((4, 2, 2, 8))}, "q must be 3-D"),
+        ({"cu_seqlens_k": np.array([0, 4], dtype=np.int32)}, "same length"),
+        ({"cu_seqlens_q": np.array([[0, 4, 6]], dtype=np.int32)}, "must be 1-D"),
+        ({"max_seqlen_q": -1}, "max_seqlen_q must be an int >= 0"),
+        ({"max_seqlen_q": 99}, "exceed the packed lengths"),
+        ({"cu_seqlens_q": np.array([0, 5, 4], dtype=np.int32)}, "never decrease"),
+        ({"cu_seqlens_k": np.array([1, 3, 6], dtype=np.int32)}, "start at 0"),
+        ({"max_seqlen_k": 2}, "longer than its max_seqlen"),
+    ],
+)
+def test_varlen_validation(change, message):
+    f = np.zeros
+    args = {
+        "q": f((6, 2, 8), np.float32), "k": f((6, 2, 8), np.float32), "v": f((6, 2, 8), np.float32),
+        "cu_seqlens_q": np.array([0, 4, 6], dtype=np.int32), "cu_seqlens_k": np.array([0, 3, 6], dtype=np.int32),
+        "max_seqlen_q": 4, "max_seqlen_k": 3,
+    }  # fmt: skip
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        cupyflash.attention_varlen(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("kw", [{"causal": True}, {}, {"window": (20, -1)}], ids=str)
+def test_gpu_varlen_matches_reference(rng, dtype, head_dim, lengths, kw):
+    torch = pytest.importorskip("torch")
+    q, k, v, cu_q, cu_k = _packed(rng, *lengths, d=head_dim)
+    tq, tk, tv = (torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in (q, k, v))
+    tcq, tck = (torch.from_numpy(x).cuda() for x in (cu_q, cu_k))
+    out, lse = cupyflash.attention_varlen(tq, tk, tv, tcq, tck, max(lengths[0]), max(lengths[1]), return_lse=True, **kw)
+    assert isinstance(out, torch.Tensor) and out.dtype == tq.dtype
+    rounded = [reference.to_numpy64(x) for x in (tq, tk, tv)]
+    _check(out, lse, *rounded, cu_q, cu_k, atol=2e-2 if dtype == "bfloat16" else 4e-3, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_cupy_and_rows_outside_sequences(rng, monkeypatch):
+    import cupy
+
+    from cupyflash import _api
+
+    monkeypatch.setattr(_api, "POISON_OUTPUTS", False)
+    q, k, v, cu_q, cu_k = _packed(rng, [5, 9], [7, 3], d=64)
+    q = np.concatenate([q, np.ones((4, *q.shape[1:]), np.float32)])  # 4 rows in no sequence
+    args = [cupy.asarray(x).astype(cupy.float16) for x in (q, k, v)] + [cupy.asarray(cu_q), cupy.asarray(cu_k)]
+    out, lse = cupyflash.attention_varlen(*args, 9, 7, return_lse=True)
+    assert isinstance(out, cupy.ndarray)
+    assert (out[14:] == 0).all() and cupy.isneginf(lse[:, 14:]).all()
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        cupyflash.attention_varlen(*args[:3], args[3].astype(cupy.int64), args[4], 9, 7)
