@@ -30,9 +30,11 @@ FA2_FWD_TILES: dict[int, tuple[TileConfig, ...]] = {
     256: (TileConfig(128, 64, 8), TileConfig(64, 64, 4)),
 }
 
-# Softcap adds a tanh per score and its registers: d = 128's 128 x 128 tile spilled (12-16 B).
+# Softcap adds a tanh per score and its registers: these tiles spilled with it (d = 128's
+# 128 x 128: 12-16 B; d = 256's 128 x 64 and 64 x 64: 4-8 B), so softcap runs narrower key blocks.
 FA2_FWD_SOFTCAP_TILES: dict[int, tuple[TileConfig, ...]] = {
     128: (TileConfig(128, 64, 8, q_in_regs=True),),
+    256: (TileConfig(128, 32, 8), TileConfig(64, 32, 4)),
 }
 
 
