@@ -2,9 +2,13 @@
 branch against the measured commit before it, on the H200 machine.
 
 A benchmark regresses when it moves the wrong way (TFLOP/s or GB/s down; us, s or % up) by more
-than the noise threshold. The threshold comes from measurement: a commit run twice (once under
-the machine name h200-repeat, see scripts/asv_gpu.sh) gives the spread of identical code; the
-gate allows max(MIN_THRESHOLD, 2 x the 95th percentile of that spread). Exits 1 on a regression.
+than its noise threshold. Thresholds come from measurement, per benchmark: a commit run twice
+(once under the machine name h200-repeat, see scripts/asv_gpu.sh) gives the spread of identical
+code over the benchmark's parameters; the gate allows max(MIN_THRESHOLD, 2 x the largest
+spread). Measured on the H200: prefill TFLOP/s moved up to ~10% at N = 1024 (short kernels)
+and ~1% at N = 16384, host times ~10-30%, first-call compile times several-fold (NVRTC's
+precompiled-header cache), so one shared threshold would either cry wolf or miss real drops.
+Exits 1 on a regression.
 Reads asv's JSON directly (no asv import), so it runs wherever the results are checked out.
 
     python scripts/asv_gate.py [--results benchmarks_asv/results] [--machine h200]
@@ -55,22 +59,22 @@ def worse_by(unit: str, old: float, new: float) -> float:
     return (new - old) / old
 
 
-def noise_threshold(results_dir: Path, machine: str) -> tuple[float, str]:
+def noise_thresholds(results_dir: Path, machine: str) -> tuple[dict[str, float], str]:
+    """Benchmark name -> allowed relative slowdown, and where it came from. One threshold per
+    benchmark over all its parameters: with a single repeat per parameter the spread is a thin
+    sample (the tiny-call host time moved 2% between the two runs of one commit and 11% between
+    two commits of identical code), so each parameter borrows the worst spread of its family."""
     repeat_dir = results_dir / f"{machine}-repeat"
     if not repeat_dir.is_dir():
-        return MIN_THRESHOLD, "no repeated run committed: the minimum"
+        return {}, f"no repeated run committed: {MIN_THRESHOLD:.0%} for all"
     first, again = load_results(results_dir / machine), load_results(repeat_dir)
-    spreads = []
+    thresholds: dict[str, float] = {}
     for commit in set(first) & set(again):
         for name in set(first[commit]) & set(again[commit]):
             for a, b in zip(first[commit][name], again[commit][name]):
                 if a and b:
-                    spreads.append(abs(b - a) / a)
-    if not spreads:
-        return MIN_THRESHOLD, "the repeated run has no common values: the minimum"
-    spreads.sort()
-    p95 = spreads[min(len(spreads) - 1, int(0.95 * len(spreads)))]
-    return max(MIN_THRESHOLD, 2 * p95), f"2 x p95 spread {p95:.1%} of a commit run twice ({len(spreads)} values)"
+                    thresholds[name] = max(thresholds.get(name, MIN_THRESHOLD), 2 * abs(b - a) / a)
+    return thresholds, f"2 x the largest spread of a commit run twice, per benchmark, at least {MIN_THRESHOLD:.0%}"
 
 
 def branch_order() -> list[str]:
@@ -90,21 +94,23 @@ def main() -> int:
         print(f"asv gate: {len(measured)} measured commit(s) on this branch; nothing to compare")
         return 0
     new, old = measured[0], measured[1]
-    threshold, why = noise_threshold(args.results, args.machine)
-    print(f"asv gate: {new[:10]} vs {old[:10]} on {args.machine}; threshold {threshold:.1%} ({why})")
+    thresholds, why = noise_thresholds(args.results, args.machine)
+    print(f"asv gate: {new[:10]} vs {old[:10]} on {args.machine}; thresholds: {why}")
     regressions = []
     for name in sorted(set(by_commit[new]) & set(by_commit[old])):
         unit = benchmarks.get(name, {}).get("unit", "")
-        for label, a, b in zip(labels(benchmarks.get(name, {})), by_commit[old][name], by_commit[new][name]):
+        pairs = zip(labels(benchmarks.get(name, {})), by_commit[old][name], by_commit[new][name])
+        for i, (label, a, b) in enumerate(pairs):
             if not a or not b:
                 continue
+            threshold = thresholds.get(name, MIN_THRESHOLD)
             change = worse_by(unit, a, b)
             flag = "REGRESSION" if change > threshold else ""
-            print(f"  {name}({label}): {a:.4g} -> {b:.4g} {unit} ({-change:+.1%}) {flag}")
+            print(f"  {name}({label}): {a:.4g} -> {b:.4g} {unit} ({-change:+.1%}, allowed {threshold:.0%}) {flag}")
             if flag:
                 regressions.append(f"{name}({label})")
     if regressions:
-        print(f"asv gate: {len(regressions)} regression(s) beyond {threshold:.1%}: {regressions}")
+        print(f"asv gate: {len(regressions)} regression(s) beyond their thresholds: {regressions}")
         return 1
     print("asv gate: no regression")
     return 0
