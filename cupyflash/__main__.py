@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 
 
 def _gpu_available() -> bool:
@@ -29,7 +30,9 @@ def cmd_info(_: argparse.Namespace) -> int:
         for device_id in range(cupy.cuda.runtime.getDeviceCount()):
             props = cupy.cuda.runtime.getDeviceProperties(device_id)
             name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-            print(f"GPU {device_id}: {name}, {props['multiProcessorCount']} SMs, arch {_kernels.device_arch(device_id)}")
+            print(
+                f"GPU {device_id}: {name}, {props['multiProcessorCount']} SMs, arch {_kernels.device_arch(device_id)}"
+            )
     else:
         print("GPU: none visible (attention() runs the array-API algorithms on the host)")
     variants = _kernels.cached_variants()
@@ -40,7 +43,7 @@ def cmd_info(_: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(total: int) -> object:
+def _progress(total: int) -> Callable[[object], None]:
     """A progress bar on a terminal; a line per tenth of the work in a log."""
     done = [0]
     start = time.perf_counter()
@@ -86,7 +89,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     device_id = cupy.cuda.runtime.getDevice()
     max_smem = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
     specs = [s for s in specs if s.smem_bytes <= max_smem]
-    kernels = _kernels.warmup(specs, device_id, workers=args.jobs, on_done=_progress(len(specs)))  # type: ignore[arg-type]
+    kernels = _kernels.warmup(specs, device_id, workers=args.jobs, on_done=_progress(len(specs)))
     spilled = [k.spec.name for k in kernels if k.local_bytes]
     print(f"{len(kernels)} variants ready on GPU {device_id}; with local memory: {spilled or 'none'}")
     return 0

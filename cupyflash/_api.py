@@ -32,13 +32,31 @@ _MAX_SOFTCAP_PRESCALE = 1e30
 
 @overload
 def attention(
-    q: Any, k: Any, v: Any, *, causal: bool = ..., scale: float | None = ..., window: tuple[int, int] = ...,
-    softcap: float = ..., layout: str = ..., algorithm: str = ..., return_lse: Literal[False] = ...,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    window: tuple[int, int] = ...,
+    softcap: float = ...,
+    layout: str = ...,
+    algorithm: str = ...,
+    return_lse: Literal[False] = ...,
 ) -> Any: ...
 @overload
 def attention(
-    q: Any, k: Any, v: Any, *, causal: bool = ..., scale: float | None = ..., window: tuple[int, int] = ...,
-    softcap: float = ..., layout: str = ..., algorithm: str = ..., return_lse: Literal[True],
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    window: tuple[int, int] = ...,
+    softcap: float = ...,
+    layout: str = ...,
+    algorithm: str = ...,
+    return_lse: Literal[True],
 ) -> tuple[Any, Any]: ...
 def attention(
     q: Any,
@@ -185,8 +203,8 @@ def attention_varlen(
         import cupy
         from array_api_compat import array_namespace
 
-        arrays = [cupy.from_dlpack(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k)]
-        out, lse = _gpu_varlen(_interop.CUPY, *arrays, problem, device, return_lse=True)
+        qc, kc, vc, cu_qc, cu_kc = (cupy.from_dlpack(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+        out, lse = _gpu_varlen(_interop.CUPY, qc, kc, vc, cu_qc, cu_kc, problem, device, return_lse=True)
         xp = array_namespace(q)
         return (xp.from_dlpack(out), xp.from_dlpack(lse)) if return_lse else xp.from_dlpack(out)
     out, lse = _gpu_varlen(kind, q, k, v, cu_seqlens_q, cu_seqlens_k, problem, device, return_lse)
@@ -307,7 +325,7 @@ def _make_plan(
     b, s0, s1, d = shapes[0]
     contiguous = (s0 * s1 * d, s1 * d, d)
     return _build_plan(
-        p, dtypes, device, axes=axes, o_strides=tuple(contiguous[a] for a in axes),  # type: ignore[arg-type]
+        p, dtypes, device, axes=axes, o_strides=(contiguous[axes[0]], contiguous[axes[1]], contiguous[axes[2]]),
         lse_shape=(p.batch, p.heads_q, p.seqlen_q), lse_strides=(p.heads_q * p.seqlen_q, p.seqlen_q),
         param_seqlens=(p.seqlen_q, p.seqlen_k),
     )  # fmt: skip
@@ -353,7 +371,9 @@ def _build_plan(
     )
 
 
-def _plan_for(shapes: tuple[Any, Any, Any], dtypes: tuple[Any, Any, Any], names: Any, device: int, options: tuple[Any, ...]) -> _GpuPlan:
+def _plan_for(
+    shapes: tuple[Any, Any, Any], dtypes: tuple[Any, Any, Any], names: Any, device: int, options: tuple[Any, ...]
+) -> _GpuPlan:
     key = (*shapes, *dtypes, device, options)
     try:
         return _plans[key]

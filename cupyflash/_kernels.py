@@ -67,7 +67,7 @@ class _LaunchScratch(threading.local):
         import numpy as np
 
         self.params = np.zeros(ATTN_PARAMS_DTYPE.itemsize, dtype=np.uint8)
-        self.view = memoryview(self.params)
+        self.view = self.params.data
         self.pointer_array = np.array([self.params.ctypes.data], dtype=np.uint64)
         self.kernel_params = self.pointer_array.ctypes.data
 

@@ -44,9 +44,11 @@ _STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "f4": "f"}
 
 def _struct_format(dtype: np.dtype) -> str:
     """Little-endian, unaligned format whose offsets match the aligned dtype (explicit padding)."""
+    fields = dtype.fields
+    assert fields is not None
     fmt, offset = "<", 0
     for name, code in ATTN_PARAMS_FIELDS:
-        field_offset = dtype.fields[name][1]
+        field_offset = fields[name][1]
         fmt += "x" * (field_offset - offset) + _STRUCT_CODES[code]
         offset = field_offset + np.dtype(code).itemsize
     return fmt + "x" * (dtype.itemsize - offset)

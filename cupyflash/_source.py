@@ -26,8 +26,7 @@ def kernel_dir() -> Path:
         if (candidate / "fa2_fwd.cu").is_file():
             return candidate
     raise FileNotFoundError(
-        f"cupyflash's CUDA sources (kernels_cu/) were not found next to {_PACKAGE_DIR}; "
-        "the installation is incomplete"
+        f"cupyflash's CUDA sources (kernels_cu/) were not found next to {_PACKAGE_DIR}; the installation is incomplete"
     )
 
 

@@ -6,6 +6,7 @@ launches, writes or loses anything.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -161,16 +162,17 @@ def varlen_problem(
     the grid and bound the window normalisation, which is then right for every sequence)."""
     for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
         if len(shape) != 3:
-            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) for attention_varlen, got shape {tuple(shape)}")
+            raise ValueError(
+                f"{name} must be 3-D (total_tokens, heads, head_dim) for attention_varlen, got shape {tuple(shape)}"
+            )
     if tuple(k_shape) != tuple(v_shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
     for name, shape in (("cu_seqlens_q", cu_seqlens_q_shape), ("cu_seqlens_k", cu_seqlens_k_shape)):
         if len(shape) != 1 or shape[0] < 1:
             raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {tuple(shape)}")
     if cu_seqlens_q_shape[0] != cu_seqlens_k_shape[0]:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {cu_seqlens_q_shape[0]} and {cu_seqlens_k_shape[0]}"
-        )
+        lengths = (cu_seqlens_q_shape[0], cu_seqlens_k_shape[0])
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {lengths}")
     total_q, hq, d = q_shape
     total_k, hk, dk = k_shape
     max_q = _check_count("max_seqlen_q", max_seqlen_q)
@@ -181,19 +183,7 @@ def varlen_problem(
         (1, max_q, hq, d), (1, max_k, hk, dk), (1, max_k, hk, dk),
         causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd",
     )  # fmt: skip
-    return Problem(
-        batch=cu_seqlens_q_shape[0] - 1,
-        seqlen_q=max_q,
-        seqlen_k=max_k,
-        heads_q=hq,
-        heads_kv=hk,
-        head_dim=d,
-        layout=VARLEN_LAYOUT,
-        scale=dense.scale,
-        softcap=dense.softcap,
-        window_left=dense.window_left,
-        window_right=dense.window_right,
-    )
+    return dataclasses.replace(dense, batch=cu_seqlens_q_shape[0] - 1, layout=VARLEN_LAYOUT)
 
 
 def check_cu_seqlens_values(cu_q: Any, cu_k: Any, total_q: int, total_k: int, max_q: int, max_k: int) -> None:

@@ -62,7 +62,7 @@ def cuda_time_ms(fn: Callable[[], Any], *, warmup_ms: float = 300.0, repeat: int
         end.record()
         end.synchronize()
         times.append(begin.elapsed_time(end))
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
 def prefill_inputs(shape: PrefillShape, seed: int = 0) -> tuple[Any, Any, Any]:
@@ -118,7 +118,10 @@ def _tiny_inputs(kind: str) -> tuple[Any, Any, Any, Callable[[], None]]:
         import cupy
 
         rng = cupy.random.default_rng(0)
-        q, k, v = (rng.standard_normal(s, dtype=cupy.float32).astype(cupy.float16) for s in ((1, 1, 8, 128), (1, 128, 8, 128), (1, 128, 8, 128)))
+        q, k, v = (
+            rng.standard_normal(s, dtype=cupy.float32).astype(cupy.float16)
+            for s in ((1, 1, 8, 128), (1, 128, 8, 128), (1, 128, 8, 128))
+        )
         return q, k, v, cupy.cuda.Device().synchronize
     import torch
 
@@ -167,11 +170,13 @@ def host_overhead_us(*, rounds: int = 5, calls: int = 1000) -> dict[str, float]:
 
 
 def format_prefill_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'dtype':9} {'d':>4} {'N':>6} {'B':>3} {'H':>3} {'causal':>6} | {'cupyflash':>9} {'flash':>7} {'cudnn':>7} | {'vs flash':>8}"]
+    header = f"{'dtype':9} {'d':>4} {'N':>6} {'B':>3} {'H':>3} {'causal':>6} | "
+    lines = [header + f"{'cupyflash':>9} {'flash':>7} {'cudnn':>7} | {'vs flash':>8}"]
     for r in rows:
         ratio = r["cupyflash"] / r["flash"] if r.get("cupyflash") and r.get("flash") else float("nan")
         lines.append(
-            f"{r['dtype']:9} {r['head_dim']:>4} {r['seqlen']:>6} {r['batch']:>3} {r['heads']:>3} {str(r['causal']):>6} | "
+            f"{r['dtype']:9} {r['head_dim']:>4} {r['seqlen']:>6} {r['batch']:>3} {r['heads']:>3} "
+            f"{str(r['causal']):>6} | "
             f"{r.get('cupyflash') or float('nan'):>9.1f} {r.get('flash') or float('nan'):>7.1f} "
             f"{r.get('cudnn') or float('nan'):>7.1f} | {ratio:>8.2f}x"
         )

@@ -23,7 +23,7 @@ def to_numpy64(x: Any) -> np.ndarray:
     if module == "cupy":
         return x.get().astype(np.float64)
     if module == "torch":
-        return x.detach().to(dtype=__import__("torch").float64).cpu().numpy()
+        return np.asarray(x.detach().to(dtype=__import__("torch").float64).cpu().numpy())
     try:
         return np.asarray(x).astype(np.float64)
     except Exception:  # array_api_strict and other DLPack-only arrays on the host
@@ -72,13 +72,14 @@ def attention(
     s = p.scale * (q64 @ k64.transpose(0, 1, 3, 2))
     if p.softcap > 0:
         s = p.softcap * np.tanh(s / p.softcap)
-    s = np.where(visible_keys(p.seqlen_q, p.seqlen_k, causal, tuple(window)), s, -np.inf)
+    s = np.where(visible_keys(p.seqlen_q, p.seqlen_k, causal, (window[0], window[1])), s, -np.inf)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     m_finite = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m_finite)
-    l = e.sum(axis=-1, keepdims=True)
-    out = (e @ v64) / np.where(l > 0, l, 1.0)
-    lse = np.where(l > 0, np.log(np.where(l > 0, l, 1.0)) + m_finite, -np.inf)[..., 0]
+    row_sum = e.sum(axis=-1, keepdims=True)
+    safe_sum = np.where(row_sum > 0, row_sum, 1.0)
+    out = (e @ v64) / safe_sum
+    lse = np.where(row_sum > 0, np.log(safe_sum) + m_finite, -np.inf)[..., 0]
     if layout == "bshd":
         out = out.transpose(0, 2, 1, 3)
     return (out, lse) if return_lse else out

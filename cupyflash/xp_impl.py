@@ -213,9 +213,7 @@ def fa1_block_sizes(head_dim: int, sram_elements: int = DEFAULT_SRAM_ELEMENTS) -
     return min(block_c, head_dim), block_c
 
 
-def fa1(
-    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEFAULT_SRAM_ELEMENTS
-) -> tuple[Any, Any]:
+def fa1(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEFAULT_SRAM_ELEMENTS) -> tuple[Any, Any]:
     """Algorithm 1 of FlashAttention: K/V blocks outer, Q blocks inner, O/l/m through "HBM"."""
     block_r, block_c = fa1_block_sizes(p.head_dim, sram_elements)
     row_starts = list(range(0, p.seqlen_q, block_r))
@@ -242,13 +240,11 @@ def fa1(
             weight_old = (l_hbm[i] * rescale * inv_l_new)[..., None]
             o_hbm[i] = o_hbm[i] * weight_old + (probs @ v_blk) * inv_l_new[..., None]
             l_hbm[i], m_hbm[i] = l_new, m_new  # write back
-    lse = [finalize(xp, m, l, LOG2E)[1] for m, l in zip(m_hbm, l_hbm)]
+    lse = [finalize(xp, m, row_sum, LOG2E)[1] for m, row_sum in zip(m_hbm, l_hbm)]
     return xp.concat(o_hbm, axis=-2), xp.concat(lse, axis=-1)
 
 
-def decode(
-    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, num_splits: int = 4, block_n: int = 64
-) -> tuple[Any, Any]:
+def decode(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, num_splits: int = 4, block_n: int = 64) -> tuple[Any, Any]:
     """FlashDecoding: split the keys into ``num_splits`` chunks, one FA2 partial each, merge."""
     chunk = -(-max(p.seqlen_k, 1) // max(num_splits, 1))
     chunk = -(-chunk // block_n) * block_n  # whole key blocks per split, as the kernel
@@ -269,7 +265,9 @@ def _device(x: Any) -> Any:
     return device(x)
 
 
-def attention(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", **options: Any) -> tuple[Any, Any]:
+def attention(
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", **options: Any
+) -> tuple[Any, Any]:
     """Run one algorithm on caller arrays in ``p.layout``; returns (out in the caller's dtype and
     layout, LSE float32 [B, Hq, Nq])."""
     compute = xp.float64 if q.dtype == xp.float64 else xp.float32

@@ -100,7 +100,7 @@ def main() -> int:
     for name in sorted(set(by_commit[new]) & set(by_commit[old])):
         unit = benchmarks.get(name, {}).get("unit", "")
         pairs = zip(labels(benchmarks.get(name, {})), by_commit[old][name], by_commit[new][name])
-        for i, (label, a, b) in enumerate(pairs):
+        for label, a, b in pairs:
             if not a or not b:
                 continue
             threshold = thresholds.get(name, MIN_THRESHOLD)

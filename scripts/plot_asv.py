@@ -16,7 +16,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from asv_gate import load_results  # noqa: E402
 
 BENCHMARK = "fa2_prefill.Fa2Prefill.track_tflops"

@@ -47,18 +47,27 @@ def main() -> None:
         "whole call, torch": lambda: cupyflash.attention(q, k, v, causal=True),
         "whole call, cupy": lambda: cupyflash.attention(qc, kc, vc, causal=True),
         "common_placement": lambda: _interop.common_placement(q=q, k=k, v=v),
-        "attention_problem": lambda: attention_problem(q.shape, k.shape, v.shape, causal=True, scale=None, window=(-1, -1), softcap=0.0, layout="bshd"),
+        "attention_problem": lambda: attention_problem(
+            q.shape, k.shape, v.shape, causal=True, scale=None, window=(-1, -1), softcap=0.0, layout="bshd"
+        ),
         "ptrs + strides x3, torch": lambda: [(x.data_ptr(), x.stride()) for x in (q, k, v)],
         "ptrs + strides x3, cupy": lambda: [(x.data.ptr, _interop.element_strides(x)) for x in (qc, kc, vc)],
-        "torch.empty x2": lambda: (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty((1, 8, 1), dtype=torch.float32, device=q.device)),
+        "torch.empty x2": lambda: (
+            torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty((1, 8, 1), dtype=torch.float32, device=q.device),
+        ),
         "cupy.empty x2": lambda: (cupy.empty(qc.shape, dtype=qc.dtype), cupy.empty((1, 8, 1), dtype=cupy.float32)),
         "torch_current_stream": lambda: _interop.torch_current_stream(0),
         "cupy current stream": lambda: cupy.cuda.get_current_stream(),
-        "_plan_for (cached)": lambda: _api._plan_for((q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), names, 0, options),
+        "_plan_for (cached)": lambda: _api._plan_for(
+            (q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), names, 0, options
+        ),
         "pack params": lambda: pack_attn_params_into(buffer, *range(27), 1.0, 1.0),
         "_launch (pack + launch)": lambda: _api._launch(plan, ptrs, strides, out.data_ptr(), 0, stream),
         "getDevice": lambda: cupy.cuda.runtime.getDevice(),
-        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        ),
     }
     for name, fn in steps.items():
         print(f"{name:32} {per_call_us(fn):8.2f} us", flush=True)

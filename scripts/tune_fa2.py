@@ -18,7 +18,11 @@ from cupyflash import _api, _dispatch, _kernels, bench, reference
 from cupyflash._specs import Fa2FwdSpec, TileConfig
 
 CANDIDATES = {
-    32: [TileConfig(128, 128, 8, q_in_regs=True), TileConfig(128, 64, 4), TileConfig(64, 64, 4, q_in_regs=True, min_blocks=3)],
+    32: [
+        TileConfig(128, 128, 8, q_in_regs=True),
+        TileConfig(128, 64, 4),
+        TileConfig(64, 64, 4, q_in_regs=True, min_blocks=3),
+    ],
     64: [
         TileConfig(128, 64, 4),
         TileConfig(128, 64, 4, stages=3),
@@ -67,9 +71,15 @@ def main() -> int:
             # correctness on awkward shapes first (odd lengths, Nq != Nk, GQA, causal, window)
             rng = np.random.default_rng(d)
             err = 0.0
-            for nq, nk, causal, window in ((300, 333, True, (-1, -1)), (77, 200, False, (-1, -1)), (129, 64, False, (20, 7))):
-                q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda().to(getattr(torch, args.dtype))
-                           for s in ((2, nq, 4, d), (2, nk, 2, d), (2, nk, 2, d)))
+            for nq, nk, causal, window in (
+                (300, 333, True, (-1, -1)),
+                (77, 200, False, (-1, -1)),
+                (129, 64, False, (20, 7)),
+            ):
+                q, k, v = (
+                    torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda().to(getattr(torch, args.dtype))
+                    for s in ((2, nq, 4, d), (2, nk, 2, d), (2, nk, 2, d))
+                )
                 out = cupyflash.attention(q, k, v, causal=causal, window=window)
                 ref = reference.attention(q, k, v, causal=causal, window=window)
                 err = max(err, float(np.linalg.norm(reference.to_numpy64(out) - ref) / np.linalg.norm(ref)))

@@ -52,15 +52,23 @@ def test_regression_gate_on_committed_results():
 
 def test_regression_gate_catches_a_slowdown(tmp_path):
     """Two fake commits of this branch: the newer one 20% slower on a TFLOP/s benchmark."""
-    commits = subprocess.run(["git", "rev-list", "--first-parent", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    commits = subprocess.run(
+        ["git", "rev-list", "--first-parent", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     if len(commits) < 2:
         pytest.skip("needs two commits")
     machine = tmp_path / "h200"
     machine.mkdir()
     name = "fa2_prefill.Fa2Prefill.track_tflops"
-    (tmp_path / "benchmarks.json").write_text(json.dumps({name: {"unit": "TFLOP/s", "params": [["'a'"]]}, "version": 2}))
+    (tmp_path / "benchmarks.json").write_text(
+        json.dumps({name: {"unit": "TFLOP/s", "params": [["'a'"]]}, "version": 2})
+    )
     for commit, value in ((commits[1], 300.0), (commits[0], 240.0)):
-        result = {"commit_hash": commit, "result_columns": ["result", "params"], "results": {name: [[value], [["'a'"]]]}}
+        result = {
+            "commit_hash": commit,
+            "result_columns": ["result", "params"],
+            "results": {name: [[value], [["'a'"]]]},
+        }
         (machine / f"{commit[:8]}.json").write_text(json.dumps(result))
     run = _gate(tmp_path)
     assert run.returncode == 1 and "REGRESSION" in run.stdout, run.stdout

@@ -23,7 +23,9 @@ def test_concurrent_requests_compile_once(monkeypatch):
     spec = Fa2FwdSpec("bfloat16", 128, TileConfig(128, 64, 8, q_in_regs=True), causal=True)
     other = Fa2FwdSpec("float16", 64, TileConfig(128, 128, 8, q_in_regs=True))
     results = []
-    threads = [threading.Thread(target=lambda s=s: results.append(_kernels.get_kernel(s, 0))) for s in [spec] * 8 + [other] * 4]
+    threads = [
+        threading.Thread(target=lambda s=s: results.append(_kernels.get_kernel(s, 0))) for s in [spec] * 8 + [other] * 4
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -75,7 +75,9 @@ def check_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scal
     assert not np.isnan(out64).any(), "unwritten (NaN-poisoned) or NaN output"
     dtype = str(q.dtype).removeprefix("torch.")
     err = _rel(out64, ref)
-    naive = reference.to_numpy64(_naive_low_precision(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout))
+    naive = reference.to_numpy64(
+        _naive_low_precision(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout)
+    )
     naive_err = _rel(naive, ref)
     assert err <= BOUND[dtype], f"relative error {err:.2e} over the {dtype} bound {BOUND[dtype]}"
     assert err <= 2 * naive_err + FLOOR[dtype], f"error {err:.2e} > 2 x naive low-precision error {naive_err:.2e}"
@@ -186,11 +188,17 @@ def test_torch_non_default_stream(rng):
 def test_empty_and_degenerate_shapes():
     torch = _torch()
     kw = {"device": "cuda", "dtype": torch.float16}
-    out, lse = cupyflash.attention(torch.randn(2, 0, 4, 64, **kw), torch.randn(2, 5, 4, 64, **kw), torch.randn(2, 5, 4, 64, **kw), return_lse=True)
+    out, lse = cupyflash.attention(
+        torch.randn(2, 0, 4, 64, **kw), torch.randn(2, 5, 4, 64, **kw), torch.randn(2, 5, 4, 64, **kw), return_lse=True
+    )
     assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
-    out, lse = cupyflash.attention(torch.randn(1, 3, 2, 64, **kw), torch.randn(1, 0, 2, 64, **kw), torch.randn(1, 0, 2, 64, **kw), return_lse=True)
+    out, lse = cupyflash.attention(
+        torch.randn(1, 3, 2, 64, **kw), torch.randn(1, 0, 2, 64, **kw), torch.randn(1, 0, 2, 64, **kw), return_lse=True
+    )
     assert (out == 0).all() and torch.isneginf(lse).all()
-    out = cupyflash.attention(torch.randn(0, 3, 2, 64, **kw), torch.randn(0, 4, 2, 64, **kw), torch.randn(0, 4, 2, 64, **kw))
+    out = cupyflash.attention(
+        torch.randn(0, 3, 2, 64, **kw), torch.randn(0, 4, 2, 64, **kw), torch.randn(0, 4, 2, 64, **kw)
+    )
     assert out.shape == (0, 3, 2, 64)
 
 
@@ -238,10 +246,13 @@ def test_params_offsets_on_device():
     from cupyflash._params import ATTN_PARAMS_DTYPE, ATTN_PARAMS_FIELDS
 
     body = "\n".join(
-        f"  out[{i}] = (long long)((const char*)&p.{name} - (const char*)&p);" for i, (name, _) in enumerate(ATTN_PARAMS_FIELDS)
+        f"  out[{i}] = (long long)((const char*)&p.{name} - (const char*)&p);"
+        for i, (name, _) in enumerate(ATTN_PARAMS_FIELDS)
     )
     code = f'#include "params.cuh"\nextern "C" __global__ void offsets(AttnParams p, long long* out) {{\n{body}\n}}\n'
-    kernel = cupy.RawKernel(code, "offsets", options=("--std=c++17", f"-I{_source.kernel_dir()}", *_source.cuda_include_options()))
+    kernel = cupy.RawKernel(
+        code, "offsets", options=("--std=c++17", f"-I{_source.kernel_dir()}", *_source.cuda_include_options())
+    )
     out = cupy.zeros(len(ATTN_PARAMS_FIELDS), dtype=cupy.int64)
     kernel((1,), (1,), (np.zeros(1, dtype=ATTN_PARAMS_DTYPE), out))
     expected = [ATTN_PARAMS_DTYPE.fields[name][1] for name, _ in ATTN_PARAMS_FIELDS]

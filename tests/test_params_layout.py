@@ -12,7 +12,12 @@ def _compile(source: str, std: str = "c++20") -> None:
     from cupy.cuda import nvrtc
 
     program = nvrtc.createProgram(source, "layout_check.cu", [], [])
-    options = [f"--std={std}", f"-I{_source.kernel_dir()}", *_source.cuda_include_options(), _kernels.arch_option("sm_90a")]
+    options = [
+        f"--std={std}",
+        f"-I{_source.kernel_dir()}",
+        *_source.cuda_include_options(),
+        _kernels.arch_option("sm_90a"),
+    ]
     try:
         nvrtc.compileProgram(program, options)
     except nvrtc.NVRTCError:
@@ -50,7 +55,7 @@ def test_layout_check_catches_a_swap():
 
 def test_pack_round_trips_through_the_dtype():
     values = []
-    for name, code in ATTN_PARAMS_FIELDS:
+    for _, code in ATTN_PARAMS_FIELDS:
         values.append(1.5 if code == "f4" else (len(values) + 1) * (1 << 33 if code in ("u8", "i8") else 7))
     packed = pack_attn_params(*values)
     assert packed.shape == (1,) and packed.itemsize == ATTN_PARAMS_DTYPE.itemsize

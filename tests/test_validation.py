@@ -47,7 +47,9 @@ def test_bad_input_raises(q, k, v, kwargs, message):
 def test_bhsd_shapes_are_read_as_bhsd():
     q = np.zeros((2, 4, 5, 16), dtype=np.float32)
     k = np.zeros((2, 3, 7, 16), dtype=np.float32)
-    with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of the number of key/value heads \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"query heads \(4\) must be a multiple of the number of key/value heads \(3\)"
+    ):
         cupyflash.attention(q, k, k, layout="bhsd")
 
 
@@ -104,9 +106,13 @@ def test_readable_layout_rules():
 def test_gpu_scale_range_is_checked_before_launch():
     from cupyflash._validate import attention_problem
 
-    p = attention_problem(Q.shape, K.shape, K.shape, causal=False, scale=1e9, window=(-1, -1), softcap=0.0, layout="bshd")
+    p = attention_problem(
+        Q.shape, K.shape, K.shape, causal=False, scale=1e9, window=(-1, -1), softcap=0.0, layout="bshd"
+    )
     with pytest.raises(ValueError, match=r"\|scale\| <= 1e\+06"):
         _api._softmax_factors(p)
-    capped = attention_problem(Q.shape, K.shape, K.shape, causal=False, scale=1.0, window=(-1, -1), softcap=1e-300, layout="bshd")
+    capped = attention_problem(
+        Q.shape, K.shape, K.shape, causal=False, scale=1.0, window=(-1, -1), softcap=1e-300, layout="bshd"
+    )
     scale_log2, prescale, negate = _api._softmax_factors(capped)
     assert prescale == 1e30 and not negate and scale_log2 > 0

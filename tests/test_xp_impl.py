@@ -32,11 +32,15 @@ def _inputs(xp, rng, case, dtype):
 
 
 @pytest.mark.parametrize("algorithm", ["naive", "fa1", "fa2", "decode"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + f"-c{int(c[6])}-w{c[7][0]}_{c[7][1]}-s{c[8]}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + f"-c{int(c[6])}-w{c[7][0]}_{c[7][1]}-s{c[8]}"
+)
 def test_algorithm_matches_reference(xp, rng, algorithm, case):
     *_, causal, window, softcap = case
     host, (q, k, v) = _inputs(xp, rng, case, np.float32)
-    out, lse = cupyflash.attention(q, k, v, causal=causal, window=window, softcap=softcap, algorithm=algorithm, return_lse=True)
+    out, lse = cupyflash.attention(
+        q, k, v, causal=causal, window=window, softcap=softcap, algorithm=algorithm, return_lse=True
+    )
     ref, ref_lse = reference.attention(*host, causal=causal, window=window, softcap=softcap, return_lse=True)
     out_np, lse_np = reference.to_numpy64(out), reference.to_numpy64(lse)
     assert out_np.shape == ref.shape and lse_np.shape == ref_lse.shape
@@ -52,10 +56,16 @@ def test_blocks_are_real(rng):
     """FA1 and FA2 run many blocks on a long sequence (no whole-matrix shortcut) and agree."""
     case = (1, 300, 333, 2, 1, 16, True, (-1, -1), 0.0)
     host, (q, k, v) = _inputs(np, rng, case, np.float64)
-    p = attention_problem(q.shape, k.shape, v.shape, causal=True, scale=None, window=(-1, -1), softcap=0.0, layout="bshd")
+    p = attention_problem(
+        q.shape, k.shape, v.shape, causal=True, scale=None, window=(-1, -1), softcap=0.0, layout="bshd"
+    )
     assert xp_impl.fa1_block_sizes(16, sram_elements=1024) == (16, 16)
     ref = reference.attention(*host, causal=True)
-    for algorithm, options in (("fa1", {"sram_elements": 1024}), ("fa2", {"block_m": 32, "block_n": 16}), ("decode", {"num_splits": 7})):
+    for algorithm, options in (
+        ("fa1", {"sram_elements": 1024}),
+        ("fa2", {"block_m": 32, "block_n": 16}),
+        ("decode", {"num_splits": 7}),
+    ):
         out, _ = xp_impl.attention(np, q, k, v, p, algorithm=algorithm, **options)
         np.testing.assert_allclose(out, ref, atol=1e-12)
 
@@ -68,7 +78,9 @@ def test_fa1_tile_rule():
 
 def test_decode_split_counts_agree(rng):
     host, (q, k, v) = _inputs(np, rng, (2, 3, 777, 8, 2, 32, True, (-1, -1), 0.0), np.float64)
-    p = attention_problem(q.shape, k.shape, v.shape, causal=True, scale=None, window=(-1, -1), softcap=0.0, layout="bshd")
+    p = attention_problem(
+        q.shape, k.shape, v.shape, causal=True, scale=None, window=(-1, -1), softcap=0.0, layout="bshd"
+    )
     outs = [xp_impl.attention(np, q, k, v, p, algorithm="decode", num_splits=s)[0] for s in (1, 2, 5, 13, 100)]
     for out in outs[1:]:
         np.testing.assert_allclose(out, outs[0], atol=1e-12)
