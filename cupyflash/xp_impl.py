@@ -183,10 +183,9 @@ def fa2_partial(
         row_sum = xp.zeros(q_blk.shape[:-1], dtype=q.dtype, device=_device(q))
         key_begin = max(mask.key_begin(), key_range[0])
         key_end = min(mask.key_end(), key_range[1])
-        first_block = key_begin // block_n
-        for key0 in range((key_end - 1) // block_n * block_n, first_block * block_n - 1, -block_n):
-            key0 = max(key0, key_begin)
-            key1 = min(key0 - key0 % block_n + block_n, key_end)
+        for n_block in range((key_end - 1) // block_n, key_begin // block_n - 1, -1):
+            key0 = max(n_block * block_n, key_begin)  # the block, clipped to the visible range
+            key1 = min(n_block * block_n + block_n, key_end)
             if key1 <= key0:
                 continue
             # -- scores of this block, masked only where the block straddles a bound
