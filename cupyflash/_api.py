@@ -260,7 +260,6 @@ def _host_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem,
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class _GpuPlan:
-    problem: Problem
     kernel: _kernels.CompiledKernel | None  # None when the output is empty (nothing to launch)
     grid: tuple[int, int, int]
     threads: tuple[int, int, int]
@@ -359,7 +358,6 @@ def _build_plan(
         p.window_left, p.window_right, scale_log2, softcap_prescale,
     )  # fmt: skip
     return _GpuPlan(
-        problem=p,
         kernel=kernel,
         grid=grid,
         threads=threads,

@@ -46,10 +46,9 @@ class CompiledKernel:
         call, which makes the device's context current first."""
         from cupy_backends.cuda.api import driver
 
-        scratch = _launch_scratch()
-        pack_attn_params_into(scratch.view, *params)
+        pack_attn_params_into(_scratch.view, *params)
         try:
-            driver.launchKernel(self.function.ptr, *grid, *block, smem, stream_ptr, scratch.kernel_params, 0)
+            driver.launchKernel(self.function.ptr, *grid, *block, smem, stream_ptr, _scratch.kernel_params, 0)
         except driver.CUDADriverError:
             self.function(grid, block, (pack_attn_params(*params),), shared_mem=smem, stream=_StreamPtr(stream_ptr))
 
@@ -72,14 +71,7 @@ class _LaunchScratch(threading.local):
         self.kernel_params = self.pointer_array.ctypes.data
 
 
-_scratch: _LaunchScratch | None = None
-
-
-def _launch_scratch() -> _LaunchScratch:
-    global _scratch
-    if _scratch is None:
-        _scratch = _LaunchScratch()
-    return _scratch
+_scratch = _LaunchScratch()  # one object; its attributes are per thread
 
 
 @dataclass(frozen=True)
