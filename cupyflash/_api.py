@@ -8,12 +8,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
-from . import _interop, _kernels
-from ._dispatch import MaskFlags, fa2_fwd_spec
-from ._specs import CUDA_ELEMENT_TYPES, FA2_HEAD_DIMS
+from . import _interop, _kernels, _tma
+from ._dispatch import MaskFlags, fa2_fwd_spec, fa3_fwd_spec
+from ._specs import CUDA_ELEMENT_TYPES, FA2_HEAD_DIMS, HOPPER_ARCH, Fa2FwdSpec, Fa3FwdSpec
 from ._validate import Problem, attention_problem, check_algorithm, check_cu_seqlens_values, varlen_problem
 
-GPU_ALGORITHMS = ("auto", "fa2")
+# "fa2": the mma.sync kernel (any GPU from sm_80); "fa3": the Hopper kernel (wgmma + TMA, sm_90);
+# "auto": fa3 where it applies (Hopper, head_dim 64/128/256, padded batches), else fa2.
+GPU_ALGORITHMS = ("auto", "fa2", "fa3")
 
 #: Fill every GPU output with NaN before the launch (tests set it: a value the kernel fails to
 #: write then shows up as NaN instead of as stale memory that happens to look right).
@@ -97,8 +99,10 @@ def attention(
     softcap : float
         If > 0, scores become ``softcap * tanh(scores / softcap)`` before the softmax.
     layout : {"bshd", "bhsd"}
-    algorithm : {"auto", "fa2", "fa1", "naive", "decode"}
-        On the GPU: ``"auto"``/``"fa2"`` (float16/bfloat16, head_dim 32, 64, 96, 128, 192, 256).
+    algorithm : {"auto", "fa2", "fa3", "fa1", "naive", "decode"}
+        On the GPU (float16/bfloat16): ``"fa2"``, the mma.sync kernel (head_dim 32, 64, 96, 128,
+        192, 256); ``"fa3"``, the Hopper kernel (wgmma + TMA; sm_90, head_dim 64, 128, 256);
+        ``"auto"`` picks fa3 where it applies, else fa2.
         On the host every algorithm runs through ``cupyflash.xp_impl``.
     return_lse : bool
         Also return the log-sum-exp of each row, float32, natural log, ``(B, Hq, Nq)``.
@@ -225,7 +229,9 @@ def _host_attention(q: Any, k: Any, v: Any, problem: Problem, algorithm: str, re
             raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    out, lse = xp_impl.attention(xp, q, k, v, problem, algorithm="fa2" if algorithm == "auto" else algorithm)
+    # fa3 is FA2's algorithm on Hopper's instructions: on the host both are xp_impl's fa2.
+    host_algorithm = "fa2" if algorithm in ("auto", "fa3") else algorithm
+    out, lse = xp_impl.attention(xp, q, k, v, problem, algorithm=host_algorithm)
     return (out, lse) if return_lse else out
 
 
@@ -270,6 +276,18 @@ class _GpuPlan:
     axes: tuple[int, int, int]
     lse_shape: tuple[int, ...]
     tail: tuple[int | float, ...]  # AttnParams fields from the o strides on
+    tma: _TmaPlan | None = None  # the Hopper kernel's tensor-map shapes
+
+
+@dataclass(frozen=True, slots=True)
+class _TmaPlan:
+    """What the three tensor maps of a Hopper launch need besides the pointers and strides."""
+
+    dtype: str
+    q_dims: tuple[int, int, int, int]  # (d, rows, heads, batch), innermost first
+    kv_dims: tuple[int, int, int, int]
+    q_box_rows: int
+    kv_box_rows: int
 
 
 _plans: dict[tuple[Any, ...], _GpuPlan] = {}
@@ -324,7 +342,8 @@ def _make_plan(
     b, s0, s1, d = shapes[0]
     contiguous = (s0 * s1 * d, s1 * d, d)
     return _build_plan(
-        p, dtypes, device, axes=axes, o_strides=(contiguous[axes[0]], contiguous[axes[1]], contiguous[axes[2]]),
+        p, dtypes, device, algorithm=algorithm, axes=axes,
+        o_strides=(contiguous[axes[0]], contiguous[axes[1]], contiguous[axes[2]]),
         lse_shape=(p.batch, p.heads_q, p.seqlen_q), lse_strides=(p.heads_q * p.seqlen_q, p.seqlen_q),
         param_seqlens=(p.seqlen_q, p.seqlen_k),
     )  # fmt: skip
@@ -335,6 +354,7 @@ def _build_plan(
     dtypes: tuple[str, str, str],
     device: int,
     *,
+    algorithm: str = "fa2",
     axes: tuple[int, int, int],
     o_strides: tuple[int, int, int],
     lse_shape: tuple[int, ...],
@@ -345,13 +365,19 @@ def _build_plan(
     if p.batch > 65535 or p.heads_q > 65535:
         raise ValueError(f"batch ({p.batch}) and heads ({p.heads_q}) must be <= 65535 on the GPU")
     scale_log2, softcap_prescale, negate_q = _softmax_factors(p)
-    kernel, grid, threads, smem = None, (0, 0, 0), (0, 0, 0), 0
+    kernel, grid, threads, smem, tma = None, (0, 0, 0), (0, 0, 0), 0, None
     if p.batch and p.seqlen_q and p.heads_q:
-        flags = MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
-        spec = fa2_fwd_spec(dtypes[0], p.head_dim, flags, _device_max_smem(device))
+        spec = _forward_spec(p, dtypes[0], device, algorithm, packed=axes[0] < 0)
         kernel = _kernels.get_kernel(spec, device)
-        grid = (-(-p.seqlen_q // spec.tile.block_m), p.batch, p.heads_q)
+        block_m = spec.block_m if isinstance(spec, Fa3FwdSpec) else spec.tile.block_m
+        grid = (-(-p.seqlen_q // block_m), p.batch, p.heads_q)
         threads, smem = (spec.num_threads, 1, 1), spec.smem_bytes
+        if isinstance(spec, Fa3FwdSpec):
+            d = p.head_dim
+            tma = _TmaPlan(
+                dtypes[0], (d, p.seqlen_q, p.heads_q, p.batch), (d, p.seqlen_k, p.heads_kv, p.batch),
+                spec.block_m, spec.block_n,
+            )  # fmt: skip
     tail = (
         *o_strides, *lse_strides,
         p.batch, *param_seqlens, p.heads_q, p.heads_kv, p.heads_q // p.heads_kv,
@@ -366,7 +392,26 @@ def _build_plan(
         axes=axes,
         lse_shape=lse_shape,
         tail=tail,
+        tma=tma,
     )
+
+
+def _forward_spec(p: Problem, dtype: str, device: int, algorithm: str, packed: bool) -> Fa2FwdSpec | Fa3FwdSpec:
+    """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel."""
+    flags = MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
+    max_smem = _device_max_smem(device)
+    if algorithm in ("auto", "fa3"):
+        hopper = _kernels.device_arch(device) == HOPPER_ARCH
+        spec = fa3_fwd_spec(dtype, p.head_dim, flags) if hopper and not packed else None
+        if spec is not None and spec.smem_bytes <= max_smem:
+            return spec
+        if algorithm == "fa3":
+            raise ValueError(
+                "algorithm='fa3' (wgmma + TMA) needs a Hopper GPU (sm_90), head_dim in (64, 128, 256) and padded "
+                f"(not varlen) batches; this call has head_dim={p.head_dim} on {_kernels.device_arch(device)}"
+                f"{' with packed sequences' if packed else ''}: use algorithm='fa2' or 'auto'"
+            )
+    return fa2_fwd_spec(dtype, p.head_dim, flags, max_smem)
 
 
 def _plan_for(
@@ -398,11 +443,19 @@ def _launch(
     assert plan.kernel is not None
     b, r, h = plan.axes
     qs, ks, vs = ((*x, 0) for x in strides)
+    maps = None
+    if plan.tma is not None:
+        t = plan.tma
+        maps = (
+            _tma.tile_map(t.dtype, ptrs[0], t.q_dims, (qs[r], qs[h], qs[b]), t.q_box_rows)
+            + _tma.tile_map(t.dtype, ptrs[1], t.kv_dims, (ks[r], ks[h], ks[b]), t.kv_box_rows)
+            + _tma.tile_map(t.dtype, ptrs[2], t.kv_dims, (vs[r], vs[h], vs[b]), t.kv_box_rows)
+        )
     plan.kernel.launch(
         plan.grid, plan.threads, plan.smem, stream_ptr,
         *ptrs, out_ptr, lse_ptr, *cu_seqlens,
         qs[b], qs[r], qs[h], ks[b], ks[r], ks[h], vs[b], vs[r], vs[h],
-        *plan.tail,
+        *plan.tail, tma_maps=maps,
     )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._specs import Fa2FwdSpec, TileConfig
+from ._specs import FA3_HEAD_DIMS, Fa2FwdSpec, Fa3FwdSpec, TileConfig
 
 # head_dim -> candidates, best first. TFLOP/s measured on the H200 (bf16, B * N = 16384,
 # H * d = 2048; N = 1024 / 4096 / 16384, non-causal then causal; scripts/tune_fa2.py,
@@ -69,4 +69,35 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
                     for causal in (False, True):
                         for local in (False, True):
                             specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap))
+    return specs
+
+
+# Hopper forward: head_dim -> (block_n, consumer warpgroups, K/V stages). The 128 x 128 tile of
+# two consumers keeps S (64 fp32 per thread) and O (d / 2) in the 240 registers each consumer
+# thread gets; d = 256's O takes 128, so its key block is 64.
+FA3_FWD_TILES: dict[int, tuple[int, int, int]] = {
+    64: (128, 2, 4),
+    128: (128, 2, 2),
+    256: (64, 2, 2),
+}
+
+
+def fa3_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa3FwdSpec | None:
+    """The Hopper variant for a call, or None where it has none (that head dim)."""
+    if head_dim not in FA3_HEAD_DIMS:
+        return None
+    block_n, consumers, stages = FA3_FWD_TILES[head_dim]
+    return Fa3FwdSpec(dtype, head_dim, block_n, consumers, stages, flags.causal, flags.local, flags.softcap)
+
+
+def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
+    specs = []
+    for head_dim in FA3_FWD_TILES:
+        for dtype in ("float16", "bfloat16"):
+            for causal in (False, True):
+                for local in (False, True):
+                    for softcap in (False, True):
+                        spec = fa3_fwd_spec(dtype, head_dim, MaskFlags(causal, local, softcap))
+                        assert spec is not None
+                        specs.append(spec)
     return specs

@@ -21,6 +21,7 @@ from typing import Any
 from ._params import ATTN_PARAMS_DTYPE, pack_attn_params, pack_attn_params_into
 from ._source import fingerprint, render
 from ._specs import KernelSpec
+from ._tma import MAP_BYTES
 
 
 class KernelCompileError(RuntimeError):
@@ -37,20 +38,40 @@ class CompiledKernel:
     compile_seconds: float
 
     def launch(
-        self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream_ptr: int, *params: int | float
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        smem: int,
+        stream_ptr: int,
+        *params: int | float,
+        tma_maps: bytes | None = None,
     ) -> None:
-        """Launch with one AttnParams argument, packed straight into a per-thread buffer that
-        cuLaunchKernel reads. CuPy's generic Function call costs ~8 us (argument boxing, an
-        __array_interface__ dict per call); this path is one struct pack and one driver call.
-        A thread with no current CUDA context (the driver API needs one) falls back to CuPy's
-        call, which makes the device's context current first."""
+        """Launch with one AttnParams argument (or, for a TMA kernel, one Fa3Params: the three
+        128-byte tensor maps in ``tma_maps``, then the AttnParams), packed straight into a
+        per-thread buffer that cuLaunchKernel reads. CuPy's generic Function call costs ~8 us
+        (argument boxing, an __array_interface__ dict per call); this path is one struct pack and
+        one driver call. A thread with no current CUDA context (the driver API needs one) falls
+        back to CuPy's call, which makes the device's context current first."""
         from cupy_backends.cuda.api import driver
 
-        pack_attn_params_into(_scratch.view, *params)
+        scratch = _scratch
+        pack_attn_params_into(scratch.attn_view, *params)
+        if tma_maps is None:
+            kernel_params = scratch.attn_kernel_params
+        else:
+            scratch.maps_view[:] = tma_maps
+            kernel_params = scratch.fa3_kernel_params
         try:
-            driver.launchKernel(self.function.ptr, *grid, *block, smem, stream_ptr, _scratch.kernel_params, 0)
+            driver.launchKernel(self.function.ptr, *grid, *block, smem, stream_ptr, kernel_params, 0)
         except driver.CUDADriverError:
-            self.function(grid, block, (pack_attn_params(*params),), shared_mem=smem, stream=_StreamPtr(stream_ptr))
+            import numpy as np
+
+            if tma_maps is None:
+                arg = pack_attn_params(*params)
+            else:
+                raw = bytes(scratch.maps_view) + bytes(scratch.attn_view)
+                arg = np.frombuffer(raw + bytes(-len(raw) % 64), dtype=np.dtype((np.void, len(raw) + -len(raw) % 64)))
+            self.function(grid, block, (arg,), shared_mem=smem, stream=_StreamPtr(stream_ptr))
 
 
 @dataclass(frozen=True)
@@ -59,16 +80,25 @@ class _StreamPtr:
 
 
 class _LaunchScratch(threading.local):
-    """Per-thread kernel-argument memory: the packed AttnParams and the one-entry void* array
-    cuLaunchKernel takes (it copies the arguments during the call, so reuse is safe)."""
+    """Per-thread kernel-argument memory and the one-entry void* arrays cuLaunchKernel takes (it
+    copies the arguments during the call, so reuse is safe). Laid out as Fa3Params: three
+    tensor maps (64-byte aligned) at 0, 128, 256, then the AttnParams at 384; an FA2 launch
+    points at the AttnParams alone."""
 
     def __init__(self) -> None:
         import numpy as np
 
-        self.params = np.zeros(ATTN_PARAMS_DTYPE.itemsize, dtype=np.uint8)
-        self.view = self.params.data
-        self.pointer_array = np.array([self.params.ctypes.data], dtype=np.uint64)
-        self.kernel_params = self.pointer_array.ctypes.data
+        maps_bytes = 3 * MAP_BYTES
+        size = maps_bytes + ATTN_PARAMS_DTYPE.itemsize
+        self.raw = np.zeros(size + 2 * 64, dtype=np.uint8)
+        start = -self.raw.ctypes.data % 64
+        self.buffer = self.raw[start : start + size + 64]  # padded to Fa3Params' 64-byte size
+        self.maps_view = self.buffer[:maps_bytes].data
+        self.attn_view = self.buffer[maps_bytes:size].data
+        base = self.buffer.ctypes.data
+        self.pointer_arrays = np.array([[base + maps_bytes], [base]], dtype=np.uint64)
+        self.attn_kernel_params = self.pointer_arrays[0].ctypes.data
+        self.fa3_kernel_params = self.pointer_arrays[1].ctypes.data
 
 
 _scratch = _LaunchScratch()  # one object; its attributes are per thread

@@ -18,6 +18,10 @@ FA2_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 #: Targets every variant is compiled for in CI: Ampere (sm_80) and Hopper (sm_90a).
 CI_ARCHS = ("sm_80", "sm_90a")
 
+#: Head dimensions of the Hopper (wgmma + TMA) forward: multiples of 64 (128-byte swizzle rows).
+FA3_HEAD_DIMS = (64, 128, 256)
+HOPPER_ARCH = "sm_90a"
+
 
 @dataclass(frozen=True, slots=True)
 class TileConfig:
@@ -54,6 +58,9 @@ class Fa2FwdSpec:
 
     kernel = "fa2_fwd"
     source_file = "fa2_fwd.cu"
+    archs = CI_ARCHS
+    param_decl = "const AttnParams params"
+    uses_tma = False
 
     def __post_init__(self) -> None:
         if self.dtype not in CUDA_ELEMENT_TYPES:
@@ -109,4 +116,77 @@ class Fa2FwdSpec:
         return "fa2_fwd<Traits>(params);"
 
 
-KernelSpec = Fa2FwdSpec
+@dataclass(frozen=True, slots=True)
+class Fa3FwdSpec:
+    """A variant of ``kernels_cu/fa3_fwd.cu`` (template ``Fa3FwdTraits``): Hopper only.
+
+    One producer warpgroup (TMA) and ``consumers`` warpgroups of 64 query rows each (wgmma);
+    ``stages`` K/V slots in the mbarrier ring.
+    """
+
+    dtype: str
+    head_dim: int
+    block_n: int
+    consumers: int = 2
+    stages: int = 2
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+
+    kernel = "fa3_fwd"
+    source_file = "fa3_fwd.cu"
+    archs = (HOPPER_ARCH,)
+    param_decl = "const __grid_constant__ Fa3Params params"
+    uses_tma = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in CUDA_ELEMENT_TYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(CUDA_ELEMENT_TYPES)}")
+        if self.head_dim not in FA3_HEAD_DIMS:
+            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA3_HEAD_DIMS}")
+        if self.block_n % 64 or not 64 <= self.block_n <= 256 or self.consumers not in (2, 3) or self.stages < 2:
+            raise ValueError(
+                f"bad Hopper tile: block_n={self.block_n}, consumers={self.consumers}, stages={self.stages}"
+            )
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def name(self) -> str:
+        flags = "".join(
+            f"_{flag}" for flag, on in (("causal", self.causal), ("local", self.local), ("softcap", self.softcap)) if on
+        )
+        return (
+            f"cf_fa3_fwd_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
+            f"_m{self.block_m}_n{self.block_n}_s{self.stages}{flags}"
+        )
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (1 + self.consumers)
+
+    @property
+    def smem_bytes(self) -> int:
+        # 1024 bytes of alignment slack, Q, the K and V slots, the mbarriers (as Fa3FwdTraits).
+        tiles = 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n)
+        return 1024 + tiles + 8 * (1 + 4 * self.stages)
+
+    def template_args(self) -> str:
+        b = lambda flag: "true" if flag else "false"  # noqa: E731
+        return (
+            f"Fa3FwdTraits<{self.head_dim}, {self.block_n}, {self.consumers}, {self.stages}, "
+            f"{CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}, {b(self.local)}, {b(self.softcap)}>"
+        )
+
+    @property
+    def launch_bounds(self) -> str:
+        return f"{self.num_threads}, 1"  # one CTA per SM: setmaxnreg needs the whole register file
+
+    @property
+    def entry_body(self) -> str:
+        return "fa3_fwd<Traits>(params);"
+
+
+KernelSpec = Fa2FwdSpec | Fa3FwdSpec

@@ -13,7 +13,7 @@ from typing import Any
 
 LAYOUTS = ("bshd", "bhsd")
 VARLEN_LAYOUT = "thd"  # packed sequences: (total_tokens, heads, head_dim)
-ALGORITHMS = ("auto", "fa2", "fa1", "naive", "decode")
+ALGORITHMS = ("auto", "fa2", "fa3", "fa1", "naive", "decode")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ DESIGN.md: forward ``4 * B * H * Nq * Nk * d``, halved for causal.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -90,20 +91,28 @@ def sdpa_call(backend: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[]
     return call
 
 
-def run_prefill(shape: PrefillShape, backends: tuple[str, ...] = ("cupyflash", "flash", "cudnn")) -> dict[str, Any]:
+#: cupyflash's own entries: the default dispatch (on Hopper the wgmma kernel) and each kernel forced.
+CUPYFLASH_BACKENDS = {"cupyflash": "auto", "cupyflash_fa2": "fa2", "cupyflash_fa3": "fa3"}
+
+
+def run_prefill(
+    shape: PrefillShape, backends: tuple[str, ...] = ("cupyflash", "cupyflash_fa2", "flash", "cudnn")
+) -> dict[str, Any]:
     """TFLOP/s of each backend on one shape (None where a backend refused the inputs)."""
     import cupyflash
 
     q, k, v = prefill_inputs(shape)
     row: dict[str, Any] = asdict(shape)
     for backend in backends:
-        if backend == "cupyflash":
-            call = lambda: cupyflash.attention(q, k, v, causal=shape.causal)  # noqa: E731
+        call: Callable[[], Any]
+        if backend in CUPYFLASH_BACKENDS:
+            algorithm = CUPYFLASH_BACKENDS[backend]
+            call = functools.partial(cupyflash.attention, q, k, v, causal=shape.causal, algorithm=algorithm)
         else:
             call = sdpa_call(backend, q, k, v, shape.causal)
         try:
             ms = cuda_time_ms(call)
-        except RuntimeError as error:  # a backend that does not take this shape/dtype
+        except (RuntimeError, ValueError) as error:  # a backend that does not take this shape/dtype
             row[backend] = None
             row[f"{backend}_error"] = str(error).splitlines()[0][:200]
             continue
@@ -170,14 +179,23 @@ def host_overhead_us(*, rounds: int = 5, calls: int = 1000) -> dict[str, float]:
 
 
 def format_prefill_table(rows: list[dict[str, Any]]) -> str:
+    """TFLOP/s per backend and the ratios of cupyflash (default dispatch) and of its FA2 kernel
+    to PyTorch's flash backend and of cupyflash to cuDNN."""
+
+    def value(r: dict[str, Any], key: str) -> float:
+        return float(r.get(key) or float("nan"))
+
     header = f"{'dtype':9} {'d':>4} {'N':>6} {'B':>3} {'H':>3} {'causal':>6} | "
-    lines = [header + f"{'cupyflash':>9} {'flash':>7} {'cudnn':>7} | {'vs flash':>8}"]
+    lines = [
+        header + f"{'cupyflash':>9} {'fa2':>7} {'flash':>7} {'cudnn':>7} | "
+        f"{'vs flash':>8} {'vs cudnn':>8} {'fa2/flash':>9}"
+    ]
     for r in rows:
-        ratio = r["cupyflash"] / r["flash"] if r.get("cupyflash") and r.get("flash") else float("nan")
         lines.append(
             f"{r['dtype']:9} {r['head_dim']:>4} {r['seqlen']:>6} {r['batch']:>3} {r['heads']:>3} "
             f"{str(r['causal']):>6} | "
-            f"{r.get('cupyflash') or float('nan'):>9.1f} {r.get('flash') or float('nan'):>7.1f} "
-            f"{r.get('cudnn') or float('nan'):>7.1f} | {ratio:>8.2f}x"
+            f"{value(r, 'cupyflash'):>9.1f} {value(r, 'cupyflash_fa2'):>7.1f} {value(r, 'flash'):>7.1f} "
+            f"{value(r, 'cudnn'):>7.1f} | {value(r, 'cupyflash') / value(r, 'flash'):>7.2f}x "
+            f"{value(r, 'cupyflash') / value(r, 'cudnn'):>7.2f}x {value(r, 'cupyflash_fa2') / value(r, 'flash'):>8.2f}x"
         )
     return "\n".join(lines)

@@ -189,17 +189,6 @@ CF_DEVICE void gemm_pv(float (&o)[Traits::kMTiles][Traits::kDTiles][4],
   }
 }
 
-// logit = tanh(s * scale / softcap); the softcap factor itself is folded into scale_log2.
-template <int kMTiles, int kNTiles>
-CF_DEVICE void apply_softcap(float (&s)[kMTiles][kNTiles][4], float prescale) {
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[mt][nt][e] = fast_tanh(s[mt][nt][e] * prescale);
-}
-
 // Multiply each accumulator row by its factor (row slot 2 mt + e / 2).
 template <int kMTiles, int kCols>
 CF_DEVICE void scale_rows(float (&acc)[kMTiles][kCols][4], const float (&factor)[2 * kMTiles]) {

@@ -74,3 +74,14 @@ struct KeyMask {
     }
   }
 };
+
+// logit = tanh(s * scale / softcap); the softcap factor itself is folded into scale_log2.
+template <int kMTiles, int kNTiles>
+CF_DEVICE void apply_softcap(float (&s)[kMTiles][kNTiles][4], float prescale) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = fast_tanh(s[mt][nt][e] * prescale);
+}

@@ -1,4 +1,5 @@
-"""The FA2 forward kernel on the GPU against the float64 reference.
+"""The forward kernels on the GPU against the float64 reference: FA2 (mma.sync, every GPU) and,
+on Hopper, the wgmma + TMA kernel ("fa3", what "auto" runs there for head_dim 64/128/256).
 
 Outputs are NaN-poisoned before every launch (conftest), inputs are fresh random data, and the
 error must stay under the dtype's bound and within 2x the error of naive attention computed in
@@ -14,6 +15,7 @@ import pytest
 
 import cupyflash
 from cupyflash import reference
+from cupyflash._specs import FA3_HEAD_DIMS
 
 pytestmark = pytest.mark.gpu
 
@@ -63,10 +65,24 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def check_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd"):
+def _is_hopper():
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+def skip_unless_kernel(algorithm, head_dim):
+    if algorithm == "fa3" and (head_dim not in FA3_HEAD_DIMS or not _is_hopper()):
+        pytest.skip("the Hopper kernel runs head_dim 64/128/256 on sm_90")
+
+
+def check_attention(
+    q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd", algorithm="auto"
+):
     out, lse = cupyflash.attention(
-        q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout, return_lse=True
-    )
+        q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout, return_lse=True,
+        algorithm=algorithm,
+    )  # fmt: skip
     assert type(out) is type(q) and out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
     ref, ref_lse = reference.attention(
         q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout, return_lse=True
@@ -105,27 +121,49 @@ EXTRA = {
 }
 
 
+@pytest.mark.parametrize("algorithm", ("fa2", "fa3"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("case", list(SHAPES), ids=str)
-def test_fa2_matches_reference(rng, dtype, head_dim, case):
+def test_forward_matches_reference(rng, algorithm, dtype, head_dim, case):
+    skip_unless_kernel(algorithm, head_dim)
     b, nq, nk, hq, hkv, causal, window, softcap = SHAPES[case]
     q, k, v = _gpu_inputs(rng, (b, nq, hq, head_dim), (b, nk, hkv, head_dim), dtype)
-    check_attention(q, k, v, causal=causal, window=window, softcap=softcap)
+    check_attention(q, k, v, causal=causal, window=window, softcap=softcap, algorithm=algorithm)
 
 
+@pytest.mark.parametrize("algorithm", ("fa2", "fa3"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("case", list(EXTRA), ids=str)
-def test_fa2_windows_and_softcap(rng, dtype, head_dim, case):
+def test_windows_and_softcap(rng, algorithm, dtype, head_dim, case):
+    skip_unless_kernel(algorithm, head_dim)
     b, nq, nk, hq, hkv, causal, window, softcap = EXTRA[case]
     q, k, v = _gpu_inputs(rng, (b, nq, hq, head_dim), (b, nk, hkv, head_dim), dtype)
-    check_attention(q, k, v, causal=causal, window=window, softcap=softcap)
+    check_attention(q, k, v, causal=causal, window=window, softcap=softcap, algorithm=algorithm)
 
 
-def test_long_sequence(rng):
+@pytest.mark.parametrize("algorithm", ("fa2", "fa3"))
+def test_long_sequence(rng, algorithm):
     q, k, v = _gpu_inputs(rng, (1, 4099, 2, 128), (1, 4099, 1, 128), "bfloat16")
-    check_attention(q, k, v, causal=True)
+    check_attention(q, k, v, causal=True, algorithm=algorithm)
+
+
+def test_auto_runs_the_hopper_kernel_there(rng):
+    """On sm_90 "auto" is the wgmma kernel for head_dim 128 (its variant shows in the cache)."""
+    from cupyflash import _kernels
+
+    if not _is_hopper():
+        pytest.skip("not a Hopper GPU")
+    q, k, v = _gpu_inputs(rng, (1, 64, 2, 128), (1, 64, 2, 128), "float16")
+    cupyflash.attention(q, k, v)
+    assert any(spec.kernel == "fa3_fwd" and spec.head_dim == 128 for spec, _ in _kernels._compiled)
+
+
+def test_fa3_refuses_what_it_cannot_run(rng):
+    q, k, v = _gpu_inputs(rng, (1, 16, 2, 96), (1, 16, 2, 96), "float16")
+    with pytest.raises(ValueError, match="algorithm='fa3'"):
+        cupyflash.attention(q, k, v, algorithm="fa3")
 
 
 @pytest.mark.parametrize("scale", [0.3, -0.2, 0.0])
@@ -230,12 +268,14 @@ def test_call_from_a_fresh_thread(rng):
     assert _rel(reference.to_numpy64(result["out"]), ref) < BOUND["float16"]
 
 
-def test_deterministic_bitwise(rng):
+@pytest.mark.parametrize("algorithm", ("fa2", "fa3"))
+def test_deterministic_bitwise(rng, algorithm):
     """The same inputs give the same bits: a moving result would be a race."""
+    skip_unless_kernel(algorithm, 128)
     q, k, v = _gpu_inputs(rng, (2, 1000, 8, 128), (2, 1000, 2, 128), "bfloat16")
-    first = cupyflash.attention(q, k, v, causal=True)
+    first = cupyflash.attention(q, k, v, causal=True, algorithm=algorithm)
     for _ in range(3):
-        assert bool((cupyflash.attention(q, k, v, causal=True) == first).all())
+        assert bool((cupyflash.attention(q, k, v, causal=True, algorithm=algorithm) == first).all())
 
 
 def test_params_offsets_on_device():

@@ -63,3 +63,23 @@ def test_pack_round_trips_through_the_dtype():
     for (name, _), value in zip(ATTN_PARAMS_FIELDS, values):
         assert packed[name][0] == value, name
     assert np.dtype(ATTN_PARAMS_DTYPE).itemsize % 8 == 0
+
+
+def test_fa3_params_layout():
+    """Fa3Params = three 128-byte tensor maps, then AttnParams at byte 384 (the launch buffer's
+    layout in _kernels._LaunchScratch), and a size the buffer covers."""
+    from cupyflash._tma import MAP_BYTES
+
+    attn_offset = 3 * MAP_BYTES
+    padded = -(-(attn_offset + ATTN_PARAMS_DTYPE.itemsize) // 64) * 64
+    _compile(
+        '#include "fa3_fwd.cu"\n'
+        f"static_assert(sizeof(TmaMap) == {MAP_BYTES} && alignof(TmaMap) == 64);\n"
+        f"static_assert(sizeof(Fa3Params) == {padded});\n"
+        # no constant offsetof under NVRTC: three 128-byte maps end at 384, a multiple of
+        # AttnParams' alignment, so that is where it starts
+        f"static_assert({attn_offset} % alignof(AttnParams) == 0);\n",
+        std="c++17",
+    )
+    scratch = _kernels._scratch
+    assert scratch.buffer.ctypes.data % 64 == 0 and scratch.buffer.nbytes >= padded

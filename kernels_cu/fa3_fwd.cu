@@ -1,0 +1,265 @@
+// Hopper forward (sm_90a): FlashAttention-2's algorithm on Hopper's asynchronous machinery, as
+// FlashAttention-3 (Shah et al., 2024) runs it.
+//
+// Grid (num_m_blocks, B, Hq) as fa2_fwd.cu. A CTA is 1 + kConsumers warpgroups:
+//   producer warpgroup  one thread issues every TMA load (Q once, then K_j and V_j per key
+//                       block into a kStages-deep ring of mbarrier-guarded slots); the
+//                       warpgroup gives its registers away (setmaxnreg.dec).
+//   consumer warpgroups 64 query rows each, end to end (no cross-warpgroup reduction):
+//       S = Q K_j^T            wgmma, Q and K straight from the swizzled TMA tiles
+//       mask, online softmax   the same verbs and fragment layout as the mma.sync kernel
+//       O += P V_j             wgmma with P from registers and V read transposed (MN-major)
+//     and release each K / V slot to the producer as soon as its wgmma has completed.
+// The producer runs up to kStages blocks ahead, so HBM traffic overlaps the tensor-core work of
+// both consumers; each consumer's softmax overlaps the other consumer's wgmmas.
+#pragma once
+
+#include "common.cuh"
+#include "hopper.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+#include "wgmma.cuh"
+
+// The kernel argument: three TMA tensor maps (innermost first: d, rows, heads, batch) and the
+// AttnParams every kernel takes. Passed as a __grid_constant__ so the maps stay in parameter
+// memory, where TMA reads them.
+struct Fa3Params {
+  TmaMap q_map, k_map, v_map;
+  AttnParams attn;
+};
+
+template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, typename Element_,
+          bool Is_causal_, bool Is_local_, bool Has_softcap_>
+struct Fa3FwdTraits {
+  using Element = Element_;
+  using Ops = ElementTraits<Element>;
+
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kConsumers = kConsumers_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool Is_causal = Is_causal_;
+  static constexpr bool Is_local = Is_local_;
+  static constexpr bool Has_softcap = Has_softcap_;
+
+  static constexpr int kRowsPerConsumer = 64;  // wgmma M
+  static constexpr int kBlockM = kRowsPerConsumer * kConsumers;
+  static constexpr int kNThreads = 128 * (1 + kConsumers);
+  static constexpr int kNTiles = kBlockN / 8;   // 8-key column tiles of S (per warp: m16n8)
+  static constexpr int kDTiles = kHeadDim / 8;  // 8-wide column tiles of O
+  static constexpr int kColBlocks = kHeadDim / kColBlockElems;
+
+  // Shared memory: Q, kStages K slots, kStages V slots (all swizzled, 1024-byte aligned), then
+  // the mbarriers: q_full, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages].
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
+  static constexpr int kSmemBytes =
+      kSwizzleAtomBytes /* alignment slack */ + kQBytes + 2 * kStages * kKVBytes + kBarrierBytes;
+
+  // Registers: the producer keeps 24, the consumers share the rest of the 64K register file.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+
+  static_assert(kHeadDim % kColBlockElems == 0, "head dim must be a multiple of 64");
+  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key block: a multiple of 64 up to 256");
+  static_assert(sizeof(Element) == 2, "16-bit elements");
+};
+
+template <typename Traits>
+CF_DEVICE void fa3_fwd(const Fa3Params& p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const AttnParams& params = p.attn;
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t smem_base = (smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1);
+  const uint32_t s_q = smem_base;
+  const uint32_t s_k = s_q + Traits::kQBytes;
+  const uint32_t s_v = s_k + kStages * Traits::kKVBytes;
+  const uint32_t bar_q_full = s_v + kStages * Traits::kKVBytes;
+  auto bar = [&](int kind, int stage) { return bar_q_full + 8 * (1 + kind * kStages + stage); };
+  enum { kKFull = 0, kKEmpty = 1, kVFull = 2, kVEmpty = 3 };
+
+  const int m_block = Traits::Is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int batch = blockIdx.y;
+  const int head = blockIdx.z;
+  const int head_k = head / params.h_h_k_ratio;
+  const int seqlen_q = params.seqlen_q;
+  const int seqlen_k = params.seqlen_k;
+  const int row_block0 = m_block * kBlockM;
+  const KeyMask<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> mask(
+      m_block, seqlen_q, seqlen_k, params.window_left, params.window_right);
+  const int n_begin = mask.n_block_begin();
+  const int n_end = mask.n_block_end();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar(kKFull, s), 1);
+      mbar_init(bar(kVFull, s), 1);
+      mbar_init(bar(kKEmpty, s), 4 * Traits::kConsumers);  // one arrival per consumer warp
+      mbar_init(bar(kVEmpty, s), 4 * Traits::kConsumers);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    mbar_arrive_expect_tx(bar_q_full, Traits::kQBytes);
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      tma_load_4d(s_q + cb * kBlockM * kSwizzleRowBytes, p.q_map, bar_q_full, cb * kColBlockElems,
+                  row_block0, head, batch);
+    }
+    for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
+      const int stage = it % kStages;
+      const int parity = ((it / kStages) & 1) ^ 1;  // the slot's previous use has been released
+      const uint32_t k_slot = s_k + stage * Traits::kKVBytes;
+      const uint32_t v_slot = s_v + stage * Traits::kKVBytes;
+      mbar_wait(bar(kKEmpty, stage), parity);
+      mbar_arrive_expect_tx(bar(kKFull, stage), Traits::kKVBytes);
+#pragma unroll
+      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+        tma_load_4d(k_slot + cb * kBlockN * kSwizzleRowBytes, p.k_map, bar(kKFull, stage),
+                    cb * kColBlockElems, n_block * kBlockN, head_k, batch);
+      }
+      mbar_wait(bar(kVEmpty, stage), parity);
+      mbar_arrive_expect_tx(bar(kVFull, stage), Traits::kKVBytes);
+#pragma unroll
+      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+        tma_load_4d(v_slot + cb * kBlockN * kSwizzleRowBytes, p.v_map, bar(kVFull, stage),
+                    cb * kColBlockElems, n_block * kBlockN, head_k, batch);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  setmaxnreg_inc<Traits::kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x % 128;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int consumer_row0 = consumer * Traits::kRowsPerConsumer;  // in the block
+  const int warp_row0 = consumer_row0 + 16 * warp;
+  using Mma = Wgmma<kBlockN, Element>;
+  using MmaPV = Wgmma<kHeadDim, Element>;
+
+  float acc_o[Traits::kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < Traits::kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+  OnlineSoftmax<1> softmax;
+  const float scale_log2 = params.softmax_scale_log2;
+
+  mbar_wait(bar_q_full, 0);
+  for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
+    const int stage = it % kStages;
+    const int parity = (it / kStages) & 1;
+    const uint32_t k_slot = s_k + stage * Traits::kKVBytes;
+    const uint32_t v_slot = s_v + stage * Traits::kKVBytes;
+
+    // S = Q K^T: k-step ks reads 16 columns of d, 32 bytes into the 128-byte rows of column
+    // block ks / 4 (Q rows of this consumer start consumer_row0 rows into the Q tile).
+    float s[1][Traits::kNTiles][4];
+    mbar_wait(bar(kKFull, stage), parity);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t col_bytes = (ks % 4) * 32;
+      const uint64_t desc_q = wgmma_desc(
+          s_q + (ks / 4) * kBlockM * kSwizzleRowBytes + consumer_row0 * kSwizzleRowBytes + col_bytes, 0);
+      const uint64_t desc_k = wgmma_desc(k_slot + (ks / 4) * kBlockN * kSwizzleRowBytes + col_bytes, 0);
+      Mma::ss(s[0], desc_q, desc_k, ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s[0]);
+    if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
+
+    if constexpr (Traits::Has_softcap) apply_softcap(s, params.softcap_prescale);
+    if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
+
+    float rescale[2];
+    softmax.update_max(s, scale_log2, rescale);
+    if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+      for (int dt = 0; dt < Traits::kDTiles; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[dt][e] *= rescale[e / 2];
+    }
+    softmax.exp_accumulate(s, scale_log2, rescale);
+
+    // O += P V: k-step ks takes keys 16 ks .. 16 ks + 15 (two 8-row atoms of every column
+    // block, 2048 bytes per step); the column blocks of d are kBlockN rows apart (LBO).
+    uint32_t a[kBlockN / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      a[ks][0] = Traits::Ops::pack2(s[0][2 * ks][0], s[0][2 * ks][1]);
+      a[ks][1] = Traits::Ops::pack2(s[0][2 * ks][2], s[0][2 * ks][3]);
+      a[ks][2] = Traits::Ops::pack2(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
+      a[ks][3] = Traits::Ops::pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
+    }
+    mbar_wait(bar(kVFull, stage), parity);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      const uint64_t desc_v =
+          wgmma_desc(v_slot + ks * 2 * kSwizzleAtomBytes, kBlockN * kSwizzleRowBytes);
+      MmaPV::rs_bt(acc_o, a[ks], desc_v, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc_o);
+    if (lane == 0) mbar_arrive(bar(kVEmpty, stage));
+  }
+
+  // Epilogue: normalise, stage this consumer's 64 rows of O in its own rows of the Q tile (read
+  // by no one else; its last wgmma has completed), then 16-byte coalesced stores.
+  float inv_sum[2], lse[2];
+  softmax.finalize(scale_log2, inv_sum, lse);
+#pragma unroll
+  for (int dt = 0; dt < Traits::kDTiles; ++dt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + lane / 4 + 8 * half;
+      const int col = 8 * dt + 2 * (lane % 4);
+      st_shared_b32(s_q + swizzled_offset<kBlockM>(row, col),
+                    Traits::Ops::pack2(acc_o[dt][2 * half] * inv_sum[half],
+                                       acc_o[dt][2 * half + 1] * inv_sum[half]));
+    }
+  }
+  named_barrier_sync(1 + consumer, 128);
+
+  Element* g_o = static_cast<Element*>(params.o_ptr) + batch * params.o_batch_stride +
+                 head * params.o_head_stride;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+#pragma unroll
+  for (int idx = tid; idx < Traits::kRowsPerConsumer * kChunksPerRow; idx += 128) {
+    const int row = consumer_row0 + idx / kChunksPerRow;
+    const int col = (idx % kChunksPerRow) * 8;
+    if (row_block0 + row < seqlen_q) {
+      *reinterpret_cast<uint4*>(g_o + static_cast<int64_t>(row_block0 + row) * params.o_row_stride + col) =
+          ld_shared_b128(s_q + swizzled_offset<kBlockM>(row, col));
+    }
+  }
+
+  if (params.lse_ptr != nullptr && lane % 4 == 0) {
+    float* g_lse = params.lse_ptr + batch * params.lse_batch_stride + head * params.lse_head_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row_block0 + warp_row0 + lane / 4 + 8 * half;
+      if (row < seqlen_q) g_lse[row] = lse[half];
+    }
+  }
+}

@@ -1,0 +1,127 @@
+// Hopper (sm_90a) building blocks: TMA tile loads, mbarriers, wgmma descriptors and fences,
+// setmaxnreg. Only kernels compiled for sm_90a include this header.
+//
+// Shared-memory image of a tile: the 128-byte swizzle that both the TMA engine (SWIZZLE_128B)
+// and wgmma (descriptor layout type 1) use. A [rows][d] tile is stored as d / 64 column blocks
+// [d / 64][rows][64]; each row of a column block is 128 bytes, 8 rows form a 1024-byte atom, and
+// the 16-byte chunk c of row r sits at chunk position c ^ (r % 8). Atoms must be 1024-byte aligned.
+#pragma once
+
+#include "common.cuh"
+
+// cuTensorMapEncodeTiled's opaque 128-byte CUtensorMap (cuda.h cannot be included under NVRTC).
+struct alignas(64) TmaMap {
+  unsigned long long opaque[16];
+};
+
+constexpr int kSwizzleRowBytes = 128;   // one row of a column block
+constexpr int kSwizzleAtomBytes = 1024;  // 8 rows: the swizzle period
+constexpr int kColBlockElems = 64;       // 16-bit elements per 128-byte row
+
+// Byte offset of element (row, col) inside a [d / 64][rows][64] swizzled tile.
+template <int kRows>
+CF_DEVICE uint32_t swizzled_offset(int row, int col) {
+  const int chunk = (col % kColBlockElems) / 8;
+  return (col / kColBlockElems) * kRows * kSwizzleRowBytes + row * kSwizzleRowBytes +
+         ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
+}
+
+// ---------------------------------------------------------------------------------------------
+// mbarrier: arrival counts plus a transaction (byte) count that TMA completes.
+// ---------------------------------------------------------------------------------------------
+CF_DEVICE void mbar_init(uint32_t bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
+}
+
+// Makes the initialisation visible to the async proxy (TMA) and the other threads.
+CF_DEVICE void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+CF_DEVICE void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// One arrival that also announces `bytes` of TMA traffic the phase must wait for.
+CF_DEVICE void mbar_arrive_expect_tx(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// Wait until the phase with the given parity has completed. A fresh barrier is in phase 0, so
+// waiting on parity 1 returns at once: producers start their "slot is free" waits there.
+CF_DEVICE void mbar_wait(uint32_t bar, int parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// TMA: one instruction moves a whole box (here 64 elements x rows) into a swizzled tile and
+// completes `bytes` on the mbarrier. Coordinates are innermost first; out-of-range rows are
+// filled with zeros (so a ragged tail never brings garbage, let alone NaN, into P V).
+// ---------------------------------------------------------------------------------------------
+CF_DEVICE void tma_load_4d(uint32_t dst, const TmaMap& map, uint32_t bar, int c0, int c1, int c2,
+                           int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// wgmma shared-memory descriptor, 128-byte swizzle:
+//   bits 0-13 start address >> 4, 16-29 leading-dimension byte offset >> 4,
+//   32-45 stride-dimension byte offset >> 4, 62-63 layout (1 = 128-byte swizzle).
+// K-major operand (Q, K): rows 128 bytes apart, 8-row atoms SBO = 1024 apart; the k-step moves
+//   the start address by 32 bytes inside the row (LBO unused).
+// MN-major operand (V read as B of P V): along N the 64-element column blocks are LBO apart,
+//   along K (keys) the 8-row atoms SBO = 1024 apart.
+// ---------------------------------------------------------------------------------------------
+CF_DEVICE uint64_t wgmma_desc(uint32_t smem_byte_addr, uint32_t lbo_bytes) {
+  uint64_t desc = (smem_byte_addr & 0x3FFFF) >> 4;
+  desc |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
+  desc |= static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32;
+  desc |= 1ull << 62;
+  return desc;
+}
+
+// Orders this thread's register writes of accumulators / A fragments before the next wgmma.
+CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+CF_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+CF_DEVICE void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// The wgmma asm statements name the accumulators as outputs when they are *issued*; after
+// wgmma_wait this empty asm tells the compiler they change here, so no read of them is
+// scheduled between the issue and the wait.
+template <int kCols>
+CF_DEVICE void wgmma_fence_operands(float (&acc)[kCols][4]) {
+#pragma unroll
+  for (int c = 0; c < kCols; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[c][e])::"memory");
+}
+
+// Register reallocation between warpgroups (counts: multiples of 8 in [24, 256]).
+template <int kRegs>
+CF_DEVICE void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+CF_DEVICE void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// Barrier among the kThreads threads of one warpgroup-sized group (ids 1.. ; 0 is __syncthreads).
+CF_DEVICE void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}

@@ -1,0 +1,87 @@
+"""Writes kernels_cu/wgmma.cuh: the wgmma.mma_async wrappers of the Hopper forward.
+
+Each wgmma shape names its N/2 fp32 accumulator registers one by one in the PTX string, which
+C++ cannot spell with a loop; this script writes them out once (run it after changing SHAPES and
+commit the result: the kernels never generate source at run time).
+    python scripts/gen_wgmma.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHAPES = (64, 128, 256)  # N of m64nNk16: the key block (Q K^T) or the head dim (P V)
+TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
+
+HEADER = """\
+// wgmma.mma_async wrappers (m64nNk16, fp32 accumulate), written by scripts/gen_wgmma.py.
+//
+// A warpgroup (4 warps) computes a 64 x N tile; warp w holds rows 16 w .. 16 w + 15 and its
+// accumulator d[j][e] is element (row 16 w + lane / 4 + 8 (e / 2), col 8 j + 2 (lane % 4) + e % 2):
+// per warp exactly the m16n8 layout of mma.sync, so the mask, softmax and P re-packing of the
+// mma.sync kernel apply unchanged.
+//   ss(d, desc_a, desc_b, accumulate): A (64 x 16) and B (N x 16) both K-major in shared memory
+//                                      (Q K^T: Q and K stored [rows][d]).
+//   rs_bt(d, a, desc_b, accumulate):   A from registers (the mma.sync A fragment), B stored
+//                                      MN-major (P V: V stored [keys][d], transposed on the fly).
+// accumulate = 0 overwrites d (first k-step), 1 adds to it.
+#pragma once
+
+#include "common.cuh"
+
+template <int N, typename Element>
+struct Wgmma;
+"""
+
+
+def _regs(first: int, count: int) -> str:
+    return ", ".join(f"%{i}" for i in range(first, first + count))
+
+
+def _acc_operands(n: int) -> str:
+    ops = [f'"+f"(d[{j}][{e}])' for j in range(n // 8) for e in range(4)]
+    lines = [", ".join(ops[i : i + 8]) for i in range(0, len(ops), 8)]
+    return (",\n" + " " * 14).join(lines)
+
+
+def _specialisation(n: int, ctype: str, ptx_type: str) -> str:
+    acc = n // 2
+    shape = f"m64n{n}k16.f32.{ptx_type}.{ptx_type}"
+    ss = (
+        f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"\n'
+        f'        "wgmma.mma_async.sync.aligned.{shape} "\n'
+        f'        "{{{_regs(0, acc)}}}, "\n'
+        f'        "%{acc}, %{acc + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
+        f"        : {_acc_operands(n)}\n"
+        f'        : "l"(desc_a), "l"(desc_b), "r"(accumulate));'
+    )
+    rs = (
+        f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 5}, 0;\\n"\n'
+        f'        "wgmma.mma_async.sync.aligned.{shape} "\n'
+        f'        "{{{_regs(0, acc)}}}, "\n'
+        f'        "{{{_regs(acc, 4)}}}, %{acc + 4}, p, 1, 1, 1;\\n}}\\n"\n'
+        f"        : {_acc_operands(n)}\n"
+        f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));'
+    )
+    return (
+        f"template <>\nstruct Wgmma<{n}, {ctype}> {{\n"
+        f"  static CF_DEVICE void ss(float (&d)[{n // 8}][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {{\n"
+        f"    asm volatile(\n{ss}\n  }}\n"
+        f"  static CF_DEVICE void rs_bt(float (&d)[{n // 8}][4], const uint32_t (&a)[4], uint64_t desc_b,\n"
+        f"                              int accumulate) {{\n"
+        f"    asm volatile(\n{rs}\n  }}\n}};\n"
+    )
+
+
+def main() -> None:
+    parts = [HEADER]
+    for n in SHAPES:
+        for ctype, ptx_type in TYPES.items():
+            parts.append(_specialisation(n, ctype, ptx_type))
+    out = Path(__file__).resolve().parent.parent / "kernels_cu" / "wgmma.cuh"
+    out.write_text("\n".join(parts))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
