@@ -21,6 +21,8 @@ CI_ARCHS = ("sm_80", "sm_90a")
 #: Head dimensions of the Hopper (wgmma + TMA) forward: multiples of 64 (128-byte swizzle rows).
 FA3_HEAD_DIMS = (64, 128, 256)
 HOPPER_ARCH = "sm_90a"
+#: wgmma N extents with a wrapper in kernels_cu/wgmma.cuh (scripts/gen_wgmma.py): key blocks and head dims.
+WGMMA_N = (64, 128, 176, 192, 256)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +146,7 @@ class Fa3FwdSpec:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(CUDA_ELEMENT_TYPES)}")
         if self.head_dim not in FA3_HEAD_DIMS:
             raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA3_HEAD_DIMS}")
-        if self.block_n % 64 or not 64 <= self.block_n <= 256 or self.consumers not in (2, 3) or self.stages < 2:
+        if self.block_n not in WGMMA_N or self.consumers not in (2, 3) or self.stages < 2:
             raise ValueError(
                 f"bad Hopper tile: block_n={self.block_n}, consumers={self.consumers}, stages={self.stages}"
             )

@@ -9,9 +9,11 @@
 //       S = Q K_j^T            wgmma, Q and K straight from the swizzled TMA tiles
 //       mask, online softmax   the same verbs and fragment layout as the mma.sync kernel
 //       O += P V_j             wgmma with P from registers and V read transposed (MN-major)
-//     and release each K / V slot to the producer as soon as its wgmma has completed.
+//     software-pipelined so that the softmax of block j runs while O += P_{j-1} V_{j-1} is
+//     still on the tensor cores, and releasing each K / V slot to the producer as soon as its
+//     wgmma has completed.
 // The producer runs up to kStages blocks ahead, so HBM traffic overlaps the tensor-core work of
-// both consumers; each consumer's softmax overlaps the other consumer's wgmmas.
+// both consumers; each consumer's softmax also overlaps the other consumer's wgmmas.
 #pragma once
 
 #include "common.cuh"
@@ -63,7 +65,7 @@ struct Fa3FwdTraits {
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
 
   static_assert(kHeadDim % kColBlockElems == 0, "head dim must be a multiple of 64");
-  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key block: a multiple of 64 up to 256");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: a multiple of 16 up to 256 (wgmma N, TMA box)");
   static_assert(sizeof(Element) == 2, "16-bit elements");
 };
 
@@ -162,18 +164,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   OnlineSoftmax<1> softmax;
   const float scale_log2 = params.softmax_scale_log2;
 
-  mbar_wait(bar_q_full, 0);
-  for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
-    const int stage = it % kStages;
-    const int parity = (it / kStages) & 1;
-    const uint32_t k_slot = s_k + stage * Traits::kKVBytes;
-    const uint32_t v_slot = s_v + stage * Traits::kKVBytes;
-
-    // S = Q K^T: k-step ks reads 16 columns of d, 32 bytes into the 128-byte rows of column
-    // block ks / 4 (Q rows of this consumer start consumer_row0 rows into the Q tile).
-    float s[1][Traits::kNTiles][4];
-    mbar_wait(bar(kKFull, stage), parity);
-    wgmma_fence();
+  // S = Q K^T for the K tile in `k_slot`: k-step ks reads 16 columns of d, 32 bytes into the
+  // 128-byte rows of column block ks / 4 (this consumer's Q rows start consumer_row0 rows in).
+  auto issue_qk = [&](float (&s)[1][Traits::kNTiles][4], uint32_t k_slot) {
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
       const uint32_t col_bytes = (ks % 4) * 32;
@@ -183,44 +176,95 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       Mma::ss(s[0], desc_q, desc_k, ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(s[0]);
-    if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
-
+  };
+  // O += P V for the V tile in `v_slot`: k-step ks takes keys 16 ks .. 16 ks + 15 (two 8-row
+  // atoms of every column block, 2048 bytes per step); d's column blocks are kBlockN rows apart.
+  auto issue_pv = [&](const uint32_t (&p)[kBlockN / 16][4], uint32_t v_slot) {
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      const uint64_t desc_v = wgmma_desc(v_slot + ks * 2 * kSwizzleAtomBytes, kBlockN * kSwizzleRowBytes);
+      MmaPV::rs_bt(acc_o, p[ks], desc_v, 1);
+    }
+    wgmma_commit();
+  };
+  // Softcap, mask, running max and P = exp2(..) of one block of scores; returns whether any row's
+  // max moved (then O must be rescaled by `rescale`).
+  auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, float (&rescale)[2]) {
     if constexpr (Traits::Has_softcap) apply_softcap(s, params.softcap_prescale);
     if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
-
-    float rescale[2];
     softmax.update_max(s, scale_log2, rescale);
+    softmax.exp_accumulate(s, scale_log2, rescale);
+  };
+  auto to_operand = [&](const float (&s)[1][Traits::kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      p[ks][0] = Traits::Ops::pack2(s[0][2 * ks][0], s[0][2 * ks][1]);
+      p[ks][1] = Traits::Ops::pack2(s[0][2 * ks][2], s[0][2 * ks][3]);
+      p[ks][2] = Traits::Ops::pack2(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
+      p[ks][3] = Traits::Ops::pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
+    }
+  };
+  auto fence_p = [&](uint32_t (&p)[kBlockN / 16][4]) {
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(p[ks][i])::"memory");
+  };
+
+  // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step `it` issues
+  // S_it = Q K_it^T and O += P_{it-1} V_{it-1} back to back, then computes the softmax of S_it
+  // while the P V wgmma still runs; O is rescaled once that wgmma has completed. The visited
+  // blocks are n_end - 1 - it (last first: the masked blocks come first under causal).
+  const int n_blocks = max(n_end - n_begin, 0);
+  uint32_t p_prev[kBlockN / 16][4];
+  mbar_wait(bar_q_full, 0);
+  if (n_blocks > 0) {
+    float s[1][Traits::kNTiles][4];
+    mbar_wait(bar(kKFull, 0), 0);
+    wgmma_fence();
+    issue_qk(s, s_k);
+    wgmma_wait<0>();
+    wgmma_fence_operands(s[0]);
+    if (lane == 0) mbar_arrive(bar(kKEmpty, 0));
+    float rescale[2];
+    softmax_step(s, n_end - 1, rescale);
+    to_operand(s, p_prev);
+  }
+  for (int it = 1; it < n_blocks; ++it) {
+    const int stage = it % kStages, parity = (it / kStages) & 1;
+    const int prev_stage = (it - 1) % kStages, prev_parity = ((it - 1) / kStages) & 1;
+    float s[1][Traits::kNTiles][4];
+    mbar_wait(bar(kKFull, stage), parity);
+    wgmma_fence();
+    issue_qk(s, s_k + stage * Traits::kKVBytes);
+    mbar_wait(bar(kVFull, prev_stage), prev_parity);
+    issue_pv(p_prev, s_v + prev_stage * Traits::kKVBytes);
+    wgmma_wait<1>();  // S_it is ready; P_{it-1} V_{it-1} may still run
+    wgmma_fence_operands(s[0]);
+    if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
+    float rescale[2];
+    softmax_step(s, n_end - 1 - it, rescale);
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc_o);
+    fence_p(p_prev);
+    if (lane == 0) mbar_arrive(bar(kVEmpty, prev_stage));
     if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
 #pragma unroll
       for (int dt = 0; dt < Traits::kDTiles; ++dt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[dt][e] *= rescale[e / 2];
     }
-    softmax.exp_accumulate(s, scale_log2, rescale);
-
-    // O += P V: k-step ks takes keys 16 ks .. 16 ks + 15 (two 8-row atoms of every column
-    // block, 2048 bytes per step); the column blocks of d are kBlockN rows apart (LBO).
-    uint32_t a[kBlockN / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      a[ks][0] = Traits::Ops::pack2(s[0][2 * ks][0], s[0][2 * ks][1]);
-      a[ks][1] = Traits::Ops::pack2(s[0][2 * ks][2], s[0][2 * ks][3]);
-      a[ks][2] = Traits::Ops::pack2(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
-      a[ks][3] = Traits::Ops::pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
-    }
+    to_operand(s, p_prev);
+  }
+  if (n_blocks > 0) {
+    const int last = n_blocks - 1;
+    const int stage = last % kStages, parity = (last / kStages) & 1;
     mbar_wait(bar(kVFull, stage), parity);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      const uint64_t desc_v =
-          wgmma_desc(v_slot + ks * 2 * kSwizzleAtomBytes, kBlockN * kSwizzleRowBytes);
-      MmaPV::rs_bt(acc_o, a[ks], desc_v, 1);
-    }
-    wgmma_commit();
+    issue_pv(p_prev, s_v + stage * Traits::kKVBytes);
     wgmma_wait<0>();
     wgmma_fence_operands(acc_o);
+    fence_p(p_prev);
     if (lane == 0) mbar_arrive(bar(kVEmpty, stage));
   }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SHAPES = (64, 128, 256)  # N of m64nNk16: the key block (Q K^T) or the head dim (P V)
+SHAPES = (64, 128, 176, 192, 256)  # N of m64nNk16: the key block (Q K^T) or the head dim (P V)
 TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
 
 HEADER = """\

@@ -1,0 +1,89 @@
+"""Measure Hopper-kernel tiles per head dim on the benchmark shapes (run on the GPU machine).
+
+Each candidate (key block, consumer warpgroups, K/V stages) is compiled, checked against the
+reference on awkward shapes, and timed on bench.py's prefill shapes; the table of TFLOP/s per
+candidate is what _dispatch.FA3_FWD_TILES is set from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+import cupyflash
+from cupyflash import _api, _dispatch, _kernels, bench, reference
+from cupyflash._specs import Fa3FwdSpec
+
+# head_dim -> (block_n, consumers, stages)
+CANDIDATES = {
+    64: [(128, 2, 4), (128, 3, 2), (128, 3, 4), (192, 2, 3)],
+    128: [(128, 2, 2), (176, 2, 2), (192, 2, 2), (128, 2, 3)],
+    256: [(64, 2, 2)],
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--head-dims", type=int, nargs="+", default=sorted(CANDIDATES))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    import cupy
+    import torch
+
+    device = cupy.cuda.runtime.getDevice()
+    max_smem = cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
+    specs = [
+        Fa3FwdSpec(args.dtype, d, *tile, causal=causal)
+        for d in args.head_dims
+        for tile in CANDIDATES[d]
+        for causal in (False, True)
+    ]
+    specs = [s for s in specs if s.smem_bytes <= max_smem]
+    compiled = {k.spec: k for k in _kernels.warmup(specs, device, workers=16)}
+    results = []
+    for d in args.head_dims:
+        for tile in CANDIDATES[d]:
+            kernels = [compiled.get(Fa3FwdSpec(args.dtype, d, *tile, causal=c)) for c in (False, True)]
+            if any(k is None for k in kernels):
+                print(f"d={d} {tile}: over the shared memory of a block, skipped")
+                continue
+            regs = "/".join(str(k.num_regs) for k in kernels if k is not None)
+            if any(k.local_bytes for k in kernels if k is not None):
+                print(f"d={d} {tile}: spills, skipped")
+                continue
+            _dispatch.FA3_FWD_TILES[d] = tile
+            _api._plans.clear()
+            rng = np.random.default_rng(d)
+            err = 0.0
+            for nq, nk, causal, window in (
+                (300, 333, True, (-1, -1)),
+                (77, 200, False, (-1, -1)),
+                (129, 64, False, (20, 7)),
+            ):
+                q, k, v = (
+                    torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda().to(getattr(torch, args.dtype))
+                    for s in ((2, nq, 4, d), (2, nk, 2, d), (2, nk, 2, d))
+                )
+                out = cupyflash.attention(q, k, v, causal=causal, window=window, algorithm="fa3")
+                ref = reference.attention(q, k, v, causal=causal, window=window)
+                err = max(err, float(np.linalg.norm(reference.to_numpy64(out) - ref) / np.linalg.norm(ref)))
+            row = {"head_dim": d, "tile(block_n,consumers,stages)": tile, "regs": regs, "err": err}
+            for n in bench.PREFILL_SEQLENS:
+                for causal in (False, True):
+                    shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, causal, args.dtype)
+                    r = bench.run_prefill(shape, backends=("cupyflash_fa3",))
+                    row[f"N{shape.seqlen}{'c' if shape.causal else ''}"] = r["cupyflash_fa3"]
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
