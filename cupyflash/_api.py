@@ -304,6 +304,18 @@ def _device_max_smem(device: int) -> int:
     return smem
 
 
+_sm_count: dict[int, int] = {}
+
+
+def _device_sm_count(device: int) -> int:
+    count = _sm_count.get(device)
+    if count is None:
+        import cupy
+
+        count = _sm_count[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+    return count
+
+
 def _check_gpu_dtypes(q_dtype: str, k_dtype: str, v_dtype: str, head_dim: int) -> None:
     if not (q_dtype == k_dtype == v_dtype):
         raise TypeError(f"q, k and v must have one dtype, got {q_dtype}, {k_dtype}, {v_dtype}")
@@ -369,10 +381,14 @@ def _build_plan(
     if p.batch and p.seqlen_q and p.heads_q:
         spec = _forward_spec(p, dtypes[0], device, algorithm, packed=axes[0] < 0)
         kernel = _kernels.get_kernel(spec, device)
-        block_m = spec.block_m if isinstance(spec, Fa3FwdSpec) else spec.tile.block_m
-        grid = (-(-p.seqlen_q // block_m), p.batch, p.heads_q)
         threads, smem = (spec.num_threads, 1, 1), spec.smem_bytes
-        if isinstance(spec, Fa3FwdSpec):
+        if isinstance(spec, Fa2FwdSpec):
+            grid = (-(-p.seqlen_q // spec.tile.block_m), p.batch, p.heads_q)
+        else:  # persistent: one CTA per SM walks the tiles
+            tiles = -(-p.seqlen_q // spec.block_m) * p.batch * p.heads_q
+            if tiles >= 2**31:
+                raise ValueError(f"{tiles} query tiles exceed the kernel's 32-bit tile counter")
+            grid = (min(tiles, _device_sm_count(device)), 1, 1)
             d = p.head_dim
             tma = _TmaPlan(
                 dtypes[0], (d, p.seqlen_q, p.heads_q, p.batch), (d, p.seqlen_k, p.heads_kv, p.batch),

@@ -72,13 +72,14 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
     return specs
 
 
-# Hopper forward: head_dim -> (block_n, consumer warpgroups, K/V stages). The 128 x 128 tile of
-# two consumers keeps S (64 fp32 per thread) and O (d / 2) in the 240 registers each consumer
-# thread gets; d = 256's O takes 128, so its key block is 64.
-FA3_FWD_TILES: dict[int, tuple[int, int, int]] = {
-    64: (128, 2, 4),
-    128: (128, 2, 2),
-    256: (64, 2, 2),
+# Hopper forward: head_dim -> (block_n, consumer warpgroups, K/V stages, O in its own buffer),
+# measured on the H200 (scripts/tune_fa3.py, docs/gpu_runs/). Two consumers keep S (block_n / 2
+# fp32 per thread), P and O (d / 2) in the 240 registers each consumer thread gets; d = 256's O
+# takes 128, so its key block is 64, and its O is staged in the Q tile (shared memory is short).
+FA3_FWD_TILES: dict[int, tuple[int, int, int, bool]] = {
+    64: (128, 2, 4, True),
+    128: (128, 2, 2, True),
+    256: (64, 2, 2, False),
 }
 
 
@@ -86,8 +87,8 @@ def fa3_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa3FwdSpec | No
     """The Hopper variant for a call, or None where it has none (that head dim)."""
     if head_dim not in FA3_HEAD_DIMS:
         return None
-    block_n, consumers, stages = FA3_FWD_TILES[head_dim]
-    return Fa3FwdSpec(dtype, head_dim, block_n, consumers, stages, flags.causal, flags.local, flags.softcap)
+    block_n, consumers, stages, separate_o = FA3_FWD_TILES[head_dim]
+    return Fa3FwdSpec(dtype, head_dim, block_n, consumers, stages, separate_o, flags.causal, flags.local, flags.softcap)
 
 
 def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:

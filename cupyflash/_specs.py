@@ -123,7 +123,9 @@ class Fa3FwdSpec:
     """A variant of ``kernels_cu/fa3_fwd.cu`` (template ``Fa3FwdTraits``): Hopper only.
 
     One producer warpgroup (TMA) and ``consumers`` warpgroups of 64 query rows each (wgmma);
-    ``stages`` K/V slots in the mbarrier ring.
+    ``stages`` K/V slots in the mbarrier ring; ``separate_o``: O staged in its own buffer (the
+    next tile's Q loads during the epilogue) rather than in the Q tile. Persistent: the grid is
+    one CTA per SM (at most one per tile).
     """
 
     dtype: str
@@ -131,6 +133,7 @@ class Fa3FwdSpec:
     block_n: int
     consumers: int = 2
     stages: int = 2
+    separate_o: bool = True
     causal: bool = False
     local: bool = False
     softcap: bool = False
@@ -162,7 +165,7 @@ class Fa3FwdSpec:
         )
         return (
             f"cf_fa3_fwd_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
-            f"_m{self.block_m}_n{self.block_n}_s{self.stages}{flags}"
+            f"_m{self.block_m}_n{self.block_n}_s{self.stages}{'_os' if self.separate_o else ''}{flags}"
         )
 
     @property
@@ -171,14 +174,14 @@ class Fa3FwdSpec:
 
     @property
     def smem_bytes(self) -> int:
-        # 1024 bytes of alignment slack, Q, the K and V slots, the mbarriers (as Fa3FwdTraits).
-        tiles = 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n)
-        return 1024 + tiles + 8 * (1 + 4 * self.stages)
+        # 1024 bytes of alignment slack, Q, [O,] the K and V slots, the mbarriers (as Fa3FwdTraits).
+        rows = self.block_m * (2 if self.separate_o else 1) + 2 * self.stages * self.block_n
+        return 1024 + 2 * self.head_dim * rows + 8 * (2 + 4 * self.stages)
 
     def template_args(self) -> str:
         b = lambda flag: "true" if flag else "false"  # noqa: E731
         return (
-            f"Fa3FwdTraits<{self.head_dim}, {self.block_n}, {self.consumers}, {self.stages}, "
+            f"Fa3FwdTraits<{self.head_dim}, {self.block_n}, {self.consumers}, {self.stages}, {b(self.separate_o)}, "
             f"{CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}, {b(self.local)}, {b(self.softcap)}>"
         )
 

@@ -1,10 +1,14 @@
 // Hopper forward (sm_90a): FlashAttention-2's algorithm on Hopper's asynchronous machinery, as
 // FlashAttention-3 (Shah et al., 2024) runs it.
 //
-// Grid (num_m_blocks, B, Hq) as fa2_fwd.cu. A CTA is 1 + kConsumers warpgroups:
-//   producer warpgroup  one thread issues every TMA load (Q once, then K_j and V_j per key
-//                       block into a kStages-deep ring of mbarrier-guarded slots); the
-//                       warpgroup gives its registers away (setmaxnreg.dec).
+// Persistent: one CTA per SM walks the tiles (query block, batch, head) blockIdx.x,
+// blockIdx.x + gridDim.x, ... so that the loads of a CTA's next tile overlap the end of its
+// current one (at N = 1024 a tile is only ~15 us of work; a fresh CTA per tile exposed its
+// barrier set-up and first loads each time). A CTA is 1 + kConsumers warpgroups:
+//   producer warpgroup  one thread issues every TMA load (Q per tile, then K_j and V_j per key
+//                       block into a kStages-deep ring of mbarrier-guarded slots, the ring
+//                       running on across tiles); the warpgroup gives its registers away
+//                       (setmaxnreg.dec).
 //   consumer warpgroups 64 query rows each, end to end (no cross-warpgroup reduction):
 //       S = Q K_j^T            wgmma, Q and K straight from the swizzled TMA tiles
 //       mask, online softmax   the same verbs and fragment layout as the mma.sync kernel
@@ -31,8 +35,8 @@ struct Fa3Params {
   AttnParams attn;
 };
 
-template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, typename Element_,
-          bool Is_causal_, bool Is_local_, bool Has_softcap_>
+template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_,
+          typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
 struct Fa3FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -41,6 +45,9 @@ struct Fa3FwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kStages = kStages_;
+  // O is staged for its coalesced store in a buffer of its own (true), so the next tile's Q can
+  // load during the epilogue, or in the Q tile (false: when shared memory is short, d = 256).
+  static constexpr bool Separate_o = Separate_o_;
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
@@ -52,13 +59,14 @@ struct Fa3FwdTraits {
   static constexpr int kDTiles = kHeadDim / 8;  // 8-wide column tiles of O
   static constexpr int kColBlocks = kHeadDim / kColBlockElems;
 
-  // Shared memory: Q, kStages K slots, kStages V slots (all swizzled, 1024-byte aligned), then
-  // the mbarriers: q_full, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages].
+  // Shared memory: Q, [O,] kStages K slots, kStages V slots (all swizzled, 1024-byte aligned),
+  // then the mbarriers q_full, q_empty, k_full[kStages], k_empty[..], v_full[..], v_empty[..].
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kOBytes = Separate_o ? kQBytes : 0;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
-  static constexpr int kSmemBytes =
-      kSwizzleAtomBytes /* alignment slack */ + kQBytes + 2 * kStages * kKVBytes + kBarrierBytes;
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
+  static constexpr int kSmemBytes = kSwizzleAtomBytes /* alignment slack */ + kQBytes + kOBytes +
+                                    2 * kStages * kKVBytes + kBarrierBytes;
 
   // Registers: the producer keeps 24, the consumers share the rest of the 64K register file.
   static constexpr int kProducerRegs = 24;
@@ -68,6 +76,32 @@ struct Fa3FwdTraits {
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: a multiple of 16 up to 256 (wgmma N, TMA box)");
   static_assert(sizeof(Element) == 2, "16-bit elements");
 };
+
+// Tile t -> (query block, batch, head). Query blocks run fastest, so the CTAs working at one
+// time share a (batch, head) and its K/V stays in L2; under causal the last query blocks (the
+// most keys) come first, so the long tiles do not straggle at the end.
+template <typename Traits>
+struct TileScheduler {
+  int num_m_blocks;
+  int num_tiles;
+
+  CF_DEVICE explicit TileScheduler(const AttnParams& params)
+      : num_m_blocks(ceil_div(params.seqlen_q, Traits::kBlockM)),
+        num_tiles(num_m_blocks * params.batch * params.h) {}
+
+  struct Tile {
+    int m_block, batch, head;
+  };
+
+  CF_DEVICE Tile operator()(int t, const AttnParams& params) const {
+    const int m = t % num_m_blocks;
+    const int bh = t / num_m_blocks;
+    return {Traits::Is_causal ? num_m_blocks - 1 - m : m, bh / params.h, bh % params.h};
+  }
+};
+
+template <typename Traits>
+using TileMask = KeyMask<Traits::kBlockM, Traits::kBlockN, Traits::Is_causal, Traits::Is_local>;
 
 template <typename Traits>
 CF_DEVICE void fa3_fwd(const Fa3Params& p) {
@@ -81,32 +115,25 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t smem_base = (smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1);
   const uint32_t s_q = smem_base;
-  const uint32_t s_k = s_q + Traits::kQBytes;
+  const uint32_t s_o = Traits::Separate_o ? s_q + Traits::kQBytes : s_q;
+  const uint32_t s_k = s_q + Traits::kQBytes + Traits::kOBytes;
   const uint32_t s_v = s_k + kStages * Traits::kKVBytes;
   const uint32_t bar_q_full = s_v + kStages * Traits::kKVBytes;
-  auto bar = [&](int kind, int stage) { return bar_q_full + 8 * (1 + kind * kStages + stage); };
+  const uint32_t bar_q_empty = bar_q_full + 8;
+  auto bar = [&](int kind, int stage) { return bar_q_full + 8 * (2 + kind * kStages + stage); };
   enum { kKFull = 0, kKEmpty = 1, kVFull = 2, kVEmpty = 3 };
+  constexpr int kConsumerWarps = 4 * Traits::kConsumers;
 
-  const int m_block = Traits::Is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int batch = blockIdx.y;
-  const int head = blockIdx.z;
-  const int head_k = head / params.h_h_k_ratio;
-  const int seqlen_q = params.seqlen_q;
-  const int seqlen_k = params.seqlen_k;
-  const int row_block0 = m_block * kBlockM;
-  const KeyMask<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> mask(
-      m_block, seqlen_q, seqlen_k, params.window_left, params.window_right);
-  const int n_begin = mask.n_block_begin();
-  const int n_end = mask.n_block_end();
-
+  const TileScheduler<Traits> scheduler(params);
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     mbar_init(bar_q_full, 1);
+    mbar_init(bar_q_empty, kConsumerWarps);  // one arrival per consumer warp
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bar(kKFull, s), 1);
       mbar_init(bar(kVFull, s), 1);
-      mbar_init(bar(kKEmpty, s), 4 * Traits::kConsumers);  // one arrival per consumer warp
-      mbar_init(bar(kVEmpty, s), 4 * Traits::kConsumers);
+      mbar_init(bar(kKEmpty, s), kConsumerWarps);
+      mbar_init(bar(kVEmpty, s), kConsumerWarps);
     }
     mbar_init_fence();
   }
@@ -116,30 +143,40 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // ---------------------------------------------------------------- producer
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
-    mbar_arrive_expect_tx(bar_q_full, Traits::kQBytes);
-#pragma unroll
-    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-      tma_load_4d(s_q + cb * kBlockM * kSwizzleRowBytes, p.q_map, bar_q_full, cb * kColBlockElems,
-                  row_block0, head, batch);
-    }
-    for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
-      const int stage = it % kStages;
-      const int parity = ((it / kStages) & 1) ^ 1;  // the slot's previous use has been released
-      const uint32_t k_slot = s_k + stage * Traits::kKVBytes;
-      const uint32_t v_slot = s_v + stage * Traits::kKVBytes;
-      mbar_wait(bar(kKEmpty, stage), parity);
-      mbar_arrive_expect_tx(bar(kKFull, stage), Traits::kKVBytes);
+    int kv_iter = 0;  // position in the K/V ring, continuing across tiles
+    for (int t = blockIdx.x, tile_iter = 0; t < scheduler.num_tiles; t += gridDim.x, ++tile_iter) {
+      const auto tile = scheduler(t, params);
+      const int head_k = tile.head / params.h_h_k_ratio;
+      const TileMask<Traits> mask(tile.m_block, params.seqlen_q, params.seqlen_k, params.window_left,
+                                  params.window_right);
+      const int n_begin = mask.n_block_begin();
+      const int n_end = mask.n_block_end();
+      mbar_wait(bar_q_empty, (tile_iter & 1) ^ 1);  // the consumers are done with the last Q
+      mbar_arrive_expect_tx(bar_q_full, Traits::kQBytes);
 #pragma unroll
       for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-        tma_load_4d(k_slot + cb * kBlockN * kSwizzleRowBytes, p.k_map, bar(kKFull, stage),
-                    cb * kColBlockElems, n_block * kBlockN, head_k, batch);
+        tma_load_4d(s_q + cb * kBlockM * kSwizzleRowBytes, p.q_map, bar_q_full, cb * kColBlockElems,
+                    tile.m_block * kBlockM, tile.head, tile.batch);
       }
-      mbar_wait(bar(kVEmpty, stage), parity);
-      mbar_arrive_expect_tx(bar(kVFull, stage), Traits::kKVBytes);
+      for (int n_block = n_end - 1; n_block >= n_begin; --n_block, ++kv_iter) {
+        const int stage = kv_iter % kStages;
+        const int parity = ((kv_iter / kStages) & 1) ^ 1;  // the slot's previous use was released
+        const uint32_t k_slot = s_k + stage * Traits::kKVBytes;
+        const uint32_t v_slot = s_v + stage * Traits::kKVBytes;
+        mbar_wait(bar(kKEmpty, stage), parity);
+        mbar_arrive_expect_tx(bar(kKFull, stage), Traits::kKVBytes);
 #pragma unroll
-      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-        tma_load_4d(v_slot + cb * kBlockN * kSwizzleRowBytes, p.v_map, bar(kVFull, stage),
-                    cb * kColBlockElems, n_block * kBlockN, head_k, batch);
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(k_slot + cb * kBlockN * kSwizzleRowBytes, p.k_map, bar(kKFull, stage),
+                      cb * kColBlockElems, n_block * kBlockN, head_k, tile.batch);
+        }
+        mbar_wait(bar(kVEmpty, stage), parity);
+        mbar_arrive_expect_tx(bar(kVFull, stage), Traits::kKVBytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(v_slot + cb * kBlockN * kSwizzleRowBytes, p.v_map, bar(kVFull, stage),
+                      cb * kColBlockElems, n_block * kBlockN, head_k, tile.batch);
+        }
       }
     }
     return;
@@ -153,157 +190,180 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   const int warp = tid / 32;
   const int consumer_row0 = consumer * Traits::kRowsPerConsumer;  // in the block
   const int warp_row0 = consumer_row0 + 16 * warp;
+  const float scale_log2 = params.softmax_scale_log2;
   using Mma = Wgmma<kBlockN, Element>;
   using MmaPV = Wgmma<kHeadDim, Element>;
 
-  float acc_o[Traits::kDTiles][4];
-#pragma unroll
-  for (int dt = 0; dt < Traits::kDTiles; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
-  OnlineSoftmax<1> softmax;
-  const float scale_log2 = params.softmax_scale_log2;
+  int kv_iter = 0;
+  for (int t = blockIdx.x, tile_iter = 0; t < scheduler.num_tiles; t += gridDim.x, ++tile_iter) {
+    const auto tile = scheduler(t, params);
+    const int row_block0 = tile.m_block * kBlockM;
+    const TileMask<Traits> mask(tile.m_block, params.seqlen_q, params.seqlen_k, params.window_left,
+                                params.window_right);
+    const int n_end = mask.n_block_end();
+    const int n_blocks = max(n_end - mask.n_block_begin(), 0);
 
-  // S = Q K^T for the K tile in `k_slot`: k-step ks reads 16 columns of d, 32 bytes into the
-  // 128-byte rows of column block ks / 4 (this consumer's Q rows start consumer_row0 rows in).
-  auto issue_qk = [&](float (&s)[1][Traits::kNTiles][4], uint32_t k_slot) {
+    float acc_o[Traits::kDTiles][4];
 #pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const uint32_t col_bytes = (ks % 4) * 32;
-      const uint64_t desc_q = wgmma_desc(
-          s_q + (ks / 4) * kBlockM * kSwizzleRowBytes + consumer_row0 * kSwizzleRowBytes + col_bytes, 0);
-      const uint64_t desc_k = wgmma_desc(k_slot + (ks / 4) * kBlockN * kSwizzleRowBytes + col_bytes, 0);
-      Mma::ss(s[0], desc_q, desc_k, ks > 0);
-    }
-    wgmma_commit();
-  };
-  // O += P V for the V tile in `v_slot`: k-step ks takes keys 16 ks .. 16 ks + 15 (two 8-row
-  // atoms of every column block, 2048 bytes per step); d's column blocks are kBlockN rows apart.
-  auto issue_pv = [&](const uint32_t (&p)[kBlockN / 16][4], uint32_t v_slot) {
+    for (int dt = 0; dt < Traits::kDTiles; ++dt)
 #pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      const uint64_t desc_v = wgmma_desc(v_slot + ks * 2 * kSwizzleAtomBytes, kBlockN * kSwizzleRowBytes);
-      MmaPV::rs_bt(acc_o, p[ks], desc_v, 1);
-    }
-    wgmma_commit();
-  };
-  // Softcap, mask, running max and P = exp2(..) of one block of scores; returns whether any row's
-  // max moved (then O must be rescaled by `rescale`).
-  auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, float (&rescale)[2]) {
-    if constexpr (Traits::Has_softcap) apply_softcap(s, params.softcap_prescale);
-    if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
-    softmax.update_max(s, scale_log2, rescale);
-    softmax.exp_accumulate(s, scale_log2, rescale);
-  };
-  auto to_operand = [&](const float (&s)[1][Traits::kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
-#pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      p[ks][0] = Traits::Ops::pack2(s[0][2 * ks][0], s[0][2 * ks][1]);
-      p[ks][1] = Traits::Ops::pack2(s[0][2 * ks][2], s[0][2 * ks][3]);
-      p[ks][2] = Traits::Ops::pack2(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
-      p[ks][3] = Traits::Ops::pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
-    }
-  };
-  auto fence_p = [&](uint32_t (&p)[kBlockN / 16][4]) {
-#pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(p[ks][i])::"memory");
-  };
+      for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+    OnlineSoftmax<1> softmax;
 
-  // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step `it` issues
-  // S_it = Q K_it^T and O += P_{it-1} V_{it-1} back to back, then computes the softmax of S_it
-  // while the P V wgmma still runs; O is rescaled once that wgmma has completed. The visited
-  // blocks are n_end - 1 - it (last first: the masked blocks come first under causal).
-  const int n_blocks = max(n_end - n_begin, 0);
-  uint32_t p_prev[kBlockN / 16][4];
-  mbar_wait(bar_q_full, 0);
-  if (n_blocks > 0) {
-    float s[1][Traits::kNTiles][4];
-    mbar_wait(bar(kKFull, 0), 0);
-    wgmma_fence();
-    issue_qk(s, s_k);
-    wgmma_wait<0>();
-    wgmma_fence_operands(s[0]);
-    if (lane == 0) mbar_arrive(bar(kKEmpty, 0));
-    float rescale[2];
-    softmax_step(s, n_end - 1, rescale);
-    to_operand(s, p_prev);
-  }
-  for (int it = 1; it < n_blocks; ++it) {
-    const int stage = it % kStages, parity = (it / kStages) & 1;
-    const int prev_stage = (it - 1) % kStages, prev_parity = ((it - 1) / kStages) & 1;
-    float s[1][Traits::kNTiles][4];
-    mbar_wait(bar(kKFull, stage), parity);
-    wgmma_fence();
-    issue_qk(s, s_k + stage * Traits::kKVBytes);
-    mbar_wait(bar(kVFull, prev_stage), prev_parity);
-    issue_pv(p_prev, s_v + prev_stage * Traits::kKVBytes);
-    wgmma_wait<1>();  // S_it is ready; P_{it-1} V_{it-1} may still run
-    wgmma_fence_operands(s[0]);
-    if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
-    float rescale[2];
-    softmax_step(s, n_end - 1 - it, rescale);
-    wgmma_wait<0>();
-    wgmma_fence_operands(acc_o);
-    fence_p(p_prev);
-    if (lane == 0) mbar_arrive(bar(kVEmpty, prev_stage));
-    if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+    // S = Q K^T for the K tile in `k_slot`: k-step ks reads 16 columns of d, 32 bytes into the
+    // 128-byte rows of column block ks / 4 (this consumer's Q rows start consumer_row0 rows in).
+    auto issue_qk = [&](float (&s)[1][Traits::kNTiles][4], uint32_t k_slot) {
 #pragma unroll
-      for (int dt = 0; dt < Traits::kDTiles; ++dt)
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const uint32_t col_bytes = (ks % 4) * 32;
+        const uint64_t desc_q = wgmma_desc(
+            s_q + (ks / 4) * kBlockM * kSwizzleRowBytes + consumer_row0 * kSwizzleRowBytes + col_bytes, 0);
+        const uint64_t desc_k = wgmma_desc(k_slot + (ks / 4) * kBlockN * kSwizzleRowBytes + col_bytes, 0);
+        Mma::ss(s[0], desc_q, desc_k, ks > 0);
+      }
+      wgmma_commit();
+    };
+    // O += P V for the V tile in `v_slot`: k-step ks takes keys 16 ks .. 16 ks + 15 (two 8-row
+    // atoms of every column block, 2048 bytes per step); d's column blocks are kBlockN rows apart.
+    auto issue_pv = [&](const uint32_t (&pk)[kBlockN / 16][4], uint32_t v_slot) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[dt][e] *= rescale[e / 2];
-    }
-    to_operand(s, p_prev);
-  }
-  if (n_blocks > 0) {
-    const int last = n_blocks - 1;
-    const int stage = last % kStages, parity = (last / kStages) & 1;
-    mbar_wait(bar(kVFull, stage), parity);
-    wgmma_fence();
-    issue_pv(p_prev, s_v + stage * Traits::kKVBytes);
-    wgmma_wait<0>();
-    wgmma_fence_operands(acc_o);
-    fence_p(p_prev);
-    if (lane == 0) mbar_arrive(bar(kVEmpty, stage));
-  }
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        const uint64_t desc_v = wgmma_desc(v_slot + ks * 2 * kSwizzleAtomBytes, kBlockN * kSwizzleRowBytes);
+        MmaPV::rs_bt(acc_o, pk[ks], desc_v, 1);
+      }
+      wgmma_commit();
+    };
+    // Softcap, mask, running max and P = exp2(..) of one block of scores.
+    auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, float (&rescale)[2]) {
+      if constexpr (Traits::Has_softcap) apply_softcap(s, params.softcap_prescale);
+      if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
+      softmax.update_max(s, scale_log2, rescale);
+      softmax.exp_accumulate(s, scale_log2, rescale);
+    };
+    auto to_operand = [&](const float (&s)[1][Traits::kNTiles][4], uint32_t (&pk)[kBlockN / 16][4]) {
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        pk[ks][0] = Traits::Ops::pack2(s[0][2 * ks][0], s[0][2 * ks][1]);
+        pk[ks][1] = Traits::Ops::pack2(s[0][2 * ks][2], s[0][2 * ks][3]);
+        pk[ks][2] = Traits::Ops::pack2(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
+        pk[ks][3] = Traits::Ops::pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
+      }
+    };
+    // Keeps P's registers untouched until the wgmma reading them has completed.
+    auto fence_p = [&](uint32_t (&pk)[kBlockN / 16][4]) {
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(pk[ks][i])::"memory");
+    };
+    auto slot = [&](int it, int& stage, int& parity) {
+      stage = (kv_iter + it) % kStages;
+      parity = ((kv_iter + it) / kStages) & 1;
+    };
 
-  // Epilogue: normalise, stage this consumer's 64 rows of O in its own rows of the Q tile (read
-  // by no one else; its last wgmma has completed), then 16-byte coalesced stores.
-  float inv_sum[2], lse[2];
-  softmax.finalize(scale_log2, inv_sum, lse);
-#pragma unroll
-  for (int dt = 0; dt < Traits::kDTiles; ++dt) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_row0 + lane / 4 + 8 * half;
-      const int col = 8 * dt + 2 * (lane % 4);
-      st_shared_b32(s_q + swizzled_offset<kBlockM>(row, col),
-                    Traits::Ops::pack2(acc_o[dt][2 * half] * inv_sum[half],
-                                       acc_o[dt][2 * half + 1] * inv_sum[half]));
+    // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step `it` issues
+    // S_it = Q K_it^T and O += P_{it-1} V_{it-1} back to back, then computes the softmax of S_it
+    // while the P V wgmma still runs; O is rescaled once that wgmma has completed. The visited
+    // blocks are n_end - 1 - it (last first: the masked blocks come first under causal).
+    uint32_t p_prev[kBlockN / 16][4];
+    mbar_wait(bar_q_full, tile_iter & 1);
+    if (n_blocks > 0) {
+      int stage, parity;
+      slot(0, stage, parity);
+      float s[1][Traits::kNTiles][4];
+      mbar_wait(bar(kKFull, stage), parity);
+      wgmma_fence();
+      issue_qk(s, s_k + stage * Traits::kKVBytes);
+      wgmma_wait<0>();
+      wgmma_fence_operands(s[0]);
+      if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
+      float rescale[2];
+      softmax_step(s, n_end - 1, rescale);
+      to_operand(s, p_prev);
     }
-  }
-  named_barrier_sync(1 + consumer, 128);
+    for (int it = 1; it < n_blocks; ++it) {
+      int stage, parity, prev_stage, prev_parity;
+      slot(it, stage, parity);
+      slot(it - 1, prev_stage, prev_parity);
+      float s[1][Traits::kNTiles][4];
+      mbar_wait(bar(kKFull, stage), parity);
+      wgmma_fence();
+      issue_qk(s, s_k + stage * Traits::kKVBytes);
+      mbar_wait(bar(kVFull, prev_stage), prev_parity);
+      issue_pv(p_prev, s_v + prev_stage * Traits::kKVBytes);
+      wgmma_wait<1>();  // S_it is ready; P_{it-1} V_{it-1} may still run
+      wgmma_fence_operands(s[0]);
+      if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
+      float rescale[2];
+      softmax_step(s, n_end - 1 - it, rescale);
+      wgmma_wait<0>();
+      wgmma_fence_operands(acc_o);
+      fence_p(p_prev);
+      if (lane == 0) mbar_arrive(bar(kVEmpty, prev_stage));
+      if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+        for (int dt = 0; dt < Traits::kDTiles; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[dt][e] *= rescale[e / 2];
+      }
+      to_operand(s, p_prev);
+    }
+    // Every Q K^T of the tile has completed: with O staged elsewhere, Q's slot is free now and
+    // the producer loads the next tile's Q during this tile's last P V and epilogue.
+    if (Traits::Separate_o && lane == 0) mbar_arrive(bar_q_empty);
+    if (n_blocks > 0) {
+      int stage, parity;
+      slot(n_blocks - 1, stage, parity);
+      mbar_wait(bar(kVFull, stage), parity);
+      wgmma_fence();
+      issue_pv(p_prev, s_v + stage * Traits::kKVBytes);
+      wgmma_wait<0>();
+      wgmma_fence_operands(acc_o);
+      fence_p(p_prev);
+      if (lane == 0) mbar_arrive(bar(kVEmpty, stage));
+    }
+    kv_iter += n_blocks;
 
-  Element* g_o = static_cast<Element*>(params.o_ptr) + batch * params.o_batch_stride +
-                 head * params.o_head_stride;
-  constexpr int kChunksPerRow = kHeadDim / 8;
+    // Epilogue: normalise, stage this consumer's 64 rows of O (rows no other consumer touches),
+    // then 16-byte coalesced stores.
+    float inv_sum[2], lse[2];
+    softmax.finalize(scale_log2, inv_sum, lse);
 #pragma unroll
-  for (int idx = tid; idx < Traits::kRowsPerConsumer * kChunksPerRow; idx += 128) {
-    const int row = consumer_row0 + idx / kChunksPerRow;
-    const int col = (idx % kChunksPerRow) * 8;
-    if (row_block0 + row < seqlen_q) {
-      *reinterpret_cast<uint4*>(g_o + static_cast<int64_t>(row_block0 + row) * params.o_row_stride + col) =
-          ld_shared_b128(s_q + swizzled_offset<kBlockM>(row, col));
+    for (int dt = 0; dt < Traits::kDTiles; ++dt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp_row0 + lane / 4 + 8 * half;
+        const int col = 8 * dt + 2 * (lane % 4);
+        st_shared_b32(s_o + swizzled_offset<kBlockM>(row, col),
+                      Traits::Ops::pack2(acc_o[dt][2 * half] * inv_sum[half], acc_o[dt][2 * half + 1] * inv_sum[half]));
+      }
     }
-  }
+    named_barrier_sync(1 + consumer, 128);
 
-  if (params.lse_ptr != nullptr && lane % 4 == 0) {
-    float* g_lse = params.lse_ptr + batch * params.lse_batch_stride + head * params.lse_head_stride;
+    const int seqlen_q = params.seqlen_q;
+    Element* g_o = static_cast<Element*>(params.o_ptr) + tile.batch * params.o_batch_stride +
+                   tile.head * params.o_head_stride;
+    constexpr int kChunksPerRow = kHeadDim / 8;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row_block0 + warp_row0 + lane / 4 + 8 * half;
-      if (row < seqlen_q) g_lse[row] = lse[half];
+    for (int idx = tid; idx < Traits::kRowsPerConsumer * kChunksPerRow; idx += 128) {
+      const int row = consumer_row0 + idx / kChunksPerRow;
+      const int col = (idx % kChunksPerRow) * 8;
+      if (row_block0 + row < seqlen_q) {
+        *reinterpret_cast<uint4*>(g_o + static_cast<int64_t>(row_block0 + row) * params.o_row_stride + col) =
+            ld_shared_b128(s_o + swizzled_offset<kBlockM>(row, col));
+      }
     }
+    if (params.lse_ptr != nullptr && lane % 4 == 0) {
+      float* g_lse = params.lse_ptr + tile.batch * params.lse_batch_stride + tile.head * params.lse_head_stride;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row_block0 + warp_row0 + lane / 4 + 8 * half;
+        if (row < seqlen_q) g_lse[row] = lse[half];
+      }
+    }
+    // Every warp has read its staged rows before any warp writes the next tile's (and, with
+    // O staged in the Q tile, before the producer refills it).
+    named_barrier_sync(1 + consumer, 128);
+    if (!Traits::Separate_o && lane == 0) mbar_arrive(bar_q_empty);
   }
 }

@@ -17,11 +17,11 @@ import cupyflash
 from cupyflash import _api, _dispatch, _kernels, bench, reference
 from cupyflash._specs import Fa3FwdSpec
 
-# head_dim -> (block_n, consumers, stages)
+# head_dim -> (block_n, consumers, stages, separate_o)
 CANDIDATES = {
-    64: [(128, 2, 4), (128, 3, 2), (128, 3, 4), (192, 2, 3)],
-    128: [(128, 2, 2), (176, 2, 2), (192, 2, 2), (128, 2, 3)],
-    256: [(64, 2, 2)],
+    64: [(128, 2, 4, True), (128, 3, 2, True), (128, 3, 4, True), (192, 2, 3, True)],
+    128: [(128, 2, 2, True), (128, 2, 2, False), (176, 2, 2, False), (192, 2, 2, False)],
+    256: [(64, 2, 2, False)],
 }
 
 
