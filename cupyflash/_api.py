@@ -384,11 +384,11 @@ def _build_plan(
         threads, smem = (spec.num_threads, 1, 1), spec.smem_bytes
         if isinstance(spec, Fa2FwdSpec):
             grid = (-(-p.seqlen_q // spec.tile.block_m), p.batch, p.heads_q)
-        else:  # persistent: one CTA per SM walks the tiles
+        else:  # uniform tiles: one persistent CTA per SM walks them; uneven: one CTA per tile
             tiles = -(-p.seqlen_q // spec.block_m) * p.batch * p.heads_q
             if tiles >= 2**31:
                 raise ValueError(f"{tiles} query tiles exceed the kernel's 32-bit tile counter")
-            grid = (min(tiles, _device_sm_count(device)), 1, 1)
+            grid = (min(tiles, _device_sm_count(device)) if spec.persistent else tiles, 1, 1)
             d = p.head_dim
             tma = _TmaPlan(
                 dtypes[0], (d, p.seqlen_q, p.heads_q, p.batch), (d, p.seqlen_k, p.heads_kv, p.batch),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._specs import FA3_HEAD_DIMS, Fa2FwdSpec, Fa3FwdSpec, TileConfig
+from ._specs import FA3_HEAD_DIMS, Fa2FwdSpec, Fa3FwdSpec, Fa3Tile, TileConfig
 
 # head_dim -> candidates, best first. TFLOP/s measured on the H200 (bf16, B * N = 16384,
 # H * d = 2048; N = 1024 / 4096 / 16384, non-causal then causal; scripts/tune_fa2.py,
@@ -72,14 +72,21 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
     return specs
 
 
-# Hopper forward: head_dim -> (block_n, consumer warpgroups, K/V stages, O in its own buffer),
-# measured on the H200 (scripts/tune_fa3.py, docs/gpu_runs/). Two consumers keep S (block_n / 2
-# fp32 per thread), P and O (d / 2) in the 240 registers each consumer thread gets; d = 256's O
-# takes 128, so its key block is 64, and its O is staged in the Q tile (shared memory is short).
-FA3_FWD_TILES: dict[int, tuple[int, int, int, bool]] = {
-    64: (128, 2, 4, True),
-    128: (128, 2, 2, True),
-    256: (64, 2, 2, False),
+# Hopper forward: (head_dim, bounded) -> tile, bounded = a causal or window bound (uneven tiles,
+# one CTA each) or not (uniform tiles, persistent CTAs). Measured on the H200 (bf16, the prefill
+# shapes; scripts/tune_fa3.py, docs/gpu_runs/2026-11-29-fa3-*): TFLOP/s at N = 1024/4096/16384.
+# Two consumers keep S (block_n / 2 fp32 per thread), P and O (d / 2) in the 240 registers each
+# consumer thread gets; d = 256's O takes 128, so its key block is 64 and its O is staged in the
+# Q tile (shared memory is short).
+FA3_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
+    # 349/442/483 vs two consumers 329/419/440; causal: 3 consumers 165/223/419 vs 207/346/409
+    (64, False): Fa3Tile(128, consumers=3, stages=2),
+    (64, True): Fa3Tile(128, consumers=2, stages=4),
+    # 482/548/611 vs O in the Q tile 431/557/595, 176-key blocks 432/533/619
+    (128, False): Fa3Tile(128, stages=2),
+    (128, True): Fa3Tile(128, stages=2),
+    (256, False): Fa3Tile(64, stages=2, separate_o=False),
+    (256, True): Fa3Tile(64, stages=2, separate_o=False),
 }
 
 
@@ -87,13 +94,13 @@ def fa3_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa3FwdSpec | No
     """The Hopper variant for a call, or None where it has none (that head dim)."""
     if head_dim not in FA3_HEAD_DIMS:
         return None
-    block_n, consumers, stages, separate_o = FA3_FWD_TILES[head_dim]
-    return Fa3FwdSpec(dtype, head_dim, block_n, consumers, stages, separate_o, flags.causal, flags.local, flags.softcap)
+    tile = FA3_FWD_TILES[head_dim, flags.causal or flags.local]
+    return Fa3FwdSpec(dtype, head_dim, tile, flags.causal, flags.local, flags.softcap)
 
 
 def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
     specs = []
-    for head_dim in FA3_FWD_TILES:
+    for head_dim in FA3_HEAD_DIMS:
         for dtype in ("float16", "bfloat16"):
             for causal in (False, True):
                 for local in (False, True):

@@ -119,21 +119,38 @@ class Fa2FwdSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class Fa3FwdSpec:
-    """A variant of ``kernels_cu/fa3_fwd.cu`` (template ``Fa3FwdTraits``): Hopper only.
+class Fa3Tile:
+    """CTA shape of the Hopper forward: key block, consumer warpgroups of 64 query rows each,
+    K/V slots of the mbarrier ring, O staged in its own buffer (so the next tile's Q loads during
+    the epilogue) or in the Q tile, and ping-pong turns between two consumers."""
 
-    One producer warpgroup (TMA) and ``consumers`` warpgroups of 64 query rows each (wgmma);
-    ``stages`` K/V slots in the mbarrier ring; ``separate_o``: O staged in its own buffer (the
-    next tile's Q loads during the epilogue) rather than in the Q tile. Persistent: the grid is
-    one CTA per SM (at most one per tile).
-    """
-
-    dtype: str
-    head_dim: int
     block_n: int
     consumers: int = 2
     stages: int = 2
     separate_o: bool = True
+    pingpong: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_n not in WGMMA_N or self.consumers not in (2, 3) or self.stages < 2:
+            raise ValueError(
+                f"bad Hopper tile: block_n={self.block_n}, consumers={self.consumers}, stages={self.stages}"
+            )
+        if self.pingpong and self.consumers != 2:
+            raise ValueError("ping-pong alternates exactly two consumer warpgroups")
+
+
+@dataclass(frozen=True, slots=True)
+class Fa3FwdSpec:
+    """A variant of ``kernels_cu/fa3_fwd.cu`` (template ``Fa3FwdTraits``): Hopper only.
+
+    One producer warpgroup (TMA) and ``tile.consumers`` warpgroups (wgmma). Persistent where the
+    tiles are uniform (no causal / window bound): one CTA per SM walks them; otherwise one CTA
+    per tile, which the hardware hands out longest-first.
+    """
+
+    dtype: str
+    head_dim: int
+    tile: Fa3Tile
     causal: bool = False
     local: bool = False
     softcap: bool = False
@@ -149,39 +166,48 @@ class Fa3FwdSpec:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(CUDA_ELEMENT_TYPES)}")
         if self.head_dim not in FA3_HEAD_DIMS:
             raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA3_HEAD_DIMS}")
-        if self.block_n not in WGMMA_N or self.consumers not in (2, 3) or self.stages < 2:
-            raise ValueError(
-                f"bad Hopper tile: block_n={self.block_n}, consumers={self.consumers}, stages={self.stages}"
-            )
+
+    @property
+    def persistent(self) -> bool:
+        return not (self.causal or self.local)
+
+    @property
+    def block_n(self) -> int:
+        return self.tile.block_n
 
     @property
     def block_m(self) -> int:
-        return 64 * self.consumers
+        return 64 * self.tile.consumers
 
     @property
     def name(self) -> str:
+        t = self.tile
         flags = "".join(
             f"_{flag}" for flag, on in (("causal", self.causal), ("local", self.local), ("softcap", self.softcap)) if on
         )
         return (
             f"cf_fa3_fwd_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
-            f"_m{self.block_m}_n{self.block_n}_s{self.stages}{'_os' if self.separate_o else ''}{flags}"
+            f"_m{self.block_m}_n{t.block_n}_s{t.stages}"
+            f"{'_os' if t.separate_o else ''}{'_pp' if t.pingpong else ''}{flags}"
         )
 
     @property
     def num_threads(self) -> int:
-        return 128 * (1 + self.consumers)
+        return 128 * (1 + self.tile.consumers)
 
     @property
     def smem_bytes(self) -> int:
         # 1024 bytes of alignment slack, Q, [O,] the K and V slots, the mbarriers (as Fa3FwdTraits).
-        rows = self.block_m * (2 if self.separate_o else 1) + 2 * self.stages * self.block_n
-        return 1024 + 2 * self.head_dim * rows + 8 * (2 + 4 * self.stages)
+        t = self.tile
+        rows = self.block_m * (2 if t.separate_o else 1) + 2 * t.stages * t.block_n
+        return 1024 + 2 * self.head_dim * rows + 8 * (2 + 4 * t.stages)
 
     def template_args(self) -> str:
         b = lambda flag: "true" if flag else "false"  # noqa: E731
+        t = self.tile
         return (
-            f"Fa3FwdTraits<{self.head_dim}, {self.block_n}, {self.consumers}, {self.stages}, {b(self.separate_o)}, "
+            f"Fa3FwdTraits<{self.head_dim}, {t.block_n}, {t.consumers}, {t.stages}, "
+            f"{b(t.separate_o)}, {b(t.pingpong)}, "
             f"{CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}, {b(self.local)}, {b(self.softcap)}>"
         )
 

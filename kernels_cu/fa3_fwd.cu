@@ -35,7 +35,7 @@ struct Fa3Params {
   AttnParams attn;
 };
 
-template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_,
+template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_, bool Pingpong_,
           typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
 struct Fa3FwdTraits {
   using Element = Element_;
@@ -48,6 +48,9 @@ struct Fa3FwdTraits {
   // O is staged for its coalesced store in a buffer of its own (true), so the next tile's Q can
   // load during the epilogue, or in the Q tile (false: when shared memory is short, d = 256).
   static constexpr bool Separate_o = Separate_o_;
+  // The two consumers take turns issuing their wgmmas (FlashAttention-3's ping-pong), so one's
+  // softmax runs while the other's GEMMs occupy the tensor cores.
+  static constexpr bool Pingpong = Pingpong_;
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
@@ -75,6 +78,7 @@ struct Fa3FwdTraits {
   static_assert(kHeadDim % kColBlockElems == 0, "head dim must be a multiple of 64");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: a multiple of 16 up to 256 (wgmma N, TMA box)");
   static_assert(sizeof(Element) == 2, "16-bit elements");
+  static_assert(!Pingpong || kConsumers == 2, "ping-pong alternates two consumers");
 };
 
 // Tile t -> (query block, batch, head). Query blocks run fastest, so the CTAs working at one
@@ -194,6 +198,18 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   using Mma = Wgmma<kBlockN, Element>;
   using MmaPV = Wgmma<kHeadDim, Element>;
 
+  // Ping-pong turns: named barrier kTurn + c is consumer c's "your turn" signal (ids 1, 2 are
+  // the epilogues'). A turn is one batch of wgmma issues; consumer 1 hands consumer 0 the first.
+  // Both consumers visit the same tiles and blocks, so their turns pair up one for one.
+  constexpr int kTurn = 3;
+  auto begin_turn = [&]() {
+    if constexpr (Traits::Pingpong) named_barrier_sync(kTurn + consumer, 256);
+  };
+  auto end_turn = [&]() {
+    if constexpr (Traits::Pingpong) named_barrier_arrive(kTurn + 1 - consumer, 256);
+  };
+  if (Traits::Pingpong && consumer == 1) named_barrier_arrive(kTurn, 256);
+
   int kv_iter = 0;
   for (int t = blockIdx.x, tile_iter = 0; t < scheduler.num_tiles; t += gridDim.x, ++tile_iter) {
     const auto tile = scheduler(t, params);
@@ -271,9 +287,11 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       int stage, parity;
       slot(0, stage, parity);
       float s[1][Traits::kNTiles][4];
+      begin_turn();
       mbar_wait(bar(kKFull, stage), parity);
       wgmma_fence();
       issue_qk(s, s_k + stage * Traits::kKVBytes);
+      end_turn();
       wgmma_wait<0>();
       wgmma_fence_operands(s[0]);
       if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
@@ -286,11 +304,13 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       slot(it, stage, parity);
       slot(it - 1, prev_stage, prev_parity);
       float s[1][Traits::kNTiles][4];
+      begin_turn();
       mbar_wait(bar(kKFull, stage), parity);
       wgmma_fence();
       issue_qk(s, s_k + stage * Traits::kKVBytes);
       mbar_wait(bar(kVFull, prev_stage), prev_parity);
       issue_pv(p_prev, s_v + prev_stage * Traits::kKVBytes);
+      end_turn();
       wgmma_wait<1>();  // S_it is ready; P_{it-1} V_{it-1} may still run
       wgmma_fence_operands(s[0]);
       if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
@@ -314,9 +334,11 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     if (n_blocks > 0) {
       int stage, parity;
       slot(n_blocks - 1, stage, parity);
+      begin_turn();
       mbar_wait(bar(kVFull, stage), parity);
       wgmma_fence();
       issue_pv(p_prev, s_v + stage * Traits::kKVBytes);
+      end_turn();
       wgmma_wait<0>();
       wgmma_fence_operands(acc_o);
       fence_p(p_prev);
@@ -366,4 +388,6 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     named_barrier_sync(1 + consumer, 128);
     if (!Traits::Separate_o && lane == 0) mbar_arrive(bar_q_empty);
   }
+  // Consumer 1's last hand-over is still pending on consumer 0's barrier: take it.
+  if (Traits::Pingpong && consumer == 0) named_barrier_sync(kTurn, 256);
 }

@@ -125,3 +125,9 @@ CF_DEVICE void setmaxnreg_inc() {
 CF_DEVICE void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+
+// Arrive without waiting: with named_barrier_sync of the same id on the other side, a one-way
+// signal from one warpgroup to another (the ping-pong turn hand-over).
+CF_DEVICE void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}

@@ -15,13 +15,13 @@ import numpy as np
 
 import cupyflash
 from cupyflash import _api, _dispatch, _kernels, bench, reference
-from cupyflash._specs import Fa3FwdSpec
+from cupyflash._specs import Fa3FwdSpec, Fa3Tile
 
-# head_dim -> (block_n, consumers, stages, separate_o)
+# head_dim -> tiles to compare
 CANDIDATES = {
-    64: [(128, 2, 4, True), (128, 3, 2, True), (128, 3, 4, True), (192, 2, 3, True)],
-    128: [(128, 2, 2, True), (128, 2, 2, False), (176, 2, 2, False), (192, 2, 2, False)],
-    256: [(64, 2, 2, False)],
+    64: [Fa3Tile(128, 3, 2), Fa3Tile(128, 2, 4), Fa3Tile(128, 2, 4, pingpong=True), Fa3Tile(128, 2, 2, pingpong=True)],
+    128: [Fa3Tile(128), Fa3Tile(128, pingpong=True), Fa3Tile(176, separate_o=False, pingpong=True)],
+    256: [Fa3Tile(64, separate_o=False), Fa3Tile(64, separate_o=False, pingpong=True)],
 }
 
 
@@ -37,7 +37,7 @@ def main() -> int:
     device = cupy.cuda.runtime.getDevice()
     max_smem = cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
     specs = [
-        Fa3FwdSpec(args.dtype, d, *tile, causal=causal)
+        Fa3FwdSpec(args.dtype, d, tile, causal=causal)
         for d in args.head_dims
         for tile in CANDIDATES[d]
         for causal in (False, True)
@@ -47,7 +47,7 @@ def main() -> int:
     results = []
     for d in args.head_dims:
         for tile in CANDIDATES[d]:
-            kernels = [compiled.get(Fa3FwdSpec(args.dtype, d, *tile, causal=c)) for c in (False, True)]
+            kernels = [compiled.get(Fa3FwdSpec(args.dtype, d, tile, causal=c)) for c in (False, True)]
             if any(k is None for k in kernels):
                 print(f"d={d} {tile}: over the shared memory of a block, skipped")
                 continue
@@ -55,7 +55,7 @@ def main() -> int:
             if any(k.local_bytes for k in kernels if k is not None):
                 print(f"d={d} {tile}: spills, skipped")
                 continue
-            _dispatch.FA3_FWD_TILES[d] = tile
+            _dispatch.FA3_FWD_TILES[d, False] = _dispatch.FA3_FWD_TILES[d, True] = tile
             _api._plans.clear()
             rng = np.random.default_rng(d)
             err = 0.0
@@ -71,7 +71,7 @@ def main() -> int:
                 out = cupyflash.attention(q, k, v, causal=causal, window=window, algorithm="fa3")
                 ref = reference.attention(q, k, v, causal=causal, window=window)
                 err = max(err, float(np.linalg.norm(reference.to_numpy64(out) - ref) / np.linalg.norm(ref)))
-            row = {"head_dim": d, "tile(block_n,consumers,stages)": tile, "regs": regs, "err": err}
+            row = {"head_dim": d, "tile": repr(tile), "regs": regs, "err": err}
             for n in bench.PREFILL_SEQLENS:
                 for causal in (False, True):
                     shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, causal, args.dtype)
