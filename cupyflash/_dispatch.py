@@ -79,14 +79,17 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
 # consumer thread gets; d = 256's O takes 128, so its key block is 64 and its O is staged in the
 # Q tile (shared memory is short).
 FA3_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
-    # 349/442/483 vs two consumers 329/419/440; causal: 3 consumers 165/223/419 vs 207/346/409
+    # 474 at N = 16384 vs 432 with two consumers; causal: ping-pong 214/342/425 vs 198/319/410,
+    # three consumers 179/330/425
     (64, False): Fa3Tile(128, consumers=3, stages=2),
-    (64, True): Fa3Tile(128, consumers=2, stages=4),
-    # 482/548/611 vs O in the Q tile 431/557/595, 176-key blocks 432/533/619
-    (128, False): Fa3Tile(128, stages=2),
-    (128, True): Fa3Tile(128, stages=2),
+    (64, True): Fa3Tile(128, stages=4, pingpong=True),
+    # ping-pong 437/568/604, causal 328/477/582 vs 425/545/600, 273/448/583 without; 176-key
+    # blocks (O in the Q tile) 453/518/608, 304/471/574
+    (128, False): Fa3Tile(128, stages=2, pingpong=True),
+    (128, True): Fa3Tile(128, stages=2, pingpong=True),
+    # causal: ping-pong 313/470/596 vs 294/457/598; non-causal without it 477/562/620 vs 442/551/611
     (256, False): Fa3Tile(64, stages=2, separate_o=False),
-    (256, True): Fa3Tile(64, stages=2, separate_o=False),
+    (256, True): Fa3Tile(64, stages=2, separate_o=False, pingpong=True),
 }
 
 

@@ -41,4 +41,8 @@ fi
 echo "== benchmark"
 python3 -m cupyflash bench --json "$LOG_DIR/bench.json" 2>&1 | tee "$LOG_DIR/bench.log" || status=1
 python3 -m cupyflash info > "$LOG_DIR/variants.log" 2>&1
+if command -v nvcc >/dev/null && command -v cuobjdump >/dev/null; then
+  echo "== SASS evidence (nvcc + cuobjdump)"
+  python3 scripts/sass_evidence.py 2>&1 | tee "$LOG_DIR/sass.log"
+fi
 exit $status
