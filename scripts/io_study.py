@@ -281,7 +281,7 @@ def run_ncu_target(out: Path, log: Callable[[str], None], groups: str | None = N
 # ---------------------------------------------------------------------------------------------
 _UNIT_SCALE = {
     "byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
-    "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0,
+    "ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3, "s": 1.0, "second": 1.0,
 }  # fmt: skip
 METRICS = {"dram__bytes_read.sum": "read", "dram__bytes_write.sum": "write", "gpu__time_duration.sum": "seconds"}
 
