@@ -447,8 +447,9 @@ def plot(rows: list[dict[str, Any]], runtime: dict[str, Any] | None, out: Path) 
         ax2 = ax.twinx()
         ax2.plot(x, _values(tiles, "ms"), "s-", color="tab:orange", label="runtime (ms)")
         ax2.set_ylabel("runtime (ms)")
-        fig.legend(loc="upper right", fontsize=8)
-        ax.set_title("FA1 forward, GPT-2 medium shape (B=64, H=16, N=1024, d=64), H200")
+        handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, loc="upper right", fontsize=8)
+        ax.set_title("FA1 forward vs tile size, B=64 H=16 N=1024 d=64, H200", fontsize=10)
         files.append(_save(fig, out / "io_fa1_block_size.png"))
 
     for group, key, label in (("head_dim", "head_dim", "head dim d"), ("seqlen", "seqlen", "sequence length N")):
