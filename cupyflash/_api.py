@@ -15,7 +15,8 @@ from ._validate import Problem, attention_problem, check_algorithm, check_cu_seq
 
 # "fa2": the mma.sync kernel (any GPU from sm_80); "fa3": the Hopper kernel (wgmma + TMA, sm_90);
 # "auto": fa3 where it applies (Hopper, head_dim 64/128/256, padded batches), else fa2.
-GPU_ALGORITHMS = ("auto", "fa2", "fa3")
+# "fa1" and "naive": the baselines of docs/io_analysis.md.
+GPU_ALGORITHMS = ("auto", "fa2", "fa3", "fa1", "naive")
 
 #: Fill every GPU output with NaN before the launch (tests set it: a value the kernel fails to
 #: write then shows up as NaN instead of as stale memory that happens to look right).
@@ -103,6 +104,8 @@ def attention(
         On the GPU (float16/bfloat16): ``"fa2"``, the mma.sync kernel (head_dim 32, 64, 96, 128,
         192, 256); ``"fa3"``, the Hopper kernel (wgmma + TMA; sm_90, head_dim 64, 128, 256);
         ``"auto"`` picks fa3 where it applies, else fa2.
+        ``"fa1"`` (FlashAttention-1's loop order, head_dim 64, 128, 256, 512) and ``"naive"``
+        (S and P materialised in HBM, any head_dim) are the baselines of docs/io_analysis.md.
         On the host every algorithm runs through ``cupyflash.xp_impl``.
     return_lse : bool
         Also return the log-sum-exp of each row, float32, natural log, ``(B, Hq, Nq)``.
@@ -130,6 +133,8 @@ def attention(
     ((1, 5, 2, 16), (1, 2, 5))
     """
     options = (causal, scale, window, softcap, layout, algorithm)
+    if algorithm == "fa1" or algorithm == "naive":
+        return _baseline_attention(q, k, v, options, return_lse)
     kind = _interop.same_array_kind(q, k, v)
     if kind == _interop.TORCH:
         device = q.get_device()
@@ -597,6 +602,30 @@ def _gpu_varlen(
                 ptr(out), ptr(lse) if return_lse else 0, stream, cu_seqlens=(ptr(cus[0]), ptr(cus[1])),
             )  # fmt: skip
     return out, lse
+
+
+def _baseline_attention(q: Any, k: Any, v: Any, options: tuple[Any, ...], return_lse: bool) -> Any:
+    """``algorithm="fa1"`` / ``"naive"``: the host algorithms, or on the GPU the baselines of the
+    IO study (cupyflash/_baselines_gpu.py)."""
+    from . import _baselines_gpu
+
+    causal, scale, window, softcap, layout, algorithm = options
+    kind, device = _interop.common_placement(q=q, k=k, v=v)
+    problem = attention_problem(
+        q.shape, k.shape, v.shape, causal=causal, scale=scale, window=window, softcap=softcap, layout=layout
+    )
+    if kind == _interop.HOST:
+        return _host_attention(q, k, v, problem, algorithm, return_lse)
+    if kind == _interop.DLPACK:
+        import cupy
+        from array_api_compat import array_namespace
+
+        q_cp, k_cp, v_cp = (cupy.from_dlpack(x) for x in (q, k, v))
+        out, lse = _baselines_gpu.gpu_attention(_interop.CUPY, q_cp, k_cp, v_cp, device, problem, algorithm)
+        xp = array_namespace(q)
+        return (xp.from_dlpack(out), xp.from_dlpack(lse)) if return_lse else xp.from_dlpack(out)
+    out, lse = _baselines_gpu.gpu_attention(kind, q, k, v, device, problem, algorithm)
+    return (out, lse) if return_lse else out
 
 
 def _dlpack_attention(q: Any, k: Any, v: Any, options: tuple[Any, ...], return_lse: bool) -> Any:

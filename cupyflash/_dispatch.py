@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._specs import FA3_HEAD_DIMS, Fa2FwdSpec, Fa3FwdSpec, Fa3Tile, TileConfig
+from ._specs import (
+    FA1_HEAD_DIMS,
+    FA3_HEAD_DIMS,
+    Fa1FwdSpec,
+    Fa2FwdSpec,
+    Fa3FwdSpec,
+    Fa3Tile,
+    NaiveSoftmaxSpec,
+    TileConfig,
+)
 
 # head_dim -> candidates, best first. TFLOP/s measured on the H200 (bf16, B * N = 16384,
 # H * d = 2048; N = 1024 / 4096 / 16384, non-causal then causal; scripts/tune_fa2.py,
@@ -112,3 +121,57 @@ def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
                         assert spec is not None
                         specs.append(spec)
     return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# FA1: the paper's tiles B_c = ceil(M / 4d), B_r = min(B_c, d) from the on-chip memory M, here
+# the device's shared memory per block in elements (H200: 232448 bytes = 116224 16-bit elements),
+# rounded down to the MMA layout: B_c to a multiple of 16 keys (m16n8k16 k-steps), B_r to whole
+# 16-row warp tiles (at most 16 warps). K_j, V_j and Q_i then take 2 B_c d + B_r d <= 3M/4.
+# ---------------------------------------------------------------------------------------------
+FA1_MAX_BLOCK_R = 256  # 16 warps
+
+
+def fa1_tiles(head_dim: int, element_bytes: int, max_smem: int) -> tuple[int, int]:
+    """(block_r, block_c) of the FA1 kernel on a device with ``max_smem`` bytes per block."""
+    from .xp_impl import fa1_block_sizes
+
+    paper_r, paper_c = fa1_block_sizes(head_dim, max_smem // element_bytes)
+    block_c = max(16, paper_c // 16 * 16)
+    block_r = max(16, min(paper_r, FA1_MAX_BLOCK_R) // 16 * 16)
+    return block_r, block_c
+
+
+#: Tile sizes B_c of the FA1 tile study at d = 64 (B_r = min(B_c, d)); 448 is the H200 formula.
+FA1_STUDY_BLOCK_C = (32, 64, 128, 256, 448, 512, 768)
+
+#: Shared memory per block (opt-in) of the GPUs the compile test covers, by NVRTC target.
+FA1_DEVICE_SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}  # A100; H100 / H200
+
+
+def all_fa1_fwd_specs(max_smem: int = FA1_DEVICE_SMEM["sm_90a"]) -> list[Fa1FwdSpec]:
+    """The formula-tile FA1 variants of a device with every mask flag, plus (on the H200) the
+    tile study's float16 d = 64 variants: what warmup and the CI compile test build."""
+    specs = []
+    for head_dim in FA1_HEAD_DIMS:
+        block_r, block_c = fa1_tiles(head_dim, 2, max_smem)
+        for dtype in ("float16", "bfloat16"):
+            for causal in (False, True):
+                for local in (False, True):
+                    for softcap in (False, True):
+                        specs.append(Fa1FwdSpec(dtype, head_dim, block_r, block_c, causal, local, softcap))
+    for block_c in FA1_STUDY_BLOCK_C:
+        study = Fa1FwdSpec("float16", 64, min(block_c, 64), block_c)
+        if study.smem_bytes <= max_smem:
+            specs.append(study)
+    return list(dict.fromkeys(specs))
+
+
+def all_naive_softmax_specs() -> list[NaiveSoftmaxSpec]:
+    return [
+        NaiveSoftmaxSpec(dtype, causal, local, softcap)
+        for dtype in ("float16", "bfloat16")
+        for causal in (False, True)
+        for local in (False, True)
+        for softcap in (False, True)
+    ]

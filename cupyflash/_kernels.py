@@ -73,6 +73,21 @@ class CompiledKernel:
                 arg = np.frombuffer(raw + bytes(-len(raw) % 64), dtype=np.dtype((np.void, len(raw) + -len(raw) % 64)))
             self.function(grid, block, (arg,), shared_mem=smem, stream=_StreamPtr(stream_ptr))
 
+    def launch_with_buffers(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        smem: int,
+        stream_ptr: int,
+        params: tuple[int | float, ...],
+        buffers: tuple[Any, ...],
+    ) -> None:
+        """Launch a kernel that takes AttnParams and then array arguments (the FA1 scratch, the
+        naive softmax's S and P) through CuPy's call (these are not the per-token hot paths)."""
+        self.function(
+            grid, block, (pack_attn_params(*params), *buffers), shared_mem=smem, stream=_StreamPtr(stream_ptr)
+        )
+
 
 @dataclass(frozen=True)
 class _StreamPtr:

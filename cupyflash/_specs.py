@@ -220,4 +220,119 @@ class Fa3FwdSpec:
         return "fa3_fwd<Traits>(params);"
 
 
-KernelSpec = Fa2FwdSpec | Fa3FwdSpec
+#: Head dimensions with a compiled FA1 variant (512: where the IO model predicts FA1's traffic
+#: passes the naive baseline's).
+FA1_HEAD_DIMS = (64, 128, 256, 512)
+
+
+def _mask_flags(causal: bool, local: bool, softcap: bool) -> str:
+    return "".join(f"_{flag}" for flag, on in (("causal", causal), ("local", local), ("softcap", softcap)) if on)
+
+
+def _bool(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+@dataclass(frozen=True, slots=True)
+class Fa1FwdSpec:
+    """A variant of ``kernels_cu/fa1_fwd.cu`` (template ``Fa1FwdTraits``).
+
+    ``block_r`` / ``block_c`` are the paper's B_r (query rows per Q tile, 16 per warp) and B_c
+    (keys per K/V tile); ``block_n`` keys of a K/V tile enter the registers at a time.
+    """
+
+    dtype: str
+    head_dim: int
+    block_r: int
+    block_c: int
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+
+    kernel = "fa1_fwd"
+    source_file = "fa1_fwd.cu"
+    archs = CI_ARCHS
+    param_decl = "const AttnParams params, float* o_state, float* max_state, float* sum_state"
+    uses_tma = False
+    entry_body = "fa1_fwd<Traits>(params, o_state, max_state, sum_state);"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in CUDA_ELEMENT_TYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(CUDA_ELEMENT_TYPES)}")
+        if self.head_dim not in FA1_HEAD_DIMS:
+            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA1_HEAD_DIMS}")
+        if self.block_r % 16 or not 16 <= self.block_r <= 256:
+            raise ValueError(f"block_r={self.block_r} must be a multiple of 16 (one warp per 16 rows), 16..256")
+        if self.block_c % 16 or self.block_c < 16:
+            raise ValueError(f"block_c={self.block_c} must be a positive multiple of 16 (MMA k-steps)")
+
+    @property
+    def block_n(self) -> int:
+        """Keys per register tile: the widest of 64, 32, 16 that divides B_c."""
+        return next(n for n in (64, 32, 16) if self.block_c % n == 0)
+
+    @property
+    def name(self) -> str:
+        flags = _mask_flags(self.causal, self.local, self.softcap)
+        return (
+            f"cf_fa1_fwd_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
+            f"_r{self.block_r}_c{self.block_c}_n{self.block_n}{flags}"
+        )
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * (self.block_r // 16)
+
+    @property
+    def smem_bytes(self) -> int:
+        return 2 * (2 * self.block_c + self.block_r) * self.head_dim
+
+    def template_args(self) -> str:
+        return (
+            f"Fa1FwdTraits<{self.head_dim}, {self.block_r}, {self.block_c}, {self.block_n}, "
+            f"{CUDA_ELEMENT_TYPES[self.dtype]}, {_bool(self.causal)}, {_bool(self.local)}, {_bool(self.softcap)}>"
+        )
+
+    @property
+    def launch_bounds(self) -> str:
+        return f"{self.num_threads}, 1"
+
+
+@dataclass(frozen=True, slots=True)
+class NaiveSoftmaxSpec:
+    """A variant of ``kernels_cu/naive.cu``: the row softmax between the baseline's two GEMMs."""
+
+    dtype: str
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+
+    kernel = "naive_softmax"
+    source_file = "naive.cu"
+    num_threads = 128  # one CTA per row; 128 x 8 scores per sweep covers a GPT-2 row (1024)
+    smem_bytes = 0
+    archs = CI_ARCHS
+    param_decl = "const AttnParams params, const Traits::Element* s, Traits::Element* p"
+    uses_tma = False
+    entry_body = "naive_softmax<Traits>(params, s, p);"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in CUDA_ELEMENT_TYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(CUDA_ELEMENT_TYPES)}")
+
+    @property
+    def name(self) -> str:
+        return f"cf_naive_softmax_{_SHORT_DTYPE[self.dtype]}{_mask_flags(self.causal, self.local, self.softcap)}"
+
+    def template_args(self) -> str:
+        return (
+            f"NaiveSoftmaxTraits<{self.num_threads}, {CUDA_ELEMENT_TYPES[self.dtype]}, "
+            f"{_bool(self.causal)}, {_bool(self.local)}, {_bool(self.softcap)}>"
+        )
+
+    @property
+    def launch_bounds(self) -> str:
+        return f"{self.num_threads}, 1"
+
+
+KernelSpec = Fa2FwdSpec | Fa3FwdSpec | Fa1FwdSpec | NaiveSoftmaxSpec

@@ -134,3 +134,31 @@ CF_DEVICE float merge_weights(const float (&lse)[kParts], float (&w)[kParts]) {
   for (int i = 0; i < kParts; ++i) w[i] *= inv;
   return m + __logf(sum);
 }
+
+// Verbs 1-2 in scalar form, for a kernel that walks one row a score at a time (the naive
+// baseline's softmax over a materialised S): the running max and sum of one row's logits, and
+// the merge of two such states (threads of a block that each walked part of the row).
+struct RowMaxSum {
+  float row_max;  // raw logits, -inf until a visible score is seen
+  float row_sum;  // sum of exp2(logit * scale_log2 - row_max * scale_log2)
+
+  CF_DEVICE RowMaxSum() : row_max(neg_infinity()), row_sum(0.f) {}
+
+  CF_DEVICE void absorb(float logit, float scale_log2) {
+    if (logit == neg_infinity()) return;  // a hidden key adds nothing (and would give NaN)
+    const float m = fmaxf(row_max, logit);
+    const float rescale = row_max == neg_infinity() ? 0.f : fast_exp2((row_max - m) * scale_log2);
+    row_sum = row_sum * rescale + fast_exp2((logit - m) * scale_log2);
+    row_max = m;
+  }
+
+  CF_DEVICE void merge(const RowMaxSum& other, float scale_log2) {
+    const float m = fmaxf(row_max, other.row_max);
+    if (m == neg_infinity()) return;  // both empty
+    const float w_self = row_max == neg_infinity() ? 0.f : fast_exp2((row_max - m) * scale_log2);
+    const float w_other =
+        other.row_max == neg_infinity() ? 0.f : fast_exp2((other.row_max - m) * scale_log2);
+    row_sum = row_sum * w_self + other.row_sum * w_other;
+    row_max = m;
+  }
+};

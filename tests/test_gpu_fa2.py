@@ -77,7 +77,7 @@ def skip_unless_kernel(algorithm, head_dim):
 
 
 def check_attention(
-    q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd", algorithm="auto"
+    q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd", algorithm="auto", lse_atol=2e-3
 ):
     out, lse = cupyflash.attention(
         q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout, return_lse=True,
@@ -101,7 +101,7 @@ def check_attention(
     assert not np.isnan(lse64).any()
     assert (np.isneginf(lse64) == np.isneginf(ref_lse)).all(), "rows that see no key must have LSE = -inf"
     finite = np.isfinite(ref_lse)
-    np.testing.assert_allclose(lse64[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
+    np.testing.assert_allclose(lse64[finite], ref_lse[finite], atol=lse_atol, rtol=1e-3)
     return out, err
 
 
@@ -249,7 +249,7 @@ def test_gpu_rejects_unsupported_inputs():
     with pytest.raises(ValueError, match="head_dim in"):
         cupyflash.attention(y, y, y)
     with pytest.raises(ValueError, match="has no GPU kernel yet"):
-        cupyflash.attention(x.half(), x.half(), x.half(), algorithm="naive")
+        cupyflash.attention(x.half(), x.half(), x.half(), algorithm="decode")
     with pytest.raises(ValueError, match="q is a torch array on the host but k is a torch array on GPU"):
         cupyflash.attention(x.half().cpu(), x.half(), x.half())
 
