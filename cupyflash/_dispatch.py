@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._specs import Fa2FwdSpec, TileConfig
+from ._specs import (
+    CUDA_ELEMENT_TYPES,
+    DECODE_HEAD_DIMS,
+    DecodeAppendSpec,
+    DecodeSpec,
+    DecodeTile,
+    Fa2FwdSpec,
+    MergeSpec,
+    TileConfig,
+)
 
 # head_dim -> candidates, best first. TFLOP/s measured on the H200 (bf16, B * N = 16384,
 # H * d = 2048; N = 1024 / 4096 / 16384, non-causal then causal; scripts/tune_fa2.py,
@@ -69,4 +78,78 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
                     for causal in (False, True):
                         for local in (False, True):
                             specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashDecoding: the split-KV partial kernel's tiles and the number of splits.
+# ---------------------------------------------------------------------------------------------
+# head_dim -> tiles by packed rows (query tokens x query heads per KV head), smallest first; the
+# first whose block_m holds every row is used, the last one tiles larger groups over m-blocks.
+# Each warp streams its own ring of 16-key K/V slices: 4 warps x 3 stages x 2 x 16 x d x 2 bytes
+# (96 KB at d = 128) let two CTAs share an SM with 128 KB of loads in flight per SM.
+DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {
+    64: (DecodeTile(16, 16, 4, 3), DecodeTile(32, 16, 4, 3), DecodeTile(64, 16, 4, 3, q_in_regs=False)),
+    128: (DecodeTile(16, 16, 4, 3), DecodeTile(32, 16, 4, 3, q_in_regs=False)),
+    256: (DecodeTile(16, 16, 4, 3, q_in_regs=False),),
+}
+
+#: Upper bound on KV splits (the combine reads num_splits partials per output row).
+DECODE_MAX_SPLITS = 128
+#: A split covers at least this many CTA key blocks, so its fixed cost (Q load, merge, partial
+#: write) stays small beside its share of the KV stream.
+DECODE_MIN_BLOCKS_PER_SPLIT = 4
+
+
+def decode_tile(head_dim: int, rows: int) -> DecodeTile:
+    """The tile for ``rows`` packed GQA rows (query tokens x query heads per KV head)."""
+    tiles = DECODE_TILES[head_dim]
+    return next((t for t in tiles if t.block_m >= rows), tiles[-1])
+
+
+def decode_spec(dtype: str, head_dim: int, rows: int, causal: bool) -> DecodeSpec:
+    return DecodeSpec(dtype, head_dim, decode_tile(head_dim, rows), causal)
+
+
+def decode_num_splits(*, ctas: int, key_blocks: int, num_sms: int, ctas_per_sm: int) -> int:
+    """Splits of the KV sequence for ``ctas`` = batch x KV heads x m-blocks CTAs per split.
+
+    As flash-attn's heuristic, the wave efficiency ``n / (ceil(n / slots) * slots)`` of the
+    n = ctas * splits CTAs decides, but the best efficiency over every allowed count is sought
+    (not the first count past a threshold), so a long cache fills the whole GPU rather than a
+    few SMs, and ties go to the fewest splits. A split keeps at least
+    DECODE_MIN_BLOCKS_PER_SPLIT key blocks; one split needs no combine kernel at all.
+    """
+    slots = max(1, num_sms * ctas_per_sm)
+    if ctas <= 0 or key_blocks <= DECODE_MIN_BLOCKS_PER_SPLIT or ctas >= slots:
+        return 1
+    most = max(1, min(DECODE_MAX_SPLITS, key_blocks // DECODE_MIN_BLOCKS_PER_SPLIT))
+    best, best_eff = 1, 0.0
+    for splits in range(1, most + 1):
+        n = ctas * splits
+        eff = n / (-(-n // slots) * slots)
+        if eff > best_eff + 1e-9:
+            best, best_eff = splits, eff
+    return best
+
+
+def split_blocks(key_blocks: int, num_splits: int) -> tuple[int, int]:
+    """(blocks_per_split, num_splits) with no empty trailing split: ceil(blocks / splits) each."""
+    num_splits = max(1, min(num_splits, max(key_blocks, 1)))
+    per_split = max(1, -(-key_blocks // num_splits))
+    return per_split, -(-max(key_blocks, 1) // per_split)
+
+
+def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
+    """Every decode variant the dispatcher can pick (what warmup and the CI compile test build),
+    and merge_states' kernels at the decode head dims."""
+    specs: list[DecodeSpec | DecodeAppendSpec | MergeSpec] = []
+    for dtype in CUDA_ELEMENT_TYPES:
+        for head_dim in DECODE_HEAD_DIMS:
+            for tile in DECODE_TILES[head_dim]:
+                for causal in (False, True):
+                    specs.append(DecodeSpec(dtype, head_dim, tile, causal))
+            specs.append(DecodeAppendSpec(dtype, head_dim))
+            specs.append(MergeSpec("float32", dtype, head_dim))
+            specs.append(MergeSpec(dtype, dtype, head_dim))
     return specs

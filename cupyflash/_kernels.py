@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._params import ATTN_PARAMS_DTYPE, pack_attn_params, pack_attn_params_into
+from ._params import PARAMS_STRUCTS
 from ._source import fingerprint, render
 from ._specs import KernelSpec
 
@@ -39,18 +39,20 @@ class CompiledKernel:
     def launch(
         self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream_ptr: int, *params: int | float
     ) -> None:
-        """Launch with one AttnParams argument, packed straight into a per-thread buffer that
-        cuLaunchKernel reads. CuPy's generic Function call costs ~8 us (argument boxing, an
+        """Launch with one params-struct argument (AttnParams, DecodeParams ...: the spec's
+        ``params_type``), packed straight into a per-thread buffer that cuLaunchKernel reads.
+        CuPy's generic Function call costs ~8 us (argument boxing, an
         __array_interface__ dict per call); this path is one struct pack and one driver call.
         A thread with no current CUDA context (the driver API needs one) falls back to CuPy's
         call, which makes the device's context current first."""
         from cupy_backends.cuda.api import driver
 
-        pack_attn_params_into(_scratch.view, *params)
+        layout = PARAMS_STRUCTS[self.spec.params_type]
+        layout.pack_into(_scratch.view, *params)
         try:
             driver.launchKernel(self.function.ptr, *grid, *block, smem, stream_ptr, _scratch.kernel_params, 0)
         except driver.CUDADriverError:
-            self.function(grid, block, (pack_attn_params(*params),), shared_mem=smem, stream=_StreamPtr(stream_ptr))
+            self.function(grid, block, (layout.pack(*params),), shared_mem=smem, stream=_StreamPtr(stream_ptr))
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,13 @@ class _StreamPtr:
 
 
 class _LaunchScratch(threading.local):
-    """Per-thread kernel-argument memory: the packed AttnParams and the one-entry void* array
+    """Per-thread kernel-argument memory: the packed params struct and the one-entry void* array
     cuLaunchKernel takes (it copies the arguments during the call, so reuse is safe)."""
 
     def __init__(self) -> None:
         import numpy as np
 
-        self.params = np.zeros(ATTN_PARAMS_DTYPE.itemsize, dtype=np.uint8)
+        self.params = np.zeros(max(s.dtype.itemsize for s in PARAMS_STRUCTS.values()), dtype=np.uint8)
         self.view = self.params.data
         self.pointer_array = np.array([self.params.ctypes.data], dtype=np.uint64)
         self.kernel_params = self.pointer_array.ctypes.data

@@ -60,7 +60,7 @@ def render(spec: KernelSpec) -> tuple[str, tuple[str, ...], str]:
         f'#include "{spec.source_file}"\n'
         f"using Traits = {spec.template_args()};\n"
         f'extern "C" __global__ void __launch_bounds__({spec.launch_bounds})\n'
-        f"{name}(const AttnParams params) {{ {spec.entry_body} }}\n"
+        f"{name}(const {spec.params_type} params) {{ {spec.entry_body} }}\n"
     )
     options = ("--std=c++17", f"-I{kernel_dir()}", *cuda_include_options())
     return code, options, name

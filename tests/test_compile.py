@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cupyflash import _kernels
-from cupyflash._dispatch import all_fa2_fwd_specs
+from cupyflash._dispatch import all_decode_specs, all_fa2_fwd_specs
 from cupyflash._specs import CI_ARCHS, Fa2FwdSpec, TileConfig
 
-JOBS = [(spec, arch) for spec in all_fa2_fwd_specs() for arch in CI_ARCHS]
+JOBS = [(spec, arch) for spec in [*all_fa2_fwd_specs(), *all_decode_specs()] for arch in CI_ARCHS]
 
 
 def _build(job):
