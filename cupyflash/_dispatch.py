@@ -111,26 +111,27 @@ def decode_spec(dtype: str, head_dim: int, rows: int, causal: bool) -> DecodeSpe
     return DecodeSpec(dtype, head_dim, decode_tile(head_dim, rows), causal)
 
 
+#: A split count within this fraction of the best wave efficiency is as good: the fewest wins.
+DECODE_WAVE_TOLERANCE = 0.05
+
+
 def decode_num_splits(*, ctas: int, key_blocks: int, num_sms: int, ctas_per_sm: int) -> int:
     """Splits of the KV sequence for ``ctas`` = batch x KV heads x m-blocks CTAs per split.
 
     As flash-attn's heuristic, the wave efficiency ``n / (ceil(n / slots) * slots)`` of the
-    n = ctas * splits CTAs decides, but the best efficiency over every allowed count is sought
-    (not the first count past a threshold), so a long cache fills the whole GPU rather than a
-    few SMs, and ties go to the fewest splits. A split keeps at least
-    DECODE_MIN_BLOCKS_PER_SPLIT key blocks; one split needs no combine kernel at all.
+    n = ctas * splits CTAs decides (slots = SMs x resident CTAs per SM): the fewest splits
+    within DECODE_WAVE_TOLERANCE of the best efficiency over every allowed count. A long cache
+    over few sequences therefore fills every SM (B = 1, 8 KV heads: 32 splits, not 1), and a
+    large batch that already fills the GPU is not split (no combine kernel at all). A split
+    keeps at least DECODE_MIN_BLOCKS_PER_SPLIT key blocks.
     """
     slots = max(1, num_sms * ctas_per_sm)
-    if ctas <= 0 or key_blocks <= DECODE_MIN_BLOCKS_PER_SPLIT or ctas >= slots:
+    most = min(DECODE_MAX_SPLITS, key_blocks // DECODE_MIN_BLOCKS_PER_SPLIT)
+    if ctas <= 0 or most <= 1:
         return 1
-    most = max(1, min(DECODE_MAX_SPLITS, key_blocks // DECODE_MIN_BLOCKS_PER_SPLIT))
-    best, best_eff = 1, 0.0
-    for splits in range(1, most + 1):
-        n = ctas * splits
-        eff = n / (-(-n // slots) * slots)
-        if eff > best_eff + 1e-9:
-            best, best_eff = splits, eff
-    return best
+    efficiency = [ctas * s / (-(-ctas * s // slots) * slots) for s in range(1, most + 1)]
+    good_enough = max(efficiency) * (1 - DECODE_WAVE_TOLERANCE)
+    return next(s for s, eff in enumerate(efficiency, start=1) if eff >= good_enough)
 
 
 def split_blocks(key_blocks: int, num_splits: int) -> tuple[int, int]:

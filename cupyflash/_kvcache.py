@@ -343,17 +343,18 @@ _ARRAY_OPS: dict[str, Any] = {_interop.TORCH: _TorchOps, _interop.CUPY: _CupyOps
 
 
 def _gpu_device(kind: str, q: Any, *others: Any) -> int | None:
-    """The GPU of the lean path when every array argument is of q's kind and on q's GPU."""
+    """The GPU of the lean path when every array argument is of q's type and on q's GPU."""
     ops = _ARRAY_OPS[kind]
     device = ops.device(q)
     if device < 0:
         return None
+    cls = type(q)
     for x in others:
-        if x is None or isinstance(x, int):
+        if x is None or type(x) is int:
             continue
-        if _interop.same_array_kind(q, x, x) != kind or ops.device(x) != device:
+        if type(x) is not cls or ops.device(x) != device:
             return None
-    return device
+    return int(device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,16 +500,28 @@ def _make_plan(
     )
 
 
-def _readable(ops: Any, x: Any, name: str, *, in_place: bool) -> Any:
-    """x itself when the kernels can read it (unit stride on d, 16-byte aligned), else a copy;
-    a cache is written in place, so it cannot be replaced by a copy."""
-    if _interop.kernel_readable(ops.ptr(x), x.shape, ops.strides(x)):
-        return x
+_readable_layouts: dict[tuple[Any, Any], bool] = {}
+
+
+def _operand(ops: Any, x: Any, name: str, *, in_place: bool) -> tuple[Any, int, tuple[int, ...]]:
+    """(array, pointer, strides) as the kernels read it: x itself when it has a unit stride on d
+    and 16-byte aligned strides (memoised per layout: this runs for every operand of every
+    call), else a copy -- except for a cache, which is written in place and cannot be copied."""
+    ptr, strides = ops.ptr(x), ops.strides(x)
+    layout = (x.shape, strides)
+    ok = _readable_layouts.get(layout)
+    if ok is None:
+        if len(_readable_layouts) > 4096:
+            _readable_layouts.clear()
+        ok = _readable_layouts[layout] = _interop.kernel_readable(0, x.shape, strides)
+    if ok and ptr % 16 == 0:
+        return x, ptr, strides
     if in_place:
         raise ValueError(
             f"{name} must have a unit stride on head_dim and 16-byte aligned strides (it is written in place)"
         )
-    return _interop.readable_copy(ops.kind, x)
+    x = _interop.readable_copy(ops.kind, x)
+    return x, ops.ptr(x), ops.strides(x)
 
 
 def _gpu_kvcache(
@@ -547,9 +560,9 @@ def _run(
 ) -> Any:  # fmt: skip
     if plan.negate_q:
         q = -q
-    q = _readable(ops, q, "q", in_place=False)
-    k_cache = _readable(ops, k_cache, "k_cache", in_place=True)
-    v_cache = _readable(ops, v_cache, "v_cache", in_place=True)
+    q, q_ptr, qs = _operand(ops, q, "q", in_place=False)
+    k_cache, k_ptr, ks = _operand(ops, k_cache, "k_cache", in_place=True)
+    v_cache, v_ptr, vs = _operand(ops, v_cache, "v_cache", in_place=True)
     seqlen_int, seqlens_ptr = 0, 0
     if isinstance(seqlens, int):
         seqlen_int = seqlens
@@ -562,12 +575,11 @@ def _run(
         table_ptr, table_stride = ops.ptr(table), ops.strides(table)[0]
     new_ptrs, new_strides = (0, 0), (0,) * 6
     if k_new is not None:
-        k_new = _readable(ops, k_new, "k_new", in_place=False)
-        v_new = _readable(ops, v_new, "v_new", in_place=False)
-        ks, vs = ops.strides(k_new), ops.strides(v_new)
-        new_ptrs, new_strides = (ops.ptr(k_new), ops.ptr(v_new)), (ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+        k_new, kn_ptr, kns = _operand(ops, k_new, "k_new", in_place=False)
+        v_new, vn_ptr, vns = _operand(ops, v_new, "v_new", in_place=False)
+        new_ptrs, new_strides = (kn_ptr, vn_ptr), (kns[0], kns[1], kns[2], vns[0], vns[1], vns[2])
 
-    out = ops.empty(tuple(q.shape), q)
+    out = ops.empty(q.shape, q)
     lse = ops.empty(plan.lse_shape, q, float32=True) if return_lse else None
     workspace = ops.empty((plan.workspace_floats,), q, float32=True) if plan.workspace_floats else None
     if _api.POISON_OUTPUTS:
@@ -581,10 +593,9 @@ def _run(
     if workspace is not None:
         base = ops.ptr(workspace)
         partial_ptrs = (base, base + plan.partial_lse_offset)
-    qs, ks, vs = ops.strides(q), ops.strides(k_cache), ops.strides(v_cache)
     shape = plan.attn_shape
     values = (
-        ops.ptr(q), ops.ptr(k_cache), ops.ptr(v_cache), out_ptr, lse_ptr if plan.merge is None else 0, 0, 0,
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr if plan.merge is None else 0, 0, 0,
         qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
         *shape[:7], seqlen_int, *shape[8:],
         seqlens_ptr, table_ptr, *new_ptrs, *partial_ptrs, table_stride, *new_strides, *plan.decode_tail,

@@ -133,6 +133,7 @@ class DecodeTile:
     num_warps: int
     stages: int
     q_in_regs: bool = True
+    min_blocks: int = 1  # CTAs per SM to fit in registers (__launch_bounds__'s second argument)
 
     def __post_init__(self) -> None:
         if self.block_m % 16 or self.warp_keys % 16 or self.stages < 2:
@@ -165,7 +166,8 @@ class DecodeSpec:
     @property
     def name(self) -> str:
         t = self.tile
-        flags = ("_qreg" if t.q_in_regs else "") + ("_causal" if self.causal else "")
+        flags = ("_qreg" if t.q_in_regs else "") + (f"_b{t.min_blocks}" if t.min_blocks > 1 else "")
+        flags += "_causal" if self.causal else ""
         return (
             f"cf_decode_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
             f"_m{t.block_m}_k{t.warp_keys}_w{t.num_warps}_s{t.stages}{flags}"
@@ -192,7 +194,7 @@ class DecodeSpec:
 
     @property
     def launch_bounds(self) -> str:
-        return f"{self.num_threads}, 1"
+        return f"{self.num_threads}, {self.tile.min_blocks}"
 
     @property
     def entry_body(self) -> str:

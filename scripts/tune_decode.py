@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 
@@ -18,13 +19,14 @@ from cupyflash.bench import DecodeShape, cuda_time_ms, decode_inputs
 
 CANDIDATES = [
     DecodeTile(16, 16, 4, 3),
+    DecodeTile(16, 16, 4, 2, min_blocks=3),
     DecodeTile(16, 16, 4, 4),
-    DecodeTile(16, 16, 4, 2),
     DecodeTile(16, 32, 4, 2),
     DecodeTile(16, 32, 4, 3),
     DecodeTile(16, 16, 8, 2),
     DecodeTile(16, 16, 8, 3),
     DecodeTile(16, 16, 2, 3),
+    DecodeTile(16, 32, 2, 3),
     DecodeTile(16, 16, 2, 4),
 ]
 SHAPES = [DecodeShape(1, 131072), DecodeShape(8, 32768), DecodeShape(8, 131072), DecodeShape(64, 4096)]
@@ -63,17 +65,24 @@ def main() -> None:
             row[f"B{shape.batch}_L{shape.seqlen}"] = us
             row[f"B{shape.batch}_L{shape.seqlen}_TBps"] = round(shape.kv_bytes / us / 1e6, 2)
         plan = next(iter(_kvcache._plans.values()))
-        row["regs"] = plan.partial.num_regs if plan.partial else None
+        if plan.partial is not None:
+            row["regs"], row["ctas_per_sm"] = plan.partial.num_regs, _kvcache._occupancy(plan.partial, 0)
         print(json.dumps(row), flush=True)
         results.append(row)
-    _dispatch.DECODE_TILES[128] = default
+    # The best tile by the geometric mean over the shapes, then its split counts.
+    keys = [f"B{shape.batch}_L{shape.seqlen}" for shape in SHAPES]
+    best = min(results, key=lambda r: math.prod(r[k] for k in keys))
+    print("best:", best["tile"], flush=True)
+    _dispatch.DECODE_TILES[128] = (CANDIDATES[results.index(best)], *default[1:])
     _kvcache._plans.clear()
     splits = {}
-    for n in (8, 16, 24, 33, 48, 66, 99, 132):
-        splits[n] = time_us(DecodeShape(1, 131072), num_splits=n)
-    print("B=1 L=131072 us by num_splits:", splits, flush=True)
+    for shape in (DecodeShape(1, 131072), DecodeShape(8, 32768)):
+        row = {n: time_us(shape, num_splits=n) for n in (1, 8, 16, 24, 32, 48, 64, 96, 128)}
+        splits[f"B{shape.batch}_L{shape.seqlen}"] = row
+        print(f"B={shape.batch} L={shape.seqlen} us by num_splits:", row, flush=True)
     paged = {page: paged_time(DecodeShape(8, 32768), page) for page in (1, 16, 256)}
     print("B=8 L=32768 paged (shuffled pages) us, TB/s by page size:", paged, flush=True)
+    _dispatch.DECODE_TILES[128] = default
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tiles": results, "splits": splits, "paged": paged}, f, indent=1)

@@ -210,13 +210,15 @@ def test_merge_states_rejects_mismatched_shapes():
 # ---------------------------------------------------------------------------------------------
 def test_split_heuristic_fills_the_gpu():
     # H200: 132 SMs, 2 CTAs each. One sequence, 8 KV heads, 128k keys in 64-key blocks: a full
-    # wave (33 splits x 8 = 264 CTAs), not a handful of SMs.
-    assert decode_num_splits(ctas=8, key_blocks=2048, num_sms=132, ctas_per_sm=2) == 33
-    # 64 sequences x 8 heads = 512 CTAs already fill two waves: no split, no combine.
+    # wave (32 splits x 8 = 256 of 264 slots), not a handful of SMs.
+    assert decode_num_splits(ctas=8, key_blocks=2048, num_sms=132, ctas_per_sm=2) == 32
+    # 64 sequences x 8 heads = 512 CTAs already fill two waves (97%): no split, no combine.
     assert decode_num_splits(ctas=512, key_blocks=64, num_sms=132, ctas_per_sm=2) == 1
+    # ... but with 3 CTAs per SM they would leave a 29% wave: 3 splits fill 4 waves (97%)
+    assert decode_num_splits(ctas=512, key_blocks=64, num_sms=132, ctas_per_sm=3) == 3
     # short caches keep at least 4 key blocks per split
     assert decode_num_splits(ctas=8, key_blocks=8, num_sms=132, ctas_per_sm=2) == 2
-    assert decode_num_splits(ctas=8, key_blocks=3, num_sms=132, ctas_per_sm=2) == 1
+    assert decode_num_splits(ctas=8, key_blocks=7, num_sms=132, ctas_per_sm=2) == 1
 
 
 def test_split_blocks_leaves_no_empty_split():
