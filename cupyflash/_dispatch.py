@@ -86,11 +86,15 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
 # ---------------------------------------------------------------------------------------------
 # head_dim -> tiles by packed rows (query tokens x query heads per KV head), smallest first; the
 # first whose block_m holds every row is used, the last one tiles larger groups over m-blocks.
-# Each warp streams its own ring of 16-key K/V slices: 4 warps x 3 stages x 2 x 16 x d x 2 bytes
-# (96 KB at d = 128) let two CTAs share an SM with 128 KB of loads in flight per SM.
+# Each warp streams its own ring of 16-key K/V slices. H200, bf16, d = 128, Hq/Hkv = 32/8, one
+# token, us at (B, L) = (1, 128k) (8, 32k) (8, 128k) (64, 4k), scripts/tune_decode.py,
+# docs/gpu_runs/2026-11-29-decode/: 8 warps x 2 stages (1 CTA/SM) 176 272 970 274, against
+# 4 warps x 3 stages (2 CTAs/SM) 191 301 1008 307, 4 x 2 (3 CTAs/SM) 203 296 977 284, 2 x 3
+# (4 CTAs/SM) 213 313 1007 311, 32-key slices 173 285 981 278. d = 64 follows d = 128 (not
+# measured apart); d = 256 keeps 4 warps x 3 stages (8 x 2 would need 264 KB).
 DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {
-    64: (DecodeTile(16, 16, 4, 3), DecodeTile(32, 16, 4, 3), DecodeTile(64, 16, 4, 3, q_in_regs=False)),
-    128: (DecodeTile(16, 16, 4, 3), DecodeTile(32, 16, 4, 3, q_in_regs=False)),
+    64: (DecodeTile(16, 16, 8, 2), DecodeTile(32, 16, 8, 2), DecodeTile(64, 16, 4, 3, q_in_regs=False)),
+    128: (DecodeTile(16, 16, 8, 2), DecodeTile(32, 16, 8, 2, q_in_regs=False)),
     256: (DecodeTile(16, 16, 4, 3, q_in_regs=False),),
 }
 

@@ -372,7 +372,8 @@ class _DecodePlan:
     lse_shape: tuple[int, int, int]
     workspace_floats: int  # fp32 partial O then partial LSE; 0 with one split
     partial_lse_offset: int  # bytes from the workspace start to the partial LSE
-    attn_shape: tuple[int | float, ...]  # AttnParams from the o strides to the end (seqlen_k: slot 7)
+    attn_head: tuple[int, ...]  # AttnParams from the o strides to seqlen_q
+    attn_tail: tuple[int | float, ...]  # AttnParams after seqlen_k (an int cache_seqlens, per call)
     decode_tail: tuple[int, ...]  # DecodeParams from seqlen_new on
     merge_tail: tuple[int, ...]  # MergeParams from the strides on
 
@@ -470,10 +471,8 @@ def _make_plan(
     d, hq, nq = a.head_dim, a.heads_q, a.seqlen_q
     o_strides = (nq * hq * d, hq * d, d)
     lse_strides = (hq * nq, nq)
-    attn_shape = (
-        *o_strides, *lse_strides, a.batch, a.seqlen_q, 0, a.heads_q, a.heads_kv, group,
-        a.window_left, a.window_right, scale_log2, 0.0,
-    )  # fmt: skip
+    attn_head = (*o_strides, *lse_strides, a.batch, a.seqlen_q)
+    attn_tail = (a.heads_q, a.heads_kv, group, a.window_left, a.window_right, scale_log2, 0.0)
     decode_tail = (p.seqlen_new, p.page_size_log2, p.num_pages, p.capacity, splits, per_split)
     merge_tail = (
         row_count * d, hq * nq * d, d, nq * d,  # partial O: [splits, B, Hq, Nq, d]
@@ -494,7 +493,8 @@ def _make_plan(
         lse_shape=lse_shape,
         workspace_floats=row_count * (d + 1) * splits if merge is not None else 0,
         partial_lse_offset=row_count * d * splits * 4,
-        attn_shape=attn_shape,
+        attn_head=attn_head,
+        attn_tail=attn_tail,
         decode_tail=decode_tail,
         merge_tail=merge_tail,
     )
@@ -579,36 +579,49 @@ def _run(
         v_new, vn_ptr, vns = _operand(ops, v_new, "v_new", in_place=False)
         new_ptrs, new_strides = (kn_ptr, vn_ptr), (kns[0], kns[1], kns[2], vns[0], vns[1], vns[2])
 
-    out = ops.empty(q.shape, q)
-    lse = ops.empty(plan.lse_shape, q, float32=True) if return_lse else None
-    workspace = ops.empty((plan.workspace_floats,), q, float32=True) if plan.workspace_floats else None
-    if _api.POISON_OUTPUTS:
-        for x in (out, lse, workspace):
-            if x is not None:
-                ops.fill(x, math.nan)
-    stream = ops.stream(device)
-    out_ptr = ops.ptr(out)
-    lse_ptr = 0 if lse is None else ops.ptr(lse)
+    # With a combine step the partial kernel writes only the workspace: it is launched before
+    # the outputs are allocated, so the GPU starts a few microseconds of host time earlier.
+    split = plan.merge is not None
+    workspace = ops.empty((plan.workspace_floats,), q, float32=True) if split else None
+    out = lse = None
+    if not split:
+        out, lse = _outputs(ops, plan, q, return_lse)
     partial_ptrs = (0, 0)
     if workspace is not None:
+        if _api.POISON_OUTPUTS:
+            ops.fill(workspace, math.nan)
         base = ops.ptr(workspace)
         partial_ptrs = (base, base + plan.partial_lse_offset)
-    shape = plan.attn_shape
+    stream = ops.stream(device)
     values = (
-        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr if plan.merge is None else 0, 0, 0,
+        q_ptr, k_ptr, v_ptr, 0 if out is None else ops.ptr(out), 0 if lse is None else ops.ptr(lse), 0, 0,
         qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        *shape[:7], seqlen_int, *shape[8:],
+        *plan.attn_head, seqlen_int, *plan.attn_tail,
         seqlens_ptr, table_ptr, *new_ptrs, *partial_ptrs, table_stride, *new_strides, *plan.decode_tail,
     )  # fmt: skip
     if plan.append is not None:
         plan.append.launch(plan.append_grid, (32, 1, 1), 0, stream, *values)
     if plan.partial is not None:
         plan.partial.launch(plan.grid, plan.threads, plan.smem, stream, *values)
-    if plan.merge is not None:
+    if split:
+        assert plan.merge is not None
+        out, lse = _outputs(ops, plan, q, return_lse)
+        lse_ptr = 0 if lse is None else ops.ptr(lse)
+        merge_threads = (MergeSpec.num_threads, 1, 1)
         plan.merge.launch(
-            plan.merge_grid, (MergeSpec.num_threads, 1, 1), 0, stream, *partial_ptrs, out_ptr, lse_ptr, *plan.merge_tail
+            plan.merge_grid, merge_threads, 0, stream, *partial_ptrs, ops.ptr(out), lse_ptr, *plan.merge_tail
         )
     return (out, lse) if return_lse else out
+
+
+def _outputs(ops: Any, plan: _DecodePlan, q: Any, return_lse: bool) -> tuple[Any, Any]:
+    out = ops.empty(q.shape, q)
+    lse = ops.empty(plan.lse_shape, q, float32=True) if return_lse else None
+    if _api.POISON_OUTPUTS:
+        ops.fill(out, math.nan)
+        if lse is not None:
+            ops.fill(lse, math.nan)
+    return out, lse
 
 
 def _gpu_merge_states(

@@ -169,20 +169,21 @@ CF_DEVICE void load_rows_async(uint32_t s_tile, const RowPtr& row_ptr, int threa
 // One warp copies keys [key0, key0 + kWarpKeys) of a cache into a swizzled [kWarpKeys][d] tile
 // (keys >= seqlen_k zero-filled). Lane l takes 16-byte chunk l % (d / 8) of rows l / (d / 8),
 // + 32 / (d / 8), ...: a warp instruction reads whole 128-byte lines. This loop is most of the
-// kernel's instructions: a contiguous cache walks one pointer by a fixed stride (a generic
-// per-row address took ~65 SASS instructions per copy, 80% of the loop, and capped a warp at
-// ~3 GB/s on the H200); a paged cache looks each row's page up.
+// kernel's instructions, so the rows of a slice that lie in one page (every contiguous cache,
+// and pages of >= kWarpKeys tokens: key0 is a multiple of kWarpKeys) take one address and a
+// fixed stride: a generic per-row address took ~65 SASS instructions per copy, 80% of the loop,
+// and held a warp to ~3 GB/s on the H200. Smaller pages look each row's page up.
 template <typename Traits>
 CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits::Element>& cache,
                                 int key0, int seqlen_k, int lane) {
   constexpr int kChunksPerRow = Traits::kHeadDim / 8;
-  constexpr int kRowsPerIter = kChunksPerRow >= 32 ? 1 : 32 / kChunksPerRow;
-  constexpr int kIters = Traits::kWarpKeys / kRowsPerIter;
   static_assert(kChunksPerRow <= 32 && 32 % kChunksPerRow == 0, "a row is at most one warp's chunks");
+  constexpr int kRowsPerIter = 32 / kChunksPerRow;
+  constexpr int kIters = Traits::kWarpKeys / kRowsPerIter;
   const int chunk = lane % kChunksPerRow;
   const int row0 = lane / kChunksPerRow;
-  if (cache.pages == nullptr) {
-    const typename Traits::Element* src = cache.base + (key0 + row0) * cache.row_stride + chunk * 8;
+  if (cache.pages == nullptr || (1 << cache.page_size_log2) >= Traits::kWarpKeys) {
+    const typename Traits::Element* src = cache.row(key0) + row0 * cache.row_stride + chunk * 8;
     const int64_t step = kRowsPerIter * cache.row_stride;
 #pragma unroll
     for (int it = 0; it < kIters; ++it, src += step) {
@@ -491,13 +492,17 @@ CF_DEVICE void decode_merge(const MergeParams& p) {
         mine < p.num_parts ? merge_scale(g_lse[mine * p.lse_part_stride], lse_max) : 0.f;
     weight_sum += my_weight;
     const int count = min(32, p.num_parts - part0);
-#pragma unroll 4
+    // No branch in the body: the loads of 8 parts are issued together (a skip of empty parts
+    // made every part wait for the previous one's L2 round trip: ~12 us for 32 parts).
+#pragma unroll 8
     for (int j = 0; j < count; ++j) {
       const float w = __shfl_sync(0xffffffffu, my_weight, j);
-      if (w == 0.f) continue;  // an empty part: its O may be anything (0 * NaN must not leak)
       const auto* o_part = g_o + (part0 + j) * p.o_part_stride;
 #pragma unroll
-      for (int c = 0; c < Traits::kColsPerLane; ++c) acc[c] += w * to_float(o_part[lane + 32 * c]);
+      for (int c = 0; c < Traits::kColsPerLane; ++c) {
+        const float x = to_float(o_part[lane + 32 * c]);
+        acc[c] += w == 0.f ? 0.f : w * x;  // an empty part weighs 0 even if its O is NaN
+      }
     }
   }
 #pragma unroll
