@@ -215,7 +215,10 @@ def _problem(
 # ---------------------------------------------------------------------------------------------
 # Host arrays: the array-API twin, every value checked before the cache is written.
 # ---------------------------------------------------------------------------------------------
-_HOST_SPLIT_KEYS_BLOCKS = 4  # auto on the host: blocks of 64 keys per split (any count is exact)
+# num_splits=0 on the host (no SM count to fill): one split per 4 blocks of 64 keys, as the GPU's
+# smallest split. Any count gives the same answer up to rounding (the merge is exact).
+_HOST_BLOCK_N = 64
+_HOST_BLOCKS_PER_SPLIT = 4
 
 
 def _host_kvcache(
@@ -242,9 +245,9 @@ def _host_kvcache(
     if k_new is not None:
         xp_impl.append_kv(xp, k_cache, k_new, cached, layout)
         xp_impl.append_kv(xp, v_cache, v_new, cached, layout)
-    block_n = 64
+    block_n = _HOST_BLOCK_N
     key_blocks = -(-p.capacity // block_n)
-    splits = num_splits or max(1, key_blocks // _HOST_SPLIT_KEYS_BLOCKS)
+    splits = num_splits or max(1, key_blocks // _HOST_BLOCKS_PER_SPLIT)
     per_split, _ = split_blocks(key_blocks, splits)
     lengths = [n + p.seqlen_new for n in cached]
     return xp_impl.attention_with_kvcache(xp, q, k_cache, v_cache, lengths, layout, p.attn, per_split * block_n)

@@ -219,10 +219,6 @@ class KvCacheProblem:
         return self.page_size.bit_length() - 1 if self.paged else 0
 
 
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(x.shape)
-
-
 def kvcache_problem(
     q_shape: tuple[int, ...],
     k_cache_shape: tuple[int, ...],
@@ -277,7 +273,7 @@ def kvcache_problem(
         if seqlen_new > capacity:
             raise ValueError(f"{seqlen_new} new tokens do not fit in a cache of {capacity} tokens per sequence")
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
-        shape = _shape(cache_seqlens)
+        shape = tuple(getattr(cache_seqlens, "shape", ()))
         if shape != (batch,):
             raise ValueError(f"cache_seqlens must be an int or a 1-D int32 array of length {batch}, got shape {shape}")
     elif not 0 <= cache_seqlens <= capacity - seqlen_new:

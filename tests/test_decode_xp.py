@@ -27,19 +27,21 @@ def _kv_reference(q, k_cache, v_cache, lengths, pages, page_size, causal):
     return np.concatenate(outs), np.concatenate(lses)
 
 
-def _paged_copy(rng, cache, page_size, spare_pages=3):
-    """The same cache as pages in shuffled order (plus unused pages of noise)."""
-    b, length, h, d = cache.shape
+def _paginate(rng, caches, page_size, spare_pages=3):
+    """Caches [B, L, H, d] as pages [num_pages, page_size, H, d] in shuffled order (plus unused
+    pages of noise) through one block table."""
+    b, length, h, d = caches[0].shape
     per_seq = -(-length // page_size)
     num_pages = b * per_seq + spare_pages
-    order = rng.permutation(num_pages)[: b * per_seq].reshape(b, per_seq)
-    paged = rng.standard_normal((num_pages, page_size, h, d)).astype(cache.dtype)
-    padded = np.zeros((b, per_seq * page_size, h, d), dtype=cache.dtype)
-    padded[:, :length] = cache
-    for i in range(b):
-        for j in range(per_seq):
-            paged[order[i, j]] = padded[i, j * page_size : (j + 1) * page_size]
-    return paged, order.astype(np.int32)
+    table = rng.permutation(num_pages)[: b * per_seq].reshape(b, per_seq)
+    paged = []
+    for cache in caches:
+        pages = rng.standard_normal((num_pages, page_size, h, d)).astype(cache.dtype)
+        padded = np.zeros((b, per_seq * page_size, h, d), dtype=cache.dtype)
+        padded[:, :length] = cache
+        pages[table.ravel()] = padded.reshape(b * per_seq, page_size, h, d)
+        paged.append(pages)
+    return paged, table.astype(np.int32)
 
 
 @pytest.mark.parametrize("page_size", [None, 1, 4, 16])
@@ -53,13 +55,7 @@ def test_kvcache_matches_reference(xp, rng, page_size, nq, causal):
     table = None
     k_dev, v_dev = k_cache, v_cache
     if page_size is not None:
-        k_dev, table = _paged_copy(rng, k_cache, page_size)
-        v_dev, _ = _paged_copy(np.random.default_rng(0), v_cache, page_size)
-        v_dev = np.zeros_like(k_dev)
-        for i in range(b):  # v pages in the same slots as k's
-            for j in range(table.shape[1]):
-                chunk = v_cache[i, j * page_size : (j + 1) * page_size]
-                v_dev[table[i, j], : chunk.shape[0]] = chunk
+        (k_dev, v_dev), table = _paginate(rng, (k_cache, v_cache), page_size)
     args = [xp.asarray(x.astype(np.float32)) for x in (q, k_dev, v_dev, k_new, v_new)]
     out, lse = cupyflash.attention_with_kvcache(
         args[0], args[1], args[2], cache_seqlens=xp.asarray(cached), k_new=args[3], v_new=args[4],
