@@ -1,4 +1,4 @@
-"""``python -m cupyflash {info,warmup,demo,bench}``."""
+"""``python -m cupyflash {info,warmup,demo,bench,bench-decode}``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from . import _kernels
     from ._dispatch import (
         FA1_DEVICE_SMEM,
+        all_decode_specs,
         all_fa1_fwd_specs,
         all_fa2_fwd_specs,
         all_fa3_fwd_specs,
@@ -78,7 +79,12 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     )
     from ._specs import KernelSpec
 
-    all_specs: list[KernelSpec] = [*all_fa2_fwd_specs(), *all_fa3_fwd_specs(), *all_naive_softmax_specs()]
+    all_specs: list[KernelSpec] = [
+        *all_fa2_fwd_specs(),
+        *all_fa3_fwd_specs(),
+        *all_decode_specs(),
+        *all_naive_softmax_specs(),
+    ]
     if args.arch:  # no GPU needed: check that every variant builds for an arch
         fa1 = all_fa1_fwd_specs(FA1_DEVICE_SMEM.get(args.arch, FA1_DEVICE_SMEM["sm_90a"]))
         specs = [s for s in [*all_specs, *fa1] if args.arch in s.archs]
@@ -165,6 +171,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    if not _gpu_available():
+        print("bench-decode needs a GPU", file=sys.stderr)
+        return 1
+    from . import bench
+
+    rows = []
+    for shape in bench.decode_shapes():
+        rows.append(bench.run_decode(shape))
+        print(bench.format_decode_table(rows[-1:]).splitlines()[-1], flush=True)
+    print(bench.format_decode_table(rows))
+    overhead = bench.decode_host_overhead_us()
+    print(f"host time of a decode call (B=1, L=4096, Hq=32, Hkv=8, d=128, bf16): {overhead}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"decode": rows, "host_overhead": overhead}, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="only N = 4096")
     bench.add_argument("--json", help="write the results here")
     bench.set_defaults(func=cmd_bench)
+    bench_decode = sub.add_parser("bench-decode", help="decode us and GB/s against PyTorch SDPA (flash, cuDNN)")
+    bench_decode.add_argument("--json", help="write the results here")
+    bench_decode.set_defaults(func=cmd_bench_decode)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

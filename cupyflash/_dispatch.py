@@ -10,12 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._specs import (
+    CUDA_ELEMENT_TYPES,
+    DECODE_HEAD_DIMS,
     FA1_HEAD_DIMS,
     FA3_HEAD_DIMS,
+    DecodeAppendSpec,
+    DecodeSpec,
+    DecodeTile,
     Fa1FwdSpec,
     Fa2FwdSpec,
     Fa3FwdSpec,
     Fa3Tile,
+    MergeSpec,
     NaiveSoftmaxSpec,
     TileConfig,
 )
@@ -175,3 +181,82 @@ def all_naive_softmax_specs() -> list[NaiveSoftmaxSpec]:
         for local in (False, True)
         for softcap in (False, True)
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashDecoding: the split-KV partial kernel's tiles and the number of splits.
+# ---------------------------------------------------------------------------------------------
+# head_dim -> tiles by packed rows (query tokens x query heads per KV head), smallest first; the
+# first whose block_m holds every row is used, the last one tiles larger groups over m-blocks.
+# Each warp streams its own ring of 16-key K/V slices. H200, bf16, d = 128, Hq/Hkv = 32/8, one
+# token, us at (B, L) = (1, 128k) (8, 32k) (8, 128k) (64, 4k), scripts/tune_decode.py,
+# docs/gpu_runs/2026-11-29-decode/: 8 warps x 2 stages (1 CTA/SM) 176 272 970 274, against
+# 4 warps x 3 stages (2 CTAs/SM) 191 301 1008 307, 4 x 2 (3 CTAs/SM) 203 296 977 284, 2 x 3
+# (4 CTAs/SM) 213 313 1007 311, 32-key slices 173 285 981 278. d = 64 follows d = 128 (not
+# measured apart); d = 256 keeps 4 warps x 3 stages (8 x 2 would need 264 KB).
+DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {
+    64: (DecodeTile(16, 16, 8, 2), DecodeTile(32, 16, 8, 2), DecodeTile(64, 16, 4, 3, q_in_regs=False)),
+    128: (DecodeTile(16, 16, 8, 2), DecodeTile(32, 16, 8, 2, q_in_regs=False)),
+    256: (DecodeTile(16, 16, 4, 3, q_in_regs=False),),
+}
+
+#: Upper bound on KV splits (the combine reads num_splits partials per output row).
+DECODE_MAX_SPLITS = 128
+#: A split covers at least this many CTA key blocks, so its fixed cost (Q load, merge, partial
+#: write) stays small beside its share of the KV stream.
+DECODE_MIN_BLOCKS_PER_SPLIT = 4
+
+
+def decode_tile(head_dim: int, rows: int) -> DecodeTile:
+    """The tile for ``rows`` packed GQA rows (query tokens x query heads per KV head)."""
+    tiles = DECODE_TILES[head_dim]
+    return next((t for t in tiles if t.block_m >= rows), tiles[-1])
+
+
+def decode_spec(dtype: str, head_dim: int, rows: int, causal: bool) -> DecodeSpec:
+    return DecodeSpec(dtype, head_dim, decode_tile(head_dim, rows), causal)
+
+
+#: A split count within this fraction of the best wave efficiency is as good: the fewest wins.
+DECODE_WAVE_TOLERANCE = 0.05
+
+
+def decode_num_splits(*, ctas: int, key_blocks: int, num_sms: int, ctas_per_sm: int) -> int:
+    """Splits of the KV sequence for ``ctas`` = batch x KV heads x m-blocks CTAs per split.
+
+    As flash-attn's heuristic, the wave efficiency ``n / (ceil(n / slots) * slots)`` of the
+    n = ctas * splits CTAs decides (slots = SMs x resident CTAs per SM): the fewest splits
+    within DECODE_WAVE_TOLERANCE of the best efficiency over every allowed count. A long cache
+    over few sequences therefore fills every SM (B = 1, 8 KV heads: 32 splits, not 1), and a
+    large batch that already fills the GPU is not split (no combine kernel at all). A split
+    keeps at least DECODE_MIN_BLOCKS_PER_SPLIT key blocks.
+    """
+    slots = max(1, num_sms * ctas_per_sm)
+    most = min(DECODE_MAX_SPLITS, key_blocks // DECODE_MIN_BLOCKS_PER_SPLIT)
+    if ctas <= 0 or most <= 1:
+        return 1
+    efficiency = [ctas * s / (-(-ctas * s // slots) * slots) for s in range(1, most + 1)]
+    good_enough = max(efficiency) * (1 - DECODE_WAVE_TOLERANCE)
+    return next(s for s, eff in enumerate(efficiency, start=1) if eff >= good_enough)
+
+
+def split_blocks(key_blocks: int, num_splits: int) -> tuple[int, int]:
+    """(blocks_per_split, num_splits) with no empty trailing split: ceil(blocks / splits) each."""
+    num_splits = max(1, min(num_splits, max(key_blocks, 1)))
+    per_split = max(1, -(-key_blocks // num_splits))
+    return per_split, -(-max(key_blocks, 1) // per_split)
+
+
+def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
+    """Every decode variant the dispatcher can pick (what warmup and the CI compile test build),
+    and merge_states' kernels at the decode head dims."""
+    specs: list[DecodeSpec | DecodeAppendSpec | MergeSpec] = []
+    for dtype in CUDA_ELEMENT_TYPES:
+        for head_dim in DECODE_HEAD_DIMS:
+            for tile in DECODE_TILES[head_dim]:
+                for causal in (False, True):
+                    specs.append(DecodeSpec(dtype, head_dim, tile, causal))
+            specs.append(DecodeAppendSpec(dtype, head_dim))
+            specs.append(MergeSpec("float32", dtype, head_dim))
+            specs.append(MergeSpec(dtype, dtype, head_dim))
+    return specs

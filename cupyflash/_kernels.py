@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._params import ATTN_PARAMS_DTYPE, pack_attn_params, pack_attn_params_into
+from ._params import PARAMS_STRUCTS
 from ._source import fingerprint, render
 from ._specs import KernelSpec
 from ._tma import MAP_BYTES
@@ -46,18 +46,20 @@ class CompiledKernel:
         *params: int | float,
         tma_maps: bytes | None = None,
     ) -> None:
-        """Launch with one AttnParams argument (or, for a TMA kernel, one Fa3Params: the three
-        128-byte tensor maps in ``tma_maps``, then the AttnParams), packed straight into a
-        per-thread buffer that cuLaunchKernel reads. CuPy's generic Function call costs ~8 us
-        (argument boxing, an __array_interface__ dict per call); this path is one struct pack and
-        one driver call. A thread with no current CUDA context (the driver API needs one) falls
-        back to CuPy's call, which makes the device's context current first."""
+        """Launch with one params-struct argument (AttnParams, DecodeParams ...: the spec's
+        ``params_type``; for a TMA kernel, Fa3Params: the three 128-byte tensor maps in
+        ``tma_maps``, then the AttnParams), packed straight into a per-thread buffer that
+        cuLaunchKernel reads. CuPy's generic Function call costs ~8 us (argument boxing, an
+        __array_interface__ dict per call); this path is one struct pack and one driver call.
+        A thread with no current CUDA context (the driver API needs one) falls back to CuPy's
+        call, which makes the device's context current first."""
         from cupy_backends.cuda.api import driver
 
+        layout = PARAMS_STRUCTS[self.spec.params_type]
         scratch = _scratch
-        pack_attn_params_into(scratch.attn_view, *params)
+        layout.pack_into(scratch.params_view, *params)
         if tma_maps is None:
-            kernel_params = scratch.attn_kernel_params
+            kernel_params = scratch.params_kernel_params
         else:
             scratch.maps_view[:] = tma_maps
             kernel_params = scratch.fa3_kernel_params
@@ -67,9 +69,9 @@ class CompiledKernel:
             import numpy as np
 
             if tma_maps is None:
-                arg = pack_attn_params(*params)
+                arg = layout.pack(*params)
             else:
-                raw = bytes(scratch.maps_view) + bytes(scratch.attn_view)
+                raw = bytes(scratch.maps_view) + bytes(scratch.params_view[: layout.dtype.itemsize])
                 arg = np.frombuffer(raw + bytes(-len(raw) % 64), dtype=np.dtype((np.void, len(raw) + -len(raw) % 64)))
             self.function(grid, block, (arg,), shared_mem=smem, stream=_StreamPtr(stream_ptr))
 
@@ -85,7 +87,11 @@ class CompiledKernel:
         """Launch a kernel that takes AttnParams and then array arguments (the FA1 scratch, the
         naive softmax's S and P) through CuPy's call (these are not the per-token hot paths)."""
         self.function(
-            grid, block, (pack_attn_params(*params), *buffers), shared_mem=smem, stream=_StreamPtr(stream_ptr)
+            grid,
+            block,
+            (PARAMS_STRUCTS[self.spec.params_type].pack(*params), *buffers),
+            shared_mem=smem,
+            stream=_StreamPtr(stream_ptr),
         )
 
 
@@ -97,22 +103,23 @@ class _StreamPtr:
 class _LaunchScratch(threading.local):
     """Per-thread kernel-argument memory and the one-entry void* arrays cuLaunchKernel takes (it
     copies the arguments during the call, so reuse is safe). Laid out as Fa3Params: three
-    tensor maps (64-byte aligned) at 0, 128, 256, then the AttnParams at 384; an FA2 launch
-    points at the AttnParams alone."""
+    tensor maps (64-byte aligned) at 0, 128, 256, then the params struct at 384 (room for the
+    largest); every other launch points at the params struct alone."""
 
     def __init__(self) -> None:
         import numpy as np
 
         maps_bytes = 3 * MAP_BYTES
-        size = maps_bytes + ATTN_PARAMS_DTYPE.itemsize
+        largest = max(s.dtype.itemsize for s in PARAMS_STRUCTS.values())
+        size = maps_bytes + largest
         self.raw = np.zeros(size + 2 * 64, dtype=np.uint8)
         start = -self.raw.ctypes.data % 64
-        self.buffer = self.raw[start : start + size + 64]  # padded to Fa3Params' 64-byte size
+        self.buffer = self.raw[start : start + size + 64]  # covers Fa3Params' 64-byte padding
         self.maps_view = self.buffer[:maps_bytes].data
-        self.attn_view = self.buffer[maps_bytes:size].data
+        self.params_view = self.buffer[maps_bytes:size].data
         base = self.buffer.ctypes.data
         self.pointer_arrays = np.array([[base + maps_bytes], [base]], dtype=np.uint64)
-        self.attn_kernel_params = self.pointer_arrays[0].ctypes.data
+        self.params_kernel_params = self.pointer_arrays[0].ctypes.data
         self.fa3_kernel_params = self.pointer_arrays[1].ctypes.data
 
 

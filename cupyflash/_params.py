@@ -1,10 +1,11 @@
-"""Python mirror of ``AttnParams`` (kernels_cu/params.cuh), the by-value kernel argument.
+"""Python mirrors of the by-value kernel arguments: ``AttnParams`` (kernels_cu/params.cuh) and
+the decode kernels' ``DecodeParams`` and ``MergeParams`` (kernels_cu/decode.cu).
 
 The field list below is the single Python description of the struct: a NumPy structured dtype
 (``align=True`` gives C's natural alignment) and a ``struct.Struct`` that packs one call's
 values into the same bytes without building a NumPy scalar field by field (17 us measured on
-the H200 for that, against ~1 us for one ``pack``). ``tests/test_params_layout.py`` compiles
-``static_assert(offsetof(AttnParams, f) == ...)`` for every field against the C++ header.
+the H200 for that, against ~1 us for one ``pack``). ``tests/test_params_layout.py`` checks each
+field list against its C++ struct with the compiler.
 """
 
 from __future__ import annotations
@@ -37,38 +38,88 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("softcap_prescale", "f4"),
 )
 
-ATTN_PARAMS_DTYPE = np.dtype(list(ATTN_PARAMS_FIELDS), align=True)
-
 _STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "f4": "f"}
 
 
-def _struct_format(dtype: np.dtype) -> str:
-    """Little-endian, unaligned format whose offsets match the aligned dtype (explicit padding)."""
-    fields = dtype.fields
-    assert fields is not None
-    fmt, offset = "<", 0
-    for name, code in ATTN_PARAMS_FIELDS:
-        field_offset = fields[name][1]
-        fmt += "x" * (field_offset - offset) + _STRUCT_CODES[code]
-        offset = field_offset + np.dtype(code).itemsize
-    return fmt + "x" * (dtype.itemsize - offset)
+class ParamsStruct:
+    """One kernel-argument struct: its field list, its NumPy dtype (``align=True``: C's natural
+    alignment) and a ``struct.Struct`` with explicit padding whose offsets match the dtype.
+
+    The packed bytes travel as one opaque void element: CuPy passes a size-1 NumPy array by
+    value, reading it through __array_interface__, which for a structured dtype rebuilt the
+    30-field description on every call (~40 us measured on the H200, a third of a tiny call).
+    """
+
+    def __init__(self, c_name: str, fields: tuple[tuple[str, str], ...]) -> None:
+        self.c_name = c_name
+        self.fields = fields
+        self.dtype = np.dtype(list(fields), align=True)
+        layout = self.dtype.fields
+        assert layout is not None
+        fmt, offset = "<", 0
+        for name, code in fields:
+            fmt += "x" * (layout[name][1] - offset) + _STRUCT_CODES[code]
+            offset = layout[name][1] + np.dtype(code).itemsize
+        self._packer = struct.Struct(fmt + "x" * (self.dtype.itemsize - offset))
+        assert self._packer.size == self.dtype.itemsize
+        self._opaque = np.dtype((np.void, self.dtype.itemsize))
+
+    def pack_into(self, buffer: memoryview, *values: int | float) -> None:
+        """Pack one call's field values into a caller-owned buffer (the direct-launch path)."""
+        self._packer.pack_into(buffer, 0, *values)
+
+    def pack(self, *values: int | float) -> np.ndarray:
+        """Pack one call's field values (in field order) into a size-1 array CuPy passes by
+        value. ``.view(self.dtype)`` reads the fields back."""
+        return np.frombuffer(self._packer.pack(*values), dtype=self._opaque)
 
 
-_PACKER = struct.Struct(_struct_format(ATTN_PARAMS_DTYPE))
-assert _PACKER.size == ATTN_PARAMS_DTYPE.itemsize
+# DecodeParams = { AttnParams attn; ... }: AttnParams' size is a multiple of 8 and the first
+# field after it a pointer, so the flat list has the nested struct's layout.
+DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
+    *ATTN_PARAMS_FIELDS,
+    ("cache_seqlens", "u8"),
+    ("block_table", "u8"),
+    ("k_new_ptr", "u8"),
+    ("v_new_ptr", "u8"),
+    ("o_partial_ptr", "u8"),
+    ("lse_partial_ptr", "u8"),
+    ("block_table_batch_stride", "i8"),
+    *((f"{t}_new_{s}_stride", "i8") for t in ("k", "v") for s in ("batch", "row", "head")),
+    ("seqlen_new", "i4"),
+    ("page_size_log2", "i4"),
+    ("num_pages", "i4"),
+    ("cache_capacity", "i4"),
+    ("num_splits", "i4"),
+    ("blocks_per_split", "i4"),
+)
 
-# The packed bytes travel as one opaque void element: CuPy passes a size-1 NumPy array by value,
-# reading it through __array_interface__, which for the structured dtype rebuilt the 30-field
-# description on every call (~40 us measured on the H200, a third of a tiny call).
-_OPAQUE = np.dtype((np.void, ATTN_PARAMS_DTYPE.itemsize))
+MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
+    ("o_parts_ptr", "u8"),
+    ("lse_parts_ptr", "u8"),
+    ("o_ptr", "u8"),
+    ("lse_ptr", "u8"),
+    *((f"o_{s}_stride", "i8") for s in ("part", "batch", "row", "head")),
+    *((f"lse_{s}_stride", "i8") for s in ("part", "batch", "head")),
+    *((f"out_{s}_stride", "i8") for s in ("batch", "row", "head")),
+    ("out_lse_batch_stride", "i8"),
+    ("out_lse_head_stride", "i8"),
+    ("num_parts", "i4"),
+    ("batch", "i4"),
+    ("seqlen_q", "i4"),
+    ("heads", "i4"),
+)
 
+PARAMS_STRUCTS = {
+    s.c_name: s
+    for s in (
+        ParamsStruct("AttnParams", ATTN_PARAMS_FIELDS),
+        ParamsStruct("DecodeParams", DECODE_PARAMS_FIELDS),
+        ParamsStruct("MergeParams", MERGE_PARAMS_FIELDS),
+    )
+}
 
-def pack_attn_params_into(buffer: memoryview, *values: int | float) -> None:
-    """Pack one call's field values into a caller-owned buffer (the direct-launch path)."""
-    _PACKER.pack_into(buffer, 0, *values)
-
-
-def pack_attn_params(*values: int | float) -> np.ndarray:
-    """Pack one call's field values (in field order) into a size-1 array CuPy passes by value.
-    ``.view(ATTN_PARAMS_DTYPE)`` reads the fields back."""
-    return np.frombuffer(_PACKER.pack(*values), dtype=_OPAQUE)
+_ATTN = PARAMS_STRUCTS["AttnParams"]
+ATTN_PARAMS_DTYPE = _ATTN.dtype
+pack_attn_params_into = _ATTN.pack_into
+pack_attn_params = _ATTN.pack

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 #: Element types the tensor-core kernels take, with their C++ spelling.
 CUDA_ELEMENT_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-_SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
+_SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "f32"}
 
 #: Head dimensions with a compiled FA2 variant (multiples of 32: 16-byte swizzle groups).
 FA2_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -61,6 +61,7 @@ class Fa2FwdSpec:
     kernel = "fa2_fwd"
     source_file = "fa2_fwd.cu"
     archs = CI_ARCHS
+    params_type = "AttnParams"
     param_decl = "const AttnParams params"
     uses_tma = False
 
@@ -158,6 +159,7 @@ class Fa3FwdSpec:
     kernel = "fa3_fwd"
     source_file = "fa3_fwd.cu"
     archs = (HOPPER_ARCH,)
+    params_type = "AttnParams"  # after the three tensor maps (Fa3Params)
     param_decl = "const __grid_constant__ Fa3Params params"
     uses_tma = True
 
@@ -252,6 +254,7 @@ class Fa1FwdSpec:
     kernel = "fa1_fwd"
     source_file = "fa1_fwd.cu"
     archs = CI_ARCHS
+    params_type = "AttnParams"
     param_decl = "const AttnParams params, float* o_state, float* max_state, float* sum_state"
     uses_tma = False
     entry_body = "fa1_fwd<Traits>(params, o_state, max_state, sum_state);"
@@ -312,6 +315,7 @@ class NaiveSoftmaxSpec:
     num_threads = 128  # one CTA per row; 128 x 8 scores per sweep covers a GPT-2 row (1024)
     smem_bytes = 0
     archs = CI_ARCHS
+    params_type = "AttnParams"
     param_decl = "const AttnParams params, const Traits::Element* s, Traits::Element* p"
     uses_tma = False
     entry_body = "naive_softmax<Traits>(params, s, p);"
@@ -335,4 +339,165 @@ class NaiveSoftmaxSpec:
         return f"{self.num_threads}, 1"
 
 
-KernelSpec = Fa2FwdSpec | Fa3FwdSpec | Fa1FwdSpec | NaiveSoftmaxSpec
+#: Head dimensions with a compiled decode variant.
+DECODE_HEAD_DIMS = (64, 128, 256)
+#: Query tokens per sequence the decode kernel takes (one, or a few for speculative decoding).
+DECODE_MAX_QUERIES = 16
+#: Element types of merge_states on the GPU (the split-KV partials are float32).
+MERGE_ELEMENT_TYPES = {**CUDA_ELEMENT_TYPES, "float32": "float"}
+
+
+def _check_dtype(dtype: str, supported: dict[str, str]) -> None:
+    if dtype not in supported:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(supported)}")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTile:
+    """CTA shape of the split-KV partial kernel: packed GQA rows (query tokens x query heads of one
+    KV head, padded) per CTA, keys a warp takes per step, warps, and the depth of each warp's ring."""
+
+    block_m: int
+    warp_keys: int
+    num_warps: int
+    stages: int
+    q_in_regs: bool = True
+    min_blocks: int = 1  # CTAs per SM to fit in registers (__launch_bounds__'s second argument)
+
+    def __post_init__(self) -> None:
+        if self.block_m % 16 or self.warp_keys % 16 or self.stages < 2:
+            raise ValueError(f"{self}: block_m and warp_keys must be multiples of 16, stages >= 2")
+
+    @property
+    def block_n(self) -> int:
+        """Keys of one CTA step: the unit the KV splits are made of."""
+        return self.num_warps * self.warp_keys
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSpec:
+    """A variant of ``decode_partial`` in ``kernels_cu/decode.cu`` (template ``DecodeTraits``)."""
+
+    dtype: str
+    head_dim: int
+    tile: DecodeTile
+    causal: bool = False
+
+    kernel = "decode_partial"
+    source_file = "decode.cu"
+    params_type = "DecodeParams"
+    param_decl = "const DecodeParams params"
+    archs = CI_ARCHS
+    uses_tma = False
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
+        if self.head_dim not in DECODE_HEAD_DIMS:
+            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {DECODE_HEAD_DIMS}")
+
+    @property
+    def name(self) -> str:
+        t = self.tile
+        flags = ("_qreg" if t.q_in_regs else "") + (f"_b{t.min_blocks}" if t.min_blocks > 1 else "")
+        flags += "_causal" if self.causal else ""
+        return (
+            f"cf_decode_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
+            f"_m{t.block_m}_k{t.warp_keys}_w{t.num_warps}_s{t.stages}{flags}"
+        )
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.tile.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        t, d = self.tile, self.head_dim
+        ring = t.num_warps * 2 * t.stages * t.warp_keys * d * 2
+        merge = t.num_warps * t.block_m * (d + 8 + 1) * 4  # the warps' fp32 partials, padded rows
+        return t.block_m * d * 2 + max(ring, merge)
+
+    def template_args(self) -> str:
+        t = self.tile
+        b = lambda flag: "true" if flag else "false"  # noqa: E731
+        return (
+            f"DecodeTraits<{self.head_dim}, {t.block_m}, {t.warp_keys}, {t.num_warps}, {t.stages}, "
+            f"{b(t.q_in_regs)}, {CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}>"
+        )
+
+    @property
+    def launch_bounds(self) -> str:
+        return f"{self.num_threads}, {self.tile.min_blocks}"
+
+    @property
+    def entry_body(self) -> str:
+        return "decode_partial<Traits>(params);"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAppendSpec:
+    """``decode_append``: k_new / v_new into the cache (contiguous or paged)."""
+
+    dtype: str
+    head_dim: int
+
+    kernel = "decode_append"
+    source_file = "decode.cu"
+    params_type = "DecodeParams"
+    param_decl = "const DecodeParams params"
+    archs = CI_ARCHS
+    uses_tma = False
+    num_threads = 32
+    smem_bytes = 0
+    launch_bounds = "32, 1"
+    entry_body = "decode_append<Traits>(params);"
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
+        if self.head_dim % 8:
+            raise ValueError(f"head_dim {self.head_dim} must be a multiple of 8 (16-byte rows)")
+
+    @property
+    def name(self) -> str:
+        return f"cf_decode_append_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
+
+    def template_args(self) -> str:
+        return f"AppendTraits<{self.head_dim}, {CUDA_ELEMENT_TYPES[self.dtype]}>"
+
+
+@dataclass(frozen=True, slots=True)
+class MergeSpec:
+    """``decode_merge``: exact merge of partial (O, LSE) states; split-KV combine and merge_states."""
+
+    part_dtype: str
+    out_dtype: str
+    head_dim: int
+
+    kernel = "decode_merge"
+    source_file = "decode.cu"
+    params_type = "MergeParams"
+    param_decl = "const MergeParams params"
+    archs = CI_ARCHS
+    uses_tma = False
+    num_threads = 128
+    smem_bytes = 0
+    launch_bounds = "128, 1"
+    entry_body = "decode_merge<Traits>(params);"
+    rows_per_block = 4  # one warp per output row
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.part_dtype, MERGE_ELEMENT_TYPES)
+        _check_dtype(self.out_dtype, MERGE_ELEMENT_TYPES)
+        if self.head_dim % 32 or not 0 < self.head_dim <= 256:
+            raise ValueError(f"unsupported head_dim {self.head_dim}; merge takes multiples of 32 up to 256")
+
+    @property
+    def name(self) -> str:
+        short = _SHORT_DTYPE
+        return f"cf_merge_{short[self.part_dtype]}_{short[self.out_dtype]}_d{self.head_dim}"
+
+    def template_args(self) -> str:
+        types = MERGE_ELEMENT_TYPES
+        return f"MergeTraits<{self.head_dim}, {types[self.part_dtype]}, {types[self.out_dtype]}>"
+
+
+KernelSpec = Fa2FwdSpec | Fa3FwdSpec | Fa1FwdSpec | NaiveSoftmaxSpec | DecodeSpec | DecodeAppendSpec | MergeSpec

@@ -201,3 +201,125 @@ def check_algorithm(algorithm: Any) -> str:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     return algorithm
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheProblem:
+    """One ``attention_with_kvcache`` call, normalised. ``attn.seqlen_k`` is the capacity."""
+
+    attn: Problem
+    paged: bool
+    page_size: int  # paged: tokens per page (a power of two); contiguous: the capacity
+    num_pages: int  # paged: pages in the cache; contiguous: the batch
+    capacity: int  # keys one sequence can hold: L_max, or max_pages * page_size
+    seqlen_new: int  # tokens appended (k_new / v_new), 0 without
+
+    @property
+    def page_size_log2(self) -> int:
+        return self.page_size.bit_length() - 1 if self.paged else 0
+
+
+def kvcache_problem(
+    q_shape: tuple[int, ...],
+    k_cache_shape: tuple[int, ...],
+    v_cache_shape: tuple[int, ...],
+    *,
+    cache_seqlens: Any,
+    block_table_shape: tuple[int, ...] | None,
+    k_new_shape: tuple[int, ...] | None,
+    v_new_shape: tuple[int, ...] | None,
+    causal: Any,
+    scale: Any,
+) -> KvCacheProblem:
+    """Check the shapes and options of ``attention_with_kvcache`` (and an int ``cache_seqlens``
+    against the capacity); array values are checked by the caller where they are on the host."""
+    if len(q_shape) != 4:
+        raise ValueError(f"q must be 4-D (batch, seqlen_q, heads, head_dim), got shape {tuple(q_shape)}")
+    if len(k_cache_shape) != 4:
+        raise ValueError(
+            "k_cache must be 4-D: (batch, max_seqlen, heads_kv, head_dim), or (num_pages, page_size, heads_kv, "
+            f"head_dim) with a block_table, got shape {tuple(k_cache_shape)}"
+        )
+    if tuple(k_cache_shape) != tuple(v_cache_shape):
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {k_cache_shape} and {v_cache_shape}")
+    batch = q_shape[0]
+    first, rows, heads_kv, head_dim = k_cache_shape
+    paged = block_table_shape is not None
+    if paged:
+        assert block_table_shape is not None
+        if len(block_table_shape) != 2 or block_table_shape[0] != batch:
+            raise ValueError(f"block_table must be 2-D (batch={batch}, max_pages), got shape {block_table_shape}")
+        if rows < 1 or rows & (rows - 1):
+            raise ValueError(f"page size {rows} (k_cache.shape[1]) is not supported: it must be a power of two >= 1")
+        if first < 1:
+            raise ValueError("a paged cache needs at least one page")
+        capacity, num_pages = block_table_shape[1] * rows, first
+    else:
+        if first != batch:
+            raise ValueError(f"k_cache must have the batch size of q ({batch}), got {first} (shape {k_cache_shape})")
+        capacity, num_pages = rows, batch
+    seqlen_new = 0
+    if (k_new_shape is None) != (v_new_shape is None):
+        raise ValueError("k_new and v_new go together: give both or neither")
+    if k_new_shape is not None:
+        if tuple(k_new_shape) != tuple(v_new_shape or ()):
+            raise ValueError(f"k_new and v_new must have the same shape, got {k_new_shape} and {v_new_shape}")
+        if len(k_new_shape) != 4 or (k_new_shape[0], k_new_shape[2], k_new_shape[3]) != (batch, heads_kv, head_dim):
+            raise ValueError(
+                f"k_new must be (batch={batch}, seqlen_new, heads_kv={heads_kv}, head_dim={head_dim}), "
+                f"got {tuple(k_new_shape)}"
+            )
+        seqlen_new = k_new_shape[1]
+        if seqlen_new > capacity:
+            raise ValueError(f"{seqlen_new} new tokens do not fit in a cache of {capacity} tokens per sequence")
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+        shape = tuple(getattr(cache_seqlens, "shape", ()))
+        if shape != (batch,):
+            raise ValueError(f"cache_seqlens must be an int or a 1-D int32 array of length {batch}, got shape {shape}")
+    elif not 0 <= cache_seqlens <= capacity - seqlen_new:
+        raise ValueError(
+            f"cache_seqlens={cache_seqlens} with {seqlen_new} new tokens goes beyond the cache "
+            f"({capacity} tokens per sequence)"
+        )
+    attn = attention_problem(
+        q_shape, (batch, capacity, heads_kv, head_dim), (batch, capacity, heads_kv, head_dim),
+        causal=causal, scale=scale, window=(-1, -1), softcap=0.0, layout="bshd",
+    )  # fmt: skip
+    return KvCacheProblem(attn, paged, rows if paged else capacity, num_pages, capacity, seqlen_new)
+
+
+def check_kvcache_values(seqlens: list[int], pages: list[list[int]] | None, p: KvCacheProblem) -> None:
+    """Host-side check of cache_seqlens and block_table contents (only where they already live
+    on the host: on the GPU this would cost a device synchronisation per call)."""
+    for b, n in enumerate(seqlens):
+        if not 0 <= n <= p.capacity - p.seqlen_new:
+            raise ValueError(
+                f"cache_seqlens[{b}]={n} with {p.seqlen_new} new tokens goes beyond the cache "
+                f"({p.capacity} tokens per sequence)"
+            )
+    if pages is not None:
+        for b, (row, n) in enumerate(zip(pages, seqlens)):
+            used = -(-(n + p.seqlen_new) // p.page_size)
+            bad = [x for x in row[:used] if not 0 <= x < p.num_pages]
+            if bad:
+                raise ValueError(f"block_table[{b}] points outside the {p.num_pages} pages of the cache: {bad}")
+
+
+def check_num_splits(num_splits: Any) -> int:
+    """0 = chosen by the heuristic; 1 = no split (plain FA2); k = k splits of the KV sequence."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
+    return num_splits
+
+
+def merge_problem(o_a_shape: Any, lse_a_shape: Any, o_b_shape: Any, lse_b_shape: Any) -> tuple[int, int, int, int]:
+    """(B, N, H, d) of ``merge_states``' two states: o (B, N, H, d), lse (B, H, N)."""
+    if len(o_a_shape) != 4:
+        raise ValueError(f"o_a must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(o_a_shape)}")
+    if tuple(o_a_shape) != tuple(o_b_shape):
+        raise ValueError(f"o_a and o_b must have the same shape, got {tuple(o_a_shape)} and {tuple(o_b_shape)}")
+    b, n, h, d = o_a_shape
+    for name, shape in (("lse_a", lse_a_shape), ("lse_b", lse_b_shape)):
+        if tuple(shape) != (b, h, n):
+            raise ValueError(f"{name} must have shape (batch, heads, seqlen) = {(b, h, n)}, got {tuple(shape)}")
+    return b, n, h, d

@@ -199,3 +199,125 @@ def format_prefill_table(rows: list[dict[str, Any]]) -> str:
             f"{value(r, 'cupyflash') / value(r, 'cudnn'):>7.2f}x {value(r, 'cupyflash_fa2') / value(r, 'flash'):>8.2f}x"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: one query token over a KV cache (the FlashDecoding target).
+# ---------------------------------------------------------------------------------------------
+DECODE_BATCHES = (1, 8, 64)
+DECODE_SEQLENS = (4096, 32768, 131072)
+DECODE_MAX_TOKENS = 2 * 1024 * 1024  # B * L beyond this is skipped (the cache would not fit)
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    batch: int
+    seqlen: int
+    heads_q: int = 32
+    heads_kv: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V read: 2 * B * Hkv * L * d * 2."""
+        return 2 * self.batch * self.heads_kv * self.seqlen * self.head_dim * 2
+
+
+def decode_shapes() -> list[DecodeShape]:
+    return [DecodeShape(b, n) for b in DECODE_BATCHES for n in DECODE_SEQLENS if b * n <= DECODE_MAX_TOKENS]
+
+
+def decode_inputs(shape: DecodeShape, seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """q (B, 1, Hq, d), full caches (B, L, Hkv, d) and cache_seqlens = L (int32 on the GPU)."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+    q = torch.randn(shape.batch, 1, shape.heads_q, shape.head_dim, generator=gen, device="cuda", dtype=dtype)
+    kv_dims = (shape.batch, shape.seqlen, shape.heads_kv, shape.head_dim)
+    k, v = (torch.randn(kv_dims, generator=gen, device="cuda", dtype=dtype) for _ in range(2))
+    seqlens = torch.full((shape.batch,), shape.seqlen, dtype=torch.int32, device="cuda")
+    return q, k, v, seqlens
+
+
+def run_decode(shape: DecodeShape) -> dict[str, Any]:
+    """Microseconds and GB/s of KV read: cupyflash (automatic splits), cupyflash with one split,
+    PyTorch SDPA flash and cuDNN (``enable_gqa=True``, bhsd views of the same caches)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cupyflash
+
+    q, k, v, seqlens = decode_inputs(shape)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa_call(backend: Any) -> Callable[[], Any]:
+        def call() -> Any:
+            with sdpa_kernel(backend):
+                return sdpa(qt, kt, vt, enable_gqa=True)
+
+        return call
+
+    calls: dict[str, Callable[[], Any]] = {
+        "cupyflash": lambda: cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens),
+        "splits1": lambda: cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=1),
+        "flash": sdpa_call(SDPBackend.FLASH_ATTENTION),
+        "cudnn": sdpa_call(SDPBackend.CUDNN_ATTENTION),
+    }
+    row: dict[str, Any] = asdict(shape)
+    row["kv_GB"] = round(shape.kv_bytes / 1e9, 3)
+    for name, call in calls.items():
+        try:
+            ms = cuda_time_ms(call, warmup_ms=100.0, repeat=20)
+        except RuntimeError as error:
+            row[f"{name}_us"] = None
+            row[f"{name}_error"] = str(error).splitlines()[0][:200]
+            continue
+        row[f"{name}_us"] = round(ms * 1e3, 1)
+        row[f"{name}_TBps"] = round(shape.kv_bytes / (ms * 1e-3) / 1e12, 2)
+    ref = calls["flash"]().transpose(1, 2).float()
+    row["max_abs_diff_vs_flash"] = round(float((calls["cupyflash"]().float() - ref).abs().max()), 5)
+    return row
+
+
+def decode_host_overhead_us(*, rounds: int = 5, calls: int = 1000) -> dict[str, float]:
+    """Host time of one decode call at the smallest shape (B = 1, L = 4096), torch tensors: the
+    whole call with the automatic split, and with one split (a single launch)."""
+    import torch
+
+    import cupyflash
+
+    q, k, v, seqlens = decode_inputs(DecodeShape(1, 4096))
+    calls_by_name = {
+        "decode_us": lambda: cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens),
+        "decode_splits1_us": lambda: cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=1),
+        "sdpa_us": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
+        ),
+    }
+    best = {name: float("inf") for name in calls_by_name}
+    for call in calls_by_name.values():
+        _median_call_us(call, torch.cuda.synchronize, 100)
+    for _ in range(rounds):
+        for name, call in calls_by_name.items():
+            best[name] = min(best[name], _median_call_us(call, torch.cuda.synchronize, calls))
+    return {name: round(us, 2) for name, us in best.items()}
+
+
+def format_decode_table(rows: list[dict[str, Any]]) -> str:
+    names = ("cupyflash", "splits1", "flash", "cudnn")
+    header = f"{'B':>3} {'L':>7} {'KV GB':>6} | " + " ".join(f"{n + ' us':>12} {'TB/s':>5}" for n in names)
+    lines = [header + " | vs best SDPA"]
+    for r in rows:
+        cells = []
+        for n in names:
+            us, tbps = r.get(f"{n}_us"), r.get(f"{n}_TBps")
+            cells.append(
+                f"{us if us is not None else float('nan'):>12.1f} {tbps if tbps is not None else float('nan'):>5.2f}"
+            )
+        best = min((r[f"{n}_us"] for n in ("flash", "cudnn") if r.get(f"{n}_us")), default=float("nan"))
+        ratio = best / r["cupyflash_us"] if r.get("cupyflash_us") else float("nan")
+        lines.append(f"{r['batch']:>3} {r['seqlen']:>7} {r['kv_GB']:>6.2f} | " + " ".join(cells) + f" | {ratio:>5.2f}x")
+    return "\n".join(lines)

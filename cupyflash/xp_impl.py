@@ -20,6 +20,7 @@ inputs stay float64).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -243,16 +244,79 @@ def fa1(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEF
     return xp.concat(o_hbm, axis=-2), xp.concat(lse, axis=-1)
 
 
-def decode(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, num_splits: int = 4, block_n: int = 64) -> tuple[Any, Any]:
-    """FlashDecoding: split the keys into ``num_splits`` chunks, one FA2 partial each, merge."""
-    chunk = -(-max(p.seqlen_k, 1) // max(num_splits, 1))
-    chunk = -(-chunk // block_n) * block_n  # whole key blocks per split, as the kernel
+def decode(
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, num_splits: int = 4, block_n: int = 64, split_keys: int = 0
+) -> tuple[Any, Any]:
+    """FlashDecoding: split the keys into chunks of ``split_keys`` keys (default: ``num_splits``
+    chunks of whole key blocks), one FA2 partial (O_s, LSE_s) each, then merge them exactly."""
+    chunk = split_keys
+    if chunk <= 0:
+        chunk = -(-max(p.seqlen_k, 1) // max(num_splits, 1))
+        chunk = -(-chunk // block_n) * block_n  # whole key blocks per split, as the kernel
     outs, lses = [], []
     for key0 in range(0, max(p.seqlen_k, 1), chunk):
         o, lse = fa2_partial(xp, q, k, v, p, block_m=64, block_n=block_n, key_range=(key0, key0 + chunk))
         outs.append(o)
         lses.append(lse)
     return merge(xp, outs, lses)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache (twin of decode.cu's decode_append and the cache addressing of decode_partial).
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where key ``j`` of sequence ``b`` lives: contiguous [B, L, Hkv, d] (``pages`` None) or
+    paged [num_pages, page_size, Hkv, d], page ``pages[b][j // page_size]``, slot ``j % page_size``."""
+
+    pages: list[list[int]] | None
+    page_size: int
+
+    def slot(self, b: int, key: int) -> tuple[int, int]:
+        if self.pages is None:
+            return b, key
+        return self.pages[b][key // self.page_size], key % self.page_size
+
+    def gather(self, xp: Any, cache: Any, b: int, n: int) -> Any:
+        """Keys 0 .. n - 1 of sequence b: [n, Hkv, d]."""
+        if self.pages is None:
+            return cache[b, :n, ...]
+        used = self.pages[b][: -(-n // self.page_size)]
+        if not used:
+            return cache[0, :0, ...]
+        return xp.concat([cache[page, ...] for page in used], axis=0)[:n, ...]
+
+
+def append_kv(xp: Any, cache: Any, new: Any, seqlens: list[int], layout: CacheLayout) -> None:
+    """Write new[b, t] at position seqlens[b] + t of sequence b's cache, in place."""
+    for b, cached in enumerate(seqlens):
+        for t in range(new.shape[1]):
+            page, slot = layout.slot(b, cached + t)
+            cache[page, slot, ...] = new[b, t, ...]
+
+
+def attention_with_kvcache(
+    xp: Any, q: Any, k_cache: Any, v_cache: Any, seqlens: list[int], layout: CacheLayout, p: Problem, split_keys: int
+) -> tuple[Any, Any]:
+    """Per sequence b: FlashDecoding of q[b] over its seqlens[b] cached keys (new tokens already
+    appended), splits of ``split_keys`` keys as the kernel's; returns (out like q, LSE [B, Hq, Nq])."""
+    outs, lses = [], []
+    for b, n in enumerate(seqlens):
+        keys = [xp.expand_dims(layout.gather(xp, c, b, n), axis=0) for c in (k_cache, v_cache)]
+        p_b = dataclasses.replace(p, batch=1, seqlen_k=n)
+        out, lse = attention(xp, q[b : b + 1, ...], keys[0], keys[1], p_b, algorithm="decode", split_keys=split_keys)
+        outs.append(out)
+        lses.append(lse)
+    return xp.concat(outs, axis=0), xp.concat(lses, axis=0)
+
+
+def merge_states(xp: Any, o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
+    """Verb 4 on two states: o (B, N, H, d), lse float32 (B, H, N) -> the state over both key sets."""
+    compute = xp.float64 if o_a.dtype == xp.float64 else xp.float32
+    outs = [xp.permute_dims(xp.astype(o, compute), (0, 2, 1, 3)) for o in (o_a, o_b)]
+    lses = [xp.astype(lse, compute) for lse in (lse_a, lse_b)]
+    out, lse = merge(xp, outs, lses)
+    return xp.astype(xp.permute_dims(out, (0, 2, 1, 3)), o_a.dtype), xp.astype(lse, xp.float32)
 
 
 ALGORITHMS = {"naive": naive, "fa1": fa1, "fa2": fa2, "decode": decode}

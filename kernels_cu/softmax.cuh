@@ -111,28 +111,32 @@ struct OnlineSoftmax {
 
 // Verb 4 -- merge partial results (O_i, lse_i), each O_i normalised over its own keys:
 //   lse = log(sum_i exp(lse_i)),   O = sum_i exp(lse_i - lse) * O_i.
-// merge_weights fills w_i = exp(lse_i - lse) and returns lse; if every part is empty
-// (all lse_i = -inf) the weights are 0 and the LSE stays -inf.
+// With lse_max = max_i lse_i, part i weighs merge_scale(lse_i, lse_max) = exp(lse_i - lse_max)
+// before normalisation by the sum of the weights, and merged_lse(lse_max, sum) is the result's
+// LSE. If every part is empty (all lse_i = -inf) the weights are 0 and the LSE stays -inf.
+CF_DEVICE float merge_scale(float lse, float lse_max) {
+  return lse_max == neg_infinity() ? 0.f : fast_exp2((lse - lse_max) * kLog2e);
+}
+CF_DEVICE float merged_lse(float lse_max, float weight_sum) {
+  return weight_sum > 0.f ? lse_max + __logf(weight_sum) : neg_infinity();
+}
+
+// The merge of a compile-time number of parts: w_i = exp(lse_i - lse), returns lse.
 template <int kParts>
 CF_DEVICE float merge_weights(const float (&lse)[kParts], float (&w)[kParts]) {
   float m = neg_infinity();
 #pragma unroll
   for (int i = 0; i < kParts; ++i) m = fmaxf(m, lse[i]);
-  if (m == neg_infinity()) {
-#pragma unroll
-    for (int i = 0; i < kParts; ++i) w[i] = 0.f;
-    return m;
-  }
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < kParts; ++i) {
-    w[i] = fast_exp2((lse[i] - m) * kLog2e);
+    w[i] = merge_scale(lse[i], m);
     sum += w[i];
   }
-  const float inv = 1.f / sum;
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
 #pragma unroll
   for (int i = 0; i < kParts; ++i) w[i] *= inv;
-  return m + __logf(sum);
+  return merged_lse(m, sum);
 }
 
 // Verbs 1-2 in scalar form, for a kernel that walks one row a score at a time (the naive

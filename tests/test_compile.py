@@ -1,5 +1,5 @@
 """Every kernel variant the dispatcher can pick compiles through NVRTC for its targets (FA2, FA1,
-naive: sm_80 and sm_90a; the Hopper kernel: sm_90a) on a machine with no GPU, with no
+naive, decode: sm_80 and sm_90a; the Hopper kernel: sm_90a) on a machine with no GPU, with no
 local-memory spills (scripts/sass_evidence.py shows the Hopper kernel's HGMMA / UTMALDG)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from cupyflash import _kernels
 from cupyflash._dispatch import (
     FA1_DEVICE_SMEM,
+    all_decode_specs,
     all_fa1_fwd_specs,
     all_fa2_fwd_specs,
     all_fa3_fwd_specs,
@@ -19,7 +20,9 @@ from cupyflash._dispatch import (
 )
 from cupyflash._specs import CI_ARCHS, Fa2FwdSpec, TileConfig
 
-JOBS = [(spec, arch) for spec in (*all_fa2_fwd_specs(), *all_fa3_fwd_specs()) for arch in spec.archs]
+JOBS = [
+    (spec, arch) for spec in (*all_fa2_fwd_specs(), *all_fa3_fwd_specs(), *all_decode_specs()) for arch in spec.archs
+]
 # FA1's tiles follow the device's shared memory: the A100's variants for sm_80, the H100/H200's
 # for sm_90a. The naive baseline's softmax has no tiles.
 JOBS += [(spec, arch) for arch, smem in FA1_DEVICE_SMEM.items() for spec in all_fa1_fwd_specs(smem)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cupyflash import _kernels, _source
-from cupyflash._params import ATTN_PARAMS_DTYPE, ATTN_PARAMS_FIELDS, pack_attn_params
+from cupyflash._params import ATTN_PARAMS_DTYPE, ATTN_PARAMS_FIELDS, PARAMS_STRUCTS, pack_attn_params
 
 
 def _compile(source: str, std: str = "c++20") -> None:
@@ -83,3 +83,30 @@ def test_fa3_params_layout():
     )
     scratch = _kernels._scratch
     assert scratch.buffer.ctypes.data % 64 == 0 and scratch.buffer.nbytes >= padded
+
+
+def test_decode_structs_match_python_fields():
+    """DecodeParams (AttnParams nested first, then its own fields) and MergeParams, as above."""
+    decode = PARAMS_STRUCTS["DecodeParams"]
+    merge = PARAMS_STRUCTS["MergeParams"]
+    own = decode.fields[len(ATTN_PARAMS_FIELDS) :]
+    lines = [
+        '#include "decode.cu"',
+        f"static_assert(sizeof(DecodeParams) == {decode.dtype.itemsize});",
+        f"static_assert(sizeof(MergeParams) == {merge.dtype.itemsize});",
+        f"static_assert(sizeof(AttnParams) == {decode.dtype.fields[own[0][0]][1]});",  # own fields follow it
+    ]
+    for struct, fields in (("DecodeParams", own), ("MergeParams", merge.fields)):
+        for name, code in fields:
+            lines.append(f'static_assert(sizeof({struct}::{name}) == {np.dtype(code).itemsize}, "{name}");')
+        first = ".attn = {}, " if struct == "DecodeParams" else ""
+        inits = ", ".join(f".{name} = {{}}" for name, _ in fields)
+        lines.append(f"constexpr {struct} kOrderProbe{struct}{{{first}{inits}}};")
+    _compile("\n".join(lines))
+
+
+def test_every_struct_packs_to_its_dtype():
+    for layout in PARAMS_STRUCTS.values():
+        values = [2.5 if code == "f4" else i + 1 for i, (_, code) in enumerate(layout.fields)]
+        unpacked = layout.pack(*values).view(layout.dtype)
+        assert [unpacked[name][0] for name, _ in layout.fields] == values, layout.c_name

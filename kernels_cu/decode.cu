@@ -1,0 +1,560 @@
+// FlashDecoding: attention of a few query tokens over a long KV cache, the keys split over CTAs.
+//
+// decode_partial -- grid (num_splits * m_blocks, Hkv, B). A CTA takes one split of the keys of
+//   one (batch, KV head) and every query head that reads that KV head (GQA): the rows of its MMA
+//   tiles are the packed (query token, head of the group) pairs, row r = token * group + head,
+//   padded to kBlockM. K and V therefore stream from HBM once per KV head, not once per query head.
+//   Warps do not share a K/V tile: each runs its own cp.async ring over every kNWarps-th key slice
+//   of the split (no CTA barrier in the loop, so one warp waiting on memory never stalls another),
+//   with its own online-softmax state. The warps' partial results are merged once at the end.
+//   One split (num_splits = 1) writes the normalised output directly; otherwise each CTA writes
+//   its fp32 partial O and LSE and decode_merge combines them.
+// decode_merge -- the exact merge of partials (O_i, LSE_i) by LSE rescaling, one warp per output
+//   row; the same kernel serves cupyflash.merge_states.
+// decode_append -- writes k_new / v_new into the cache at positions cache_seqlens[b] + t.
+//
+// The cache is contiguous [B, L_max, Hkv, d] or paged [num_pages, page_size, Hkv, d] through a
+// block table [B, max_pages]; page_size is any power of two, down to 1 (rows are gathered one by
+// one through the table). Device-side values are never trusted: sequence lengths are clamped to
+// the cache capacity and page numbers to the page count, so a wrong cache_seqlens or block table
+// gives a wrong answer but never an access outside the cache.
+#pragma once
+
+#include "fa2_fwd.cu"  // gemm_qk, gemm_pv, load_q_frag, scale_rows: the FA2 tile verbs
+
+struct DecodeParams {
+  // q [B, Nq, Hq, d], o, lse as for attention (seqlen_q = Nq). k_ptr / v_ptr are the caches;
+  // their batch strides are page strides when paged. seqlen_k is the cached length of every
+  // sequence when cache_seqlens is nullptr (an int given on the host).
+  AttnParams attn;
+  const int32_t* cache_seqlens;  // [B] tokens already in the cache, or nullptr
+  const int32_t* block_table;    // [B, max_pages] page of each page-sized key range, or nullptr
+  const void* k_new_ptr;         // [B, Nnew, Hkv, d] appended before attending, or nullptr
+  const void* v_new_ptr;         // [B, Nnew, Hkv, d]
+  float* o_partial_ptr;          // [num_splits, B, Hq, Nq, d], when num_splits > 1
+  float* lse_partial_ptr;        // [num_splits, B, Hq, Nq]
+  int64_t block_table_batch_stride;
+  int64_t k_new_batch_stride, k_new_row_stride, k_new_head_stride;
+  int64_t v_new_batch_stride, v_new_row_stride, v_new_head_stride;
+  int32_t seqlen_new;       // Nnew
+  int32_t page_size_log2;   // paged cache: log2(page size)
+  int32_t num_pages;        // paged cache: pages in k_ptr / v_ptr
+  int32_t cache_capacity;   // keys one sequence can hold: L_max, or max_pages * page_size
+  int32_t num_splits;
+  int32_t blocks_per_split;  // CTA key blocks (kNWarps * kWarpKeys keys) per split
+};
+
+// Exact merge of partial results: part p of output row (b, i, h) is
+//   O_p = o_parts_ptr[p * o_part_stride + b * o_batch_stride + i * o_row_stride + h * o_head_stride + :]
+//   LSE_p = lse_parts_ptr[p * lse_part_stride + b * lse_batch_stride + h * lse_head_stride + i].
+struct MergeParams {
+  const void* o_parts_ptr;
+  const float* lse_parts_ptr;
+  void* o_ptr;     // [B, Nq, H, d] through the out_* strides
+  float* lse_ptr;  // [B, H, Nq] (row stride 1), or nullptr
+  int64_t o_part_stride, o_batch_stride, o_row_stride, o_head_stride;
+  int64_t lse_part_stride, lse_batch_stride, lse_head_stride;
+  int64_t out_batch_stride, out_row_stride, out_head_stride;
+  int64_t out_lse_batch_stride, out_lse_head_stride;
+  int32_t num_parts;
+  int32_t batch, seqlen_q, heads;
+};
+
+template <int kHeadDim_, int kBlockM_, int kWarpKeys_, int kNWarps_, int kStages_, bool Q_in_regs_,
+          typename Element_, bool Is_causal_>
+struct DecodeTraits {
+  using Element = Element_;
+  using Ops = ElementTraits<Element>;
+  using Tile = SwizzledTile<kHeadDim_>;
+
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;      // packed (token, head) rows per CTA
+  static constexpr int kWarpKeys = kWarpKeys_;  // keys one warp takes per step
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kStages = kStages_;  // depth of each warp's K/V ring
+  static constexpr bool Q_in_regs = Q_in_regs_;
+  static constexpr bool Is_causal = Is_causal_;
+
+  static constexpr int kBlockN = kNWarps * kWarpKeys;  // keys of one CTA step (the split unit)
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kMTiles = kBlockM / 16;
+  static constexpr int kNTiles = kWarpKeys / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kDSteps = kHeadDim / 16;
+  static constexpr int kNSteps = kWarpKeys / 16;
+
+  static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
+  static constexpr int kSmemQBytes = kBlockM * kHeadDim * kElemBytes;
+  static constexpr int kTileBytes = kWarpKeys * kHeadDim * kElemBytes;  // one K (or V) slice
+  static constexpr int kWarpRingBytes = 2 * kStages * kTileBytes;
+  // Epilogue: every warp's normalised O (fp32, rows padded by 8 floats: 2-way instead of 8-way
+  // bank conflicts on the fragment stores) and LSE, in the ring once it has drained.
+  static constexpr int kMergeRowFloats = kHeadDim + 8;
+  static constexpr int kSmemMergeBytes = kNWarps * kBlockM * (kMergeRowFloats + 1) * 4;
+  static constexpr int kSmemRingBytes = kNWarps * kWarpRingBytes > kSmemMergeBytes
+                                            ? kNWarps * kWarpRingBytes
+                                            : kSmemMergeBytes;
+  static constexpr int kSmemBytes = kSmemQBytes + kSmemRingBytes;
+
+  static_assert(kBlockM % 16 == 0 && kWarpKeys % 16 == 0, "whole MMA tiles");
+  static_assert(kStages >= 2, "the K/V ring needs at least two stages");
+  static_assert(32 % (kHeadDim / 8) == 0 || (kHeadDim / 8) % 32 == 0, "rows map onto lanes");
+};
+
+// Address of key row `key` of one (batch, KV head) in a contiguous or paged cache.
+template <typename Element>
+struct CacheRows {
+  Element* base;           // batch (contiguous) and KV head already applied
+  const int32_t* pages;    // this sequence's row of the block table, or nullptr
+  int64_t page_stride;     // paged: elements between pages
+  int64_t row_stride;
+  int page_size_log2;
+  int num_pages;
+
+  CF_DEVICE Element* row(int key) const {
+    if (pages == nullptr) return base + key * row_stride;
+    const int page = min(max(__ldg(pages + (key >> page_size_log2)), 0), num_pages - 1);
+    const int slot = key & ((1 << page_size_log2) - 1);
+    return base + page * page_stride + slot * row_stride;
+  }
+};
+
+template <typename Element>
+CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache, int64_t batch_stride,
+                                        int64_t row_stride, int64_t head_stride, int batch,
+                                        int head_k) {
+  Element* base = const_cast<Element*>(static_cast<const Element*>(cache)) + head_k * head_stride;
+  const bool paged = p.block_table != nullptr;
+  if (!paged) base += batch * batch_stride;
+  return {base,
+          paged ? p.block_table + batch * p.block_table_batch_stride : nullptr,
+          batch_stride,
+          row_stride,
+          p.page_size_log2,
+          p.num_pages};
+}
+
+// Tokens in the cache of sequence `batch` before this call's append, clamped to the capacity.
+CF_DEVICE int decode_cached_len(const DecodeParams& p, int batch) {
+  const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.attn.seqlen_k;
+  return min(max(cached, 0), p.cache_capacity);
+}
+
+// Keys attended in sequence `batch`: the cached ones and the appended ones, within the capacity.
+CF_DEVICE int decode_seqlen_k(const DecodeParams& p, int batch) {
+  return min(decode_cached_len(p, batch) + p.seqlen_new, p.cache_capacity);
+}
+
+// Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] tile whose rows lie anywhere
+// (row_ptr(r): the row's address, or nullptr for a row to zero-fill) into a swizzled tile, with
+// kThreads threads: a warp for its own K/V slice, the CTA for Q. Each 32 threads read whole
+// 16-byte chunks of consecutive rows, so a warp instruction covers 512 contiguous-row bytes.
+template <typename Traits, int kRows, int kThreads, typename RowPtr>
+CF_DEVICE void load_rows_async(uint32_t s_tile, const RowPtr& row_ptr, int thread) {
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll 1
+  for (int it = 0; it < ceil_div(kChunks, kThreads); ++it) {
+    const int idx = it * kThreads + thread;
+    if (kChunks % kThreads == 0 || idx < kChunks) {
+      const int row = idx / kChunksPerRow;
+      const int chunk = idx % kChunksPerRow;
+      const typename Traits::Element* src = row_ptr(row);
+      const uint32_t dst = s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes;
+      cp_async_16(dst, src != nullptr ? src + chunk * 8 : row_ptr.fallback(), src != nullptr);
+    }
+  }
+}
+
+// One warp copies keys [key0, key0 + kWarpKeys) of a cache into a swizzled [kWarpKeys][d] tile
+// (keys >= seqlen_k zero-filled). Lane l takes 16-byte chunk l % (d / 8) of rows l / (d / 8),
+// + 32 / (d / 8), ...: a warp instruction reads whole 128-byte lines. This loop is most of the
+// kernel's instructions, so the rows of a slice that lie in one page (every contiguous cache,
+// and pages of >= kWarpKeys tokens: key0 is a multiple of kWarpKeys) take one address and a
+// fixed stride: a generic per-row address took ~65 SASS instructions per copy, 80% of the loop,
+// and held a warp to ~3 GB/s on the H200. Smaller pages look each row's page up.
+template <typename Traits>
+CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits::Element>& cache,
+                                int key0, int seqlen_k, int lane) {
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  static_assert(kChunksPerRow <= 32 && 32 % kChunksPerRow == 0, "a row is at most one warp's chunks");
+  constexpr int kRowsPerIter = 32 / kChunksPerRow;
+  constexpr int kIters = Traits::kWarpKeys / kRowsPerIter;
+  const int chunk = lane % kChunksPerRow;
+  const int row0 = lane / kChunksPerRow;
+  if (cache.pages == nullptr || (1 << cache.page_size_log2) >= Traits::kWarpKeys) {
+    const typename Traits::Element* src = cache.row(key0) + row0 * cache.row_stride + chunk * 8;
+    const int64_t step = kRowsPerIter * cache.row_stride;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it, src += step) {
+      const int row = row0 + it * kRowsPerIter;
+      const bool valid = key0 + row < seqlen_k;
+      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes, valid ? src : cache.base,
+                  valid);
+    }
+  } else {
+#pragma unroll 2
+    for (int it = 0; it < kIters; ++it) {
+      const int row = row0 + it * kRowsPerIter;
+      const bool valid = key0 + row < seqlen_k;
+      const typename Traits::Element* src = valid ? cache.row(key0 + row) + chunk * 8 : cache.base;
+      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes, src, valid);
+    }
+  }
+}
+
+// Which keys the packed rows of a CTA see: MMA row r holds query token (row0 + r) / group.
+template <bool Is_causal>
+struct PackedRowMask {
+  KeyMask<1, 1, Is_causal, false> keys;  // the visibility rule per query token
+  int row0, group, query_first;
+
+  CF_DEVICE PackedRowMask(int row0_, int group_, int seqlen_q, int seqlen_k, int window_right)
+      : keys(0, seqlen_q, seqlen_k, -1, window_right),
+        row0(row0_),
+        group(group_),
+        query_first(row0_ / group_) {}
+
+  // Does the key range hide a key from some row (the ragged tail, or the causal edge)?
+  CF_DEVICE bool needs_mask(int key_last) const {
+    bool partial = key_last >= keys.seqlen_k;
+    if (Is_causal) partial |= key_last > query_first + keys.shift + keys.window_right;
+    return partial;
+  }
+
+  // Fragment layout as KeyMask::apply: element e of tile (mt, nt) is row 16 mt + lane / 4 +
+  // 8 (e / 2), key key0 + 8 nt + 2 (lane % 4) + e % 2.
+  template <int kMTiles, int kNTiles>
+  CF_DEVICE void apply(float (&s)[kMTiles][kNTiles][4], int key0, int lane) const {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int query = (row0 + 16 * mt + lane / 4 + 8 * half) / group;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+            if (!keys.visible(query, key)) s[mt][nt][e] = neg_infinity();
+          }
+      }
+  }
+};
+
+template <typename Traits>
+CF_DEVICE void decode_partial(const DecodeParams& params) {
+  using Element = typename Traits::Element;
+  constexpr int kMTiles = Traits::kMTiles;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kWarpKeys = Traits::kWarpKeys;
+  constexpr int kBlockN = Traits::kBlockN;
+  const AttnParams& attn = params.attn;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t s_q = smem_addr(smem_raw);             // [kBlockM][d] packed query rows
+  const uint32_t s_ring = s_q + Traits::kSmemQBytes;    // per warp: [kStages][K, V][kWarpKeys][d]
+  float* s_merge = reinterpret_cast<float*>(smem_raw + Traits::kSmemQBytes);  // after the loop
+
+  const int m_blocks = gridDim.x / params.num_splits;
+  const int split = blockIdx.x / m_blocks;
+  const int row0 = (blockIdx.x % m_blocks) * Traits::kBlockM;  // first packed row of the CTA
+  const int head_k = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int group = attn.h_h_k_ratio;
+  const int seqlen_q = attn.seqlen_q;
+  const int rows = group * seqlen_q;  // packed rows of this KV head
+
+  const int seqlen_k = decode_seqlen_k(params, batch);
+  const int n_begin = split * params.blocks_per_split;
+  const int n_end = min(n_begin + params.blocks_per_split, ceil_div(seqlen_k, kBlockN));
+  // This warp's slices: keys [n * kBlockN + warp * kWarpKeys, + kWarpKeys) for n in [n_begin, w_end).
+  const int warp_key0 = warp * kWarpKeys;
+  const int w_end = seqlen_k > warp_key0 ? min(n_end, ceil_div(seqlen_k - warp_key0, kBlockN)) : 0;
+
+  // Q: packed row r is token (row0 + r) / group of query head head_k * group + (row0 + r) % group.
+  const Element* g_q = static_cast<const Element*>(attn.q_ptr) + batch * attn.q_batch_stride +
+                       (head_k * group) * attn.q_head_stride;
+  struct {
+    const Element* g_q;
+    int64_t row_stride, head_stride;
+    int row0, group, rows;
+    CF_DEVICE const Element* operator()(int r) const {
+      const int packed = row0 + r;
+      if (packed >= rows) return nullptr;
+      return g_q + (packed / group) * row_stride + (packed % group) * head_stride;
+    }
+    CF_DEVICE const Element* fallback() const { return g_q; }
+  } q_rows{g_q, attn.q_row_stride, attn.q_head_stride, row0, group, rows};
+  load_rows_async<Traits, Traits::kBlockM, Traits::kNThreads>(s_q, q_rows, tid);
+  cp_async_commit();
+
+  const CacheRows<Element> k_rows = cache_rows<Element>(
+      params, attn.k_ptr, attn.k_batch_stride, attn.k_row_stride, attn.k_head_stride, batch, head_k);
+  const CacheRows<Element> v_rows = cache_rows<Element>(
+      params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride, attn.v_head_stride, batch, head_k);
+  const uint32_t s_warp_ring = s_ring + warp * Traits::kWarpRingBytes;
+  auto load_kv = [&](int n_block, int stage) {
+    const int key0 = n_block * kBlockN + warp_key0;
+    const uint32_t s_k = s_warp_ring + stage * 2 * Traits::kTileBytes;
+    load_slice_async<Traits>(s_k, k_rows, key0, seqlen_k, lane);
+    load_slice_async<Traits>(s_k + Traits::kTileBytes, v_rows, key0, seqlen_k, lane);
+  };
+
+  // Ring prologue: the first kStages - 1 slices of this warp, one commit group each.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (n_begin + s < w_end) load_kv(n_begin + s, s);
+    cp_async_commit();
+  }
+  cp_async_wait<kStages - 1>();  // this thread's Q chunks have landed
+  __syncthreads();               // ... and every other thread's
+
+  uint32_t r_q[kMTiles][Traits::kDSteps][4];  // Q fragments; optimised away unless Q_in_regs
+  if constexpr (Traits::Q_in_regs) {
+#pragma unroll
+    for (int ds = 0; ds < Traits::kDSteps; ++ds) {
+      uint32_t a[kMTiles][4];
+      load_q_frag<Traits>(a, s_q, 0, ds, lane);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r_q[mt][ds][i] = a[mt][i];
+    }
+  }
+
+  float acc_o[kMTiles][Traits::kDTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < Traits::kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+  OnlineSoftmax<kMTiles> softmax;
+  const float scale_log2 = attn.softmax_scale_log2;
+  const PackedRowMask<Traits::Is_causal> mask(row0, group, seqlen_q, seqlen_k, attn.window_right);
+
+  for (int it = 0, n_block = n_begin; n_block < w_end; ++it, ++n_block) {
+    // Slice it has landed (each lane waits for its own copies; __syncwarp publishes them to
+    // the warp). The stage refilled below was last read by this warp's previous step.
+    cp_async_wait<kStages - 2>();
+    __syncwarp();
+    if (n_block + kStages - 1 < w_end) load_kv(n_block + kStages - 1, (it + kStages - 1) % kStages);
+    cp_async_commit();
+
+    const uint32_t s_k = s_warp_ring + (it % kStages) * 2 * Traits::kTileBytes;
+    const int key0 = n_block * kBlockN + warp_key0;
+    float acc_s[kMTiles][Traits::kNTiles][4];
+    gemm_qk<Traits>(acc_s, r_q, s_q, s_k, 0, lane);
+    if (mask.needs_mask(key0 + kWarpKeys - 1)) mask.apply(acc_s, key0, lane);
+
+    float rescale[2 * kMTiles];
+    softmax.update_max(acc_s, scale_log2, rescale);
+    // As in FA2: once the row maxima settle, most steps leave every factor at 1 (warp-uniform
+    // branch; the d / 4 multiplies per row are then skipped, results bitwise unchanged).
+    bool moved = false;
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) moved |= rescale[r] != 1.f;
+    if (__any_sync(0xffffffffu, moved)) scale_rows(acc_o, rescale);
+    softmax.exp_accumulate(acc_s, scale_log2, rescale);
+    gemm_pv<Traits>(acc_o, acc_s, s_k + Traits::kTileBytes, lane);
+  }
+
+  // Epilogue 1: each warp normalises its own partial (O_w, LSE_w) and parks it in shared memory.
+  float inv_sum[2 * kMTiles], lse[2 * kMTiles];
+  softmax.finalize(scale_log2, inv_sum, lse);
+  scale_rows(acc_o, inv_sum);
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its ring: the merge buffer overlays it
+  constexpr int kRowFloats = Traits::kMergeRowFloats;
+  float* s_o = s_merge + warp * Traits::kBlockM * kRowFloats;               // [kBlockM][d + 8]
+  float* s_lse = s_merge + Traits::kNWarps * Traits::kBlockM * kRowFloats;  // [kNWarps][kBlockM]
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * mt + lane / 4 + 8 * half;
+#pragma unroll
+      for (int dt = 0; dt < Traits::kDTiles; ++dt) {
+        *reinterpret_cast<float2*>(s_o + row * kRowFloats + 8 * dt + 2 * (lane % 4)) =
+            make_float2(acc_o[mt][dt][2 * half], acc_o[mt][dt][2 * half + 1]);
+      }
+      if (lane % 4 == 0) s_lse[warp * Traits::kBlockM + row] = lse[2 * mt + half];
+    }
+  __syncthreads();
+
+  // Epilogue 2: merge the warps' partials (verb 4) and write the CTA's rows, 4 columns a thread:
+  // the final output when there is one split, else this split's fp32 partial.
+  constexpr int kQuads = Traits::kHeadDim / 4;
+  const bool single = params.num_splits == 1;
+#pragma unroll 1
+  for (int idx = tid; idx < Traits::kBlockM * kQuads; idx += Traits::kNThreads) {
+    const int row = idx / kQuads;
+    const int col = (idx % kQuads) * 4;
+    const int packed = row0 + row;
+    if (packed >= rows) continue;
+    float part_lse[Traits::kNWarps], weight[Traits::kNWarps];
+#pragma unroll
+    for (int w = 0; w < Traits::kNWarps; ++w) part_lse[w] = s_lse[w * Traits::kBlockM + row];
+    const float row_lse = merge_weights(part_lse, weight);
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < Traits::kNWarps; ++w) {
+      if (weight[w] == 0.f) continue;  // an empty warp's O is 0 anyway; skip its reads
+      const float4 part =
+          *reinterpret_cast<const float4*>(s_merge + (w * Traits::kBlockM + row) * kRowFloats + col);
+      o.x += weight[w] * part.x;
+      o.y += weight[w] * part.y;
+      o.z += weight[w] * part.z;
+      o.w += weight[w] * part.w;
+    }
+    const int query = packed / group;
+    const int head = head_k * group + packed % group;
+    if (single) {
+      Element* g_o = static_cast<Element*>(attn.o_ptr) + batch * attn.o_batch_stride +
+                     query * attn.o_row_stride + head * attn.o_head_stride + col;
+      const uint2 packed_o = make_uint2(Traits::Ops::pack2(o.x, o.y), Traits::Ops::pack2(o.z, o.w));
+      *reinterpret_cast<uint2*>(g_o) = packed_o;
+      if (col == 0 && attn.lse_ptr != nullptr) {
+        attn.lse_ptr[batch * attn.lse_batch_stride + head * attn.lse_head_stride + query] = row_lse;
+      }
+    } else {
+      const int64_t row_index =
+          ((static_cast<int64_t>(split) * attn.batch + batch) * attn.h + head) * seqlen_q + query;
+      *reinterpret_cast<float4*>(params.o_partial_ptr + row_index * Traits::kHeadDim + col) = o;
+      if (col == 0) params.lse_partial_ptr[row_index] = row_lse;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Merge of partial states (the combine step, and merge_states).
+// ---------------------------------------------------------------------------------------------
+CF_DEVICE float to_float(float x) { return x; }
+CF_DEVICE float to_float(__half x) { return __half2float(x); }
+CF_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+CF_DEVICE T from_float(float x);
+template <>
+CF_DEVICE float from_float<float>(float x) { return x; }
+template <>
+CF_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+CF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+template <int kHeadDim_, typename PartElement_, typename OutElement_>
+struct MergeTraits {
+  using PartElement = PartElement_;
+  using OutElement = OutElement_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kNWarps = 4;
+  static constexpr int kNThreads = 32 * kNWarps;
+  static constexpr int kColsPerLane = kHeadDim / 32;  // lane l holds columns l, l + 32, ...
+  static constexpr int kSmemBytes = 0;
+  static_assert(kHeadDim % 32 == 0, "head_dim must be a multiple of 32");
+};
+
+// One warp per output row (b, i, h), h fastest. The parts' LSEs are read 32 at a time, one per
+// lane, and their weights broadcast by shuffles; the O reads of consecutive parts do not depend
+// on each other, so the unrolled loop keeps several in flight.
+template <typename Traits>
+CF_DEVICE void decode_merge(const MergeParams& p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * Traits::kNWarps + threadIdx.x / 32;
+  if (row >= static_cast<int64_t>(p.batch) * p.seqlen_q * p.heads) return;
+  const int head = static_cast<int>(row % p.heads);
+  const int query = static_cast<int>((row / p.heads) % p.seqlen_q);
+  const int batch = static_cast<int>(row / (static_cast<int64_t>(p.heads) * p.seqlen_q));
+
+  const float* g_lse = p.lse_parts_ptr + batch * p.lse_batch_stride + head * p.lse_head_stride + query;
+  const auto* g_o = static_cast<const typename Traits::PartElement*>(p.o_parts_ptr) +
+                    batch * p.o_batch_stride + query * p.o_row_stride + head * p.o_head_stride;
+
+  // The largest LSE over the parts (-inf when every part is empty).
+  float lse_max = neg_infinity();
+  for (int part = lane; part < p.num_parts; part += 32) {
+    lse_max = fmaxf(lse_max, g_lse[part * p.lse_part_stride]);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
+  }
+
+  float acc[Traits::kColsPerLane] = {};
+  float weight_sum = 0.f;
+  for (int part0 = 0; part0 < p.num_parts; part0 += 32) {
+    const int mine = part0 + lane;
+    const float my_weight =
+        mine < p.num_parts ? merge_scale(g_lse[mine * p.lse_part_stride], lse_max) : 0.f;
+    weight_sum += my_weight;
+    const int count = min(32, p.num_parts - part0);
+    // No branch in the body: the loads of 8 parts are issued together (a skip of empty parts
+    // made every part wait for the previous one's L2 round trip: ~12 us for 32 parts).
+#pragma unroll 8
+    for (int j = 0; j < count; ++j) {
+      const float w = __shfl_sync(0xffffffffu, my_weight, j);
+      const auto* o_part = g_o + (part0 + j) * p.o_part_stride;
+#pragma unroll
+      for (int c = 0; c < Traits::kColsPerLane; ++c) {
+        const float x = to_float(o_part[lane + 32 * c]);
+        acc[c] += w == 0.f ? 0.f : w * x;  // an empty part weighs 0 even if its O is NaN
+      }
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, offset);
+  }
+  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+  auto* g_out = static_cast<typename Traits::OutElement*>(p.o_ptr) + batch * p.out_batch_stride +
+                query * p.out_row_stride + head * p.out_head_stride;
+#pragma unroll
+  for (int c = 0; c < Traits::kColsPerLane; ++c) {
+    g_out[lane + 32 * c] = from_float<typename Traits::OutElement>(acc[c] * inv);
+  }
+  if (p.lse_ptr != nullptr && lane == 0) {
+    p.lse_ptr[batch * p.out_lse_batch_stride + head * p.out_lse_head_stride + query] =
+        merged_lse(lse_max, weight_sum);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Append: k_new / v_new token t of sequence b goes to cache position cache_seqlens[b] + t
+// (positions past the capacity are dropped, as the attention clamps its length there).
+// ---------------------------------------------------------------------------------------------
+template <int kHeadDim_, typename Element_>
+struct AppendTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kNThreads = 32;
+  static constexpr int kSmemBytes = 0;
+};
+
+template <typename Traits>
+CF_DEVICE void decode_append(const DecodeParams& p) {
+  using Element = typename Traits::Element;
+  const int token = blockIdx.x;
+  const int head_k = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int pos = decode_cached_len(p, batch) + token;
+  if (pos >= p.cache_capacity) return;
+  const AttnParams& a = p.attn;
+  const CacheRows<Element> k_rows =
+      cache_rows<Element>(p, a.k_ptr, a.k_batch_stride, a.k_row_stride, a.k_head_stride, batch, head_k);
+  const CacheRows<Element> v_rows =
+      cache_rows<Element>(p, a.v_ptr, a.v_batch_stride, a.v_row_stride, a.v_head_stride, batch, head_k);
+  const auto* k_src = static_cast<const Element*>(p.k_new_ptr) + batch * p.k_new_batch_stride +
+                      token * p.k_new_row_stride + head_k * p.k_new_head_stride;
+  const auto* v_src = static_cast<const Element*>(p.v_new_ptr) + batch * p.v_new_batch_stride +
+                      token * p.v_new_row_stride + head_k * p.v_new_head_stride;
+  Element* k_dst = k_rows.row(pos);
+  Element* v_dst = v_rows.row(pos);
+  for (int chunk = threadIdx.x; chunk < Traits::kHeadDim / 8; chunk += Traits::kNThreads) {
+    reinterpret_cast<uint4*>(k_dst)[chunk] = reinterpret_cast<const uint4*>(k_src)[chunk];
+    reinterpret_cast<uint4*>(v_dst)[chunk] = reinterpret_cast<const uint4*>(v_src)[chunk];
+  }
+}

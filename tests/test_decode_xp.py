@@ -1,0 +1,224 @@
+"""attention_with_kvcache and merge_states on host arrays (the array-API twin of the decode
+kernels) against the float64 reference, and their input checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import reference
+from cupyflash._dispatch import decode_num_splits, split_blocks
+
+
+def _kv_reference(q, k_cache, v_cache, lengths, pages, page_size, causal):
+    """float64 attention of each sequence over its first lengths[b] keys, gathered by hand."""
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        if pages is None:
+            k, v = k_cache[b, :n], v_cache[b, :n]
+        else:
+            rows = [(pages[b][j // page_size], j % page_size) for j in range(n)]
+            k = np.stack([k_cache[p, s] for p, s in rows]) if rows else k_cache[0, :0]
+            v = np.stack([v_cache[p, s] for p, s in rows]) if rows else v_cache[0, :0]
+        out, lse = reference.attention(q[b : b + 1], k[None], v[None], causal=causal, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def _paginate(rng, caches, page_size, spare_pages=3):
+    """Caches [B, L, H, d] as pages [num_pages, page_size, H, d] in shuffled order (plus unused
+    pages of noise) through one block table."""
+    b, length, h, d = caches[0].shape
+    per_seq = -(-length // page_size)
+    num_pages = b * per_seq + spare_pages
+    table = rng.permutation(num_pages)[: b * per_seq].reshape(b, per_seq)
+    paged = []
+    for cache in caches:
+        pages = rng.standard_normal((num_pages, page_size, h, d)).astype(cache.dtype)
+        padded = np.zeros((b, per_seq * page_size, h, d), dtype=cache.dtype)
+        padded[:, :length] = cache
+        pages[table.ravel()] = padded.reshape(b * per_seq, page_size, h, d)
+        paged.append(pages)
+    return paged, table.astype(np.int32)
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 4, 16])
+@pytest.mark.parametrize(("nq", "causal"), [(1, True), (3, True), (5, False)])
+def test_kvcache_matches_reference(xp, rng, page_size, nq, causal):
+    b, length, hq, hkv, d, nnew = 4, 37, 6, 2, 16, 2
+    q = rng.standard_normal((b, nq, hq, d))
+    k_cache, v_cache = (rng.standard_normal((b, length, hkv, d)) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((b, nnew, hkv, d)) for _ in range(2))
+    cached = np.array([0, 1, 20, length - nnew], dtype=np.int32)  # ragged, with 0 and 1
+    table = None
+    k_dev, v_dev = k_cache, v_cache
+    if page_size is not None:
+        (k_dev, v_dev), table = _paginate(rng, (k_cache, v_cache), page_size)
+    args = [xp.asarray(x.astype(np.float32)) for x in (q, k_dev, v_dev, k_new, v_new)]
+    out, lse = cupyflash.attention_with_kvcache(
+        args[0], args[1], args[2], cache_seqlens=xp.asarray(cached), k_new=args[3], v_new=args[4],
+        block_table=None if table is None else xp.asarray(table), causal=causal, return_lse=True,
+    )  # fmt: skip
+    # the new tokens were written into the caller's cache, at cache_seqlens[b] + t
+    k_after = reference.to_numpy64(args[1])
+    for i in range(b):
+        for t in range(nnew):
+            pos = int(cached[i]) + t
+            where = (i, pos) if table is None else (table[i, pos // page_size], pos % page_size)
+            np.testing.assert_array_equal(k_after[where], k_new[i, t].astype(np.float32))
+    f32 = lambda x: x.astype(np.float32).astype(np.float64)  # noqa: E731
+    ref_k, ref_v = f32(k_cache), f32(v_cache)
+    for i in range(b):
+        ref_k[i, cached[i] : cached[i] + nnew] = f32(k_new[i])
+        ref_v[i, cached[i] : cached[i] + nnew] = f32(v_new[i])
+    ref, ref_lse = _kv_reference(f32(q), ref_k, ref_v, cached + nnew, None, 0, causal)
+    out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+    np.testing.assert_allclose(out64, ref, atol=2e-5)
+    assert (np.isneginf(lse64) == np.isneginf(ref_lse)).all()
+    np.testing.assert_allclose(lse64[np.isfinite(ref_lse)], ref_lse[np.isfinite(ref_lse)], atol=1e-4)
+
+
+def test_kvcache_empty_and_single_key_sequences(rng):
+    q = rng.standard_normal((3, 2, 4, 8))
+    k, v = (rng.standard_normal((3, 10, 2, 8)) for _ in range(2))
+    out, lse = cupyflash.attention_with_kvcache(
+        q, k, v, cache_seqlens=np.array([0, 1, 10], dtype=np.int32), causal=True, return_lse=True
+    )
+    ref, ref_lse = _kv_reference(q, k, v, [0, 1, 10], None, 0, True)
+    np.testing.assert_allclose(out, ref, atol=1e-12)
+    assert np.isneginf(lse[0]).all() and (out[0] == 0).all()
+    np.testing.assert_allclose(lse[2], ref_lse[2], atol=1e-12)
+
+
+def test_split_counts_agree_with_one_split(rng):
+    """The split-KV path is exact: any number of splits gives the single-pass answer."""
+    q = rng.standard_normal((2, 3, 8, 16))
+    k, v = (rng.standard_normal((2, 700, 2, 16)) for _ in range(2))
+    seqlens = np.array([699, 333], dtype=np.int32)
+    results = [cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=s) for s in (1, 2, 3, 11)]
+    for out in results[1:]:
+        np.testing.assert_allclose(out, results[0], atol=1e-12)
+    np.testing.assert_allclose(results[0], _kv_reference(q, k, v, [699, 333], None, 0, True)[0], atol=1e-12)
+
+
+def test_int_cache_seqlens(rng):
+    q = rng.standard_normal((2, 1, 2, 8))
+    k, v = (rng.standard_normal((2, 9, 2, 8)) for _ in range(2))
+    out = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=5)
+    np.testing.assert_allclose(out, _kv_reference(q, k, v, [5, 5], None, 0, True)[0], atol=1e-12)
+
+
+def test_merge_states_is_exact(xp, rng):
+    q = rng.standard_normal((2, 5, 4, 16))
+    k, v = (rng.standard_normal((2, 30, 2, 16)) for _ in range(2))
+    full, full_lse = reference.attention(q, k, v, return_lse=True)
+    a = reference.attention(q, k[:, :11], v[:, :11], return_lse=True)
+    b = reference.attention(q, k[:, 11:], v[:, 11:], return_lse=True)
+    args = [xp.asarray(x.astype(np.float32)) for x in (a[0], a[1], b[0], b[1])]
+    out, lse = cupyflash.merge_states(*args)
+    np.testing.assert_allclose(reference.to_numpy64(out), full, atol=1e-5)
+    np.testing.assert_allclose(reference.to_numpy64(lse), full_lse, atol=1e-5)
+    # an empty state weighs nothing; two empty states give 0 and -inf
+    empty_o = xp.asarray(np.full(full.shape, np.nan, dtype=np.float32))
+    empty_lse = xp.asarray(np.full(full_lse.shape, -np.inf, dtype=np.float32))
+    out, lse = cupyflash.merge_states(xp.asarray(full.astype(np.float32)), xp.asarray(full_lse.astype(np.float32)),
+                                      xp.zeros_like(empty_o), empty_lse)  # fmt: skip
+    np.testing.assert_allclose(reference.to_numpy64(out), full, atol=1e-5)
+    out, lse = cupyflash.merge_states(xp.zeros_like(empty_o), empty_lse, xp.zeros_like(empty_o), empty_lse)
+    assert (reference.to_numpy64(out) == 0).all() and np.isneginf(reference.to_numpy64(lse)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear error, and the cache untouched.
+# ---------------------------------------------------------------------------------------------
+B, L, HQ, HKV, D = 2, 8, 4, 2, 8
+
+
+def _bad_case(**changes):
+    rng = np.random.default_rng(1)
+    args = {
+        "q": rng.standard_normal((B, 1, HQ, D)).astype(np.float32),
+        "k_cache": rng.standard_normal((B, L, HKV, D)).astype(np.float32),
+        "v_cache": rng.standard_normal((B, L, HKV, D)).astype(np.float32),
+        "cache_seqlens": np.array([3, 4], dtype=np.int32),
+        "k_new": np.ones((B, 2, HKV, D), dtype=np.float32),
+        "v_new": np.ones((B, 2, HKV, D), dtype=np.float32),
+    }
+    args.update(changes)
+    return args
+
+
+PAGED = {
+    "k_cache": np.zeros((6, 4, HKV, D), dtype=np.float32),
+    "v_cache": np.zeros((6, 4, HKV, D), dtype=np.float32),
+    "block_table": np.array([[0, 1], [2, 3]], dtype=np.int32),
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"cache_seqlens": np.array([3, 7], dtype=np.int32)}, r"cache_seqlens\[1\]=7 with 2 new tokens goes beyond"),
+        ({"cache_seqlens": np.array([-1, 0], dtype=np.int32)}, r"cache_seqlens\[0\]=-1"),
+        ({"cache_seqlens": 7}, "cache_seqlens=7 with 2 new tokens goes beyond the cache"),
+        ({"cache_seqlens": np.array([1, 2, 3], dtype=np.int32)}, "1-D int32 array of length 2"),
+        ({"cache_seqlens": np.array([1.0, 2.0])}, "cache_seqlens must be an integer array"),
+        ({**PAGED, "block_table": np.array([[0, 1], [2, 6]], dtype=np.int32)}, r"block_table\[1\] points outside"),
+        ({**PAGED, "block_table": np.array([[0, 1]], dtype=np.int32)}, "block_table must be 2-D"),
+        (
+            {**PAGED, "k_cache": np.zeros((6, 3, HKV, D), np.float32), "v_cache": np.zeros((6, 3, HKV, D), np.float32)},
+            "page size 3 .* is not supported",
+        ),  # fmt: skip
+        ({"k_new": np.ones((B, 2, HKV, D), dtype=np.float64)}, "k_new must have q's real floating dtype"),
+        ({"v_cache": np.zeros((B, L, HKV, D), dtype=np.float16)}, "v_cache must have q's real floating dtype"),
+        ({"v_new": None}, "k_new and v_new go together"),
+        ({"k_new": np.ones((B, 2, HKV, D + 1), np.float32)}, "k_new and v_new must have the same shape"),
+        ({"k_cache": np.zeros((B, L, HKV + 1, D), np.float32)}, "k_cache and v_cache must have the same shape"),
+        ({"q": np.zeros((B, 1, 3, D), np.float32)}, "multiple of the number of key/value heads"),
+        (
+            {"k_cache": np.zeros((3, L, HKV, D), np.float32), "v_cache": np.zeros((3, L, HKV, D), np.float32)},
+            "batch size of q",
+        ),  # fmt: skip
+        ({"num_splits": -1}, "num_splits must be an int >= 0"),
+    ],
+)
+def test_bad_input_leaves_the_cache_untouched(changes, message):
+    args = _bad_case(**changes)
+    before = {name: args[name].copy() for name in ("k_cache", "v_cache")}
+    with pytest.raises((ValueError, TypeError), match=message):
+        cupyflash.attention_with_kvcache(**args)
+    for name, value in before.items():
+        np.testing.assert_array_equal(args[name], value)
+
+
+def test_merge_states_rejects_mismatched_shapes():
+    o = np.zeros((1, 3, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="lse_b must have shape"):
+        cupyflash.merge_states(o, np.zeros((1, 2, 3), np.float32), o, np.zeros((1, 3, 2), np.float32))
+    with pytest.raises(ValueError, match="o_a and o_b must have the same shape"):
+        cupyflash.merge_states(o, np.zeros((1, 2, 3), np.float32), o[:, :2], np.zeros((1, 2, 3), np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The split heuristic.
+# ---------------------------------------------------------------------------------------------
+def test_split_heuristic_fills_the_gpu():
+    # H200: 132 SMs, 2 CTAs each. One sequence, 8 KV heads, 128k keys in 64-key blocks: a full
+    # wave (32 splits x 8 = 256 of 264 slots), not a handful of SMs.
+    assert decode_num_splits(ctas=8, key_blocks=2048, num_sms=132, ctas_per_sm=2) == 32
+    # 64 sequences x 8 heads = 512 CTAs already fill two waves (97%): no split, no combine.
+    assert decode_num_splits(ctas=512, key_blocks=64, num_sms=132, ctas_per_sm=2) == 1
+    # ... but with 3 CTAs per SM they would leave a 29% wave: 3 splits fill 4 waves (97%)
+    assert decode_num_splits(ctas=512, key_blocks=64, num_sms=132, ctas_per_sm=3) == 3
+    # short caches keep at least 4 key blocks per split
+    assert decode_num_splits(ctas=8, key_blocks=8, num_sms=132, ctas_per_sm=2) == 2
+    assert decode_num_splits(ctas=8, key_blocks=7, num_sms=132, ctas_per_sm=2) == 1
+
+
+def test_split_blocks_leaves_no_empty_split():
+    assert split_blocks(10, 4) == (3, 4)
+    assert split_blocks(9, 4) == (3, 3)
+    assert split_blocks(5, 100) == (1, 5)
+    assert split_blocks(0, 3) == (1, 1)

@@ -1,0 +1,286 @@
+"""FlashDecoding on the GPU: attention_with_kvcache and merge_states against the float64
+reference, paged against contiguous caches, the in-place append, the split count, CUDA-graph
+capture, and the input checks. Outputs are NaN-poisoned before every launch (conftest)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from test_gpu_fa2 import BOUND, FLOOR, _naive_low_precision, _rel
+
+import cupyflash
+from cupyflash import reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _paginate(torch, caches, page_size, gen):
+    """Caches [B, L, H, d] as pages [num_pages, page_size, H, d] in shuffled order (plus two
+    spare pages of noise) through one block table [B, ceil(L / page_size)]."""
+    b, length, h, d = caches[0].shape
+    per_seq = -(-length // page_size)
+    num_pages = b * per_seq + 2
+    table = torch.randperm(num_pages, generator=gen)[: b * per_seq].reshape(b, per_seq)
+    paged = []
+    for cache in caches:
+        pages = torch.randn(num_pages, page_size, h, d, generator=gen).to(cache.device, cache.dtype)
+        padded = torch.nn.functional.pad(cache, (0, 0, 0, 0, 0, per_seq * page_size - length))
+        pages[table.flatten().to(cache.device)] = padded.reshape(b * per_seq, page_size, h, d)
+        paged.append(pages)
+    return paged, table.to(caches[0].device, torch.int32)
+
+
+def _reference(q, k, v, lengths, causal):
+    """float64 attention of each sequence over its first lengths[b] keys (contiguous caches)."""
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        out, lse = reference.attention(q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], causal=causal, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def _check(out, lse, q, k, v, lengths, causal, dtype):
+    """Error under the dtype's bound and within 2x naive low-precision attention (+ a floor)."""
+    ref, ref_lse = _reference(q, k, v, lengths, causal)
+    out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+    assert not np.isnan(out64).any() and not np.isnan(lse64).any(), "unwritten (NaN-poisoned) output"
+    err = _rel(out64, ref)
+    naive = np.concatenate(
+        [
+            reference.to_numpy64(
+                _naive_low_precision(
+                    q[i : i + 1],
+                    k[i : i + 1, :n],
+                    v[i : i + 1, :n],
+                    causal=causal,
+                    window=(-1, -1),
+                    softcap=0.0,
+                    scale=None,
+                    layout="bshd",
+                )
+            )
+            for i, n in enumerate(lengths)
+        ]  # fmt: skip
+    )
+    naive_err = _rel(naive, ref)
+    assert err <= BOUND[dtype], f"relative error {err:.2e} over the {dtype} bound"
+    assert err <= 2 * naive_err + FLOOR[dtype], f"error {err:.2e} > 2 x naive {naive_err:.2e}"
+    assert (np.isneginf(lse64) == np.isneginf(ref_lse)).all()
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse64[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
+
+
+# (Nq, Hq, Hkv, causal): one token with GQA 4 (the benchmark's rows), speculative tokens with
+# causal masking, MHA, and MQA with 16 tokens (128 packed rows: several m-blocks).
+ROWS = {
+    "nq1-gqa4": (1, 8, 2, True),
+    "nq3-gqa4-causal": (3, 8, 2, True),
+    "nq5-mha": (5, 2, 2, False),
+    "nq16-mqa8-causal": (16, 8, 1, True),
+}
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("rows", list(ROWS), ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_decode_matches_reference(rng, dtype, head_dim, rows, paged):
+    torch = _torch()
+    nq, hq, hkv, causal = ROWS[rows]
+    b, length, nnew = 4, 1031, nq
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    tdtype = getattr(torch, dtype)
+    q = torch.randn(b, nq, hq, head_dim, generator=gen).to("cuda", tdtype)
+    k, v = (torch.randn(b, length, hkv, head_dim, generator=gen).to("cuda", tdtype) for _ in range(2))
+    k_new, v_new = (torch.randn(b, nnew, hkv, head_dim, generator=gen).to("cuda", tdtype) for _ in range(2))
+    cached = [0, 1, 500, length - nnew]  # ragged, with an empty and a one-token cache
+    seqlens = torch.tensor(cached, dtype=torch.int32, device="cuda")
+    expected_k, expected_v = k.clone(), v.clone()
+    for i, n in enumerate(cached):
+        expected_k[i, n : n + nnew], expected_v[i, n : n + nnew] = k_new[i], v_new[i]
+    table = None
+    k_cache, v_cache = k, v
+    if paged:
+        (k_cache, v_cache), table = _paginate(torch, (k, v), 16, gen)
+    out, lse = cupyflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new, v_new=v_new, causal=causal,
+        return_lse=True,
+    )  # fmt: skip
+    assert type(out) is type(q) and out.dtype == q.dtype and out.shape == q.shape
+    _check(out, lse, q, expected_k, expected_v, [n + nnew for n in cached], causal, dtype)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16, 64, 256])
+def test_paged_equals_contiguous(rng, page_size):
+    """Same data, same splits: a paged cache (pages in shuffled order) gives the same bits."""
+    torch = _torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, length, hq, hkv, d = 3, 1024, 16, 4, 128  # a whole number of pages of every size: same splits
+    q = torch.randn(b, 2, hq, d, generator=gen).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(b, length, hkv, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([1000, 1, 400], dtype=torch.int32, device="cuda")
+    (k_pages, v_pages), table = _paginate(torch, (k, v), page_size, gen)
+    for splits in (1, 5):
+        dense = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=splits, causal=True)
+        paged = cupyflash.attention_with_kvcache(
+            q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, num_splits=splits, causal=True
+        )
+        assert torch.equal(dense, paged), f"page_size={page_size}, num_splits={splits}"
+    ref = _reference(q, k, v, [1000, 1, 400], True)[0]
+    assert _rel(reference.to_numpy64(paged), ref) < BOUND["bfloat16"]
+
+
+def test_append_writes_the_cache_in_place(rng):
+    torch = _torch()
+    b, length, hkv, d = 3, 64, 2, 64
+    k, v = (torch.randn(b, length, hkv, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    k0, v0 = k.clone(), v.clone()
+    k_new, v_new = (torch.randn(b, 4, hkv, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    q = torch.randn(b, 4, 4, d, device="cuda", dtype=torch.float16)
+    cached = [0, 17, 60]
+    cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=torch.tensor(cached, dtype=torch.int32, device="cuda"),
+                                     k_new=k_new, v_new=v_new)  # fmt: skip
+    for i, n in enumerate(cached):
+        k0[i, n : n + 4], v0[i, n : n + 4] = k_new[i], v_new[i]
+    assert torch.equal(k, k0) and torch.equal(v, v0), "exactly the new rows are written, nothing else"
+    # paged, page size 1 (every row through the block table)
+    pages = torch.zeros(b * length + 5, 1, hkv, d, device="cuda", dtype=torch.float16)
+    table = torch.randperm(b * length + 5, device="cuda")[: b * length].reshape(b, length).to(torch.int32)
+    cupyflash.attention_with_kvcache(q, pages, pages.clone(), cache_seqlens=torch.tensor(cached, dtype=torch.int32,
+                                     device="cuda"), block_table=table, k_new=k_new, v_new=v_new)  # fmt: skip
+    for i, n in enumerate(cached):
+        for t in range(4):
+            assert torch.equal(pages[table[i, n + t], 0], k_new[i, t])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_split_counts(rng, dtype):
+    """num_splits = 1 (one pass, no combine), automatic and an odd count agree with the reference."""
+    torch = _torch()
+    tdtype = getattr(torch, dtype)
+    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=tdtype)
+    k, v = (torch.randn(2, 5000, 8, 128, device="cuda", dtype=tdtype) for _ in range(2))
+    seqlens = torch.tensor([4999, 2048], dtype=torch.int32, device="cuda")
+    for splits in (1, 0, 7, 128):
+        out, lse = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=splits, return_lse=True)
+        _check(out, lse, q, k, v, [4999, 2048], True, dtype)
+
+
+def test_int_seqlens_and_cupy_arrays(rng):
+    import cupy
+
+    q = cupy.asarray(rng.standard_normal((2, 1, 4, 64))).astype(cupy.float16)
+    k, v = (cupy.asarray(rng.standard_normal((2, 300, 2, 64))).astype(cupy.float16) for _ in range(2))
+    out, lse = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=250, return_lse=True)
+    assert isinstance(out, cupy.ndarray)
+    _check(out, lse, q, k, v, [250, 250], True, "float16")
+
+
+def test_kernels_clamp_device_values():
+    """Values the host never reads: a length beyond the cache attends over the whole cache, a
+    page number beyond the cache reads a page inside it; neither reads or writes outside."""
+    torch = _torch()
+    q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 100, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    beyond = torch.tensor([1000, -5], dtype=torch.int32, device="cuda")
+    out = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=beyond)
+    ref = _reference(q, k, v, [100, 0], True)[0]
+    assert _rel(reference.to_numpy64(out), ref) < BOUND["float16"]
+    pages = torch.randn(4, 16, 2, 64, device="cuda", dtype=torch.float16)
+    table = torch.tensor([[0, 1, 99], [2, 3, -7]], dtype=torch.int32, device="cuda")
+    out = cupyflash.attention_with_kvcache(q, pages, pages, cache_seqlens=torch.tensor([48, 48], dtype=torch.int32,
+                                           device="cuda"), block_table=table)  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
+def test_cuda_graph_capture_replays():
+    """A decode step (append + partial + combine) captured in a CUDA graph replays with new
+    inputs written into the same buffers and matches the eager call."""
+    torch = _torch()
+    b, length, hq, hkv, d = 2, 4096, 32, 8, 128
+    k, v = (torch.randn(b, length, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(b, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([1000, 3000], dtype=torch.int32, device="cuda")
+    step = lambda: cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, k_new=k_new, v_new=v_new)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile, plan
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step()
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        k_new.copy_(torch.randn_like(k_new))
+        seqlens += 1
+        graph.replay()
+        k_eager, v_eager = k.clone(), v.clone()
+        eager = cupyflash.attention_with_kvcache(q, k_eager, v_eager, cache_seqlens=seqlens, k_new=k_new, v_new=v_new)
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, eager)
+        assert torch.equal(k[0, int(seqlens[0])], k_new[0, 0])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_merge_states_gpu(rng, dtype):
+    torch = _torch()
+    tdtype = getattr(torch, dtype)
+    q = torch.randn(2, 7, 4, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    a = cupyflash.attention(q, k[:, :100], v[:, :100], return_lse=True)
+    b = cupyflash.attention(q, k[:, 100:], v[:, 100:], return_lse=True)
+    out, lse = cupyflash.merge_states(a[0].to(tdtype), a[1], b[0].to(tdtype), b[1])
+    assert out.dtype == tdtype and lse.dtype == torch.float32
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True)
+    assert _rel(reference.to_numpy64(out), ref) < BOUND["bfloat16"]
+    np.testing.assert_allclose(reference.to_numpy64(lse), ref_lse, atol=2e-3)
+    empty = torch.full_like(a[1], -math.inf)
+    out, lse = cupyflash.merge_states(a[0], empty, torch.full_like(a[0], math.nan), empty)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_gpu_bad_input_leaves_the_cache_untouched():
+    torch = _torch()
+    q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 32, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    new = torch.ones(2, 1, 2, 64, device="cuda", dtype=torch.float16)
+    k0 = k.clone()
+    cases = [
+        ({"cache_seqlens": 32}, ValueError, "goes beyond the cache"),
+        ({"cache_seqlens": torch.tensor([1, 2], device="cuda")}, TypeError, "cache_seqlens must be int32"),
+        (
+            {"cache_seqlens": 3, "k_new": new.bfloat16(), "v_new": new.bfloat16()},
+            TypeError,
+            "k_new must have q's dtype",
+        ),
+    ]
+    for kwargs, error, message in cases:
+        kw = {"k_new": new, "v_new": new, **kwargs}
+        with pytest.raises(error, match=message):
+            cupyflash.attention_with_kvcache(q, k, v, **kw)
+    pages = torch.randn(4, 24, 2, 64, device="cuda", dtype=torch.float16)
+    pages0 = pages.clone()
+    table = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="page size 24 .* is not supported"):
+        cupyflash.attention_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table, k_new=new, v_new=new)
+    with pytest.raises(ValueError, match="1 to 16 query tokens"):
+        cupyflash.attention_with_kvcache(torch.randn(2, 17, 4, 64, device="cuda", dtype=torch.float16), k, v,
+                                         cache_seqlens=3)  # fmt: skip
+    k96 = torch.randn(2, 32, 2, 96, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="head_dim in"):
+        cupyflash.attention_with_kvcache(torch.randn(2, 1, 4, 96, device="cuda", dtype=torch.float16), k96, k96,
+                                         cache_seqlens=3)  # fmt: skip
+    with pytest.raises(ValueError, match="all inputs must be arrays of one library on one device"):
+        cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=torch.tensor([1, 2], dtype=torch.int32))
+    torch.cuda.synchronize()
+    assert torch.equal(k, k0) and torch.equal(pages, pages0)
