@@ -92,7 +92,13 @@ def sdpa_call(backend: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[]
 
 
 #: cupyflash's own entries: the default dispatch (on Hopper the wgmma kernel) and each kernel forced.
-CUPYFLASH_BACKENDS = {"cupyflash": "auto", "cupyflash_fa2": "fa2", "cupyflash_fa3": "fa3"}
+CUPYFLASH_BACKENDS = {
+    "cupyflash": "auto",
+    "cupyflash_fa2": "fa2",
+    "cupyflash_fa3": "fa3",
+    "cupyflash_fa1": "fa1",
+    "cupyflash_naive": "naive",
+}
 
 
 def run_prefill(

@@ -8,7 +8,8 @@
 # the bundle (made here by `git bundle create .gitbundle/cupyflash.bundle --all`) gives asv the
 # commits. Each commit is measured from its own checkout, with its own benchmarks. A commit
 # named twice is measured again under the machine name h200-repeat: the noise measurement
-# scripts/asv_gate.py reads. The results come back as OUT_DIR/asv_results.tgz.
+# scripts/asv_gate.py reads. The results come back as OUT_DIR/asv_results.tgz. ASV_BENCH, if set,
+# is passed as asv's --bench regex (a run of part of the suite when device time is short).
 set -euo pipefail
 OUT_DIR=$1
 shift
@@ -47,6 +48,6 @@ PY
   "$PYTHON" -m asv machine --yes --machine "$machine" --config "$conf" >/dev/null
   echo "== asv: $commit ($full) as $machine"
   ASV_PYTHONPATH=$src "$PYTHON" -m asv run --config "$conf" --python=same --set-commit-hash "$full" \
-    --machine "$machine" --show-stderr 2>&1 | tee -a "$OUT_DIR/asv_run.log"
+    --machine "$machine" --show-stderr ${ASV_BENCH:+--bench "$ASV_BENCH"} 2>&1 | tee -a "$OUT_DIR/asv_run.log"
 done
 tar czf "$OUT_DIR/asv_results.tgz" -C /tmp/asv-results .
