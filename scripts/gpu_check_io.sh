@@ -12,13 +12,7 @@ GROUPS_ARG=${3:+--groups $3}
 mkdir -p "$LOG_DIR"
 cd "$(dirname "$0")/.."
 
-if ls ../.whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../.whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
-export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupyflash_cache}
+source scripts/gpu_env.sh
 status=0
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 

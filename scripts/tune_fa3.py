@@ -11,10 +11,9 @@ import argparse
 import json
 import sys
 
-import numpy as np
+from tuning import candidate_row
 
-import cupyflash
-from cupyflash import _api, _dispatch, _kernels, bench, reference
+from cupyflash import _api, _dispatch, _kernels
 from cupyflash._specs import Fa3FwdSpec, Fa3Tile
 
 # head_dim -> tiles to compare
@@ -32,7 +31,6 @@ def main() -> int:
     parser.add_argument("--json")
     args = parser.parse_args()
     import cupy
-    import torch
 
     device = cupy.cuda.runtime.getDevice()
     max_smem = cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
@@ -57,28 +55,7 @@ def main() -> int:
                 continue
             _dispatch.FA3_FWD_TILES[d, False] = _dispatch.FA3_FWD_TILES[d, True] = tile
             _api._plans.clear()
-            rng = np.random.default_rng(d)
-            err = 0.0
-            for nq, nk, causal, window in (
-                (300, 333, True, (-1, -1)),
-                (77, 200, False, (-1, -1)),
-                (129, 64, False, (20, 7)),
-            ):
-                q, k, v = (
-                    torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda().to(getattr(torch, args.dtype))
-                    for s in ((2, nq, 4, d), (2, nk, 2, d), (2, nk, 2, d))
-                )
-                out = cupyflash.attention(q, k, v, causal=causal, window=window, algorithm="fa3")
-                ref = reference.attention(q, k, v, causal=causal, window=window)
-                err = max(err, float(np.linalg.norm(reference.to_numpy64(out) - ref) / np.linalg.norm(ref)))
-            row = {"head_dim": d, "tile": repr(tile), "regs": regs, "err": err}
-            for n in bench.PREFILL_SEQLENS:
-                for causal in (False, True):
-                    shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, causal, args.dtype)
-                    r = bench.run_prefill(shape, backends=("cupyflash_fa3",))
-                    row[f"N{shape.seqlen}{'c' if shape.causal else ''}"] = r["cupyflash_fa3"]
-            results.append(row)
-            print(json.dumps(row), flush=True)
+            results.append(candidate_row(d, args.dtype, tile, regs, "fa3"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
