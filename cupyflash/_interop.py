@@ -118,14 +118,15 @@ def element_strides(x: Any) -> tuple[int, ...]:
 
 
 def kernel_readable(ptr: int, shape: Any, strides: Any) -> bool:
-    """Unit stride on head_dim, 16-byte aligned base and strides (cp.async moves 16 bytes).
+    """Unit stride on head_dim, 16-byte aligned base and strides (cp.async and TMA move 16-byte
+    chunks), no negative stride (a TMA tensor map takes unsigned strides).
 
     Strides of size-1 axes are never used, so they may be anything.
     """
     if ptr % 16 or (strides[-1] != 1 and shape[-1] > 1):
         return False
     for size, stride in zip(shape[:-1], strides[:-1]):
-        if stride % 8 and size > 1:
+        if (stride % 8 or stride < 0) and size > 1:
             return False
     return True
 

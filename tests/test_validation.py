@@ -101,6 +101,7 @@ def test_readable_layout_rules():
     assert not _interop.kernel_readable(256, shape, (1280, 256, 1, 4))  # head_dim not unit-stride
     assert not _interop.kernel_readable(256, shape, (1284, 257, 64, 1))  # rows not 16-byte multiples
     assert _interop.kernel_readable(256, (1, 1, 4, 64), (3, 5, 64, 1))  # size-1 axes: strides unused
+    assert not _interop.kernel_readable(256, shape, (1280, -256, 64, 1))  # reversed rows (CuPy [::-1])
 
 
 def test_gpu_scale_range_is_checked_before_launch():
