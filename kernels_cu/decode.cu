@@ -327,12 +327,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   }
 
   float acc_o[kMTiles][Traits::kDTiles][4];
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int dt = 0; dt < Traits::kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+  zero_fill(acc_o);
   OnlineSoftmax<kMTiles> softmax;
   const float scale_log2 = attn.softmax_scale_log2;
   const PackedRowMask<Traits::Is_causal> mask(row0, group, seqlen_q, seqlen_k, attn.window_right);
@@ -353,12 +348,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
 
     float rescale[2 * kMTiles];
     softmax.update_max(acc_s, scale_log2, rescale);
-    // As in FA2: once the row maxima settle, most steps leave every factor at 1 (warp-uniform
-    // branch; the d / 4 multiplies per row are then skipped, results bitwise unchanged).
-    bool moved = false;
-#pragma unroll
-    for (int r = 0; r < 2 * kMTiles; ++r) moved |= rescale[r] != 1.f;
-    if (__any_sync(0xffffffffu, moved)) scale_rows(acc_o, rescale);
+    rescale_rows_if_moved(acc_o, rescale);
     softmax.exp_accumulate(acc_s, scale_log2, rescale);
     gemm_pv<Traits>(acc_o, acc_s, s_k + Traits::kTileBytes, lane);
   }

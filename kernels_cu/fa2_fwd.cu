@@ -115,6 +115,32 @@ CF_DEVICE void load_q_frag(uint32_t (&a)[Traits::kMTiles][4], uint32_t s_q, int 
   }
 }
 
+// Every k-step's Q fragments of the warp's rows, into registers (the Q_in_regs variants).
+template <typename Traits>
+CF_DEVICE void load_q_regs(uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps][4], uint32_t s_q, int warp_row0,
+                           int lane) {
+#pragma unroll
+  for (int ds = 0; ds < Traits::kDSteps; ++ds) {
+    uint32_t a[Traits::kMTiles][4];
+    load_q_frag<Traits>(a, s_q, warp_row0, ds, lane);
+#pragma unroll
+    for (int mt = 0; mt < Traits::kMTiles; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r_q[mt][ds][i] = a[mt][i];
+  }
+}
+
+// Zero an accumulator of m16n8 tiles.
+template <int kMTiles, int kCols>
+CF_DEVICE void zero_fill(float (&acc)[kMTiles][kCols][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][c][e] = 0.f;
+}
+
 // S = Q K^T for one key block. K is [kBlockN][d] row-major = B^T, which is the "col" layout of
 // the B operand: plain ldmatrix gives b0/b1 of two 8-key tiles per call.
 template <typename Traits>
@@ -200,6 +226,17 @@ CF_DEVICE void scale_rows(float (&acc)[kMTiles][kCols][4], const float (&factor)
       for (int e = 0; e < 4; ++e) acc[mt][c][e] *= factor[2 * mt + e / 2];
 }
 
+// scale_rows by the online softmax's rescale factors, skipped when no row's max moved: once the
+// row maxima settle most blocks leave every factor at exactly 1, and the warp-uniform branch
+// saves the d / 4 multiplies per row (results bitwise unchanged).
+template <int kMTiles, int kCols>
+CF_DEVICE void rescale_rows_if_moved(float (&acc)[kMTiles][kCols][4], const float (&rescale)[2 * kMTiles]) {
+  bool moved = false;
+#pragma unroll
+  for (int r = 0; r < 2 * kMTiles; ++r) moved |= rescale[r] != 1.f;
+  if (__any_sync(0xffffffffu, moved)) scale_rows(acc, rescale);
+}
+
 template <typename Traits>
 CF_DEVICE void fa2_fwd(const AttnParams& params) {
   using Element = typename Traits::Element;
@@ -256,29 +293,13 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   };
 
   float acc_o[kMTiles][Traits::kDTiles][4];
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int dt = 0; dt < Traits::kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
-
+  zero_fill(acc_o);
   OnlineSoftmax<kMTiles> softmax;
   uint32_t r_q[kMTiles][Traits::kDSteps][4];  // Q fragments; optimised away unless Q_in_regs
   const float scale_log2 = params.softmax_scale_log2;
 
   auto load_q_regs = [&]() {
-    if constexpr (Traits::Q_in_regs) {
-#pragma unroll
-      for (int ds = 0; ds < Traits::kDSteps; ++ds) {
-        uint32_t a[kMTiles][4];
-        load_q_frag<Traits>(a, s_q, warp_row0, ds, lane);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) r_q[mt][ds][i] = a[mt][i];
-      }
-    }
+    if constexpr (Traits::Q_in_regs) ::load_q_regs<Traits>(r_q, s_q, warp_row0, lane);
   };
 
   // Logits of key block n_block from the K tile in `stage`: S = Q K^T, softcap, mask.
@@ -292,12 +313,7 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   auto softmax_pv = [&](float (&s)[kMTiles][Traits::kNTiles][4], int stage) {
     float rescale[2 * kMTiles];
     softmax.update_max(s, scale_log2, rescale);
-    // Once the row maxima settle most blocks leave every factor at exactly 1: skip the
-    // d / 4 multiplies per row then (warp-uniform branch; results bitwise unchanged).
-    bool moved = false;
-#pragma unroll
-    for (int r = 0; r < 2 * kMTiles; ++r) moved |= rescale[r] != 1.f;
-    if (__any_sync(0xffffffffu, moved)) scale_rows(acc_o, rescale);
+    rescale_rows_if_moved(acc_o, rescale);
     softmax.exp_accumulate(s, scale_log2, rescale);
     gemm_pv<Traits>(acc_o, s, s_v + stage * kStageBytes, lane);
   };
