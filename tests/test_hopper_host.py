@@ -1,0 +1,108 @@
+"""The Hopper kernel's host side on the CPU: which kernel a call gets, the tensor maps handed to
+the driver, and the tile table's fit in shared memory."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from cupyflash import _api, _dispatch, _tma
+from cupyflash._specs import FA3_HEAD_DIMS, Fa2FwdSpec, Fa3FwdSpec
+from cupyflash._validate import attention_problem
+
+H100_SMEM = 227 * 1024
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """A device of a chosen arch with the H100/H200's shared memory per block."""
+
+    def use(arch: str) -> None:
+        monkeypatch.setattr(_api._kernels, "device_arch", lambda device: arch)
+        monkeypatch.setattr(_api, "_device_max_smem", lambda device: H100_SMEM)
+
+    return use
+
+
+def _problem(head_dim: int, causal: bool = False):
+    shapes = ((2, 300, 8, head_dim), (2, 333, 2, head_dim), (2, 333, 2, head_dim))
+    return attention_problem(*shapes, causal=causal, scale=None, window=(-1, -1), softcap=0.0, layout="bshd")
+
+
+@pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 192, 256))
+def test_auto_picks_the_hopper_kernel_where_it_applies(fake_device, head_dim):
+    fake_device("sm_90a")
+    spec = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=False)
+    assert isinstance(spec, Fa3FwdSpec if head_dim in FA3_HEAD_DIMS else Fa2FwdSpec)
+    # packed (varlen) sequences and an explicit "fa2" run the mma.sync kernel
+    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=True), Fa2FwdSpec)
+    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa2", packed=False), Fa2FwdSpec)
+
+
+def test_ampere_runs_fa2_and_refuses_fa3(fake_device):
+    fake_device("sm_80")
+    assert isinstance(_api._forward_spec(_problem(128), "float16", 0, "auto", packed=False), Fa2FwdSpec)
+    with pytest.raises(ValueError, match=r"algorithm='fa3'.*sm_80"):
+        _api._forward_spec(_problem(128), "float16", 0, "fa3", packed=False)
+
+
+def test_bounded_calls_run_one_cta_per_tile():
+    """Causal / window tiles are uneven: no static persistent schedule for them."""
+    flags = _dispatch.MaskFlags
+    for head_dim in FA3_HEAD_DIMS:
+        assert _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags(False, False, False)).persistent
+        assert not _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags(True, False, False)).persistent
+        assert not _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags(False, True, True)).persistent
+
+
+def test_every_hopper_variant_fits_an_h100_block():
+    specs = _dispatch.all_fa3_fwd_specs()
+    assert {s.head_dim for s in specs} == set(FA3_HEAD_DIMS)
+    assert all(s.smem_bytes <= H100_SMEM for s in specs)
+    assert all(s.num_threads == 128 * (1 + s.tile.consumers) for s in specs)
+
+
+class _Recorder:
+    """Stands in for cuTensorMapEncodeTiled: records its arguments, writes a recognisable map."""
+
+    def __init__(self, result: int = 0) -> None:
+        self.result = result
+        self.calls: list[dict[str, object]] = []
+
+    def __call__(self, address, dtype, rank, ptr, dims, strides, box, elem_strides, *modes):
+        self.calls.append(
+            {"dtype": dtype, "rank": rank, "ptr": ptr, "dims": list(dims[:4]), "strides": list(strides[:3]),
+             "box": list(box[:4]), "modes": modes}
+        )  # fmt: skip
+        ctypes.memmove(address, bytes(range(128)), 128)
+        return self.result
+
+
+def test_tile_map_arguments_and_cache(monkeypatch):
+    encode = _Recorder()
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: encode)
+    monkeypatch.setattr(_tma, "_cache", {})
+    # bshd q (B=2, N=300, H=8, d=128): element strides rows 1024, heads 128, batch 307200
+    tile = _tma.tile_map("bfloat16", 0x1000, (128, 300, 8, 2), (1024, 128, 307200), 128)
+    assert tile == bytes(range(128))
+    call = encode.calls[0]
+    assert call["dtype"] == 9 and call["rank"] == 4 and call["ptr"] == 0x1000  # BFLOAT16
+    assert call["dims"] == [128, 300, 8, 2]
+    assert call["strides"] == [2048, 256, 614400]  # bytes
+    assert call["box"] == [64, 128, 1, 1]  # one 128-byte swizzle row x the tile's rows
+    assert call["modes"] == (0, 3, 3, 0)  # no interleave, 128-byte swizzle, L2 256B, zero fill
+    # the same buffer again: served from the cache, no driver call
+    assert _tma.tile_map("bfloat16", 0x1000, (128, 300, 8, 2), (1024, 128, 307200), 128) == tile
+    assert len(encode.calls) == 1
+    # size-1 axes (their strides are never used) and an empty key axis still give a legal map
+    _tma.tile_map("float16", 0x2000, (64, 0, 1, 1), (64, 3, 5), 128)
+    call = encode.calls[1]
+    assert call["dtype"] == 6 and call["dims"] == [64, 1, 1, 1] and call["strides"] == [16, 16, 16]
+
+
+def test_tile_map_failure_names_the_map(monkeypatch):
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: _Recorder(result=1))
+    monkeypatch.setattr(_tma, "_cache", {})
+    with pytest.raises(_tma.TmaEncodeError, match=r"CUresult 1.*dims \[64, 10, 2, 1\]"):
+        _tma.tile_map("float16", 0x3000, (64, 10, 2, 1), (128, 64, 1280), 64)
