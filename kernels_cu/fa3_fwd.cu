@@ -1,10 +1,12 @@
 // Hopper forward (sm_90a): FlashAttention-2's algorithm on Hopper's asynchronous machinery, as
 // FlashAttention-3 (Shah et al., 2024) runs it.
 //
-// Persistent: one CTA per SM walks the tiles (query block, batch, head) blockIdx.x,
-// blockIdx.x + gridDim.x, ... so that the loads of a CTA's next tile overlap the end of its
-// current one (at N = 1024 a tile is only ~15 us of work; a fresh CTA per tile exposed its
-// barrier set-up and first loads each time). A CTA is 1 + kConsumers warpgroups:
+// A CTA walks the tiles (query block, batch, head) blockIdx.x, blockIdx.x + gridDim.x, ...
+// The host launches one CTA per SM when the tiles are uniform (no causal / window bound), so that
+// the loads of a CTA's next tile overlap the end of its current one (at N = 1024 a tile is only
+// ~15 us of work); with a bound, tiles are uneven and a static assignment straggles, so it
+// launches one CTA per tile and the hardware hands them out longest-first. A CTA is
+// 1 + kConsumers warpgroups:
 //   producer warpgroup  one thread issues every TMA load (Q per tile, then K_j and V_j per key
 //                       block into a kStages-deep ring of mbarrier-guarded slots, the ring
 //                       running on across tiles); the warpgroup gives its registers away
@@ -17,7 +19,8 @@
 //     still on the tensor cores, and releasing each K / V slot to the producer as soon as its
 //     wgmma has completed.
 // The producer runs up to kStages blocks ahead, so HBM traffic overlaps the tensor-core work of
-// both consumers; each consumer's softmax also overlaps the other consumer's wgmmas.
+// both consumers; with Pingpong the two consumers take turns issuing their wgmmas, so one's
+// softmax also runs under the other's GEMMs.
 #pragma once
 
 #include "common.cuh"
