@@ -297,28 +297,10 @@ class _TmaPlan:
 
 _plans: dict[tuple[Any, ...], _GpuPlan] = {}
 _MAX_PLANS = 4096  # a long-running process with endlessly new shapes starts over, not grows
-_max_smem: dict[int, int] = {}
 
 
 def _device_max_smem(device: int) -> int:
-    smem = _max_smem.get(device)
-    if smem is None:
-        import cupy
-
-        smem = _max_smem[device] = cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
-    return smem
-
-
-_sm_count: dict[int, int] = {}
-
-
-def _device_sm_count(device: int) -> int:
-    count = _sm_count.get(device)
-    if count is None:
-        import cupy
-
-        count = _sm_count[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-    return count
+    return _interop.device_attribute(device, "MaxSharedMemoryPerBlockOptin")
 
 
 def _check_gpu_dtypes(q_dtype: str, k_dtype: str, v_dtype: str, head_dim: int) -> None:
@@ -393,7 +375,11 @@ def _build_plan(
             tiles = -(-p.seqlen_q // spec.block_m) * p.batch * p.heads_q
             if tiles >= 2**31:
                 raise ValueError(f"{tiles} query tiles exceed the kernel's 32-bit tile counter")
-            grid = (min(tiles, _device_sm_count(device)) if spec.persistent else tiles, 1, 1)
+            grid = (
+                min(tiles, _interop.device_attribute(device, "MultiProcessorCount")) if spec.persistent else tiles,
+                1,
+                1,
+            )
             d = p.head_dim
             tma = _TmaPlan(
                 dtypes[0], (d, p.seqlen_q, p.heads_q, p.batch), (d, p.seqlen_k, p.heads_kv, p.batch),

@@ -9,6 +9,7 @@ arrays on the host run the array-API algorithms in their own namespace.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 HOST = "host"
@@ -138,3 +139,12 @@ def readable_copy(kind: str, x: Any) -> Any:
 
         return x.clone(memory_format=torch.contiguous_format)
     return x.copy(order="C")
+
+
+@functools.cache
+def device_attribute(device: int, name: str) -> int:
+    """A CUDA device attribute (MaxSharedMemoryPerBlockOptin, MultiProcessorCount ...), read once
+    per device: plans need them, and the driver query is not free."""
+    import cupy
+
+    return int(cupy.cuda.Device(device).attributes[name])

@@ -382,17 +382,7 @@ class _DecodePlan:
 
 
 _plans: dict[tuple[Any, ...], _DecodePlan] = {}
-_num_sms: dict[int, int] = {}
 _ctas_per_sm: dict[tuple[str, int], int] = {}
-
-
-def _device_sms(device: int) -> int:
-    sms = _num_sms.get(device)
-    if sms is None:
-        import cupy
-
-        sms = _num_sms[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-    return sms
 
 
 def _occupancy(kernel: _kernels.CompiledKernel, device: int) -> int:
@@ -461,7 +451,10 @@ def _make_plan(
     ctas = a.batch * a.heads_kv * m_blocks
     if requested == 0 and partial is not None:
         requested = decode_num_splits(
-            ctas=ctas, key_blocks=key_blocks, num_sms=_device_sms(device), ctas_per_sm=_occupancy(partial, device)
+            ctas=ctas,
+            key_blocks=key_blocks,
+            num_sms=_interop.device_attribute(device, "MultiProcessorCount"),
+            ctas_per_sm=_occupancy(partial, device),
         )
     per_split, splits = split_blocks(key_blocks, max(requested, 1))
     merge = None

@@ -20,7 +20,7 @@
 // gives a wrong answer but never an access outside the cache.
 #pragma once
 
-#include "fa2_fwd.cu"  // gemm_qk, gemm_pv, load_q_frag, scale_rows: the FA2 tile verbs
+#include "fa2_fwd.cu"  // gemm_qk, gemm_pv, load_q_frag: the FA2 tile verbs
 
 struct DecodeParams {
   // q [B, Nq, Hq, d], o, lse as for attention (seqlen_q = Nq). k_ptr / v_ptr are the caches;

@@ -22,7 +22,7 @@
 // of O's columns and recomputing S (twice the Q K^T FLOPs, the same HBM traffic).
 #pragma once
 
-#include "fa2_fwd.cu"  // load_tile_async, gemm_qk, gemm_pv, apply_softcap, scale_rows
+#include "fa2_fwd.cu"  // load_tile_async, gemm_qk, gemm_pv (and through it mask.cuh, softmax.cuh)
 
 template <int kHeadDim_, int kBlockR_, int kBlockC_, int kBlockN_, typename Element_,
           bool Is_causal_, bool Is_local_, bool Has_softcap_>

@@ -130,17 +130,6 @@ CF_DEVICE void load_q_regs(uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps][4],
   }
 }
 
-// Zero an accumulator of m16n8 tiles.
-template <int kMTiles, int kCols>
-CF_DEVICE void zero_fill(float (&acc)[kMTiles][kCols][4]) {
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int c = 0; c < kCols; ++c)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][c][e] = 0.f;
-}
-
 // S = Q K^T for one key block. K is [kBlockN][d] row-major = B^T, which is the "col" layout of
 // the B operand: plain ldmatrix gives b0/b1 of two 8-key tiles per call.
 template <typename Traits>
@@ -194,10 +183,7 @@ CF_DEVICE void gemm_pv(float (&o)[Traits::kMTiles][Traits::kDTiles][4],
     uint32_t a[Traits::kMTiles][4];
 #pragma unroll
     for (int mt = 0; mt < Traits::kMTiles; ++mt) {
-      a[mt][0] = Traits::Ops::pack2(p[mt][2 * ks][0], p[mt][2 * ks][1]);
-      a[mt][1] = Traits::Ops::pack2(p[mt][2 * ks][2], p[mt][2 * ks][3]);
-      a[mt][2] = Traits::Ops::pack2(p[mt][2 * ks + 1][0], p[mt][2 * ks + 1][1]);
-      a[mt][3] = Traits::Ops::pack2(p[mt][2 * ks + 1][2], p[mt][2 * ks + 1][3]);
+      p_operand<typename Traits::Ops>(a[mt], p[mt], ks);
     }
 #pragma unroll
     for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
@@ -213,28 +199,6 @@ CF_DEVICE void gemm_pv(float (&o)[Traits::kMTiles][Traits::kDTiles][4],
       }
     }
   }
-}
-
-// Multiply each accumulator row by its factor (row slot 2 mt + e / 2).
-template <int kMTiles, int kCols>
-CF_DEVICE void scale_rows(float (&acc)[kMTiles][kCols][4], const float (&factor)[2 * kMTiles]) {
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int c = 0; c < kCols; ++c)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][c][e] *= factor[2 * mt + e / 2];
-}
-
-// scale_rows by the online softmax's rescale factors, skipped when no row's max moved: once the
-// row maxima settle most blocks leave every factor at exactly 1, and the warp-uniform branch
-// saves the d / 4 multiplies per row (results bitwise unchanged).
-template <int kMTiles, int kCols>
-CF_DEVICE void rescale_rows_if_moved(float (&acc)[kMTiles][kCols][4], const float (&rescale)[2 * kMTiles]) {
-  bool moved = false;
-#pragma unroll
-  for (int r = 0; r < 2 * kMTiles; ++r) moved |= rescale[r] != 1.f;
-  if (__any_sync(0xffffffffu, moved)) scale_rows(acc, rescale);
 }
 
 template <typename Traits>

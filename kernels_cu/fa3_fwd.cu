@@ -222,11 +222,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     const int n_end = mask.n_block_end();
     const int n_blocks = max(n_end - mask.n_block_begin(), 0);
 
-    float acc_o[Traits::kDTiles][4];
-#pragma unroll
-    for (int dt = 0; dt < Traits::kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+    float acc_o[1][Traits::kDTiles][4];  // one 16-row tile per warp, as the softmax steps count
+    zero_fill(acc_o);
     OnlineSoftmax<1> softmax;
 
     // S = Q K^T for the K tile in `k_slot`: k-step ks reads 16 columns of d, 32 bytes into the
@@ -248,7 +245,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks) {
         const uint64_t desc_v = wgmma_desc(v_slot + ks * 2 * kSwizzleAtomBytes, kBlockN * kSwizzleRowBytes);
-        MmaPV::rs_bt(acc_o, pk[ks], desc_v, 1);
+        MmaPV::rs_bt(acc_o[0], pk[ks], desc_v, 1);
       }
       wgmma_commit();
     };
@@ -261,12 +258,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     };
     auto to_operand = [&](const float (&s)[1][Traits::kNTiles][4], uint32_t (&pk)[kBlockN / 16][4]) {
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        pk[ks][0] = Traits::Ops::pack2(s[0][2 * ks][0], s[0][2 * ks][1]);
-        pk[ks][1] = Traits::Ops::pack2(s[0][2 * ks][2], s[0][2 * ks][3]);
-        pk[ks][2] = Traits::Ops::pack2(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
-        pk[ks][3] = Traits::Ops::pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
-      }
+      for (int ks = 0; ks < kBlockN / 16; ++ks) p_operand<typename Traits::Ops>(pk[ks], s[0], ks);
     };
     // Keeps P's registers untouched until the wgmma reading them has completed.
     auto fence_p = [&](uint32_t (&pk)[kBlockN / 16][4]) {
@@ -320,15 +312,10 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       float rescale[2];
       softmax_step(s, n_end - 1 - it, rescale);
       wgmma_wait<0>();
-      wgmma_fence_operands(acc_o);
+      wgmma_fence_operands(acc_o[0]);
       fence_p(p_prev);
       if (lane == 0) mbar_arrive(bar(kVEmpty, prev_stage));
-      if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
-#pragma unroll
-        for (int dt = 0; dt < Traits::kDTiles; ++dt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc_o[dt][e] *= rescale[e / 2];
-      }
+      rescale_rows_if_moved(acc_o, rescale);
       to_operand(s, p_prev);
     }
     // Every Q K^T of the tile has completed: with O staged elsewhere, Q's slot is free now and
@@ -343,7 +330,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       issue_pv(p_prev, s_v + stage * Traits::kKVBytes);
       end_turn();
       wgmma_wait<0>();
-      wgmma_fence_operands(acc_o);
+      wgmma_fence_operands(acc_o[0]);
       fence_p(p_prev);
       if (lane == 0) mbar_arrive(bar(kVEmpty, stage));
     }
@@ -360,7 +347,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
         const int row = warp_row0 + lane / 4 + 8 * half;
         const int col = 8 * dt + 2 * (lane % 4);
         st_shared_b32(s_o + swizzled_offset<kBlockM>(row, col),
-                      Traits::Ops::pack2(acc_o[dt][2 * half] * inv_sum[half], acc_o[dt][2 * half + 1] * inv_sum[half]));
+                      Traits::Ops::pack2(acc_o[0][dt][2 * half] * inv_sum[half], acc_o[0][dt][2 * half + 1] * inv_sum[half]));
       }
     }
     named_barrier_sync(1 + consumer, 128);

@@ -109,6 +109,51 @@ struct OnlineSoftmax {
   }
 };
 
+// The accumulator steps around the verbs, on m16n8 tiles (row slot 2 mt + e / 2 of a thread).
+// Zero an accumulator of m16n8 tiles.
+template <int kMTiles, int kCols>
+CF_DEVICE void zero_fill(float (&acc)[kMTiles][kCols][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][c][e] = 0.f;
+}
+
+// Multiply each accumulator row by its factor (row slot 2 mt + e / 2).
+template <int kMTiles, int kCols>
+CF_DEVICE void scale_rows(float (&acc)[kMTiles][kCols][4], const float (&factor)[2 * kMTiles]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][c][e] *= factor[2 * mt + e / 2];
+}
+
+// scale_rows by the online softmax's rescale factors, skipped when no row's max moved: once the
+// row maxima settle most blocks leave every factor at exactly 1, and the warp-uniform branch
+// saves the d / 4 multiplies per row (results bitwise unchanged).
+template <int kMTiles, int kCols>
+CF_DEVICE void rescale_rows_if_moved(float (&acc)[kMTiles][kCols][4], const float (&rescale)[2 * kMTiles]) {
+  bool moved = false;
+#pragma unroll
+  for (int r = 0; r < 2 * kMTiles; ++r) moved |= rescale[r] != 1.f;
+  if (__any_sync(0xffffffffu, moved)) scale_rows(acc, rescale);
+}
+
+// P of 8-key tiles 2 ks and 2 ks + 1 of one 16-row tile as the A operand of k-step ks of P V:
+// the m16n8 accumulator layout (rows g / g + 8, keys 2t.. / 2t + 8..) is, element for element,
+// m16n8k16's (and wgmma's register) A layout, so P never leaves registers.
+template <typename Ops, int kNTiles>
+CF_DEVICE void p_operand(uint32_t (&a)[4], const float (&p)[kNTiles][4], int ks) {
+  a[0] = Ops::pack2(p[2 * ks][0], p[2 * ks][1]);
+  a[1] = Ops::pack2(p[2 * ks][2], p[2 * ks][3]);
+  a[2] = Ops::pack2(p[2 * ks + 1][0], p[2 * ks + 1][1]);
+  a[3] = Ops::pack2(p[2 * ks + 1][2], p[2 * ks + 1][3]);
+}
+
 // Verb 4 -- merge partial results (O_i, lse_i), each O_i normalised over its own keys:
 //   lse = log(sum_i exp(lse_i)),   O = sum_i exp(lse_i - lse) * O_i.
 // With lse_max = max_i lse_i, part i weighs merge_scale(lse_i, lse_max) = exp(lse_i - lse_max)
