@@ -181,7 +181,10 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     for shape in bench.decode_shapes():
         rows.append(bench.run_decode(shape))
         print(bench.format_decode_table(rows[-1:]).splitlines()[-1], flush=True)
+    print("single call (host time before the launch included):")
     print(bench.format_decode_table(rows))
+    print(f"steady (per call of {bench.DECODE_STEADY_CALLS} back-to-back calls):")
+    print(bench.format_decode_table(rows, "_steady"))
     overhead = bench.decode_host_overhead_us()
     print(f"host time of a decode call (B=1, L=4096, Hq=32, Hkv=8, d=128, bf16): {overhead}")
     if args.json:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
-from . import _interop, _kernels, _tma
+from . import _interop, _kernels, _tma, _workspace
 from ._dispatch import MaskFlags, fa2_fwd_spec, fa3_fwd_spec
 from ._specs import CUDA_ELEMENT_TYPES, FA2_HEAD_DIMS, HOPPER_ARCH, Fa2FwdSpec, Fa3FwdSpec
 from ._validate import Problem, attention_problem, check_algorithm, check_cu_seqlens_values, varlen_problem
@@ -293,6 +293,7 @@ class _TmaPlan:
     kv_dims: tuple[int, int, int, int]
     q_box_rows: int
     kv_box_rows: int
+    dynamic: bool  # the dynamic schedule: the stream's tile counters go with the launch
 
 
 _plans: dict[tuple[Any, ...], _GpuPlan] = {}
@@ -383,7 +384,7 @@ def _build_plan(
             d = p.head_dim
             tma = _TmaPlan(
                 dtypes[0], (d, p.seqlen_q, p.heads_q, p.batch), (d, p.seqlen_k, p.heads_kv, p.batch),
-                spec.block_m, spec.block_n,
+                spec.block_m, spec.block_n, spec.tile.dynamic,
             )  # fmt: skip
     tail = (
         *o_strides, *lse_strides,
@@ -445,12 +446,15 @@ def _launch(
     out_ptr: int,
     lse_ptr: int,
     stream_ptr: int,
+    kind: str,
+    device: int,
     cu_seqlens: tuple[int, int] = (0, 0),
 ) -> None:
     assert plan.kernel is not None
     b, r, h = plan.axes
     qs, ks, vs = ((*x, 0) for x in strides)
-    maps = None
+    maps: bytes | None = None
+    extra: tuple[int, ...] = ()
     if plan.tma is not None:
         t = plan.tma
         maps = (
@@ -458,16 +462,18 @@ def _launch(
             + _tma.tile_map(t.dtype, ptrs[1], t.kv_dims, (ks[r], ks[h], ks[b]), t.kv_box_rows)
             + _tma.tile_map(t.dtype, ptrs[2], t.kv_dims, (vs[r], vs[h], vs[b]), t.kv_box_rows)
         )
+        # Fa3Params ends with the tile counters: the stream's pair, 0 between launches.
+        extra = (_workspace.stream_scratch(kind, device, stream_ptr, 8, 0)[0] if t.dynamic else 0,)
     plan.kernel.launch(
         plan.grid, plan.threads, plan.smem, stream_ptr,
         *ptrs, out_ptr, lse_ptr, *cu_seqlens,
         qs[b], qs[r], qs[h], ks[b], ks[r], ks[h], vs[b], vs[r], vs[h],
-        *plan.tail, tma_maps=maps,
+        *plan.tail, *extra, tma_maps=maps,
     )  # fmt: skip
 
 
 def _torch_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ...], return_lse: bool) -> Any:
-    import torch
+    torch = _interop.torch_module()
 
     names = lambda: tuple(str(x.dtype).removeprefix("torch.") for x in (q, k, v))  # noqa: E731
     plan = _plan_for((q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), names, device, options)
@@ -489,12 +495,12 @@ def _torch_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ..
         lse_ptr = 0 if lse is None else lse.data_ptr()
         stream = _interop.torch_current_stream(device)
         if _current_device() == device:
-            _launch(plan, ptrs, strides, out.data_ptr(), lse_ptr, stream)
+            _launch(plan, ptrs, strides, out.data_ptr(), lse_ptr, stream, _interop.TORCH, device)
         else:
             import cupy
 
             with cupy.cuda.Device(device):
-                _launch(plan, ptrs, strides, out.data_ptr(), lse_ptr, stream)
+                _launch(plan, ptrs, strides, out.data_ptr(), lse_ptr, stream, _interop.TORCH, device)
     return (out, lse) if return_lse else out
 
 
@@ -525,7 +531,8 @@ def _cupy_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ...
     if plan.kernel is not None:
         ptrs = (inputs[0].data.ptr, inputs[1].data.ptr, inputs[2].data.ptr)
         lse_ptr = 0 if lse is None else lse.data.ptr
-        _launch(plan, ptrs, tuple(strides), out.data.ptr, lse_ptr, cupy.cuda.get_current_stream().ptr)  # type: ignore[arg-type]
+        stream = cupy.cuda.get_current_stream().ptr
+        _launch(plan, ptrs, tuple(strides), out.data.ptr, lse_ptr, stream, _interop.CUPY, device)  # type: ignore[arg-type]
     return (out, lse) if return_lse else out
 
 
@@ -585,7 +592,7 @@ def _gpu_varlen(
         if plan.kernel is not None:
             _launch(
                 plan, tuple(ptr(x) for x in inputs), tuple(strides(x) for x in inputs),  # type: ignore[arg-type]
-                ptr(out), ptr(lse) if return_lse else 0, stream, cu_seqlens=(ptr(cus[0]), ptr(cus[1])),
+                ptr(out), ptr(lse) if return_lse else 0, stream, kind, device, cu_seqlens=(ptr(cus[0]), ptr(cus[1])),
             )  # fmt: skip
     return out, lse
 
@@ -625,7 +632,4 @@ def _dlpack_attention(q: Any, k: Any, v: Any, options: tuple[Any, ...], return_l
     return (xp.from_dlpack(out), xp.from_dlpack(lse)) if return_lse else xp.from_dlpack(out)
 
 
-def _current_device() -> int:
-    import cupy
-
-    return int(cupy.cuda.runtime.getDevice())
+_current_device = _interop.current_device

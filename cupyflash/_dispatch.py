@@ -87,22 +87,26 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
     return specs
 
 
-# Hopper forward: (head_dim, bounded) -> tile, bounded = a causal or window bound (uneven tiles,
-# one CTA each) or not (uniform tiles, persistent CTAs). Measured on the H200 (bf16, the prefill
-# shapes; scripts/tune_fa3.py, docs/gpu_runs/2026-11-29-fa3-*): TFLOP/s at N = 1024/4096/16384.
+# Hopper forward: (head_dim, bounded) -> tile, bounded = a causal or window bound (uneven tiles)
+# or not (uniform tiles: persistent CTAs on a static stride). Uneven tiles run either one CTA per
+# tile or, with `dynamic`, persistent CTAs drawing the longest tile left from a global counter.
+# Measured on the H200 (bf16, the prefill shapes; scripts/tune_fa3.py, docs/gpu_runs/): TFLOP/s
+# at N = 1024/4096/16384.
 # Two consumers keep S (block_n / 2 fp32 per thread), P and O (d / 2) in the 240 registers each
 # consumer thread gets; d = 256's O takes 128, so its key block is 64 and its O is staged in the
 # Q tile (shared memory is short).
 FA3_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
     # 474 at N = 16384 vs 432 with two consumers; causal: ping-pong 214/342/425 vs 198/319/410,
-    # three consumers 179/330/425
+    # three consumers 179/330/425; dynamic ping-pong 264/381/439 vs 233/374/439 one CTA per tile
+    # (2026-11-29-dynamic; the persistent CTA overlaps the next tile's loads with this one's end)
     (64, False): Fa3Tile(128, consumers=3, stages=2),
-    (64, True): Fa3Tile(128, stages=4, pingpong=True),
+    (64, True): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
     # ping-pong 437/568/604, causal 328/477/582 vs 425/545/600, 273/448/583 without; 176-key
-    # blocks (O in the Q tile) 453/518/608, 304/471/574
+    # blocks (O in the Q tile) 453/518/608, 304/471/574; causal dynamic 343/486/582 vs 315/489/576
     (128, False): Fa3Tile(128, stages=2, pingpong=True),
-    (128, True): Fa3Tile(128, stages=2, pingpong=True),
-    # causal: ping-pong 313/470/596 vs 294/457/598; non-causal without it 477/562/620 vs 442/551/611
+    (128, True): Fa3Tile(128, stages=2, pingpong=True, dynamic=True),
+    # causal: ping-pong 313/470/596 vs 294/457/598; non-causal without it 477/562/620 vs 442/551/611;
+    # causal dynamic 320/485/599 vs 347/487/610 one CTA per tile
     (256, False): Fa3Tile(64, stages=2, separate_o=False),
     (256, True): Fa3Tile(64, stages=2, separate_o=False, pingpong=True),
 }

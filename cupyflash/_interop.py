@@ -93,12 +93,38 @@ def common_placement(**arrays: Any) -> tuple[str, int]:
 def torch_current_stream(device_index: int) -> int:
     """PyTorch's current stream on a device, as a raw pointer (the raw getter is 5 us faster
     than torch.cuda.current_stream())."""
+    return int(_torch_stream_getter()(device_index))
+
+
+@functools.cache
+def _torch_stream_getter() -> Any:
+    """Looked up once: an import statement on the per-call path costs ~1 us."""
     import torch
 
     getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if getter is not None:
-        return int(getter(device_index))
-    return int(torch.cuda.current_stream(device_index).cuda_stream)
+        return getter
+    return lambda device_index: torch.cuda.current_stream(device_index).cuda_stream
+
+
+@functools.cache
+def torch_module() -> Any:
+    """``torch``, imported once (for per-call paths: an import statement costs ~1 us there)."""
+    import torch
+
+    return torch
+
+
+def current_device() -> int:
+    """The current CUDA device of this thread (CuPy's runtime view)."""
+    return int(_get_device()())
+
+
+@functools.cache
+def _get_device() -> Any:
+    from cupy_backends.cuda.api import runtime
+
+    return runtime.getDevice
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Decoding over a KV cache: ``attention_with_kvcache`` (FlashDecoding, as flash-attn's
 ``flash_attn_with_kvcache``) and ``merge_states`` (the exact merge of two attention states).
 
-On the GPU a call is at most three launches on the caller's stream -- append k_new / v_new into
-the cache, the split-KV partial kernel, the combine kernel (skipped with one split) -- and
-everything that depends only on shapes, dtypes and options is a cached ``_DecodePlan``. Device
+On the GPU a call is at most two launches on the caller's stream -- append k_new / v_new into
+the cache, then the split-KV kernel (whose last split of each row merges the partials: no
+combine launch) -- and everything that depends only on shapes, dtypes and options is a cached
+``_DecodePlan``. The splits' tickets and partials live in a per-stream buffer (``_workspace``). Device
 arrays are never read back on the host: an int ``cache_seqlens`` is checked here, array values
 (``cache_seqlens``, ``block_table``) are clamped by the kernels so that a wrong value gives a
 wrong answer but never an access outside the cache. Host arrays run ``xp_impl`` in their own
@@ -16,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
-from . import _api, _interop, _kernels
+from . import _api, _interop, _kernels, _workspace
 from ._dispatch import decode_num_splits, decode_spec, split_blocks
 from ._specs import CUDA_ELEMENT_TYPES, DECODE_HEAD_DIMS, DECODE_MAX_QUERIES, DecodeAppendSpec, MergeSpec
 from ._validate import (
@@ -284,8 +285,7 @@ class _TorchOps:
 
     @staticmethod
     def empty(shape: tuple[int, ...], like: Any, float32: bool = False) -> Any:
-        import torch
-
+        torch = _interop.torch_module()
         return torch.empty(shape, dtype=torch.float32 if float32 else like.dtype, device=like.device)
 
     @staticmethod
@@ -360,25 +360,32 @@ def _gpu_device(kind: str, q: Any, *others: Any) -> int | None:
     return int(device)
 
 
+# Element strides the kernels take: q, k_cache, v_cache (batch, row, head) and k_new, v_new
+# (batch, row, head each, zeros without them).
+_OperandStrides = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
 @dataclass(frozen=True, slots=True)
 class _DecodePlan:
     partial: _kernels.CompiledKernel | None  # None when there is nothing to compute
-    merge: _kernels.CompiledKernel | None  # None with one split
     append: _kernels.CompiledKernel | None  # None without k_new / v_new
     grid: tuple[int, int, int]
     threads: tuple[int, int, int]
     smem: int
     append_grid: tuple[int, int, int]
-    merge_grid: tuple[int, int, int]
     num_splits: int
     negate_q: bool
     lse_shape: tuple[int, int, int]
-    workspace_floats: int  # fp32 partial O then partial LSE; 0 with one split
-    partial_lse_offset: int  # bytes from the workspace start to the partial LSE
+    operand_strides: _OperandStrides | None  # q, k_cache, v_cache, (k_new, v_new); None: copies
+    seqlens_contiguous: bool
+    table_contiguous: bool
+    table_stride: int
+    counter_bytes: int  # int32 split tickets per (batch, KV head, m-block); 0 with one split
+    scratch_bytes: int  # fp32 partial O then partial LSE; 0 with one split
+    partial_lse_offset: int  # bytes from the scratch start to the partial LSE
     attn_head: tuple[int, ...]  # AttnParams from the o strides to seqlen_q
     attn_tail: tuple[int | float, ...]  # AttnParams after seqlen_k (an int cache_seqlens, per call)
     decode_tail: tuple[int, ...]  # DecodeParams from seqlen_new on
-    merge_tail: tuple[int, ...]  # MergeParams from the strides on
 
 
 _plans: dict[tuple[Any, ...], _DecodePlan] = {}
@@ -457,60 +464,54 @@ def _make_plan(
             ctas_per_sm=_occupancy(partial, device),
         )
     per_split, splits = split_blocks(key_blocks, max(requested, 1))
-    merge = None
-    row_count = a.batch * a.heads_q * a.seqlen_q
-    if splits > 1 and partial is not None:
-        merge = _kernels.get_kernel(MergeSpec("float32", dtype, a.head_dim), device)
     append = None
     if p.seqlen_new and a.batch and a.heads_kv:
         append = _kernels.get_kernel(DecodeAppendSpec(dtype, a.head_dim), device)
     d, hq, nq = a.head_dim, a.heads_q, a.seqlen_q
     o_strides = (nq * hq * d, hq * d, d)
     lse_strides = (hq * nq, nq)
-    attn_head = (*o_strides, *lse_strides, a.batch, a.seqlen_q)
-    attn_tail = (a.heads_q, a.heads_kv, group, a.window_left, a.window_right, scale_log2, 0.0)
-    decode_tail = (p.seqlen_new, p.page_size_log2, p.num_pages, p.capacity, splits, per_split)
-    merge_tail = (
-        row_count * d, hq * nq * d, d, nq * d,  # partial O: [splits, B, Hq, Nq, d]
-        row_count, hq * nq, nq,  # partial LSE: [splits, B, Hq, Nq]
-        *o_strides, *lse_strides, splits, a.batch, a.seqlen_q, a.heads_q,
-    )  # fmt: skip
+    split = splits > 1 and partial is not None
+    row_count = a.batch * a.heads_q * a.seqlen_q
     return _DecodePlan(
         partial=partial,
-        merge=merge,
         append=append,
+        operand_strides=_layout_strides(ops, q, k_cache, v_cache, k_new, v_new),
+        seqlens_contiguous=isinstance(seqlens, int) or ops.strides(seqlens)[0] == 1,
+        table_contiguous=table is None or ops.strides(table)[1] == 1,
+        table_stride=0 if table is None else (ops.strides(table)[0] if ops.strides(table)[1] == 1 else table.shape[1]),
         grid=(splits * m_blocks, a.heads_kv, a.batch),
         threads=(spec.num_threads, 1, 1),
         smem=spec.smem_bytes,
         append_grid=(p.seqlen_new, a.heads_kv, a.batch),
-        merge_grid=(-(-row_count // MergeSpec.rows_per_block), 1, 1),
         num_splits=splits,
         negate_q=negate_q,
         lse_shape=lse_shape,
-        workspace_floats=row_count * (d + 1) * splits if merge is not None else 0,
-        partial_lse_offset=row_count * d * splits * 4,
-        attn_head=attn_head,
-        attn_tail=attn_tail,
-        decode_tail=decode_tail,
-        merge_tail=merge_tail,
+        counter_bytes=4 * ctas if split else 0,
+        scratch_bytes=4 * row_count * (d + 1) * splits if split else 0,
+        partial_lse_offset=4 * row_count * d * splits,
+        attn_head=(*o_strides, *lse_strides, a.batch, a.seqlen_q),
+        attn_tail=(a.heads_q, a.heads_kv, group, a.window_left, a.window_right, scale_log2, 0.0),
+        decode_tail=(p.seqlen_new, p.page_size_log2, p.num_pages, p.capacity, splits, per_split),
     )
 
 
-_readable_layouts: dict[tuple[Any, Any], bool] = {}
+def _layout_strides(ops: Any, q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any) -> _OperandStrides | None:
+    """The operands' strides when their layouts are readable as they are (the per-call check is
+    then only the pointers' alignment), else None."""
+    arrays = [q, k_cache, v_cache] + ([] if k_new is None else [k_new, v_new])
+    strides = [ops.strides(x) for x in arrays]
+    if not all(_interop.kernel_readable(0, x.shape, s) for x, s in zip(arrays, strides, strict=True)):
+        return None
+    new = (0,) * 6 if k_new is None else (*strides[3][:3], *strides[4][:3])
+    return (strides[0][:3], strides[1][:3], strides[2][:3], new)
 
 
 def _operand(ops: Any, x: Any, name: str, *, in_place: bool) -> tuple[Any, int, tuple[int, ...]]:
     """(array, pointer, strides) as the kernels read it: x itself when it has a unit stride on d
-    and 16-byte aligned strides (memoised per layout: this runs for every operand of every
-    call), else a copy -- except for a cache, which is written in place and cannot be copied."""
+    and 16-byte aligned strides, else a copy -- except for a cache, which is written in place
+    and cannot be copied."""
     ptr, strides = ops.ptr(x), ops.strides(x)
-    layout = (x.shape, strides)
-    ok = _readable_layouts.get(layout)
-    if ok is None:
-        if len(_readable_layouts) > 4096:
-            _readable_layouts.clear()
-        ok = _readable_layouts[layout] = _interop.kernel_readable(0, x.shape, strides)
-    if ok and ptr % 16 == 0:
+    if _interop.kernel_readable(ptr, x.shape, strides):
         return x, ptr, strides
     if in_place:
         raise ValueError(
@@ -524,12 +525,15 @@ def _gpu_kvcache(
     ops: Any, q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, device: int,
     options: tuple[Any, ...], return_lse: bool,
 ) -> Any:  # fmt: skip
+    # The key holds the strides too: a plan then knows its operands' layouts, and a call whose
+    # pointers are 16-byte aligned launches with no per-operand checks (the per-token path).
+    strides = ops.strides
     key = (
-        ops.kind, q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype,
-        None if isinstance(seqlens, int) else (seqlens.shape, seqlens.dtype),
-        None if table is None else (table.shape, table.dtype),
-        None if k_new is None else (k_new.shape, k_new.dtype, v_new.shape, v_new.dtype),
-        device, options,
+        ops.kind, device, options, q.shape, strides(q), q.dtype,
+        k_cache.shape, strides(k_cache), k_cache.dtype, v_cache.shape, strides(v_cache), v_cache.dtype,
+        None if isinstance(seqlens, int) else (seqlens.shape, strides(seqlens), seqlens.dtype),
+        None if table is None else (table.shape, strides(table), table.dtype),
+        None if k_new is None else (k_new.shape, strides(k_new), k_new.dtype, v_new.shape, strides(v_new), v_new.dtype),
     )  # fmt: skip
     try:
         plan = _plans.get(key)
@@ -554,70 +558,72 @@ def _run(
     ops: Any, plan: _DecodePlan, q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any,
     v_new: Any, device: int, return_lse: bool,
 ) -> Any:  # fmt: skip
-    if plan.negate_q:
-        q = -q
-    q, q_ptr, qs = _operand(ops, q, "q", in_place=False)
-    k_cache, k_ptr, ks = _operand(ops, k_cache, "k_cache", in_place=True)
-    v_cache, v_ptr, vs = _operand(ops, v_cache, "v_cache", in_place=True)
+    ptr = ops.ptr
+    if k_new is None:
+        ptrs: tuple[int, ...] = (ptr(q), ptr(k_cache), ptr(v_cache), 0, 0)
+    else:
+        ptrs = (ptr(q), ptr(k_cache), ptr(v_cache), ptr(k_new), ptr(v_new))
+    operand_strides = plan.operand_strides
+    keep = ()  # copies made for this call, alive until the launch
+    if operand_strides is None or plan.negate_q or (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) % 16:
+        keep, ptrs, operand_strides = _readable_operands(ops, plan, q, k_cache, v_cache, k_new, v_new)
     seqlen_int, seqlens_ptr = 0, 0
     if isinstance(seqlens, int):
         seqlen_int = seqlens
     else:
-        seqlens = seqlens if ops.strides(seqlens)[0] == 1 else ops.contiguous(seqlens)
-        seqlens_ptr = ops.ptr(seqlens)
-    table_ptr, table_stride = 0, 0
+        if not plan.seqlens_contiguous:
+            seqlens = ops.contiguous(seqlens)
+        seqlens_ptr = ptr(seqlens)
+    table_ptr = 0
     if table is not None:
-        table = table if ops.strides(table)[1] == 1 else ops.contiguous(table)
-        table_ptr, table_stride = ops.ptr(table), ops.strides(table)[0]
-    new_ptrs, new_strides = (0, 0), (0,) * 6
-    if k_new is not None:
-        k_new, kn_ptr, kns = _operand(ops, k_new, "k_new", in_place=False)
-        v_new, vn_ptr, vns = _operand(ops, v_new, "v_new", in_place=False)
-        new_ptrs, new_strides = (kn_ptr, vn_ptr), (kns[0], kns[1], kns[2], vns[0], vns[1], vns[2])
+        if not plan.table_contiguous:
+            table = ops.contiguous(table)
+        table_ptr = ptr(table)
 
-    # With a combine step the partial kernel writes only the workspace: it is launched before
-    # the outputs are allocated, so the GPU starts a few microseconds of host time earlier.
-    split = plan.merge is not None
-    workspace = ops.empty((plan.workspace_floats,), q, float32=True) if split else None
-    out = lse = None
-    if not split:
-        out, lse = _outputs(ops, plan, q, return_lse)
-    partial_ptrs = (0, 0)
-    if workspace is not None:
-        if _api.POISON_OUTPUTS:
-            ops.fill(workspace, math.nan)
-        base = ops.ptr(workspace)
-        partial_ptrs = (base, base + plan.partial_lse_offset)
-    stream = ops.stream(device)
-    values = (
-        q_ptr, k_ptr, v_ptr, 0 if out is None else ops.ptr(out), 0 if lse is None else ops.ptr(lse), 0, 0,
-        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        *plan.attn_head, seqlen_int, *plan.attn_tail,
-        seqlens_ptr, table_ptr, *new_ptrs, *partial_ptrs, table_stride, *new_strides, *plan.decode_tail,
-    )  # fmt: skip
-    if plan.append is not None:
-        plan.append.launch(plan.append_grid, (32, 1, 1), 0, stream, *values)
-    if plan.partial is not None:
-        plan.partial.launch(plan.grid, plan.threads, plan.smem, stream, *values)
-    if split:
-        assert plan.merge is not None
-        out, lse = _outputs(ops, plan, q, return_lse)
-        lse_ptr = 0 if lse is None else ops.ptr(lse)
-        merge_threads = (MergeSpec.num_threads, 1, 1)
-        plan.merge.launch(
-            plan.merge_grid, merge_threads, 0, stream, *partial_ptrs, ops.ptr(out), lse_ptr, *plan.merge_tail
-        )
-    return (out, lse) if return_lse else out
-
-
-def _outputs(ops: Any, plan: _DecodePlan, q: Any, return_lse: bool) -> tuple[Any, Any]:
     out = ops.empty(q.shape, q)
     lse = ops.empty(plan.lse_shape, q, float32=True) if return_lse else None
     if _api.POISON_OUTPUTS:
         ops.fill(out, math.nan)
         if lse is not None:
             ops.fill(lse, math.nan)
-    return out, lse
+    stream = ops.stream(device)
+    counters = partial_o = partial_lse = 0
+    if plan.counter_bytes:  # split: the stream's tickets (left at 0 by the kernel) and partials
+        counters, partial_o = _workspace.stream_scratch(
+            ops.kind, device, stream, plan.counter_bytes, plan.scratch_bytes, poison=_api.POISON_OUTPUTS
+        )
+        partial_lse = partial_o + plan.partial_lse_offset
+    qs, ks, vs, new_strides = operand_strides
+    values = (
+        ptrs[0], ptrs[1], ptrs[2], ptr(out), 0 if lse is None else ptr(lse), 0, 0, *qs, *ks, *vs,
+        *plan.attn_head, seqlen_int, *plan.attn_tail,
+        seqlens_ptr, table_ptr, ptrs[3], ptrs[4], partial_o, partial_lse, counters, plan.table_stride,
+        *new_strides, *plan.decode_tail,
+    )  # fmt: skip
+    if plan.append is not None:
+        plan.append.launch(plan.append_grid, (32, 1, 1), 0, stream, *values)
+    if plan.partial is not None:
+        plan.partial.launch(plan.grid, plan.threads, plan.smem, stream, *values)
+    del keep
+    return (out, lse) if return_lse else out
+
+
+def _readable_operands(
+    ops: Any, plan: _DecodePlan, q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any
+) -> tuple[tuple[Any, ...], tuple[int, ...], _OperandStrides]:
+    """The general path: q (negated for a negative scale), k_new and v_new copied where the
+    kernels cannot read them as they are; a cache that cannot be read is an error."""
+    if plan.negate_q:
+        q = -q
+    q, q_ptr, qs = _operand(ops, q, "q", in_place=False)
+    _, k_ptr, ks = _operand(ops, k_cache, "k_cache", in_place=True)
+    _, v_ptr, vs = _operand(ops, v_cache, "v_cache", in_place=True)
+    base = (qs[:3], ks[:3], vs[:3])
+    if k_new is None:
+        return (q,), (q_ptr, k_ptr, v_ptr, 0, 0), (*base, (0,) * 6)
+    k_new, kn_ptr, kns = _operand(ops, k_new, "k_new", in_place=False)
+    v_new, vn_ptr, vns = _operand(ops, v_new, "v_new", in_place=False)
+    return (q, k_new, v_new), (q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr), (*base, (*kns[:3], *vns[:3]))
 
 
 def _gpu_merge_states(

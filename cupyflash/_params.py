@@ -1,5 +1,6 @@
-"""Python mirrors of the by-value kernel arguments: ``AttnParams`` (kernels_cu/params.cuh) and
-the decode kernels' ``DecodeParams`` and ``MergeParams`` (kernels_cu/decode.cu).
+"""Python mirrors of the by-value kernel arguments: ``AttnParams`` (kernels_cu/params.cuh), the
+Hopper kernel's ``Fa3Params`` after its tensor maps (kernels_cu/fa3_fwd.cu), and the decode
+kernels' ``DecodeParams`` and ``MergeParams`` (kernels_cu/decode.cu).
 
 The field list below is the single Python description of the struct: a NumPy structured dtype
 (``align=True`` gives C's natural alignment) and a ``struct.Struct`` that packs one call's
@@ -84,6 +85,7 @@ DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("v_new_ptr", "u8"),
     ("o_partial_ptr", "u8"),
     ("lse_partial_ptr", "u8"),
+    ("split_counters", "u8"),
     ("block_table_batch_stride", "i8"),
     *((f"{t}_new_{s}_stride", "i8") for t in ("k", "v") for s in ("batch", "row", "head")),
     ("seqlen_new", "i4"),
@@ -110,10 +112,15 @@ MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("heads", "i4"),
 )
 
+# Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters; }: the
+# launch buffer holds the maps apart (bytes 0-383); this list is what follows them.
+FA3_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (*ATTN_PARAMS_FIELDS, ("tile_counters", "u8"))
+
 PARAMS_STRUCTS = {
     s.c_name: s
     for s in (
         ParamsStruct("AttnParams", ATTN_PARAMS_FIELDS),
+        ParamsStruct("Fa3Params", FA3_PARAMS_FIELDS),
         ParamsStruct("DecodeParams", DECODE_PARAMS_FIELDS),
         ParamsStruct("MergeParams", MERGE_PARAMS_FIELDS),
     )

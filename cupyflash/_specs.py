@@ -123,13 +123,15 @@ class Fa2FwdSpec:
 class Fa3Tile:
     """CTA shape of the Hopper forward: key block, consumer warpgroups of 64 query rows each,
     K/V slots of the mbarrier ring, O staged in its own buffer (so the next tile's Q loads during
-    the epilogue) or in the Q tile, and ping-pong turns between two consumers."""
+    the epilogue) or in the Q tile, ping-pong turns between two consumers, and the dynamic
+    schedule (persistent CTAs drawing tiles from a global counter, longest first)."""
 
     block_n: int
     consumers: int = 2
     stages: int = 2
     separate_o: bool = True
     pingpong: bool = False
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n not in WGMMA_N or self.consumers not in (2, 3) or self.stages < 2:
@@ -144,9 +146,10 @@ class Fa3Tile:
 class Fa3FwdSpec:
     """A variant of ``kernels_cu/fa3_fwd.cu`` (template ``Fa3FwdTraits``): Hopper only.
 
-    One producer warpgroup (TMA) and ``tile.consumers`` warpgroups (wgmma). Persistent where the
-    tiles are uniform (no causal / window bound): one CTA per SM walks them; otherwise one CTA
-    per tile, which the hardware hands out longest-first.
+    One producer warpgroup (TMA) and ``tile.consumers`` warpgroups (wgmma). Persistent (one CTA
+    per SM) where the tiles are uniform (no causal / window bound: a static stride) or where the
+    tile is dynamic (a global counter hands them out); otherwise one CTA per tile, which the
+    hardware hands out longest-first.
     """
 
     dtype: str
@@ -159,7 +162,7 @@ class Fa3FwdSpec:
     kernel = "fa3_fwd"
     source_file = "fa3_fwd.cu"
     archs = (HOPPER_ARCH,)
-    params_type = "AttnParams"  # after the three tensor maps (Fa3Params)
+    params_type = "Fa3Params"  # its fields after the three tensor maps
     param_decl = "const __grid_constant__ Fa3Params params"
     uses_tma = True
 
@@ -171,7 +174,7 @@ class Fa3FwdSpec:
 
     @property
     def persistent(self) -> bool:
-        return not (self.causal or self.local)
+        return self.tile.dynamic or not (self.causal or self.local)
 
     @property
     def block_n(self) -> int:
@@ -190,7 +193,7 @@ class Fa3FwdSpec:
         return (
             f"cf_fa3_fwd_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
             f"_m{self.block_m}_n{t.block_n}_s{t.stages}"
-            f"{'_os' if t.separate_o else ''}{'_pp' if t.pingpong else ''}{flags}"
+            f"{'_os' if t.separate_o else ''}{'_pp' if t.pingpong else ''}{'_dyn' if t.dynamic else ''}{flags}"
         )
 
     @property
@@ -202,14 +205,14 @@ class Fa3FwdSpec:
         # 1024 bytes of alignment slack, Q, [O,] the K and V slots, the mbarriers (as Fa3FwdTraits).
         t = self.tile
         rows = self.block_m * (2 if t.separate_o else 1) + 2 * t.stages * t.block_n
-        return 1024 + 2 * self.head_dim * rows + 8 * (2 + 4 * t.stages)
+        return 1024 + 2 * self.head_dim * rows + 8 * (2 + 4 * t.stages) + 8
 
     def template_args(self) -> str:
         b = lambda flag: "true" if flag else "false"  # noqa: E731
         t = self.tile
         return (
             f"Fa3FwdTraits<{self.head_dim}, {t.block_n}, {t.consumers}, {t.stages}, "
-            f"{b(t.separate_o)}, {b(t.pingpong)}, "
+            f"{b(t.separate_o)}, {b(t.pingpong)}, {b(t.dynamic)}, "
             f"{CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}, {b(self.local)}, {b(self.softcap)}>"
         )
 

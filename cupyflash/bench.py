@@ -44,9 +44,14 @@ def prefill_shapes(dtypes: tuple[str, ...] = ("bfloat16", "float16")) -> list[Pr
     ]
 
 
-def cuda_time_ms(fn: Callable[[], Any], *, warmup_ms: float = 300.0, repeat: int = 30) -> float:
+def cuda_time_ms(fn: Callable[[], Any], *, warmup_ms: float = 300.0, repeat: int = 30, calls: int = 1) -> float:
     """Median milliseconds of ``fn`` between CUDA events on PyTorch's current stream, after
-    at least ``warmup_ms`` of warm-up (clocks ramp up; first calls compile or load kernels)."""
+    at least ``warmup_ms`` of warm-up (clocks ramp up; first calls compile or load kernels).
+
+    With ``calls`` > 1 a sample is that many back-to-back calls between one pair of events,
+    divided by ``calls``: the per-call time of a stream of calls, where each call's host work
+    overlaps the GPU work of the one before (as in a generation loop); with 1 call the host
+    time before the first launch is inside the sample."""
     import torch
 
     fn()
@@ -59,10 +64,11 @@ def cuda_time_ms(fn: Callable[[], Any], *, warmup_ms: float = 300.0, repeat: int
     for _ in range(repeat):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(begin.elapsed_time(end))
+        times.append(begin.elapsed_time(end) / calls)
     return float(statistics.median(times))
 
 
@@ -230,6 +236,10 @@ class DecodeShape:
         return 2 * self.batch * self.heads_kv * self.seqlen * self.head_dim * 2
 
 
+#: Back-to-back calls per sample of the steady (per-call) decode timing.
+DECODE_STEADY_CALLS = 20
+
+
 def decode_shapes() -> list[DecodeShape]:
     return [DecodeShape(b, n) for b in DECODE_BATCHES for n in DECODE_SEQLENS if b * n <= DECODE_MAX_TOKENS]
 
@@ -269,20 +279,22 @@ def run_decode(shape: DecodeShape) -> dict[str, Any]:
     calls: dict[str, Callable[[], Any]] = {
         "cupyflash": lambda: cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens),
         "splits1": lambda: cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=1),
+        "fa2fwd": lambda: cupyflash.attention(q, k, v, algorithm="fa2"),
         "flash": sdpa_call(SDPBackend.FLASH_ATTENTION),
         "cudnn": sdpa_call(SDPBackend.CUDNN_ATTENTION),
     }
     row: dict[str, Any] = asdict(shape)
     row["kv_GB"] = round(shape.kv_bytes / 1e9, 3)
     for name, call in calls.items():
-        try:
-            ms = cuda_time_ms(call, warmup_ms=100.0, repeat=20)
-        except RuntimeError as error:
-            row[f"{name}_us"] = None
-            row[f"{name}_error"] = str(error).splitlines()[0][:200]
-            continue
-        row[f"{name}_us"] = round(ms * 1e3, 1)
-        row[f"{name}_TBps"] = round(shape.kv_bytes / (ms * 1e-3) / 1e12, 2)
+        for suffix, burst in (("", 1), ("_steady", DECODE_STEADY_CALLS)):
+            try:
+                ms = cuda_time_ms(call, warmup_ms=100.0, repeat=20, calls=burst)
+            except RuntimeError as error:
+                row[f"{name}{suffix}_us"] = None
+                row[f"{name}_error"] = str(error).splitlines()[0][:200]
+                break
+            row[f"{name}{suffix}_us"] = round(ms * 1e3, 1)
+            row[f"{name}{suffix}_TBps"] = round(shape.kv_bytes / (ms * 1e-3) / 1e12, 2)
     ref = calls["flash"]().transpose(1, 2).float()
     row["max_abs_diff_vs_flash"] = round(float((calls["cupyflash"]().float() - ref).abs().max()), 5)
     return row
@@ -312,18 +324,25 @@ def decode_host_overhead_us(*, rounds: int = 5, calls: int = 1000) -> dict[str, 
     return {name: round(us, 2) for name, us in best.items()}
 
 
-def format_decode_table(rows: list[dict[str, Any]]) -> str:
-    names = ("cupyflash", "splits1", "flash", "cudnn")
+def format_decode_table(rows: list[dict[str, Any]], suffix: str = "") -> str:
+    """One line per shape: us and TB/s of each entry, the best SDPA backend over cupyflash, and
+    one split (and the FA2 forward kernel) over cupyflash. ``suffix`` "_steady" gives the
+    back-to-back per-call times, "" the single-call ones."""
+    names = ("cupyflash", "splits1", "fa2fwd", "flash", "cudnn")
     header = f"{'B':>3} {'L':>7} {'KV GB':>6} | " + " ".join(f"{n + ' us':>12} {'TB/s':>5}" for n in names)
-    lines = [header + " | vs best SDPA"]
+    lines = [header + " | best SDPA / cupyflash | splits1, fa2fwd / cupyflash"]
     for r in rows:
         cells = []
         for n in names:
-            us, tbps = r.get(f"{n}_us"), r.get(f"{n}_TBps")
+            us, tbps = r.get(f"{n}{suffix}_us"), r.get(f"{n}{suffix}_TBps")
             cells.append(
                 f"{us if us is not None else float('nan'):>12.1f} {tbps if tbps is not None else float('nan'):>5.2f}"
             )
-        best = min((r[f"{n}_us"] for n in ("flash", "cudnn") if r.get(f"{n}_us")), default=float("nan"))
-        ratio = best / r["cupyflash_us"] if r.get("cupyflash_us") else float("nan")
-        lines.append(f"{r['batch']:>3} {r['seqlen']:>7} {r['kv_GB']:>6.2f} | " + " ".join(cells) + f" | {ratio:>5.2f}x")
+        ours = r.get(f"cupyflash{suffix}_us") or float("nan")
+        best = min((r[f"{n}{suffix}_us"] for n in ("flash", "cudnn") if r.get(f"{n}{suffix}_us")), default=float("nan"))
+        slow = [(r.get(f"{n}{suffix}_us") or float("nan")) / ours for n in ("splits1", "fa2fwd")]
+        lines.append(
+            f"{r['batch']:>3} {r['seqlen']:>7} {r['kv_GB']:>6.2f} | " + " ".join(cells)
+            + f" | {best / ours:>5.2f}x | {slow[0]:>5.1f}x {slow[1]:>5.1f}x"
+        )  # fmt: skip
     return "\n".join(lines)

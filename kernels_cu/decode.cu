@@ -7,10 +7,13 @@
 //   Warps do not share a K/V tile: each runs its own cp.async ring over every kNWarps-th key slice
 //   of the split (no CTA barrier in the loop, so one warp waiting on memory never stalls another),
 //   with its own online-softmax state. The warps' partial results are merged once at the end.
-//   One split (num_splits = 1) writes the normalised output directly; otherwise each CTA writes
-//   its fp32 partial O and LSE and decode_merge combines them.
+//   One split (num_splits = 1) writes the normalised output directly. Otherwise each CTA writes
+//   its fp32 partial O and LSE and takes a ticket on its (batch, KV head, m-block) counter; the
+//   CTA that draws the last ticket merges the splits' partials into the output and sets the
+//   counter back to 0 for the next call (one launch per decode step, no combine kernel: the
+//   merge starts the moment the last split lands, not after a launch gap).
 // decode_merge -- the exact merge of partials (O_i, LSE_i) by LSE rescaling, one warp per output
-//   row; the same kernel serves cupyflash.merge_states.
+//   row (merge_row, which the fused combine uses too); the kernel serves cupyflash.merge_states.
 // decode_append -- writes k_new / v_new into the cache at positions cache_seqlens[b] + t.
 //
 // The cache is contiguous [B, L_max, Hkv, d] or paged [num_pages, page_size, Hkv, d] through a
@@ -33,6 +36,7 @@ struct DecodeParams {
   const void* v_new_ptr;         // [B, Nnew, Hkv, d]
   float* o_partial_ptr;          // [num_splits, B, Hq, Nq, d], when num_splits > 1
   float* lse_partial_ptr;        // [num_splits, B, Hq, Nq]
+  int32_t* split_counters;       // [B, Hkv, m_blocks] tickets, 0 between calls, when num_splits > 1
   int64_t block_table_batch_stride;
   int64_t k_new_batch_stride, k_new_row_stride, k_new_head_stride;
   int64_t v_new_batch_stride, v_new_row_stride, v_new_head_stride;
@@ -242,6 +246,107 @@ struct PackedRowMask {
   }
 };
 
+// ---------------------------------------------------------------------------------------------
+// Merge of partial states (the split-KV combine, and merge_states).
+// ---------------------------------------------------------------------------------------------
+CF_DEVICE float to_float(float x) { return x; }
+CF_DEVICE float to_float(__half x) { return __half2float(x); }
+CF_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+CF_DEVICE T from_float(float x);
+template <>
+CF_DEVICE float from_float<float>(float x) { return x; }
+template <>
+CF_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+CF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// One warp merges one output row from num_parts states: part p is O_p = g_o[p * o_part_stride
+// + :d], LSE_p = g_lse[p * lse_part_stride]. The row gets sum_p w_p O_p / sum_p w_p with
+// w_p = exp(LSE_p - max LSE), and g_out_lse (when not nullptr) the merged LSE. Lane l holds
+// columns l, l + 32, ... The parts' LSEs are read 32 at a time, one per lane, and their weights
+// broadcast by shuffles; the O reads of consecutive parts do not depend on each other, so the
+// unrolled loop keeps several in flight. Loads go through L2 only (ld.global.cg): in the fused
+// combine the parts were just written by other CTAs, whose data no L1 of this SM may hold.
+template <int kHeadDim, typename PartElement, typename OutElement>
+CF_DEVICE void merge_row(const PartElement* g_o, int64_t o_part_stride, const float* g_lse,
+                         int64_t lse_part_stride, int num_parts, OutElement* g_out, float* g_out_lse,
+                         int lane) {
+  static_assert(kHeadDim % 32 == 0, "head_dim must be a multiple of 32");
+  constexpr int kColsPerLane = kHeadDim / 32;
+  // The largest LSE over the parts (-inf when every part is empty).
+  float lse_max = neg_infinity();
+  for (int part = lane; part < num_parts; part += 32) {
+    lse_max = fmaxf(lse_max, __ldcg(g_lse + part * lse_part_stride));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
+  }
+
+  float acc[kColsPerLane] = {};
+  float weight_sum = 0.f;
+  for (int part0 = 0; part0 < num_parts; part0 += 32) {
+    const int mine = part0 + lane;
+    const float my_weight = mine < num_parts ? merge_scale(__ldcg(g_lse + mine * lse_part_stride), lse_max) : 0.f;
+    weight_sum += my_weight;
+    const int count = min(32, num_parts - part0);
+    // No branch in the body: the loads of 8 parts are issued together (a skip of empty parts
+    // made every part wait for the previous one's L2 round trip: ~12 us for 32 parts).
+#pragma unroll 8
+    for (int j = 0; j < count; ++j) {
+      const float w = __shfl_sync(0xffffffffu, my_weight, j);
+      const PartElement* o_part = g_o + (part0 + j) * o_part_stride;
+#pragma unroll
+      for (int c = 0; c < kColsPerLane; ++c) {
+        const float x = to_float(__ldcg(o_part + lane + 32 * c));
+        acc[c] += w == 0.f ? 0.f : w * x;  // an empty part weighs 0 even if its O is NaN
+      }
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, offset);
+  }
+  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+#pragma unroll
+  for (int c = 0; c < kColsPerLane; ++c) g_out[lane + 32 * c] = from_float<OutElement>(acc[c] * inv);
+  if (g_out_lse != nullptr && lane == 0) *g_out_lse = merged_lse(lse_max, weight_sum);
+}
+
+template <int kHeadDim_, typename PartElement_, typename OutElement_>
+struct MergeTraits {
+  using PartElement = PartElement_;
+  using OutElement = OutElement_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kNWarps = 4;
+  static constexpr int kNThreads = 32 * kNWarps;
+  static constexpr int kSmemBytes = 0;
+};
+
+// merge_states and the combine of partials in [parts, ...] layouts: one warp per output row
+// (b, i, h), h fastest.
+template <typename Traits>
+CF_DEVICE void decode_merge(const MergeParams& p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * Traits::kNWarps + threadIdx.x / 32;
+  if (row >= static_cast<int64_t>(p.batch) * p.seqlen_q * p.heads) return;
+  const int head = static_cast<int>(row % p.heads);
+  const int query = static_cast<int>((row / p.heads) % p.seqlen_q);
+  const int batch = static_cast<int>(row / (static_cast<int64_t>(p.heads) * p.seqlen_q));
+  const auto* g_o = static_cast<const typename Traits::PartElement*>(p.o_parts_ptr) +
+                    batch * p.o_batch_stride + query * p.o_row_stride + head * p.o_head_stride;
+  const float* g_lse = p.lse_parts_ptr + batch * p.lse_batch_stride + head * p.lse_head_stride + query;
+  auto* g_out = static_cast<typename Traits::OutElement*>(p.o_ptr) + batch * p.out_batch_stride +
+                query * p.out_row_stride + head * p.out_head_stride;
+  float* g_out_lse = p.lse_ptr == nullptr ? nullptr
+                                          : p.lse_ptr + batch * p.out_lse_batch_stride +
+                                                head * p.out_lse_head_stride + query;
+  merge_row<Traits::kHeadDim>(g_o, p.o_part_stride, g_lse, p.lse_part_stride, p.num_parts, g_out,
+                              g_out_lse, lane);
+}
+
 template <typename Traits>
 CF_DEVICE void decode_partial(const DecodeParams& params) {
   using Element = typename Traits::Element;
@@ -418,97 +523,37 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
       if (col == 0) params.lse_partial_ptr[row_index] = row_lse;
     }
   }
-}
+  if (single) return;
 
-// ---------------------------------------------------------------------------------------------
-// Merge of partial states (the combine step, and merge_states).
-// ---------------------------------------------------------------------------------------------
-CF_DEVICE float to_float(float x) { return x; }
-CF_DEVICE float to_float(__half x) { return __half2float(x); }
-CF_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-CF_DEVICE T from_float(float x);
-template <>
-CF_DEVICE float from_float<float>(float x) { return x; }
-template <>
-CF_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-CF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-template <int kHeadDim_, typename PartElement_, typename OutElement_>
-struct MergeTraits {
-  using PartElement = PartElement_;
-  using OutElement = OutElement_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kNWarps = 4;
-  static constexpr int kNThreads = 32 * kNWarps;
-  static constexpr int kColsPerLane = kHeadDim / 32;  // lane l holds columns l, l + 32, ...
-  static constexpr int kSmemBytes = 0;
-  static_assert(kHeadDim % 32 == 0, "head_dim must be a multiple of 32");
-};
-
-// One warp per output row (b, i, h), h fastest. The parts' LSEs are read 32 at a time, one per
-// lane, and their weights broadcast by shuffles; the O reads of consecutive parts do not depend
-// on each other, so the unrolled loop keeps several in flight.
-template <typename Traits>
-CF_DEVICE void decode_merge(const MergeParams& p) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * Traits::kNWarps + threadIdx.x / 32;
-  if (row >= static_cast<int64_t>(p.batch) * p.seqlen_q * p.heads) return;
-  const int head = static_cast<int>(row % p.heads);
-  const int query = static_cast<int>((row / p.heads) % p.seqlen_q);
-  const int batch = static_cast<int>(row / (static_cast<int64_t>(p.heads) * p.seqlen_q));
-
-  const float* g_lse = p.lse_parts_ptr + batch * p.lse_batch_stride + head * p.lse_head_stride + query;
-  const auto* g_o = static_cast<const typename Traits::PartElement*>(p.o_parts_ptr) +
-                    batch * p.o_batch_stride + query * p.o_row_stride + head * p.o_head_stride;
-
-  // The largest LSE over the parts (-inf when every part is empty).
-  float lse_max = neg_infinity();
-  for (int part = lane; part < p.num_parts; part += 32) {
-    lse_max = fmaxf(lse_max, g_lse[part * p.lse_part_stride]);
+  // Fused combine. The fence orders this CTA's partial writes before its ticket (the last-block
+  // pattern): the CTA that draws ticket num_splits - 1 finds every split's partial in L2.
+  __shared__ int s_is_last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int32_t* counter = params.split_counters +
+                       (static_cast<int64_t>(batch) * gridDim.y + head_k) * m_blocks + blockIdx.x % m_blocks;
+    const bool last = atomicAdd(counter, 1) == params.num_splits - 1;
+    if (last) *counter = 0;  // every split has drawn: ready for the next call on this stream
+    s_is_last = last;
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
-  }
-
-  float acc[Traits::kColsPerLane] = {};
-  float weight_sum = 0.f;
-  for (int part0 = 0; part0 < p.num_parts; part0 += 32) {
-    const int mine = part0 + lane;
-    const float my_weight =
-        mine < p.num_parts ? merge_scale(g_lse[mine * p.lse_part_stride], lse_max) : 0.f;
-    weight_sum += my_weight;
-    const int count = min(32, p.num_parts - part0);
-    // No branch in the body: the loads of 8 parts are issued together (a skip of empty parts
-    // made every part wait for the previous one's L2 round trip: ~12 us for 32 parts).
-#pragma unroll 8
-    for (int j = 0; j < count; ++j) {
-      const float w = __shfl_sync(0xffffffffu, my_weight, j);
-      const auto* o_part = g_o + (part0 + j) * p.o_part_stride;
-#pragma unroll
-      for (int c = 0; c < Traits::kColsPerLane; ++c) {
-        const float x = to_float(o_part[lane + 32 * c]);
-        acc[c] += w == 0.f ? 0.f : w * x;  // an empty part weighs 0 even if its O is NaN
-      }
-    }
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, offset);
-  }
-  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-  auto* g_out = static_cast<typename Traits::OutElement*>(p.o_ptr) + batch * p.out_batch_stride +
-                query * p.out_row_stride + head * p.out_head_stride;
-#pragma unroll
-  for (int c = 0; c < Traits::kColsPerLane; ++c) {
-    g_out[lane + 32 * c] = from_float<typename Traits::OutElement>(acc[c] * inv);
-  }
-  if (p.lse_ptr != nullptr && lane == 0) {
-    p.lse_ptr[batch * p.out_lse_batch_stride + head * p.out_lse_head_stride + query] =
-        merged_lse(lse_max, weight_sum);
+  __syncthreads();
+  if (!s_is_last) return;
+  __threadfence();
+  const int64_t part_rows = static_cast<int64_t>(attn.batch) * attn.h * seqlen_q;
+#pragma unroll 1
+  for (int packed = row0 + warp; packed < min(row0 + Traits::kBlockM, rows); packed += Traits::kNWarps) {
+    const int query = packed / group;
+    const int head = head_k * group + packed % group;
+    const int64_t row_index = (static_cast<int64_t>(batch) * attn.h + head) * seqlen_q + query;
+    Element* g_o = static_cast<Element*>(attn.o_ptr) + batch * attn.o_batch_stride +
+                   query * attn.o_row_stride + head * attn.o_head_stride;
+    float* g_lse = attn.lse_ptr == nullptr
+                       ? nullptr
+                       : attn.lse_ptr + batch * attn.lse_batch_stride + head * attn.lse_head_stride + query;
+    merge_row<Traits::kHeadDim>(params.o_partial_ptr + row_index * Traits::kHeadDim, part_rows * Traits::kHeadDim,
+                                params.lse_partial_ptr + row_index, part_rows, params.num_splits, g_o, g_lse,
+                                lane);
   }
 }
 

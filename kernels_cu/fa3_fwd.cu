@@ -1,12 +1,15 @@
 // Hopper forward (sm_90a): FlashAttention-2's algorithm on Hopper's asynchronous machinery, as
 // FlashAttention-3 (Shah et al., 2024) runs it.
 //
-// A CTA walks the tiles (query block, batch, head) blockIdx.x, blockIdx.x + gridDim.x, ...
-// The host launches one CTA per SM when the tiles are uniform (no causal / window bound), so that
-// the loads of a CTA's next tile overlap the end of its current one (at N = 1024 a tile is only
-// ~15 us of work); with a bound, tiles are uneven and a static assignment straggles, so it
-// launches one CTA per tile and the hardware hands them out longest-first. A CTA is
-// 1 + kConsumers warpgroups:
+// Tiles are (query block, batch, head). A CTA starts on tile blockIdx.x; its producer picks the
+// next one and passes it to the consumers through shared memory with the Q load, so the loads of
+// a CTA's next tile overlap the end of its current one (at N = 1024 a tile is only ~15 us of
+// work). Three schedules:
+//   static   one CTA per SM, tiles blockIdx.x + k gridDim.x: uniform tiles (no causal / window);
+//   dynamic  one CTA per SM, each next tile drawn from a global counter, longest tiles first:
+//            uneven tiles (causal) balance themselves, as a greedy longest-first schedule;
+//   per tile one CTA per tile (gridDim.x = tiles), handed out longest-first by the hardware.
+// A CTA is 1 + kConsumers warpgroups:
 //   producer warpgroup  one thread issues every TMA load (Q per tile, then K_j and V_j per key
 //                       block into a kStages-deep ring of mbarrier-guarded slots, the ring
 //                       running on across tiles); the warpgroup gives its registers away
@@ -36,10 +39,13 @@
 struct Fa3Params {
   TmaMap q_map, k_map, v_map;
   AttnParams attn;
+  // The dynamic schedule's counters: [0] tiles drawn past the first gridDim.x, [1] CTAs done.
+  // Both read 0 at launch; the last CTA to finish sets them back (cupyflash/_workspace.py).
+  int32_t* tile_counters;
 };
 
 template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_, bool Pingpong_,
-          typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
+          bool Dynamic_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
 struct Fa3FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -54,6 +60,8 @@ struct Fa3FwdTraits {
   // The two consumers take turns issuing their wgmmas (FlashAttention-3's ping-pong), so one's
   // softmax runs while the other's GEMMs occupy the tensor cores.
   static constexpr bool Pingpong = Pingpong_;
+  // Persistent CTAs draw their next tile from a global counter (else: the static stride).
+  static constexpr bool Dynamic = Dynamic_;
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
@@ -66,11 +74,12 @@ struct Fa3FwdTraits {
   static constexpr int kColBlocks = kHeadDim / kColBlockElems;
 
   // Shared memory: Q, [O,] kStages K slots, kStages V slots (all swizzled, 1024-byte aligned),
-  // then the mbarriers q_full, q_empty, k_full[kStages], k_empty[..], v_full[..], v_empty[..].
+  // then the mbarriers q_full, q_empty, k_full[kStages], k_empty[..], v_full[..], v_empty[..]
+  // and the current tile's index (8 bytes).
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kOBytes = Separate_o ? kQBytes : 0;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 8;
   static constexpr int kSmemBytes = kSwizzleAtomBytes /* alignment slack */ + kQBytes + kOBytes +
                                     2 * kStages * kKVBytes + kBarrierBytes;
 
@@ -129,6 +138,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   const uint32_t bar_q_empty = bar_q_full + 8;
   auto bar = [&](int kind, int stage) { return bar_q_full + 8 * (2 + kind * kStages + stage); };
   enum { kKFull = 0, kKEmpty = 1, kVFull = 2, kVEmpty = 3 };
+  // The tile whose Q the producer loads, written before its q_full arrival (release) and read by
+  // the consumers after their q_full wait (acquire); a value >= num_tiles ends the CTA.
+  const uint32_t s_tile = bar(kVEmpty, kStages);
   constexpr int kConsumerWarps = 4 * Traits::kConsumers;
 
   const TileScheduler<Traits> scheduler(params);
@@ -151,14 +163,19 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
     int kv_iter = 0;  // position in the K/V ring, continuing across tiles
-    for (int t = blockIdx.x, tile_iter = 0; t < scheduler.num_tiles; t += gridDim.x, ++tile_iter) {
+    for (int t = blockIdx.x, tile_iter = 0;; ++tile_iter) {
+      mbar_wait(bar_q_empty, (tile_iter & 1) ^ 1);  // the consumers are done with the last Q
+      st_shared_b32(s_tile, t);
+      if (t >= scheduler.num_tiles) {
+        mbar_arrive(bar_q_full);  // no Q: the consumers read the end and stop
+        break;
+      }
       const auto tile = scheduler(t, params);
       const int head_k = tile.head / params.h_h_k_ratio;
       const TileMask<Traits> mask(tile.m_block, params.seqlen_q, params.seqlen_k, params.window_left,
                                   params.window_right);
       const int n_begin = mask.n_block_begin();
       const int n_end = mask.n_block_end();
-      mbar_wait(bar_q_empty, (tile_iter & 1) ^ 1);  // the consumers are done with the last Q
       mbar_arrive_expect_tx(bar_q_full, Traits::kQBytes);
 #pragma unroll
       for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
@@ -184,6 +201,19 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
           tma_load_4d(v_slot + cb * kBlockN * kSwizzleRowBytes, p.v_map, bar(kVFull, stage),
                       cb * kColBlockElems, n_block * kBlockN, head_k, tile.batch);
         }
+      }
+      // Draw the next tile once this one's loads are all issued (the producer then runs at most
+      // kStages blocks ahead of the consumers): drawn earlier, a CTA would claim it before the
+      // CTAs that free up first, and lose the balance of longest-first.
+      t = Traits::Dynamic ? gridDim.x + atomicAdd(p.tile_counters, 1) : t + gridDim.x;
+    }
+    if constexpr (Traits::Dynamic) {
+      // This CTA draws no more tiles. The last CTA to get here knows every draw has been made
+      // (each CTA fences its draws before counting itself done) and resets both counters.
+      __threadfence();
+      if (atomicAdd(p.tile_counters + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        p.tile_counters[0] = 0;
+        p.tile_counters[1] = 0;
       }
     }
     return;
@@ -214,7 +244,10 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   if (Traits::Pingpong && consumer == 1) named_barrier_arrive(kTurn, 256);
 
   int kv_iter = 0;
-  for (int t = blockIdx.x, tile_iter = 0; t < scheduler.num_tiles; t += gridDim.x, ++tile_iter) {
+  for (int tile_iter = 0;; ++tile_iter) {
+    mbar_wait(bar_q_full, tile_iter & 1);  // this tile's Q has landed (or the end is announced)
+    const int t = static_cast<int>(ld_shared_b32(s_tile));
+    if (t >= scheduler.num_tiles) break;
     const auto tile = scheduler(t, params);
     const int row_block0 = tile.m_block * kBlockM;
     const TileMask<Traits> mask(tile.m_block, params.seqlen_q, params.seqlen_k, params.window_left,
@@ -277,7 +310,6 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // while the P V wgmma still runs; O is rescaled once that wgmma has completed. The visited
     // blocks are n_end - 1 - it (last first: the masked blocks come first under causal).
     uint32_t p_prev[kBlockN / 16][4];
-    mbar_wait(bar_q_full, tile_iter & 1);
     if (n_blocks > 0) {
       int stage, parity;
       slot(0, stage, parity);

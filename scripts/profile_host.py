@@ -1,5 +1,6 @@
 """Where the host time of a tiny call goes (run on the GPU machine): cProfile of many calls,
-plus the time of each step alone, for torch tensors and CuPy arrays."""
+plus the time of each step alone, for torch tensors and CuPy arrays, and for a decode step at
+the decode benchmark's smallest shape."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 
 import cupyflash
 from cupyflash import _api, _interop
-from cupyflash._params import ATTN_PARAMS_DTYPE, pack_attn_params_into
+from cupyflash._params import ATTN_PARAMS_DTYPE, ATTN_PARAMS_FIELDS, pack_attn_params_into
 from cupyflash._validate import attention_problem
+from cupyflash.bench import DecodeShape, decode_inputs
 
 
 def per_call_us(fn, calls=3000):
@@ -43,7 +45,12 @@ def main() -> None:
     out = torch.empty_like(q)
     stream = _interop.torch_current_stream(0)
     buffer = memoryview(bytearray(ATTN_PARAMS_DTYPE.itemsize))
+    dq, dk, dv, seqlens = decode_inputs(DecodeShape(1, 4096))
     steps = {
+        "decode call (auto splits)": lambda: cupyflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=seqlens),
+        "decode call (num_splits=1)": lambda: cupyflash.attention_with_kvcache(
+            dq, dk, dv, cache_seqlens=seqlens, num_splits=1
+        ),
         "whole call, torch": lambda: cupyflash.attention(q, k, v, causal=True),
         "whole call, cupy": lambda: cupyflash.attention(qc, kc, vc, causal=True),
         "common_placement": lambda: _interop.common_placement(q=q, k=k, v=v),
@@ -62,8 +69,8 @@ def main() -> None:
         "_plan_for (cached)": lambda: _api._plan_for(
             (q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), names, 0, options
         ),
-        "pack params": lambda: pack_attn_params_into(buffer, *range(27), 1.0, 1.0),
-        "_launch (pack + launch)": lambda: _api._launch(plan, ptrs, strides, out.data_ptr(), 0, stream),
+        "pack params": lambda: pack_attn_params_into(buffer, *range(len(ATTN_PARAMS_FIELDS) - 2), 1.0, 1.0),
+        "_launch (pack + launch)": lambda: _api._launch(plan, ptrs, strides, out.data_ptr(), 0, stream, "torch", 0),
         "getDevice": lambda: cupy.cuda.runtime.getDevice(),
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -71,7 +78,7 @@ def main() -> None:
     }
     for name, fn in steps.items():
         print(f"{name:32} {per_call_us(fn):8.2f} us", flush=True)
-    for name in ("whole call, torch", "whole call, cupy"):
+    for name in ("whole call, torch", "whole call, cupy", "decode call (auto splits)"):
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(2000):

@@ -18,9 +18,20 @@ from cupyflash._specs import Fa3FwdSpec, Fa3Tile
 
 # head_dim -> tiles to compare
 CANDIDATES = {
-    64: [Fa3Tile(128, 3, 2), Fa3Tile(128, 2, 4), Fa3Tile(128, 2, 4, pingpong=True), Fa3Tile(128, 2, 2, pingpong=True)],
-    128: [Fa3Tile(128), Fa3Tile(128, pingpong=True), Fa3Tile(176, separate_o=False, pingpong=True)],
-    256: [Fa3Tile(64, separate_o=False), Fa3Tile(64, separate_o=False, pingpong=True)],
+    64: [
+        Fa3Tile(128, 3, 2),
+        Fa3Tile(128, 3, 2, dynamic=True),
+        Fa3Tile(128, 2, 4, pingpong=True),
+        Fa3Tile(128, 2, 4, pingpong=True, dynamic=True),
+    ],
+    128: [
+        Fa3Tile(128, pingpong=True),
+        Fa3Tile(128, pingpong=True, dynamic=True),
+    ],
+    256: [
+        Fa3Tile(64, separate_o=False, pingpong=True),
+        Fa3Tile(64, separate_o=False, pingpong=True, dynamic=True),
+    ],
 }
 
 

@@ -202,8 +202,9 @@ def test_kernels_clamp_device_values():
 
 
 def test_cuda_graph_capture_replays():
-    """A decode step (append + partial + combine) captured in a CUDA graph replays with new
-    inputs written into the same buffers and matches the eager call."""
+    """A decode step (append, then the split kernel with its fused combine) captured in a CUDA
+    graph replays with new inputs written into the same buffers and matches the eager call; the
+    graph's split tickets are its own, so eager calls between replays do not disturb them."""
     torch = _torch()
     b, length, hq, hkv, d = 2, 4096, 32, 8, 128
     k, v = (torch.randn(b, length, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -229,6 +230,42 @@ def test_cuda_graph_capture_replays():
         torch.cuda.synchronize()
         assert torch.equal(graph_out, eager)
         assert torch.equal(k[0, int(seqlens[0])], k_new[0, 0])
+
+
+def test_split_tickets_per_stream_and_left_at_zero():
+    """The fused combine's tickets: concurrent calls on three streams (each with its own buffer)
+    match one-split calls exactly as often as asked, and every counter reads 0 afterwards."""
+    torch = _torch()
+    from cupyflash import _workspace
+
+    b, length, hq, hkv, d = 3, 6000, 32, 8, 128
+    streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
+    inputs = []
+    for _ in streams:
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, length, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        seqlens = torch.tensor([5999, 17, 3000], dtype=torch.int32, device="cuda")
+        inputs.append((q, k, v, seqlens))
+    expected = [cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=s, num_splits=16) for q, k, v, s in inputs]
+    torch.cuda.synchronize()
+    outs = [[] for _ in streams]
+    for _ in range(5):
+        for i, stream in enumerate(streams):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                q, k, v, s = inputs[i]
+                outs[i].append(cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=s, num_splits=16))
+    torch.cuda.synchronize()
+    for want, got in zip(expected, outs, strict=True):
+        for out in got:
+            assert torch.equal(out, want)
+    q, k, v, s = inputs[0]
+    out, lse = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=s, num_splits=16, return_lse=True)
+    _check(out, lse, q, k, v, [5999, 17, 3000], True, "bfloat16")
+    for (kind, _, _), buffer in _workspace._buffers.items():
+        if kind == "torch":
+            counters = buffer.array[: buffer.counter_bytes // 4].view(torch.int32)
+            assert int(counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

@@ -287,6 +287,31 @@ def test_deterministic_bitwise(rng, algorithm):
         assert bool((cupyflash.attention(q, k, v, causal=True, algorithm=algorithm) == first).all())
 
 
+def test_dynamic_schedule_streams_and_counters(rng):
+    """The Hopper kernel's dynamic schedule (causal: persistent CTAs drawing tiles from a global
+    counter): 768 tiles over one CTA per SM, calls on two streams at once (each stream has its
+    own counters), every result bit-identical to the first, and the counters back at 0."""
+    torch = _torch()
+    skip_unless_kernel("fa3", 128)
+    from cupyflash import _workspace
+
+    q, k, v = _gpu_inputs(rng, (3, 2000, 16, 128), (3, 2000, 4, 128), "bfloat16")
+    check_attention(q, k, v, causal=True, algorithm="fa3")
+    first = cupyflash.attention(q, k, v, causal=True, algorithm="fa3")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for _ in range(4):
+        outs.append(cupyflash.attention(q, k, v, causal=True, algorithm="fa3"))
+        with torch.cuda.stream(side):
+            outs.append(cupyflash.attention(q, k, v, causal=True, algorithm="fa3"))
+    torch.cuda.synchronize()
+    assert all(bool((out == first).all()) for out in outs)
+    for (kind, _, _), buffer in _workspace._buffers.items():
+        if kind == "torch":
+            assert int(buffer.array[: buffer.counter_bytes // 4].view(torch.int32).abs().sum()) == 0
+
+
 def test_params_offsets_on_device():
     """The struct's real field offsets, read on the device, equal the NumPy mirror's."""
     import cupy

@@ -47,13 +47,17 @@ def test_ampere_runs_fa2_and_refuses_fa3(fake_device):
         _api._forward_spec(_problem(128), "float16", 0, "fa3", packed=False)
 
 
-def test_bounded_calls_run_one_cta_per_tile():
-    """Causal / window tiles are uneven: no static persistent schedule for them."""
+def test_bounded_calls_never_run_the_static_schedule():
+    """Causal / window tiles are uneven: persistent CTAs only with the dynamic schedule (a
+    static stride straggles), else one CTA per tile; uniform tiles run the static one."""
     flags = _dispatch.MaskFlags
     for head_dim in FA3_HEAD_DIMS:
-        assert _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags(False, False, False)).persistent
-        assert not _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags(True, False, False)).persistent
-        assert not _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags(False, True, True)).persistent
+        uniform = _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags(False, False, False))
+        assert uniform.persistent and not uniform.tile.dynamic
+        for bound in (flags(True, False, False), flags(False, True, True)):
+            spec = _dispatch.fa3_fwd_spec("bfloat16", head_dim, bound)
+            assert spec.persistent == spec.tile.dynamic
+    assert _dispatch.fa3_fwd_spec("bfloat16", 128, flags(True, False, False)).tile.dynamic
 
 
 def test_every_hopper_variant_fits_an_h100_block():

@@ -67,17 +67,23 @@ def test_pack_round_trips_through_the_dtype():
 
 def test_fa3_params_layout():
     """Fa3Params = three 128-byte tensor maps, then AttnParams at byte 384 (the launch buffer's
-    layout in _kernels._LaunchScratch), and a size the buffer covers."""
+    layout in _kernels._LaunchScratch) and the tile-counter pointer right after it, and a size
+    the buffer covers."""
     from cupyflash._tma import MAP_BYTES
 
+    tail = PARAMS_STRUCTS["Fa3Params"]
+    assert tail.fields[: len(ATTN_PARAMS_FIELDS)] == ATTN_PARAMS_FIELDS
+    assert tail.dtype.fields["tile_counters"][1] == ATTN_PARAMS_DTYPE.itemsize
     attn_offset = 3 * MAP_BYTES
-    padded = -(-(attn_offset + ATTN_PARAMS_DTYPE.itemsize) // 64) * 64
+    padded = -(-(attn_offset + tail.dtype.itemsize) // 64) * 64
     _compile(
         '#include "fa3_fwd.cu"\n'
         f"static_assert(sizeof(TmaMap) == {MAP_BYTES} && alignof(TmaMap) == 64);\n"
         f"static_assert(sizeof(Fa3Params) == {padded});\n"
+        "static_assert(sizeof(Fa3Params::tile_counters) == 8);\n"
         # no constant offsetof under NVRTC: three 128-byte maps end at 384, a multiple of
-        # AttnParams' alignment, so that is where it starts
+        # AttnParams' alignment, so that is where it starts; AttnParams' size is a multiple of
+        # 8, so the pointer follows it with no padding (the assert on the dtype above)
         f"static_assert({attn_offset} % alignof(AttnParams) == 0);\n",
         std="c++17",
     )

@@ -1,0 +1,101 @@
+"""Per-stream device scratch for kernels whose CTAs coordinate through counters.
+
+The split-KV decode kernel counts the splits that have finished each output row (the last one
+merges them), so its counters must read 0 when it starts. Zeroing them per call would cost an
+allocation and a memset launch on the decode hot path; instead each (library, device, stream)
+keeps one buffer whose counter region was zeroed once, when it was allocated, and that every
+kernel using it sets back to 0 before it exits. The rest of the buffer is scratch with no
+initial value (the splits' partial O and LSE). Calls on one stream run in order, so they share
+the buffer; each stream has its own.
+
+A call made while its stream is captured into a CUDA graph gets a buffer of its own instead,
+zeroed by a memset captured with it (so every replay starts from 0), and kept alive as long as
+the process: a graph can be replayed at any time, and must share its scratch with no eager call
+and no other graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+_ALIGN = 256  # bytes: the scratch region starts on a fresh 256-byte line
+
+
+@dataclass
+class _Buffer:
+    array: Any  # float32, 1-D, in the caller's library
+    ptr: int
+    counter_bytes: int  # zeroed, rounded up to _ALIGN
+    scratch_bytes: int
+
+
+_buffers: dict[tuple[str, int, int], _Buffer] = {}
+_captured: list[Any] = []  # buffers of captured calls: alive while the process is
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _zeros(kind: str, device: int, nbytes: int) -> Any:
+    count = max(nbytes // 4, 1)
+    if kind == "torch":
+        import torch
+
+        return torch.zeros((count,), dtype=torch.float32, device=f"cuda:{device}")
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.zeros((count,), dtype=cupy.float32)
+
+
+def _ptr(kind: str, array: Any) -> int:
+    return int(array.data_ptr()) if kind == "torch" else int(array.data.ptr)
+
+
+def capturing(stream: int) -> bool:
+    """Is ``stream`` being captured into a CUDA graph?"""
+    return bool(_stream_is_capturing()(stream))
+
+
+@functools.cache
+def _stream_is_capturing() -> Any:
+    """Looked up once: an import statement on the per-call path costs ~1 us."""
+    from cupy_backends.cuda.api import runtime
+
+    return runtime.streamIsCapturing
+
+
+def stream_scratch(
+    kind: str, device: int, stream: int, counter_bytes: int, scratch_bytes: int, *, poison: bool = False
+) -> tuple[int, int]:
+    """(counters, scratch) device pointers for one launch on ``stream``: ``counter_bytes`` that
+    read 0 and must be left at 0 by the kernel, then ``scratch_bytes`` of anything, 256-byte
+    aligned. ``kind`` is the caller's array library ("torch" or "cupy"), whose allocator (and
+    its stream-ordered reuse, or a graph's memory pool while capturing) holds the memory.
+    ``poison`` fills the scratch with NaN first (tests: a read of an unwritten part shows)."""
+    counters = _round_up(counter_bytes)
+    if capturing(stream):
+        buffer = _Buffer(_zeros(kind, device, counters + scratch_bytes), 0, counters, scratch_bytes)
+        _captured.append(buffer.array)
+    else:
+        key = (kind, device, stream)
+        found = _buffers.get(key)
+        if found is None or found.counter_bytes < counters or found.scratch_bytes < scratch_bytes:
+            if found is not None:  # grow to cover both the old and the new call's needs
+                counters = max(counters, found.counter_bytes)
+                scratch_bytes = max(scratch_bytes, found.scratch_bytes)
+            array = _zeros(kind, device, counters + scratch_bytes)
+            found = _buffers[key] = _Buffer(array, 0, counters, scratch_bytes)
+        buffer = found
+    if not buffer.ptr:
+        buffer.ptr = _ptr(kind, buffer.array)
+    if poison:
+        scratch = buffer.array[buffer.counter_bytes // 4 :]
+        if kind == "torch":
+            scratch.fill_(float("nan"))
+        else:
+            scratch.fill(float("nan"))
+    return buffer.ptr, buffer.ptr + buffer.counter_bytes
