@@ -410,7 +410,7 @@ def _forward_spec(p: Problem, dtype: str, device: int, algorithm: str, packed: b
     max_smem = _device_max_smem(device)
     if algorithm in ("auto", "fa3"):
         hopper = _kernels.device_arch(device) == HOPPER_ARCH
-        spec = fa3_fwd_spec(dtype, p.head_dim, flags) if hopper and not packed else None
+        spec = fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k) if hopper and not packed else None
         if spec is not None and spec.smem_bytes <= max_smem:
             return spec
         if algorithm == "fa3":

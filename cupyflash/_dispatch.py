@@ -112,12 +112,25 @@ FA3_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 }
 
 
-def fa3_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa3FwdSpec | None:
+#: Keys up to this many per sequence make a short call, which FA3_SHORT_FWD_TILES may serve.
+FA3_SHORT_SEQLEN = 2048
+# Short calls where another tile wins: (head_dim, bounded) -> tile. At d = 64 without a bound,
+# ping-pong over 4 stages 342/349/357 at N = 1024 against three consumers 309/333/336, but
+# 407/415 against 429/428 at N = 4096 and 422/428 against 465/467 at 16384 (2026-11-29 tuning
+# runs, bf16 TFLOP/s): with few key blocks per tile, one consumer's softmax hides under the
+# other's GEMMs; with many, three consumers' larger tile amortises each K/V load over more rows.
+FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
+    (64, False): Fa3Tile(128, stages=4, pingpong=True),
+}
+
+
+def fa3_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, seqlen_k: int = 0) -> Fa3FwdSpec | None:
     """The Hopper variant for a call, or None where it has none (that head dim)."""
     if head_dim not in FA3_HEAD_DIMS:
         return None
-    tile = FA3_FWD_TILES[head_dim, flags.causal or flags.local]
-    return Fa3FwdSpec(dtype, head_dim, tile, flags.causal, flags.local, flags.softcap)
+    key = (head_dim, flags.causal or flags.local)
+    tile = FA3_SHORT_FWD_TILES.get(key) if seqlen_k <= FA3_SHORT_SEQLEN else None
+    return Fa3FwdSpec(dtype, head_dim, tile or FA3_FWD_TILES[key], flags.causal, flags.local, flags.softcap)
 
 
 def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
@@ -127,9 +140,11 @@ def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
             for causal in (False, True):
                 for local in (False, True):
                     for softcap in (False, True):
-                        spec = fa3_fwd_spec(dtype, head_dim, MaskFlags(causal, local, softcap))
-                        assert spec is not None
-                        specs.append(spec)
+                        for seqlen_k in (FA3_SHORT_SEQLEN, FA3_SHORT_SEQLEN + 1):
+                            spec = fa3_fwd_spec(dtype, head_dim, MaskFlags(causal, local, softcap), seqlen_k)
+                            assert spec is not None
+                            if spec not in specs:
+                                specs.append(spec)
     return specs
 
 

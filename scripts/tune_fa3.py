@@ -65,6 +65,8 @@ def main() -> int:
                 print(f"d={d} {tile}: spills, skipped")
                 continue
             _dispatch.FA3_FWD_TILES[d, False] = _dispatch.FA3_FWD_TILES[d, True] = tile
+            _dispatch.FA3_SHORT_FWD_TILES.pop((d, False), None)  # the candidate at every length
+            _dispatch.FA3_SHORT_FWD_TILES.pop((d, True), None)
             _api._plans.clear()
             results.append(candidate_row(d, args.dtype, tile, regs, "fa3"))
     if args.json:

@@ -60,6 +60,20 @@ def test_bounded_calls_never_run_the_static_schedule():
     assert _dispatch.fa3_fwd_spec("bfloat16", 128, flags(True, False, False)).tile.dynamic
 
 
+def test_short_calls_take_their_own_tile():
+    """Up to FA3_SHORT_SEQLEN keys a short-call tile applies where one is listed; longer calls,
+    and head dims without one, take the general table; warmup builds both."""
+    plain = _dispatch.MaskFlags(False, False, False)
+    short, long = _dispatch.FA3_SHORT_SEQLEN, _dispatch.FA3_SHORT_SEQLEN + 1
+    for head_dim in FA3_HEAD_DIMS:
+        general = _dispatch.FA3_FWD_TILES[head_dim, False]
+        expected = _dispatch.FA3_SHORT_FWD_TILES.get((head_dim, False), general)
+        assert _dispatch.fa3_fwd_spec("float16", head_dim, plain, short).tile == expected
+        assert _dispatch.fa3_fwd_spec("float16", head_dim, plain, long).tile == general
+    assert _dispatch.fa3_fwd_spec("float16", 64, plain, 1024) in _dispatch.all_fa3_fwd_specs()
+    assert _dispatch.fa3_fwd_spec("float16", 64, plain, 16384) in _dispatch.all_fa3_fwd_specs()
+
+
 def test_every_hopper_variant_fits_an_h100_block():
     specs = _dispatch.all_fa3_fwd_specs()
     assert {s.head_dim for s in specs} == set(FA3_HEAD_DIMS)
