@@ -7,6 +7,7 @@ query token): the numbers behind _dispatch.DECODE_TILES and decode_num_splits.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
@@ -15,7 +16,7 @@ import torch
 import cupyflash
 from cupyflash import _dispatch, _kvcache
 from cupyflash._specs import DecodeTile
-from cupyflash.bench import DecodeShape, cuda_time_ms, decode_inputs
+from cupyflash.bench import DecodeShape, cuda_time_ms, decode_inputs, decode_shapes
 
 CANDIDATES = [
     DecodeTile(16, 16, 4, 3),
@@ -50,10 +51,39 @@ def paged_time(shape: DecodeShape, page_size: int) -> tuple[float, float]:
     return us, round(shape.kv_bytes / us / 1e6, 2)
 
 
+def tolerance_sweep(tolerances: list[float]) -> dict[str, dict[str, float]]:
+    """Per-call us (20 back-to-back calls) of every benchmark shape with the split count chosen
+    at each wave-efficiency tolerance (_dispatch.DECODE_WAVE_TOLERANCE)."""
+    default = _dispatch.DECODE_WAVE_TOLERANCE
+    rows = {}
+    for tolerance in tolerances:
+        _dispatch.DECODE_WAVE_TOLERANCE = tolerance
+        _kvcache._plans.clear()
+        row = {}
+        for shape in decode_shapes():
+            q, k, v, seqlens = decode_inputs(shape)
+            call = functools.partial(cupyflash.attention_with_kvcache, q, k, v, cache_seqlens=seqlens)
+            row[f"B{shape.batch}_L{shape.seqlen}"] = round(cuda_time_ms(call, warmup_ms=100.0, calls=20) * 1e3, 1)
+            plan = next(p for p in _kvcache._plans.values())
+            row[f"B{shape.batch}_L{shape.seqlen}_splits"] = plan.num_splits
+            _kvcache._plans.clear()
+        rows[str(tolerance)] = row
+        print(f"tolerance {tolerance}:", json.dumps(row), flush=True)
+    _dispatch.DECODE_WAVE_TOLERANCE = default
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--tolerances", type=float, nargs="+", help="only sweep the split-count tolerance")
     args = parser.parse_args()
+    if args.tolerances:
+        rows = tolerance_sweep(args.tolerances)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"tolerance": rows}, f, indent=1)
+        return
     default = _dispatch.DECODE_TILES[128]
     results = []
     for tile in CANDIDATES:

@@ -11,9 +11,9 @@ import argparse
 import json
 import sys
 
-from tuning import candidate_row
+from tuning import candidate_row, prefill_row
 
-from cupyflash import _api, _dispatch, _kernels
+from cupyflash import _api, _dispatch, _kernels, bench
 from cupyflash._specs import Fa3FwdSpec, Fa3Tile
 
 # head_dim -> tiles to compare
@@ -35,12 +35,29 @@ CANDIDATES = {
 }
 
 
+# Short calls (FA3_SHORT_FWD_TILES): d = 64 tiles at N = 1024, beside cuDNN.
+SHORT_CANDIDATES = {
+    64: [
+        Fa3Tile(128, 2, 4, pingpong=True),
+        Fa3Tile(128, 2, 4, pingpong=True, dynamic=True),
+        Fa3Tile(128, 2, 2, pingpong=True),
+        Fa3Tile(176, 2, 4, pingpong=True),
+        Fa3Tile(192, 2, 3, pingpong=True),
+        Fa3Tile(128, 3, 4),
+    ],
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--head-dims", type=int, nargs="+", default=sorted(CANDIDATES))
+    parser.add_argument("--head-dims", type=int, nargs="+")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--short", action="store_true", help="the short-call candidates at N = 1024, with cuDNN")
     parser.add_argument("--json")
     args = parser.parse_args()
+    candidates = SHORT_CANDIDATES if args.short else CANDIDATES
+    seqlens = (1024,) if args.short else bench.PREFILL_SEQLENS
+    args.head_dims = args.head_dims or sorted(candidates)
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
@@ -48,14 +65,18 @@ def main() -> int:
     specs = [
         Fa3FwdSpec(args.dtype, d, tile, causal=causal)
         for d in args.head_dims
-        for tile in CANDIDATES[d]
+        for tile in candidates[d]
         for causal in (False, True)
     ]
     specs = [s for s in specs if s.smem_bytes <= max_smem]
     compiled = {k.spec: k for k in _kernels.warmup(specs, device, workers=16)}
     results = []
+    if args.short:
+        for d in args.head_dims:
+            results.append({"head_dim": d, "tile": "cudnn", **prefill_row(d, args.dtype, "cudnn", seqlens)})
+            print(json.dumps(results[-1]), flush=True)
     for d in args.head_dims:
-        for tile in CANDIDATES[d]:
+        for tile in candidates[d]:
             kernels = [compiled.get(Fa3FwdSpec(args.dtype, d, tile, causal=c)) for c in (False, True)]
             if any(k is None for k in kernels):
                 print(f"d={d} {tile}: over the shared memory of a block, skipped")
@@ -68,7 +89,7 @@ def main() -> int:
             _dispatch.FA3_SHORT_FWD_TILES.pop((d, False), None)  # the candidate at every length
             _dispatch.FA3_SHORT_FWD_TILES.pop((d, True), None)
             _api._plans.clear()
-            results.append(candidate_row(d, args.dtype, tile, regs, "fa3"))
+            results.append(candidate_row(d, args.dtype, tile, regs, "fa3", seqlens))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -32,18 +32,22 @@ def max_relative_error(head_dim: int, dtype: str, algorithm: str) -> float:
     return err
 
 
-def prefill_row(head_dim: int, dtype: str, backend: str) -> dict[str, Any]:
-    """TFLOP/s of one cupyflash backend on the benchmark's shapes (H * d = 2048, B * N = 16384),
-    keyed N1024, N1024c (causal), ..."""
+def prefill_row(
+    head_dim: int, dtype: str, backend: str, seqlens: tuple[int, ...] = bench.PREFILL_SEQLENS
+) -> dict[str, Any]:
+    """TFLOP/s of one backend (a cupyflash one, or a peer: "cudnn") on the benchmark's shapes
+    (H * d = 2048, B * N = 16384), keyed N1024, N1024c (causal), ..."""
     row: dict[str, Any] = {}
-    for n in bench.PREFILL_SEQLENS:
+    for n in seqlens:
         for causal in (False, True):
             shape = bench.PrefillShape(16384 // n, n, 2048 // head_dim, head_dim, causal, dtype)
             row[f"N{n}{'c' if causal else ''}"] = bench.run_prefill(shape, backends=(backend,))[backend]
     return row
 
 
-def candidate_row(head_dim: int, dtype: str, tile: Any, regs: str, algorithm: str) -> dict[str, Any]:
+def candidate_row(
+    head_dim: int, dtype: str, tile: Any, regs: str, algorithm: str, seqlens: tuple[int, ...] = bench.PREFILL_SEQLENS
+) -> dict[str, Any]:
     """One candidate's line of the tuning table (already in the dispatch table): its error on
     the awkward shapes and its TFLOP/s on the benchmark shapes, printed as it comes."""
     import json
@@ -53,7 +57,7 @@ def candidate_row(head_dim: int, dtype: str, tile: Any, regs: str, algorithm: st
         "tile": repr(tile),
         "regs": regs,
         "err": max_relative_error(head_dim, dtype, algorithm),
-        **prefill_row(head_dim, dtype, f"cupyflash_{algorithm}"),
+        **prefill_row(head_dim, dtype, f"cupyflash_{algorithm}", seqlens),
     }
     print(json.dumps(row), flush=True)
     return row
