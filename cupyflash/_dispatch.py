@@ -119,8 +119,12 @@ FA3_SHORT_SEQLEN = 2048
 # 407/415 against 429/428 at N = 4096 and 422/428 against 465/467 at 16384 (2026-11-29 tuning
 # runs, bf16 TFLOP/s): with few key blocks per tile, one consumer's softmax hides under the
 # other's GEMMs; with many, three consumers' larger tile amortises each K/V load over more rows.
+# Its dynamic schedule (tiles drawn from a counter, though all are equal) measured 352-359
+# against 328-336 static in three runs: a CTA that falls behind (31 tiles each) draws fewer.
+# d = 128 kept its static schedule: dynamic 454/474 against 461-480 (docs/gpu_runs/
+# 2026-11-29-short-dynamic-probe).
 FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
-    (64, False): Fa3Tile(128, stages=4, pingpong=True),
+    (64, False): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
 }
 
 

@@ -49,10 +49,11 @@ def test_ampere_runs_fa2_and_refuses_fa3(fake_device):
 
 def test_bounded_calls_never_run_the_static_schedule():
     """Causal / window tiles are uneven: persistent CTAs only with the dynamic schedule (a
-    static stride straggles), else one CTA per tile; uniform tiles run the static one."""
+    static stride straggles), else one CTA per tile; long uniform calls run the static one."""
     flags = _dispatch.MaskFlags
     for head_dim in FA3_HEAD_DIMS:
-        uniform = _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags(False, False, False))
+        long = _dispatch.FA3_SHORT_SEQLEN + 1
+        uniform = _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags(False, False, False), long)
         assert uniform.persistent and not uniform.tile.dynamic
         for bound in (flags(True, False, False), flags(False, True, True)):
             spec = _dispatch.fa3_fwd_spec("bfloat16", head_dim, bound)
