@@ -33,6 +33,9 @@ class _Buffer:
 
 _buffers: dict[tuple[str, int, int], _Buffer] = {}
 _captured: list[Any] = []  # buffers of captured calls: alive while the process is
+# A process that makes streams without end keeps this many buffers; dropping the oldest is safe
+# (its library frees it in the order of the stream it was allocated on, after its last kernel).
+_MAX_STREAM_BUFFERS = 64
 
 
 def _round_up(n: int) -> int:
@@ -88,6 +91,9 @@ def stream_scratch(
                 counters = max(counters, found.counter_bytes)
                 scratch_bytes = max(scratch_bytes, found.scratch_bytes)
             array = _zeros(kind, device, counters + scratch_bytes)
+            _buffers.pop(key, None)
+            if len(_buffers) >= _MAX_STREAM_BUFFERS:
+                del _buffers[next(iter(_buffers))]
             found = _buffers[key] = _Buffer(array, 0, counters, scratch_bytes)
         buffer = found
     if not buffer.ptr:

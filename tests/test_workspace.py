@@ -1,0 +1,62 @@
+"""The per-stream scratch's bookkeeping (cupyflash/_workspace.py), with NumPy standing in for the
+device allocator: reuse per stream, growth, the captured-call buffers, the cap on streams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash import _workspace
+
+
+@pytest.fixture
+def fake_device(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    state: dict[str, object] = {"capturing": False, "allocations": 0}
+
+    def zeros(kind: str, device: int, nbytes: int) -> np.ndarray:
+        state["allocations"] = int(state["allocations"]) + 1  # type: ignore[call-overload]
+        return np.zeros(max(nbytes // 4, 1), dtype=np.float32)
+
+    monkeypatch.setattr(_workspace, "_zeros", zeros)
+    monkeypatch.setattr(_workspace, "_ptr", lambda kind, array: array.ctypes.data)
+    monkeypatch.setattr(_workspace, "capturing", lambda stream: state["capturing"])
+    monkeypatch.setattr(_workspace, "_buffers", {})
+    monkeypatch.setattr(_workspace, "_captured", [])
+    return state
+
+
+def test_one_buffer_per_stream_reused_and_grown(fake_device):
+    counters, scratch = _workspace.stream_scratch("torch", 0, 7, 12, 1000)
+    assert scratch - counters == 256 and counters % 4 == 0  # counters padded to a 256-byte line
+    assert _workspace.stream_scratch("torch", 0, 7, 8, 500) == (counters, scratch)  # reused
+    assert fake_device["allocations"] == 1
+    other = _workspace.stream_scratch("torch", 0, 8, 8, 500)
+    assert other[0] != counters and fake_device["allocations"] == 2  # another stream, its own
+    grown = _workspace.stream_scratch("torch", 0, 7, 4 * 300, 10)  # more counters, less scratch
+    buffer = _workspace._buffers[("torch", 0, 7)]
+    assert buffer.counter_bytes == 1280 and buffer.scratch_bytes == 1000  # covers both calls
+    assert grown[1] - grown[0] == 1280
+    assert not buffer.array[: 1280 // 4].any()  # the counters start at 0
+
+
+def test_captured_calls_get_buffers_of_their_own(fake_device):
+    eager = _workspace.stream_scratch("cupy", 0, 3, 8, 64)
+    fake_device["capturing"] = True
+    first = _workspace.stream_scratch("cupy", 0, 3, 8, 64)
+    second = _workspace.stream_scratch("cupy", 0, 3, 8, 64)
+    assert len({eager, first, second}) == 3 and len(_workspace._captured) == 2
+    fake_device["capturing"] = False
+    assert _workspace.stream_scratch("cupy", 0, 3, 8, 64) == eager
+
+
+def test_poison_fills_only_the_scratch(fake_device):
+    _workspace.stream_scratch("cupy", 0, 1, 8, 64, poison=True)
+    array = _workspace._buffers[("cupy", 0, 1)].array
+    assert not array[:64].any() and np.isnan(array[64:]).all()
+
+
+def test_streams_beyond_the_cap_drop_the_oldest(fake_device, monkeypatch):
+    monkeypatch.setattr(_workspace, "_MAX_STREAM_BUFFERS", 3)
+    for stream in range(5):
+        _workspace.stream_scratch("torch", 0, stream, 8, 0)
+    assert list(_workspace._buffers) == [("torch", 0, 2), ("torch", 0, 3), ("torch", 0, 4)]
