@@ -17,6 +17,7 @@ from ._validate import Problem, attention_problem, check_algorithm, check_cu_seq
 # "auto": fa3 where it applies (Hopper, head_dim 64/128/256, padded batches), else fa2.
 # "fa1" and "naive": the baselines of docs/io_analysis.md.
 GPU_ALGORITHMS = ("auto", "fa2", "fa3", "fa1", "naive")
+VARLEN_ALGORITHMS = ("auto", "fa2", "fa3")
 
 #: Fill every GPU output with NaN before the launch (tests set it: a value the kernel fails to
 #: write then shows up as NaN instead of as stale memory that happens to look right).
@@ -170,6 +171,7 @@ def attention_varlen(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     return_lse: bool = False,
+    algorithm: str = "auto",
 ) -> Any:
     """Attention over a batch of sequences of different lengths packed end to end, as
     flash-attn's ``flash_attn_varlen_func``.
@@ -186,6 +188,9 @@ def attention_varlen(
         within each sequence).
     return_lse : bool
         Also return the float32 LSE, shape ``(Hq, total_q)``.
+    algorithm : {"auto", "fa2", "fa3"}
+        The GPU kernel, as in :func:`attention` ("auto": the Hopper kernel where it applies);
+        on the host every choice runs ``cupyflash.xp_impl``'s FA2.
 
     Notes
     -----
@@ -201,6 +206,8 @@ def attention_varlen(
     >>> cupyflash.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).shape
     (7, 2, 16)
     """
+    if algorithm not in VARLEN_ALGORITHMS:
+        raise ValueError(f"attention_varlen's algorithm must be one of {VARLEN_ALGORITHMS}, got {algorithm!r}")
     kind, device = _interop.common_placement(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     problem = varlen_problem(
         q.shape, k.shape, v.shape, cu_seqlens_q.shape, cu_seqlens_k.shape, max_seqlen_q, max_seqlen_k,
@@ -213,10 +220,10 @@ def attention_varlen(
         from array_api_compat import array_namespace
 
         qc, kc, vc, cu_qc, cu_kc = (cupy.from_dlpack(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
-        out, lse = _gpu_varlen(_interop.CUPY, qc, kc, vc, cu_qc, cu_kc, problem, device, return_lse=True)
+        out, lse = _gpu_varlen(_interop.CUPY, qc, kc, vc, cu_qc, cu_kc, problem, device, True, algorithm)
         xp = array_namespace(q)
         return (xp.from_dlpack(out), xp.from_dlpack(lse)) if return_lse else xp.from_dlpack(out)
-    out, lse = _gpu_varlen(kind, q, k, v, cu_seqlens_q, cu_seqlens_k, problem, device, return_lse)
+    out, lse = _gpu_varlen(kind, q, k, v, cu_seqlens_q, cu_seqlens_k, problem, device, return_lse, algorithm)
     return (out, lse) if return_lse else out
 
 
@@ -294,6 +301,7 @@ class _TmaPlan:
     q_box_rows: int
     kv_box_rows: int
     dynamic: bool  # the dynamic schedule: the stream's tile counters go with the launch
+    num_m_blocks: int  # query blocks per (batch, head), of the longest sequence when varlen
 
 
 _plans: dict[tuple[Any, ...], _GpuPlan] = {}
@@ -367,7 +375,7 @@ def _build_plan(
     scale_log2, softcap_prescale, negate_q = _softmax_factors(p)
     kernel, grid, threads, smem, tma = None, (0, 0, 0), (0, 0, 0), 0, None
     if p.batch and p.seqlen_q and p.heads_q:
-        spec = _forward_spec(p, dtypes[0], device, algorithm, packed=axes[0] < 0)
+        spec = _forward_spec(p, dtypes[0], device, algorithm)
         kernel = _kernels.get_kernel(spec, device)
         threads, smem = (spec.num_threads, 1, 1), spec.smem_bytes
         if isinstance(spec, Fa2FwdSpec):
@@ -381,10 +389,14 @@ def _build_plan(
                 1,
                 1,
             )
-            d = p.head_dim
+            # Packed sequences are one batch of param_seqlens (the packed totals) rows; a padded
+            # batch has p.batch of seqlen rows each.
+            d, packed = p.head_dim, axes[0] < 0
+            rows_q, rows_k = param_seqlens if packed else (p.seqlen_q, p.seqlen_k)
+            batches = 1 if packed else p.batch
             tma = _TmaPlan(
-                dtypes[0], (d, p.seqlen_q, p.heads_q, p.batch), (d, p.seqlen_k, p.heads_kv, p.batch),
-                spec.block_m, spec.block_n, spec.tile.dynamic,
+                dtypes[0], (d, rows_q, p.heads_q, batches), (d, rows_k, p.heads_kv, batches),
+                spec.block_m, spec.block_n, spec.tile.dynamic, -(-p.seqlen_q // spec.block_m),
             )  # fmt: skip
     tail = (
         *o_strides, *lse_strides,
@@ -404,20 +416,19 @@ def _build_plan(
     )
 
 
-def _forward_spec(p: Problem, dtype: str, device: int, algorithm: str, packed: bool) -> Fa2FwdSpec | Fa3FwdSpec:
+def _forward_spec(p: Problem, dtype: str, device: int, algorithm: str) -> Fa2FwdSpec | Fa3FwdSpec:
     """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel."""
     flags = MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
     max_smem = _device_max_smem(device)
     if algorithm in ("auto", "fa3"):
         hopper = _kernels.device_arch(device) == HOPPER_ARCH
-        spec = fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k) if hopper and not packed else None
+        spec = fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k) if hopper else None
         if spec is not None and spec.smem_bytes <= max_smem:
             return spec
         if algorithm == "fa3":
             raise ValueError(
-                "algorithm='fa3' (wgmma + TMA) needs a Hopper GPU (sm_90), head_dim in (64, 128, 256) and padded "
-                f"(not varlen) batches; this call has head_dim={p.head_dim} on {_kernels.device_arch(device)}"
-                f"{' with packed sequences' if packed else ''}: use algorithm='fa2' or 'auto'"
+                "algorithm='fa3' (wgmma + TMA) needs a Hopper GPU (sm_90) and head_dim in (64, 128, 256); this "
+                f"call has head_dim={p.head_dim} on {_kernels.device_arch(device)}: use algorithm='fa2' or 'auto'"
             )
     return fa2_fwd_spec(dtype, p.head_dim, flags, max_smem)
 
@@ -462,8 +473,10 @@ def _launch(
             + _tma.tile_map(t.dtype, ptrs[1], t.kv_dims, (ks[r], ks[h], ks[b]), t.kv_box_rows)
             + _tma.tile_map(t.dtype, ptrs[2], t.kv_dims, (vs[r], vs[h], vs[b]), t.kv_box_rows)
         )
-        # Fa3Params ends with the tile counters: the stream's pair, 0 between launches.
-        extra = (_workspace.stream_scratch(kind, device, stream_ptr, 8, 0)[0] if t.dynamic else 0,)
+        # Fa3Params ends with the tile counters (the stream's pair, 0 between launches) and the
+        # query blocks per (batch, head).
+        counters = _workspace.stream_scratch(kind, device, stream_ptr, 8, 0)[0] if t.dynamic else 0
+        extra = (counters, t.num_m_blocks)
     plan.kernel.launch(
         plan.grid, plan.threads, plan.smem, stream_ptr,
         *ptrs, out_ptr, lse_ptr, *cu_seqlens,
@@ -537,9 +550,11 @@ def _cupy_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ...
 
 
 def _gpu_varlen(
-    kind: str, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, device: int, return_lse: bool
-) -> tuple[Any, Any]:
-    """The FA2 kernel on packed sequences: batch strides 0, each CTA finds its rows in cu_seqlens.
+    kind: str, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, device: int, return_lse: bool,
+    algorithm: str,
+) -> tuple[Any, Any]:  # fmt: skip
+    """A forward kernel on packed sequences: batch strides 0, each tile finds its rows in
+    cu_seqlens (the Hopper kernel loads them through tensor maps over the packed tensors).
 
     Output rows outside every sequence (past cu_seqlens_q[-1]) are zero, their LSE -inf.
     """
@@ -567,7 +582,8 @@ def _gpu_varlen(
     p = problem
     total_q, total_k = q.shape[0], k.shape[0]
     plan = _build_plan(
-        p, (name(q), name(k), name(v)), device, axes=(-1, 0, 1), o_strides=(0, p.heads_q * p.head_dim, p.head_dim),
+        p, (name(q), name(k), name(v)), device, algorithm=algorithm, axes=(-1, 0, 1),
+        o_strides=(0, p.heads_q * p.head_dim, p.head_dim),
         lse_shape=(p.heads_q, total_q), lse_strides=(0, total_q), param_seqlens=(total_q, total_k),
     )  # fmt: skip
     with cupy.cuda.Device(device):

@@ -112,9 +112,14 @@ MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("heads", "i4"),
 )
 
-# Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters; }: the
-# launch buffer holds the maps apart (bytes 0-383); this list is what follows them.
-FA3_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (*ATTN_PARAMS_FIELDS, ("tile_counters", "u8"))
+# Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters;
+# int32_t num_m_blocks; }: the launch buffer holds the maps apart (bytes 0-383); this list is
+# what follows them.
+FA3_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
+    *ATTN_PARAMS_FIELDS,
+    ("tile_counters", "u8"),
+    ("num_m_blocks", "i4"),
+)
 
 PARAMS_STRUCTS = {
     s.c_name: s

@@ -1,7 +1,9 @@
 // Hopper forward (sm_90a): FlashAttention-2's algorithm on Hopper's asynchronous machinery, as
 // FlashAttention-3 (Shah et al., 2024) runs it.
 //
-// Tiles are (query block, batch, head). A CTA starts on tile blockIdx.x; its producer picks the
+// Tiles are (query block, batch, head). Padded batches or packed sequences (varlen: sequence b
+// is rows cu_seqlens[b] .. cu_seqlens[b + 1] of one packed tensor; a tile past the end of its
+// sequence, shorter than the longest, is skipped). A CTA starts on tile blockIdx.x; its producer picks the
 // next one and passes it to the consumers through shared memory with the Q load, so the loads of
 // a CTA's next tile overlap the end of its current one (at N = 1024 a tile is only ~15 us of
 // work). Three schedules:
@@ -42,6 +44,7 @@ struct Fa3Params {
   // The dynamic schedule's counters: [0] tiles drawn past the first gridDim.x, [1] CTAs done.
   // Both read 0 at launch; the last CTA to finish sets them back (cupyflash/_workspace.py).
   int32_t* tile_counters;
+  int32_t num_m_blocks;  // query blocks per (batch, head): of the longest sequence when varlen
 };
 
 template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_, bool Pingpong_,
@@ -101,9 +104,8 @@ struct TileScheduler {
   int num_m_blocks;
   int num_tiles;
 
-  CF_DEVICE explicit TileScheduler(const AttnParams& params)
-      : num_m_blocks(ceil_div(params.seqlen_q, Traits::kBlockM)),
-        num_tiles(num_m_blocks * params.batch * params.h) {}
+  CF_DEVICE explicit TileScheduler(const Fa3Params& p)
+      : num_m_blocks(p.num_m_blocks), num_tiles(p.num_m_blocks * p.attn.batch * p.attn.h) {}
 
   struct Tile {
     int m_block, batch, head;
@@ -118,6 +120,15 @@ struct TileScheduler {
 
 template <typename Traits>
 using TileMask = KeyMask<Traits::kBlockM, Traits::kBlockN, Traits::Is_causal, Traits::Is_local>;
+
+// The query and key rows of a tile's sequence: all of them for a padded batch, its slice of the
+// packed tensors for varlen.
+struct TileRows {
+  SeqRange q, k;
+  CF_DEVICE TileRows(const AttnParams& params, int batch)
+      : q(seq_range(params.cu_seqlens_q, batch, params.seqlen_q)),
+        k(seq_range(params.cu_seqlens_k, batch, params.seqlen_k)) {}
+};
 
 template <typename Traits>
 CF_DEVICE void fa3_fwd(const Fa3Params& p) {
@@ -143,7 +154,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   const uint32_t s_tile = bar(kVEmpty, kStages);
   constexpr int kConsumerWarps = 4 * Traits::kConsumers;
 
-  const TileScheduler<Traits> scheduler(params);
+  const TileScheduler<Traits> scheduler(p);
+  // TMA coordinates: packed sequences are one "batch" of the tensor map, rows offset per sequence.
+  const bool packed = params.cu_seqlens_q != nullptr;
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     mbar_init(bar_q_full, 1);
@@ -163,7 +176,18 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
     int kv_iter = 0;  // position in the K/V ring, continuing across tiles
+    // The next tile: the static stride, or (dynamic) drawn from the counter. Drawn once the
+    // current tile's loads are all issued (the producer then runs at most kStages blocks ahead
+    // of the consumers): drawn earlier, a CTA would claim it before the CTAs that free up first,
+    // and lose the balance of longest-first.
+    auto next_tile = [&](int t) { return Traits::Dynamic ? gridDim.x + atomicAdd(p.tile_counters, 1) : t + gridDim.x; };
+    // Varlen: a tile past the end of its sequence holds no rows; the consumers never see it.
+    auto empty = [&](int t) {
+      const auto tile = scheduler(t, params);
+      return tile.m_block * kBlockM >= TileRows(params, tile.batch).q.len;
+    };
     for (int t = blockIdx.x, tile_iter = 0;; ++tile_iter) {
+      while (t < scheduler.num_tiles && empty(t)) t = next_tile(t);
       mbar_wait(bar_q_empty, (tile_iter & 1) ^ 1);  // the consumers are done with the last Q
       st_shared_b32(s_tile, t);
       if (t >= scheduler.num_tiles) {
@@ -172,15 +196,16 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       }
       const auto tile = scheduler(t, params);
       const int head_k = tile.head / params.h_h_k_ratio;
-      const TileMask<Traits> mask(tile.m_block, params.seqlen_q, params.seqlen_k, params.window_left,
-                                  params.window_right);
+      const TileRows rows(params, tile.batch);
+      const int tma_batch = packed ? 0 : tile.batch;
+      const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left, params.window_right);
       const int n_begin = mask.n_block_begin();
       const int n_end = mask.n_block_end();
       mbar_arrive_expect_tx(bar_q_full, Traits::kQBytes);
 #pragma unroll
       for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
         tma_load_4d(s_q + cb * kBlockM * kSwizzleRowBytes, p.q_map, bar_q_full, cb * kColBlockElems,
-                    tile.m_block * kBlockM, tile.head, tile.batch);
+                    rows.q.start + tile.m_block * kBlockM, tile.head, tma_batch);
       }
       for (int n_block = n_end - 1; n_block >= n_begin; --n_block, ++kv_iter) {
         const int stage = kv_iter % kStages;
@@ -192,20 +217,17 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
 #pragma unroll
         for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
           tma_load_4d(k_slot + cb * kBlockN * kSwizzleRowBytes, p.k_map, bar(kKFull, stage),
-                      cb * kColBlockElems, n_block * kBlockN, head_k, tile.batch);
+                      cb * kColBlockElems, rows.k.start + n_block * kBlockN, head_k, tma_batch);
         }
         mbar_wait(bar(kVEmpty, stage), parity);
         mbar_arrive_expect_tx(bar(kVFull, stage), Traits::kKVBytes);
 #pragma unroll
         for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
           tma_load_4d(v_slot + cb * kBlockN * kSwizzleRowBytes, p.v_map, bar(kVFull, stage),
-                      cb * kColBlockElems, n_block * kBlockN, head_k, tile.batch);
+                      cb * kColBlockElems, rows.k.start + n_block * kBlockN, head_k, tma_batch);
         }
       }
-      // Draw the next tile once this one's loads are all issued (the producer then runs at most
-      // kStages blocks ahead of the consumers): drawn earlier, a CTA would claim it before the
-      // CTAs that free up first, and lose the balance of longest-first.
-      t = Traits::Dynamic ? gridDim.x + atomicAdd(p.tile_counters, 1) : t + gridDim.x;
+      t = next_tile(t);
     }
     if constexpr (Traits::Dynamic) {
       // This CTA draws no more tiles. The last CTA to get here knows every draw has been made
@@ -250,8 +272,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     if (t >= scheduler.num_tiles) break;
     const auto tile = scheduler(t, params);
     const int row_block0 = tile.m_block * kBlockM;
-    const TileMask<Traits> mask(tile.m_block, params.seqlen_q, params.seqlen_k, params.window_left,
-                                params.window_right);
+    const TileRows rows(params, tile.batch);
+    const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left, params.window_right);
     const int n_end = mask.n_block_end();
     const int n_blocks = max(n_end - mask.n_block_begin(), 0);
 
@@ -384,8 +406,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     }
     named_barrier_sync(1 + consumer, 128);
 
-    const int seqlen_q = params.seqlen_q;
+    const int seqlen_q = rows.q.len;
     Element* g_o = static_cast<Element*>(params.o_ptr) + tile.batch * params.o_batch_stride +
+                   static_cast<int64_t>(rows.q.start) * params.o_row_stride +
                    tile.head * params.o_head_stride;
     constexpr int kChunksPerRow = kHeadDim / 8;
 #pragma unroll
@@ -398,7 +421,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       }
     }
     if (params.lse_ptr != nullptr && lane % 4 == 0) {
-      float* g_lse = params.lse_ptr + tile.batch * params.lse_batch_stride + tile.head * params.lse_head_stride;
+      float* g_lse = params.lse_ptr + tile.batch * params.lse_batch_stride + tile.head * params.lse_head_stride +
+                     rows.q.start;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = row_block0 + warp_row0 + lane / 4 + 8 * half;

@@ -33,18 +33,17 @@ def _problem(head_dim: int, causal: bool = False):
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 192, 256))
 def test_auto_picks_the_hopper_kernel_where_it_applies(fake_device, head_dim):
     fake_device("sm_90a")
-    spec = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=False)
+    spec = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto")
     assert isinstance(spec, Fa3FwdSpec if head_dim in FA3_HEAD_DIMS else Fa2FwdSpec)
-    # packed (varlen) sequences and an explicit "fa2" run the mma.sync kernel
-    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=True), Fa2FwdSpec)
-    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa2", packed=False), Fa2FwdSpec)
+    # an explicit "fa2" runs the mma.sync kernel
+    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa2"), Fa2FwdSpec)
 
 
 def test_ampere_runs_fa2_and_refuses_fa3(fake_device):
     fake_device("sm_80")
-    assert isinstance(_api._forward_spec(_problem(128), "float16", 0, "auto", packed=False), Fa2FwdSpec)
+    assert isinstance(_api._forward_spec(_problem(128), "float16", 0, "auto"), Fa2FwdSpec)
     with pytest.raises(ValueError, match=r"algorithm='fa3'.*sm_80"):
-        _api._forward_spec(_problem(128), "float16", 0, "fa3", packed=False)
+        _api._forward_spec(_problem(128), "float16", 0, "fa3")
 
 
 def test_bounded_calls_never_run_the_static_schedule():

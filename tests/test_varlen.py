@@ -54,6 +54,7 @@ def test_host_varlen_matches_reference(xp, rng, lengths, kw):
         ({"cu_seqlens_q": np.array([0, 5, 4], dtype=np.int32)}, "never decrease"),
         ({"cu_seqlens_k": np.array([1, 3, 6], dtype=np.int32)}, "start at 0"),
         ({"max_seqlen_k": 2}, "longer than its max_seqlen"),
+        ({"algorithm": "naive"}, "algorithm must be one of"),
     ],
 )
 def test_varlen_validation(change, message):
@@ -68,20 +69,53 @@ def test_varlen_validation(change, message):
         cupyflash.attention_varlen(**args)
 
 
+def _skip_unless_hopper(algorithm: str, head_dim: int) -> None:
+    import cupy
+
+    from cupyflash._specs import FA3_HEAD_DIMS
+
+    if algorithm == "fa3" and (cupy.cuda.Device().compute_capability != "90" or head_dim not in FA3_HEAD_DIMS):
+        pytest.skip("the Hopper kernel runs head_dim 64/128/256 on sm_90")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("lengths", LENGTHS, ids=str)
 @pytest.mark.parametrize("kw", [{"causal": True}, {}, {"window": (20, -1)}], ids=str)
-def test_gpu_varlen_matches_reference(rng, dtype, head_dim, lengths, kw):
+def test_gpu_varlen_matches_reference(rng, algorithm, dtype, head_dim, lengths, kw):
     torch = pytest.importorskip("torch")
+    _skip_unless_hopper(algorithm, head_dim)
     q, k, v, cu_q, cu_k = _packed(rng, *lengths, d=head_dim)
     tq, tk, tv = (torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in (q, k, v))
     tcq, tck = (torch.from_numpy(x).cuda() for x in (cu_q, cu_k))
-    out, lse = cupyflash.attention_varlen(tq, tk, tv, tcq, tck, max(lengths[0]), max(lengths[1]), return_lse=True, **kw)
+    out, lse = cupyflash.attention_varlen(
+        tq, tk, tv, tcq, tck, max(lengths[0]), max(lengths[1]), return_lse=True, algorithm=algorithm, **kw
+    )
     assert isinstance(out, torch.Tensor) and out.dtype == tq.dtype
     rounded = [reference.to_numpy64(x) for x in (tq, tk, tv)]
     _check(out, lse, *rounded, cu_q, cu_k, atol=2e-2 if dtype == "bfloat16" else 4e-3, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
+def test_gpu_varlen_many_sequences_long_and_gqa(rng, algorithm):
+    """Dozens of sequences (most tiles of the longest one's grid are empty for the others),
+    lengths past the short-call tiles, GQA 4:1, d = 128 and 256, causal and not."""
+    torch = pytest.importorskip("torch")
+    for head_dim in (128, 256):
+        _skip_unless_hopper(algorithm, head_dim)
+        lengths = [int(n) for n in rng.integers(0, 300, size=40)] + [2100]
+        q, k, v, cu_q, cu_k = _packed(rng, lengths, lengths[::-1], hq=8, hkv=2, d=head_dim)
+        tq, tk, tv = (torch.from_numpy(x).cuda().to(torch.bfloat16) for x in (q, k, v))
+        tcq, tck = (torch.from_numpy(x).cuda() for x in (cu_q, cu_k))
+        rounded = [reference.to_numpy64(x) for x in (tq, tk, tv)]
+        for causal in (False, True):
+            out, lse = cupyflash.attention_varlen(
+                tq, tk, tv, tcq, tck, max(lengths), max(lengths), causal=causal, return_lse=True, algorithm=algorithm
+            )
+            _check(out, lse, *rounded, cu_q, cu_k, atol=2e-2, causal=causal)
 
 
 @pytest.mark.gpu
