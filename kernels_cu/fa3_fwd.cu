@@ -1,12 +1,12 @@
 // Hopper forward (sm_90a): FlashAttention-2's algorithm on Hopper's asynchronous machinery, as
 // FlashAttention-3 (Shah et al., 2024) runs it.
 //
-// Tiles are (query block, batch, head). Padded batches or packed sequences (varlen: sequence b
-// is rows cu_seqlens[b] .. cu_seqlens[b + 1] of one packed tensor; a tile past the end of its
-// sequence, shorter than the longest, is skipped). A CTA starts on tile blockIdx.x; its producer picks the
-// next one and passes it to the consumers through shared memory with the Q load, so the loads of
-// a CTA's next tile overlap the end of its current one (at N = 1024 a tile is only ~15 us of
-// work). Three schedules:
+// Tiles are (query block, batch, head), over padded batches or packed sequences (varlen:
+// sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1] of the packed tensors, and the tiles
+// past the end of a sequence shorter than the longest are skipped). A CTA starts on tile
+// blockIdx.x; its producer picks the next one and passes it to the consumers through shared
+// memory with the Q load, so the loads of a CTA's next tile overlap the end of its current one
+// (at N = 1024 a tile is only ~15 us of work). Three schedules:
 //   static   one CTA per SM, tiles blockIdx.x + k gridDim.x: uniform tiles (no causal / window);
 //   dynamic  one CTA per SM, each next tile drawn from a global counter, longest tiles first:
 //            uneven tiles (causal) balance themselves, as a greedy longest-first schedule;
