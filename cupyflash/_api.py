@@ -14,7 +14,7 @@ from ._specs import CUDA_ELEMENT_TYPES, FA2_HEAD_DIMS, HOPPER_ARCH, Fa2FwdSpec, 
 from ._validate import Problem, attention_problem, check_algorithm, check_cu_seqlens_values, varlen_problem
 
 # "fa2": the mma.sync kernel (any GPU from sm_80); "fa3": the Hopper kernel (wgmma + TMA, sm_90);
-# "auto": fa3 where it applies (Hopper, head_dim 64/128/256, padded batches), else fa2.
+# "auto": fa3 where it applies (Hopper, head_dim 64/128/256), else fa2.
 # "fa1" and "naive": the baselines of docs/io_analysis.md.
 GPU_ALGORITHMS = ("auto", "fa2", "fa3", "fa1", "naive")
 VARLEN_ALGORITHMS = ("auto", "fa2", "fa3")
