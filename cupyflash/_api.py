@@ -14,7 +14,7 @@ from ._specs import CUDA_ELEMENT_TYPES, FA2_HEAD_DIMS, HOPPER_ARCH, Fa2FwdSpec, 
 from ._validate import Problem, attention_problem, check_algorithm, check_cu_seqlens_values, varlen_problem
 
 # "fa2": the mma.sync kernel (any GPU from sm_80); "fa3": the Hopper kernel (wgmma + TMA, sm_90);
-# "auto": fa3 where it applies (Hopper, head_dim 64/128/256), else fa2.
+# "auto": fa3 where it applies (Hopper, head_dim 64/128/256, padded batches), else fa2.
 # "fa1" and "naive": the baselines of docs/io_analysis.md.
 GPU_ALGORITHMS = ("auto", "fa2", "fa3", "fa1", "naive")
 VARLEN_ALGORITHMS = ("auto", "fa2", "fa3")
@@ -189,8 +189,9 @@ def attention_varlen(
     return_lse : bool
         Also return the float32 LSE, shape ``(Hq, total_q)``.
     algorithm : {"auto", "fa2", "fa3"}
-        The GPU kernel, as in :func:`attention` ("auto": the Hopper kernel where it applies);
-        on the host every choice runs ``cupyflash.xp_impl``'s FA2.
+        The GPU kernel. "auto" is the mma.sync FA2 kernel for packed sequences for now; "fa3"
+        asks for the Hopper kernel (sm_90, head_dim 64/128/256). On the host every choice runs
+        ``cupyflash.xp_impl``'s FA2.
 
     Notes
     -----
@@ -375,7 +376,7 @@ def _build_plan(
     scale_log2, softcap_prescale, negate_q = _softmax_factors(p)
     kernel, grid, threads, smem, tma = None, (0, 0, 0), (0, 0, 0), 0, None
     if p.batch and p.seqlen_q and p.heads_q:
-        spec = _forward_spec(p, dtypes[0], device, algorithm)
+        spec = _forward_spec(p, dtypes[0], device, algorithm, packed=axes[0] < 0)
         kernel = _kernels.get_kernel(spec, device)
         threads, smem = (spec.num_threads, 1, 1), spec.smem_bytes
         if isinstance(spec, Fa2FwdSpec):
@@ -416,11 +417,13 @@ def _build_plan(
     )
 
 
-def _forward_spec(p: Problem, dtype: str, device: int, algorithm: str) -> Fa2FwdSpec | Fa3FwdSpec:
-    """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel."""
+def _forward_spec(p: Problem, dtype: str, device: int, algorithm: str, packed: bool) -> Fa2FwdSpec | Fa3FwdSpec:
+    """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel. Packed (varlen)
+    sequences run fa3 only when asked for: its zeroing of the V rows past a sequence's end
+    (kernels_cu/fa3_fwd.cu, clear_v_tail) has not yet run on a GPU."""
     flags = MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
     max_smem = _device_max_smem(device)
-    if algorithm in ("auto", "fa3"):
+    if algorithm == "fa3" or (algorithm == "auto" and not packed):
         hopper = _kernels.device_arch(device) == HOPPER_ARCH
         spec = fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k) if hopper else None
         if spec is not None and spec.smem_bytes <= max_smem:

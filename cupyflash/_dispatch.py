@@ -89,7 +89,8 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
 
 # Hopper forward: (head_dim, bounded) -> tile, bounded = a causal or window bound (uneven tiles)
 # or not (uniform tiles: persistent CTAs on a static stride). Uneven tiles run either one CTA per
-# tile or, with `dynamic`, persistent CTAs drawing the longest tile left from a global counter.
+# tile or, with `dynamic`, persistent CTAs drawing tiles from a global counter (in tile order:
+# each (batch, head)'s longest first).
 # Measured on the H200 (bf16, the prefill shapes; scripts/tune_fa3.py, docs/gpu_runs/): TFLOP/s
 # at N = 1024/4096/16384.
 # Two consumers keep S (block_n / 2 fp32 per thread), P and O (d / 2) in the 240 registers each
@@ -128,7 +129,7 @@ FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 }
 
 
-def fa3_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, seqlen_k: int = 0) -> Fa3FwdSpec | None:
+def fa3_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, seqlen_k: int) -> Fa3FwdSpec | None:
     """The Hopper variant for a call, or None where it has none (that head dim)."""
     if head_dim not in FA3_HEAD_DIMS:
         return None

@@ -22,6 +22,7 @@ from ._dispatch import decode_num_splits, decode_spec, split_blocks
 from ._specs import CUDA_ELEMENT_TYPES, DECODE_HEAD_DIMS, DECODE_MAX_QUERIES, DecodeAppendSpec, MergeSpec
 from ._validate import (
     KvCacheProblem,
+    check_int_seqlens,
     check_kvcache_values,
     check_num_splits,
     kvcache_problem,
@@ -380,6 +381,8 @@ class _DecodePlan:
     seqlens_contiguous: bool
     table_contiguous: bool
     table_stride: int
+    capacity: int  # keys one sequence can hold
+    seqlen_new: int  # tokens appended per call
     counter_bytes: int  # int32 split tickets per (batch, KV head, m-block); 0 with one split
     scratch_bytes: int  # fp32 partial O then partial LSE; 0 with one split
     partial_lse_offset: int  # bytes from the scratch start to the partial LSE
@@ -486,6 +489,8 @@ def _make_plan(
         num_splits=splits,
         negate_q=negate_q,
         lse_shape=lse_shape,
+        capacity=p.capacity,
+        seqlen_new=p.seqlen_new,
         counter_bytes=4 * ctas if split else 0,
         scratch_bytes=4 * row_count * (d + 1) * splits if split else 0,
         partial_lse_offset=4 * row_count * d * splits,
@@ -568,7 +573,8 @@ def _run(
     if operand_strides is None or plan.negate_q or (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) % 16:
         keep, ptrs, operand_strides = _readable_operands(ops, plan, q, k_cache, v_cache, k_new, v_new)
     seqlen_int, seqlens_ptr = 0, 0
-    if isinstance(seqlens, int):
+    if isinstance(seqlens, int):  # the plan is shared by every int: check this one
+        check_int_seqlens(seqlens, plan.capacity, plan.seqlen_new)
         seqlen_int = seqlens
     else:
         if not plan.seqlens_contiguous:

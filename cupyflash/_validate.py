@@ -219,6 +219,15 @@ class KvCacheProblem:
         return self.page_size.bit_length() - 1 if self.paged else 0
 
 
+def check_int_seqlens(cache_seqlens: int, capacity: int, seqlen_new: int) -> None:
+    """An int ``cache_seqlens`` (one length for every sequence) leaves room for the new tokens."""
+    if isinstance(cache_seqlens, bool) or not 0 <= cache_seqlens <= capacity - seqlen_new:
+        raise ValueError(
+            f"cache_seqlens={cache_seqlens} with {seqlen_new} new tokens goes beyond the cache "
+            f"({capacity} tokens per sequence)"
+        )
+
+
 def kvcache_problem(
     q_shape: tuple[int, ...],
     k_cache_shape: tuple[int, ...],
@@ -276,11 +285,8 @@ def kvcache_problem(
         shape = tuple(getattr(cache_seqlens, "shape", ()))
         if shape != (batch,):
             raise ValueError(f"cache_seqlens must be an int or a 1-D int32 array of length {batch}, got shape {shape}")
-    elif not 0 <= cache_seqlens <= capacity - seqlen_new:
-        raise ValueError(
-            f"cache_seqlens={cache_seqlens} with {seqlen_new} new tokens goes beyond the cache "
-            f"({capacity} tokens per sequence)"
-        )
+    else:
+        check_int_seqlens(cache_seqlens, capacity, seqlen_new)
     attn = attention_problem(
         q_shape, (batch, capacity, heads_kv, head_dim), (batch, capacity, heads_kv, head_dim),
         causal=causal, scale=scale, window=(-1, -1), softcap=0.0, layout="bshd",

@@ -6,17 +6,23 @@ allocation and a memset launch on the decode hot path; instead each (library, de
 keeps one buffer whose counter region was zeroed once, when it was allocated, and that every
 kernel using it sets back to 0 before it exits. The rest of the buffer is scratch with no
 initial value (the splits' partial O and LSE). Calls on one stream run in order, so they share
-the buffer; each stream has its own.
+the buffer; each stream has its own. The default-stream handles (0, the legacy stream; 1 and 2,
+the per-thread ones) name a different stream, or are used concurrently, from each thread, so
+there the buffer is per thread too. A buffer that grows at least doubles, and the one it
+replaces stays allocated (another thread may hold its pointer for a launch still to come).
 
 A call made while its stream is captured into a CUDA graph gets a buffer of its own instead,
-zeroed by a memset captured with it (so every replay starts from 0), and kept alive as long as
-the process: a graph can be replayed at any time, and must share its scratch with no eager call
-and no other graph.
+zeroed by a memset captured with it (so every replay starts from 0): a graph can be replayed at
+any time, and must share its scratch with no eager call and no other graph. PyTorch keeps
+memory freed during a capture in the graph's own pool, reused only by later nodes of the same
+graph (which run after this kernel); other libraries give no such promise, so their buffers are
+kept as long as the process.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +37,11 @@ class _Buffer:
     scratch_bytes: int
 
 
-_buffers: dict[tuple[str, int, int], _Buffer] = {}
-_captured: list[Any] = []  # buffers of captured calls: alive while the process is
+_buffers: dict[tuple[str, int, int, int], _Buffer] = {}
+_retired: list[Any] = []  # buffers replaced by larger ones: a pointer may still be in use
+_captured: list[Any] = []  # non-PyTorch buffers of captured calls: alive while the process is
+_last_captured: list[Any] = []  # PyTorch: the latest one, alive until its kernel is captured
+_DEFAULT_STREAM_HANDLES = (0, 1, 2)
 # A process that makes streams without end keeps this many buffers; dropping the oldest is safe
 # (its library frees it in the order of the stream it was allocated on, after its last kernel).
 _MAX_STREAM_BUFFERS = 64
@@ -82,16 +91,23 @@ def stream_scratch(
     counters = _round_up(counter_bytes)
     if capturing(stream):
         buffer = _Buffer(_zeros(kind, device, counters + scratch_bytes), 0, counters, scratch_bytes)
-        _captured.append(buffer.array)
+        if kind == "torch":
+            _last_captured[:] = [buffer.array]
+        else:
+            _captured.append(buffer.array)
     else:
-        key = (kind, device, stream)
+        key = (kind, device, stream, threading.get_ident() if stream in _DEFAULT_STREAM_HANDLES else 0)
         found = _buffers.get(key)
         if found is None or found.counter_bytes < counters or found.scratch_bytes < scratch_bytes:
-            if found is not None:  # grow to cover both the old and the new call's needs
+            if found is not None:  # grow (at least double) to cover the old and the new call
+                if counters > found.counter_bytes:
+                    counters = max(counters, 2 * found.counter_bytes)
+                if scratch_bytes > found.scratch_bytes:
+                    scratch_bytes = max(scratch_bytes, 2 * found.scratch_bytes)
                 counters = max(counters, found.counter_bytes)
                 scratch_bytes = max(scratch_bytes, found.scratch_bytes)
+                _retired.append(_buffers.pop(key).array)
             array = _zeros(kind, device, counters + scratch_bytes)
-            _buffers.pop(key, None)
             if len(_buffers) >= _MAX_STREAM_BUFFERS:
                 del _buffers[next(iter(_buffers))]
             found = _buffers[key] = _Buffer(array, 0, counters, scratch_bytes)

@@ -289,7 +289,8 @@ CF_DEVICE void merge_row(const PartElement* g_o, int64_t o_part_stride, const fl
   float weight_sum = 0.f;
   for (int part0 = 0; part0 < num_parts; part0 += 32) {
     const int mine = part0 + lane;
-    const float my_weight = mine < num_parts ? merge_scale(__ldcg(g_lse + mine * lse_part_stride), lse_max) : 0.f;
+    const float my_weight =
+        mine < num_parts ? merge_scale(__ldcg(g_lse + mine * lse_part_stride), lse_max) : 0.f;
     weight_sum += my_weight;
     const int count = min(32, num_parts - part0);
     // No branch in the body: the loads of 8 parts are issued together (a skip of empty parts
@@ -311,7 +312,9 @@ CF_DEVICE void merge_row(const PartElement* g_o, int64_t o_part_stride, const fl
   }
   const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
 #pragma unroll
-  for (int c = 0; c < kColsPerLane; ++c) g_out[lane + 32 * c] = from_float<OutElement>(acc[c] * inv);
+  for (int c = 0; c < kColsPerLane; ++c) {
+    g_out[lane + 32 * c] = from_float<OutElement>(acc[c] * inv);
+  }
   if (g_out_lse != nullptr && lane == 0) *g_out_lse = merged_lse(lse_max, weight_sum);
 }
 
@@ -531,8 +534,8 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    int32_t* counter = params.split_counters +
-                       (static_cast<int64_t>(batch) * gridDim.y + head_k) * m_blocks + blockIdx.x % m_blocks;
+    const int64_t group_index = static_cast<int64_t>(batch) * gridDim.y + head_k;
+    int32_t* counter = params.split_counters + group_index * m_blocks + blockIdx.x % m_blocks;
     const bool last = atomicAdd(counter, 1) == params.num_splits - 1;
     if (last) *counter = 0;  // every split has drawn: ready for the next call on this stream
     s_is_last = last;
@@ -542,18 +545,19 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   __threadfence();
   const int64_t part_rows = static_cast<int64_t>(attn.batch) * attn.h * seqlen_q;
 #pragma unroll 1
-  for (int packed = row0 + warp; packed < min(row0 + Traits::kBlockM, rows); packed += Traits::kNWarps) {
+  const int row_end = min(row0 + Traits::kBlockM, rows);
+  for (int packed = row0 + warp; packed < row_end; packed += Traits::kNWarps) {
     const int query = packed / group;
     const int head = head_k * group + packed % group;
     const int64_t row_index = (static_cast<int64_t>(batch) * attn.h + head) * seqlen_q + query;
     Element* g_o = static_cast<Element*>(attn.o_ptr) + batch * attn.o_batch_stride +
                    query * attn.o_row_stride + head * attn.o_head_stride;
-    float* g_lse = attn.lse_ptr == nullptr
-                       ? nullptr
-                       : attn.lse_ptr + batch * attn.lse_batch_stride + head * attn.lse_head_stride + query;
-    merge_row<Traits::kHeadDim>(params.o_partial_ptr + row_index * Traits::kHeadDim, part_rows * Traits::kHeadDim,
-                                params.lse_partial_ptr + row_index, part_rows, params.num_splits, g_o, g_lse,
-                                lane);
+    float* g_lse = attn.lse_ptr == nullptr ? nullptr
+                                           : attn.lse_ptr + batch * attn.lse_batch_stride +
+                                                 head * attn.lse_head_stride + query;
+    merge_row<Traits::kHeadDim>(params.o_partial_ptr + row_index * Traits::kHeadDim,
+                                part_rows * Traits::kHeadDim, params.lse_partial_ptr + row_index,
+                                part_rows, params.num_splits, g_o, g_lse, lane);
   }
 }
 

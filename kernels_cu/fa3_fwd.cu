@@ -8,9 +8,9 @@
 // memory with the Q load, so the loads of a CTA's next tile overlap the end of its current one
 // (at N = 1024 a tile is only ~15 us of work). Three schedules:
 //   static   one CTA per SM, tiles blockIdx.x + k gridDim.x: uniform tiles (no causal / window);
-//   dynamic  one CTA per SM, each next tile drawn from a global counter, longest tiles first:
-//            uneven tiles (causal) balance themselves, as a greedy longest-first schedule;
-//   per tile one CTA per tile (gridDim.x = tiles), handed out longest-first by the hardware.
+//   dynamic  one CTA per SM, each next tile drawn from a global counter in tile order (each
+//            (batch, head)'s longest first): uneven tiles (causal) balance themselves, greedily;
+//   per tile one CTA per tile (gridDim.x = tiles), handed out in the same order by the hardware.
 // A CTA is 1 + kConsumers warpgroups:
 //   producer warpgroup  one thread issues every TMA load (Q per tile, then K_j and V_j per key
 //                       block into a kStages-deep ring of mbarrier-guarded slots, the ring
@@ -179,8 +179,11 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // The next tile: the static stride, or (dynamic) drawn from the counter. Drawn once the
     // current tile's loads are all issued (the producer then runs at most kStages blocks ahead
     // of the consumers): drawn earlier, a CTA would claim it before the CTAs that free up first,
-    // and lose the balance of longest-first.
-    auto next_tile = [&](int t) { return Traits::Dynamic ? gridDim.x + atomicAdd(p.tile_counters, 1) : t + gridDim.x; };
+    // and undo the balance of the greedy schedule.
+    const int grid = static_cast<int>(gridDim.x);
+    auto next_tile = [&](int t) {
+      return Traits::Dynamic ? grid + atomicAdd(p.tile_counters, 1) : t + grid;
+    };
     // Varlen: a tile past the end of its sequence holds no rows; the consumers never see it.
     auto empty = [&](int t) {
       const auto tile = scheduler(t, params);
@@ -198,7 +201,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       const int head_k = tile.head / params.h_h_k_ratio;
       const TileRows rows(params, tile.batch);
       const int tma_batch = packed ? 0 : tile.batch;
-      const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left, params.window_right);
+      const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
+                                  params.window_right);
       const int n_begin = mask.n_block_begin();
       const int n_end = mask.n_block_end();
       mbar_arrive_expect_tx(bar_q_full, Traits::kQBytes);
@@ -233,7 +237,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       // This CTA draws no more tiles. The last CTA to get here knows every draw has been made
       // (each CTA fences its draws before counting itself done) and resets both counters.
       __threadfence();
-      if (atomicAdd(p.tile_counters + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      if (atomicAdd(p.tile_counters + 1, 1) == grid - 1) {
+        __threadfence();  // the other CTAs' draws (fenced before their count) come before the reset
         p.tile_counters[0] = 0;
         p.tile_counters[1] = 0;
       }
@@ -273,7 +278,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     const auto tile = scheduler(t, params);
     const int row_block0 = tile.m_block * kBlockM;
     const TileRows rows(params, tile.batch);
-    const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left, params.window_right);
+    const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
+                                params.window_right);
     const int n_end = mask.n_block_end();
     const int n_blocks = max(n_end - mask.n_block_begin(), 0);
 
@@ -322,6 +328,27 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(pk[ks][i])::"memory");
     };
+    // Varlen: a sequence's last key block runs into the next sequence's rows (or the packed
+    // tensor's unused tail), which TMA does not zero. Their scores are masked to -inf, so P is 0
+    // there, but 0 x Inf or NaN in V would still be NaN: this consumer zeroes those V rows
+    // before its P V wgmma (the other consumer may write the same zeros; it reads no other value).
+    auto clear_v_tail = [&](uint32_t v_slot, int n_block) {
+      const int valid = rows.k.len - n_block * kBlockN;
+      if (!packed || valid >= kBlockN) return;  // the same answer for the whole warpgroup
+      constexpr int kChunksPerRow = kSwizzleRowBytes / 16;  // a key row of one column block
+      const int first = max(valid, 0);
+      const int chunks = (kBlockN - first) * Traits::kColBlocks * kChunksPerRow;
+      for (int i = tid; i < chunks; i += 128) {
+        const int row = first + i / (Traits::kColBlocks * kChunksPerRow);
+        const int cb = (i / kChunksPerRow) % Traits::kColBlocks;
+        // The swizzle permutes 16-byte chunks within a row: zeroing every chunk of the row
+        // needs no swizzle arithmetic.
+        const int chunk = i % kChunksPerRow;
+        st_shared_zero_b128(v_slot + (cb * kBlockN + row) * kSwizzleRowBytes + chunk * 16);
+      }
+      fence_proxy_async_shared();
+      named_barrier_sync(1 + consumer, 128);
+    };
     auto slot = [&](int it, int& stage, int& parity) {
       stage = (kv_iter + it) % kStages;
       parity = ((kv_iter + it) / kStages) & 1;
@@ -358,6 +385,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       wgmma_fence();
       issue_qk(s, s_k + stage * Traits::kKVBytes);
       mbar_wait(bar(kVFull, prev_stage), prev_parity);
+      clear_v_tail(s_v + prev_stage * Traits::kKVBytes, n_end - it);
       issue_pv(p_prev, s_v + prev_stage * Traits::kKVBytes);
       end_turn();
       wgmma_wait<1>();  // S_it is ready; P_{it-1} V_{it-1} may still run
@@ -374,12 +402,14 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     }
     // Every Q K^T of the tile has completed: with O staged elsewhere, Q's slot is free now and
     // the producer loads the next tile's Q during this tile's last P V and epilogue.
+    __syncwarp();  // every lane has read the tile index before the producer may overwrite it
     if (Traits::Separate_o && lane == 0) mbar_arrive(bar_q_empty);
     if (n_blocks > 0) {
       int stage, parity;
       slot(n_blocks - 1, stage, parity);
       begin_turn();
       mbar_wait(bar(kVFull, stage), parity);
+      clear_v_tail(s_v + stage * Traits::kKVBytes, n_end - n_blocks);
       wgmma_fence();
       issue_pv(p_prev, s_v + stage * Traits::kKVBytes);
       end_turn();

@@ -94,6 +94,9 @@ CF_DEVICE uint64_t wgmma_desc(uint32_t smem_byte_addr, uint32_t lbo_bytes) {
 
 // Orders this thread's register writes of accumulators / A fragments before the next wgmma.
 CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// Orders this thread's shared-memory stores (generic proxy) before later reads by the async
+// proxy (a wgmma operand): needed when a wgmma reads what threads have just written.
+CF_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 CF_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int kPending>
 CF_DEVICE void wgmma_wait() {

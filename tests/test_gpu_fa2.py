@@ -295,8 +295,10 @@ def test_dynamic_schedule_streams_and_counters(rng):
     own counters), every result bit-identical to the first, and the counters back at 0."""
     torch = _torch()
     skip_unless_kernel("fa3", 128)
-    from cupyflash import _workspace
+    from cupyflash import _dispatch, _workspace
 
+    flags = _dispatch.MaskFlags(True, False, False)
+    assert _dispatch.fa3_fwd_spec("bfloat16", 128, flags, 2000).tile.dynamic  # else nothing is tested
     q, k, v = _gpu_inputs(rng, (3, 2000, 16, 128), (3, 2000, 4, 128), "bfloat16")
     check_attention(q, k, v, causal=True, algorithm="fa3")
     first = cupyflash.attention(q, k, v, causal=True, algorithm="fa3")
@@ -309,9 +311,10 @@ def test_dynamic_schedule_streams_and_counters(rng):
             outs.append(cupyflash.attention(q, k, v, causal=True, algorithm="fa3"))
     torch.cuda.synchronize()
     assert all(bool((out == first).all()) for out in outs)
-    for (kind, _, _), buffer in _workspace._buffers.items():
-        if kind == "torch":
-            assert int(buffer.array[: buffer.counter_bytes // 4].view(torch.int32).abs().sum()) == 0
+    torch_buffers = {key[2]: buffer for key, buffer in _workspace._buffers.items() if key[0] == "torch"}
+    assert {torch.cuda.current_stream().cuda_stream, side.cuda_stream} <= set(torch_buffers)
+    for buffer in torch_buffers.values():
+        assert int(buffer.array[: buffer.counter_bytes // 4].view(torch.int32).abs().sum()) == 0
 
 
 def test_params_offsets_on_device():

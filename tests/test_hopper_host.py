@@ -33,31 +33,34 @@ def _problem(head_dim: int, causal: bool = False):
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 192, 256))
 def test_auto_picks_the_hopper_kernel_where_it_applies(fake_device, head_dim):
     fake_device("sm_90a")
-    spec = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto")
+    spec = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=False)
     assert isinstance(spec, Fa3FwdSpec if head_dim in FA3_HEAD_DIMS else Fa2FwdSpec)
-    # an explicit "fa2" runs the mma.sync kernel
-    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa2"), Fa2FwdSpec)
+    # an explicit "fa2" runs the mma.sync kernel; packed sequences run it unless "fa3" is asked for
+    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa2", packed=False), Fa2FwdSpec)
+    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=True), Fa2FwdSpec)
+    if head_dim in FA3_HEAD_DIMS:
+        assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa3", packed=True), Fa3FwdSpec)
 
 
 def test_ampere_runs_fa2_and_refuses_fa3(fake_device):
     fake_device("sm_80")
-    assert isinstance(_api._forward_spec(_problem(128), "float16", 0, "auto"), Fa2FwdSpec)
+    assert isinstance(_api._forward_spec(_problem(128), "float16", 0, "auto", packed=False), Fa2FwdSpec)
     with pytest.raises(ValueError, match=r"algorithm='fa3'.*sm_80"):
-        _api._forward_spec(_problem(128), "float16", 0, "fa3")
+        _api._forward_spec(_problem(128), "float16", 0, "fa3", packed=False)
 
 
-def test_bounded_calls_never_run_the_static_schedule():
-    """Causal / window tiles are uneven: persistent CTAs only with the dynamic schedule (a
-    static stride straggles), else one CTA per tile; long uniform calls run the static one."""
+def test_schedules_as_measured():
+    """The schedules the H200 runs chose (docs/hopper.md): long uniform calls the static stride;
+    causal d = 64 and 128 the dynamic one; causal d = 256 one CTA per tile (not persistent: a
+    static stride straggles on uneven tiles)."""
     flags = _dispatch.MaskFlags
+    long = _dispatch.FA3_SHORT_SEQLEN + 1
     for head_dim in FA3_HEAD_DIMS:
-        long = _dispatch.FA3_SHORT_SEQLEN + 1
         uniform = _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags(False, False, False), long)
         assert uniform.persistent and not uniform.tile.dynamic
-        for bound in (flags(True, False, False), flags(False, True, True)):
-            spec = _dispatch.fa3_fwd_spec("bfloat16", head_dim, bound)
-            assert spec.persistent == spec.tile.dynamic
-    assert _dispatch.fa3_fwd_spec("bfloat16", 128, flags(True, False, False)).tile.dynamic
+    causal = {d: _dispatch.fa3_fwd_spec("bfloat16", d, flags(True, False, False), long) for d in FA3_HEAD_DIMS}
+    assert causal[64].tile.dynamic and causal[128].tile.dynamic and causal[64].persistent
+    assert not causal[256].tile.dynamic and not causal[256].persistent
 
 
 def test_short_calls_take_their_own_tile():

@@ -119,6 +119,31 @@ def test_gpu_varlen_many_sequences_long_and_gqa(rng, algorithm):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
+def test_gpu_varlen_ignores_what_lies_past_each_sequence(rng, algorithm):
+    """K/V rows past a sequence's end hold NaN and Inf (the packed tensor's unused tail, and a
+    neighbour's rows seen through a partial last key block): no output row may see them."""
+    torch = pytest.importorskip("torch")
+    _skip_unless_hopper(algorithm, 128)
+    lengths_q, lengths_k = [70, 200, 33], [150, 77, 301]  # every last key block partial
+    q, k, v, cu_q, cu_k = _packed(rng, lengths_q, lengths_k, hq=4, hkv=2, d=128)
+    tail = 64
+    k = np.concatenate([k, np.full((tail, *k.shape[1:]), np.nan, np.float32)])
+    v = np.concatenate([v, np.full((tail, *v.shape[1:]), np.inf, np.float32)])
+    tq, tk, tv = (torch.from_numpy(x).cuda().to(torch.bfloat16) for x in (q, k, v))
+    tcq, tck = (torch.from_numpy(x).cuda() for x in (cu_q, cu_k))
+    rounded = [reference.to_numpy64(x) for x in (tq, tk, tv)]
+    for causal in (False, True):
+        out, lse = cupyflash.attention_varlen(
+            tq, tk, tv, tcq, tck, max(lengths_q), max(lengths_k), causal=causal, return_lse=True, algorithm=algorithm
+        )
+        assert bool(torch.isfinite(out).all())
+        _check(
+            out, lse, rounded[0], rounded[1][: cu_k[-1]], rounded[2][: cu_k[-1]], cu_q, cu_k, atol=2e-2, causal=causal
+        )
+
+
+@pytest.mark.gpu
 def test_gpu_varlen_cupy_and_rows_outside_sequences(rng, monkeypatch):
     import cupy
 

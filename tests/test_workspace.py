@@ -3,6 +3,8 @@ device allocator: reuse per stream, growth, the captured-call buffers, the cap o
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -21,7 +23,9 @@ def fake_device(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
     monkeypatch.setattr(_workspace, "_ptr", lambda kind, array: array.ctypes.data)
     monkeypatch.setattr(_workspace, "capturing", lambda stream: state["capturing"])
     monkeypatch.setattr(_workspace, "_buffers", {})
+    monkeypatch.setattr(_workspace, "_retired", [])
     monkeypatch.setattr(_workspace, "_captured", [])
+    monkeypatch.setattr(_workspace, "_last_captured", [])
     return state
 
 
@@ -33,10 +37,13 @@ def test_one_buffer_per_stream_reused_and_grown(fake_device):
     other = _workspace.stream_scratch("torch", 0, 8, 8, 500)
     assert other[0] != counters and fake_device["allocations"] == 2  # another stream, its own
     grown = _workspace.stream_scratch("torch", 0, 7, 4 * 300, 10)  # more counters, less scratch
-    buffer = _workspace._buffers[("torch", 0, 7)]
+    buffer = _workspace._buffers[("torch", 0, 7, 0)]
     assert buffer.counter_bytes == 1280 and buffer.scratch_bytes == 1000  # covers both calls
     assert grown[1] - grown[0] == 1280
     assert not buffer.array[: 1280 // 4].any()  # the counters start at 0
+    assert len(_workspace._retired) == 1  # the replaced buffer stays allocated
+    _workspace.stream_scratch("torch", 0, 7, 8, 1001)  # scratch one byte more: at least doubled
+    assert _workspace._buffers[("torch", 0, 7, 0)].scratch_bytes == 2000
 
 
 def test_captured_calls_get_buffers_of_their_own(fake_device):
@@ -44,14 +51,17 @@ def test_captured_calls_get_buffers_of_their_own(fake_device):
     fake_device["capturing"] = True
     first = _workspace.stream_scratch("cupy", 0, 3, 8, 64)
     second = _workspace.stream_scratch("cupy", 0, 3, 8, 64)
-    assert len({eager, first, second}) == 3 and len(_workspace._captured) == 2
+    assert len({eager, first, second}) == 3 and len(_workspace._captured) == 2  # kept for good
+    _workspace.stream_scratch("torch", 0, 3, 8, 64)
+    _workspace.stream_scratch("torch", 0, 3, 8, 64)
+    assert len(_workspace._captured) == 2 and len(_workspace._last_captured) == 1  # the graph's pool keeps them
     fake_device["capturing"] = False
     assert _workspace.stream_scratch("cupy", 0, 3, 8, 64) == eager
 
 
 def test_poison_fills_only_the_scratch(fake_device):
     _workspace.stream_scratch("cupy", 0, 1, 8, 64, poison=True)
-    array = _workspace._buffers[("cupy", 0, 1)].array
+    array = _workspace._buffers[("cupy", 0, 1, threading.get_ident())].array
     assert not array[:64].any() and np.isnan(array[64:]).all()
 
 
@@ -59,4 +69,17 @@ def test_streams_beyond_the_cap_drop_the_oldest(fake_device, monkeypatch):
     monkeypatch.setattr(_workspace, "_MAX_STREAM_BUFFERS", 3)
     for stream in range(5):
         _workspace.stream_scratch("torch", 0, stream, 8, 0)
-    assert list(_workspace._buffers) == [("torch", 0, 2), ("torch", 0, 3), ("torch", 0, 4)]
+    assert [key[2] for key in _workspace._buffers] == [2, 3, 4]
+
+
+def test_default_stream_handles_are_per_thread(fake_device):
+    """Handle 0 (legacy) and 2 (per-thread default) are used by many threads: one buffer each."""
+    here = {h: _workspace.stream_scratch("cupy", 0, h, 8, 64) for h in (0, 2, 9)}
+    there = {}
+    worker = threading.Thread(
+        target=lambda: there.update({h: _workspace.stream_scratch("cupy", 0, h, 8, 64) for h in (0, 2, 9)})
+    )
+    worker.start()
+    worker.join()
+    assert here[0] != there[0] and here[2] != there[2]
+    assert here[9] == there[9]  # an explicit stream is one stream in every thread
