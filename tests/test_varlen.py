@@ -69,6 +69,14 @@ def test_varlen_validation(change, message):
         cupyflash.attention_varlen(**args)
 
 
+def _on_gpu(torch, dtype, q, k, v, cu_q, cu_k):
+    """The packed inputs as CUDA tensors (q, k, v in ``dtype``), and q, k, v as the GPU sees
+    them (rounded to ``dtype``) in float64 for the reference."""
+    tensors = [torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in (q, k, v)]
+    cus = [torch.from_numpy(x).cuda() for x in (cu_q, cu_k)]
+    return (*tensors, *cus), [reference.to_numpy64(x) for x in tensors]
+
+
 def _skip_unless_hopper(algorithm: str, head_dim: int) -> None:
     import cupy
 
@@ -88,13 +96,11 @@ def test_gpu_varlen_matches_reference(rng, algorithm, dtype, head_dim, lengths, 
     torch = pytest.importorskip("torch")
     _skip_unless_hopper(algorithm, head_dim)
     q, k, v, cu_q, cu_k = _packed(rng, *lengths, d=head_dim)
-    tq, tk, tv = (torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in (q, k, v))
-    tcq, tck = (torch.from_numpy(x).cuda() for x in (cu_q, cu_k))
+    args, rounded = _on_gpu(torch, dtype, q, k, v, cu_q, cu_k)
     out, lse = cupyflash.attention_varlen(
-        tq, tk, tv, tcq, tck, max(lengths[0]), max(lengths[1]), return_lse=True, algorithm=algorithm, **kw
+        *args, max(lengths[0]), max(lengths[1]), return_lse=True, algorithm=algorithm, **kw
     )
-    assert isinstance(out, torch.Tensor) and out.dtype == tq.dtype
-    rounded = [reference.to_numpy64(x) for x in (tq, tk, tv)]
+    assert isinstance(out, torch.Tensor) and out.dtype == args[0].dtype
     _check(out, lse, *rounded, cu_q, cu_k, atol=2e-2 if dtype == "bfloat16" else 4e-3, **kw)
 
 
@@ -108,12 +114,10 @@ def test_gpu_varlen_many_sequences_long_and_gqa(rng, algorithm):
         _skip_unless_hopper(algorithm, head_dim)
         lengths = [int(n) for n in rng.integers(0, 300, size=40)] + [2100]
         q, k, v, cu_q, cu_k = _packed(rng, lengths, lengths[::-1], hq=8, hkv=2, d=head_dim)
-        tq, tk, tv = (torch.from_numpy(x).cuda().to(torch.bfloat16) for x in (q, k, v))
-        tcq, tck = (torch.from_numpy(x).cuda() for x in (cu_q, cu_k))
-        rounded = [reference.to_numpy64(x) for x in (tq, tk, tv)]
+        args, rounded = _on_gpu(torch, "bfloat16", q, k, v, cu_q, cu_k)
         for causal in (False, True):
             out, lse = cupyflash.attention_varlen(
-                tq, tk, tv, tcq, tck, max(lengths), max(lengths), causal=causal, return_lse=True, algorithm=algorithm
+                *args, max(lengths), max(lengths), causal=causal, return_lse=True, algorithm=algorithm
             )
             _check(out, lse, *rounded, cu_q, cu_k, atol=2e-2, causal=causal)
 
@@ -121,8 +125,9 @@ def test_gpu_varlen_many_sequences_long_and_gqa(rng, algorithm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
 def test_gpu_varlen_ignores_what_lies_past_each_sequence(rng, algorithm):
-    """K/V rows past a sequence's end hold NaN and Inf (the packed tensor's unused tail, and a
-    neighbour's rows seen through a partial last key block): no output row may see them."""
+    """Every sequence's last key block is partial, so it covers rows of the next sequence (or,
+    for the last one, the packed tensor's unused tail, here NaN in K and Inf in V): no output
+    row may see them."""
     torch = pytest.importorskip("torch")
     _skip_unless_hopper(algorithm, 128)
     lengths_q, lengths_k = [70, 200, 33], [150, 77, 301]  # every last key block partial
@@ -130,12 +135,10 @@ def test_gpu_varlen_ignores_what_lies_past_each_sequence(rng, algorithm):
     tail = 64
     k = np.concatenate([k, np.full((tail, *k.shape[1:]), np.nan, np.float32)])
     v = np.concatenate([v, np.full((tail, *v.shape[1:]), np.inf, np.float32)])
-    tq, tk, tv = (torch.from_numpy(x).cuda().to(torch.bfloat16) for x in (q, k, v))
-    tcq, tck = (torch.from_numpy(x).cuda() for x in (cu_q, cu_k))
-    rounded = [reference.to_numpy64(x) for x in (tq, tk, tv)]
+    args, rounded = _on_gpu(torch, "bfloat16", q, k, v, cu_q, cu_k)
     for causal in (False, True):
         out, lse = cupyflash.attention_varlen(
-            tq, tk, tv, tcq, tck, max(lengths_q), max(lengths_k), causal=causal, return_lse=True, algorithm=algorithm
+            *args, max(lengths_q), max(lengths_k), causal=causal, return_lse=True, algorithm=algorithm
         )
         assert bool(torch.isfinite(out).all())
         _check(
