@@ -521,7 +521,7 @@ def _torch_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ..
 
 
 def _cupy_attention(q: Any, k: Any, v: Any, device: int, options: tuple[Any, ...], return_lse: bool) -> Any:
-    import cupy
+    cupy = _interop.cupy_module()
 
     if _current_device() != device:  # allocate and launch on the inputs' device
         with cupy.cuda.Device(device):

@@ -115,6 +115,14 @@ def torch_module() -> Any:
     return torch
 
 
+@functools.cache
+def cupy_module() -> Any:
+    """``cupy``, imported once, as torch_module."""
+    import cupy
+
+    return cupy
+
+
 def current_device() -> int:
     """The current CUDA device of this thread (CuPy's runtime view)."""
     return int(_get_device()())

@@ -321,8 +321,7 @@ class _CupyOps:
 
     @staticmethod
     def empty(shape: tuple[int, ...], like: Any, float32: bool = False) -> Any:
-        import cupy
-
+        cupy = _interop.cupy_module()
         return cupy.empty(shape, dtype=cupy.float32 if float32 else like.dtype)
 
     @staticmethod
@@ -337,9 +336,7 @@ class _CupyOps:
 
     @staticmethod
     def stream(device: int) -> int:
-        import cupy
-
-        return int(cupy.cuda.get_current_stream().ptr)
+        return int(_interop.cupy_module().cuda.get_current_stream().ptr)
 
 
 _ArrayOps = type[_TorchOps] | type[_CupyOps]

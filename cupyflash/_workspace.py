@@ -29,7 +29,7 @@ from typing import Any
 _ALIGN = 256  # bytes: the scratch region starts on a fresh 256-byte line
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Buffer:
     array: Any  # float32, 1-D, in the caller's library
     ptr: int
@@ -90,7 +90,8 @@ def stream_scratch(
     ``poison`` fills the scratch with NaN first (tests: a read of an unwritten part shows)."""
     counters = _round_up(counter_bytes)
     if capturing(stream):
-        buffer = _Buffer(_zeros(kind, device, counters + scratch_bytes), 0, counters, scratch_bytes)
+        array = _zeros(kind, device, counters + scratch_bytes)
+        buffer = _Buffer(array, _ptr(kind, array), counters, scratch_bytes)
         if kind == "torch":
             _last_captured[:] = [buffer.array]
         else:
@@ -110,10 +111,8 @@ def stream_scratch(
             array = _zeros(kind, device, counters + scratch_bytes)
             if len(_buffers) >= _MAX_STREAM_BUFFERS:
                 del _buffers[next(iter(_buffers))]
-            found = _buffers[key] = _Buffer(array, 0, counters, scratch_bytes)
+            found = _buffers[key] = _Buffer(array, _ptr(kind, array), counters, scratch_bytes)
         buffer = found
-    if not buffer.ptr:
-        buffer.ptr = _ptr(kind, buffer.array)
     if poison:
         scratch = buffer.array[buffer.counter_bytes // 4 :]
         if kind == "torch":

@@ -211,25 +211,24 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
         tma_load_4d(s_q + cb * kBlockM * kSwizzleRowBytes, p.q_map, bar_q_full, cb * kColBlockElems,
                     rows.q.start + tile.m_block * kBlockM, tile.head, tma_batch);
       }
+      // Key block n_block of K or V into its slot of the ring, once the consumers released it.
+      auto load_block = [&](const TmaMap& map, uint32_t slot, uint32_t full_bar, uint32_t empty_bar,
+                            int parity, int n_block) {
+        mbar_wait(empty_bar, parity);
+        mbar_arrive_expect_tx(full_bar, Traits::kKVBytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(slot + cb * kBlockN * kSwizzleRowBytes, map, full_bar, cb * kColBlockElems,
+                      rows.k.start + n_block * kBlockN, head_k, tma_batch);
+        }
+      };
       for (int n_block = n_end - 1; n_block >= n_begin; --n_block, ++kv_iter) {
         const int stage = kv_iter % kStages;
         const int parity = ((kv_iter / kStages) & 1) ^ 1;  // the slot's previous use was released
-        const uint32_t k_slot = s_k + stage * Traits::kKVBytes;
-        const uint32_t v_slot = s_v + stage * Traits::kKVBytes;
-        mbar_wait(bar(kKEmpty, stage), parity);
-        mbar_arrive_expect_tx(bar(kKFull, stage), Traits::kKVBytes);
-#pragma unroll
-        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(k_slot + cb * kBlockN * kSwizzleRowBytes, p.k_map, bar(kKFull, stage),
-                      cb * kColBlockElems, rows.k.start + n_block * kBlockN, head_k, tma_batch);
-        }
-        mbar_wait(bar(kVEmpty, stage), parity);
-        mbar_arrive_expect_tx(bar(kVFull, stage), Traits::kKVBytes);
-#pragma unroll
-        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(v_slot + cb * kBlockN * kSwizzleRowBytes, p.v_map, bar(kVFull, stage),
-                      cb * kColBlockElems, rows.k.start + n_block * kBlockN, head_k, tma_batch);
-        }
+        load_block(p.k_map, s_k + stage * Traits::kKVBytes, bar(kKFull, stage), bar(kKEmpty, stage),
+                   parity, n_block);
+        load_block(p.v_map, s_v + stage * Traits::kKVBytes, bar(kVFull, stage), bar(kVEmpty, stage),
+                   parity, n_block);
       }
       t = next_tile(t);
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_gpu_fa2 import skip_unless_kernel
 
 import cupyflash
 from cupyflash import reference
@@ -77,15 +78,6 @@ def _on_gpu(torch, dtype, q, k, v, cu_q, cu_k):
     return (*tensors, *cus), [reference.to_numpy64(x) for x in tensors]
 
 
-def _skip_unless_hopper(algorithm: str, head_dim: int) -> None:
-    import cupy
-
-    from cupyflash._specs import FA3_HEAD_DIMS
-
-    if algorithm == "fa3" and (cupy.cuda.Device().compute_capability != "90" or head_dim not in FA3_HEAD_DIMS):
-        pytest.skip("the Hopper kernel runs head_dim 64/128/256 on sm_90")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -94,7 +86,7 @@ def _skip_unless_hopper(algorithm: str, head_dim: int) -> None:
 @pytest.mark.parametrize("kw", [{"causal": True}, {}, {"window": (20, -1)}], ids=str)
 def test_gpu_varlen_matches_reference(rng, algorithm, dtype, head_dim, lengths, kw):
     torch = pytest.importorskip("torch")
-    _skip_unless_hopper(algorithm, head_dim)
+    skip_unless_kernel(algorithm, head_dim)
     q, k, v, cu_q, cu_k = _packed(rng, *lengths, d=head_dim)
     args, rounded = _on_gpu(torch, dtype, q, k, v, cu_q, cu_k)
     out, lse = cupyflash.attention_varlen(
@@ -111,7 +103,7 @@ def test_gpu_varlen_many_sequences_long_and_gqa(rng, algorithm):
     lengths past the short-call tiles, GQA 4:1, d = 128 and 256, causal and not."""
     torch = pytest.importorskip("torch")
     for head_dim in (128, 256):
-        _skip_unless_hopper(algorithm, head_dim)
+        skip_unless_kernel(algorithm, head_dim)
         lengths = [int(n) for n in rng.integers(0, 300, size=40)] + [2100]
         q, k, v, cu_q, cu_k = _packed(rng, lengths, lengths[::-1], hq=8, hkv=2, d=head_dim)
         args, rounded = _on_gpu(torch, "bfloat16", q, k, v, cu_q, cu_k)
@@ -129,7 +121,7 @@ def test_gpu_varlen_ignores_what_lies_past_each_sequence(rng, algorithm):
     for the last one, the packed tensor's unused tail, here NaN in K and Inf in V): no output
     row may see them."""
     torch = pytest.importorskip("torch")
-    _skip_unless_hopper(algorithm, 128)
+    skip_unless_kernel(algorithm, 128)
     lengths_q, lengths_k = [70, 200, 33], [150, 77, 301]  # every last key block partial
     q, k, v, cu_q, cu_k = _packed(rng, lengths_q, lengths_k, hq=4, hkv=2, d=128)
     tail = 64
