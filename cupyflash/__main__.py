@@ -1,4 +1,4 @@
-"""``python -m cupyflash {info,warmup,demo,bench,bench-decode}``."""
+"""``python -m cupyflash {info,warmup,demo,bench,bench-decode,bench-varlen}``."""
 
 from __future__ import annotations
 
@@ -193,6 +193,22 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_varlen(args: argparse.Namespace) -> int:
+    if not _gpu_available():
+        print("bench-varlen needs a GPU", file=sys.stderr)
+        return 1
+    from . import bench
+
+    shapes = bench.varlen_shapes()
+    print(f"{len(shapes[0].lengths)} sequences of {list(shapes[0].lengths)} tokens, bf16, TFLOP/s of the unpadded work")
+    rows = [bench.run_varlen(shape) for shape in shapes]
+    print(bench.format_varlen_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"varlen": rows}, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_decode = sub.add_parser("bench-decode", help="decode us and GB/s against PyTorch SDPA (flash, cuDNN)")
     bench_decode.add_argument("--json", help="write the results here")
     bench_decode.set_defaults(func=cmd_bench_decode)
+    bench_varlen = sub.add_parser("bench-varlen", help="packed sequences: TFLOP/s of both kernels and PyTorch's varlen")
+    bench_varlen.add_argument("--json", help="write the results here")
+    bench_varlen.set_defaults(func=cmd_bench_varlen)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

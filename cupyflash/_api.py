@@ -189,9 +189,9 @@ def attention_varlen(
     return_lse : bool
         Also return the float32 LSE, shape ``(Hq, total_q)``.
     algorithm : {"auto", "fa2", "fa3"}
-        The GPU kernel. "auto" is the mma.sync FA2 kernel for packed sequences for now; "fa3"
-        asks for the Hopper kernel (sm_90, head_dim 64/128/256). On the host every choice runs
-        ``cupyflash.xp_impl``'s FA2.
+        The GPU kernel. "auto" is the Hopper kernel where it applies (sm_90, head_dim 64/128/256),
+        else the mma.sync FA2 kernel; "fa2" and "fa3" force one (as :func:`attention`). On the
+        host every choice runs ``cupyflash.xp_impl``'s FA2.
 
     Notes
     -----
@@ -418,14 +418,13 @@ def _build_plan(
 
 
 def _forward_spec(p: Problem, dtype: str, device: int, algorithm: str, packed: bool) -> Fa2FwdSpec | Fa3FwdSpec:
-    """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel. Packed (varlen)
-    sequences run fa3 only when asked for: its zeroing of the V rows past a sequence's end
-    (kernels_cu/fa3_fwd.cu, clear_v_tail) has not yet run on a GPU."""
+    """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel; ``packed``
+    (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens."""
     flags = MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
     max_smem = _device_max_smem(device)
-    if algorithm == "fa3" or (algorithm == "auto" and not packed):
+    if algorithm in ("fa3", "auto"):
         hopper = _kernels.device_arch(device) == HOPPER_ARCH
-        spec = fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k) if hopper else None
+        spec = fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k, packed) if hopper else None
         if spec is not None and spec.smem_bytes <= max_smem:
             return spec
         if algorithm == "fa3":

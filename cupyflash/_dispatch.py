@@ -129,13 +129,15 @@ FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 }
 
 
-def fa3_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, seqlen_k: int) -> Fa3FwdSpec | None:
-    """The Hopper variant for a call, or None where it has none (that head dim)."""
+def fa3_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, seqlen_k: int, varlen: bool = False) -> Fa3FwdSpec | None:
+    """The Hopper variant for a call (``varlen``: packed sequences, ``seqlen_k`` then the
+    longest), or None where it has none (that head dim)."""
     if head_dim not in FA3_HEAD_DIMS:
         return None
     key = (head_dim, flags.causal or flags.local)
     tile = FA3_SHORT_FWD_TILES.get(key) if seqlen_k <= FA3_SHORT_SEQLEN else None
-    return Fa3FwdSpec(dtype, head_dim, tile or FA3_FWD_TILES[key], flags.causal, flags.local, flags.softcap)
+    tile = tile or FA3_FWD_TILES[key]
+    return Fa3FwdSpec(dtype, head_dim, tile, flags.causal, flags.local, flags.softcap, varlen)
 
 
 def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
@@ -146,10 +148,12 @@ def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
                 for local in (False, True):
                     for softcap in (False, True):
                         for seqlen_k in (FA3_SHORT_SEQLEN, FA3_SHORT_SEQLEN + 1):
-                            spec = fa3_fwd_spec(dtype, head_dim, MaskFlags(causal, local, softcap), seqlen_k)
-                            assert spec is not None
-                            if spec not in specs:
-                                specs.append(spec)
+                            for varlen in (False, True):
+                                flags = MaskFlags(causal, local, softcap)
+                                spec = fa3_fwd_spec(dtype, head_dim, flags, seqlen_k, varlen)
+                                assert spec is not None
+                                if spec not in specs:
+                                    specs.append(spec)
     return specs
 
 

@@ -158,6 +158,7 @@ class Fa3FwdSpec:
     causal: bool = False
     local: bool = False
     softcap: bool = False
+    varlen: bool = False  # packed sequences (cu_seqlens); a padded batch's variant skips that code
 
     kernel = "fa3_fwd"
     source_file = "fa3_fwd.cu"
@@ -194,6 +195,7 @@ class Fa3FwdSpec:
             f"cf_fa3_fwd_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
             f"_m{self.block_m}_n{t.block_n}_s{t.stages}"
             f"{'_os' if t.separate_o else ''}{'_pp' if t.pingpong else ''}{'_dyn' if t.dynamic else ''}{flags}"
+            f"{'_varlen' if self.varlen else ''}"
         )
 
     @property
@@ -212,7 +214,7 @@ class Fa3FwdSpec:
         t = self.tile
         return (
             f"Fa3FwdTraits<{self.head_dim}, {t.block_n}, {t.consumers}, {t.stages}, "
-            f"{b(t.separate_o)}, {b(t.pingpong)}, {b(t.dynamic)}, "
+            f"{b(t.separate_o)}, {b(t.pingpong)}, {b(t.dynamic)}, {b(self.varlen)}, "
             f"{CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}, {b(self.local)}, {b(self.softcap)}>"
         )
 

@@ -44,9 +44,15 @@ def prefill_shapes(dtypes: tuple[str, ...] = ("bfloat16", "float16")) -> list[Pr
     ]
 
 
-def cuda_time_ms(fn: Callable[[], Any], *, warmup_ms: float = 300.0, repeat: int = 30, calls: int = 1) -> float:
-    """Median milliseconds of ``fn`` between CUDA events on PyTorch's current stream, after
-    at least ``warmup_ms`` of warm-up (clocks ramp up; first calls compile or load kernels).
+def cuda_times_ms(
+    fns: dict[str, Callable[[], Any]], *, warmup_ms: float = 300.0, repeat: int = 30, calls: int = 1
+) -> dict[str, float]:
+    """Median milliseconds of each function between CUDA events on PyTorch's current stream,
+    after at least ``warmup_ms`` of warm-up (clocks ramp up; first calls compile or load kernels).
+
+    The samples are interleaved -- one of each function per round, the order rotating -- so the
+    GPU's clock and temperature drift fall on every function alike, and their ratios hold still
+    where their absolute times move (short kernels at N = 1024 moved 10% between processes).
 
     With ``calls`` > 1 a sample is that many back-to-back calls between one pair of events,
     divided by ``calls``: the per-call time of a stream of calls, where each call's host work
@@ -54,22 +60,46 @@ def cuda_time_ms(fn: Callable[[], Any], *, warmup_ms: float = 300.0, repeat: int
     time before the first launch is inside the sample."""
     import torch
 
-    fn()
+    names = list(fns)
+    for fn in fns.values():
+        fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     while (time.perf_counter() - start) * 1e3 < warmup_ms:
-        fn()
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(calls):
+        for fn in fns.values():
             fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / calls)
-    return float(statistics.median(times))
+            torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeat):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(calls):
+                fns[name]()
+            end.record()
+            end.synchronize()
+            times[name].append(begin.elapsed_time(end) / calls)
+    return {name: float(statistics.median(samples)) for name, samples in times.items()}
+
+
+def cuda_time_ms(fn: Callable[[], Any], *, warmup_ms: float = 300.0, repeat: int = 30, calls: int = 1) -> float:
+    """:func:`cuda_times_ms` of one function."""
+    return cuda_times_ms({"fn": fn}, warmup_ms=warmup_ms, repeat=repeat, calls=calls)["fn"]
+
+
+def runnable(calls: dict[str, Callable[[], Any]], row: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """The calls that run; each one that raises (a backend refusing the inputs) gets ``None``
+    and its first error line in ``row``."""
+    ok = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except (RuntimeError, ValueError, TypeError) as error:
+            row[name] = None
+            row[f"{name}_error"] = str(error).splitlines()[0][:200]
+            continue
+        ok[name] = call
+    return ok
 
 
 def prefill_inputs(shape: PrefillShape, seed: int = 0) -> tuple[Any, Any, Any]:
@@ -115,19 +145,14 @@ def run_prefill(
 
     q, k, v = prefill_inputs(shape)
     row: dict[str, Any] = asdict(shape)
+    calls: dict[str, Callable[[], Any]] = {}
     for backend in backends:
-        call: Callable[[], Any]
         if backend in CUPYFLASH_BACKENDS:
             algorithm = CUPYFLASH_BACKENDS[backend]
-            call = functools.partial(cupyflash.attention, q, k, v, causal=shape.causal, algorithm=algorithm)
+            calls[backend] = functools.partial(cupyflash.attention, q, k, v, causal=shape.causal, algorithm=algorithm)
         else:
-            call = sdpa_call(backend, q, k, v, shape.causal)
-        try:
-            ms = cuda_time_ms(call)
-        except (RuntimeError, ValueError) as error:  # a backend that does not take this shape/dtype
-            row[backend] = None
-            row[f"{backend}_error"] = str(error).splitlines()[0][:200]
-            continue
+            calls[backend] = sdpa_call(backend, q, k, v, shape.causal)
+    for backend, ms in cuda_times_ms(runnable(calls, row)).items():
         row[backend] = round(shape.flops / ms / 1e9, 1)
         row[f"{backend}_ms"] = round(ms, 4)
     return row
@@ -285,14 +310,9 @@ def run_decode(shape: DecodeShape) -> dict[str, Any]:
     }
     row: dict[str, Any] = asdict(shape)
     row["kv_GB"] = round(shape.kv_bytes / 1e9, 3)
-    for name, call in calls.items():
-        for suffix, burst in (("", 1), ("_steady", DECODE_STEADY_CALLS)):
-            try:
-                ms = cuda_time_ms(call, warmup_ms=100.0, repeat=20, calls=burst)
-            except RuntimeError as error:
-                row[f"{name}{suffix}_us"] = None
-                row[f"{name}_error"] = str(error).splitlines()[0][:200]
-                break
+    timed = runnable(calls, row)
+    for suffix, burst in (("", 1), ("_steady", DECODE_STEADY_CALLS)):
+        for name, ms in cuda_times_ms(timed, warmup_ms=100.0, repeat=20, calls=burst).items():
             row[f"{name}{suffix}_us"] = round(ms * 1e3, 1)
             row[f"{name}{suffix}_TBps"] = round(shape.kv_bytes / (ms * 1e-3) / 1e12, 2)
     ref = calls["flash"]().transpose(1, 2).float()
@@ -345,4 +365,102 @@ def format_decode_table(rows: list[dict[str, Any]], suffix: str = "") -> str:
             f"{r['batch']:>3} {r['seqlen']:>7} {r['kv_GB']:>6.2f} | " + " ".join(cells)
             + f" | {best / ours:>5.2f}x | {slow[0]:>5.1f}x {slow[1]:>5.1f}x"
         )  # fmt: skip
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen: sequences of different lengths packed end to end (a training batch without padding).
+# ---------------------------------------------------------------------------------------------
+#: Packed tokens per varlen benchmark batch, as the prefill shapes' B x N.
+VARLEN_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class VarlenShape:
+    lengths: tuple[int, ...]
+    heads: int
+    head_dim: int
+    causal: bool
+    dtype: str = "bfloat16"
+
+    @property
+    def flops(self) -> float:
+        """The work of each sequence alone (none is spent on padding)."""
+        full = sum(4.0 * self.heads * n * n * self.head_dim for n in self.lengths)
+        return full / 2 if self.causal else full
+
+
+def varlen_lengths(
+    total: int = VARLEN_TOKENS, shortest: int = 128, longest: int = 4096, seed: int = 0
+) -> tuple[int, ...]:
+    """Sequence lengths drawn uniformly from [shortest, longest], the last one cut to make
+    ``total`` tokens: a fixed, deliberately uneven mix (odd lengths included)."""
+    import random
+
+    rng = random.Random(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(min(rng.randint(shortest, longest), total - sum(lengths)))
+    return tuple(lengths)
+
+
+def varlen_shapes() -> list[VarlenShape]:
+    lengths = varlen_lengths()
+    return [VarlenShape(lengths, 2048 // d, d, causal) for d in PREFILL_HEAD_DIMS for causal in (False, True)]
+
+
+def _torch_varlen_call(q: Any, k: Any, v: Any, cu: Any, longest: int, causal: bool) -> Callable[[], Any]:
+    """PyTorch's own varlen attention (torch.nn.attention.varlen, flash kernels), whose causal
+    flag moved from ``is_causal`` to ``window_size=(-1, 0)`` between releases."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    flag = {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {"window_size": (-1, 0)}
+    extra = flag if causal else {}
+    return functools.partial(varlen_attn, q, k, v, cu, cu, longest, longest, **extra)
+
+
+def run_varlen(shape: VarlenShape) -> dict[str, Any]:
+    """TFLOP/s (of the unpadded work) of cupyflash's FA2 and Hopper kernels, its default
+    dispatch, and PyTorch's varlen attention, on the same packed inputs."""
+    import torch
+
+    import cupyflash
+
+    total, longest = sum(shape.lengths), max(shape.lengths)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dims = (total, shape.heads, shape.head_dim)
+    q, k, v = (torch.randn(dims, generator=gen, device="cuda", dtype=getattr(torch, shape.dtype)) for _ in range(3))
+    starts = [0]
+    for n in shape.lengths:
+        starts.append(starts[-1] + n)
+    cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    calls: dict[str, Callable[[], Any]] = {
+        name: functools.partial(
+            cupyflash.attention_varlen, q, k, v, cu, cu, longest, longest, causal=shape.causal, algorithm=algorithm
+        )
+        for name, algorithm in (("cupyflash", "auto"), ("cupyflash_fa2", "fa2"), ("cupyflash_fa3", "fa3"))
+    }
+    row: dict[str, Any] = asdict(shape)
+    row["sequences"], row["tokens"], row["longest"] = len(shape.lengths), total, longest
+    del row["lengths"]
+    try:
+        calls["torch_varlen"] = _torch_varlen_call(q, k, v, cu, longest, shape.causal)
+    except (ImportError, AttributeError) as error:
+        row["torch_varlen_error"] = str(error)[:200]
+    reference = calls["cupyflash_fa2"]().float()
+    timed = runnable(calls, row)
+    for name, ms in cuda_times_ms(timed).items():
+        row[name] = round(shape.flops / ms / 1e9, 1)
+        row[f"{name}_max_abs_diff_vs_fa2"] = round(float((timed[name]().float() - reference).abs().max()), 5)
+    return row
+
+
+def format_varlen_table(rows: list[dict[str, Any]]) -> str:
+    names = ("cupyflash", "cupyflash_fa2", "cupyflash_fa3", "torch_varlen")
+    lines = [f"{'d':>4} {'causal':>6} {'seqs':>4} {'longest':>7} | " + " ".join(f"{n:>13}" for n in names)]
+    for r in rows:
+        cells = " ".join(f"{r.get(n) or float('nan'):>13.1f}" for n in names)
+        lines.append(f"{r['head_dim']:>4} {str(r['causal']):>6} {r['sequences']:>4} {r['longest']:>7} | {cells}")
     return "\n".join(lines)

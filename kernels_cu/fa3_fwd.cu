@@ -48,7 +48,7 @@ struct Fa3Params {
 };
 
 template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_, bool Pingpong_,
-          bool Dynamic_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
+          bool Dynamic_, bool Varlen_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
 struct Fa3FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -65,6 +65,10 @@ struct Fa3FwdTraits {
   static constexpr bool Pingpong = Pingpong_;
   // Persistent CTAs draw their next tile from a global counter (else: the static stride).
   static constexpr bool Dynamic = Dynamic_;
+  // Packed sequences (cu_seqlens): tiles find their rows per sequence, skip past a shorter
+  // sequence's end and clear V rows past it. A padded batch's variant carries none of that code
+  // (at N = 1024 a tile is only ~8 key blocks, and its fixed costs show).
+  static constexpr bool Varlen = Varlen_;
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
@@ -123,11 +127,12 @@ using TileMask = KeyMask<Traits::kBlockM, Traits::kBlockN, Traits::Is_causal, Tr
 
 // The query and key rows of a tile's sequence: all of them for a padded batch, its slice of the
 // packed tensors for varlen.
+template <bool Varlen>
 struct TileRows {
   SeqRange q, k;
   CF_DEVICE TileRows(const AttnParams& params, int batch)
-      : q(seq_range(params.cu_seqlens_q, batch, params.seqlen_q)),
-        k(seq_range(params.cu_seqlens_k, batch, params.seqlen_k)) {}
+      : q(Varlen ? seq_range(params.cu_seqlens_q, batch, params.seqlen_q) : SeqRange{0, params.seqlen_q}),
+        k(Varlen ? seq_range(params.cu_seqlens_k, batch, params.seqlen_k) : SeqRange{0, params.seqlen_k}) {}
 };
 
 template <typename Traits>
@@ -155,8 +160,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   constexpr int kConsumerWarps = 4 * Traits::kConsumers;
 
   const TileScheduler<Traits> scheduler(p);
-  // TMA coordinates: packed sequences are one "batch" of the tensor map, rows offset per sequence.
-  const bool packed = params.cu_seqlens_q != nullptr;
+  using Rows = TileRows<Traits::Varlen>;
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     mbar_init(bar_q_full, 1);
@@ -186,8 +190,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     };
     // Varlen: a tile past the end of its sequence holds no rows; the consumers never see it.
     auto empty = [&](int t) {
+      if constexpr (!Traits::Varlen) return false;
       const auto tile = scheduler(t, params);
-      return tile.m_block * kBlockM >= TileRows(params, tile.batch).q.len;
+      return tile.m_block * kBlockM >= Rows(params, tile.batch).q.len;
     };
     for (int t = blockIdx.x, tile_iter = 0;; ++tile_iter) {
       while (t < scheduler.num_tiles && empty(t)) t = next_tile(t);
@@ -199,8 +204,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       }
       const auto tile = scheduler(t, params);
       const int head_k = tile.head / params.h_h_k_ratio;
-      const TileRows rows(params, tile.batch);
-      const int tma_batch = packed ? 0 : tile.batch;
+      const Rows rows(params, tile.batch);
+      // TMA coordinates: packed sequences are one "batch" of the tensor map, rows offset per sequence.
+      const int tma_batch = Traits::Varlen ? 0 : tile.batch;
       const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
                                   params.window_right);
       const int n_begin = mask.n_block_begin();
@@ -276,7 +282,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     if (t >= scheduler.num_tiles) break;
     const auto tile = scheduler(t, params);
     const int row_block0 = tile.m_block * kBlockM;
-    const TileRows rows(params, tile.batch);
+    const Rows rows(params, tile.batch);
     const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
                                 params.window_right);
     const int n_end = mask.n_block_end();
@@ -332,8 +338,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // there, but 0 x Inf or NaN in V would still be NaN: this consumer zeroes those V rows
     // before its P V wgmma (the other consumer may write the same zeros; it reads no other value).
     auto clear_v_tail = [&](uint32_t v_slot, int n_block) {
+      if constexpr (!Traits::Varlen) return;
       const int valid = rows.k.len - n_block * kBlockN;
-      if (!packed || valid >= kBlockN) return;  // the same answer for the whole warpgroup
+      if (valid >= kBlockN) return;  // the same answer for the whole warpgroup
       constexpr int kChunksPerRow = kSwizzleRowBytes / 16;  // a key row of one column block
       const int first = max(valid, 0);
       const int chunks = (kBlockN - first) * Traits::kColBlocks * kChunksPerRow;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install what it lacks, warm the kernel cache, run every test
-# (the `gpu` ones included), benchmark prefill and decode against PyTorch SDPA, profile the host
+# (the `gpu` ones included), benchmark prefill, decode and varlen against PyTorch, profile the host
 # path, run the generation example, and log it all.
 #   usage: scripts/gpu_check.sh [LOG_DIR] [--tune]     (LOG_DIR defaults to $OUT, else gpu_logs)
 # The machine has no network: Python packages it lacks travel as wheels in .whl/ (see README).
@@ -38,6 +38,8 @@ python3 -m cupyflash bench --json "$LOG_DIR/bench.json" 2>&1 | tee "$LOG_DIR/ben
 echo "== decode benchmark, host profile"
 python3 -m cupyflash bench-decode --json "$LOG_DIR/bench_decode.json" > "$LOG_DIR/bench_decode.log" 2>&1 || status=1
 tail -21 "$LOG_DIR/bench_decode.log"
+python3 -m cupyflash bench-varlen --json "$LOG_DIR/bench_varlen.json" > "$LOG_DIR/bench_varlen.log" 2>&1 || status=1
+tail -5 "$LOG_DIR/bench_varlen.log"
 python3 scripts/profile_host.py > "$LOG_DIR/host_profile.log" 2>&1 || status=1
 python3 examples/generate.py > "$LOG_DIR/generate.log" 2>&1 || status=1
 python3 -m cupyflash info > "$LOG_DIR/variants.log" 2>&1

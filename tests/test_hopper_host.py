@@ -35,11 +35,14 @@ def test_auto_picks_the_hopper_kernel_where_it_applies(fake_device, head_dim):
     fake_device("sm_90a")
     spec = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=False)
     assert isinstance(spec, Fa3FwdSpec if head_dim in FA3_HEAD_DIMS else Fa2FwdSpec)
-    # an explicit "fa2" runs the mma.sync kernel; packed sequences run it unless "fa3" is asked for
-    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa2", packed=False), Fa2FwdSpec)
-    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=True), Fa2FwdSpec)
+    assert not isinstance(spec, Fa3FwdSpec) or not spec.varlen
+    # an explicit "fa2" runs the mma.sync kernel; packed sequences get the varlen variant
+    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa2", packed=True), Fa2FwdSpec)
+    packed = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=True)
     if head_dim in FA3_HEAD_DIMS:
-        assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa3", packed=True), Fa3FwdSpec)
+        assert isinstance(packed, Fa3FwdSpec) and packed.varlen and packed in _dispatch.all_fa3_fwd_specs()
+    else:
+        assert isinstance(packed, Fa2FwdSpec)
 
 
 def test_ampere_runs_fa2_and_refuses_fa3(fake_device):
