@@ -93,6 +93,11 @@ struct Fa3FwdTraits {
   // Registers: the producer keeps 24, the consumers share the rest of the 64K register file.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  // The softmax of S_j is held above the wait for P_{j-1} V_{j-1} (keep_above_wait), so it runs
+  // while that wgmma is in flight, where S, P and O all fit in the registers at once: not with
+  // three consumers (160 registers: 272 bytes of spills at d = 64) nor at d = 256 (O alone
+  // takes 128: 720), where ptxas may serialise them.
+  static constexpr bool Softmax_under_pv = kConsumers == 2 && kHeadDim <= 128;
 
   static_assert(kHeadDim % kColBlockElems == 0, "head dim must be a multiple of 64");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: a multiple of 16 up to 256 (wgmma N, TMA box)");
@@ -399,6 +404,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
       float rescale[2];
       softmax_step(s, n_end - 1 - it, rescale);
+      if constexpr (Traits::Softmax_under_pv) keep_above_wait(softmax.row_sum);
       wgmma_wait<0>();
       wgmma_fence_operands(acc_o[0]);
       fence_p(p_prev);

@@ -114,6 +114,19 @@ CF_DEVICE void wgmma_fence_operands(float (&acc)[kCols][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[c][e])::"memory");
 }
 
+// Keeps the work that produced `sums` above the next wgmma_wait. ptxas schedules
+// wgmma.wait_group as if it cost nothing and hoists it above independent arithmetic (an empty
+// asm fence does not stop it: ptxas never sees one), so FA3's softmax-under-P V overlap would
+// run serially. A branch on the sums (never taken: a running sum of exp2 is >= 0 or NaN) ends
+// the basic block, and the wait is not moved above it.
+template <int kCount>
+CF_DEVICE void keep_above_wait(const float (&sums)[kCount]) {
+  bool negative = false;
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) negative |= sums[i] < 0.f;
+  if (negative) __trap();
+}
+
 // Register reallocation between warpgroups (counts: multiples of 8 in [24, 256]).
 template <int kRegs>
 CF_DEVICE void setmaxnreg_dec() {
