@@ -8,6 +8,7 @@ DESIGN.md: forward ``4 * B * H * Nq * Nk * d``, halved for causal.
 from __future__ import annotations
 
 import functools
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -50,9 +51,15 @@ def cuda_times_ms(
     """Median milliseconds of each function between CUDA events on PyTorch's current stream,
     after at least ``warmup_ms`` of warm-up (clocks ramp up; first calls compile or load kernels).
 
-    The samples are interleaved -- one of each function per round, the order rotating -- so the
+    The samples are interleaved -- one of each function per round, in a shuffled order -- so the
     GPU's clock and temperature drift fall on every function alike, and their ratios hold still
-    where their absolute times move (short kernels at N = 1024 moved 10% between processes).
+    where their absolute times move (short kernels at N = 1024 moved 10% between processes). The
+    order is shuffled, not rotated: rotating keeps each function behind the same neighbour, and a
+    kernel that follows a high-power one (wgmma) may inherit its lower clocks. Even shuffled, a
+    low-power kernel (mma.sync: the FA2 kernel, PyTorch's flash backend) may measure lower here
+    than alone after its own warm-up: flash at d = 128, N = 16384 gave 324 TFLOP/s in the first
+    interleaved run (rotating) against 340 and 341 timed in blocks the same day, on another host
+    (docs/gpu_runs/2026-11-30-1661eae/, 2026-11-30-504d286/).
 
     With ``calls`` > 1 a sample is that many back-to-back calls between one pair of events,
     divided by ``calls``: the per-call time of a stream of calls, where each call's host work
@@ -70,8 +77,10 @@ def cuda_times_ms(
             fn()
             torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeat):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    order = random.Random(0)
+    for _ in range(repeat):
+        order.shuffle(names)
+        for name in names:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             for _ in range(calls):
@@ -395,8 +404,6 @@ def varlen_lengths(
 ) -> tuple[int, ...]:
     """Sequence lengths drawn uniformly from [shortest, longest], the last one cut to make
     ``total`` tokens: a fixed, deliberately uneven mix (odd lengths included)."""
-    import random
-
     rng = random.Random(seed)
     lengths: list[int] = []
     while sum(lengths) < total:

@@ -86,3 +86,37 @@ def test_regression_gate_catches_a_slowdown(tmp_path):
     run = _gate(tmp_path)
     assert run.returncode == 1 and "REGRESSION" in run.stdout, run.stdout
     shutil.rmtree(tmp_path)
+
+
+@needs_git
+def test_regression_gate_reads_cupyflash_against_the_reference_of_the_same_run(tmp_path):
+    """A slower machine (cuDNN and cupyflash 20% down together) is no regression; cupyflash
+    alone 20% down beside an unchanged cuDNN is; a peer's own drop is never one."""
+    commits = subprocess.run(
+        ["git", "rev-list", "--first-parent", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
+    if len(commits) < 2:
+        pytest.skip("needs two commits")
+    name = "prefill.Prefill.track_tflops"
+    params = [["'cupyflash'", "'flash'", "'cudnn'"], ["128"]]
+
+    def gate(old: list[float], new: list[float]) -> subprocess.CompletedProcess:
+        results = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        (results / "h200").mkdir(parents=True)
+        (results / "benchmarks.json").write_text(json.dumps({name: {"unit": "TFLOP/s", "params": params}}))
+        for commit, values in ((commits[1], old), (commits[0], new)):
+            result = {
+                "commit_hash": commit,
+                "result_columns": ["result", "params", "version"],
+                "results": {name: [values, params, "v1"]},
+            }
+            (results / "h200" / f"{commit[:8]}.json").write_text(json.dumps(result))
+        return _gate(results)
+
+    slower_machine = gate([600.0, 330.0, 600.0], [480.0, 264.0, 480.0])
+    assert slower_machine.returncode == 0, slower_machine.stdout
+    slower_flash = gate([600.0, 330.0, 600.0], [600.0, 200.0, 600.0])
+    assert slower_flash.returncode == 0, slower_flash.stdout
+    slower_code = gate([600.0, 330.0, 600.0], [480.0, 330.0, 600.0])
+    assert slower_code.returncode == 1 and "REGRESSION" in slower_code.stdout, slower_code.stdout
+    shutil.rmtree(tmp_path)
