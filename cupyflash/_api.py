@@ -14,7 +14,8 @@ from ._specs import CUDA_ELEMENT_TYPES, FA2_HEAD_DIMS, HOPPER_ARCH, Fa2FwdSpec, 
 from ._validate import Problem, attention_problem, check_algorithm, check_cu_seqlens_values, varlen_problem
 
 # "fa2": the mma.sync kernel (any GPU from sm_80); "fa3": the Hopper kernel (wgmma + TMA, sm_90);
-# "auto": fa3 where it applies (Hopper, head_dim 64/128/256, padded batches), else fa2.
+# "auto": fa3 where it applies (Hopper, head_dim 64/128/256; packed sequences take its _varlen
+# variants), else fa2.
 # "fa1" and "naive": the baselines of docs/io_analysis.md.
 GPU_ALGORITHMS = ("auto", "fa2", "fa3", "fa1", "naive")
 VARLEN_ALGORITHMS = ("auto", "fa2", "fa3")
@@ -391,8 +392,9 @@ def _build_plan(
                 1,
             )
             # Packed sequences are one batch of param_seqlens (the packed totals) rows; a padded
-            # batch has p.batch of seqlen rows each.
+            # batch has p.batch of seqlen rows each. Only a _varlen variant reads cu_seqlens.
             d, packed = p.head_dim, axes[0] < 0
+            assert spec.varlen == packed, f"{spec.name} on {'packed' if packed else 'padded'} inputs"
             rows_q, rows_k = param_seqlens if packed else (p.seqlen_q, p.seqlen_k)
             batches = 1 if packed else p.batch
             tma = _TmaPlan(

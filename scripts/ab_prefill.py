@@ -19,7 +19,11 @@ import sys
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 MEASURE = """
 import json, sys
+import os
+import cupyflash
 from cupyflash import bench
+assert os.path.realpath(cupyflash.__file__).startswith(os.path.realpath(os.getcwd())), cupyflash.__file__
+print("AB-TREE", cupyflash.__file__)
 rows = []
 for case in sys.argv[1:]:
     dtype, d, n, causal = case.split("-")
@@ -30,9 +34,13 @@ print("AB-JSON", json.dumps(rows))
 
 
 def measure(tree: str, shapes: list[str]) -> list[dict]:
+    """One process in ``tree`` (python -c puts the working directory first on sys.path, ahead of
+    PYTHONPATH: run from elsewhere, every tree would import the same cupyflash)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]))
     code = MEASURE.format(dtypes=DTYPES)
-    out = subprocess.run([sys.executable, "-c", code, *shapes], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *shapes], cwd=tree, env=env, capture_output=True, text=True, check=True
+    )
     line = next(text for text in out.stdout.splitlines() if text.startswith("AB-JSON "))
     return json.loads(line[len("AB-JSON ") :])
 

@@ -2,13 +2,14 @@
 branch against the measured commit before it, on the H200 machine.
 
 A benchmark regresses when it moves the wrong way (TFLOP/s or GB/s down; us, s or % up) by more
-than its noise threshold. Where a benchmark also measures a reference in the same process (the
-cuDNN backend for prefill and decode, SDPA for the host time, the FA2 kernel for the
-baselines), each of cupyflash's entries is gated on its ratio to that reference, not on its
-absolute value: every session may get a different H200 host, and between two of them cuDNN's
+than its noise threshold. Where a benchmark also measures a reference in the same run (the
+cuDNN backend for prefill and decode, SDPA for the host time; measured in the same process for
+prefill and decode), each of cupyflash's entries is gated on its ratio to that reference, not
+on its absolute value: every session may get a different H200 host, and between two of them cuDNN's
 own TFLOP/s moved by up to 25% at N = 1024 (asv runs of 261e2f6 and 1661eae), which an
 absolute gate reads as a regression of code that did not change. The reference and the other
-libraries' entries are listed, not gated. A benchmark whose asv version (the hash of its code)
+libraries' entries are listed, not gated; the baselines (all cupyflash's own kernels) are
+gated on absolute values, host changes included. A benchmark whose asv version (the hash of its code)
 changed between the two commits starts a new series and is not compared.
 
 Thresholds come from measurement, per benchmark: a commit run twice (once under the machine
@@ -40,33 +41,33 @@ HIGHER_IS_BETTER = {"TFLOP/s", "GB/s"}
 Results = dict[str, dict[str, tuple[list[tuple[str, ...]], list[float | None], str | None]]]
 
 #: Benchmark family -> the entry (first parameter) measured beside cupyflash's in the same run.
+#: The baselines have none: their entries are all cupyflash's, gated on absolute values.
 REFERENCES = {
     "prefill.": "'cudnn'",
     "fa2_prefill.": "'cudnn'",
     "decode.": "'cudnn'",
     "host.": "'sdpa_us'",
-    "baselines.": "'cupyflash_fa2'",
 }
 #: Entries that measure other libraries: shown beside cupyflash's, never gated.
 PEERS = {"'flash'", "'cudnn'", "'sdpa_us'"}
 
-
-def reference_of(name: str) -> str | None:
-    return next((ref for prefix, ref in REFERENCES.items() if name.startswith(prefix)), None)
+Values = dict[tuple[str, ...], float | None]
 
 
-def relative_to_reference(name: str, combos: list[tuple[str, ...]], values: list[float | None]) -> list[float | None]:
-    """Each value over the reference entry's value at the same other parameters (None for the
-    reference itself); the values unchanged where the benchmark has no reference entry."""
-    ref = reference_of(name)
-    if ref is None or not combos or ref not in {c[0] for c in combos}:
-        return values
-    by_combo = dict(zip(combos, values))
-    out: list[float | None] = []
-    for combo, value in zip(combos, values):
-        base = by_combo.get((ref, *combo[1:]))
-        out.append(value / base if combo[0] != ref and value and base else None)
-    return out
+def reference_of(name: str, *entries: Values) -> str | None:
+    """The reference entry of a benchmark, if every one of ``entries`` measured it."""
+    ref = next((ref for prefix, ref in REFERENCES.items() if name.startswith(prefix)), None)
+    return ref if ref is not None and all(any(c and c[0] == ref for c in e) for e in entries) else None
+
+
+def gated_value(values: Values, combo: tuple[str, ...], ref: str | None) -> float | None:
+    """The value the gate compares: over the reference's value at the same other parameters
+    where there is a reference, else the value itself; None where either is missing."""
+    value = values.get(combo)
+    if ref is None or not value:
+        return value
+    base = values.get((ref, *combo[1:]))
+    return value / base if base else None
 
 
 def load_results(machine_dir: Path) -> Results:
@@ -93,16 +94,16 @@ def load_results(machine_dir: Path) -> Results:
     return by_commit
 
 
-def gated_values(results: Results, commit: str, name: str) -> dict[tuple[str, ...], float | None]:
-    combos, values, _ = results[commit][name]
-    return dict(zip(combos, relative_to_reference(name, combos, values)))
-
-
 def worse_by(unit: str, old: float, new: float) -> float:
     """How much worse new is than old, as a fraction (negative: better)."""
     if unit in HIGHER_IS_BETTER:
         return (old - new) / old
     return (new - old) / old
+
+
+def values_of(results: Results, commit: str, name: str) -> Values:
+    combos, values, _ = results[commit][name]
+    return dict(zip(combos, values))
 
 
 def noise_thresholds(results_dir: Path, machine: str) -> tuple[dict[str, float], str]:
@@ -118,10 +119,11 @@ def noise_thresholds(results_dir: Path, machine: str) -> tuple[dict[str, float],
     thresholds: dict[str, float] = {}
     for commit in set(first) & set(again):
         for name in set(first[commit]) & set(again[commit]):
-            a_values, b_values = gated_values(first, commit, name), gated_values(again, commit, name)
-            for combo, a in a_values.items():
-                b = b_values.get(combo)
-                if a and b:
+            a_values, b_values = values_of(first, commit, name), values_of(again, commit, name)
+            ref = reference_of(name, a_values, b_values)
+            for combo in a_values:
+                a, b = gated_value(a_values, combo, ref), gated_value(b_values, combo, ref)
+                if a and b and not (combo and combo[0] in PEERS):
                     thresholds[name] = max(thresholds.get(name, MIN_THRESHOLD), 2 * abs(b - a) / a)
     return thresholds, f"2 x the largest spread of a commit run twice, per benchmark, at least {MIN_THRESHOLD:.0%}"
 
@@ -151,26 +153,28 @@ def main() -> int:
         if by_commit[new][name][2] != by_commit[old][name][2]:
             print(f"  {name}: its code changed between the two commits (asv version): a new series, not compared")
             continue
-        ref = reference_of(name)
-        old_values, new_values = gated_values(by_commit, old, name), gated_values(by_commit, new, name)
-        raw_old, raw_new = (dict(zip(*by_commit[c][name][:2])) for c in (old, new))
-        for combo, b in new_values.items():
-            a = old_values.get(combo)
+        old_values, new_values = values_of(by_commit, old, name), values_of(by_commit, new, name)
+        ref = reference_of(name, old_values, new_values)
+        for combo, y in new_values.items():
+            x = old_values.get(combo)
             label = ", ".join(combo)
-            if combo and (combo[0] == ref or combo[0] in PEERS):
-                x, y = raw_old.get(combo), raw_new.get(combo)
+            if combo and combo[0] in PEERS:
                 if x and y:
-                    print(
-                        f"  {name}({label}): {x:.4g} -> {y:.4g} {unit} ({y / x - 1:+.1%}; not cupyflash's, not gated)"
-                    )
+                    moved = -worse_by(unit, x, y)
+                    print(f"  {name}({label}): {x:.4g} -> {y:.4g} {unit} ({moved:+.1%}; a peer, not gated)")
                 continue
+            a, b = gated_value(old_values, combo, ref), gated_value(new_values, combo, ref)
+            basis = f"x {ref}"
+            if x and y and not (a and b):  # the reference is missing at this point: compare absolutes
+                a, b, basis = x, y, f"{unit} (no reference value here)"
+            elif ref is None:
+                basis = unit
             if not a or not b:
                 continue
             threshold = thresholds.get(name, MIN_THRESHOLD)
             change = worse_by(unit, a, b)
             flag = "REGRESSION" if change > threshold else ""
-            shown = unit if a is raw_old.get(combo) else f"x {ref}"
-            print(f"  {name}({label}): {a:.4g} -> {b:.4g} {shown} ({-change:+.1%}, allowed {threshold:.0%}) {flag}")
+            print(f"  {name}({label}): {a:.4g} -> {b:.4g} {basis} ({-change:+.1%}, allowed {threshold:.0%}) {flag}")
             if flag:
                 regressions.append(f"{name}({label})")
     if regressions:

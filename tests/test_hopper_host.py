@@ -41,6 +41,9 @@ def test_auto_picks_the_hopper_kernel_where_it_applies(fake_device, head_dim):
     packed = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=True)
     if head_dim in FA3_HEAD_DIMS:
         assert isinstance(packed, Fa3FwdSpec) and packed.varlen and packed in _dispatch.all_fa3_fwd_specs()
+        for is_packed in (False, True):  # an explicit "fa3" takes the variant of the layout too
+            forced = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa3", packed=is_packed)
+            assert isinstance(forced, Fa3FwdSpec) and forced.varlen == is_packed
     else:
         assert isinstance(packed, Fa2FwdSpec)
 
