@@ -3,8 +3,12 @@ process per tree (the tree order rotating), so clock and thermal drift fall on a
 
     python scripts/ab_prefill.py TREE_A TREE_B [TREE ...] [--rounds 3] [--shapes bf16-64-1024-0 ...]
 
-A shape is dtype-d-N-causal (B = 16384 / N, H = 2048 / d, as the prefill benchmark). Prints
-each round's cupyflash and cuDNN TFLOP/s per tree, then the medians.
+A shape is dtype-d-N-causal (B = 16384 / N, H = 2048 / d, as the prefill benchmark). Each
+process imports the tree's cupyflash (its path is printed) and times it with this checkout's
+harness (cupyflash/bench.py), so trees from before a change of timing method compare alike.
+Prints each round's cupyflash and cuDNN TFLOP/s per tree, then the medians. Make trees with
+`git archive COMMIT cupyflash kernels_cu | tar x -C .ab/COMMIT` (.ab/ is git-ignored locally;
+carry it to the GPU machine).
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ import sys
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 MEASURE = """
-import json, sys
-import os
+import importlib.util, json, os, sys
 import cupyflash
-from cupyflash import bench
 assert os.path.realpath(cupyflash.__file__).startswith(os.path.realpath(os.getcwd())), cupyflash.__file__
 print("AB-TREE", cupyflash.__file__)
+# The timing harness is this checkout's, for every tree (the trees' own bench.py may time
+# differently); its `import cupyflash` inside each function finds the tree's package.
+spec = importlib.util.spec_from_file_location("ab_bench", {harness!r})
+bench = sys.modules["ab_bench"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
 rows = []
 for case in sys.argv[1:]:
     dtype, d, n, causal = case.split("-")
@@ -34,13 +41,15 @@ print("AB-JSON", json.dumps(rows))
 
 
 def measure(tree: str, shapes: list[str]) -> list[dict]:
-    """One process in ``tree`` (python -c puts the working directory first on sys.path, ahead of
-    PYTHONPATH: run from elsewhere, every tree would import the same cupyflash)."""
+    """One process, run in ``tree``: `python -c` puts the working directory ahead of PYTHONPATH
+    on sys.path, so a process run elsewhere would import that directory's cupyflash instead."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]))
-    code = MEASURE.format(dtypes=DTYPES)
+    harness = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cupyflash", "bench.py")
+    code = MEASURE.format(dtypes=DTYPES, harness=os.path.abspath(harness))
     out = subprocess.run(
         [sys.executable, "-c", code, *shapes], cwd=tree, env=env, capture_output=True, text=True, check=True
     )
+    print(next(text for text in out.stdout.splitlines() if text.startswith("AB-TREE ")), flush=True)
     line = next(text for text in out.stdout.splitlines() if text.startswith("AB-JSON "))
     return json.loads(line[len("AB-JSON ") :])
 
