@@ -149,9 +149,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_gpu(command: str) -> bool:
+    available = _gpu_available()
+    if not available:
+        print(f"{command} needs a GPU", file=sys.stderr)
+    return available
+
+
+def _write_json(path: str | None, results: dict[str, object]) -> None:
+    """The benchmark's results, where ``--json`` asked for them."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    if not _gpu_available():
-        print("bench needs a GPU", file=sys.stderr)
+    if not _require_gpu("bench"):
         return 1
     from . import bench
 
@@ -165,15 +178,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(bench.format_prefill_table(rows))
     overhead = bench.host_overhead_us()
     print(f"host time of a tiny call (1 query, 128 keys, 8 heads, d=128): {overhead}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"prefill": rows, "host_overhead": overhead}, f, indent=1)
+    _write_json(args.json, {"prefill": rows, "host_overhead": overhead})
     return 0
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
-    if not _gpu_available():
-        print("bench-decode needs a GPU", file=sys.stderr)
+    if not _require_gpu("bench-decode"):
         return 1
     from . import bench
 
@@ -187,15 +197,12 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     print(bench.format_decode_table(rows, "_steady"))
     overhead = bench.decode_host_overhead_us()
     print(f"host time of a decode call (B=1, L=4096, Hq=32, Hkv=8, d=128, bf16): {overhead}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"decode": rows, "host_overhead": overhead}, f, indent=1)
+    _write_json(args.json, {"decode": rows, "host_overhead": overhead})
     return 0
 
 
 def cmd_bench_varlen(args: argparse.Namespace) -> int:
-    if not _gpu_available():
-        print("bench-varlen needs a GPU", file=sys.stderr)
+    if not _require_gpu("bench-varlen"):
         return 1
     from . import bench
 
@@ -203,9 +210,7 @@ def cmd_bench_varlen(args: argparse.Namespace) -> int:
     print(f"{len(shapes[0].lengths)} sequences of {list(shapes[0].lengths)} tokens, bf16, TFLOP/s of the unpadded work")
     rows = [bench.run_varlen(shape) for shape in shapes]
     print(bench.format_varlen_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"varlen": rows}, f, indent=1)
+    _write_json(args.json, {"varlen": rows})
     return 0
 
 

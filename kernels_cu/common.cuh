@@ -62,6 +62,20 @@ struct ElementTraits<__nv_bfloat16> {
   }
 };
 
+// Scalar conversions of the element types (and of fp32 partials) to and from float.
+CF_DEVICE float to_float(float x) { return x; }
+CF_DEVICE float to_float(__half x) { return __half2float(x); }
+CF_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+CF_DEVICE T from_float(float x);
+template <>
+CF_DEVICE float from_float<float>(float x) { return x; }
+template <>
+CF_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+CF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
 // ---------------------------------------------------------------------------------------------
 // Fast math. ex2.approx is the MUFU instruction the online softmax is built around (one per
 // score); ex2.approx(-inf) = +0, which is how masked scores vanish.

@@ -249,19 +249,6 @@ struct PackedRowMask {
 // ---------------------------------------------------------------------------------------------
 // Merge of partial states (the split-KV combine, and merge_states).
 // ---------------------------------------------------------------------------------------------
-CF_DEVICE float to_float(float x) { return x; }
-CF_DEVICE float to_float(__half x) { return __half2float(x); }
-CF_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-CF_DEVICE T from_float(float x);
-template <>
-CF_DEVICE float from_float<float>(float x) { return x; }
-template <>
-CF_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-CF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
 // One warp merges one output row from num_parts states: part p is O_p = g_o[p * o_part_stride
 // + :d], LSE_p = g_lse[p * lse_part_stride]. The row gets sum_p w_p O_p / sum_p w_p with
 // w_p = exp(LSE_p - max LSE), and g_out_lse (when not nullptr) the merged LSE. Lane l holds

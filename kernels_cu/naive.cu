@@ -31,28 +31,6 @@ struct NaiveSoftmaxTraits {
   static_assert(kNThreads % 32 == 0, "whole warps");
 };
 
-template <typename Element>
-CF_DEVICE float to_float(Element x);
-template <>
-CF_DEVICE float to_float<__half>(__half x) {
-  return __half2float(x);
-}
-template <>
-CF_DEVICE float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
-template <typename Element>
-CF_DEVICE Element from_float(float x);
-template <>
-CF_DEVICE __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-CF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
 template <typename Traits>
 CF_DEVICE void naive_softmax(const AttnParams& params, const typename Traits::Element* s,
                              typename Traits::Element* p) {
