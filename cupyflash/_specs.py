@@ -204,10 +204,12 @@ class Fa3FwdSpec:
 
     @property
     def smem_bytes(self) -> int:
-        # 1024 bytes of alignment slack, Q, [O,] the K and V slots, the mbarriers (as Fa3FwdTraits).
+        # 1024 bytes of alignment slack, Q (double-buffered when O has its own buffer), [O,] the
+        # K and V slots, the mbarriers and tile indices (as Fa3FwdTraits::kSmemBytes).
         t = self.tile
-        rows = self.block_m * (2 if t.separate_o else 1) + 2 * t.stages * t.block_n
-        return 1024 + 2 * self.head_dim * rows + 8 * (2 + 4 * t.stages) + 8
+        q_buffers = 2 if t.separate_o else 1
+        rows = self.block_m * (q_buffers + t.separate_o) + 2 * t.stages * t.block_n
+        return 1024 + 2 * self.head_dim * rows + 8 * (2 * q_buffers + 4 * t.stages) + 8
 
     def template_args(self) -> str:
         b = lambda flag: "true" if flag else "false"  # noqa: E731
@@ -224,7 +226,8 @@ class Fa3FwdSpec:
 
     @property
     def entry_body(self) -> str:
-        return "fa3_fwd<Traits>(params);"
+        # The launch passes smem_bytes: the kernel's own count must agree.
+        return f'static_assert(Traits::kSmemBytes == {self.smem_bytes}, "smem_bytes"); fa3_fwd<Traits>(params);'
 
 
 #: Head dimensions with a compiled FA1 variant (512: where the IO model predicts FA1's traffic

@@ -124,6 +124,13 @@ CF_DEVICE uint4 ld_shared_b128(uint32_t addr) {
   return v;
 }
 
+// One 16-byte global store. Spelled out: NVVM split `*(uint4*)p = ld_shared_b128(..)` into four
+// 4-byte stores in the Hopper kernel's epilogue (4x the store instructions per row of O).
+CF_DEVICE void st_global_b128(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // 16-byte global -> shared copy that bypasses L1 (.cg). When !valid the 16 bytes are zero-filled
 // and nothing is read: rows past the end of a sequence become zeros, never garbage (a NaN in
 // an unused V row would survive 0 * NaN in P @ V).

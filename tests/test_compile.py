@@ -51,6 +51,13 @@ def test_every_variant_compiles_without_spills(builds):
         assert f"Compiling entry function '{name}' for '{arch}'" in build.log
 
 
+def test_no_wgmma_is_serialised(builds):
+    # ptxas serialises every wgmma of a kernel (C7514/C7515) when some control-flow path touches
+    # an accumulator while its wgmma may be in flight: correct, but the overlap is gone.
+    serialised = [(name, arch) for name, arch, b in builds if "wgmma.mma_async instructions are serialized" in b.log]
+    assert not serialised, f"variants whose wgmmas ptxas serialised: {serialised}"
+
+
 def test_compile_error_names_the_variant(monkeypatch):
     from cupyflash import _source
 

@@ -151,6 +151,29 @@ def test_long_sequence(rng, algorithm, head_dim, causal):
     check_attention(q, k, v, causal=causal, algorithm=algorithm)
 
 
+# (head_dim, causal, batch, seqlen, heads): 240-264 tiles over 132 SMs in each variant family.
+MANY_TILES = [
+    (64, False, 2, 1001, 16),  # the short-call tile: ping-pong, dynamic schedule
+    (64, False, 2, 2100, 12),  # three consumers, static schedule
+    (64, True, 2, 1001, 16),
+    (128, False, 2, 1001, 16),
+    (128, True, 2, 1001, 16),
+    (256, False, 3, 601, 16),  # O staged in the Q tile: one Q buffer, no overlapped epilogue
+]
+
+
+@pytest.mark.parametrize("head_dim, causal, batch, seqlen, heads", MANY_TILES)
+def test_many_tiles_per_cta(rng, head_dim, causal, batch, seqlen, heads):
+    """Persistent CTAs over two tiles or more each: the Q buffers alternate, a tile's epilogue
+    runs under the next one's first Q K^T, the K/V ring runs on across tiles, and a ragged last
+    query block ends each (batch, head). Bit-identical on a second call (a race would move it)."""
+    skip_unless_kernel("fa3", head_dim)
+    q, k, v = _gpu_inputs(rng, (batch, seqlen, heads, head_dim), (batch, seqlen + 7, heads // 4, head_dim), "bfloat16")
+    first, _ = check_attention(q, k, v, causal=causal, algorithm="fa3")
+    again = cupyflash.attention(q, k, v, causal=causal, algorithm="fa3")
+    assert bool((again == first).all())
+
+
 def test_auto_runs_the_hopper_kernel_there(rng):
     """On sm_90 "auto" is the wgmma kernel for head_dim 128 (its variant shows in the cache)."""
     from cupyflash import _kernels
