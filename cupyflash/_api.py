@@ -304,8 +304,6 @@ class _TmaPlan:
     kv_box_rows: int
     dynamic: bool  # the dynamic schedule: the stream's tile counters go with the launch
     num_m_blocks: int  # query blocks per (batch, head), of the longest sequence when varlen
-    sk_tiles: int = 0  # stream-K: the last tiles split between CTAs (their counts and partials
-    sk_bytes: tuple[int, int] = (0, 0)  # live in the stream's scratch)
 
 
 _plans: dict[tuple[Any, ...], _GpuPlan] = {}
@@ -399,11 +397,9 @@ def _build_plan(
             assert spec.varlen == packed, f"{spec.name} on {'packed' if packed else 'padded'} inputs"
             rows_q, rows_k = param_seqlens if packed else (p.seqlen_q, p.seqlen_k)
             batches = 1 if packed else p.batch
-            sk_tiles = spec.stream_k_tiles(tiles, grid[0]) if p.seqlen_k else 0
             tma = _TmaPlan(
                 dtypes[0], (d, rows_q, p.heads_q, batches), (d, rows_k, p.heads_kv, batches),
                 spec.block_m, spec.block_n, spec.tile.dynamic, -(-p.seqlen_q // spec.block_m),
-                sk_tiles, spec.stream_k_bytes(sk_tiles),
             )  # fmt: skip
     tail = (
         *o_strides, *lse_strides,
@@ -481,14 +477,10 @@ def _launch(
             + _tma.tile_map(t.dtype, ptrs[1], t.kv_dims, (ks[r], ks[h], ks[b]), t.kv_box_rows)
             + _tma.tile_map(t.dtype, ptrs[2], t.kv_dims, (vs[r], vs[h], vs[b]), t.kv_box_rows)
         )
-        # Fa3Params ends with the tile counters (the stream's, 0 between launches), the stream-K
-        # partials, the query blocks per (batch, head) and the number of split tiles.
-        counters, partials = 0, 0
-        if t.dynamic:
-            counters = _workspace.stream_scratch(kind, device, stream_ptr, 8, 0)[0]
-        elif t.sk_tiles:
-            counters, partials = _workspace.stream_scratch(kind, device, stream_ptr, *t.sk_bytes)
-        extra = (counters, partials, t.num_m_blocks, t.sk_tiles)
+        # Fa3Params ends with the tile counters (the stream's pair, 0 between launches) and the
+        # query blocks per (batch, head).
+        counters = _workspace.stream_scratch(kind, device, stream_ptr, 8, 0)[0] if t.dynamic else 0
+        extra = (counters, t.num_m_blocks)
     plan.kernel.launch(
         plan.grid, plan.threads, plan.smem, stream_ptr,
         *ptrs, out_ptr, lse_ptr, *cu_seqlens,

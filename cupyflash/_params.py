@@ -113,14 +113,12 @@ MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
 )
 
 # Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters;
-# float* sk_partials; int32_t num_m_blocks; int32_t sk_tiles; }: the launch buffer holds the
-# maps apart (bytes 0-383); this list is what follows them.
+# int32_t num_m_blocks; }: the launch buffer holds the maps apart (bytes 0-383); this list is
+# what follows them.
 FA3_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     *ATTN_PARAMS_FIELDS,
     ("tile_counters", "u8"),
-    ("sk_partials", "u8"),
     ("num_m_blocks", "i4"),
-    ("sk_tiles", "i4"),
 )
 
 PARAMS_STRUCTS = {

@@ -178,28 +178,6 @@ class Fa3FwdSpec:
         return self.tile.dynamic or not (self.causal or self.local)
 
     @property
-    def stream_k(self) -> bool:
-        """Equal tiles on the static schedule (Fa3FwdTraits::Stream_k): the last round's tiles
-        may be split between CTAs by key blocks; not where registers leave no room for the merge
-        (d = 256, softcap with three consumers)."""
-        roomy = self.head_dim <= 128 and (self.tile.consumers == 2 or not self.softcap)
-        return roomy and not (self.tile.dynamic or self.varlen or self.causal or self.local)
-
-    def stream_k_tiles(self, tiles: int, grid: int) -> int:
-        """How many of the last tiles to split: one round and the remainder (a CTA's share is
-        then at least one tile, so a tile has two pieces at most), and none where the tiles
-        fill the rounds exactly or make fewer than two."""
-        if not self.stream_k or tiles < 2 * grid or tiles % grid == 0:
-            return 0
-        return tiles % grid + grid
-
-    def stream_k_bytes(self, sk_tiles: int) -> tuple[int, int]:
-        """(counter, scratch) bytes for ``sk_tiles`` split tiles: a count per (tile, consumer),
-        and per (tile, piece, consumer) each thread's d / 8 float4 of O and a float4 of LSEs."""
-        consumers = self.tile.consumers
-        return 4 * sk_tiles * consumers, 16 * 128 * (self.head_dim // 8 + 1) * 2 * sk_tiles * consumers
-
-    @property
     def block_n(self) -> int:
         return self.tile.block_n
 
@@ -227,11 +205,11 @@ class Fa3FwdSpec:
     @property
     def smem_bytes(self) -> int:
         # 1024 bytes of alignment slack, Q (double-buffered when O has its own buffer), [O,] the
-        # K and V slots, the mbarriers, work items and stream-K counts (as Fa3FwdTraits::kSmemBytes).
+        # K and V slots, the mbarriers and tile indices (as Fa3FwdTraits::kSmemBytes).
         t = self.tile
         q_buffers = 2 if t.separate_o else 1
         rows = self.block_m * (q_buffers + t.separate_o) + 2 * t.stages * t.block_n
-        return 1024 + 2 * self.head_dim * rows + 8 * (2 * q_buffers + 4 * t.stages) + 16 * q_buffers + 16
+        return 1024 + 2 * self.head_dim * rows + 8 * (2 * q_buffers + 4 * t.stages) + 8
 
     def template_args(self) -> str:
         b = lambda flag: "true" if flag else "false"  # noqa: E731
@@ -248,12 +226,8 @@ class Fa3FwdSpec:
 
     @property
     def entry_body(self) -> str:
-        # The launch passes smem_bytes and sizes the stream-K scratch: the kernel must agree.
-        return (
-            f'static_assert(Traits::kSmemBytes == {self.smem_bytes}, "smem_bytes"); '
-            f'static_assert(Traits::Stream_k == {"true" if self.stream_k else "false"}, "stream_k"); '
-            "fa3_fwd<Traits>(params);"
-        )
+        # The launch passes smem_bytes: the kernel's own count must agree.
+        return f'static_assert(Traits::kSmemBytes == {self.smem_bytes}, "smem_bytes"); fa3_fwd<Traits>(params);'
 
 
 #: Head dimensions with a compiled FA1 variant (512: where the IO model predicts FA1's traffic

@@ -124,21 +124,6 @@ CF_DEVICE uint4 ld_shared_b128(uint32_t addr) {
   return v;
 }
 
-CF_DEVICE void st_global_f32x4(float* ptr, const float (&v)[4]) {
-  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
-               : "memory");
-}
-
-// A 16-byte global load through L2 only (.cg): data another CTA wrote during this launch.
-CF_DEVICE float4 ld_global_cg_f32x4(const float* ptr) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "l"(ptr)
-               : "memory");
-  return v;
-}
-
 // One 16-byte global store. Spelled out: NVVM split `*(uint4*)p = ld_shared_b128(..)` into four
 // 4-byte stores in the Hopper kernel's epilogue (4x the store instructions per row of O).
 CF_DEVICE void st_global_b128(void* ptr, uint4 v) {

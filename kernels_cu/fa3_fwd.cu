@@ -43,43 +43,9 @@ struct Fa3Params {
   TmaMap q_map, k_map, v_map;
   AttnParams attn;
   // The dynamic schedule's counters: [0] tiles drawn past the first gridDim.x, [1] CTAs done.
-  // Stream-K: one per (split tile, consumer), counting the pieces stored. Both read 0 at
-  // launch; the kernel sets them back (cupyflash/_workspace.py).
+  // Both read 0 at launch; the last CTA to finish sets them back (cupyflash/_workspace.py).
   int32_t* tile_counters;
-  float* sk_partials;    // stream-K: each piece's partial O, row max and row sums (scratch)
   int32_t num_m_blocks;  // query blocks per (batch, head): of the longest sequence when varlen
-  int32_t sk_tiles;      // stream-K: the last sk_tiles tiles are shared out by key blocks (or 0)
-};
-
-// Stream-K (Osama et al., 2023) for the static schedule's last round. 2048 equal tiles on 132
-// SMs are 15.5 tiles each, so the last round keeps 68 SMs busy and 64 idle: 3% of the call.
-// The first num_tiles - sk_tiles tiles (a multiple of the grid) go round whole; the key blocks
-// of the last sk_tiles (between 1 and 2 rounds' worth) are cut into gridDim.x equal ranges,
-// one per CTA. A range is at least one tile long, so a tile is split between two CTAs at most:
-// a head piece (from key block 0) and a tail piece. Each piece's consumer stores its partial
-// O, row max and row sums; the second to store merges the two (an online-softmax merge, in
-// each thread's own registers: both pieces hold the same fragment) and writes the tile.
-struct StreamKRange {
-  int first_tile;  // the first split tile
-  int blocks;      // key blocks per tile (all tiles alike: no causal, window or varlen)
-  int64_t unit, unit_end;  // this CTA's key blocks, counted over the split tiles in order
-
-  CF_DEVICE StreamKRange(int num_tiles, int sk_tiles, int blocks_per_tile)
-      : first_tile(num_tiles - sk_tiles), blocks(blocks_per_tile) {
-    const int64_t units = static_cast<int64_t>(sk_tiles) * blocks_per_tile;
-    unit = units * blockIdx.x / gridDim.x;
-    unit_end = units * (blockIdx.x + 1) / gridDim.x;
-  }
-
-  // The next piece of the range: its tile and key blocks [kb_begin, kb_end); false at the end.
-  CF_DEVICE bool next(int& tile, int& kb_begin, int& kb_end) {
-    if (unit >= unit_end) return false;
-    tile = first_tile + static_cast<int>(unit / blocks);
-    kb_begin = static_cast<int>(unit % blocks);
-    kb_end = unit_end - unit < blocks - kb_begin ? kb_begin + static_cast<int>(unit_end - unit) : blocks;
-    unit += kb_end - kb_begin;
-    return true;
-  }
 };
 
 template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_, bool Pingpong_,
@@ -116,11 +82,6 @@ struct Fa3FwdTraits {
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
-  // Equal tiles on the static schedule: the last round's tiles may be split by key blocks. Not
-  // where the registers leave no room for the merge: d = 256 (O takes 128 of them; ptxas
-  // serialises the wgmmas) and softcap with three consumers (160 each; 144 bytes of spills).
-  static constexpr bool Stream_k = !Dynamic && !Varlen && !Is_causal && !Is_local && kHeadDim <= 128 &&
-                                   (kConsumers_ == 2 || !Has_softcap);
 
   static constexpr int kRowsPerConsumer = 64;  // wgmma M
   static constexpr int kBlockM = kRowsPerConsumer * kConsumers;
@@ -131,12 +92,11 @@ struct Fa3FwdTraits {
 
   // Shared memory: kQBuffers Q tiles, [O,] kStages K slots, kStages V slots (all swizzled,
   // 1024-byte aligned), then the mbarriers q_full[kQBuffers], q_empty[..], k_full[kStages],
-  // k_empty[..], v_full[..], v_empty[..], each Q buffer's work item (tile, first and end key
-  // block: 16 bytes) and each consumer's stream-K arrival count (16 bytes).
+  // k_empty[..], v_full[..], v_empty[..] and each Q buffer's tile index (8 bytes).
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kOBytes = Separate_o ? kQBytes : 0;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarrierBytes = 8 * (2 * kQBuffers + 4 * kStages) + 16 * kQBuffers + 16;
+  static constexpr int kBarrierBytes = 8 * (2 * kQBuffers + 4 * kStages) + 8;
   static constexpr int kSmemBytes = kSwizzleAtomBytes /* alignment slack */ + kQBuffers * kQBytes + kOBytes +
                                     2 * kStages * kKVBytes + kBarrierBytes;
 
@@ -212,11 +172,10 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   auto bar_q_empty = [&](int b) { return bars + 8 * (kQBuffers + b); };
   auto bar = [&](int kind, int stage) { return bars + 8 * (2 * kQBuffers + kind * kStages + stage); };
   enum { kKFull = 0, kKEmpty = 1, kVFull = 2, kVEmpty = 3 };
-  // The work whose Q the producer loads into buffer b -- its tile and key blocks [begin, end),
-  // the whole tile's or a stream-K piece's -- written before the q_full arrival (release) and
-  // read by the consumers after their q_full wait (acquire); a tile >= num_tiles ends the CTA.
-  auto s_work = [&](int b) { return bar(kVEmpty, kStages) + 16 * b; };
-  const uint32_t s_sk_arrivals = s_work(kQBuffers);  // one int per consumer
+  // The tile whose Q the producer loads into buffer b, written before its q_full arrival
+  // (release) and read by the consumers after their q_full wait (acquire); a value >= num_tiles
+  // ends the CTA.
+  auto s_tile = [&](int b) { return bar(kVEmpty, kStages) + 4 * b; };
   constexpr int kConsumerWarps = 4 * Traits::kConsumers;
 
   const TileScheduler<Traits> scheduler(p);
@@ -256,23 +215,11 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       const auto tile = scheduler(t, params);
       return tile.m_block * kBlockM >= Rows(params, tile.batch).q.len;
     };
-    // Stream-K: once the whole tiles are done, this CTA's range of the split tiles' key blocks.
-    StreamKRange sk(scheduler.num_tiles, Traits::Stream_k ? p.sk_tiles : 0,
-                    ceil_div(params.seqlen_k, kBlockN));
-    int kb_begin = 0, kb_end = 0;  // a stream-K piece's key blocks
-    auto in_sk = [&](int t) { return Traits::Stream_k && t >= sk.first_tile; };
-    auto next_work = [&](int t) {
-      if (!in_sk(t)) t = next_tile(t);
-      if (in_sk(t) && !sk.next(t, kb_begin, kb_end)) t = scheduler.num_tiles;
-      return t;
-    };
-    int t = blockIdx.x;
-    if (in_sk(t) && !sk.next(t, kb_begin, kb_end)) t = scheduler.num_tiles;
-    for (int tile_iter = 0;; ++tile_iter) {
+    for (int t = blockIdx.x, tile_iter = 0;; ++tile_iter) {
       while (t < scheduler.num_tiles && empty(t)) t = next_tile(t);
       const int qb = tile_iter % kQBuffers;
       mbar_wait(bar_q_empty(qb), ((tile_iter / kQBuffers) & 1) ^ 1);  // the consumers are done with its last Q
-      st_shared_b32(s_work(qb), t);
+      st_shared_b32(s_tile(qb), t);
       if (t >= scheduler.num_tiles) {
         mbar_arrive(bar_q_full(qb));  // no Q: the consumers read the end and stop
         break;
@@ -284,10 +231,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       const int tma_batch = Traits::Varlen ? 0 : tile.batch;
       const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
                                   params.window_right);
-      const int n_begin = in_sk(t) ? kb_begin : mask.n_block_begin();
-      const int n_end = in_sk(t) ? kb_end : mask.n_block_end();
-      st_shared_b32(s_work(qb) + 4, n_begin);
-      st_shared_b32(s_work(qb) + 8, n_end);
+      const int n_begin = mask.n_block_begin();
+      const int n_end = mask.n_block_end();
       mbar_arrive_expect_tx(bar_q_full(qb), Traits::kQBytes);
 #pragma unroll
       for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
@@ -313,7 +258,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
         load_block(p.v_map, s_v + stage * Traits::kKVBytes, bar(kVFull, stage), bar(kVEmpty, stage),
                    parity, n_block);
       }
-      t = next_work(t);
+      t = next_tile(t);
     }
     if constexpr (Traits::Dynamic) {
       // This CTA draws no more tiles. The last CTA to get here knows every draw has been made
@@ -372,76 +317,24 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     int row_block0, batch, head;
     SeqRange q;
     bool has_keys;  // it visited a key block (else acc_o holds no value of it)
-    int sk_tile;    // a stream-K piece: its split tile (0 .. sk_tiles - 1), else -1
-    int sk_piece;   // 0: the head piece (from key block 0), 1: the tail piece
-  };
-  // A stream-K piece's partial, in this consumer thread's fragment order: kDTiles float4 of its
-  // normalised O, then its two rows' LSE (twice: a float4), each [..][128 threads].
-  constexpr int kPartialVecs = Traits::kDTiles + 1;
-  auto partial = [&](int sk_tile, int piece) {
-    return p.sk_partials + 4 * 128 * kPartialVecs * ((sk_tile * 2 + piece) * Traits::kConsumers + consumer) + 4 * tid;
   };
   // Epilogue: normalise, stage this consumer's 64 rows of O (rows no other consumer touches),
   // then 16-byte coalesced stores.
   auto store_tile = [&](const TileOut& out) {
     float inv_sum[2], lse[2];
     softmax.finalize(scale_log2, inv_sum, lse);
-    // O = own * w_own + theirs * w_other: a whole tile's is acc_o / l; a split tile's is the
-    // merge of its two pieces' (O_i, LSE_i), as FlashDecoding merges its splits (softmax.cuh).
-    float w_own[2] = {inv_sum[0], inv_sum[1]}, w_other[2] = {0.f, 0.f};
-    const float* other = nullptr;
-    if constexpr (Traits::Stream_k) {
-      if (out.sk_tile >= 0) {
-        float* mine = partial(out.sk_tile, out.sk_piece);
-#pragma unroll
-        for (int dt = 0; dt < Traits::kDTiles; ++dt) {
-          const float o[4] = {acc_o[0][dt][0] * inv_sum[0], acc_o[0][dt][1] * inv_sum[0],
-                              acc_o[0][dt][2] * inv_sum[1], acc_o[0][dt][3] * inv_sum[1]};
-          st_global_f32x4(mine + 4 * 128 * dt, o);
-        }
-        const float my_lse[4] = {lse[0], lse[1], lse[0], lse[1]};
-        st_global_f32x4(mine + 4 * 128 * Traits::kDTiles, my_lse);
-        // Release: every thread's partial is visible before the count says it is stored.
-        __threadfence();
-        named_barrier_sync(1 + consumer, 128);
-        int32_t* count = p.tile_counters + out.sk_tile * Traits::kConsumers + consumer;
-        if (tid == 0) st_shared_b32(s_sk_arrivals + 4 * consumer, atomicAdd(count, 1));
-        named_barrier_sync(1 + consumer, 128);
-        if (ld_shared_b32(s_sk_arrivals + 4 * consumer) == 0) return;  // the other piece merges
-        if (tid == 0) *count = 0;  // both pieces have counted: back to 0 for the next launch
-        __threadfence();           // acquire: the other piece's partial (read past L1 below)
-        other = partial(out.sk_tile, 1 - out.sk_piece);
-        const float4 theirs = ld_global_cg_f32x4(other + 4 * 128 * Traits::kDTiles);
-        const float their_lse[2] = {theirs.x, theirs.y};
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float parts[2] = {lse[r], their_lse[r]};
-          float w[2];
-          lse[r] = merge_weights(parts, w);
-          w_own[r] = w[0] * inv_sum[r];
-          w_other[r] = w[1];
-        }
-      }
-    }
     // A tile without keys writes zeros. Chosen, not multiplied: acc_o may hold anything (even
     // NaN) there, and zeroing it would redefine wgmma accumulators while the next tile's first
     // Q K^T is in flight, which makes ptxas serialise every wgmma of the kernel.
-    auto normalised = [&](float own, float theirs, int e) {
-      return out.has_keys ? own * w_own[e / 2] + theirs * w_other[e / 2] : 0.f;
-    };
+    auto normalised = [&](int dt, int e) { return out.has_keys ? acc_o[0][dt][e] * inv_sum[e / 2] : 0.f; };
 #pragma unroll
     for (int dt = 0; dt < Traits::kDTiles; ++dt) {
-      const float4 theirs =
-          Traits::Stream_k && other != nullptr ? ld_global_cg_f32x4(other + 4 * 128 * dt) : make_float4(0.f, 0.f, 0.f, 0.f);
-      const float their[4] = {theirs.x, theirs.y, theirs.z, theirs.w};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = warp_row0 + lane / 4 + 8 * half;
         const int col = 8 * dt + 2 * (lane % 4);
-        const int e = 2 * half;
         st_shared_b32(s_o + swizzled_offset<kBlockM>(row, col),
-                      Traits::Ops::pack2(normalised(acc_o[0][dt][e], their[e], e),
-                                         normalised(acc_o[0][dt][e + 1], their[e + 1], e + 1)));
+                      Traits::Ops::pack2(normalised(dt, 2 * half), normalised(dt, 2 * half + 1)));
       }
     }
     named_barrier_sync(1 + consumer, 128);
@@ -498,18 +391,15 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   for (int tile_iter = 0;; ++tile_iter) {
     const int qb = tile_iter % kQBuffers;
     mbar_wait(bar_q_full(qb), (tile_iter / kQBuffers) & 1);  // this tile's Q has landed (or the end is announced)
-    const int t = static_cast<int>(ld_shared_b32(s_work(qb)));
+    const int t = static_cast<int>(ld_shared_b32(s_tile(qb)));
     if (t >= scheduler.num_tiles) break;
-    // The key blocks to visit: the tile's, or a stream-K piece's.
-    const int n_begin = static_cast<int>(ld_shared_b32(s_work(qb) + 4));
-    const int n_end = static_cast<int>(ld_shared_b32(s_work(qb) + 8));
     const auto tile = scheduler(t, params);
     const int row_block0 = tile.m_block * kBlockM;
     const Rows rows(params, tile.batch);
     const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
                                 params.window_right);
-    const int n_blocks = max(n_end - n_begin, 0);
-    const bool sk_piece = Traits::Stream_k && (n_begin > 0 || n_end < mask.n_block_end());
+    const int n_end = mask.n_block_end();
+    const int n_blocks = max(n_end - mask.n_block_begin(), 0);
 
     // S = Q K^T for the K tile in `k_slot`: k-step ks reads 16 columns of d, 32 bytes into the
     // 128-byte rows of column block ks / 4 (this consumer's Q rows start consumer_row0 rows in).
@@ -641,9 +531,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       end_turn();
     }
     kv_iter += n_blocks;
-    pending = {true, last_stage,
-               {row_block0, tile.batch, tile.head, rows.q, n_blocks > 0,
-                sk_piece ? t - (scheduler.num_tiles - p.sk_tiles) : -1, n_begin > 0 ? 1 : 0}};
+    pending = {true, last_stage, {row_block0, tile.batch, tile.head, rows.q, n_blocks > 0}};
     if constexpr (!Traits::Overlap_epilogue) {
       finish_pending(false);
       if (!Traits::Separate_o && lane == 0) mbar_arrive(bar_q_empty(qb));  // O has left the Q tile

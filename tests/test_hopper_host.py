@@ -83,43 +83,6 @@ def test_short_calls_take_their_own_tile():
     assert _dispatch.fa3_fwd_spec("float16", 64, plain, 16384) in _dispatch.all_fa3_fwd_specs()
 
 
-def _stream_k_pieces(sk_tiles: int, blocks: int, grid: int) -> dict[int, list[tuple[int, int, int]]]:
-    """The device's StreamKRange (kernels_cu/fa3_fwd.cu), CTA by CTA: tile -> [(cta, begin, end)]."""
-    pieces: dict[int, list[tuple[int, int, int]]] = {}
-    units = sk_tiles * blocks
-    for cta in range(grid):
-        unit, unit_end = units * cta // grid, units * (cta + 1) // grid
-        while unit < unit_end:
-            tile, begin = divmod(unit, blocks)
-            end = min(blocks, begin + unit_end - unit)
-            pieces.setdefault(tile, []).append((cta, begin, end))
-            unit += end - begin
-    return pieces
-
-
-@pytest.mark.parametrize("grid", [132, 114, 7])
-def test_stream_k_splits_a_tile_in_two_pieces_at_most(grid):
-    """Stream-K takes one round of tiles plus the remainder, so each CTA's share of key blocks is
-    one tile or more: every split tile has a head piece (from block 0) and a tail piece (to the
-    last block) from two CTAs, which is what the kernel's merge assumes; whole tiles elsewhere."""
-    spec = _dispatch.fa3_fwd_spec("bfloat16", 128, _dispatch.MaskFlags(False, False, False), 4096)
-    assert spec.stream_k
-    assert spec.stream_k_tiles(2048, 132) == 2048 % 132 + 132
-    assert spec.stream_k_tiles(2 * grid - 1, grid) == spec.stream_k_tiles(4 * grid, grid) == 0
-    for tiles in range(2 * grid + 1, 5 * grid, max(grid // 5, 1)):
-        sk_tiles = spec.stream_k_tiles(tiles, grid)
-        for blocks in (1, 2, 7, 8, 32, 129):
-            pieces = _stream_k_pieces(sk_tiles, blocks, grid)
-            assert sorted(pieces) == list(range(sk_tiles))
-            for parts in pieces.values():
-                assert len(parts) <= 2
-                assert parts[0][1] == 0 and parts[-1][2] == blocks
-                if len(parts) == 2:
-                    assert parts[0][2] == parts[1][1] and parts[1][0] == parts[0][0] + 1
-    causal = _dispatch.fa3_fwd_spec("bfloat16", 128, _dispatch.MaskFlags(True, False, False), 4096)
-    assert not causal.stream_k and causal.stream_k_tiles(2048, 132) == 0
-
-
 def test_every_hopper_variant_fits_an_h100_block():
     specs = _dispatch.all_fa3_fwd_specs()
     assert {s.head_dim for s in specs} == set(FA3_HEAD_DIMS)
