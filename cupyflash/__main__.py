@@ -69,25 +69,11 @@ def _progress(total: int) -> Callable[[object], None]:
 
 def cmd_warmup(args: argparse.Namespace) -> int:
     from . import _kernels
-    from ._dispatch import (
-        FA1_DEVICE_SMEM,
-        all_decode_specs,
-        all_fa1_fwd_specs,
-        all_fa2_fwd_specs,
-        all_fa3_fwd_specs,
-        all_naive_softmax_specs,
-    )
-    from ._specs import KernelSpec
+    from ._dispatch import FA1_DEVICE_SMEM, all_kernel_specs
 
-    all_specs: list[KernelSpec] = [
-        *all_fa2_fwd_specs(),
-        *all_fa3_fwd_specs(),
-        *all_decode_specs(),
-        *all_naive_softmax_specs(),
-    ]
     if args.arch:  # no GPU needed: check that every variant builds for an arch
-        fa1 = all_fa1_fwd_specs(FA1_DEVICE_SMEM.get(args.arch, FA1_DEVICE_SMEM["sm_90a"]))
-        specs = [s for s in [*all_specs, *fa1] if args.arch in s.archs]
+        fa1_smem = FA1_DEVICE_SMEM.get(args.arch, FA1_DEVICE_SMEM["sm_90a"])
+        specs = [s for s in all_kernel_specs(fa1_smem) if args.arch in s.archs]
         update = _progress(len(specs))
         worst = 0
         for spec in specs:
@@ -104,8 +90,8 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     device_id = cupy.cuda.runtime.getDevice()
     max_smem = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
     arch = _kernels.device_arch(device_id)
-    all_specs += all_fa1_fwd_specs(max_smem)  # FA1's tiles follow the device's shared memory
-    specs = [s for s in all_specs if s.smem_bytes <= max_smem and (arch in s.archs or not s.uses_tma)]
+    # FA1's tiles follow the device's shared memory; the TMA (Hopper) variants build for sm_90a only
+    specs = [s for s in all_kernel_specs(max_smem) if s.smem_bytes <= max_smem and (arch in s.archs or not s.uses_tma)]
     kernels = _kernels.warmup(specs, device_id, workers=args.jobs, on_done=_progress(len(specs)))
     spilled = [k.spec.name for k in kernels if k.local_bytes]
     print(f"{len(kernels)} variants ready on GPU {device_id}; with local memory: {spilled or 'none'}")

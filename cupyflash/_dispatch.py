@@ -21,6 +21,7 @@ from ._specs import (
     Fa2FwdSpec,
     Fa3FwdSpec,
     Fa3Tile,
+    KernelSpec,
     MergeSpec,
     NaiveSoftmaxSpec,
     TileConfig,
@@ -288,3 +289,16 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
             specs.append(MergeSpec("float32", dtype, head_dim))
             specs.append(MergeSpec(dtype, dtype, head_dim))
     return specs
+
+
+def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
+    """Every variant the dispatcher can pick, FA1's tiles for a device with ``max_smem`` bytes of
+    shared memory per block: what warmup compiles and the CI compile test builds (each for the
+    archs in its ``archs``)."""
+    return [
+        *all_fa2_fwd_specs(),
+        *all_fa3_fwd_specs(),
+        *all_decode_specs(),
+        *all_naive_softmax_specs(),
+        *all_fa1_fwd_specs(max_smem),
+    ]

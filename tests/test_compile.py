@@ -10,23 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cupyflash import _kernels
-from cupyflash._dispatch import (
-    FA1_DEVICE_SMEM,
-    all_decode_specs,
-    all_fa1_fwd_specs,
-    all_fa2_fwd_specs,
-    all_fa3_fwd_specs,
-    all_naive_softmax_specs,
-)
-from cupyflash._specs import CI_ARCHS, Fa2FwdSpec, TileConfig
+from cupyflash._dispatch import FA1_DEVICE_SMEM, all_kernel_specs
+from cupyflash._specs import Fa2FwdSpec, TileConfig
 
-JOBS = [
-    (spec, arch) for spec in (*all_fa2_fwd_specs(), *all_fa3_fwd_specs(), *all_decode_specs()) for arch in spec.archs
-]
-# FA1's tiles follow the device's shared memory: the A100's variants for sm_80, the H100/H200's
-# for sm_90a. The naive baseline's softmax has no tiles.
-JOBS += [(spec, arch) for arch, smem in FA1_DEVICE_SMEM.items() for spec in all_fa1_fwd_specs(smem)]
-JOBS += [(spec, arch) for spec in all_naive_softmax_specs() for arch in CI_ARCHS]
+# Each arch with its GPU's shared memory (FA1's tiles follow it: the A100's variants for sm_80,
+# the H100/H200's for sm_90a); each variant for the archs it targets.
+JOBS = [(spec, arch) for arch, smem in FA1_DEVICE_SMEM.items() for spec in all_kernel_specs(smem) if arch in spec.archs]
 
 
 def _build(job):

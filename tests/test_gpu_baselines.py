@@ -4,8 +4,6 @@ outputs (conftest) and the same error rules as FA2 (tests/test_gpu_fa2.py's chec
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 from test_gpu_fa2 import BOUND, EXTRA, SHAPES, _gpu_inputs, _rel, _torch, check_attention
@@ -116,23 +114,6 @@ def test_cupy_in_cupy_out(rng, algorithm):
     q, k, v = _gpu_inputs(rng, (2, 33, 4, 64), (2, 65, 2, 64), "float16", lib="cupy")
     out, _ = check_attention(q, k, v, causal=True, algorithm=algorithm)
     assert isinstance(out, cupy.ndarray)
-
-
-@pytest.mark.parametrize("algorithm", ["fa1", "naive"])
-def test_torch_non_default_stream(rng, algorithm):
-    """The GEMMs, the softmax and the FA1 kernel run on PyTorch's current stream."""
-    torch = _torch()
-    q_real, k, v = _gpu_inputs(rng, (1, 256, 4, 64), (1, 256, 4, 64), "float16")
-    q = torch.full_like(q_real, math.nan)
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(50_000_000)
-        q.copy_(q_real)
-        out = cupyflash.attention(q, k, v, causal=True, algorithm=algorithm)
-    side.synchronize()
-    ref = reference.attention(q_real, k, v, causal=True)
-    assert _rel(reference.to_numpy64(out), ref) < BOUND["float16"]
 
 
 @pytest.mark.parametrize("algorithm", ["fa1", "naive"])

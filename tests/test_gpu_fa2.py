@@ -242,21 +242,27 @@ def test_jax_arrays_round_trip(rng):
     assert _rel(reference.to_numpy64(out), ref) < BOUND["bfloat16"]
 
 
-def test_torch_non_default_stream(rng):
+# (algorithm, head_dim, dtype): the default dispatch, and the baselines (FA1's kernel; the naive
+# path's GEMMs and softmax kernel).
+STREAM_CASES = [("auto", 128, "bfloat16"), ("fa1", 64, "float16"), ("naive", 64, "float16")]
+
+
+@pytest.mark.parametrize("algorithm, head_dim, dtype", STREAM_CASES)
+def test_torch_non_default_stream(rng, algorithm, head_dim, dtype):
     """Work is queued on PyTorch's current stream: launched elsewhere it would read q before the
     copy that the side stream makes after a long sleep, and see NaNs."""
     torch = _torch()
-    q_real, k, v = _gpu_inputs(rng, (1, 256, 8, 128), (1, 256, 8, 128), "bfloat16")
+    q_real, k, v = _gpu_inputs(rng, (1, 256, 8, head_dim), (1, 256, 8, head_dim), dtype)
     q = torch.full_like(q_real, math.nan)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the copy lands
         q.copy_(q_real)
-        out = cupyflash.attention(q, k, v, causal=True)
+        out = cupyflash.attention(q, k, v, causal=True, algorithm=algorithm)
     side.synchronize()
     ref = reference.attention(q_real, k, v, causal=True)
-    assert _rel(reference.to_numpy64(out), ref) < BOUND["bfloat16"]
+    assert _rel(reference.to_numpy64(out), ref) < BOUND[dtype]
 
 
 def test_empty_and_degenerate_shapes():
