@@ -3,14 +3,16 @@ through CuPy, behind one function that takes CuPy, PyTorch, JAX or any array-API
 
 from ._api import attention, attention_varlen
 from ._kernels import KernelCompileError
-from ._kvcache import attention_with_kvcache, merge_states
+from ._kvcache import DeviceValueError, attention_with_kvcache, check_device_errors, merge_states
 from ._version import __version__
 
 __all__ = [
+    "DeviceValueError",
     "KernelCompileError",
     "__version__",
     "attention",
     "attention_varlen",
     "attention_with_kvcache",
+    "check_device_errors",
     "merge_states",
 ]

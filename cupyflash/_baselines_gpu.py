@@ -19,13 +19,32 @@ scale, LSE. Work is queued on the caller's stream; nothing synchronises the devi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import _interop, _kernels
+from . import _interop
 from ._dispatch import fa1_tiles
-from ._specs import CUDA_ELEMENT_TYPES, FA1_HEAD_DIMS, Fa1FwdSpec, NaiveSoftmaxSpec
+from ._interop import ArrayLib
+from ._params import PARAMS_STRUCTS
+from ._plan import (
+    LAYOUT_AXES,
+    MAX_SOFTCAP_PRESCALE,
+    STRIDE_NAMES,
+    ZERO_SCALE_SURROGATE,
+    DeviceInfo,
+    KernelStep,
+    Launch,
+    Output,
+    Temporary,
+    attn_fields,
+    check_grid,
+    contiguous_strides,
+    softmax_factors,
+    tile_operand,
+)
+from ._specs import FA1_HEAD_DIMS, Fa1FwdSpec, NaiveSoftmaxSpec
 from ._validate import Problem
 
 # cuBLAS enums (cublas_api.h / library_types.h).
@@ -33,109 +52,84 @@ _CUDA_DATA_TYPE = {"float16": 2, "bfloat16": 14}  # CUDA_R_16F, CUDA_R_16BF
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
 _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
-
-BASELINE_ALGORITHMS = ("fa1", "naive")
 CUDA_ELEMENT_BYTES = 2  # float16 and bfloat16
 
 
-class _RawStream:
-    """A raw stream pointer in the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``."""
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-_cupy_streams: dict[int, Any] = {}
-
-
-def _cupy_stream(ptr: int) -> Any:
-    stream = _cupy_streams.get(ptr)
-    if stream is None:
-        import cupy
-
-        stream = _cupy_streams[ptr] = cupy.cuda.Stream.from_external(_RawStream(ptr))
-    return stream
-
-
-def gpu_attention(
-    kind: str,
-    q: Any,
-    k: Any,
-    v: Any,
-    device: int,
-    problem: Problem,
+def plan_baseline(
+    p: Problem,
+    dtype: str,
+    device: DeviceInfo,
     algorithm: str,
     *,
     block_r: int | None = None,
     block_c: int | None = None,
-) -> tuple[Any, Any]:
-    """(out, lse) of ``algorithm`` ("naive" or "fa1") on torch or CuPy GPU arrays, in the
-    caller's library; ``block_r``/``block_c`` override FA1's tiles (the tile-size study)."""
-    import cupy
-
-    p = problem
-    names = tuple(_dtype_name(kind, x) for x in (q, k, v))
-    if not (names[0] == names[1] == names[2]):
-        raise TypeError(f"q, k and v must have one dtype, got {names[0]}, {names[1]}, {names[2]}")
-    dtype = names[0]
-    if dtype not in CUDA_ELEMENT_TYPES:
-        raise TypeError(f"the GPU kernels take {sorted(CUDA_ELEMENT_TYPES)}, got {dtype}")
-    if algorithm == "fa1" and p.head_dim not in FA1_HEAD_DIMS:
-        raise ValueError(f"algorithm='fa1' on the GPU supports head_dim in {FA1_HEAD_DIMS}, got {p.head_dim}")
-    if algorithm == "fa1" and (p.batch > 65535 or p.heads_q > 65535):
-        raise ValueError(f"algorithm='fa1' needs batch ({p.batch}) and heads ({p.heads_q}) <= 65535")
-    if algorithm == "naive" and p.batch * p.heads_q * p.seqlen_q >= 2**31:
-        raise ValueError("algorithm='naive' takes at most 2^31 - 1 rows of scores (batch * heads * seqlen_q)")
-    if algorithm not in BASELINE_ALGORITHMS:
-        raise ValueError(f"not a baseline algorithm: {algorithm!r}")
-    from ._api import POISON_OUTPUTS, _device_max_smem, _softmax_factors
-
+) -> Launch:
+    """``algorithm="fa1"`` or ``"naive"`` on the GPU; ``block_r``/``block_c`` override FA1's
+    tiles (the tile-size study)."""
     if algorithm == "fa1":
-        scale_log2, softcap_prescale, negate_q = _softmax_factors(p)
+        if p.head_dim not in FA1_HEAD_DIMS:
+            raise ValueError(f"algorithm='fa1' on the GPU supports head_dim in {FA1_HEAD_DIMS}, got {p.head_dim}")
+        check_grid(p.batch, p.heads_q)
+        scale_log2, prescale, negate_q = softmax_factors(p)
     else:
-        scale_log2, softcap_prescale, negate_q = _naive_softmax_factors(p)
-    stream_ptr = _interop.torch_current_stream(device) if kind == _interop.TORCH else None
-    with cupy.cuda.Device(device):
-        stream = cupy.cuda.get_current_stream() if stream_ptr is None else _cupy_stream(stream_ptr)
-        with stream:
-            if algorithm == "fa1" and negate_q:
-                q = -q
-            inputs = [q, k, v]
-            for i, x in enumerate(inputs):  # copies stay referenced in `inputs` until the launch
-                if not _interop.kernel_readable(_ptr(kind, x), x.shape, _strides(kind, x)):
-                    inputs[i] = _interop.readable_copy(kind, x)
-            out, lse = _empty_outputs(kind, q, p)
-            if POISON_OUTPUTS:
-                _fill(out, math.nan)
-                _fill(lse, math.nan)
-            if p.batch and p.heads_q and p.seqlen_q and p.seqlen_k == 0:
-                _fill(out, 0.0)  # no key at all: O = 0, LSE = -inf (no kernel needed)
-                _fill(lse, -math.inf)
-            elif p.batch and p.heads_q and p.seqlen_q:
-                axes = (0, 1, 2) if p.layout == "bshd" else (0, 2, 1)
-                ptrs = [_ptr(kind, x) for x in inputs]
-                strides = [_bsh_strides(_strides(kind, x), axes) for x in (*inputs, out)]
-                params = _attn_params(p, ptrs, _ptr(kind, out), _ptr(kind, lse), strides, scale_log2, softcap_prescale)
-                if algorithm == "fa1":
-                    spec = _fa1_spec(dtype, p, _device_max_smem(device), block_r, block_c)
-                    _run_fa1(spec, p, device, params, stream.ptr)
-                else:
-                    _run_naive(dtype, p, device, params, ptrs, strides, _ptr(kind, out), stream.ptr)
-    return out, lse
+        if p.batch * p.heads_q * p.seqlen_q >= 2**31:
+            raise ValueError("algorithm='naive' takes at most 2^31 - 1 rows of scores (batch * heads * seqlen_q)")
+        scale_log2, prescale, negate_q = _naive_softmax_factors(p)
+    axes = LAYOUT_AXES[p.layout]
+    q_shape = (p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+    if p.layout == "bhsd":
+        q_shape = (p.batch, p.heads_q, p.seqlen_q, p.head_dim)
+    out_strides = contiguous_strides(q_shape)
+    params = PARAMS_STRUCTS["AttnParams"].template(
+        **attn_fields(p, (p.seqlen_q, p.seqlen_k), scale_log2, prescale),
+        **{f"o_{s}_stride": out_strides[a] for s, a in zip(STRIDE_NAMES, axes, strict=True)},
+        lse_batch_stride=p.heads_q * p.seqlen_q, lse_head_stride=p.seqlen_q,
+    )  # fmt: skip
+    operands = (
+        tile_operand(params, "q", axes, negate=negate_q),
+        tile_operand(params, "k", axes),
+        tile_operand(params, "v", axes),
+    )
+    lse_shape = (p.batch, p.heads_q, p.seqlen_q)
+    has_rows = p.batch > 0 and p.heads_q > 0 and p.seqlen_q > 0
+    fill = None if has_rows and p.seqlen_k else 0.0  # no key at all: O = 0, LSE = -inf, no kernel
+    outputs: tuple[Output, ...] = (
+        Output("out", q_shape, dtype, params.slot("o_ptr"), fill=fill),
+        Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=None if fill is None else -math.inf),
+    )
+    if fill is not None:
+        return Launch(params, operands, outputs)
+    if algorithm == "fa1":
+        spec = _fa1_spec(dtype, p, device.max_smem_per_block, block_r, block_c)
+        state = (p.batch, p.heads_q, p.seqlen_q)
+        temporaries: tuple[Temporary, ...] = (
+            Temporary("o_state", (*state, p.head_dim), "float32"),
+            Temporary("max_state", state, "float32"),
+            Temporary("sum_state", state, "float32"),
+        )
+        step = KernelStep(spec, (p.heads_q, p.batch, 1), (spec.num_threads, 1, 1), spec.smem_bytes,
+                          buffers=("o_state", "max_state", "sum_state"))  # fmt: skip
+        return Launch(params, operands, outputs, (step,), temporaries)
+    # naive: S = scale Q K^T (cuBLAS), P = softmax(S) (naive.cu), O = P V (cuBLAS); S and P in HBM.
+    softmax = NaiveSoftmaxSpec(dtype, p.causal_bound, p.local_bound, p.softcap > 0)
+    scores = (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
+    rows = p.batch * p.heads_q * p.seqlen_q
+    steps = (
+        GemmStep("qk", p, dtype),
+        KernelStep(softmax, (rows, 1, 1), (softmax.num_threads, 1, 1), 0, buffers=("scores", "probs")),
+        GemmStep("pv", p, dtype),
+    )
+    temporaries = (Temporary("scores", scores, dtype), Temporary("probs", scores, dtype))  # S, P in HBM
+    return Launch(params, operands, outputs, steps, temporaries)
 
 
 def _naive_softmax_factors(p: Problem) -> tuple[float, float, bool]:
     """(softmax_scale_log2, softcap_prescale, negate_q) for the naive softmax: the GEMM already
     applied the scale (alpha), so the logits are S itself or softcap * tanh(S / softcap)."""
-    from ._api import _MAX_SOFTCAP_PRESCALE, _ZERO_SCALE_SURROGATE
-
     log2e = 1.0 / math.log(2.0)
     if p.softcap > 0:
-        multiplier = min(max(p.softcap, _ZERO_SCALE_SURROGATE), _MAX_SOFTCAP_PRESCALE)
-        return multiplier * log2e, min(1.0 / p.softcap, _MAX_SOFTCAP_PRESCALE), False
+        multiplier = min(max(p.softcap, ZERO_SCALE_SURROGATE), MAX_SOFTCAP_PRESCALE)
+        return multiplier * log2e, min(1.0 / p.softcap, MAX_SOFTCAP_PRESCALE), False
     return log2e, 0.0, False
 
 
@@ -150,56 +144,49 @@ def _fa1_spec(dtype: str, p: Problem, max_smem: int, block_r: int | None, block_
     return spec
 
 
-def _run_fa1(spec: Fa1FwdSpec, p: Problem, device: int, params: tuple[int | float, ...], stream_ptr: int) -> None:
-    import cupy
+@dataclass(frozen=True)
+class GemmStep:
+    """One of the naive baseline's GEMMs, as cuBLAS strided-batched calls over every (batch,
+    head): "qk" writes S^T (col-major Nk x Nq) = K (op T) x Q^T with alpha = scale; "pv" writes
+    O^T (col-major d x Nq) = V^T x P^T. The operands are read in place through their strides (a
+    (batch, head) grid whose strides do not collapse into one batch stride runs one call per
+    head or per batch entry)."""
 
-    kernel = _kernels.get_kernel(spec, device)
-    o_state = cupy.empty((p.batch, p.heads_q, p.seqlen_q, p.head_dim), dtype=cupy.float32)
-    max_state = cupy.empty((p.batch, p.heads_q, p.seqlen_q), dtype=cupy.float32)
-    sum_state = cupy.empty_like(max_state)
-    grid = (p.heads_q, p.batch, 1)
-    kernel.launch_with_buffers(
-        grid, (spec.num_threads, 1, 1), spec.smem_bytes, stream_ptr, params, (o_state, max_state, sum_state)
-    )
+    which: str
+    p: Problem
+    dtype: str
 
+    def execute(
+        self, lib: ArrayLib, device: int, stream: int, launch: Launch, bound: list[Any], outputs: dict[str, Any],
+        temporaries: dict[str, Any],
+    ) -> None:  # fmt: skip
+        p = self.p
+        axes = LAYOUT_AXES[p.layout]
 
-def _run_naive(
-    dtype: str,
-    p: Problem,
-    device: int,
-    params: tuple[int | float, ...],
-    ptrs: list[int],
-    strides: list[tuple[int, int, int, int]],
-    out_ptr: int,
-    stream_ptr: int,
-) -> None:
-    """The three passes: S = scale Q K^T (cuBLAS), P = softmax(S) (naive.cu), O = P V (cuBLAS)."""
-    import cupy
+        def bsh(strides: tuple[int, ...]) -> tuple[int, int, int]:
+            return strides[axes[0]], strides[axes[1]], strides[axes[2]]
 
-    scores = cupy.empty((p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), dtype=dtype)  # S, in HBM
-    probs = cupy.empty_like(scores)  # P, in HBM
-    group = p.heads_q // p.heads_kv
-    sq, sk, sv, so = strides
-    s_strides = (p.heads_q * p.seqlen_q * p.seqlen_k, p.seqlen_k, p.seqlen_q * p.seqlen_k)  # (batch, row, head)
-    # Pass 1: S^T (col-major Nk x Nq) = K (op T) x Q^T, alpha = scale.
-    for base, count, stride_of in _batching(p, group, (sq, sk, sv, so, (*s_strides, 1))):
-        _gemm(
-            dtype, _CUBLAS_OP_T, _CUBLAS_OP_N, p.seqlen_k, p.seqlen_q, p.head_dim, p.scale,
-            (ptrs[1], sk, base(1), stride_of(1)), (ptrs[0], sq, base(0), stride_of(0)),
-            (scores.data.ptr, s_strides, base(4), stride_of(4)), count,
-        )  # fmt: skip
-    # Pass 2: P = softmax(S), one CTA per row; the LSE on the side.
-    spec = NaiveSoftmaxSpec(dtype, p.causal_bound, p.local_bound, p.softcap > 0)
-    kernel = _kernels.get_kernel(spec, device)
-    rows = p.batch * p.heads_q * p.seqlen_q
-    kernel.launch_with_buffers((rows, 1, 1), (spec.num_threads, 1, 1), 0, stream_ptr, params, (scores, probs))
-    # Pass 3: O^T (col-major d x Nq) = V^T x P^T.
-    for base, count, stride_of in _batching(p, group, (sq, sk, sv, so, (*s_strides, 1))):
-        _gemm(
-            dtype, _CUBLAS_OP_N, _CUBLAS_OP_N, p.head_dim, p.seqlen_q, p.seqlen_k, 1.0,
-            (ptrs[2], sv, base(2), stride_of(2)), (probs.data.ptr, s_strides, base(4), stride_of(4)),
-            (out_ptr, so, base(3), stride_of(3)), count,
-        )  # fmt: skip
+        (q_ptr, sq), (k_ptr, sk), (v_ptr, sv) = (bound[launch.operand_index[n]] for n in ("q", "k", "v"))
+        out = outputs["out"]
+        so = bsh(lib.strides(out))
+        s_strides = (p.heads_q * p.seqlen_q * p.seqlen_k, p.seqlen_k, p.seqlen_q * p.seqlen_k)  # (batch, row, head)
+        strides = (bsh(sq), bsh(sk), bsh(sv), so, s_strides)
+        group = p.heads_q // p.heads_kv
+        for base, count, stride_of in _batching(p, group, strides):
+            if self.which == "qk":
+                s_ptr = lib.ptr(temporaries["scores"])
+                _gemm(
+                    stream, self.dtype, _CUBLAS_OP_T, _CUBLAS_OP_N, p.seqlen_k, p.seqlen_q, p.head_dim, p.scale,
+                    (k_ptr, strides[1], base(1), stride_of(1)), (q_ptr, strides[0], base(0), stride_of(0)),
+                    (s_ptr, s_strides, base(4), stride_of(4)), count,
+                )  # fmt: skip
+            else:
+                p_ptr = lib.ptr(temporaries["probs"])
+                _gemm(
+                    stream, self.dtype, _CUBLAS_OP_N, _CUBLAS_OP_N, p.head_dim, p.seqlen_q, p.seqlen_k, 1.0,
+                    (v_ptr, strides[2], base(2), stride_of(2)), (p_ptr, s_strides, base(4), stride_of(4)),
+                    (lib.ptr(out), so, base(3), stride_of(3)), count,
+                )  # fmt: skip
 
 
 def _batching(p: Problem, group: int, strides: tuple[Any, ...]) -> Any:
@@ -228,6 +215,7 @@ def _batching(p: Problem, group: int, strides: tuple[Any, ...]) -> Any:
 
 
 def _gemm(
+    stream: int,
     dtype: str,
     trans_a: int,
     trans_b: int,
@@ -240,12 +228,14 @@ def _gemm(
     c: tuple[int, Any, int, int],
     count: int,
 ) -> None:
-    """One cublasGemmStridedBatchedEx in column-major terms. Each operand is (pointer, its
-    (batch, row, head) element strides, element offset of the first matrix, batch stride);
-    the leading dimension is the row stride (at least the matrix's inner size)."""
+    """One cublasGemmStridedBatchedEx in column-major terms on ``stream``. Each operand is
+    (pointer, its (batch, row, head) element strides, element offset of the first matrix, batch
+    stride); the leading dimension is the row stride (at least the matrix's inner size)."""
     from cupy.cuda import device as cuda_device
     from cupy_backends.cuda.libs import cublas
 
+    handle = cuda_device.get_cublas_handle()
+    cublas.setStream(handle, stream)
     type_id = _CUDA_DATA_TYPE[dtype]
     factors = np.array([alpha, 0.0], dtype=np.float32)  # host pointers: alpha, beta
     # Rows of each operand as stored column-major: op(A) is m x k, op(B) k x n, C m x n.
@@ -255,63 +245,29 @@ def _gemm(
         for (ptr, strides, offset, batch_stride), rows in zip((a, b, c), stored_rows)
     )
     cublas.gemmStridedBatchedEx(
-        cuda_device.get_cublas_handle(), trans_a, trans_b, m, n, k,
+        handle, trans_a, trans_b, m, n, k,
         factors.ctypes.data, pa, type_id, lda, sa, pb, type_id, ldb, sb,
         factors.ctypes.data + 4, pc, type_id, ldc, sc, count, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT,
     )  # fmt: skip
 
 
-def _attn_params(
-    p: Problem,
-    ptrs: list[int],
-    out_ptr: int,
-    lse_ptr: int,
-    strides: list[tuple[int, int, int, int]],
-    scale_log2: float,
-    softcap_prescale: float,
-) -> tuple[int | float, ...]:
-    """AttnParams field values, in field order (cupyflash/_params.py)."""
-    sq, sk, sv, so = strides
-    return (
-        *ptrs, out_ptr, lse_ptr, 0, 0,
-        *sq[:3], *sk[:3], *sv[:3], *so[:3],
-        p.heads_q * p.seqlen_q, p.seqlen_q,
-        p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.heads_q // p.heads_kv,
-        p.window_left, p.window_right, scale_log2, softcap_prescale,
+def fa1_attention(
+    q: Any, k: Any, v: Any, *, block_r: int, block_c: int, causal: bool = False, scale: float | None = None,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
+) -> tuple[Any, Any]:  # fmt: skip
+    """(out, lse) of the FA1 kernel with explicit tiles B_r, B_c (the IO study's tile sweep), on
+    GPU arrays, through the same pipeline as ``attention(algorithm="fa1")``."""
+    from . import _launch, _plan
+    from ._validate import attention_problem
+
+    found = _interop.gpu_arrays(("q", "k", "v"), (q, k, v))
+    if found is None:
+        raise TypeError("fa1_attention runs on GPU arrays")
+    lib, device, (q, k, v) = found
+    p = attention_problem(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=causal, scale=scale, window=window, softcap=softcap,
+        layout=layout,
     )  # fmt: skip
-
-
-def _bsh_strides(strides: tuple[int, ...], axes: tuple[int, int, int]) -> tuple[int, int, int, int]:
-    """(batch, row, head, d) element strides of a 4-D array whose axes are ``axes`` + d."""
-    return strides[axes[0]], strides[axes[1]], strides[axes[2]], strides[3]
-
-
-def _dtype_name(kind: str, x: Any) -> str:
-    return str(x.dtype).removeprefix("torch.") if kind == _interop.TORCH else str(x.dtype.name)
-
-
-def _ptr(kind: str, x: Any) -> int:
-    return int(x.data_ptr()) if kind == _interop.TORCH else int(x.data.ptr)
-
-
-def _strides(kind: str, x: Any) -> tuple[int, ...]:
-    return tuple(x.stride()) if kind == _interop.TORCH else _interop.element_strides(x)
-
-
-def _empty_outputs(kind: str, q: Any, p: Problem) -> tuple[Any, Any]:
-    lse_shape = (p.batch, p.heads_q, p.seqlen_q)
-    if kind == _interop.TORCH:
-        import torch
-
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    import cupy
-
-    return cupy.empty(q.shape, dtype=q.dtype), cupy.empty(lse_shape, dtype=cupy.float32)
-
-
-def _fill(x: Any, value: float) -> None:
-    if hasattr(x, "fill_"):
-        x.fill_(value)
-    else:
-        x.fill(value)
+    dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
+    launch = plan_baseline(p, dtype, _plan.device_info(device), "fa1", block_r=block_r, block_c=block_c)
+    return _launch.run(launch, lib, device, {"q": q, "k": k, "v": v}, True)

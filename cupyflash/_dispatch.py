@@ -8,6 +8,7 @@ with no local-memory spills (tests/test_compile.py checks it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ._specs import (
     CUDA_ELEMENT_TYPES,
@@ -27,8 +28,11 @@ from ._specs import (
     TileConfig,
 )
 
+if TYPE_CHECKING:
+    from ._plan import DeviceInfo
+
 # head_dim -> candidates, best first. TFLOP/s measured on the H200 (bf16, B * N = 16384,
-# H * d = 2048; N = 1024 / 4096 / 16384, non-causal then causal; scripts/tune_fa2.py,
+# H * d = 2048; N = 1024 / 4096 / 16384, non-causal then causal; scripts/tune.py fa2,
 # docs/gpu_runs/): the 4-warp 32-row tiles fit two CTAs per SM, whose independent barriers
 # keep the tensor cores busier than one 8-warp CTA in lock-step.
 FA2_FWD_TILES: dict[int, tuple[TileConfig, ...]] = {
@@ -92,7 +96,7 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
 # or not (uniform tiles: persistent CTAs on a static stride). Uneven tiles run either one CTA per
 # tile or, with `dynamic`, persistent CTAs drawing tiles from a global counter (in tile order:
 # each (batch, head)'s longest first).
-# Measured on the H200 (bf16, the prefill shapes; scripts/tune_fa3.py, docs/gpu_runs/): TFLOP/s
+# Measured on the H200 (bf16, the prefill shapes; scripts/tune.py fa3, docs/gpu_runs/): TFLOP/s
 # at N = 1024/4096/16384.
 # Two consumers keep S (block_n / 2 fp32 per thread), P and O (d / 2) in the 240 registers each
 # consumer thread gets; d = 256's O takes 128, so its key block is 64 and its O is staged in the
@@ -218,7 +222,7 @@ def all_naive_softmax_specs() -> list[NaiveSoftmaxSpec]:
 # head_dim -> tiles by packed rows (query tokens x query heads per KV head), smallest first; the
 # first whose block_m holds every row is used, the last one tiles larger groups over m-blocks.
 # Each warp streams its own ring of 16-key K/V slices. H200, bf16, d = 128, Hq/Hkv = 32/8, one
-# token, us at (B, L) = (1, 128k) (8, 32k) (8, 128k) (64, 4k), scripts/tune_decode.py,
+# token, us at (B, L) = (1, 128k) (8, 32k) (8, 128k) (64, 4k), scripts/tune.py decode,
 # docs/gpu_runs/2026-11-29-decode/: 8 warps x 2 stages (1 CTA/SM) 176 272 970 274, against
 # 4 warps x 3 stages (2 CTAs/SM) 191 301 1008 307, 4 x 2 (3 CTAs/SM) 203 296 977 284, 2 x 3
 # (4 CTAs/SM) 213 313 1007 311, 32-key slices 173 285 981 278. d = 64 follows d = 128 (not
@@ -302,3 +306,80 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
         *all_naive_softmax_specs(),
         *all_fa1_fwd_specs(max_smem),
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Occupancy of the decode kernel, which decides how many splits fill the GPU. The plan is pure
+# (no compile, no driver query), so registers per thread come from this table: ptxas's count
+# for each shipped decode variant and arch, which tests/test_plan.py checks against a compile.
+# ---------------------------------------------------------------------------------------------
+DECODE_REGISTERS: dict[tuple[str, str], int] = {
+    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 186,
+    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal"): 189,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2"): 235,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 239,
+    ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3"): 243,
+    ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3_causal"): 243,
+    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg"): 121,
+    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_causal"): 140,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg"): 186,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 189,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3"): 255,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 254,
+    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg"): 186,
+    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal"): 189,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2"): 235,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 239,
+    ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3"): 243,
+    ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3_causal"): 243,
+    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg"): 121,
+    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_causal"): 140,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg"): 186,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 189,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3"): 255,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 254,
+    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 187,
+    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal"): 190,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2"): 231,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 234,
+    ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3"): 242,
+    ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3_causal"): 242,
+    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg"): 121,
+    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_causal"): 139,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg"): 187,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 189,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3"): 255,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 255,
+    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg"): 187,
+    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal"): 190,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2"): 231,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 234,
+    ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3"): 242,
+    ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3_causal"): 242,
+    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg"): 121,
+    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_causal"): 139,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg"): 187,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 189,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3"): 255,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 255,
+}
+
+_REGISTER_ALLOCATION = 256  # registers are given to a warp in units of 256 (sm_80, sm_90)
+_SMEM_RESERVED_PER_CTA = 1024  # bytes the driver keeps per CTA on sm_80 and later
+
+
+def ctas_per_sm(spec: DecodeSpec, device: DeviceInfo) -> int:
+    """Resident CTAs per SM of a decode variant: the smallest of the warp, register and shared
+    memory limits, as the CUDA occupancy calculator computes them (a GPU test compares it with
+    the driver's cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
+    warps = -(-spec.num_threads // 32)
+    limits = [device.max_blocks_per_sm, device.max_threads_per_sm // 32 // warps]
+    registers = DECODE_REGISTERS.get((device.arch, spec.name))
+    if registers is not None:
+        per_warp = -(-registers * 32 // _REGISTER_ALLOCATION) * _REGISTER_ALLOCATION
+        limits.append(device.regs_per_sm // (per_warp * warps))
+    else:  # an arch the table does not list: what __launch_bounds__ guarantees
+        limits.append(spec.tile.min_blocks)
+    if spec.smem_bytes:
+        limits.append(device.smem_per_sm // (spec.smem_bytes + _SMEM_RESERVED_PER_CTA))
+    return max(1, min(limits))

@@ -1,110 +1,30 @@
-"""Arrays in and out: which library an input comes from, where it lives, how the kernels read it,
-and on which stream the work is queued.
+"""The array protocol: everything that differs between CuPy arrays, PyTorch tensors and other
+DLPack GPU arrays, behind one small interface (``ArrayLib``) with one implementation per library.
+No other module asks which library an array comes from.
 
-Two lean paths read pointers, strides and the stream straight from the object (CuPy arrays and
-PyTorch CUDA tensors: ``cupy.from_dlpack`` costs ~23 us a tensor on the H200, three of them more
-than a whole PyTorch SDPA call). Any other GPU array goes through DLPack without a copy, and
-arrays on the host run the array-API algorithms in their own namespace.
+``gpu_arrays(...)`` is the one entry: it finds the library and GPU that all of a call's arrays
+share (or says why they do not), and hands back the ``ArrayLib`` that reads pointers, strides
+and the caller's stream, allocates outputs, and wraps the results back into the caller's type.
+CuPy arrays and PyTorch CUDA tensors are read straight from the object (``cupy.from_dlpack``
+costs ~23 us a tensor on the H200, three of them more than a whole PyTorch SDPA call); any other
+GPU array (JAX ...) is adopted into CuPy through DLPack once, at the entry, without a copy, and
+its results are handed back through DLPack once, at the exit. Host arrays return None: the
+caller runs the array-API algorithms in their own namespace.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
-
-HOST = "host"
-CUPY = "cupy"
-TORCH = "torch"
-DLPACK = "dlpack"
 
 # DLPack device types that are GPU memory the kernels can read (kDLCUDA, kDLCUDAManaged).
 _DLPACK_GPU_DEVICES = (2, 13)
 
-_kind_of_type: dict[type, str] = {}
-
-
-def _type_kind(x: Any) -> str:
-    cls = type(x)
-    kind = _kind_of_type.get(cls)
-    if kind is None:
-        module = cls.__module__.split(".")[0]
-        if module == "cupy" and hasattr(x, "data") and hasattr(x, "device"):
-            kind = CUPY
-        elif module == "torch" and hasattr(x, "data_ptr"):
-            kind = TORCH
-        else:
-            kind = DLPACK
-        _kind_of_type[cls] = kind
-    return kind
-
-
-def same_array_kind(q: Any, k: Any, v: Any) -> str | None:
-    """CUPY or TORCH when all three are of that one type (the lean paths), else None."""
-    cls = type(q)
-    if type(k) is not cls or type(v) is not cls:
-        return None
-    kind = _kind_of_type.get(cls)
-    return kind if kind is not None else _type_kind(q)
-
-
-def placement(x: Any) -> tuple[str, int]:
-    """(kind, device id) of an array: CUPY / TORCH / DLPACK on a GPU, or HOST (-1)."""
-    kind = _type_kind(x)
-    if kind == CUPY:
-        return CUPY, x.device.id
-    if kind == TORCH:
-        return (TORCH, x.device.index) if x.is_cuda else (HOST, -1)
-    dlpack_device = getattr(x, "__dlpack_device__", None)
-    if dlpack_device is not None:
-        device_type, device_id = dlpack_device()
-        if int(device_type) in _DLPACK_GPU_DEVICES:
-            return DLPACK, int(device_id)
-    return HOST, -1
-
-
-def _library(x: Any) -> str:
-    return type(x).__module__.split(".")[0]
-
-
-def _describe(kind: str, device: int, x: Any) -> str:
-    where = "the host" if kind == HOST else f"GPU {device}"
-    return f"a {_library(x)} array on {where}"
-
-
-def common_placement(**arrays: Any) -> tuple[str, int]:
-    """The one (kind, device) shared by all arrays, or a ValueError naming the odd one out."""
-    items = list(arrays.items())
-    first_name, first = items[0]
-    kind, device = placement(first)
-    library = _library(first)
-    for name, x in items[1:]:
-        other = placement(x)
-        if other != (kind, device) or _library(x) != library:
-            raise ValueError(
-                f"{first_name} is {_describe(kind, device, first)} but {name} is "
-                f"{_describe(*other, x)}: all inputs must be arrays of one library on one device"
-            )
-    return kind, device
-
-
-# ---------------------------------------------------------------------------------------------
-# Streams.
-# ---------------------------------------------------------------------------------------------
-def torch_current_stream(device_index: int) -> int:
-    """PyTorch's current stream on a device, as a raw pointer (the raw getter is 5 us faster
-    than torch.cuda.current_stream())."""
-    return int(_torch_stream_getter()(device_index))
-
-
-@functools.cache
-def _torch_stream_getter() -> Any:
-    """Looked up once: an import statement on the per-call path costs ~1 us."""
-    import torch
-
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if getter is not None:
-        return getter
-    return lambda device_index: torch.cuda.current_stream(device_index).cuda_stream
+CUPY = "cupy"
+TORCH = "torch"
+DLPACK = "dlpack"
+HOST = "host"
 
 
 @functools.cache
@@ -123,42 +43,315 @@ def cupy_module() -> Any:
     return cupy
 
 
+@functools.cache
+def _runtime() -> Any:
+    from cupy_backends.cuda.api import runtime
+
+    return runtime
+
+
 def current_device() -> int:
     """The current CUDA device of this thread (CuPy's runtime view)."""
-    return int(_get_device()())
+    return int(_runtime().getDevice())
+
+
+def stream_is_capturing(stream: int) -> bool:
+    """Is ``stream`` being captured into a CUDA graph?"""
+    return bool(_runtime().streamIsCapturing(stream))
+
+
+class ArrayLib:
+    """What the GPU pipeline needs of one array library. Strides are in elements; dtypes are
+    named by their NumPy names ("float16", "bfloat16", "float32", "int32" ...)."""
+
+    name: str
+
+    def ptr(self, x: Any) -> int:
+        raise NotImplementedError
+
+    def strides(self, x: Any) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def dtype_name(self, x: Any) -> str:
+        raise NotImplementedError
+
+    def empty(self, shape: Sequence[int], dtype: str, device: int) -> Any:
+        raise NotImplementedError
+
+    def fill(self, x: Any, value: float) -> None:
+        raise NotImplementedError
+
+    def copy(self, x: Any) -> Any:
+        """A fresh C-contiguous copy (a new, aligned allocation), queued on the caller's stream."""
+        raise NotImplementedError
+
+    def stream(self, device: int) -> int:
+        """The caller's current stream on ``device``, as a raw pointer."""
+        raise NotImplementedError
+
+    def check_inputs(self, arrays: Sequence[Any]) -> None:
+        """Refuse what this library's users would otherwise get silently wrong."""
+
+    def wrap(self, x: Any) -> Any:
+        """A result in the caller's type (the identity but for DLPack-adopted arrays)."""
+        return x
+
+
+class CupyLib(ArrayLib):
+    name = CUPY
+
+    def __init__(self) -> None:
+        self._strides: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+
+    def ptr(self, x: Any) -> int:
+        return int(x.data.ptr)
+
+    def strides(self, x: Any) -> tuple[int, ...]:
+        # CuPy reports bytes; memoised by (byte strides, itemsize): this runs for every operand.
+        key = (x.strides, x.itemsize)
+        strides = self._strides.get(key)
+        if strides is None:
+            if len(self._strides) > 4096:
+                self._strides.clear()
+            strides = self._strides[key] = tuple(s // key[1] for s in key[0])
+        return strides
+
+    def dtype_name(self, x: Any) -> str:
+        return str(x.dtype.name)
+
+    def empty(self, shape: Sequence[int], dtype: str, device: int) -> Any:
+        return cupy_module().empty(tuple(shape), dtype=_numpy_dtype(dtype))
+
+    def fill(self, x: Any, value: float) -> None:
+        x.fill(value)
+
+    def copy(self, x: Any) -> Any:
+        return x.copy(order="C")
+
+    def stream(self, device: int) -> int:
+        return int(cupy_module().cuda.get_current_stream().ptr)
 
 
 @functools.cache
-def _get_device() -> Any:
-    from cupy_backends.cuda.api import runtime
+def _numpy_dtype(name: str) -> Any:
+    """The NumPy dtype CuPy allocates with ("bfloat16" is ml_dtypes', known once it is imported)."""
+    import numpy as np
 
-    return runtime.getDevice
+    if name == "bfloat16":
+        import ml_dtypes
 
-
-# ---------------------------------------------------------------------------------------------
-# What the kernels need of a GPU array, read without copies.
-# ---------------------------------------------------------------------------------------------
-_element_strides: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
-
-
-def element_strides(x: Any) -> tuple[int, ...]:
-    """Strides of a CuPy array in elements (CuPy reports bytes); memoised, a call is hot."""
-    key = (x.strides, x.itemsize)
-    strides = _element_strides.get(key)
-    if strides is None:
-        if len(_element_strides) > 4096:
-            _element_strides.clear()
-        strides = _element_strides[key] = tuple(s // key[1] for s in key[0])
-    return strides
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 
-def kernel_readable(ptr: int, shape: Any, strides: Any) -> bool:
-    """Unit stride on head_dim, 16-byte aligned base and strides (cp.async and TMA move 16-byte
-    chunks), no negative stride (a TMA tensor map takes unsigned strides).
+class TorchLib(ArrayLib):
+    name = TORCH
 
-    Strides of size-1 axes are never used, so they may be anything.
+    def __init__(self) -> None:
+        self._dtypes: dict[str, Any] = {}
+        self._devices: dict[int, Any] = {}
+        self._stream_getter: Any = None
+
+    def ptr(self, x: Any) -> int:
+        return x.data_ptr()
+
+    def strides(self, x: Any) -> tuple[int, ...]:
+        return x.stride()  # already a tuple of ints
+
+    def dtype_name(self, x: Any) -> str:
+        return str(x.dtype).removeprefix("torch.")
+
+    def _dtype(self, name: str) -> Any:
+        dtype = self._dtypes.get(name)
+        if dtype is None:
+            dtype = self._dtypes[name] = getattr(torch_module(), name)
+        return dtype
+
+    def empty(self, shape: Sequence[int], dtype: str, device: int) -> Any:
+        where = self._devices.get(device)
+        if where is None:  # parsing "cuda:N" per call costs ~1 us
+            where = self._devices[device] = torch_module().device("cuda", device)
+        return torch_module().empty(shape, dtype=self._dtype(dtype), device=where)
+
+    def fill(self, x: Any, value: float) -> None:
+        x.fill_(value)
+
+    def copy(self, x: Any) -> Any:
+        return x.clone(memory_format=torch_module().contiguous_format)
+
+    def stream(self, device: int) -> int:
+        getter = self._stream_getter
+        if getter is None:  # the raw getter is 5 us faster than torch.cuda.current_stream()
+            torch = torch_module()
+            getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            if getter is None:
+                getter = lambda index: torch.cuda.current_stream(index).cuda_stream  # noqa: E731
+            self._stream_getter = getter
+        return int(getter(device))
+
+    def check_inputs(self, arrays: Sequence[Any]) -> None:
+        # A kernel launch is invisible to autograd: a tensor that requires grad would come back
+        # detached, and a model trained through it would get no gradient and no error.
+        for x in arrays:
+            if x.requires_grad:
+                break
+        else:
+            return
+        if torch_module().is_grad_enabled():
+            names = [i for i, x in enumerate(arrays) if x.requires_grad]
+            raise RuntimeError(
+                "cupyflash has no backward pass yet: an input that requires grad (arguments "
+                f"{names}) would come back detached with no gradient. Call it under torch.no_grad() "
+                "or pass tensors that do not require grad."
+            )
+
+
+class DlpackLib(CupyLib):
+    """Other GPU arrays, adopted into CuPy at the entry; results go back through DLPack."""
+
+    name = DLPACK
+
+    def __init__(self, namespace: Any) -> None:
+        super().__init__()
+        self.namespace = namespace
+
+    def wrap(self, x: Any) -> Any:
+        return self.namespace.from_dlpack(x)
+
+
+CUPY_LIB = CupyLib()
+TORCH_LIB = TorchLib()
+
+# type -> library name of its arrays (a tensor subclass such as nn.Parameter is a torch tensor).
+_kind_of_type: dict[type, str] = {}
+
+
+def _kind(x: Any) -> str:
+    cls = type(x)
+    kind = _kind_of_type.get(cls)
+    if kind is None:
+        modules = {c.__module__.split(".")[0] for c in cls.__mro__}
+        if "cupy" in modules and hasattr(x, "data") and hasattr(x, "device"):
+            kind = CUPY
+        elif "torch" in modules and hasattr(x, "data_ptr"):
+            kind = TORCH
+        else:
+            kind = DLPACK
+        _kind_of_type[cls] = kind
+    return kind
+
+
+def _device_of(kind: str, x: Any) -> int:
+    """The GPU an array lives on, or -1 on the host."""
+    if kind == CUPY:
+        return int(x.data.device_id)
+    if kind == TORCH:
+        return int(x.get_device())
+    dlpack_device = getattr(x, "__dlpack_device__", None)
+    if dlpack_device is not None:
+        device_type, device_id = dlpack_device()
+        if int(device_type) in _DLPACK_GPU_DEVICES:
+            return int(device_id)
+    return -1
+
+
+def _library(x: Any) -> str:
+    return type(x).__module__.split(".")[0]
+
+
+def _describe(x: Any) -> str:
+    kind = _kind(x)
+    device = _device_of(kind, x)
+    where = "the host" if device < 0 else f"GPU {device}"
+    return f"a {_library(x)} array on {where}"
+
+
+def gpu_arrays(names: Sequence[str], arrays: Sequence[Any]) -> tuple[ArrayLib, int, list[Any]] | None:
+    """(library, device, arrays as the pipeline reads them) for a call on the GPU, or None when
+    every array is on the host. ``None`` entries (absent optional arguments) are skipped.
+
+    All arrays must be of one library on one device, else a ValueError names the odd one out.
+    DLPack-only arrays are adopted into CuPy here, once.
     """
-    if ptr % 16 or (strides[-1] != 1 and shape[-1] > 1):
+    for name, x in zip(names, arrays):
+        if x is not None and not _is_array(x):
+            raise TypeError(f"{name} must be an array (CuPy, PyTorch, JAX, NumPy ...), got {type(x).__name__}")
+    first = next(i for i, x in enumerate(arrays) if x is not None)
+    kind = _kind(arrays[first])
+    device = _device_of(kind, arrays[first])
+    for i, x in enumerate(arrays):
+        if x is None or i == first:
+            continue
+        if _kind(x) != kind or _device_of(kind, x) != device or _library(x) != _library(arrays[first]):
+            raise ValueError(
+                f"{names[first]} is {_describe(arrays[first])} but {names[i]} is {_describe(x)}: all inputs must "
+                "be arrays of one library on one device"
+            )
+    if kind == CUPY:
+        return CUPY_LIB, device, list(arrays)
+    if kind == TORCH:
+        if device < 0:
+            return None
+        return TORCH_LIB, device, list(arrays)
+    if device < 0:
+        return None
+    from array_api_compat import array_namespace
+
+    cupy = cupy_module()
+    namespace = array_namespace(arrays[first])
+    adopted = [None if x is None else cupy.from_dlpack(x) for x in arrays]
+    return DlpackLib(namespace), device, adopted
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") or hasattr(x, "__dlpack_device__")
+
+
+def lean_others(lib: ArrayLib, device: int, arrays: Sequence[Any]) -> bool:
+    """The optional arrays of a lean call (None, or of ``lib``'s kind on ``device``)."""
+    for x in arrays:
+        if x is None:
+            continue
+        kind = _kind_of_type.get(type(x)) or _kind(x)
+        if kind != lib.name or _device_of(kind, x) != device:
+            return False
+    return True
+
+
+def lean_arrays(q: Any, k: Any, v: Any) -> tuple[ArrayLib, int] | None:
+    """The per-token fast path: (library, device) when q, k and v are all CuPy arrays or all
+    PyTorch CUDA tensors on one GPU (a few attribute reads), else None for ``gpu_arrays``."""
+    kind = _kind_of_type.get(type(q)) or _kind(q)
+    if kind == TORCH:
+        device = q.get_device()
+        if (
+            device >= 0
+            and (_kind_of_type.get(type(k)) or _kind(k)) == TORCH
+            and (_kind_of_type.get(type(v)) or _kind(v)) == TORCH
+            and k.get_device() == device
+            and v.get_device() == device
+        ):
+            return TORCH_LIB, device
+    elif kind == CUPY:
+        device = q.data.device_id
+        if (
+            (_kind_of_type.get(type(k)) or _kind(k)) == CUPY
+            and (_kind_of_type.get(type(v)) or _kind(v)) == CUPY
+            and k.data.device_id == device
+            and v.data.device_id == device
+        ):
+            return CUPY_LIB, device
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# What the kernels can read in place.
+# ---------------------------------------------------------------------------------------------
+def tile_layout_readable(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Unit stride on head_dim and strides that are 16-byte multiples (cp.async and TMA move
+    16-byte chunks of 16-bit elements), none negative (a TMA tensor map takes unsigned strides).
+    Strides of size-1 axes are never used, so they may be anything."""
+    if strides[-1] != 1 and shape[-1] > 1:
         return False
     for size, stride in zip(shape[:-1], strides[:-1]):
         if (stride % 8 or stride < 0) and size > 1:
@@ -166,19 +359,13 @@ def kernel_readable(ptr: int, shape: Any, strides: Any) -> bool:
     return True
 
 
-def readable_copy(kind: str, x: Any) -> Any:
-    """A fresh C-contiguous copy (new, aligned allocation) in the caller's own library."""
-    if kind == TORCH:
-        import torch
-
-        return x.clone(memory_format=torch.contiguous_format)
-    return x.copy(order="C")
+def kernel_readable(ptr: int, shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """``tile_layout_readable`` and a 16-byte aligned base pointer."""
+    return ptr % 16 == 0 and tile_layout_readable(shape, strides)
 
 
 @functools.cache
 def device_attribute(device: int, name: str) -> int:
     """A CUDA device attribute (MaxSharedMemoryPerBlockOptin, MultiProcessorCount ...), read once
-    per device: plans need them, and the driver query is not free."""
-    import cupy
-
-    return int(cupy.cuda.Device(device).attributes[name])
+    per device."""
+    return int(cupy_module().cuda.Device(device).attributes[name])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -150,6 +151,12 @@ class OfflineBuild:
         return 0
 
     @property
+    def warnings(self) -> list[str]:
+        """The log's warning lines (NVRTC's ``file(line): warning #607-D: ...``, ptxas's
+        ``ptxas warning : ...``); ptxas's ``-v`` lines are ``ptxas info``, not warnings."""
+        return [line for line in self.log.splitlines() if re.search(r"\bwarning\b", line, re.IGNORECASE)]
+
+    @property
     def registers(self) -> int | None:
         for line in self.log.splitlines():
             if "Used" in line and "registers" in line:
@@ -180,9 +187,9 @@ def compile_offline(spec: KernelSpec, arch: str) -> OfflineBuild:
         try:
             nvrtc.compileProgram(program, [*options, arch_option(arch), "--ptxas-options=-v"])
         except nvrtc.NVRTCError as error:
-            log = nvrtc.getProgramLog(program)
+            log = nvrtc.getProgramLog(program).rstrip("\0")
             raise KernelCompileError(f"compiling {name} for {arch} failed ({error}):\n{log}") from None
-        log = nvrtc.getProgramLog(program)
+        log = nvrtc.getProgramLog(program).rstrip("\0")  # NVRTC's log ends in a NUL
         cubin = nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)

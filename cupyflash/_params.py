@@ -64,6 +64,7 @@ class ParamsStruct:
         self._packer = struct.Struct(fmt + "x" * (self.dtype.itemsize - offset))
         assert self._packer.size == self.dtype.itemsize
         self._opaque = np.dtype((np.void, self.dtype.itemsize))
+        self._slots = {field: i for i, (field, _) in enumerate(fields)}
 
     def pack_into(self, buffer: memoryview, *values: int | float) -> None:
         """Pack one call's field values into a caller-owned buffer (the direct-launch path)."""
@@ -73,6 +74,38 @@ class ParamsStruct:
         """Pack one call's field values (in field order) into a size-1 array CuPy passes by
         value. ``.view(self.dtype)`` reads the fields back."""
         return np.frombuffer(self._packer.pack(*values), dtype=self._opaque)
+
+    def template(self, **fixed: int | float) -> ParamsTemplate:
+        """The struct's values for one plan: ``fixed`` fields by name, every other field 0 until
+        a call sets it (pointers, per-call strides and scalars) through ``slot(name)``."""
+        return ParamsTemplate(self, fixed)
+
+    def slot(self, name: str) -> int:
+        """Position of field ``name`` among the values ``pack`` takes."""
+        try:
+            return self._slots[name]
+        except KeyError:
+            raise KeyError(f"{self.c_name} has no field {name!r}") from None
+
+
+class ParamsTemplate:
+    """A params struct filled by name at plan time. A call copies ``values`` and sets the
+    fields that change per call (pointers, per-call strides and scalars) at their slots."""
+
+    __slots__ = ("struct", "values")
+
+    def __init__(self, struct: ParamsStruct, fixed: dict[str, int | float]) -> None:
+        self.struct = struct
+        values: list[int | float] = [0] * len(struct.fields)
+        for name, value in fixed.items():
+            values[struct.slot(name)] = value
+        self.values = tuple(values)
+
+    def slot(self, name: str) -> int:
+        return self.struct.slot(name)
+
+    def value(self, name: str) -> int | float:
+        return self.values[self.slot(name)]
 
 
 # DecodeParams = { AttnParams attn; ... }: AttnParams' size is a multiple of 8 and the first
@@ -94,6 +127,7 @@ DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("cache_capacity", "i4"),
     ("num_splits", "i4"),
     ("blocks_per_split", "i4"),
+    ("error_flags", "u8"),
 )
 
 MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (

@@ -7,6 +7,7 @@ The compiled binary is keyed by ``(spec, arch)``; the source does not depend on 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 #: Element types the tensor-core kernels take, with their C++ spelling.
 CUDA_ELEMENT_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -21,8 +22,81 @@ CI_ARCHS = ("sm_80", "sm_90a")
 #: Head dimensions of the Hopper (wgmma + TMA) forward: multiples of 64 (128-byte swizzle rows).
 FA3_HEAD_DIMS = (64, 128, 256)
 HOPPER_ARCH = "sm_90a"
-#: wgmma N extents with a wrapper in kernels_cu/wgmma.cuh (scripts/gen_wgmma.py): key blocks and head dims.
-WGMMA_N = (64, 128, 176, 192, 256)
+#: wgmma N extents with a wrapper in kernels_cu/wgmma.cuh (scripts/gen_wgmma.py SHAPES): the shipped
+#: key blocks (64, 128) and head dims (64, 128, 256).
+WGMMA_N = (64, 128, 256)
+
+
+def _cxx(value: object) -> str:
+    """A template argument as C++ spells it (bools as true / false)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _flags(*flags: tuple[str, bool]) -> str:
+    """The name suffix of the flags that are on, in order: ``_causal_softcap``."""
+    return "".join(f"_{flag}" for flag, on in flags if on)
+
+
+def _mask_flags(causal: bool, local: bool, softcap: bool) -> tuple[tuple[str, bool], ...]:
+    return (("causal", causal), ("local", local), ("softcap", softcap))
+
+
+def _check_dtype(dtype: str, supported: dict[str, str]) -> None:
+    if dtype not in supported:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(supported)}")
+
+
+class _KernelSpecBase:
+    """What every kernel spec shares: the symbol name from a family prefix, name parts and flag
+    suffixes; ``template_args()`` from the traits template and its arguments; the launch bounds;
+    the entry body (the kernel's own shared-memory count asserted against ``smem_bytes``, then
+    the call). A subclass declares ``traits``, ``prefix`` and ``entry`` and implements
+    ``_name_parts``, ``_name_flags`` and ``_traits_args``."""
+
+    __slots__ = ()
+    traits: ClassVar[str]  # the C++ traits template, e.g. "Fa2FwdTraits"
+    prefix: ClassVar[str]  # the symbol's prefix after "cf_", e.g. "fa2_fwd"
+    entry: ClassVar[str]  # the templated body the extern "C" entry calls
+
+    @property
+    def num_threads(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def smem_bytes(self) -> int:
+        raise NotImplementedError
+
+    def _name_parts(self) -> tuple[object, ...]:
+        raise NotImplementedError
+
+    def _name_flags(self) -> tuple[tuple[str, bool], ...]:
+        return ()
+
+    def _traits_args(self) -> tuple[object, ...]:
+        raise NotImplementedError
+
+    @property
+    def _min_blocks(self) -> int:
+        return 1
+
+    @property
+    def name(self) -> str:
+        parts = "_".join(str(part) for part in (self.prefix, *self._name_parts()))
+        return f"cf_{parts}{_flags(*self._name_flags())}"
+
+    def template_args(self) -> str:
+        return f"{self.traits}<{', '.join(_cxx(arg) for arg in self._traits_args())}>"
+
+    @property
+    def launch_bounds(self) -> str:
+        return f"{self.num_threads}, {self._min_blocks}"
+
+    @property
+    def entry_body(self) -> str:
+        # The launch passes smem_bytes: the kernel's own count must agree.
+        return f'static_assert(Traits::kSmemBytes == {self.smem_bytes}, "smem_bytes"); {self.entry}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +122,7 @@ class TileConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Fa2FwdSpec:
+class Fa2FwdSpec(_KernelSpecBase):
     """A variant of ``kernels_cu/fa2_fwd.cu`` (template ``Fa2FwdTraits``)."""
 
     dtype: str  # "float16" | "bfloat16"
@@ -64,31 +138,33 @@ class Fa2FwdSpec:
     params_type = "AttnParams"
     param_decl = "const AttnParams params"
     uses_tma = False
+    traits = "Fa2FwdTraits"
+    prefix = "fa2_fwd"
+    entry = "fa2_fwd<Traits>(params);"
 
     def __post_init__(self) -> None:
-        if self.dtype not in CUDA_ELEMENT_TYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(CUDA_ELEMENT_TYPES)}")
+        _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         if self.head_dim not in FA2_HEAD_DIMS:
             raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA2_HEAD_DIMS}")
 
-    @property
-    def name(self) -> str:
+    def _name_parts(self) -> tuple[object, ...]:
         t = self.tile
-        flags = "".join(
-            f"_{flag}"
-            for flag, on in (
-                ("qreg", t.q_in_regs),
-                ("ovl", t.overlap),
-                (f"b{t.min_blocks}", t.min_blocks > 1),
-                ("causal", self.causal),
-                ("local", self.local),
-                ("softcap", self.softcap),
-            )
-            if on
-        )
         return (
-            f"cf_fa2_fwd_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
-            f"_m{t.block_m}_n{t.block_n}_w{t.num_warps}_s{t.stages}{flags}"
+            _SHORT_DTYPE[self.dtype],
+            f"d{self.head_dim}",
+            f"m{t.block_m}",
+            f"n{t.block_n}",
+            f"w{t.num_warps}",
+            f"s{t.stages}",
+        )
+
+    def _name_flags(self) -> tuple[tuple[str, bool], ...]:
+        t = self.tile
+        return (
+            ("qreg", t.q_in_regs),
+            ("ovl", t.overlap),
+            (f"b{t.min_blocks}", t.min_blocks > 1),
+            *_mask_flags(self.causal, self.local, self.softcap),
         )
 
     @property
@@ -101,22 +177,25 @@ class Fa2FwdSpec:
         elements = t.block_m * self.head_dim + 2 * t.stages * t.block_n * self.head_dim
         return 2 * elements
 
-    def template_args(self) -> str:
+    def _traits_args(self) -> tuple[object, ...]:
         t = self.tile
-        b = lambda flag: "true" if flag else "false"  # noqa: E731
         return (
-            f"Fa2FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
-            f"{b(t.q_in_regs)}, {b(t.overlap)}, {CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}, {b(self.local)}, "
-            f"{b(self.softcap)}>"
+            self.head_dim,
+            t.block_m,
+            t.block_n,
+            t.num_warps,
+            t.stages,
+            t.q_in_regs,
+            t.overlap,
+            CUDA_ELEMENT_TYPES[self.dtype],
+            self.causal,
+            self.local,
+            self.softcap,
         )
 
     @property
-    def launch_bounds(self) -> str:
-        return f"{self.num_threads}, {self.tile.min_blocks}"
-
-    @property
-    def entry_body(self) -> str:
-        return "fa2_fwd<Traits>(params);"
+    def _min_blocks(self) -> int:
+        return self.tile.min_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +222,7 @@ class Fa3Tile:
 
 
 @dataclass(frozen=True, slots=True)
-class Fa3FwdSpec:
+class Fa3FwdSpec(_KernelSpecBase):
     """A variant of ``kernels_cu/fa3_fwd.cu`` (template ``Fa3FwdTraits``): Hopper only.
 
     One producer warpgroup (TMA) and ``tile.consumers`` warpgroups (wgmma). Persistent (one CTA
@@ -166,10 +245,12 @@ class Fa3FwdSpec:
     params_type = "Fa3Params"  # its fields after the three tensor maps
     param_decl = "const __grid_constant__ Fa3Params params"
     uses_tma = True
+    traits = "Fa3FwdTraits"
+    prefix = "fa3_fwd"
+    entry = "fa3_fwd<Traits>(params);"
 
     def __post_init__(self) -> None:
-        if self.dtype not in CUDA_ELEMENT_TYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(CUDA_ELEMENT_TYPES)}")
+        _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         if self.head_dim not in FA3_HEAD_DIMS:
             raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA3_HEAD_DIMS}")
 
@@ -185,17 +266,23 @@ class Fa3FwdSpec:
     def block_m(self) -> int:
         return 64 * self.tile.consumers
 
-    @property
-    def name(self) -> str:
-        t = self.tile
-        flags = "".join(
-            f"_{flag}" for flag, on in (("causal", self.causal), ("local", self.local), ("softcap", self.softcap)) if on
-        )
+    def _name_parts(self) -> tuple[object, ...]:
         return (
-            f"cf_fa3_fwd_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
-            f"_m{self.block_m}_n{t.block_n}_s{t.stages}"
-            f"{'_os' if t.separate_o else ''}{'_pp' if t.pingpong else ''}{'_dyn' if t.dynamic else ''}{flags}"
-            f"{'_varlen' if self.varlen else ''}"
+            _SHORT_DTYPE[self.dtype],
+            f"d{self.head_dim}",
+            f"m{self.block_m}",
+            f"n{self.tile.block_n}",
+            f"s{self.tile.stages}",
+        )
+
+    def _name_flags(self) -> tuple[tuple[str, bool], ...]:
+        t = self.tile
+        return (
+            ("os", t.separate_o),
+            ("pp", t.pingpong),
+            ("dyn", t.dynamic),
+            *_mask_flags(self.causal, self.local, self.softcap),
+            ("varlen", self.varlen),
         )
 
     @property
@@ -211,23 +298,14 @@ class Fa3FwdSpec:
         rows = self.block_m * (q_buffers + t.separate_o) + 2 * t.stages * t.block_n
         return 1024 + 2 * self.head_dim * rows + 8 * (2 * q_buffers + 4 * t.stages) + 8
 
-    def template_args(self) -> str:
-        b = lambda flag: "true" if flag else "false"  # noqa: E731
+    def _traits_args(self) -> tuple[object, ...]:
         t = self.tile
         return (
-            f"Fa3FwdTraits<{self.head_dim}, {t.block_n}, {t.consumers}, {t.stages}, "
-            f"{b(t.separate_o)}, {b(t.pingpong)}, {b(t.dynamic)}, {b(self.varlen)}, "
-            f"{CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}, {b(self.local)}, {b(self.softcap)}>"
-        )
+            self.head_dim, t.block_n, t.consumers, t.stages, t.separate_o, t.pingpong, t.dynamic, self.varlen,
+            CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap,
+        )  # fmt: skip
 
-    @property
-    def launch_bounds(self) -> str:
-        return f"{self.num_threads}, 1"  # one CTA per SM: setmaxnreg needs the whole register file
-
-    @property
-    def entry_body(self) -> str:
-        # The launch passes smem_bytes: the kernel's own count must agree.
-        return f'static_assert(Traits::kSmemBytes == {self.smem_bytes}, "smem_bytes"); fa3_fwd<Traits>(params);'
+    # one CTA per SM (setmaxnreg needs the whole register file): the default _min_blocks of 1
 
 
 #: Head dimensions with a compiled FA1 variant (512: where the IO model predicts FA1's traffic
@@ -235,16 +313,8 @@ class Fa3FwdSpec:
 FA1_HEAD_DIMS = (64, 128, 256, 512)
 
 
-def _mask_flags(causal: bool, local: bool, softcap: bool) -> str:
-    return "".join(f"_{flag}" for flag, on in (("causal", causal), ("local", local), ("softcap", softcap)) if on)
-
-
-def _bool(flag: bool) -> str:
-    return "true" if flag else "false"
-
-
 @dataclass(frozen=True, slots=True)
-class Fa1FwdSpec:
+class Fa1FwdSpec(_KernelSpecBase):
     """A variant of ``kernels_cu/fa1_fwd.cu`` (template ``Fa1FwdTraits``).
 
     ``block_r`` / ``block_c`` are the paper's B_r (query rows per Q tile, 16 per warp) and B_c
@@ -265,11 +335,12 @@ class Fa1FwdSpec:
     params_type = "AttnParams"
     param_decl = "const AttnParams params, float* o_state, float* max_state, float* sum_state"
     uses_tma = False
-    entry_body = "fa1_fwd<Traits>(params, o_state, max_state, sum_state);"
+    traits = "Fa1FwdTraits"
+    prefix = "fa1_fwd"
+    entry = "fa1_fwd<Traits>(params, o_state, max_state, sum_state);"
 
     def __post_init__(self) -> None:
-        if self.dtype not in CUDA_ELEMENT_TYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(CUDA_ELEMENT_TYPES)}")
+        _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         if self.head_dim not in FA1_HEAD_DIMS:
             raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA1_HEAD_DIMS}")
         if self.block_r % 16 or not 16 <= self.block_r <= 256:
@@ -282,13 +353,17 @@ class Fa1FwdSpec:
         """Keys per register tile: the widest of 64, 32, 16 that divides B_c."""
         return next(n for n in (64, 32, 16) if self.block_c % n == 0)
 
-    @property
-    def name(self) -> str:
-        flags = _mask_flags(self.causal, self.local, self.softcap)
+    def _name_parts(self) -> tuple[object, ...]:
         return (
-            f"cf_fa1_fwd_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
-            f"_r{self.block_r}_c{self.block_c}_n{self.block_n}{flags}"
+            _SHORT_DTYPE[self.dtype],
+            f"d{self.head_dim}",
+            f"r{self.block_r}",
+            f"c{self.block_c}",
+            f"n{self.block_n}",
         )
+
+    def _name_flags(self) -> tuple[tuple[str, bool], ...]:
+        return _mask_flags(self.causal, self.local, self.softcap)
 
     @property
     def num_threads(self) -> int:
@@ -298,19 +373,15 @@ class Fa1FwdSpec:
     def smem_bytes(self) -> int:
         return 2 * (2 * self.block_c + self.block_r) * self.head_dim
 
-    def template_args(self) -> str:
+    def _traits_args(self) -> tuple[object, ...]:
         return (
-            f"Fa1FwdTraits<{self.head_dim}, {self.block_r}, {self.block_c}, {self.block_n}, "
-            f"{CUDA_ELEMENT_TYPES[self.dtype]}, {_bool(self.causal)}, {_bool(self.local)}, {_bool(self.softcap)}>"
-        )
-
-    @property
-    def launch_bounds(self) -> str:
-        return f"{self.num_threads}, 1"
+            self.head_dim, self.block_r, self.block_c, self.block_n, CUDA_ELEMENT_TYPES[self.dtype],
+            self.causal, self.local, self.softcap,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
-class NaiveSoftmaxSpec:
+class NaiveSoftmaxSpec(_KernelSpecBase):
     """A variant of ``kernels_cu/naive.cu``: the row softmax between the baseline's two GEMMs."""
 
     dtype: str
@@ -326,25 +397,21 @@ class NaiveSoftmaxSpec:
     params_type = "AttnParams"
     param_decl = "const AttnParams params, const Traits::Element* s, Traits::Element* p"
     uses_tma = False
-    entry_body = "naive_softmax<Traits>(params, s, p);"
+    traits = "NaiveSoftmaxTraits"
+    prefix = "naive_softmax"
+    entry = "naive_softmax<Traits>(params, s, p);"
 
     def __post_init__(self) -> None:
-        if self.dtype not in CUDA_ELEMENT_TYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(CUDA_ELEMENT_TYPES)}")
+        _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
 
-    @property
-    def name(self) -> str:
-        return f"cf_naive_softmax_{_SHORT_DTYPE[self.dtype]}{_mask_flags(self.causal, self.local, self.softcap)}"
+    def _name_parts(self) -> tuple[object, ...]:
+        return (_SHORT_DTYPE[self.dtype],)
 
-    def template_args(self) -> str:
-        return (
-            f"NaiveSoftmaxTraits<{self.num_threads}, {CUDA_ELEMENT_TYPES[self.dtype]}, "
-            f"{_bool(self.causal)}, {_bool(self.local)}, {_bool(self.softcap)}>"
-        )
+    def _name_flags(self) -> tuple[tuple[str, bool], ...]:
+        return _mask_flags(self.causal, self.local, self.softcap)
 
-    @property
-    def launch_bounds(self) -> str:
-        return f"{self.num_threads}, 1"
+    def _traits_args(self) -> tuple[object, ...]:
+        return (self.num_threads, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap)
 
 
 #: Head dimensions with a compiled decode variant.
@@ -353,11 +420,6 @@ DECODE_HEAD_DIMS = (64, 128, 256)
 DECODE_MAX_QUERIES = 16
 #: Element types of merge_states on the GPU (the split-KV partials are float32).
 MERGE_ELEMENT_TYPES = {**CUDA_ELEMENT_TYPES, "float32": "float"}
-
-
-def _check_dtype(dtype: str, supported: dict[str, str]) -> None:
-    if dtype not in supported:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(supported)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,7 +445,7 @@ class DecodeTile:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeSpec:
+class DecodeSpec(_KernelSpecBase):
     """A variant of ``decode_partial`` in ``kernels_cu/decode.cu`` (template ``DecodeTraits``)."""
 
     dtype: str
@@ -397,21 +459,29 @@ class DecodeSpec:
     param_decl = "const DecodeParams params"
     archs = CI_ARCHS
     uses_tma = False
+    traits = "DecodeTraits"
+    prefix = "decode"
+    entry = "decode_partial<Traits>(params);"
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         if self.head_dim not in DECODE_HEAD_DIMS:
             raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {DECODE_HEAD_DIMS}")
 
-    @property
-    def name(self) -> str:
+    def _name_parts(self) -> tuple[object, ...]:
         t = self.tile
-        flags = ("_qreg" if t.q_in_regs else "") + (f"_b{t.min_blocks}" if t.min_blocks > 1 else "")
-        flags += "_causal" if self.causal else ""
         return (
-            f"cf_decode_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
-            f"_m{t.block_m}_k{t.warp_keys}_w{t.num_warps}_s{t.stages}{flags}"
+            _SHORT_DTYPE[self.dtype],
+            f"d{self.head_dim}",
+            f"m{t.block_m}",
+            f"k{t.warp_keys}",
+            f"w{t.num_warps}",
+            f"s{t.stages}",
         )
+
+    def _name_flags(self) -> tuple[tuple[str, bool], ...]:
+        t = self.tile
+        return (("qreg", t.q_in_regs), (f"b{t.min_blocks}", t.min_blocks > 1), ("causal", self.causal))
 
     @property
     def num_threads(self) -> int:
@@ -424,25 +494,20 @@ class DecodeSpec:
         merge = t.num_warps * t.block_m * (d + 8 + 1) * 4  # the warps' fp32 partials, padded rows
         return t.block_m * d * 2 + max(ring, merge)
 
-    def template_args(self) -> str:
+    def _traits_args(self) -> tuple[object, ...]:
         t = self.tile
-        b = lambda flag: "true" if flag else "false"  # noqa: E731
         return (
-            f"DecodeTraits<{self.head_dim}, {t.block_m}, {t.warp_keys}, {t.num_warps}, {t.stages}, "
-            f"{b(t.q_in_regs)}, {CUDA_ELEMENT_TYPES[self.dtype]}, {b(self.causal)}>"
-        )
+            self.head_dim, t.block_m, t.warp_keys, t.num_warps, t.stages, t.q_in_regs,
+            CUDA_ELEMENT_TYPES[self.dtype], self.causal,
+        )  # fmt: skip
 
     @property
-    def launch_bounds(self) -> str:
-        return f"{self.num_threads}, {self.tile.min_blocks}"
-
-    @property
-    def entry_body(self) -> str:
-        return "decode_partial<Traits>(params);"
+    def _min_blocks(self) -> int:
+        return self.tile.min_blocks
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeAppendSpec:
+class DecodeAppendSpec(_KernelSpecBase):
     """``decode_append``: k_new / v_new into the cache (contiguous or paged)."""
 
     dtype: str
@@ -456,24 +521,24 @@ class DecodeAppendSpec:
     uses_tma = False
     num_threads = 32
     smem_bytes = 0
-    launch_bounds = "32, 1"
-    entry_body = "decode_append<Traits>(params);"
+    traits = "AppendTraits"
+    prefix = "decode_append"
+    entry = "decode_append<Traits>(params);"
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         if self.head_dim % 8:
             raise ValueError(f"head_dim {self.head_dim} must be a multiple of 8 (16-byte rows)")
 
-    @property
-    def name(self) -> str:
-        return f"cf_decode_append_{_SHORT_DTYPE[self.dtype]}_d{self.head_dim}"
+    def _name_parts(self) -> tuple[object, ...]:
+        return (_SHORT_DTYPE[self.dtype], f"d{self.head_dim}")
 
-    def template_args(self) -> str:
-        return f"AppendTraits<{self.head_dim}, {CUDA_ELEMENT_TYPES[self.dtype]}>"
+    def _traits_args(self) -> tuple[object, ...]:
+        return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype])
 
 
 @dataclass(frozen=True, slots=True)
-class MergeSpec:
+class MergeSpec(_KernelSpecBase):
     """``decode_merge``: exact merge of partial (O, LSE) states; split-KV combine and merge_states."""
 
     part_dtype: str
@@ -488,9 +553,10 @@ class MergeSpec:
     uses_tma = False
     num_threads = 128
     smem_bytes = 0
-    launch_bounds = "128, 1"
-    entry_body = "decode_merge<Traits>(params);"
     rows_per_block = 4  # one warp per output row
+    traits = "MergeTraits"
+    prefix = "merge"
+    entry = "decode_merge<Traits>(params);"
 
     def __post_init__(self) -> None:
         _check_dtype(self.part_dtype, MERGE_ELEMENT_TYPES)
@@ -498,14 +564,11 @@ class MergeSpec:
         if self.head_dim % 32 or not 0 < self.head_dim <= 256:
             raise ValueError(f"unsupported head_dim {self.head_dim}; merge takes multiples of 32 up to 256")
 
-    @property
-    def name(self) -> str:
-        short = _SHORT_DTYPE
-        return f"cf_merge_{short[self.part_dtype]}_{short[self.out_dtype]}_d{self.head_dim}"
+    def _name_parts(self) -> tuple[object, ...]:
+        return (_SHORT_DTYPE[self.part_dtype], _SHORT_DTYPE[self.out_dtype], f"d{self.head_dim}")
 
-    def template_args(self) -> str:
-        types = MERGE_ELEMENT_TYPES
-        return f"MergeTraits<{self.head_dim}, {types[self.part_dtype]}, {types[self.out_dtype]}>"
+    def _traits_args(self) -> tuple[object, ...]:
+        return (self.head_dim, MERGE_ELEMENT_TYPES[self.part_dtype], MERGE_ELEMENT_TYPES[self.out_dtype])
 
 
 KernelSpec = Fa2FwdSpec | Fa3FwdSpec | Fa1FwdSpec | NaiveSoftmaxSpec | DecodeSpec | DecodeAppendSpec | MergeSpec

@@ -8,12 +8,82 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 LAYOUTS = ("bshd", "bhsd")
 VARLEN_LAYOUT = "thd"  # packed sequences: (total_tokens, heads, head_dim)
-ALGORITHMS = ("auto", "fa2", "fa3", "fa1", "naive", "decode")
+
+# What ``algorithm=`` accepts, per entry point. "auto": the Hopper kernel where it applies, else
+# FA2, and the split-KV decode kernel for one-token queries; "fa2": the mma.sync kernel; "fa3": the
+# Hopper kernel (wgmma + TMA); "decode": the split-KV decode kernel (FlashDecoding); "fa1" and
+# "naive": the baselines of docs/io_analysis.md. On the host every one runs ``xp_impl``.
+ALGORITHMS = {
+    "attention": ("auto", "fa2", "fa3", "decode", "fa1", "naive"),
+    "attention_varlen": ("auto", "fa2", "fa3"),
+}
+
+# Scalars users pass: Python's, and NumPy's (np.True_, np.float32(0.125) ...). Checked before any
+# cache lookup, so an option is accepted or refused the same way whatever ran before.
+_BOOLS = (bool, np.bool_)
+
+
+def check_causal(causal: Any) -> bool:
+    if causal is True or causal is False:
+        return causal
+    if isinstance(causal, np.bool_):
+        return bool(causal)
+    raise ValueError(f"causal must be a bool, got {causal!r}")
+
+
+def check_options(
+    causal: Any, scale: Any, window: Any, softcap: Any
+) -> tuple[bool, float | None, tuple[int, int], float]:
+    """The options of every entry point, checked and in one canonical form (Python scalars, a
+    window tuple), before anything is looked up by them."""
+    causal = check_causal(causal)
+    if scale is not None and type(scale) is not float:
+        scale = _real("scale", scale)
+    if type(window) is not tuple or len(window) != 2 or type(window[0]) is not int or type(window[1]) is not int:
+        window = _window(window)
+    if type(softcap) is not float:
+        softcap = _real("softcap", softcap)
+    return causal, scale, window, softcap
+
+
+_REAL_MESSAGES = {
+    "scale": "scale must be a finite real number",
+    "softcap": "softcap must be a finite number >= 0 (0 disables it)",
+}
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, _BOOLS) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{_REAL_MESSAGES[name]}, got {value!r}")
+    return float(value)
+
+
+def _window(window: Any) -> tuple[int, int]:
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}") from None
+    bounds = []
+    for bound in (left, right):
+        if isinstance(bound, _BOOLS) or not isinstance(bound, numbers.Integral):
+            raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
+        bounds.append(int(bound))
+    return bounds[0], bounds[1]
+
+
+def check_algorithm(entry: str, algorithm: Any) -> str:
+    allowed = ALGORITHMS[entry]
+    if type(algorithm) is not str or algorithm not in allowed:
+        raise ValueError(f"{entry}: algorithm must be one of {allowed}, got {algorithm!r}")
+    return algorithm
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +134,9 @@ def normalize_window(causal: bool, window: Any, seqlen_q: int, seqlen_k: int) ->
         left, right = window
     except (TypeError, ValueError):
         raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}") from None
-    for bound in (left, right):
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound < -1:
-            raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
+    left, right = _window(window)
+    if left < -1 or right < -1:
+        raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
     if causal:
         if right > 0:
             raise ValueError(f"causal=True means a right window bound of 0, but window={window!r} asks for {right}")
@@ -81,13 +151,18 @@ def normalize_window(causal: bool, window: Any, seqlen_q: int, seqlen_k: int) ->
 def check_scale(scale: Any, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, _BOOLS) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite real number, got {scale!r}")
     return float(scale)
 
 
 def check_softcap(softcap: Any) -> float:
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+    if (
+        isinstance(softcap, _BOOLS)
+        or not isinstance(softcap, numbers.Real)
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
     return float(softcap)
 
@@ -120,8 +195,7 @@ def attention_problem(
         raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
     if hk == 0 or hq % hk:
         raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hk})")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
+    causal = check_causal(causal)
     left, right = normalize_window(causal, window, sq, sk)
     return Problem(
         batch=b,
@@ -158,8 +232,10 @@ def varlen_problem(
     window: Any,
     softcap: Any,
 ) -> Problem:
-    """Check ``attention_varlen``'s arguments. The Problem's seqlens are the maxima (they size
-    the grid and bound the window normalisation, which is then right for every sequence)."""
+    """Check ``attention_varlen``'s arguments. The Problem's seqlens are the maxima: they size
+    the grid and nothing else. The mask bounds are kept whatever the maxima say (a bound the
+    maxima would call "hides nothing" is kept), so an understated max_seqlen can never drop
+    the causal mask or the window."""
     for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
         if len(shape) != 3:
             raise ValueError(
@@ -183,7 +259,14 @@ def varlen_problem(
         (1, max_q, hq, d), (1, max_k, hk, dk), (1, max_k, hk, dk),
         causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd",
     )  # fmt: skip
-    return dataclasses.replace(dense, batch=cu_seqlens_q_shape[0] - 1, layout=VARLEN_LAYOUT)
+    left, right = normalize_window(check_causal(causal), window, _UNBOUNDED, _UNBOUNDED)
+    return dataclasses.replace(
+        dense, batch=cu_seqlens_q_shape[0] - 1, layout=VARLEN_LAYOUT, window_left=left, window_right=right
+    )
+
+
+# A length no sequence reaches: normalize_window then drops no bound.
+_UNBOUNDED = 2**31 - 1
 
 
 def check_cu_seqlens_values(cu_q: Any, cu_k: Any, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
@@ -195,12 +278,6 @@ def check_cu_seqlens_values(cu_q: Any, cu_k: Any, total_q: int, total_k: int, ma
             raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {values}")
         if any(b - a > longest for a, b in zip(values, values[1:])):
             raise ValueError(f"{name} has a sequence longer than its max_seqlen ({longest}): {values}")
-
-
-def check_algorithm(algorithm: Any) -> str:
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    return algorithm
 
 
 @dataclass(frozen=True, slots=True)

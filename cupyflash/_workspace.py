@@ -21,10 +21,11 @@ kept as long as the process.
 
 from __future__ import annotations
 
-import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
+
+from ._interop import TORCH, ArrayLib, stream_is_capturing
 
 _ALIGN = 256  # bytes: the scratch region starts on a fresh 256-byte line
 
@@ -51,48 +52,26 @@ def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _zeros(kind: str, device: int, nbytes: int) -> Any:
-    count = max(nbytes // 4, 1)
-    if kind == "torch":
-        import torch
-
-        return torch.zeros((count,), dtype=torch.float32, device=f"cuda:{device}")
-    import cupy
-
-    with cupy.cuda.Device(device):
-        return cupy.zeros((count,), dtype=cupy.float32)
-
-
-def _ptr(kind: str, array: Any) -> int:
-    return int(array.data_ptr()) if kind == "torch" else int(array.data.ptr)
-
-
-def capturing(stream: int) -> bool:
-    """Is ``stream`` being captured into a CUDA graph?"""
-    return bool(_stream_is_capturing()(stream))
-
-
-@functools.cache
-def _stream_is_capturing() -> Any:
-    """Looked up once: an import statement on the per-call path costs ~1 us."""
-    from cupy_backends.cuda.api import runtime
-
-    return runtime.streamIsCapturing
+def _zeros(lib: ArrayLib, device: int, nbytes: int) -> Any:
+    array = lib.empty((max(nbytes // 4, 1),), "float32", device)
+    lib.fill(array, 0.0)
+    return array
 
 
 def stream_scratch(
-    kind: str, device: int, stream: int, counter_bytes: int, scratch_bytes: int, *, poison: bool = False
+    lib: ArrayLib, device: int, stream: int, counter_bytes: int, scratch_bytes: int, *, poison: bool = False
 ) -> tuple[int, int]:
     """(counters, scratch) device pointers for one launch on ``stream``: ``counter_bytes`` that
     read 0 and must be left at 0 by the kernel, then ``scratch_bytes`` of anything, 256-byte
-    aligned. ``kind`` is the caller's array library ("torch" or "cupy"), whose allocator (and
-    its stream-ordered reuse, or a graph's memory pool while capturing) holds the memory.
+    aligned. ``lib`` is the caller's array library, whose allocator (and its stream-ordered
+    reuse, or a graph's memory pool while capturing) holds the memory.
     ``poison`` fills the scratch with NaN first (tests: a read of an unwritten part shows)."""
     counters = _round_up(counter_bytes)
-    if capturing(stream):
-        array = _zeros(kind, device, counters + scratch_bytes)
-        buffer = _Buffer(array, _ptr(kind, array), counters, scratch_bytes)
-        if kind == "torch":
+    kind = lib.name
+    if stream_is_capturing(stream):
+        array = _zeros(lib, device, counters + scratch_bytes)
+        buffer = _Buffer(array, lib.ptr(array), counters, scratch_bytes)
+        if kind == TORCH:
             _last_captured[:] = [buffer.array]
         else:
             _captured.append(buffer.array)
@@ -108,15 +87,49 @@ def stream_scratch(
                 counters = max(counters, found.counter_bytes)
                 scratch_bytes = max(scratch_bytes, found.scratch_bytes)
                 _retired.append(_buffers.pop(key).array)
-            array = _zeros(kind, device, counters + scratch_bytes)
+            array = _zeros(lib, device, counters + scratch_bytes)
             if len(_buffers) >= _MAX_STREAM_BUFFERS:
                 del _buffers[next(iter(_buffers))]
-            found = _buffers[key] = _Buffer(array, _ptr(kind, array), counters, scratch_bytes)
+            found = _buffers[key] = _Buffer(array, lib.ptr(array), counters, scratch_bytes)
         buffer = found
     if poison:
-        scratch = buffer.array[buffer.counter_bytes // 4 :]
-        if kind == "torch":
-            scratch.fill_(float("nan"))
-        else:
-            scratch.fill(float("nan"))
+        lib.fill(buffer.array[buffer.counter_bytes // 4 :], float("nan"))
     return buffer.ptr, buffer.ptr + buffer.counter_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# The device error word: bits the decode kernels OR in when a device-side value is out of range
+# (a block-table entry outside the cache, a sequence length beyond it). One int32 per device,
+# alive as long as the process; ``take_device_errors`` reads and clears it.
+# ---------------------------------------------------------------------------------------------
+_error_words: dict[int, Any] = {}
+
+
+def device_error_word(device: int, stream: int) -> int:
+    """The pointer of ``device``'s error word, or 0 (no reporting) when the first call to need it
+    runs inside a CUDA-graph capture, where allocating and zeroing it cannot be captured."""
+    word = _error_words.get(device)
+    if word is None:
+        if stream_is_capturing(stream):
+            return 0
+        import cupy
+
+        with cupy.cuda.Device(device):
+            word = _error_words[device] = cupy.zeros((1,), dtype=cupy.int32)
+    return int(word.data.ptr)
+
+
+def take_device_errors(device: int) -> int:
+    """The bits set on ``device`` since the last call (after every queued kernel has run), and
+    clear them."""
+    word = _error_words.get(device)
+    if word is None:
+        return 0
+    import cupy
+
+    with cupy.cuda.Device(device):
+        cupy.cuda.Device(device).synchronize()
+        bits = int(word.get()[0])
+        word.fill(0)
+        cupy.cuda.Device(device).synchronize()
+    return bits

@@ -4,6 +4,15 @@
 raw ``causal``/``window`` arguments (not from the normalised bounds the kernels use), softcap
 ``s -> softcap * tanh(s / softcap)``, bottom-right causal alignment, GQA by head grouping.
 Rows that see no key give 0 and LSE -inf. Every test compares against this.
+
+Non-finite inputs follow IEEE arithmetic on that definition, row by row:
+
+* a row with a NaN or +inf score among its visible keys (NaN in its query or in a key it sees,
+  inf * 0, inf - inf) has no defined softmax: its output and its LSE are NaN;
+* a visible score of -inf weighs 0, as a hidden key; a row whose visible scores are all -inf
+  (or that sees no key) gives 0 and LSE -inf;
+* a NaN value gives NaN in the output columns of every row that gives its key a score above
+  -inf, and nowhere else; +-inf values give +-inf there (NaN where the weight underflows to 0).
 """
 
 from __future__ import annotations
@@ -46,6 +55,23 @@ def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, 
     return ok
 
 
+def _weighted_values(e: np.ndarray, contributes: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``e @ v`` summed over the keys that contribute to each row (visible, score > -inf) only,
+    in IEEE arithmetic: a NaN value gives NaN in every row it contributes to, +-inf gives +-inf
+    (NaN where its weight is 0 or both signs meet), and a key that does not contribute adds
+    nothing, where the plain product would add 0 * NaN = NaN to every row."""
+    finite = np.isfinite(v)
+    out = e @ np.where(finite, v, 0.0)
+    if finite.all():
+        return out
+    hits = lambda rows, values: (rows.astype(np.float64) @ values.astype(np.float64)) > 0  # noqa: E731
+    weighted = contributes & (e > 0)
+    nan = hits(contributes, np.isnan(v)) | hits(contributes & (e == 0), np.isinf(v))
+    pos, neg = hits(weighted, v == np.inf), hits(weighted, v == -np.inf)
+    out = np.where(pos, np.inf, np.where(neg, -np.inf, out))
+    return np.where(nan | (pos & neg), np.nan, out)
+
+
 def attention(
     q: Any,
     k: Any,
@@ -69,17 +95,19 @@ def attention(
     k64 = np.repeat(k64, group, axis=1)
     v64 = np.repeat(v64, group, axis=1)
 
-    s = p.scale * (q64 @ k64.transpose(0, 1, 3, 2))
-    if p.softcap > 0:
-        s = p.softcap * np.tanh(s / p.softcap)
-    s = np.where(visible_keys(p.seqlen_q, p.seqlen_k, causal, (window[0], window[1])), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    m_finite = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(s - m_finite)
-    row_sum = e.sum(axis=-1, keepdims=True)
-    safe_sum = np.where(row_sum > 0, row_sum, 1.0)
-    out = (e @ v64) / safe_sum
-    lse = np.where(row_sum > 0, np.log(safe_sum) + m_finite, -np.inf)[..., 0]
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite inputs follow IEEE (see above)
+        s = p.scale * (q64 @ k64.transpose(0, 1, 3, 2))
+        if p.softcap > 0:
+            s = p.softcap * np.tanh(s / p.softcap)
+        s = np.where(visible_keys(p.seqlen_q, p.seqlen_k, causal, (window[0], window[1])), s, -np.inf)
+        m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # NaN if any visible score is NaN
+        undefined = np.isnan(m) | (m == np.inf)  # a NaN or +inf score: no softmax
+        m_finite = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(np.where(undefined, -np.inf, s) - m_finite)
+        row_sum = e.sum(axis=-1, keepdims=True)
+        safe_sum = np.where(row_sum > 0, row_sum, 1.0)
+        out = np.where(undefined, np.nan, _weighted_values(e, s > -np.inf, v64) / safe_sum)
+        lse = np.where(undefined, np.nan, np.where(row_sum > 0, np.log(safe_sum) + m_finite, -np.inf))[..., 0]
     if layout == "bshd":
         out = out.transpose(0, 2, 1, 3)
     return (out, lse) if return_lse else out

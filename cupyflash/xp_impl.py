@@ -15,7 +15,12 @@ The online-softmax verbs below carry the same names as in kernels_cu/softmax.cuh
 logits arrive already scaled (scale, softcap), so ``scale_log2 = log2(e)``. The key-block
 range of a query block is ``KeyMask``, the twin of kernels_cu/mask.cuh. Arrays are
 ``[B, Hkv, G, N, d]`` inside (G = query heads per K/V head), computed in float32 (float64
-inputs stay float64).
+inputs stay float64; every LSE comes back in that compute dtype).
+
+Non-finite inputs give what reference.py documents, whatever the algorithm and its block or
+split sizes: a row with a NaN or +inf score gets NaN in O and LSE (the max and the sums carry
+the NaN through every verb), a NaN value reaches the rows that score its key and no other
+(``weighted_values``), and an empty part of a merge weighs nothing whatever its O holds.
 """
 
 from __future__ import annotations
@@ -67,6 +72,32 @@ def exp_accumulate(
     return p, row_sum * rescale + xp.sum(p, axis=-1)
 
 
+def weighted_values(xp: Any, probs: Any, logits: Any, v: Any) -> Any:
+    """``probs @ v`` over the keys that take part in each row (score > -inf: visible, not masked).
+
+    With finite values that is the plain product. A NaN or +-inf value must reach exactly the rows
+    that give its key a score, as in reference.py: the plain product would add 0 * NaN = NaN from
+    a masked key to every row of the block, so the answer would depend on the block sizes. Here
+    the non-finite values are taken out of the product and put back, in IEEE arithmetic (+-inf
+    where the weight is > 0, NaN where it is 0 or both signs meet), from boolean hit counts.
+    """
+    finite = xp.isfinite(v)
+    if bool(xp.all(finite)):
+        return probs @ v
+    real = probs @ xp.where(finite, v, xp.zeros_like(v))
+
+    def hits(rows: Any, values: Any) -> Any:  # some key of the row has the value: [.., rows, d]
+        return (xp.astype(rows, v.dtype) @ xp.astype(values, v.dtype)) > 0
+
+    takes_part = logits > -math.inf
+    weighted = takes_part & (probs > 0)
+    nan = hits(takes_part, xp.isnan(v)) | hits(takes_part & (probs == 0), xp.isinf(v))
+    pos, neg = hits(weighted, v == math.inf), hits(weighted, v == -math.inf)
+    out = xp.where(pos, xp.full_like(real, math.inf), real)
+    out = xp.where(neg, xp.full_like(real, -math.inf), out)
+    return xp.where(nan | (pos & neg) | xp.isnan(real), xp.full_like(real, math.nan), out)
+
+
 def finalize(xp: Any, row_max: Any, row_sum: Any, scale_log2: float) -> tuple[Any, Any]:
     """Verb 3: 1 / l for the output and the natural-log LSE; an empty row gives 0 and -inf."""
     empty = (row_sum == 0) | (row_max == -math.inf)
@@ -78,7 +109,8 @@ def finalize(xp: Any, row_max: Any, row_sum: Any, scale_log2: float) -> tuple[An
 
 def merge(xp: Any, outs: list[Any], lses: list[Any]) -> tuple[Any, Any]:
     """Verb 4: exact merge of normalised partials: lse = log sum exp(lse_i),
-    O = sum_i exp(lse_i - lse) O_i. Parts that saw no key (lse -inf) weigh 0; all empty -> 0, -inf.
+    O = sum_i exp(lse_i - lse) O_i. Parts that saw no key (lse -inf) weigh 0 whatever their O
+    holds; all empty -> 0, -inf. A NaN lse (a part with a NaN or +inf score) makes O and lse NaN.
     """
     lse_stack = xp.stack(lses, axis=0)
     m = xp.max(lse_stack, axis=0)
@@ -91,7 +123,9 @@ def merge(xp: Any, outs: list[Any], lses: list[Any]) -> tuple[Any, Any]:
     out = xp.zeros_like(outs[0])
     for i, o in enumerate(outs):
         w = xp.where(empty, xp.zeros_like(total), weights[i, ...] / safe_total)
-        out = out + w[..., None] * o
+        # an empty part adds nothing, even where its O is NaN or garbage (0 * NaN would be NaN)
+        part_empty = xp.expand_dims(lses[i] == -math.inf, axis=-1)
+        out = out + xp.where(part_empty, xp.zeros_like(o), w[..., None] * o)
     return out, lse
 
 
@@ -159,11 +193,14 @@ def naive(xp: Any, q: Any, k: Any, v: Any, p: Problem) -> tuple[Any, Any]:
     """Three passes over N x N matrices: S = Q K^T, P = softmax(S), O = P V."""
     mask = KeyMask(0, p.seqlen_q - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
     s = mask.apply(xp, _logits(xp, q, k, p), 0, p.seqlen_k - 1)  # pass 1: S
-    row_max = xp.max(s, axis=-1)
+    if p.seqlen_k:
+        row_max = xp.max(s, axis=-1)
+    else:  # no key at all (max over an empty axis is an error): every row is empty
+        row_max = xp.full(s.shape[:-1], -math.inf, dtype=s.dtype, device=_device(s))
     zero_state = xp.zeros_like(row_max)
     probs, row_sum = exp_accumulate(xp, s, row_max, zero_state, zero_state, LOG2E)  # pass 2: P
     inv_sum, lse = finalize(xp, row_max, row_sum, LOG2E)
-    return (probs @ v) * inv_sum[..., None], lse  # pass 3: O
+    return weighted_values(xp, probs, s, v) * inv_sum[..., None], lse  # pass 3: O
 
 
 def fa2_partial(
@@ -196,7 +233,7 @@ def fa2_partial(
             # -- update m and l, rescale O, accumulate P V
             row_max, rescale = update_max(xp, row_max, s, LOG2E)
             probs, row_sum = exp_accumulate(xp, s, row_max, row_sum, rescale, LOG2E)
-            acc = acc * rescale[..., None] + probs @ v[..., key0:key1, :]
+            acc = acc * rescale[..., None] + weighted_values(xp, probs, s, v[..., key0:key1, :])
         inv_sum, lse = finalize(xp, row_max, row_sum, LOG2E)
         outs.append(acc * inv_sum[..., None])
         lses.append(lse)
@@ -208,9 +245,10 @@ def fa2(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int = 64, block
 
 
 def fa1_block_sizes(head_dim: int, sram_elements: int = DEFAULT_SRAM_ELEMENTS) -> tuple[int, int]:
-    """(B_r, B_c) of FlashAttention-1: B_c = ceil(M / 4d), B_r = min(B_c, d)."""
-    block_c = -(-sram_elements // (4 * head_dim))
-    return min(block_c, head_dim), block_c
+    """(B_r, B_c) of FlashAttention-1: B_c = ceil(M / 4d), B_r = min(B_c, d) (d = 0 counts as 1)."""
+    d = max(head_dim, 1)
+    block_c = -(-sram_elements // (4 * d))
+    return min(block_c, d), block_c
 
 
 def fa1(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEFAULT_SRAM_ELEMENTS) -> tuple[Any, Any]:
@@ -238,7 +276,7 @@ def fa1(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEF
             # O_i = diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + e^{m~_ij - m_new} P~_ij V_j)
             inv_l_new, _ = finalize(xp, m_new, l_new, LOG2E)
             weight_old = (l_hbm[i] * rescale * inv_l_new)[..., None]
-            o_hbm[i] = o_hbm[i] * weight_old + (probs @ v_blk) * inv_l_new[..., None]
+            o_hbm[i] = o_hbm[i] * weight_old + weighted_values(xp, probs, s, v_blk) * inv_l_new[..., None]
             l_hbm[i], m_hbm[i] = l_new, m_new  # write back
     lse = [finalize(xp, m, row_sum, LOG2E)[1] for m, row_sum in zip(m_hbm, l_hbm)]
     return xp.concat(o_hbm, axis=-2), xp.concat(lse, axis=-1)
@@ -311,15 +349,23 @@ def attention_with_kvcache(
 
 
 def merge_states(xp: Any, o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
-    """Verb 4 on two states: o (B, N, H, d), lse float32 (B, H, N) -> the state over both key sets."""
-    compute = xp.float64 if o_a.dtype == xp.float64 else xp.float32
+    """Verb 4 on two states: o (B, N, H, d), lse (B, H, N) -> the state over both key sets:
+    o in o_a's dtype, lse in the compute dtype (float64 if any input is, else float32)."""
+    compute = compute_dtype(xp, o_a, lse_a, lse_b)
     outs = [xp.permute_dims(xp.astype(o, compute), (0, 2, 1, 3)) for o in (o_a, o_b)]
     lses = [xp.astype(lse, compute) for lse in (lse_a, lse_b)]
     out, lse = merge(xp, outs, lses)
-    return xp.astype(xp.permute_dims(out, (0, 2, 1, 3)), o_a.dtype), xp.astype(lse, xp.float32)
+    return xp.astype(xp.permute_dims(out, (0, 2, 1, 3)), o_a.dtype), lse
 
 
 ALGORITHMS = {"naive": naive, "fa1": fa1, "fa2": fa2, "decode": decode}
+
+
+def compute_dtype(xp: Any, *arrays: Any) -> Any:
+    """float64 if any of ``arrays`` is float64, else float32: the arithmetic of the host path and
+    the dtype of every LSE it returns (float32 or the input's dtype, whichever is wider), so that
+    float64 states merge back to the whole to float64 precision."""
+    return xp.float64 if any(x.dtype == xp.float64 for x in arrays) else xp.float32
 
 
 def _device(x: Any) -> Any:
@@ -332,8 +378,8 @@ def attention(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", **options: Any
 ) -> tuple[Any, Any]:
     """Run one algorithm on caller arrays in ``p.layout``; returns (out in the caller's dtype and
-    layout, LSE float32 [B, Hq, Nq])."""
-    compute = xp.float64 if q.dtype == xp.float64 else xp.float32
+    layout, LSE [B, Hq, Nq] in the compute dtype: float64 for float64 inputs, else float32)."""
+    compute = compute_dtype(xp, q)
     b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
     if p.layout == "bshd":  # -> [B, H, N, d]
         q, k, v = (xp.permute_dims(x, (0, 2, 1, 3)) for x in (q, k, v))
@@ -347,5 +393,5 @@ def attention(
     out = xp.reshape(out5, (b, p.heads_q, p.seqlen_q, p.head_dim))
     if p.layout == "bshd":
         out = xp.permute_dims(out, (0, 2, 1, 3))
-    lse = xp.astype(xp.reshape(lse4, (b, p.heads_q, p.seqlen_q)), xp.float32)
+    lse = xp.reshape(lse4, (b, p.heads_q, p.seqlen_q))
     return xp.astype(out, q.dtype), lse

@@ -21,6 +21,8 @@ constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLo
 constexpr float kLn2 = 0.6931471805599453f;    // ln(2): turns a log2-domain LSE into natural log
 
 CF_DEVICE float neg_infinity() { return -__int_as_float(0x7f800000); }
+CF_DEVICE float quiet_nan() { return __int_as_float(0x7fffffff); }
+CF_DEVICE bool is_nan(float x) { return x != x; }
 
 CF_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -70,11 +72,17 @@ CF_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <typename T>
 CF_DEVICE T from_float(float x);
 template <>
-CF_DEVICE float from_float<float>(float x) { return x; }
+CF_DEVICE float from_float<float>(float x) {
+  return x;
+}
 template <>
-CF_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
+CF_DEVICE __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
-CF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+CF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Fast math. ex2.approx is the MUFU instruction the online softmax is built around (one per
@@ -127,7 +135,8 @@ CF_DEVICE uint4 ld_shared_b128(uint32_t addr) {
 // One 16-byte global store. Spelled out: NVVM split `*(uint4*)p = ld_shared_b128(..)` into four
 // 4-byte stores in the Hopper kernel's epilogue (4x the store instructions per row of O).
 CF_DEVICE void st_global_b128(void* ptr, uint4 v) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
                : "memory");
 }
 

@@ -13,17 +13,26 @@
 //   counter back to 0 for the next call (one launch per decode step, no combine kernel: the
 //   merge starts the moment the last split lands, not after a launch gap).
 // decode_merge -- the exact merge of partials (O_i, LSE_i) by LSE rescaling, one warp per output
-//   row (merge_row, which the fused combine uses too); the kernel serves cupyflash.merge_states.
+//   row (merge_row in softmax.cuh, which the fused combine uses too); the kernel serves
+//   cupyflash.merge_states.
 // decode_append -- writes k_new / v_new into the cache at positions cache_seqlens[b] + t.
 //
 // The cache is contiguous [B, L_max, Hkv, d] or paged [num_pages, page_size, Hkv, d] through a
 // block table [B, max_pages]; page_size is any power of two, down to 1 (rows are gathered one by
-// one through the table). Device-side values are never trusted: sequence lengths are clamped to
-// the cache capacity and page numbers to the page count, so a wrong cache_seqlens or block table
-// gives a wrong answer but never an access outside the cache.
+// one through the table). Device-side values are never trusted, and never clamped into a
+// plausible answer: a sequence whose cache_seqlens[b] is < 0 or > capacity - seqlen_new, or one
+// of whose pages in use (those holding its cache_seqlens[b] + seqlen_new keys) has a block-table
+// entry outside [0, num_pages), gets NaN in every output row and LSE, appends nothing through a
+// bad entry (nor anything at all with a bad length), and sets bit 1 (bad page) or 2 (bad length)
+// of *error_flags; no access ever leaves the cache.
 #pragma once
 
-#include "fa2_fwd.cu"  // gemm_qk, gemm_pv, load_q_frag: the FA2 tile verbs
+#include "common.cuh"
+#include "mask.cuh"  // KeyMask, PackedRowMask
+#include "params.cuh"
+#include "softmax.cuh"   // the online softmax and merge_row
+#include "tile_mma.cuh"  // gemm_qk, gemm_pv, load_q_regs: the mma.sync tile verbs
+#include "variants.cuh"
 
 struct DecodeParams {
   // q [B, Nq, Hq, d], o, lse as for attention (seqlen_q = Nq). k_ptr / v_ptr are the caches;
@@ -40,12 +49,13 @@ struct DecodeParams {
   int64_t block_table_batch_stride;
   int64_t k_new_batch_stride, k_new_row_stride, k_new_head_stride;
   int64_t v_new_batch_stride, v_new_row_stride, v_new_head_stride;
-  int32_t seqlen_new;       // Nnew
-  int32_t page_size_log2;   // paged cache: log2(page size)
-  int32_t num_pages;        // paged cache: pages in k_ptr / v_ptr
-  int32_t cache_capacity;   // keys one sequence can hold: L_max, or max_pages * page_size
+  int32_t seqlen_new;      // Nnew
+  int32_t page_size_log2;  // paged cache: log2(page size)
+  int32_t num_pages;       // paged cache: pages in k_ptr / v_ptr
+  int32_t cache_capacity;  // keys one sequence can hold: L_max, or max_pages * page_size
   int32_t num_splits;
   int32_t blocks_per_split;  // CTA key blocks (kNWarps * kWarpKeys keys) per split
+  int32_t* error_flags;  // [1] bits ORed in on bad device values (kBadPage, kBadSeqlen), or nullptr
 };
 
 // Exact merge of partial results: part p of output row (b, i, h) is
@@ -78,6 +88,7 @@ struct DecodeTraits {
   static constexpr int kStages = kStages_;  // depth of each warp's K/V ring
   static constexpr bool Q_in_regs = Q_in_regs_;
   static constexpr bool Is_causal = Is_causal_;
+  using Transform = NoScoreTransform;  // no decode variant takes a softcap yet
 
   static constexpr int kBlockN = kNWarps * kWarpKeys;  // keys of one CTA step (the split unit)
   static constexpr int kNThreads = kNWarps * 32;
@@ -95,9 +106,8 @@ struct DecodeTraits {
   // bank conflicts on the fragment stores) and LSE, in the ring once it has drained.
   static constexpr int kMergeRowFloats = kHeadDim + 8;
   static constexpr int kSmemMergeBytes = kNWarps * kBlockM * (kMergeRowFloats + 1) * 4;
-  static constexpr int kSmemRingBytes = kNWarps * kWarpRingBytes > kSmemMergeBytes
-                                            ? kNWarps * kWarpRingBytes
-                                            : kSmemMergeBytes;
+  static constexpr int kSmemRingBytes =
+      kNWarps * kWarpRingBytes > kSmemMergeBytes ? kNWarps * kWarpRingBytes : kSmemMergeBytes;
   static constexpr int kSmemBytes = kSmemQBytes + kSmemRingBytes;
 
   static_assert(kBlockM % 16 == 0 && kWarpKeys % 16 == 0, "whole MMA tiles");
@@ -105,28 +115,43 @@ struct DecodeTraits {
   static_assert(32 % (kHeadDim / 8) == 0 || (kHeadDim / 8) % 32 == 0, "rows map onto lanes");
 };
 
+// Bits of DecodeParams::error_flags.
+enum : int32_t { kBadPage = 1, kBadSeqlen = 2 };
+
+// Sets bits of *error_flags (one thread calls it).
+CF_DEVICE void report_error(const DecodeParams& p, int32_t bits) {
+  if (bits != 0 && p.error_flags != nullptr) atomicOr(p.error_flags, bits);
+}
+
 // Address of key row `key` of one (batch, KV head) in a contiguous or paged cache.
 template <typename Element>
 struct CacheRows {
-  Element* base;           // batch (contiguous) and KV head already applied
-  const int32_t* pages;    // this sequence's row of the block table, or nullptr
-  int64_t page_stride;     // paged: elements between pages
+  Element* base;         // batch (contiguous) and KV head already applied
+  const int32_t* pages;  // this sequence's row of the block table, or nullptr
+  int64_t page_stride;   // paged: elements between pages
   int64_t row_stride;
   int page_size_log2;
   int num_pages;
 
-  CF_DEVICE Element* row(int key) const {
+  // A block-table entry outside [0, num_pages) sets *bad_page = 1 and gives a row of page 0
+  // (inside the cache: the caller reads it, whose result is NaN anyway, or writes nothing). A
+  // store, not a flag held in a register across the main loop: the d = 64, 64-row decode tile
+  // runs at 255 registers.
+  CF_DEVICE Element* row(int key, int* bad_page) const {
     if (pages == nullptr) return base + key * row_stride;
-    const int page = min(max(__ldg(pages + (key >> page_size_log2)), 0), num_pages - 1);
+    const int entry = __ldg(pages + (key >> page_size_log2));
+    const bool bad = static_cast<unsigned>(entry) >= static_cast<unsigned>(num_pages);
+    if (bad) *bad_page = 1;
+    const int page = bad ? 0 : entry;
     const int slot = key & ((1 << page_size_log2) - 1);
     return base + page * page_stride + slot * row_stride;
   }
 };
 
 template <typename Element>
-CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache, int64_t batch_stride,
-                                        int64_t row_stride, int64_t head_stride, int batch,
-                                        int head_k) {
+CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache,
+                                        int64_t batch_stride, int64_t row_stride,
+                                        int64_t head_stride, int batch, int head_k) {
   Element* base = const_cast<Element*>(static_cast<const Element*>(cache)) + head_k * head_stride;
   const bool paged = p.block_table != nullptr;
   if (!paged) base += batch * batch_stride;
@@ -138,15 +163,19 @@ CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache
           p.num_pages};
 }
 
-// Tokens in the cache of sequence `batch` before this call's append, clamped to the capacity.
-CF_DEVICE int decode_cached_len(const DecodeParams& p, int batch) {
+// Tokens in the cache of sequence `batch` before this call's append. bad_len: the count is not
+// one the cache can hold with the append (< 0 or > capacity - seqlen_new); the sequence then
+// counts as empty (nothing read, nothing written) and its rows come out NaN.
+CF_DEVICE int decode_cached_len(const DecodeParams& p, int batch, bool& bad_len) {
   const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.attn.seqlen_k;
-  return min(max(cached, 0), p.cache_capacity);
+  bad_len = cached < 0 || cached > p.cache_capacity - p.seqlen_new;
+  return bad_len ? 0 : cached;
 }
 
-// Keys attended in sequence `batch`: the cached ones and the appended ones, within the capacity.
-CF_DEVICE int decode_seqlen_k(const DecodeParams& p, int batch) {
-  return min(decode_cached_len(p, batch) + p.seqlen_new, p.cache_capacity);
+// Keys attended in sequence `batch`: the cached ones and the appended ones (0 when bad_len).
+CF_DEVICE int decode_seqlen_k(const DecodeParams& p, int batch, bool& bad_len) {
+  const int cached = decode_cached_len(p, batch, bad_len);
+  return bad_len ? 0 : cached + p.seqlen_new;
 }
 
 // Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] tile whose rows lie anywhere
@@ -179,132 +208,40 @@ CF_DEVICE void load_rows_async(uint32_t s_tile, const RowPtr& row_ptr, int threa
 // and held a warp to ~3 GB/s on the H200. Smaller pages look each row's page up.
 template <typename Traits>
 CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits::Element>& cache,
-                                int key0, int seqlen_k, int lane) {
+                                int key0, int seqlen_k, int lane, int* bad_page) {
   constexpr int kChunksPerRow = Traits::kHeadDim / 8;
-  static_assert(kChunksPerRow <= 32 && 32 % kChunksPerRow == 0, "a row is at most one warp's chunks");
+  static_assert(kChunksPerRow <= 32 && 32 % kChunksPerRow == 0,
+                "a row is at most one warp's chunks");
   constexpr int kRowsPerIter = 32 / kChunksPerRow;
   constexpr int kIters = Traits::kWarpKeys / kRowsPerIter;
   const int chunk = lane % kChunksPerRow;
   const int row0 = lane / kChunksPerRow;
   if (cache.pages == nullptr || (1 << cache.page_size_log2) >= Traits::kWarpKeys) {
-    const typename Traits::Element* src = cache.row(key0) + row0 * cache.row_stride + chunk * 8;
+    const typename Traits::Element* src =
+        cache.row(key0, bad_page) + row0 * cache.row_stride + chunk * 8;
     const int64_t step = kRowsPerIter * cache.row_stride;
 #pragma unroll
     for (int it = 0; it < kIters; ++it, src += step) {
       const int row = row0 + it * kRowsPerIter;
       const bool valid = key0 + row < seqlen_k;
-      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes, valid ? src : cache.base,
-                  valid);
+      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes,
+                  valid ? src : cache.base, valid);
     }
   } else {
 #pragma unroll 2
     for (int it = 0; it < kIters; ++it) {
       const int row = row0 + it * kRowsPerIter;
       const bool valid = key0 + row < seqlen_k;
-      const typename Traits::Element* src = valid ? cache.row(key0 + row) + chunk * 8 : cache.base;
+      const typename Traits::Element* src =
+          valid ? cache.row(key0 + row, bad_page) + chunk * 8 : cache.base;
       cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes, src, valid);
     }
   }
 }
 
-// Which keys the packed rows of a CTA see: MMA row r holds query token (row0 + r) / group.
-template <bool Is_causal>
-struct PackedRowMask {
-  KeyMask<1, 1, Is_causal, false> keys;  // the visibility rule per query token
-  int row0, group, query_first;
-
-  CF_DEVICE PackedRowMask(int row0_, int group_, int seqlen_q, int seqlen_k, int window_right)
-      : keys(0, seqlen_q, seqlen_k, -1, window_right),
-        row0(row0_),
-        group(group_),
-        query_first(row0_ / group_) {}
-
-  // Does the key range hide a key from some row (the ragged tail, or the causal edge)?
-  CF_DEVICE bool needs_mask(int key_last) const {
-    bool partial = key_last >= keys.seqlen_k;
-    if (Is_causal) partial |= key_last > query_first + keys.shift + keys.window_right;
-    return partial;
-  }
-
-  // Fragment layout as KeyMask::apply: element e of tile (mt, nt) is row 16 mt + lane / 4 +
-  // 8 (e / 2), key key0 + 8 nt + 2 (lane % 4) + e % 2.
-  template <int kMTiles, int kNTiles>
-  CF_DEVICE void apply(float (&s)[kMTiles][kNTiles][4], int key0, int lane) const {
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int query = (row0 + 16 * mt + lane / 4 + 8 * half) / group;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 2 * half; e < 2 * half + 2; ++e) {
-            const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
-            if (!keys.visible(query, key)) s[mt][nt][e] = neg_infinity();
-          }
-      }
-  }
-};
-
 // ---------------------------------------------------------------------------------------------
 // Merge of partial states (the split-KV combine, and merge_states).
 // ---------------------------------------------------------------------------------------------
-// One warp merges one output row from num_parts states: part p is O_p = g_o[p * o_part_stride
-// + :d], LSE_p = g_lse[p * lse_part_stride]. The row gets sum_p w_p O_p / sum_p w_p with
-// w_p = exp(LSE_p - max LSE), and g_out_lse (when not nullptr) the merged LSE. Lane l holds
-// columns l, l + 32, ... The parts' LSEs are read 32 at a time, one per lane, and their weights
-// broadcast by shuffles; the O reads of consecutive parts do not depend on each other, so the
-// unrolled loop keeps several in flight. Loads go through L2 only (ld.global.cg): in the fused
-// combine the parts were just written by other CTAs, whose data no L1 of this SM may hold.
-template <int kHeadDim, typename PartElement, typename OutElement>
-CF_DEVICE void merge_row(const PartElement* g_o, int64_t o_part_stride, const float* g_lse,
-                         int64_t lse_part_stride, int num_parts, OutElement* g_out, float* g_out_lse,
-                         int lane) {
-  static_assert(kHeadDim % 32 == 0, "head_dim must be a multiple of 32");
-  constexpr int kColsPerLane = kHeadDim / 32;
-  // The largest LSE over the parts (-inf when every part is empty).
-  float lse_max = neg_infinity();
-  for (int part = lane; part < num_parts; part += 32) {
-    lse_max = fmaxf(lse_max, __ldcg(g_lse + part * lse_part_stride));
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
-  }
-
-  float acc[kColsPerLane] = {};
-  float weight_sum = 0.f;
-  for (int part0 = 0; part0 < num_parts; part0 += 32) {
-    const int mine = part0 + lane;
-    const float my_weight =
-        mine < num_parts ? merge_scale(__ldcg(g_lse + mine * lse_part_stride), lse_max) : 0.f;
-    weight_sum += my_weight;
-    const int count = min(32, num_parts - part0);
-    // No branch in the body: the loads of 8 parts are issued together (a skip of empty parts
-    // made every part wait for the previous one's L2 round trip: ~12 us for 32 parts).
-#pragma unroll 8
-    for (int j = 0; j < count; ++j) {
-      const float w = __shfl_sync(0xffffffffu, my_weight, j);
-      const PartElement* o_part = g_o + (part0 + j) * o_part_stride;
-#pragma unroll
-      for (int c = 0; c < kColsPerLane; ++c) {
-        const float x = to_float(__ldcg(o_part + lane + 32 * c));
-        acc[c] += w == 0.f ? 0.f : w * x;  // an empty part weighs 0 even if its O is NaN
-      }
-    }
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, offset);
-  }
-  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-#pragma unroll
-  for (int c = 0; c < kColsPerLane; ++c) {
-    g_out[lane + 32 * c] = from_float<OutElement>(acc[c] * inv);
-  }
-  if (g_out_lse != nullptr && lane == 0) *g_out_lse = merged_lse(lse_max, weight_sum);
-}
-
 template <int kHeadDim_, typename PartElement_, typename OutElement_>
 struct MergeTraits {
   using PartElement = PartElement_;
@@ -327,7 +264,8 @@ CF_DEVICE void decode_merge(const MergeParams& p) {
   const int batch = static_cast<int>(row / (static_cast<int64_t>(p.heads) * p.seqlen_q));
   const auto* g_o = static_cast<const typename Traits::PartElement*>(p.o_parts_ptr) +
                     batch * p.o_batch_stride + query * p.o_row_stride + head * p.o_head_stride;
-  const float* g_lse = p.lse_parts_ptr + batch * p.lse_batch_stride + head * p.lse_head_stride + query;
+  const float* g_lse =
+      p.lse_parts_ptr + batch * p.lse_batch_stride + head * p.lse_head_stride + query;
   auto* g_out = static_cast<typename Traits::OutElement*>(p.o_ptr) + batch * p.out_batch_stride +
                 query * p.out_row_stride + head * p.out_head_stride;
   float* g_out_lse = p.lse_ptr == nullptr ? nullptr
@@ -347,8 +285,8 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   const AttnParams& attn = params.attn;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const uint32_t s_q = smem_addr(smem_raw);             // [kBlockM][d] packed query rows
-  const uint32_t s_ring = s_q + Traits::kSmemQBytes;    // per warp: [kStages][K, V][kWarpKeys][d]
+  const uint32_t s_q = smem_addr(smem_raw);           // [kBlockM][d] packed query rows
+  const uint32_t s_ring = s_q + Traits::kSmemQBytes;  // per warp: [kStages][K, V][kWarpKeys][d]
   float* s_merge = reinterpret_cast<float*>(smem_raw + Traits::kSmemQBytes);  // after the loop
 
   const int m_blocks = gridDim.x / params.num_splits;
@@ -363,7 +301,10 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   const int seqlen_q = attn.seqlen_q;
   const int rows = group * seqlen_q;  // packed rows of this KV head
 
-  const int seqlen_k = decode_seqlen_k(params, batch);
+  bool bad_len;  // device values of this sequence (see the file comment)
+  const int seqlen_k = decode_seqlen_k(params, batch, bad_len);
+  // Per warp: did it read a page through a bad block-table entry? (Each warp sets only its own.)
+  __shared__ int s_bad_page[Traits::kNWarps];
   const int n_begin = split * params.blocks_per_split;
   const int n_end = min(n_begin + params.blocks_per_split, ceil_div(seqlen_k, kBlockN));
   // This warp's slices: keys [n * kBlockN + warp * kWarpKeys, + kWarpKeys) for n in [n_begin, w_end).
@@ -384,19 +325,24 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     }
     CF_DEVICE const Element* fallback() const { return g_q; }
   } q_rows{g_q, attn.q_row_stride, attn.q_head_stride, row0, group, rows};
+  if (lane == 0) s_bad_page[warp] = 0;
+  __syncwarp();
   load_rows_async<Traits, Traits::kBlockM, Traits::kNThreads>(s_q, q_rows, tid);
   cp_async_commit();
 
-  const CacheRows<Element> k_rows = cache_rows<Element>(
-      params, attn.k_ptr, attn.k_batch_stride, attn.k_row_stride, attn.k_head_stride, batch, head_k);
-  const CacheRows<Element> v_rows = cache_rows<Element>(
-      params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride, attn.v_head_stride, batch, head_k);
+  const CacheRows<Element> k_rows =
+      cache_rows<Element>(params, attn.k_ptr, attn.k_batch_stride, attn.k_row_stride,
+                          attn.k_head_stride, batch, head_k);
+  const CacheRows<Element> v_rows =
+      cache_rows<Element>(params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride,
+                          attn.v_head_stride, batch, head_k);
   const uint32_t s_warp_ring = s_ring + warp * Traits::kWarpRingBytes;
   auto load_kv = [&](int n_block, int stage) {
     const int key0 = n_block * kBlockN + warp_key0;
     const uint32_t s_k = s_warp_ring + stage * 2 * Traits::kTileBytes;
-    load_slice_async<Traits>(s_k, k_rows, key0, seqlen_k, lane);
-    load_slice_async<Traits>(s_k + Traits::kTileBytes, v_rows, key0, seqlen_k, lane);
+    load_slice_async<Traits>(s_k, k_rows, key0, seqlen_k, lane, &s_bad_page[warp]);
+    load_slice_async<Traits>(s_k + Traits::kTileBytes, v_rows, key0, seqlen_k, lane,
+                             &s_bad_page[warp]);
   };
 
   // Ring prologue: the first kStages - 1 slices of this warp, one commit group each.
@@ -426,6 +372,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   OnlineSoftmax<kMTiles> softmax;
   const float scale_log2 = attn.softmax_scale_log2;
   const PackedRowMask<Traits::Is_causal> mask(row0, group, seqlen_q, seqlen_k, attn.window_right);
+  const typename Traits::Transform transform(attn);
 
   for (int it = 0, n_block = n_begin; n_block < w_end; ++it, ++n_block) {
     // Slice it has landed (each lane waits for its own copies; __syncwarp publishes them to
@@ -439,6 +386,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     const int key0 = n_block * kBlockN + warp_key0;
     float acc_s[kMTiles][Traits::kNTiles][4];
     gemm_qk<Traits>(acc_s, r_q, s_q, s_k, 0, lane);
+    transform_scores(transform, acc_s, /*row0=*/0, key0, lane);  // packed rows: no query row yet
     if (mask.needs_mask(key0 + kWarpKeys - 1)) mask.apply(acc_s, key0, lane);
 
     float rescale[2 * kMTiles];
@@ -453,7 +401,14 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   softmax.finalize(scale_log2, inv_sum, lse);
   scale_rows(acc_o, inv_sum);
   cp_async_wait<0>();
-  __syncthreads();  // every warp is done with its ring: the merge buffer overlays it
+  // Every warp is done with its ring (the merge buffer overlays it); and did any read a page
+  // through a bad block-table entry?
+  __syncthreads();
+  bool bad_page = false;
+#pragma unroll
+  for (int w = 0; w < Traits::kNWarps; ++w) bad_page |= s_bad_page[w] != 0;
+  const bool bad = bad_len || bad_page;  // the CTA's rows are NaN, not a plausible answer
+  if (tid == 0 && bad) report_error(params, (bad_page ? kBadPage : 0) | (bad_len ? kBadSeqlen : 0));
   constexpr int kRowFloats = Traits::kMergeRowFloats;
   float* s_o = s_merge + warp * Traits::kBlockM * kRowFloats;               // [kBlockM][d + 8]
   float* s_lse = s_merge + Traits::kNWarps * Traits::kBlockM * kRowFloats;  // [kNWarps][kBlockM]
@@ -484,17 +439,21 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     float part_lse[Traits::kNWarps], weight[Traits::kNWarps];
 #pragma unroll
     for (int w = 0; w < Traits::kNWarps; ++w) part_lse[w] = s_lse[w * Traits::kBlockM + row];
-    const float row_lse = merge_weights(part_lse, weight);
+    float row_lse = merge_weights(part_lse, weight);
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < Traits::kNWarps; ++w) {
       if (weight[w] == 0.f) continue;  // an empty warp's O is 0 anyway; skip its reads
-      const float4 part =
-          *reinterpret_cast<const float4*>(s_merge + (w * Traits::kBlockM + row) * kRowFloats + col);
+      const float4 part = *reinterpret_cast<const float4*>(
+          s_merge + (w * Traits::kBlockM + row) * kRowFloats + col);
       o.x += weight[w] * part.x;
       o.y += weight[w] * part.y;
       o.z += weight[w] * part.z;
       o.w += weight[w] * part.w;
+    }
+    if (bad) {  // (a NaN partial also makes the splits' merge NaN)
+      o = make_float4(quiet_nan(), quiet_nan(), quiet_nan(), quiet_nan());
+      row_lse = quiet_nan();
     }
     const int query = packed / group;
     const int head = head_k * group + packed % group;
@@ -531,8 +490,8 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   if (!s_is_last) return;
   __threadfence();
   const int64_t part_rows = static_cast<int64_t>(attn.batch) * attn.h * seqlen_q;
-#pragma unroll 1
   const int row_end = min(row0 + Traits::kBlockM, rows);
+#pragma unroll 1
   for (int packed = row0 + warp; packed < row_end; packed += Traits::kNWarps) {
     const int query = packed / group;
     const int head = head_k * group + packed % group;
@@ -549,8 +508,9 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Append: k_new / v_new token t of sequence b goes to cache position cache_seqlens[b] + t
-// (positions past the capacity are dropped, as the attention clamps its length there).
+// Append: k_new / v_new token t of sequence b goes to cache position cache_seqlens[b] + t. A bad
+// length appends nothing; a bad block-table entry for the position writes nothing through it
+// (both reported in error_flags; the attention's rows of that sequence are NaN).
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, typename Element_>
 struct AppendTraits {
@@ -566,19 +526,29 @@ CF_DEVICE void decode_append(const DecodeParams& p) {
   const int token = blockIdx.x;
   const int head_k = blockIdx.y;
   const int batch = blockIdx.z;
-  const int pos = decode_cached_len(p, batch) + token;
-  if (pos >= p.cache_capacity) return;
+  const bool reporter = threadIdx.x == 0 && head_k == 0;  // one report per (token, sequence)
+  bool bad_len;
+  int bad_page = 0;
+  const int pos = decode_cached_len(p, batch, bad_len) + token;
+  if (bad_len || pos >= p.cache_capacity) {
+    if (reporter && token == 0) report_error(p, kBadSeqlen);
+    return;
+  }
   const AttnParams& a = p.attn;
-  const CacheRows<Element> k_rows =
-      cache_rows<Element>(p, a.k_ptr, a.k_batch_stride, a.k_row_stride, a.k_head_stride, batch, head_k);
-  const CacheRows<Element> v_rows =
-      cache_rows<Element>(p, a.v_ptr, a.v_batch_stride, a.v_row_stride, a.v_head_stride, batch, head_k);
+  const CacheRows<Element> k_rows = cache_rows<Element>(
+      p, a.k_ptr, a.k_batch_stride, a.k_row_stride, a.k_head_stride, batch, head_k);
+  const CacheRows<Element> v_rows = cache_rows<Element>(
+      p, a.v_ptr, a.v_batch_stride, a.v_row_stride, a.v_head_stride, batch, head_k);
   const auto* k_src = static_cast<const Element*>(p.k_new_ptr) + batch * p.k_new_batch_stride +
                       token * p.k_new_row_stride + head_k * p.k_new_head_stride;
   const auto* v_src = static_cast<const Element*>(p.v_new_ptr) + batch * p.v_new_batch_stride +
                       token * p.v_new_row_stride + head_k * p.v_new_head_stride;
-  Element* k_dst = k_rows.row(pos);
-  Element* v_dst = v_rows.row(pos);
+  Element* k_dst = k_rows.row(pos, &bad_page);
+  Element* v_dst = v_rows.row(pos, &bad_page);
+  if (bad_page) {
+    if (reporter) report_error(p, kBadPage);
+    return;
+  }
   for (int chunk = threadIdx.x; chunk < Traits::kHeadDim / 8; chunk += Traits::kNThreads) {
     reinterpret_cast<uint4*>(k_dst)[chunk] = reinterpret_cast<const uint4*>(k_src)[chunk];
     reinterpret_cast<uint4*>(v_dst)[chunk] = reinterpret_cast<const uint4*>(v_src)[chunk];

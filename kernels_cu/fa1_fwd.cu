@@ -22,7 +22,12 @@
 // of O's columns and recomputing S (twice the Q K^T FLOPs, the same HBM traffic).
 #pragma once
 
-#include "fa2_fwd.cu"  // load_tile_async, gemm_qk, gemm_pv (and through it mask.cuh, softmax.cuh)
+#include "common.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+#include "tile_mma.cuh"  // load_tile_async, gemm_qk, gemm_pv
+#include "variants.cuh"
 
 template <int kHeadDim_, int kBlockR_, int kBlockC_, int kBlockN_, typename Element_,
           bool Is_causal_, bool Is_local_, bool Has_softcap_>
@@ -38,6 +43,7 @@ struct Fa1FwdTraits {
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
+  using Transform = ScoreTransform<Has_softcap>;
   static constexpr bool Q_in_regs = false;
 
   static constexpr int kNWarps = kBlockR / 16;  // 16 query rows per warp
@@ -45,7 +51,7 @@ struct Fa1FwdTraits {
   static constexpr int kOutDim = kHeadDim < 256 ? kHeadDim : 256;  // O columns per pass
   static constexpr int kOutPasses = kHeadDim / kOutDim;
 
-  // The names gemm_qk / gemm_pv / load_tile_async read (fa2_fwd.cu).
+  // The names gemm_qk / gemm_pv / load_tile_async read (tile_mma.cuh).
   static constexpr int kMTiles = 1;
   static constexpr int kNTiles = kBlockN / 8;
   static constexpr int kDTiles = kOutDim / 8;
@@ -78,9 +84,9 @@ CF_DEVICE void fa1_fwd(const AttnParams& params, float* o_state, float* max_stat
   constexpr int kEB = Traits::kElemBytes;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const uint32_t s_k = smem_addr(smem_raw);                 // [kBlockC][d]
-  const uint32_t s_v = s_k + kBlockC * kHeadDim * kEB;     // [kBlockC][d]
-  const uint32_t s_q = s_v + kBlockC * kHeadDim * kEB;     // [kBlockR][d]
+  const uint32_t s_k = smem_addr(smem_raw);             // [kBlockC][d]
+  const uint32_t s_v = s_k + kBlockC * kHeadDim * kEB;  // [kBlockC][d]
+  const uint32_t s_q = s_v + kBlockC * kHeadDim * kEB;  // [kBlockR][d]
 
   const int head = blockIdx.x;
   const int batch = blockIdx.y;
@@ -105,6 +111,7 @@ CF_DEVICE void fa1_fwd(const AttnParams& params, float* o_state, float* max_stat
   const Fa1State state{o_state + state_row0 * kHeadDim, max_state + state_row0,
                        sum_state + state_row0};
 
+  const typename Traits::Transform transform(params);
   using TileMask = KeyMask<kBlockR, kBlockC, Traits::Is_causal, Traits::Is_local>;
   using ChunkMask = KeyMask<kBlockR, kBlockN, Traits::Is_causal, Traits::Is_local>;
   auto tile_mask = [&](int q_tile) {
@@ -217,8 +224,8 @@ CF_DEVICE void fa1_fwd(const AttnParams& params, float* o_state, float* max_stat
           const float* src = state.o + static_cast<int64_t>(row) * kHeadDim + col0 + 2 * (lane % 4);
 #pragma unroll
           for (int dt = 0; dt < kDTiles; ++dt) {
-            const float2 o = stored ? *reinterpret_cast<const float2*>(src + 8 * dt)
-                                    : make_float2(0.f, 0.f);
+            const float2 o =
+                stored ? *reinterpret_cast<const float2*>(src + 8 * dt) : make_float2(0.f, 0.f);
             acc_o[0][dt][2 * half] = o.x * saved_sum[half];
             acc_o[0][dt][2 * half + 1] = o.y * saved_sum[half];
           }
@@ -230,8 +237,9 @@ CF_DEVICE void fa1_fwd(const AttnParams& params, float* o_state, float* max_stat
           float acc_s[1][Traits::kNTiles][4];
           const uint32_t r_q_unused[1][Traits::kDSteps][4] = {};
           gemm_qk<Traits>(acc_s, r_q_unused, s_q, s_k + chunk_bytes, warp_row0, lane);
-          if constexpr (Traits::Has_softcap) apply_softcap(acc_s, params.softcap_prescale);
-          if (chunk_mask.needs_mask(n)) chunk_mask.apply(acc_s, row0 + warp_row0, n * kBlockN, lane);
+          transform_scores(transform, acc_s, row0 + warp_row0, n * kBlockN, lane);
+          if (chunk_mask.needs_mask(n))
+            chunk_mask.apply(acc_s, row0 + warp_row0, n * kBlockN, lane);
           float rescale[2];
           softmax.update_max(acc_s, scale_log2, rescale);
           scale_rows(acc_o, rescale);

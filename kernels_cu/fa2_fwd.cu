@@ -21,6 +21,8 @@
 #include "mask.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
+#include "tile_mma.cuh"
+#include "variants.cuh"
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool Q_in_regs_,
           bool Overlap_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
@@ -39,6 +41,7 @@ struct Fa2FwdTraits {
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
+  using Transform = ScoreTransform<Has_softcap>;
 
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kRowsPerWarp = kBlockM / kNWarps;
@@ -51,155 +54,13 @@ struct Fa2FwdTraits {
   static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
   static constexpr int kSmemQElems = kBlockM * kHeadDim;
   static constexpr int kSmemKVElems = kBlockN * kHeadDim;  // one K (or V) stage
-  static constexpr int kSmemBytes =
-      (kSmemQElems + 2 * kStages * kSmemKVElems) * kElemBytes;
+  static constexpr int kSmemBytes = (kSmemQElems + 2 * kStages * kSmemKVElems) * kElemBytes;
 
   static_assert(kRowsPerWarp % 16 == 0, "each warp needs whole 16-row MMA tiles");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
   static_assert(!Overlap || kStages == 2, "the overlapped loop runs two K and two V stages");
 };
-
-// Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] global tile into a swizzled shared
-// tile; rows >= rows_valid are zero-filled. Consecutive threads take consecutive 16-byte chunks
-// of a row, so a warp reads 512 contiguous bytes per instruction (coalesced). The source pointer
-// advances by a stride step instead of being recomputed per row: with every row address live,
-// ptxas hoisted 16 64-bit addresses out of the main loop and spilled (d = 128, 128 x 64 tile).
-template <typename Traits, int kRows>
-CF_DEVICE void load_tile_async(uint32_t s_tile, const typename Traits::Element* g_tile,
-                               int64_t row_stride,
-                               int rows_valid, int tid) {
-  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
-  constexpr int kElemBytes = sizeof(typename Traits::Element);
-  if constexpr (Traits::kNThreads % kChunksPerRow == 0) {
-    // Every thread keeps one chunk column and walks down the rows.
-    constexpr int kRowsPerIter = Traits::kNThreads / kChunksPerRow;
-    constexpr int kIters = ceil_div(kRows, kRowsPerIter);
-    const int chunk = tid % kChunksPerRow;
-    int row = tid / kChunksPerRow;
-    const auto* src = g_tile + row * row_stride + chunk * 8;
-    const int64_t src_step = kRowsPerIter * row_stride;
-#pragma unroll 1
-    for (int it = 0; it < kIters; ++it, row += kRowsPerIter, src += src_step) {
-      if (kRows % kRowsPerIter == 0 || row < kRows) {
-        const bool valid = row < rows_valid;
-        cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * kElemBytes, valid ? src : g_tile,
-                    valid);
-      }
-    }
-  } else {
-    // Rows of 12 or 24 chunks (d = 96, 192) do not divide the thread count: index chunk by chunk.
-    constexpr int kChunks = kRows * kChunksPerRow;
-#pragma unroll 1
-    for (int idx = tid; idx < kChunks; idx += Traits::kNThreads) {
-      const int row = idx / kChunksPerRow;
-      const int chunk = idx % kChunksPerRow;
-      const bool valid = row < rows_valid;
-      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * kElemBytes,
-                  g_tile + (valid ? row : 0) * row_stride + chunk * 8, valid);
-    }
-  }
-}
-
-// A operand of Q K^T for the warp's kMTiles row tiles at k-step ds (columns 16 ds .. 16 ds + 15).
-// ldmatrix matrices 0..3 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
-// (rows 8-15, k 8-15): exactly the a0..a3 registers of m16n8k16.
-template <typename Traits>
-CF_DEVICE void load_q_frag(uint32_t (&a)[Traits::kMTiles][4], uint32_t s_q, int warp_row0, int ds,
-                           int lane) {
-#pragma unroll
-  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
-    const int row = warp_row0 + 16 * mt + (lane % 16);
-    const int xor_bits = Traits::Tile::pattern(lane) ^ (lane / 16);
-    ldmatrix_x4(a[mt], s_q + Traits::Tile::pair_offset(row, ds, xor_bits) * Traits::kElemBytes);
-  }
-}
-
-// Every k-step's Q fragments of the warp's rows, into registers (the Q_in_regs variants).
-template <typename Traits>
-CF_DEVICE void load_q_regs(uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps][4], uint32_t s_q, int warp_row0,
-                           int lane) {
-#pragma unroll
-  for (int ds = 0; ds < Traits::kDSteps; ++ds) {
-    uint32_t a[Traits::kMTiles][4];
-    load_q_frag<Traits>(a, s_q, warp_row0, ds, lane);
-#pragma unroll
-    for (int mt = 0; mt < Traits::kMTiles; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) r_q[mt][ds][i] = a[mt][i];
-  }
-}
-
-// S = Q K^T for one key block. K is [kBlockN][d] row-major = B^T, which is the "col" layout of
-// the B operand: plain ldmatrix gives b0/b1 of two 8-key tiles per call.
-template <typename Traits>
-CF_DEVICE void gemm_qk(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
-                       const uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps][4], uint32_t s_q,
-                       uint32_t s_k, int warp_row0, int lane) {
-#pragma unroll
-  for (int mt = 0; mt < Traits::kMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < Traits::kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-
-#pragma unroll
-  for (int ds = 0; ds < Traits::kDSteps; ++ds) {
-    uint32_t a[Traits::kMTiles][4];
-    if constexpr (Traits::Q_in_regs) {
-#pragma unroll
-      for (int mt = 0; mt < Traits::kMTiles; ++mt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a[mt][i] = r_q[mt][ds][i];
-    } else {
-      load_q_frag<Traits>(a, s_q, warp_row0, ds, lane);
-    }
-#pragma unroll
-    for (int np = 0; np < Traits::kNTiles / 2; ++np) {
-      // matrices: (keys 0-7, k 0-7), (keys 0-7, k 8-15), (keys 8-15, k 0-7), (keys 8-15, k 8-15)
-      const int key = 16 * np + (lane % 8) + 8 * (lane / 16);
-      const int xor_bits = Traits::Tile::pattern(lane) ^ ((lane / 8) % 2);
-      uint32_t b[4];
-      ldmatrix_x4(b, s_k + Traits::Tile::pair_offset(key, ds, xor_bits) * Traits::kElemBytes);
-#pragma unroll
-      for (int mt = 0; mt < Traits::kMTiles; ++mt) {
-        Traits::Ops::mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
-        Traits::Ops::mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
-}
-
-// O += P V for one key block. The S accumulator of 8-key tiles 2 ks and 2 ks + 1 is, element
-// for element, the A operand of k-step ks (rows g / g + 8, keys 2t.. / 2t + 8..), so P never
-// leaves registers. V is [kBlockN][d] row-major = B row-major: ldmatrix.trans gives the "col"
-// fragments of two 8-wide d tiles per call.
-template <typename Traits>
-CF_DEVICE void gemm_pv(float (&o)[Traits::kMTiles][Traits::kDTiles][4],
-                       const float (&p)[Traits::kMTiles][Traits::kNTiles][4], uint32_t s_v,
-                       int lane) {
-#pragma unroll
-  for (int ks = 0; ks < Traits::kNSteps; ++ks) {
-    uint32_t a[Traits::kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < Traits::kMTiles; ++mt) {
-      p_operand<typename Traits::Ops>(a[mt], p[mt], ks);
-    }
-#pragma unroll
-    for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
-      // matrices: (keys 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15)
-      const int key = 16 * ks + (lane % 8) + 8 * ((lane / 8) % 2);
-      const int xor_bits = Traits::Tile::pattern(lane) ^ (lane / 16);
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, s_v + Traits::Tile::pair_offset(key, dp, xor_bits) * Traits::kElemBytes);
-#pragma unroll
-      for (int mt = 0; mt < Traits::kMTiles; ++mt) {
-        Traits::Ops::mma_16816(o[mt][2 * dp], a[mt], b[0], b[1]);
-        Traits::Ops::mma_16816(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
-}
 
 template <typename Traits>
 CF_DEVICE void fa2_fwd(const AttnParams& params) {
@@ -212,9 +73,9 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
 
   constexpr int kStageBytes = Traits::kSmemKVElems * Traits::kElemBytes;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const uint32_t s_q = smem_addr(smem_raw);                          // [kBlockM][d], then O
+  const uint32_t s_q = smem_addr(smem_raw);                             // [kBlockM][d], then O
   const uint32_t s_k = s_q + Traits::kSmemQElems * Traits::kElemBytes;  // [kStages][kBlockN][d]
-  const uint32_t s_v = s_k + kStages * kStageBytes;                  // [kStages][kBlockN][d]
+  const uint32_t s_v = s_k + kStages * kStageBytes;                     // [kStages][kBlockN][d]
 
   // Causal: the last query blocks see the most keys; launch them first so the long CTAs do not
   // straggle at the end of the grid.
@@ -248,12 +109,10 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   auto load_kv = [&](int n_block, int stage) {
     const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
     const int rows_valid = seqlen_k - n_block * kBlockN;
-    load_tile_async<Traits, kBlockN>(s_k + stage * kStageBytes,
-                                     g_k + key0 * params.k_row_stride, params.k_row_stride,
-                                     rows_valid, tid);
-    load_tile_async<Traits, kBlockN>(s_v + stage * kStageBytes,
-                                     g_v + key0 * params.v_row_stride, params.v_row_stride,
-                                     rows_valid, tid);
+    load_tile_async<Traits, kBlockN>(s_k + stage * kStageBytes, g_k + key0 * params.k_row_stride,
+                                     params.k_row_stride, rows_valid, tid);
+    load_tile_async<Traits, kBlockN>(s_v + stage * kStageBytes, g_v + key0 * params.v_row_stride,
+                                     params.v_row_stride, rows_valid, tid);
   };
 
   float acc_o[kMTiles][Traits::kDTiles][4];
@@ -266,11 +125,16 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
     if constexpr (Traits::Q_in_regs) ::load_q_regs<Traits>(r_q, s_q, warp_row0, lane);
   };
 
-  // Logits of key block n_block from the K tile in `stage`: S = Q K^T, softcap, mask.
+  // Scores of key block n_block -> logits: the score variant (softcap), then the mask.
+  const typename Traits::Transform transform(params);
+  auto logits = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block) {
+    transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
+    if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
+  };
+  // Logits of key block n_block from the K tile in `stage`: S = Q K^T, then logits().
   auto scores = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int stage) {
     gemm_qk<Traits>(s, r_q, s_q, s_k + stage * kStageBytes, warp_row0, lane);
-    if constexpr (Traits::Has_softcap) apply_softcap(s, params.softcap_prescale);
-    if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
+    logits(s, n_block);
   };
 
   // Online softmax of one block of logits, then O += P V with V from `stage`.
@@ -312,15 +176,17 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
     const int n_blocks = max(n_end - n_begin, 0);
     auto load_k = [&](int it) {  // K of the it-th visited block (n_end - 1 - it) into stage it % 2
       const int n_block = n_end - 1 - it;
-      load_tile_async<Traits, kBlockN>(s_k + (it % 2) * kStageBytes,
-                                       g_k + static_cast<int64_t>(n_block) * kBlockN * params.k_row_stride,
-                                       params.k_row_stride, seqlen_k - n_block * kBlockN, tid);
+      load_tile_async<Traits, kBlockN>(
+          s_k + (it % 2) * kStageBytes,
+          g_k + static_cast<int64_t>(n_block) * kBlockN * params.k_row_stride, params.k_row_stride,
+          seqlen_k - n_block * kBlockN, tid);
     };
     auto load_v = [&](int it) {
       const int n_block = n_end - 1 - it;
-      load_tile_async<Traits, kBlockN>(s_v + (it % 2) * kStageBytes,
-                                       g_v + static_cast<int64_t>(n_block) * kBlockN * params.v_row_stride,
-                                       params.v_row_stride, seqlen_k - n_block * kBlockN, tid);
+      load_tile_async<Traits, kBlockN>(
+          s_v + (it % 2) * kStageBytes,
+          g_v + static_cast<int64_t>(n_block) * kBlockN * params.v_row_stride, params.v_row_stride,
+          seqlen_k - n_block * kBlockN, tid);
     };
     if (n_blocks > 0) load_k(0);
     cp_async_commit();  // group: Q, K_0
@@ -349,11 +215,7 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
         gemm_qk<Traits>(next, r_q, s_q, s_k + ((it + 1) % 2) * kStageBytes, warp_row0, lane);
       }
       softmax_pv(cur, it % 2);
-      if (it + 1 < n_blocks) {
-        const int n_next = n_end - 2 - it;
-        if constexpr (Traits::Has_softcap) apply_softcap(next, params.softcap_prescale);
-        if (mask.needs_mask(n_next)) mask.apply(next, row_block0 + warp_row0, n_next * kBlockN, lane);
-      }
+      if (it + 1 < n_blocks) logits(next, n_end - 2 - it);
     };
     // Unrolled by two so that `cur` and `next` swap names instead of registers.
     for (int it = 0; it < n_blocks; it += 2) {

@@ -27,29 +27,28 @@
 // The producer runs up to kStages blocks ahead, so HBM traffic overlaps the tensor-core work of
 // both consumers; with Pingpong the two consumers take turns issuing their wgmmas, so one's
 // softmax also runs under the other's GEMMs.
+//
+// The pieces, as FlashAttention-3 composes its kernel: tile_scheduler.cuh (which tiles, in which
+// order), fa3_shared.cuh (the shared-memory layout as one struct, the mbarriers and the named
+// barriers), fa3_mainloop.cuh (the producer's loads), fa3_epilogue.cuh (normalise, stage and
+// store O and LSE); this file holds the traits, the consumer's pipeline and the kernel body.
 #pragma once
 
 #include "common.cuh"
+#include "fa3_shared.cuh"    // SharedStorage, the mbarriers and named barriers
+#include "fa3_epilogue.cuh"  // Fa3Epilogue: normalise, stage, store O and LSE
+#include "fa3_mainloop.cuh"  // Fa3Producer (TMA loads), Fa3Consumer (the wgmma / softmax pipeline)
 #include "hopper.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
+#include "tile_scheduler.cuh"
+#include "variants.cuh"
 #include "wgmma.cuh"
 
-// The kernel argument: three TMA tensor maps (innermost first: d, rows, heads, batch) and the
-// AttnParams every kernel takes. Passed as a __grid_constant__ so the maps stay in parameter
-// memory, where TMA reads them.
-struct Fa3Params {
-  TmaMap q_map, k_map, v_map;
-  AttnParams attn;
-  // The dynamic schedule's counters: [0] tiles drawn past the first gridDim.x, [1] CTAs done.
-  // Both read 0 at launch; the last CTA to finish sets them back (cupyflash/_workspace.py).
-  int32_t* tile_counters;
-  int32_t num_m_blocks;  // query blocks per (batch, head): of the longest sequence when varlen
-};
-
-template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_, bool Pingpong_,
-          bool Dynamic_, bool Varlen_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
+template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_,
+          bool Pingpong_, bool Dynamic_, bool Varlen_, typename Element_, bool Is_causal_,
+          bool Is_local_, bool Has_softcap_>
 struct Fa3FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -82,10 +81,15 @@ struct Fa3FwdTraits {
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
+  using Transform = ScoreTransform<Has_softcap>;
+  // The online softmax of a warp's 16 rows (named here, where the Traits are instantiated: a
+  // member of type OnlineSoftmax<1> would instantiate it at its definition, which reorders the
+  // symbols of the cubin).
+  using Softmax = OnlineSoftmax<1>;
 
   static constexpr int kRowsPerConsumer = 64;  // wgmma M
   static constexpr int kBlockM = kRowsPerConsumer * kConsumers;
-  static constexpr int kNThreads = 128 * (1 + kConsumers);
+  static constexpr int kNThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kNTiles = kBlockN / 8;   // 8-key column tiles of S (per warp: m16n8)
   static constexpr int kDTiles = kHeadDim / 8;  // 8-wide column tiles of O
   static constexpr int kColBlocks = kHeadDim / kColBlockElems;
@@ -96,9 +100,13 @@ struct Fa3FwdTraits {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kOBytes = Separate_o ? kQBytes : 0;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarrierBytes = 8 * (2 * kQBuffers + 4 * kStages) + 8;
-  static constexpr int kSmemBytes = kSwizzleAtomBytes /* alignment slack */ + kQBuffers * kQBytes + kOBytes +
-                                    2 * kStages * kKVBytes + kBarrierBytes;
+  static constexpr int kBarrierBytes = 8 * (2 * kQBuffers + 4 * kStages) + 8;  // + the tile indices
+  using SharedStorage = Fa3SharedStorage<kQBytes, kQBuffers, Separate_o, kKVBytes, kStages>;
+  static constexpr int kSmemBytes =
+      kSwizzleAtomBytes /* alignment slack */ + static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes == kSwizzleAtomBytes + kQBuffers * kQBytes + kOBytes +
+                                  2 * kStages * kKVBytes + kBarrierBytes,
+                "SharedStorage is the buffers and barriers above, unpadded");
 
   // Registers: the producer keeps 24, the consumers share the rest of the 64K register file.
   static constexpr int kProducerRegs = 24;
@@ -110,44 +118,10 @@ struct Fa3FwdTraits {
   static constexpr bool Softmax_under_pv = kConsumers == 2 && kHeadDim <= 128;
 
   static_assert(kHeadDim % kColBlockElems == 0, "head dim must be a multiple of 64");
-  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: a multiple of 16 up to 256 (wgmma N, TMA box)");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
+                "key block: a multiple of 16 up to 256 (wgmma N, TMA box)");
   static_assert(sizeof(Element) == 2, "16-bit elements");
   static_assert(!Pingpong || kConsumers == 2, "ping-pong alternates two consumers");
-};
-
-// Tile t -> (query block, batch, head). Query blocks run fastest, so the CTAs working at one
-// time share a (batch, head) and its K/V stays in L2; under causal the last query blocks (the
-// most keys) come first, so the long tiles do not straggle at the end.
-template <typename Traits>
-struct TileScheduler {
-  int num_m_blocks;
-  int num_tiles;
-
-  CF_DEVICE explicit TileScheduler(const Fa3Params& p)
-      : num_m_blocks(p.num_m_blocks), num_tiles(p.num_m_blocks * p.attn.batch * p.attn.h) {}
-
-  struct Tile {
-    int m_block, batch, head;
-  };
-
-  CF_DEVICE Tile operator()(int t, const AttnParams& params) const {
-    const int m = t % num_m_blocks;
-    const int bh = t / num_m_blocks;
-    return {Traits::Is_causal ? num_m_blocks - 1 - m : m, bh / params.h, bh % params.h};
-  }
-};
-
-template <typename Traits>
-using TileMask = KeyMask<Traits::kBlockM, Traits::kBlockN, Traits::Is_causal, Traits::Is_local>;
-
-// The query and key rows of a tile's sequence: all of them for a padded batch, its slice of the
-// packed tensors for varlen.
-template <bool Varlen>
-struct TileRows {
-  SeqRange q, k;
-  CF_DEVICE TileRows(const AttnParams& params, int batch)
-      : q(Varlen ? seq_range(params.cu_seqlens_q, batch, params.seqlen_q) : SeqRange{0, params.seqlen_q}),
-        k(Varlen ? seq_range(params.cu_seqlens_k, batch, params.seqlen_k) : SeqRange{0, params.seqlen_k}) {}
 };
 
 template <typename Traits>
@@ -160,142 +134,68 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   const AttnParams& params = p.attn;
 
   extern __shared__ unsigned char smem_raw[];
-  const uint32_t smem_base = (smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1);
+  const Fa3Smem<Traits> smem(smem_raw);
   constexpr int kQBuffers = Traits::kQBuffers;
-  // Q buffer b holds the Q of the CTA's tiles b, b + kQBuffers, ...
-  auto s_q = [&](int b) { return smem_base + b * Traits::kQBytes; };
-  const uint32_t s_o = Traits::Separate_o ? s_q(kQBuffers) : s_q(0);
-  const uint32_t s_k = s_q(kQBuffers) + Traits::kOBytes;
-  const uint32_t s_v = s_k + kStages * Traits::kKVBytes;
-  const uint32_t bars = s_v + kStages * Traits::kKVBytes;
-  auto bar_q_full = [&](int b) { return bars + 8 * b; };
-  auto bar_q_empty = [&](int b) { return bars + 8 * (kQBuffers + b); };
-  auto bar = [&](int kind, int stage) { return bars + 8 * (2 * kQBuffers + kind * kStages + stage); };
-  enum { kKFull = 0, kKEmpty = 1, kVFull = 2, kVEmpty = 3 };
-  // The tile whose Q the producer loads into buffer b, written before its q_full arrival
-  // (release) and read by the consumers after their q_full wait (acquire); a value >= num_tiles
-  // ends the CTA.
-  auto s_tile = [&](int b) { return bar(kVEmpty, kStages) + 4 * b; };
   constexpr int kConsumerWarps = 4 * Traits::kConsumers;
 
   const TileScheduler<Traits> scheduler(p);
   using Rows = TileRows<Traits::Varlen>;
-  const int warpgroup = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    for (int b = 0; b < kQBuffers; ++b) {
-      mbar_init(bar_q_full(b), 1);
-      mbar_init(bar_q_empty(b), kConsumerWarps);  // one arrival per consumer warp
-    }
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar(kKFull, s), 1);
-      mbar_init(bar(kVFull, s), 1);
-      mbar_init(bar(kKEmpty, s), kConsumerWarps);
-      mbar_init(bar(kVEmpty, s), kConsumerWarps);
-    }
-    mbar_init_fence();
-  }
+  const int warpgroup = threadIdx.x / kWarpgroupThreads;
+  if (threadIdx.x == 0) smem.init_barriers(kConsumerWarps);
   __syncthreads();
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
+    const Fa3Producer<Traits> producer{p, smem};
     int kv_iter = 0;  // position in the K/V ring, continuing across tiles
     // The next tile: the static stride, or (dynamic) drawn from the counter. Drawn once the
     // current tile's loads are all issued (the producer then runs at most kStages blocks ahead
     // of the consumers): drawn earlier, a CTA would claim it before the CTAs that free up first,
     // and undo the balance of the greedy schedule.
     const int grid = static_cast<int>(gridDim.x);
-    auto next_tile = [&](int t) {
-      return Traits::Dynamic ? grid + atomicAdd(p.tile_counters, 1) : t + grid;
-    };
-    // Varlen: a tile past the end of its sequence holds no rows; the consumers never see it.
-    auto empty = [&](int t) {
-      if constexpr (!Traits::Varlen) return false;
-      const auto tile = scheduler(t, params);
-      return tile.m_block * kBlockM >= Rows(params, tile.batch).q.len;
-    };
+    auto next_tile = [&](int t) { return scheduler.next(t, grid, p); };
     for (int t = blockIdx.x, tile_iter = 0;; ++tile_iter) {
-      while (t < scheduler.num_tiles && empty(t)) t = next_tile(t);
+      while (t < scheduler.num_tiles && scheduler.empty(t, params)) t = next_tile(t);
       const int qb = tile_iter % kQBuffers;
-      mbar_wait(bar_q_empty(qb), ((tile_iter / kQBuffers) & 1) ^ 1);  // the consumers are done with its last Q
-      st_shared_b32(s_tile(qb), t);
+      mbar_wait(smem.q_empty(qb),
+                ((tile_iter / kQBuffers) & 1) ^ 1);  // the consumers are done with its last Q
+      st_shared_b32(smem.tile(qb), t);
       if (t >= scheduler.num_tiles) {
-        mbar_arrive(bar_q_full(qb));  // no Q: the consumers read the end and stop
+        mbar_arrive(smem.q_full(qb));  // no Q: the consumers read the end and stop
         break;
       }
-      const auto tile = scheduler(t, params);
-      const int head_k = tile.head / params.h_h_k_ratio;
-      const Rows rows(params, tile.batch);
-      // TMA coordinates: packed sequences are one "batch" of the tensor map, rows offset per sequence.
-      const int tma_batch = Traits::Varlen ? 0 : tile.batch;
-      const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
-                                  params.window_right);
-      const int n_begin = mask.n_block_begin();
-      const int n_end = mask.n_block_end();
-      mbar_arrive_expect_tx(bar_q_full(qb), Traits::kQBytes);
-#pragma unroll
-      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-        tma_load_4d(s_q(qb) + cb * kBlockM * kSwizzleRowBytes, p.q_map, bar_q_full(qb), cb * kColBlockElems,
-                    rows.q.start + tile.m_block * kBlockM, tile.head, tma_batch);
-      }
-      // Key block n_block of K or V into its slot of the ring, once the consumers released it.
-      auto load_block = [&](const TmaMap& map, uint32_t slot, uint32_t full_bar, uint32_t empty_bar,
-                            int parity, int n_block) {
-        mbar_wait(empty_bar, parity);
-        mbar_arrive_expect_tx(full_bar, Traits::kKVBytes);
-#pragma unroll
-        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(slot + cb * kBlockN * kSwizzleRowBytes, map, full_bar, cb * kColBlockElems,
-                      rows.k.start + n_block * kBlockN, head_k, tma_batch);
-        }
-      };
-      for (int n_block = n_end - 1; n_block >= n_begin; --n_block, ++kv_iter) {
-        const int stage = kv_iter % kStages;
-        const int parity = ((kv_iter / kStages) & 1) ^ 1;  // the slot's previous use was released
-        load_block(p.k_map, s_k + stage * Traits::kKVBytes, bar(kKFull, stage), bar(kKEmpty, stage),
-                   parity, n_block);
-        load_block(p.v_map, s_v + stage * Traits::kKVBytes, bar(kVFull, stage), bar(kVEmpty, stage),
-                   parity, n_block);
-      }
+      producer.load_tile(scheduler(t, params), qb, kv_iter);
       t = next_tile(t);
     }
-    if constexpr (Traits::Dynamic) {
-      // This CTA draws no more tiles. The last CTA to get here knows every draw has been made
-      // (each CTA fences its draws before counting itself done) and resets both counters.
-      __threadfence();
-      if (atomicAdd(p.tile_counters + 1, 1) == grid - 1) {
-        __threadfence();  // the other CTAs' draws (fenced before their count) come before the reset
-        p.tile_counters[0] = 0;
-        p.tile_counters[1] = 0;
-      }
-    }
+    scheduler.finish(grid, p);
     return;
   }
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<Traits::kConsumerRegs>();
   const int consumer = warpgroup - 1;
-  const int tid = threadIdx.x % 128;
+  const int tid = threadIdx.x % kWarpgroupThreads;
   const int lane = tid % 32;
   const int warp = tid / 32;
   const int consumer_row0 = consumer * Traits::kRowsPerConsumer;  // in the block
   const int warp_row0 = consumer_row0 + 16 * warp;
   const float scale_log2 = params.softmax_scale_log2;
+  const typename Traits::Transform transform(params);
   using Mma = Wgmma<kBlockN, Element>;
   using MmaPV = Wgmma<kHeadDim, Element>;
 
-  // Ping-pong turns: named barrier kTurn + c is consumer c's "your turn" signal (ids 1, 2 are
-  // the epilogues'). A turn is one batch of wgmma issues; consumer 1 hands consumer 0 the first.
-  // Both consumers visit the same tiles and blocks, so their turns pair up one for one.
-  constexpr int kTurn = 3;
+  // Ping-pong turns: named barrier NamedBarrier::kTurn + c is consumer c's "your turn" signal. A
+  // turn is one batch of wgmma issues; consumer 1 hands consumer 0 the first. Both consumers
+  // visit the same tiles and blocks, so their turns pair up one for one.
   auto begin_turn = [&]() {
-    if constexpr (Traits::Pingpong) named_barrier_sync(kTurn + consumer, 256);
+    if constexpr (Traits::Pingpong) named_barrier_sync(NamedBarrier::kTurn, consumer);
   };
   auto end_turn = [&]() {
-    if constexpr (Traits::Pingpong) named_barrier_arrive(kTurn + 1 - consumer, 256);
+    if constexpr (Traits::Pingpong) named_barrier_arrive(NamedBarrier::kTurn, 1 - consumer);
   };
-  if (Traits::Pingpong && consumer == 1) named_barrier_arrive(kTurn, 256);
+  if (Traits::Pingpong && consumer == 1) named_barrier_arrive(NamedBarrier::kTurn, /*consumer=*/0);
 
   // The accumulator and softmax state of the tile being computed; with Overlap_epilogue they
   // hold the previous tile's until its epilogue, which runs under this tile's first Q K^T.
@@ -312,58 +212,11 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(p_prev[ks][i])::"memory");
   };
 
-  // Where a finished tile's rows of O and LSE go.
-  struct TileOut {
-    int row_block0, batch, head;
-    SeqRange q;
-    bool has_keys;  // it visited a key block (else acc_o holds no value of it)
-  };
-  // Epilogue: normalise, stage this consumer's 64 rows of O (rows no other consumer touches),
-  // then 16-byte coalesced stores.
-  auto store_tile = [&](const TileOut& out) {
-    float inv_sum[2], lse[2];
-    softmax.finalize(scale_log2, inv_sum, lse);
-    // A tile without keys writes zeros. Chosen, not multiplied: acc_o may hold anything (even
-    // NaN) there, and zeroing it would redefine wgmma accumulators while the next tile's first
-    // Q K^T is in flight, which makes ptxas serialise every wgmma of the kernel.
-    auto normalised = [&](int dt, int e) { return out.has_keys ? acc_o[0][dt][e] * inv_sum[e / 2] : 0.f; };
-#pragma unroll
-    for (int dt = 0; dt < Traits::kDTiles; ++dt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = warp_row0 + lane / 4 + 8 * half;
-        const int col = 8 * dt + 2 * (lane % 4);
-        st_shared_b32(s_o + swizzled_offset<kBlockM>(row, col),
-                      Traits::Ops::pack2(normalised(dt, 2 * half), normalised(dt, 2 * half + 1)));
-      }
-    }
-    named_barrier_sync(1 + consumer, 128);
-
-    Element* g_o = static_cast<Element*>(params.o_ptr) + out.batch * params.o_batch_stride +
-                   static_cast<int64_t>(out.q.start) * params.o_row_stride + out.head * params.o_head_stride;
-    constexpr int kChunksPerRow = kHeadDim / 8;
-#pragma unroll
-    for (int idx = tid; idx < Traits::kRowsPerConsumer * kChunksPerRow; idx += 128) {
-      const int row = consumer_row0 + idx / kChunksPerRow;
-      const int col = (idx % kChunksPerRow) * 8;
-      if (out.row_block0 + row < out.q.len) {
-        st_global_b128(g_o + static_cast<int64_t>(out.row_block0 + row) * params.o_row_stride + col,
-                       ld_shared_b128(s_o + swizzled_offset<kBlockM>(row, col)));
-      }
-    }
-    if (params.lse_ptr != nullptr && lane % 4 == 0) {
-      float* g_lse = params.lse_ptr + out.batch * params.lse_batch_stride + out.head * params.lse_head_stride +
-                     out.q.start;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = out.row_block0 + warp_row0 + lane / 4 + 8 * half;
-        if (row < out.q.len) g_lse[row] = lse[half];
-      }
-    }
-    // Every warp has read its staged rows before any warp writes the next tile's (and, with
-    // O staged in the Q tile, before the producer refills it).
-    named_barrier_sync(1 + consumer, 128);
-  };
+  // Where a finished tile's rows of O and LSE go, and how (fa3_epilogue.cuh).
+  using TileOut = Fa3TileOut;
+  const Fa3Epilogue<Traits> epilogue{params, smem.o(),      consumer, tid,
+                                     lane,   consumer_row0, warp_row0};
+  auto store_tile = [&](const TileOut& out) { epilogue.store(out, acc_o, softmax, scale_log2); };
 
   // A tile whose last P V has been issued but whose epilogue has not run (Overlap_epilogue).
   struct Pending {
@@ -377,12 +230,15 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // Waited for on every path, with or without a P V in flight: ptxas checks the wgmma
     // pipeline per control-flow path, not per feasible one, and serialises every wgmma of the
     // kernel if some path could reuse acc_o's registers while a P V might still write them.
-    if (qk_in_flight) wgmma_wait<1>();
-    else wgmma_wait<0>();
+    if (qk_in_flight)
+      wgmma_wait<1>();
+    else
+      wgmma_wait<0>();
     wgmma_fence_operands(acc_o[0]);
     fence_p();
     if (!pending.active) return;
-    if (pending.out.has_keys && lane == 0) mbar_arrive(bar(kVEmpty, pending.v_stage));
+    if (pending.out.has_keys && lane == 0)
+      mbar_arrive(smem.ring(KvBarrier::kVEmpty, pending.v_stage));
     store_tile(pending.out);
     pending.active = false;
   };
@@ -390,8 +246,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   int kv_iter = 0;
   for (int tile_iter = 0;; ++tile_iter) {
     const int qb = tile_iter % kQBuffers;
-    mbar_wait(bar_q_full(qb), (tile_iter / kQBuffers) & 1);  // this tile's Q has landed (or the end is announced)
-    const int t = static_cast<int>(ld_shared_b32(s_tile(qb)));
+    mbar_wait(smem.q_full(qb),
+              (tile_iter / kQBuffers) & 1);  // this tile's Q has landed (or the end is announced)
+    const int t = static_cast<int>(ld_shared_b32(smem.tile(qb)));
     if (t >= scheduler.num_tiles) break;
     const auto tile = scheduler(t, params);
     const int row_block0 = tile.m_block * kBlockM;
@@ -407,9 +264,11 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
         const uint32_t col_bytes = (ks % 4) * 32;
-        const uint64_t desc_q = wgmma_desc(
-            s_q(qb) + (ks / 4) * kBlockM * kSwizzleRowBytes + consumer_row0 * kSwizzleRowBytes + col_bytes, 0);
-        const uint64_t desc_k = wgmma_desc(k_slot + (ks / 4) * kBlockN * kSwizzleRowBytes + col_bytes, 0);
+        const uint64_t desc_q = wgmma_desc(smem.q(qb) + (ks / 4) * kBlockM * kSwizzleRowBytes +
+                                               consumer_row0 * kSwizzleRowBytes + col_bytes,
+                                           0);
+        const uint64_t desc_k =
+            wgmma_desc(k_slot + (ks / 4) * kBlockN * kSwizzleRowBytes + col_bytes, 0);
         Mma::ss(s[0], desc_q, desc_k, ks > 0);
       }
       wgmma_commit();
@@ -420,21 +279,23 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     auto issue_pv = [&](uint32_t v_slot, bool first) {
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        const uint64_t desc_v = wgmma_desc(v_slot + ks * 2 * kSwizzleAtomBytes, kBlockN * kSwizzleRowBytes);
+        const uint64_t desc_v =
+            wgmma_desc(v_slot + ks * 2 * kSwizzleAtomBytes, kBlockN * kSwizzleRowBytes);
         MmaPV::rs_bt(acc_o[0], p_prev[ks], desc_v, ks > 0 || !first);
       }
       wgmma_commit();
     };
     // Softcap, mask, running max and P = exp2(..) of one block of scores.
     auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, float (&rescale)[2]) {
-      if constexpr (Traits::Has_softcap) apply_softcap(s, params.softcap_prescale);
+      transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
       if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
       softmax.update_max(s, scale_log2, rescale);
       softmax.exp_accumulate(s, scale_log2, rescale);
     };
     auto to_operand = [&](const float (&s)[1][Traits::kNTiles][4]) {
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) p_operand<typename Traits::Ops>(p_prev[ks], s[0], ks);
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        p_operand<typename Traits::Ops>(p_prev[ks], s[0], ks);
     };
     // Varlen: a sequence's last key block runs into the next sequence's rows (or the packed
     // tensor's unused tail), which TMA does not zero. Their scores are masked to -inf, so P is 0
@@ -447,7 +308,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       constexpr int kChunksPerRow = kSwizzleRowBytes / 16;  // a key row of one column block
       const int first = max(valid, 0);
       const int chunks = (kBlockN - first) * Traits::kColBlocks * kChunksPerRow;
-      for (int i = tid; i < chunks; i += 128) {
+      for (int i = tid; i < chunks; i += kWarpgroupThreads) {
         const int row = first + i / (Traits::kColBlocks * kChunksPerRow);
         const int cb = (i / kChunksPerRow) % Traits::kColBlocks;
         // The swizzle permutes 16-byte chunks within a row: zeroing every chunk of the row
@@ -456,7 +317,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
         st_shared_zero_b128(v_slot + (cb * kBlockN + row) * kSwizzleRowBytes + chunk * 16);
       }
       fence_proxy_async_shared();
-      named_barrier_sync(1 + consumer, 128);
+      named_barrier_sync(NamedBarrier::kWarpgroup, consumer);
     };
     auto slot = [&](int it, int& stage, int& parity) {
       stage = (kv_iter + it) % kStages;
@@ -474,15 +335,15 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       int stage, parity;
       slot(0, stage, parity);
       begin_turn();
-      mbar_wait(bar(kKFull, stage), parity);
+      mbar_wait(smem.ring(KvBarrier::kKFull, stage), parity);
       wgmma_fence();
-      issue_qk(s0, s_k + stage * Traits::kKVBytes);
+      issue_qk(s0, smem.k(stage));
       end_turn();
       finish_pending(/*qk_in_flight=*/true);
       softmax = OnlineSoftmax<1>();
       wgmma_wait<0>();
       wgmma_fence_operands(s0[0]);
-      if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
+      if (lane == 0) mbar_arrive(smem.ring(KvBarrier::kKEmpty, stage));
       float rescale[2];
       softmax_step(s0, n_end - 1, rescale);
       to_operand(s0);
@@ -496,48 +357,48 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       slot(it - 1, prev_stage, prev_parity);
       float s[1][Traits::kNTiles][4];
       begin_turn();
-      mbar_wait(bar(kKFull, stage), parity);
+      mbar_wait(smem.ring(KvBarrier::kKFull, stage), parity);
       wgmma_fence();
-      issue_qk(s, s_k + stage * Traits::kKVBytes);
-      mbar_wait(bar(kVFull, prev_stage), prev_parity);
-      clear_v_tail(s_v + prev_stage * Traits::kKVBytes, n_end - it);
-      issue_pv(s_v + prev_stage * Traits::kKVBytes, it == 1);
+      issue_qk(s, smem.k(stage));
+      mbar_wait(smem.ring(KvBarrier::kVFull, prev_stage), prev_parity);
+      clear_v_tail(smem.v(prev_stage), n_end - it);
+      issue_pv(smem.v(prev_stage), it == 1);
       end_turn();
       wgmma_wait<1>();  // S_it is ready; P_{it-1} V_{it-1} may still run
       wgmma_fence_operands(s[0]);
-      if (lane == 0) mbar_arrive(bar(kKEmpty, stage));
+      if (lane == 0) mbar_arrive(smem.ring(KvBarrier::kKEmpty, stage));
       float rescale[2];
       softmax_step(s, n_end - 1 - it, rescale);
       if constexpr (Traits::Softmax_under_pv) keep_above_wait(softmax.row_sum);
       wgmma_wait<0>();
       wgmma_fence_operands(acc_o[0]);
       fence_p();
-      if (lane == 0) mbar_arrive(bar(kVEmpty, prev_stage));
+      if (lane == 0) mbar_arrive(smem.ring(KvBarrier::kVEmpty, prev_stage));
       rescale_rows_if_moved(acc_o, rescale);
       to_operand(s);
     }
     // Every Q K^T of the tile has completed: with O staged elsewhere, Q's buffer is free now.
     __syncwarp();  // every lane has read the tile index before the producer may overwrite it
-    if (Traits::Separate_o && lane == 0) mbar_arrive(bar_q_empty(qb));
+    if (Traits::Separate_o && lane == 0) mbar_arrive(smem.q_empty(qb));
     int last_stage = 0;
     if (n_blocks > 0) {
       int parity;
       slot(n_blocks - 1, last_stage, parity);
       begin_turn();
-      mbar_wait(bar(kVFull, last_stage), parity);
-      clear_v_tail(s_v + last_stage * Traits::kKVBytes, n_end - n_blocks);
+      mbar_wait(smem.ring(KvBarrier::kVFull, last_stage), parity);
+      clear_v_tail(smem.v(last_stage), n_end - n_blocks);
       wgmma_fence();
-      issue_pv(s_v + last_stage * Traits::kKVBytes, n_blocks == 1);
+      issue_pv(smem.v(last_stage), n_blocks == 1);
       end_turn();
     }
     kv_iter += n_blocks;
     pending = {true, last_stage, {row_block0, tile.batch, tile.head, rows.q, n_blocks > 0}};
     if constexpr (!Traits::Overlap_epilogue) {
       finish_pending(false);
-      if (!Traits::Separate_o && lane == 0) mbar_arrive(bar_q_empty(qb));  // O has left the Q tile
+      if (!Traits::Separate_o && lane == 0) mbar_arrive(smem.q_empty(qb));  // O has left the Q tile
     }
   }
   finish_pending(false);
   // Consumer 1's last hand-over is still pending on consumer 0's barrier: take it.
-  if (Traits::Pingpong && consumer == 0) named_barrier_sync(kTurn, 256);
+  if (Traits::Pingpong && consumer == 0) named_barrier_sync(NamedBarrier::kTurn, /*consumer=*/0);
 }

@@ -8,13 +8,9 @@
 #pragma once
 
 #include "common.cuh"
+#include "params.cuh"  // TmaMap
 
-// cuTensorMapEncodeTiled's opaque 128-byte CUtensorMap (cuda.h cannot be included under NVRTC).
-struct alignas(64) TmaMap {
-  unsigned long long opaque[16];
-};
-
-constexpr int kSwizzleRowBytes = 128;   // one row of a column block
+constexpr int kSwizzleRowBytes = 128;    // one row of a column block
 constexpr int kSwizzleAtomBytes = 1024;  // 8 rows: the swizzle period
 constexpr int kColBlockElems = 64;       // 16-bit elements per 128-byte row
 
@@ -34,7 +30,9 @@ CF_DEVICE void mbar_init(uint32_t bar, int arrivals) {
 }
 
 // Makes the initialisation visible to the async proxy (TMA) and the other threads.
-CF_DEVICE void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+CF_DEVICE void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 
 CF_DEVICE void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
@@ -96,7 +94,9 @@ CF_DEVICE uint64_t wgmma_desc(uint32_t smem_byte_addr, uint32_t lbo_bytes) {
 CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 // Orders this thread's shared-memory stores (generic proxy) before later reads by the async
 // proxy (a wgmma operand): needed when a wgmma reads what threads have just written.
-CF_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+CF_DEVICE void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 CF_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int kPending>
 CF_DEVICE void wgmma_wait() {

@@ -1,5 +1,7 @@
 // Which keys a block of query rows sees: the range of key blocks to visit, whether a block needs
-// element-wise masking, and the masking itself (causal / sliding window / ragged tail).
+// element-wise masking, and the masking itself (causal / sliding window / ragged tail), for
+// blocks of consecutive query rows (KeyMask) and for the decode kernel's packed GQA rows
+// (PackedRowMask: row r is query token r / group).
 //
 // Query row i sees key j iff  j < seqlen_k,
 //                             j <= i + shift + window_right   (Is_causal; causal: window_right = 0)
@@ -11,8 +13,8 @@
 
 template <int kBlockM, int kBlockN, bool Is_causal, bool Is_local>
 struct KeyMask {
-  int row_first;   // first query row of the block
-  int row_last;    // last real query row of the block (< seqlen_q)
+  int row_first;  // first query row of the block
+  int row_last;   // last real query row of the block (< seqlen_q)
   int seqlen_k;
   int shift;
   int window_left, window_right;
@@ -75,13 +77,41 @@ struct KeyMask {
   }
 };
 
-// logit = tanh(s * scale / softcap); the softcap factor itself is folded into scale_log2.
-template <int kMTiles, int kNTiles>
-CF_DEVICE void apply_softcap(float (&s)[kMTiles][kNTiles][4], float prescale) {
+// Which keys the packed rows of a CTA see: MMA row r holds query token (row0 + r) / group.
+template <bool Is_causal>
+struct PackedRowMask {
+  KeyMask<1, 1, Is_causal, false> keys;  // the visibility rule per query token
+  int row0, group, query_first;
+
+  CF_DEVICE PackedRowMask(int row0_, int group_, int seqlen_q, int seqlen_k, int window_right)
+      : keys(0, seqlen_q, seqlen_k, -1, window_right),
+        row0(row0_),
+        group(group_),
+        query_first(row0_ / group_) {}
+
+  // Does the key range hide a key from some row (the ragged tail, or the causal edge)?
+  CF_DEVICE bool needs_mask(int key_last) const {
+    bool partial = key_last >= keys.seqlen_k;
+    if (Is_causal) partial |= key_last > query_first + keys.shift + keys.window_right;
+    return partial;
+  }
+
+  // Fragment layout as KeyMask::apply: element e of tile (mt, nt) is row 16 mt + lane / 4 +
+  // 8 (e / 2), key key0 + 8 nt + 2 (lane % 4) + e % 2.
+  template <int kMTiles, int kNTiles>
+  CF_DEVICE void apply(float (&s)[kMTiles][kNTiles][4], int key0, int lane) const {
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+      for (int half = 0; half < 2; ++half) {
+        const int query = (row0 + 16 * mt + lane / 4 + 8 * half) / group;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[mt][nt][e] = fast_tanh(s[mt][nt][e] * prescale);
-}
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+            if (!keys.visible(query, key)) s[mt][nt][e] = neg_infinity();
+          }
+      }
+  }
+};

@@ -18,6 +18,7 @@
 #include "mask.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
+#include "variants.cuh"
 
 template <int kNThreads_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
 struct NaiveSoftmaxTraits {
@@ -28,6 +29,8 @@ struct NaiveSoftmaxTraits {
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
+  using Transform = ScoreTransform<Has_softcap>;
+  static constexpr int kSmemBytes = 0;  // dynamic shared memory (the warps' states are static)
   static_assert(kNThreads % 32 == 0, "whole warps");
 };
 
@@ -53,9 +56,9 @@ CF_DEVICE void naive_softmax(const AttnParams& params, const typename Traits::El
   const int key_end = max(mask.n_block_end(), key_begin);
   const float scale_log2 = params.softmax_scale_log2;
 
+  const typename Traits::Transform transform(params);
   auto logit = [&](Element x, int key) {
-    float v = to_float(x);
-    if constexpr (Traits::Has_softcap) v = fast_tanh(v * params.softcap_prescale);
+    const float v = transform(to_float(x), row, key);
     return mask.visible(row, key) ? v : neg_infinity();
   };
 
@@ -70,11 +73,14 @@ CF_DEVICE void naive_softmax(const AttnParams& params, const typename Traits::El
       const Element* x = reinterpret_cast<const Element*>(&raw);
       float l[kVec];
       float local_max = neg_infinity();
+      bool nan = false;  // fmaxf drops NaN: a NaN score poisons the row's sum instead
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         l[e] = logit(x[e], v * kVec + e);
         local_max = fmaxf(local_max, l[e]);
+        nan |= is_nan(l[e]);
       }
+      if (nan) state.row_sum = quiet_nan();
       if (local_max == neg_infinity()) continue;
       RowMaxSum part;  // the 8 scores as one state, merged once
       part.row_max = local_max;
@@ -111,15 +117,17 @@ CF_DEVICE void naive_softmax(const AttnParams& params, const typename Traits::El
     other.row_sum = s_sum[w];
     row_state.merge(other, scale_log2);
   }
-  // Verb 3: 1 / l and the natural-log LSE; a row that sees no key gets P = 0 and LSE = -inf.
-  const bool empty = row_state.row_sum == 0.f || row_state.row_max == neg_infinity();
+  // Verb 3: 1 / l and the natural-log LSE; a row that sees no key gets P = 0 and LSE = -inf, a
+  // row with a NaN score (sum NaN, even where its max stayed -inf) P = NaN and LSE = NaN.
+  const bool empty = row_state.row_sum == 0.f;
   const float inv_sum = empty ? 0.f : 1.f / row_state.row_sum;
-  const float max_scaled = OnlineSoftmax<1>::max_scaled(row_state.row_max, scale_log2);
+  const float max_raw = row_state.row_max == neg_infinity() ? 0.f : row_state.row_max;
 
-  // -- pass 2: P = exp2(logit * scale_log2 - m * scale_log2) / l over the whole row
+  // -- pass 2: P = exp2((logit - m) * scale_log2) / l over the whole row (exact near the max,
+  // where fma(logit, scale_log2, -m * scale_log2) carries the rounding of m * scale_log2)
   auto prob = [&](Element x, int key) {
     const float l = logit(x, key);
-    return from_float<Element>(fast_exp2(fmaf(l, scale_log2, -max_scaled)) * inv_sum);
+    return from_float<Element>(fast_exp2((l - max_raw) * scale_log2) * inv_sum);
   };
   if (vectorized) {
     for (int v = threadIdx.x; v * kVec < seqlen_k; v += Traits::kNThreads) {
@@ -143,6 +151,7 @@ CF_DEVICE void naive_softmax(const AttnParams& params, const typename Traits::El
 
   if (params.lse_ptr != nullptr && threadIdx.x == 0) {
     params.lse_ptr[batch * params.lse_batch_stride + head * params.lse_head_stride + row] =
-        empty ? neg_infinity() : (row_state.row_max * scale_log2 + __log2f(row_state.row_sum)) * kLn2;
+        empty ? neg_infinity()
+              : (row_state.row_max * scale_log2 + __log2f(row_state.row_sum)) * kLn2;
   }
 }

@@ -26,8 +26,8 @@ struct AttnParams {
 
   int32_t batch;
   int32_t seqlen_q, seqlen_k;  // per batch entry, or the packed totals when varlen
-  int32_t h, h_k;       // query heads, key/value heads
-  int32_t h_h_k_ratio;  // h / h_k: query head i reads key/value head i / h_h_k_ratio
+  int32_t h, h_k;              // query heads, key/value heads
+  int32_t h_h_k_ratio;         // h / h_k: query head i reads key/value head i / h_h_k_ratio
 
   // Visible keys of query row i (bottom-right aligned, shift = seqlen_k - seqlen_q):
   //   i + shift - window_left <= j <= i + shift + window_right.
@@ -40,6 +40,23 @@ struct AttnParams {
   //                                                  softmax_scale_log2 = softcap * log2 e).
   float softmax_scale_log2;
   float softcap_prescale;
+};
+
+// cuTensorMapEncodeTiled's opaque 128-byte CUtensorMap (cuda.h cannot be included under NVRTC).
+struct alignas(64) TmaMap {
+  unsigned long long opaque[16];
+};
+
+// The Hopper forward's argument: three TMA tensor maps (innermost first: d, rows, heads, batch) and the
+// AttnParams every kernel takes. Passed as a __grid_constant__ so the maps stay in parameter
+// memory, where TMA reads them.
+struct Fa3Params {
+  TmaMap q_map, k_map, v_map;
+  AttnParams attn;
+  // The dynamic schedule's counters: [0] tiles drawn past the first gridDim.x, [1] CTAs done.
+  // Both read 0 at launch; the last CTA to finish sets them back (cupyflash/_workspace.py).
+  int32_t* tile_counters;
+  int32_t num_m_blocks;  // query blocks per (batch, head): of the longest sequence when varlen
 };
 
 // The rows of one batch entry: [start, start + len). Offsets are clamped into [0, total], so a

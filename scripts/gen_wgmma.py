@@ -2,15 +2,22 @@
 
 Each wgmma shape names its N/2 fp32 accumulator registers one by one in the PTX string, which
 C++ cannot spell with a loop; this script writes them out once (run it after changing SHAPES and
-commit the result: the kernels never generate source at run time).
-    python scripts/gen_wgmma.py
+commit the result: the kernels never generate source at run time). tests/test_kernel_sources.py
+checks that the committed header is this script's output and that SHAPES is _specs.WGMMA_N.
+    python scripts/gen_wgmma.py              # writes kernels_cu/wgmma.cuh
+    python scripts/gen_wgmma.py --stdout     # prints it
+    python scripts/gen_wgmma.py --output PATH
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
-SHAPES = (64, 128, 176, 192, 256)  # N of m64nNk16: the key block (Q K^T) or the head dim (P V)
+# N of m64nNk16: the key blocks (Q K^T) and head dims (P V) of the shipped Hopper tiles
+# (_dispatch.FA3_FWD_TILES block_n 64 / 128, FA3_HEAD_DIMS 64 / 128 / 256); = _specs.WGMMA_N.
+SHAPES = (64, 128, 256)
 TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
 
 HEADER = """\
@@ -25,6 +32,7 @@ HEADER = """\
 //   rs_bt(d, a, desc_b, accumulate):   A from registers (the mma.sync A fragment), B stored
 //                                      MN-major (P V: V stored [keys][d], transposed on the fly).
 // accumulate = 0 overwrites d (first k-step), 1 adds to it.
+// clang-format off: the operand lists are laid out by the generator
 #pragma once
 
 #include "common.cuh"
@@ -73,14 +81,30 @@ def _specialisation(n: int, ctype: str, ptx_type: str) -> str:
     )
 
 
-def main() -> None:
+DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "kernels_cu" / "wgmma.cuh"
+
+
+def render() -> str:
+    """The text of kernels_cu/wgmma.cuh."""
     parts = [HEADER]
     for n in SHAPES:
         for ctype, ptx_type in TYPES.items():
             parts.append(_specialisation(n, ctype, ptx_type))
-    out = Path(__file__).resolve().parent.parent / "kernels_cu" / "wgmma.cuh"
-    out.write_text("\n".join(parts))
-    print(f"wrote {out}")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--stdout", action="store_true", help="print the header instead of writing it")
+    where.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where to write it")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.stdout:
+        sys.stdout.write(text)
+        return
+    args.output.write_text(text)
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The IO study: HBM bytes, FLOPs, runtime and peak memory of naive, FA1 and FA2 on the GPU,
 beside cupyflash.io_model's predictions (docs/io_analysis.md).
 
-Steps (scripts/gpu_check_io.sh runs the first three on the H200 in one call):
+Steps (`scripts/gpu_check.sh LOG_DIR io` runs the first two on the H200, ncu around the second):
   runtime     CUDA-event runtimes of every study point, peak memory, naive's out-of-memory N,
               FA2 at N = 1,048,576                                   -> runtime.json
   ncu-target  every study point once between cudaProfilerStart/Stop, each preceded by a marker

@@ -44,11 +44,11 @@ def evidence(spec, arch: str) -> dict[str, object]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--all", action="store_true", help="every variant, not one per kernel and head dim")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     specs = [*all_fa3_fwd_specs(), *all_fa2_fwd_specs()]
     if not args.all:  # the plain (non-causal, no window, no softcap) variant of each kernel/head dim/dtype
         specs = [s for s in specs if not (s.causal or s.local or s.softcap) and s.dtype == "bfloat16"]

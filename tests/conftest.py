@@ -1,10 +1,25 @@
 """Fixtures shared by the tests: the array-API namespaces of the CPU tests, the `gpu` marker's
-skip, and NaN-poisoned outputs for every GPU launch."""
+skip, NaN-poisoned outputs for every GPU launch, and the hypothesis profiles of test_fuzz.py.
+Shared helpers that are not fixtures live in helpers.py."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+
+try:
+    from hypothesis import settings
+except ImportError:  # a GPU machine without the wheel: test_fuzz.py skips itself
+    pass
+else:
+    # "ci" (the default): the same examples on every run (derandomized, no example database),
+    # so the fuzz tests cannot flake in CI. HYPOTHESIS_PROFILE=explore draws fresh examples on
+    # each run; CUPYFLASH_FUZZ_SCALE multiplies every fuzz test's example budget (test_fuzz.py).
+    settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+    settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _gpu_available() -> bool:
@@ -56,9 +71,9 @@ def xp(request: pytest.FixtureRequest) -> object:
 @pytest.fixture(autouse=True)
 def poison_gpu_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every GPU output is filled with NaN before its kernel runs."""
-    from cupyflash import _api
+    from cupyflash import _launch
 
-    monkeypatch.setattr(_api, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(_launch, "POISON_OUTPUTS", True)
 
 
 @pytest.fixture

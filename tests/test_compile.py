@@ -1,6 +1,8 @@
 """Every kernel variant the dispatcher can pick compiles through NVRTC for its targets (FA2, FA1,
 naive, decode: sm_80 and sm_90a; the Hopper kernel: sm_90a) on a machine with no GPU, with no
-local-memory spills (scripts/sass_evidence.py shows the Hopper kernel's HGMMA / UTMALDG)."""
+local-memory spills, no serialised wgmma and no compiler warning, and with the kernel's own shared-memory
+count equal to the spec's (each entry's static_assert); scripts/sass_evidence.py shows the Hopper kernel's
+HGMMA / UTMALDG."""
 
 from __future__ import annotations
 
@@ -45,6 +47,29 @@ def test_no_wgmma_is_serialised(builds):
     # an accumulator while its wgmma may be in flight: correct, but the overlap is gone.
     serialised = [(name, arch) for name, arch, b in builds if "wgmma.mma_async instructions are serialized" in b.log]
     assert not serialised, f"variants whose wgmmas ptxas serialised: {serialised}"
+
+
+def test_no_variant_compiles_with_warnings(builds):
+    # NVRTC returns its front-end warnings (e.g. #607: a pragma not followed by a loop, which
+    # silently does nothing) in the same log as ptxas's -v lines; those say "ptxas info".
+    warned = [(name, arch, b.warnings) for name, arch, b in builds if b.warnings]
+    assert not warned, f"variants compiled with warnings: {warned}"
+
+
+def test_a_warning_is_seen(monkeypatch):
+    from cupyflash import _source
+
+    spec = Fa2FwdSpec("float16", 64, TileConfig(64, 64, 4))
+    real_render = _source.render
+
+    def misplaced_pragma(s):
+        code, options, name = real_render(s)
+        return code + "\n__device__ int cf_probe(int x) {\n#pragma unroll 1\n  x += 1;\n  return x;\n}\n", options, name
+
+    monkeypatch.setattr(_kernels, "render", misplaced_pragma)
+    build = _kernels.compile_offline(spec, "sm_80")
+    assert any("warning #" in line and "pragma" in line for line in build.warnings), build.log
+    assert not any(line.startswith("ptxas info") for line in build.warnings)
 
 
 def test_compile_error_names_the_variant(monkeypatch):

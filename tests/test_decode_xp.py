@@ -5,43 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import kv_reference, paginate
 
 import cupyflash
 from cupyflash import reference
 from cupyflash._dispatch import decode_num_splits, split_blocks
-
-
-def _kv_reference(q, k_cache, v_cache, lengths, pages, page_size, causal):
-    """float64 attention of each sequence over its first lengths[b] keys, gathered by hand."""
-    outs, lses = [], []
-    for b, n in enumerate(lengths):
-        if pages is None:
-            k, v = k_cache[b, :n], v_cache[b, :n]
-        else:
-            rows = [(pages[b][j // page_size], j % page_size) for j in range(n)]
-            k = np.stack([k_cache[p, s] for p, s in rows]) if rows else k_cache[0, :0]
-            v = np.stack([v_cache[p, s] for p, s in rows]) if rows else v_cache[0, :0]
-        out, lse = reference.attention(q[b : b + 1], k[None], v[None], causal=causal, return_lse=True)
-        outs.append(out)
-        lses.append(lse)
-    return np.concatenate(outs), np.concatenate(lses)
-
-
-def _paginate(rng, caches, page_size, spare_pages=3):
-    """Caches [B, L, H, d] as pages [num_pages, page_size, H, d] in shuffled order (plus unused
-    pages of noise) through one block table."""
-    b, length, h, d = caches[0].shape
-    per_seq = -(-length // page_size)
-    num_pages = b * per_seq + spare_pages
-    table = rng.permutation(num_pages)[: b * per_seq].reshape(b, per_seq)
-    paged = []
-    for cache in caches:
-        pages = rng.standard_normal((num_pages, page_size, h, d)).astype(cache.dtype)
-        padded = np.zeros((b, per_seq * page_size, h, d), dtype=cache.dtype)
-        padded[:, :length] = cache
-        pages[table.ravel()] = padded.reshape(b * per_seq, page_size, h, d)
-        paged.append(pages)
-    return paged, table.astype(np.int32)
 
 
 @pytest.mark.parametrize("page_size", [None, 1, 4, 16])
@@ -55,7 +23,7 @@ def test_kvcache_matches_reference(xp, rng, page_size, nq, causal):
     table = None
     k_dev, v_dev = k_cache, v_cache
     if page_size is not None:
-        (k_dev, v_dev), table = _paginate(rng, (k_cache, v_cache), page_size)
+        (k_dev, v_dev), table = paginate(rng, (k_cache, v_cache), page_size)
     args = [xp.asarray(x.astype(np.float32)) for x in (q, k_dev, v_dev, k_new, v_new)]
     out, lse = cupyflash.attention_with_kvcache(
         args[0], args[1], args[2], cache_seqlens=xp.asarray(cached), k_new=args[3], v_new=args[4],
@@ -73,7 +41,7 @@ def test_kvcache_matches_reference(xp, rng, page_size, nq, causal):
     for i in range(b):
         ref_k[i, cached[i] : cached[i] + nnew] = f32(k_new[i])
         ref_v[i, cached[i] : cached[i] + nnew] = f32(v_new[i])
-    ref, ref_lse = _kv_reference(f32(q), ref_k, ref_v, cached + nnew, None, 0, causal)
+    ref, ref_lse = kv_reference(f32(q), ref_k, ref_v, cached + nnew, causal)
     out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
     np.testing.assert_allclose(out64, ref, atol=2e-5)
     assert (np.isneginf(lse64) == np.isneginf(ref_lse)).all()
@@ -86,7 +54,7 @@ def test_kvcache_empty_and_single_key_sequences(rng):
     out, lse = cupyflash.attention_with_kvcache(
         q, k, v, cache_seqlens=np.array([0, 1, 10], dtype=np.int32), causal=True, return_lse=True
     )
-    ref, ref_lse = _kv_reference(q, k, v, [0, 1, 10], None, 0, True)
+    ref, ref_lse = kv_reference(q, k, v, [0, 1, 10], True)
     np.testing.assert_allclose(out, ref, atol=1e-12)
     assert np.isneginf(lse[0]).all() and (out[0] == 0).all()
     np.testing.assert_allclose(lse[2], ref_lse[2], atol=1e-12)
@@ -100,14 +68,45 @@ def test_split_counts_agree_with_one_split(rng):
     results = [cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=s) for s in (1, 2, 3, 11)]
     for out in results[1:]:
         np.testing.assert_allclose(out, results[0], atol=1e-12)
-    np.testing.assert_allclose(results[0], _kv_reference(q, k, v, [699, 333], None, 0, True)[0], atol=1e-12)
+    np.testing.assert_allclose(results[0], kv_reference(q, k, v, [699, 333], True)[0], atol=1e-12)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_nan_reaches_only_the_sequence_and_rows_that_see_it(rng, paged):
+    """NaN past a sequence's length (stale cache rows, spare pages) is never read; a NaN value
+    inside it gives NaN in the rows that see its key, a NaN key NaN rows and LSE, with any split."""
+    b, length, hq, hkv, d, nq = 3, 40, 4, 2, 8, 3
+    q = rng.standard_normal((b, nq, hq, d))
+    k, v = (rng.standard_normal((b, length, hkv, d)) for _ in range(2))
+    lengths = [0, 17, 33]
+    for i, n in enumerate(lengths):
+        k[i, n:], v[i, n:] = np.nan, np.inf  # past the end: never read
+    v[1, 16, 0, 5] = np.nan  # key 16 of 17: seen by sequence 1's last query row only (causal)
+    k[2, 3, 1, :] = np.nan  # key 3 of 33: seen by every row of sequence 2, KV head 1
+    ref, ref_lse = kv_reference(q, k, v, lengths, True)
+    table = None
+    k_cache, v_cache = k, v
+    if paged:
+        (k_cache, v_cache), table = paginate(rng, (k, v), 4)
+        k_cache[table.max() + 1 :], v_cache[table.max() + 1 :] = np.nan, np.nan  # spare pages
+    for splits in (1, 2, 3, 11):
+        out, lse = cupyflash.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=np.array(lengths, np.int32), block_table=table, num_splits=splits,
+            return_lse=True,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+        np.testing.assert_allclose(np.nan_to_num(out), np.nan_to_num(ref), atol=1e-12)
+    assert (out[0] == 0).all() and np.isneginf(lse[0]).all()
+    assert np.isnan(out[1, 2, :2, 5]).all() and not np.isnan(out[1, :2]).any()
+    assert np.isnan(lse[2, 2:]).all() and np.isfinite(lse[2, :2]).all()
 
 
 def test_int_cache_seqlens(rng):
     q = rng.standard_normal((2, 1, 2, 8))
     k, v = (rng.standard_normal((2, 9, 2, 8)) for _ in range(2))
     out = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=5)
-    np.testing.assert_allclose(out, _kv_reference(q, k, v, [5, 5], None, 0, True)[0], atol=1e-12)
+    np.testing.assert_allclose(out, kv_reference(q, k, v, [5, 5], True)[0], atol=1e-12)
 
 
 def test_merge_states_is_exact(xp, rng):
@@ -123,10 +122,14 @@ def test_merge_states_is_exact(xp, rng):
     # an empty state weighs nothing; two empty states give 0 and -inf
     empty_o = xp.asarray(np.full(full.shape, np.nan, dtype=np.float32))
     empty_lse = xp.asarray(np.full(full_lse.shape, -np.inf, dtype=np.float32))
+    # (its O may be NaN or garbage, as the GPU kernel's and the docstring's rule)
     out, lse = cupyflash.merge_states(xp.asarray(full.astype(np.float32)), xp.asarray(full_lse.astype(np.float32)),
-                                      xp.zeros_like(empty_o), empty_lse)  # fmt: skip
+                                      empty_o, empty_lse)  # fmt: skip
     np.testing.assert_allclose(reference.to_numpy64(out), full, atol=1e-5)
-    out, lse = cupyflash.merge_states(xp.zeros_like(empty_o), empty_lse, xp.zeros_like(empty_o), empty_lse)
+    out, lse = cupyflash.merge_states(empty_o, empty_lse, xp.asarray(full.astype(np.float32)),
+                                      xp.asarray(full_lse.astype(np.float32)))  # fmt: skip
+    np.testing.assert_allclose(reference.to_numpy64(out), full, atol=1e-5)
+    out, lse = cupyflash.merge_states(empty_o, empty_lse, empty_o, empty_lse)
     assert (reference.to_numpy64(out) == 0).all() and np.isneginf(reference.to_numpy64(lse)).all()
 
 

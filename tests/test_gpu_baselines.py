@@ -1,16 +1,15 @@
 """The GPU baselines of the IO study -- algorithm="naive" (cuBLAS + kernels_cu/naive.cu) and
 algorithm="fa1" (kernels_cu/fa1_fwd.cu) -- against the float64 reference, with NaN-poisoned
-outputs (conftest) and the same error rules as FA2 (tests/test_gpu_fa2.py's check_attention)."""
+outputs (conftest) and the same error rules as FA2 (tests/helpers.py's check_attention)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_gpu_fa2 import BOUND, EXTRA, SHAPES, _gpu_inputs, _rel, _torch, check_attention
+from helpers import BOUND, EXTRA, SHAPES, check_attention, gpu_inputs, need_torch, rel_error
 
 import cupyflash
-from cupyflash import _baselines_gpu, _interop, reference
-from cupyflash._validate import attention_problem
+from cupyflash import _baselines_gpu, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +30,7 @@ def _lse_atol(algorithm, dtype):
 @pytest.mark.parametrize("case", list(SHAPES), ids=str)
 def test_baseline_matches_reference(rng, algorithm, dtype, head_dim, case):
     b, nq, nk, hq, hkv, causal, window, softcap = SHAPES[case]
-    q, k, v = _gpu_inputs(rng, (b, nq, hq, head_dim), (b, nk, hkv, head_dim), dtype)
+    q, k, v = gpu_inputs(rng, (b, nq, hq, head_dim), (b, nk, hkv, head_dim), dtype)
     check_attention(q, k, v, causal=causal, window=window, algorithm=algorithm, lse_atol=_lse_atol(algorithm, dtype))
 
 
@@ -40,7 +39,7 @@ def test_baseline_matches_reference(rng, algorithm, dtype, head_dim, case):
 @pytest.mark.parametrize("case", list(EXTRA), ids=str)
 def test_baseline_windows_and_softcap(rng, algorithm, dtype, case):
     b, nq, nk, hq, hkv, causal, window, softcap = EXTRA[case]
-    q, k, v = _gpu_inputs(rng, (b, nq, hq, 128), (b, nk, hkv, 128), dtype)
+    q, k, v = gpu_inputs(rng, (b, nq, hq, 128), (b, nk, hkv, 128), dtype)
     check_attention(
         q, k, v, causal=causal, window=window, softcap=softcap, algorithm=algorithm,
         lse_atol=_lse_atol(algorithm, dtype),
@@ -53,40 +52,34 @@ def test_fa1_explicit_tiles(rng, block_r, block_c, causal):
     """Many outer steps (T_c up to 32): the (O, m, l) round trip through HBM at every step."""
     import cupy
 
-    q, k, v = _gpu_inputs(rng, (2, 700, 3, 64), (2, 1000, 3, 64), "float16", lib="cupy")
-    p = attention_problem(q.shape, k.shape, v.shape, causal=causal, scale=None, window=(-1, -1), softcap=0.0,
-                          layout="bshd")  # fmt: skip
-    out, lse = _baselines_gpu.gpu_attention(
-        _interop.CUPY, q, k, v, q.device.id, p, "fa1", block_r=block_r, block_c=block_c
-    )
+    q, k, v = gpu_inputs(rng, (2, 700, 3, 64), (2, 1000, 3, 64), "float16", lib="cupy")
+    out, lse = _baselines_gpu.fa1_attention(q, k, v, block_r=block_r, block_c=block_c, causal=causal)
     cupy.cuda.Device().synchronize()
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
-    assert _rel(reference.to_numpy64(out), ref) < BOUND["float16"]
+    assert rel_error(reference.to_numpy64(out), ref) < BOUND["float16"]
     np.testing.assert_allclose(reference.to_numpy64(lse), ref_lse, atol=2e-3, rtol=1e-3)
 
 
 def test_fa1_tiles_that_do_not_fit_are_refused(rng):
-    q, k, v = _gpu_inputs(rng, (1, 64, 1, 512), (1, 64, 1, 512), "float16", lib="cupy")
-    p = attention_problem(q.shape, k.shape, v.shape, causal=False, scale=None, window=(-1, -1), softcap=0.0,
-                          layout="bshd")  # fmt: skip
+    q, k, v = gpu_inputs(rng, (1, 64, 1, 512), (1, 64, 1, 512), "float16", lib="cupy")
     with pytest.raises(ValueError, match="shared memory"):
-        _baselines_gpu.gpu_attention(_interop.CUPY, q, k, v, q.device.id, p, "fa1", block_r=64, block_c=512)
+        _baselines_gpu.fa1_attention(q, k, v, block_r=64, block_c=512)
 
 
 def test_three_algorithms_agree(rng):
     """naive, FA1 and FA2 on one input: each close to the reference and to the others."""
-    q, k, v = _gpu_inputs(rng, (2, 513, 4, 128), (2, 1031, 2, 128), "bfloat16")
+    q, k, v = gpu_inputs(rng, (2, 513, 4, 128), (2, 1031, 2, 128), "bfloat16")
     outs = {
         a: reference.to_numpy64(cupyflash.attention(q, k, v, causal=True, algorithm=a)) for a in ("naive", "fa1", "fa2")
     }
     for a in ("naive", "fa1"):
-        assert _rel(outs[a], outs["fa2"]) < 2 * BOUND["bfloat16"]
+        assert rel_error(outs[a], outs["fa2"]) < 2 * BOUND["bfloat16"]
 
 
 @pytest.mark.parametrize("algorithm", ["fa1", "naive"])
 @pytest.mark.parametrize("scale", [0.3, -0.2, 0.0])
 def test_any_scale(rng, algorithm, scale):
-    q, k, v = _gpu_inputs(rng, (1, 65, 2, 64), (1, 80, 2, 64), "float16")
+    q, k, v = gpu_inputs(rng, (1, 65, 2, 64), (1, 80, 2, 64), "float16")
     check_attention(q, k, v, causal=True, scale=scale, algorithm=algorithm)
 
 
@@ -94,12 +87,12 @@ def test_any_scale(rng, algorithm, scale):
 def test_layouts_and_strides(rng, algorithm):
     """bhsd (naive: one collapsed strided batch), bshd with B < H (one GEMM call per batch entry),
     GQA (one call per head), a single head, a head slice and a transposed head_dim (copied)."""
-    torch = _torch()
-    q, k, v = _gpu_inputs(rng, (2, 4, 77, 64), (2, 4, 91, 64), "bfloat16")
+    torch = need_torch()
+    q, k, v = gpu_inputs(rng, (2, 4, 77, 64), (2, 4, 91, 64), "bfloat16")
     check_attention(q, k, v, layout="bhsd", causal=True, algorithm=algorithm, lse_atol=_lse_atol(algorithm, "bfloat16"))
-    q, k, v = _gpu_inputs(rng, (2, 77, 6, 64), (2, 91, 6, 64), "float16")
+    q, k, v = gpu_inputs(rng, (2, 77, 6, 64), (2, 91, 6, 64), "float16")
     check_attention(q, k, v, algorithm=algorithm)
-    q, k, v = _gpu_inputs(rng, (3, 77, 1, 64), (3, 91, 1, 64), "float16")
+    q, k, v = gpu_inputs(rng, (3, 77, 1, 64), (3, 91, 1, 64), "float16")
     check_attention(q, k, v, causal=True, algorithm=algorithm)
     qs = torch.randn(2, 77, 8, 64, device="cuda", dtype=torch.float16)[:, :, ::2]
     kt = torch.randn(2, 64, 91, 2, device="cuda", dtype=torch.float16).permute(0, 2, 3, 1)
@@ -111,14 +104,14 @@ def test_layouts_and_strides(rng, algorithm):
 def test_cupy_in_cupy_out(rng, algorithm):
     import cupy
 
-    q, k, v = _gpu_inputs(rng, (2, 33, 4, 64), (2, 65, 2, 64), "float16", lib="cupy")
+    q, k, v = gpu_inputs(rng, (2, 33, 4, 64), (2, 65, 2, 64), "float16", lib="cupy")
     out, _ = check_attention(q, k, v, causal=True, algorithm=algorithm)
     assert isinstance(out, cupy.ndarray)
 
 
 @pytest.mark.parametrize("algorithm", ["fa1", "naive"])
 def test_empty_shapes(algorithm):
-    torch = _torch()
+    torch = need_torch()
     kw = {"device": "cuda", "dtype": torch.float16}
     out, lse = cupyflash.attention(
         torch.randn(1, 3, 2, 64, **kw), torch.randn(1, 0, 2, 64, **kw), torch.randn(1, 0, 2, 64, **kw),
@@ -133,7 +126,7 @@ def test_empty_shapes(algorithm):
 
 
 def test_unsupported_inputs_are_named():
-    torch = _torch()
+    torch = need_torch()
     x = torch.randn(1, 8, 2, 80, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="algorithm='fa1' on the GPU supports head_dim"):
         cupyflash.attention(x, x, x, algorithm="fa1")

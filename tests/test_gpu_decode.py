@@ -8,16 +8,12 @@ import math
 
 import numpy as np
 import pytest
-from test_gpu_fa2 import BOUND, FLOOR, _naive_low_precision, _rel
+from helpers import BOUND, check_kvcache, kv_reference, need_torch, rel_error
 
 import cupyflash
 from cupyflash import reference
 
 pytestmark = pytest.mark.gpu
-
-
-def _torch():
-    return pytest.importorskip("torch")
 
 
 def _paginate(torch, caches, page_size, gen):
@@ -36,47 +32,6 @@ def _paginate(torch, caches, page_size, gen):
     return paged, table.to(caches[0].device, torch.int32)
 
 
-def _reference(q, k, v, lengths, causal):
-    """float64 attention of each sequence over its first lengths[b] keys (contiguous caches)."""
-    outs, lses = [], []
-    for b, n in enumerate(lengths):
-        out, lse = reference.attention(q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], causal=causal, return_lse=True)
-        outs.append(out)
-        lses.append(lse)
-    return np.concatenate(outs), np.concatenate(lses)
-
-
-def _check(out, lse, q, k, v, lengths, causal, dtype):
-    """Error under the dtype's bound and within 2x naive low-precision attention (+ a floor)."""
-    ref, ref_lse = _reference(q, k, v, lengths, causal)
-    out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
-    assert not np.isnan(out64).any() and not np.isnan(lse64).any(), "unwritten (NaN-poisoned) output"
-    err = _rel(out64, ref)
-    naive = np.concatenate(
-        [
-            reference.to_numpy64(
-                _naive_low_precision(
-                    q[i : i + 1],
-                    k[i : i + 1, :n],
-                    v[i : i + 1, :n],
-                    causal=causal,
-                    window=(-1, -1),
-                    softcap=0.0,
-                    scale=None,
-                    layout="bshd",
-                )
-            )
-            for i, n in enumerate(lengths)
-        ]  # fmt: skip
-    )
-    naive_err = _rel(naive, ref)
-    assert err <= BOUND[dtype], f"relative error {err:.2e} over the {dtype} bound"
-    assert err <= 2 * naive_err + FLOOR[dtype], f"error {err:.2e} > 2 x naive {naive_err:.2e}"
-    assert (np.isneginf(lse64) == np.isneginf(ref_lse)).all()
-    finite = np.isfinite(ref_lse)
-    np.testing.assert_allclose(lse64[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
-
-
 # (Nq, Hq, Hkv, causal): one token with GQA 4 (the benchmark's rows), speculative tokens with
 # causal masking, MHA, and MQA with 16 tokens (128 packed rows: several m-blocks).
 ROWS = {
@@ -92,7 +47,7 @@ ROWS = {
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_decode_matches_reference(rng, dtype, head_dim, rows, paged):
-    torch = _torch()
+    torch = need_torch()
     nq, hq, hkv, causal = ROWS[rows]
     b, length, nnew = 4, 1031, nq
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
@@ -114,13 +69,13 @@ def test_decode_matches_reference(rng, dtype, head_dim, rows, paged):
         return_lse=True,
     )  # fmt: skip
     assert type(out) is type(q) and out.dtype == q.dtype and out.shape == q.shape
-    _check(out, lse, q, expected_k, expected_v, [n + nnew for n in cached], causal, dtype)
+    check_kvcache(out, lse, q, expected_k, expected_v, [n + nnew for n in cached], causal, dtype)
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 16, 64, 256])
 def test_paged_equals_contiguous(rng, page_size):
     """Same data, same splits: a paged cache (pages in shuffled order) gives the same bits."""
-    torch = _torch()
+    torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     b, length, hq, hkv, d = 3, 1024, 16, 4, 128  # a whole number of pages of every size: same splits
     q = torch.randn(b, 2, hq, d, generator=gen).to("cuda", torch.bfloat16)
@@ -133,12 +88,12 @@ def test_paged_equals_contiguous(rng, page_size):
             q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, num_splits=splits, causal=True
         )
         assert torch.equal(dense, paged), f"page_size={page_size}, num_splits={splits}"
-    ref = _reference(q, k, v, [1000, 1, 400], True)[0]
-    assert _rel(reference.to_numpy64(paged), ref) < BOUND["bfloat16"]
+    ref = kv_reference(q, k, v, [1000, 1, 400], True)[0]
+    assert rel_error(reference.to_numpy64(paged), ref) < BOUND["bfloat16"]
 
 
 def test_append_writes_the_cache_in_place(rng):
-    torch = _torch()
+    torch = need_torch()
     b, length, hkv, d = 3, 64, 2, 64
     k, v = (torch.randn(b, length, hkv, d, device="cuda", dtype=torch.float16) for _ in range(2))
     k0, v0 = k.clone(), v.clone()
@@ -163,14 +118,14 @@ def test_append_writes_the_cache_in_place(rng):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_split_counts(rng, dtype):
     """num_splits = 1 (one pass, no combine), automatic and an odd count agree with the reference."""
-    torch = _torch()
+    torch = need_torch()
     tdtype = getattr(torch, dtype)
     q = torch.randn(2, 1, 32, 128, device="cuda", dtype=tdtype)
     k, v = (torch.randn(2, 5000, 8, 128, device="cuda", dtype=tdtype) for _ in range(2))
     seqlens = torch.tensor([4999, 2048], dtype=torch.int32, device="cuda")
     for splits in (1, 0, 7, 128):
         out, lse = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=splits, return_lse=True)
-        _check(out, lse, q, k, v, [4999, 2048], True, dtype)
+        check_kvcache(out, lse, q, k, v, [4999, 2048], True, dtype)
 
 
 def test_int_seqlens_and_cupy_arrays(rng):
@@ -180,32 +135,46 @@ def test_int_seqlens_and_cupy_arrays(rng):
     k, v = (cupy.asarray(rng.standard_normal((2, 300, 2, 64))).astype(cupy.float16) for _ in range(2))
     out, lse = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=250, return_lse=True)
     assert isinstance(out, cupy.ndarray)
-    _check(out, lse, q, k, v, [250, 250], True, "float16")
+    check_kvcache(out, lse, q, k, v, [250, 250], True, "float16")
 
 
-def test_kernels_clamp_device_values():
-    """Values the host never reads: a length beyond the cache attends over the whole cache, a
-    page number beyond the cache reads a page inside it; neither reads or writes outside."""
-    torch = _torch()
-    q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(2, 100, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
-    beyond = torch.tensor([1000, -5], dtype=torch.int32, device="cuda")
-    out = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=beyond)
-    ref = _reference(q, k, v, [100, 0], True)[0]
-    assert _rel(reference.to_numpy64(out), ref) < BOUND["float16"]
-    pages = torch.randn(4, 16, 2, 64, device="cuda", dtype=torch.float16)
-    table = torch.tensor([[0, 1, 99], [2, 3, -7]], dtype=torch.int32, device="cuda")
-    out = cupyflash.attention_with_kvcache(q, pages, pages, cache_seqlens=torch.tensor([48, 48], dtype=torch.int32,
-                                           device="cuda"), block_table=table)  # fmt: skip
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
+def test_bad_device_values_without_append_give_nan_rows():
+    """Values the host never reads, on the read-only path (no k_new): a length beyond the cache
+    or below 0, a page id outside the cache in a page the sequence uses; that sequence's rows
+    are NaN (O and LSE), not a plausible answer from clamped reads, and the others are right.
+    (The append path: tests/test_gpu_reliability.py.)"""
+    torch = need_torch()
+    q = torch.randn(3, 1, 4, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(3, 100, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    lengths = torch.tensor([1000, -5, 60], dtype=torch.int32, device="cuda")
+    out, lse = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, return_lse=True)
+    out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+    assert np.isnan(out64[:2]).all() and np.isnan(lse64[:2]).all()
+    assert rel_error(out64[2:], kv_reference(q[2:], k[2:], v[2:], [60], True)[0]) < BOUND["float16"]
+    with pytest.raises(cupyflash.DeviceValueError, match="cache_seqlens value was outside"):
+        cupyflash.check_device_errors()
+    cupyflash.check_device_errors()  # read and cleared
+    pages = torch.randn(6, 16, 2, 64, device="cuda", dtype=torch.float16)
+    table = torch.tensor([[0, 1, 99], [2, 3, -7], [4, 5, 0]], dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor([48, 48, 32], dtype=torch.int32, device="cuda")  # the third uses pages 4, 5 only
+    out, lse = cupyflash.attention_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=table,
+                                                return_lse=True)  # fmt: skip
+    out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+    assert np.isnan(out64[:2]).all() and np.isnan(lse64[:2]).all()
+    third = pages[4:6].reshape(1, 32, 2, 64)
+    assert rel_error(out64[2:], kv_reference(q[2:], third, third, [32], True)[0]) < BOUND["float16"]
+    with pytest.raises(cupyflash.DeviceValueError, match="block_table entry in use was outside"):
+        cupyflash.check_device_errors()
+    good = torch.tensor([[0, 1, 2], [3, 4, 5], [4, 5, 0]], dtype=torch.int32, device="cuda")
+    cupyflash.attention_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=good)
+    cupyflash.check_device_errors()  # a good call sets nothing
 
 
 def test_cuda_graph_capture_replays():
     """A decode step (append, then the split kernel with its fused combine) captured in a CUDA
     graph replays with new inputs written into the same buffers and matches the eager call
     (the graph's tickets and partials are its own buffer, zeroed by a captured memset)."""
-    torch = _torch()
+    torch = need_torch()
     b, length, hq, hkv, d = 2, 4096, 32, 8, 128
     k, v = (torch.randn(b, length, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -236,7 +205,7 @@ def test_split_tickets_per_stream_and_left_at_zero():
     """The fused combine's tickets: concurrent calls on three streams (each with its own buffer)
     give the same bits as the first call on the same inputs every time, the first matches the
     float64 reference, and every stream's counters read 0 afterwards."""
-    torch = _torch()
+    torch = need_torch()
     from cupyflash import _workspace
 
     b, length, hq, hkv, d = 3, 6000, 32, 8, 128
@@ -262,7 +231,7 @@ def test_split_tickets_per_stream_and_left_at_zero():
             assert torch.equal(out, want)
     q, k, v, s = inputs[0]
     out, lse = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=s, num_splits=16, return_lse=True)
-    _check(out, lse, q, k, v, [5999, 17, 3000], True, "bfloat16")
+    check_kvcache(out, lse, q, k, v, [5999, 17, 3000], True, "bfloat16")
     torch_buffers = {key[2]: buffer for key, buffer in _workspace._buffers.items() if key[0] == "torch"}
     assert {s.cuda_stream for s in streams} <= set(torch_buffers)  # each stream had a buffer
     for buffer in torch_buffers.values():
@@ -272,7 +241,7 @@ def test_split_tickets_per_stream_and_left_at_zero():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_merge_states_gpu(rng, dtype):
-    torch = _torch()
+    torch = need_torch()
     tdtype = getattr(torch, dtype)
     q = torch.randn(2, 7, 4, 128, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -281,7 +250,7 @@ def test_merge_states_gpu(rng, dtype):
     out, lse = cupyflash.merge_states(a[0].to(tdtype), a[1], b[0].to(tdtype), b[1])
     assert out.dtype == tdtype and lse.dtype == torch.float32
     ref, ref_lse = reference.attention(q, k, v, return_lse=True)
-    assert _rel(reference.to_numpy64(out), ref) < BOUND["bfloat16"]
+    assert rel_error(reference.to_numpy64(out), ref) < BOUND["bfloat16"]
     np.testing.assert_allclose(reference.to_numpy64(lse), ref_lse, atol=2e-3)
     empty = torch.full_like(a[1], -math.inf)
     out, lse = cupyflash.merge_states(a[0], empty, torch.full_like(a[0], math.nan), empty)
@@ -289,7 +258,7 @@ def test_merge_states_gpu(rng, dtype):
 
 
 def test_gpu_bad_input_leaves_the_cache_untouched():
-    torch = _torch()
+    torch = need_torch()
     q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(2, 32, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
     new = torch.ones(2, 1, 2, 64, device="cuda", dtype=torch.float16)

@@ -7,22 +7,16 @@ import ctypes
 
 import pytest
 
-from cupyflash import _api, _dispatch, _tma
+from cupyflash import _dispatch, _plan, _tma
 from cupyflash._specs import FA3_HEAD_DIMS, Fa2FwdSpec, Fa3FwdSpec
 from cupyflash._validate import attention_problem
 
 H100_SMEM = 227 * 1024
 
 
-@pytest.fixture
-def fake_device(monkeypatch):
+def fake_device(arch: str) -> _plan.DeviceInfo:
     """A device of a chosen arch with the H100/H200's shared memory per block."""
-
-    def use(arch: str) -> None:
-        monkeypatch.setattr(_api._kernels, "device_arch", lambda device: arch)
-        monkeypatch.setattr(_api, "_device_max_smem", lambda device: H100_SMEM)
-
-    return use
+    return _plan.DeviceInfo(0, arch, 132, H100_SMEM, 233472, 65536, 2048, 32)
 
 
 def _problem(head_dim: int, causal: bool = False):
@@ -31,28 +25,28 @@ def _problem(head_dim: int, causal: bool = False):
 
 
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 192, 256))
-def test_auto_picks_the_hopper_kernel_where_it_applies(fake_device, head_dim):
-    fake_device("sm_90a")
-    spec = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=False)
+def test_auto_picks_the_hopper_kernel_where_it_applies(head_dim):
+    device = fake_device("sm_90a")
+    spec = _plan.forward_spec(_problem(head_dim), "bfloat16", device, "auto", packed=False)
     assert isinstance(spec, Fa3FwdSpec if head_dim in FA3_HEAD_DIMS else Fa2FwdSpec)
     assert not isinstance(spec, Fa3FwdSpec) or not spec.varlen
     # an explicit "fa2" runs the mma.sync kernel; packed sequences get the varlen variant
-    assert isinstance(_api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa2", packed=True), Fa2FwdSpec)
-    packed = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "auto", packed=True)
+    assert isinstance(_plan.forward_spec(_problem(head_dim), "bfloat16", device, "fa2", packed=True), Fa2FwdSpec)
+    packed = _plan.forward_spec(_problem(head_dim), "bfloat16", device, "auto", packed=True)
     if head_dim in FA3_HEAD_DIMS:
         assert isinstance(packed, Fa3FwdSpec) and packed.varlen and packed in _dispatch.all_fa3_fwd_specs()
         for is_packed in (False, True):  # an explicit "fa3" takes the variant of the layout too
-            forced = _api._forward_spec(_problem(head_dim), "bfloat16", 0, "fa3", packed=is_packed)
+            forced = _plan.forward_spec(_problem(head_dim), "bfloat16", device, "fa3", packed=is_packed)
             assert isinstance(forced, Fa3FwdSpec) and forced.varlen == is_packed
     else:
         assert isinstance(packed, Fa2FwdSpec)
 
 
-def test_ampere_runs_fa2_and_refuses_fa3(fake_device):
-    fake_device("sm_80")
-    assert isinstance(_api._forward_spec(_problem(128), "float16", 0, "auto", packed=False), Fa2FwdSpec)
+def test_ampere_runs_fa2_and_refuses_fa3():
+    device = fake_device("sm_80")
+    assert isinstance(_plan.forward_spec(_problem(128), "float16", device, "auto", packed=False), Fa2FwdSpec)
     with pytest.raises(ValueError, match=r"algorithm='fa3'.*sm_80"):
-        _api._forward_spec(_problem(128), "float16", 0, "fa3", packed=False)
+        _plan.forward_spec(_problem(128), "float16", device, "fa3", packed=False)
 
 
 def test_schedules_as_measured():

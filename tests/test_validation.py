@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _api, _interop
+from cupyflash import _interop, _plan
+from cupyflash._validate import attention_problem
+
+# The H200's limits, as cupyflash._plan.device_info reads them.
+H200 = _plan.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
 
 Q = np.zeros((2, 5, 4, 16), dtype=np.float32)
 K = np.zeros((2, 7, 2, 16), dtype=np.float32)
@@ -55,11 +59,13 @@ def test_bhsd_shapes_are_read_as_bhsd():
 
 def test_gpu_dtype_and_head_dim_errors_list_what_is_supported():
     with pytest.raises(TypeError, match=r"the GPU kernels take \['bfloat16', 'float16'\], got float32"):
-        _api._check_gpu_dtypes("float32", "float32", "float32", 64)
-    with pytest.raises(TypeError, match="one dtype"):
-        _api._check_gpu_dtypes("float16", "bfloat16", "float16", 64)
+        _plan.check_gpu_dtypes({"q": "float32", "k": "float32", "v": "float32"})
+    with pytest.raises(TypeError, match="k must have q's dtype float16, got bfloat16"):
+        _plan.check_gpu_dtypes({"q": "float16", "k": "bfloat16", "v": "float16"})
+    p = attention_problem((1, 4, 2, 80), (1, 4, 2, 80), (1, 4, 2, 80), causal=False, scale=None, window=(-1, -1),
+                          softcap=0.0, layout="bshd")  # fmt: skip
     with pytest.raises(ValueError, match=r"head_dim in \(32, 64, 96, 128, 192, 256\), got 80"):
-        _api._check_gpu_dtypes("float16", "float16", "float16", 80)
+        _plan.forward_spec(p, "float16", H200, "auto", packed=False)
 
 
 class _FakeGpuArray:
@@ -111,9 +117,9 @@ def test_gpu_scale_range_is_checked_before_launch():
         Q.shape, K.shape, K.shape, causal=False, scale=1e9, window=(-1, -1), softcap=0.0, layout="bshd"
     )
     with pytest.raises(ValueError, match=r"\|scale\| <= 1e\+06"):
-        _api._softmax_factors(p)
+        _plan.softmax_factors(p)
     capped = attention_problem(
         Q.shape, K.shape, K.shape, causal=False, scale=1.0, window=(-1, -1), softcap=1e-300, layout="bshd"
     )
-    scale_log2, prescale, negate = _api._softmax_factors(capped)
+    scale_log2, prescale, negate = _plan.softmax_factors(capped)
     assert prescale == 1e30 and not negate and scale_log2 > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_gpu_fa2 import skip_unless_kernel
+from helpers import skip_unless_kernel
 
 import cupyflash
 from cupyflash import reference
@@ -142,9 +142,9 @@ def test_gpu_varlen_ignores_what_lies_past_each_sequence(rng, algorithm):
 def test_gpu_varlen_cupy_and_rows_outside_sequences(rng, monkeypatch):
     import cupy
 
-    from cupyflash import _api
+    from cupyflash import _launch
 
-    monkeypatch.setattr(_api, "POISON_OUTPUTS", False)
+    monkeypatch.setattr(_launch, "POISON_OUTPUTS", False)
     q, k, v, cu_q, cu_k = _packed(rng, [5, 9], [7, 3], d=64)
     q = np.concatenate([q, np.ones((4, *q.shape[1:]), np.float32)])  # 4 rows in no sequence
     args = [cupy.asarray(x).astype(cupy.float16) for x in (q, k, v)] + [cupy.asarray(cu_q), cupy.asarray(cu_k)]

@@ -1,0 +1,134 @@
+"""Host arrays (NumPy, array_api_strict, PyTorch CPU ...): the array-API algorithms of
+``xp_impl`` in the arrays' own namespace, with every value checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._dispatch import split_blocks
+from ._validate import KvCacheProblem, Problem, check_cu_seqlens_values, check_kvcache_values
+
+
+def namespace(names: tuple[str, ...], arrays: tuple[Any, ...]) -> Any:
+    """The arrays' array-API namespace, or a TypeError that says what is wrong with them."""
+    from array_api_compat import array_namespace
+
+    for name, x in zip(names, arrays):
+        dtype = getattr(x, "dtype", None)
+        if getattr(dtype, "name", None) == "bfloat16" and type(x).__module__.split(".")[0] == "numpy":
+            raise TypeError(
+                f"{name} is a NumPy bfloat16 (ml_dtypes) array, which no array-API namespace takes: convert it to "
+                "float32 on the host, or pass a GPU array (CuPy, PyTorch, JAX) to run the bfloat16 kernels"
+            )
+    try:
+        return array_namespace(*arrays)
+    except TypeError as error:
+        raise TypeError(f"{', '.join(names)} must be arrays of one array-API namespace: {error}") from None
+
+
+def _check_floats(xp: Any, named: list[tuple[str, Any]]) -> None:
+    first_name, first = named[0]
+    for name, x in named:
+        if not xp.isdtype(x.dtype, "real floating"):
+            raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
+        if x.dtype != first.dtype:
+            raise TypeError(
+                f"{name} must have {first_name}'s real floating dtype {first.dtype} (one dtype for all), got {x.dtype}"
+            )
+
+
+def attention(q: Any, k: Any, v: Any, problem: Problem, algorithm: str) -> tuple[Any, Any]:
+    from . import xp_impl
+
+    xp = namespace(("q", "k", "v"), (q, k, v))
+    _check_floats(xp, [("q", q), ("k", k), ("v", v)])
+    # fa3 is FA2's algorithm on Hopper's instructions: on the host both are xp_impl's fa2.
+    host_algorithm = "fa2" if algorithm in ("auto", "fa3") else algorithm
+    return xp_impl.attention(xp, q, k, v, problem, algorithm=host_algorithm)
+
+
+def attention_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem) -> tuple[Any, Any]:
+    """One dense attention per sequence, in the arrays' own namespace."""
+    from ._api import attention as dense_attention
+
+    xp = namespace(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), (q, k, v, cu_q, cu_k))
+    _check_floats(xp, [("q", q), ("k", k), ("v", v)])
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not xp.isdtype(cu.dtype, "integral"):
+            raise TypeError(f"{name} must be an integer array (int32, as flash-attn's), got {cu.dtype}")
+    check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], problem.seqlen_q, problem.seqlen_k)
+    outs, lses = [], []
+    window = (problem.window_left, problem.window_right)
+    for b in range(problem.batch):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        seq = [xp.expand_dims(x, axis=0) for x in (q[q0:q1, ...], k[k0:k1, ...], v[k0:k1, ...])]
+        out, lse = dense_attention(*seq, scale=problem.scale, window=window, softcap=problem.softcap, return_lse=True)
+        outs.append(out[0, ...])
+        lses.append(lse[0, ...])
+    lse_dtype = _lse_dtype(xp, q.dtype)
+    out = xp.concat(outs, axis=0) if outs else xp.zeros((0, *q.shape[1:]), dtype=q.dtype)
+    lse = xp.concat(lses, axis=1) if lses else xp.zeros((problem.heads_q, 0), dtype=lse_dtype)
+    pad = q.shape[0] - int(cu_q[-1])  # rows after the last sequence: zero, LSE -inf
+    if pad > 0:
+        out = xp.concat([out, xp.zeros((pad, *q.shape[1:]), dtype=q.dtype)], axis=0)
+        lse = xp.concat([lse, xp.full((problem.heads_q, pad), -math.inf, dtype=lse.dtype)], axis=1)
+    return out, lse
+
+
+def _lse_dtype(xp: Any, dtype: Any) -> Any:
+    """float32, or the input's floating dtype where it is wider (float64 in, float64 LSE)."""
+    return xp.float64 if dtype == xp.float64 else xp.float32
+
+
+# num_splits=0 on the host (no SM count to fill): one split per 4 blocks of 64 keys, as the GPU's
+# smallest split. Any count gives the same answer up to rounding (the merge is exact).
+_HOST_BLOCK_N = 64
+_HOST_BLOCKS_PER_SPLIT = 4
+
+
+def attention_with_kvcache(
+    q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, p: KvCacheProblem,
+    num_splits: int,
+) -> tuple[Any, Any]:  # fmt: skip
+    from . import xp_impl
+
+    arrays = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    arrays += [] if k_new is None else [("k_new", k_new), ("v_new", v_new)]
+    ints = [
+        (n, x) for n, x in (("cache_seqlens", seqlens), ("block_table", table)) if x is not None and type(x) is not int
+    ]
+    xp = namespace(tuple(n for n, _ in arrays + ints), tuple(x for _, x in arrays + ints))
+    _check_floats(xp, arrays)
+    for name, x in ints:
+        if not xp.isdtype(x.dtype, "integral"):
+            raise TypeError(f"{name} must be an integer array (int32), got {x.dtype}")
+    cached = [seqlens] * p.attn.batch if type(seqlens) is int else _host_ints(seqlens)
+    pages = None if table is None else _host_ints(table)
+    check_kvcache_values(cached, pages, p)
+    layout = xp_impl.CacheLayout(pages, p.page_size)
+    if k_new is not None:
+        xp_impl.append_kv(xp, k_cache, k_new, cached, layout)
+        xp_impl.append_kv(xp, v_cache, v_new, cached, layout)
+    key_blocks = -(-p.capacity // _HOST_BLOCK_N)
+    splits = num_splits or max(1, key_blocks // _HOST_BLOCKS_PER_SPLIT)
+    per_split, _ = split_blocks(key_blocks, splits)
+    lengths = [n + p.seqlen_new for n in cached]
+    return xp_impl.attention_with_kvcache(xp, q, k_cache, v_cache, lengths, layout, p.attn, per_split * _HOST_BLOCK_N)
+
+
+def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
+    from . import xp_impl
+
+    xp = namespace(("o_a", "lse_a", "o_b", "lse_b"), (o_a, lse_a, o_b, lse_b))
+    if o_a.dtype != o_b.dtype or not xp.isdtype(o_a.dtype, "real floating"):
+        raise TypeError(f"o_a and o_b must have one real floating dtype, got {o_a.dtype} and {o_b.dtype}")
+    return xp_impl.merge_states(xp, o_a, lse_a, o_b, lse_b)
+
+
+def _host_ints(x: Any) -> Any:
+    """An integer host array of any namespace as (nested) Python lists."""
+    from .reference import to_numpy64
+
+    return to_numpy64(x).astype(int).tolist()

@@ -1,0 +1,171 @@
+"""``run(launch, lib, device, arrays)``: the one place a GPU call meets the device.
+
+It owns the device guard, the operands' pointers and strides (copies where the kernels cannot
+read an array as it is; never of an array the kernels write), the outputs (allocated in the
+caller's library; NaN-poisoned in tests), the caller's stream, the per-stream scratch, and the
+launches. Everything that does not depend on the arrays' addresses was decided by the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from . import _interop, _kernels, _tma, _workspace
+from ._interop import ArrayLib
+from ._plan import CONTIGUOUS, LENGTHS, TILE, KernelStep, Launch, Operand, TmaMaps
+from ._validate import check_int_seqlens
+
+#: Fill every GPU output with NaN before the launch (tests set it: a value the kernel fails to
+#: write then shows up as NaN instead of as stale memory that happens to look right).
+POISON_OUTPUTS = False
+
+# (shape, strides) -> readable by the kernels as they are; a hot call checks only the pointer.
+_layouts: dict[tuple[str, tuple[int, ...], tuple[int, ...]], bool] = {}
+
+
+def _layout_readable(kind: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    key = (kind, shape, strides)
+    ok = _layouts.get(key)
+    if ok is None:
+        if kind == TILE:
+            ok = _interop.tile_layout_readable(shape, strides)
+        elif kind == CONTIGUOUS:
+            ok = _is_contiguous(shape, strides)
+        else:  # INDEX, LENGTHS: unit stride on the last axis
+            ok = not shape or shape[-1] <= 1 or strides[-1] == 1
+        if len(_layouts) > 4096:
+            _layouts.clear()
+        _layouts[key] = ok
+    return ok
+
+
+def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """C-contiguous, ignoring the strides of size-1 axes (never used)."""
+    step = 1
+    for n, stride in zip(reversed(shape), reversed(strides)):
+        if n > 1 and stride != step:
+            return False
+        step *= n
+    return True
+
+
+def run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> tuple[Any, Any]:
+    """Execute ``launch`` on the caller's stream; returns (out, lse), lse None unless wanted
+    (or always allocated by the plan). Results are in the caller's type."""
+    if _interop.current_device() != device:
+        with _interop.cupy_module().cuda.Device(device):
+            return _run(launch, lib, device, arrays, want_lse)
+    return _run(launch, lib, device, arrays, want_lse)
+
+
+def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> tuple[Any, Any]:
+    values = list(launch.params.values)
+    bound: list[tuple[int, tuple[int, ...]] | None] = []  # (ptr, strides) per operand, as read
+    keep = []  # copies made for this call: alive until the launches are queued
+    ptr_of, strides_of = lib.ptr, lib.strides
+    for op in launch.operands:
+        x = arrays.get(op.name)
+        if x is None:
+            bound.append(None)
+            continue
+        kind = op.kind
+        if kind is LENGTHS and type(x) is int:  # one length for every sequence: check it here
+            check_int_seqlens(x, *op.int_limit)
+            values[op.int_slot] = x
+            bound.append(None)
+            continue
+        if op.negate:
+            x = -x
+            keep.append(x)
+        ptr, strides = ptr_of(x), strides_of(x)
+        readable = _layouts.get((kind, x.shape, strides))
+        if readable is None:
+            readable = _layout_readable(kind, x.shape, strides)
+        if not readable or (kind is TILE and ptr % 16):
+            x, ptr, strides = _readable_copy(lib, op, x)
+            keep.append(x)
+        if op.offset_of is None:
+            values[op.ptr_slot] = ptr
+        else:
+            slot, base, itemsize = op.offset_of
+            distance = ptr - bound[launch.operand_index[base]][0]  # type: ignore[index]
+            assert distance % itemsize == 0, f"{op.name} is not element-aligned with {base}"
+            values[slot] = distance // itemsize
+        for slot, axis in op.stride_slots:
+            values[slot] = strides[axis]
+        bound.append((ptr, strides))
+
+    stream = lib.stream(device)
+    poison = POISON_OUTPUTS and bool(launch.steps)
+    results: dict[str, Any] = {}
+    for output in launch.outputs:
+        if output.optional and not want_lse:
+            continue
+        array = lib.empty(output.shape, output.dtype, device)
+        fill = math.nan if poison else output.fill
+        if fill is not None:
+            lib.fill(array, fill)
+        values[output.ptr_slot] = lib.ptr(array)
+        results[output.name] = array
+    temporaries = {t.name: lib.empty(t.shape, t.dtype, device) for t in launch.temporaries}
+    if launch.scratch is not None:
+        s = launch.scratch
+        counters, scratch = _workspace.stream_scratch(
+            lib, device, stream, s.counter_bytes, s.scratch_bytes, poison=poison
+        )
+        values[s.counter_slot] = counters
+        for slot, offset in s.scratch_slots:
+            values[slot] = scratch + offset
+
+    if launch.error_slot >= 0 and launch.steps:
+        values[launch.error_slot] = _workspace.device_error_word(device, stream)
+
+    for i, step in enumerate(launch.steps):
+        if type(step) is KernelStep:
+            kernel = launch.kernels[i] if i < len(launch.kernels) else _first_meeting(launch, i, device)
+            if step.buffers:
+                buffers = tuple(np.uint64(lib.ptr(temporaries[name])) for name in step.buffers)
+                kernel.launch_with_buffers(step.grid, step.block, step.smem, stream, tuple(values), buffers)
+            else:
+                maps = None if step.tma is None else _tensor_maps(step.tma, launch, bound)
+                kernel.launch(step.grid, step.block, step.smem, stream, *values, tma_maps=maps)
+        else:  # a step that launches itself (the naive baseline's cuBLAS GEMMs)
+            step.execute(lib, device, stream, launch, bound, results, temporaries)
+    del keep
+    out = lib.wrap(results["out"])
+    lse = results.get("lse")
+    return out, None if lse is None else lib.wrap(lse)
+
+
+def _first_meeting(launch: Launch, index: int, device: int) -> Any:
+    """The compiled kernels of a Launch's steps, looked up (or compiled) when the Launch first
+    runs, then kept on it: a hot call does no lookup by spec."""
+    kernels = [_kernels.get_kernel(s.spec, device) if type(s) is KernelStep else None for s in launch.steps]
+    launch.kernels[:] = kernels
+    return kernels[index]
+
+
+def _readable_copy(lib: ArrayLib, op: Operand, x: Any) -> tuple[Any, int, tuple[int, ...]]:
+    if op.in_place:
+        raise ValueError(
+            f"{op.name} must have a unit stride on head_dim and 16-byte aligned strides and base pointer "
+            "(it is written in place, so it cannot be copied)"
+        )
+    x = lib.copy(x)
+    return x, lib.ptr(x), lib.strides(x)
+
+
+def _tensor_maps(tma: TmaMaps, launch: Launch, bound: list[Any]) -> bytes:
+    """The q, k and v maps over (d, rows, heads, batch), from this call's pointers and strides."""
+    row, head, batch = tma.axes
+    maps = b""
+    for name, dims, box in (("q", tma.q_dims, tma.q_box_rows), ("k", tma.kv_dims, tma.kv_box_rows),
+                            ("v", tma.kv_dims, tma.kv_box_rows)):  # fmt: skip
+        ptr, strides = bound[launch.operand_index[name]]
+        axis_strides = (strides[row], strides[head], strides[batch] if batch >= 0 else 0)
+        maps += _tma.tile_map(tma.dtype, ptr, dims, axis_strides, box)
+    return maps

@@ -1,0 +1,595 @@
+"""Pure plans: a validated problem and a ``DeviceInfo`` in, a ``Launch`` out.
+
+A ``Launch`` is everything a call needs that depends only on shapes, dtypes, options and the
+device: the steps (kernel variant, grid, block, shared memory; the naive baseline's cuBLAS
+GEMMs), the operands it reads and how their pointers and strides enter the kernel's params
+struct (by field name), the outputs it allocates, the per-stream scratch it needs, and the
+params struct's fixed fields (a template). Planning compiles nothing and asks the driver
+nothing beyond the cached ``DeviceInfo``; ``_launch.run`` executes a Launch, and a kernel is
+compiled where a Launch first meets it (``_kernels.get_kernel``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _dispatch, _interop
+from ._params import PARAMS_STRUCTS, ParamsTemplate
+from ._specs import (
+    CUDA_ELEMENT_TYPES,
+    DECODE_HEAD_DIMS,
+    DECODE_MAX_QUERIES,
+    FA2_HEAD_DIMS,
+    HOPPER_ARCH,
+    DecodeAppendSpec,
+    Fa2FwdSpec,
+    Fa3FwdSpec,
+    KernelSpec,
+    MergeSpec,
+)
+from ._validate import KvCacheProblem, Problem
+
+
+# ---------------------------------------------------------------------------------------------
+# The device, read once.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    index: int
+    arch: str  # NVRTC target: "sm_90a" on Hopper, else "sm_XY"
+    num_sms: int
+    max_smem_per_block: int  # opt-in dynamic shared memory of one CTA
+    smem_per_sm: int
+    regs_per_sm: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+
+
+@functools.cache
+def device_info(index: int) -> DeviceInfo:
+    from ._kernels import device_arch
+
+    attr = functools.partial(_interop.device_attribute, index)
+    return DeviceInfo(
+        index=index,
+        arch=device_arch(index),
+        num_sms=attr("MultiProcessorCount"),
+        max_smem_per_block=attr("MaxSharedMemoryPerBlockOptin"),
+        smem_per_sm=attr("MaxSharedMemoryPerMultiprocessor"),
+        regs_per_sm=attr("MaxRegistersPerMultiprocessor"),
+        max_threads_per_sm=attr("MaxThreadsPerMultiProcessor"),
+        max_blocks_per_sm=attr("MaxBlocksPerMultiprocessor"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# What a Launch is made of.
+# ---------------------------------------------------------------------------------------------
+TILE = "tile"  # a 16-bit tensor the kernels read in 16-byte chunks (unit stride on head_dim)
+INDEX = "index"  # an int32 array read element by element (unit stride on its last axis)
+CONTIGUOUS = "contiguous"  # read as one C-contiguous block (merge_states' parts)
+LENGTHS = "lengths"  # cache_seqlens: an int32 array, or one int for every sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Operand:
+    """One input array and where its pointer and strides go in the params struct."""
+
+    name: str
+    kind: str = TILE
+    ptr_slot: int = -1
+    stride_slots: tuple[tuple[int, int], ...] = ()  # (params slot, array axis)
+    in_place: bool = False  # written by the kernels: cannot be copied to make it readable
+    negate: bool = False  # a negative scale runs as |scale| on -q
+    int_slot: int = -1  # LENGTHS: the params slot of an int given for every sequence
+    int_limit: tuple[int, int] = (0, 0)  # LENGTHS: (capacity, seqlen_new) an int is checked against
+    offset_of: tuple[int, str, int] | None = None  # (slot, base operand, element bytes): ptr distance
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    name: str  # "out" | "lse"
+    shape: tuple[int, ...]
+    dtype: str
+    ptr_slot: int
+    fill: float | None = None  # the value rows no kernel writes keep (None: every element written)
+    optional: bool = False  # allocated only when returned (the LSE)
+
+
+@dataclass(frozen=True, slots=True)
+class Temporary:
+    """A per-call buffer the steps pass to a kernel or a GEMM (FA1's HBM state, naive's S, P)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class Scratch:
+    """Per-stream device memory (``_workspace``): counters that read 0 and are left at 0, then
+    scratch with no initial value; their pointers go to the named slots."""
+
+    counter_bytes: int
+    scratch_bytes: int
+    counter_slot: int
+    scratch_slots: tuple[tuple[int, int], ...] = ()  # (params slot, byte offset in the scratch)
+
+
+@dataclass(frozen=True, slots=True)
+class TmaMaps:
+    """The Hopper kernel's three tensor maps (q, k, v), encoded per call from the operands."""
+
+    dtype: str
+    axes: tuple[int, int, int]  # (row, head, batch) axes of the operands; -1: batch stride 0
+    q_dims: tuple[int, int, int, int]  # (d, rows, heads, batch), innermost first
+    kv_dims: tuple[int, int, int, int]
+    q_box_rows: int
+    kv_box_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class KernelStep:
+    spec: KernelSpec
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    tma: TmaMaps | None = None
+    buffers: tuple[str, ...] = ()  # temporaries passed after the params struct
+
+
+@dataclass(frozen=True)
+class Launch:
+    params: ParamsTemplate
+    operands: tuple[Operand, ...]
+    outputs: tuple[Output, ...]
+    steps: tuple[Any, ...] = ()  # KernelStep, or a step with .execute(call) (the naive GEMMs)
+    temporaries: tuple[Temporary, ...] = ()
+    scratch: Scratch | None = None
+    error_slot: int = -1  # the params slot of the device error word (decode kernels), or -1
+    # The steps' compiled kernels, filled by the Launch's first run (``_launch``); never planned.
+    kernels: list[Any] = field(default_factory=list, repr=False, compare=False)
+    # Derived on construction: operands by name (TMA maps and pointer offsets look them up).
+    operand_index: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "operand_index", {op.name: i for i, op in enumerate(self.operands)})
+
+
+# ---------------------------------------------------------------------------------------------
+# One cache helper for every entry point, one eviction rule.
+# ---------------------------------------------------------------------------------------------
+class PlanCache:
+    """Launches by call signature. A process that meets endlessly new shapes starts over when
+    the cache is full (no LRU bookkeeping on the hot path); a key that cannot be hashed (an
+    argument of an unhashable type) is planned without caching."""
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self) -> None:
+        self._entries: dict[Any, Launch] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, make: Callable[[], Launch]) -> Launch:
+        try:
+            hit = self._entries.get(key)
+        except TypeError:
+            return make()
+        if hit is None:
+            hit = make()
+            with self._lock:
+                if len(self._entries) >= self.MAX_ENTRIES:
+                    self._entries.clear()
+                self._entries[key] = hit
+        return hit
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def values(self) -> list[Launch]:
+        return list(self._entries.values())
+
+
+ALL_CACHES: list[PlanCache] = []
+
+
+def new_cache() -> PlanCache:
+    cache = PlanCache()
+    ALL_CACHES.append(cache)
+    return cache
+
+
+def clear_caches() -> None:
+    """Forget every plan (the tuning scripts change the tile tables between measurements)."""
+    for cache in ALL_CACHES:
+        cache.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# The softmax's float32 factors.
+# ---------------------------------------------------------------------------------------------
+# The smallest softmax multiplier the kernels run with (scale 0, tiny scales or softcaps):
+# exp2(x * 1e-30 - m * 1e-30) rounds to exactly 1 in float32 for any 16-bit score, so the result
+# is the uniform average, as the limit requires; 0 itself would turn masked -inf * 0 into NaN.
+ZERO_SCALE_SURROGATE = 1e-30
+# The kernels scale float32 scores: |scale| <= 1e6 keeps |q.k| * scale * log2(e) finite for every
+# float16 input (|q.k| <= 65504^2 * 256 ~ 1.1e12), where a larger one could overflow silently.
+MAX_GPU_SCALE = 1e6
+# tanh(s * prescale) saturates long before float32 runs out; clamping keeps the pack in range.
+MAX_SOFTCAP_PRESCALE = 1e30
+LOG2E = 1.0 / math.log(2.0)
+
+
+def softmax_factors(problem: Problem) -> tuple[float, float, bool]:
+    """(softmax_scale_log2, softcap_prescale, negate_q) for AttnParams.
+
+    The kernel keeps its running max on raw scores, which needs a positive float32 multiplier:
+    a negative scale runs as |scale| on -q, and a multiplier under 1e-30 (scale 0, or a tiny
+    one) runs as 1e-30, which gives the same softmax in float32. With softcap the multiplier is
+    the cap (and the sign of the scale lives in the prescale inside tanh).
+    """
+    if problem.softcap > 0:
+        prescale = max(-MAX_SOFTCAP_PRESCALE, min(MAX_SOFTCAP_PRESCALE, problem.scale / problem.softcap))
+        multiplier = min(max(problem.softcap, ZERO_SCALE_SURROGATE), MAX_SOFTCAP_PRESCALE)
+        return multiplier * LOG2E, prescale, False
+    if abs(problem.scale) > MAX_GPU_SCALE:
+        raise ValueError(f"the GPU kernels take |scale| <= {MAX_GPU_SCALE:g} (float32 scores), got {problem.scale}")
+    return max(abs(problem.scale), ZERO_SCALE_SURROGATE) * LOG2E, 0.0, problem.scale < 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks shared by the planners.
+# ---------------------------------------------------------------------------------------------
+STRIDE_NAMES = ("batch", "row", "head")
+
+
+def tile_operand(
+    params: ParamsTemplate, name: str, axes: tuple[int, int, int], *, field_prefix: str | None = None, **kw: Any
+) -> Operand:
+    """A 4-D (or packed 3-D) tensor: ``{prefix}_ptr`` and ``{prefix}_{batch,row,head}_stride``
+    from the array axes ``axes`` (-1: no such axis, the stride stays 0)."""
+    prefix = field_prefix or name
+    ptr_field = f"{prefix}_ptr"
+    strides = tuple(
+        (params.slot(f"{prefix}_{s}_stride"), axis) for s, axis in zip(STRIDE_NAMES, axes, strict=True) if axis >= 0
+    )
+    return Operand(name, TILE, params.slot(ptr_field), strides, **kw)
+
+
+def check_gpu_dtypes(names: dict[str, str], allowed: dict[str, str] = CUDA_ELEMENT_TYPES) -> str:
+    """The one element type of the named tensors, which the kernels must take."""
+    first, dtype = next(iter(names.items()))
+    for name, other in names.items():
+        if other != dtype:
+            listed = ", ".join(f"{n}={d}" for n, d in names.items())
+            raise TypeError(f"{name} must have {first}'s dtype {dtype}, got {other} ({listed})")
+    if dtype not in allowed:
+        raise TypeError(f"the GPU kernels take {sorted(allowed)}, got {dtype}")
+    return dtype
+
+
+def check_int32(names: dict[str, str | None]) -> None:
+    for name, dtype in names.items():
+        if dtype is not None and dtype != "int32":
+            raise TypeError(f"{name} must be int32 (as flash-attn's), got {dtype}")
+
+
+def check_grid(batch: int, heads: int) -> None:
+    if batch > 65535 or heads > 65535:
+        raise ValueError(f"batch ({batch}) and heads ({heads}) must be <= 65535 on the GPU")
+
+
+def attn_fields(p: Problem, rows: tuple[int, int], scale_log2: float, prescale: float) -> dict[str, int | float]:
+    """AttnParams' shape and softmax fields (``rows``: seqlen_q, seqlen_k as the kernel reads them)."""
+    return {
+        "batch": p.batch,
+        "seqlen_q": rows[0],
+        "seqlen_k": rows[1],
+        "h": p.heads_q,
+        "h_k": p.heads_kv,
+        "h_h_k_ratio": p.heads_q // p.heads_kv if p.heads_kv else 0,
+        "window_left": p.window_left,
+        "window_right": p.window_right,
+        "softmax_scale_log2": scale_log2,
+        "softcap_prescale": prescale,
+    }
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward (attention, attention_varlen): FA2 (mma.sync) or the Hopper kernel.
+# ---------------------------------------------------------------------------------------------
+LAYOUT_AXES = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "thd": (-1, 0, 1)}  # (batch, row, head)
+
+
+def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, packed: bool) -> Fa2FwdSpec | Fa3FwdSpec:
+    """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel; ``packed``
+    (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens."""
+    if p.head_dim not in FA2_HEAD_DIMS:
+        raise ValueError(f"the GPU kernels support head_dim in {FA2_HEAD_DIMS}, got {p.head_dim}")
+    flags = _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
+    if algorithm in ("fa3", "auto"):
+        hopper = device.arch == HOPPER_ARCH
+        spec = _dispatch.fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k, packed) if hopper else None
+        if spec is not None and spec.smem_bytes <= device.max_smem_per_block:
+            return spec
+        if algorithm == "fa3":
+            raise ValueError(
+                "algorithm='fa3' (wgmma + TMA) needs a Hopper GPU (sm_90) and head_dim in (64, 128, 256); this "
+                f"call has head_dim={p.head_dim} on {device.arch}: use algorithm='fa2' or 'auto'"
+            )
+    return _dispatch.fa2_fwd_spec(dtype, p.head_dim, flags, device.max_smem_per_block)
+
+
+def plan_forward(
+    p: Problem,
+    dtype: str,
+    device: DeviceInfo,
+    algorithm: str,
+    *,
+    q_shape: tuple[int, ...],
+    packed_rows: tuple[int, int] | None = None,
+) -> Launch:
+    """One forward kernel over a padded batch (``p.layout`` "bshd"/"bhsd") or packed sequences
+    (``packed_rows`` = the packed totals (total_q, total_k): each tile finds its rows in
+    cu_seqlens, batch strides 0; rows outside every sequence are 0 with LSE -inf)."""
+    check_grid(p.batch, p.heads_q)
+    packed = packed_rows is not None
+    scale_log2, prescale, negate_q = softmax_factors(p)
+    axes = LAYOUT_AXES["thd" if packed else p.layout]
+    rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
+    has_work = p.batch > 0 and p.seqlen_q > 0 and p.heads_q > 0
+    spec = forward_spec(p, dtype, device, algorithm, packed) if has_work else None
+    struct = PARAMS_STRUCTS["Fa3Params" if isinstance(spec, Fa3FwdSpec) else "AttnParams"]
+
+    # Outputs are fresh contiguous arrays of q's shape; LSE (B, Hq, Nq), or (Hq, total_q) packed.
+    out_strides = contiguous_strides(q_shape)
+    if packed:
+        lse_shape: tuple[int, ...] = (p.heads_q, rows[0])
+        lse_strides = (0, rows[0])
+    else:
+        lse_shape = (p.batch, p.heads_q, p.seqlen_q)
+        lse_strides = (p.heads_q * p.seqlen_q, p.seqlen_q)
+    fixed: dict[str, int | float] = {
+        **attn_fields(p, rows, scale_log2, prescale),
+        **{f"o_{s}_stride": out_strides[a] if a >= 0 else 0 for s, a in zip(STRIDE_NAMES, axes, strict=True)},
+        "lse_batch_stride": lse_strides[0],
+        "lse_head_stride": lse_strides[1],
+    }
+    steps: tuple[KernelStep, ...] = ()
+    scratch = None
+    if spec is not None:
+        block = (spec.num_threads, 1, 1)
+        if isinstance(spec, Fa2FwdSpec):
+            step = KernelStep(spec, (-(-p.seqlen_q // spec.tile.block_m), p.batch, p.heads_q), block, spec.smem_bytes)
+        else:
+            assert spec.varlen == packed, f"{spec.name} on {'packed' if packed else 'padded'} inputs"
+            m_blocks = -(-p.seqlen_q // spec.block_m)
+            tiles = m_blocks * p.batch * p.heads_q
+            if tiles >= 2**31:
+                raise ValueError(f"{tiles} query tiles exceed the kernel's 32-bit tile counter")
+            # Uniform tiles: one persistent CTA per SM walks them; uneven ones: a CTA per tile.
+            grid = (min(tiles, device.num_sms) if spec.persistent else tiles, 1, 1)
+            batches = 1 if packed else p.batch
+            tma = TmaMaps(
+                dtype, (axes[1], axes[2], axes[0]), (p.head_dim, rows[0], p.heads_q, batches),
+                (p.head_dim, rows[1], p.heads_kv, batches), spec.block_m, spec.block_n,
+            )  # fmt: skip
+            step = KernelStep(spec, grid, block, spec.smem_bytes, tma=tma)
+            fixed["num_m_blocks"] = m_blocks
+        steps = (step,)
+    params = struct.template(**fixed)
+    if isinstance(spec, Fa3FwdSpec) and spec.tile.dynamic:
+        # The dynamic schedule's tile counters: the stream's pair, 0 between launches.
+        scratch = Scratch(8, 0, params.slot("tile_counters"))
+    operands = [
+        tile_operand(params, "q", axes, negate=negate_q),
+        tile_operand(params, "k", axes),
+        tile_operand(params, "v", axes),
+    ]
+    if packed:
+        operands += [
+            Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),
+            Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
+        ]
+    outputs: tuple[Output, ...] = (
+        Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0 if packed else None),
+        Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=-math.inf if packed else None, optional=True),
+    )
+    if not has_work:  # nothing to compute: outputs only (an empty row: O = 0, LSE = -inf)
+        outputs = tuple(_filled(o) for o in outputs)
+    elif p.seqlen_k == 0 and not packed:
+        outputs = tuple(_filled(o) for o in outputs)
+        steps, scratch = (), None
+    return Launch(params, tuple(operands), outputs, steps, scratch=scratch)
+
+
+def _filled(output: Output) -> Output:
+    """An output no kernel writes: rows that see no key (O = 0, LSE = -inf)."""
+    from dataclasses import replace
+
+    return replace(output, fill=-math.inf if output.name == "lse" else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding over a KV cache (FlashDecoding) and merge_states.
+# ---------------------------------------------------------------------------------------------
+def plan_kvcache(
+    kp: KvCacheProblem,
+    dtypes: dict[str, str | None],
+    device: DeviceInfo,
+    *,
+    num_splits: int,
+    layout: str = "bshd",
+    dense: bool = False,
+) -> Launch:
+    """At most two launches: append k_new / v_new into the cache, then the split-KV kernel,
+    whose last split of each row to finish merges the partials (no combine launch).
+
+    ``dense``: ``attention`` of a few query tokens over k and v (operands "q", "k", "v" in
+    ``layout``, every sequence ``attn.seqlen_k`` keys long) on the same kernel.
+    """
+    a = kp.attn
+    dtype = check_gpu_dtypes({n: d for n, d in dtypes.items() if d is not None and n not in _INDEX_NAMES})
+    check_int32({n: dtypes.get(n) for n in _INDEX_NAMES})
+    if a.head_dim not in DECODE_HEAD_DIMS:
+        raise ValueError(f"the decode kernels support head_dim in {DECODE_HEAD_DIMS}, got {a.head_dim}")
+    if a.seqlen_q > DECODE_MAX_QUERIES:
+        raise ValueError(
+            f"attention_with_kvcache on the GPU takes 1 to {DECODE_MAX_QUERIES} query tokens, got {a.seqlen_q}"
+        )
+    check_grid(a.batch, a.heads_kv)
+    if kp.capacity >= 2**31 - 64:
+        raise ValueError(f"a cache of {kp.capacity} tokens per sequence is beyond the kernels' int32 positions")
+    scale_log2, _, negate_q = softmax_factors(a)
+    group = a.heads_q // a.heads_kv
+    rows = group * a.seqlen_q
+    spec = _dispatch.decode_spec(dtype, a.head_dim, rows, a.causal_bound)
+    has_work = a.batch > 0 and a.seqlen_q > 0 and a.heads_q > 0
+    m_blocks = -(-rows // spec.tile.block_m)
+    key_blocks = -(-kp.capacity // spec.tile.block_n)
+    ctas = a.batch * a.heads_kv * m_blocks
+    if num_splits == 0 and has_work:
+        num_splits = _dispatch.decode_num_splits(
+            ctas=ctas,
+            key_blocks=key_blocks,
+            num_sms=device.num_sms,
+            ctas_per_sm=_dispatch.ctas_per_sm(spec, device),
+        )
+    per_split, splits = _dispatch.split_blocks(key_blocks, max(num_splits, 1))
+    d, hq, nq = a.head_dim, a.heads_q, a.seqlen_q
+    axes = LAYOUT_AXES[layout]
+    out_shape = (a.batch, nq, hq, d) if layout == "bshd" else (a.batch, hq, nq, d)
+    out_strides = contiguous_strides(out_shape)
+    params = PARAMS_STRUCTS["DecodeParams"].template(
+        **attn_fields(a, (nq, a.seqlen_k if dense else 0), scale_log2, 0.0),
+        **{f"o_{s}_stride": out_strides[axis] for s, axis in zip(STRIDE_NAMES, axes, strict=True)},
+        lse_batch_stride=hq * nq, lse_head_stride=nq,
+        seqlen_new=kp.seqlen_new, page_size_log2=kp.page_size_log2, num_pages=kp.num_pages,
+        cache_capacity=kp.capacity, num_splits=splits, blocks_per_split=per_split,
+    )  # fmt: skip
+    operands = [tile_operand(params, "q", axes, negate=negate_q)]
+    if dense:
+        operands += [tile_operand(params, "k", axes), tile_operand(params, "v", axes)]
+    else:
+        operands += [
+            tile_operand(params, "k_cache", axes, field_prefix="k", in_place=True),
+            tile_operand(params, "v_cache", axes, field_prefix="v", in_place=True),
+            Operand(
+                "cache_seqlens",
+                LENGTHS,
+                params.slot("cache_seqlens"),
+                int_slot=params.slot("seqlen_k"),
+                int_limit=(kp.capacity, kp.seqlen_new),
+            ),  # fmt: skip
+        ]
+    if kp.paged:
+        operands.append(
+            Operand("block_table", INDEX, params.slot("block_table"), ((params.slot("block_table_batch_stride"), 0),))
+        )
+    steps: list[KernelStep] = []
+    if kp.seqlen_new:
+        operands += [
+            tile_operand(params, "k_new", LAYOUT_AXES["bshd"], field_prefix="k_new"),
+            tile_operand(params, "v_new", LAYOUT_AXES["bshd"], field_prefix="v_new"),
+        ]
+        if a.batch and a.heads_kv:
+            append = DecodeAppendSpec(dtype, d)
+            steps.append(KernelStep(append, (kp.seqlen_new, a.heads_kv, a.batch), (append.num_threads, 1, 1), 0))
+    scratch = None
+    if has_work:
+        steps.append(
+            KernelStep(spec, (splits * m_blocks, a.heads_kv, a.batch), (spec.num_threads, 1, 1), spec.smem_bytes)
+        )
+        if splits > 1:  # the splits' tickets (left at 0 by the kernel), partial O, partial LSE
+            row_count = a.batch * a.heads_q * a.seqlen_q
+            scratch = Scratch(
+                4 * ctas, 4 * row_count * (d + 1) * splits, params.slot("split_counters"),
+                ((params.slot("o_partial_ptr"), 0), (params.slot("lse_partial_ptr"), 4 * row_count * d * splits)),
+            )  # fmt: skip
+    lse_shape = (a.batch, a.heads_q, a.seqlen_q)
+    outputs: tuple[Output, ...] = (
+        Output("out", out_shape, dtype, params.slot("o_ptr")),
+        Output("lse", lse_shape, "float32", params.slot("lse_ptr"), optional=True),
+    )
+    if not has_work:
+        outputs = tuple(_filled(o) for o in outputs)
+    error_slot = -1 if dense else params.slot("error_flags")
+    return Launch(params, tuple(operands), outputs, tuple(steps), scratch=scratch, error_slot=error_slot)
+
+
+def decode_applies(p: Problem) -> bool:
+    """The split-KV decode kernel computes this ``attention`` call: a few query tokens, a decode
+    head dim, no window and no softcap (causal is bottom-right, as the kernel's)."""
+    return (
+        0 < p.seqlen_q <= DECODE_MAX_QUERIES
+        and p.head_dim in DECODE_HEAD_DIMS
+        and not p.local_bound
+        and (p.softcap == 0)
+    )
+
+
+def plan_attention(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q_shape: tuple[int, ...]) -> Launch:
+    """``attention`` on the GPU with the flash kernels ("auto", "fa2", "fa3", "decode"; the
+    baselines are ``_baselines_gpu.plan_baseline``). "auto" runs one-token queries on the decode
+    kernel (K and V read once per KV head, split over the SMs), the rest on the Hopper kernel
+    where it applies, else on FA2."""
+    one_token = algorithm == "auto" and p.seqlen_q == 1 and p.seqlen_k > 0
+    if algorithm == "decode" or (one_token and decode_applies(p)):
+        if not decode_applies(p):
+            raise ValueError(
+                f"algorithm='decode' takes 1 to {DECODE_MAX_QUERIES} query tokens, head_dim in {DECODE_HEAD_DIMS}, "
+                f"no window and no softcap; this call has {p.seqlen_q} query tokens, head_dim={p.head_dim}"
+            )
+        kp = KvCacheProblem(p, paged=False, page_size=p.seqlen_k, num_pages=p.batch, capacity=p.seqlen_k, seqlen_new=0)
+        return plan_kvcache(kp, {"q": dtype}, device, num_splits=0, layout=p.layout, dense=True)
+    return plan_forward(p, dtype, device, algorithm, q_shape=q_shape)
+
+
+_INDEX_NAMES = ("cache_seqlens", "block_table")
+
+
+def plan_merge(dims: tuple[int, int, int, int], dtypes: dict[str, str]) -> Launch:
+    """merge_states: one warp per output row, part b read at a fixed offset from part a."""
+    b, n, h, d = dims
+    dtype = check_gpu_dtypes({"o_a": dtypes["o_a"], "o_b": dtypes["o_b"]}, {**CUDA_ELEMENT_TYPES, "float32": "float"})
+    for name in ("lse_a", "lse_b"):
+        if dtypes[name] != "float32":
+            raise TypeError(f"{name} must be float32, got {dtypes[name]}")
+    if not (d and d % 32 == 0 and d <= 256):
+        raise ValueError(f"merge_states on the GPU takes head_dim a multiple of 32 up to 256, got {d}")
+    spec = MergeSpec(dtype, dtype, d)
+    itemsize = 4 if dtype == "float32" else 2
+    params = PARAMS_STRUCTS["MergeParams"].template(
+        o_batch_stride=n * h * d, o_row_stride=h * d, o_head_stride=d, lse_batch_stride=h * n, lse_head_stride=n,
+        out_batch_stride=n * h * d, out_row_stride=h * d, out_head_stride=d,
+        out_lse_batch_stride=h * n, out_lse_head_stride=n, num_parts=2, batch=b, seqlen_q=n, heads=h,
+    )  # fmt: skip
+    # Both parts must share one layout: the kernel reads part 1 at a fixed distance from part 0.
+    operands = (
+        Operand("o_a", CONTIGUOUS, params.slot("o_parts_ptr")),
+        Operand("lse_a", CONTIGUOUS, params.slot("lse_parts_ptr")),
+        Operand("o_b", CONTIGUOUS, offset_of=(params.slot("o_part_stride"), "o_a", itemsize)),
+        Operand("lse_b", CONTIGUOUS, offset_of=(params.slot("lse_part_stride"), "lse_a", 4)),
+    )
+    outputs = (
+        Output("out", (b, n, h, d), dtype, params.slot("o_ptr")),
+        Output("lse", (b, h, n), "float32", params.slot("lse_ptr")),
+    )
+    rows = b * n * h
+    steps: tuple[KernelStep, ...] = ()
+    if rows:
+        steps = (KernelStep(spec, (-(-rows // MergeSpec.rows_per_block), 1, 1), (MergeSpec.num_threads, 1, 1), 0),)
+    return Launch(params, operands, outputs, steps)

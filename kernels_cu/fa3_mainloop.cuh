@@ -1,0 +1,71 @@
+// The Hopper forward's collective mainloop, producer side (FlashAttention-3's
+// CollectiveMainloopFwd::load): the TMA loads of one tile, Q and then K_j and V_j of every visited
+// key block into the kStages-deep mbarrier ring. The consumer side (the software-pipelined
+// wgmma / softmax loop) stays in fa3_fwd.cu as lambdas over the kernel's locals: moved into a
+// struct's methods it compiled to different SASS (docs/gpu_runs/cubin-identity.txt).
+#pragma once
+
+#include "common.cuh"
+#include "fa3_shared.cuh"
+#include "hopper.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "tile_scheduler.cuh"
+
+template <typename Traits>
+using TileMask = KeyMask<Traits::kBlockM, Traits::kBlockN, Traits::Is_causal, Traits::Is_local>;
+
+// ---------------------------------------------------------------------------------------------
+// Producer: one thread issues every TMA load.
+// ---------------------------------------------------------------------------------------------
+template <typename Traits>
+struct Fa3Producer {
+  using Rows = TileRows<Traits::Varlen>;
+  // (No static constexpr members in these structs: each would become a symbol of the cubin.)
+
+  const Fa3Params& p;
+  const Fa3Smem<Traits>& smem;
+
+  // The loads of tile `tile` (already announced in buffer qb's tile index): Q into Q buffer qb,
+  // then its key blocks, last first, into the ring from position kv_iter on.
+  CF_DEVICE void load_tile(const typename TileScheduler<Traits>::Tile& tile, int qb,
+                           int& kv_iter) const {
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kStages = Traits::kStages;
+    const AttnParams& params = p.attn;
+    const int head_k = tile.head / params.h_h_k_ratio;
+    const Rows rows(params, tile.batch);
+    // TMA coordinates: packed sequences are one "batch" of the tensor map, rows offset per sequence.
+    const int tma_batch = Traits::Varlen ? 0 : tile.batch;
+    const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
+                                params.window_right);
+    const int n_begin = mask.n_block_begin();
+    const int n_end = mask.n_block_end();
+    mbar_arrive_expect_tx(smem.q_full(qb), Traits::kQBytes);
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      tma_load_4d(smem.q(qb) + cb * kBlockM * kSwizzleRowBytes, p.q_map, smem.q_full(qb),
+                  cb * kColBlockElems, rows.q.start + tile.m_block * kBlockM, tile.head, tma_batch);
+    }
+    // Key block n_block of K or V into its slot of the ring, once the consumers released it.
+    auto load_block = [&](const TmaMap& map, uint32_t slot, uint32_t full_bar, uint32_t empty_bar,
+                          int parity, int n_block) {
+      mbar_wait(empty_bar, parity);
+      mbar_arrive_expect_tx(full_bar, Traits::kKVBytes);
+#pragma unroll
+      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+        tma_load_4d(slot + cb * kBlockN * kSwizzleRowBytes, map, full_bar, cb * kColBlockElems,
+                    rows.k.start + n_block * kBlockN, head_k, tma_batch);
+      }
+    };
+    for (int n_block = n_end - 1; n_block >= n_begin; --n_block, ++kv_iter) {
+      const int stage = kv_iter % kStages;
+      const int parity = ((kv_iter / kStages) & 1) ^ 1;  // the slot's previous use was released
+      load_block(p.k_map, smem.k(stage), smem.ring(KvBarrier::kKFull, stage),
+                 smem.ring(KvBarrier::kKEmpty, stage), parity, n_block);
+      load_block(p.v_map, smem.v(stage), smem.ring(KvBarrier::kVFull, stage),
+                 smem.ring(KvBarrier::kVEmpty, stage), parity, n_block);
+    }
+  }
+};

@@ -1,0 +1,149 @@
+// The mma.sync tile verbs of the Ampere-path kernels (FA2, FA1, the split-KV decode partial):
+// K/V/Q tiles into swizzled shared memory with cp.async, Q fragments by ldmatrix, and the two
+// GEMMs of a key block, S = Q K^T and O += P V, on m16n8k16 tensor-core tiles. Templated on the
+// kernel's traits, which name kHeadDim, kNThreads, kMTiles, kNTiles, kDTiles, kDSteps, kNSteps,
+// kElemBytes, Q_in_regs, Tile (SwizzledTile) and Ops (ElementTraits).
+#pragma once
+
+#include "common.cuh"
+#include "softmax.cuh"  // p_operand: the S accumulator re-packed as P V's A operand
+
+// Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] global tile into a swizzled shared
+// tile; rows >= rows_valid are zero-filled. Consecutive threads take consecutive 16-byte chunks
+// of a row, so a warp reads 512 contiguous bytes per instruction (coalesced). The source pointer
+// advances by a stride step instead of being recomputed per row: with every row address live,
+// ptxas hoisted 16 64-bit addresses out of the main loop and spilled (d = 128, 128 x 64 tile).
+template <typename Traits, int kRows>
+CF_DEVICE void load_tile_async(uint32_t s_tile, const typename Traits::Element* g_tile,
+                               int64_t row_stride, int rows_valid, int tid) {
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  constexpr int kElemBytes = sizeof(typename Traits::Element);
+  if constexpr (Traits::kNThreads % kChunksPerRow == 0) {
+    // Every thread keeps one chunk column and walks down the rows.
+    constexpr int kRowsPerIter = Traits::kNThreads / kChunksPerRow;
+    constexpr int kIters = ceil_div(kRows, kRowsPerIter);
+    const int chunk = tid % kChunksPerRow;
+    int row = tid / kChunksPerRow;
+    const auto* src = g_tile + row * row_stride + chunk * 8;
+    const int64_t src_step = kRowsPerIter * row_stride;
+#pragma unroll 1
+    for (int it = 0; it < kIters; ++it, row += kRowsPerIter, src += src_step) {
+      if (kRows % kRowsPerIter == 0 || row < kRows) {
+        const bool valid = row < rows_valid;
+        cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * kElemBytes, valid ? src : g_tile,
+                    valid);
+      }
+    }
+  } else {
+    // Rows of 12 or 24 chunks (d = 96, 192) do not divide the thread count: index chunk by chunk.
+    constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll 1
+    for (int idx = tid; idx < kChunks; idx += Traits::kNThreads) {
+      const int row = idx / kChunksPerRow;
+      const int chunk = idx % kChunksPerRow;
+      const bool valid = row < rows_valid;
+      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * kElemBytes,
+                  g_tile + (valid ? row : 0) * row_stride + chunk * 8, valid);
+    }
+  }
+}
+
+// A operand of Q K^T for the warp's kMTiles row tiles at k-step ds (columns 16 ds .. 16 ds + 15).
+// ldmatrix matrices 0..3 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
+// (rows 8-15, k 8-15): exactly the a0..a3 registers of m16n8k16.
+template <typename Traits>
+CF_DEVICE void load_q_frag(uint32_t (&a)[Traits::kMTiles][4], uint32_t s_q, int warp_row0, int ds,
+                           int lane) {
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+    const int row = warp_row0 + 16 * mt + (lane % 16);
+    const int xor_bits = Traits::Tile::pattern(lane) ^ (lane / 16);
+    ldmatrix_x4(a[mt], s_q + Traits::Tile::pair_offset(row, ds, xor_bits) * Traits::kElemBytes);
+  }
+}
+
+// Every k-step's Q fragments of the warp's rows, into registers (the Q_in_regs variants).
+template <typename Traits>
+CF_DEVICE void load_q_regs(uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps][4], uint32_t s_q,
+                           int warp_row0, int lane) {
+#pragma unroll
+  for (int ds = 0; ds < Traits::kDSteps; ++ds) {
+    uint32_t a[Traits::kMTiles][4];
+    load_q_frag<Traits>(a, s_q, warp_row0, ds, lane);
+#pragma unroll
+    for (int mt = 0; mt < Traits::kMTiles; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r_q[mt][ds][i] = a[mt][i];
+  }
+}
+
+// S = Q K^T for one key block. K is [kBlockN][d] row-major = B^T, which is the "col" layout of
+// the B operand: plain ldmatrix gives b0/b1 of two 8-key tiles per call.
+template <typename Traits>
+CF_DEVICE void gemm_qk(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
+                       const uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps][4], uint32_t s_q,
+                       uint32_t s_k, int warp_row0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Traits::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+
+#pragma unroll
+  for (int ds = 0; ds < Traits::kDSteps; ++ds) {
+    uint32_t a[Traits::kMTiles][4];
+    if constexpr (Traits::Q_in_regs) {
+#pragma unroll
+      for (int mt = 0; mt < Traits::kMTiles; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[mt][i] = r_q[mt][ds][i];
+    } else {
+      load_q_frag<Traits>(a, s_q, warp_row0, ds, lane);
+    }
+#pragma unroll
+    for (int np = 0; np < Traits::kNTiles / 2; ++np) {
+      // matrices: (keys 0-7, k 0-7), (keys 0-7, k 8-15), (keys 8-15, k 0-7), (keys 8-15, k 8-15)
+      const int key = 16 * np + (lane % 8) + 8 * (lane / 16);
+      const int xor_bits = Traits::Tile::pattern(lane) ^ ((lane / 8) % 2);
+      uint32_t b[4];
+      ldmatrix_x4(b, s_k + Traits::Tile::pair_offset(key, ds, xor_bits) * Traits::kElemBytes);
+#pragma unroll
+      for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+        Traits::Ops::mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
+        Traits::Ops::mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// O += P V for one key block. The S accumulator of 8-key tiles 2 ks and 2 ks + 1 is, element
+// for element, the A operand of k-step ks (rows g / g + 8, keys 2t.. / 2t + 8..), so P never
+// leaves registers. V is [kBlockN][d] row-major = B row-major: ldmatrix.trans gives the "col"
+// fragments of two 8-wide d tiles per call.
+template <typename Traits>
+CF_DEVICE void gemm_pv(float (&o)[Traits::kMTiles][Traits::kDTiles][4],
+                       const float (&p)[Traits::kMTiles][Traits::kNTiles][4], uint32_t s_v,
+                       int lane) {
+#pragma unroll
+  for (int ks = 0; ks < Traits::kNSteps; ++ks) {
+    uint32_t a[Traits::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+      p_operand<typename Traits::Ops>(a[mt], p[mt], ks);
+    }
+#pragma unroll
+    for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
+      // matrices: (keys 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15)
+      const int key = 16 * ks + (lane % 8) + 8 * ((lane / 8) % 2);
+      const int xor_bits = Traits::Tile::pattern(lane) ^ (lane / 16);
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, s_v + Traits::Tile::pair_offset(key, dp, xor_bits) * Traits::kElemBytes);
+#pragma unroll
+      for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+        Traits::Ops::mma_16816(o[mt][2 * dp], a[mt], b[0], b[1]);
+        Traits::Ops::mma_16816(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}

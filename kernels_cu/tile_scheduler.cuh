@@ -1,0 +1,75 @@
+// The Hopper forward's tile scheduler: which tiles a CTA computes, in which order. A tile is
+// (query block, batch, head). Query blocks run fastest, so the CTAs working at one time share a
+// (batch, head) and its K/V stays in L2; under causal the last query blocks (the most keys) come
+// first, so the long tiles do not straggle at the end. Three schedules:
+//   static   one CTA per SM, tiles blockIdx.x + k gridDim.x: uniform tiles (no causal / window);
+//   dynamic  one CTA per SM, each next tile drawn from a global counter in tile order (each
+//            (batch, head)'s longest first): uneven tiles (causal) balance themselves, greedily;
+//   per tile one CTA per tile (gridDim.x = tiles), handed out in the same order by the hardware.
+// Only the producer walks the schedule; it passes each tile to the consumers with its Q.
+#pragma once
+
+#include "common.cuh"
+#include "params.cuh"
+
+// The query and key rows of a tile's sequence: all of them for a padded batch, its slice of the
+// packed tensors for varlen.
+template <bool Varlen>
+struct TileRows {
+  SeqRange q, k;
+  CF_DEVICE TileRows(const AttnParams& params, int batch)
+      : q(Varlen ? seq_range(params.cu_seqlens_q, batch, params.seqlen_q)
+                 : SeqRange{0, params.seqlen_q}),
+        k(Varlen ? seq_range(params.cu_seqlens_k, batch, params.seqlen_k)
+                 : SeqRange{0, params.seqlen_k}) {}
+};
+
+template <typename Traits>
+struct TileScheduler {
+  int num_m_blocks;
+  int num_tiles;
+
+  CF_DEVICE explicit TileScheduler(const Fa3Params& p)
+      : num_m_blocks(p.num_m_blocks), num_tiles(p.num_m_blocks * p.attn.batch * p.attn.h) {}
+
+  struct Tile {
+    int m_block, batch, head;
+  };
+
+  // Tile t -> (query block, batch, head).
+  CF_DEVICE Tile operator()(int t, const AttnParams& params) const {
+    const int m = t % num_m_blocks;
+    const int bh = t / num_m_blocks;
+    return {Traits::Is_causal ? num_m_blocks - 1 - m : m, bh / params.h, bh % params.h};
+  }
+
+  // The CTA's tile after t (grid: gridDim.x): the static stride, or drawn from the counter. The
+  // producer draws it once the current tile's loads are all issued (it then runs at most
+  // kStages blocks ahead of the consumers): drawn earlier, a CTA would claim it before the CTAs
+  // that free up first, and undo the balance of the greedy schedule.
+  static CF_DEVICE int next(int t, int grid, const Fa3Params& p) {
+    if constexpr (Traits::Dynamic) return grid + atomicAdd(p.tile_counters, 1);
+    return t + grid;
+  }
+
+  // Varlen: a tile past the end of its sequence holds no rows; the consumers never see it.
+  CF_DEVICE bool empty(int t, const AttnParams& params) const {
+    if constexpr (!Traits::Varlen) return false;
+    const Tile tile = (*this)(t, params);
+    return tile.m_block * Traits::kBlockM >= TileRows<Traits::Varlen>(params, tile.batch).q.len;
+  }
+
+  // This CTA draws no more tiles. The dynamic schedule's last CTA to get here knows every draw
+  // has been made (each CTA fences its draws before counting itself done) and resets both
+  // counters ([0] tiles drawn past the first gridDim.x, [1] CTAs done) for the next launch.
+  CF_DEVICE void finish(int grid, const Fa3Params& p) const {
+    if constexpr (Traits::Dynamic) {
+      __threadfence();
+      if (atomicAdd(p.tile_counters + 1, 1) == grid - 1) {
+        __threadfence();  // the other CTAs' draws (fenced before their count) come before the reset
+        p.tile_counters[0] = 0;
+        p.tile_counters[1] = 0;
+      }
+    }
+  }
+};

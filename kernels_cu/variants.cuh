@@ -1,0 +1,64 @@
+// Score variants: the transform a raw score q . k goes through before the mask and the online
+// softmax (FlashInfer's LogitsTransform). Every kernel calls its variant at one place, on an
+// m16n8 accumulator tile (transform_scores) or on one score (the naive softmax), so ALiBi, a bias
+// tile or a user score function is one more struct here, not an edit of every kernel.
+//
+// A variant is constructed from the kernel's AttnParams and maps (score, query row, key) to the
+// logit; the row and key are those of the sequence (what ALiBi or a bias tile would index by).
+// The factor the softmax multiplies the logit by is softmax_scale_log2 (params.cuh).
+#pragma once
+
+#include "common.cuh"
+#include "params.cuh"
+
+// logit(s) = s: plain attention (the scale is folded into softmax_scale_log2).
+struct NoScoreTransform {
+  CF_DEVICE explicit NoScoreTransform(const AttnParams&) {}
+  CF_DEVICE float operator()(float score, int /*row*/, int /*key*/) const { return score; }
+};
+
+// logit(s) = tanh(s * scale / softcap) (Gemma 2's soft cap); the softcap factor itself is folded
+// into softmax_scale_log2. The params are read at each use, so the prescale stays an operand
+// from parameter memory rather than a register held across the main loop.
+struct Softcap {
+  const AttnParams& params;
+  CF_DEVICE explicit Softcap(const AttnParams& p) : params(p) {}
+  CF_DEVICE float operator()(float score, int /*row*/, int /*key*/) const {
+    return fast_tanh(score * params.softcap_prescale);
+  }
+};
+
+// The variant of a kernel's flags (one flag today).
+template <bool Has_softcap>
+struct SelectScoreTransform {
+  using type = NoScoreTransform;
+};
+template <>
+struct SelectScoreTransform<true> {
+  using type = Softcap;
+};
+template <bool Has_softcap>
+using ScoreTransform = typename SelectScoreTransform<Has_softcap>::type;
+
+// Apply a variant to a tile of scores. Fragment layout of m16n8 tiles (as KeyMask::apply):
+// element e of tile (mt, nt) is row row0 + 16 mt + lane / 4 + 8 (e / 2),
+// key key0 + 8 nt + 2 (lane % 4) + e % 2.
+template <typename Transform, int kMTiles, int kNTiles>
+CF_DEVICE void transform_scores(const Transform& transform, float (&s)[kMTiles][kNTiles][4],
+                                int row0, int key0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2);
+        const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+        s[mt][nt][e] = transform(s[mt][nt][e], row, key);
+      }
+}
+
+// The identity leaves the tile alone (not even the index arithmetic above is written).
+template <int kMTiles, int kNTiles>
+CF_DEVICE void transform_scores(const NoScoreTransform&, float (&)[kMTiles][kNTiles][4], int, int,
+                                int) {}

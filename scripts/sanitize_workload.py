@@ -1,0 +1,261 @@
+"""The program scripts/sanitize.py runs under compute-sanitizer: every kernel family once at
+small shapes that reach every code path, through the public API only.
+
+    python scripts/sanitize_workload.py [--size tiny|small] [--lib cupy|torch|numpy]
+
+Paths reached: partial query and key tiles (lengths 1, 70, 97, 200, never a multiple of a
+block), the causal diagonal with Nq = Nk and Nq != Nk (rows that see no key), sliding windows,
+softcap, a negative scale, GQA and MQA, bhsd and a strided head slice; FA2 (every head dim at
+``small``) and the Hopper kernel forced with ``algorithm=``, the FA1 and naive baselines; packed
+sequences with empty and one-token ones; KV caches contiguous and paged (page sizes 1, 16, 256),
+split counts 1, 3 and automatic, appended tokens; merge_states with an empty part.
+
+``tiny`` (racecheck, synccheck: they are slow) keeps two head dims and short lengths; ``small``
+(memcheck, initcheck) runs every head dim. On the GPU, CuPy's memory pool is bypassed
+(``cupy.cuda.set_allocator(None)``: each buffer its own allocation, so an overrun lands outside
+it) and PyTorch must run with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (sanitize.py sets it).
+``--lib numpy`` runs the same calls on host arrays (float32) with no GPU: a smoke test of the
+workload itself (tests/test_scripts.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+import cupyflash
+
+# The head dims of each kernel family (cupyflash/_specs.py; public numbers, so that the
+# workload needs no private module).
+FA2_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+FA3_HEAD_DIMS = (64, 128, 256)
+FA1_HEAD_DIMS = (64, 128, 256, 512)
+DECODE_HEAD_DIMS = (64, 128, 256)
+
+
+class Arrays:
+    """Inputs in one library (CuPy or torch on the GPU, NumPy on the host), fresh random data."""
+
+    def __init__(self, lib: str, seed: int = 0) -> None:
+        self.lib = lib
+        self.rng = np.random.default_rng(seed)
+        if lib == "cupy":
+            import cupy
+
+            cupy.cuda.set_allocator(None)  # no pool: every buffer is its own allocation
+            cupy.cuda.set_pinned_memory_allocator(None)
+            self.module = cupy
+        elif lib == "torch":
+            import torch
+
+            self.module = torch
+        else:
+            self.module = np
+
+    def randn(self, *shape: int, dtype: str = "float16") -> Any:
+        host = self.rng.standard_normal(shape).astype(np.float32)
+        if self.lib == "cupy" and dtype != "bfloat16":
+            return self.module.asarray(host).astype(dtype)
+        if self.lib != "numpy":  # CuPy's bfloat16 arrays come from torch through DLPack (NOTES.md)
+            import torch
+
+            tensor = torch.from_numpy(host).to("cuda", getattr(torch, dtype))
+            return self.module.from_dlpack(tensor) if self.lib == "cupy" else tensor
+        return host  # the host path runs float32 (NumPy has no bfloat16 array-API namespace)
+
+    def ints(self, values: Any) -> Any:
+        host = np.asarray(values, dtype=np.int32)
+        if self.lib == "cupy":
+            return self.module.asarray(host)
+        if self.lib == "torch":
+            return self.module.from_numpy(host).cuda()
+        return host
+
+    def full_like(self, x: Any, value: float) -> Any:
+        if self.lib == "cupy" and str(x.dtype) == "bfloat16":  # through torch, as randn
+            import torch
+
+            return self.module.from_dlpack(torch.full_like(torch.from_dlpack(x), value))
+        return self.module.full_like(x, value)
+
+    def sync(self) -> None:
+        if self.lib == "cupy":
+            self.module.cuda.Device().synchronize()
+        elif self.lib == "torch":
+            self.module.cuda.synchronize()
+
+
+def _hopper(lib: str) -> bool:
+    if lib == "numpy":
+        return True  # the host maps "fa3" to its FA2: the calls are valid there too
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+Case = tuple[str, Callable[[Arrays], Any]]
+
+
+def _attention(
+    a: Arrays, b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: str = "bfloat16", **options: Any
+) -> Any:
+    q, k, v = (
+        a.randn(b, sq, hq, d, dtype=dtype),
+        a.randn(b, sk, hkv, d, dtype=dtype),
+        a.randn(b, sk, hkv, d, dtype=dtype),
+    )
+    return cupyflash.attention(q, k, v, return_lse=True, **options)
+
+
+def _layouts(a: Arrays, nq: int, nk: int, d: int) -> Any:
+    q, k, v = (a.randn(1, 2, n, d) for n in (nq, nk, nk))  # bhsd
+    cupyflash.attention(q, k, v, layout="bhsd", causal=True)
+    heads = a.randn(1, nq, 8, d)[:, :, ::2]  # a head slice: strided rows and heads
+    return cupyflash.attention(heads, a.randn(1, nk, 2, d), a.randn(1, nk, 2, d), causal=True)
+
+
+def attention_cases(size: str, hopper: bool) -> Iterator[Case]:
+    fa2_dims = (64, 128) if size == "tiny" else FA2_HEAD_DIMS
+    fa3_dims = ((64, 128) if size == "tiny" else FA3_HEAD_DIMS) if hopper else ()
+    nq, nk = (70, 97) if size == "tiny" else (97, 200)
+    # (label, B, Nq, Nk, Hq, Hkv, options): partial tiles, the causal diagonal with Nq = Nk,
+    # rows that see no key (Nq > Nk, causal), windows, softcap, MQA, a negative scale.
+    shapes = [
+        ("causal-gqa", 1, nq, nk, 4, 2, {"causal": True}),
+        ("causal-square", 1, nk, nk, 2, 2, {"causal": True}),
+        ("causal-nq>nk-mqa", 2, nk, nq, 2, 1, {"causal": True}),
+        ("window", 1, nq, nk, 2, 1, {"window": (16, 8)}),
+        ("softcap-causal", 1, nq, nk, 2, 2, {"causal": True, "softcap": 30.0}),
+        ("one-query", 1, 1, nk, 4, 1, {"causal": True, "scale": -0.2}),
+    ]
+    for algorithm, dims in (("fa2", fa2_dims), ("fa3", fa3_dims)):
+        for d in dims:
+            for label, b, sq, sk, hq, hkv, options in shapes:
+                for dtype in ("float16", "bfloat16") if label == "causal-gqa" else ("bfloat16",):
+                    call = partial(
+                        _attention, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dtype=dtype, algorithm=algorithm, **options
+                    )
+                    yield f"attention {algorithm} d={d} {dtype} {label}", call
+    yield f"attention layouts d={fa2_dims[0]}", partial(_layouts, nq=nq, nk=nk, d=fa2_dims[0])
+    for algorithm, dims in (("fa1", (64, 128) if size == "tiny" else FA1_HEAD_DIMS), ("naive", (64, 80))):
+        for d in dims:
+            for causal in (False, True):
+                call = partial(_attention, b=1, sq=nq, sk=nk, hq=4, hkv=2, d=d, algorithm=algorithm, causal=causal)
+                yield f"attention {algorithm} d={d} causal={causal}", call
+
+
+def _varlen(a: Arrays, q_lens: list[int], k_lens: list[int], d: int, **options: Any) -> Any:
+    cu_q, cu_k = np.cumsum([0, *q_lens]), np.cumsum([0, *k_lens])
+    q = a.randn(int(cu_q[-1]) + 3, 4, d)  # 3 rows after the last sequence
+    k, v = a.randn(int(cu_k[-1]), 2, d), a.randn(int(cu_k[-1]), 2, d)
+    return cupyflash.attention_varlen(
+        q, k, v, a.ints(cu_q), a.ints(cu_k), max(q_lens), max(k_lens), return_lse=True, **options
+    )
+
+
+def varlen_cases(size: str, hopper: bool) -> Iterator[Case]:
+    # empty and one-token sequences, Nq != Nk, one longer than a tile
+    lengths = ([0, 1, 37, 70], [5, 1, 0, 97]) if size == "tiny" else ([0, 1, 37, 130, 1], [5, 1, 0, 200, 64])
+    for algorithm in ("fa2", "fa3") if hopper else ("fa2",):
+        for d in (64, 128):
+            for options in ({"causal": True}, {"window": (20, -1)}, {}):
+                yield (
+                    f"varlen {algorithm} d={d} {options}",
+                    partial(_varlen, q_lens=lengths[0], k_lens=lengths[1], d=d, algorithm=algorithm, **options),
+                )
+
+
+def _kvcache(
+    a: Arrays, length: int, cached: list[int], d: int, page_size: int | None, num_splits: int, nq: int, new: int
+) -> Any:
+    b, hq, hkv = len(cached), 8, 2
+    extra = {}
+    if new:
+        extra = {"k_new": a.randn(b, new, hkv, d), "v_new": a.randn(b, new, hkv, d)}
+    if page_size is None:
+        k, v = a.randn(b, length, hkv, d), a.randn(b, length, hkv, d)
+    else:  # pages in shuffled order, two spare ones
+        per_seq = -(-length // page_size)
+        pages = b * per_seq + 2
+        k, v = a.randn(pages, page_size, hkv, d), a.randn(pages, page_size, hkv, d)
+        extra["block_table"] = a.ints(a.rng.permutation(pages)[: b * per_seq].reshape(b, per_seq))
+    return cupyflash.attention_with_kvcache(
+        a.randn(b, nq, hq, d), k, v, cache_seqlens=a.ints(cached), num_splits=num_splits, causal=True,
+        return_lse=True, **extra,
+    )  # fmt: skip
+
+
+def kvcache_cases(size: str) -> Iterator[Case]:
+    length = 300 if size == "tiny" else 1031
+    cached = [0, 1, length // 2, length - 8]  # empty, one token, ragged, nearly full
+    for d in (64, 128) if size == "tiny" else DECODE_HEAD_DIMS:
+        for page_size in (None, 1, 16, 256):
+            for splits in (1, 3, 0):
+                for nq, new in ((1, 1), (4, 4), (3, 0)):
+                    call = partial(
+                        _kvcache,
+                        length=length,
+                        cached=cached,
+                        d=d,
+                        page_size=page_size,
+                        num_splits=splits,
+                        nq=nq,
+                        new=new,
+                    )
+                    yield f"kvcache d={d} page={page_size} splits={splits} nq={nq} new={new}", call
+
+
+def _merge(a: Arrays, dtype: str, d: int) -> Any:
+    o_a, o_b = a.randn(2, 37, 4, d, dtype=dtype), a.randn(2, 37, 4, d, dtype=dtype)
+    lse_a, lse_b = a.randn(2, 4, 37, dtype="float32"), a.randn(2, 4, 37, dtype="float32")
+    cupyflash.merge_states(o_a, lse_a, o_b, lse_b)
+    return cupyflash.merge_states(o_a, lse_a, a.full_like(o_b, np.nan), a.full_like(lse_b, -np.inf))  # an empty part
+
+
+def merge_cases(size: str) -> Iterator[Case]:
+    for dtype in ("float16", "bfloat16", "float32"):
+        for d in (64, 128):
+            yield f"merge_states {dtype} d={d}", partial(_merge, dtype=dtype, d=d)
+
+
+def cases(size: str = "small", hopper: bool = True) -> list[Case]:
+    """Every call of the workload, in order: (label, fn(arrays))."""
+    return [
+        *attention_cases(size, hopper),
+        *varlen_cases(size, hopper),
+        *kvcache_cases(size),
+        *merge_cases(size),
+    ]
+
+
+def run(lib: str = "cupy", size: str = "small", only: str | None = None) -> int:
+    """Run every case (those whose label contains ``only``); returns the number run."""
+    arrays = Arrays(lib)
+    todo = [(label, fn) for label, fn in cases(size, _hopper(lib)) if only is None or only in label]
+    start = time.perf_counter()
+    for i, (label, fn) in enumerate(todo, start=1):
+        print(f"[{i}/{len(todo)}] {label}", flush=True)
+        fn(arrays)
+        arrays.sync()
+    print(f"sanitize workload: {len(todo)} calls ({size}, {lib}) in {time.perf_counter() - start:.1f} s", flush=True)
+    return len(todo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=("tiny", "small"), default="small")
+    parser.add_argument("--lib", choices=("cupy", "torch", "numpy"), default="cupy")
+    parser.add_argument("--only", help="only the cases whose label contains this")
+    args = parser.parse_args(argv)
+    run(args.lib, args.size, args.only)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Tile tuning on the GPU machine: the measurements behind the tables of cupyflash/_dispatch.py.
+
+    python scripts/tune.py fa2 [--head-dims 64 128] [--dtype bfloat16] [--json OUT]
+    python scripts/tune.py fa3 [--head-dims 64] [--short] [--dtype bfloat16] [--json OUT]
+    python scripts/tune.py decode [--tolerances 0.01 0.05] [--json OUT]
+
+fa2 / fa3: each candidate tile (FA2: TileConfig, block sizes, warps, stages; Hopper: Fa3Tile,
+key block, consumer warpgroups, K/V stages) is compiled (in parallel), put into the dispatch
+table, checked against the float64 reference on awkward shapes, and timed on bench.py's prefill
+shapes (H * d = 2048, B * N = 16384); a candidate that spills is skipped. The table of TFLOP/s
+per candidate is what FA2_FWD_TILES / FA3_FWD_TILES / FA3_SHORT_FWD_TILES are set from.
+``fa3 --short``: the short-call candidates at N = 1024, with cuDNN beside them.
+
+decode: DECODE_TILES candidates for d = 128 (bf16, Hq = 32, Hkv = 8, one query token) on four
+cache shapes, then the split counts of the best one, paged caches by page size; ``--tolerances``
+sweeps only the split heuristic's wave-efficiency tolerance (DECODE_WAVE_TOLERANCE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+from typing import Any
+
+import numpy as np
+
+import cupyflash
+from cupyflash import _dispatch, _kernels, _plan, bench, reference
+from cupyflash._specs import DecodeTile, Fa2FwdSpec, Fa3FwdSpec, Fa3Tile, TileConfig
+
+# ---------------------------------------------------------------------------------------------
+# Shared: the correctness check of a candidate and its row of TFLOP/s.
+# ---------------------------------------------------------------------------------------------
+# (Nq, Nk, causal, window): odd lengths, Nq != Nk, GQA, causal, a window
+AWKWARD_SHAPES = ((300, 333, True, (-1, -1)), (77, 200, False, (-1, -1)), (129, 64, False, (20, 7)))
+
+
+def forget_plans() -> None:
+    """Drop every cached plan: the next call plans again from the (changed) dispatch tables."""
+    _plan.clear_caches()
+
+
+def max_relative_error(head_dim: int, dtype: str, algorithm: str) -> float:
+    """Largest relative error against the float64 reference over AWKWARD_SHAPES."""
+    import torch
+
+    rng = np.random.default_rng(head_dim)
+    err = 0.0
+    for nq, nk, causal, window in AWKWARD_SHAPES:
+        q, k, v = (
+            torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda().to(getattr(torch, dtype))
+            for s in ((2, nq, 4, head_dim), (2, nk, 2, head_dim), (2, nk, 2, head_dim))
+        )
+        out = cupyflash.attention(q, k, v, causal=causal, window=window, algorithm=algorithm)
+        ref = reference.attention(q, k, v, causal=causal, window=window)
+        err = max(err, float(np.linalg.norm(reference.to_numpy64(out) - ref) / np.linalg.norm(ref)))
+    return err
+
+
+def prefill_row(
+    head_dim: int, dtype: str, backend: str, seqlens: tuple[int, ...] = bench.PREFILL_SEQLENS
+) -> dict[str, Any]:
+    """TFLOP/s of one backend (a cupyflash one, or a peer: "cudnn") on the benchmark's shapes
+    (H * d = 2048, B * N = 16384), keyed N1024, N1024c (causal), ..."""
+    row: dict[str, Any] = {}
+    for n in seqlens:
+        for causal in (False, True):
+            shape = bench.PrefillShape(16384 // n, n, 2048 // head_dim, head_dim, causal, dtype)
+            row[f"N{n}{'c' if causal else ''}"] = bench.run_prefill(shape, backends=(backend,))[backend]
+    return row
+
+
+def candidate_row(
+    head_dim: int, dtype: str, tile: Any, regs: str, algorithm: str, seqlens: tuple[int, ...] = bench.PREFILL_SEQLENS
+) -> dict[str, Any]:
+    """One candidate's line of the tuning table (already in the dispatch table): its error on
+    the awkward shapes and its TFLOP/s on the benchmark shapes, printed as it comes."""
+    row = {
+        "head_dim": head_dim,
+        "tile": repr(tile),
+        "regs": regs,
+        "err": max_relative_error(head_dim, dtype, algorithm),
+        **prefill_row(head_dim, dtype, f"cupyflash_{algorithm}", seqlens),
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _device() -> tuple[int, int]:
+    """(device id, its shared memory per block with opt-in)."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    return device, cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
+
+
+def _write(path: str | None, results: Any) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# fa2: the mma.sync kernel's tiles.
+# ---------------------------------------------------------------------------------------------
+FA2_CANDIDATES = {
+    32: [
+        TileConfig(128, 128, 8, q_in_regs=True),
+        TileConfig(128, 64, 4),
+        TileConfig(64, 64, 4, q_in_regs=True, min_blocks=3),
+    ],
+    64: [
+        TileConfig(128, 64, 4),
+        TileConfig(128, 64, 4, stages=3),
+        TileConfig(64, 64, 4, q_in_regs=True, min_blocks=3),
+        TileConfig(128, 128, 8, q_in_regs=True, overlap=True),
+    ],
+    96: [TileConfig(128, 64, 8, q_in_regs=True), TileConfig(128, 64, 8, q_in_regs=True, overlap=True)],
+    128: [
+        TileConfig(128, 128, 8, q_in_regs=True),
+        TileConfig(128, 128, 8, stages=3, q_in_regs=True),
+        TileConfig(128, 32, 4, min_blocks=2),
+        TileConfig(64, 64, 4, q_in_regs=True, overlap=True, min_blocks=2),
+    ],
+    192: [TileConfig(128, 64, 8), TileConfig(64, 64, 4), TileConfig(128, 32, 8)],
+    256: [TileConfig(128, 64, 8), TileConfig(64, 64, 4), TileConfig(64, 64, 4, overlap=True)],
+}
+
+
+def tune_fa2(args: argparse.Namespace) -> list[dict[str, Any]]:
+    head_dims = args.head_dims or sorted(FA2_CANDIDATES)
+    device, _ = _device()
+    specs = [
+        Fa2FwdSpec(args.dtype, d, tile, causal=causal)
+        for d in head_dims
+        for tile in FA2_CANDIDATES[d]
+        for causal in (False, True)
+    ]
+    compiled = {k.spec: k for k in _kernels.warmup(specs, device, workers=16)}
+    results = []
+    for d in head_dims:
+        for tile in FA2_CANDIDATES[d]:
+            kernels = [compiled[Fa2FwdSpec(args.dtype, d, tile, causal=c)] for c in (False, True)]
+            regs = "/".join(str(k.num_regs) for k in kernels)
+            if any(k.local_bytes for k in kernels):
+                print(f"d={d} {tile}: spills ({[k.local_bytes for k in kernels]} B), skipped")
+                continue
+            _dispatch.FA2_FWD_TILES[d] = (tile,)
+            forget_plans()
+            results.append(candidate_row(d, args.dtype, tile, regs, "fa2"))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# fa3: the Hopper kernel's tiles.
+# ---------------------------------------------------------------------------------------------
+FA3_CANDIDATES = {
+    64: [
+        Fa3Tile(128, 3, 2),
+        Fa3Tile(128, 3, 2, dynamic=True),
+        Fa3Tile(128, 2, 4, pingpong=True),
+        Fa3Tile(128, 2, 4, pingpong=True, dynamic=True),
+    ],
+    128: [
+        Fa3Tile(128, pingpong=True),
+        Fa3Tile(128, pingpong=True, dynamic=True),
+    ],
+    256: [
+        Fa3Tile(64, separate_o=False, pingpong=True),
+        Fa3Tile(64, separate_o=False, pingpong=True, dynamic=True),
+    ],
+}
+# Short calls (FA3_SHORT_FWD_TILES): d = 64 tiles at N = 1024, beside cuDNN. (Key blocks of 176
+# and 192 were candidates too until their wgmma shapes left kernels_cu/wgmma.cuh.)
+FA3_SHORT_CANDIDATES = {
+    64: [
+        Fa3Tile(128, 2, 4, pingpong=True),
+        Fa3Tile(128, 2, 4, pingpong=True, dynamic=True),
+        Fa3Tile(128, 2, 2, pingpong=True),
+        Fa3Tile(128, 3, 4),
+    ],
+}
+
+
+def tune_fa3(args: argparse.Namespace) -> list[dict[str, Any]]:
+    candidates = FA3_SHORT_CANDIDATES if args.short else FA3_CANDIDATES
+    seqlens = (1024,) if args.short else bench.PREFILL_SEQLENS
+    head_dims = args.head_dims or sorted(candidates)
+    device, max_smem = _device()
+    specs = [
+        Fa3FwdSpec(args.dtype, d, tile, causal=causal)
+        for d in head_dims
+        for tile in candidates[d]
+        for causal in (False, True)
+    ]
+    specs = [s for s in specs if s.smem_bytes <= max_smem]
+    compiled = {k.spec: k for k in _kernels.warmup(specs, device, workers=16)}
+    results = []
+    if args.short:
+        for d in head_dims:
+            results.append({"head_dim": d, "tile": "cudnn", **prefill_row(d, args.dtype, "cudnn", seqlens)})
+            print(json.dumps(results[-1]), flush=True)
+    for d in head_dims:
+        for tile in candidates[d]:
+            kernels = [compiled.get(Fa3FwdSpec(args.dtype, d, tile, causal=c)) for c in (False, True)]
+            if any(k is None for k in kernels):
+                print(f"d={d} {tile}: over the shared memory of a block, skipped")
+                continue
+            regs = "/".join(str(k.num_regs) for k in kernels if k is not None)
+            if any(k.local_bytes for k in kernels if k is not None):
+                print(f"d={d} {tile}: spills, skipped")
+                continue
+            _dispatch.FA3_FWD_TILES[d, False] = _dispatch.FA3_FWD_TILES[d, True] = tile
+            _dispatch.FA3_SHORT_FWD_TILES.pop((d, False), None)  # the candidate at every length
+            _dispatch.FA3_SHORT_FWD_TILES.pop((d, True), None)
+            forget_plans()
+            results.append(candidate_row(d, args.dtype, tile, regs, "fa3", seqlens))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: the split-KV kernel's tiles, split counts, page sizes.
+# ---------------------------------------------------------------------------------------------
+DECODE_CANDIDATES = [
+    DecodeTile(16, 16, 4, 3),
+    DecodeTile(16, 16, 4, 2, min_blocks=3),
+    DecodeTile(16, 16, 4, 4),
+    DecodeTile(16, 32, 4, 2),
+    DecodeTile(16, 32, 4, 3),
+    DecodeTile(16, 16, 8, 2),
+    DecodeTile(16, 16, 8, 3),
+    DecodeTile(16, 16, 2, 3),
+    DecodeTile(16, 32, 2, 3),
+    DecodeTile(16, 16, 2, 4),
+]
+DECODE_SHAPES = [
+    bench.DecodeShape(1, 131072),
+    bench.DecodeShape(8, 32768),
+    bench.DecodeShape(8, 131072),
+    bench.DecodeShape(64, 4096),
+]
+
+
+def _decode_us(shape: bench.DecodeShape, **kwargs: Any) -> float:
+    q, k, v, seqlens = bench.decode_inputs(shape)
+    call = functools.partial(cupyflash.attention_with_kvcache, q, k, v, cache_seqlens=seqlens, **kwargs)
+    return round(bench.cuda_time_ms(call, warmup_ms=100.0, repeat=20) * 1e3, 1)
+
+
+def _paged_time(shape: bench.DecodeShape, page_size: int) -> tuple[float, float]:
+    """(us, TB/s) with the cache cut into pages listed in a shuffled block table."""
+    import torch
+
+    q, k, v, seqlens = bench.decode_inputs(shape)
+    k_pages, v_pages = (x.reshape(-1, page_size, shape.heads_kv, shape.head_dim) for x in (k, v))
+    table = torch.randperm(k_pages.shape[0], device="cuda").to(torch.int32).reshape(shape.batch, -1)
+    call = functools.partial(cupyflash.attention_with_kvcache, q, k_pages, v_pages, cache_seqlens=seqlens,
+                             block_table=table)  # fmt: skip
+    us = round(bench.cuda_time_ms(call, warmup_ms=100.0, repeat=20) * 1e3, 1)
+    return us, round(shape.kv_bytes / us / 1e6, 2)
+
+
+def _decode_plan() -> dict[str, int]:
+    """Split count, registers and resident CTAs per SM of the one decode call planned since the
+    last forget_plans()."""
+    from cupyflash import _kvcache
+
+    launch = next(iter(_kvcache._plans.values()))
+    step = next(s for s in launch.steps if getattr(getattr(s, "spec", None), "kernel", "") == "decode_partial")
+    kernel = _kernels.get_kernel(step.spec, 0)
+    return {
+        "splits": int(launch.params.value("num_splits")),
+        "regs": kernel.num_regs,
+        "ctas_per_sm": _dispatch.ctas_per_sm(step.spec, _plan.device_info(0)),
+    }
+
+
+def _tolerance_sweep(tolerances: list[float]) -> dict[str, dict[str, float]]:
+    """Per-call us (20 back-to-back calls) of every benchmark shape with the split count chosen
+    at each wave-efficiency tolerance (_dispatch.DECODE_WAVE_TOLERANCE)."""
+    default = _dispatch.DECODE_WAVE_TOLERANCE
+    rows = {}
+    for tolerance in tolerances:
+        _dispatch.DECODE_WAVE_TOLERANCE = tolerance
+        forget_plans()
+        row = {}
+        for shape in bench.decode_shapes():
+            q, k, v, seqlens = bench.decode_inputs(shape)
+            call = functools.partial(cupyflash.attention_with_kvcache, q, k, v, cache_seqlens=seqlens)
+            row[f"B{shape.batch}_L{shape.seqlen}"] = round(bench.cuda_time_ms(call, warmup_ms=100.0, calls=20) * 1e3, 1)
+            row[f"B{shape.batch}_L{shape.seqlen}_splits"] = _decode_plan()["splits"]
+            forget_plans()
+        rows[str(tolerance)] = row
+        print(f"tolerance {tolerance}:", json.dumps(row), flush=True)
+    _dispatch.DECODE_WAVE_TOLERANCE = default
+    return rows
+
+
+def tune_decode(args: argparse.Namespace) -> dict[str, Any]:
+    if args.tolerances:
+        return {"tolerance": _tolerance_sweep(args.tolerances)}
+    default = _dispatch.DECODE_TILES[128]
+    results = []
+    for tile in DECODE_CANDIDATES:
+        _dispatch.DECODE_TILES[128] = (tile, *default[1:])
+        forget_plans()
+        row: dict[str, Any] = {"tile": str(tile)}
+        for shape in DECODE_SHAPES:
+            us = _decode_us(shape)
+            row[f"B{shape.batch}_L{shape.seqlen}"] = us
+            row[f"B{shape.batch}_L{shape.seqlen}_TBps"] = round(shape.kv_bytes / us / 1e6, 2)
+        plan = _decode_plan()
+        row["regs"], row["ctas_per_sm"] = plan["regs"], plan["ctas_per_sm"]
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    # The best tile by the geometric mean over the shapes, then its split counts.
+    keys = [f"B{shape.batch}_L{shape.seqlen}" for shape in DECODE_SHAPES]
+    best = min(results, key=lambda r: math.prod(r[k] for k in keys))
+    print("best:", best["tile"], flush=True)
+    _dispatch.DECODE_TILES[128] = (DECODE_CANDIDATES[results.index(best)], *default[1:])
+    forget_plans()
+    splits = {}
+    for shape in (bench.DecodeShape(1, 131072), bench.DecodeShape(8, 32768)):
+        by_count = {n: _decode_us(shape, num_splits=n) for n in (1, 8, 16, 24, 32, 48, 64, 96, 128)}
+        splits[f"B{shape.batch}_L{shape.seqlen}"] = by_count
+        print(f"B={shape.batch} L={shape.seqlen} us by num_splits:", by_count, flush=True)
+    paged = {page: _paged_time(bench.DecodeShape(8, 32768), page) for page in (1, 16, 256)}
+    print("B=8 L=32768 paged (shuffled pages) us, TB/s by page size:", paged, flush=True)
+    _dispatch.DECODE_TILES[128] = default
+    forget_plans()
+    return {"tiles": results, "splits": splits, "paged": paged}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kernel", required=True)
+    for name in ("fa2", "fa3"):
+        p = sub.add_parser(name, help=f"the {name} forward kernel's tiles")
+        p.add_argument("--head-dims", type=int, nargs="+")
+        p.add_argument("--dtype", default="bfloat16")
+        p.add_argument("--json")
+        if name == "fa3":
+            p.add_argument("--short", action="store_true", help="the short-call candidates at N = 1024, with cuDNN")
+    p = sub.add_parser("decode", help="the split-KV decode kernel's tiles, split counts and page sizes")
+    p.add_argument("--tolerances", type=float, nargs="+", help="only sweep the split-count tolerance")
+    p.add_argument("--json")
+    args = parser.parse_args(argv)
+    results = {"fa2": tune_fa2, "fa3": tune_fa3, "decode": tune_decode}[args.kernel](args)
+    _write(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""What several test files share: the per-dtype error bounds of the GPU tests, GPU inputs, the
+naive low-precision baseline of flash-attn's "2x naive" rule, the forward check, the float64
+reference of a KV cache, and paged caches. Imported as ``from helpers import ...`` (pytest puts
+tests/ on sys.path, as for conftest.py); nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import reference
+
+# Relative error ||out - ref|| / ||ref|| of a 16-bit GPU result against float64 on the same
+# rounded inputs, and the rounding floor (~0.1 unit roundoff) added to 2x the naive error.
+BOUND = {"float16": 2e-3, "bfloat16": 1e-2}
+FLOOR = {"float16": 5e-5, "bfloat16": 4e-4}
+
+# (B, Nq, Nk, Hq, Hkv, causal, window, softcap): Nq != Nk, odd lengths, GQA/MQA, rows with no
+# visible key (Nq > Nk, causal), a single query over a long cache, windows, softcap.
+SHAPES = {
+    "square": (2, 128, 128, 4, 4, False, (-1, -1), 0.0),
+    "causal-gqa-odd": (1, 97, 200, 6, 2, True, (-1, -1), 0.0),
+    "causal-mqa-nq>nk": (2, 200, 97, 4, 1, True, (-1, -1), 0.0),
+    "one-query": (1, 1, 1025, 8, 2, True, (-1, -1), 0.0),
+}
+EXTRA = {
+    "window-causal": (3, 257, 257, 2, 2, True, (64, -1), 0.0),
+    "window-both": (1, 300, 301, 4, 2, False, (16, 16), 0.0),
+    "softcap": (1, 300, 301, 4, 2, True, (-1, -1), 30.0),
+    "window-softcap": (2, 130, 70, 2, 1, False, (-1, 3), 5.0),
+}
+
+
+def need_torch() -> Any:
+    """The torch module, or a skip where it is not installed."""
+    return pytest.importorskip("torch")
+
+
+def rel_error(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b|| / ||b|| (the norm of b floored at 1e-30)."""
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def dtype_name(x: Any) -> str:
+    """ "float16", "bfloat16", ... of a NumPy, CuPy or torch array."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def gpu_inputs(rng: np.random.Generator, shape_q: Any, shape_kv: Any, dtype: str, lib: str = "torch") -> list[Any]:
+    """Fresh standard-normal q, k, v on the GPU in ``dtype`` (torch tensors or CuPy arrays)."""
+    host = [rng.standard_normal(s).astype(np.float32) for s in (shape_q, shape_kv, shape_kv)]
+    if lib == "torch":
+        torch = need_torch()
+        return [torch.from_numpy(h).to("cuda", getattr(torch, dtype)) for h in host]
+    import cupy
+
+    return [cupy.asarray(h).astype(dtype) for h in host]
+
+
+def naive_low_precision(
+    q: Any, k: Any, v: Any, *, causal: Any, window: Any, softcap: float, scale: Any, layout: str
+) -> Any:
+    """Standard attention in the inputs' own precision (PyTorch's math path, unfused)."""
+    torch = need_torch()
+    q, k, v = (x if isinstance(x, torch.Tensor) else torch.from_dlpack(x) for x in (q, k, v))
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    d = q.shape[-1]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)).float() * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    visible = torch.from_numpy(reference.visible_keys(q.shape[2], k.shape[2], bool(causal), window)).to(q.device)
+    s = s.masked_fill(~visible, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(q.dtype)
+    out = p @ v
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def is_hopper() -> bool:
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+def skip_unless_kernel(algorithm: str, head_dim: int) -> None:
+    """Skip where ``algorithm="fa3"`` cannot run (not Hopper, or a head_dim it lacks)."""
+    from cupyflash._specs import FA3_HEAD_DIMS
+
+    if algorithm == "fa3" and (head_dim not in FA3_HEAD_DIMS or not is_hopper()):
+        pytest.skip("the Hopper kernel runs head_dim 64/128/256 on sm_90")
+
+
+def check_error(out64: np.ndarray, ref: np.ndarray, naive64: np.ndarray, dtype: str) -> float:
+    """The per-dtype bound and flash-attn's rule (within 2x naive low precision + a floor)."""
+    err, naive_err = rel_error(out64, ref), rel_error(naive64, ref)
+    assert err <= BOUND[dtype], f"relative error {err:.2e} over the {dtype} bound {BOUND[dtype]}"
+    assert err <= 2 * naive_err + FLOOR[dtype], f"error {err:.2e} > 2 x naive low-precision error {naive_err:.2e}"
+    return err
+
+
+def check_lse(lse64: np.ndarray, ref_lse: np.ndarray, atol: float = 2e-3) -> None:
+    """Written everywhere, -inf exactly where the reference's is, close elsewhere."""
+    assert not np.isnan(lse64).any(), "unwritten (NaN-poisoned) or NaN LSE"
+    assert (np.isneginf(lse64) == np.isneginf(ref_lse)).all(), "rows that see no key must have LSE = -inf"
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse64[finite], ref_lse[finite], atol=atol, rtol=1e-3)
+
+
+def check_attention(
+    q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd", algorithm="auto", lse_atol=2e-3
+):
+    """``cupyflash.attention`` on GPU inputs against the float64 reference: the output's type,
+    dtype and shape, no NaN (outputs are poisoned before the launch), the error rules, the LSE.
+    Returns (out, relative error)."""
+    out, lse = cupyflash.attention(
+        q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout, return_lse=True,
+        algorithm=algorithm,
+    )  # fmt: skip
+    assert type(out) is type(q) and out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
+    ref, ref_lse = reference.attention(
+        q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout, return_lse=True
+    )
+    out64 = reference.to_numpy64(out)
+    assert not np.isnan(out64).any(), "unwritten (NaN-poisoned) or NaN output"
+    naive = reference.to_numpy64(
+        naive_low_precision(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout)
+    )
+    err = check_error(out64, ref, naive, dtype_name(q))
+    check_lse(reference.to_numpy64(lse), ref_lse, lse_atol)
+    return out, err
+
+
+# ---------------------------------------------------------------------------------------------
+# KV caches.
+# ---------------------------------------------------------------------------------------------
+def kv_reference(
+    q: Any, k: Any, v: Any, lengths: Any, causal: bool, scale: Any = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """float64 attention of each sequence b over its first lengths[b] keys of contiguous caches
+    [B, L, Hkv, d]; returns (out [B, Nq, Hq, d], LSE [B, Hq, Nq])."""
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        n = int(n)
+        out, lse = reference.attention(
+            q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], causal=causal, scale=scale, return_lse=True
+        )
+        outs.append(out)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def check_kvcache(out, lse, q, k, v, lengths, causal, dtype, scale=None):
+    """A GPU attention_with_kvcache result against kv_reference on contiguous caches holding
+    what the call should have seen (new tokens appended): the error rules and the LSE."""
+    ref, ref_lse = kv_reference(q, k, v, lengths, causal, scale)
+    out64 = reference.to_numpy64(out)
+    assert not np.isnan(out64).any(), "unwritten (NaN-poisoned) output"
+    naive = np.concatenate(
+        [
+            reference.to_numpy64(
+                naive_low_precision(
+                    q[i : i + 1],
+                    k[i : i + 1, :n],
+                    v[i : i + 1, :n],
+                    causal=causal,
+                    window=(-1, -1),
+                    softcap=0.0,
+                    scale=scale,
+                    layout="bshd",
+                )
+            )
+            for i, n in enumerate(lengths)
+        ]  # fmt: skip
+    )
+    check_error(out64, ref, naive, dtype)
+    check_lse(reference.to_numpy64(lse), ref_lse)
+
+
+def paginate(
+    rng: np.random.Generator, caches: Any, page_size: int, spare_pages: int = 3
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """NumPy caches [B, L, H, d] as pages [num_pages, page_size, H, d] in shuffled order (plus
+    ``spare_pages`` unused pages of noise) through one int32 block table [B, ceil(L / page_size)]."""
+    b, length, h, d = caches[0].shape
+    per_seq = -(-length // page_size)
+    num_pages = b * per_seq + spare_pages
+    table = rng.permutation(num_pages)[: b * per_seq].reshape(b, per_seq)
+    paged = []
+    for cache in caches:
+        pages = rng.standard_normal((num_pages, page_size, h, d)).astype(cache.dtype)
+        padded = np.zeros((b, per_seq * page_size, h, d), dtype=cache.dtype)
+        padded[:, :length] = cache
+        pages[table.ravel()] = padded.reshape(b * per_seq, page_size, h, d)
+        paged.append(pages)
+    return paged, table.astype(np.int32)

@@ -1,0 +1,48 @@
+"""The CUDA sources as files (no compiler needed): the generated wgmma header is the generator's
+output, headers are a library (no .cu includes a .cu), and each file opens with its role."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+from cupyflash._specs import WGMMA_N
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "kernels_cu"
+
+
+def _gen_wgmma():
+    spec = importlib.util.spec_from_file_location("gen_wgmma", ROOT / "scripts" / "gen_wgmma.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_wgmma_header_is_the_generators_output():
+    gen = _gen_wgmma()
+    assert (KERNELS / "wgmma.cuh").read_text() == gen.render(), "run: python scripts/gen_wgmma.py"
+
+
+def test_wgmma_shapes_are_the_specs():
+    assert tuple(_gen_wgmma().SHAPES) == WGMMA_N
+
+
+def test_no_cu_includes_a_cu():
+    includes = {
+        path.name: re.findall(r'^\s*#include\s+"([^"]+)"', path.read_text(), re.MULTILINE)
+        for path in KERNELS.glob("*.cu*")
+    }
+    offending = {name: [i for i in inc if i.endswith(".cu")] for name, inc in includes.items()}
+    assert not {name: inc for name, inc in offending.items() if inc}
+    local = {path.name for path in KERNELS.glob("*.cu*")}
+    missing = {name: [i for i in inc if i not in local and not i.startswith("cuda_")] for name, inc in includes.items()}
+    assert not {name: inc for name, inc in missing.items() if inc}
+
+
+def test_every_file_opens_with_its_role():
+    for path in KERNELS.glob("*.cu*"):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("// ") and len(first) > 20, f"{path.name}: no opening comment"

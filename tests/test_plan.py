@@ -1,0 +1,113 @@
+"""The pure planner on the CPU: what a Launch holds for each entry point, and the facts it takes
+from tables instead of the driver (decode registers per thread, checked against ptxas)."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cupyflash import _dispatch, _kernels, _plan
+from cupyflash._specs import DecodeSpec
+from cupyflash._validate import attention_problem, kvcache_problem
+
+H200 = _plan.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+
+
+def _decode_specs() -> list[DecodeSpec]:
+    return [
+        DecodeSpec(dtype, d, tile, causal)
+        for d, tiles in _dispatch.DECODE_TILES.items()
+        for tile in tiles
+        for causal in (False, True)
+        for dtype in ("bfloat16", "float16")
+    ]
+
+
+def test_decode_register_table_matches_ptxas():
+    """The occupancy model (and so the split count) uses DECODE_REGISTERS: it must be what ptxas
+    gives each shipped decode variant. On a mismatch the message holds the table to paste."""
+    jobs = [(spec, arch) for spec in _decode_specs() for arch in ("sm_80", "sm_90a")]
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        built = list(pool.map(lambda job: (job, _kernels.compile_offline(*job).registers), jobs))
+    actual = {(arch, spec.name): regs for (spec, arch), regs in built}
+    if actual != _dispatch.DECODE_REGISTERS:
+        table = "".join(f'    ("{a}", "{n}"): {r},\n' for (a, n), r in sorted(actual.items()))
+        pytest.fail(f"DECODE_REGISTERS is stale; the compiled variants give:\n{table}")
+
+
+def test_occupancy_model_on_the_h200():
+    # d = 64, 16 rows: 119 registers x 256 threads bind (2 CTAs), before shared memory (3).
+    spec = _dispatch.decode_spec("bfloat16", 64, 4, False)
+    assert _dispatch.ctas_per_sm(spec, H200) == 2
+    # d = 128: 135 KB of shared memory per CTA: one.
+    assert _dispatch.ctas_per_sm(_dispatch.decode_spec("bfloat16", 128, 4, False), H200) == 1
+
+
+def _dense(**kw):
+    shapes = kw.pop("shapes", ((2, 300, 8, 128), (2, 333, 2, 128), (2, 333, 2, 128)))
+    options = {"causal": False, "scale": None, "window": (-1, -1), "softcap": 0.0, "layout": "bshd", **kw}
+    return attention_problem(*shapes, **options)
+
+
+def test_forward_launch_fills_params_by_name():
+    p = _dense(causal=True)
+    launch = _plan.plan_forward(p, "bfloat16", H200, "fa2", q_shape=(2, 300, 8, 128))
+    params = launch.params
+    assert params.value("seqlen_q") == 300 and params.value("seqlen_k") == 333 and params.value("h_h_k_ratio") == 4
+    assert params.value("window_right") == 0 and params.value("window_left") == -1
+    assert params.value("o_row_stride") == 8 * 128 and params.value("lse_batch_stride") == 8 * 300
+    q = launch.operands[launch.operand_index["q"]]
+    assert q.ptr_slot == params.slot("q_ptr")
+    assert dict(q.stride_slots) == {
+        params.slot(f"q_{s}_stride"): a for s, a in zip(("batch", "row", "head"), (0, 1, 2))
+    }
+    (step,) = launch.steps
+    assert step.grid == (-(-300 // step.spec.tile.block_m), 2, 8)
+
+
+def test_plans_do_not_touch_the_device(monkeypatch):
+    """Planning compiles nothing and asks the driver nothing: both would raise here."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the plan touched the device")
+
+    monkeypatch.setattr(_kernels, "get_kernel", forbidden)
+    monkeypatch.setattr(_plan._interop, "device_attribute", forbidden)
+    for algorithm in ("auto", "fa2", "fa3", "decode"):
+        shapes = ((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128))
+        _plan.plan_attention(_dense(shapes=shapes), "bfloat16", H200, algorithm, (1, 1, 8, 128))
+    from cupyflash import _baselines_gpu
+
+    for algorithm in ("fa1", "naive"):
+        _baselines_gpu.plan_baseline(_dense(), "float16", H200, algorithm)
+    kp = kvcache_problem(
+        (4, 1, 8, 128), (64, 16, 2, 128), (64, 16, 2, 128), cache_seqlens=5, block_table_shape=(4, 16),
+        k_new_shape=(4, 1, 2, 128), v_new_shape=(4, 1, 2, 128), causal=True, scale=None,
+    )  # fmt: skip
+    launch = _plan.plan_kvcache(kp, {"q": "bfloat16", "block_table": "int32"}, H200, num_splits=0)
+    assert [s.spec.kernel for s in launch.steps] == ["decode_append", "decode_partial"]
+
+
+def test_auto_runs_one_token_queries_on_the_decode_kernel():
+    one = _dense(shapes=((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128)))
+    launch = _plan.plan_attention(one, "bfloat16", H200, "auto", (1, 1, 8, 128))
+    assert [s.spec.kernel for s in launch.steps] == ["decode_partial"]
+    windowed = _dense(shapes=((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128)), window=(100, 0))
+    launch = _plan.plan_attention(windowed, "bfloat16", H200, "auto", (1, 1, 8, 128))
+    assert [s.spec.kernel for s in launch.steps] == ["fa3_fwd"]
+    with pytest.raises(ValueError, match="algorithm='decode' takes"):
+        _plan.plan_attention(windowed, "bfloat16", H200, "decode", (1, 1, 8, 128))
+
+
+def test_varlen_mask_does_not_depend_on_the_maxima():
+    from cupyflash._validate import varlen_problem
+
+    # max_seqlen_q = 1 would make a dense problem's causal bound "hide nothing".
+    p = varlen_problem((9, 4, 64), (9, 4, 64), (9, 4, 64), (3,), (3,), 1, 8, causal=True, scale=None,
+                       window=(-1, -1), softcap=0.0)  # fmt: skip
+    assert p.causal_bound
+    p = varlen_problem((60, 4, 64), (60, 4, 64), (60, 4, 64), (3,), (3,), 40, 8, causal=False, scale=None,
+                       window=(10, 0), softcap=0.0)  # fmt: skip
+    assert p.local_bound and p.causal_bound
