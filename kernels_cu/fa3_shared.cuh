@@ -8,19 +8,20 @@
 // Shared memory of one CTA, after the base is aligned up to a 1024-byte swizzle atom: the Q
 // buffers (buffer b holds the Q of the CTA's tiles b, b + kQBuffers, ...), O's own buffer when
 // Separate_o (else O is staged in Q buffer 0), kStages K slots, kStages V slots (every tile
-// swizzled, 1024-byte aligned), then the mbarriers and each Q buffer's tile index.
+// swizzled, 1024-byte aligned), then the mbarriers and each Q buffer's tile index. The members
+// are named s_* (shared memory), the accessors of Fa3Smem below after them.
 template <int kQBytes, int kQBuffers, bool Separate_o, int kKVBytes, int kStages>
 struct Fa3SharedStorage {
-  unsigned char q_o[(kQBuffers + (Separate_o ? 1 : 0)) * kQBytes];
-  unsigned char k[kStages][kKVBytes];
-  unsigned char v[kStages][kKVBytes];
-  uint64_t q_full[kQBuffers];   // the producer's Q load (one arrival + its bytes)
-  uint64_t q_empty[kQBuffers];  // every consumer warp is done with the Q buffer
-  uint64_t ring[4][kStages];    // [KvBarrier][stage]
+  unsigned char s_q_o[(kQBuffers + (Separate_o ? 1 : 0)) * kQBytes];
+  unsigned char s_k[kStages][kKVBytes];
+  unsigned char s_v[kStages][kKVBytes];
+  uint64_t s_q_full[kQBuffers];   // the producer's Q load (one arrival + its bytes)
+  uint64_t s_q_empty[kQBuffers];  // every consumer warp is done with the Q buffer
+  uint64_t s_ring[4][kStages];    // [KvBarrier][stage]
   // The tile whose Q the producer loads into buffer b, written before its q_full arrival
   // (release) and read by the consumers after their q_full wait (acquire); a value >= the number
   // of tiles ends the CTA. Room for two buffers either way.
-  int32_t tile[2];
+  int32_t s_tile[2];
   static_assert(kQBuffers <= 2, "two tile indices");
 };
 
@@ -47,6 +48,13 @@ CF_DEVICE void named_barrier_arrive(NamedBarrier id, int consumer) {
   named_barrier_arrive(static_cast<int>(id) + consumer, named_barrier_threads(id));
 }
 
+// Byte offset of a member in its struct (NVRTC 13.0 rejects __builtin_offsetof of a dependent
+// type; the offset still folds to a constant).
+template <typename T, typename M>
+CF_DEVICE uint32_t member_offset(M T::* member) {
+  return static_cast<uint32_t>(reinterpret_cast<size_t>(&(static_cast<T*>(nullptr)->*member)));
+}
+
 // The .shared-window addresses of a SharedStorage's members (the kernels address shared memory
 // with 32-bit addresses: common.cuh, smem_addr).
 template <typename Traits>
@@ -58,26 +66,26 @@ struct Fa3Smem {
       : base((smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1)) {}
 
   CF_DEVICE uint32_t q(int b) const {
-    return base + __builtin_offsetof(Storage, q_o) + b * Traits::kQBytes;
+    return base + member_offset(&Storage::s_q_o) + b * Traits::kQBytes;
   }
   CF_DEVICE uint32_t o() const { return Traits::Separate_o ? q(Traits::kQBuffers) : q(0); }
   CF_DEVICE uint32_t k(int stage) const {
-    return base + __builtin_offsetof(Storage, k) + stage * Traits::kKVBytes;
+    return base + member_offset(&Storage::s_k) + stage * Traits::kKVBytes;
   }
   CF_DEVICE uint32_t v(int stage) const {
-    return base + __builtin_offsetof(Storage, v) + stage * Traits::kKVBytes;
+    return base + member_offset(&Storage::s_v) + stage * Traits::kKVBytes;
   }
   CF_DEVICE uint32_t q_full(int b) const {
-    return base + __builtin_offsetof(Storage, q_full) + 8 * b;
+    return base + member_offset(&Storage::s_q_full) + 8 * b;
   }
   CF_DEVICE uint32_t q_empty(int b) const {
-    return base + __builtin_offsetof(Storage, q_empty) + 8 * b;
+    return base + member_offset(&Storage::s_q_empty) + 8 * b;
   }
   CF_DEVICE uint32_t ring(KvBarrier kind, int stage) const {
-    return base + __builtin_offsetof(Storage, ring) +
+    return base + member_offset(&Storage::s_ring) +
            8 * (static_cast<int>(kind) * Traits::kStages + stage);
   }
-  CF_DEVICE uint32_t tile(int b) const { return base + __builtin_offsetof(Storage, tile) + 4 * b; }
+  CF_DEVICE uint32_t tile(int b) const { return base + member_offset(&Storage::s_tile) + 4 * b; }
 
   // One thread, before the CTA's first __syncthreads.
   CF_DEVICE void init_barriers(int consumer_warps) const {
