@@ -75,7 +75,8 @@ class ArrayLib:
     def dtype_name(self, x: Any) -> str:
         raise NotImplementedError
 
-    def empty(self, shape: Sequence[int], dtype: str, device: int) -> Any:
+    def empty(self, shape: Sequence[int], dtype: str, device: int, like: Any = None) -> Any:
+        """A new array on ``device`` (``like``, an array of this library on it, may make that cheaper)."""
         raise NotImplementedError
 
     def fill(self, x: Any, value: float) -> None:
@@ -119,7 +120,7 @@ class CupyLib(ArrayLib):
     def dtype_name(self, x: Any) -> str:
         return str(x.dtype.name)
 
-    def empty(self, shape: Sequence[int], dtype: str, device: int) -> Any:
+    def empty(self, shape: Sequence[int], dtype: str, device: int, like: Any = None) -> Any:
         return cupy_module().empty(tuple(shape), dtype=_numpy_dtype(dtype))
 
     def fill(self, x: Any, value: float) -> None:
@@ -167,7 +168,9 @@ class TorchLib(ArrayLib):
             dtype = self._dtypes[name] = getattr(torch_module(), name)
         return dtype
 
-    def empty(self, shape: Sequence[int], dtype: str, device: int) -> Any:
+    def empty(self, shape: Sequence[int], dtype: str, device: int, like: Any = None) -> Any:
+        if like is not None:  # 2 us less than torch.empty(..., device=) on the H200 machine
+            return like.new_empty(shape, dtype=self._dtype(dtype))
         where = self._devices.get(device)
         if where is None:  # parsing "cuda:N" per call costs ~1 us
             where = self._devices[device] = torch_module().device("cuda", device)

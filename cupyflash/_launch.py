@@ -102,16 +102,17 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
     stream = lib.stream(device)
     poison = POISON_OUTPUTS and bool(launch.steps)
     results: dict[str, Any] = {}
+    like = arrays.get(launch.operands[0].name)
     for output in launch.outputs:
         if output.optional and not want_lse:
             continue
-        array = lib.empty(output.shape, output.dtype, device)
+        array = lib.empty(output.shape, output.dtype, device, like)
         fill = math.nan if poison else output.fill
         if fill is not None:
             lib.fill(array, fill)
         values[output.ptr_slot] = lib.ptr(array)
         results[output.name] = array
-    temporaries = {t.name: lib.empty(t.shape, t.dtype, device) for t in launch.temporaries}
+    temporaries = {t.name: lib.empty(t.shape, t.dtype, device, like) for t in launch.temporaries}
     if launch.scratch is not None:
         s = launch.scratch
         counters, scratch = _workspace.stream_scratch(
@@ -160,12 +161,24 @@ def _readable_copy(lib: ArrayLib, op: Operand, x: Any) -> tuple[Any, int, tuple[
 
 
 def _tensor_maps(tma: TmaMaps, launch: Launch, bound: list[Any]) -> bytes:
-    """The q, k and v maps over (d, rows, heads, batch), from this call's pointers and strides."""
-    row, head, batch = tma.axes
-    maps = b""
-    for name, dims, box in (("q", tma.q_dims, tma.q_box_rows), ("k", tma.kv_dims, tma.kv_box_rows),
-                            ("v", tma.kv_dims, tma.kv_box_rows)):  # fmt: skip
-        ptr, strides = bound[launch.operand_index[name]]
-        axis_strides = (strides[row], strides[head], strides[batch] if batch >= 0 else 0)
-        maps += _tma.tile_map(tma.dtype, ptr, dims, axis_strides, box)
+    """The q, k and v maps over (d, rows, heads, batch), from this call's pointers and strides;
+    the last ones of this Launch are kept by (pointers, strides), as training and serving loops
+    call again on the same buffers (a hit is one lookup instead of three encodes or lookups)."""
+    index = launch.operand_index
+    q, k, v = bound[index["q"]], bound[index["k"]], bound[index["v"]]
+    key = (q, k, v)
+    maps = launch.tensor_maps.get(key)
+    if maps is None:
+        row, head, batch = tma.axes
+        maps = b""
+        for (ptr, strides), dims, box in ((q, tma.q_dims, tma.q_box_rows), (k, tma.kv_dims, tma.kv_box_rows),
+                                          (v, tma.kv_dims, tma.kv_box_rows)):  # fmt: skip
+            axis_strides = (strides[row], strides[head], strides[batch] if batch >= 0 else 0)
+            maps += _tma.tile_map(tma.dtype, ptr, dims, axis_strides, box)
+        if len(launch.tensor_maps) >= _MAX_MAPS_PER_LAUNCH:
+            launch.tensor_maps.clear()
+        launch.tensor_maps[key] = maps
     return maps
+
+
+_MAX_MAPS_PER_LAUNCH = 64

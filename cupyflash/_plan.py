@@ -154,6 +154,8 @@ class Launch:
     error_slot: int = -1  # the params slot of the device error word (decode kernels), or -1
     # The steps' compiled kernels, filled by the Launch's first run (``_launch``); never planned.
     kernels: list[Any] = field(default_factory=list, repr=False, compare=False)
+    # The Hopper kernel's last tensor maps by (pointer, strides) of q, k, v (``_launch``).
+    tensor_maps: dict[Any, bytes] = field(default_factory=dict, repr=False, compare=False)
     # Derived on construction: operands by name (TMA maps and pointer offsets look them up).
     operand_index: dict[str, int] = field(init=False, repr=False, compare=False)
 

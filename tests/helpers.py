@@ -67,7 +67,8 @@ def naive_low_precision(
 ) -> Any:
     """Standard attention in the inputs' own precision (PyTorch's math path, unfused)."""
     torch = need_torch()
-    q, k, v = (x if isinstance(x, torch.Tensor) else torch.from_dlpack(x) for x in (q, k, v))
+    # A contiguous copy first: torch's DLPack import aborts the process on some CuPy views.
+    q, k, v = (x if isinstance(x, torch.Tensor) else torch.from_dlpack(x.copy(order="C")) for x in (q, k, v))
     if layout == "bshd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]

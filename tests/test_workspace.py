@@ -18,7 +18,7 @@ class _NumpyLib(_interop.ArrayLib):
         self.name = name
         self.state = state
 
-    def empty(self, shape, dtype, device):  # type: ignore[no-untyped-def]
+    def empty(self, shape, dtype, device, like=None):  # type: ignore[no-untyped-def]
         self.state["allocations"] += 1
         return np.empty(shape, dtype=dtype)
 
