@@ -133,7 +133,9 @@ def attention(
         lib, device = found
     lib.check_inputs((q, k, v))
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, options, layout, algorithm)
-    launch = _plans.get(key, lambda: _plan_attention(lib, device, q, k, v, options, layout, algorithm))
+    launch = _plans.lookup(key)
+    if launch is None:
+        launch = _plans.get(key, lambda: _plan_attention(lib, device, q, k, v, options, layout, algorithm))
     out, lse = _launch.run(launch, lib, device, {"q": q, "k": k, "v": v}, return_lse)
     return (out, lse) if return_lse else out
 

@@ -156,18 +156,22 @@ def attention_with_kvcache(
     else:
         lib, device = found
     lib.check_inputs((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new))
+    # The signature, flat (a decode step builds it every call): what the plan depends on.
     key = (
         lib.name, device, causal, scale, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype,
-        v_cache.shape, v_cache.dtype, None if seqlens is None else (seqlens.shape, seqlens.dtype),
-        None if block_table is None else (block_table.shape, block_table.dtype),
-        None if k_new is None else (k_new.shape, k_new.dtype, v_new.shape, v_new.dtype),
+        v_cache.shape, v_cache.dtype, None if seqlens is None else seqlens.shape,
+        None if seqlens is None else seqlens.dtype, None if block_table is None else block_table.shape,
+        None if block_table is None else block_table.dtype, None if k_new is None else k_new.shape,
+        None if k_new is None else k_new.dtype, None if v_new is None else v_new.shape,
     )  # fmt: skip
-    launch = _plans.get(
-        key,
-        lambda: _plan_kvcache(
-            lib, device, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits
-        ),  # fmt: skip
-    )
+    launch = _plans.lookup(key)
+    if launch is None:
+        launch = _plans.get(
+            key,
+            lambda: _plan_kvcache(
+                lib, device, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits
+            ),  # fmt: skip
+        )
     arrays_by_name = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens if seqlens is None else seqlens,
         "block_table": block_table, "k_new": k_new, "v_new": v_new,

@@ -64,30 +64,30 @@ def run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], w
 
 def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> tuple[Any, Any]:
     values = list(launch.params.values)
-    bound: list[tuple[int, tuple[int, ...]] | None] = []  # (ptr, strides) per operand, as read
+    operands = launch.operands
+    bound: list[tuple[int, tuple[int, ...]] | None] = [None] * len(operands)  # (ptr, strides) as read
+    known = launch.readable_strides  # per operand: the strides last found readable (no re-check)
     keep = []  # copies made for this call: alive until the launches are queued
     ptr_of, strides_of = lib.ptr, lib.strides
-    for op in launch.operands:
+    for i, op in enumerate(operands):
         x = arrays.get(op.name)
         if x is None:
-            bound.append(None)
             continue
         kind = op.kind
         if kind is LENGTHS and type(x) is int:  # one length for every sequence: check it here
             check_int_seqlens(x, *op.int_limit)
             values[op.int_slot] = x
-            bound.append(None)
             continue
         if op.negate:
             x = -x
             keep.append(x)
         ptr, strides = ptr_of(x), strides_of(x)
-        readable = _layouts.get((kind, x.shape, strides))
-        if readable is None:
-            readable = _layout_readable(kind, x.shape, strides)
-        if not readable or (kind is TILE and ptr % 16):
-            x, ptr, strides = _readable_copy(lib, op, x)
-            keep.append(x)
+        if strides != known[i] or (kind is TILE and ptr % 16):
+            if not _layout_readable(kind, x.shape, strides) or (kind is TILE and ptr % 16):
+                x, ptr, strides = _readable_copy(lib, op, x)
+                keep.append(x)
+            else:
+                known[i] = strides
         if op.offset_of is None:
             values[op.ptr_slot] = ptr
         else:
@@ -97,7 +97,7 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
             values[slot] = distance // itemsize
         for slot, axis in op.stride_slots:
             values[slot] = strides[axis]
-        bound.append((ptr, strides))
+        bound[i] = (ptr, strides)
 
     stream = lib.stream(device)
     poison = POISON_OUTPUTS and bool(launch.steps)

@@ -159,8 +159,13 @@ class Launch:
     # Derived on construction: operands by name (TMA maps and pointer offsets look them up).
     operand_index: dict[str, int] = field(init=False, repr=False, compare=False)
 
+    # Per operand, the strides last found readable by the kernels (``_launch``: a call with the
+    # same strides checks only its pointer's alignment).
+    readable_strides: list[Any] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "operand_index", {op.name: i for i, op in enumerate(self.operands)})
+        object.__setattr__(self, "readable_strides", [None] * len(self.operands))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,6 +194,14 @@ class PlanCache:
                     self._entries.clear()
                 self._entries[key] = hit
         return hit
+
+    def lookup(self, key: Any) -> Launch | None:
+        """The cached Launch, or None (a miss, or a key that cannot be hashed): the hot path's
+        check before it builds a planning closure."""
+        try:
+            return self._entries.get(key)
+        except TypeError:
+            return None
 
     def clear(self) -> None:
         self._entries.clear()

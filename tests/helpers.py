@@ -134,7 +134,13 @@ def check_attention(
     naive = reference.to_numpy64(
         naive_low_precision(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout)
     )
-    err = check_error(out64, ref, naive, dtype_name(q))
+    if algorithm == "naive":
+        # The naive baseline is the low-precision computation itself (S and P rounded to the
+        # input type in HBM): its bound is that of a naive computation, not 2x one.
+        err = rel_error(out64, ref)
+        assert err <= 1.5 * BOUND[dtype_name(q)], f"naive: relative error {err:.2e}"
+    else:
+        err = check_error(out64, ref, naive, dtype_name(q))
     check_lse(reference.to_numpy64(lse), ref_lse, lse_atol)
     return out, err
 

@@ -751,7 +751,7 @@ def test_gpu_attention_matches_reference(case, lib):
     )
     algorithm = _gpu_algorithm(case.algorithm, case.head_dim)
     # naive's LSE comes from S rounded to the input type (tests/test_gpu_baselines.py)
-    lse_atol = 2e-2 if (algorithm, case.dtype) == ("naive", "bfloat16") else 2e-3
+    lse_atol = {"bfloat16": 5e-2, "float16": 1e-2}[case.dtype] if algorithm == "naive" else 2e-3
     check_attention(q, k, v, algorithm=algorithm, lse_atol=lse_atol, **case.options())
 
 
