@@ -28,7 +28,11 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # small workload, so they run the tiny one.
 SIZE = {"memcheck": "small", "initcheck": "small", "racecheck": "tiny", "synccheck": "tiny"}
 WORKLOAD = Path(__file__).resolve().parent / "sanitize_workload.py"
-SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
+# "ERROR SUMMARY: N errors" (a second "... N errors were not printed" line counts only the
+# reports past --print-limit); racecheck ends with "RACECHECK SUMMARY: H hazards displayed (N
+# errors, W warnings)" instead.
+SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?$", re.MULTILINE)
+RACECHECK_SUMMARY = re.compile(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?")
 
 
 def find_sanitizer(explicit: str | None) -> str:
@@ -44,7 +48,7 @@ def find_sanitizer(explicit: str | None) -> str:
 def error_count(log: str) -> int | None:
     """The sanitizer's own count (its last "ERROR SUMMARY: N errors" line), None if it has none
     (it did not finish)."""
-    counts = SUMMARY.findall(log)
+    counts = SUMMARY.findall(log) or RACECHECK_SUMMARY.findall(log)
     return int(counts[-1]) if counts else None
 
 

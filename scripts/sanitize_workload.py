@@ -234,10 +234,15 @@ def cases(size: str = "small", hopper: bool = True) -> list[Case]:
     ]
 
 
-def run(lib: str = "cupy", size: str = "small", only: str | None = None) -> int:
-    """Run every case (those whose label contains ``only``); returns the number run."""
+def run(lib: str = "cupy", size: str = "small", only: str | None = None, skip: str | None = None) -> int:
+    """Run every case (those whose label contains ``only``, less those that contain ``skip``);
+    returns the number run."""
     arrays = Arrays(lib)
-    todo = [(label, fn) for label, fn in cases(size, _hopper(lib)) if only is None or only in label]
+    todo = [
+        (label, fn)
+        for label, fn in cases(size, _hopper(lib))
+        if (only is None or only in label) and (skip is None or skip not in label)
+    ]
     start = time.perf_counter()
     for i, (label, fn) in enumerate(todo, start=1):
         print(f"[{i}/{len(todo)}] {label}", flush=True)
@@ -252,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=("tiny", "small"), default="small")
     parser.add_argument("--lib", choices=("cupy", "torch", "numpy"), default="cupy")
     parser.add_argument("--only", help="only the cases whose label contains this")
+    parser.add_argument("--skip", help="not the cases whose label contains this")
     args = parser.parse_args(argv)
-    run(args.lib, args.size, args.only)
+    run(args.lib, args.size, args.only, args.skip)
     return 0
 
 
