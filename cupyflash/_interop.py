@@ -93,6 +93,9 @@ class ArrayLib:
     def check_inputs(self, arrays: Sequence[Any]) -> None:
         """Refuse what this library's users would otherwise get silently wrong."""
 
+    #: Whether results need ``wrap`` (only DLPack-adopted arrays: the others are the caller's).
+    wraps = False
+
     def wrap(self, x: Any) -> Any:
         """A result in the caller's type (the identity but for DLPack-adopted arrays)."""
         return x
@@ -213,6 +216,7 @@ class DlpackLib(CupyLib):
     """Other GPU arrays, adopted into CuPy at the entry; results go back through DLPack."""
 
     name = DLPACK
+    wraps = True
 
     def __init__(self, namespace: Any) -> None:
         super().__init__()

@@ -19,6 +19,8 @@ from ._interop import ArrayLib
 from ._plan import CONTIGUOUS, LENGTHS, TILE, KernelStep, Launch, Operand, TmaMaps
 from ._validate import check_int_seqlens
 
+_NONE: dict[str, Any] = {}  # no temporaries
+
 #: Fill every GPU output with NaN before the launch (tests set it: a value the kernel fails to
 #: write then shows up as NaN instead of as stale memory that happens to look right).
 POISON_OUTPUTS = False
@@ -64,40 +66,25 @@ def run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], w
 
 def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> tuple[Any, Any]:
     values = list(launch.params.values)
-    operands = launch.operands
-    bound: list[tuple[int, tuple[int, ...]] | None] = [None] * len(operands)  # (ptr, strides) as read
+    bound: list[tuple[int, tuple[int, ...]] | None] = [None] * len(launch.operands)  # (ptr, strides)
     known = launch.readable_strides  # per operand: the strides last found readable (no re-check)
-    keep = []  # copies made for this call: alive until the launches are queued
+    keep: list[Any] = []  # copies made for this call: alive until the launches are queued
     ptr_of, strides_of = lib.ptr, lib.strides
-    for i, op in enumerate(operands):
-        x = arrays.get(op.name)
+    # The common operand (an array, read as it is) takes the loop's straight path; an int length,
+    # a negated q, a pointer offset or a layout the kernels cannot read take _bind.
+    for i, name, is_tile, ptr_slot, stride_slots, plain in launch.bindings:
+        x = arrays.get(name)
         if x is None:
             continue
-        kind = op.kind
-        if kind is LENGTHS and type(x) is int:  # one length for every sequence: check it here
-            check_int_seqlens(x, *op.int_limit)
-            values[op.int_slot] = x
-            continue
-        if op.negate:
-            x = -x
-            keep.append(x)
-        ptr, strides = ptr_of(x), strides_of(x)
-        if strides != known[i] or (kind is TILE and ptr % 16):
-            if not _layout_readable(kind, x.shape, strides) or (kind is TILE and ptr % 16):
-                x, ptr, strides = _readable_copy(lib, op, x)
-                keep.append(x)
-            else:
-                known[i] = strides
-        if op.offset_of is None:
-            values[op.ptr_slot] = ptr
-        else:
-            slot, base, itemsize = op.offset_of
-            distance = ptr - bound[launch.operand_index[base]][0]  # type: ignore[index]
-            assert distance % itemsize == 0, f"{op.name} is not element-aligned with {base}"
-            values[slot] = distance // itemsize
-        for slot, axis in op.stride_slots:
-            values[slot] = strides[axis]
-        bound[i] = (ptr, strides)
+        if plain and type(x) is not int:
+            ptr, strides = ptr_of(x), strides_of(x)
+            if strides == known[i] and not (is_tile and ptr & 15):
+                values[ptr_slot] = ptr
+                for slot, axis in stride_slots:
+                    values[slot] = strides[axis]
+                bound[i] = (ptr, strides)
+                continue
+        _bind(launch, i, x, lib, values, bound, keep)
 
     stream = lib.stream(device)
     poison = POISON_OUTPUTS and bool(launch.steps)
@@ -112,7 +99,11 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
             lib.fill(array, fill)
         values[output.ptr_slot] = lib.ptr(array)
         results[output.name] = array
-    temporaries = {t.name: lib.empty(t.shape, t.dtype, device, like) for t in launch.temporaries}
+    temporaries = (
+        {t.name: lib.empty(t.shape, t.dtype, device, like) for t in launch.temporaries}
+        if (launch.temporaries)
+        else _NONE
+    )
     if launch.scratch is not None:
         s = launch.scratch
         counters, scratch = _workspace.stream_scratch(
@@ -121,33 +112,62 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
         values[s.counter_slot] = counters
         for slot, offset in s.scratch_slots:
             values[slot] = scratch + offset
-
     if launch.error_slot >= 0 and launch.steps:
-        values[launch.error_slot] = _workspace.device_error_word(device, stream)
+        word = _workspace.error_word_ptrs.get(device)
+        values[launch.error_slot] = word if word is not None else _workspace.device_error_word(device, stream)
 
-    for i, step in enumerate(launch.steps):
-        if type(step) is KernelStep:
-            kernel = launch.kernels[i] if i < len(launch.kernels) else _first_meeting(launch, i, device)
-            if step.buffers:
-                buffers = tuple(np.uint64(lib.ptr(temporaries[name])) for name in step.buffers)
-                kernel.launch_with_buffers(step.grid, step.block, step.smem, stream, tuple(values), buffers)
-            else:
-                maps = None if step.tma is None else _tensor_maps(step.tma, launch, bound)
-                kernel.launch(step.grid, step.block, step.smem, stream, *values, tma_maps=maps)
-        else:  # a step that launches itself (the naive baseline's cuBLAS GEMMs)
+    kernels = launch.kernels or _first_meeting(launch, device)
+    for step, kernel in zip(launch.steps, kernels):
+        if kernel is None:  # a step that launches itself (the naive baseline's cuBLAS GEMMs)
             step.execute(lib, device, stream, launch, bound, results, temporaries)
+        elif step.buffers:
+            buffers = tuple(np.uint64(lib.ptr(temporaries[name])) for name in step.buffers)
+            kernel.launch_with_buffers(step.grid, step.block, step.smem, stream, tuple(values), buffers)
+        else:
+            maps = None if step.tma is None else _tensor_maps(step.tma, launch, bound)
+            kernel.launch(step.grid, step.block, step.smem, stream, *values, tma_maps=maps)
     del keep
-    out = lib.wrap(results["out"])
-    lse = results.get("lse")
-    return out, None if lse is None else lib.wrap(lse)
+    out, lse = results["out"], results.get("lse")
+    if lib.wraps:
+        return lib.wrap(out), None if lse is None else lib.wrap(lse)
+    return out, lse
 
 
-def _first_meeting(launch: Launch, index: int, device: int) -> Any:
-    """The compiled kernels of a Launch's steps, looked up (or compiled) when the Launch first
-    runs, then kept on it: a hot call does no lookup by spec."""
-    kernels = [_kernels.get_kernel(s.spec, device) if type(s) is KernelStep else None for s in launch.steps]
-    launch.kernels[:] = kernels
-    return kernels[index]
+def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], bound: list[Any], keep: list[Any]) -> None:
+    """Operand ``i``'s fields, the general way: an int length checked, q negated, the layout
+    checked (a copy where the kernels cannot read it), a pointer given as an offset."""
+    op = launch.operands[i]
+    if op.kind is LENGTHS and type(x) is int:  # one length for every sequence: check it here
+        check_int_seqlens(x, *op.int_limit)
+        values[op.int_slot] = x
+        return
+    if op.negate:
+        x = -x
+        keep.append(x)
+    ptr, strides = lib.ptr(x), lib.strides(x)
+    misaligned = op.kind is TILE and ptr % 16
+    if misaligned or not _layout_readable(op.kind, x.shape, strides):
+        x, ptr, strides = _readable_copy(lib, op, x)
+        keep.append(x)
+    elif not op.negate:
+        launch.readable_strides[i] = strides
+    if op.offset_of is None:
+        values[op.ptr_slot] = ptr
+    else:
+        slot, base, itemsize = op.offset_of
+        distance = ptr - bound[launch.operand_index[base]][0]
+        assert distance % itemsize == 0, f"{op.name} is not element-aligned with {base}"
+        values[slot] = distance // itemsize
+    for slot, axis in op.stride_slots:
+        values[slot] = strides[axis]
+    bound[i] = (ptr, strides)
+
+
+def _first_meeting(launch: Launch, device: int) -> list[Any]:
+    """The compiled kernels of a Launch's steps (None for a step that launches itself), looked
+    up (or compiled) when the Launch first runs, then kept on it: a hot call does no lookup."""
+    launch.kernels[:] = [_kernels.get_kernel(s.spec, device) if type(s) is KernelStep else None for s in launch.steps]
+    return launch.kernels
 
 
 def _readable_copy(lib: ArrayLib, op: Operand, x: Any) -> tuple[Any, int, tuple[int, ...]]:

@@ -163,9 +163,20 @@ class Launch:
     # same strides checks only its pointer's alignment).
     readable_strides: list[Any] = field(init=False, repr=False, compare=False)
 
+    # Per operand, what a call's straight path needs, flat: (index, name, a TILE, the pointer's
+    # slot, the (slot, axis) of its strides, plain = neither negated nor given as an offset).
+    bindings: tuple[tuple[int, str, bool, int, tuple[tuple[int, int], ...], bool], ...] = field(
+        init=False, repr=False, compare=False
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "operand_index", {op.name: i for i, op in enumerate(self.operands)})
         object.__setattr__(self, "readable_strides", [None] * len(self.operands))
+        bindings = tuple(
+            (i, op.name, op.kind == TILE, op.ptr_slot, op.stride_slots, not op.negate and op.offset_of is None)
+            for i, op in enumerate(self.operands)
+        )
+        object.__setattr__(self, "bindings", bindings)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,13 +103,13 @@ def stream_scratch(
 # alive as long as the process; ``take_device_errors`` reads and clears it.
 # ---------------------------------------------------------------------------------------------
 _error_words: dict[int, Any] = {}  # device -> the CuPy array (kept alive)
-_error_word_ptrs: dict[int, int] = {}  # device -> its pointer (reading .data.ptr costs ~1 us)
+error_word_ptrs: dict[int, int] = {}  # device -> its pointer (reading .data.ptr costs ~1 us)
 
 
 def device_error_word(device: int, stream: int) -> int:
     """The pointer of ``device``'s error word, or 0 (no reporting) when the first call to need it
     runs inside a CUDA-graph capture, where allocating and zeroing it cannot be captured."""
-    ptr = _error_word_ptrs.get(device)
+    ptr = error_word_ptrs.get(device)
     if ptr is None:
         if stream_is_capturing(stream):
             return 0
@@ -117,7 +117,7 @@ def device_error_word(device: int, stream: int) -> int:
 
         with cupy.cuda.Device(device):
             word = _error_words[device] = cupy.zeros((1,), dtype=cupy.int32)
-        ptr = _error_word_ptrs[device] = int(word.data.ptr)
+        ptr = error_word_ptrs[device] = int(word.data.ptr)
     return ptr
 
 
