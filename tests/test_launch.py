@@ -1,0 +1,135 @@
+"""``_launch.run`` on the CPU, with NumPy standing in for device memory and a recorder for the
+kernel: every params field a call sets is the one its plan names (pointers, strides, lengths,
+outputs, scratch), operands the kernels cannot read are copied (never a cache written in place),
+and the straight path of a repeated call gives the same params as the first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cupyflash import _interop, _kernels, _launch, _plan, _workspace
+from cupyflash._validate import attention_problem, kvcache_problem
+
+H200 = _plan.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+
+
+class _NumpyLib(_interop.ArrayLib):
+    """Host memory as the device: pointers are NumPy data addresses, strides in elements."""
+
+    name = "cupy"
+
+    def ptr(self, x):  # type: ignore[no-untyped-def]
+        return x.ctypes.data
+
+    def strides(self, x):  # type: ignore[no-untyped-def]
+        return tuple(s // x.itemsize for s in x.strides)
+
+    def dtype_name(self, x):  # type: ignore[no-untyped-def]
+        return str(x.dtype)
+
+    def empty(self, shape, dtype, device, like=None):  # type: ignore[no-untyped-def]
+        return np.empty(shape, dtype="float16" if dtype == "bfloat16" else dtype)
+
+    def fill(self, x, value):  # type: ignore[no-untyped-def]
+        x.fill(value)
+
+    def copy(self, x):  # type: ignore[no-untyped-def]
+        return np.ascontiguousarray(x).copy()
+
+    def stream(self, device):  # type: ignore[no-untyped-def]
+        return 7
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def launch(self, grid, block, smem, stream, *values, tma_maps=None):  # type: ignore[no-untyped-def]
+        self.calls.append((grid, block, smem, stream, values, tma_maps))
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
+    rec = _Recorder()
+    monkeypatch.setattr(_kernels, "get_kernel", lambda spec, device: rec)
+    monkeypatch.setattr(_interop, "current_device", lambda: 0)
+    monkeypatch.setattr(_workspace, "stream_is_capturing", lambda stream: False)
+    monkeypatch.setattr(_workspace, "_buffers", {})
+    monkeypatch.setattr(_workspace, "error_word_ptrs", {0: 4242})
+    monkeypatch.setattr(_launch._tma, "tile_map", lambda *args: bytes(128))
+    return rec
+
+
+def _field(launch: _plan.Launch, values: tuple[Any, ...], name: str) -> Any:
+    return values[launch.params.slot(name)]
+
+
+def _arrays(rng: np.random.Generator, *shapes: tuple[int, ...]) -> list[np.ndarray]:
+    return [rng.standard_normal(s).astype(np.float16) for s in shapes]
+
+
+def test_forward_fields_by_name(recorder):
+    rng = np.random.default_rng(0)
+    q, k, v = _arrays(rng, (2, 70, 4, 64), (2, 90, 2, 64), (2, 90, 2, 64))
+    k = np.ascontiguousarray(np.swapaxes(np.ascontiguousarray(np.swapaxes(k, 1, 2)), 1, 2))  # bhsd memory
+    p = attention_problem(q.shape, k.shape, v.shape, causal=True, scale=None, window=(-1, -1), softcap=0.0,
+                          layout="bshd")  # fmt: skip
+    launch = _plan.plan_forward(p, "float16", H200, "fa2", q_shape=q.shape)
+    lib = _NumpyLib()
+    for _ in range(2):  # the first call checks the layouts, the second takes the straight path
+        out, lse = _launch.run(launch, lib, 0, {"q": q, "k": k, "v": v}, True)
+    first, second = (call[4] for call in recorder.calls)
+    assert first[: launch.params.slot("o_ptr")] == second[: launch.params.slot("o_ptr")]
+    values = second
+    assert _field(launch, values, "q_ptr") == q.ctypes.data and _field(launch, values, "k_ptr") == k.ctypes.data
+    assert [_field(launch, values, f"k_{s}_stride") for s in ("batch", "row", "head")] == [
+        s // 2 for s in (k.strides[0], k.strides[1], k.strides[2])
+    ]
+    assert _field(launch, values, "o_ptr") == out.ctypes.data and _field(launch, values, "lse_ptr") == lse.ctypes.data
+    assert _field(launch, values, "window_right") == 0 and _field(launch, values, "h_h_k_ratio") == 2
+    assert out.shape == q.shape and lse.shape == (2, 4, 70)
+
+
+def test_unreadable_operands_are_copied_and_caches_never(recorder):
+    rng = np.random.default_rng(1)
+    q, k, v = _arrays(rng, (1, 16, 2, 64), (1, 16, 2, 64), (1, 16, 2, 64))
+    strided_q = np.asfortranarray(q)  # head_dim not unit-stride
+    p = attention_problem(q.shape, k.shape, v.shape, causal=False, scale=-0.1, window=(-1, -1), softcap=0.0,
+                          layout="bshd")  # fmt: skip
+    launch = _plan.plan_forward(p, "float16", H200, "fa2", q_shape=q.shape)
+    _launch.run(launch, _NumpyLib(), 0, {"q": strided_q, "k": k, "v": v}, False)
+    values = recorder.calls[-1][4]
+    assert _field(launch, values, "q_ptr") != strided_q.ctypes.data  # negated (scale < 0) and copied
+    assert _field(launch, values, "q_row_stride") == 2 * 64
+    assert _field(launch, values, "lse_ptr") == 0  # not asked for
+
+    kp = kvcache_problem((1, 1, 2, 64), (1, 32, 2, 64), (1, 32, 2, 64), cache_seqlens=5, block_table_shape=None,
+                         k_new_shape=None, v_new_shape=None, causal=True, scale=None)  # fmt: skip
+    decode = _plan.plan_kvcache(kp, {"q": "float16"}, H200, num_splits=1)
+    cache = np.asfortranarray(rng.standard_normal((1, 32, 2, 64)).astype(np.float16))
+    with pytest.raises(ValueError, match="k_cache must have a unit stride"):
+        _launch.run(decode, _NumpyLib(), 0, {"q": q[:, :1], "k_cache": cache, "v_cache": cache,
+                                             "cache_seqlens": 5}, False)  # fmt: skip
+
+
+def test_decode_lengths_scratch_and_error_word(recorder):
+    rng = np.random.default_rng(2)
+    q, k, v = _arrays(rng, (2, 1, 8, 128), (2, 4096, 2, 128), (2, 4096, 2, 128))
+    kp = kvcache_problem(q.shape, k.shape, v.shape, cache_seqlens=0, block_table_shape=None, k_new_shape=None,
+                         v_new_shape=None, causal=True, scale=None)  # fmt: skip
+    launch = _plan.plan_kvcache(kp, {"q": "float16", "cache_seqlens": "int32"}, H200, num_splits=4)
+    lib = _NumpyLib()
+    lens = np.array([4000, 17], dtype=np.int32)
+    for seqlens in (lens, 300):
+        _launch.run(launch, lib, 0, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": seqlens}, False)
+    array_call, int_call = (call[4] for call in recorder.calls)
+    assert _field(launch, array_call, "cache_seqlens") == lens.ctypes.data
+    assert _field(launch, int_call, "cache_seqlens") == 0 and _field(launch, int_call, "seqlen_k") == 300
+    assert _field(launch, int_call, "num_splits") == 4 and _field(launch, int_call, "error_flags") == 4242
+    counters = _field(launch, int_call, "split_counters")
+    assert counters and _field(launch, int_call, "o_partial_ptr") > counters
+    with pytest.raises(ValueError, match="goes beyond the cache"):
+        _launch.run(launch, lib, 0, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": 4097}, False)
