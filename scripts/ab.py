@@ -43,7 +43,7 @@ import cupyflash
 assert os.path.realpath(cupyflash.__file__).startswith(os.path.realpath(os.getcwd())), cupyflash.__file__
 print("AB-TREE", cupyflash.__file__, flush=True)
 """
-MEASURE_PREFILL = """
+LOAD_HARNESS = """
 import importlib.util
 # The timing harness is this checkout's, for every tree (the trees' own bench.py may time
 # differently); its `import cupyflash` inside each function finds the tree's package.
@@ -51,24 +51,27 @@ spec = importlib.util.spec_from_file_location("ab_bench", {harness!r})
 bench = sys.modules["ab_bench"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 rows = []
+"""
+MEASURE_PREFILL = (
+    LOAD_HARNESS
+    + """
 for case in sys.argv[1:]:
     dtype, d, n, causal = case.split("-")
     shape = bench.PrefillShape(16384 // int(n), int(n), 2048 // int(d), int(d), causal == "1", {dtypes}[dtype])
     rows.append(bench.run_prefill(shape, ("cupyflash", "cudnn")))
 print("AB-JSON", json.dumps(rows))
 """
-MEASURE_DECODE = """
-import importlib.util
-spec = importlib.util.spec_from_file_location("ab_bench", {harness!r})
-bench = sys.modules["ab_bench"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
-rows = []
+)
+MEASURE_DECODE = (
+    LOAD_HARNESS
+    + """
 for case in sys.argv[1:]:
     b, n = case.split("-")
     row = bench.run_decode(bench.DecodeShape(int(b), int(n)))
     rows.append({{"cupyflash": row.get("cupyflash_steady_us"), "cudnn": row.get("cudnn_steady_us")}})
 print("AB-JSON", json.dumps(rows))
 """
+)
 MEASURE_HOST = """
 import statistics, time
 import cupy, torch
