@@ -123,3 +123,11 @@ def test_gpu_scale_range_is_checked_before_launch():
     )
     scale_log2, prescale, negate = _plan.softmax_factors(capped)
     assert prescale == 1e30 and not negate and scale_log2 > 0
+
+
+def test_float_cu_seqlens_are_refused_on_the_host():
+    """A float cu_seqlens was truncated by int() without a word; now it is refused."""
+    q = np.ones((7, 2, 16), dtype=np.float32)
+    cu = np.array([0.0, 3.0, 7.0])
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an integer array"):
+        cupyflash.attention_varlen(q, q, q, cu, cu.astype(np.int32), 4, 4)

@@ -268,3 +268,5 @@ def test_non_arrays_are_refused():
         cupyflash.attention(x.tolist(), x.tolist(), x.tolist())
     with pytest.raises(TypeError, match="v must be an array"):
         cupyflash.attention(x, x, None)
+    with pytest.raises(TypeError, match="k must be an array"):  # beside arrays, too
+        cupyflash.attention(x, x.tolist(), x)
