@@ -1,7 +1,7 @@
 """cupyflash: exact attention (FlashAttention-1/2, FlashDecoding) as CUDA C compiled at run time
 through CuPy, behind one function that takes CuPy, PyTorch, JAX or any array-API array."""
 
-from ._api import attention, attention_varlen
+from ._api import attention, attention_backward, attention_varlen
 from ._kernels import KernelCompileError
 from ._kvcache import DeviceValueError, attention_with_kvcache, check_device_errors, merge_states
 from ._version import __version__
@@ -11,6 +11,7 @@ __all__ = [
     "KernelCompileError",
     "__version__",
     "attention",
+    "attention_backward",
     "attention_varlen",
     "attention_with_kvcache",
     "check_device_errors",

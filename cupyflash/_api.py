@@ -240,3 +240,65 @@ def attention_varlen(
     arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
     out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
     return (out, lse) if return_lse else out
+
+
+def attention_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    layout: str = "bshd",
+) -> tuple[Any, Any, Any]:
+    """The gradients (dq, dk, dv) of :func:`attention` at ``out, lse = attention(q, k, v, ...,
+    return_lse=True)`` for the output gradient ``dout``, as FlashAttention-2's backward computes
+    them: P recomputed from q, k and ``lse`` block by block (nothing N x N is kept),
+    ``D = rowsum(dout * out)``, ``dS = P * (dout v^T - D)`` (times the softcap's derivative),
+    ``dq = scale dS k``, ``dk = scale dS^T q``, ``dv = P^T dout``; with GQA, dk and dv summed
+    over the query heads that read each key/value head.
+
+    Parameters
+    ----------
+    dout, out : arrays shaped like ``q``
+    q, k, v, causal, scale, window, softcap, layout : as for :func:`attention`
+    lse : ``(B, Hq, Nq)``, as :func:`attention` returns it
+
+    Returns
+    -------
+    (dq, dk, dv) : arrays like ``q``, ``k``, ``v``
+
+    Notes
+    -----
+    Host arrays run the array-API algorithm (``cupyflash.xp_impl.attention_backward``) in their
+    own namespace. The GPU backward kernels are not built yet: GPU arrays raise
+    ``NotImplementedError`` rather than return anything.
+
+    Examples
+    --------
+    >>> import numpy as np, cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, n, 2, 16)) for n in (5, 7, 7))
+    >>> out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    >>> dq, dk, dv = cupyflash.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
+    >>> dq.shape, dk.shape
+    ((1, 5, 2, 16), (1, 7, 2, 16))
+    """
+    options = check_options(causal, scale, window, softcap)
+    names = ("dout", "q", "k", "v", "out", "lse")
+    if _interop.gpu_arrays(names, (dout, q, k, v, out, lse)) is not None:
+        raise NotImplementedError(
+            "attention_backward on GPU arrays needs the backward kernels, which are not built yet; host arrays "
+            "(NumPy, PyTorch CPU ...) run the array-API backward"
+        )
+    problem = _problem(q, k, v, options, layout)
+    for name, x, shape in (("dout", dout, q.shape), ("out", out, q.shape),
+                           ("lse", lse, (problem.batch, problem.heads_q, problem.seqlen_q))):  # fmt: skip
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    return _host.attention_backward(dout, q, k, v, out, lse, problem)

@@ -49,6 +49,14 @@ def attention(q: Any, k: Any, v: Any, problem: Problem, algorithm: str) -> tuple
     return xp_impl.attention(xp, q, k, v, problem, algorithm=host_algorithm)
 
 
+def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, problem: Problem) -> tuple[Any, Any, Any]:
+    from . import xp_impl
+
+    xp = namespace(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse))
+    _check_floats(xp, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)])
+    return xp_impl.attention_backward(xp, dout, q, k, v, out, lse, problem)
+
+
 def attention_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem) -> tuple[Any, Any]:
     """One dense attention per sequence, in the arrays' own namespace."""
     from ._api import attention as dense_attention

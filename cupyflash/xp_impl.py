@@ -395,3 +395,70 @@ def attention(
         out = xp.permute_dims(out, (0, 2, 1, 3))
     lse = xp.reshape(lse4, (b, p.heads_q, p.seqlen_q))
     return xp.astype(out, q.dtype), lse
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward (FlashAttention-2's): key blocks outer, query blocks inner; P recomputed from Q,
+# K and the saved LSE, so nothing of size N x N is kept. With D = rowsum(dO * O):
+#   dV_j += P^T dO,  dP = dO V_j^T,  dS = P * (dP - D) (times the softcap's derivative),
+#   dQ_i += scale * dS K_j (accumulated over j),  dK_j += scale * dS^T Q_i.
+# ---------------------------------------------------------------------------------------------
+def fa2_backward(
+    xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, *, block_m: int = 64,
+    block_n: int = 64,
+) -> tuple[Any, Any, Any]:  # fmt: skip
+    """(dQ, dK, dV) in the internal layout: q, dout, out [B, Hkv, G, Nq, d]; k, v [B, Hkv, 1, Nk, d];
+    lse [B, Hkv, G, Nq]. dK and dV are summed over the G query heads that read each KV head."""
+    d_rows = xp.sum(dout * out, axis=-1)  # D_i = rowsum(dO_i * O_i)
+    dq_blocks = [xp.zeros_like(q[..., r : min(r + block_m, p.seqlen_q), :]) for r in range(0, p.seqlen_q, block_m)]
+    dk_blocks, dv_blocks = [], []
+    for key0 in range(0, p.seqlen_k, block_n):
+        key1 = min(key0 + block_n, p.seqlen_k)
+        k_blk, v_blk = k[..., key0:key1, :], v[..., key0:key1, :]
+        dk = xp.zeros_like(xp.broadcast_to(k_blk, (*q.shape[:3], key1 - key0, p.head_dim)))
+        dv = xp.zeros_like(dk)
+        for index, row0 in enumerate(range(0, p.seqlen_q, block_m)):
+            row1 = min(row0 + block_m, p.seqlen_q)
+            mask = KeyMask(row0, row1 - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
+            if max(mask.key_begin(), key0) >= min(mask.key_end(), key1):
+                continue  # no query of this block sees a key of this one
+            q_blk, do_blk = q[..., row0:row1, :], dout[..., row0:row1, :]
+            # -- P again, from the logits and the saved LSE (0 where masked, or the row is empty)
+            s = _logits(xp, q_blk, k_blk, p)
+            if mask.needs_mask(key0, key1 - 1):
+                s = mask.apply(xp, s, key0, key1 - 1)
+            lse_blk = lse[..., row0:row1, None]
+            visible = (s != -math.inf) & (lse_blk != -math.inf)  # NaN stays visible: NaN in, NaN out
+            probs = xp.where(visible, xp.exp(xp.where(visible, s - lse_blk, xp.zeros_like(s))), xp.zeros_like(s))
+            # -- dV, then dS = P * (dP - D), through the softcap: d(c tanh(z / c))/dz = 1 - (s / c)^2
+            dv = dv + xp.matrix_transpose(probs) @ do_blk
+            ds = probs * (do_blk @ xp.matrix_transpose(v_blk) - d_rows[..., row0:row1, None])
+            if p.softcap > 0:
+                ds = xp.where(visible, ds * (1 - (s / p.softcap) ** 2), xp.zeros_like(ds))
+            ds = ds * p.scale
+            dq_blocks[index] = dq_blocks[index] + ds @ k_blk
+            dk = dk + xp.matrix_transpose(ds) @ q_blk
+        dk_blocks.append(xp.sum(dk, axis=2, keepdims=True))
+        dv_blocks.append(xp.sum(dv, axis=2, keepdims=True))
+    dq = xp.concat(dq_blocks, axis=-2) if dq_blocks else xp.zeros_like(q)
+    dk = xp.concat(dk_blocks, axis=-2) if dk_blocks else xp.zeros_like(k)
+    dv = xp.concat(dv_blocks, axis=-2) if dv_blocks else xp.zeros_like(v)
+    return dq, dk, dv
+
+
+def attention_backward(
+    xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem
+) -> tuple[Any, Any, Any]:
+    """The gradients of ``attention`` on caller arrays in ``p.layout``: (dq, dk, dv) in the
+    inputs' dtype and layout, computed in float32 (float64 for float64 inputs)."""
+    compute = compute_dtype(xp, q)
+    b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
+    to_bhsd = (lambda x: xp.permute_dims(x, (0, 2, 1, 3))) if p.layout == "bshd" else (lambda x: x)
+    q4, do4, o4, k4, v4 = (xp.astype(to_bhsd(x), compute) for x in (q, dout, out, k, v))
+    q5, do5, o5 = (xp.reshape(x, (b, hkv, group, p.seqlen_q, p.head_dim)) for x in (q4, do4, o4))
+    k5, v5 = xp.expand_dims(k4, axis=2), xp.expand_dims(v4, axis=2)
+    lse4 = xp.reshape(xp.astype(lse, compute), (b, hkv, group, p.seqlen_q))
+    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p)
+    dq = to_bhsd(xp.reshape(dq5, (b, p.heads_q, p.seqlen_q, p.head_dim)))
+    dk, dv = (to_bhsd(x[:, :, 0, ...]) for x in (dk5, dv5))
+    return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)
