@@ -59,6 +59,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, pr
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem) -> tuple[Any, Any]:
     """One dense attention per sequence, in the arrays' own namespace."""
+    from . import xp_impl
     from ._api import attention as dense_attention
 
     xp = namespace(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), (q, k, v, cu_q, cu_k))
@@ -75,7 +76,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Prob
         out, lse = dense_attention(*seq, scale=problem.scale, window=window, softcap=problem.softcap, return_lse=True)
         outs.append(out[0, ...])
         lses.append(lse[0, ...])
-    lse_dtype = _lse_dtype(xp, q.dtype)
+    lse_dtype = xp_impl.compute_dtype(xp, q)
     out = xp.concat(outs, axis=0) if outs else xp.zeros((0, *q.shape[1:]), dtype=q.dtype)
     lse = xp.concat(lses, axis=1) if lses else xp.zeros((problem.heads_q, 0), dtype=lse_dtype)
     pad = q.shape[0] - int(cu_q[-1])  # rows after the last sequence: zero, LSE -inf
@@ -83,11 +84,6 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Prob
         out = xp.concat([out, xp.zeros((pad, *q.shape[1:]), dtype=q.dtype)], axis=0)
         lse = xp.concat([lse, xp.full((problem.heads_q, pad), -math.inf, dtype=lse.dtype)], axis=1)
     return out, lse
-
-
-def _lse_dtype(xp: Any, dtype: Any) -> Any:
-    """float32, or the input's floating dtype where it is wider (float64 in, float64 LSE)."""
-    return xp.float64 if dtype == xp.float64 else xp.float32
 
 
 # num_splits=0 on the host (no SM count to fill): one split per 4 blocks of 64 keys, as the GPU's

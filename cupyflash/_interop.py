@@ -24,7 +24,6 @@ _DLPACK_GPU_DEVICES = (2, 13)
 CUPY = "cupy"
 TORCH = "torch"
 DLPACK = "dlpack"
-HOST = "host"
 
 
 @functools.cache

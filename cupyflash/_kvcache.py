@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 from . import _host, _interop, _launch, _plan
-from ._validate import check_causal, check_num_splits, check_options, kvcache_problem, merge_problem
+from ._validate import check_causal, check_num_splits, check_scale_option, kvcache_problem, merge_problem
 
 _plans = _plan.new_cache()
 _merge_plans = _plan.new_cache()
@@ -131,8 +131,7 @@ def attention_with_kvcache(
     ((2, 1, 4, 8), 1.0)
     """
     causal = check_causal(causal)
-    if scale is not None and type(scale) is not float:
-        scale = check_options(causal, scale, (-1, -1), 0.0)[1]
+    scale = check_scale_option(scale)
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
     seqlens = None if type(cache_seqlens) is int else cache_seqlens

@@ -25,24 +25,15 @@ _NONE: dict[str, Any] = {}  # no temporaries
 #: write then shows up as NaN instead of as stale memory that happens to look right).
 POISON_OUTPUTS = False
 
-# (shape, strides) -> readable by the kernels as they are; a hot call checks only the pointer.
-_layouts: dict[tuple[str, tuple[int, ...], tuple[int, ...]], bool] = {}
 
-
-def _layout_readable(kind: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    key = (kind, shape, strides)
-    ok = _layouts.get(key)
-    if ok is None:
-        if kind == TILE:
-            ok = _interop.tile_layout_readable(shape, strides)
-        elif kind == CONTIGUOUS:
-            ok = _is_contiguous(shape, strides)
-        else:  # INDEX, LENGTHS: unit stride on the last axis
-            ok = not shape or shape[-1] <= 1 or strides[-1] == 1
-        if len(_layouts) > 4096:
-            _layouts.clear()
-        _layouts[key] = ok
-    return ok
+def _readable(kind: str, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Can the kernels read the operand as it is? (A Launch remembers the strides that passed,
+    so a repeated call checks only the pointer's alignment.)"""
+    if kind == TILE:
+        return _interop.kernel_readable(ptr, shape, strides)
+    if kind == CONTIGUOUS:
+        return _is_contiguous(shape, strides)
+    return not shape or shape[-1] <= 1 or strides[-1] == 1  # INDEX, LENGTHS: unit stride on the last axis
 
 
 def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -145,8 +136,7 @@ def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], boun
         x = -x
         keep.append(x)
     ptr, strides = lib.ptr(x), lib.strides(x)
-    misaligned = op.kind is TILE and ptr % 16
-    if misaligned or not _layout_readable(op.kind, x.shape, strides):
+    if not _readable(op.kind, ptr, x.shape, strides):
         x, ptr, strides = _readable_copy(lib, op, x)
         keep.append(x)
     elif not op.negate:
@@ -181,24 +171,13 @@ def _readable_copy(lib: ArrayLib, op: Operand, x: Any) -> tuple[Any, int, tuple[
 
 
 def _tensor_maps(tma: TmaMaps, launch: Launch, bound: list[Any]) -> bytes:
-    """The q, k and v maps over (d, rows, heads, batch), from this call's pointers and strides;
-    the last ones of this Launch are kept by (pointers, strides), as training and serving loops
-    call again on the same buffers (a hit is one lookup instead of three encodes or lookups)."""
-    index = launch.operand_index
-    q, k, v = bound[index["q"]], bound[index["k"]], bound[index["v"]]
-    key = (q, k, v)
-    maps = launch.tensor_maps.get(key)
-    if maps is None:
-        row, head, batch = tma.axes
-        maps = b""
-        for (ptr, strides), dims, box in ((q, tma.q_dims, tma.q_box_rows), (k, tma.kv_dims, tma.kv_box_rows),
-                                          (v, tma.kv_dims, tma.kv_box_rows)):  # fmt: skip
-            axis_strides = (strides[row], strides[head], strides[batch] if batch >= 0 else 0)
-            maps += _tma.tile_map(tma.dtype, ptr, dims, axis_strides, box)
-        if len(launch.tensor_maps) >= _MAX_MAPS_PER_LAUNCH:
-            launch.tensor_maps.clear()
-        launch.tensor_maps[key] = maps
+    """The q, k and v maps over (d, rows, heads, batch), from this call's pointers and strides
+    (``_tma`` keeps the last ones: loops call again on the same buffers)."""
+    row, head, batch = tma.axes
+    maps = b""
+    for name, dims, box in (("q", tma.q_dims, tma.q_box_rows), ("k", tma.kv_dims, tma.kv_box_rows),
+                            ("v", tma.kv_dims, tma.kv_box_rows)):  # fmt: skip
+        ptr, strides = bound[launch.operand_index[name]]
+        axis_strides = (strides[row], strides[head], strides[batch] if batch >= 0 else 0)
+        maps += _tma.tile_map(tma.dtype, ptr, dims, axis_strides, box)
     return maps
-
-
-_MAX_MAPS_PER_LAUNCH = 64

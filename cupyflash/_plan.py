@@ -15,7 +15,7 @@ import functools
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import _dispatch, _interop
@@ -154,8 +154,6 @@ class Launch:
     error_slot: int = -1  # the params slot of the device error word (decode kernels), or -1
     # The steps' compiled kernels, filled by the Launch's first run (``_launch``); never planned.
     kernels: list[Any] = field(default_factory=list, repr=False, compare=False)
-    # The Hopper kernel's last tensor maps by (pointer, strides) of q, k, v (``_launch``).
-    tensor_maps: dict[Any, bytes] = field(default_factory=dict, repr=False, compare=False)
     # Derived on construction: operands by name (TMA maps and pointer offsets look them up).
     operand_index: dict[str, int] = field(init=False, repr=False, compare=False)
 
@@ -434,9 +432,7 @@ def plan_forward(
         Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0 if packed else None),
         Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=-math.inf if packed else None, optional=True),
     )
-    if not has_work:  # nothing to compute: outputs only (an empty row: O = 0, LSE = -inf)
-        outputs = tuple(_filled(o) for o in outputs)
-    elif p.seqlen_k == 0 and not packed:
+    if not has_work or (p.seqlen_k == 0 and not packed):  # no key: O = 0, LSE = -inf, no kernel
         outputs = tuple(_filled(o) for o in outputs)
         steps, scratch = (), None
     return Launch(params, tuple(operands), outputs, steps, scratch=scratch)
@@ -444,8 +440,6 @@ def plan_forward(
 
 def _filled(output: Output) -> Output:
     """An output no kernel writes: rows that see no key (O = 0, LSE = -inf)."""
-    from dataclasses import replace
-
     return replace(output, fill=-math.inf if output.name == "lse" else 0.0)
 
 

@@ -45,8 +45,7 @@ def check_options(
     """The options of every entry point, checked and in one canonical form (Python scalars, a
     window tuple), before anything is looked up by them."""
     causal = check_causal(causal)
-    if scale is not None and type(scale) is not float:
-        scale = _real("scale", scale)
+    scale = check_scale_option(scale)
     if type(window) is not tuple or len(window) != 2 or type(window[0]) is not int or type(window[1]) is not int:
         window = _window(window)
     if type(softcap) is not float:
@@ -58,6 +57,13 @@ _REAL_MESSAGES = {
     "scale": "scale must be a finite real number",
     "softcap": "softcap must be a finite number >= 0 (0 disables it)",
 }
+
+
+def check_scale_option(scale: Any) -> float | None:
+    """``scale`` as a Python float (None: the default 1 / sqrt(d), resolved with the head dim)."""
+    if scale is None or type(scale) is float:
+        return scale
+    return _real("scale", scale)
 
 
 def _real(name: str, value: Any) -> float:

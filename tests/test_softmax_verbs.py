@@ -66,6 +66,12 @@ def _options() -> list[str]:
     return ["--std=c++17", f"-I{_source.kernel_dir()}", *_source.cuda_include_options()]
 
 
+def _gpu_kernel(name: str):  # type: ignore[no-untyped-def]
+    import cupy
+
+    return cupy.RawModule(code=SOURCE, options=tuple(_options())).get_function(name)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_the_verb_kernels_compile(arch):
     from cupy.cuda import nvrtc
@@ -126,8 +132,7 @@ def _reference(s: np.ndarray, scale_log2: float) -> tuple[np.ndarray, np.ndarray
 def test_online_softmax_verbs_match_float64():
     import cupy
 
-    module = cupy.RawModule(code=SOURCE, options=tuple(_options()))
-    kernel = module.get_function("online_softmax")
+    kernel = _gpu_kernel("online_softmax")
     s, cases = _scores()
     scale_log2 = 0.125 * LOG2E
     inv_sum, lse = cupy.full(ROWS, np.nan, np.float32), cupy.full(ROWS, np.nan, np.float32)
@@ -166,8 +171,7 @@ def _merge_cases() -> tuple[np.ndarray, list[str]]:
 def test_merge_weights_match_float64():
     import cupy
 
-    module = cupy.RawModule(code=SOURCE, options=tuple(_options()))
-    kernel = module.get_function("merge")
+    kernel = _gpu_kernel("merge")
     lse, names = _merge_cases()
     rows = lse.shape[0]
     weights, merged = cupy.full((rows, PARTS), np.nan, np.float32), cupy.full(rows, np.nan, np.float32)
