@@ -1,10 +1,13 @@
 """cupyflash: exact attention (FlashAttention-1/2, FlashDecoding) as CUDA C compiled at run time
 through CuPy, behind one function that takes CuPy, PyTorch, JAX or any array-API array."""
 
-from ._api import attention, attention_backward, attention_varlen
+from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward
 from ._kernels import KernelCompileError
 from ._kvcache import DeviceValueError, attention_with_kvcache, check_device_errors, merge_states
 from ._version import __version__
+
+if "torch" in __import__("sys").modules:  # the custom ops, registered before any call is traced
+    from . import _torch_ops  # noqa: F401
 
 __all__ = [
     "DeviceValueError",
@@ -13,6 +16,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "attention_varlen",
+    "attention_varlen_backward",
     "attention_with_kvcache",
     "check_device_errors",
     "merge_states",

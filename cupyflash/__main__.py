@@ -1,4 +1,4 @@
-"""``python -m cupyflash {info,warmup,demo,bench,bench-decode,bench-varlen}``."""
+"""``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen}``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def _gpu_available() -> bool:
@@ -149,9 +150,8 @@ def _write_json(path: str | None, results: dict[str, object]) -> None:
             json.dump(results, f, indent=1)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    if not _require_gpu("bench"):
-        return 1
+def _prefill_rows(args: argparse.Namespace, run: Any, table: Any) -> list[dict[str, Any]]:
+    """Each prefill shape of ``args`` run and printed as its row of ``table``, then the table."""
     from . import bench
 
     shapes = bench.prefill_shapes(tuple(args.dtype))
@@ -159,12 +159,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
         shapes = [s for s in shapes if s.seqlen == 4096]
     rows = []
     for shape in shapes:
-        rows.append(bench.run_prefill(shape))
-        print(bench.format_prefill_table(rows[-1:]).splitlines()[-1], flush=True)
-    print(bench.format_prefill_table(rows))
+        rows.append(run(shape))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
+    return rows
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if not _require_gpu("bench"):
+        return 1
+    from . import bench
+
+    rows = _prefill_rows(args, bench.run_prefill, bench.format_prefill_table)
     overhead = bench.host_overhead_us()
     print(f"host time of a tiny call (1 query, 128 keys, 8 heads, d=128): {overhead}")
     _write_json(args.json, {"prefill": rows, "host_overhead": overhead})
+    return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    if not _require_gpu("bench-train"):
+        return 1
+    from . import bench
+
+    rows = _prefill_rows(args, bench.run_training, bench.format_training_table)
+    _write_json(args.json, {"training": rows})
     return 0
 
 
@@ -216,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="only N = 4096")
     bench.add_argument("--json", help="write the results here")
     bench.set_defaults(func=cmd_bench)
+    train = sub.add_parser("bench-train", help="forward + backward TFLOP/s and memory against PyTorch SDPA")
+    train.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
+    train.add_argument("--quick", action="store_true", help="only N = 4096")
+    train.add_argument("--json", help="write the results here")
+    train.set_defaults(func=cmd_bench_train)
     bench_decode = sub.add_parser("bench-decode", help="decode us and GB/s against PyTorch SDPA (flash, cuDNN)")
     bench_decode.add_argument("--json", help="write the results here")
     bench_decode.set_defaults(func=cmd_bench_decode)

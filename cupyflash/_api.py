@@ -1,4 +1,4 @@
-"""The public forward functions: ``attention`` and ``attention_varlen``.
+"""The public attention functions: ``attention``, ``attention_varlen`` and their backward twins.
 
 Each is validate -> plan -> run: options are checked first (the same way on every call), the
 arrays' library and device found by ``_interop``, a ``Launch`` looked up by the call's signature
@@ -119,19 +119,24 @@ def attention(
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
+    if _interop.compiling():  # Dynamo traces the custom op, not this function's body
+        return _interop.torch_ops.attention(q, k, v, causal, scale, window, softcap, layout, algorithm, return_lse)
     options = check_options(causal, scale, window, softcap)
     check_algorithm("attention", algorithm)
     found = _interop.lean_arrays(q, k, v)
     if found is None:
         arrays = _interop.gpu_arrays(("q", "k", "v"), (q, k, v))
         if arrays is None:
+            if _interop.needs_autograd((q, k, v)):
+                return _interop.torch_ops.attention(q, k, v, *options, layout, algorithm, return_lse)
             problem = _problem(q, k, v, options, layout)
             out, lse = _host.attention(q, k, v, problem, algorithm)
             return (out, lse) if return_lse else out
         lib, device, (q, k, v) = arrays
     else:
         lib, device = found
-    lib.check_inputs((q, k, v))
+    if lib.check_inputs((q, k, v)):  # tensors that require grad: the custom op has the backward
+        return _interop.torch_ops.attention(q, k, v, *options, layout, algorithm, return_lse)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, options, layout, algorithm)
     launch = _plans.lookup(key)
     if launch is None:
@@ -148,6 +153,15 @@ def _problem(q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str) -> A
     return attention_problem(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=causal, scale=scale, window=window, softcap=softcap,
         layout=layout,
+    )  # fmt: skip
+
+
+def _varlen_problem(
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: tuple[Any, ...]
+) -> Any:
+    return varlen_problem(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(cu_q.shape), tuple(cu_k.shape), max_q, max_k,
+        causal=options[0], scale=options[1], window=options[2], softcap=options[3],
     )  # fmt: skip
 
 
@@ -213,19 +227,24 @@ def attention_varlen(
     >>> cupyflash.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).shape
     (7, 2, 16)
     """
+    if _interop.compiling():
+        return _interop.torch_ops.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
+            algorithm, return_lse,
+        )  # fmt: skip
     options = check_options(causal, scale, window, softcap)
     check_algorithm("attention_varlen", algorithm)
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
     arrays = _interop.gpu_arrays(names, (q, k, v, cu_seqlens_q, cu_seqlens_k))
-    problem = varlen_problem(
-        tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(cu_seqlens_q.shape), tuple(cu_seqlens_k.shape),
-        max_seqlen_q, max_seqlen_k, causal=options[0], scale=options[1], window=options[2], softcap=options[3],
-    )  # fmt: skip
+    if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
+        return _interop.torch_ops.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options, algorithm, return_lse
+        )
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     if arrays is None:
         out, lse = _host.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem)
         return (out, lse) if return_lse else out
     lib, device, (q, k, v, cu_q, cu_k) = arrays
-    lib.check_inputs((q, k, v))
     key = (lib.name, device, problem, q.shape, k.shape, q.dtype, k.dtype, v.dtype, cu_q.dtype, cu_k.dtype, algorithm)
 
     def plan() -> _plan.Launch:
@@ -250,6 +269,7 @@ def attention_backward(
     out: Any,
     lse: Any,
     *,
+    dlse: Any = None,
     causal: bool = False,
     scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
@@ -267,17 +287,20 @@ def attention_backward(
     ----------
     dout, out : arrays shaped like ``q``
     q, k, v, causal, scale, window, softcap, layout : as for :func:`attention`
-    lse : ``(B, Hq, Nq)``, as :func:`attention` returns it
+    lse : ``(B, Hq, Nq)`` float32, as :func:`attention` returns it
+    dlse : optional, like ``lse``: the gradient of the returned LSE, where a loss uses it
+        (``dS`` gains ``P * dlse``)
 
     Returns
     -------
-    (dq, dk, dv) : arrays like ``q``, ``k``, ``v``
+    (dq, dk, dv) : arrays like ``q``, ``k``, ``v`` (fresh and contiguous on the GPU)
 
     Notes
     -----
-    Host arrays run the array-API algorithm (``cupyflash.xp_impl.attention_backward``) in their
-    own namespace. The GPU backward kernels are not built yet: GPU arrays raise
-    ``NotImplementedError`` rather than return anything.
+    GPU arrays (float16/bfloat16, head_dim 32, 64, 96 or 128) run the mma.sync backward of
+    ``kernels_cu/fa2_bwd.cu`` on the caller's stream; dq is accumulated in float32 with atomic
+    adds, so its last bits can differ from run to run. Host arrays run the array-API algorithm
+    (``cupyflash.xp_impl.attention_backward``) in their own namespace.
 
     Examples
     --------
@@ -290,15 +313,97 @@ def attention_backward(
     ((1, 5, 2, 16), (1, 7, 2, 16))
     """
     options = check_options(causal, scale, window, softcap)
-    names = ("dout", "q", "k", "v", "out", "lse")
-    if _interop.gpu_arrays(names, (dout, q, k, v, out, lse)) is not None:
-        raise NotImplementedError(
-            "attention_backward on GPU arrays needs the backward kernels, which are not built yet; host arrays "
-            "(NumPy, PyTorch CPU ...) run the array-API backward"
-        )
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse")
+    given = (dout, q, k, v, out, lse, dlse)
     problem = _problem(q, k, v, options, layout)
-    for name, x, shape in (("dout", dout, q.shape), ("out", out, q.shape),
-                           ("lse", lse, (problem.batch, problem.heads_q, problem.seqlen_q))):  # fmt: skip
+    lse_shape = (problem.batch, problem.heads_q, problem.seqlen_q)
+    _check_shapes(given, names, (q.shape, q.shape, lse_shape, lse_shape), ("dout", "out", "lse", "dlse"))
+    arrays = _interop.gpu_arrays(names, given)
+    if arrays is None:
+        return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem)
+    lib, device, (dout, q, k, v, out, lse, dlse) = arrays
+    key = ("bwd", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None)
+
+    def plan() -> _plan.Launch:
+        dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
+        return _plan.plan_backward(
+            problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape)
+        )
+
+    launch = _plans.get(key, plan)
+    arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse}
+    dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
+    return dq, dk, dv
+
+
+def attention_varlen_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    dlse: Any = None,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> tuple[Any, Any, Any]:
+    """The gradients (dq, dk, dv) of :func:`attention_varlen` at ``out, lse =
+    attention_varlen(..., return_lse=True)``, as :func:`attention_backward` computes them, per
+    packed sequence. ``lse`` (and ``dlse``) are ``(Hq, total_q)``. Packed rows that belong to
+    no sequence get zero gradients. On the GPU the offsets are trusted as the forward's (and
+    clamped into the packed tensors); on the host they are checked."""
+    options = check_options(causal, scale, window, softcap)
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k")
+    given = (dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k)
+    lse_shape = (problem.heads_q, q.shape[0])
+    _check_shapes(given, names, (q.shape, q.shape, lse_shape, lse_shape), ("dout", "out", "lse", "dlse"))
+    arrays = _interop.gpu_arrays(names, given)
+    if arrays is None:
+        return _host.attention_varlen_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem)
+    lib, device, (dout, q, k, v, out, lse, dlse, cu_q, cu_k) = arrays
+    key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None)
+
+    def plan() -> _plan.Launch:
+        dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
+        _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k)})
+        return _plan.plan_backward(
+            problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
+            packed_rows=(q.shape[0], k.shape[0]),
+        )  # fmt: skip
+
+    launch = _plans.get(key, plan)
+    arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
+                      "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}  # fmt: skip
+    dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
+    return dq, dk, dv
+
+
+def _check_shapes(
+    given: tuple[Any, ...], names: tuple[str, ...], shapes: tuple[Any, ...], which: tuple[str, ...]
+) -> None:
+    by_name = dict(zip(names, given))
+    for name, shape in zip(which, shapes):
+        x = by_name[name]
+        if x is None:
+            continue
+        if not hasattr(x, "shape"):
+            raise TypeError(f"{name} must be an array (CuPy, PyTorch, JAX, NumPy ...), got {type(x).__name__}")
         if tuple(x.shape) != tuple(shape):
             raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    return _host.attention_backward(dout, q, k, v, out, lse, problem)
+
+
+def _backward_dtypes(lib: _interop.ArrayLib, q: Any, k: Any, v: Any, out: Any, dout: Any, lse: Any, dlse: Any) -> str:
+    dtype = _plan.check_gpu_dtypes({n: lib.dtype_name(x) for n, x in
+                                    (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout))})  # fmt: skip
+    for name, x in (("lse", lse), ("dlse", dlse)):
+        if x is not None and lib.dtype_name(x) != "float32":
+            raise TypeError(f"{name} must be float32 (as attention returns the LSE), got {lib.dtype_name(x)}")
+    return dtype

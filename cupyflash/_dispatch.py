@@ -14,11 +14,14 @@ from ._specs import (
     CUDA_ELEMENT_TYPES,
     DECODE_HEAD_DIMS,
     FA1_HEAD_DIMS,
+    FA2_BWD_HEAD_DIMS,
     FA3_HEAD_DIMS,
+    BwdRowSpec,
     DecodeAppendSpec,
     DecodeSpec,
     DecodeTile,
     Fa1FwdSpec,
+    Fa2BwdSpec,
     Fa2FwdSpec,
     Fa3FwdSpec,
     Fa3Tile,
@@ -295,6 +298,32 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
     return specs
 
 
+# The FA2 backward: head_dim -> (block_m, block_n). 16 keys per warp keep the warp's dK and dV
+# rows in registers for the whole loop (2 * 16 * d / 32 floats per thread): the widest query
+# block that compiles with no spill for every flag (nvcc 13 / sm_90a: d = 128 at 252-255
+# registers with 32 rows; 64 rows spilled 8-72 bytes).
+FA2_BWD_TILES: dict[int, tuple[int, int]] = {32: (64, 128), 64: (64, 128), 96: (32, 128), 128: (32, 128)}
+
+
+def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa2BwdSpec:
+    if head_dim not in FA2_BWD_TILES:
+        raise ValueError(f"the GPU backward supports head_dim in {FA2_BWD_HEAD_DIMS}, got {head_dim}")
+    block_m, block_n = FA2_BWD_TILES[head_dim]
+    return Fa2BwdSpec(dtype, head_dim, block_m, block_n, flags.causal, flags.local, flags.softcap)
+
+
+def all_fa2_bwd_specs() -> list[KernelSpec]:
+    specs: list[KernelSpec] = []
+    for head_dim in FA2_BWD_TILES:
+        for dtype in CUDA_ELEMENT_TYPES:
+            for causal in (False, True):
+                for local in (False, True):
+                    for softcap in (False, True):
+                        specs.append(fa2_bwd_spec(dtype, head_dim, MaskFlags(causal, local, softcap)))
+            specs += [BwdRowSpec("prep", dtype, head_dim), BwdRowSpec("dq", dtype, head_dim)]
+    return specs
+
+
 def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
     """Every variant the dispatcher can pick, FA1's tiles for a device with ``max_smem`` bytes of
     shared memory per block: what warmup compiles and the CI compile test builds (each for the
@@ -305,6 +334,7 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
         *all_decode_specs(),
         *all_naive_softmax_specs(),
         *all_fa1_fwd_specs(max_smem),
+        *all_fa2_bwd_specs(),
     ]
 
 

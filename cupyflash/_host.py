@@ -49,12 +49,15 @@ def attention(q: Any, k: Any, v: Any, problem: Problem, algorithm: str) -> tuple
     return xp_impl.attention(xp, q, k, v, problem, algorithm=host_algorithm)
 
 
-def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, problem: Problem) -> tuple[Any, Any, Any]:
+def attention_backward(
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, problem: Problem
+) -> tuple[Any, Any, Any]:
     from . import xp_impl
 
-    xp = namespace(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse))
+    names, arrays = ("dout", "q", "k", "v", "out", "lse", "dlse"), (dout, q, k, v, out, lse, dlse)
+    xp = namespace(*zip(*((n, x) for n, x in zip(names, arrays) if x is not None)))
     _check_floats(xp, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)])
-    return xp_impl.attention_backward(xp, dout, q, k, v, out, lse, problem)
+    return xp_impl.attention_backward(xp, dout, q, k, v, out, lse, problem, dlse=dlse)
 
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem) -> tuple[Any, Any]:
@@ -84,6 +87,38 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Prob
         out = xp.concat([out, xp.zeros((pad, *q.shape[1:]), dtype=q.dtype)], axis=0)
         lse = xp.concat([lse, xp.full((problem.heads_q, pad), -math.inf, dtype=lse.dtype)], axis=1)
     return out, lse
+
+
+def attention_varlen_backward(
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, cu_q: Any, cu_k: Any, problem: Problem
+) -> tuple[Any, Any, Any]:
+    """One dense backward per sequence; packed rows outside every sequence get zero gradients."""
+    from ._api import attention_backward as dense_backward
+
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k")
+    arrays = (dout, q, k, v, out, lse, dlse, cu_q, cu_k)
+    xp = namespace(*zip(*((n, x) for n, x in zip(names, arrays) if x is not None)))
+    check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], problem.seqlen_q, problem.seqlen_k)
+    dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
+    window = (problem.window_left, problem.window_right)
+    for b in range(problem.batch):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        dout_b, q_b, out_b = (xp.expand_dims(x[q0:q1, ...], axis=0) for x in (dout, q, out))
+        k_b, v_b = (xp.expand_dims(x[k0:k1, ...], axis=0) for x in (k, v))
+        lse_b, dlse_b = (None if x is None else xp.expand_dims(x[:, q0:q1], axis=0) for x in (lse, dlse))
+        grads = dense_backward(
+            dout_b, q_b, k_b, v_b, out_b, lse_b, dlse=dlse_b, scale=problem.scale, window=window,
+            softcap=problem.softcap,
+        )  # fmt: skip
+        dq = _put_rows(xp, dq, q0, q1, grads[0][0, ...])
+        dk = _put_rows(xp, dk, k0, k1, grads[1][0, ...])
+        dv = _put_rows(xp, dv, k0, k1, grads[2][0, ...])
+    return dq, dk, dv
+
+
+def _put_rows(xp: Any, x: Any, start: int, stop: int, rows: Any) -> Any:
+    """``x`` with rows start:stop replaced (no item assignment: not every namespace has it)."""
+    return xp.concat([x[:start, ...], rows, x[stop:, ...]], axis=0)
 
 
 # num_splits=0 on the host (no SM count to fill): one split per 4 blocks of 64 keys, as the GPU's

@@ -28,8 +28,11 @@ DLPACK = "dlpack"
 
 @functools.cache
 def torch_module() -> Any:
-    """``torch``, imported once (for per-call paths: an import statement costs ~1 us there)."""
+    """``torch``, imported once (for per-call paths: an import statement costs ~1 us there), and
+    cupyflash's custom ops registered with it."""
     import torch
+
+    from . import _torch_ops  # noqa: F401
 
     return torch
 
@@ -89,8 +92,11 @@ class ArrayLib:
         """The caller's current stream on ``device``, as a raw pointer."""
         raise NotImplementedError
 
-    def check_inputs(self, arrays: Sequence[Any]) -> None:
-        """Refuse what this library's users would otherwise get silently wrong."""
+    def check_inputs(self, arrays: Sequence[Any]) -> bool:
+        """Whether the call must go through autograd (PyTorch tensors that require grad, with
+        grad mode on): the entry points with a backward route it (``_torch_ops``), the others
+        refuse it (``refuse_autograd``)."""
+        return False
 
     #: Whether results need ``wrap`` (only DLPack-adopted arrays: the others are the caller's).
     wraps = False
@@ -194,21 +200,36 @@ class TorchLib(ArrayLib):
             self._stream_getter = getter
         return int(getter(device))
 
-    def check_inputs(self, arrays: Sequence[Any]) -> None:
-        # A kernel launch is invisible to autograd: a tensor that requires grad would come back
-        # detached, and a model trained through it would get no gradient and no error.
+    def check_inputs(self, arrays: Sequence[Any]) -> bool:
+        # A kernel launch is invisible to autograd: a tensor that requires grad must go through
+        # the custom op, which has a backward, or it would come back detached.
         for x in arrays:
-            if x.requires_grad:
-                break
-        else:
-            return
-        if torch_module().is_grad_enabled():
-            names = [i for i, x in enumerate(arrays) if x.requires_grad]
-            raise RuntimeError(
-                "cupyflash has no backward pass yet: an input that requires grad (arguments "
-                f"{names}) would come back detached with no gradient. Call it under torch.no_grad() "
-                "or pass tensors that do not require grad."
-            )
+            if x is not None and x.requires_grad:
+                return bool(torch_module().is_grad_enabled())
+        return False
+
+
+def needs_autograd(arrays: Sequence[Any]) -> bool:
+    """Host arrays: PyTorch CPU tensors that require grad, with grad mode on."""
+    return TORCH_LIB.check_inputs(arrays) if _kind(arrays[0]) == TORCH else False
+
+
+def refuse_autograd(entry: str) -> None:
+    raise RuntimeError(
+        f"{entry} has no backward pass: an input that requires grad would come back detached with no gradient. "
+        "Call it under torch.no_grad() or pass tensors that do not require grad."
+    )
+
+
+def _not_compiling() -> bool:
+    return False
+
+
+#: ``torch.compiler.is_compiling`` once cupyflash's torch ops exist (``_torch_ops``), so that a
+#: call Dynamo traces goes straight to the custom op; a constant False before.
+compiling = _not_compiling
+#: The ``_torch_ops`` module once imported (the calls that go through autograd or Dynamo).
+torch_ops: Any = None
 
 
 class DlpackLib(CupyLib):

@@ -154,7 +154,8 @@ def attention_with_kvcache(
             )
     else:
         lib, device = found
-    lib.check_inputs((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new))
+    if lib.check_inputs((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)):
+        _interop.refuse_autograd("attention_with_kvcache")
     # The signature, flat (a decode step builds it every call): what the plan depends on.
     key = (
         lib.name, device, causal, scale, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype,

@@ -51,11 +51,20 @@ def run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], w
     (or always allocated by the plan). Results are in the caller's type."""
     if _interop.current_device() != device:
         with _interop.cupy_module().cuda.Device(device):
-            return _run(launch, lib, device, arrays, want_lse)
-    return _run(launch, lib, device, arrays, want_lse)
+            results = _run(launch, lib, device, arrays, want_lse)
+    else:
+        results = _run(launch, lib, device, arrays, want_lse)
+    return results["out"], results.get("lse")
 
 
-def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> tuple[Any, Any]:
+def run_outputs(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Execute ``launch``; every output in the plan's order (the backward's dq, dk, dv)."""
+    with _interop.cupy_module().cuda.Device(device):
+        results = _run(launch, lib, device, arrays, True)
+    return tuple(results[output.name] for output in launch.outputs)
+
+
+def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> dict[str, Any]:
     values = list(launch.params.values)
     bound: list[tuple[int, tuple[int, ...]] | None] = [None] * len(launch.operands)  # (ptr, strides)
     known = launch.readable_strides  # per operand: the strides last found readable (no re-check)
@@ -90,11 +99,12 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
             lib.fill(array, fill)
         values[output.ptr_slot] = lib.ptr(array)
         results[output.name] = array
-    temporaries = (
-        {t.name: lib.empty(t.shape, t.dtype, device, like) for t in launch.temporaries}
-        if (launch.temporaries)
-        else _NONE
-    )
+    temporaries = _NONE
+    if launch.temporaries:
+        temporaries = {t.name: lib.empty(t.shape, t.dtype, device, like) for t in launch.temporaries}
+        for t in launch.temporaries:
+            if t.ptr_slot >= 0:
+                values[t.ptr_slot] = lib.ptr(temporaries[t.name])
     if launch.scratch is not None:
         s = launch.scratch
         counters, scratch = _workspace.stream_scratch(
@@ -118,10 +128,9 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
             maps = None if step.tma is None else _tensor_maps(step.tma, launch, bound)
             kernel.launch(step.grid, step.block, step.smem, stream, *values, tma_maps=maps)
     del keep
-    out, lse = results["out"], results.get("lse")
     if lib.wraps:
-        return lib.wrap(out), None if lse is None else lib.wrap(lse)
-    return out, lse
+        return {name: lib.wrap(array) for name, array in results.items()}
+    return results
 
 
 def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], bound: list[Any], keep: list[Any]) -> None:

@@ -1,6 +1,7 @@
 """Python mirrors of the by-value kernel arguments: ``AttnParams`` (kernels_cu/params.cuh), the
 Hopper kernel's ``Fa3Params`` after its tensor maps (kernels_cu/fa3_fwd.cu), and the decode
-kernels' ``DecodeParams`` and ``MergeParams`` (kernels_cu/decode.cu).
+kernels' ``DecodeParams`` and ``MergeParams`` (kernels_cu/decode.cu), and the backward's
+``BwdParams`` (kernels_cu/fa2_bwd.cu).
 
 The field list below is the single Python description of the struct: a NumPy structured dtype
 (``align=True`` gives C's natural alignment) and a ``struct.Struct`` that packs one call's
@@ -146,6 +147,26 @@ MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("heads", "i4"),
 )
 
+# BwdParams = { AttnParams attn; ... } (kernels_cu/fa2_bwd.cu): nested first, as DecodeParams.
+BWD_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
+    *ATTN_PARAMS_FIELDS,
+    ("do_ptr", "u8"),
+    ("dq_ptr", "u8"),
+    ("dk_ptr", "u8"),
+    ("dv_ptr", "u8"),
+    ("dq_accum", "u8"),
+    ("neg_lse_log2", "u8"),
+    ("dsum", "u8"),
+    ("dlse_ptr", "u8"),
+    ("dlse_batch_stride", "i8"),
+    ("dlse_head_stride", "i8"),
+    *((f"{t}_{s}_stride", "i8") for t in ("do", "dq", "dk", "dv") for s in ("batch", "row", "head")),
+    ("row_batch_stride", "i8"),
+    ("row_head_stride", "i8"),
+    ("dq_scale", "f4"),
+    ("dk_scale", "f4"),
+)
+
 # Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters;
 # int32_t num_m_blocks; }: the launch buffer holds the maps apart (bytes 0-383); this list is
 # what follows them.
@@ -162,6 +183,7 @@ PARAMS_STRUCTS = {
         ParamsStruct("Fa3Params", FA3_PARAMS_FIELDS),
         ParamsStruct("DecodeParams", DECODE_PARAMS_FIELDS),
         ParamsStruct("MergeParams", MERGE_PARAMS_FIELDS),
+        ParamsStruct("BwdParams", BWD_PARAMS_FIELDS),
     )
 }
 

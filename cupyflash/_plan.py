@@ -24,8 +24,10 @@ from ._specs import (
     CUDA_ELEMENT_TYPES,
     DECODE_HEAD_DIMS,
     DECODE_MAX_QUERIES,
+    FA2_BWD_HEAD_DIMS,
     FA2_HEAD_DIMS,
     HOPPER_ARCH,
+    BwdRowSpec,
     DecodeAppendSpec,
     Fa2FwdSpec,
     Fa3FwdSpec,
@@ -103,11 +105,13 @@ class Output:
 
 @dataclass(frozen=True, slots=True)
 class Temporary:
-    """A per-call buffer the steps pass to a kernel or a GEMM (FA1's HBM state, naive's S, P)."""
+    """A per-call buffer the steps pass to a kernel or a GEMM (FA1's HBM state, naive's S, P),
+    or whose pointer goes to a params slot (the backward's dQ accumulator)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    ptr_slot: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,6 +440,101 @@ def plan_forward(
         outputs = tuple(_filled(o) for o in outputs)
         steps, scratch = (), None
     return Launch(params, tuple(operands), outputs, steps, scratch=scratch)
+
+
+def plan_backward(
+    p: Problem,
+    dtype: str,
+    device: DeviceInfo,
+    *,
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    packed_rows: tuple[int, int] | None = None,
+) -> Launch:
+    """FlashAttention-2's backward (kernels_cu/fa2_bwd.cu): the per-row preparation, the main
+    kernel over key blocks, dQ from its fp32 accumulator. Operands q, k, v, out, dout, lse, the
+    optional dlse (and cu_seqlens when ``packed_rows``); outputs dq, dk, dv as fresh arrays of
+    q's and k's shape.
+
+    The kernels differentiate with respect to the raw score q . k (see fa2_bwd.cu): dQ carries
+    ``scale``; dK carries |scale| where q runs negated (a negative scale without softcap), else
+    ``scale``."""
+    check_grid(p.batch, p.heads_q)
+    if p.head_dim not in FA2_BWD_HEAD_DIMS:
+        raise ValueError(f"the GPU backward supports head_dim in {FA2_BWD_HEAD_DIMS}, got {p.head_dim}")
+    packed = packed_rows is not None
+    scale_log2, prescale, negate_q = softmax_factors(p)
+    axes = LAYOUT_AXES["thd" if packed else p.layout]
+    rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
+    has_work = p.batch > 0 and p.heads_q > 0 and rows[0] > 0 and rows[1] > 0
+    flags = _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
+    spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags)
+
+    # Per-row temporaries: row r of query head h, batch b at b * row_batch + h * row_head + r.
+    if packed:
+        row_strides, temp_rows, batches = (0, rows[0]), p.heads_q * rows[0], 1
+    else:
+        row_strides, temp_rows, batches = (
+            (p.heads_q * p.seqlen_q, p.seqlen_q),
+            p.batch * p.heads_q * p.seqlen_q,
+            p.batch,
+        )
+    q_strides, k_strides = contiguous_strides(q_shape), contiguous_strides(k_shape)
+    output_strides = {}
+    for name, strides in (("dq", q_strides), ("dk", k_strides), ("dv", k_strides)):
+        for s, a in zip(STRIDE_NAMES, axes, strict=True):
+            output_strides[f"{name}_{s}_stride"] = strides[a] if a >= 0 else 0
+    params = PARAMS_STRUCTS["BwdParams"].template(
+        **attn_fields(p, rows, scale_log2, prescale),
+        **output_strides,
+        row_batch_stride=row_strides[0],
+        row_head_stride=row_strides[1],
+        dq_scale=p.scale,
+        dk_scale=abs(p.scale) if negate_q else p.scale,
+    )
+
+    def lse_axes(name: str) -> tuple[tuple[int, int], ...]:  # (Hq, total_q) packed, else (B, Hq, Nq)
+        if packed:
+            return ((params.slot(f"{name}_head_stride"), 0),)
+        return ((params.slot(f"{name}_batch_stride"), 0), (params.slot(f"{name}_head_stride"), 1))
+
+    operands = [
+        tile_operand(params, "q", axes, negate=negate_q),
+        tile_operand(params, "k", axes),
+        tile_operand(params, "v", axes),
+        tile_operand(params, "out", axes, field_prefix="o"),
+        tile_operand(params, "dout", axes, field_prefix="do"),
+        Operand("lse", INDEX, params.slot("lse_ptr"), lse_axes("lse")),
+        Operand("dlse", INDEX, params.slot("dlse_ptr"), lse_axes("dlse")),  # optional
+    ]
+    if packed:
+        operands += [
+            Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),
+            Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
+        ]
+    fill = 0.0 if packed else None  # packed rows outside every sequence get no gradient
+    outputs = (
+        Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr")),
+        Output("dk", tuple(k_shape), dtype, params.slot("dk_ptr"), fill=fill),
+        Output("dv", tuple(k_shape), dtype, params.slot("dv_ptr"), fill=fill),
+    )
+    if not has_work:  # no query or no key: every gradient is 0
+        return Launch(params, tuple(operands), tuple(_filled(o) for o in outputs))
+    temporaries = (
+        Temporary("dq_accum", (temp_rows, p.head_dim), "float32", params.slot("dq_accum")),
+        Temporary("neg_lse_log2", (temp_rows,), "float32", params.slot("neg_lse_log2")),
+        Temporary("dsum", (temp_rows,), "float32", params.slot("dsum")),
+    )
+    row_grid = (-(-rows[0] // BwdRowSpec.rows_per_block), batches, p.heads_q)
+    row_block = (BwdRowSpec.num_threads, 1, 1)
+    steps = (
+        KernelStep(BwdRowSpec("prep", dtype, p.head_dim), row_grid, row_block, 0),
+        KernelStep(
+            spec, (-(-p.seqlen_k // spec.block_n), p.batch, p.heads_kv), (spec.num_threads, 1, 1), spec.smem_bytes
+        ),  # fmt: skip
+        KernelStep(BwdRowSpec("dq", dtype, p.head_dim), row_grid, row_block, 0),
+    )
+    return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries)
 
 
 def _filled(output: Output) -> Output:

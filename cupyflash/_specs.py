@@ -571,4 +571,115 @@ class MergeSpec(_KernelSpecBase):
         return (self.head_dim, MERGE_ELEMENT_TYPES[self.part_dtype], MERGE_ELEMENT_TYPES[self.out_dtype])
 
 
-KernelSpec = Fa2FwdSpec | Fa3FwdSpec | Fa1FwdSpec | NaiveSoftmaxSpec | DecodeSpec | DecodeAppendSpec | MergeSpec
+#: Head dimensions with a compiled FA2 backward (16 keys per warp hold dK and dV of the warp's
+#: keys in registers: 192 and 256 spill and need d split across warps, not built yet).
+FA2_BWD_HEAD_DIMS = (32, 64, 96, 128)
+
+
+@dataclass(frozen=True, slots=True)
+class Fa2BwdSpec(_KernelSpecBase):
+    """A variant of ``fa2_bwd`` in ``kernels_cu/fa2_bwd.cu`` (template ``Fa2BwdTraits``): one CTA
+    per block of ``block_n`` keys (16 per warp), query blocks of ``block_m`` rows."""
+
+    dtype: str
+    head_dim: int
+    block_m: int
+    block_n: int
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+
+    kernel = "fa2_bwd"
+    source_file = "fa2_bwd.cu"
+    archs = CI_ARCHS
+    params_type = "BwdParams"
+    param_decl = "const BwdParams params"
+    uses_tma = False
+    traits = "Fa2BwdTraits"
+    prefix = "fa2_bwd"
+    entry = "fa2_bwd<Traits>(params);"
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
+        if self.head_dim not in FA2_BWD_HEAD_DIMS:
+            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA2_BWD_HEAD_DIMS}")
+        if self.block_m % 32 or self.block_n % 16 or self.block_n < self.block_m:  # a thread per LSE / D row
+            raise ValueError(f"bad backward tile: block_m={self.block_m}, block_n={self.block_n}")
+
+    def _name_parts(self) -> tuple[object, ...]:
+        return (_SHORT_DTYPE[self.dtype], f"d{self.head_dim}", f"m{self.block_m}", f"n{self.block_n}")
+
+    def _name_flags(self) -> tuple[tuple[str, bool], ...]:
+        return _mask_flags(self.causal, self.local, self.softcap)
+
+    @property
+    def num_threads(self) -> int:
+        return 2 * self.block_n  # a warp per 16 keys
+
+    @property
+    def smem_bytes(self) -> int:
+        # K, V; Q and dO double-buffered; dS^T; -LSE log2 e and D double-buffered (fp32).
+        d, m, n = self.head_dim, self.block_m, self.block_n
+        return 2 * (2 * n * d + 4 * m * d + n * m) + 16 * m
+
+    def _traits_args(self) -> tuple[object, ...]:
+        return (
+            self.head_dim, self.block_m, self.block_n, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local,
+            self.softcap,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class BwdRowSpec(_KernelSpecBase):
+    """The backward's per-row kernels in ``kernels_cu/fa2_bwd.cu`` (template ``BwdRowTraits``):
+    ``"prep"`` (D = rowsum(dO * O), -LSE log2 e, dQ's fp32 accumulator zeroed) before the main
+    kernel, ``"dq"`` (the accumulator scaled into dQ) after it. One warp per row."""
+
+    step: str  # "prep" | "dq"
+    dtype: str
+    head_dim: int
+
+    kernel = "fa2_bwd_rows"
+    source_file = "fa2_bwd.cu"
+    archs = CI_ARCHS
+    params_type = "BwdParams"
+    param_decl = "const BwdParams params"
+    uses_tma = False
+    num_threads = 128
+    smem_bytes = 0
+    rows_per_block = 4
+    traits = "BwdRowTraits"
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
+        if self.step not in ("prep", "dq"):
+            raise ValueError(f"unknown backward row step {self.step!r}")
+        if self.head_dim not in FA2_BWD_HEAD_DIMS:
+            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA2_BWD_HEAD_DIMS}")
+
+    @property
+    def prefix(self) -> str:  # type: ignore[override]
+        return f"fa2_bwd_{self.step}"
+
+    @property
+    def entry(self) -> str:  # type: ignore[override]
+        return f"fa2_bwd_{self.step}<Traits>(params);"
+
+    def _name_parts(self) -> tuple[object, ...]:
+        return (_SHORT_DTYPE[self.dtype], f"d{self.head_dim}")
+
+    def _traits_args(self) -> tuple[object, ...]:
+        return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype])
+
+
+KernelSpec = (
+    Fa2FwdSpec
+    | Fa3FwdSpec
+    | Fa1FwdSpec
+    | NaiveSoftmaxSpec
+    | DecodeSpec
+    | DecodeAppendSpec
+    | MergeSpec
+    | Fa2BwdSpec
+    | BwdRowSpec
+)

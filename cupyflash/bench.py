@@ -167,6 +167,78 @@ def run_prefill(
     return row
 
 
+# ---------------------------------------------------------------------------------------------
+# Training: forward + backward (the backward counted as 2.5x the forward's FLOPs).
+# ---------------------------------------------------------------------------------------------
+BACKWARD_FLOP_FACTOR = 2.5
+TRAINING_BACKENDS = ("cupyflash", "flash", "cudnn")
+
+
+def _training_call(backend: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
+    """The forward of one backend on leaves that require grad (autograd records it)."""
+    import cupyflash
+
+    if backend in CUPYFLASH_BACKENDS:
+        algorithm = CUPYFLASH_BACKENDS[backend]
+        return functools.partial(cupyflash.attention, q, k, v, causal=causal, algorithm=algorithm)
+    return sdpa_call(backend, q, k, v, causal)
+
+
+def run_training(shape: PrefillShape, backends: tuple[str, ...] = TRAINING_BACKENDS) -> dict[str, Any]:
+    """Per backend: TFLOP/s of forward + backward and of the backward alone (autograd.grad on a
+    retained graph), interleaved as :func:`cuda_times_ms`, and the peak memory one forward +
+    backward allocates beyond its inputs and output gradient (MiB; O(N) for a flash kernel)."""
+    import torch
+
+    q, k, v = (x.requires_grad_(True) for x in prefill_inputs(shape))
+    dout = torch.randn_like(q)
+    row: dict[str, Any] = asdict(shape)
+    forwards = {b: _training_call(b, q, k, v, shape.causal) for b in backends}
+    steps, grads = {}, {}
+    for backend, forward in runnable(forwards, row).items():
+        out = forward().transpose(1, 2) if backend not in CUPYFLASH_BACKENDS else forward()
+
+        def step(forward: Callable[[], Any] = forward, sdpa: bool = backend not in CUPYFLASH_BACKENDS) -> Any:
+            o = forward()
+            return torch.autograd.grad(o.transpose(1, 2) if sdpa else o, (q, k, v), dout)
+
+        def grad_only(out: Any = out) -> Any:
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+        steps[backend], grads[f"{backend}_bwd"] = step, grad_only
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        row[f"{backend}_extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    fwd_bwd = shape.flops * (1 + BACKWARD_FLOP_FACTOR)
+    for name, ms in cuda_times_ms({**steps, **grads}, repeat=20).items():
+        flops = shape.flops * BACKWARD_FLOP_FACTOR if name.endswith("_bwd") else fwd_bwd
+        row[name] = round(flops / ms / 1e9, 1)
+        row[f"{name}_ms"] = round(ms, 4)
+    return row
+
+
+def format_training_table(rows: list[dict[str, Any]]) -> str:
+    def value(r: dict[str, Any], key: str) -> float:
+        return float(r.get(key) or float("nan"))
+
+    lines = [
+        f"{'dtype':9} {'d':>4} {'N':>6} {'causal':>6} | fwd+bwd TFLOP/s {'ours':>6} {'flash':>6} {'cudnn':>6} | "
+        f"{'vs flash':>8} {'vs cudnn':>8} | bwd {'ours':>6} {'flash':>6} {'cudnn':>6} | extra MiB ours/flash/cudnn"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['dtype']:9} {r['head_dim']:>4} {r['seqlen']:>6} {str(r['causal']):>6} | {'':15} "
+            f"{value(r, 'cupyflash'):>6.1f} {value(r, 'flash'):>6.1f} {value(r, 'cudnn'):>6.1f} | "
+            f"{value(r, 'cupyflash') / value(r, 'flash'):>7.2f}x {value(r, 'cupyflash') / value(r, 'cudnn'):>7.2f}x | "
+            f"{'':3} {value(r, 'cupyflash_bwd'):>6.1f} {value(r, 'flash_bwd'):>6.1f} {value(r, 'cudnn_bwd'):>6.1f} | "
+            f"{r.get('cupyflash_extra_mib')}/{r.get('flash_extra_mib')}/{r.get('cudnn_extra_mib')}"
+        )
+    return "\n".join(lines)
+
+
 def _tiny_inputs(kind: str) -> tuple[Any, Any, Any, Callable[[], None]]:
     """1 query, 128 keys, 8 heads, d = 128, bf16 (torch) or fp16 (CuPy), and a device sync."""
     if kind == "cupy":

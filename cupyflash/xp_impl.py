@@ -404,12 +404,15 @@ def attention(
 #   dQ_i += scale * dS K_j (accumulated over j),  dK_j += scale * dS^T Q_i.
 # ---------------------------------------------------------------------------------------------
 def fa2_backward(
-    xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, *, block_m: int = 64,
-    block_n: int = 64,
+    xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, *, dlse: Any = None,
+    block_m: int = 64, block_n: int = 64,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """(dQ, dK, dV) in the internal layout: q, dout, out [B, Hkv, G, Nq, d]; k, v [B, Hkv, 1, Nk, d];
-    lse [B, Hkv, G, Nq]. dK and dV are summed over the G query heads that read each KV head."""
+    lse and dlse (the LSE's gradient, or None) [B, Hkv, G, Nq]. dK and dV are summed over the G
+    query heads that read each KV head."""
     d_rows = xp.sum(dout * out, axis=-1)  # D_i = rowsum(dO_i * O_i)
+    if dlse is not None:  # d LSE_i / d s_ij = P_ij: an LSE gradient enters dS = P (dP - D) as -D
+        d_rows = d_rows - dlse
     dq_blocks = [xp.zeros_like(q[..., r : min(r + block_m, p.seqlen_q), :]) for r in range(0, p.seqlen_q, block_m)]
     dk_blocks, dv_blocks = [], []
     for key0 in range(0, p.seqlen_k, block_n):
@@ -447,7 +450,7 @@ def fa2_backward(
 
 
 def attention_backward(
-    xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem
+    xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, dlse: Any = None
 ) -> tuple[Any, Any, Any]:
     """The gradients of ``attention`` on caller arrays in ``p.layout``: (dq, dk, dv) in the
     inputs' dtype and layout, computed in float32 (float64 for float64 inputs)."""
@@ -457,8 +460,10 @@ def attention_backward(
     q4, do4, o4, k4, v4 = (xp.astype(to_bhsd(x), compute) for x in (q, dout, out, k, v))
     q5, do5, o5 = (xp.reshape(x, (b, hkv, group, p.seqlen_q, p.head_dim)) for x in (q4, do4, o4))
     k5, v5 = xp.expand_dims(k4, axis=2), xp.expand_dims(v4, axis=2)
-    lse4 = xp.reshape(xp.astype(lse, compute), (b, hkv, group, p.seqlen_q))
-    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p)
+    lse4, dlse4 = (
+        None if x is None else xp.reshape(xp.astype(x, compute), (b, hkv, group, p.seqlen_q)) for x in (lse, dlse)
+    )
+    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4)
     dq = to_bhsd(xp.reshape(dq5, (b, p.heads_q, p.seqlen_q, p.head_dim)))
     dk, dv = (to_bhsd(x[:, :, 0, ...]) for x in (dk5, dv5))
     return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)

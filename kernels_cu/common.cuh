@@ -124,6 +124,12 @@ CF_DEVICE uint32_t ld_shared_b32(uint32_t addr) {
   return v;
 }
 
+CF_DEVICE float2 ld_shared_f32x2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
+
 CF_DEVICE uint4 ld_shared_b128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"

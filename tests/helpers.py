@@ -63,9 +63,20 @@ def gpu_inputs(rng: np.random.Generator, shape_q: Any, shape_kv: Any, dtype: str
 
 
 def naive_low_precision(
-    q: Any, k: Any, v: Any, *, causal: Any, window: Any, softcap: float, scale: Any, layout: str
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: Any,
+    window: Any,
+    softcap: float,
+    scale: Any,
+    layout: str,
+    return_lse: bool = False,
 ) -> Any:
-    """Standard attention in the inputs' own precision (PyTorch's math path, unfused)."""
+    """Standard attention in the inputs' own precision (PyTorch's math path, unfused; S in
+    float32); with ``return_lse`` also each row's float32 LSE. Differentiable (the backward
+    tests run it through autograd in the inputs' precision and in float64)."""
     torch = need_torch()
     # A contiguous copy first: torch's DLPack import aborts the process on some CuPy views.
     q, k, v = (x if isinstance(x, torch.Tensor) else torch.from_dlpack(x.copy(order="C")) for x in (q, k, v))
@@ -82,7 +93,8 @@ def naive_low_precision(
     s = s.masked_fill(~visible, -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(q.dtype)
     out = p @ v
-    return out.transpose(1, 2) if layout == "bshd" else out
+    out = out.transpose(1, 2) if layout == "bshd" else out
+    return (out, torch.logsumexp(s, dim=-1)) if return_lse else out
 
 
 def is_hopper() -> bool:

@@ -15,8 +15,9 @@ from cupyflash import reference
 torch = pytest.importorskip("torch")
 
 
-def _autograd(q, k, v, dout, *, causal, window, softcap, scale, layout):
-    """(dq, dk, dv) of a float64 naive attention by torch autograd (the oracle)."""
+def _autograd(q, k, v, dout, *, causal, window, softcap, scale, layout, dlse=None):
+    """(dq, dk, dv) of a float64 naive attention by torch autograd (the oracle), for the loss
+    sum(o * dout) (+ sum(lse * dlse))."""
     tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
     qs, ks, vs = (x.transpose(1, 2) if layout == "bshd" else x for x in (tq, tk, tv))  # [B, H, N, d]
     group = qs.shape[1] // ks.shape[1]
@@ -30,7 +31,10 @@ def _autograd(q, k, v, dout, *, causal, window, softcap, scale, layout):
     p = torch.softmax(s, dim=-1).nan_to_num(0.0) if not torch.isnan(s).any() else torch.softmax(s, dim=-1)
     o = p @ vs
     o = o.transpose(1, 2) if layout == "bshd" else o
-    o.backward(torch.tensor(dout, dtype=torch.float64))
+    loss = (o * torch.tensor(dout, dtype=torch.float64)).sum()
+    if dlse is not None:
+        loss = loss + (torch.logsumexp(s, dim=-1) * torch.tensor(dlse, dtype=torch.float64)).sum()
+    loss.backward()
     return tuple(x.grad.numpy() for x in (tq, tk, tv))
 
 
@@ -88,3 +92,37 @@ def test_shapes_are_checked(rng):
         cupyflash.attention_backward(out[:, :4], q, q, q, out, lse)
     with pytest.raises(ValueError, match="lse must have shape"):
         cupyflash.attention_backward(out, q, q, q, out, lse[:, :1])
+
+
+def test_lse_gradient_enters_as_minus_d(rng):
+    """A loss that uses the returned LSE: dS gains P * dlse (D - dlse in the kernels' terms)."""
+    q, k, v = (rng.standard_normal((2, n, 2, 16)) for n in (9, 13, 13))
+    dout, dlse = rng.standard_normal(q.shape), rng.standard_normal((2, 2, 9))
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=True)
+    expected = _autograd(q, k, v, dout, causal=True, window=(-1, -1), softcap=0.0, scale=None, layout="bshd", dlse=dlse)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def test_varlen_backward_is_each_sequence_and_zero_between(rng):
+    """attention_varlen_backward on host arrays: each sequence's gradients as autograd's, the
+    packed rows after the last sequence zero; an empty and a one-token sequence included."""
+    lens_q, lens_k = [5, 0, 1, 17], [7, 3, 1, 17]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    tq, tk = int(cu_q[-1]) + 2, int(cu_k[-1])
+    q, k, v = rng.standard_normal((tq, 4, 16)), rng.standard_normal((tk, 2, 16)), rng.standard_normal((tk, 2, 16))
+    dout = rng.standard_normal(q.shape)
+    opts = {"causal": True, "softcap": 2.0}
+    out, lse = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, 17, 17, return_lse=True, **opts)
+    dq, dk, dv = cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 17, 17, **opts)
+    for b in range(len(lens_q)):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lens_q[b] == 0:
+            np.testing.assert_array_equal(dk[rk], 0.0)
+            continue
+        want = _autograd(q[None, rq], k[None, rk], v[None, rk], dout[None, rq], window=(-1, -1), scale=None,
+                         layout="bshd", **opts)  # fmt: skip
+        for got, w in zip((dq[rq], dk[rk], dv[rk]), want):
+            np.testing.assert_allclose(got, w[0], rtol=1e-9, atol=1e-11)
+    np.testing.assert_array_equal(dq[cu_q[-1] :], 0.0)

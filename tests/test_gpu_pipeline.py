@@ -1,8 +1,9 @@
 """What the one GPU pipeline promises on every entry point: no tensor that requires grad comes
-back silently detached, tensor subclasses are tensors (graph capture included), options are
-accepted or refused the same way on a cold and a warm plan cache, ``algorithm="decode"`` (and
-"auto" for one query token) runs the split-KV kernel on plain ``attention`` inputs, understated
-varlen maxima keep the mask, and running out of memory raises the caller's library's error."""
+back silently detached (it gets its gradient, or a refusal), tensor subclasses are tensors (graph
+capture included), options are accepted or refused the same way on a cold and a warm plan
+cache, ``algorithm="decode"`` (and "auto" for one query token) runs the split-KV kernel on plain
+``attention`` inputs, understated varlen maxima keep the mask, and running out of memory raises
+the caller's library's error."""
 
 from __future__ import annotations
 
@@ -16,18 +17,24 @@ from cupyflash import _plan, reference
 pytestmark = pytest.mark.gpu
 
 
-def test_inputs_that_require_grad_are_refused_not_detached(rng):
+def test_inputs_that_require_grad_get_gradients_not_detached(rng):
+    """A tensor that requires grad goes through the custom op and its backward (no silent
+    detach); the KV-cache call, which has no backward, refuses it."""
     torch = need_torch()
     q, k, v = gpu_inputs(rng, (1, 33, 4, 64), (1, 40, 2, 64), "bfloat16")
     q.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="no backward pass yet"):
-        cupyflash.attention(q, k, v)
-    with torch.no_grad():  # inference on a parameter: fine
-        out = cupyflash.attention(q, k, v)
-    assert not out.requires_grad
+    out = cupyflash.attention(q, k, v)
+    assert out.requires_grad and out.grad_fn is not None
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    with torch.no_grad():  # inference on a parameter: the kernels directly
+        out2, lse = cupyflash.attention(q, k, v, return_lse=True)
+        dq = cupyflash.attention_backward(dout, q, k, v, out2, lse)[0]
+    assert not out2.requires_grad
+    assert rel_error(q.grad.double().cpu().numpy(), dq.double().cpu().numpy()) < 1e-2
     kc, vc = (torch.zeros(2, 64, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     kc.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="no backward pass yet"):
+    with pytest.raises(RuntimeError, match="attention_with_kvcache has no backward pass"):
         cupyflash.attention_with_kvcache(q[:, :1].detach().expand(2, 1, 4, 64), kc, vc, cache_seqlens=3)
 
 

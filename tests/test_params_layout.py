@@ -116,3 +116,19 @@ def test_every_struct_packs_to_its_dtype():
         values = [2.5 if code == "f4" else i + 1 for i, (_, code) in enumerate(layout.fields)]
         unpacked = layout.pack(*values).view(layout.dtype)
         assert [unpacked[name][0] for name, _ in layout.fields] == values, layout.c_name
+
+
+def test_backward_struct_matches_python_fields():
+    """BwdParams (AttnParams nested first, then its own fields), as DecodeParams above."""
+    bwd = PARAMS_STRUCTS["BwdParams"]
+    own = bwd.fields[len(ATTN_PARAMS_FIELDS) :]
+    lines = [
+        '#include "fa2_bwd.cu"',
+        f"static_assert(sizeof(BwdParams) == {bwd.dtype.itemsize});",
+        f"static_assert(sizeof(AttnParams) == {bwd.dtype.fields[own[0][0]][1]});",
+    ]
+    for name, code in own:
+        lines.append(f'static_assert(sizeof(BwdParams::{name}) == {np.dtype(code).itemsize}, "{name}");')
+    inits = ", ".join(f".{name} = {{}}" for name, _ in own)
+    lines.append(f"constexpr BwdParams kOrderProbe{{.attn = {{}}, {inits}}};")
+    _compile("\n".join(lines))

@@ -10,7 +10,7 @@ import pytest
 
 from cupyflash import _dispatch, _kernels, _plan
 from cupyflash._specs import DecodeSpec
-from cupyflash._validate import attention_problem, kvcache_problem
+from cupyflash._validate import attention_problem, kvcache_problem, varlen_problem
 
 H200 = _plan.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
 
@@ -113,3 +113,43 @@ def test_varlen_mask_does_not_depend_on_the_maxima():
     p = varlen_problem((60, 4, 64), (60, 4, 64), (60, 4, 64), (3,), (3,), 40, 8, causal=False, scale=None,
                        window=(10, 0), softcap=0.0)  # fmt: skip
     assert p.local_bound and p.causal_bound
+
+
+def _problem(q, k, v, **kw):
+    options = {"causal": False, "scale": None, "window": (-1, -1), "softcap": 0.0, "layout": "bshd", **kw}
+    return attention_problem(q, k, v, **options)
+
+
+def test_backward_plan_three_steps_and_the_scale_signs():
+    """prep -> the key-block kernel -> dq; dq carries the signed scale, dk |scale| where q runs
+    negated (no softcap) and the signed scale with softcap; dq's accumulator in a params slot."""
+    p = _problem((2, 100, 8, 64), (2, 300, 2, 64), (2, 300, 2, 64), causal=True, scale=-0.5)
+    launch = _plan.plan_backward(p, "bfloat16", H200, q_shape=(2, 100, 8, 64), k_shape=(2, 300, 2, 64))
+    prep, main, dq = launch.steps
+    assert (prep.spec.step, dq.spec.step) == ("prep", "dq") and main.spec.causal
+    assert main.grid == (-(-300 // main.spec.block_n), 2, 2) and prep.grid == (25, 2, 8)
+    assert launch.params.value("dq_scale") == -0.5 and launch.params.value("dk_scale") == 0.5
+    assert next(op for op in launch.operands if op.name == "q").negate
+    assert [o.name for o in launch.outputs] == ["dq", "dk", "dv"]
+    accum = next(t for t in launch.temporaries if t.name == "dq_accum")
+    assert accum.shape == (2 * 8 * 100, 64) and accum.ptr_slot == launch.params.slot("dq_accum")
+    capped = _problem((1, 10, 2, 64), (1, 10, 2, 64), (1, 10, 2, 64), scale=-0.5, softcap=3.0)
+    launch = _plan.plan_backward(capped, "float16", H200, q_shape=(1, 10, 2, 64), k_shape=(1, 10, 2, 64))
+    assert launch.params.value("dk_scale") == -0.5 and launch.steps[1].spec.softcap
+
+
+def test_backward_plan_packed_and_empty():
+    p = varlen_problem(
+        (50, 4, 128), (70, 2, 128), (70, 2, 128), (4,), (4,), 30, 40, causal=True, scale=None, window=(-1, -1),
+        softcap=0.0,
+    )  # fmt: skip
+    launch = _plan.plan_backward(p, "float16", H200, q_shape=(50, 4, 128), k_shape=(70, 2, 128), packed_rows=(50, 70))
+    assert launch.params.value("row_batch_stride") == 0 and launch.params.value("row_head_stride") == 50
+    assert [o.fill for o in launch.outputs] == [None, 0.0, 0.0]  # rows outside every sequence: no gradient
+    assert launch.steps[0].grid == (13, 1, 4) and launch.steps[1].grid[0] == 1  # 40 keys: one block
+    empty = _problem((1, 0, 2, 64), (1, 9, 2, 64), (1, 9, 2, 64))
+    launch = _plan.plan_backward(empty, "float16", H200, q_shape=(1, 0, 2, 64), k_shape=(1, 9, 2, 64))
+    assert not launch.steps and all(o.fill == 0.0 for o in launch.outputs)
+    with pytest.raises(ValueError, match="head_dim"):
+        wide = _problem((1, 9, 2, 256), (1, 9, 2, 256), (1, 9, 2, 256))
+        _plan.plan_backward(wide, "float16", H200, q_shape=(1, 9, 2, 256), k_shape=(1, 9, 2, 256))

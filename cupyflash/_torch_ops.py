@@ -1,0 +1,212 @@
+"""PyTorch: ``attention`` and ``attention_varlen`` as ``torch.library`` custom ops with a fake
+(meta) implementation and a registered backward, so that tensors that require grad get their
+gradients (the FA2 backward) and ``torch.compile(fullgraph=True)`` keeps the call in its graph
+as one opaque op. Imported when cupyflash first meets a torch tensor (``_interop.torch_module``)
+or at ``import cupyflash`` when torch is already imported: importing cupyflash never imports torch.
+
+The public functions route here (``_api``): always while Dynamo traces them (``compiling``), and
+in eager mode when an input requires grad. The ops' bodies call the public functions again under
+``torch.no_grad()``, which run the kernels (or the host path for CPU tensors) as for any call.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _api, _interop
+from ._validate import attention_problem, check_options
+
+_LIB = "cupyflash"
+
+
+def _contiguous(*results: Tensor) -> Any:
+    """The ops' results as their fake implementations state them: fresh contiguous tensors (the
+    GPU's already are; the host path's can be permuted views)."""
+    return tuple(x.contiguous() for x in results)
+
+
+def _empty_like(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward ops' fake results: dq, dk, dv as fresh contiguous tensors."""
+    fmt = torch.contiguous_format
+    return (
+        torch.empty_like(q, memory_format=fmt),
+        torch.empty_like(k, memory_format=fmt),
+        torch.empty_like(v, memory_format=fmt),
+    )
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32  # xp_impl.compute_dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::attention", mutates_args=())
+def attention_op(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int,
+    softcap: float, layout: str, algorithm: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    with torch.no_grad():
+        out, lse = _api.attention(
+            q, k, v, causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap, layout=layout,
+            algorithm=algorithm, return_lse=True,
+        )  # fmt: skip
+    return _contiguous(out, lse)
+
+
+@attention_op.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
+    layout: str, algorithm: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    p = _problem(q, k, v, causal, scale, window_left, window_right, softcap, layout)
+    lse = q.new_empty((p.batch, p.heads_q, p.seqlen_q), dtype=_lse_dtype(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+
+
+@torch.library.custom_op(f"{_LIB}::attention_backward", mutates_args=())
+def attention_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
+    scale: float, window_left: int, window_right: int, softcap: float, layout: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    with torch.no_grad():
+        grads = _api.attention_backward(
+            dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale, window=(window_left, window_right),
+            softcap=softcap, layout=layout,
+        )  # fmt: skip
+    return _contiguous(*grads)
+
+
+@attention_backward_op.register_fake
+def _(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
+    scale: float, window_left: int, window_right: int, softcap: float, layout: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return _empty_like(q, k, v)
+
+
+def _setup_attention(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, causal, scale, window_left, window_right, softcap, layout, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.options = (causal, scale, window_left, window_right, softcap, layout)
+
+
+def _attention_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
+
+
+def attention(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, softcap: Any, layout: str,
+              algorithm: str, return_lse: bool) -> Any:  # fmt: skip
+    """``cupyflash.attention`` through the custom op (arguments as the public function's)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    window_left, window_right = window
+    out, lse = attention_op(
+        q, k, v, bool(causal), scale, int(window_left), int(window_right), float(softcap), layout, algorithm
+    )
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::attention_varlen", mutates_args=())
+def attention_varlen_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
+    algorithm: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    with torch.no_grad():
+        out, lse = _api.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
+            window=(window_left, window_right), softcap=softcap, algorithm=algorithm, return_lse=True,
+        )  # fmt: skip
+    return _contiguous(out, lse)
+
+
+@attention_varlen_op.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
+    algorithm: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    check_options(causal, scale, (window_left, window_right), softcap)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+
+
+@torch.library.custom_op(f"{_LIB}::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
+    window_left: int, window_right: int, softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    with torch.no_grad():
+        grads = _api.attention_varlen_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
+            causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
+        )  # fmt: skip
+    return _contiguous(*grads)
+
+
+@attention_varlen_backward_op.register_fake
+def _(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
+    window_left: int, window_right: int, softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return _empty_like(q, k, v)
+
+
+def _setup_varlen(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, _ = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
+    ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap)
+
+
+def _varlen_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options)
+    return dq, dk, dv, *(None,) * 10
+
+
+attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen)
+
+
+def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
+                     max_seqlen_k: int, causal: Any, scale: Any, window: Any, softcap: Any, algorithm: str,
+                     return_lse: bool) -> Any:  # fmt: skip
+    """``cupyflash.attention_varlen`` through the custom op."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    window_left, window_right = window
+    out, lse = attention_varlen_op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
+        int(window_left), int(window_right), float(softcap), algorithm,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def _problem(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
+    layout: str,
+) -> Any:  # fmt: skip
+    options = check_options(causal, scale, (window_left, window_right), softcap)
+    return attention_problem(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=options[0], scale=options[1], window=options[2],
+        softcap=options[3], layout=layout,
+    )  # fmt: skip
+
+
+# The public functions find this module here (a module attribute Dynamo can read while it traces).
+_interop.compiling = torch.compiler.is_compiling
+_interop.torch_ops = sys.modules[__name__]

@@ -1,0 +1,537 @@
+// FlashAttention-2 backward (Dao, 2023, Algorithm 2) on mma.sync tensor cores: three kernels
+// over one BwdParams, launched in order on one stream.
+//
+//   fa2_bwd_prep   per query row: D = rowsum(dO * O) - dLSE, the saved LSE as -LSE * log2 e,
+//                  dQacc = 0 (dLSE: d LSE_i / d s_ij = P_ij, so an LSE gradient enters as -D)
+//   fa2_bwd        per key block (grid: key blocks, B, Hkv), for every query head of the group
+//                  and every query block that sees the keys:
+//                    dP^T = V dO^T,  S^T = K Q^T                       (the keys are the M rows)
+//                    P^T  = exp2(logit(S^T) * scale_log2 - LSE log2 e) (P recomputed, nothing N^2)
+//                    dS^T = P^T * (dP^T - D)  (* (1 - tanh^2) with softcap)
+//                    dV  += P^T dO,  dK += dS^T Q                      (registers, whole loop)
+//                    dQacc += dS K                                     (fp32 atomics in L2)
+//   fa2_bwd_dq     per query row: dQ = dQacc * dq_scale in the element type
+//
+// Warp w of the main kernel owns keys 16 w .. 16 w + 15 of the block for the first five
+// products, so P^T and dS^T go from the score accumulators straight into the A operand of
+// dV and dK (as P does in the forward's P V); dS^T is staged once through shared memory for
+// dQ, whose reduction runs over all the block's keys. GQA: the CTA of a KV head loops over its
+// group's query heads, so dK and dV are summed in registers, with no per-query-head copy.
+//
+// Scale (see _plan.plan_backward): the kernel differentiates with respect to the raw score
+// s = q . k. With logit(s) = s the softmax multiplier is |scale| on (-q when scale < 0) and
+// dK = dk_scale dS^T Q with dk_scale = |scale|; with softcap, d logit / ds = scale (1 - t^2)
+// with t = tanh(s scale / softcap), so dk_scale = scale. dQ = scale dS K in both cases.
+#pragma once
+
+#include "common.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+#include "tile_mma.cuh"
+#include "variants.cuh"
+
+struct BwdParams {
+  // q, k, v, o (the forward's output), lse (the forward's, natural log), cu_seqlens, the shape
+  // and the softmax factors, as the forward reads them.
+  AttnParams attn;
+  const void* do_ptr;  // dO, strides do_*
+  void* dq_ptr;        // outputs, strides dq_* / dk_* / dv_*
+  void* dk_ptr;
+  void* dv_ptr;
+  float* dq_accum;        // [rows][d] fp32: row r of the per-row temporaries at r * d
+  float* neg_lse_log2;    // per row: -LSE * log2 e (-inf where LSE = -inf: the row sees no key)
+  float* dsum;            // per row: D = rowsum(dO * O) - dLSE
+  const float* dlse_ptr;  // the gradient of the returned LSE, like lse; nullptr when none
+  int64_t dlse_batch_stride, dlse_head_stride;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  // Row r of query head h, batch entry b (r in the packed rows when varlen) is temporary row
+  // b * row_batch_stride + h * row_head_stride + r.
+  int64_t row_batch_stride, row_head_stride;
+  float dq_scale, dk_scale;
+};
+
+// The largest divisor of n that is at most limit.
+CF_DEVICE constexpr int largest_divisor_upto(int n, int limit) {
+  for (int c = limit; c > 1; --c)
+    if (n % c == 0) return c;
+  return 1;
+}
+
+// One 4-byte global -> shared copy (.ca: the only size below 16 bytes cp.async takes); zero
+// filled when !valid.
+CF_DEVICE void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The per-row kernels: one warp per query row, 16-byte chunks per lane.
+// ---------------------------------------------------------------------------------------------
+template <int kHeadDim_, typename Element_>
+struct BwdRowTraits {
+  using Element = Element_;
+  using Ops = ElementTraits<Element>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kNWarps = 4;
+  static constexpr int kNThreads = 32 * kNWarps;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a row
+  static constexpr int kSmemBytes = 0;
+  static_assert(kHeadDim % 8 == 0 && kChunks <= 32, "one chunk per lane at most");
+};
+
+// Grid (ceil(rows / 4), B or 1 when varlen, Hq); rows = seqlen_q (the packed total when varlen).
+template <typename Traits>
+CF_DEVICE int64_t bwd_row(const BwdParams& p, int* row_out) {
+  const int row = blockIdx.x * Traits::kNWarps + threadIdx.x / 32;
+  *row_out = row;
+  return blockIdx.y * p.row_batch_stride + blockIdx.z * p.row_head_stride + row;
+}
+
+template <typename Traits>
+CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
+  using Element = typename Traits::Element;
+  const AttnParams& a = p.attn;
+  int row;
+  const int64_t t = bwd_row<Traits>(p, &row);
+  if (row >= a.seqlen_q) return;
+  const int lane = threadIdx.x % 32;
+  const int b = blockIdx.y, h = blockIdx.z;
+  float dot = 0.f;
+  if (lane < Traits::kChunks) {
+    const auto* g_o = static_cast<const Element*>(a.o_ptr) + b * a.o_batch_stride +
+                      row * a.o_row_stride + h * a.o_head_stride + 8 * lane;
+    const auto* g_do = static_cast<const Element*>(p.do_ptr) + b * p.do_batch_stride +
+                       row * p.do_row_stride + h * p.do_head_stride + 8 * lane;
+    const uint4 o = *reinterpret_cast<const uint4*>(g_o);
+    const uint4 d = *reinterpret_cast<const uint4*>(g_do);
+    const Element* oe = reinterpret_cast<const Element*>(&o);
+    const Element* de = reinterpret_cast<const Element*>(&d);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dot += to_float(oe[i]) * to_float(de[i]);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  if (lane == 0) {
+    const float lse = a.lse_ptr[b * a.lse_batch_stride + h * a.lse_head_stride + row];
+    if (p.dlse_ptr != nullptr)
+      dot -= p.dlse_ptr[b * p.dlse_batch_stride + h * p.dlse_head_stride + row];
+    p.dsum[t] = dot;
+    p.neg_lse_log2[t] = lse == neg_infinity() ? neg_infinity() : -lse * kLog2e;
+  }
+  float4* acc = reinterpret_cast<float4*>(p.dq_accum + t * Traits::kHeadDim);
+  for (int i = lane; i < Traits::kHeadDim / 4; i += 32) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+template <typename Traits>
+CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
+  using Element = typename Traits::Element;
+  int row;
+  const int64_t t = bwd_row<Traits>(p, &row);
+  const int lane = threadIdx.x % 32;
+  if (row >= p.attn.seqlen_q || lane >= Traits::kChunks) return;
+  const float4* acc = reinterpret_cast<const float4*>(p.dq_accum + t * Traits::kHeadDim) + 2 * lane;
+  const float4 lo = acc[0], hi = acc[1];
+  const float s = p.dq_scale;
+  uint4 out;
+  out.x = Traits::Ops::pack2(lo.x * s, lo.y * s);
+  out.y = Traits::Ops::pack2(lo.z * s, lo.w * s);
+  out.z = Traits::Ops::pack2(hi.x * s, hi.y * s);
+  out.w = Traits::Ops::pack2(hi.z * s, hi.w * s);
+  auto* g_dq = static_cast<Element*>(p.dq_ptr) + blockIdx.y * p.dq_batch_stride +
+               row * p.dq_row_stride + blockIdx.z * p.dq_head_stride + 8 * lane;
+  *reinterpret_cast<uint4*>(g_dq) = out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The main kernel.
+// ---------------------------------------------------------------------------------------------
+template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, bool Is_causal_,
+          bool Is_local_, bool Has_softcap_>
+struct Fa2BwdTraits {
+  using Element = Element_;
+  using Ops = ElementTraits<Element>;
+  using Tile = SwizzledTile<kHeadDim_>;   // K, V, Q, dO: [rows][d]
+  using DsTile = SwizzledTile<kBlockM_>;  // dS^T: [keys][query rows]
+
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // query rows per step
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA
+  static constexpr int kNWarps = kBlockN / 16;
+  static constexpr int kNThreads = 32 * kNWarps;
+  static constexpr bool Is_causal = Is_causal_;
+  static constexpr bool Is_local = Is_local_;
+  static constexpr bool Has_softcap = Has_softcap_;
+  using Transform = ScoreTransform<Has_softcap>;
+
+  // The shape names of tile_mma.cuh for a warp's products with 16 key rows: M = keys (one
+  // 16-row tile), N = the block's query rows (S^T, dP^T), K-steps over d; then M = keys,
+  // K-steps over query rows, N = d (dV, dK).
+  static constexpr int kMTiles = 1;
+  static constexpr int kNTiles = kBlockM / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kDSteps = kHeadDim / 16;
+  static constexpr int kNSteps = kBlockM / 16;
+  static constexpr bool Q_in_regs = false;
+  static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
+
+  // dQ = dS K: warps tile the [kBlockM][d] block, rows first, columns in 16-wide pairs (warps
+  // past kDqRowWarps * kDqColWarps sit the product out: small d with few query rows).
+  static constexpr int kDqRowWarps = kBlockM / 16 < kNWarps ? kBlockM / 16 : kNWarps;
+  static constexpr int kDqColWarps = largest_divisor_upto(kHeadDim / 16, kNWarps / kDqRowWarps);
+  static constexpr int kDqMTiles = kBlockM / 16 / kDqRowWarps;
+  static constexpr int kDqCols = kHeadDim / kDqColWarps;
+
+  static constexpr int kSmemKVElems = kBlockN * kHeadDim;
+  static constexpr int kSmemQElems = kBlockM * kHeadDim;
+  static constexpr int kSmemBytes =
+      (2 * kSmemKVElems + 4 * kSmemQElems + kBlockN * kBlockM) * kElemBytes + 2 * 2 * kBlockM * 4;
+
+  static_assert(kBlockN % 16 == 0 && kBlockM % 32 == 0 && kHeadDim % 32 == 0, "tile shapes");
+  static_assert(kBlockM % (16 * kDqRowWarps) == 0 && kHeadDim % (16 * kDqColWarps) == 0,
+                "dQ warp grid");
+  static_assert(kDqCols % 16 == 0, "dQ columns come in 16-wide ldmatrix pairs");
+  static_assert(kNThreads >= 2 * kBlockM, "one thread per row of LSE and of D");
+};
+
+// Which query rows see a block of keys (the transpose of KeyMask: rows i with a visible key j,
+// j <= i + shift + window_right and j >= i + shift - window_left).
+template <int kBlockM, int kBlockN, bool Is_causal, bool Is_local>
+struct QueryRangeOfKeys {
+  KeyMask<kBlockM, kBlockN, Is_causal, Is_local> keys;  // visible(row, key) and the bounds
+  int key_first, seqlen_q;
+
+  CF_DEVICE QueryRangeOfKeys(int n_block, int seqlen_q_, int seqlen_k, int window_left,
+                             int window_right)
+      : keys(0, seqlen_q_, seqlen_k, window_left, window_right),
+        key_first(n_block * kBlockN),
+        seqlen_q(seqlen_q_) {}
+
+  CF_DEVICE int m_block_begin() const {
+    if (!Is_causal) return 0;
+    return max(0, key_first - keys.shift - keys.window_right) / kBlockM;
+  }
+
+  CF_DEVICE int m_block_end() const {
+    int row_end = seqlen_q;
+    if (Is_local) {
+      const int key_last = min(key_first + kBlockN, keys.seqlen_k) - 1;
+      row_end = min(row_end, key_last - keys.shift + keys.window_left + 1);
+    }
+    return ceil_div(max(row_end, 0), kBlockM);
+  }
+
+  // Does some (row, key) of the tile fall outside the mask or past the last key?
+  CF_DEVICE bool needs_mask(int m_block) const {
+    const int row_first = m_block * kBlockM;
+    const int row_last = min(row_first + kBlockM, seqlen_q) - 1;
+    const int key_last = key_first + kBlockN - 1;
+    bool partial = key_last >= keys.seqlen_k;
+    if (Is_causal) partial |= key_last > row_first + keys.shift + keys.window_right;
+    if (Is_local) partial |= key_first < row_last + keys.shift - keys.window_left;
+    return partial;
+  }
+
+  // -inf at hidden (row, key) of a transposed tile: element e of tile (0, nt) is key
+  // key0 + lane / 4 + 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2.
+  template <int kNTiles>
+  CF_DEVICE void apply(float (&s)[1][kNTiles][4], int key0, int row0, int lane) const {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + lane / 4 + 8 * (e / 2);
+        const int row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
+        if (!keys.visible(row, key)) s[0][nt][e] = neg_infinity();
+      }
+  }
+};
+
+// A score variant on a transposed tile (element e of tile (0, nt): key key0 + lane / 4 +
+// 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2), with (row, key) as the variant
+// reads them in the forward.
+template <typename Transform, int kNTiles>
+CF_DEVICE void transform_scores_transposed(const Transform& transform, float (&s)[1][kNTiles][4],
+                                           int key0, int row0, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key0 + lane / 4 + 8 * (e / 2);
+      const int row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
+      s[0][nt][e] = transform(s[0][nt][e], row, key);
+    }
+}
+template <int kNTiles>
+CF_DEVICE void transform_scores_transposed(const NoScoreTransform&, float (&)[1][kNTiles][4], int,
+                                           int, int) {}
+
+// acc += A B for the warp's 16 rows, A given as the element-type words of an m16n8 accumulator
+// (words[nt][half] = elements 2 half, 2 half + 1 of tile nt: k-step ks is tiles 2 ks, 2 ks + 1,
+// as p_operand packs them) and B [k][d] row-major in shared memory (ldmatrix.trans, as gemm_pv).
+template <typename Traits>
+CF_DEVICE void gemm_packed_a(float (&acc)[1][Traits::kDTiles][4],
+                             const uint32_t (&words)[Traits::kNTiles][2], uint32_t s_b, int lane) {
+  using Tile = typename Traits::Tile;
+#pragma unroll
+  for (int ks = 0; ks < Traits::kNSteps; ++ks) {
+    const uint32_t a[4] = {words[2 * ks][0], words[2 * ks][1], words[2 * ks + 1][0],
+                           words[2 * ks + 1][1]};
+#pragma unroll
+    for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
+      const int row = 16 * ks + (lane % 8) + 8 * ((lane / 8) % 2);
+      const int xor_bits = Tile::pattern(lane) ^ (lane / 16);
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, s_b + Tile::pair_offset(row, dp, xor_bits) * Traits::kElemBytes);
+      Traits::Ops::mma_16816(acc[0][2 * dp], a, b[0], b[1]);
+      Traits::Ops::mma_16816(acc[0][2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// A fragments of rows m0 .. m0 + 15 at k-step ks from a tile stored transposed, [k][m]:
+// ldmatrix.trans of matrices (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15)
+// gives a0..a3 of m16n8k16.
+template <typename TileKM, int kElemBytes>
+CF_DEVICE void load_a_frag_trans(uint32_t (&a)[4], uint32_t s_tile, int m0, int ks, int lane) {
+  const int row = 16 * ks + (lane % 8) + 8 * (lane / 16);
+  const int xor_bits = TileKM::pattern(lane) ^ ((lane / 8) % 2);
+  ldmatrix_x4_trans(a, s_tile + TileKM::pair_offset(row, m0 / 16, xor_bits) * kElemBytes);
+}
+
+template <typename Traits>
+CF_DEVICE void fa2_bwd(const BwdParams& p) {
+  using Element = typename Traits::Element;
+  using Tile = typename Traits::Tile;
+  using DsTile = typename Traits::DsTile;
+  using Ops = typename Traits::Ops;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kNTiles = Traits::kNTiles;
+  constexpr int kEB = Traits::kElemBytes;
+  const AttnParams& a = p.attn;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t s_k = smem_addr(smem_raw);                    // [kBlockN][d], then dK
+  const uint32_t s_v = s_k + Traits::kSmemKVElems * kEB;       // [kBlockN][d], then dV
+  const uint32_t s_q = s_v + Traits::kSmemKVElems * kEB;       // [2][kBlockM][d]
+  const uint32_t s_do = s_q + 2 * Traits::kSmemQElems * kEB;   // [2][kBlockM][d]
+  const uint32_t s_ds = s_do + 2 * Traits::kSmemQElems * kEB;  // [kBlockN][kBlockM]
+  const uint32_t s_lse = s_ds + kBlockN * kBlockM * kEB;       // [2][kBlockM] -LSE log2 e
+  const uint32_t s_dsum = s_lse + 2 * kBlockM * 4;             // [2][kBlockM] D
+  constexpr int kStageBytes = Traits::kSmemQElems * kEB;
+
+  const int n_block = blockIdx.x;  // the first key blocks see the most rows under causal: first
+  const int batch = blockIdx.y;
+  const int head_k = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int warp_key0 = 16 * warp;  // this warp's keys in the block
+
+  const SeqRange rows_q = seq_range(a.cu_seqlens_q, batch, a.seqlen_q);
+  const SeqRange rows_k = seq_range(a.cu_seqlens_k, batch, a.seqlen_k);
+  const int seqlen_q = rows_q.len;
+  const int seqlen_k = rows_k.len;
+  const int key0 = n_block * kBlockN;
+  if (key0 >= seqlen_k) return;  // varlen: a sequence shorter than the grid
+  const QueryRangeOfKeys<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> range(
+      n_block, seqlen_q, seqlen_k, a.window_left, a.window_right);
+  const int m_begin = range.m_block_begin();
+  const int m_blocks = max(range.m_block_end() - m_begin, 0);
+  const int group = a.h_h_k_ratio;
+  const int steps = m_blocks * group;  // (query head of the group, query block) pairs
+
+  const int64_t key_row0 = rows_k.start + key0;
+  const Element* g_k = static_cast<const Element*>(a.k_ptr) + batch * a.k_batch_stride +
+                       head_k * a.k_head_stride + key_row0 * a.k_row_stride;
+  const Element* g_v = static_cast<const Element*>(a.v_ptr) + batch * a.v_batch_stride +
+                       head_k * a.v_head_stride + key_row0 * a.v_row_stride;
+  load_tile_async<Traits, kBlockN>(s_k, g_k, a.k_row_stride, seqlen_k - key0, tid);
+  load_tile_async<Traits, kBlockN>(s_v, g_v, a.v_row_stride, seqlen_k - key0, tid);
+
+  // Step `step` reads query head head_k * group + step / m_blocks, block m_begin + step % m_blocks.
+  auto step_head = [&](int step) { return head_k * group + step / m_blocks; };
+  auto step_row0 = [&](int step) { return (m_begin + step % m_blocks) * kBlockM; };
+  auto load_step = [&](int step, int stage) {
+    const int head = step_head(step);
+    const int row0 = step_row0(step);
+    const int64_t q_row = rows_q.start + row0;
+    const int rows_valid = seqlen_q - row0;
+    load_tile_async<Traits, kBlockM>(s_q + stage * kStageBytes,
+                                     static_cast<const Element*>(a.q_ptr) +
+                                         batch * a.q_batch_stride + head * a.q_head_stride +
+                                         q_row * a.q_row_stride,
+                                     a.q_row_stride, rows_valid, tid);
+    load_tile_async<Traits, kBlockM>(s_do + stage * kStageBytes,
+                                     static_cast<const Element*>(p.do_ptr) +
+                                         batch * p.do_batch_stride + head * p.do_head_stride +
+                                         q_row * p.do_row_stride,
+                                     p.do_row_stride, rows_valid, tid);
+    // -LSE log2 e and D of the block's rows; rows past the sequence read 0, which with their
+    // zero Q and dO rows adds nothing to dK, dV, and their dQ rows are never written.
+    const int64_t t0 = batch * p.row_batch_stride + head * p.row_head_stride + q_row;
+    if (tid < kBlockM) {
+      const bool valid = tid < rows_valid;
+      cp_async_4(s_lse + (stage * kBlockM + tid) * 4, p.neg_lse_log2 + (valid ? t0 + tid : 0),
+                 valid);
+    } else if (tid < 2 * kBlockM) {
+      const int r = tid - kBlockM;
+      const bool valid = r < rows_valid;
+      cp_async_4(s_dsum + (stage * kBlockM + r) * 4, p.dsum + (valid ? t0 + r : 0), valid);
+    }
+  };
+
+  float acc_dk[1][Traits::kDTiles][4];
+  float acc_dv[1][Traits::kDTiles][4];
+  zero_fill(acc_dk);
+  zero_fill(acc_dv);
+  const uint32_t no_regs[1][Traits::kDSteps][4] = {};  // gemm_qk's Q_in_regs operand (unused)
+  const typename Traits::Transform transform(a);
+  const float scale_log2 = a.softmax_scale_log2;
+
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();  // group: K, V, step 0
+  for (int step = 0; step < steps; ++step) {
+    const int stage = step % 2;
+    // Step `step` has landed; every warp is done with the other stage (read before the last
+    // barrier of the previous step) and with dS^T (read after it).
+    cp_async_wait<0>();
+    __syncthreads();
+    if (step + 1 < steps) load_step(step + 1, stage ^ 1);
+    cp_async_commit();
+    const uint32_t q_tile = s_q + stage * kStageBytes;
+    const uint32_t do_tile = s_do + stage * kStageBytes;
+    const int row0 = step_row0(step);
+
+    // dP^T = V dO^T first: dS^T is then formed where P^T is, with the tanh of the softcap
+    // still at hand, and no third score-sized array is live.
+    float acc_dp[1][kNTiles][4];
+    gemm_qk<Traits>(acc_dp, no_regs, s_v, do_tile, warp_key0, lane);
+    float acc_s[1][kNTiles][4];
+    gemm_qk<Traits>(acc_s, no_regs, s_k, q_tile, warp_key0, lane);
+    // logit(S^T), then the mask (-inf), as the forward orders them.
+    transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0, lane);
+    if (range.needs_mask(row0 / kBlockM)) range.apply(acc_s, key0 + warp_key0, row0, lane);
+    // P^T and dS^T, rounded to the element type in pairs: the A operands of dV and dK (and
+    // dS^T the words staged for dQ).
+    uint32_t p_words[kNTiles][2], ds_words[kNTiles][2];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      // The two query rows (columns) this thread holds in tile nt: their -LSE log2 e and D.
+      const int col0 = 8 * nt + 2 * (lane % 4);
+      const float2 neg_lse = ld_shared_f32x2(s_lse + (stage * kBlockM + col0) * 4);
+      const float2 dsum = ld_shared_f32x2(s_dsum + (stage * kBlockM + col0) * 4);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float prob[2], ds[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float logit = acc_s[0][nt][2 * half + c];
+          prob[c] = fast_exp2(fmaf(logit, scale_log2, c ? neg_lse.y : neg_lse.x));
+          ds[c] = prob[c] * (acc_dp[0][nt][2 * half + c] - (c ? dsum.y : dsum.x));
+          // d tanh: a masked logit (-inf, P = 0) would give 0 * inf; its dS is 0.
+          if constexpr (Traits::Has_softcap)
+            ds[c] = prob[c] != 0.f ? ds[c] * (1.f - logit * logit) : 0.f;
+        }
+        p_words[nt][half] = Ops::pack2(prob[0], prob[1]);
+        ds_words[nt][half] = Ops::pack2(ds[0], ds[1]);
+      }
+    }
+    gemm_packed_a<Traits>(acc_dv, p_words, do_tile, lane);  // dV += P^T dO
+    gemm_packed_a<Traits>(acc_dk, ds_words, q_tile, lane);  // dK += dS^T Q
+
+    // dS^T to shared memory for dQ = dS K, whose reduction runs over every warp's keys.
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int key = warp_key0 + lane / 4 + 8 * half;
+        st_shared_b32(s_ds + (DsTile::offset(key, nt) + 2 * (lane % 4)) * kEB, ds_words[nt][half]);
+      }
+    }
+    __syncthreads();
+
+    // dQacc[rows] += dS K: warp (wr, wc) takes rows 16 kDqMTiles wr .., columns kDqCols wc ...
+    constexpr int kDqMTiles = Traits::kDqMTiles;
+    constexpr int kDqNTiles = Traits::kDqCols / 8;
+    if (warp >= Traits::kDqRowWarps * Traits::kDqColWarps) continue;
+    const int dq_row0 = 16 * kDqMTiles * (warp % Traits::kDqRowWarps);
+    const int dq_col0 = Traits::kDqCols * (warp / Traits::kDqRowWarps);
+    float acc_dq[kDqMTiles][kDqNTiles][4];
+    zero_fill(acc_dq);
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      uint32_t a_frag[kDqMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kDqMTiles; ++mt) {
+        load_a_frag_trans<DsTile, kEB>(a_frag[mt], s_ds, dq_row0 + 16 * mt, ks, lane);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kDqNTiles / 2; ++dp) {
+        // K [keys][d] is B stored [k][n]: ldmatrix.trans as V in gemm_pv.
+        const int key = 16 * ks + (lane % 8) + 8 * ((lane / 8) % 2);
+        const int xor_bits = Tile::pattern(lane) ^ (lane / 16);
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, s_k + Tile::pair_offset(key, dq_col0 / 16 + dp, xor_bits) * kEB);
+#pragma unroll
+        for (int mt = 0; mt < kDqMTiles; ++mt) {
+          Ops::mma_16816(acc_dq[mt][2 * dp], a_frag[mt], b[0], b[1]);
+          Ops::mma_16816(acc_dq[mt][2 * dp + 1], a_frag[mt], b[2], b[3]);
+        }
+      }
+    }
+    const int head = step_head(step);
+    float* g_acc =
+        p.dq_accum + (batch * p.row_batch_stride + head * p.row_head_stride + rows_q.start + row0) *
+                         Traits::kHeadDim;
+#pragma unroll
+    for (int mt = 0; mt < kDqMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = dq_row0 + 16 * mt + lane / 4 + 8 * half;
+        if (row0 + row >= seqlen_q) continue;
+#pragma unroll
+        for (int nt = 0; nt < kDqNTiles; ++nt) {
+          float* dst = g_acc + row * Traits::kHeadDim + dq_col0 + 8 * nt + 2 * (lane % 4);
+          atomicAdd(dst, acc_dq[mt][nt][2 * half]);
+          atomicAdd(dst + 1, acc_dq[mt][nt][2 * half + 1]);
+        }
+      }
+    }
+  }
+
+  // Epilogue: dK scaled, both staged through the K and V tiles (free once every warp is past
+  // the last dQ), then written as 16-byte rows.
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int dt = 0; dt < Traits::kDTiles; ++dt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_key0 + lane / 4 + 8 * half;
+      const int offset = (Tile::offset(row, dt) + 2 * (lane % 4)) * kEB;
+      st_shared_b32(s_k + offset, Ops::pack2(acc_dk[0][dt][2 * half] * p.dk_scale,
+                                             acc_dk[0][dt][2 * half + 1] * p.dk_scale));
+      st_shared_b32(s_v + offset, Ops::pack2(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]));
+    }
+  }
+  __syncthreads();
+  Element* g_dk = static_cast<Element*>(p.dk_ptr) + batch * p.dk_batch_stride +
+                  head_k * p.dk_head_stride + key_row0 * p.dk_row_stride;
+  Element* g_dv = static_cast<Element*>(p.dv_ptr) + batch * p.dv_batch_stride +
+                  head_k * p.dv_head_stride + key_row0 * p.dv_row_stride;
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  for (int idx = tid; idx < kBlockN * kChunksPerRow; idx += Traits::kNThreads) {
+    const int row = idx / kChunksPerRow;
+    const int chunk = idx % kChunksPerRow;
+    if (row >= seqlen_k - key0) break;
+    const uint32_t offset = Tile::offset(row, chunk) * kEB;
+    st_global_b128(g_dk + row * p.dk_row_stride + chunk * 8, ld_shared_b128(s_k + offset));
+    st_global_b128(g_dv + row * p.dv_row_stride + chunk * 8, ld_shared_b128(s_v + offset));
+  }
+}

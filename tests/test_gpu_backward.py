@@ -1,0 +1,207 @@
+"""The GPU backward (kernels_cu/fa2_bwd.cu) against PyTorch autograd of a float64 naive attention
+on the same rounded inputs: dq, dk and dv within the dtype's bound and within 2x the error of the
+same naive backward run in the inputs' own precision (flash-attn's rule) plus a rounding floor.
+
+Outputs are NaN-poisoned before every launch (conftest), so a gradient row the kernels fail to
+write shows up as NaN. Cases: every backward head dim, both dtypes, causal (bottom-right, rows
+that see no key), windows, softcap, GQA/MQA, odd lengths, both layouts, negative and zero scale,
+a loss through the LSE, packed sequences with empty and one-token ones, NaN in, CuPy inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import BOUND, FLOOR, naive_low_precision, need_torch, rel_error
+
+import cupyflash
+from cupyflash._specs import FA2_BWD_HEAD_DIMS
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ("float16", "bfloat16")
+# (B, Nq, Nk, Hq, Hkv, causal, window, softcap)
+CASES = {
+    "square": (2, 128, 128, 4, 4, False, (-1, -1), 0.0),
+    "causal-gqa-odd": (1, 97, 200, 6, 2, True, (-1, -1), 0.0),
+    "causal-mqa-nq>nk": (2, 200, 97, 4, 1, True, (-1, -1), 0.0),
+    "one-query": (1, 1, 300, 4, 2, False, (-1, -1), 0.0),
+    "window-causal": (1, 257, 257, 2, 2, True, (64, -1), 0.0),
+    "window-both": (1, 300, 301, 4, 2, False, (16, 16), 0.0),
+    "softcap-causal": (1, 190, 301, 4, 2, True, (-1, -1), 30.0),
+    "window-softcap": (2, 130, 70, 2, 1, False, (-1, 3), 5.0),
+}
+
+
+def _grads(torch, q, k, v, dout, dtype, dlse=None, **options):
+    """(dq, dk, dv) of the naive attention by autograd, in ``dtype`` (float64: the oracle)."""
+    leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+    out, lse = naive_low_precision(*leaves, return_lse=True, **options)
+    loss = (out.double() * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (lse.double() * dlse.double()).sum()
+    loss.backward()
+    return [x.grad for x in leaves]
+
+
+def check_backward(torch, q, k, v, *, dlse=None, **options):
+    """Forward and backward through cupyflash; each gradient against the float64 oracle."""
+    dout = torch.randn_like(q)
+    out, lse = cupyflash.attention(q, k, v, return_lse=True, **options)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **options)
+    want = _grads(torch, q, k, v, dout, torch.float64, dlse=dlse, **options)
+    naive = _grads(torch, q, k, v, dout, q.dtype, dlse=dlse, **options)
+    dtype = str(q.dtype).removeprefix("torch.")
+    errors = []
+    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, want, naive):
+        assert type(got) is type(q) and got.dtype == q.dtype and got.shape == ref.shape, name
+        got64, ref64, low64 = (x.double().cpu().numpy() for x in (got, ref, low))
+        assert not np.isnan(got64).any(), f"{name}: unwritten (NaN-poisoned) or NaN gradient"
+        err, naive_err = rel_error(got64, ref64), rel_error(low64, ref64)
+        assert err <= 2 * BOUND[dtype], f"{name}: relative error {err:.2e} over {2 * BOUND[dtype]}"
+        assert err <= 2 * naive_err + FLOOR[dtype], f"{name}: error {err:.2e} > 2 x naive {naive_err:.2e}"
+        errors.append(err)
+    return errors
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", FA2_BWD_HEAD_DIMS)
+@pytest.mark.parametrize("case", list(CASES), ids=str)
+def test_backward_matches_float64_autograd(rng, dtype, head_dim, case):
+    torch = need_torch()
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    b, nq, nk, hq, hkv, causal, window, softcap = CASES[case]
+    tdtype = getattr(torch, dtype)
+    q = torch.randn(b, nq, hq, head_dim, device="cuda", dtype=tdtype)
+    k, v = (torch.randn(b, nk, hkv, head_dim, device="cuda", dtype=tdtype) for _ in range(2))
+    check_backward(torch, q, k, v, causal=causal, window=window, softcap=softcap, scale=None, layout="bshd")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"layout": "bhsd", "causal": True},
+        {"layout": "bshd", "scale": -0.3},  # q runs negated; dq carries the sign
+        {"layout": "bshd", "scale": -0.2, "softcap": 4.0},
+        {"layout": "bhsd", "scale": 0.0},  # uniform P: dq = dk = 0
+        {"layout": "bshd", "scale": 2.5, "causal": True, "window": (40, -1)},
+    ],
+    ids=str,
+)
+def test_backward_layouts_and_scales(rng, options):
+    torch = need_torch()
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    opts = {"causal": False, "window": (-1, -1), "softcap": 0.0, "scale": None, **options}
+    bhsd = opts["layout"] == "bhsd"
+    shape = (lambda n, h: (2, h, n, 64)) if bhsd else (lambda n, h: (2, n, h, 64))
+    q = torch.randn(shape(77, 4), device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(shape(150, 2), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if opts["scale"] == 0.0:
+        dout = torch.randn_like(q)
+        out, lse = cupyflash.attention(q, k, v, return_lse=True, **opts)
+        dq, dk, dv = cupyflash.attention_backward(dout, q, k, v, out, lse, **opts)
+        assert (dq == 0).all() and (dk == 0).all()
+        want = _grads(torch, q, k, v, dout, torch.float64, **opts)[2]
+        assert rel_error(dv.double().cpu().numpy(), want.cpu().numpy()) < 1e-2
+        return
+    check_backward(torch, q, k, v, **opts)
+
+
+def test_loss_through_the_lse(rng):
+    torch = need_torch()
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    q = torch.randn(2, 100, 4, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 130, 4, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    dlse = torch.randn(2, 4, 100, device="cuda")
+    opts = {"causal": True, "window": (-1, -1), "softcap": 0.0, "scale": None, "layout": "bshd"}
+    check_backward(torch, q, k, v, dlse=dlse, **opts)
+
+
+def test_strided_inputs_and_cupy_arrays(rng):
+    """Views the kernels cannot read (a stride on d) are copied; CuPy in, CuPy out."""
+    torch = need_torch()
+    import cupy
+
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    base = torch.randn(1, 90, 2, 2 * 64, device="cuda", dtype=torch.bfloat16)
+    q = base[..., ::2]  # stride 2 on head_dim
+    k, v = (torch.randn(1, 90, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    opts = {"causal": True, "window": (-1, -1), "softcap": 0.0, "scale": None, "layout": "bshd"}
+    check_backward(torch, q, k, v, **opts)
+
+    cq, ck, cv = (
+        cupy.asarray(rng.standard_normal((1, 70, 2, 32)).astype(np.float32)).astype("float16") for _ in range(3)
+    )
+    dout = cupy.asarray(rng.standard_normal(cq.shape).astype(np.float32)).astype("float16")
+    out, lse = cupyflash.attention(cq, ck, cv, causal=True, return_lse=True)
+    grads = cupyflash.attention_backward(dout, cq, ck, cv, out, lse, causal=True)
+    tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (cq, ck, cv, dout))
+    want = _grads(torch, tq, tk, tv, tdo, torch.float64, causal=True, window=(-1, -1), softcap=0.0, scale=None,
+                  layout="bshd")  # fmt: skip
+    for got, ref in zip(grads, want):
+        assert isinstance(got, cupy.ndarray) and got.dtype == cupy.float16
+        assert rel_error(cupy.asnumpy(got).astype(np.float64), ref.cpu().numpy()) < 2 * BOUND["float16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_varlen_backward(rng, dtype, head_dim, monkeypatch):
+    """Packed sequences, an empty and a one-token one among them, rows after the last sequence:
+    each sequence's gradients as the dense oracle's (every row written: outputs poisoned), zero
+    gradients outside every sequence (their fill, checked unpoisoned as test_varlen.py does)."""
+    torch = need_torch()
+    from cupyflash import _launch
+
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    tdtype = getattr(torch, dtype)
+    lens_q, lens_k = [70, 0, 1, 129, 33], [90, 17, 1, 129, 200]
+    cu_q, cu_k = (torch.tensor([0, *np.cumsum(x)], dtype=torch.int32, device="cuda") for x in (lens_q, lens_k))
+    total_q, total_k = int(cu_q[-1]) + 3, int(cu_k[-1]) + 5
+    q = torch.randn(total_q, 4, head_dim, device="cuda", dtype=tdtype)
+    k, v = (torch.randn(total_k, 2, head_dim, device="cuda", dtype=tdtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    opts = {"causal": True, "window": (-1, -1), "softcap": 0.0, "scale": None}
+    out, lse = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, 129, 200, return_lse=True, **opts)
+    dq, dk, dv = cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 129, 200, **opts)
+    for b in range(len(lens_q)):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lens_q[b] == 0:  # keys no query sees: written as zeros by the kernel
+            assert (dk[rk] == 0).all() and (dv[rk] == 0).all()
+            continue
+        want = _grads(
+            torch, q[None, rq], k[None, rk], v[None, rk], dout[None, rq], torch.float64, layout="bshd", **opts
+        )
+        for name, got, ref in zip(("dq", "dk", "dv"), (dq[rq], dk[rk], dv[rk]), want):
+            assert not torch.isnan(got).any(), f"sequence {b} {name}: unwritten (NaN-poisoned) rows"
+            err = rel_error(got.double().cpu().numpy(), ref[0].cpu().numpy())
+            assert err < 2 * BOUND[dtype], f"sequence {b} {name}: {err:.2e}"
+    assert (dq[int(cu_q[-1]) :] == 0).all()  # dq: every packed row converted from the zeroed accumulator
+    monkeypatch.setattr(_launch, "POISON_OUTPUTS", False)
+    _, dk, dv = cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 129, 200, **opts)
+    assert (dk[int(cu_k[-1]) :] == 0).all() and (dv[int(cu_k[-1]) :] == 0).all()
+
+
+def test_nan_in_gives_nan_out(rng):
+    torch = need_torch()
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    k[0, 5, 0, 3] = float("nan")
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    dq, dk, dv = cupyflash.attention_backward(torch.ones_like(out), q, k, v, out, lse)
+    assert torch.isnan(dq[:, :, 0]).all() and torch.isnan(dk[:, :, 0]).any()
+    assert not torch.isnan(dq[:, :, 1]).any() and not torch.isnan(dk[:, :, 1]).any()  # the other head
+
+
+def test_refusals_name_the_problem():
+    torch = need_torch()
+    q = torch.randn(1, 8, 1, 192, device="cuda", dtype=torch.float16)
+    out, lse = cupyflash.attention(q, q, q, return_lse=True)
+    with pytest.raises(ValueError, match="head_dim"):
+        cupyflash.attention_backward(out, q, q, q, out, lse)
+    q = torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.float16)
+    out, lse = cupyflash.attention(q, q, q, return_lse=True)
+    with pytest.raises(TypeError, match="lse must be float32"):
+        cupyflash.attention_backward(out, q, q, q, out, lse.half())
+    with pytest.raises(ValueError, match="dout must have shape"):
+        cupyflash.attention_backward(out[:, :4], q, q, q, out, lse)

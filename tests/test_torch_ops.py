@@ -1,0 +1,185 @@
+"""PyTorch integration (cupyflash/_torch_ops.py): the custom ops' autograd, fake kernels and
+torch.compile. On the CPU (CI) the ops run the array-API path, so gradcheck in float64 checks the
+backward's formulas through the same op a GPU call uses; the `gpu` tests add the kernels,
+torch.compile on CUDA tensors and CUDA-graph capture of a training step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import rel_error
+
+import cupyflash
+
+torch = pytest.importorskip("torch")
+
+
+def _leaves(*shapes, dtype=torch.float64, device="cpu"):
+    return [torch.randn(s, dtype=dtype, device=device, requires_grad=True) for s in shapes]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"causal": True},
+        {"window": (3, 2), "softcap": 2.0},
+        {"causal": True, "scale": -0.4, "layout": "bhsd"},
+    ],
+    ids=str,
+)
+def test_gradcheck_dense(options):
+    torch.manual_seed(0)
+    layout = options.get("layout", "bshd")
+    shape = (lambda n, h: (2, n, h, 8)) if layout == "bshd" else (lambda n, h: (2, h, n, 8))
+    q, k, v = _leaves(shape(5, 4), shape(7, 2), shape(7, 2))
+
+    def f(q, k, v):  # both outputs: the LSE's gradient is part of the op's backward
+        return cupyflash.attention(q, k, v, return_lse=True, **options)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_gradcheck_varlen():
+    torch.manual_seed(1)
+    cu_q, cu_k = torch.tensor([0, 3, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 6, 11], dtype=torch.int32)
+    q, k, v = _leaves((7, 2, 8), (11, 1, 8), (11, 1, 8))  # no padding row: its LSE is -inf, no derivative
+
+    def f(q, k, v):
+        return cupyflash.attention_varlen(q, k, v, cu_q, cu_k, 4, 5, causal=True, return_lse=True)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_outputs_carry_the_graph_and_no_grad_mode_does_not():
+    q, k, v = _leaves((1, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 8))
+    out = cupyflash.attention(q, k, v)
+    assert out.requires_grad and "cupyflash" in type(out.grad_fn).__name__
+    with torch.no_grad():
+        assert not cupyflash.attention(q, k, v).requires_grad
+
+
+def test_opcheck_the_custom_ops():
+    """torch.library.opcheck: the fake kernels match the real ones, the schemas are honest, the
+    autograd registration is consistent (CPU tensors; the GPU test runs CUDA ones)."""
+    from cupyflash import _torch_ops
+
+    torch.manual_seed(2)
+    q, k, v = _leaves((2, 6, 4, 16), (2, 9, 2, 16), (2, 9, 2, 16), dtype=torch.float32)
+    args = (q, k, v, True, 0.25, -1, 0, 0.0, "bshd", "auto")
+    torch.library.opcheck(_torch_ops.attention_op, args)
+    out, lse = _torch_ops.attention_op(*args)
+    saved = [x.detach() for x in (q, k, v, out, lse)]  # no double backward: plain tensors
+    bwd = (torch.randn_like(out), *saved, None, True, 0.25, -1, 0, 0.0, "bshd")
+    torch.library.opcheck(_torch_ops.attention_backward_op, bwd)
+
+
+class _Block(torch.nn.Module):
+    """A causal self-attention block on cupyflash."""
+
+    def __init__(self, heads: int = 4, head_dim: int = 32) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(heads * head_dim, 3 * heads * head_dim)
+        self.proj = torch.nn.Linear(heads * head_dim, heads * head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).unbind(2)
+        return self.proj(cupyflash.attention(q, k, v, causal=True).reshape(b, n, -1))
+
+
+def _check_compiled_block(device: str, dtype: torch.dtype, tol: float) -> None:
+    torch.manual_seed(3)
+    block = _Block().to(device, dtype)
+    x = torch.randn(2, 40, 128, device=device, dtype=dtype)
+    explained = torch._dynamo.explain(block)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    compiled = torch.compile(block, fullgraph=True)
+    assert (compiled(x) - block(x)).abs().max().item() <= tol
+
+    def loss_and_grads(model):
+        for p in block.parameters():
+            p.grad = None
+        model(x).float().square().mean().backward()
+        return [p.grad.clone() for p in block.parameters()]
+
+    for got, want in zip(loss_and_grads(compiled), loss_and_grads(block)):
+        assert (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+
+
+def test_torch_compile_fullgraph_forward_and_training_step():
+    torch._dynamo.reset()
+    _check_compiled_block("cpu", torch.float32, 1e-5)
+
+
+def test_importing_cupyflash_does_not_import_torch():
+    code = "import sys, cupyflash; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU: the kernels behind the ops.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_autograd_equals_attention_backward():
+    torch.manual_seed(4)
+    q, k, v = _leaves((2, 100, 8, 64), (2, 130, 2, 64), (2, 130, 2, 64), dtype=torch.bfloat16, device="cuda")
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    with torch.no_grad():
+        want = cupyflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=True)
+    for x, w in zip((q, k, v), want):
+        assert rel_error(x.grad.double().cpu().numpy(), w.double().cpu().numpy()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    from cupyflash import _torch_ops
+
+    q, k, v = _leaves((1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64), dtype=torch.float16, device="cuda")
+    torch.library.opcheck(_torch_ops.attention_op, (q, k, v, False, 0.125, -1, -1, 0.0, "bshd", "auto"))
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    _check_compiled_block("cuda", torch.bfloat16, 3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_training_step_captures_in_a_cuda_graph():
+    """Forward and backward of the ops inside torch.cuda.graph: replay with new inputs gives the
+    eager gradients (the kernels run on PyTorch's capture stream and allocate through it)."""
+    torch.manual_seed(5)
+    q, k, v = _leaves((2, 64, 4, 64), (2, 64, 4, 64), (2, 64, 4, 64), dtype=torch.float16, device="cuda")
+    dout = torch.randn_like(q.detach())
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        cupyflash.attention(q, k, v, causal=True).backward(dout)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and plan before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for x in (q, k, v):
+        x.grad = None
+    with torch.cuda.graph(graph):
+        cupyflash.attention(q, k, v, causal=True).backward(dout)
+    captured = [x.grad for x in (q, k, v)]
+    with torch.no_grad():
+        q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [g.clone() for g in captured]
+    step()
+    for got, want in zip(replayed, (q.grad, k.grad, v.grad)):
+        assert rel_error(got.double().cpu().numpy(), want.double().cpu().numpy()) < 1e-2
+    assert np.isfinite(replayed[0].double().cpu().numpy()).all()
