@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 from . import _baselines_gpu, _host, _interop, _launch, _plan
-from ._validate import attention_problem, check_algorithm, check_options, varlen_problem
+from ._validate import attention_problem, check_algorithm, check_flag, check_options, varlen_problem
 
 # The forward plans, by call signature (library, device, shapes, dtypes, options).
 _plans = _plan.new_cache()
@@ -30,6 +30,7 @@ def attention(
     layout: str = ...,
     algorithm: str = ...,
     return_lse: Literal[False] = ...,
+    deterministic: bool = ...,
 ) -> Any: ...
 @overload
 def attention(
@@ -44,6 +45,7 @@ def attention(
     layout: str = ...,
     algorithm: str = ...,
     return_lse: Literal[True],
+    deterministic: bool = ...,
 ) -> tuple[Any, Any]: ...
 def attention(
     q: Any,
@@ -57,6 +59,7 @@ def attention(
     layout: str = "bshd",
     algorithm: str = "auto",
     return_lse: bool = False,
+    deterministic: bool = False,
 ) -> Any:
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v``.
 
@@ -96,6 +99,9 @@ def attention(
     return_lse : bool
         Also return the log-sum-exp of each row, natural log, ``(B, Hq, Nq)``: float32 (float64
         for float64 host inputs). NaN in a row's visible scores gives NaN in its output and LSE.
+    deterministic : bool
+        For PyTorch tensors that require grad: the backward without atomic adds (bit-identical
+        gradients run to run; see :func:`attention_backward`).
 
     Returns
     -------
@@ -120,15 +126,19 @@ def attention(
     ((1, 5, 2, 16), (1, 2, 5))
     """
     if _interop.compiling():  # Dynamo traces the custom op, not this function's body
-        return _interop.torch_ops.attention(q, k, v, causal, scale, window, softcap, layout, algorithm, return_lse)
+        return _interop.torch_ops.attention(
+            q, k, v, causal, scale, window, softcap, layout, algorithm, return_lse, deterministic
+        )
     options = check_options(causal, scale, window, softcap)
+    if deterministic is not False and deterministic is not True:
+        deterministic = check_flag("deterministic", deterministic)
     check_algorithm("attention", algorithm)
     found = _interop.lean_arrays(q, k, v)
     if found is None:
         arrays = _interop.gpu_arrays(("q", "k", "v"), (q, k, v))
         if arrays is None:
             if _interop.needs_autograd((q, k, v)):
-                return _interop.torch_ops.attention(q, k, v, *options, layout, algorithm, return_lse)
+                return _interop.torch_ops.attention(q, k, v, *options, layout, algorithm, return_lse, deterministic)
             problem = _problem(q, k, v, options, layout)
             out, lse = _host.attention(q, k, v, problem, algorithm)
             return (out, lse) if return_lse else out
@@ -136,7 +146,7 @@ def attention(
     else:
         lib, device = found
     if lib.check_inputs((q, k, v)):  # tensors that require grad: the custom op has the backward
-        return _interop.torch_ops.attention(q, k, v, *options, layout, algorithm, return_lse)
+        return _interop.torch_ops.attention(q, k, v, *options, layout, algorithm, return_lse, deterministic)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, options, layout, algorithm)
     launch = _plans.lookup(key)
     if launch is None:
@@ -190,6 +200,7 @@ def attention_varlen(
     softcap: float = 0.0,
     return_lse: bool = False,
     algorithm: str = "auto",
+    deterministic: bool = False,
 ) -> Any:
     """Attention over a batch of sequences of different lengths packed end to end, as
     flash-attn's ``flash_attn_varlen_func``.
@@ -212,6 +223,8 @@ def attention_varlen(
         The GPU kernel. "auto" is the Hopper kernel where it applies (sm_90, head_dim 64/128/256),
         else the mma.sync FA2 kernel; "fa2" and "fa3" force one (as :func:`attention`). On the
         host every choice runs ``cupyflash.xp_impl``'s FA2.
+    deterministic : bool
+        For PyTorch tensors that require grad: the backward without atomic adds.
 
     Notes
     -----
@@ -230,16 +243,18 @@ def attention_varlen(
     if _interop.compiling():
         return _interop.torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
-            algorithm, return_lse,
+            algorithm, return_lse, deterministic,
         )  # fmt: skip
     options = check_options(causal, scale, window, softcap)
+    deterministic = check_flag("deterministic", deterministic)
     check_algorithm("attention_varlen", algorithm)
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
     arrays = _interop.gpu_arrays(names, (q, k, v, cu_seqlens_q, cu_seqlens_k))
     if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
         return _interop.torch_ops.attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options, algorithm, return_lse
-        )
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options, algorithm, return_lse,
+            deterministic,
+        )  # fmt: skip
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     if arrays is None:
         out, lse = _host.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem)
@@ -275,6 +290,7 @@ def attention_backward(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     layout: str = "bshd",
+    deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention` at ``out, lse = attention(q, k, v, ...,
     return_lse=True)`` for the output gradient ``dout``, as FlashAttention-2's backward computes
@@ -290,6 +306,10 @@ def attention_backward(
     lse : ``(B, Hq, Nq)`` float32, as :func:`attention` returns it
     dlse : optional, like ``lse``: the gradient of the returned LSE, where a loss uses it
         (``dS`` gains ``P * dlse``)
+    deterministic : bool
+        On the GPU, dq without atomic adds (a second kernel over query blocks recomputes the
+        scores): bit-identical from run to run, at the cost of two more matrix products. The
+        host path is deterministic either way.
 
     Returns
     -------
@@ -299,8 +319,9 @@ def attention_backward(
     -----
     GPU arrays (float16/bfloat16, head_dim 32, 64, 96 or 128) run the mma.sync backward of
     ``kernels_cu/fa2_bwd.cu`` on the caller's stream; dq is accumulated in float32 with atomic
-    adds, so its last bits can differ from run to run. Host arrays run the array-API algorithm
-    (``cupyflash.xp_impl.attention_backward``) in their own namespace.
+    adds, so its last bits can differ from run to run (unless ``deterministic``). Host arrays
+    run the array-API algorithm (``cupyflash.xp_impl.attention_backward``) in their own
+    namespace.
 
     Examples
     --------
@@ -313,6 +334,7 @@ def attention_backward(
     ((1, 5, 2, 16), (1, 7, 2, 16))
     """
     options = check_options(causal, scale, window, softcap)
+    deterministic = check_flag("deterministic", deterministic)
     names = ("dout", "q", "k", "v", "out", "lse", "dlse")
     given = (dout, q, k, v, out, lse, dlse)
     problem = _problem(q, k, v, options, layout)
@@ -322,13 +344,14 @@ def attention_backward(
     if arrays is None:
         return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem)
     lib, device, (dout, q, k, v, out, lse, dlse) = arrays
-    key = ("bwd", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None)
+    key = ("bwd", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None, deterministic)
 
     def plan() -> _plan.Launch:
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
         return _plan.plan_backward(
-            problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape)
-        )
+            problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
+            deterministic=deterministic,
+        )  # fmt: skip
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse}
@@ -353,6 +376,7 @@ def attention_varlen_backward(
     scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention_varlen` at ``out, lse =
     attention_varlen(..., return_lse=True)``, as :func:`attention_backward` computes them, per
@@ -360,6 +384,7 @@ def attention_varlen_backward(
     no sequence get zero gradients. On the GPU the offsets are trusted as the forward's (and
     clamped into the packed tensors); on the host they are checked."""
     options = check_options(causal, scale, window, softcap)
+    deterministic = check_flag("deterministic", deterministic)
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k")
     given = (dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k)
@@ -369,14 +394,14 @@ def attention_varlen_backward(
     if arrays is None:
         return _host.attention_varlen_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem)
     lib, device, (dout, q, k, v, out, lse, dlse, cu_q, cu_k) = arrays
-    key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None)
+    key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None, deterministic)
 
     def plan() -> _plan.Launch:
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
         _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k)})
         return _plan.plan_backward(
             problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
-            packed_rows=(q.shape[0], k.shape[0]),
+            packed_rows=(q.shape[0], k.shape[0]), deterministic=deterministic,
         )  # fmt: skip
 
     launch = _plans.get(key, plan)

@@ -21,6 +21,7 @@ from ._specs import (
     DecodeSpec,
     DecodeTile,
     Fa1FwdSpec,
+    Fa2BwdDqSpec,
     Fa2BwdSpec,
     Fa2FwdSpec,
     Fa3FwdSpec,
@@ -305,11 +306,19 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
 FA2_BWD_TILES: dict[int, tuple[int, int]] = {32: (64, 128), 64: (64, 128), 96: (32, 128), 128: (32, 128)}
 
 
-def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa2BwdSpec:
+# The deterministic backward's dQ kernel: (block_m, block_n, warps), 16 query rows per warp.
+FA2_BWD_DQ_TILE = (64, 64, 4)
+
+
+def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool = False) -> Fa2BwdSpec:
     if head_dim not in FA2_BWD_TILES:
         raise ValueError(f"the GPU backward supports head_dim in {FA2_BWD_HEAD_DIMS}, got {head_dim}")
     block_m, block_n = FA2_BWD_TILES[head_dim]
-    return Fa2BwdSpec(dtype, head_dim, block_m, block_n, flags.causal, flags.local, flags.softcap)
+    return Fa2BwdSpec(dtype, head_dim, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic)
+
+
+def fa2_bwd_dq_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa2BwdDqSpec:
+    return Fa2BwdDqSpec(dtype, head_dim, *FA2_BWD_DQ_TILE, flags.causal, flags.local, flags.softcap)
 
 
 def all_fa2_bwd_specs() -> list[KernelSpec]:
@@ -319,7 +328,10 @@ def all_fa2_bwd_specs() -> list[KernelSpec]:
             for causal in (False, True):
                 for local in (False, True):
                     for softcap in (False, True):
-                        specs.append(fa2_bwd_spec(dtype, head_dim, MaskFlags(causal, local, softcap)))
+                        flags = MaskFlags(causal, local, softcap)
+                        specs.append(fa2_bwd_spec(dtype, head_dim, flags))
+                        specs.append(fa2_bwd_spec(dtype, head_dim, flags, deterministic=True))
+                        specs.append(fa2_bwd_dq_spec(dtype, head_dim, flags))
             specs += [BwdRowSpec("prep", dtype, head_dim), BwdRowSpec("dq", dtype, head_dim)]
     return specs
 

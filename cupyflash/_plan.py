@@ -450,6 +450,7 @@ def plan_backward(
     q_shape: tuple[int, ...],
     k_shape: tuple[int, ...],
     packed_rows: tuple[int, int] | None = None,
+    deterministic: bool = False,
 ) -> Launch:
     """FlashAttention-2's backward (kernels_cu/fa2_bwd.cu): the per-row preparation, the main
     kernel over key blocks, dQ from its fp32 accumulator. Operands q, k, v, out, dout, lse, the
@@ -458,7 +459,8 @@ def plan_backward(
 
     The kernels differentiate with respect to the raw score q . k (see fa2_bwd.cu): dQ carries
     ``scale``; dK carries |scale| where q runs negated (a negative scale without softcap), else
-    ``scale``."""
+    ``scale``. ``deterministic``: dQ from its own kernel over query blocks instead of fp32
+    atomics (bit-identical from run to run; two of the five products computed twice)."""
     check_grid(p.batch, p.heads_q)
     if p.head_dim not in FA2_BWD_HEAD_DIMS:
         raise ValueError(f"the GPU backward supports head_dim in {FA2_BWD_HEAD_DIMS}, got {p.head_dim}")
@@ -468,7 +470,7 @@ def plan_backward(
     rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
     has_work = p.batch > 0 and p.heads_q > 0 and rows[0] > 0 and rows[1] > 0
     flags = _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
-    spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags)
+    spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags, deterministic)
 
     # Per-row temporaries: row r of query head h, batch b at b * row_batch + h * row_head + r.
     if packed:
@@ -513,8 +515,8 @@ def plan_backward(
             Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
         ]
     fill = 0.0 if packed else None  # packed rows outside every sequence get no gradient
-    outputs = (
-        Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr")),
+    outputs = (  # dq: every packed row written from the zeroed accumulator, but by dq_blocks only in sequences
+        Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr"), fill=fill if deterministic else None),
         Output("dk", tuple(k_shape), dtype, params.slot("dk_ptr"), fill=fill),
         Output("dv", tuple(k_shape), dtype, params.slot("dv_ptr"), fill=fill),
     )

@@ -588,6 +588,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     causal: bool = False
     local: bool = False
     softcap: bool = False
+    deterministic: bool = False  # no dQ here (no atomics): Fa2BwdDqSpec's kernel computes it
 
     kernel = "fa2_bwd"
     source_file = "fa2_bwd.cu"
@@ -610,7 +611,7 @@ class Fa2BwdSpec(_KernelSpecBase):
         return (_SHORT_DTYPE[self.dtype], f"d{self.head_dim}", f"m{self.block_m}", f"n{self.block_n}")
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
-        return _mask_flags(self.causal, self.local, self.softcap)
+        return (*_mask_flags(self.causal, self.local, self.softcap), ("det", self.deterministic))
 
     @property
     def num_threads(self) -> int:
@@ -625,7 +626,63 @@ class Fa2BwdSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         return (
             self.head_dim, self.block_m, self.block_n, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local,
-            self.softcap,
+            self.softcap, not self.deterministic,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Fa2BwdDqSpec(_KernelSpecBase):
+    """``fa2_bwd_dq_blocks`` in ``kernels_cu/fa2_bwd.cu`` (template ``Fa2BwdDqTraits``): the
+    deterministic backward's dQ, one CTA per ``block_m`` query rows over ``block_n``-key blocks."""
+
+    dtype: str
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+
+    kernel = "fa2_bwd_dq_blocks"
+    source_file = "fa2_bwd.cu"
+    archs = CI_ARCHS
+    params_type = "BwdParams"
+    param_decl = "const BwdParams params"
+    uses_tma = False
+    traits = "Fa2BwdDqTraits"
+    prefix = "fa2_bwd_dqb"
+    entry = "fa2_bwd_dq_blocks<Traits>(params);"
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
+        if self.head_dim not in FA2_BWD_HEAD_DIMS:
+            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA2_BWD_HEAD_DIMS}")
+        rows_per_warp, rem = divmod(self.block_m, self.num_warps)
+        if rem or rows_per_warp % 16 or self.block_n % 16:
+            raise ValueError(f"bad dQ tile: block_m={self.block_m}, block_n={self.block_n}, warps={self.num_warps}")
+
+    def _name_parts(self) -> tuple[object, ...]:
+        return (
+            _SHORT_DTYPE[self.dtype], f"d{self.head_dim}", f"m{self.block_m}", f"n{self.block_n}",
+            f"w{self.num_warps}",
+        )  # fmt: skip
+
+    def _name_flags(self) -> tuple[tuple[str, bool], ...]:
+        return _mask_flags(self.causal, self.local, self.softcap)
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        return 2 * (2 * self.block_m + 4 * self.block_n) * self.head_dim  # Q, dO; K and V double-buffered
+
+    def _traits_args(self) -> tuple[object, ...]:
+        return (
+            self.head_dim, self.block_m, self.block_n, self.num_warps, CUDA_ELEMENT_TYPES[self.dtype], self.causal,
+            self.local, self.softcap,
         )  # fmt: skip
 
 
@@ -681,5 +738,6 @@ KernelSpec = (
     | DecodeAppendSpec
     | MergeSpec
     | Fa2BwdSpec
+    | Fa2BwdDqSpec
     | BwdRowSpec
 )

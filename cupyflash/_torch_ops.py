@@ -50,7 +50,7 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 @torch.library.custom_op(f"{_LIB}::attention", mutates_args=())
 def attention_op(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int,
-    softcap: float, layout: str, algorithm: str,
+    softcap: float, layout: str, algorithm: str, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         out, lse = _api.attention(
@@ -63,7 +63,7 @@ def attention_op(
 @attention_op.register_fake
 def _(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
-    layout: str, algorithm: str,
+    layout: str, algorithm: str, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     p = _problem(q, k, v, causal, scale, window_left, window_right, softcap, layout)
     lse = q.new_empty((p.batch, p.heads_q, p.seqlen_q), dtype=_lse_dtype(q))
@@ -73,12 +73,12 @@ def _(
 @torch.library.custom_op(f"{_LIB}::attention_backward", mutates_args=())
 def attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
-    scale: float, window_left: int, window_right: int, softcap: float, layout: str,
+    scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         grads = _api.attention_backward(
             dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale, window=(window_left, window_right),
-            softcap=softcap, layout=layout,
+            softcap=softcap, layout=layout, deterministic=deterministic,
         )  # fmt: skip
     return _contiguous(*grads)
 
@@ -86,34 +86,35 @@ def attention_backward_op(
 @attention_backward_op.register_fake
 def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
-    scale: float, window_left: int, window_right: int, softcap: float, layout: str,
+    scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return _empty_like(q, k, v)
 
 
 def _setup_attention(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, causal, scale, window_left, window_right, softcap, layout, _ = inputs
+    q, k, v, causal, scale, window_left, window_right, softcap, layout, _, deterministic = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.options = (causal, scale, window_left, window_right, softcap, layout)
+    ctx.options = (causal, scale, window_left, window_right, softcap, layout, deterministic)
 
 
 def _attention_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, *(None,) * 8
 
 
 attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
 
 
 def attention(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, softcap: Any, layout: str,
-              algorithm: str, return_lse: bool) -> Any:  # fmt: skip
+              algorithm: str, return_lse: bool, deterministic: bool) -> Any:  # fmt: skip
     """``cupyflash.attention`` through the custom op (arguments as the public function's)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window_left, window_right = window
     out, lse = attention_op(
-        q, k, v, bool(causal), scale, int(window_left), int(window_right), float(softcap), layout, algorithm
-    )
+        q, k, v, bool(causal), scale, int(window_left), int(window_right), float(softcap), layout, algorithm,
+        bool(deterministic),
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -124,7 +125,7 @@ def attention(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, soft
 def attention_varlen_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
-    algorithm: str,
+    algorithm: str, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         out, lse = _api.attention_varlen(
@@ -138,7 +139,7 @@ def attention_varlen_op(
 def _(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
-    algorithm: str,
+    algorithm: str, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     check_options(causal, scale, (window_left, window_right), softcap)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
@@ -149,12 +150,13 @@ def _(
 def attention_varlen_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
-    window_left: int, window_right: int, softcap: float,
+    window_left: int, window_right: int, softcap: float, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         grads = _api.attention_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
             causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
+            deterministic=deterministic,
         )  # fmt: skip
     return _contiguous(*grads)
 
@@ -163,21 +165,21 @@ def attention_varlen_backward_op(
 def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
-    window_left: int, window_right: int, softcap: float,
+    window_left: int, window_right: int, softcap: float, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return _empty_like(q, k, v)
 
 
 def _setup_varlen(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, _ = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, _, deterministic = inputs
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
-    ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap)
+    ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic)
 
 
 def _varlen_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options)
-    return dq, dk, dv, *(None,) * 10
+    return dq, dk, dv, *(None,) * 11
 
 
 attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen)
@@ -185,13 +187,13 @@ attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                      max_seqlen_k: int, causal: Any, scale: Any, window: Any, softcap: Any, algorithm: str,
-                     return_lse: bool) -> Any:  # fmt: skip
+                     return_lse: bool, deterministic: bool) -> Any:  # fmt: skip
     """``cupyflash.attention_varlen`` through the custom op."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window_left, window_right = window
     out, lse = attention_varlen_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
-        int(window_left), int(window_right), float(softcap), algorithm,
+        int(window_left), int(window_right), float(softcap), algorithm, bool(deterministic),
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

@@ -31,12 +31,17 @@ ALGORITHMS = {
 _BOOLS = (bool, np.bool_)
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """A bool option (a NumPy bool too); anything else is an error, not a truth value."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
 def check_causal(causal: Any) -> bool:
-    if causal is True or causal is False:
-        return causal
-    if isinstance(causal, np.bool_):
-        return bool(causal)
-    raise ValueError(f"causal must be a bool, got {causal!r}")
+    return check_flag("causal", causal)
 
 
 def check_options(

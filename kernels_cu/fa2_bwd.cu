@@ -11,6 +11,7 @@
 //                    dV  += P^T dO,  dK += dS^T Q                      (registers, whole loop)
 //                    dQacc += dS K                                     (fp32 atomics in L2)
 //   fa2_bwd_dq     per query row: dQ = dQacc * dq_scale in the element type
+//   (deterministic: fa2_bwd without its dQ part, then fa2_bwd_dq_blocks, no atomics; below)
 //
 // Warp w of the main kernel owns keys 16 w .. 16 w + 15 of the block for the first five
 // products, so P^T and dS^T go from the score accumulators straight into the A operand of
@@ -123,6 +124,7 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
     p.dsum[t] = dot;
     p.neg_lse_log2[t] = lse == neg_infinity() ? neg_infinity() : -lse * kLog2e;
   }
+  if (p.dq_accum == nullptr) return;  // deterministic: dQ has no accumulator
   float4* acc = reinterpret_cast<float4*>(p.dq_accum + t * Traits::kHeadDim);
   for (int i = lane; i < Traits::kHeadDim / 4; i += 32) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
@@ -151,7 +153,7 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
 // The main kernel.
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, bool Is_causal_,
-          bool Is_local_, bool Has_softcap_>
+          bool Is_local_, bool Has_softcap_, bool Dq_atomic_ = true>
 struct Fa2BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -166,6 +168,8 @@ struct Fa2BwdTraits {
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
+  // dQ accumulated here with atomics; false: fa2_bwd_dq_blocks computes it (deterministic).
+  static constexpr bool Dq_atomic = Dq_atomic_;
   using Transform = ScoreTransform<Has_softcap>;
 
   // The shape names of tile_mma.cuh for a warp's products with 16 key rows: M = keys (one
@@ -445,61 +449,64 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     gemm_packed_a<Traits>(acc_dv, p_words, do_tile, lane);  // dV += P^T dO
     gemm_packed_a<Traits>(acc_dk, ds_words, q_tile, lane);  // dK += dS^T Q
 
-    // dS^T to shared memory for dQ = dS K, whose reduction runs over every warp's keys.
+    if constexpr (Traits::Dq_atomic) {
+      // dS^T to shared memory for dQ = dS K, whose reduction runs over every warp's keys.
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
+      for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int key = warp_key0 + lane / 4 + 8 * half;
-        st_shared_b32(s_ds + (DsTile::offset(key, nt) + 2 * (lane % 4)) * kEB, ds_words[nt][half]);
-      }
-    }
-    __syncthreads();
-
-    // dQacc[rows] += dS K: warp (wr, wc) takes rows 16 kDqMTiles wr .., columns kDqCols wc ...
-    constexpr int kDqMTiles = Traits::kDqMTiles;
-    constexpr int kDqNTiles = Traits::kDqCols / 8;
-    if (warp >= Traits::kDqRowWarps * Traits::kDqColWarps) continue;
-    const int dq_row0 = 16 * kDqMTiles * (warp % Traits::kDqRowWarps);
-    const int dq_col0 = Traits::kDqCols * (warp / Traits::kDqRowWarps);
-    float acc_dq[kDqMTiles][kDqNTiles][4];
-    zero_fill(acc_dq);
-#pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      uint32_t a_frag[kDqMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kDqMTiles; ++mt) {
-        load_a_frag_trans<DsTile, kEB>(a_frag[mt], s_ds, dq_row0 + 16 * mt, ks, lane);
-      }
-#pragma unroll
-      for (int dp = 0; dp < kDqNTiles / 2; ++dp) {
-        // K [keys][d] is B stored [k][n]: ldmatrix.trans as V in gemm_pv.
-        const int key = 16 * ks + (lane % 8) + 8 * ((lane / 8) % 2);
-        const int xor_bits = Tile::pattern(lane) ^ (lane / 16);
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, s_k + Tile::pair_offset(key, dq_col0 / 16 + dp, xor_bits) * kEB);
-#pragma unroll
-        for (int mt = 0; mt < kDqMTiles; ++mt) {
-          Ops::mma_16816(acc_dq[mt][2 * dp], a_frag[mt], b[0], b[1]);
-          Ops::mma_16816(acc_dq[mt][2 * dp + 1], a_frag[mt], b[2], b[3]);
+        for (int half = 0; half < 2; ++half) {
+          const int key = warp_key0 + lane / 4 + 8 * half;
+          st_shared_b32(s_ds + (DsTile::offset(key, nt) + 2 * (lane % 4)) * kEB,
+                        ds_words[nt][half]);
         }
       }
-    }
-    const int head = step_head(step);
-    float* g_acc =
-        p.dq_accum + (batch * p.row_batch_stride + head * p.row_head_stride + rows_q.start + row0) *
+      __syncthreads();
+
+      // dQacc[rows] += dS K: warp (wr, wc) takes rows 16 kDqMTiles wr .., columns kDqCols wc ...
+      constexpr int kDqMTiles = Traits::kDqMTiles;
+      constexpr int kDqNTiles = Traits::kDqCols / 8;
+      if (warp >= Traits::kDqRowWarps * Traits::kDqColWarps) continue;
+      const int dq_row0 = 16 * kDqMTiles * (warp % Traits::kDqRowWarps);
+      const int dq_col0 = Traits::kDqCols * (warp / Traits::kDqRowWarps);
+      float acc_dq[kDqMTiles][kDqNTiles][4];
+      zero_fill(acc_dq);
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        uint32_t a_frag[kDqMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kDqMTiles; ++mt) {
+          load_a_frag_trans<DsTile, kEB>(a_frag[mt], s_ds, dq_row0 + 16 * mt, ks, lane);
+        }
+#pragma unroll
+        for (int dp = 0; dp < kDqNTiles / 2; ++dp) {
+          // K [keys][d] is B stored [k][n]: ldmatrix.trans as V in gemm_pv.
+          const int key = 16 * ks + (lane % 8) + 8 * ((lane / 8) % 2);
+          const int xor_bits = Tile::pattern(lane) ^ (lane / 16);
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, s_k + Tile::pair_offset(key, dq_col0 / 16 + dp, xor_bits) * kEB);
+#pragma unroll
+          for (int mt = 0; mt < kDqMTiles; ++mt) {
+            Ops::mma_16816(acc_dq[mt][2 * dp], a_frag[mt], b[0], b[1]);
+            Ops::mma_16816(acc_dq[mt][2 * dp + 1], a_frag[mt], b[2], b[3]);
+          }
+        }
+      }
+      const int head = step_head(step);
+      float* g_acc = p.dq_accum +
+                     (batch * p.row_batch_stride + head * p.row_head_stride + rows_q.start + row0) *
                          Traits::kHeadDim;
 #pragma unroll
-    for (int mt = 0; mt < kDqMTiles; ++mt) {
+      for (int mt = 0; mt < kDqMTiles; ++mt) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = dq_row0 + 16 * mt + lane / 4 + 8 * half;
-        if (row0 + row >= seqlen_q) continue;
+        for (int half = 0; half < 2; ++half) {
+          const int row = dq_row0 + 16 * mt + lane / 4 + 8 * half;
+          if (row0 + row >= seqlen_q) continue;
 #pragma unroll
-        for (int nt = 0; nt < kDqNTiles; ++nt) {
-          float* dst = g_acc + row * Traits::kHeadDim + dq_col0 + 8 * nt + 2 * (lane % 4);
-          atomicAdd(dst, acc_dq[mt][nt][2 * half]);
-          atomicAdd(dst + 1, acc_dq[mt][nt][2 * half + 1]);
+          for (int nt = 0; nt < kDqNTiles; ++nt) {
+            float* dst = g_acc + row * Traits::kHeadDim + dq_col0 + 8 * nt + 2 * (lane % 4);
+            atomicAdd(dst, acc_dq[mt][nt][2 * half]);
+            atomicAdd(dst + 1, acc_dq[mt][nt][2 * half + 1]);
+          }
         }
       }
     }
@@ -533,5 +540,178 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     const uint32_t offset = Tile::offset(row, chunk) * kEB;
     st_global_b128(g_dk + row * p.dk_row_stride + chunk * 8, ld_shared_b128(s_k + offset));
     st_global_b128(g_dv + row * p.dv_row_stride + chunk * 8, ld_shared_b128(s_v + offset));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic dQ: one CTA per block of query rows, its key blocks in order (no atomics), the
+// forward's loop with dQ in place of O:
+//   S = Q K^T, P = exp2(logit(S) * scale_log2 - LSE log2 e), dP = dO V^T, dS = P * (dP - D)
+//   (* (1 - tanh^2)), dQ += dS K; dQ = dq_scale dQ, written once.
+// Recomputing S and dP here costs two of the backward's five products again; the main kernel
+// then skips its dS^T staging and its atomics (Fa2BwdTraits::Dq_atomic = false).
+// ---------------------------------------------------------------------------------------------
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_,
+          bool Is_causal_, bool Is_local_, bool Has_softcap_>
+struct Fa2BwdDqTraits {
+  using Element = Element_;
+  using Ops = ElementTraits<Element>;
+  using Tile = SwizzledTile<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = 32 * kNWarps;
+  static constexpr bool Is_causal = Is_causal_;
+  static constexpr bool Is_local = Is_local_;
+  static constexpr bool Has_softcap = Has_softcap_;
+  using Transform = ScoreTransform<Has_softcap>;
+  // tile_mma.cuh's names, as the forward's: M = query rows, N = keys, K-steps over d (S, dP),
+  // then over keys (dQ).
+  static constexpr int kRowsPerWarp = kBlockM / kNWarps;
+  static constexpr int kMTiles = kRowsPerWarp / 16;
+  static constexpr int kNTiles = kBlockN / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kDSteps = kHeadDim / 16;
+  static constexpr int kNSteps = kBlockN / 16;
+  static constexpr bool Q_in_regs = false;
+  static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
+  static constexpr int kSmemQElems = kBlockM * kHeadDim;
+  static constexpr int kSmemKVElems = kBlockN * kHeadDim;
+  // Q, dO; K and V double-buffered.
+  static constexpr int kSmemBytes = (2 * kSmemQElems + 4 * kSmemKVElems) * kElemBytes;
+  static_assert(kRowsPerWarp % 16 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
+};
+
+template <typename Traits>
+CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
+  using Element = typename Traits::Element;
+  using Tile = typename Traits::Tile;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kMTiles = Traits::kMTiles;
+  constexpr int kNTiles = Traits::kNTiles;
+  constexpr int kEB = Traits::kElemBytes;
+  const AttnParams& a = p.attn;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t s_q = smem_addr(smem_raw);                   // [kBlockM][d], then dQ
+  const uint32_t s_do = s_q + Traits::kSmemQElems * kEB;      // [kBlockM][d]
+  const uint32_t s_k = s_do + Traits::kSmemQElems * kEB;      // [2][kBlockN][d]
+  const uint32_t s_v = s_k + 2 * Traits::kSmemKVElems * kEB;  // [2][kBlockN][d]
+  constexpr int kStageBytes = Traits::kSmemKVElems * kEB;
+
+  const int m_block = Traits::Is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int batch = blockIdx.y;
+  const int head = blockIdx.z;
+  const int head_k = head / a.h_h_k_ratio;
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp_row0 = (tid / 32) * Traits::kRowsPerWarp;
+
+  const SeqRange rows_q = seq_range(a.cu_seqlens_q, batch, a.seqlen_q);
+  const SeqRange rows_k = seq_range(a.cu_seqlens_k, batch, a.seqlen_k);
+  const int seqlen_q = rows_q.len;
+  const int seqlen_k = rows_k.len;
+  const int row_block0 = m_block * kBlockM;
+  if (row_block0 >= seqlen_q) return;
+  const KeyMask<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> mask(
+      m_block, seqlen_q, seqlen_k, a.window_left, a.window_right);
+  const int n_begin = mask.n_block_begin();
+  const int n_end = mask.n_block_end();
+
+  const int64_t q_row0 = rows_q.start + row_block0;
+  const auto* g_q = static_cast<const Element*>(a.q_ptr) + batch * a.q_batch_stride +
+                    head * a.q_head_stride + q_row0 * a.q_row_stride;
+  const auto* g_do = static_cast<const Element*>(p.do_ptr) + batch * p.do_batch_stride +
+                     head * p.do_head_stride + q_row0 * p.do_row_stride;
+  const auto* g_k = static_cast<const Element*>(a.k_ptr) + batch * a.k_batch_stride +
+                    head_k * a.k_head_stride + rows_k.start * a.k_row_stride;
+  const auto* g_v = static_cast<const Element*>(a.v_ptr) + batch * a.v_batch_stride +
+                    head_k * a.v_head_stride + rows_k.start * a.v_row_stride;
+  auto load_kv = [&](int n_block, int stage) {
+    const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
+    const int rows_valid = seqlen_k - n_block * kBlockN;
+    load_tile_async<Traits, kBlockN>(s_k + stage * kStageBytes, g_k + key0 * a.k_row_stride,
+                                     a.k_row_stride, rows_valid, tid);
+    load_tile_async<Traits, kBlockN>(s_v + stage * kStageBytes, g_v + key0 * a.v_row_stride,
+                                     a.v_row_stride, rows_valid, tid);
+  };
+
+  // -LSE log2 e and D of the two rows this thread holds in each 16-row tile (0 past the end:
+  // those rows' Q and dO are zero and their dQ is not written).
+  float neg_lse[2 * kMTiles], dsum[2 * kMTiles];
+  const int64_t t0 = batch * p.row_batch_stride + head * p.row_head_stride + q_row0;
+#pragma unroll
+  for (int r = 0; r < 2 * kMTiles; ++r) {
+    const int row = warp_row0 + 16 * (r / 2) + lane / 4 + 8 * (r % 2);
+    const bool valid = row_block0 + row < seqlen_q;
+    neg_lse[r] = valid ? p.neg_lse_log2[t0 + row] : 0.f;
+    dsum[r] = valid ? p.dsum[t0 + row] : 0.f;
+  }
+
+  float acc_dq[kMTiles][Traits::kDTiles][4];
+  zero_fill(acc_dq);
+  const uint32_t no_regs[kMTiles][Traits::kDSteps][4] = {};
+  const typename Traits::Transform transform(a);
+  const float scale_log2 = a.softmax_scale_log2;
+
+  load_tile_async<Traits, kBlockM>(s_q, g_q, a.q_row_stride, seqlen_q - row_block0, tid);
+  load_tile_async<Traits, kBlockM>(s_do, g_do, p.do_row_stride, seqlen_q - row_block0, tid);
+  if (n_end - 1 >= n_begin) load_kv(n_end - 1, 0);
+  cp_async_commit();
+  for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
+    const int stage = it % 2;
+    cp_async_wait<0>();
+    __syncthreads();  // block n_block landed; the other stage was released in the last iteration
+    if (n_block - 1 >= n_begin) load_kv(n_block - 1, stage ^ 1);
+    cp_async_commit();
+    float acc_s[kMTiles][kNTiles][4], acc_dp[kMTiles][kNTiles][4];
+    gemm_qk<Traits>(acc_s, no_regs, s_q, s_k + stage * kStageBytes, warp_row0, lane);
+    gemm_qk<Traits>(acc_dp, no_regs, s_do, s_v + stage * kStageBytes, warp_row0, lane);
+    transform_scores(transform, acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
+    if (mask.needs_mask(n_block)) {
+      mask.apply(acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 2 * mt + e / 2;
+          const float logit = acc_s[mt][nt][e];
+          const float prob = fast_exp2(fmaf(logit, scale_log2, neg_lse[r]));
+          float ds = prob * (acc_dp[mt][nt][e] - dsum[r]);
+          if constexpr (Traits::Has_softcap) ds = prob != 0.f ? ds * (1.f - logit * logit) : 0.f;
+          acc_dp[mt][nt][e] = ds;
+        }
+    gemm_pv<Traits>(acc_dq, acc_dp, s_k + stage * kStageBytes, lane);  // dQ += dS K
+  }
+
+  // dQ scaled, staged through the Q tile, written as 16-byte rows.
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < Traits::kDTiles; ++dt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp_row0 + 16 * mt + lane / 4 + 8 * half;
+        st_shared_b32(s_q + (Tile::offset(row, dt) + 2 * (lane % 4)) * kEB,
+                      Traits::Ops::pack2(acc_dq[mt][dt][2 * half] * p.dq_scale,
+                                         acc_dq[mt][dt][2 * half + 1] * p.dq_scale));
+      }
+  __syncthreads();
+  Element* g_dq = static_cast<Element*>(p.dq_ptr) + batch * p.dq_batch_stride +
+                  head * p.dq_head_stride + q_row0 * p.dq_row_stride;
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  for (int idx = tid; idx < kBlockM * kChunksPerRow; idx += Traits::kNThreads) {
+    const int row = idx / kChunksPerRow;
+    const int chunk = idx % kChunksPerRow;
+    if (row >= seqlen_q - row_block0) break;
+    st_global_b128(g_dq + row * p.dq_row_stride + chunk * 8,
+                   ld_shared_b128(s_q + Tile::offset(row, chunk) * kEB));
   }
 }

@@ -2,6 +2,7 @@
 
     python scripts/tune.py fa2 [--head-dims 64 128] [--dtype bfloat16] [--json OUT]
     python scripts/tune.py fa3 [--head-dims 64] [--short] [--dtype bfloat16] [--json OUT]
+    python scripts/tune.py bwd [--head-dims 64 128] [--dtype bfloat16] [--json OUT]
     python scripts/tune.py decode [--tolerances 0.01 0.05] [--json OUT]
 
 fa2 / fa3: each candidate tile (FA2: TileConfig, block sizes, warps, stages; Hopper: Fa3Tile,
@@ -10,6 +11,9 @@ table, checked against the float64 reference on awkward shapes, and timed on ben
 shapes (H * d = 2048, B * N = 16384); a candidate that spills is skipped. The table of TFLOP/s
 per candidate is what FA2_FWD_TILES / FA3_FWD_TILES / FA3_SHORT_FWD_TILES are set from.
 ``fa3 --short``: the short-call candidates at N = 1024, with cuDNN beside them.
+
+bwd: the FA2 backward's (block_m, block_n) per head dim (FA2_BWD_TILES): registers and spills of
+each, its gradient error, and attention_backward's TFLOP/s on the prefill shapes.
 
 decode: DECODE_TILES candidates for d = 128 (bf16, Hq = 32, Hkv = 8, one query token) on four
 cache shapes, then the split counts of the best one, paged caches by page size; ``--tolerances``
@@ -334,6 +338,75 @@ def tune_decode(args: argparse.Namespace) -> dict[str, Any]:
     return {"tiles": results, "splits": splits, "paged": paged}
 
 
+# ---------------------------------------------------------------------------------------------
+# bwd: the FA2 backward's (block_m, block_n).
+# ---------------------------------------------------------------------------------------------
+BWD_CANDIDATES = {
+    64: [(64, 128), (32, 128), (64, 64), (128, 128)],
+    128: [(32, 128), (32, 64), (64, 128), (64, 64)],
+}
+
+
+def _backward_error(head_dim: int, dtype: str) -> float:
+    """Largest relative error of dq, dk, dv against float64 autograd on one awkward shape."""
+    import torch
+
+    torch.manual_seed(head_dim)
+    t = getattr(torch, dtype)
+    q = torch.randn(2, 300, 4, head_dim, device="cuda", dtype=t)
+    k, v = (torch.randn(2, 333, 2, head_dim, device="cuda", dtype=t) for _ in range(2))
+    dout = torch.randn_like(q)
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    qs, ks, vs = (x.transpose(1, 2) for x in leaves)
+    ks, vs = (x.repeat_interleave(2, dim=1) for x in (ks, vs))
+    mask = torch.from_numpy(reference.visible_keys(300, 333, True, (-1, -1))).cuda()
+    s = (qs @ ks.transpose(-1, -2) / math.sqrt(head_dim)).masked_fill(~mask, -math.inf)
+    ((torch.softmax(s, -1) @ vs).transpose(1, 2) * dout.double()).sum().backward()
+    return max(float((g.double() - x.grad).norm() / x.grad.norm()) for g, x in zip(grads, leaves))
+
+
+def tune_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each candidate in the table, its error and the TFLOP/s of attention_backward alone (2.5x
+    the forward's FLOPs) on the prefill shapes; spilling candidates are timed too (marked)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from cupyflash._specs import Fa2BwdSpec
+
+    device, _ = _device()
+    head_dims = args.head_dims or sorted(BWD_CANDIDATES)
+    specs = {
+        (d, tile): [Fa2BwdSpec(args.dtype, d, *tile, causal) for causal in (False, True)]
+        for d in head_dims
+        for tile in BWD_CANDIDATES[d]
+    }
+    _kernels.get_kernel(next(iter(specs.values()))[0], device)  # one alone first (NVRTC's first use races)
+    with ThreadPoolExecutor(16) as pool:
+        built = dict(zip(specs, pool.map(lambda pair: [_kernels.get_kernel(s, device) for s in pair], specs.values())))
+    rows = []
+    for (head_dim, (block_m, block_n)), kernels in built.items():
+        _dispatch.FA2_BWD_TILES[head_dim] = (block_m, block_n)
+        forget_plans()
+        row: dict[str, Any] = {"head_dim": head_dim, "tile": (block_m, block_n),
+                               "regs": [k.num_regs for k in kernels], "spill": [k.local_bytes for k in kernels],
+                               "err": _backward_error(head_dim, args.dtype)}  # fmt: skip
+        for n in bench.PREFILL_SEQLENS:
+            for causal in (False, True):
+                shape = bench.PrefillShape(16384 // n, n, 2048 // head_dim, head_dim, causal, args.dtype)
+                q, k, v = bench.prefill_inputs(shape)
+                dout = torch.randn_like(q)
+                out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+                call = functools.partial(cupyflash.attention_backward, dout, q, k, v, out, lse, causal=causal)
+                ms = bench.cuda_time_ms(call, repeat=10)
+                row[f"N{n}{'c' if causal else ''}"] = round(shape.flops * 2.5 / ms / 1e9, 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kernel", required=True)
@@ -344,11 +417,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json")
         if name == "fa3":
             p.add_argument("--short", action="store_true", help="the short-call candidates at N = 1024, with cuDNN")
+    p = sub.add_parser("bwd", help="the FA2 backward's query and key blocks")
+    p.add_argument("--head-dims", type=int, nargs="+")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json")
     p = sub.add_parser("decode", help="the split-KV decode kernel's tiles, split counts and page sizes")
     p.add_argument("--tolerances", type=float, nargs="+", help="only sweep the split-count tolerance")
     p.add_argument("--json")
     args = parser.parse_args(argv)
-    results = {"fa2": tune_fa2, "fa3": tune_fa3, "decode": tune_decode}[args.kernel](args)
+    results = {"fa2": tune_fa2, "fa3": tune_fa3, "bwd": tune_bwd, "decode": tune_decode}[args.kernel](args)
     _write(args.json, results)
     return 0
 

@@ -68,11 +68,11 @@ def test_opcheck_the_custom_ops():
 
     torch.manual_seed(2)
     q, k, v = _leaves((2, 6, 4, 16), (2, 9, 2, 16), (2, 9, 2, 16), dtype=torch.float32)
-    args = (q, k, v, True, 0.25, -1, 0, 0.0, "bshd", "auto")
+    args = (q, k, v, True, 0.25, -1, 0, 0.0, "bshd", "auto", False)
     torch.library.opcheck(_torch_ops.attention_op, args)
     out, lse = _torch_ops.attention_op(*args)
     saved = [x.detach() for x in (q, k, v, out, lse)]  # no double backward: plain tensors
-    bwd = (torch.randn_like(out), *saved, None, True, 0.25, -1, 0, 0.0, "bshd")
+    bwd = (torch.randn_like(out), *saved, None, True, 0.25, -1, 0, 0.0, "bshd", False)
     torch.library.opcheck(_torch_ops.attention_backward_op, bwd)
 
 
@@ -137,11 +137,34 @@ def test_gpu_autograd_equals_attention_backward():
 
 
 @pytest.mark.gpu
+def test_gpu_deterministic_autograd_repeats_bit_for_bit():
+    torch.manual_seed(6)
+    q, k, v = _leaves((2, 200, 4, 128), (2, 200, 2, 128), (2, 200, 2, 128), dtype=torch.bfloat16, device="cuda")
+    dout = torch.randn_like(q.detach())
+    grads = []
+    for _ in range(3):
+        for x in (q, k, v):
+            x.grad = None
+        cupyflash.attention(q, k, v, causal=True, deterministic=True).backward(dout)
+        grads.append([x.grad.clone() for x in (q, k, v)])
+    for again in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], again))
+
+
+def test_deterministic_must_be_a_bool():
+    q = np.zeros((1, 4, 1, 8))
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        cupyflash.attention(q, q, q, deterministic="yes")
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        cupyflash.attention_backward(q, q, q, q, q, np.zeros((1, 1, 4)), deterministic=1)
+
+
+@pytest.mark.gpu
 def test_gpu_opcheck():
     from cupyflash import _torch_ops
 
     q, k, v = _leaves((1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64), dtype=torch.float16, device="cuda")
-    torch.library.opcheck(_torch_ops.attention_op, (q, k, v, False, 0.125, -1, -1, 0.0, "bshd", "auto"))
+    torch.library.opcheck(_torch_ops.attention_op, (q, k, v, False, 0.125, -1, -1, 0.0, "bshd", "auto", True))
 
 
 @pytest.mark.gpu
