@@ -171,13 +171,16 @@ def run_prefill(
 # Training: forward + backward (the backward counted as 2.5x the forward's FLOPs).
 # ---------------------------------------------------------------------------------------------
 BACKWARD_FLOP_FACTOR = 2.5
-TRAINING_BACKENDS = ("cupyflash", "flash", "cudnn")
+TRAINING_BACKENDS = ("cupyflash", "cupyflash_det", "flash", "cudnn")
 
 
 def _training_call(backend: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
-    """The forward of one backend on leaves that require grad (autograd records it)."""
+    """The forward of one backend on leaves that require grad (autograd records it);
+    "cupyflash_det": cupyflash with ``deterministic=True`` (its backward without atomics)."""
     import cupyflash
 
+    if backend == "cupyflash_det":
+        return functools.partial(cupyflash.attention, q, k, v, causal=causal, deterministic=True)
     if backend in CUPYFLASH_BACKENDS:
         algorithm = CUPYFLASH_BACKENDS[backend]
         return functools.partial(cupyflash.attention, q, k, v, causal=causal, algorithm=algorithm)
@@ -196,9 +199,10 @@ def run_training(shape: PrefillShape, backends: tuple[str, ...] = TRAINING_BACKE
     forwards = {b: _training_call(b, q, k, v, shape.causal) for b in backends}
     steps, grads = {}, {}
     for backend, forward in runnable(forwards, row).items():
-        out = forward().transpose(1, 2) if backend not in CUPYFLASH_BACKENDS else forward()
+        sdpa = not backend.startswith("cupyflash")
+        out = forward().transpose(1, 2) if sdpa else forward()
 
-        def step(forward: Callable[[], Any] = forward, sdpa: bool = backend not in CUPYFLASH_BACKENDS) -> Any:
+        def step(forward: Callable[[], Any] = forward, sdpa: bool = sdpa) -> Any:
             o = forward()
             return torch.autograd.grad(o.transpose(1, 2) if sdpa else o, (q, k, v), dout)
 
@@ -225,14 +229,16 @@ def format_training_table(rows: list[dict[str, Any]]) -> str:
         return float(r.get(key) or float("nan"))
 
     lines = [
-        f"{'dtype':9} {'d':>4} {'N':>6} {'causal':>6} | fwd+bwd TFLOP/s {'ours':>6} {'flash':>6} {'cudnn':>6} | "
-        f"{'vs flash':>8} {'vs cudnn':>8} | bwd {'ours':>6} {'flash':>6} {'cudnn':>6} | extra MiB ours/flash/cudnn"
+        f"{'dtype':9} {'d':>4} {'N':>6} {'causal':>6} | fwd+bwd TFLOP/s {'ours':>6} {'det':>6} {'flash':>6} "
+        f"{'cudnn':>6} | {'vs flash':>8} {'vs cudnn':>8} {'det/ours':>8} | bwd {'ours':>6} {'flash':>6} {'cudnn':>6} | "
+        "extra MiB ours/flash/cudnn"
     ]
     for r in rows:
         lines.append(
             f"{r['dtype']:9} {r['head_dim']:>4} {r['seqlen']:>6} {str(r['causal']):>6} | {'':15} "
-            f"{value(r, 'cupyflash'):>6.1f} {value(r, 'flash'):>6.1f} {value(r, 'cudnn'):>6.1f} | "
-            f"{value(r, 'cupyflash') / value(r, 'flash'):>7.2f}x {value(r, 'cupyflash') / value(r, 'cudnn'):>7.2f}x | "
+            f"{value(r, 'cupyflash'):>6.1f} {value(r, 'cupyflash_det'):>6.1f} {value(r, 'flash'):>6.1f} "
+            f"{value(r, 'cudnn'):>6.1f} | {value(r, 'cupyflash') / value(r, 'flash'):>7.2f}x "
+            f"{value(r, 'cupyflash') / value(r, 'cudnn'):>7.2f}x {value(r, 'cupyflash_det') / value(r, 'cupyflash'):>7.2f}x | "
             f"{'':3} {value(r, 'cupyflash_bwd'):>6.1f} {value(r, 'flash_bwd'):>6.1f} {value(r, 'cudnn_bwd'):>6.1f} | "
             f"{r.get('cupyflash_extra_mib')}/{r.get('flash_extra_mib')}/{r.get('cudnn_extra_mib')}"
         )
