@@ -238,7 +238,8 @@ def format_training_table(rows: list[dict[str, Any]]) -> str:
             f"{r['dtype']:9} {r['head_dim']:>4} {r['seqlen']:>6} {str(r['causal']):>6} | {'':15} "
             f"{value(r, 'cupyflash'):>6.1f} {value(r, 'cupyflash_det'):>6.1f} {value(r, 'flash'):>6.1f} "
             f"{value(r, 'cudnn'):>6.1f} | {value(r, 'cupyflash') / value(r, 'flash'):>7.2f}x "
-            f"{value(r, 'cupyflash') / value(r, 'cudnn'):>7.2f}x {value(r, 'cupyflash_det') / value(r, 'cupyflash'):>7.2f}x | "
+            f"{value(r, 'cupyflash') / value(r, 'cudnn'):>7.2f}x "
+            f"{value(r, 'cupyflash_det') / value(r, 'cupyflash'):>7.2f}x | "
             f"{'':3} {value(r, 'cupyflash_bwd'):>6.1f} {value(r, 'flash_bwd'):>6.1f} {value(r, 'cudnn_bwd'):>6.1f} | "
             f"{r.get('cupyflash_extra_mib')}/{r.get('flash_extra_mib')}/{r.get('cudnn_extra_mib')}"
         )

@@ -122,11 +122,9 @@ def main() -> None:
     data = batches(args.steps, args.batch)
     runs = {backend: train(backend, data, init) for backend in ("cupyflash", "sdpa")}
     a, b = runs["cupyflash"]["loss"], runs["sdpa"]["loss"]
-    tail = slice(-50, None)
-    print(
-        "last 50 steps: mean loss cupyflash %.4f, sdpa %.4f; max |difference| over all steps %.4f"
-        % (sum(a[tail]) / 50, sum(b[tail]) / 50, max(abs(x - y) for x, y in zip(a, b)))
-    )
+    last_a, last_b = sum(a[-50:]) / 50, sum(b[-50:]) / 50
+    largest = max(abs(x - y) for x, y in zip(a, b))
+    print(f"last 50 steps: mean loss cupyflash {last_a:.4f}, sdpa {last_b:.4f}; max |difference| {largest:.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"parameters": params, "steps": args.steps, "batch": args.batch, **runs}, f)
