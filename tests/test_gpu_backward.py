@@ -200,7 +200,9 @@ def test_varlen_backward(rng, dtype, head_dim, deterministic, monkeypatch):
         )
         for name, got, ref in zip(("dq", "dk", "dv"), (dq[rq], dk[rk], dv[rk]), want):
             assert not torch.isnan(got).any(), f"sequence {b} {name}: unwritten (NaN-poisoned) rows"
-            err = rel_error(got.double().cpu().numpy(), ref[0].cpu().numpy())
+            # relative to ||ref||, floored at 1: one query over one key has dq = 0 exactly (P = 1)
+            got64, ref64 = got.double().cpu().numpy(), ref[0].cpu().numpy()
+            err = float(np.linalg.norm(got64 - ref64) / max(np.linalg.norm(ref64), 1.0))
             assert err < 2 * BOUND[dtype], f"sequence {b} {name}: {err:.2e}"
     if not deterministic:  # dq: every packed row converted from the zeroed accumulator
         assert (dq[int(cu_q[-1]) :] == 0).all()
