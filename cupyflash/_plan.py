@@ -522,20 +522,23 @@ def plan_backward(
     )
     if not has_work:  # no query or no key: every gradient is 0
         return Launch(params, tuple(operands), tuple(_filled(o) for o in outputs))
-    temporaries = (
-        Temporary("dq_accum", (temp_rows, p.head_dim), "float32", params.slot("dq_accum")),
+    temporaries: tuple[Temporary, ...] = (
         Temporary("neg_lse_log2", (temp_rows,), "float32", params.slot("neg_lse_log2")),
         Temporary("dsum", (temp_rows,), "float32", params.slot("dsum")),
     )
     row_grid = (-(-rows[0] // BwdRowSpec.rows_per_block), batches, p.heads_q)
     row_block = (BwdRowSpec.num_threads, 1, 1)
-    steps = (
-        KernelStep(BwdRowSpec("prep", dtype, p.head_dim), row_grid, row_block, 0),
-        KernelStep(
-            spec, (-(-p.seqlen_k // spec.block_n), p.batch, p.heads_kv), (spec.num_threads, 1, 1), spec.smem_bytes
-        ),  # fmt: skip
-        KernelStep(BwdRowSpec("dq", dtype, p.head_dim), row_grid, row_block, 0),
+    main = KernelStep(
+        spec, (-(-p.seqlen_k // spec.block_n), p.batch, p.heads_kv), (spec.num_threads, 1, 1), spec.smem_bytes
     )
+    if deterministic:  # dQ over query blocks, no accumulator
+        dq_spec = _dispatch.fa2_bwd_dq_spec(dtype, p.head_dim, flags)
+        dq_grid = (-(-p.seqlen_q // dq_spec.block_m), p.batch, p.heads_q)
+        dq_step = KernelStep(dq_spec, dq_grid, (dq_spec.num_threads, 1, 1), dq_spec.smem_bytes)
+    else:  # the accumulator the main kernel adds into, zeroed by prep, converted by the dq step
+        temporaries += (Temporary("dq_accum", (temp_rows, p.head_dim), "float32", params.slot("dq_accum")),)
+        dq_step = KernelStep(BwdRowSpec("dq", dtype, p.head_dim), row_grid, row_block, 0)
+    steps = (KernelStep(BwdRowSpec("prep", dtype, p.head_dim), row_grid, row_block, 0), main, dq_step)
     return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries)
 
 

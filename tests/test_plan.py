@@ -133,6 +133,10 @@ def test_backward_plan_three_steps_and_the_scale_signs():
     assert [o.name for o in launch.outputs] == ["dq", "dk", "dv"]
     accum = next(t for t in launch.temporaries if t.name == "dq_accum")
     assert accum.shape == (2 * 8 * 100, 64) and accum.ptr_slot == launch.params.slot("dq_accum")
+    det = _plan.plan_backward(p, "bfloat16", H200, q_shape=(2, 100, 8, 64), k_shape=(2, 300, 2, 64), deterministic=True)
+    assert det.steps[1].spec.deterministic and type(det.steps[2].spec).__name__ == "Fa2BwdDqSpec"
+    assert det.steps[2].grid == (-(-100 // det.steps[2].spec.block_m), 2, 8)
+    assert "dq_accum" not in {t.name for t in det.temporaries}  # no atomics, no accumulator
     capped = _problem((1, 10, 2, 64), (1, 10, 2, 64), (1, 10, 2, 64), scale=-0.5, softcap=3.0)
     launch = _plan.plan_backward(capped, "float16", H200, q_shape=(1, 10, 2, 64), k_shape=(1, 10, 2, 64))
     assert launch.params.value("dk_scale") == -0.5 and launch.steps[1].spec.softcap
