@@ -92,6 +92,10 @@ class ArrayLib:
         """The caller's current stream on ``device``, as a raw pointer."""
         raise NotImplementedError
 
+    def raw_strides(self, x: Any) -> tuple[int, ...]:
+        """The strides as the library reports them (a per-call cache key; bytes for CuPy)."""
+        raise NotImplementedError
+
     def check_inputs(self, arrays: Sequence[Any]) -> bool:
         """Whether the call must go through autograd (PyTorch tensors that require grad, with
         grad mode on): the entry points with a backward route it (``_torch_ops``), the others
@@ -115,8 +119,11 @@ class CupyLib(ArrayLib):
     def ptr(self, x: Any) -> int:
         return int(x.data.ptr)
 
+    def raw_strides(self, x: Any) -> tuple[int, ...]:
+        return x.strides  # bytes
+
     def strides(self, x: Any) -> tuple[int, ...]:
-        # CuPy reports bytes; memoised by (byte strides, itemsize): this runs for every operand.
+        # CuPy reports bytes; memoised by (byte strides, itemsize).
         key = (x.strides, x.itemsize)
         strides = self._strides.get(key)
         if strides is None:
@@ -129,7 +136,7 @@ class CupyLib(ArrayLib):
         return str(x.dtype.name)
 
     def empty(self, shape: Sequence[int], dtype: str, device: int, like: Any = None) -> Any:
-        return cupy_module().empty(tuple(shape), dtype=_numpy_dtype(dtype))
+        return cupy_module().empty(shape, dtype=_numpy_dtype(dtype))
 
     def fill(self, x: Any, value: float) -> None:
         x.fill(value)
@@ -165,7 +172,9 @@ class TorchLib(ArrayLib):
         return x.data_ptr()
 
     def strides(self, x: Any) -> tuple[int, ...]:
-        return x.stride()  # already a tuple of ints
+        return x.stride()  # already a tuple of ints, in elements
+
+    raw_strides = strides
 
     def dtype_name(self, x: Any) -> str:
         return str(x.dtype).removeprefix("torch.")

@@ -67,18 +67,22 @@ def run_outputs(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str,
 def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> dict[str, Any]:
     values = list(launch.params.values)
     bound: list[tuple[int, tuple[int, ...]] | None] = [None] * len(launch.operands)  # (ptr, strides)
-    known = launch.readable_strides  # per operand: the strides last found readable (no re-check)
+    # Per operand, (the library's own strides, in elements) last found readable: a call whose
+    # array has the same raw strides skips the conversion and the layout check.
+    known = launch.readable_strides
     keep: list[Any] = []  # copies made for this call: alive until the launches are queued
-    ptr_of, strides_of = lib.ptr, lib.strides
+    ptr_of, raw_strides_of = lib.ptr, lib.raw_strides
     # The common operand (an array, read as it is) takes the loop's straight path; an int length,
     # a negated q, a pointer offset or a layout the kernels cannot read take _bind.
     for i, name, is_tile, ptr_slot, stride_slots, plain in launch.bindings:
         x = arrays.get(name)
         if x is None:
             continue
-        if plain and type(x) is not int:
-            ptr, strides = ptr_of(x), strides_of(x)
-            if strides == known[i] and not (is_tile and ptr & 15):
+        hit = known[i]
+        if plain and hit is not None and type(x) is not int:
+            ptr = ptr_of(x)
+            if raw_strides_of(x) == hit[0] and not (is_tile and ptr & 15):
+                strides = hit[1]
                 values[ptr_slot] = ptr
                 for slot, axis in stride_slots:
                     values[slot] = strides[axis]
@@ -149,7 +153,7 @@ def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], boun
         x, ptr, strides = _readable_copy(lib, op, x)
         keep.append(x)
     elif not op.negate:
-        launch.readable_strides[i] = strides
+        launch.readable_strides[i] = (lib.raw_strides(x), strides)
     if op.offset_of is None:
         values[op.ptr_slot] = ptr
     else:

@@ -27,6 +27,9 @@ class _NumpyLib(_interop.ArrayLib):
     def strides(self, x):  # type: ignore[no-untyped-def]
         return tuple(s // x.itemsize for s in x.strides)
 
+    def raw_strides(self, x):  # type: ignore[no-untyped-def]
+        return x.strides
+
     def dtype_name(self, x):  # type: ignore[no-untyped-def]
         return str(x.dtype)
 
