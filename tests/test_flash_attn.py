@@ -1,0 +1,131 @@
+"""cupyflash.flash_attn: flash-attn's function names, argument order, defaults and return forms
+mapped onto cupyflash (host arrays here, so CI runs them; the `gpu` test runs a flash-attn-style
+training call sequence on CUDA tensors)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from helpers import rel_error
+
+import cupyflash
+from cupyflash import flash_attn as fa
+from cupyflash import reference
+
+
+def _qkv(rng, b=2, sq=9, sk=13, h=4, hk=2, d=16):
+    return rng.standard_normal((b, sq, h, d)), rng.standard_normal((b, sk, hk, d)), rng.standard_normal((b, sk, hk, d))
+
+
+def test_func_maps_onto_attention(rng):
+    q, k, v = _qkv(rng)
+    out = fa.flash_attn_func(q, k, v, softmax_scale=0.3, window_size=(4, 2), softcap=5.0)
+    want = cupyflash.attention(q, k, v, scale=0.3, window=(4, 2), softcap=5.0)
+    np.testing.assert_array_equal(out, want)
+    # causal: the window's right bound is 0 whatever window_size says (flash-attn's rule)
+    out, lse, probs = fa.flash_attn_func(q, k, v, causal=True, window_size=(3, 5), return_attn_probs=True)
+    want, want_lse = cupyflash.attention(q, k, v, causal=True, window=(3, 0), return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    assert probs is None and lse.shape == (2, 4, 9)
+    np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True, window=(3, 0)), rtol=1e-10, atol=1e-12)
+
+
+def test_packed_forms_are_views_of_one_tensor(rng):
+    qkv = rng.standard_normal((2, 11, 3, 4, 16))
+    out = fa.flash_attn_qkvpacked_func(qkv, causal=True)
+    np.testing.assert_array_equal(out, fa.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True))
+    q, kv = rng.standard_normal((2, 7, 4, 16)), rng.standard_normal((2, 12, 2, 2, 16))
+    out = fa.flash_attn_kvpacked_func(q, kv, softmax_scale=0.5)
+    np.testing.assert_array_equal(out, fa.flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], softmax_scale=0.5))
+
+
+def test_varlen_forms(rng):
+    cu = np.array([0, 5, 5, 12], dtype=np.int32)
+    q, k, v = (rng.standard_normal((12, h, 16)) for h in (4, 2, 2))
+    out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True, return_attn_probs=True)
+    want, want_lse = cupyflash.attention_varlen(q, k, v, cu, cu, 7, 7, causal=True, return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    assert lse.shape == (4, 12)
+    qkv = rng.standard_normal((12, 3, 4, 16))
+    out = fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 7, softcap=2.0)
+    np.testing.assert_array_equal(
+        out, cupyflash.attention_varlen(*(qkv[:, i] for i in range(3)), cu, cu, 7, 7, softcap=2.0)
+    )
+    kv = rng.standard_normal((12, 2, 2, 16))
+    out = fa.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 7, 7)
+    np.testing.assert_array_equal(out, cupyflash.attention_varlen(q, kv[:, 0], kv[:, 1], cu, cu, 7, 7))
+
+
+def test_with_kvcache_appends_and_reads_the_whole_cache_by_default(rng):
+    k_cache, v_cache = (rng.standard_normal((2, 20, 2, 16)) for _ in range(2))
+    q = rng.standard_normal((2, 1, 4, 16))
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache)  # cache_seqlens=None: all 20 keys
+    np.testing.assert_allclose(out, reference.attention(q, k_cache, v_cache), rtol=1e-10, atol=1e-12)
+    k_new, v_new = (rng.standard_normal((2, 1, 2, 16)) for _ in range(2))
+    lens = np.array([3, 11], dtype=np.int32)
+    out, lse = fa.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, causal=True, return_softmax_lse=True
+    )
+    np.testing.assert_array_equal(k_cache[1, 11], k_new[1, 0])  # appended in place
+    want = reference.attention(q[1:], k_cache[1:, :12], v_cache[1:, :12], causal=True)
+    np.testing.assert_allclose(out[1:], want, rtol=1e-10, atol=1e-12)
+    assert lse.shape == (2, 4, 1)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda q: fa.flash_attn_func(q, q, q, dropout_p=0.1), "dropout_p"),
+        (lambda q: fa.flash_attn_func(q, q, q, alibi_slopes=np.ones(2)), "alibi_slopes"),
+        (lambda q: fa.flash_attn_with_kvcache(q, q, q, rotary_cos=np.ones(4), rotary_sin=np.ones(4)), "rotary_cos"),
+        (lambda q: fa.flash_attn_with_kvcache(q, q, q, cache_batch_idx=np.zeros(1, np.int32)), "cache_batch_idx"),
+        (lambda q: fa.flash_attn_with_kvcache(q, q, q, softcap=3.0), "softcap"),
+        (lambda q: fa.flash_attn_with_kvcache(q, q, q, window_size=(4, 0)), "window_size"),
+    ],
+)
+def test_what_is_missing_is_named_not_ignored(call, name):
+    q = np.zeros((1, 4, 2, 16))
+    with pytest.raises(NotImplementedError, match=name):
+        call(q)
+
+
+def test_a_flash_attn_style_training_step_on_the_host():
+    """An MHA block as flash-attn users write it (qkv packed, flash_attn_qkvpacked_func,
+    causal): its gradients through the custom op equal autograd of the float64 math."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 10, 3, 2, 8, dtype=torch.float64, requires_grad=True)
+    fa.flash_attn_qkvpacked_func(qkv, causal=True).square().sum().backward()
+    got = qkv.grad.clone()
+    qkv.grad = None
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    mask = torch.from_numpy(reference.visible_keys(10, 10, True, (-1, -1)))
+    s = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~mask, -math.inf)
+    (torch.softmax(s, -1) @ v).transpose(1, 2).square().sum().backward()
+    torch.testing.assert_close(got, qkv.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_a_flash_attn_style_call_sequence_on_the_gpu():
+    """Prefill (qkv packed, causal, training), then decoding with the cache, as flash-attn code
+    calls them, on bf16 CUDA tensors against the float64 reference."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(1)
+    qkv = torch.randn(2, 200, 3, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, lse, _ = fa.flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)
+    ref = reference.attention(*(qkv[:, :, i].detach() for i in range(3)), causal=True)
+    assert rel_error(reference.to_numpy64(out.detach()), ref) < 1e-2
+    out.float().square().sum().backward()
+    assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+    k_cache = torch.zeros(2, 256, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[:, :200], v_cache[:, :200] = qkv[:, :, 1].detach(), qkv[:, :, 2].detach()
+    lens = torch.full((2,), 200, dtype=torch.int32, device="cuda")
+    q_new, k_new, v_new = (torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = fa.flash_attn_with_kvcache(q_new, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, causal=True)
+    ref = reference.attention(q_new, k_cache[:, :201], v_cache[:, :201], causal=True)
+    assert rel_error(reference.to_numpy64(out), ref) < 1e-2
+    assert torch.equal(k_cache[:, 200], k_new[:, 0])
