@@ -24,6 +24,7 @@ _DLPACK_GPU_DEVICES = (2, 13)
 CUPY = "cupy"
 TORCH = "torch"
 DLPACK = "dlpack"
+TRACED = "traced"  # a JAX tracer (jax.jit, grad, vmap): no memory behind it
 
 
 @functools.cache
@@ -271,6 +272,8 @@ def _kind(x: Any) -> str:
             kind = CUPY
         elif "torch" in modules and hasattr(x, "data_ptr"):
             kind = TORCH
+        elif any(c.__name__ == "Tracer" and c.__module__.startswith("jax") for c in cls.__mro__):
+            kind = TRACED
         else:
             kind = DLPACK
         _kind_of_type[cls] = kind
@@ -312,6 +315,8 @@ def gpu_arrays(names: Sequence[str], arrays: Sequence[Any]) -> tuple[ArrayLib, i
     for name, x in zip(names, arrays):
         if x is not None and not _is_array(x):
             raise TypeError(f"{name} must be an array (CuPy, PyTorch, JAX, NumPy ...), got {type(x).__name__}")
+        if x is not None and _kind(x) == TRACED:
+            _refuse_traced(name)
     first = next(i for i, x in enumerate(arrays) if x is not None)
     kind = _kind(arrays[first])
     device = _device_of(kind, arrays[first])
@@ -337,6 +342,17 @@ def gpu_arrays(names: Sequence[str], arrays: Sequence[Any]) -> tuple[ArrayLib, i
     namespace = array_namespace(arrays[first])
     adopted = [None if x is None else cupy.from_dlpack(x) for x in arrays]
     return DlpackLib(namespace), device, adopted
+
+
+def _refuse_traced(name: str) -> None:
+    """A JAX tracer (``jax.jit``, ``grad``, ``vmap``) has no memory to hand the kernels, and the
+    host path's array-API algorithms branch on values (NaN checks, split counts), which tracing
+    cannot do: refused with the way out, rather than failing somewhere inside."""
+    raise TypeError(
+        f"cupyflash cannot run inside jax.jit (or grad/vmap) yet: {name} is a traced array, which neither its CUDA "
+        "kernels nor its host algorithms can take. Call it on concrete jax.Array inputs outside the transformation "
+        "(on a GPU they run the kernels through DLPack)."
+    )
 
 
 def _is_array(x: Any) -> bool:
