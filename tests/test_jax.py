@@ -11,14 +11,15 @@ import cupyflash
 from cupyflash import reference
 
 jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
 
 
 def _inputs():
+    """float32 arrays on JAX's CPU device (the host path; on a GPU machine the default device
+    would take them to the GPU kernels, which run float16 and bfloat16)."""
     rng = np.random.default_rng(0)
-    return [
-        jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in ((1, 9, 2, 16), (1, 11, 1, 16), (1, 11, 1, 16))
-    ]
+    cpu = jax.devices("cpu")[0]
+    shapes = ((1, 9, 2, 16), (1, 11, 1, 16), (1, 11, 1, 16))
+    return [jax.device_put(rng.standard_normal(s).astype(np.float32), cpu) for s in shapes]
 
 
 def test_concrete_jax_arrays_run():
