@@ -130,6 +130,10 @@ def attention_with_kvcache(
     >>> out.shape, float(k_cache[1, 9, 0, 0])
     ((2, 1, 4, 8), 1.0)
     """
+    if _interop.compiling():  # Dynamo traces the custom op, not this function's body
+        return _interop.torch_ops.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse
+        )
     causal = check_causal(causal)
     scale = check_scale_option(scale)
     if type(num_splits) is not int:

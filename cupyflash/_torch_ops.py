@@ -1,12 +1,14 @@
 """PyTorch: ``attention`` and ``attention_varlen`` as ``torch.library`` custom ops with a fake
 (meta) implementation and a registered backward, so that tensors that require grad get their
 gradients (the FA2 backward) and ``torch.compile(fullgraph=True)`` keeps the call in its graph
-as one opaque op. Imported when cupyflash first meets a torch tensor (``_interop.torch_module``)
-or at ``import cupyflash`` when torch is already imported: importing cupyflash never imports torch.
+as one opaque op; ``attention_with_kvcache`` as one too (no backward; the caches mutated).
+Imported when cupyflash first meets a torch tensor (``_interop.torch_module``) or at ``import
+cupyflash`` when torch is already imported: importing cupyflash never imports torch.
 
-The public functions route here (``_api``): always while Dynamo traces them (``compiling``), and
-in eager mode when an input requires grad. The ops' bodies call the public functions again under
-``torch.no_grad()``, which run the kernels (or the host path for CPU tensors) as for any call.
+The public functions route here (``_api``, ``_kvcache``): always while Dynamo traces them
+(``compiling``), and in eager mode when an input requires grad. The ops' bodies call the public
+functions again under ``torch.no_grad()``, which run the kernels (or the host path for CPU
+tensors) as for any call.
 """
 
 from __future__ import annotations
@@ -194,6 +196,50 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     out, lse = attention_varlen_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
         int(window_left), int(window_right), float(softcap), algorithm, bool(deterministic),
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_with_kvcache: no backward (a cache is state, not a parameter); an op so that a
+# compiled decode step keeps it in the graph, k_cache and v_cache declared as written in place.
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_seqlen: int,
+    block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None, causal: bool, scale: float,
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    from ._kvcache import attention_with_kvcache as kvcache
+
+    with torch.no_grad():
+        out, lse = kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlen if cache_seqlens is None else cache_seqlens,
+            block_table=block_table, k_new=k_new, v_new=v_new, causal=causal, scale=scale, num_splits=num_splits,
+            return_lse=True,
+        )  # fmt: skip
+    return _contiguous(out, lse)
+
+
+@attention_with_kvcache_op.register_fake
+def _(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_seqlen: int,
+    block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None, causal: bool, scale: float,
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    b, nq, hq, _ = q.shape
+    lse = q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+
+
+def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, k_new: Any,
+                           v_new: Any, causal: Any, scale: Any, num_splits: Any, return_lse: bool) -> Any:  # fmt: skip
+    """``cupyflash.attention_with_kvcache`` through the custom op (while Dynamo traces it)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    as_int = isinstance(cache_seqlens, int)
+    out, lse = attention_with_kvcache_op(
+        q, k_cache, v_cache, None if as_int else cache_seqlens, cache_seqlens if as_int else 0, block_table, k_new,
+        v_new, bool(causal), scale, int(num_splits),
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

@@ -115,6 +115,36 @@ def test_torch_compile_fullgraph_forward_and_training_step():
     _check_compiled_block("cpu", torch.float32, 1e-5)
 
 
+def test_torch_compile_decode_step_with_cache_append():
+    """attention_with_kvcache compiled (fullgraph): one op in the graph, the caches written in
+    place exactly as in eager mode, the same output; opcheck on the op."""
+    from cupyflash import _torch_ops
+
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    q = torch.randn(2, 1, 4, 16)
+    k_new, v_new = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    caches = [torch.randn(2, 16, 2, 16) for _ in range(2)]
+    eager_caches = [c.clone() for c in caches]
+
+    def step(q, k_cache, v_cache):
+        out = cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, k_new=k_new, v_new=v_new)
+        return out * 2.0
+
+    explained = torch._dynamo.explain(step)(q, *[c.clone() for c in caches])
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(q, *caches)
+    want = step(q, *eager_caches)
+    torch.testing.assert_close(got, want)
+    for c, e in zip(caches, eager_caches):
+        torch.testing.assert_close(c, e)  # k_new, v_new appended by the compiled step too
+    assert torch.equal(caches[0][1, 9], k_new[1, 0])
+    args = (q, torch.randn(2, 16, 2, 16), torch.randn(2, 16, 2, 16), lens, 0, None, k_new, v_new, True, 0.25, 0)
+    torch.library.opcheck(_torch_ops.attention_with_kvcache_op, args)
+
+
 def test_importing_cupyflash_does_not_import_torch():
     code = "import sys, cupyflash; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
