@@ -1,0 +1,2 @@
+"""Integrations with the libraries attention is called from (each imports its library only when
+used): ``cupyflash.integrations.transformers``."""

@@ -1,0 +1,106 @@
+"""transformers: cupyflash as an attention implementation of any model that dispatches through
+``AttentionInterface`` (Llama, Mistral, Qwen2, Gemma2 ...)::
+
+    from cupyflash.integrations import transformers as cft
+    name = cft.register()                       # "cupyfa"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+
+``register`` installs the attention function and, under the same name, transformers' own 2-D
+padding mask function (flash-attn's), so that a padded batch reaches the attention function as
+a ``(batch, keys)`` boolean mask instead of no mask at all. The name avoids "flash", which
+transformers reserves for its hub kernels.
+
+The attention function maps each call onto :func:`cupyflash.attention` (no padding) or
+:func:`cupyflash.attention_varlen` (padding: the valid tokens packed, as flash-attn's integration
+unpads them): causal (bottom-right, so a cache's queries are its last positions), the module's
+``scaling``, ``sliding_window`` (a token sees itself and the ``sliding_window - 1`` before it),
+``softcap`` and GQA. PyTorch tensors that require grad get their gradients (the training path).
+What it cannot express raises: dropout in training, a non-causal sliding window, a padding mask
+with several query tokens whose last positions are not all valid (the queries of a cache must
+be its newest tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._api import attention, attention_varlen
+
+NAME = "cupyfa"
+
+
+def register(name: str = NAME) -> str:
+    """Register cupyflash with transformers under ``name``; returns the name to pass as
+    ``attn_implementation``."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import flash_attention_mask
+
+    if "flash" in name:
+        raise ValueError(f"transformers takes attention names containing 'flash' for its hub kernels: {name!r}")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
+
+
+def attention_forward(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers' attention-function signature: query ``(B, Hq, Nq, d)``, key and value
+    ``(B, Hkv, Nk, d)``; returns ``(B, Nq, Hq, d)`` and no attention weights."""
+    if dropout:
+        raise NotImplementedError(f"cupyflash has no attention dropout yet (dropout={dropout})")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = (-1, -1)
+    if sliding_window is not None:
+        if not causal:
+            raise NotImplementedError("a non-causal sliding window is not supported by cupyflash's integration")
+        window = (int(sliding_window) - 1, -1)
+    cap = float(softcap or 0.0)
+    if attention_mask is None:
+        out = attention(query, key, value, causal=causal, scale=scaling, window=window, softcap=cap, layout="bhsd")
+        return out.transpose(1, 2), None
+    options: dict[str, Any] = {"causal": causal, "scale": scaling, "window": window, "softcap": cap}
+    return _padded(query, key, value, attention_mask, options), None
+
+
+def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]) -> Any:
+    """A padded batch: each sequence's valid keys (mask True) and queries packed end to end,
+    attention_varlen, the rows scattered back (padded query rows are 0)."""
+    import torch
+
+    if mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ValueError(
+            f"expected transformers' 2-D boolean padding mask (register() installs its mask function), got a "
+            f"{tuple(mask.shape)} {mask.dtype} mask"
+        )
+    b, hq, nq, d = query.shape
+    nk = key.shape[2]
+    mask = mask[:, -nk:]
+    q_mask = mask[:, -nq:]
+    if nq == 1:  # decoding: each sequence's one new token is valid
+        q_mask = torch.ones_like(q_mask)
+    elif nq != nk and not bool(q_mask.all()):
+        raise ValueError(
+            f"{nq} query tokens over {nk} cached keys with padding among the last {nq} positions: the queries of a "
+            "cache must be its newest (valid) tokens"
+        )
+    q_rows, k_rows = q_mask.reshape(-1), mask.reshape(-1)
+    packed_q = query.transpose(1, 2).reshape(b * nq, hq, d)[q_rows]
+    packed_k, packed_v = (x.transpose(1, 2).reshape(b * nk, x.shape[1], d)[k_rows] for x in (key, value))
+    zero = torch.zeros(1, dtype=torch.int32, device=query.device)
+    cu_q = torch.cat([zero, q_mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
+    cu_k = torch.cat([zero, mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
+    packed_out = attention_varlen(packed_q, packed_k, packed_v, cu_q, cu_k, nq, nk, **options)  # maxima: upper bounds
+    out = packed_out.new_zeros(b * nq, hq, d)
+    out = out.index_put((q_rows.nonzero().squeeze(1),), packed_out)
+    return out.view(b, nq, hq, d)

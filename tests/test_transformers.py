@@ -1,0 +1,126 @@
+"""cupyflash.integrations.transformers on tiny models built from configs (random init, float32 on
+the CPU, so the host path runs: the mask and padding logic is what is tested here; the `gpu`
+test runs a bf16 model on CUDA): logits against transformers' eager attention, for plain causal
+(Llama, GQA), sliding-window (Mistral) and softcap (Gemma2) models, left- and right-padded
+batches, and greedy generation with a DynamicCache."""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from cupyflash.integrations import transformers as cft  # noqa: E402
+
+NAME = cft.register()
+
+
+def _config(kind: str) -> object:
+    common = {"vocab_size": 101, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}  # fmt: skip
+    if kind == "llama":
+        return transformers.LlamaConfig(**common)
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=5)
+    return transformers.Gemma2Config(
+        **common, head_dim=16, sliding_window=6, attn_logit_softcapping=3.0, query_pre_attn_scalar=16
+    )
+
+
+def _models(kind: str) -> tuple[object, object]:
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation="eager").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation=NAME).eval()
+    ours.load_state_dict(eager.state_dict())
+    return eager, ours
+
+
+def test_every_layer_runs_through_cupyflash(monkeypatch):
+    """The registered name reaches cupyflash (dense without padding, varlen with it), not a
+    fallback of transformers'."""
+    calls = {"dense": 0, "varlen": 0}
+    dense, varlen = cft.attention, cft.attention_varlen
+
+    def count(kind, fn):
+        def wrapped(*args, **kwargs):
+            calls[kind] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(cft, "attention", count("dense", dense))
+    monkeypatch.setattr(cft, "attention_varlen", count("varlen", varlen))
+    _, ours = _models("llama")
+    ids = torch.randint(1, 101, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        ours(ids)
+        ours(ids, attention_mask=mask)
+    assert calls == {"dense": 2, "varlen": 2}  # two layers, each call
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_logits_match_eager(kind):
+    eager, ours = _models(kind)
+    ids = torch.randint(0, 101, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batches_match_eager(side):
+    eager, ours = _models("llama")
+    ids = torch.randint(1, 101, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    for row, pad in ((0, 4), (2, 7)):
+        if side == "left":
+            mask[row, :pad] = 0
+        else:
+            mask[row, 12 - pad :] = 0
+    with torch.no_grad():
+        got, want = ours(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_generation_with_left_padding_and_a_cache():
+    eager, ours = _models("mistral")
+    ids = torch.randint(1, 101, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    kwargs = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+
+
+def test_training_gradients_match_eager():
+    eager, ours = _models("llama")
+    ids = torch.randint(0, 101, (2, 10))
+    for model in (eager, ours):
+        model.train()
+        model(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(eager.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_names_with_flash_are_refused():
+    with pytest.raises(ValueError, match="flash"):
+        cft.register("my_flash")
+
+
+@pytest.mark.gpu
+def test_bf16_model_on_the_gpu_against_sdpa():
+    torch.manual_seed(0)
+    cfg = _config("llama")
+    sdpa = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").cuda().bfloat16().eval()
+    ours = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME).cuda().bfloat16().eval()
+    ours.load_state_dict(sdpa.state_dict())
+    ids = torch.randint(1, 101, (2, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :20] = 0
+    with torch.no_grad():
+        got, want = ours(ids, attention_mask=mask).logits, sdpa(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert (got[valid].argmax(-1) == want[valid].argmax(-1)).float().mean() > 0.95
