@@ -124,3 +124,18 @@ def test_bf16_model_on_the_gpu_against_sdpa():
         got, want = ours(ids, attention_mask=mask).logits, sdpa(ids, attention_mask=mask).logits
     valid = mask.bool()
     assert (got[valid].argmax(-1) == want[valid].argmax(-1)).float().mean() > 0.95
+
+
+def test_masks_it_cannot_express_raise():
+    class Module:
+        is_causal = True
+
+    q, k = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 8, 16)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, -1] = False  # a cache whose newest position is padding, with 3 query tokens
+    with pytest.raises(ValueError, match="newest"):
+        cft.attention_forward(Module(), q, k, k, mask)
+    with pytest.raises(ValueError, match="2-D boolean padding mask"):
+        cft.attention_forward(Module(), q, k, k, torch.zeros(2, 1, 3, 8))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        cft.attention_forward(Module(), q, k, k, None, dropout=0.1)
