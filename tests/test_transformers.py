@@ -95,6 +95,17 @@ def test_greedy_generation_with_left_padding_and_a_cache():
         assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
 
 
+def test_greedy_generation_with_a_static_cache():
+    eager, ours = _models("llama")
+    ids = torch.randint(1, 101, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :2] = 0
+    kwargs = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0,
+              "cache_implementation": "static"}  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+
+
 def test_training_gradients_match_eager():
     eager, ours = _models("llama")
     ids = torch.randint(0, 101, (2, 10))

@@ -84,6 +84,8 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]
             f"{tuple(mask.shape)} {mask.dtype} mask"
         )
     b, hq, nq, d = query.shape
+    if mask.shape[1] < key.shape[2]:  # a static cache: its slots past the mask hold no token yet
+        key, value = key[:, :, : mask.shape[1]], value[:, :, : mask.shape[1]]
     nk = key.shape[2]
     mask = mask[:, -nk:]
     q_mask = mask[:, -nq:]
