@@ -155,6 +155,14 @@ CF_DEVICE void cp_async_16(uint32_t dst, const void* src, bool valid) {
                "r"(src_bytes));
 }
 
+// One 4-byte global -> shared copy (.ca: the only size below 16 bytes cp.async takes); zero
+// filled when !valid.
+CF_DEVICE void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
 CF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Wait until at most kPending committed groups are still in flight.

@@ -62,14 +62,6 @@ CF_DEVICE constexpr int largest_divisor_upto(int n, int limit) {
   return 1;
 }
 
-// One 4-byte global -> shared copy (.ca: the only size below 16 bytes cp.async takes); zero
-// filled when !valid.
-CF_DEVICE void cp_async_4(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes));
-}
-
 // ---------------------------------------------------------------------------------------------
 // The per-row kernels: one warp per query row, 16-byte chunks per lane.
 // ---------------------------------------------------------------------------------------------
@@ -201,111 +193,6 @@ struct Fa2BwdTraits {
   static_assert(kDqCols % 16 == 0, "dQ columns come in 16-wide ldmatrix pairs");
   static_assert(kNThreads >= 2 * kBlockM, "one thread per row of LSE and of D");
 };
-
-// Which query rows see a block of keys (the transpose of KeyMask: rows i with a visible key j,
-// j <= i + shift + window_right and j >= i + shift - window_left).
-template <int kBlockM, int kBlockN, bool Is_causal, bool Is_local>
-struct QueryRangeOfKeys {
-  KeyMask<kBlockM, kBlockN, Is_causal, Is_local> keys;  // visible(row, key) and the bounds
-  int key_first, seqlen_q;
-
-  CF_DEVICE QueryRangeOfKeys(int n_block, int seqlen_q_, int seqlen_k, int window_left,
-                             int window_right)
-      : keys(0, seqlen_q_, seqlen_k, window_left, window_right),
-        key_first(n_block * kBlockN),
-        seqlen_q(seqlen_q_) {}
-
-  CF_DEVICE int m_block_begin() const {
-    if (!Is_causal) return 0;
-    return max(0, key_first - keys.shift - keys.window_right) / kBlockM;
-  }
-
-  CF_DEVICE int m_block_end() const {
-    int row_end = seqlen_q;
-    if (Is_local) {
-      const int key_last = min(key_first + kBlockN, keys.seqlen_k) - 1;
-      row_end = min(row_end, key_last - keys.shift + keys.window_left + 1);
-    }
-    return ceil_div(max(row_end, 0), kBlockM);
-  }
-
-  // Does some (row, key) of the tile fall outside the mask or past the last key?
-  CF_DEVICE bool needs_mask(int m_block) const {
-    const int row_first = m_block * kBlockM;
-    const int row_last = min(row_first + kBlockM, seqlen_q) - 1;
-    const int key_last = key_first + kBlockN - 1;
-    bool partial = key_last >= keys.seqlen_k;
-    if (Is_causal) partial |= key_last > row_first + keys.shift + keys.window_right;
-    if (Is_local) partial |= key_first < row_last + keys.shift - keys.window_left;
-    return partial;
-  }
-
-  // -inf at hidden (row, key) of a transposed tile: element e of tile (0, nt) is key
-  // key0 + lane / 4 + 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2.
-  template <int kNTiles>
-  CF_DEVICE void apply(float (&s)[1][kNTiles][4], int key0, int row0, int lane) const {
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + lane / 4 + 8 * (e / 2);
-        const int row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
-        if (!keys.visible(row, key)) s[0][nt][e] = neg_infinity();
-      }
-  }
-};
-
-// A score variant on a transposed tile (element e of tile (0, nt): key key0 + lane / 4 +
-// 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2), with (row, key) as the variant
-// reads them in the forward.
-template <typename Transform, int kNTiles>
-CF_DEVICE void transform_scores_transposed(const Transform& transform, float (&s)[1][kNTiles][4],
-                                           int key0, int row0, int lane) {
-#pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int key = key0 + lane / 4 + 8 * (e / 2);
-      const int row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
-      s[0][nt][e] = transform(s[0][nt][e], row, key);
-    }
-}
-template <int kNTiles>
-CF_DEVICE void transform_scores_transposed(const NoScoreTransform&, float (&)[1][kNTiles][4], int,
-                                           int, int) {}
-
-// acc += A B for the warp's 16 rows, A given as the element-type words of an m16n8 accumulator
-// (words[nt][half] = elements 2 half, 2 half + 1 of tile nt: k-step ks is tiles 2 ks, 2 ks + 1,
-// as p_operand packs them) and B [k][d] row-major in shared memory (ldmatrix.trans, as gemm_pv).
-template <typename Traits>
-CF_DEVICE void gemm_packed_a(float (&acc)[1][Traits::kDTiles][4],
-                             const uint32_t (&words)[Traits::kNTiles][2], uint32_t s_b, int lane) {
-  using Tile = typename Traits::Tile;
-#pragma unroll
-  for (int ks = 0; ks < Traits::kNSteps; ++ks) {
-    const uint32_t a[4] = {words[2 * ks][0], words[2 * ks][1], words[2 * ks + 1][0],
-                           words[2 * ks + 1][1]};
-#pragma unroll
-    for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
-      const int row = 16 * ks + (lane % 8) + 8 * ((lane / 8) % 2);
-      const int xor_bits = Tile::pattern(lane) ^ (lane / 16);
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, s_b + Tile::pair_offset(row, dp, xor_bits) * Traits::kElemBytes);
-      Traits::Ops::mma_16816(acc[0][2 * dp], a, b[0], b[1]);
-      Traits::Ops::mma_16816(acc[0][2 * dp + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-// A fragments of rows m0 .. m0 + 15 at k-step ks from a tile stored transposed, [k][m]:
-// ldmatrix.trans of matrices (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15)
-// gives a0..a3 of m16n8k16.
-template <typename TileKM, int kElemBytes>
-CF_DEVICE void load_a_frag_trans(uint32_t (&a)[4], uint32_t s_tile, int m0, int ks, int lane) {
-  const int row = 16 * ks + (lane % 8) + 8 * (lane / 16);
-  const int xor_bits = TileKM::pattern(lane) ^ ((lane / 8) % 2);
-  ldmatrix_x4_trans(a, s_tile + TileKM::pair_offset(row, m0 / 16, xor_bits) * kElemBytes);
-}
 
 template <typename Traits>
 CF_DEVICE void fa2_bwd(const BwdParams& p) {

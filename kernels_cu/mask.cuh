@@ -1,7 +1,8 @@
 // Which keys a block of query rows sees: the range of key blocks to visit, whether a block needs
 // element-wise masking, and the masking itself (causal / sliding window / ragged tail), for
 // blocks of consecutive query rows (KeyMask) and for the decode kernel's packed GQA rows
-// (PackedRowMask: row r is query token r / group).
+// (PackedRowMask: row r is query token r / group), and the other way round for the backward: the
+// query blocks that see a block of keys (QueryRangeOfKeys).
 //
 // Query row i sees key j iff  j < seqlen_k,
 //                             j <= i + shift + window_right   (Is_causal; causal: window_right = 0)
@@ -112,6 +113,59 @@ struct PackedRowMask {
             const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
             if (!keys.visible(query, key)) s[mt][nt][e] = neg_infinity();
           }
+      }
+  }
+};
+
+// Which query rows see a block of keys (the transpose of KeyMask: rows i with a visible key j,
+// j <= i + shift + window_right and j >= i + shift - window_left).
+template <int kBlockM, int kBlockN, bool Is_causal, bool Is_local>
+struct QueryRangeOfKeys {
+  KeyMask<kBlockM, kBlockN, Is_causal, Is_local> keys;  // visible(row, key) and the bounds
+  int key_first, seqlen_q;
+
+  CF_DEVICE QueryRangeOfKeys(int n_block, int seqlen_q_, int seqlen_k, int window_left,
+                             int window_right)
+      : keys(0, seqlen_q_, seqlen_k, window_left, window_right),
+        key_first(n_block * kBlockN),
+        seqlen_q(seqlen_q_) {}
+
+  CF_DEVICE int m_block_begin() const {
+    if (!Is_causal) return 0;
+    return max(0, key_first - keys.shift - keys.window_right) / kBlockM;
+  }
+
+  CF_DEVICE int m_block_end() const {
+    int row_end = seqlen_q;
+    if (Is_local) {
+      const int key_last = min(key_first + kBlockN, keys.seqlen_k) - 1;
+      row_end = min(row_end, key_last - keys.shift + keys.window_left + 1);
+    }
+    return ceil_div(max(row_end, 0), kBlockM);
+  }
+
+  // Does some (row, key) of the tile fall outside the mask or past the last key?
+  CF_DEVICE bool needs_mask(int m_block) const {
+    const int row_first = m_block * kBlockM;
+    const int row_last = min(row_first + kBlockM, seqlen_q) - 1;
+    const int key_last = key_first + kBlockN - 1;
+    bool partial = key_last >= keys.seqlen_k;
+    if (Is_causal) partial |= key_last > row_first + keys.shift + keys.window_right;
+    if (Is_local) partial |= key_first < row_last + keys.shift - keys.window_left;
+    return partial;
+  }
+
+  // -inf at hidden (row, key) of a transposed tile: element e of tile (0, nt) is key
+  // key0 + lane / 4 + 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2.
+  template <int kNTiles>
+  CF_DEVICE void apply(float (&s)[1][kNTiles][4], int key0, int row0, int lane) const {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + lane / 4 + 8 * (e / 2);
+        const int row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
+        if (!keys.visible(row, key)) s[0][nt][e] = neg_infinity();
       }
   }
 };

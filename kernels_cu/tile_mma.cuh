@@ -1,4 +1,5 @@
-// The mma.sync tile verbs of the Ampere-path kernels (FA2, FA1, the split-KV decode partial):
+// The mma.sync tile verbs of the Ampere-path kernels (FA2 forward and backward, FA1, the split-KV
+// decode partial):
 // K/V/Q tiles into swizzled shared memory with cp.async, Q fragments by ldmatrix, and the two
 // GEMMs of a key block, S = Q K^T and O += P V, on m16n8k16 tensor-core tiles. Templated on the
 // kernel's traits, which name kHeadDim, kNThreads, kMTiles, kNTiles, kDTiles, kDSteps, kNSteps,
@@ -146,4 +147,37 @@ CF_DEVICE void gemm_pv(float (&o)[Traits::kMTiles][Traits::kDTiles][4],
       }
     }
   }
+}
+
+// acc += A B for the warp's 16 rows, A given as the element-type words of an m16n8 accumulator
+// (words[nt][half] = elements 2 half, 2 half + 1 of tile nt: k-step ks is tiles 2 ks, 2 ks + 1,
+// as p_operand packs them) and B [k][d] row-major in shared memory (ldmatrix.trans, as gemm_pv).
+template <typename Traits>
+CF_DEVICE void gemm_packed_a(float (&acc)[1][Traits::kDTiles][4],
+                             const uint32_t (&words)[Traits::kNTiles][2], uint32_t s_b, int lane) {
+  using Tile = typename Traits::Tile;
+#pragma unroll
+  for (int ks = 0; ks < Traits::kNSteps; ++ks) {
+    const uint32_t a[4] = {words[2 * ks][0], words[2 * ks][1], words[2 * ks + 1][0],
+                           words[2 * ks + 1][1]};
+#pragma unroll
+    for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
+      const int row = 16 * ks + (lane % 8) + 8 * ((lane / 8) % 2);
+      const int xor_bits = Tile::pattern(lane) ^ (lane / 16);
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, s_b + Tile::pair_offset(row, dp, xor_bits) * Traits::kElemBytes);
+      Traits::Ops::mma_16816(acc[0][2 * dp], a, b[0], b[1]);
+      Traits::Ops::mma_16816(acc[0][2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// A fragments of rows m0 .. m0 + 15 at k-step ks from a tile stored transposed, [k][m]:
+// ldmatrix.trans of matrices (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15)
+// gives a0..a3 of m16n8k16.
+template <typename TileKM, int kElemBytes>
+CF_DEVICE void load_a_frag_trans(uint32_t (&a)[4], uint32_t s_tile, int m0, int ks, int lane) {
+  const int row = 16 * ks + (lane % 8) + 8 * (lane / 16);
+  const int xor_bits = TileKM::pattern(lane) ^ ((lane / 8) % 2);
+  ldmatrix_x4_trans(a, s_tile + TileKM::pair_offset(row, m0 / 16, xor_bits) * kElemBytes);
 }

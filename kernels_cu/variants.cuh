@@ -62,3 +62,22 @@ CF_DEVICE void transform_scores(const Transform& transform, float (&s)[kMTiles][
 template <int kMTiles, int kNTiles>
 CF_DEVICE void transform_scores(const NoScoreTransform&, float (&)[kMTiles][kNTiles][4], int, int,
                                 int) {}
+
+// A score variant on a transposed tile (element e of tile (0, nt): key key0 + lane / 4 +
+// 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2), with (row, key) as the variant
+// reads them in the forward.
+template <typename Transform, int kNTiles>
+CF_DEVICE void transform_scores_transposed(const Transform& transform, float (&s)[1][kNTiles][4],
+                                           int key0, int row0, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key0 + lane / 4 + 8 * (e / 2);
+      const int row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
+      s[0][nt][e] = transform(s[0][nt][e], row, key);
+    }
+}
+template <int kNTiles>
+CF_DEVICE void transform_scores_transposed(const NoScoreTransform&, float (&)[1][kNTiles][4], int,
+                                           int, int) {}
