@@ -145,6 +145,32 @@ def test_torch_compile_decode_step_with_cache_append():
     torch.library.opcheck(_torch_ops.attention_with_kvcache_op, args)
 
 
+def test_torch_compile_varlen_and_its_backward():
+    """attention_varlen compiled (fullgraph) forward and backward: no graph break, eager's
+    gradients; opcheck on the varlen ops."""
+    from cupyflash import _torch_ops
+
+    torch._dynamo.reset()
+    torch.manual_seed(8)
+    cu = torch.tensor([0, 4, 4, 11], dtype=torch.int32)
+    q, k, v = _leaves((11, 4, 16), (11, 2, 16), (11, 2, 16), dtype=torch.float32)
+
+    def f(q, k, v):
+        return cupyflash.attention_varlen(q, k, v, cu, cu, 7, 7, causal=True).square().sum()
+
+    explained = torch._dynamo.explain(f)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.compile(f, fullgraph=True)(q, k, v).backward()
+    got = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    f(q, k, v).backward()
+    for a, b in zip(got, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b)
+    args = (q, k, v, cu, cu, 7, 7, True, 0.25, -1, 0, 0.0, "auto", False)
+    torch.library.opcheck(_torch_ops.attention_varlen_op, args)
+
+
 def test_importing_cupyflash_does_not_import_torch():
     code = "import sys, cupyflash; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
