@@ -21,12 +21,14 @@
 #               SANITIZE_TOOLS: comma list, default memcheck,racecheck,synccheck,initcheck)
 #     ab        A/B of source trees (scripts/ab.py; AB_TREES, default ". .ab/*"; AB_MODES,
 #               default "prefill host"; AB_ROUNDS, default 3)
+#     train     forward + backward against PyTorch SDPA (bench-train), then examples/train.py
+#               (a 99M decoder trained with cupyflash and with SDPA; TRAIN_STEPS, default 500)
 #   STEP_TIMEOUT (seconds) bounds each step, so that one slow step still leaves the others' logs.
 #
 # The machine has no network: Python packages it lacks travel as wheels in .whl/ (see README).
 # Exits 1 if any step failed.
 set -uo pipefail
-ALL_STEPS="warmup tests bench decode varlen host generate sass io tune sanitize ab"
+ALL_STEPS="warmup tests bench decode varlen host generate sass io tune sanitize ab train"
 LOG_DIR=${OUT:-gpu_logs}
 if [ $# -gt 0 ] && [[ " $ALL_STEPS " != *" $1 "* ]]; then  # the first argument is not a step
   LOG_DIR=$1
@@ -104,6 +106,10 @@ step_tune() {
 step_sanitize() {
   run sanitize python3 scripts/sanitize.py --out "$LOG_DIR/sanitize" \
     ${SANITIZE_TOOLS:+--tools "$SANITIZE_TOOLS"}
+}
+step_train() {
+  run train python3 -m cupyflash bench-train --json "$LOG_DIR/bench_train.json" || return 1
+  run train python3 examples/train.py --steps "${TRAIN_STEPS:-500}" --json "$LOG_DIR/train_run.json"
 }
 step_ab() {
   local mode status=0

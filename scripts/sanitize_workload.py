@@ -8,7 +8,8 @@ block), the causal diagonal with Nq = Nk and Nq != Nk (rows that see no key), sl
 softcap, a negative scale, GQA and MQA, bhsd and a strided head slice; FA2 (every head dim at
 ``small``) and the Hopper kernel forced with ``algorithm=``, the FA1 and naive baselines; packed
 sequences with empty and one-token ones; KV caches contiguous and paged (page sizes 1, 16, 256),
-split counts 1, 3 and automatic, appended tokens; merge_states with an empty part.
+split counts 1, 3 and automatic, appended tokens; merge_states with an empty part; the backward
+(atomic and deterministic dQ, dense and packed).
 
 ``tiny`` (racecheck, synccheck: they are slow) keeps two head dims and short lengths; ``small``
 (memcheck, initcheck) runs every head dim. On the GPU, CuPy's memory pool is bypassed
@@ -37,6 +38,7 @@ FA2_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 FA3_HEAD_DIMS = (64, 128, 256)
 FA1_HEAD_DIMS = (64, 128, 256, 512)
 DECODE_HEAD_DIMS = (64, 128, 256)
+BWD_HEAD_DIMS = (32, 64, 96, 128)
 
 
 class Arrays:
@@ -211,6 +213,44 @@ def kvcache_cases(size: str) -> Iterator[Case]:
                     yield f"kvcache d={d} page={page_size} splits={splits} nq={nq} new={new}", call
 
 
+def _backward(a: Arrays, nq: int, nk: int, d: int, deterministic: bool, **options: Any) -> Any:
+    q, k, v = a.randn(2, nq, 4, d), a.randn(2, nk, 2, d), a.randn(2, nk, 2, d)
+    out, lse = cupyflash.attention(q, k, v, return_lse=True, **options)
+    dout = a.randn(2, nq, 4, d)
+    return cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+
+
+def _varlen_backward(a: Arrays, q_lens: list[int], k_lens: list[int], d: int, deterministic: bool) -> Any:
+    cu_q, cu_k = np.cumsum([0, *q_lens]), np.cumsum([0, *k_lens])
+    q = a.randn(int(cu_q[-1]) + 3, 4, d)  # 3 rows after the last sequence
+    k, v = a.randn(int(cu_k[-1]), 2, d), a.randn(int(cu_k[-1]), 2, d)
+    args = (a.ints(cu_q), a.ints(cu_k), max(q_lens), max(k_lens))
+    out, lse = cupyflash.attention_varlen(q, k, v, *args, causal=True, return_lse=True)
+    dout = a.randn(*q.shape)
+    return cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True, deterministic=deterministic)
+
+
+def backward_cases(size: str) -> Iterator[Case]:
+    """The backward's kernels (prep, key blocks with atomic dQ or the deterministic dQ blocks):
+    partial tiles, causal rows that see no key, a window with softcap, GQA, packed sequences."""
+    nq, nk = (70, 97) if size == "tiny" else (97, 200)
+    for d in (64, 128) if size == "tiny" else BWD_HEAD_DIMS:
+        for deterministic in (False, True):
+            for options in ({"causal": True}, {"window": (30, 5), "softcap": 4.0}):
+                label = f"backward d={d} det={deterministic} {options}"
+                yield label, partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, **options)
+            yield (
+                f"backward causal nq>nk d={d} det={deterministic}",
+                partial(_backward, nq=nk, nk=nq, d=d, deterministic=deterministic, causal=True),
+            )
+            yield (
+                f"varlen backward d={d} det={deterministic}",
+                partial(
+                    _varlen_backward, q_lens=[0, 1, 37, 70], k_lens=[5, 1, 0, 97], d=d, deterministic=deterministic
+                ),
+            )
+
+
 def _merge(a: Arrays, dtype: str, d: int) -> Any:
     o_a, o_b = a.randn(2, 37, 4, d, dtype=dtype), a.randn(2, 37, 4, d, dtype=dtype)
     lse_a, lse_b = a.randn(2, 4, 37, dtype="float32"), a.randn(2, 4, 37, dtype="float32")
@@ -231,6 +271,7 @@ def cases(size: str = "small", hopper: bool = True) -> list[Case]:
         *varlen_cases(size, hopper),
         *kvcache_cases(size),
         *merge_cases(size),
+        *backward_cases(size),
     ]
 
 
