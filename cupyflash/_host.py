@@ -99,7 +99,9 @@ def attention_varlen_backward(
     arrays = (dout, q, k, v, out, lse, dlse, cu_q, cu_k)
     xp = namespace(*zip(*((n, x) for n, x in zip(names, arrays) if x is not None)))
     check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], problem.seqlen_q, problem.seqlen_k)
-    dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
+    # cu_seqlens start at 0 and do not decrease (checked): the sequences tile rows [0, cu[-1])
+    # in order, so each gradient is the sequences' pieces, then zeros for the rows after them.
+    pieces: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
     window = (problem.window_left, problem.window_right)
     for b in range(problem.batch):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
@@ -110,15 +112,13 @@ def attention_varlen_backward(
             dout_b, q_b, k_b, v_b, out_b, lse_b, dlse=dlse_b, scale=problem.scale, window=window,
             softcap=problem.softcap,
         )  # fmt: skip
-        dq = _put_rows(xp, dq, q0, q1, grads[0][0, ...])
-        dk = _put_rows(xp, dk, k0, k1, grads[1][0, ...])
-        dv = _put_rows(xp, dv, k0, k1, grads[2][0, ...])
-    return dq, dk, dv
-
-
-def _put_rows(xp: Any, x: Any, start: int, stop: int, rows: Any) -> Any:
-    """``x`` with rows start:stop replaced (no item assignment: not every namespace has it)."""
-    return xp.concat([x[:start, ...], rows, x[stop:, ...]], axis=0)
+        for piece, grad in zip(pieces, grads):
+            piece.append(grad[0, ...])
+    ends = (int(cu_q[-1]), int(cu_k[-1]), int(cu_k[-1]))
+    return tuple(
+        xp.concat([*piece, xp.zeros((x.shape[0] - end, *x.shape[1:]), dtype=x.dtype)], axis=0)
+        for piece, x, end in zip(pieces, (q, k, v), ends)
+    )
 
 
 # num_splits=0 on the host (no SM count to fill): one split per 4 blocks of 64 keys, as the GPU's

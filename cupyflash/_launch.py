@@ -49,19 +49,22 @@ def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 def run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> tuple[Any, Any]:
     """Execute ``launch`` on the caller's stream; returns (out, lse), lse None unless wanted
     (or always allocated by the plan). Results are in the caller's type."""
-    if _interop.current_device() != device:
-        with _interop.cupy_module().cuda.Device(device):
-            results = _run(launch, lib, device, arrays, want_lse)
-    else:
-        results = _run(launch, lib, device, arrays, want_lse)
+    results = _on_device(launch, lib, device, arrays, want_lse)
     return results["out"], results.get("lse")
 
 
 def run_outputs(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any]) -> tuple[Any, ...]:
     """Execute ``launch``; every output in the plan's order (the backward's dq, dk, dv)."""
-    with _interop.cupy_module().cuda.Device(device):
-        results = _run(launch, lib, device, arrays, True)
+    results = _on_device(launch, lib, device, arrays, True)
     return tuple(results[output.name] for output in launch.outputs)
+
+
+def _on_device(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> dict[str, Any]:
+    """``_run`` with ``device`` current (switched only when it is not: the common case is free)."""
+    if _interop.current_device() != device:
+        with _interop.cupy_module().cuda.Device(device):
+            return _run(launch, lib, device, arrays, want_lse)
+    return _run(launch, lib, device, arrays, want_lse)
 
 
 def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> dict[str, Any]:

@@ -528,12 +528,15 @@ def plan_backward(
     )
     row_grid = (-(-rows[0] // BwdRowSpec.rows_per_block), batches, p.heads_q)
     row_block = (BwdRowSpec.num_threads, 1, 1)
+    # Packed: the grids cover the totals, not max_seqlen_*: every sequence fits in its total, so
+    # an understated maximum cannot leave keys without dK, dV or rows without dQ (the CTAs past
+    # a sequence's end return at once).
     main = KernelStep(
-        spec, (-(-p.seqlen_k // spec.block_n), p.batch, p.heads_kv), (spec.num_threads, 1, 1), spec.smem_bytes
+        spec, (-(-rows[1] // spec.block_n), p.batch, p.heads_kv), (spec.num_threads, 1, 1), spec.smem_bytes
     )
     if deterministic:  # dQ over query blocks, no accumulator
         dq_spec = _dispatch.fa2_bwd_dq_spec(dtype, p.head_dim, flags)
-        dq_grid = (-(-p.seqlen_q // dq_spec.block_m), p.batch, p.heads_q)
+        dq_grid = (-(-rows[0] // dq_spec.block_m), p.batch, p.heads_q)
         dq_step = KernelStep(dq_spec, dq_grid, (dq_spec.num_threads, 1, 1), dq_spec.smem_bytes)
     else:  # the accumulator the main kernel adds into, zeroed by prep, converted by the dq step
         temporaries += (Temporary("dq_accum", (temp_rows, p.head_dim), "float32", params.slot("dq_accum")),)

@@ -150,7 +150,17 @@ def test_backward_plan_packed_and_empty():
     launch = _plan.plan_backward(p, "float16", H200, q_shape=(50, 4, 128), k_shape=(70, 2, 128), packed_rows=(50, 70))
     assert launch.params.value("row_batch_stride") == 0 and launch.params.value("row_head_stride") == 50
     assert [o.fill for o in launch.outputs] == [None, 0.0, 0.0]  # rows outside every sequence: no gradient
-    assert launch.steps[0].grid == (13, 1, 4) and launch.steps[1].grid[0] == 1  # 40 keys: one block
+    assert launch.steps[0].grid == (13, 1, 4)
+    # the key blocks cover the packed total (70 keys), whatever max_seqlen_k says: one block of 128
+    assert launch.steps[1].grid == (1, 3, 2)
+    understated = varlen_problem(
+        (50, 4, 128), (700, 2, 128), (700, 2, 128), (4,), (4,), 30, 40, causal=True, scale=None, window=(-1, -1),
+        softcap=0.0,
+    )  # fmt: skip
+    det = _plan.plan_backward(understated, "float16", H200, q_shape=(50, 4, 128), k_shape=(700, 2, 128),
+                              packed_rows=(50, 700), deterministic=True)  # fmt: skip
+    assert det.steps[1].grid[0] == -(-700 // det.steps[1].spec.block_n)  # not 40 // block_n
+    assert det.steps[2].grid[0] == -(-50 // det.steps[2].spec.block_m)  # not 30 // block_m
     empty = _problem((1, 0, 2, 64), (1, 9, 2, 64), (1, 9, 2, 64))
     launch = _plan.plan_backward(empty, "float16", H200, q_shape=(1, 0, 2, 64), k_shape=(1, 9, 2, 64))
     assert not launch.steps and all(o.fill == 0.0 for o in launch.outputs)

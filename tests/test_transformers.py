@@ -148,5 +148,11 @@ def test_masks_it_cannot_express_raise():
         cft.attention_forward(Module(), q, k, k, mask)
     with pytest.raises(ValueError, match="2-D boolean padding mask"):
         cft.attention_forward(Module(), q, k, k, torch.zeros(2, 1, 3, 8))
+    holes = torch.ones(2, 8, dtype=torch.bool)
+    holes[0, 3] = False  # a gap inside a sequence: the window would count tokens, not positions
+    q8 = torch.randn(2, 4, 8, 16)
+    with pytest.raises(ValueError, match="gaps"):
+        cft.attention_forward(Module(), q8, k, k, holes, sliding_window=4)
+    cft.attention_forward(Module(), q8, k, k, holes)  # without a window the packed sequence is exact
     with pytest.raises(NotImplementedError, match="dropout"):
         cft.attention_forward(Module(), q, k, k, None, dropout=0.1)

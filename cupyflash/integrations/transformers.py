@@ -17,7 +17,7 @@ unpads them): causal (bottom-right, so a cache's queries are its last positions)
 ``softcap`` and GQA. PyTorch tensors that require grad get their gradients (the training path).
 What it cannot express raises: dropout in training, a non-causal sliding window, a padding mask
 with several query tokens whose last positions are not all valid (the queries of a cache must
-be its newest tokens).
+be its newest tokens), a sliding window over a mask with gaps inside a sequence.
 """
 
 from __future__ import annotations
@@ -96,6 +96,12 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]
             f"{nq} query tokens over {nk} cached keys with padding among the last {nq} positions: the queries of a "
             "cache must be its newest (valid) tokens"
         )
+    if options["window"][0] >= 0:
+        # Packed, a window counts valid tokens; transformers counts positions. They agree when each
+        # row's valid tokens are one run (left or right padding), not around a hole.
+        runs = mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(1)
+        if bool((runs > 1).any()):
+            raise ValueError("a sliding window over a padding mask with gaps inside a sequence is not supported")
     q_rows, k_rows = q_mask.reshape(-1), mask.reshape(-1)
     packed_q = query.transpose(1, 2).reshape(b * nq, hq, d)[q_rows]
     packed_k, packed_v = (x.transpose(1, 2).reshape(b * nk, x.shape[1], d)[k_rows] for x in (key, value))
@@ -103,6 +109,5 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]
     cu_q = torch.cat([zero, q_mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
     cu_k = torch.cat([zero, mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
     packed_out = attention_varlen(packed_q, packed_k, packed_v, cu_q, cu_k, nq, nk, **options)  # maxima: upper bounds
-    out = packed_out.new_zeros(b * nq, hq, d)
-    out = out.index_put((q_rows.nonzero().squeeze(1),), packed_out)
+    out = packed_out.new_zeros(b * nq, hq, d).index_put((q_rows,), packed_out)  # padded rows stay 0
     return out.view(b, nq, hq, d)
