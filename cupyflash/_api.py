@@ -317,7 +317,7 @@ def attention_backward(
 
     Notes
     -----
-    GPU arrays (float16/bfloat16, head_dim 32, 64, 96 or 128) run the mma.sync backward of
+    GPU arrays (float16/bfloat16, head_dim 32, 64, 96, 128, 192 or 256) run the mma.sync backward of
     ``kernels_cu/fa2_bwd.cu`` on the caller's stream; dq is accumulated in float32 with atomic
     adds, so its last bits can differ from run to run (unless ``deterministic``). Host arrays
     run the array-API algorithm (``cupyflash.xp_impl.attention_backward``) in their own

@@ -303,22 +303,28 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
 # rows in registers for the whole loop (2 * 16 * d / 32 floats per thread): the widest query
 # block that compiles with no spill for every flag (nvcc 13 / sm_90a: d = 128 at 252-255
 # registers with 32 rows; 64 rows spilled 8-72 bytes).
-FA2_BWD_TILES: dict[int, tuple[int, int]] = {32: (64, 128), 64: (64, 128), 96: (32, 128), 128: (32, 128)}
+# d = 192, 256: two warps per 16 keys split d (d_split = 2; 64 x 64 spilled 12-16 bytes at 256).
+FA2_BWD_TILES: dict[int, tuple[int, int, int]] = {
+    32: (64, 128, 1), 64: (64, 128, 1), 96: (32, 128, 1), 128: (32, 128, 1), 192: (64, 64, 2), 256: (32, 64, 2),
+}  # fmt: skip
 
 
-# The deterministic backward's dQ kernel: (block_m, block_n, warps), 16 query rows per warp.
-FA2_BWD_DQ_TILE = (64, 64, 4)
+# The deterministic backward's dQ kernel: (block_m, block_n, warps), 16 query rows per warp (32
+# keys at d = 256: 64 spilled 24 bytes).
+FA2_BWD_DQ_TILES: dict[int, tuple[int, int, int]] = {d: (64, 32 if d == 256 else 64, 4) for d in FA2_BWD_HEAD_DIMS}
 
 
 def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool = False) -> Fa2BwdSpec:
     if head_dim not in FA2_BWD_TILES:
         raise ValueError(f"the GPU backward supports head_dim in {FA2_BWD_HEAD_DIMS}, got {head_dim}")
-    block_m, block_n = FA2_BWD_TILES[head_dim]
-    return Fa2BwdSpec(dtype, head_dim, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic)
+    block_m, block_n, d_split = FA2_BWD_TILES[head_dim]
+    return Fa2BwdSpec(
+        dtype, head_dim, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic, d_split
+    )
 
 
 def fa2_bwd_dq_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa2BwdDqSpec:
-    return Fa2BwdDqSpec(dtype, head_dim, *FA2_BWD_DQ_TILE, flags.causal, flags.local, flags.softcap)
+    return Fa2BwdDqSpec(dtype, head_dim, *FA2_BWD_DQ_TILES[head_dim], flags.causal, flags.local, flags.softcap)
 
 
 def all_fa2_bwd_specs() -> list[KernelSpec]:

@@ -471,6 +471,11 @@ def plan_backward(
     has_work = p.batch > 0 and p.heads_q > 0 and rows[0] > 0 and rows[1] > 0
     flags = _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
     spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags, deterministic)
+    if spec.smem_bytes > device.max_smem_per_block:
+        raise ValueError(
+            f"the GPU backward at head_dim={p.head_dim} needs {spec.smem_bytes} bytes of shared memory per block; "
+            f"this GPU has {device.max_smem_per_block}"
+        )
 
     # Per-row temporaries: row r of query head h, batch b at b * row_batch + h * row_head + r.
     if packed:

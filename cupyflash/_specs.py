@@ -571,9 +571,9 @@ class MergeSpec(_KernelSpecBase):
         return (self.head_dim, MERGE_ELEMENT_TYPES[self.part_dtype], MERGE_ELEMENT_TYPES[self.out_dtype])
 
 
-#: Head dimensions with a compiled FA2 backward (16 keys per warp hold dK and dV of the warp's
-#: keys in registers: 192 and 256 spill and need d split across warps, not built yet).
-FA2_BWD_HEAD_DIMS = (32, 64, 96, 128)
+#: Head dimensions with a compiled FA2 backward: the forward's (192 and 256 split d over two
+#: warps per 16 keys, ``Fa2BwdSpec.d_split``).
+FA2_BWD_HEAD_DIMS = FA2_HEAD_DIMS
 
 
 @dataclass(frozen=True, slots=True)
@@ -589,6 +589,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     local: bool = False
     softcap: bool = False
     deterministic: bool = False  # no dQ here (no atomics): Fa2BwdDqSpec's kernel computes it
+    d_split: int = 1  # warps sharing 16 keys, each with 1 / d_split of d's dK, dV columns
 
     kernel = "fa2_bwd"
     source_file = "fa2_bwd.cu"
@@ -604,29 +605,37 @@ class Fa2BwdSpec(_KernelSpecBase):
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         if self.head_dim not in FA2_BWD_HEAD_DIMS:
             raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA2_BWD_HEAD_DIMS}")
-        if self.block_m % 32 or self.block_n % 16 or self.block_n < self.block_m:  # a thread per LSE / D row
-            raise ValueError(f"bad backward tile: block_m={self.block_m}, block_n={self.block_n}")
+        if self.block_m % 32 or self.block_n % 16 or self.d_split not in (1, 2):
+            raise ValueError(
+                f"bad backward tile: block_m={self.block_m}, block_n={self.block_n}, d_split={self.d_split}"
+            )
+        if self.num_threads < 2 * self.block_m:  # a thread per LSE row and per D row
+            raise ValueError(f"bad backward tile: {self.num_threads} threads for {self.block_m} query rows")
 
     def _name_parts(self) -> tuple[object, ...]:
         return (_SHORT_DTYPE[self.dtype], f"d{self.head_dim}", f"m{self.block_m}", f"n{self.block_n}")
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
-        return (*_mask_flags(self.causal, self.local, self.softcap), ("det", self.deterministic))
+        return (
+            (f"split{self.d_split}", self.d_split > 1), *_mask_flags(self.causal, self.local, self.softcap),
+            ("det", self.deterministic),
+        )  # fmt: skip
 
     @property
     def num_threads(self) -> int:
-        return 2 * self.block_n  # a warp per 16 keys
+        return 2 * self.block_n * self.d_split  # d_split warps per 16 keys
 
     @property
     def smem_bytes(self) -> int:
-        # K, V; Q and dO double-buffered; dS^T; -LSE log2 e and D double-buffered (fp32).
+        # K, V; Q and dO double-buffered; dS^T (and P^T when split); -LSE log2 e and D
+        # double-buffered (fp32).
         d, m, n = self.head_dim, self.block_m, self.block_n
-        return 2 * (2 * n * d + 4 * m * d + n * m) + 16 * m
+        return 2 * (2 * n * d + 4 * m * d + (2 if self.d_split > 1 else 1) * n * m) + 16 * m
 
     def _traits_args(self) -> tuple[object, ...]:
         return (
             self.head_dim, self.block_m, self.block_n, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local,
-            self.softcap, not self.deterministic,
+            self.softcap, not self.deterministic, self.d_split,
         )  # fmt: skip
 
 

@@ -145,7 +145,7 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
 // The main kernel.
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, bool Is_causal_,
-          bool Is_local_, bool Has_softcap_, bool Dq_atomic_ = true>
+          bool Is_local_, bool Has_softcap_, bool Dq_atomic_ = true, int kDSplit_ = 1>
 struct Fa2BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -155,7 +155,13 @@ struct Fa2BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step
   static constexpr int kBlockN = kBlockN_;  // keys per CTA
-  static constexpr int kNWarps = kBlockN / 16;
+  // Warps that share 16 keys: 1, or 2 for d = 192, 256, where one warp's dK and dV rows over the
+  // whole d (2 * 16 * d / 32 floats per thread) would not fit in registers. With 2, each warp
+  // computes S^T and dP^T for half the query rows, P^T and dS^T meet in shared memory, and each
+  // warp accumulates dK and dV for half of d.
+  static constexpr int kDSplit = kDSplit_;
+  static constexpr int kKeyWarps = kBlockN / 16;
+  static constexpr int kNWarps = kDSplit * kKeyWarps;
   static constexpr int kNThreads = 32 * kNWarps;
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
@@ -165,11 +171,14 @@ struct Fa2BwdTraits {
   using Transform = ScoreTransform<Has_softcap>;
 
   // The shape names of tile_mma.cuh for a warp's products with 16 key rows: M = keys (one
-  // 16-row tile), N = the block's query rows (S^T, dP^T), K-steps over d; then M = keys,
+  // 16-row tile), N = the warp's query rows (S^T, dP^T), K-steps over d; then M = keys,
   // K-steps over query rows, N = d (dV, dK).
+  static constexpr int kPhaseRows = kBlockM / kDSplit;  // query rows of a warp's S^T, dP^T
   static constexpr int kMTiles = 1;
-  static constexpr int kNTiles = kBlockM / 8;
+  static constexpr int kNTiles = kPhaseRows / 8;
   static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kAccCols = kHeadDim / kDSplit;  // columns of a warp's dK, dV
+  static constexpr int kAccDTiles = kAccCols / 8;
   static constexpr int kDSteps = kHeadDim / 16;
   static constexpr int kNSteps = kBlockM / 16;
   static constexpr bool Q_in_regs = false;
@@ -184,14 +193,19 @@ struct Fa2BwdTraits {
 
   static constexpr int kSmemKVElems = kBlockN * kHeadDim;
   static constexpr int kSmemQElems = kBlockM * kHeadDim;
+  // K, V; Q and dO double-buffered; dS^T (and P^T when split); -LSE log2 e and D, double-buffered.
   static constexpr int kSmemBytes =
-      (2 * kSmemKVElems + 4 * kSmemQElems + kBlockN * kBlockM) * kElemBytes + 2 * 2 * kBlockM * 4;
+      (2 * kSmemKVElems + 4 * kSmemQElems + (kDSplit > 1 ? 2 : 1) * kBlockN * kBlockM) *
+          kElemBytes +
+      2 * 2 * kBlockM * 4;
 
   static_assert(kBlockN % 16 == 0 && kBlockM % 32 == 0 && kHeadDim % 32 == 0, "tile shapes");
   static_assert(kBlockM % (16 * kDqRowWarps) == 0 && kHeadDim % (16 * kDqColWarps) == 0,
                 "dQ warp grid");
   static_assert(kDqCols % 16 == 0, "dQ columns come in 16-wide ldmatrix pairs");
   static_assert(kNThreads >= 2 * kBlockM, "one thread per row of LSE and of D");
+  static_assert(kDSplit == 1 || (kDSplit == 2 && kPhaseRows % 16 == 0 && kAccCols % 16 == 0),
+                "a split halves the query rows of S^T and the columns of dK, dV");
 };
 
 template <typename Traits>
@@ -212,8 +226,9 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const uint32_t s_q = s_v + Traits::kSmemKVElems * kEB;       // [2][kBlockM][d]
   const uint32_t s_do = s_q + 2 * Traits::kSmemQElems * kEB;   // [2][kBlockM][d]
   const uint32_t s_ds = s_do + 2 * Traits::kSmemQElems * kEB;  // [kBlockN][kBlockM]
-  const uint32_t s_lse = s_ds + kBlockN * kBlockM * kEB;       // [2][kBlockM] -LSE log2 e
-  const uint32_t s_dsum = s_lse + 2 * kBlockM * 4;             // [2][kBlockM] D
+  const uint32_t s_p = s_ds + kBlockN * kBlockM * kEB;  // [kBlockN][kBlockM] when split, else none
+  const uint32_t s_lse = s_p + (Traits::kDSplit > 1 ? kBlockN * kBlockM * kEB : 0);  // [2][kBlockM]
+  const uint32_t s_dsum = s_lse + 2 * kBlockM * 4;  // [2][kBlockM] D
   constexpr int kStageBytes = Traits::kSmemQElems * kEB;
 
   const int n_block = blockIdx.x;  // the first key blocks see the most rows under causal: first
@@ -222,7 +237,10 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int warp_key0 = 16 * warp;  // this warp's keys in the block
+  const int warp_key0 = 16 * (warp % Traits::kKeyWarps);  // this warp's keys in the block
+  const int part = warp / Traits::kKeyWarps;  // split: the half of the rows (S^T) and of d (dK, dV)
+  const int phase_row0 = part * Traits::kPhaseRows;  // first query row of this warp's S^T
+  const int acc_col0 = part * Traits::kAccCols;      // first column of this warp's dK, dV
 
   const SeqRange rows_q = seq_range(a.cu_seqlens_q, batch, a.seqlen_q);
   const SeqRange rows_k = seq_range(a.cu_seqlens_k, batch, a.seqlen_k);
@@ -277,8 +295,8 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     }
   };
 
-  float acc_dk[1][Traits::kDTiles][4];
-  float acc_dv[1][Traits::kDTiles][4];
+  float acc_dk[1][Traits::kAccDTiles][4];
+  float acc_dv[1][Traits::kAccDTiles][4];
   zero_fill(acc_dk);
   zero_fill(acc_dv);
   const uint32_t no_regs[1][Traits::kDSteps][4] = {};  // gemm_qk's Q_in_regs operand (unused)
@@ -301,20 +319,25 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
 
     // dP^T = V dO^T first: dS^T is then formed where P^T is, with the tanh of the softcap
     // still at hand, and no third score-sized array is live.
+    // (This warp's query rows start phase_row0 rows into the tiles: a multiple of 8, so the
+    // swizzle pattern of each row is unchanged.)
+    const uint32_t phase_offset = phase_row0 * Traits::kHeadDim * kEB;
     float acc_dp[1][kNTiles][4];
-    gemm_qk<Traits>(acc_dp, no_regs, s_v, do_tile, warp_key0, lane);
+    gemm_qk<Traits>(acc_dp, no_regs, s_v, do_tile + phase_offset, warp_key0, lane);
     float acc_s[1][kNTiles][4];
-    gemm_qk<Traits>(acc_s, no_regs, s_k, q_tile, warp_key0, lane);
+    gemm_qk<Traits>(acc_s, no_regs, s_k, q_tile + phase_offset, warp_key0, lane);
     // logit(S^T), then the mask (-inf), as the forward orders them.
-    transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0, lane);
-    if (range.needs_mask(row0 / kBlockM)) range.apply(acc_s, key0 + warp_key0, row0, lane);
+    transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0 + phase_row0, lane);
+    if (range.needs_mask(row0 / kBlockM)) {
+      range.apply(acc_s, key0 + warp_key0, row0 + phase_row0, lane);
+    }
     // P^T and dS^T, rounded to the element type in pairs: the A operands of dV and dK (and
     // dS^T the words staged for dQ).
     uint32_t p_words[kNTiles][2], ds_words[kNTiles][2];
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
       // The two query rows (columns) this thread holds in tile nt: their -LSE log2 e and D.
-      const int col0 = 8 * nt + 2 * (lane % 4);
+      const int col0 = phase_row0 + 8 * nt + 2 * (lane % 4);
       const float2 neg_lse = ld_shared_f32x2(s_lse + (stage * kBlockM + col0) * 4);
       const float2 dsum = ld_shared_f32x2(s_dsum + (stage * kBlockM + col0) * 4);
 #pragma unroll
@@ -333,21 +356,35 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
         ds_words[nt][half] = Ops::pack2(ds[0], ds[1]);
       }
     }
-    gemm_packed_a<Traits>(acc_dv, p_words, do_tile, lane);  // dV += P^T dO
-    gemm_packed_a<Traits>(acc_dk, ds_words, q_tile, lane);  // dK += dS^T Q
-
-    if constexpr (Traits::Dq_atomic) {
-      // dS^T to shared memory for dQ = dS K, whose reduction runs over every warp's keys.
+    // dS^T (and P^T when split) to shared memory, at this warp's keys and query rows.
+    auto stage_words = [&](uint32_t s_tile, const uint32_t (&words)[kNTiles][2]) {
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int key = warp_key0 + lane / 4 + 8 * half;
-          st_shared_b32(s_ds + (DsTile::offset(key, nt) + 2 * (lane % 4)) * kEB,
-                        ds_words[nt][half]);
+          const int chunk = phase_row0 / 8 + nt;
+          st_shared_b32(s_tile + (DsTile::offset(key, chunk) + 2 * (lane % 4)) * kEB,
+                        words[nt][half]);
         }
       }
+    };
+    if constexpr (Traits::kDSplit == 1) {
+      gemm_packed_a<Traits>(acc_dv, p_words, do_tile, lane);         // dV += P^T dO
+      gemm_packed_a<Traits>(acc_dk, ds_words, q_tile, lane);         // dK += dS^T Q
+      if constexpr (Traits::Dq_atomic) stage_words(s_ds, ds_words);  // for dQ = dS K
+    } else {
+      // Split: the two warps of 16 keys each hold half the rows of P^T and dS^T; both need all
+      // of them for their half of dV and dK.
+      stage_words(s_p, p_words);
+      stage_words(s_ds, ds_words);
       __syncthreads();
+      gemm_smem_a<Traits, DsTile, kBlockM / 16>(acc_dv, s_p, warp_key0, do_tile, acc_col0, lane);
+      gemm_smem_a<Traits, DsTile, kBlockM / 16>(acc_dk, s_ds, warp_key0, q_tile, acc_col0, lane);
+    }
+
+    if constexpr (Traits::Dq_atomic) {
+      if constexpr (Traits::kDSplit == 1) __syncthreads();  // dS^T complete (split: synced above)
 
       // dQacc[rows] += dS K: warp (wr, wc) takes rows 16 kDqMTiles wr .., columns kDqCols wc ...
       constexpr int kDqMTiles = Traits::kDqMTiles;
@@ -404,11 +441,11 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   cp_async_wait<0>();
   __syncthreads();
 #pragma unroll
-  for (int dt = 0; dt < Traits::kDTiles; ++dt) {
+  for (int dt = 0; dt < Traits::kAccDTiles; ++dt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp_key0 + lane / 4 + 8 * half;
-      const int offset = (Tile::offset(row, dt) + 2 * (lane % 4)) * kEB;
+      const int offset = (Tile::offset(row, acc_col0 / 8 + dt) + 2 * (lane % 4)) * kEB;
       st_shared_b32(s_k + offset, Ops::pack2(acc_dk[0][dt][2 * half] * p.dk_scale,
                                              acc_dk[0][dt][2 * half + 1] * p.dk_scale));
       st_shared_b32(s_v + offset, Ops::pack2(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]));

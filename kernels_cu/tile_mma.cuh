@@ -181,3 +181,28 @@ CF_DEVICE void load_a_frag_trans(uint32_t (&a)[4], uint32_t s_tile, int m0, int 
   const int xor_bits = TileKM::pattern(lane) ^ ((lane / 8) % 2);
   ldmatrix_x4_trans(a, s_tile + TileKM::pair_offset(row, m0 / 16, xor_bits) * kElemBytes);
 }
+
+// acc += A B for the warp's 16 rows m0 .., A [m][k] in shared memory (TileA, ldmatrix as Q's
+// fragments in load_q_frag), B [k][d] row-major (ldmatrix.trans as V in gemm_pv), kKSteps
+// k-steps, the accumulator's kAccDTiles columns from column col0 of B.
+template <typename Traits, typename TileA, int kKSteps>
+CF_DEVICE void gemm_smem_a(float (&acc)[1][Traits::kAccDTiles][4], uint32_t s_a, int m0,
+                           uint32_t s_b, int col0, int lane) {
+  using Tile = typename Traits::Tile;
+  constexpr int kEB = Traits::kElemBytes;
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    uint32_t a[4];
+    const int a_row = m0 + (lane % 16);
+    ldmatrix_x4(a, s_a + TileA::pair_offset(a_row, ks, TileA::pattern(lane) ^ (lane / 16)) * kEB);
+#pragma unroll
+    for (int dp = 0; dp < Traits::kAccDTiles / 2; ++dp) {
+      const int row = 16 * ks + (lane % 8) + 8 * ((lane / 8) % 2);
+      const int xor_bits = Tile::pattern(lane) ^ (lane / 16);
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, s_b + Tile::pair_offset(row, col0 / 16 + dp, xor_bits) * kEB);
+      Traits::Ops::mma_16816(acc[0][2 * dp], a, b[0], b[1]);
+      Traits::Ops::mma_16816(acc[0][2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}

@@ -1,16 +1,18 @@
 """A small backward workload for compute-sanitizer (memcheck, racecheck) and for comparing the
-two dQ paths: d = 64 and 128, causal and not, the default (atomic dQ) and deterministic=True,
+two dQ paths: d = 64 and 128 (or those given), causal and not, the default (atomic dQ) and deterministic=True,
 printing each gradient's norm and the difference between the paths.
 
-    compute-sanitizer --tool racecheck python scripts/bwd_workload.py
+    compute-sanitizer --tool racecheck python scripts/bwd_workload.py [HEAD_DIM ...]   (default 64 128)
 """
+
+import sys
 
 import torch
 
 import cupyflash
 
 torch.manual_seed(0)
-for d in (64, 128):
+for d in [int(a) for a in sys.argv[1:]] or [64, 128]:
     q = torch.randn(1, 100, 2, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 130, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     dout = torch.randn_like(q)

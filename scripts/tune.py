@@ -12,7 +12,7 @@ shapes (H * d = 2048, B * N = 16384); a candidate that spills is skipped. The ta
 per candidate is what FA2_FWD_TILES / FA3_FWD_TILES / FA3_SHORT_FWD_TILES are set from.
 ``fa3 --short``: the short-call candidates at N = 1024, with cuDNN beside them.
 
-bwd: the FA2 backward's (block_m, block_n) per head dim (FA2_BWD_TILES): registers and spills of
+bwd: the FA2 backward's (block_m, block_n, d_split) per head dim (FA2_BWD_TILES): registers and spills of
 each, its gradient error, and attention_backward's TFLOP/s on the prefill shapes.
 
 decode: DECODE_TILES candidates for d = 128 (bf16, Hq = 32, Hkv = 8, one query token) on four
@@ -339,11 +339,12 @@ def tune_decode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# bwd: the FA2 backward's (block_m, block_n).
+# bwd: the FA2 backward's (block_m, block_n, d_split).
 # ---------------------------------------------------------------------------------------------
-BWD_CANDIDATES = {
-    64: [(64, 128), (32, 128), (64, 64), (128, 128)],
-    128: [(32, 128), (32, 64), (64, 128), (64, 64)],
+BWD_CANDIDATES = {  # (block_m, block_n, d_split)
+    64: [(64, 128, 1), (32, 128, 1), (64, 64, 1), (128, 128, 1)],
+    128: [(32, 128, 1), (32, 64, 1), (64, 128, 1), (64, 64, 1)],
+    256: [(32, 64, 2), (64, 64, 2)],
 }
 
 
@@ -377,7 +378,7 @@ def tune_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     device, _ = _device()
     head_dims = args.head_dims or sorted(BWD_CANDIDATES)
     specs = {
-        (d, tile): [Fa2BwdSpec(args.dtype, d, *tile, causal) for causal in (False, True)]
+        (d, tile): [Fa2BwdSpec(args.dtype, d, *tile[:2], causal, d_split=tile[2]) for causal in (False, True)]
         for d in head_dims
         for tile in BWD_CANDIDATES[d]
     }
@@ -385,10 +386,10 @@ def tune_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     with ThreadPoolExecutor(16) as pool:
         built = dict(zip(specs, pool.map(lambda pair: [_kernels.get_kernel(s, device) for s in pair], specs.values())))
     rows = []
-    for (head_dim, (block_m, block_n)), kernels in built.items():
-        _dispatch.FA2_BWD_TILES[head_dim] = (block_m, block_n)
+    for (head_dim, tile), kernels in built.items():
+        _dispatch.FA2_BWD_TILES[head_dim] = tile
         forget_plans()
-        row: dict[str, Any] = {"head_dim": head_dim, "tile": (block_m, block_n),
+        row: dict[str, Any] = {"head_dim": head_dim, "tile": tile,
                                "regs": [k.num_regs for k in kernels], "spill": [k.local_bytes for k in kernels],
                                "err": _backward_error(head_dim, args.dtype)}  # fmt: skip
         for n in bench.PREFILL_SEQLENS:

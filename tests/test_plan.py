@@ -165,5 +165,5 @@ def test_backward_plan_packed_and_empty():
     launch = _plan.plan_backward(empty, "float16", H200, q_shape=(1, 0, 2, 64), k_shape=(1, 9, 2, 64))
     assert not launch.steps and all(o.fill == 0.0 for o in launch.outputs)
     with pytest.raises(ValueError, match="head_dim"):
-        wide = _problem((1, 9, 2, 256), (1, 9, 2, 256), (1, 9, 2, 256))
-        _plan.plan_backward(wide, "float16", H200, q_shape=(1, 9, 2, 256), k_shape=(1, 9, 2, 256))
+        odd = _problem((1, 9, 2, 80), (1, 9, 2, 80), (1, 9, 2, 80))
+        _plan.plan_backward(odd, "float16", H200, q_shape=(1, 9, 2, 80), k_shape=(1, 9, 2, 80))
