@@ -154,7 +154,7 @@ def _prefill_rows(args: argparse.Namespace, run: Any, table: Any) -> list[dict[s
     """Each prefill shape of ``args`` run and printed as its row of ``table``, then the table."""
     from . import bench
 
-    shapes = bench.prefill_shapes(tuple(args.dtype))
+    shapes = bench.prefill_shapes(tuple(args.dtype), tuple(args.head_dims or bench.PREFILL_HEAD_DIMS))
     if args.quick:
         shapes = [s for s in shapes if s.seqlen == 4096]
     rows = []
@@ -233,11 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="TFLOP/s against PyTorch SDPA (flash, cuDNN)")
     bench.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
     bench.add_argument("--quick", action="store_true", help="only N = 4096")
+    bench.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128")
     bench.add_argument("--json", help="write the results here")
     bench.set_defaults(func=cmd_bench)
     train = sub.add_parser("bench-train", help="forward + backward TFLOP/s and memory against PyTorch SDPA")
     train.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
     train.add_argument("--quick", action="store_true", help="only N = 4096")
+    train.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128")
     train.add_argument("--json", help="write the results here")
     train.set_defaults(func=cmd_bench_train)
     bench_decode = sub.add_parser("bench-decode", help="decode us and GB/s against PyTorch SDPA (flash, cuDNN)")

@@ -35,11 +35,14 @@ class PrefillShape:
         return full / 2 if self.causal else full
 
 
-def prefill_shapes(dtypes: tuple[str, ...] = ("bfloat16", "float16")) -> list[PrefillShape]:
+def prefill_shapes(
+    dtypes: tuple[str, ...] = ("bfloat16", "float16"), head_dims: tuple[int, ...] = PREFILL_HEAD_DIMS
+) -> list[PrefillShape]:
+    """16k tokens per batch, 2048 / d heads (model width 2048), each length and causal or not."""
     return [
         PrefillShape(16384 // n, n, 2048 // d, d, causal, dtype)
         for dtype in dtypes
-        for d in PREFILL_HEAD_DIMS
+        for d in head_dims
         for n in PREFILL_SEQLENS
         for causal in (False, True)
     ]

@@ -16,15 +16,16 @@ from cupyflash.integrations import transformers as cft  # noqa: E402
 NAME = cft.register()
 
 
-def _config(kind: str) -> object:
-    common = {"vocab_size": 101, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+def _config(kind: str, head_dim: int = 16) -> object:
+    hidden = 4 * head_dim
+    common = {"vocab_size": 101, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}  # fmt: skip
     if kind == "llama":
         return transformers.LlamaConfig(**common)
     if kind == "mistral":
         return transformers.MistralConfig(**common, sliding_window=5)
     return transformers.Gemma2Config(
-        **common, head_dim=16, sliding_window=6, attn_logit_softcapping=3.0, query_pre_attn_scalar=16
+        **common, head_dim=head_dim, sliding_window=6, attn_logit_softcapping=3.0, query_pre_attn_scalar=head_dim
     )
 
 
@@ -122,17 +123,20 @@ def test_names_with_flash_are_refused():
 
 
 @pytest.mark.gpu
-def test_bf16_model_on_the_gpu_against_sdpa():
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_bf16_model_on_the_gpu_against_eager(kind):
+    """The kernels (head_dim 64) inside each model, a left-padded batch: the top-1 tokens of the
+    valid positions agree with eager attention (which, unlike SDPA, applies Gemma2's softcap)."""
     torch.manual_seed(0)
-    cfg = _config("llama")
-    sdpa = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").cuda().bfloat16().eval()
+    cfg = _config(kind, head_dim=64)
+    eager = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").cuda().bfloat16().eval()
     ours = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME).cuda().bfloat16().eval()
-    ours.load_state_dict(sdpa.state_dict())
+    ours.load_state_dict(eager.state_dict())
     ids = torch.randint(1, 101, (2, 64), device="cuda")
     mask = torch.ones_like(ids)
     mask[0, :20] = 0
     with torch.no_grad():
-        got, want = ours(ids, attention_mask=mask).logits, sdpa(ids, attention_mask=mask).logits
+        got, want = ours(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
     valid = mask.bool()
     assert (got[valid].argmax(-1) == want[valid].argmax(-1)).float().mean() > 0.95
 
