@@ -182,7 +182,9 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         return 1
     from . import bench
 
-    rows = _prefill_rows(args, bench.run_training, bench.format_training_table)
+    rows = _prefill_rows(
+        args, lambda shape: bench.run_training(shape, dropout_p=args.dropout), bench.format_training_table
+    )
     _write_json(args.json, {"training": rows})
     return 0
 
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
     train.add_argument("--quick", action="store_true", help="only N = 4096")
     train.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128")
+    train.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every backend (default 0)")
     train.add_argument("--json", help="write the results here")
     train.set_defaults(func=cmd_bench_train)
     bench_decode = sub.add_parser("bench-decode", help="decode us and GB/s against PyTorch SDPA (flash, cuDNN)")

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 from . import _baselines_gpu, _host, _interop, _launch, _plan
-from ._validate import attention_problem, check_algorithm, check_flag, check_options, varlen_problem
+from ._validate import attention_problem, check_algorithm, check_dropout, check_flag, check_options, varlen_problem
+from .xp_impl import Dropout
 
 # The forward plans, by call signature (library, device, shapes, dtypes, options).
 _plans = _plan.new_cache()
@@ -31,6 +32,8 @@ def attention(
     algorithm: str = ...,
     return_lse: Literal[False] = ...,
     deterministic: bool = ...,
+    dropout_p: float = ...,
+    seed: int | None = ...,
 ) -> Any: ...
 @overload
 def attention(
@@ -46,6 +49,8 @@ def attention(
     algorithm: str = ...,
     return_lse: Literal[True],
     deterministic: bool = ...,
+    dropout_p: float = ...,
+    seed: int | None = ...,
 ) -> tuple[Any, Any]: ...
 def attention(
     q: Any,
@@ -60,6 +65,8 @@ def attention(
     algorithm: str = "auto",
     return_lse: bool = False,
     deterministic: bool = False,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
 ) -> Any:
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v``.
 
@@ -102,6 +109,19 @@ def attention(
     deterministic : bool
         For PyTorch tensors that require grad: the backward without atomic adds (bit-identical
         gradients run to run; see :func:`attention_backward`).
+    dropout_p : float in [0, 1)
+        Dropout on the attention probabilities, as SDPA's and flash-attn's ``dropout_p``: each
+        element of ``softmax(...)`` is zeroed with probability ``dropout_p`` (a 16-bit draw, so
+        to within 2^-17) and the kept ones are scaled by ``1 / (1 - dropout_p)``; the LSE is
+        that of the undropped softmax. The mask is a function of ``seed`` and the element's
+        (batch, query head, row, key), the same on the GPU (the FA2 kernel: ``"auto"`` picks
+        it; ``"fa3"`` and ``"decode"`` have no dropout) and on the host. Pass 0 at inference.
+    seed : int, optional
+        The dropout mask's seed, in [0, 2^64). None: a fresh one per call, from PyTorch's
+        default generator for tensors (``torch.manual_seed`` reproduces it), else from Python's
+        ``random``. Give the same seed to :func:`attention_backward` to differentiate the call
+        (autograd does it for tensors that require grad). A call captured into a CUDA graph
+        must give one (a seed drawn at capture would repeat in every replay).
 
     Returns
     -------
@@ -127,60 +147,92 @@ def attention(
     """
     if _interop.compiling():  # Dynamo traces the custom op, not this function's body
         return _interop.torch_ops.attention(
-            q, k, v, causal, scale, window, softcap, layout, algorithm, return_lse, deterministic
+            q, k, v, causal, scale, window, softcap, layout, algorithm, return_lse, deterministic, dropout_p, seed
         )
     options = check_options(causal, scale, window, softcap)
     if deterministic is not False and deterministic is not True:
         deterministic = check_flag("deterministic", deterministic)
+    if dropout_p or seed is not None or type(dropout_p) is not float:  # the default skips the checks
+        dropout_p, seed = check_dropout(dropout_p, seed)
     check_algorithm("attention", algorithm)
     found = _interop.lean_arrays(q, k, v)
     if found is None:
         arrays = _interop.gpu_arrays(("q", "k", "v"), (q, k, v))
         if arrays is None:
             if _interop.needs_autograd((q, k, v)):
-                return _interop.torch_ops.attention(q, k, v, *options, layout, algorithm, return_lse, deterministic)
-            problem = _problem(q, k, v, options, layout)
-            out, lse = _host.attention(q, k, v, problem, algorithm)
+                return _interop.torch_ops.attention(
+                    q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed
+                )
+            problem = _problem(q, k, v, options, layout, dropout_p)
+            out, lse = _host.attention(q, k, v, problem, algorithm, _host_dropout(q, dropout_p, seed))
             return (out, lse) if return_lse else out
         lib, device, (q, k, v) = arrays
     else:
         lib, device = found
     if lib.check_inputs((q, k, v)):  # tensors that require grad: the custom op has the backward
-        return _interop.torch_ops.attention(q, k, v, *options, layout, algorithm, return_lse, deterministic)
-    key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, options, layout, algorithm)
+        return _interop.torch_ops.attention(
+            q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed
+        )
+    key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, options, layout, algorithm,
+           dropout_p)  # fmt: skip
     launch = _plans.lookup(key)
     if launch is None:
-        launch = _plans.get(key, lambda: _plan_attention(lib, device, q, k, v, options, layout, algorithm))
-    out, lse = _launch.run(launch, lib, device, {"q": q, "k": k, "v": v}, return_lse)
+        launch = _plans.get(key, lambda: _plan_attention(lib, device, q, k, v, options, layout, algorithm, dropout_p))
+    arrays_by_name = {"q": q, "k": k, "v": v}
+    if dropout_p:
+        arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
+    out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
     return (out, lse) if return_lse else out
 
 
-def _problem(q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str) -> Any:
+def _gpu_seed(lib: _interop.ArrayLib, device: int, x: Any, seed: int | None) -> int:
+    """The seed of a GPU call with dropout: the caller's, or a fresh one (never under capture)."""
+    if seed is not None:
+        return seed
+    if _interop.stream_is_capturing(lib.stream(device)):
+        raise ValueError(
+            "dropout under CUDA graph capture needs an explicit seed=: a seed drawn on the host at capture "
+            "would give every replay the same dropout mask"
+        )
+    return _interop.draw_seed(x)
+
+
+def _host_dropout(x: Any, dropout_p: float, seed: int | None) -> Dropout | None:
+    if not dropout_p:
+        return None
+    return Dropout(dropout_p, _interop.draw_seed(x) if seed is None else seed)
+
+
+def _problem(q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str, dropout_p: float = 0.0) -> Any:
     causal, scale, window, softcap = options
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape"):
             raise TypeError(f"{name} must be an array (CuPy, PyTorch, JAX, NumPy ...), got {type(x).__name__}")
     return attention_problem(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=causal, scale=scale, window=window, softcap=softcap,
-        layout=layout,
+        layout=layout, dropout_p=dropout_p,
     )  # fmt: skip
 
 
 def _varlen_problem(
-    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: tuple[Any, ...]
-) -> Any:
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: tuple[Any, ...],
+    dropout_p: float = 0.0,
+) -> Any:  # fmt: skip
     return varlen_problem(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(cu_q.shape), tuple(cu_k.shape), max_q, max_k,
-        causal=options[0], scale=options[1], window=options[2], softcap=options[3],
+        causal=options[0], scale=options[1], window=options[2], softcap=options[3], dropout_p=dropout_p,
     )  # fmt: skip
 
 
 def _plan_attention(
-    lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str, algorithm: str
-) -> _plan.Launch:
-    problem = _problem(q, k, v, options, layout)
+    lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str, algorithm: str,
+    dropout_p: float,
+) -> _plan.Launch:  # fmt: skip
+    problem = _problem(q, k, v, options, layout, dropout_p)
     dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
     if algorithm in ("fa1", "naive"):
+        if dropout_p:
+            raise ValueError(f"the GPU baseline algorithm={algorithm!r} has no dropout: use 'auto' or 'fa2'")
         return _baselines_gpu.plan_baseline(problem, dtype, _plan.device_info(device), algorithm)
     return _plan.plan_attention(problem, dtype, _plan.device_info(device), algorithm, tuple(q.shape))
 
@@ -201,6 +253,8 @@ def attention_varlen(
     return_lse: bool = False,
     algorithm: str = "auto",
     deterministic: bool = False,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
 ) -> Any:
     """Attention over a batch of sequences of different lengths packed end to end, as
     flash-attn's ``flash_attn_varlen_func``.
@@ -225,6 +279,8 @@ def attention_varlen(
         host every choice runs ``cupyflash.xp_impl``'s FA2.
     deterministic : bool
         For PyTorch tensors that require grad: the backward without atomic adds.
+    dropout_p, seed : as in :func:`attention`; an element's (batch, row, key) are its sequence's
+        index and its positions within the sequence.
 
     Notes
     -----
@@ -243,21 +299,23 @@ def attention_varlen(
     if _interop.compiling():
         return _interop.torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
-            algorithm, return_lse, deterministic,
+            algorithm, return_lse, deterministic, dropout_p, seed,
         )  # fmt: skip
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
+    dropout_p, seed = check_dropout(dropout_p, seed)
     check_algorithm("attention_varlen", algorithm)
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
     arrays = _interop.gpu_arrays(names, (q, k, v, cu_seqlens_q, cu_seqlens_k))
     if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
         return _interop.torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options, algorithm, return_lse,
-            deterministic,
+            deterministic, dropout_p, seed,
         )  # fmt: skip
-    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p)
     if arrays is None:
-        out, lse = _host.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem)
+        dropout = _host_dropout(q, dropout_p, seed)
+        out, lse = _host.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, dropout)
         return (out, lse) if return_lse else out
     lib, device, (q, k, v, cu_q, cu_k) = arrays
     key = (lib.name, device, problem, q.shape, k.shape, q.dtype, k.dtype, v.dtype, cu_q.dtype, cu_k.dtype, algorithm)
@@ -272,6 +330,8 @@ def attention_varlen(
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    if dropout_p:
+        arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
     out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
     return (out, lse) if return_lse else out
 
@@ -291,6 +351,8 @@ def attention_backward(
     softcap: float = 0.0,
     layout: str = "bshd",
     deterministic: bool = False,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention` at ``out, lse = attention(q, k, v, ...,
     return_lse=True)`` for the output gradient ``dout``, as FlashAttention-2's backward computes
@@ -310,6 +372,9 @@ def attention_backward(
         On the GPU, dq without atomic adds (a second kernel over query blocks recomputes the
         scores): bit-identical from run to run, at the cost of two more matrix products. The
         host path is deterministic either way.
+    dropout_p, seed : the forward's (its mask is regenerated from the seed, which is required
+        when ``dropout_p > 0``): ``dv = (P M r)^T dout``, ``dS = P * (dout v^T M r - D)`` with
+        M the keep mask and ``r = 1 / (1 - dropout_p)``.
 
     Returns
     -------
@@ -335,14 +400,16 @@ def attention_backward(
     """
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
+    dropout_p, seed = _backward_dropout(dropout_p, seed)
     names = ("dout", "q", "k", "v", "out", "lse", "dlse")
     given = (dout, q, k, v, out, lse, dlse)
-    problem = _problem(q, k, v, options, layout)
+    problem = _problem(q, k, v, options, layout, dropout_p)
     lse_shape = (problem.batch, problem.heads_q, problem.seqlen_q)
     _check_shapes(given, names, (q.shape, q.shape, lse_shape, lse_shape), ("dout", "out", "lse", "dlse"))
     arrays = _interop.gpu_arrays(names, given)
     if arrays is None:
-        return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem)
+        dropout = Dropout(dropout_p, seed) if seed is not None else None
+        return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem, dropout)
     lib, device, (dout, q, k, v, out, lse, dlse) = arrays
     key = ("bwd", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None, deterministic)
 
@@ -354,7 +421,8 @@ def attention_backward(
         )  # fmt: skip
 
     launch = _plans.get(key, plan)
-    arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse}
+    arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
+                      "dropout_seed": seed}  # fmt: skip
     dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
     return dq, dk, dv
 
@@ -377,22 +445,29 @@ def attention_varlen_backward(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     deterministic: bool = False,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention_varlen` at ``out, lse =
     attention_varlen(..., return_lse=True)``, as :func:`attention_backward` computes them, per
     packed sequence. ``lse`` (and ``dlse``) are ``(Hq, total_q)``. Packed rows that belong to
     no sequence get zero gradients. On the GPU the offsets are trusted as the forward's (and
-    clamped into the packed tensors); on the host they are checked."""
+    clamped into the packed tensors); on the host they are checked. ``dropout_p`` and ``seed``:
+    the forward's, as for :func:`attention_backward`."""
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
-    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    dropout_p, seed = _backward_dropout(dropout_p, seed)
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p)
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k")
     given = (dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k)
     lse_shape = (problem.heads_q, q.shape[0])
     _check_shapes(given, names, (q.shape, q.shape, lse_shape, lse_shape), ("dout", "out", "lse", "dlse"))
     arrays = _interop.gpu_arrays(names, given)
     if arrays is None:
-        return _host.attention_varlen_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem)
+        dropout = Dropout(dropout_p, seed) if seed is not None else None
+        return _host.attention_varlen_backward(
+            dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem, dropout
+        )
     lib, device, (dout, q, k, v, out, lse, dlse, cu_q, cu_k) = arrays
     key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None, deterministic)
 
@@ -406,9 +481,17 @@ def attention_varlen_backward(
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
-                      "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}  # fmt: skip
+                      "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "dropout_seed": seed}  # fmt: skip
     dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
     return dq, dk, dv
+
+
+def _backward_dropout(dropout_p: Any, seed: Any) -> tuple[float, int | None]:
+    """The forward's dropout, checked; its seed is required (the mask is regenerated from it)."""
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    if dropout_p and seed is None:
+        raise ValueError("a backward with dropout_p > 0 needs the forward's seed= (its mask is regenerated from it)")
+    return dropout_p, seed if dropout_p else None
 
 
 def _check_shapes(

@@ -56,6 +56,8 @@ FA2_FWD_TILES: dict[int, tuple[TileConfig, ...]] = {
 
 # Softcap adds a tanh per score and its registers: these tiles spilled with it (d = 128's
 # 128 x 128: 12-16 B; d = 256's 128 x 64 and 64 x 64: 4-8 B), so softcap runs narrower key blocks.
+# Dropout's Philox draws take registers too (d = 128's 128 x 128 spilled 8 B with causal + local):
+# it runs the same narrower tiles.
 FA2_FWD_SOFTCAP_TILES: dict[int, tuple[TileConfig, ...]] = {
     128: (TileConfig(128, 64, 8, q_in_regs=True),),
     256: (TileConfig(128, 32, 8), TileConfig(64, 32, 4)),
@@ -64,20 +66,23 @@ FA2_FWD_SOFTCAP_TILES: dict[int, tuple[TileConfig, ...]] = {
 
 @dataclass(frozen=True, slots=True)
 class MaskFlags:
-    """Which bounds a call needs, after normalisation (see _validate.normalize_window)."""
+    """Which bounds a call needs, after normalisation (see _validate.normalize_window), its
+    score variant, and whether it drops out probabilities (FA2 forward and backward only)."""
 
     causal: bool
     local: bool
     softcap: bool
+    dropout: bool = False
 
 
-def fa2_fwd_tiles(head_dim: int, softcap: bool) -> tuple[TileConfig, ...]:
-    return (softcap and FA2_FWD_SOFTCAP_TILES.get(head_dim)) or FA2_FWD_TILES[head_dim]
+def fa2_fwd_tiles(head_dim: int, narrow: bool) -> tuple[TileConfig, ...]:
+    """The forward's tiles, best first; ``narrow``: with softcap or dropout (their registers)."""
+    return (narrow and FA2_FWD_SOFTCAP_TILES.get(head_dim)) or FA2_FWD_TILES[head_dim]
 
 
 def fa2_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, max_smem: int) -> Fa2FwdSpec:
-    for tile in fa2_fwd_tiles(head_dim, flags.softcap):
-        spec = Fa2FwdSpec(dtype, head_dim, tile, flags.causal, flags.local, flags.softcap)
+    for tile in fa2_fwd_tiles(head_dim, flags.softcap or flags.dropout):
+        spec = Fa2FwdSpec(dtype, head_dim, tile, flags.causal, flags.local, flags.softcap, flags.dropout)
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(f"no FA2 tile for head_dim={head_dim} fits in {max_smem} bytes of shared memory")
@@ -88,11 +93,12 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
     specs = []
     for head_dim in FA2_FWD_TILES:
         for softcap in (False, True):
-            for tile in fa2_fwd_tiles(head_dim, softcap):
-                for dtype in ("float16", "bfloat16"):
-                    for causal in (False, True):
-                        for local in (False, True):
-                            specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap))
+            for dropout in (False, True):
+                for tile in fa2_fwd_tiles(head_dim, softcap or dropout):
+                    for dtype in ("float16", "bfloat16"):
+                        for causal in (False, True):
+                            for local in (False, True):
+                                specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap, dropout))
     return specs
 
 
@@ -310,8 +316,9 @@ FA2_BWD_TILES: dict[int, tuple[int, int, int]] = {
 
 
 # The deterministic backward's dQ kernel: (block_m, block_n, warps), 16 query rows per warp (32
-# keys at d = 256: 64 spilled 24 bytes).
+# keys at d = 256: 64 spilled 24 bytes; with dropout at d = 192 too: 64 spilled 4-8 bytes).
 FA2_BWD_DQ_TILES: dict[int, tuple[int, int, int]] = {d: (64, 32 if d == 256 else 64, 4) for d in FA2_BWD_HEAD_DIMS}
+FA2_BWD_DQ_DROPOUT_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_DQ_TILES, 192: (64, 32, 4)}
 
 
 def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool = False) -> Fa2BwdSpec:
@@ -319,12 +326,14 @@ def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: boo
         raise ValueError(f"the GPU backward supports head_dim in {FA2_BWD_HEAD_DIMS}, got {head_dim}")
     block_m, block_n, d_split = FA2_BWD_TILES[head_dim]
     return Fa2BwdSpec(
-        dtype, head_dim, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic, d_split
-    )
+        dtype, head_dim, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic, d_split,
+        flags.dropout,
+    )  # fmt: skip
 
 
 def fa2_bwd_dq_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa2BwdDqSpec:
-    return Fa2BwdDqSpec(dtype, head_dim, *FA2_BWD_DQ_TILES[head_dim], flags.causal, flags.local, flags.softcap)
+    tile = (FA2_BWD_DQ_DROPOUT_TILES if flags.dropout else FA2_BWD_DQ_TILES)[head_dim]
+    return Fa2BwdDqSpec(dtype, head_dim, *tile, flags.causal, flags.local, flags.softcap, flags.dropout)
 
 
 def all_fa2_bwd_specs() -> list[KernelSpec]:
@@ -334,10 +343,11 @@ def all_fa2_bwd_specs() -> list[KernelSpec]:
             for causal in (False, True):
                 for local in (False, True):
                     for softcap in (False, True):
-                        flags = MaskFlags(causal, local, softcap)
-                        specs.append(fa2_bwd_spec(dtype, head_dim, flags))
-                        specs.append(fa2_bwd_spec(dtype, head_dim, flags, deterministic=True))
-                        specs.append(fa2_bwd_dq_spec(dtype, head_dim, flags))
+                        for dropout in (False, True):
+                            flags = MaskFlags(causal, local, softcap, dropout)
+                            specs.append(fa2_bwd_spec(dtype, head_dim, flags))
+                            specs.append(fa2_bwd_spec(dtype, head_dim, flags, deterministic=True))
+                            specs.append(fa2_bwd_dq_spec(dtype, head_dim, flags))
             specs += [BwdRowSpec("prep", dtype, head_dim), BwdRowSpec("dq", dtype, head_dim)]
     return specs
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -39,31 +40,39 @@ def _check_floats(xp: Any, named: list[tuple[str, Any]]) -> None:
             )
 
 
-def attention(q: Any, k: Any, v: Any, problem: Problem, algorithm: str) -> tuple[Any, Any]:
+def attention(q: Any, k: Any, v: Any, problem: Problem, algorithm: str, dropout: Any = None) -> tuple[Any, Any]:
     from . import xp_impl
 
     xp = namespace(("q", "k", "v"), (q, k, v))
     _check_floats(xp, [("q", q), ("k", k), ("v", v)])
     # fa3 is FA2's algorithm on Hopper's instructions: on the host both are xp_impl's fa2.
     host_algorithm = "fa2" if algorithm in ("auto", "fa3") else algorithm
-    return xp_impl.attention(xp, q, k, v, problem, algorithm=host_algorithm)
+    return xp_impl.attention(xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout)
 
 
 def attention_backward(
-    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, problem: Problem
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, problem: Problem, dropout: Any = None
 ) -> tuple[Any, Any, Any]:
     from . import xp_impl
 
     names, arrays = ("dout", "q", "k", "v", "out", "lse", "dlse"), (dout, q, k, v, out, lse, dlse)
     xp = namespace(*zip(*((n, x) for n, x in zip(names, arrays) if x is not None)))
     _check_floats(xp, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)])
-    return xp_impl.attention_backward(xp, dout, q, k, v, out, lse, problem, dlse=dlse)
+    return xp_impl.attention_backward(xp, dout, q, k, v, out, lse, problem, dlse=dlse, dropout=dropout)
 
 
-def attention_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem) -> tuple[Any, Any]:
+def _sequence(problem: Problem, b: int, rows: tuple[int, int], dropout: Any) -> tuple[Problem, Any]:
+    """Packed sequence b as a dense batch of one (its mask bounds as the packed problem's, which
+    are never dropped), and its dropout (the mask's batch index is the sequence's)."""
+    dense = dataclasses.replace(problem, batch=1, seqlen_q=rows[0], seqlen_k=rows[1], layout="bshd")
+    return dense, None if dropout is None else dataclasses.replace(dropout, batch0=b)
+
+
+def attention_varlen(
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, dropout: Any = None
+) -> tuple[Any, Any]:
     """One dense attention per sequence, in the arrays' own namespace."""
     from . import xp_impl
-    from ._api import attention as dense_attention
 
     xp = namespace(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), (q, k, v, cu_q, cu_k))
     _check_floats(xp, [("q", q), ("k", k), ("v", v)])
@@ -72,11 +81,11 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Prob
             raise TypeError(f"{name} must be an integer array (int32, as flash-attn's), got {cu.dtype}")
     check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], problem.seqlen_q, problem.seqlen_k)
     outs, lses = [], []
-    window = (problem.window_left, problem.window_right)
     for b in range(problem.batch):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         seq = [xp.expand_dims(x, axis=0) for x in (q[q0:q1, ...], k[k0:k1, ...], v[k0:k1, ...])]
-        out, lse = dense_attention(*seq, scale=problem.scale, window=window, softcap=problem.softcap, return_lse=True)
+        dense, seq_dropout = _sequence(problem, b, (q1 - q0, k1 - k0), dropout)
+        out, lse = xp_impl.attention(xp, seq[0], seq[1], seq[2], dense, algorithm="fa2", dropout=seq_dropout)
         outs.append(out[0, ...])
         lses.append(lse[0, ...])
     lse_dtype = xp_impl.compute_dtype(xp, q)
@@ -90,10 +99,11 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Prob
 
 
 def attention_varlen_backward(
-    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, cu_q: Any, cu_k: Any, problem: Problem
-) -> tuple[Any, Any, Any]:
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, cu_q: Any, cu_k: Any, problem: Problem,
+    dropout: Any = None,
+) -> tuple[Any, Any, Any]:  # fmt: skip
     """One dense backward per sequence; packed rows outside every sequence get zero gradients."""
-    from ._api import attention_backward as dense_backward
+    from . import xp_impl
 
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k")
     arrays = (dout, q, k, v, out, lse, dlse, cu_q, cu_k)
@@ -102,16 +112,15 @@ def attention_varlen_backward(
     # cu_seqlens start at 0 and do not decrease (checked): the sequences tile rows [0, cu[-1])
     # in order, so each gradient is the sequences' pieces, then zeros for the rows after them.
     pieces: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
-    window = (problem.window_left, problem.window_right)
     for b in range(problem.batch):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         dout_b, q_b, out_b = (xp.expand_dims(x[q0:q1, ...], axis=0) for x in (dout, q, out))
         k_b, v_b = (xp.expand_dims(x[k0:k1, ...], axis=0) for x in (k, v))
         lse_b, dlse_b = (None if x is None else xp.expand_dims(x[:, q0:q1], axis=0) for x in (lse, dlse))
-        grads = dense_backward(
-            dout_b, q_b, k_b, v_b, out_b, lse_b, dlse=dlse_b, scale=problem.scale, window=window,
-            softcap=problem.softcap,
-        )  # fmt: skip
+        dense, seq_dropout = _sequence(problem, b, (q1 - q0, k1 - k0), dropout)
+        grads = xp_impl.attention_backward(
+            xp, dout_b, q_b, k_b, v_b, out_b, lse_b, dense, dlse=dlse_b, dropout=seq_dropout
+        )
         for piece, grad in zip(pieces, grads):
             piece.append(grad[0, ...])
     ends = (int(cu_q[-1]), int(cu_k[-1]), int(cu_k[-1]))

@@ -15,6 +15,7 @@ caller runs the array-API algorithms in their own namespace.
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -217,6 +218,15 @@ class TorchLib(ArrayLib):
             if x is not None and x.requires_grad:
                 return bool(torch_module().is_grad_enabled())
         return False
+
+
+def draw_seed(x: Any) -> int:
+    """A fresh dropout seed for a call whose caller gave none: from PyTorch's default generator
+    for tensors (``torch.manual_seed`` makes it reproducible, as for SDPA's dropout), else from
+    Python's ``random`` (``random.seed``)."""
+    if _kind(x) == TORCH:
+        return int(torch_module().randint(0, 2**63 - 1, ()))
+    return random.getrandbits(64)
 
 
 def needs_autograd(arrays: Sequence[Any]) -> bool:

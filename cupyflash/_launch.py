@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _interop, _kernels, _tma, _workspace
 from ._interop import ArrayLib
-from ._plan import CONTIGUOUS, LENGTHS, TILE, KernelStep, Launch, Operand, TmaMaps
+from ._plan import CONTIGUOUS, LENGTHS, SCALAR, TILE, KernelStep, Launch, Operand, TmaMaps
 from ._validate import check_int_seqlens
 
 _NONE: dict[str, Any] = {}  # no temporaries
@@ -144,6 +144,9 @@ def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], boun
     """Operand ``i``'s fields, the general way: an int length checked, q negated, the layout
     checked (a copy where the kernels cannot read it), a pointer given as an offset."""
     op = launch.operands[i]
+    if op.kind is SCALAR:  # checked by the entry point
+        values[op.ptr_slot] = x
+        return
     if op.kind is LENGTHS and type(x) is int:  # one length for every sequence: check it here
         check_int_seqlens(x, *op.int_limit)
         values[op.int_slot] = x

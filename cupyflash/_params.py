@@ -38,9 +38,12 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("window_right", "i4"),
     ("softmax_scale_log2", "f4"),
     ("softcap_prescale", "f4"),
+    ("dropout_seed", "u8"),
+    ("dropout_threshold", "u4"),
+    ("dropout_scale", "f4"),
 )
 
-_STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "f4": "f"}
+_STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}
 
 
 class ParamsStruct:

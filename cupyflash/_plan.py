@@ -76,6 +76,7 @@ TILE = "tile"  # a 16-bit tensor the kernels read in 16-byte chunks (unit stride
 INDEX = "index"  # an int32 array read element by element (unit stride on its last axis)
 CONTIGUOUS = "contiguous"  # read as one C-contiguous block (merge_states' parts)
 LENGTHS = "lengths"  # cache_seqlens: an int32 array, or one int for every sequence
+SCALAR = "scalar"  # a per-call int (the dropout seed) into its field: ptr_slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +326,20 @@ def attn_fields(p: Problem, rows: tuple[int, int], scale_log2: float, prescale: 
         "window_right": p.window_right,
         "softmax_scale_log2": scale_log2,
         "softcap_prescale": prescale,
+        **dropout_fields(p),
     }
+
+
+def dropout_fields(p: Problem) -> dict[str, int | float]:
+    """AttnParams' dropout fields (the seed is per call: a SCALAR operand, ``dropout_operand``)."""
+    if p.dropout_p == 0:
+        return {}
+    return {"dropout_threshold": min(round(p.dropout_p * 65536), 65535), "dropout_scale": 1.0 / (1.0 - p.dropout_p)}
+
+
+def dropout_operand(params: ParamsTemplate) -> Operand:
+    """The call's dropout seed (an int the entry point draws or is given) into ``dropout_seed``."""
+    return Operand("dropout_seed", SCALAR, params.slot("dropout_seed"))
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -347,8 +361,10 @@ def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, pac
     (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens."""
     if p.head_dim not in FA2_HEAD_DIMS:
         raise ValueError(f"the GPU kernels support head_dim in {FA2_HEAD_DIMS}, got {p.head_dim}")
-    flags = _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
-    if algorithm in ("fa3", "auto"):
+    flags = _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0, p.dropout_p > 0)
+    if flags.dropout and algorithm == "fa3":
+        raise ValueError("algorithm='fa3' (the Hopper kernel) has no dropout: use algorithm='fa2' or 'auto'")
+    if algorithm in ("fa3", "auto") and not flags.dropout:
         hopper = device.arch == HOPPER_ARCH
         spec = _dispatch.fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k, packed) if hopper else None
         if spec is not None and spec.smem_bytes <= device.max_smem_per_block:
@@ -432,6 +448,8 @@ def plan_forward(
             Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),
             Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
         ]
+    if p.dropout_p > 0:
+        operands.append(dropout_operand(params))
     outputs: tuple[Output, ...] = (
         Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0 if packed else None),
         Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=-math.inf if packed else None, optional=True),
@@ -469,7 +487,7 @@ def plan_backward(
     axes = LAYOUT_AXES["thd" if packed else p.layout]
     rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
     has_work = p.batch > 0 and p.heads_q > 0 and rows[0] > 0 and rows[1] > 0
-    flags = _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0)
+    flags = _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0, p.dropout_p > 0)
     spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags, deterministic)
     if spec.smem_bytes > device.max_smem_per_block:
         raise ValueError(
@@ -514,6 +532,8 @@ def plan_backward(
         Operand("lse", INDEX, params.slot("lse_ptr"), lse_axes("lse")),
         Operand("dlse", INDEX, params.slot("dlse_ptr"), lse_axes("dlse")),  # optional
     ]
+    if p.dropout_p > 0:
+        operands.append(dropout_operand(params))
     if packed:
         operands += [
             Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),
@@ -670,6 +690,7 @@ def decode_applies(p: Problem) -> bool:
         and p.head_dim in DECODE_HEAD_DIMS
         and not p.local_bound
         and (p.softcap == 0)
+        and p.dropout_p == 0
     )
 
 
@@ -683,7 +704,7 @@ def plan_attention(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q
         if not decode_applies(p):
             raise ValueError(
                 f"algorithm='decode' takes 1 to {DECODE_MAX_QUERIES} query tokens, head_dim in {DECODE_HEAD_DIMS}, "
-                f"no window and no softcap; this call has {p.seqlen_q} query tokens, head_dim={p.head_dim}"
+                f"no window, softcap or dropout; this call has {p.seqlen_q} query tokens, head_dim={p.head_dim}"
             )
         kp = KvCacheProblem(p, paged=False, page_size=p.seqlen_k, num_pages=p.batch, capacity=p.seqlen_k, seqlen_new=0)
         return plan_kvcache(kp, {"q": dtype}, device, num_splits=0, layout=p.layout, dense=True)

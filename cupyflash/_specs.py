@@ -131,6 +131,7 @@ class Fa2FwdSpec(_KernelSpecBase):
     causal: bool = False  # right bound: key <= row + shift + window_right
     local: bool = False  # left bound: key >= row + shift - window_left
     softcap: bool = False
+    dropout: bool = False  # dropout on P (kernels_cu/dropout.cuh)
 
     kernel = "fa2_fwd"
     source_file = "fa2_fwd.cu"
@@ -165,6 +166,7 @@ class Fa2FwdSpec(_KernelSpecBase):
             ("ovl", t.overlap),
             (f"b{t.min_blocks}", t.min_blocks > 1),
             *_mask_flags(self.causal, self.local, self.softcap),
+            ("drop", self.dropout),
         )
 
     @property
@@ -191,6 +193,7 @@ class Fa2FwdSpec(_KernelSpecBase):
             self.causal,
             self.local,
             self.softcap,
+            self.dropout,
         )
 
     @property
@@ -590,6 +593,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     softcap: bool = False
     deterministic: bool = False  # no dQ here (no atomics): Fa2BwdDqSpec's kernel computes it
     d_split: int = 1  # warps sharing 16 keys, each with 1 / d_split of d's dK, dV columns
+    dropout: bool = False  # the forward's dropout mask regenerated (kernels_cu/dropout.cuh)
 
     kernel = "fa2_bwd"
     source_file = "fa2_bwd.cu"
@@ -618,7 +622,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
         return (
             (f"split{self.d_split}", self.d_split > 1), *_mask_flags(self.causal, self.local, self.softcap),
-            ("det", self.deterministic),
+            ("drop", self.dropout), ("det", self.deterministic),
         )  # fmt: skip
 
     @property
@@ -635,7 +639,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         return (
             self.head_dim, self.block_m, self.block_n, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local,
-            self.softcap, not self.deterministic, self.d_split,
+            self.softcap, not self.deterministic, self.d_split, self.dropout,
         )  # fmt: skip
 
 
@@ -652,6 +656,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
     causal: bool = False
     local: bool = False
     softcap: bool = False
+    dropout: bool = False
 
     kernel = "fa2_bwd_dq_blocks"
     source_file = "fa2_bwd.cu"
@@ -678,7 +683,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
         )  # fmt: skip
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
-        return _mask_flags(self.causal, self.local, self.softcap)
+        return (*_mask_flags(self.causal, self.local, self.softcap), ("drop", self.dropout))
 
     @property
     def num_threads(self) -> int:
@@ -691,7 +696,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         return (
             self.head_dim, self.block_m, self.block_n, self.num_warps, CUDA_ELEMENT_TYPES[self.dtype], self.causal,
-            self.local, self.softcap,
+            self.local, self.softcap, self.dropout,
         )  # fmt: skip
 
 

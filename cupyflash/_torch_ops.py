@@ -52,12 +52,12 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 @torch.library.custom_op(f"{_LIB}::attention", mutates_args=())
 def attention_op(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int,
-    softcap: float, layout: str, algorithm: str, deterministic: bool,
+    softcap: float, layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         out, lse = _api.attention(
             q, k, v, causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap, layout=layout,
-            algorithm=algorithm, return_lse=True,
+            algorithm=algorithm, return_lse=True, dropout_p=dropout_p, seed=_seed_value(dropout_p, seed),
         )  # fmt: skip
     return _contiguous(out, lse)
 
@@ -65,7 +65,7 @@ def attention_op(
 @attention_op.register_fake
 def _(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
-    layout: str, algorithm: str, deterministic: bool,
+    layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     p = _problem(q, k, v, causal, scale, window_left, window_right, softcap, layout)
     lse = q.new_empty((p.batch, p.heads_q, p.seqlen_q), dtype=_lse_dtype(q))
@@ -76,11 +76,13 @@ def _(
 def attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
     scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
+    dropout_p: float, seed: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         grads = _api.attention_backward(
             dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale, window=(window_left, window_right),
-            softcap=softcap, layout=layout, deterministic=deterministic,
+            softcap=softcap, layout=layout, deterministic=deterministic, dropout_p=dropout_p,
+            seed=_seed_value(dropout_p, seed),
         )  # fmt: skip
     return _contiguous(*grads)
 
@@ -89,35 +91,62 @@ def attention_backward_op(
 def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
     scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
+    dropout_p: float, seed: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return _empty_like(q, k, v)
 
 
 def _setup_attention(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, causal, scale, window_left, window_right, softcap, layout, _, deterministic = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.options = (causal, scale, window_left, window_right, softcap, layout, deterministic)
+    q, k, v, causal, scale, window_left, window_right, softcap, layout, _, deterministic, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, *output, seed)
+    ctx.options = (causal, scale, window_left, window_right, softcap, layout, deterministic, dropout_p)
 
 
 def _attention_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, *ctx.options)
-    return dq, dk, dv, *(None,) * 8
+    q, k, v, out, lse, seed = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, *ctx.options, seed)
+    return dq, dk, dv, *(None,) * 10
 
 
 attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
 
 
 def attention(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, softcap: Any, layout: str,
-              algorithm: str, return_lse: bool, deterministic: bool) -> Any:  # fmt: skip
+              algorithm: str, return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any) -> Any:  # fmt: skip
     """``cupyflash.attention`` through the custom op (arguments as the public function's)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window_left, window_right = window
+    dropout_p = float(dropout_p)
     out, lse = attention_op(
         q, k, v, bool(causal), scale, int(window_left), int(window_right), float(softcap), layout, algorithm,
-        bool(deterministic),
+        bool(deterministic), dropout_p, _seed_tensor(q, dropout_p, seed),
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout's seed travels as a 0-d int64 CPU tensor: drawn by torch.randint when the caller
+# gives none, it is an op in a compiled graph (a fresh seed per call, not a constant baked into
+# the graph), and autograd saves it for the backward, which regenerates the mask from it.
+# ---------------------------------------------------------------------------------------------
+_U64 = 2**64
+
+
+def _seed_tensor(q: Tensor, dropout_p: float, seed: int | None) -> Tensor:
+    if not dropout_p:
+        return torch.zeros((), dtype=torch.int64)
+    if seed is None:
+        if not torch.compiler.is_compiling() and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "dropout under CUDA graph capture needs an explicit seed=: a seed drawn on the host at capture "
+                "would give every replay the same dropout mask"
+            )
+        return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+    return torch.tensor(seed - _U64 if seed >= 2**63 else seed, dtype=torch.int64)  # int64's bits
+
+
+def _seed_value(dropout_p: float, seed: Tensor) -> int | None:
+    return int(seed) % _U64 if dropout_p else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,12 +156,13 @@ def attention(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, soft
 def attention_varlen_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
-    algorithm: str, deterministic: bool,
+    algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         out, lse = _api.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
             window=(window_left, window_right), softcap=softcap, algorithm=algorithm, return_lse=True,
+            dropout_p=dropout_p, seed=_seed_value(dropout_p, seed),
         )  # fmt: skip
     return _contiguous(out, lse)
 
@@ -141,7 +171,7 @@ def attention_varlen_op(
 def _(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
-    algorithm: str, deterministic: bool,
+    algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     check_options(causal, scale, (window_left, window_right), softcap)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
@@ -152,13 +182,13 @@ def _(
 def attention_varlen_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
-    window_left: int, window_right: int, softcap: float, deterministic: bool,
+    window_left: int, window_right: int, softcap: float, deterministic: bool, dropout_p: float, seed: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         grads = _api.attention_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
             causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
-            deterministic=deterministic,
+            deterministic=deterministic, dropout_p=dropout_p, seed=_seed_value(dropout_p, seed),
         )  # fmt: skip
     return _contiguous(*grads)
 
@@ -167,21 +197,22 @@ def attention_varlen_backward_op(
 def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
-    window_left: int, window_right: int, softcap: float, deterministic: bool,
+    window_left: int, window_right: int, softcap: float, deterministic: bool, dropout_p: float, seed: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return _empty_like(q, k, v)
 
 
 def _setup_varlen(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, _, deterministic = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
-    ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic)
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, _, deterministic = inputs[:14]
+    dropout_p, seed = inputs[14:]
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed)
+    ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic, dropout_p)
 
 
 def _varlen_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options)
-    return dq, dk, dv, *(None,) * 11
+    q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
+    dq, dk, dv = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options, seed)
+    return dq, dk, dv, *(None,) * 13
 
 
 attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen)
@@ -189,13 +220,15 @@ attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                      max_seqlen_k: int, causal: Any, scale: Any, window: Any, softcap: Any, algorithm: str,
-                     return_lse: bool, deterministic: bool) -> Any:  # fmt: skip
+                     return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any) -> Any:  # fmt: skip
     """``cupyflash.attention_varlen`` through the custom op."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window_left, window_right = window
+    dropout_p = float(dropout_p)
     out, lse = attention_varlen_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
-        int(window_left), int(window_right), float(softcap), algorithm, bool(deterministic),
+        int(window_left), int(window_right), float(softcap), algorithm, bool(deterministic), dropout_p,
+        _seed_tensor(q, dropout_p, seed),
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

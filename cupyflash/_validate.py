@@ -90,6 +90,19 @@ def _window(window: Any) -> tuple[int, int]:
     return bounds[0], bounds[1]
 
 
+def check_dropout(dropout_p: Any, seed: Any) -> tuple[float, int | None]:
+    """``dropout_p`` as a float in [0, 1) and ``seed`` as None or an int in [0, 2^64)."""
+    if type(dropout_p) is not float or not 0.0 <= dropout_p < 1.0:
+        if isinstance(dropout_p, _BOOLS) or not isinstance(dropout_p, numbers.Real) or not 0 <= float(dropout_p) < 1:
+            raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+        dropout_p = float(dropout_p)
+    if seed is not None:
+        if isinstance(seed, _BOOLS) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2**64:
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
+        seed = int(seed)
+    return dropout_p, seed
+
+
 def check_algorithm(entry: str, algorithm: Any) -> str:
     allowed = ALGORITHMS[entry]
     if type(algorithm) is not str or algorithm not in allowed:
@@ -112,6 +125,7 @@ class Problem:
     softcap: float
     window_left: int
     window_right: int
+    dropout_p: float = 0.0  # checked by check_dropout
 
     @property
     def causal_bound(self) -> bool:
@@ -188,6 +202,7 @@ def attention_problem(
     window: Any,
     softcap: Any,
     layout: str,
+    dropout_p: float = 0.0,
 ) -> Problem:
     """Check the shapes and options of ``attention`` and normalise them."""
     if layout not in LAYOUTS:
@@ -220,6 +235,7 @@ def attention_problem(
         softcap=check_softcap(softcap),
         window_left=left,
         window_right=right,
+        dropout_p=dropout_p,
     )
 
 
@@ -242,6 +258,7 @@ def varlen_problem(
     scale: Any,
     window: Any,
     softcap: Any,
+    dropout_p: float = 0.0,
 ) -> Problem:
     """Check ``attention_varlen``'s arguments. The Problem's seqlens are the maxima: they size
     the grid and nothing else. The mask bounds are kept whatever the maxima say (a bound the
@@ -268,7 +285,7 @@ def varlen_problem(
         raise ValueError(f"max_seqlen_q/k ({max_q}, {max_k}) exceed the packed lengths ({total_q}, {total_k})")
     dense = attention_problem(
         (1, max_q, hq, d), (1, max_k, hk, dk), (1, max_k, hk, dk),
-        causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd",
+        causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd", dropout_p=dropout_p,
     )  # fmt: skip
     left, right = normalize_window(check_causal(causal), window, _UNBOUNDED, _UNBOUNDED)
     return dataclasses.replace(

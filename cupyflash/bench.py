@@ -124,7 +124,7 @@ def prefill_inputs(shape: PrefillShape, seed: int = 0) -> tuple[Any, Any, Any]:
     return tuple(torch.randn(dims, generator=gen, device="cuda", dtype=dtype) for _ in range(3))  # type: ignore[return-value]
 
 
-def sdpa_call(backend: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
+def sdpa_call(backend: str, q: Any, k: Any, v: Any, causal: bool, dropout_p: float = 0.0) -> Callable[[], Any]:
     """PyTorch SDPA forced to one backend ("flash" or "cudnn"), on bhsd views of bshd data."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -134,7 +134,7 @@ def sdpa_call(backend: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[]
 
     def call() -> Any:
         with sdpa_kernel(chosen):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, dropout_p=dropout_p)
 
     return call
 
@@ -177,29 +177,32 @@ BACKWARD_FLOP_FACTOR = 2.5
 TRAINING_BACKENDS = ("cupyflash", "cupyflash_det", "flash", "cudnn")
 
 
-def _training_call(backend: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
+def _training_call(backend: str, q: Any, k: Any, v: Any, causal: bool, dropout_p: float) -> Callable[[], Any]:
     """The forward of one backend on leaves that require grad (autograd records it);
     "cupyflash_det": cupyflash with ``deterministic=True`` (its backward without atomics)."""
     import cupyflash
 
     if backend == "cupyflash_det":
-        return functools.partial(cupyflash.attention, q, k, v, causal=causal, deterministic=True)
+        return functools.partial(cupyflash.attention, q, k, v, causal=causal, deterministic=True, dropout_p=dropout_p)
     if backend in CUPYFLASH_BACKENDS:
         algorithm = CUPYFLASH_BACKENDS[backend]
-        return functools.partial(cupyflash.attention, q, k, v, causal=causal, algorithm=algorithm)
-    return sdpa_call(backend, q, k, v, causal)
+        return functools.partial(cupyflash.attention, q, k, v, causal=causal, algorithm=algorithm, dropout_p=dropout_p)
+    return sdpa_call(backend, q, k, v, causal, dropout_p)
 
 
-def run_training(shape: PrefillShape, backends: tuple[str, ...] = TRAINING_BACKENDS) -> dict[str, Any]:
+def run_training(
+    shape: PrefillShape, backends: tuple[str, ...] = TRAINING_BACKENDS, dropout_p: float = 0.0
+) -> dict[str, Any]:
     """Per backend: TFLOP/s of forward + backward and of the backward alone (autograd.grad on a
     retained graph), interleaved as :func:`cuda_times_ms`, and the peak memory one forward +
-    backward allocates beyond its inputs and output gradient (MiB; O(N) for a flash kernel)."""
+    backward allocates beyond its inputs and output gradient (MiB; O(N) for a flash kernel).
+    ``dropout_p``: every backend drops out probabilities (its own generator)."""
     import torch
 
     q, k, v = (x.requires_grad_(True) for x in prefill_inputs(shape))
     dout = torch.randn_like(q)
-    row: dict[str, Any] = asdict(shape)
-    forwards = {b: _training_call(b, q, k, v, shape.causal) for b in backends}
+    row: dict[str, Any] = {**asdict(shape), "dropout_p": dropout_p}
+    forwards = {b: _training_call(b, q, k, v, shape.causal, dropout_p) for b in backends}
     steps, grads = {}, {}
     for backend, forward in runnable(forwards, row).items():
         sdpa = not backend.startswith("cupyflash")

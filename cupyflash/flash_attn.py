@@ -8,7 +8,9 @@ flash-attn user changes one import line::
 Each function maps its arguments onto :func:`cupyflash.attention`,
 :func:`cupyflash.attention_varlen` or :func:`cupyflash.attention_with_kvcache` and takes what
 those take: CuPy, PyTorch, JAX or host arrays. PyTorch tensors that require grad get their
-gradients (``deterministic`` is honoured), as with flash-attn.
+gradients (``deterministic`` is honoured), as with flash-attn. ``dropout_p`` drops attention
+probabilities as flash-attn's does (in training; pass 0 at evaluation, as flash-attn asks), with
+a seed from PyTorch's default generator (``torch.manual_seed`` reproduces it).
 
 Semantics taken from flash-attn: ``causal=True`` sets the window's right bound to 0 (whatever
 ``window_size[1]`` says), ``softmax_scale=None`` is ``1 / sqrt(headdim)``, ``softmax_lse`` is
@@ -16,11 +18,11 @@ float32 ``(batch, nheads, seqlen_q)`` (``(nheads, total_q)`` for varlen), ``cach
 reads the whole cache.
 
 Differences that remain (each raises ``NotImplementedError`` naming the argument, never a
-silent fallback): ``dropout_p > 0``; ``alibi_slopes``; on ``flash_attn_with_kvcache``
-``rotary_cos``/``rotary_sin``, ``cache_batch_idx``, ``cache_leftpad``, a window and ``softcap``;
-``block_table`` on the varlen functions. ``return_attn_probs=True`` returns
-``(out, softmax_lse, None)``: flash-attn's third value is only meaningful with dropout (its
-tests read the dropout pattern from it), and with ``dropout_p = 0`` there is none here.
+silent fallback): ``alibi_slopes``; on ``flash_attn_with_kvcache`` ``rotary_cos``/``rotary_sin``,
+``cache_batch_idx``, ``cache_leftpad``, a window and ``softcap``; ``block_table`` on the varlen
+functions. ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third
+value is the dropout pattern its own tests read back, which is not materialised here (the mask
+is ``cupyflash.xp_impl.Dropout``'s, regenerated from the seed).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ __all__ = [
 def _refuse(function: str, **given: Any) -> None:
     """NotImplementedError for the first flash-attn option this port does not have."""
     for name, value in given.items():
-        if value is not None and not (name == "dropout_p" and value == 0):
+        if value is not None:
             raise NotImplementedError(
                 f"{function}: {name}={'...' if hasattr(value, 'shape') else repr(value)} is not supported by "
                 "cupyflash yet (see cupyflash.flash_attn's docstring for what differs from flash-attn)"
@@ -80,10 +82,10 @@ def flash_attn_func(
 ) -> Any:
     """q ``(B, Sq, H, d)``, k and v ``(B, Sk, Hk, d)``; returns out ``(B, Sq, H, d)``, or
     ``(out, softmax_lse, None)`` with ``return_attn_probs``."""
-    _refuse("flash_attn_func", dropout_p=dropout_p, alibi_slopes=alibi_slopes)
+    _refuse("flash_attn_func", alibi_slopes=alibi_slopes)
     result = attention(
         q, k, v, causal=causal, scale=softmax_scale, window=_window(causal, window_size), softcap=softcap,
-        return_lse=True, deterministic=deterministic,
+        return_lse=True, deterministic=deterministic, dropout_p=dropout_p,
     )  # fmt: skip
     return _returned(result, return_attn_probs)
 
@@ -148,10 +150,11 @@ def flash_attn_varlen_func(
 ) -> Any:
     """q ``(total_q, H, d)``, k and v ``(total_k, Hk, d)``, cu_seqlens int32 ``(batch + 1,)``;
     ``softmax_lse`` is ``(H, total_q)``."""
-    _refuse("flash_attn_varlen_func", dropout_p=dropout_p, alibi_slopes=alibi_slopes, block_table=block_table)
+    _refuse("flash_attn_varlen_func", alibi_slopes=alibi_slopes, block_table=block_table)
     result = attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,
         window=_window(causal, window_size), softcap=softcap, return_lse=True, deterministic=deterministic,
+        dropout_p=dropout_p,
     )  # fmt: skip
     return _returned(result, return_attn_probs)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,73 @@ def merge(xp: Any, outs: list[Any], lses: list[Any]) -> tuple[Any, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Dropout on P (twin of kernels_cu/dropout.cuh): the same Philox4x32-10 draws, element for
+# element, so a host call and a GPU call with one seed drop the same probabilities.
+# ---------------------------------------------------------------------------------------------
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_U32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter: tuple[Any, Any, Any, Any], key: tuple[int, int]) -> tuple[Any, Any, Any, Any]:
+    """Philox4x32-10 on NumPy uint64 arrays that hold 32-bit words (the products fit in 64 bits)."""
+    import numpy as np
+
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in counter)
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    m0, m1, mask = np.uint64(_PHILOX_M[0]), np.uint64(_PHILOX_M[1]), np.uint64(_U32)
+    for round_ in range(10):
+        if round_:
+            k0, k1 = (k0 + np.uint64(_PHILOX_W[0])) & mask, (k1 + np.uint64(_PHILOX_W[1])) & mask
+        p0, p1 = m0 * c0, m1 * c2
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & mask
+    return c0, c1, c2, c3
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """Dropout with probability ``p`` under ``seed``; ``batch0``: the batch index of the first
+    batch entry (a packed sequence's index in its batch, where the host runs one at a time)."""
+
+    p: float
+    seed: int
+    batch0: int = 0
+
+    @property
+    def threshold(self) -> int:
+        """A 16-bit draw below it drops its element: round(p * 65536) (kept with 1 - p, to 2^-17)."""
+        return min(round(self.p * 65536), 65535)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / (1.0 - self.p)
+
+    def keep(self, xp: Any, like: Any, heads: int, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
+        """Keep mask [B, Hkv, G, rows, keys] (``like``'s leading shape) of query rows
+        ``rows[0]..rows[1]-1`` and keys ``keys[0]..keys[1]-1`` of every (batch, query head)."""
+        import numpy as np
+
+        batch, hkv, group = like.shape[:3]
+        b = np.arange(batch, dtype=np.uint64).reshape(-1, 1, 1, 1) + np.uint64(self.batch0)
+        h = np.arange(heads, dtype=np.uint64).reshape(1, -1, 1, 1)
+        i = np.arange(*rows, dtype=np.uint64).reshape(1, 1, -1, 1)
+        j = np.arange(*keys, dtype=np.uint64).reshape(1, 1, 1, -1)
+        u = np.uint64
+        counter = (j // u(16) * u(4) + j % u(8) // u(2), i // u(16) * u(8) + i % u(8), h, b)
+        c0, c1, c2, c3 = np.broadcast_arrays(*counter)
+        words = philox4x32_10((c0, c1, c2, c3), (self.seed & _U32, self.seed >> 32))
+        number = u(4) * (i // u(8) % u(2)) + u(2) * (j // u(8) % u(2)) + j % u(2)
+        word = np.choose((number // u(2)).astype(np.intp), words)
+        draw = (word >> (u(16) * (number % u(2)))) & u(0xFFFF)
+        keep = (draw >= u(self.threshold)).reshape(batch, hkv, group, rows[1] - rows[0], keys[1] - keys[0])
+        return xp.asarray(keep, device=_device(like))
+
+    def apply(self, xp: Any, probs: Any, heads: int, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
+        """P with the dropped elements zeroed (the kept ones scaled later, as the kernels do)."""
+        return xp.where(self.keep(xp, probs, heads, rows, keys), probs, xp.zeros_like(probs))
+
+
+# ---------------------------------------------------------------------------------------------
 # Masks (twin of kernels_cu/mask.cuh).
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -189,8 +257,9 @@ def _logits(xp: Any, q_blk: Any, k_blk: Any, p: Problem) -> Any:
 # ---------------------------------------------------------------------------------------------
 # The algorithms. q: [B, Hkv, G, Nq, d]; k, v: [B, Hkv, 1, Nk, d]. Return (O, LSE [B, Hkv, G, Nq]).
 # ---------------------------------------------------------------------------------------------
-def naive(xp: Any, q: Any, k: Any, v: Any, p: Problem) -> tuple[Any, Any]:
-    """Three passes over N x N matrices: S = Q K^T, P = softmax(S), O = P V."""
+def naive(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, dropout: Dropout | None = None) -> tuple[Any, Any]:
+    """Three passes over N x N matrices: S = Q K^T, P = softmax(S), O = P V (P dropped out first
+    with ``dropout``)."""
     mask = KeyMask(0, p.seqlen_q - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
     s = mask.apply(xp, _logits(xp, q, k, p), 0, p.seqlen_k - 1)  # pass 1: S
     if p.seqlen_k:
@@ -200,16 +269,21 @@ def naive(xp: Any, q: Any, k: Any, v: Any, p: Problem) -> tuple[Any, Any]:
     zero_state = xp.zeros_like(row_max)
     probs, row_sum = exp_accumulate(xp, s, row_max, zero_state, zero_state, LOG2E)  # pass 2: P
     inv_sum, lse = finalize(xp, row_max, row_sum, LOG2E)
+    if dropout is not None:
+        probs = dropout.apply(xp, probs, p.heads_q, (0, p.seqlen_q), (0, p.seqlen_k))
+        inv_sum = inv_sum * dropout.scale
     return weighted_values(xp, probs, s, v) * inv_sum[..., None], lse  # pass 3: O
 
 
 def fa2_partial(
-    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int, block_n: int, key_range: tuple[int, int]
-) -> tuple[Any, Any]:
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int, block_n: int, key_range: tuple[int, int],
+    dropout: Dropout | None = None,
+) -> tuple[Any, Any]:  # fmt: skip
     """FA2 over keys in ``key_range`` (the whole sequence, or one split of FlashDecoding).
 
     Query blocks outer; for each, the visible key blocks inner, last first (as the kernel), with
-    O, m, l carried across the inner loop and normalised once.
+    O, m, l carried across the inner loop and normalised once. With ``dropout``, P's dropped
+    elements leave l as it is and O without their values; O is scaled by 1 / (1 - p) at the end.
     """
     outs, lses = [], []
     for row0 in range(0, p.seqlen_q, block_m):
@@ -233,15 +307,22 @@ def fa2_partial(
             # -- update m and l, rescale O, accumulate P V
             row_max, rescale = update_max(xp, row_max, s, LOG2E)
             probs, row_sum = exp_accumulate(xp, s, row_max, row_sum, rescale, LOG2E)
+            if dropout is not None:
+                probs = dropout.apply(xp, probs, p.heads_q, (row0, row1), (key0, key1))
             acc = acc * rescale[..., None] + weighted_values(xp, probs, s, v[..., key0:key1, :])
         inv_sum, lse = finalize(xp, row_max, row_sum, LOG2E)
+        if dropout is not None:
+            inv_sum = inv_sum * dropout.scale
         outs.append(acc * inv_sum[..., None])
         lses.append(lse)
     return xp.concat(outs, axis=-2), xp.concat(lses, axis=-1)
 
 
-def fa2(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int = 64, block_n: int = 64) -> tuple[Any, Any]:
-    return fa2_partial(xp, q, k, v, p, block_m=block_m, block_n=block_n, key_range=(0, p.seqlen_k))
+def fa2(
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int = 64, block_n: int = 64,
+    dropout: Dropout | None = None,
+) -> tuple[Any, Any]:  # fmt: skip
+    return fa2_partial(xp, q, k, v, p, block_m=block_m, block_n=block_n, key_range=(0, p.seqlen_k), dropout=dropout)
 
 
 def fa1_block_sizes(head_dim: int, sram_elements: int = DEFAULT_SRAM_ELEMENTS) -> tuple[int, int]:
@@ -358,7 +439,7 @@ def merge_states(xp: Any, o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[A
     return xp.astype(xp.permute_dims(out, (0, 2, 1, 3)), o_a.dtype), lse
 
 
-ALGORITHMS = {"naive": naive, "fa1": fa1, "fa2": fa2, "decode": decode}
+ALGORITHMS: dict[str, Callable[..., tuple[Any, Any]]] = {"naive": naive, "fa1": fa1, "fa2": fa2, "decode": decode}
 
 
 def compute_dtype(xp: Any, *arrays: Any) -> Any:
@@ -375,10 +456,16 @@ def _device(x: Any) -> Any:
 
 
 def attention(
-    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", **options: Any
-) -> tuple[Any, Any]:
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", dropout: Dropout | None = None,
+    **options: Any,
+) -> tuple[Any, Any]:  # fmt: skip
     """Run one algorithm on caller arrays in ``p.layout``; returns (out in the caller's dtype and
-    layout, LSE [B, Hq, Nq] in the compute dtype: float64 for float64 inputs, else float32)."""
+    layout, LSE [B, Hq, Nq] in the compute dtype: float64 for float64 inputs, else float32).
+    ``dropout``: naive and fa2 only."""
+    if dropout is not None:
+        if algorithm not in ("naive", "fa2"):
+            raise ValueError(f"dropout runs with the naive and fa2 algorithms, not {algorithm!r}")
+        options["dropout"] = dropout
     compute = compute_dtype(xp, q)
     b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
     if p.layout == "bshd":  # -> [B, H, N, d]
@@ -405,11 +492,12 @@ def attention(
 # ---------------------------------------------------------------------------------------------
 def fa2_backward(
     xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, *, dlse: Any = None,
-    block_m: int = 64, block_n: int = 64,
+    block_m: int = 64, block_n: int = 64, dropout: Dropout | None = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """(dQ, dK, dV) in the internal layout: q, dout, out [B, Hkv, G, Nq, d]; k, v [B, Hkv, 1, Nk, d];
     lse and dlse (the LSE's gradient, or None) [B, Hkv, G, Nq]. dK and dV are summed over the G
-    query heads that read each KV head."""
+    query heads that read each KV head. With ``dropout`` (the forward's mask M regenerated,
+    r = 1 / (1 - p)): dV += (P M r)^T dO and dS = P (dP M r - D)."""
     d_rows = xp.sum(dout * out, axis=-1)  # D_i = rowsum(dO_i * O_i)
     if dlse is not None:  # d LSE_i / d s_ij = P_ij: an LSE gradient enters dS = P (dP - D) as -D
         d_rows = d_rows - dlse
@@ -434,8 +522,14 @@ def fa2_backward(
             visible = (s != -math.inf) & (lse_blk != -math.inf)  # NaN stays visible: NaN in, NaN out
             probs = xp.where(visible, xp.exp(xp.where(visible, s - lse_blk, xp.zeros_like(s))), xp.zeros_like(s))
             # -- dV, then dS = P * (dP - D), through the softcap: d(c tanh(z / c))/dz = 1 - (s / c)^2
-            dv = dv + xp.matrix_transpose(probs) @ do_blk
-            ds = probs * (do_blk @ xp.matrix_transpose(v_blk) - d_rows[..., row0:row1, None])
+            dp = do_blk @ xp.matrix_transpose(v_blk)
+            kept = probs
+            if dropout is not None:
+                keep = dropout.keep(xp, probs, p.heads_q, (row0, row1), (key0, key1))
+                zeros = xp.zeros_like(probs)
+                kept, dp = xp.where(keep, probs * dropout.scale, zeros), xp.where(keep, dp * dropout.scale, zeros)
+            dv = dv + xp.matrix_transpose(kept) @ do_blk
+            ds = probs * (dp - d_rows[..., row0:row1, None])
             if p.softcap > 0:
                 ds = xp.where(visible, ds * (1 - (s / p.softcap) ** 2), xp.zeros_like(ds))
             ds = ds * p.scale
@@ -450,8 +544,9 @@ def fa2_backward(
 
 
 def attention_backward(
-    xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, dlse: Any = None
-) -> tuple[Any, Any, Any]:
+    xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, dlse: Any = None,
+    dropout: Dropout | None = None,
+) -> tuple[Any, Any, Any]:  # fmt: skip
     """The gradients of ``attention`` on caller arrays in ``p.layout``: (dq, dk, dv) in the
     inputs' dtype and layout, computed in float32 (float64 for float64 inputs)."""
     compute = compute_dtype(xp, q)
@@ -463,7 +558,7 @@ def attention_backward(
     lse4, dlse4 = (
         None if x is None else xp.reshape(xp.astype(x, compute), (b, hkv, group, p.seqlen_q)) for x in (lse, dlse)
     )
-    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4)
+    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout)
     dq = to_bhsd(xp.reshape(dq5, (b, p.heads_q, p.seqlen_q, p.head_dim)))
     dk, dv = (to_bhsd(x[:, :, 0, ...]) for x in (dk5, dv5))
     return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)

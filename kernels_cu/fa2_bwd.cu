@@ -11,6 +11,8 @@
 //                    dV  += P^T dO,  dK += dS^T Q                      (registers, whole loop)
 //                    dQacc += dS K                                     (fp32 atomics in L2)
 //   fa2_bwd_dq     per query row: dQ = dQacc * dq_scale in the element type
+//   (dropout: the forward's mask M regenerated from the seed, kernels_cu/dropout.cuh; with
+//    r = 1 / (1 - p), dV += (P * M)^T dO r and dS = P * (dP * M r - D); D = rowsum(dO * O) still)
 //   (deterministic: fa2_bwd without its dQ part, then fa2_bwd_dq_blocks, no atomics; below)
 //
 // Warp w of the main kernel owns keys 16 w .. 16 w + 15 of the block for the first five
@@ -26,6 +28,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
@@ -145,7 +148,8 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
 // The main kernel.
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, bool Is_causal_,
-          bool Is_local_, bool Has_softcap_, bool Dq_atomic_ = true, int kDSplit_ = 1>
+          bool Is_local_, bool Has_softcap_, bool Dq_atomic_ = true, int kDSplit_ = 1,
+          bool Has_dropout_ = false>
 struct Fa2BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -168,6 +172,7 @@ struct Fa2BwdTraits {
   static constexpr bool Has_softcap = Has_softcap_;
   // dQ accumulated here with atomics; false: fa2_bwd_dq_blocks computes it (deterministic).
   static constexpr bool Dq_atomic = Dq_atomic_;
+  static constexpr bool Has_dropout = Has_dropout_;
   using Transform = ScoreTransform<Has_softcap>;
 
   // The shape names of tile_mma.cuh for a warp's products with 16 key rows: M = keys (one
@@ -331,6 +336,17 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     if (range.needs_mask(row0 / kBlockM)) {
       range.apply(acc_s, key0 + warp_key0, row0 + phase_row0, lane);
     }
+    // Dropout: the keep bits of this thread's elements, per pair of query n-tiles and column c.
+    uint32_t keep[kNTiles / 2][2];
+    if constexpr (Traits::Has_dropout) {
+      const DropoutMask dropout(a.dropout_seed, a.dropout_threshold, step_head(step), batch);
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+          keep[np][c] =
+              dropout.transposed_bits(row0 + phase_row0 + 16 * np, key0 + warp_key0, lane, c);
+    }
     // P^T and dS^T, rounded to the element type in pairs: the A operands of dV and dK (and
     // dS^T the words staged for dQ).
     uint32_t p_words[kNTiles][2], ds_words[kNTiles][2];
@@ -347,10 +363,18 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
         for (int c = 0; c < 2; ++c) {
           const float logit = acc_s[0][nt][2 * half + c];
           prob[c] = fast_exp2(fmaf(logit, scale_log2, c ? neg_lse.y : neg_lse.x));
-          ds[c] = prob[c] * (acc_dp[0][nt][2 * half + c] - (c ? dsum.y : dsum.x));
+          float dp = acc_dp[0][nt][2 * half + c];
+          float kept_prob = prob[c];
+          if constexpr (Traits::Has_dropout) {
+            const bool kept = (keep[nt / 2][c] >> (2 * (nt % 2) + half)) & 1u;
+            dp = kept ? dp * a.dropout_scale : 0.f;
+            kept_prob = kept ? prob[c] : 0.f;
+          }
+          ds[c] = prob[c] * (dp - (c ? dsum.y : dsum.x));
           // d tanh: a masked logit (-inf, P = 0) would give 0 * inf; its dS is 0.
           if constexpr (Traits::Has_softcap)
             ds[c] = prob[c] != 0.f ? ds[c] * (1.f - logit * logit) : 0.f;
+          prob[c] = kept_prob;  // dV's operand: P * M (times 1 / (1 - p) in the epilogue)
         }
         p_words[nt][half] = Ops::pack2(prob[0], prob[1]);
         ds_words[nt][half] = Ops::pack2(ds[0], ds[1]);
@@ -436,8 +460,9 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     }
   }
 
-  // Epilogue: dK scaled, both staged through the K and V tiles (free once every warp is past
-  // the last dQ), then written as 16-byte rows.
+  // Epilogue: dK scaled (and dV, by 1 / (1 - p), with dropout), both staged through the K and
+  // V tiles (free once every warp is past the last dQ), then written as 16-byte rows.
+  const float dv_scale = Traits::Has_dropout ? a.dropout_scale : 1.f;
   cp_async_wait<0>();
   __syncthreads();
 #pragma unroll
@@ -448,7 +473,8 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
       const int offset = (Tile::offset(row, acc_col0 / 8 + dt) + 2 * (lane % 4)) * kEB;
       st_shared_b32(s_k + offset, Ops::pack2(acc_dk[0][dt][2 * half] * p.dk_scale,
                                              acc_dk[0][dt][2 * half + 1] * p.dk_scale));
-      st_shared_b32(s_v + offset, Ops::pack2(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]));
+      st_shared_b32(s_v + offset, Ops::pack2(acc_dv[0][dt][2 * half] * dv_scale,
+                                             acc_dv[0][dt][2 * half + 1] * dv_scale));
     }
   }
   __syncthreads();
@@ -476,7 +502,7 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
 // then skips its dS^T staging and its atomics (Fa2BwdTraits::Dq_atomic = false).
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_,
-          bool Is_causal_, bool Is_local_, bool Has_softcap_>
+          bool Is_causal_, bool Is_local_, bool Has_softcap_, bool Has_dropout_ = false>
 struct Fa2BwdDqTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -489,6 +515,7 @@ struct Fa2BwdDqTraits {
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
+  static constexpr bool Has_dropout = Has_dropout_;
   using Transform = ScoreTransform<Has_softcap>;
   // tile_mma.cuh's names, as the forward's: M = query rows, N = keys, K-steps over d (S, dP),
   // then over keys (dQ).
@@ -579,6 +606,8 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
   const uint32_t no_regs[kMTiles][Traits::kDSteps][4] = {};
   const typename Traits::Transform transform(a);
   const float scale_log2 = a.softmax_scale_log2;
+  const DropoutMask dropout(a.dropout_seed, a.dropout_threshold, head, batch);
+  const float dp_scale = Traits::Has_dropout ? a.dropout_scale : 1.f;  // dP * M / (1 - p)
 
   load_tile_async<Traits, kBlockM>(s_q, g_q, a.q_row_stride, seqlen_q - row_block0, tid);
   load_tile_async<Traits, kBlockM>(s_do, g_do, p.do_row_stride, seqlen_q - row_block0, tid);
@@ -597,6 +626,8 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
     if (mask.needs_mask(n_block)) {
       mask.apply(acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
     }
+    if constexpr (Traits::Has_dropout)
+      dropout.apply(acc_dp, row_block0 + warp_row0, n_block * kBlockN, lane);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -606,7 +637,7 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
           const int r = 2 * mt + e / 2;
           const float logit = acc_s[mt][nt][e];
           const float prob = fast_exp2(fmaf(logit, scale_log2, neg_lse[r]));
-          float ds = prob * (acc_dp[mt][nt][e] - dsum[r]);
+          float ds = prob * (acc_dp[mt][nt][e] * dp_scale - dsum[r]);
           if constexpr (Traits::Has_softcap) ds = prob != 0.f ? ds * (1.f - logit * logit) : 0.f;
           acc_dp[mt][nt][e] = ds;
         }

@@ -9,6 +9,7 @@
 //     S = Q K_j^T                    mma.sync, Q from registers or smem, K via ldmatrix
 //     S = softcap / mask (only blocks that need it)
 //     m_new = max(m, rowmax S); O *= exp2(m - m_new); P = exp2(S - m_new); l = l * .. + rowsum P
+//     (dropout: P's dropped elements set to 0; the kept ones scaled by 1 / (1 - p) with 1 / l)
 //     O += P V_j                     P re-packed from the S accumulators as the A operand
 //   O /= l, LSE = m + log l                                      (once, at the end)
 //
@@ -18,6 +19,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
@@ -25,7 +27,8 @@
 #include "variants.cuh"
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool Q_in_regs_,
-          bool Overlap_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_>
+          bool Overlap_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_,
+          bool Has_dropout_ = false>
 struct Fa2FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -41,6 +44,7 @@ struct Fa2FwdTraits {
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
+  static constexpr bool Has_dropout = Has_dropout_;
   using Transform = ScoreTransform<Has_softcap>;
 
   static constexpr int kNThreads = kNWarps * 32;
@@ -137,12 +141,17 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
     logits(s, n_block);
   };
 
-  // Online softmax of one block of logits, then O += P V with V from `stage`.
-  auto softmax_pv = [&](float (&s)[kMTiles][Traits::kNTiles][4], int stage) {
+  const DropoutMask dropout(params.dropout_seed, params.dropout_threshold, head, batch);
+
+  // Online softmax of key block n_block's logits (l sums every probability, dropped or not),
+  // then O += P V with V from `stage`.
+  auto softmax_pv = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int stage) {
     float rescale[2 * kMTiles];
     softmax.update_max(s, scale_log2, rescale);
     rescale_rows_if_moved(acc_o, rescale);
     softmax.exp_accumulate(s, scale_log2, rescale);
+    if constexpr (Traits::Has_dropout)
+      dropout.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
     gemm_pv<Traits>(acc_o, s, s_v + stage * kStageBytes, lane);
   };
 
@@ -166,7 +175,7 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
       if (it == 0) load_q_regs();
       float acc_s[kMTiles][Traits::kNTiles][4];
       scores(acc_s, n_block, it % kStages);
-      softmax_pv(acc_s, it % kStages);
+      softmax_pv(acc_s, n_block, it % kStages);
     }
   } else {
     // Software pipeline: the MMAs of S_{j+1} = Q K_{j+1}^T are issued before the softmax of
@@ -214,7 +223,7 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
       if (it + 1 < n_blocks) {
         gemm_qk<Traits>(next, r_q, s_q, s_k + ((it + 1) % 2) * kStageBytes, warp_row0, lane);
       }
-      softmax_pv(cur, it % 2);
+      softmax_pv(cur, n_end - 1 - it, it % 2);
       if (it + 1 < n_blocks) logits(next, n_end - 2 - it);
     };
     // Unrolled by two so that `cur` and `next` swap names instead of registers.
@@ -228,6 +237,10 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   // which no warp reads any more after the barrier), then write 16-byte coalesced rows.
   float inv_sum[2 * kMTiles], lse[2 * kMTiles];
   softmax.finalize(scale_log2, inv_sum, lse);
+  if constexpr (Traits::Has_dropout) {
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) inv_sum[r] *= params.dropout_scale;
+  }
   scale_rows(acc_o, inv_sum);
 
   cp_async_wait<0>();

@@ -40,6 +40,13 @@ struct AttnParams {
   //                                                  softmax_scale_log2 = softcap * log2 e).
   float softmax_scale_log2;
   float softcap_prescale;
+
+  // Dropout on P (variants with the Dropout flag; kernels_cu/dropout.cuh): element kept iff its
+  // 16-bit Philox draw under the key dropout_seed is >= dropout_threshold (= round(p * 65536));
+  // kept values are scaled by dropout_scale = 1 / (1 - p).
+  uint64_t dropout_seed;
+  uint32_t dropout_threshold;
+  float dropout_scale;
 };
 
 // cuTensorMapEncodeTiled's opaque 128-byte CUtensorMap (cuda.h cannot be included under NVRTC).

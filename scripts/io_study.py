@@ -102,7 +102,7 @@ def model_costs(point: dict[str, Any], max_smem: int = H200_SMEM_PER_BLOCK) -> d
         if block_c is None:
             block_r, block_c = fa1_tiles(point["head_dim"], shape.element_bytes, max_smem)
         return {"model": io_model.fa1_cost(shape, block_r, block_c)}
-    tile = fa2_fwd_tiles(point["head_dim"], softcap=False)[0]
+    tile = fa2_fwd_tiles(point["head_dim"], narrow=False)[0]
     return {
         "model": io_model.fa2_cost(shape, tile.block_m, tile.block_n, kv_reuse="per_block"),
         "model_l2": io_model.fa2_cost(shape, tile.block_m, tile.block_n, kv_reuse="l2"),

@@ -136,9 +136,10 @@ def attention_cases(size: str, hopper: bool) -> Iterator[Case]:
         ("softcap-causal", 1, nq, nk, 2, 2, {"causal": True, "softcap": 30.0}),
         ("one-query", 1, 1, nk, 4, 1, {"causal": True, "scale": -0.2}),
     ]
+    dropout = [("dropout-causal", 1, nq, nk, 4, 2, {"causal": True, "dropout_p": 0.3, "seed": 5})]  # FA2 only
     for algorithm, dims in (("fa2", fa2_dims), ("fa3", fa3_dims)):
         for d in dims:
-            for label, b, sq, sk, hq, hkv, options in shapes:
+            for label, b, sq, sk, hq, hkv, options in shapes + (dropout if algorithm == "fa2" else []):
                 for dtype in ("float16", "bfloat16") if label == "causal-gqa" else ("bfloat16",):
                     call = partial(
                         _attention, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dtype=dtype, algorithm=algorithm, **options
@@ -232,11 +233,12 @@ def _varlen_backward(a: Arrays, q_lens: list[int], k_lens: list[int], d: int, de
 
 def backward_cases(size: str) -> Iterator[Case]:
     """The backward's kernels (prep, key blocks with atomic dQ or the deterministic dQ blocks):
-    partial tiles, causal rows that see no key, a window with softcap, GQA, packed sequences."""
+    partial tiles, causal rows that see no key, a window with softcap, dropout, GQA, packed sequences."""
     nq, nk = (70, 97) if size == "tiny" else (97, 200)
     for d in (64, 128) if size == "tiny" else BWD_HEAD_DIMS:
         for deterministic in (False, True):
-            for options in ({"causal": True}, {"window": (30, 5), "softcap": 4.0}):
+            dropout = {"causal": True, "dropout_p": 0.3, "seed": 9}
+            for options in ({"causal": True}, {"window": (30, 5), "softcap": 4.0}, dropout):
                 label = f"backward d={d} det={deterministic} {options}"
                 yield label, partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, **options)
             yield (

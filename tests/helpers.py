@@ -73,10 +73,12 @@ def naive_low_precision(
     scale: Any,
     layout: str,
     return_lse: bool = False,
+    dropout: tuple[float, Any] | None = None,
 ) -> Any:
     """Standard attention in the inputs' own precision (PyTorch's math path, unfused; S in
     float32); with ``return_lse`` also each row's float32 LSE. Differentiable (the backward
-    tests run it through autograd in the inputs' precision and in float64)."""
+    tests run it through autograd in the inputs' precision and in float64). ``dropout``:
+    (p, keep mask [B, Hq, Nq, Nk], as ``dropout_keep``): P times the mask / (1 - p)."""
     torch = need_torch()
     # A contiguous copy first: torch's DLPack import aborts the process on some CuPy views.
     q, k, v = (x if isinstance(x, torch.Tensor) else torch.from_dlpack(x.copy(order="C")) for x in (q, k, v))
@@ -91,10 +93,20 @@ def naive_low_precision(
         s = softcap * torch.tanh(s / softcap)
     visible = torch.from_numpy(reference.visible_keys(q.shape[2], k.shape[2], bool(causal), window)).to(q.device)
     s = s.masked_fill(~visible, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(q.dtype)
-    out = p @ v
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if dropout is not None:
+        p = p * torch.as_tensor(dropout[1], device=p.device) / (1 - dropout[0])
+    out = p.to(q.dtype) @ v
     out = out.transpose(1, 2) if layout == "bshd" else out
     return (out, torch.logsumexp(s, dim=-1)) if return_lse else out
+
+
+def dropout_keep(p: float, seed: int, batch: int, heads: int, nq: int, nk: int, batch0: int = 0) -> np.ndarray:
+    """The keep mask [B, Hq, Nq, Nk] of dropout ``p`` under ``seed`` (xp_impl's twin of the kernels')."""
+    from cupyflash.xp_impl import Dropout
+
+    like = np.empty((batch, heads, 1, 0, 0))
+    return Dropout(p, seed, batch0).keep(np, like, heads, (0, nq), (0, nk)).reshape(batch, heads, nq, nk)
 
 
 def is_hopper() -> bool:

@@ -78,7 +78,6 @@ def test_with_kvcache_appends_and_reads_the_whole_cache_by_default(rng):
 @pytest.mark.parametrize(
     ("call", "name"),
     [
-        (lambda q: fa.flash_attn_func(q, q, q, dropout_p=0.1), "dropout_p"),
         (lambda q: fa.flash_attn_func(q, q, q, alibi_slopes=np.ones(2)), "alibi_slopes"),
         (lambda q: fa.flash_attn_with_kvcache(q, q, q, rotary_cos=np.ones(4), rotary_sin=np.ones(4)), "rotary_cos"),
         (lambda q: fa.flash_attn_with_kvcache(q, q, q, cache_batch_idx=np.zeros(1, np.int32)), "cache_batch_idx"),
@@ -129,3 +128,18 @@ def test_a_flash_attn_style_call_sequence_on_the_gpu():
     ref = reference.attention(q_new, k_cache[:, :201], v_cache[:, :201], causal=True)
     assert rel_error(reference.to_numpy64(out), ref) < 1e-2
     assert torch.equal(k_cache[:, 200], k_new[:, 0])
+
+
+def test_dropout_is_flash_attns():
+    """dropout_p drops probabilities (reproducibly under torch.manual_seed); 0 is plain attention."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(2, 9, 2, 16, dtype=torch.float64) for _ in range(3))
+    torch.manual_seed(0)
+    a = fa.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+    torch.manual_seed(0)
+    assert torch.equal(a, fa.flash_attn_func(q, k, v, dropout_p=0.3, causal=True))
+    assert not torch.allclose(a, fa.flash_attn_func(q, k, v, causal=True))
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32)
+    packed = fa.flash_attn_varlen_func(q.reshape(18, 2, 16), k.reshape(18, 2, 16), v.reshape(18, 2, 16), cu, cu, 9, 9,
+                                       dropout_p=0.3, causal=True)  # fmt: skip
+    assert packed.shape == (18, 2, 16) and torch.isfinite(packed).all()

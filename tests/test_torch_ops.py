@@ -68,12 +68,14 @@ def test_opcheck_the_custom_ops():
 
     torch.manual_seed(2)
     q, k, v = _leaves((2, 6, 4, 16), (2, 9, 2, 16), (2, 9, 2, 16), dtype=torch.float32)
-    args = (q, k, v, True, 0.25, -1, 0, 0.0, "bshd", "auto", False)
-    torch.library.opcheck(_torch_ops.attention_op, args)
-    out, lse = _torch_ops.attention_op(*args)
-    saved = [x.detach() for x in (q, k, v, out, lse)]  # no double backward: plain tensors
-    bwd = (torch.randn_like(out), *saved, None, True, 0.25, -1, 0, 0.0, "bshd", False)
-    torch.library.opcheck(_torch_ops.attention_backward_op, bwd)
+    for dropout_p, seed in ((0.0, 0), (0.3, 1234)):  # without dropout, and with it (seed tensor)
+        seed_t = torch.tensor(seed, dtype=torch.int64)
+        args = (q, k, v, True, 0.25, -1, 0, 0.0, "bshd", "auto", False, dropout_p, seed_t)
+        torch.library.opcheck(_torch_ops.attention_op, args)
+        out, lse = _torch_ops.attention_op(*args)
+        saved = [x.detach() for x in (q, k, v, out, lse)]  # no double backward: plain tensors
+        bwd = (torch.randn_like(out), *saved, None, True, 0.25, -1, 0, 0.0, "bshd", False, dropout_p, seed_t)
+        torch.library.opcheck(_torch_ops.attention_backward_op, bwd)
 
 
 class _Block(torch.nn.Module):
@@ -167,8 +169,9 @@ def test_torch_compile_varlen_and_its_backward():
     f(q, k, v).backward()
     for a, b in zip(got, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(a, b)
-    args = (q, k, v, cu, cu, 7, 7, True, 0.25, -1, 0, 0.0, "auto", False)
-    torch.library.opcheck(_torch_ops.attention_varlen_op, args)
+    for dropout_p, seed in ((0.0, 0), (0.25, 99)):
+        args = (q, k, v, cu, cu, 7, 7, True, 0.25, -1, 0, 0.0, "auto", False, dropout_p, torch.tensor(seed))
+        torch.library.opcheck(_torch_ops.attention_varlen_op, args)
 
 
 def test_importing_cupyflash_does_not_import_torch():
@@ -220,7 +223,9 @@ def test_gpu_opcheck():
     from cupyflash import _torch_ops
 
     q, k, v = _leaves((1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64), dtype=torch.float16, device="cuda")
-    torch.library.opcheck(_torch_ops.attention_op, (q, k, v, False, 0.125, -1, -1, 0.0, "bshd", "auto", True))
+    for dropout_p in (0.0, 0.2):
+        args = (q, k, v, False, 0.125, -1, -1, 0.0, "bshd", "auto", True, dropout_p, torch.tensor(5))
+        torch.library.opcheck(_torch_ops.attention_op, args)
 
 
 @pytest.mark.gpu

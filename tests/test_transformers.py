@@ -158,5 +158,20 @@ def test_masks_it_cannot_express_raise():
     with pytest.raises(ValueError, match="gaps"):
         cft.attention_forward(Module(), q8, k, k, holes, sliding_window=4)
     cft.attention_forward(Module(), q8, k, k, holes)  # without a window the packed sequence is exact
-    with pytest.raises(NotImplementedError, match="dropout"):
-        cft.attention_forward(Module(), q, k, k, None, dropout=0.1)
+
+
+def test_training_mode_dropout_reaches_the_kernels():
+    """In train mode transformers passes the config's attention_dropout: the logits change with
+    it (and repeat under one torch seed); in eval mode they equal eager's."""
+    cfg = _config("llama")
+    cfg.attention_dropout = 0.5
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
+    ids = torch.randint(1, 101, (2, 12))
+    model.train()
+    torch.manual_seed(1)
+    a = model(ids).logits
+    torch.manual_seed(1)
+    assert torch.equal(a, model(ids).logits)
+    model.eval()
+    assert not torch.allclose(a, model(ids).logits)

@@ -14,8 +14,9 @@ The attention function maps each call onto :func:`cupyflash.attention` (no paddi
 :func:`cupyflash.attention_varlen` (padding: the valid tokens packed, as flash-attn's integration
 unpads them): causal (bottom-right, so a cache's queries are its last positions), the module's
 ``scaling``, ``sliding_window`` (a token sees itself and the ``sliding_window - 1`` before it),
-``softcap`` and GQA. PyTorch tensors that require grad get their gradients (the training path).
-What it cannot express raises: dropout in training, a non-causal sliding window, a padding mask
+``softcap``, GQA and the module's attention ``dropout`` (transformers passes 0 in eval mode).
+PyTorch tensors that require grad get their gradients (the training path).
+What it cannot express raises: a non-causal sliding window, a padding mask
 with several query tokens whose last positions are not all valid (the queries of a cache must
 be its newest tokens), a sliding window over a mask with gaps inside a sequence.
 """
@@ -57,8 +58,6 @@ def attention_forward(
 ) -> tuple[Any, None]:
     """transformers' attention-function signature: query ``(B, Hq, Nq, d)``, key and value
     ``(B, Hkv, Nk, d)``; returns ``(B, Nq, Hq, d)`` and no attention weights."""
-    if dropout:
-        raise NotImplementedError(f"cupyflash has no attention dropout yet (dropout={dropout})")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = (-1, -1)
     if sliding_window is not None:
@@ -66,10 +65,11 @@ def attention_forward(
             raise NotImplementedError("a non-causal sliding window is not supported by cupyflash's integration")
         window = (int(sliding_window) - 1, -1)
     cap = float(softcap or 0.0)
+    options: dict[str, Any] = {"causal": causal, "scale": scaling, "window": window, "softcap": cap,
+                               "dropout_p": float(dropout)}  # fmt: skip
     if attention_mask is None:
-        out = attention(query, key, value, causal=causal, scale=scaling, window=window, softcap=cap, layout="bhsd")
+        out = attention(query, key, value, layout="bhsd", **options)
         return out.transpose(1, 2), None
-    options: dict[str, Any] = {"causal": causal, "scale": scaling, "window": window, "softcap": cap}
     return _padded(query, key, value, attention_mask, options), None
 
 
