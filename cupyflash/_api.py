@@ -90,7 +90,7 @@ def attention(
         Defaults to ``1 / sqrt(d)``. Any finite value.
     window : (left, right)
         Sliding window: query ``i`` sees keys ``i + Nk - Nq - left .. i + Nk - Nq + right``;
-        ``-1`` = unbounded. ``causal=True`` is ``right = 0``.
+        ``-1`` = unbounded. ``causal=True`` sets ``right = 0`` whatever ``window`` says (as flash-attn).
     softcap : float
         If > 0, scores become ``softcap * tanh(scores / softcap)`` before the softmax.
     layout : {"bshd", "bhsd"}

@@ -162,9 +162,7 @@ def normalize_window(causal: bool, window: Any, seqlen_q: int, seqlen_k: int) ->
     left, right = _window(window)
     if left < -1 or right < -1:
         raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
-    if causal:
-        if right > 0:
-            raise ValueError(f"causal=True means a right window bound of 0, but window={window!r} asks for {right}")
+    if causal:  # flash-attn's rule: causal sets the right bound to 0, whatever the window says
         right = 0
     if right >= seqlen_q - 1:
         right = -1

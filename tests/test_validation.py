@@ -35,7 +35,6 @@ K = np.zeros((2, 7, 2, 16), dtype=np.float32)
         (Q, K, K, {"window": (-2, 0)}, "window must be a pair"),
         (Q, K, K, {"window": (3,)}, "window must be a pair"),
         (Q, K, K, {"window": (1.5, 2)}, "window must be a pair"),
-        (Q, K, K, {"causal": True, "window": (4, 3)}, "causal=True means a right window bound of 0"),
         (Q, K, K, {"causal": 1}, "causal must be a bool"),
         (Q, K, K, {"layout": "sbhd"}, "layout must be one of"),
         (Q, K, K, {"algorithm": "flash3"}, "algorithm must be one of"),
@@ -131,3 +130,11 @@ def test_float_cu_seqlens_are_refused_on_the_host():
     cu = np.array([0.0, 3.0, 7.0])
     with pytest.raises(TypeError, match="cu_seqlens_q must be an integer array"):
         cupyflash.attention_varlen(q, q, q, cu, cu.astype(np.int32), 4, 4)
+
+
+def test_causal_clamps_the_right_window_bound_as_flash_attn():
+    """causal=True with window (4, 3): flash-attn's (4, 0), not an error."""
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((1, 9, 2, 8)), rng.standard_normal((1, 12, 1, 8))
+    got = cupyflash.attention(q, k, k, causal=True, window=(4, 3))
+    np.testing.assert_array_equal(got, cupyflash.attention(q, k, k, causal=True, window=(4, 0)))
