@@ -11,7 +11,17 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 from . import _baselines_gpu, _host, _interop, _launch, _plan
-from ._validate import attention_problem, check_algorithm, check_dropout, check_flag, check_options, varlen_problem
+from ._validate import (
+    LAYOUTS,
+    attention_problem,
+    check_algorithm,
+    check_alibi,
+    check_dropout,
+    check_flag,
+    check_options,
+    split_dims,
+    varlen_problem,
+)
 from .xp_impl import Dropout
 
 # The forward plans, by call signature (library, device, shapes, dtypes, options).
@@ -34,6 +44,7 @@ def attention(
     deterministic: bool = ...,
     dropout_p: float = ...,
     seed: int | None = ...,
+    alibi_slopes: Any = ...,
 ) -> Any: ...
 @overload
 def attention(
@@ -51,6 +62,7 @@ def attention(
     deterministic: bool = ...,
     dropout_p: float = ...,
     seed: int | None = ...,
+    alibi_slopes: Any = ...,
 ) -> tuple[Any, Any]: ...
 def attention(
     q: Any,
@@ -67,6 +79,7 @@ def attention(
     deterministic: bool = False,
     dropout_p: float = 0.0,
     seed: int | None = None,
+    alibi_slopes: Any = None,
 ) -> Any:
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v``.
 
@@ -122,6 +135,12 @@ def attention(
         ``random``. Give the same seed to :func:`attention_backward` to differentiate the call
         (autograd does it for tensors that require grad). A call captured into a CUDA graph
         must give one (a seed drawn at capture would repeat in every replay).
+    alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
+        ALiBi, as flash-attn's: the score of query ``i`` and key ``j`` gains
+        ``-slope * |i + Nk - Nq - j|`` (after the scale and softcap, before the mask), the slope
+        of the query head (and batch entry). Same library and device as ``q``. On the GPU: the
+        FA2 kernel (``"auto"`` picks it; not with softcap yet; ``"fa3"`` and ``"decode"`` have
+        no ALiBi); the host takes every combination.
 
     Returns
     -------
@@ -147,38 +166,43 @@ def attention(
     """
     if _interop.compiling():  # Dynamo traces the custom op, not this function's body
         return _interop.torch_ops.attention(
-            q, k, v, causal, scale, window, softcap, layout, algorithm, return_lse, deterministic, dropout_p, seed
-        )
+            q, k, v, causal, scale, window, softcap, layout, algorithm, return_lse, deterministic, dropout_p, seed,
+            alibi_slopes,
+        )  # fmt: skip
     options = check_options(causal, scale, window, softcap)
     if deterministic is not False and deterministic is not True:
         deterministic = check_flag("deterministic", deterministic)
     if dropout_p or seed is not None or type(dropout_p) is not float:  # the default skips the checks
         dropout_p, seed = check_dropout(dropout_p, seed)
     check_algorithm("attention", algorithm)
-    found = _interop.lean_arrays(q, k, v)
+    found = None if alibi_slopes is not None else _interop.lean_arrays(q, k, v)
     if found is None:
-        arrays = _interop.gpu_arrays(("q", "k", "v"), (q, k, v))
+        arrays = _interop.gpu_arrays(("q", "k", "v", "alibi_slopes"), (q, k, v, alibi_slopes))
         if arrays is None:
             if _interop.needs_autograd((q, k, v)):
                 return _interop.torch_ops.attention(
-                    q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed
+                    q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes
                 )
-            problem = _problem(q, k, v, options, layout, dropout_p)
-            out, lse = _host.attention(q, k, v, problem, algorithm, _host_dropout(q, dropout_p, seed))
+            problem = _problem(q, k, v, options, layout, dropout_p, alibi_slopes)
+            dropout = _host_dropout(q, dropout_p, seed)
+            out, lse = _host.attention(q, k, v, problem, algorithm, dropout, alibi_slopes)
             return (out, lse) if return_lse else out
-        lib, device, (q, k, v) = arrays
+        lib, device, (q, k, v, alibi_slopes) = arrays
     else:
         lib, device = found
     if lib.check_inputs((q, k, v)):  # tensors that require grad: the custom op has the backward
         return _interop.torch_ops.attention(
-            q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed
+            q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes
         )
+    alibi_key = None if alibi_slopes is None else (tuple(alibi_slopes.shape), lib.dtype_name(alibi_slopes))
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, options, layout, algorithm,
-           dropout_p)  # fmt: skip
+           dropout_p, alibi_key)  # fmt: skip
     launch = _plans.lookup(key)
     if launch is None:
-        launch = _plans.get(key, lambda: _plan_attention(lib, device, q, k, v, options, layout, algorithm, dropout_p))
-    arrays_by_name = {"q": q, "k": k, "v": v}
+        launch = _plans.get(
+            key, lambda: _plan_attention(lib, device, q, k, v, options, layout, algorithm, dropout_p, alibi_slopes)
+        )
+    arrays_by_name = {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes}
     if dropout_p:
         arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
     out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
@@ -203,36 +227,43 @@ def _host_dropout(x: Any, dropout_p: float, seed: int | None) -> Dropout | None:
     return Dropout(dropout_p, _interop.draw_seed(x) if seed is None else seed)
 
 
-def _problem(q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str, dropout_p: float = 0.0) -> Any:
+def _problem(
+    q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str, dropout_p: float = 0.0, alibi_slopes: Any = None
+) -> Any:
     causal, scale, window, softcap = options
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape"):
             raise TypeError(f"{name} must be an array (CuPy, PyTorch, JAX, NumPy ...), got {type(x).__name__}")
+    b, _, hq, _ = split_dims(tuple(q.shape), layout) if len(q.shape) == 4 and layout in LAYOUTS else (0, 0, 0, 0)
     return attention_problem(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=causal, scale=scale, window=window, softcap=softcap,
-        layout=layout, dropout_p=dropout_p,
+        layout=layout, dropout_p=dropout_p, alibi=check_alibi(alibi_slopes, b, hq),
     )  # fmt: skip
 
 
 def _varlen_problem(
     q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: tuple[Any, ...],
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, alibi_slopes: Any = None,
 ) -> Any:  # fmt: skip
+    batch = cu_q.shape[0] - 1 if len(cu_q.shape) == 1 else 0
+    heads = q.shape[1] if len(q.shape) == 3 else 0
     return varlen_problem(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(cu_q.shape), tuple(cu_k.shape), max_q, max_k,
         causal=options[0], scale=options[1], window=options[2], softcap=options[3], dropout_p=dropout_p,
+        alibi=check_alibi(alibi_slopes, batch, heads),
     )  # fmt: skip
 
 
 def _plan_attention(
     lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str, algorithm: str,
-    dropout_p: float,
+    dropout_p: float, alibi_slopes: Any,
 ) -> _plan.Launch:  # fmt: skip
-    problem = _problem(q, k, v, options, layout, dropout_p)
+    problem = _problem(q, k, v, options, layout, dropout_p, alibi_slopes)
     dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
+    _check_slopes_dtype(lib, alibi_slopes)
     if algorithm in ("fa1", "naive"):
-        if dropout_p:
-            raise ValueError(f"the GPU baseline algorithm={algorithm!r} has no dropout: use 'auto' or 'fa2'")
+        if dropout_p or alibi_slopes is not None:
+            raise ValueError(f"the GPU baseline algorithm={algorithm!r} has no dropout or ALiBi: use 'auto' or 'fa2'")
         return _baselines_gpu.plan_baseline(problem, dtype, _plan.device_info(device), algorithm)
     return _plan.plan_attention(problem, dtype, _plan.device_info(device), algorithm, tuple(q.shape))
 
@@ -255,6 +286,7 @@ def attention_varlen(
     deterministic: bool = False,
     dropout_p: float = 0.0,
     seed: int | None = None,
+    alibi_slopes: Any = None,
 ) -> Any:
     """Attention over a batch of sequences of different lengths packed end to end, as
     flash-attn's ``flash_attn_varlen_func``.
@@ -281,6 +313,8 @@ def attention_varlen(
         For PyTorch tensors that require grad: the backward without atomic adds.
     dropout_p, seed : as in :func:`attention`; an element's (batch, row, key) are its sequence's
         index and its positions within the sequence.
+    alibi_slopes : as in :func:`attention`, ``(Hq,)`` or ``(batch, Hq)``; the distance within
+        each sequence.
 
     Notes
     -----
@@ -299,37 +333,40 @@ def attention_varlen(
     if _interop.compiling():
         return _interop.torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
-            algorithm, return_lse, deterministic, dropout_p, seed,
+            algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes,
         )  # fmt: skip
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = check_dropout(dropout_p, seed)
     check_algorithm("attention_varlen", algorithm)
-    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
-    arrays = _interop.gpu_arrays(names, (q, k, v, cu_seqlens_q, cu_seqlens_k))
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
+    arrays = _interop.gpu_arrays(names, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes))
     if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
         return _interop.torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options, algorithm, return_lse,
-            deterministic, dropout_p, seed,
+            deterministic, dropout_p, seed, alibi_slopes,
         )  # fmt: skip
-    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p)
+    problem = _varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p, alibi_slopes
+    )
     if arrays is None:
         dropout = _host_dropout(q, dropout_p, seed)
-        out, lse = _host.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, dropout)
+        out, lse = _host.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, dropout, alibi_slopes)
         return (out, lse) if return_lse else out
-    lib, device, (q, k, v, cu_q, cu_k) = arrays
+    lib, device, (q, k, v, cu_q, cu_k, alibi_slopes) = arrays
     key = (lib.name, device, problem, q.shape, k.shape, q.dtype, k.dtype, v.dtype, cu_q.dtype, cu_k.dtype, algorithm)
 
     def plan() -> _plan.Launch:
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
         _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k)})
+        _check_slopes_dtype(lib, alibi_slopes)
         rows = (q.shape[0], k.shape[0])
         return _plan.plan_forward(
             problem, dtype, _plan.device_info(device), algorithm, q_shape=tuple(q.shape), packed_rows=rows
         )
 
     launch = _plans.get(key, plan)
-    arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "alibi_slopes": alibi_slopes}
     if dropout_p:
         arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
     out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
@@ -353,6 +390,7 @@ def attention_backward(
     deterministic: bool = False,
     dropout_p: float = 0.0,
     seed: int | None = None,
+    alibi_slopes: Any = None,
 ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention` at ``out, lse = attention(q, k, v, ...,
     return_lse=True)`` for the output gradient ``dout``, as FlashAttention-2's backward computes
@@ -375,6 +413,7 @@ def attention_backward(
     dropout_p, seed : the forward's (its mask is regenerated from the seed, which is required
         when ``dropout_p > 0``): ``dv = (P M r)^T dout``, ``dS = P * (dout v^T M r - D)`` with
         M the keep mask and ``r = 1 / (1 - dropout_p)``.
+    alibi_slopes : the forward's (the slopes get no gradient, as in flash-attn).
 
     Returns
     -------
@@ -401,19 +440,20 @@ def attention_backward(
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = _backward_dropout(dropout_p, seed)
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse")
-    given = (dout, q, k, v, out, lse, dlse)
-    problem = _problem(q, k, v, options, layout, dropout_p)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes")
+    given = (dout, q, k, v, out, lse, dlse, alibi_slopes)
+    problem = _problem(q, k, v, options, layout, dropout_p, alibi_slopes)
     lse_shape = (problem.batch, problem.heads_q, problem.seqlen_q)
     _check_shapes(given, names, (q.shape, q.shape, lse_shape, lse_shape), ("dout", "out", "lse", "dlse"))
     arrays = _interop.gpu_arrays(names, given)
     if arrays is None:
         dropout = Dropout(dropout_p, seed) if seed is not None else None
-        return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem, dropout)
-    lib, device, (dout, q, k, v, out, lse, dlse) = arrays
+        return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem, dropout, alibi_slopes)
+    lib, device, (dout, q, k, v, out, lse, dlse, alibi_slopes) = arrays
     key = ("bwd", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None, deterministic)
 
     def plan() -> _plan.Launch:
+        _check_slopes_dtype(lib, alibi_slopes)
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
         return _plan.plan_backward(
             problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
@@ -422,7 +462,7 @@ def attention_backward(
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
-                      "dropout_seed": seed}  # fmt: skip
+                      "dropout_seed": seed, "alibi_slopes": alibi_slopes}  # fmt: skip
     dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
     return dq, dk, dv
 
@@ -447,33 +487,37 @@ def attention_varlen_backward(
     deterministic: bool = False,
     dropout_p: float = 0.0,
     seed: int | None = None,
+    alibi_slopes: Any = None,
 ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention_varlen` at ``out, lse =
     attention_varlen(..., return_lse=True)``, as :func:`attention_backward` computes them, per
     packed sequence. ``lse`` (and ``dlse``) are ``(Hq, total_q)``. Packed rows that belong to
     no sequence get zero gradients. On the GPU the offsets are trusted as the forward's (and
     clamped into the packed tensors); on the host they are checked. ``dropout_p`` and ``seed``:
-    the forward's, as for :func:`attention_backward`."""
+    the forward's, as for :func:`attention_backward`; ``alibi_slopes`` too."""
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = _backward_dropout(dropout_p, seed)
-    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p)
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k")
-    given = (dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k)
+    problem = _varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p, alibi_slopes
+    )
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
+    given = (dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     lse_shape = (problem.heads_q, q.shape[0])
     _check_shapes(given, names, (q.shape, q.shape, lse_shape, lse_shape), ("dout", "out", "lse", "dlse"))
     arrays = _interop.gpu_arrays(names, given)
     if arrays is None:
         dropout = Dropout(dropout_p, seed) if seed is not None else None
         return _host.attention_varlen_backward(
-            dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem, dropout
+            dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem, dropout, alibi_slopes
         )
-    lib, device, (dout, q, k, v, out, lse, dlse, cu_q, cu_k) = arrays
+    lib, device, (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes) = arrays
     key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None, deterministic)
 
     def plan() -> _plan.Launch:
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
         _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k)})
+        _check_slopes_dtype(lib, alibi_slopes)
         return _plan.plan_backward(
             problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
             packed_rows=(q.shape[0], k.shape[0]), deterministic=deterministic,
@@ -481,9 +525,15 @@ def attention_varlen_backward(
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
-                      "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "dropout_seed": seed}  # fmt: skip
+                      "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "dropout_seed": seed,
+                      "alibi_slopes": alibi_slopes}  # fmt: skip
     dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
     return dq, dk, dv
+
+
+def _check_slopes_dtype(lib: _interop.ArrayLib, slopes: Any) -> None:
+    if slopes is not None and lib.dtype_name(slopes) != "float32":
+        raise TypeError(f"alibi_slopes must be float32 (as flash-attn's), got {lib.dtype_name(slopes)}")
 
 
 def _backward_dropout(dropout_p: Any, seed: Any) -> tuple[float, int | None]:

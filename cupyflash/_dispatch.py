@@ -57,7 +57,7 @@ FA2_FWD_TILES: dict[int, tuple[TileConfig, ...]] = {
 # Softcap adds a tanh per score and its registers: these tiles spilled with it (d = 128's
 # 128 x 128: 12-16 B; d = 256's 128 x 64 and 64 x 64: 4-8 B), so softcap runs narrower key blocks.
 # Dropout's Philox draws take registers too (d = 128's 128 x 128 spilled 8 B with causal + local):
-# it runs the same narrower tiles.
+# it runs the same narrower tiles, and so does ALiBi (its bias per score).
 FA2_FWD_SOFTCAP_TILES: dict[int, tuple[TileConfig, ...]] = {
     128: (TileConfig(128, 64, 8, q_in_regs=True),),
     256: (TileConfig(128, 32, 8), TileConfig(64, 32, 4)),
@@ -73,6 +73,7 @@ class MaskFlags:
     local: bool
     softcap: bool
     dropout: bool = False
+    alibi: bool = False  # not with softcap
 
 
 def fa2_fwd_tiles(head_dim: int, narrow: bool) -> tuple[TileConfig, ...]:
@@ -81,8 +82,8 @@ def fa2_fwd_tiles(head_dim: int, narrow: bool) -> tuple[TileConfig, ...]:
 
 
 def fa2_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, max_smem: int) -> Fa2FwdSpec:
-    for tile in fa2_fwd_tiles(head_dim, flags.softcap or flags.dropout):
-        spec = Fa2FwdSpec(dtype, head_dim, tile, flags.causal, flags.local, flags.softcap, flags.dropout)
+    for tile in fa2_fwd_tiles(head_dim, flags.softcap or flags.dropout or flags.alibi):
+        spec = Fa2FwdSpec(dtype, head_dim, tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi)
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(f"no FA2 tile for head_dim={head_dim} fits in {max_smem} bytes of shared memory")
@@ -92,13 +93,13 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
     """Every variant the dispatcher can pick: what warmup and the CI compile test build."""
     specs = []
     for head_dim in FA2_FWD_TILES:
-        for softcap in (False, True):
+        for softcap, alibi in ((False, False), (True, False), (False, True)):  # the score variants
             for dropout in (False, True):
-                for tile in fa2_fwd_tiles(head_dim, softcap or dropout):
+                for tile in fa2_fwd_tiles(head_dim, softcap or dropout or alibi):
                     for dtype in ("float16", "bfloat16"):
                         for causal in (False, True):
                             for local in (False, True):
-                                specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap, dropout))
+                                specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap, dropout, alibi))
     return specs
 
 
@@ -313,6 +314,8 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
 FA2_BWD_TILES: dict[int, tuple[int, int, int]] = {
     32: (64, 128, 1), 64: (64, 128, 1), 96: (32, 128, 1), 128: (32, 128, 1), 192: (64, 64, 2), 256: (32, 64, 2),
 }  # fmt: skip
+# ALiBi at d = 128: 32 x 128 spilled 8 bytes (causal + window, sm_90a); 32 x 64 fits every flag.
+FA2_BWD_ALIBI_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_TILES, 128: (32, 64, 1)}
 
 
 # The deterministic backward's dQ kernel: (block_m, block_n, warps), 16 query rows per warp (32
@@ -324,16 +327,16 @@ FA2_BWD_DQ_DROPOUT_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_DQ_TILES,
 def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool = False) -> Fa2BwdSpec:
     if head_dim not in FA2_BWD_TILES:
         raise ValueError(f"the GPU backward supports head_dim in {FA2_BWD_HEAD_DIMS}, got {head_dim}")
-    block_m, block_n, d_split = FA2_BWD_TILES[head_dim]
+    block_m, block_n, d_split = (FA2_BWD_ALIBI_TILES if flags.alibi else FA2_BWD_TILES)[head_dim]
     return Fa2BwdSpec(
         dtype, head_dim, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic, d_split,
-        flags.dropout,
+        flags.dropout, flags.alibi,
     )  # fmt: skip
 
 
 def fa2_bwd_dq_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa2BwdDqSpec:
-    tile = (FA2_BWD_DQ_DROPOUT_TILES if flags.dropout else FA2_BWD_DQ_TILES)[head_dim]
-    return Fa2BwdDqSpec(dtype, head_dim, *tile, flags.causal, flags.local, flags.softcap, flags.dropout)
+    tile = (FA2_BWD_DQ_DROPOUT_TILES if flags.dropout or flags.alibi else FA2_BWD_DQ_TILES)[head_dim]
+    return Fa2BwdDqSpec(dtype, head_dim, *tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi)
 
 
 def all_fa2_bwd_specs() -> list[KernelSpec]:
@@ -342,9 +345,9 @@ def all_fa2_bwd_specs() -> list[KernelSpec]:
         for dtype in CUDA_ELEMENT_TYPES:
             for causal in (False, True):
                 for local in (False, True):
-                    for softcap in (False, True):
+                    for softcap, alibi in ((False, False), (True, False), (False, True)):
                         for dropout in (False, True):
-                            flags = MaskFlags(causal, local, softcap, dropout)
+                            flags = MaskFlags(causal, local, softcap, dropout, alibi)
                             specs.append(fa2_bwd_spec(dtype, head_dim, flags))
                             specs.append(fa2_bwd_spec(dtype, head_dim, flags, deterministic=True))
                             specs.append(fa2_bwd_dq_spec(dtype, head_dim, flags))

@@ -40,25 +40,46 @@ def _check_floats(xp: Any, named: list[tuple[str, Any]]) -> None:
             )
 
 
-def attention(q: Any, k: Any, v: Any, problem: Problem, algorithm: str, dropout: Any = None) -> tuple[Any, Any]:
+def attention(
+    q: Any, k: Any, v: Any, problem: Problem, algorithm: str, dropout: Any = None, alibi_slopes: Any = None
+) -> tuple[Any, Any]:
     from . import xp_impl
 
-    xp = namespace(("q", "k", "v"), (q, k, v))
+    xp = _namespace_with_slopes(("q", "k", "v"), (q, k, v), alibi_slopes)
     _check_floats(xp, [("q", q), ("k", k), ("v", v)])
     # fa3 is FA2's algorithm on Hopper's instructions: on the host both are xp_impl's fa2.
     host_algorithm = "fa2" if algorithm in ("auto", "fa3") else algorithm
-    return xp_impl.attention(xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout)
+    return xp_impl.attention(xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout, alibi_slopes=alibi_slopes)
+
+
+def _sequence_slopes(slopes: Any, b: int) -> Any:
+    """Packed sequence b's ALiBi slopes: (Hq,) as given, or row b of (B, Hq)."""
+    return slopes if slopes is None or slopes.ndim == 1 else slopes[b, ...]
+
+
+def _namespace_with_slopes(names: tuple[str, ...], arrays: tuple[Any, ...], slopes: Any) -> Any:
+    """The arrays' namespace, ALiBi's slopes (a real floating array) among them when given."""
+    if slopes is None:
+        return namespace(names, arrays)
+    xp = namespace((*names, "alibi_slopes"), (*arrays, slopes))
+    if not xp.isdtype(slopes.dtype, "real floating"):
+        raise TypeError(f"alibi_slopes must have a real floating dtype, got {slopes.dtype}")
+    return xp
 
 
 def attention_backward(
-    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, problem: Problem, dropout: Any = None
-) -> tuple[Any, Any, Any]:
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, problem: Problem, dropout: Any = None,
+    alibi_slopes: Any = None,
+) -> tuple[Any, Any, Any]:  # fmt: skip
     from . import xp_impl
 
-    names, arrays = ("dout", "q", "k", "v", "out", "lse", "dlse"), (dout, q, k, v, out, lse, dlse)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes")
+    arrays = (dout, q, k, v, out, lse, dlse, alibi_slopes)
     xp = namespace(*zip(*((n, x) for n, x in zip(names, arrays) if x is not None)))
     _check_floats(xp, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)])
-    return xp_impl.attention_backward(xp, dout, q, k, v, out, lse, problem, dlse=dlse, dropout=dropout)
+    return xp_impl.attention_backward(
+        xp, dout, q, k, v, out, lse, problem, dlse=dlse, dropout=dropout, alibi_slopes=alibi_slopes
+    )
 
 
 def _sequence(problem: Problem, b: int, rows: tuple[int, int], dropout: Any) -> tuple[Problem, Any]:
@@ -69,12 +90,12 @@ def _sequence(problem: Problem, b: int, rows: tuple[int, int], dropout: Any) -> 
 
 
 def attention_varlen(
-    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, dropout: Any = None
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, dropout: Any = None, alibi_slopes: Any = None
 ) -> tuple[Any, Any]:
     """One dense attention per sequence, in the arrays' own namespace."""
     from . import xp_impl
 
-    xp = namespace(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), (q, k, v, cu_q, cu_k))
+    xp = _namespace_with_slopes(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), (q, k, v, cu_q, cu_k), alibi_slopes)
     _check_floats(xp, [("q", q), ("k", k), ("v", v)])
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not xp.isdtype(cu.dtype, "integral"):
@@ -85,7 +106,10 @@ def attention_varlen(
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         seq = [xp.expand_dims(x, axis=0) for x in (q[q0:q1, ...], k[k0:k1, ...], v[k0:k1, ...])]
         dense, seq_dropout = _sequence(problem, b, (q1 - q0, k1 - k0), dropout)
-        out, lse = xp_impl.attention(xp, seq[0], seq[1], seq[2], dense, algorithm="fa2", dropout=seq_dropout)
+        slopes = _sequence_slopes(alibi_slopes, b)
+        out, lse = xp_impl.attention(
+            xp, seq[0], seq[1], seq[2], dense, algorithm="fa2", dropout=seq_dropout, alibi_slopes=slopes
+        )
         outs.append(out[0, ...])
         lses.append(lse[0, ...])
     lse_dtype = xp_impl.compute_dtype(xp, q)
@@ -100,13 +124,13 @@ def attention_varlen(
 
 def attention_varlen_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, cu_q: Any, cu_k: Any, problem: Problem,
-    dropout: Any = None,
+    dropout: Any = None, alibi_slopes: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """One dense backward per sequence; packed rows outside every sequence get zero gradients."""
     from . import xp_impl
 
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k")
-    arrays = (dout, q, k, v, out, lse, dlse, cu_q, cu_k)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
+    arrays = (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes)
     xp = namespace(*zip(*((n, x) for n, x in zip(names, arrays) if x is not None)))
     check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], problem.seqlen_q, problem.seqlen_k)
     # cu_seqlens start at 0 and do not decrease (checked): the sequences tile rows [0, cu[-1])
@@ -118,8 +142,9 @@ def attention_varlen_backward(
         k_b, v_b = (xp.expand_dims(x[k0:k1, ...], axis=0) for x in (k, v))
         lse_b, dlse_b = (None if x is None else xp.expand_dims(x[:, q0:q1], axis=0) for x in (lse, dlse))
         dense, seq_dropout = _sequence(problem, b, (q1 - q0, k1 - k0), dropout)
+        slopes = _sequence_slopes(alibi_slopes, b)
         grads = xp_impl.attention_backward(
-            xp, dout_b, q_b, k_b, v_b, out_b, lse_b, dense, dlse=dlse_b, dropout=seq_dropout
+            xp, dout_b, q_b, k_b, v_b, out_b, lse_b, dense, dlse=dlse_b, dropout=seq_dropout, alibi_slopes=slopes
         )
         for piece, grad in zip(pieces, grads):
             piece.append(grad[0, ...])

@@ -41,6 +41,9 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("dropout_seed", "u8"),
     ("dropout_threshold", "u4"),
     ("dropout_scale", "f4"),
+    ("alibi_slopes", "u8"),
+    ("alibi_batch_stride", "i8"),
+    ("alibi_scale", "f4"),
 )
 
 _STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}

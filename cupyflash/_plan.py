@@ -34,7 +34,7 @@ from ._specs import (
     KernelSpec,
     MergeSpec,
 )
-from ._validate import KvCacheProblem, Problem
+from ._validate import ALIBI_BATCH_HEAD, ALIBI_NONE, KvCacheProblem, Problem
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,6 +246,7 @@ def clear_caches() -> None:
 # exp2(x * 1e-30 - m * 1e-30) rounds to exactly 1 in float32 for any 16-bit score, so the result
 # is the uniform average, as the limit requires; 0 itself would turn masked -inf * 0 into NaN.
 ZERO_SCALE_SURROGATE = 1e-30
+ALIBI_ZERO_SCALE_SURROGATE = 1e-20
 # The kernels scale float32 scores: |scale| <= 1e6 keeps |q.k| * scale * log2(e) finite for every
 # float16 input (|q.k| <= 65504^2 * 256 ~ 1.1e12), where a larger one could overflow silently.
 MAX_GPU_SCALE = 1e6
@@ -268,7 +269,10 @@ def softmax_factors(problem: Problem) -> tuple[float, float, bool]:
         return multiplier * LOG2E, prescale, False
     if abs(problem.scale) > MAX_GPU_SCALE:
         raise ValueError(f"the GPU kernels take |scale| <= {MAX_GPU_SCALE:g} (float32 scores), got {problem.scale}")
-    return max(abs(problem.scale), ZERO_SCALE_SURROGATE) * LOG2E, 0.0, problem.scale < 0
+    # ALiBi's bias enters the logit divided by the multiplier: 1e-20 keeps slope / multiplier x
+    # distance finite for any slope < 1e9 (and 1e-20 x q.k is still nothing beside the bias).
+    floor = ALIBI_ZERO_SCALE_SURROGATE if problem.alibi != ALIBI_NONE else ZERO_SCALE_SURROGATE
+    return max(abs(problem.scale), floor) * LOG2E, 0.0, problem.scale < 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,6 +331,7 @@ def attn_fields(p: Problem, rows: tuple[int, int], scale_log2: float, prescale: 
         "softmax_scale_log2": scale_log2,
         "softcap_prescale": prescale,
         **dropout_fields(p),
+        **({} if p.alibi == ALIBI_NONE else {"alibi_scale": LOG2E / scale_log2}),
     }
 
 
@@ -335,6 +340,12 @@ def dropout_fields(p: Problem) -> dict[str, int | float]:
     if p.dropout_p == 0:
         return {}
     return {"dropout_threshold": min(round(p.dropout_p * 65536), 65535), "dropout_scale": 1.0 / (1.0 - p.dropout_p)}
+
+
+def alibi_operand(params: ParamsTemplate, p: Problem) -> Operand:
+    """The fp32 slopes (Hq,) (batch stride 0) or (B, Hq), flash-attn's ``alibi_slopes``."""
+    strides = ((params.slot("alibi_batch_stride"), 0),) if p.alibi == ALIBI_BATCH_HEAD else ()
+    return Operand("alibi_slopes", INDEX, params.slot("alibi_slopes"), strides)
 
 
 def dropout_operand(params: ParamsTemplate) -> Operand:
@@ -356,15 +367,22 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 LAYOUT_AXES = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "thd": (-1, 0, 1)}  # (batch, row, head)
 
 
+def mask_flags(p: Problem) -> _dispatch.MaskFlags:
+    """The variant flags of a call (softcap and ALiBi do not combine on the GPU yet)."""
+    if p.softcap > 0 and p.alibi != ALIBI_NONE:
+        raise ValueError("softcap and alibi_slopes together are not supported on the GPU yet")
+    return _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0, p.dropout_p > 0, p.alibi != ALIBI_NONE)
+
+
 def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, packed: bool) -> Fa2FwdSpec | Fa3FwdSpec:
     """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel; ``packed``
     (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens."""
     if p.head_dim not in FA2_HEAD_DIMS:
         raise ValueError(f"the GPU kernels support head_dim in {FA2_HEAD_DIMS}, got {p.head_dim}")
-    flags = _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0, p.dropout_p > 0)
-    if flags.dropout and algorithm == "fa3":
-        raise ValueError("algorithm='fa3' (the Hopper kernel) has no dropout: use algorithm='fa2' or 'auto'")
-    if algorithm in ("fa3", "auto") and not flags.dropout:
+    flags = mask_flags(p)
+    if (flags.dropout or flags.alibi) and algorithm == "fa3":
+        raise ValueError("algorithm='fa3' (the Hopper kernel) has no dropout or ALiBi: use algorithm='fa2' or 'auto'")
+    if algorithm in ("fa3", "auto") and not (flags.dropout or flags.alibi):
         hopper = device.arch == HOPPER_ARCH
         spec = _dispatch.fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k, packed) if hopper else None
         if spec is not None and spec.smem_bytes <= device.max_smem_per_block:
@@ -450,6 +468,8 @@ def plan_forward(
         ]
     if p.dropout_p > 0:
         operands.append(dropout_operand(params))
+    if p.alibi != ALIBI_NONE:
+        operands.append(alibi_operand(params, p))
     outputs: tuple[Output, ...] = (
         Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0 if packed else None),
         Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=-math.inf if packed else None, optional=True),
@@ -487,7 +507,7 @@ def plan_backward(
     axes = LAYOUT_AXES["thd" if packed else p.layout]
     rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
     has_work = p.batch > 0 and p.heads_q > 0 and rows[0] > 0 and rows[1] > 0
-    flags = _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0, p.dropout_p > 0)
+    flags = mask_flags(p)
     spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags, deterministic)
     if spec.smem_bytes > device.max_smem_per_block:
         raise ValueError(
@@ -534,6 +554,8 @@ def plan_backward(
     ]
     if p.dropout_p > 0:
         operands.append(dropout_operand(params))
+    if p.alibi != ALIBI_NONE:
+        operands.append(alibi_operand(params, p))
     if packed:
         operands += [
             Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),
@@ -691,6 +713,7 @@ def decode_applies(p: Problem) -> bool:
         and not p.local_bound
         and (p.softcap == 0)
         and p.dropout_p == 0
+        and p.alibi == ALIBI_NONE
     )
 
 
@@ -704,7 +727,7 @@ def plan_attention(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q
         if not decode_applies(p):
             raise ValueError(
                 f"algorithm='decode' takes 1 to {DECODE_MAX_QUERIES} query tokens, head_dim in {DECODE_HEAD_DIMS}, "
-                f"no window, softcap or dropout; this call has {p.seqlen_q} query tokens, head_dim={p.head_dim}"
+                f"no window, softcap, dropout or ALiBi; this call has {p.seqlen_q} query tokens, head_dim={p.head_dim}"
             )
         kp = KvCacheProblem(p, paged=False, page_size=p.seqlen_k, num_pages=p.batch, capacity=p.seqlen_k, seqlen_new=0)
         return plan_kvcache(kp, {"q": dtype}, device, num_splits=0, layout=p.layout, dense=True)

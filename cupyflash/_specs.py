@@ -132,6 +132,7 @@ class Fa2FwdSpec(_KernelSpecBase):
     local: bool = False  # left bound: key >= row + shift - window_left
     softcap: bool = False
     dropout: bool = False  # dropout on P (kernels_cu/dropout.cuh)
+    alibi: bool = False  # ALiBi slopes (kernels_cu/variants.cuh; not with softcap)
 
     kernel = "fa2_fwd"
     source_file = "fa2_fwd.cu"
@@ -167,6 +168,7 @@ class Fa2FwdSpec(_KernelSpecBase):
             (f"b{t.min_blocks}", t.min_blocks > 1),
             *_mask_flags(self.causal, self.local, self.softcap),
             ("drop", self.dropout),
+            ("alibi", self.alibi),
         )
 
     @property
@@ -194,6 +196,7 @@ class Fa2FwdSpec(_KernelSpecBase):
             self.local,
             self.softcap,
             self.dropout,
+            self.alibi,
         )
 
     @property
@@ -594,6 +597,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     deterministic: bool = False  # no dQ here (no atomics): Fa2BwdDqSpec's kernel computes it
     d_split: int = 1  # warps sharing 16 keys, each with 1 / d_split of d's dK, dV columns
     dropout: bool = False  # the forward's dropout mask regenerated (kernels_cu/dropout.cuh)
+    alibi: bool = False
 
     kernel = "fa2_bwd"
     source_file = "fa2_bwd.cu"
@@ -622,7 +626,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
         return (
             (f"split{self.d_split}", self.d_split > 1), *_mask_flags(self.causal, self.local, self.softcap),
-            ("drop", self.dropout), ("det", self.deterministic),
+            ("drop", self.dropout), ("alibi", self.alibi), ("det", self.deterministic),
         )  # fmt: skip
 
     @property
@@ -639,7 +643,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         return (
             self.head_dim, self.block_m, self.block_n, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local,
-            self.softcap, not self.deterministic, self.d_split, self.dropout,
+            self.softcap, not self.deterministic, self.d_split, self.dropout, self.alibi,
         )  # fmt: skip
 
 
@@ -657,6 +661,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
     local: bool = False
     softcap: bool = False
     dropout: bool = False
+    alibi: bool = False
 
     kernel = "fa2_bwd_dq_blocks"
     source_file = "fa2_bwd.cu"
@@ -683,7 +688,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
         )  # fmt: skip
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
-        return (*_mask_flags(self.causal, self.local, self.softcap), ("drop", self.dropout))
+        return (*_mask_flags(self.causal, self.local, self.softcap), ("drop", self.dropout), ("alibi", self.alibi))
 
     @property
     def num_threads(self) -> int:
@@ -696,7 +701,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         return (
             self.head_dim, self.block_m, self.block_n, self.num_warps, CUDA_ELEMENT_TYPES[self.dtype], self.causal,
-            self.local, self.softcap, self.dropout,
+            self.local, self.softcap, self.dropout, self.alibi,
         )  # fmt: skip
 
 

@@ -53,11 +53,13 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 def attention_op(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int,
     softcap: float, layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
+    alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         out, lse = _api.attention(
             q, k, v, causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap, layout=layout,
             algorithm=algorithm, return_lse=True, dropout_p=dropout_p, seed=_seed_value(dropout_p, seed),
+            alibi_slopes=alibi_slopes,
         )  # fmt: skip
     return _contiguous(out, lse)
 
@@ -65,7 +67,7 @@ def attention_op(
 @attention_op.register_fake
 def _(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
-    layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
+    layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     p = _problem(q, k, v, causal, scale, window_left, window_right, softcap, layout)
     lse = q.new_empty((p.batch, p.heads_q, p.seqlen_q), dtype=_lse_dtype(q))
@@ -76,13 +78,13 @@ def _(
 def attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
     scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
-    dropout_p: float, seed: Tensor,
+    dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         grads = _api.attention_backward(
             dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale, window=(window_left, window_right),
             softcap=softcap, layout=layout, deterministic=deterministic, dropout_p=dropout_p,
-            seed=_seed_value(dropout_p, seed),
+            seed=_seed_value(dropout_p, seed), alibi_slopes=alibi_slopes,
         )  # fmt: skip
     return _contiguous(*grads)
 
@@ -91,35 +93,36 @@ def attention_backward_op(
 def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
     scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
-    dropout_p: float, seed: Tensor,
+    dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return _empty_like(q, k, v)
 
 
 def _setup_attention(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, causal, scale, window_left, window_right, softcap, layout, _, deterministic, dropout_p, seed = inputs
-    ctx.save_for_backward(q, k, v, *output, seed)
+    q, k, v, causal, scale, window_left, window_right, softcap, layout, _, deterministic, dropout_p, seed = inputs[:13]
+    ctx.save_for_backward(q, k, v, *output, seed, inputs[13])
     ctx.options = (causal, scale, window_left, window_right, softcap, layout, deterministic, dropout_p)
 
 
 def _attention_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, out, lse, seed = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, *ctx.options, seed)
-    return dq, dk, dv, *(None,) * 10
+    q, k, v, out, lse, seed, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, *ctx.options, seed, alibi_slopes)
+    return dq, dk, dv, *(None,) * 11  # the options, the seed and the slopes get none
 
 
 attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
 
 
 def attention(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, softcap: Any, layout: str,
-              algorithm: str, return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any) -> Any:  # fmt: skip
+              algorithm: str, return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any,
+              alibi_slopes: Any = None) -> Any:  # fmt: skip
     """``cupyflash.attention`` through the custom op (arguments as the public function's)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window_left, window_right = window
     dropout_p = float(dropout_p)
     out, lse = attention_op(
         q, k, v, bool(causal), scale, int(window_left), int(window_right), float(softcap), layout, algorithm,
-        bool(deterministic), dropout_p, _seed_tensor(q, dropout_p, seed),
+        bool(deterministic), dropout_p, _seed_tensor(q, dropout_p, seed), alibi_slopes,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -156,13 +159,13 @@ def _seed_value(dropout_p: float, seed: Tensor) -> int | None:
 def attention_varlen_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
-    algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
+    algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         out, lse = _api.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
             window=(window_left, window_right), softcap=softcap, algorithm=algorithm, return_lse=True,
-            dropout_p=dropout_p, seed=_seed_value(dropout_p, seed),
+            dropout_p=dropout_p, seed=_seed_value(dropout_p, seed), alibi_slopes=alibi_slopes,
         )  # fmt: skip
     return _contiguous(out, lse)
 
@@ -171,7 +174,7 @@ def attention_varlen_op(
 def _(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
-    algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
+    algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     check_options(causal, scale, (window_left, window_right), softcap)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
@@ -183,12 +186,14 @@ def attention_varlen_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
     window_left: int, window_right: int, softcap: float, deterministic: bool, dropout_p: float, seed: Tensor,
+    alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         grads = _api.attention_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
             causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
             deterministic=deterministic, dropout_p=dropout_p, seed=_seed_value(dropout_p, seed),
+            alibi_slopes=alibi_slopes,
         )  # fmt: skip
     return _contiguous(*grads)
 
@@ -198,21 +203,24 @@ def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
     window_left: int, window_right: int, softcap: float, deterministic: bool, dropout_p: float, seed: Tensor,
+    alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return _empty_like(q, k, v)
 
 
 def _setup_varlen(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, _, deterministic = inputs[:14]
-    dropout_p, seed = inputs[14:]
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed)
+    dropout_p, seed, alibi_slopes = inputs[14:]
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed, alibi_slopes)
     ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic, dropout_p)
 
 
 def _varlen_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
-    dq, dk, dv = attention_varlen_backward_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options, seed)
-    return dq, dk, dv, *(None,) * 13
+    q, k, v, out, lse, cu_q, cu_k, seed, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = attention_varlen_backward_op(
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options, seed, alibi_slopes
+    )
+    return dq, dk, dv, *(None,) * 14
 
 
 attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen)
@@ -220,7 +228,8 @@ attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                      max_seqlen_k: int, causal: Any, scale: Any, window: Any, softcap: Any, algorithm: str,
-                     return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any) -> Any:  # fmt: skip
+                     return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any,
+                     alibi_slopes: Any = None) -> Any:  # fmt: skip
     """``cupyflash.attention_varlen`` through the custom op."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window_left, window_right = window
@@ -228,7 +237,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     out, lse = attention_varlen_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
         int(window_left), int(window_right), float(softcap), algorithm, bool(deterministic), dropout_p,
-        _seed_tensor(q, dropout_p, seed),
+        _seed_tensor(q, dropout_p, seed), alibi_slopes,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

@@ -103,6 +103,22 @@ def check_dropout(dropout_p: Any, seed: Any) -> tuple[float, int | None]:
     return dropout_p, seed
 
 
+ALIBI_NONE, ALIBI_HEAD, ALIBI_BATCH_HEAD = "none", "head", "batch_head"
+
+
+def check_alibi(slopes: Any, batch: int, heads_q: int) -> str:
+    """The kind of ``alibi_slopes``: flash-attn's (Hq,) or (B, Hq), or none."""
+    if slopes is None:
+        return ALIBI_NONE
+    shape = tuple(getattr(slopes, "shape", ()))
+    if shape == (heads_q,):
+        return ALIBI_HEAD
+    if shape == (batch, heads_q):
+        return ALIBI_BATCH_HEAD
+    raise ValueError(f"alibi_slopes must have shape (nheads,) = ({heads_q},) or (batch, nheads) = "
+                     f"({batch}, {heads_q}), got {shape}")  # fmt: skip
+
+
 def check_algorithm(entry: str, algorithm: Any) -> str:
     allowed = ALGORITHMS[entry]
     if type(algorithm) is not str or algorithm not in allowed:
@@ -126,6 +142,7 @@ class Problem:
     window_left: int
     window_right: int
     dropout_p: float = 0.0  # checked by check_dropout
+    alibi: str = ALIBI_NONE  # ALiBi slopes: none, (Hq,) "head", or (B, Hq) "batch_head"
 
     @property
     def causal_bound(self) -> bool:
@@ -201,6 +218,7 @@ def attention_problem(
     softcap: Any,
     layout: str,
     dropout_p: float = 0.0,
+    alibi: str = ALIBI_NONE,
 ) -> Problem:
     """Check the shapes and options of ``attention`` and normalise them."""
     if layout not in LAYOUTS:
@@ -234,6 +252,7 @@ def attention_problem(
         window_left=left,
         window_right=right,
         dropout_p=dropout_p,
+        alibi=alibi,
     )
 
 
@@ -257,6 +276,7 @@ def varlen_problem(
     window: Any,
     softcap: Any,
     dropout_p: float = 0.0,
+    alibi: str = ALIBI_NONE,
 ) -> Problem:
     """Check ``attention_varlen``'s arguments. The Problem's seqlens are the maxima: they size
     the grid and nothing else. The mask bounds are kept whatever the maxima say (a bound the
@@ -283,7 +303,7 @@ def varlen_problem(
         raise ValueError(f"max_seqlen_q/k ({max_q}, {max_k}) exceed the packed lengths ({total_q}, {total_k})")
     dense = attention_problem(
         (1, max_q, hq, d), (1, max_k, hk, dk), (1, max_k, hk, dk),
-        causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd", dropout_p=dropout_p,
+        causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd", dropout_p=dropout_p, alibi=alibi,
     )  # fmt: skip
     left, right = normalize_window(check_causal(causal), window, _UNBOUNDED, _UNBOUNDED)
     return dataclasses.replace(

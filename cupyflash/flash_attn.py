@@ -18,11 +18,12 @@ float32 ``(batch, nheads, seqlen_q)`` (``(nheads, total_q)`` for varlen), ``cach
 reads the whole cache.
 
 Differences that remain (each raises ``NotImplementedError`` naming the argument, never a
-silent fallback): ``alibi_slopes``; on ``flash_attn_with_kvcache`` ``rotary_cos``/``rotary_sin``,
-``cache_batch_idx``, ``cache_leftpad``, a window and ``softcap``; ``block_table`` on the varlen
-functions. ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third
-value is the dropout pattern its own tests read back, which is not materialised here (the mask
-is ``cupyflash.xp_impl.Dropout``'s, regenerated from the seed).
+silent fallback): on ``flash_attn_with_kvcache`` ``rotary_cos``/``rotary_sin``,
+``cache_batch_idx``, ``cache_leftpad``, ``alibi_slopes``, a window and ``softcap``; ``block_table``
+on the varlen functions (``alibi_slopes`` with ``softcap`` on the GPU raises ``ValueError``).
+``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third value is the
+dropout pattern its own tests read back, which is not materialised here (the mask is
+``cupyflash.xp_impl.Dropout``'s, regenerated from the seed).
 """
 
 from __future__ import annotations
@@ -82,10 +83,9 @@ def flash_attn_func(
 ) -> Any:
     """q ``(B, Sq, H, d)``, k and v ``(B, Sk, Hk, d)``; returns out ``(B, Sq, H, d)``, or
     ``(out, softmax_lse, None)`` with ``return_attn_probs``."""
-    _refuse("flash_attn_func", alibi_slopes=alibi_slopes)
     result = attention(
         q, k, v, causal=causal, scale=softmax_scale, window=_window(causal, window_size), softcap=softcap,
-        return_lse=True, deterministic=deterministic, dropout_p=dropout_p,
+        return_lse=True, deterministic=deterministic, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
     )  # fmt: skip
     return _returned(result, return_attn_probs)
 
@@ -150,11 +150,11 @@ def flash_attn_varlen_func(
 ) -> Any:
     """q ``(total_q, H, d)``, k and v ``(total_k, Hk, d)``, cu_seqlens int32 ``(batch + 1,)``;
     ``softmax_lse`` is ``(H, total_q)``."""
-    _refuse("flash_attn_varlen_func", alibi_slopes=alibi_slopes, block_table=block_table)
+    _refuse("flash_attn_varlen_func", block_table=block_table)
     result = attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,
         window=_window(causal, window_size), softcap=softcap, return_lse=True, deterministic=deterministic,
-        dropout_p=dropout_p,
+        dropout_p=dropout_p, alibi_slopes=alibi_slopes,
     )  # fmt: skip
     return _returned(result, return_attn_probs)
 

@@ -246,22 +246,49 @@ class KeyMask:
         return xp.where(ok, logits, xp.full_like(logits, -math.inf))
 
 
-def _logits(xp: Any, q_blk: Any, k_blk: Any, p: Problem) -> Any:
-    """Scaled (and soft-capped) scores of a block: [.., rows, d] x [.., keys, d] -> [.., rows, keys]."""
+@dataclass(frozen=True)
+class Alibi:
+    """ALiBi (twin of kernels_cu/variants.cuh's Alibi): the score of query row i and key j gains
+    -slope * |i + Nk - Nq - j|; ``slopes`` [B or 1, Hkv, G, 1, 1] in the compute dtype."""
+
+    slopes: Any
+
+    @staticmethod
+    def of(xp: Any, slopes: Any, heads_kv: int, like: Any) -> Alibi:
+        """From the caller's (Hq,) or (B, Hq) slopes."""
+        s = xp.astype(slopes, like.dtype)
+        s = xp.reshape(s, (1 if s.ndim == 1 else s.shape[0], heads_kv, -1, 1, 1))
+        return Alibi(xp.asarray(s, device=_device(like)))
+
+    def bias(self, xp: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
+        i = xp.reshape(xp.arange(*rows), (-1, 1))
+        j = xp.reshape(xp.arange(*keys), (1, -1))
+        distance = xp.abs(i + (p.seqlen_k - p.seqlen_q) - j)
+        return -self.slopes * xp.astype(distance, self.slopes.dtype)
+
+
+def _logits(
+    xp: Any, q_blk: Any, k_blk: Any, p: Problem, alibi: Alibi | None = None, rows: tuple[int, int] = (0, 0),
+    keys: tuple[int, int] = (0, 0),
+) -> Any:  # fmt: skip
+    """Scaled (and soft-capped) scores of a block: [.., rows, d] x [.., keys, d] -> [.., rows, keys];
+    with ``alibi``, plus its bias at query rows ``rows`` and keys ``keys`` (ranges)."""
     s = q_blk @ xp.matrix_transpose(k_blk)
-    if p.softcap > 0:
-        return p.softcap * xp.tanh(s * (p.scale / p.softcap))
-    return s * p.scale
+    s = p.softcap * xp.tanh(s * (p.scale / p.softcap)) if p.softcap > 0 else s * p.scale
+    return s if alibi is None else s + alibi.bias(xp, p, rows, keys)
 
 
 # ---------------------------------------------------------------------------------------------
 # The algorithms. q: [B, Hkv, G, Nq, d]; k, v: [B, Hkv, 1, Nk, d]. Return (O, LSE [B, Hkv, G, Nq]).
 # ---------------------------------------------------------------------------------------------
-def naive(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, dropout: Dropout | None = None) -> tuple[Any, Any]:
+def naive(
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, dropout: Dropout | None = None, alibi: Alibi | None = None
+) -> tuple[Any, Any]:
     """Three passes over N x N matrices: S = Q K^T, P = softmax(S), O = P V (P dropped out first
     with ``dropout``)."""
     mask = KeyMask(0, p.seqlen_q - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
-    s = mask.apply(xp, _logits(xp, q, k, p), 0, p.seqlen_k - 1)  # pass 1: S
+    logits = _logits(xp, q, k, p, alibi, (0, p.seqlen_q), (0, p.seqlen_k))
+    s = mask.apply(xp, logits, 0, p.seqlen_k - 1)  # pass 1: S
     if p.seqlen_k:
         row_max = xp.max(s, axis=-1)
     else:  # no key at all (max over an empty axis is an error): every row is empty
@@ -277,7 +304,7 @@ def naive(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, dropout: Dropout | Non
 
 def fa2_partial(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int, block_n: int, key_range: tuple[int, int],
-    dropout: Dropout | None = None,
+    dropout: Dropout | None = None, alibi: Alibi | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """FA2 over keys in ``key_range`` (the whole sequence, or one split of FlashDecoding).
 
@@ -301,7 +328,7 @@ def fa2_partial(
             if key1 <= key0:
                 continue
             # -- scores of this block, masked only where the block straddles a bound
-            s = _logits(xp, q_blk, k[..., key0:key1, :], p)
+            s = _logits(xp, q_blk, k[..., key0:key1, :], p, alibi, (row0, row1), (key0, key1))
             if mask.needs_mask(key0, key1 - 1):
                 s = mask.apply(xp, s, key0, key1 - 1)
             # -- update m and l, rescale O, accumulate P V
@@ -320,9 +347,11 @@ def fa2_partial(
 
 def fa2(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int = 64, block_n: int = 64,
-    dropout: Dropout | None = None,
+    dropout: Dropout | None = None, alibi: Alibi | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
-    return fa2_partial(xp, q, k, v, p, block_m=block_m, block_n=block_n, key_range=(0, p.seqlen_k), dropout=dropout)
+    return fa2_partial(
+        xp, q, k, v, p, block_m=block_m, block_n=block_n, key_range=(0, p.seqlen_k), dropout=dropout, alibi=alibi
+    )
 
 
 def fa1_block_sizes(head_dim: int, sram_elements: int = DEFAULT_SRAM_ELEMENTS) -> tuple[int, int]:
@@ -332,7 +361,10 @@ def fa1_block_sizes(head_dim: int, sram_elements: int = DEFAULT_SRAM_ELEMENTS) -
     return min(block_c, d), block_c
 
 
-def fa1(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEFAULT_SRAM_ELEMENTS) -> tuple[Any, Any]:
+def fa1(
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEFAULT_SRAM_ELEMENTS,
+    alibi: Alibi | None = None,
+) -> tuple[Any, Any]:  # fmt: skip
     """Algorithm 1 of FlashAttention: K/V blocks outer, Q blocks inner, O/l/m through "HBM"."""
     block_r, block_c = fa1_block_sizes(p.head_dim, sram_elements)
     row_starts = list(range(0, p.seqlen_q, block_r))
@@ -349,7 +381,7 @@ def fa1(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEF
             mask = KeyMask(row0, row1 - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
             if key1 <= mask.key_begin() or key0 >= mask.key_end():
                 continue  # every key of the block hidden from every row of Q_i
-            s = _logits(xp, q[..., row0:row1, :], k_blk, p)
+            s = _logits(xp, q[..., row0:row1, :], k_blk, p, alibi, (row0, row1), (key0, key1))
             if mask.needs_mask(key0, key1 - 1):
                 s = mask.apply(xp, s, key0, key1 - 1)
             m_new, rescale = update_max(xp, m_hbm[i], s, LOG2E)
@@ -364,8 +396,9 @@ def fa1(xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEF
 
 
 def decode(
-    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, num_splits: int = 4, block_n: int = 64, split_keys: int = 0
-) -> tuple[Any, Any]:
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, num_splits: int = 4, block_n: int = 64, split_keys: int = 0,
+    alibi: Alibi | None = None,
+) -> tuple[Any, Any]:  # fmt: skip
     """FlashDecoding: split the keys into chunks of ``split_keys`` keys (default: ``num_splits``
     chunks of whole key blocks), one FA2 partial (O_s, LSE_s) each, then merge them exactly."""
     chunk = split_keys
@@ -374,7 +407,7 @@ def decode(
         chunk = -(-chunk // block_n) * block_n  # whole key blocks per split, as the kernel
     outs, lses = [], []
     for key0 in range(0, max(p.seqlen_k, 1), chunk):
-        o, lse = fa2_partial(xp, q, k, v, p, block_m=64, block_n=block_n, key_range=(key0, key0 + chunk))
+        o, lse = fa2_partial(xp, q, k, v, p, block_m=64, block_n=block_n, key_range=(key0, key0 + chunk), alibi=alibi)
         outs.append(o)
         lses.append(lse)
     return merge(xp, outs, lses)
@@ -457,15 +490,17 @@ def _device(x: Any) -> Any:
 
 def attention(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", dropout: Dropout | None = None,
-    **options: Any,
+    alibi_slopes: Any = None, **options: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Run one algorithm on caller arrays in ``p.layout``; returns (out in the caller's dtype and
     layout, LSE [B, Hq, Nq] in the compute dtype: float64 for float64 inputs, else float32).
-    ``dropout``: naive and fa2 only."""
+    ``dropout``: naive and fa2 only. ``alibi_slopes``: (Hq,) or (B, Hq), every algorithm."""
     if dropout is not None:
         if algorithm not in ("naive", "fa2"):
             raise ValueError(f"dropout runs with the naive and fa2 algorithms, not {algorithm!r}")
         options["dropout"] = dropout
+    if alibi_slopes is not None:
+        options["alibi"] = Alibi.of(xp, alibi_slopes, p.heads_kv, xp.astype(q, compute_dtype(xp, q)))
     compute = compute_dtype(xp, q)
     b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
     if p.layout == "bshd":  # -> [B, H, N, d]
@@ -492,7 +527,7 @@ def attention(
 # ---------------------------------------------------------------------------------------------
 def fa2_backward(
     xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, *, dlse: Any = None,
-    block_m: int = 64, block_n: int = 64, dropout: Dropout | None = None,
+    block_m: int = 64, block_n: int = 64, dropout: Dropout | None = None, alibi: Alibi | None = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """(dQ, dK, dV) in the internal layout: q, dout, out [B, Hkv, G, Nq, d]; k, v [B, Hkv, 1, Nk, d];
     lse and dlse (the LSE's gradient, or None) [B, Hkv, G, Nq]. dK and dV are summed over the G
@@ -515,7 +550,8 @@ def fa2_backward(
                 continue  # no query of this block sees a key of this one
             q_blk, do_blk = q[..., row0:row1, :], dout[..., row0:row1, :]
             # -- P again, from the logits and the saved LSE (0 where masked, or the row is empty)
-            s = _logits(xp, q_blk, k_blk, p)
+            capped = _logits(xp, q_blk, k_blk, p)  # the softcap's derivative reads it without the bias
+            s = capped if alibi is None else capped + alibi.bias(xp, p, (row0, row1), (key0, key1))
             if mask.needs_mask(key0, key1 - 1):
                 s = mask.apply(xp, s, key0, key1 - 1)
             lse_blk = lse[..., row0:row1, None]
@@ -531,7 +567,7 @@ def fa2_backward(
             dv = dv + xp.matrix_transpose(kept) @ do_blk
             ds = probs * (dp - d_rows[..., row0:row1, None])
             if p.softcap > 0:
-                ds = xp.where(visible, ds * (1 - (s / p.softcap) ** 2), xp.zeros_like(ds))
+                ds = xp.where(visible, ds * (1 - (capped / p.softcap) ** 2), xp.zeros_like(ds))
             ds = ds * p.scale
             dq_blocks[index] = dq_blocks[index] + ds @ k_blk
             dk = dk + xp.matrix_transpose(ds) @ q_blk
@@ -545,7 +581,7 @@ def fa2_backward(
 
 def attention_backward(
     xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, dlse: Any = None,
-    dropout: Dropout | None = None,
+    dropout: Dropout | None = None, alibi_slopes: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """The gradients of ``attention`` on caller arrays in ``p.layout``: (dq, dk, dv) in the
     inputs' dtype and layout, computed in float32 (float64 for float64 inputs)."""
@@ -558,7 +594,8 @@ def attention_backward(
     lse4, dlse4 = (
         None if x is None else xp.reshape(xp.astype(x, compute), (b, hkv, group, p.seqlen_q)) for x in (lse, dlse)
     )
-    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout)
+    alibi = None if alibi_slopes is None else Alibi.of(xp, alibi_slopes, hkv, q5)
+    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout, alibi=alibi)
     dq = to_bhsd(xp.reshape(dq5, (b, p.heads_q, p.seqlen_q, p.head_dim)))
     dk, dv = (to_bhsd(x[:, :, 0, ...]) for x in (dk5, dv5))
     return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)

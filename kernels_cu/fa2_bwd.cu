@@ -149,7 +149,7 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, bool Is_causal_,
           bool Is_local_, bool Has_softcap_, bool Dq_atomic_ = true, int kDSplit_ = 1,
-          bool Has_dropout_ = false>
+          bool Has_dropout_ = false, bool Has_alibi_ = false>
 struct Fa2BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -173,7 +173,7 @@ struct Fa2BwdTraits {
   // dQ accumulated here with atomics; false: fa2_bwd_dq_blocks computes it (deterministic).
   static constexpr bool Dq_atomic = Dq_atomic_;
   static constexpr bool Has_dropout = Has_dropout_;
-  using Transform = ScoreTransform<Has_softcap>;
+  using Transform = ScoreTransform<Has_softcap, Has_alibi_>;
 
   // The shape names of tile_mma.cuh for a warp's products with 16 key rows: M = keys (one
   // 16-row tile), N = the warp's query rows (S^T, dP^T), K-steps over d; then M = keys,
@@ -305,7 +305,6 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   zero_fill(acc_dk);
   zero_fill(acc_dv);
   const uint32_t no_regs[1][Traits::kDSteps][4] = {};  // gemm_qk's Q_in_regs operand (unused)
-  const typename Traits::Transform transform(a);
   const float scale_log2 = a.softmax_scale_log2;
 
   if (steps > 0) load_step(0, 0);
@@ -332,6 +331,7 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     float acc_s[1][kNTiles][4];
     gemm_qk<Traits>(acc_s, no_regs, s_k, q_tile + phase_offset, warp_key0, lane);
     // logit(S^T), then the mask (-inf), as the forward orders them.
+    const typename Traits::Transform transform(a, batch, step_head(step), seqlen_k - seqlen_q);
     transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0 + phase_row0, lane);
     if (range.needs_mask(row0 / kBlockM)) {
       range.apply(acc_s, key0 + warp_key0, row0 + phase_row0, lane);
@@ -502,7 +502,8 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
 // then skips its dS^T staging and its atomics (Fa2BwdTraits::Dq_atomic = false).
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_,
-          bool Is_causal_, bool Is_local_, bool Has_softcap_, bool Has_dropout_ = false>
+          bool Is_causal_, bool Is_local_, bool Has_softcap_, bool Has_dropout_ = false,
+          bool Has_alibi_ = false>
 struct Fa2BwdDqTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -516,7 +517,7 @@ struct Fa2BwdDqTraits {
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Has_dropout = Has_dropout_;
-  using Transform = ScoreTransform<Has_softcap>;
+  using Transform = ScoreTransform<Has_softcap, Has_alibi_>;
   // tile_mma.cuh's names, as the forward's: M = query rows, N = keys, K-steps over d (S, dP),
   // then over keys (dQ).
   static constexpr int kRowsPerWarp = kBlockM / kNWarps;
@@ -604,7 +605,7 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
   float acc_dq[kMTiles][Traits::kDTiles][4];
   zero_fill(acc_dq);
   const uint32_t no_regs[kMTiles][Traits::kDSteps][4] = {};
-  const typename Traits::Transform transform(a);
+  const typename Traits::Transform transform(a, batch, head, seqlen_k - seqlen_q);
   const float scale_log2 = a.softmax_scale_log2;
   const DropoutMask dropout(a.dropout_seed, a.dropout_threshold, head, batch);
   const float dp_scale = Traits::Has_dropout ? a.dropout_scale : 1.f;  // dP * M / (1 - p)

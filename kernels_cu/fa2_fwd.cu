@@ -28,7 +28,7 @@
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool Q_in_regs_,
           bool Overlap_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_,
-          bool Has_dropout_ = false>
+          bool Has_dropout_ = false, bool Has_alibi_ = false>
 struct Fa2FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -45,7 +45,7 @@ struct Fa2FwdTraits {
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Has_dropout = Has_dropout_;
-  using Transform = ScoreTransform<Has_softcap>;
+  using Transform = ScoreTransform<Has_softcap, Has_alibi_>;
 
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kRowsPerWarp = kBlockM / kNWarps;
@@ -130,7 +130,7 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   };
 
   // Scores of key block n_block -> logits: the score variant (softcap), then the mask.
-  const typename Traits::Transform transform(params);
+  const typename Traits::Transform transform(params, batch, head, seqlen_k - seqlen_q);
   auto logits = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block) {
     transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
     if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);

@@ -47,6 +47,14 @@ struct AttnParams {
   uint64_t dropout_seed;
   uint32_t dropout_threshold;
   float dropout_scale;
+
+  // ALiBi (variants with the Has_alibi flag; kernels_cu/variants.cuh): the score of query row i
+  // and key j gains -slope * |i + shift - j| (flash-attn's alibi_slopes), slope the fp32
+  // alibi_slopes[b * alibi_batch_stride + h]; it enters the logit divided by the softmax's
+  // multiplier (alibi_scale = 1 / that multiplier: see softmax_scale_log2 above).
+  const float* alibi_slopes;
+  int64_t alibi_batch_stride;  // 0 for slopes (Hq,), Hq for (B, Hq)
+  float alibi_scale;
 };
 
 // cuTensorMapEncodeTiled's opaque 128-byte CUtensorMap (cuda.h cannot be included under NVRTC).

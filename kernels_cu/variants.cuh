@@ -3,8 +3,9 @@
 // m16n8 accumulator tile (transform_scores) or on one score (the naive softmax), so ALiBi, a bias
 // tile or a user score function is one more struct here, not an edit of every kernel.
 //
-// A variant is constructed from the kernel's AttnParams and maps (score, query row, key) to the
-// logit; the row and key are those of the sequence (what ALiBi or a bias tile would index by).
+// A variant is constructed from the kernel's AttnParams (and, where the kernel knows them, the
+// batch entry, query head and shift = seqlen_k - seqlen_q of its tile) and maps (score, query
+// row, key) to the logit; the row and key are those of the sequence (what ALiBi indexes by).
 // The factor the softmax multiplies the logit by is softmax_scale_log2 (params.cuh).
 #pragma once
 
@@ -14,6 +15,8 @@
 // logit(s) = s: plain attention (the scale is folded into softmax_scale_log2).
 struct NoScoreTransform {
   CF_DEVICE explicit NoScoreTransform(const AttnParams&) {}
+  CF_DEVICE NoScoreTransform(const AttnParams& p, int /*batch*/, int /*head*/, int /*shift*/)
+      : NoScoreTransform(p) {}
   CF_DEVICE float operator()(float score, int /*row*/, int /*key*/) const { return score; }
 };
 
@@ -23,22 +26,41 @@ struct NoScoreTransform {
 struct Softcap {
   const AttnParams& params;
   CF_DEVICE explicit Softcap(const AttnParams& p) : params(p) {}
+  CF_DEVICE Softcap(const AttnParams& p, int /*batch*/, int /*head*/, int /*shift*/) : params(p) {}
   CF_DEVICE float operator()(float score, int /*row*/, int /*key*/) const {
     return fast_tanh(score * params.softcap_prescale);
   }
 };
 
-// The variant of a kernel's flags (one flag today).
-template <bool Has_softcap>
+// logit(s) = s - slope / M * |row + shift - key| (ALiBi; M the softmax's multiplier, so that the
+// softmax sees scale * s - slope * |i + shift - j|, flash-attn's bias). Needs the tile's batch
+// entry and query head (the slope) and its sequence's shift.
+struct Alibi {
+  float coef;  // -slope / M
+  int shift;
+  CF_DEVICE Alibi(const AttnParams& p, int batch, int head, int shift_)
+      : coef(-p.alibi_slopes[batch * p.alibi_batch_stride + head] * p.alibi_scale), shift(shift_) {}
+  CF_DEVICE float operator()(float score, int row, int key) const {
+    return fmaf(coef, static_cast<float>(abs(row + shift - key)), score);
+  }
+};
+
+// The variant of a kernel's flags (softcap and ALiBi do not combine yet).
+template <bool Has_softcap, bool Has_alibi>
 struct SelectScoreTransform {
+  static_assert(!(Has_softcap && Has_alibi), "softcap and ALiBi do not combine yet");
   using type = NoScoreTransform;
 };
 template <>
-struct SelectScoreTransform<true> {
+struct SelectScoreTransform<true, false> {
   using type = Softcap;
 };
-template <bool Has_softcap>
-using ScoreTransform = typename SelectScoreTransform<Has_softcap>::type;
+template <>
+struct SelectScoreTransform<false, true> {
+  using type = Alibi;
+};
+template <bool Has_softcap, bool Has_alibi = false>
+using ScoreTransform = typename SelectScoreTransform<Has_softcap, Has_alibi>::type;
 
 // Apply a variant to a tile of scores. Fragment layout of m16n8 tiles (as KeyMask::apply):
 // element e of tile (mt, nt) is row row0 + 16 mt + lane / 4 + 8 (e / 2),

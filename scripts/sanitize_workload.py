@@ -105,13 +105,16 @@ Case = tuple[str, Callable[[Arrays], Any]]
 
 
 def _attention(
-    a: Arrays, b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: str = "bfloat16", **options: Any
-) -> Any:
+    a: Arrays, b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: str = "bfloat16", alibi: bool = False,
+    **options: Any,
+) -> Any:  # fmt: skip
     q, k, v = (
         a.randn(b, sq, hq, d, dtype=dtype),
         a.randn(b, sk, hkv, d, dtype=dtype),
         a.randn(b, sk, hkv, d, dtype=dtype),
     )
+    if alibi:  # (B, Hq) slopes
+        options["alibi_slopes"] = a.randn(b, hq, dtype="float32")
     return cupyflash.attention(q, k, v, return_lse=True, **options)
 
 
@@ -136,7 +139,10 @@ def attention_cases(size: str, hopper: bool) -> Iterator[Case]:
         ("softcap-causal", 1, nq, nk, 2, 2, {"causal": True, "softcap": 30.0}),
         ("one-query", 1, 1, nk, 4, 1, {"causal": True, "scale": -0.2}),
     ]
-    dropout = [("dropout-causal", 1, nq, nk, 4, 2, {"causal": True, "dropout_p": 0.3, "seed": 5})]  # FA2 only
+    dropout = [  # FA2 only
+        ("dropout-causal", 1, nq, nk, 4, 2, {"causal": True, "dropout_p": 0.3, "seed": 5}),
+        ("alibi-window", 2, nq, nk, 4, 2, {"window": (20, 5), "alibi": True}),
+    ]
     for algorithm, dims in (("fa2", fa2_dims), ("fa3", fa3_dims)):
         for d in dims:
             for label, b, sq, sk, hq, hkv, options in shapes + (dropout if algorithm == "fa2" else []):
@@ -214,8 +220,10 @@ def kvcache_cases(size: str) -> Iterator[Case]:
                     yield f"kvcache d={d} page={page_size} splits={splits} nq={nq} new={new}", call
 
 
-def _backward(a: Arrays, nq: int, nk: int, d: int, deterministic: bool, **options: Any) -> Any:
+def _backward(a: Arrays, nq: int, nk: int, d: int, deterministic: bool, alibi: bool = False, **options: Any) -> Any:
     q, k, v = a.randn(2, nq, 4, d), a.randn(2, nk, 2, d), a.randn(2, nk, 2, d)
+    if alibi:  # (Hq,) slopes
+        options["alibi_slopes"] = a.randn(4, dtype="float32")
     out, lse = cupyflash.attention(q, k, v, return_lse=True, **options)
     dout = a.randn(2, nq, 4, d)
     return cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
@@ -233,12 +241,13 @@ def _varlen_backward(a: Arrays, q_lens: list[int], k_lens: list[int], d: int, de
 
 def backward_cases(size: str) -> Iterator[Case]:
     """The backward's kernels (prep, key blocks with atomic dQ or the deterministic dQ blocks):
-    partial tiles, causal rows that see no key, a window with softcap, dropout, GQA, packed sequences."""
+    partial tiles, causal rows that see no key, a window with softcap, dropout, ALiBi, GQA, packed sequences."""
     nq, nk = (70, 97) if size == "tiny" else (97, 200)
     for d in (64, 128) if size == "tiny" else BWD_HEAD_DIMS:
         for deterministic in (False, True):
             dropout = {"causal": True, "dropout_p": 0.3, "seed": 9}
-            for options in ({"causal": True}, {"window": (30, 5), "softcap": 4.0}, dropout):
+            alibi = {"causal": True, "alibi": True}
+            for options in ({"causal": True}, {"window": (30, 5), "softcap": 4.0}, dropout, alibi):
                 label = f"backward d={d} det={deterministic} {options}"
                 yield label, partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, **options)
             yield (

@@ -40,7 +40,7 @@ def test_source_names_variant_and_fingerprint():
     assert name == "cf_fa2_fwd_fp16_d96_m128_n64_w8_s2_causal_softcap"
     assert f"void __launch_bounds__(256, 1)\n{name}(const AttnParams params)" in code
     assert f"sha256={_source.fingerprint()}" in code
-    assert "Fa2FwdTraits<96, 128, 64, 8, 2, false, false, __half, true, false, true, false>" in code
+    assert "Fa2FwdTraits<96, 128, 64, 8, 2, false, false, __half, true, false, true, false, false>" in code
     assert "--std=c++17" in options and f"-I{_source.kernel_dir()}" in options
 
 

@@ -70,12 +70,15 @@ def test_opcheck_the_custom_ops():
     q, k, v = _leaves((2, 6, 4, 16), (2, 9, 2, 16), (2, 9, 2, 16), dtype=torch.float32)
     for dropout_p, seed in ((0.0, 0), (0.3, 1234)):  # without dropout, and with it (seed tensor)
         seed_t = torch.tensor(seed, dtype=torch.int64)
-        args = (q, k, v, True, 0.25, -1, 0, 0.0, "bshd", "auto", False, dropout_p, seed_t)
+        args = (q, k, v, True, 0.25, -1, 0, 0.0, "bshd", "auto", False, dropout_p, seed_t, None)
         torch.library.opcheck(_torch_ops.attention_op, args)
         out, lse = _torch_ops.attention_op(*args)
         saved = [x.detach() for x in (q, k, v, out, lse)]  # no double backward: plain tensors
-        bwd = (torch.randn_like(out), *saved, None, True, 0.25, -1, 0, 0.0, "bshd", False, dropout_p, seed_t)
+        bwd = (torch.randn_like(out), *saved, None, True, 0.25, -1, 0, 0.0, "bshd", False, dropout_p, seed_t, None)
         torch.library.opcheck(_torch_ops.attention_backward_op, bwd)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    args = (q, k, v, True, 0.25, -1, 0, 0.0, "bshd", "auto", False, 0.0, torch.tensor(0), slopes)
+    torch.library.opcheck(_torch_ops.attention_op, args)
 
 
 class _Block(torch.nn.Module):
@@ -170,7 +173,7 @@ def test_torch_compile_varlen_and_its_backward():
     for a, b in zip(got, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(a, b)
     for dropout_p, seed in ((0.0, 0), (0.25, 99)):
-        args = (q, k, v, cu, cu, 7, 7, True, 0.25, -1, 0, 0.0, "auto", False, dropout_p, torch.tensor(seed))
+        args = (q, k, v, cu, cu, 7, 7, True, 0.25, -1, 0, 0.0, "auto", False, dropout_p, torch.tensor(seed), None)
         torch.library.opcheck(_torch_ops.attention_varlen_op, args)
 
 
@@ -224,7 +227,7 @@ def test_gpu_opcheck():
 
     q, k, v = _leaves((1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64), dtype=torch.float16, device="cuda")
     for dropout_p in (0.0, 0.2):
-        args = (q, k, v, False, 0.125, -1, -1, 0.0, "bshd", "auto", True, dropout_p, torch.tensor(5))
+        args = (q, k, v, False, 0.125, -1, -1, 0.0, "bshd", "auto", True, dropout_p, torch.tensor(5), None)
         torch.library.opcheck(_torch_ops.attention_op, args)
 
 
