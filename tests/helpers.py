@@ -240,3 +240,14 @@ def paginate(
         pages[table.ravel()] = padded.reshape(b * per_seq, page_size, h, d)
         paged.append(pages)
     return paged, table.astype(np.int32)
+
+
+def check_against_formula(got: Any, want: Any, low: Any, name: str) -> float:
+    """A GPU result against the float64 formula: within the dtype's bound and within 2x the error
+    of the same formula in the inputs' own precision plus a rounding floor (flash-attn's rule)."""
+    dtype = str(got.dtype).removeprefix("torch.")
+    got64, want64, low64 = (x.detach().double().cpu().numpy() for x in (got, want, low))
+    assert not np.isnan(got64).any(), f"{name}: unwritten (NaN-poisoned) or NaN"
+    err, naive_err = rel_error(got64, want64), rel_error(low64, want64)
+    assert err <= 2 * BOUND[dtype] and err <= 2 * naive_err + FLOOR[dtype], f"{name}: {err:.2e} (naive {naive_err:.2e})"
+    return err

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BOUND, FLOOR, dropout_keep, naive_low_precision, need_torch, rel_error
+from helpers import check_against_formula, dropout_keep, naive_low_precision, need_torch
 
 import cupyflash
 from cupyflash.xp_impl import Dropout, philox4x32_10
@@ -159,14 +159,6 @@ GPU_CASES = {  # (B, Nq, Nk, Hq, Hkv, options)
 }
 
 
-def _check(torch, got, want, low, name):
-    dtype = str(got.dtype).removeprefix("torch.")
-    got64, want64, low64 = (x.detach().double().cpu().numpy() for x in (got, want, low))
-    assert not np.isnan(got64).any(), f"{name}: unwritten (NaN-poisoned) or NaN"
-    err, naive_err = rel_error(got64, want64), rel_error(low64, want64)
-    assert err <= 2 * BOUND[dtype] and err <= 2 * naive_err + FLOOR[dtype], f"{name}: {err:.2e} (naive {naive_err:.2e})"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 192, 256))
@@ -197,9 +189,9 @@ def test_gpu_forward_and_backward_match_the_explicit_formula(rng, dtype, head_di
 
     want, want_grads = formula(torch.float64)
     low, low_grads = formula(t)
-    _check(torch, out, want, low, "out")
+    check_against_formula(out, want, low, "out")
     for name, got, ref, lo in zip(("dq", "dk", "dv"), grads, want_grads, low_grads):
-        _check(torch, got, ref, lo, name)
+        check_against_formula(got, ref, lo, name)
 
 
 @pytest.mark.gpu
