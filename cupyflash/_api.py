@@ -243,14 +243,15 @@ def _problem(
 
 def _varlen_problem(
     q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: tuple[Any, ...],
-    dropout_p: float = 0.0, alibi_slopes: Any = None,
+    dropout_p: float = 0.0, alibi_slopes: Any = None, seqused_k: Any = None,
 ) -> Any:  # fmt: skip
     batch = cu_q.shape[0] - 1 if len(cu_q.shape) == 1 else 0
     heads = q.shape[1] if len(q.shape) == 3 else 0
     return varlen_problem(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(cu_q.shape), tuple(cu_k.shape), max_q, max_k,
         causal=options[0], scale=options[1], window=options[2], softcap=options[3], dropout_p=dropout_p,
-        alibi=check_alibi(alibi_slopes, batch, heads),
+        alibi=check_alibi(alibi_slopes, batch, heads), seqused_k_shape=None if seqused_k is None else
+        tuple(seqused_k.shape),
     )  # fmt: skip
 
 
@@ -287,6 +288,7 @@ def attention_varlen(
     dropout_p: float = 0.0,
     seed: int | None = None,
     alibi_slopes: Any = None,
+    seqused_k: Any = None,
 ) -> Any:
     """Attention over a batch of sequences of different lengths packed end to end, as
     flash-attn's ``flash_attn_varlen_func``.
@@ -315,6 +317,10 @@ def attention_varlen(
         index and its positions within the sequence.
     alibi_slopes : as in :func:`attention`, ``(Hq,)`` or ``(batch, Hq)``; the distance within
         each sequence.
+    seqused_k : int32 array ``(batch,)``, optional
+        flash-attn's: only the first ``seqused_k[b]`` keys of sequence ``b`` take part (its causal
+        alignment counts those), e.g. a cache region preallocated per sequence. On the GPU the FA2
+        kernel (``"auto"`` picks it); trusted like the offsets and clamped into each sequence.
 
     Notes
     -----
@@ -333,32 +339,35 @@ def attention_varlen(
     if _interop.compiling():
         return _interop.torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
-            algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes,
+            algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes, seqused_k,
         )  # fmt: skip
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = check_dropout(dropout_p, seed)
     check_algorithm("attention_varlen", algorithm)
-    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
-    arrays = _interop.gpu_arrays(names, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes))
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k")
+    arrays = _interop.gpu_arrays(names, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k))
     if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
         return _interop.torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options, algorithm, return_lse,
-            deterministic, dropout_p, seed, alibi_slopes,
+            deterministic, dropout_p, seed, alibi_slopes, seqused_k,
         )  # fmt: skip
     problem = _varlen_problem(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p, alibi_slopes
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p, alibi_slopes, seqused_k
     )
     if arrays is None:
         dropout = _host_dropout(q, dropout_p, seed)
-        out, lse = _host.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, dropout, alibi_slopes)
+        out, lse = _host.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, problem, dropout, alibi_slopes, seqused_k
+        )
         return (out, lse) if return_lse else out
-    lib, device, (q, k, v, cu_q, cu_k, alibi_slopes) = arrays
+    lib, device, (q, k, v, cu_q, cu_k, alibi_slopes, seqused_k) = arrays
     key = (lib.name, device, problem, q.shape, k.shape, q.dtype, k.dtype, v.dtype, cu_q.dtype, cu_k.dtype, algorithm)
 
     def plan() -> _plan.Launch:
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
-        _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k)})
+        _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k),
+                           "seqused_k": None if seqused_k is None else lib.dtype_name(seqused_k)})  # fmt: skip
         _check_slopes_dtype(lib, alibi_slopes)
         rows = (q.shape[0], k.shape[0])
         return _plan.plan_forward(
@@ -366,7 +375,8 @@ def attention_varlen(
         )
 
     launch = _plans.get(key, plan)
-    arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "alibi_slopes": alibi_slopes}
+    arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "alibi_slopes": alibi_slopes,
+                      "seqused_k": seqused_k}  # fmt: skip
     if dropout_p:
         arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
     out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
@@ -488,35 +498,38 @@ def attention_varlen_backward(
     dropout_p: float = 0.0,
     seed: int | None = None,
     alibi_slopes: Any = None,
+    seqused_k: Any = None,
 ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention_varlen` at ``out, lse =
     attention_varlen(..., return_lse=True)``, as :func:`attention_backward` computes them, per
     packed sequence. ``lse`` (and ``dlse``) are ``(Hq, total_q)``. Packed rows that belong to
     no sequence get zero gradients. On the GPU the offsets are trusted as the forward's (and
     clamped into the packed tensors); on the host they are checked. ``dropout_p`` and ``seed``:
-    the forward's, as for :func:`attention_backward`; ``alibi_slopes`` too."""
+    the forward's, as for :func:`attention_backward`; ``alibi_slopes`` and ``seqused_k`` too (keys
+    past ``seqused_k`` get zero gradients)."""
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = _backward_dropout(dropout_p, seed)
     problem = _varlen_problem(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p, alibi_slopes
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p, alibi_slopes, seqused_k
     )
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
-    given = (dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k")
+    given = (dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k)
     lse_shape = (problem.heads_q, q.shape[0])
     _check_shapes(given, names, (q.shape, q.shape, lse_shape, lse_shape), ("dout", "out", "lse", "dlse"))
     arrays = _interop.gpu_arrays(names, given)
     if arrays is None:
         dropout = Dropout(dropout_p, seed) if seed is not None else None
         return _host.attention_varlen_backward(
-            dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem, dropout, alibi_slopes
+            dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem, dropout, alibi_slopes, seqused_k
         )
-    lib, device, (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes) = arrays
+    lib, device, (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k) = arrays
     key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None, deterministic)
 
     def plan() -> _plan.Launch:
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
-        _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k)})
+        _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k),
+                           "seqused_k": None if seqused_k is None else lib.dtype_name(seqused_k)})  # fmt: skip
         _check_slopes_dtype(lib, alibi_slopes)
         return _plan.plan_backward(
             problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
@@ -526,7 +539,7 @@ def attention_varlen_backward(
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
                       "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "dropout_seed": seed,
-                      "alibi_slopes": alibi_slopes}  # fmt: skip
+                      "alibi_slopes": alibi_slopes, "seqused_k": seqused_k}  # fmt: skip
     dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
     return dq, dk, dv
 

@@ -52,6 +52,22 @@ def attention(
     return xp_impl.attention(xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout, alibi_slopes=alibi_slopes)
 
 
+def _keys_used(xp: Any, cu_k: Any, seqused_k: Any) -> list[int]:
+    """Each sequence's end of used keys: cu_seqlens_k[b + 1], or cu_seqlens_k[b] + seqused_k[b]
+    (checked to lie in the sequence: the host can say so, where the GPU clamps)."""
+    ends = [int(x) for x in cu_k[1:]]
+    if seqused_k is None:
+        return ends
+    if not xp.isdtype(seqused_k.dtype, "integral"):
+        raise TypeError(f"seqused_k must be an integer array (int32, as flash-attn's), got {seqused_k.dtype}")
+    starts = [int(x) for x in cu_k[:-1]]
+    used = [int(x) for x in seqused_k]
+    counts = [e - s for s, e in zip(starts, ends)]
+    if any(not 0 <= n <= c for n, c in zip(used, counts)):
+        raise ValueError(f"seqused_k must lie in 0 .. each sequence's key count {counts}, got {used}")
+    return [s + n for s, n in zip(starts, used)]
+
+
 def _sequence_slopes(slopes: Any, b: int) -> Any:
     """Packed sequence b's ALiBi slopes: (Hq,) as given, or row b of (B, Hq)."""
     return slopes if slopes is None or slopes.ndim == 1 else slopes[b, ...]
@@ -90,8 +106,9 @@ def _sequence(problem: Problem, b: int, rows: tuple[int, int], dropout: Any) -> 
 
 
 def attention_varlen(
-    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, dropout: Any = None, alibi_slopes: Any = None
-) -> tuple[Any, Any]:
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, dropout: Any = None, alibi_slopes: Any = None,
+    seqused_k: Any = None,
+) -> tuple[Any, Any]:  # fmt: skip
     """One dense attention per sequence, in the arrays' own namespace."""
     from . import xp_impl
 
@@ -101,9 +118,10 @@ def attention_varlen(
         if not xp.isdtype(cu.dtype, "integral"):
             raise TypeError(f"{name} must be an integer array (int32, as flash-attn's), got {cu.dtype}")
     check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], problem.seqlen_q, problem.seqlen_k)
+    used = _keys_used(xp, cu_k, seqused_k)
     outs, lses = [], []
     for b in range(problem.batch):
-        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), used[b]
         seq = [xp.expand_dims(x, axis=0) for x in (q[q0:q1, ...], k[k0:k1, ...], v[k0:k1, ...])]
         dense, seq_dropout = _sequence(problem, b, (q1 - q0, k1 - k0), dropout)
         slopes = _sequence_slopes(alibi_slopes, b)
@@ -124,20 +142,22 @@ def attention_varlen(
 
 def attention_varlen_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, cu_q: Any, cu_k: Any, problem: Problem,
-    dropout: Any = None, alibi_slopes: Any = None,
+    dropout: Any = None, alibi_slopes: Any = None, seqused_k: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
-    """One dense backward per sequence; packed rows outside every sequence get zero gradients."""
+    """One dense backward per sequence; packed rows outside every sequence (and keys past
+    ``seqused_k``) get zero gradients."""
     from . import xp_impl
 
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
-    arrays = (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k")
+    arrays = (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k)
     xp = namespace(*zip(*((n, x) for n, x in zip(names, arrays) if x is not None)))
     check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], problem.seqlen_q, problem.seqlen_k)
     # cu_seqlens start at 0 and do not decrease (checked): the sequences tile rows [0, cu[-1])
     # in order, so each gradient is the sequences' pieces, then zeros for the rows after them.
     pieces: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+    used = _keys_used(xp, cu_k, seqused_k)
     for b in range(problem.batch):
-        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), used[b]
         dout_b, q_b, out_b = (xp.expand_dims(x[q0:q1, ...], axis=0) for x in (dout, q, out))
         k_b, v_b = (xp.expand_dims(x[k0:k1, ...], axis=0) for x in (k, v))
         lse_b, dlse_b = (None if x is None else xp.expand_dims(x[:, q0:q1], axis=0) for x in (lse, dlse))
@@ -148,6 +168,9 @@ def attention_varlen_backward(
         )
         for piece, grad in zip(pieces, grads):
             piece.append(grad[0, ...])
+        unused = int(cu_k[b + 1]) - k1  # keys past seqused_k: no gradient
+        for piece, x in zip(pieces[1:], (k, v)):
+            piece.append(xp.zeros((unused, *x.shape[1:]), dtype=x.dtype))
     ends = (int(cu_q[-1]), int(cu_k[-1]), int(cu_k[-1]))
     return tuple(
         xp.concat([*piece, xp.zeros((x.shape[0] - end, *x.shape[1:]), dtype=x.dtype)], axis=0)

@@ -44,6 +44,7 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("alibi_slopes", "u8"),
     ("alibi_batch_stride", "i8"),
     ("alibi_scale", "f4"),
+    ("seqused_k", "u8"),
 )
 
 _STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}

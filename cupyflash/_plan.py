@@ -380,9 +380,12 @@ def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, pac
     if p.head_dim not in FA2_HEAD_DIMS:
         raise ValueError(f"the GPU kernels support head_dim in {FA2_HEAD_DIMS}, got {p.head_dim}")
     flags = mask_flags(p)
-    if (flags.dropout or flags.alibi) and algorithm == "fa3":
-        raise ValueError("algorithm='fa3' (the Hopper kernel) has no dropout or ALiBi: use algorithm='fa2' or 'auto'")
-    if algorithm in ("fa3", "auto") and not (flags.dropout or flags.alibi):
+    fa2_only = flags.dropout or flags.alibi or p.seqused_k
+    if fa2_only and algorithm == "fa3":
+        raise ValueError(
+            "algorithm='fa3' (the Hopper kernel) has no dropout, ALiBi or seqused_k: use algorithm='fa2' or 'auto'"
+        )
+    if algorithm in ("fa3", "auto") and not fa2_only:
         hopper = device.arch == HOPPER_ARCH
         spec = _dispatch.fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k, packed) if hopper else None
         if spec is not None and spec.smem_bytes <= device.max_smem_per_block:
@@ -470,6 +473,8 @@ def plan_forward(
         operands.append(dropout_operand(params))
     if p.alibi != ALIBI_NONE:
         operands.append(alibi_operand(params, p))
+    if p.seqused_k:
+        operands.append(Operand("seqused_k", INDEX, params.slot("seqused_k")))
     outputs: tuple[Output, ...] = (
         Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0 if packed else None),
         Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=-math.inf if packed else None, optional=True),
@@ -556,6 +561,8 @@ def plan_backward(
         operands.append(dropout_operand(params))
     if p.alibi != ALIBI_NONE:
         operands.append(alibi_operand(params, p))
+    if p.seqused_k:
+        operands.append(Operand("seqused_k", INDEX, params.slot("seqused_k")))
     if packed:
         operands += [
             Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),

@@ -160,12 +160,13 @@ def attention_varlen_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
     algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         out, lse = _api.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
             window=(window_left, window_right), softcap=softcap, algorithm=algorithm, return_lse=True,
-            dropout_p=dropout_p, seed=_seed_value(dropout_p, seed), alibi_slopes=alibi_slopes,
+            dropout_p=dropout_p, seed=_seed_value(dropout_p, seed), alibi_slopes=alibi_slopes, seqused_k=seqused_k,
         )  # fmt: skip
     return _contiguous(out, lse)
 
@@ -175,6 +176,7 @@ def _(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
     algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     check_options(causal, scale, (window_left, window_right), softcap)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
@@ -186,14 +188,14 @@ def attention_varlen_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
     window_left: int, window_right: int, softcap: float, deterministic: bool, dropout_p: float, seed: Tensor,
-    alibi_slopes: Tensor | None,
+    alibi_slopes: Tensor | None, seqused_k: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         grads = _api.attention_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
             causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
             deterministic=deterministic, dropout_p=dropout_p, seed=_seed_value(dropout_p, seed),
-            alibi_slopes=alibi_slopes,
+            alibi_slopes=alibi_slopes, seqused_k=seqused_k,
         )  # fmt: skip
     return _contiguous(*grads)
 
@@ -203,24 +205,24 @@ def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
     window_left: int, window_right: int, softcap: float, deterministic: bool, dropout_p: float, seed: Tensor,
-    alibi_slopes: Tensor | None,
+    alibi_slopes: Tensor | None, seqused_k: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return _empty_like(q, k, v)
 
 
 def _setup_varlen(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, _, deterministic = inputs[:14]
-    dropout_p, seed, alibi_slopes = inputs[14:]
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed, alibi_slopes)
+    dropout_p, seed, alibi_slopes, seqused_k = inputs[14:]
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed, alibi_slopes, seqused_k)
     ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic, dropout_p)
 
 
 def _varlen_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, out, lse, cu_q, cu_k, seed, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, seed, alibi_slopes, seqused_k = ctx.saved_tensors
     dq, dk, dv = attention_varlen_backward_op(
-        dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options, seed, alibi_slopes
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options, seed, alibi_slopes, seqused_k
     )
-    return dq, dk, dv, *(None,) * 14
+    return dq, dk, dv, *(None,) * 15
 
 
 attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen)
@@ -229,7 +231,7 @@ attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                      max_seqlen_k: int, causal: Any, scale: Any, window: Any, softcap: Any, algorithm: str,
                      return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any,
-                     alibi_slopes: Any = None) -> Any:  # fmt: skip
+                     alibi_slopes: Any = None, seqused_k: Any = None) -> Any:  # fmt: skip
     """``cupyflash.attention_varlen`` through the custom op."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window_left, window_right = window
@@ -237,7 +239,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     out, lse = attention_varlen_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
         int(window_left), int(window_right), float(softcap), algorithm, bool(deterministic), dropout_p,
-        _seed_tensor(q, dropout_p, seed), alibi_slopes,
+        _seed_tensor(q, dropout_p, seed), alibi_slopes, seqused_k,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

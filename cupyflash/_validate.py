@@ -143,6 +143,7 @@ class Problem:
     window_right: int
     dropout_p: float = 0.0  # checked by check_dropout
     alibi: str = ALIBI_NONE  # ALiBi slopes: none, (Hq,) "head", or (B, Hq) "batch_head"
+    seqused_k: bool = False  # packed: a per-sequence count of the keys used (flash-attn's seqused_k)
 
     @property
     def causal_bound(self) -> bool:
@@ -277,6 +278,7 @@ def varlen_problem(
     softcap: Any,
     dropout_p: float = 0.0,
     alibi: str = ALIBI_NONE,
+    seqused_k_shape: tuple[int, ...] | None = None,
 ) -> Problem:
     """Check ``attention_varlen``'s arguments. The Problem's seqlens are the maxima: they size
     the grid and nothing else. The mask bounds are kept whatever the maxima say (a bound the
@@ -306,9 +308,13 @@ def varlen_problem(
         causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd", dropout_p=dropout_p, alibi=alibi,
     )  # fmt: skip
     left, right = normalize_window(check_causal(causal), window, _UNBOUNDED, _UNBOUNDED)
+    batch = cu_seqlens_q_shape[0] - 1
+    if seqused_k_shape is not None and tuple(seqused_k_shape) != (batch,):
+        raise ValueError(f"seqused_k must be 1-D of length batch = {batch}, got shape {tuple(seqused_k_shape)}")
     return dataclasses.replace(
-        dense, batch=cu_seqlens_q_shape[0] - 1, layout=VARLEN_LAYOUT, window_left=left, window_right=right
-    )
+        dense, batch=batch, layout=VARLEN_LAYOUT, window_left=left, window_right=right,
+        seqused_k=seqused_k_shape is not None,
+    )  # fmt: skip
 
 
 # A length no sequence reaches: normalize_window then drops no bound.

@@ -248,7 +248,7 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const int acc_col0 = part * Traits::kAccCols;      // first column of this warp's dK, dV
 
   const SeqRange rows_q = seq_range(a.cu_seqlens_q, batch, a.seqlen_q);
-  const SeqRange rows_k = seq_range(a.cu_seqlens_k, batch, a.seqlen_k);
+  const SeqRange rows_k = key_range(a, batch);
   const int seqlen_q = rows_q.len;
   const int seqlen_k = rows_k.len;
   const int key0 = n_block * kBlockN;
@@ -562,7 +562,7 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
   const int warp_row0 = (tid / 32) * Traits::kRowsPerWarp;
 
   const SeqRange rows_q = seq_range(a.cu_seqlens_q, batch, a.seqlen_q);
-  const SeqRange rows_k = seq_range(a.cu_seqlens_k, batch, a.seqlen_k);
+  const SeqRange rows_k = key_range(a, batch);
   const int seqlen_q = rows_q.len;
   const int seqlen_k = rows_k.len;
   const int row_block0 = m_block * kBlockM;

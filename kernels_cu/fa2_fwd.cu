@@ -92,7 +92,7 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   const int warp_row0 = (tid / 32) * Traits::kRowsPerWarp;  // first row of this warp in the block
 
   const SeqRange rows_q = seq_range(params.cu_seqlens_q, batch, params.seqlen_q);
-  const SeqRange rows_k = seq_range(params.cu_seqlens_k, batch, params.seqlen_k);
+  const SeqRange rows_k = key_range(params, batch);
   const int seqlen_q = rows_q.len;
   const int seqlen_k = rows_k.len;
   const int row_block0 = m_block * kBlockM;

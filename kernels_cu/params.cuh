@@ -55,6 +55,10 @@ struct AttnParams {
   const float* alibi_slopes;
   int64_t alibi_batch_stride;  // 0 for slopes (Hq,), Hq for (B, Hq)
   float alibi_scale;
+
+  // Keys used per batch entry (flash-attn's seqused_k: the first seqused_k[b] keys of sequence
+  // b take part, and its causal shift counts those), or nullptr: all. FA2 kernels (key_range).
+  const int32_t* seqused_k;
 };
 
 // cuTensorMapEncodeTiled's opaque 128-byte CUtensorMap (cuda.h cannot be included under NVRTC).
@@ -86,4 +90,11 @@ CF_DEVICE SeqRange seq_range(const int32_t* cu_seqlens, int batch, int seqlen_or
   const int end = min(max(cu_seqlens[batch + 1], 0), seqlen_or_total);
   const int start = min(max(cu_seqlens[batch], 0), end);
   return {start, end - start};
+}
+
+// The keys of batch entry b: its range, cut to the first seqused_k[b] (clamped into the range).
+CF_DEVICE SeqRange key_range(const AttnParams& p, int batch) {
+  SeqRange keys = seq_range(p.cu_seqlens_k, batch, p.seqlen_k);
+  if (p.seqused_k != nullptr) keys.len = min(max(p.seqused_k[batch], 0), keys.len);
+  return keys;
 }

@@ -173,7 +173,7 @@ def test_torch_compile_varlen_and_its_backward():
     for a, b in zip(got, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(a, b)
     for dropout_p, seed in ((0.0, 0), (0.25, 99)):
-        args = (q, k, v, cu, cu, 7, 7, True, 0.25, -1, 0, 0.0, "auto", False, dropout_p, torch.tensor(seed), None)
+        args = (q, k, v, cu, cu, 7, 7, True, 0.25, -1, 0, 0.0, "auto", False, dropout_p, torch.tensor(seed), None, None)
         torch.library.opcheck(_torch_ops.attention_varlen_op, args)
 
 

@@ -153,3 +153,75 @@ def test_gpu_varlen_cupy_and_rows_outside_sequences(rng, monkeypatch):
     assert (out[14:] == 0).all() and cupy.isneginf(lse[:, 14:]).all()
     with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
         cupyflash.attention_varlen(*args[:3], args[3].astype(cupy.int64), args[4], 9, 7)
+
+
+# ---------------------------------------------------------------------------------------------
+# seqused_k (flash-attn's): only the first seqused_k[b] keys of each sequence take part.
+# ---------------------------------------------------------------------------------------------
+def _seqused_case(torch, device="cpu", dtype=None):
+    torch.manual_seed(11)
+    dtype = dtype or torch.float64
+    cu_q = torch.tensor([0, 5, 5, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, 34, 120], dtype=torch.int32)
+    used = torch.tensor([12, 0, 70], dtype=torch.int32)
+    q = torch.randn(42, 4, 32, dtype=dtype)  # 2 rows after the last sequence
+    k, v = (torch.randn(120, 2, 32, dtype=dtype) for _ in range(2))
+    return [x.to(device) for x in (q, k, v, cu_q, cu_k, used)]
+
+
+def test_seqused_k_is_each_sequence_cut_to_its_used_keys():
+    torch = pytest.importorskip("torch")
+    q, k, v, cu_q, cu_k, used = _seqused_case(torch)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = cupyflash.attention_varlen(*leaves, cu_q, cu_k, 35, 86, causal=True, seqused_k=used)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for b in range(3):
+        q0, q1, k0 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b])
+        k1 = k0 + int(used[b])
+        seq = [x.detach()[s][None].clone().requires_grad_(True) for x, s in
+               ((q, slice(q0, q1)), (k, slice(k0, k1)), (v, slice(k0, k1)))]  # fmt: skip
+        want = cupyflash.attention(*seq, causal=True)
+        (want * dout[q0:q1][None]).sum().backward()
+        torch.testing.assert_close(out[q0:q1], want[0])
+        for leaf, ref, s in zip(leaves, seq, (slice(q0, q1), slice(k0, k1), slice(k0, k1))):
+            torch.testing.assert_close(leaf.grad[s], ref.grad[0])
+        for leaf in leaves[1:]:  # keys past seqused_k: no gradient
+            assert not leaf.grad[k1 : int(cu_k[b + 1])].any()
+    torch.autograd.gradcheck(
+        lambda *x: cupyflash.attention_varlen(*x, cu_q, cu_k, 35, 86, causal=True, seqused_k=used),
+        [x.detach()[:, :1, :4].clone().requires_grad_(True) for x in (q, k, v)],
+    )
+
+
+def test_seqused_k_is_checked():
+    q, k = np.ones((6, 2, 8)), np.ones((6, 1, 8))
+    cu = np.array([0, 3, 6], dtype=np.int32)
+    with pytest.raises(ValueError, match="seqused_k must be 1-D of length batch = 2"):
+        cupyflash.attention_varlen(q, k, k, cu, cu, 3, 3, seqused_k=np.ones(3, np.int32))
+    with pytest.raises(ValueError, match="seqused_k must lie in"):
+        cupyflash.attention_varlen(q, k, k, cu, cu, 3, 3, seqused_k=np.array([1, 4], np.int32))
+    with pytest.raises(TypeError, match="seqused_k must be an integer array"):
+        cupyflash.attention_varlen(q, k, k, cu, cu, 3, 3, seqused_k=np.ones(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", (False, True))
+def test_gpu_seqused_k_matches_the_host(deterministic):
+    torch = pytest.importorskip("torch")
+    host = _seqused_case(torch)
+    q, k, v, cu_q, cu_k, used = (x.cuda() for x in host)
+    q, k, v = (x.to(torch.bfloat16).requires_grad_(True) for x in (q, k, v))
+    out = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, 35, 86, causal=True, seqused_k=used,
+                                     deterministic=deterministic)  # fmt: skip
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_leaves = [x.detach().double().cpu().requires_grad_(True) for x in (q, k, v)]
+    want = cupyflash.attention_varlen(*ref_leaves, *host[3:5], 35, 86, causal=True, seqused_k=host[5])
+    want.backward(dout.double().cpu())
+    torch.testing.assert_close(out.double().cpu(), want.detach(), atol=2e-2, rtol=2e-2)
+    for got, ref in zip((q, k, v), ref_leaves):
+        torch.testing.assert_close(got.grad.double().cpu(), ref.grad, atol=3e-2, rtol=3e-2)
+    with pytest.raises(ValueError, match="seqused_k"):
+        cupyflash.attention_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 35, 86, seqused_k=used,
+                                   algorithm="fa3")  # fmt: skip
