@@ -219,9 +219,15 @@ def test_gpu_seqused_k_matches_the_host(deterministic):
     ref_leaves = [x.detach().double().cpu().requires_grad_(True) for x in (q, k, v)]
     want = cupyflash.attention_varlen(*ref_leaves, *host[3:5], 35, 86, causal=True, seqused_k=host[5])
     want.backward(dout.double().cpu())
-    torch.testing.assert_close(out.double().cpu(), want.detach(), atol=2e-2, rtol=2e-2)
-    for got, ref in zip((q, k, v), ref_leaves):
-        torch.testing.assert_close(got.grad.double().cpu(), ref.grad, atol=3e-2, rtol=3e-2)
+    # The rows no kernel writes by design (after the last sequence; keys past seqused_k) are the
+    # plan's fill, 0, which the tests' NaN poisoning replaces: compared on the host test above.
+    rows = slice(0, int(host[3][-1]))
+    torch.testing.assert_close(out[rows].double().cpu(), want[rows].detach(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q.grad[rows].double().cpu(), ref_leaves[0].grad[rows], atol=3e-2, rtol=3e-2)
+    for b in range(3):
+        keys = slice(int(host[4][b]), int(host[4][b]) + int(host[5][b]))
+        for got, ref in zip((k, v), ref_leaves[1:]):
+            torch.testing.assert_close(got.grad[keys].double().cpu(), ref.grad[keys], atol=3e-2, rtol=3e-2)
     with pytest.raises(ValueError, match="seqused_k"):
         cupyflash.attention_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 35, 86, seqused_k=used,
                                    algorithm="fa3")  # fmt: skip
