@@ -124,8 +124,9 @@ def attention(
         gradients run to run; see :func:`attention_backward`).
     dropout_p : float in [0, 1)
         Dropout on the attention probabilities, as SDPA's and flash-attn's ``dropout_p``: each
-        element of ``softmax(...)`` is zeroed with probability ``dropout_p`` (a 16-bit draw, so
-        to within 2^-17) and the kept ones are scaled by ``1 / (1 - dropout_p)``; the LSE is
+        element of ``softmax(...)`` is zeroed with probability ``p' = round(65536 p) / 65536``
+        (a 16-bit draw: within 2^-17 of ``dropout_p``, which must be below 1 - 2^-17) and the
+        kept ones are scaled by ``1 / (1 - p')``, so the expected output is exact; the LSE is
         that of the undropped softmax. The mask is a function of ``seed`` and the element's
         (batch, query head, row, key), the same on the GPU (the FA2 kernel: ``"auto"`` picks
         it; ``"fa3"`` and ``"decode"`` have no dropout) and on the host. Pass 0 at inference.
@@ -134,7 +135,8 @@ def attention(
         default generator for tensors (``torch.manual_seed`` reproduces it), else from Python's
         ``random``. Give the same seed to :func:`attention_backward` to differentiate the call
         (autograd does it for tensors that require grad). A call captured into a CUDA graph
-        must give one (a seed drawn at capture would repeat in every replay).
+        must give one: the seed is a launch parameter, so every replay of a graph repeats the
+        captured call's mask.
     alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
         ALiBi, as flash-attn's: the score of query ``i`` and key ``j`` gains
         ``-slope * |i + Nk - Nq - j|`` (after the scale and softcap, before the mask), the slope
@@ -174,6 +176,8 @@ def attention(
         deterministic = check_flag("deterministic", deterministic)
     if dropout_p or seed is not None or type(dropout_p) is not float:  # the default skips the checks
         dropout_p, seed = check_dropout(dropout_p, seed)
+    if alibi_slopes is not None:
+        _interop.refuse_slope_grad(alibi_slopes)
     check_algorithm("attention", algorithm)
     found = None if alibi_slopes is not None else _interop.lean_arrays(q, k, v)
     if found is None:
@@ -214,10 +218,7 @@ def _gpu_seed(lib: _interop.ArrayLib, device: int, x: Any, seed: int | None) -> 
     if seed is not None:
         return seed
     if _interop.stream_is_capturing(lib.stream(device)):
-        raise ValueError(
-            "dropout under CUDA graph capture needs an explicit seed=: a seed drawn on the host at capture "
-            "would give every replay the same dropout mask"
-        )
+        raise _interop.dropout_capture_error()
     return _interop.draw_seed(x)
 
 
@@ -344,6 +345,8 @@ def attention_varlen(
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = check_dropout(dropout_p, seed)
+    if alibi_slopes is not None:
+        _interop.refuse_slope_grad(alibi_slopes)
     check_algorithm("attention_varlen", algorithm)
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k")
     arrays = _interop.gpu_arrays(names, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k))
@@ -362,7 +365,8 @@ def attention_varlen(
         )
         return (out, lse) if return_lse else out
     lib, device, (q, k, v, cu_q, cu_k, alibi_slopes, seqused_k) = arrays
-    key = (lib.name, device, problem, q.shape, k.shape, q.dtype, k.dtype, v.dtype, cu_q.dtype, cu_k.dtype, algorithm)
+    key = (lib.name, device, problem, q.shape, k.shape, _dtypes(lib, q, k, v, cu_q, cu_k, alibi_slopes, seqused_k),
+           algorithm)  # fmt: skip
 
     def plan() -> _plan.Launch:
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
@@ -422,7 +426,7 @@ def attention_backward(
         host path is deterministic either way.
     dropout_p, seed : the forward's (its mask is regenerated from the seed, which is required
         when ``dropout_p > 0``): ``dv = (P M r)^T dout``, ``dS = P * (dout v^T M r - D)`` with
-        M the keep mask and ``r = 1 / (1 - dropout_p)``.
+        M the keep mask and ``r`` the forward's scale of the kept values.
     alibi_slopes : the forward's (the slopes get no gradient, as in flash-attn).
 
     Returns
@@ -460,7 +464,8 @@ def attention_backward(
         dropout = Dropout(dropout_p, seed) if seed is not None else None
         return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem, dropout, alibi_slopes)
     lib, device, (dout, q, k, v, out, lse, dlse, alibi_slopes) = arrays
-    key = ("bwd", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None, deterministic)
+    dtypes = _dtypes(lib, q, k, v, out, dout, lse, dlse, alibi_slopes)
+    key = ("bwd", lib.name, device, problem, q.shape, k.shape, dtypes, deterministic)
 
     def plan() -> _plan.Launch:
         _check_slopes_dtype(lib, alibi_slopes)
@@ -524,7 +529,8 @@ def attention_varlen_backward(
             dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem, dropout, alibi_slopes, seqused_k
         )
     lib, device, (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k) = arrays
-    key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape, lib.dtype_name(q), dlse is None, deterministic)
+    dtypes = _dtypes(lib, q, k, v, out, dout, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k)
+    key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape, dtypes, deterministic)
 
     def plan() -> _plan.Launch:
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
@@ -542,6 +548,12 @@ def attention_varlen_backward(
                       "alibi_slopes": alibi_slopes, "seqused_k": seqused_k}  # fmt: skip
     dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
     return dq, dk, dv
+
+
+def _dtypes(lib: _interop.ArrayLib, *arrays: Any) -> tuple[str | None, ...]:
+    """Every array's dtype for a plan key (None for an absent optional array): a plan checks the
+    dtypes once, so a call whose dtypes differ must not find it."""
+    return tuple(None if x is None else lib.dtype_name(x) for x in arrays)
 
 
 def _check_slopes_dtype(lib: _interop.ArrayLib, slopes: Any) -> None:

@@ -77,7 +77,7 @@ class MaskFlags:
 
 
 def fa2_fwd_tiles(head_dim: int, narrow: bool) -> tuple[TileConfig, ...]:
-    """The forward's tiles, best first; ``narrow``: with softcap or dropout (their registers)."""
+    """The forward's tiles, best first; ``narrow``: with softcap, dropout or ALiBi (their registers)."""
     return (narrow and FA2_FWD_SOFTCAP_TILES.get(head_dim)) or FA2_FWD_TILES[head_dim]
 
 

@@ -220,6 +220,23 @@ class TorchLib(ArrayLib):
         return False
 
 
+def refuse_slope_grad(slopes: Any) -> None:
+    """ALiBi's slopes are constants (as in flash-attn): slopes that require grad would silently get
+    no gradient."""
+    if needs_autograd((slopes,)):
+        raise RuntimeError(
+            "alibi_slopes require grad, but ALiBi's slopes get no gradient (as in flash-attn): pass them detached"
+        )
+
+
+def dropout_capture_error() -> ValueError:
+    """Dropout without a seed inside CUDA-graph capture: the seed is a launch parameter."""
+    return ValueError(
+        "dropout under CUDA graph capture needs an explicit seed=: the seed is a launch parameter, so every replay "
+        "of the graph repeats the captured call's dropout mask (pass seed= to accept that, or run dropout eagerly)"
+    )
+
+
 def draw_seed(x: Any) -> int:
     """A fresh dropout seed for a call whose caller gave none: from PyTorch's default generator
     for tensors (``torch.manual_seed`` makes it reproducible, as for SDPA's dropout), else from

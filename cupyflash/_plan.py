@@ -35,6 +35,7 @@ from ._specs import (
     MergeSpec,
 )
 from ._validate import ALIBI_BATCH_HEAD, ALIBI_NONE, KvCacheProblem, Problem
+from .xp_impl import Dropout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,21 +337,25 @@ def attn_fields(p: Problem, rows: tuple[int, int], scale_log2: float, prescale: 
 
 
 def dropout_fields(p: Problem) -> dict[str, int | float]:
-    """AttnParams' dropout fields (the seed is per call: a SCALAR operand, ``dropout_operand``)."""
+    """AttnParams' dropout fields (the seed is per call: a SCALAR operand, ``fa2_option_operands``)."""
     if p.dropout_p == 0:
         return {}
-    return {"dropout_threshold": min(round(p.dropout_p * 65536), 65535), "dropout_scale": 1.0 / (1.0 - p.dropout_p)}
+    dropout = Dropout(p.dropout_p, seed=0)  # the host twin's threshold and scale, exactly
+    return {"dropout_threshold": dropout.threshold, "dropout_scale": dropout.scale}
 
 
-def alibi_operand(params: ParamsTemplate, p: Problem) -> Operand:
-    """The fp32 slopes (Hq,) (batch stride 0) or (B, Hq), flash-attn's ``alibi_slopes``."""
-    strides = ((params.slot("alibi_batch_stride"), 0),) if p.alibi == ALIBI_BATCH_HEAD else ()
-    return Operand("alibi_slopes", INDEX, params.slot("alibi_slopes"), strides)
-
-
-def dropout_operand(params: ParamsTemplate) -> Operand:
-    """The call's dropout seed (an int the entry point draws or is given) into ``dropout_seed``."""
-    return Operand("dropout_seed", SCALAR, params.slot("dropout_seed"))
+def fa2_option_operands(params: ParamsTemplate, p: Problem) -> list[Operand]:
+    """The per-call operands of the FA2 kernels' options: the dropout seed (an int the entry point
+    draws or is given), the fp32 ALiBi slopes (Hq,) (batch stride 0) or (B, Hq), seqused_k."""
+    operands = []
+    if p.dropout_p > 0:
+        operands.append(Operand("dropout_seed", SCALAR, params.slot("dropout_seed")))
+    if p.alibi != ALIBI_NONE:
+        strides = ((params.slot("alibi_batch_stride"), 0),) if p.alibi == ALIBI_BATCH_HEAD else ()
+        operands.append(Operand("alibi_slopes", INDEX, params.slot("alibi_slopes"), strides))
+    if p.seqused_k:
+        operands.append(Operand("seqused_k", INDEX, params.slot("seqused_k")))
+    return operands
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -469,12 +474,7 @@ def plan_forward(
             Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),
             Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
         ]
-    if p.dropout_p > 0:
-        operands.append(dropout_operand(params))
-    if p.alibi != ALIBI_NONE:
-        operands.append(alibi_operand(params, p))
-    if p.seqused_k:
-        operands.append(Operand("seqused_k", INDEX, params.slot("seqused_k")))
+    operands += fa2_option_operands(params, p)
     outputs: tuple[Output, ...] = (
         Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0 if packed else None),
         Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=-math.inf if packed else None, optional=True),
@@ -557,12 +557,7 @@ def plan_backward(
         Operand("lse", INDEX, params.slot("lse_ptr"), lse_axes("lse")),
         Operand("dlse", INDEX, params.slot("dlse_ptr"), lse_axes("dlse")),  # optional
     ]
-    if p.dropout_p > 0:
-        operands.append(dropout_operand(params))
-    if p.alibi != ALIBI_NONE:
-        operands.append(alibi_operand(params, p))
-    if p.seqused_k:
-        operands.append(Operand("seqused_k", INDEX, params.slot("seqused_k")))
+    operands += fa2_option_operands(params, p)
     if packed:
         operands += [
             Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),

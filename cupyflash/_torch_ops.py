@@ -117,6 +117,7 @@ def attention(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, soft
               algorithm: str, return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any,
               alibi_slopes: Any = None) -> Any:  # fmt: skip
     """``cupyflash.attention`` through the custom op (arguments as the public function's)."""
+    _refuse_slope_grad(alibi_slopes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window_left, window_right = window
     dropout_p = float(dropout_p)
@@ -140,12 +141,16 @@ def _seed_tensor(q: Tensor, dropout_p: float, seed: int | None) -> Tensor:
         return torch.zeros((), dtype=torch.int64)
     if seed is None:
         if not torch.compiler.is_compiling() and q.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                "dropout under CUDA graph capture needs an explicit seed=: a seed drawn on the host at capture "
-                "would give every replay the same dropout mask"
-            )
+            raise _interop.dropout_capture_error()
         return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
     return torch.tensor(seed - _U64 if seed >= 2**63 else seed, dtype=torch.int64)  # int64's bits
+
+
+def _refuse_slope_grad(slopes: Any) -> None:
+    """The custom ops give ALiBi's slopes no gradient: slopes that require grad are refused (the
+    eager path's check, written so that Dynamo traces it too)."""
+    if slopes is not None and slopes.requires_grad and torch.is_grad_enabled():
+        _interop.refuse_slope_grad(slopes)
 
 
 def _seed_value(dropout_p: float, seed: Tensor) -> int | None:
@@ -233,6 +238,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
                      return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any,
                      alibi_slopes: Any = None, seqused_k: Any = None) -> Any:  # fmt: skip
     """``cupyflash.attention_varlen`` through the custom op."""
+    _refuse_slope_grad(alibi_slopes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window_left, window_right = window
     dropout_p = float(dropout_p)

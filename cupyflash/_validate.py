@@ -90,12 +90,19 @@ def _window(window: Any) -> tuple[int, int]:
     return bounds[0], bounds[1]
 
 
+# round(p * 65536) must stay below 65536 (xp_impl.Dropout.threshold).
+MAX_DROPOUT_P = 1.0 - 2.0**-17
+
+
 def check_dropout(dropout_p: Any, seed: Any) -> tuple[float, int | None]:
     """``dropout_p`` as a float in [0, 1) and ``seed`` as None or an int in [0, 2^64)."""
-    if type(dropout_p) is not float or not 0.0 <= dropout_p < 1.0:
+    if type(dropout_p) is not float or not 0.0 <= dropout_p < MAX_DROPOUT_P:
         if isinstance(dropout_p, _BOOLS) or not isinstance(dropout_p, numbers.Real) or not 0 <= float(dropout_p) < 1:
             raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
         dropout_p = float(dropout_p)
+        if dropout_p >= MAX_DROPOUT_P:
+            raise ValueError(f"dropout_p must be below 1 - 2^-17 (the mask's 16-bit draws keep 1 in 65536 at the "
+                             f"least), got {dropout_p!r}")  # fmt: skip
     if seed is not None:
         if isinstance(seed, _BOOLS) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2**64:
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")

@@ -165,12 +165,14 @@ class Dropout:
 
     @property
     def threshold(self) -> int:
-        """A 16-bit draw below it drops its element: round(p * 65536) (kept with 1 - p, to 2^-17)."""
-        return min(round(self.p * 65536), 65535)
+        """A 16-bit draw below it drops its element: round(p * 65536), so an element is dropped
+        with probability threshold / 65536, within 2^-17 of p (check_dropout keeps it < 65536)."""
+        return round(self.p * 65536)
 
     @property
     def scale(self) -> float:
-        return 1.0 / (1.0 - self.p)
+        """1 / the keep probability actually used, so that the expected output is exact."""
+        return 65536.0 / (65536 - self.threshold)
 
     def keep(self, xp: Any, like: Any, heads: int, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
         """Keep mask [B, Hkv, G, rows, keys] (``like``'s leading shape) of query rows
@@ -310,7 +312,7 @@ def fa2_partial(
 
     Query blocks outer; for each, the visible key blocks inner, last first (as the kernel), with
     O, m, l carried across the inner loop and normalised once. With ``dropout``, P's dropped
-    elements leave l as it is and O without their values; O is scaled by 1 / (1 - p) at the end.
+    elements leave l as it is and O without their values; O is scaled by Dropout.scale at the end.
     """
     outs, lses = [], []
     for row0 in range(0, p.seqlen_q, block_m):
@@ -532,7 +534,7 @@ def fa2_backward(
     """(dQ, dK, dV) in the internal layout: q, dout, out [B, Hkv, G, Nq, d]; k, v [B, Hkv, 1, Nk, d];
     lse and dlse (the LSE's gradient, or None) [B, Hkv, G, Nq]. dK and dV are summed over the G
     query heads that read each KV head. With ``dropout`` (the forward's mask M regenerated,
-    r = 1 / (1 - p)): dV += (P M r)^T dO and dS = P (dP M r - D)."""
+    r = Dropout.scale): dV += (P M r)^T dO and dS = P (dP M r - D)."""
     d_rows = xp.sum(dout * out, axis=-1)  # D_i = rowsum(dO_i * O_i)
     if dlse is not None:  # d LSE_i / d s_ij = P_ij: an LSE gradient enters dS = P (dP - D) as -D
         d_rows = d_rows - dlse

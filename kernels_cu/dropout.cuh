@@ -11,7 +11,8 @@
 // One call covers the eight elements an mma.sync accumulator thread holds in a 16 x 16 block of
 // S (rows lane / 4 + {0, 8}, columns 2 (lane % 4) + {0, 1, 8, 9}), so the forward draws once
 // per 8 elements; the backward, whose tiles are S^T, uses half of each of two draws.
-// Kept values are scaled by 1 / (1 - p) (dropout_scale), as SDPA and flash-attn do.
+// Kept values are scaled by dropout_scale = 65536 / (65536 - threshold), the inverse of the keep
+// probability the threshold gives: 1 / (1 - p) to 2^-17 / (1 - p), as SDPA's and flash-attn's.
 #pragma once
 
 #include "common.cuh"

@@ -12,7 +12,7 @@
 //                    dQacc += dS K                                     (fp32 atomics in L2)
 //   fa2_bwd_dq     per query row: dQ = dQacc * dq_scale in the element type
 //   (dropout: the forward's mask M regenerated from the seed, kernels_cu/dropout.cuh; with
-//    r = 1 / (1 - p), dV += (P * M)^T dO r and dS = P * (dP * M r - D); D = rowsum(dO * O) still)
+//    r = dropout_scale, dV += (P * M)^T dO r and dS = P * (dP * M r - D); D = rowsum(dO * O) still)
 //   (deterministic: fa2_bwd without its dQ part, then fa2_bwd_dq_blocks, no atomics; below)
 //
 // Warp w of the main kernel owns keys 16 w .. 16 w + 15 of the block for the first five
@@ -374,7 +374,7 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
           // d tanh: a masked logit (-inf, P = 0) would give 0 * inf; its dS is 0.
           if constexpr (Traits::Has_softcap)
             ds[c] = prob[c] != 0.f ? ds[c] * (1.f - logit * logit) : 0.f;
-          prob[c] = kept_prob;  // dV's operand: P * M (times 1 / (1 - p) in the epilogue)
+          prob[c] = kept_prob;  // dV's operand: P * M (times dropout_scale in the epilogue)
         }
         p_words[nt][half] = Ops::pack2(prob[0], prob[1]);
         ds_words[nt][half] = Ops::pack2(ds[0], ds[1]);
@@ -460,7 +460,7 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     }
   }
 
-  // Epilogue: dK scaled (and dV, by 1 / (1 - p), with dropout), both staged through the K and
+  // Epilogue: dK scaled (and dV, by dropout_scale, with dropout), both staged through the K and
   // V tiles (free once every warp is past the last dQ), then written as 16-byte rows.
   const float dv_scale = Traits::Has_dropout ? a.dropout_scale : 1.f;
   cp_async_wait<0>();

@@ -9,7 +9,7 @@
 //     S = Q K_j^T                    mma.sync, Q from registers or smem, K via ldmatrix
 //     S = softcap / mask (only blocks that need it)
 //     m_new = max(m, rowmax S); O *= exp2(m - m_new); P = exp2(S - m_new); l = l * .. + rowsum P
-//     (dropout: P's dropped elements set to 0; the kept ones scaled by 1 / (1 - p) with 1 / l)
+//     (dropout: P's dropped elements set to 0; the kept ones scaled by dropout_scale with 1 / l)
 //     O += P V_j                     P re-packed from the S accumulators as the A operand
 //   O /= l, LSE = m + log l                                      (once, at the end)
 //

@@ -43,7 +43,7 @@ struct AttnParams {
 
   // Dropout on P (variants with the Dropout flag; kernels_cu/dropout.cuh): element kept iff its
   // 16-bit Philox draw under the key dropout_seed is >= dropout_threshold (= round(p * 65536));
-  // kept values are scaled by dropout_scale = 1 / (1 - p).
+  // kept values are scaled by dropout_scale = 65536 / (65536 - dropout_threshold).
   uint64_t dropout_seed;
   uint32_t dropout_threshold;
   float dropout_scale;
@@ -51,7 +51,7 @@ struct AttnParams {
   // ALiBi (variants with the Has_alibi flag; kernels_cu/variants.cuh): the score of query row i
   // and key j gains -slope * |i + shift - j| (flash-attn's alibi_slopes), slope the fp32
   // alibi_slopes[b * alibi_batch_stride + h]; it enters the logit divided by the softmax's
-  // multiplier (alibi_scale = 1 / that multiplier: see softmax_scale_log2 above).
+  // multiplier M = softmax_scale_log2 / log2 e (|scale|, or the softcap): alibi_scale = 1 / M.
   const float* alibi_slopes;
   int64_t alibi_batch_stride;  // 0 for slopes (Hq,), Hq for (B, Hq)
   float alibi_scale;

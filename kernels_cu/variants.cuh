@@ -36,7 +36,7 @@ struct Softcap {
 // softmax sees scale * s - slope * |i + shift - j|, flash-attn's bias). Needs the tile's batch
 // entry and query head (the slope) and its sequence's shift.
 struct Alibi {
-  float coef;  // -slope / M
+  float coef;  // -slope / M, M = softmax_scale_log2 / log2 e (params.cuh: alibi_scale)
   int shift;
   CF_DEVICE Alibi(const AttnParams& p, int batch, int head, int shift_)
       : coef(-p.alibi_slopes[batch * p.alibi_batch_stride + head] * p.alibi_scale), shift(shift_) {}

@@ -79,7 +79,7 @@ def naive_low_precision(
     """Standard attention in the inputs' own precision (PyTorch's math path, unfused; S in
     float32); with ``return_lse`` also each row's float32 LSE. Differentiable (the backward
     tests run it through autograd in the inputs' precision and in float64). ``dropout``:
-    (p, keep mask [B, Hq, Nq, Nk], as ``dropout_keep``): P times the mask / (1 - p).
+    (p, keep mask [B, Hq, Nq, Nk], as ``dropout_keep``): P times the mask / the keep probability.
     ``alibi_slopes`` (Hq,) or (B, Hq): the scores gain -slope * |i + Nk - Nq - j| (flash-attn's)."""
     torch = need_torch()
     # A contiguous copy first: torch's DLPack import aborts the process on some CuPy views.
@@ -103,7 +103,9 @@ def naive_low_precision(
     s = s.masked_fill(~visible, -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     if dropout is not None:
-        p = p * torch.as_tensor(dropout[1], device=p.device) / (1 - dropout[0])
+        from cupyflash.xp_impl import Dropout
+
+        p = p * torch.as_tensor(dropout[1], device=p.device) * Dropout(dropout[0], 0).scale
     out = p.to(q.dtype) @ v
     out = out.transpose(1, 2) if layout == "bshd" else out
     return (out, torch.logsumexp(s, dim=-1)) if return_lse else out

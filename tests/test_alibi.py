@@ -99,6 +99,10 @@ def test_bad_slopes_raise():
         cupyflash.attention(q, k, v, alibi_slopes=np.ones((3, 3)))
     with pytest.raises(TypeError, match="alibi_slopes must have a real floating dtype"):
         cupyflash.attention(q, k, v, alibi_slopes=np.ones(3, dtype=np.int32))
+    torch = need_torch()
+    learnable = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="alibi_slopes require grad"):
+        cupyflash.attention(*(torch.ones(2, 4, 3, 8) for _ in range(3)), alibi_slopes=learnable)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,3 +186,14 @@ def test_gpu_kernels_without_alibi_refuse_it():
         cupyflash.attention(q, k, v, alibi_slopes=slopes.double())
     one = cupyflash.attention(q[:, :1], k, v, alibi_slopes=slopes)  # auto: FA2 for one token with ALiBi
     assert torch.equal(one, cupyflash.attention(q[:, :1], k, v, alibi_slopes=slopes, algorithm="fa2"))
+
+
+def test_compiled_calls_refuse_learnable_slopes_too():
+    torch = need_torch()
+    torch._dynamo.reset()
+    q = torch.ones(2, 4, 3, 8, requires_grad=True)
+    learnable = torch.ones(3, requires_grad=True)
+    f = torch.compile(lambda q, s: cupyflash.attention(q, q, q, alibi_slopes=s), fullgraph=True)
+    with pytest.raises(Exception, match="alibi_slopes require grad"):
+        f(q, learnable)
+    assert f(q, learnable.detach()).requires_grad  # constant slopes: the call trains as usual

@@ -126,6 +126,7 @@ def test_seeds_come_from_torch_and_compile_draws_one_per_call():
     "kwargs, message",
     [
         ({"dropout_p": 1.0}, "dropout_p"),
+        ({"dropout_p": 1 - 2**-18}, "below 1 - 2"),
         ({"dropout_p": -0.1}, "dropout_p"),
         ({"dropout_p": True}, "dropout_p"),
         ({"dropout_p": "0.1"}, "dropout_p"),
