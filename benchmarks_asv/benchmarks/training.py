@@ -13,6 +13,8 @@ BACKENDS = ["cupyflash", "cupyflash_det", "flash", "cudnn"]
 
 
 class Training:
+    backends = BACKENDS
+    dropout_p = 0.0
     params = (BACKENDS, [64, 128], [1024, 4096, 16384], [False, True])
     param_names = ["backend", "head_dim", "seqlen", "causal"]
     timeout = 1200
@@ -24,8 +26,8 @@ class Training:
 
         results: dict[tuple[Any, ...], float | None] = {}
         for shape in bench.prefill_shapes(dtypes=("bfloat16",)):
-            row = bench.run_training(shape, backends=tuple(BACKENDS))
-            for backend in BACKENDS:
+            row = bench.run_training(shape, backends=tuple(self.backends), dropout_p=self.dropout_p)
+            for backend in self.backends:
                 results[backend, shape.head_dim, shape.seqlen, shape.causal] = row.get(backend)
         return results
 
@@ -35,3 +37,12 @@ class Training:
         return results[backend, head_dim, seqlen, causal]
 
     track_fwd_bwd_tflops.unit = "TFLOP/s"  # type: ignore[attr-defined]
+
+
+class TrainingDropout(Training):
+    """The same shapes with ``dropout_p = 0.1`` on every backend (each its own generator):
+    cupyflash's Philox mask in the FA2 forward and backward beside SDPA's flash and cuDNN."""
+
+    backends = ["cupyflash", "flash", "cudnn"]
+    dropout_p = 0.1
+    params = (backends, [64, 128], [1024, 4096, 16384], [False, True])
