@@ -8,18 +8,17 @@ run the array-API algorithms (``_host``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, overload
 
 from . import _baselines_gpu, _host, _interop, _launch, _plan
 from ._validate import (
-    LAYOUTS,
     attention_problem,
     check_algorithm,
     check_alibi,
     check_dropout,
     check_flag,
     check_options,
-    split_dims,
     varlen_problem,
 )
 from .xp_impl import Dropout
@@ -198,7 +197,7 @@ def attention(
         return _interop.torch_ops.attention(
             q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes
         )
-    alibi_key = None if alibi_slopes is None else (tuple(alibi_slopes.shape), lib.dtype_name(alibi_slopes))
+    alibi_key = None if alibi_slopes is None else (tuple(alibi_slopes.shape), alibi_slopes.dtype)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, options, layout, algorithm,
            dropout_p, alibi_key)  # fmt: skip
     launch = _plans.lookup(key)
@@ -235,25 +234,30 @@ def _problem(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape"):
             raise TypeError(f"{name} must be an array (CuPy, PyTorch, JAX, NumPy ...), got {type(x).__name__}")
-    b, _, hq, _ = split_dims(tuple(q.shape), layout) if len(q.shape) == 4 and layout in LAYOUTS else (0, 0, 0, 0)
-    return attention_problem(
+    problem = attention_problem(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=causal, scale=scale, window=window, softcap=softcap,
-        layout=layout, dropout_p=dropout_p, alibi=check_alibi(alibi_slopes, b, hq),
+        layout=layout, dropout_p=dropout_p,
     )  # fmt: skip
+    return _with_alibi(problem, alibi_slopes)
+
+
+def _with_alibi(problem: Any, alibi_slopes: Any) -> Any:
+    """The problem with the kind of its (checked) ALiBi slopes, against its batch and heads."""
+    if alibi_slopes is None:
+        return problem
+    return dataclasses.replace(problem, alibi=check_alibi(alibi_slopes, problem.batch, problem.heads_q))
 
 
 def _varlen_problem(
     q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: tuple[Any, ...],
     dropout_p: float = 0.0, alibi_slopes: Any = None, seqused_k: Any = None,
 ) -> Any:  # fmt: skip
-    batch = cu_q.shape[0] - 1 if len(cu_q.shape) == 1 else 0
-    heads = q.shape[1] if len(q.shape) == 3 else 0
-    return varlen_problem(
+    problem = varlen_problem(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(cu_q.shape), tuple(cu_k.shape), max_q, max_k,
         causal=options[0], scale=options[1], window=options[2], softcap=options[3], dropout_p=dropout_p,
-        alibi=check_alibi(alibi_slopes, batch, heads), seqused_k_shape=None if seqused_k is None else
-        tuple(seqused_k.shape),
+        seqused_k_shape=None if seqused_k is None else tuple(seqused_k.shape),
     )  # fmt: skip
+    return _with_alibi(problem, alibi_slopes)
 
 
 def _plan_attention(
@@ -365,7 +369,7 @@ def attention_varlen(
         )
         return (out, lse) if return_lse else out
     lib, device, (q, k, v, cu_q, cu_k, alibi_slopes, seqused_k) = arrays
-    key = (lib.name, device, problem, q.shape, k.shape, _dtypes(lib, q, k, v, cu_q, cu_k, alibi_slopes, seqused_k),
+    key = (lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, cu_q, cu_k, alibi_slopes, seqused_k),
            algorithm)  # fmt: skip
 
     def plan() -> _plan.Launch:
@@ -464,7 +468,7 @@ def attention_backward(
         dropout = Dropout(dropout_p, seed) if seed is not None else None
         return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem, dropout, alibi_slopes)
     lib, device, (dout, q, k, v, out, lse, dlse, alibi_slopes) = arrays
-    dtypes = _dtypes(lib, q, k, v, out, dout, lse, dlse, alibi_slopes)
+    dtypes = _dtypes(q, k, v, out, dout, lse, dlse, alibi_slopes)
     key = ("bwd", lib.name, device, problem, q.shape, k.shape, dtypes, deterministic)
 
     def plan() -> _plan.Launch:
@@ -529,7 +533,7 @@ def attention_varlen_backward(
             dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem, dropout, alibi_slopes, seqused_k
         )
     lib, device, (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k) = arrays
-    dtypes = _dtypes(lib, q, k, v, out, dout, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k)
+    dtypes = _dtypes(q, k, v, out, dout, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k)
     key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape, dtypes, deterministic)
 
     def plan() -> _plan.Launch:
@@ -550,10 +554,10 @@ def attention_varlen_backward(
     return dq, dk, dv
 
 
-def _dtypes(lib: _interop.ArrayLib, *arrays: Any) -> tuple[str | None, ...]:
+def _dtypes(*arrays: Any) -> tuple[Any, ...]:
     """Every array's dtype for a plan key (None for an absent optional array): a plan checks the
     dtypes once, so a call whose dtypes differ must not find it."""
-    return tuple(None if x is None else lib.dtype_name(x) for x in arrays)
+    return tuple(None if x is None else x.dtype for x in arrays)
 
 
 def _check_slopes_dtype(lib: _interop.ArrayLib, slopes: Any) -> None:

@@ -136,9 +136,13 @@ def attention(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, soft
 _U64 = 2**64
 
 
+# The seed of a call without dropout: one constant (never read), not a tensor per call.
+_NO_SEED = torch.zeros((), dtype=torch.int64)
+
+
 def _seed_tensor(q: Tensor, dropout_p: float, seed: int | None) -> Tensor:
     if not dropout_p:
-        return torch.zeros((), dtype=torch.int64)
+        return _NO_SEED
     if seed is None:
         if not torch.compiler.is_compiling() and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise _interop.dropout_capture_error()

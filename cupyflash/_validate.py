@@ -226,7 +226,6 @@ def attention_problem(
     softcap: Any,
     layout: str,
     dropout_p: float = 0.0,
-    alibi: str = ALIBI_NONE,
 ) -> Problem:
     """Check the shapes and options of ``attention`` and normalise them."""
     if layout not in LAYOUTS:
@@ -260,7 +259,6 @@ def attention_problem(
         window_left=left,
         window_right=right,
         dropout_p=dropout_p,
-        alibi=alibi,
     )
 
 
@@ -284,7 +282,6 @@ def varlen_problem(
     window: Any,
     softcap: Any,
     dropout_p: float = 0.0,
-    alibi: str = ALIBI_NONE,
     seqused_k_shape: tuple[int, ...] | None = None,
 ) -> Problem:
     """Check ``attention_varlen``'s arguments. The Problem's seqlens are the maxima: they size
@@ -312,7 +309,7 @@ def varlen_problem(
         raise ValueError(f"max_seqlen_q/k ({max_q}, {max_k}) exceed the packed lengths ({total_q}, {total_k})")
     dense = attention_problem(
         (1, max_q, hq, d), (1, max_k, hk, dk), (1, max_k, hk, dk),
-        causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd", dropout_p=dropout_p, alibi=alibi,
+        causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd", dropout_p=dropout_p,
     )  # fmt: skip
     left, right = normalize_window(check_causal(causal), window, _UNBOUNDED, _UNBOUNDED)
     batch = cu_seqlens_q_shape[0] - 1

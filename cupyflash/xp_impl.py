@@ -501,13 +501,13 @@ def attention(
         if algorithm not in ("naive", "fa2"):
             raise ValueError(f"dropout runs with the naive and fa2 algorithms, not {algorithm!r}")
         options["dropout"] = dropout
-    if alibi_slopes is not None:
-        options["alibi"] = Alibi.of(xp, alibi_slopes, p.heads_kv, xp.astype(q, compute_dtype(xp, q)))
     compute = compute_dtype(xp, q)
     b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
     if p.layout == "bshd":  # -> [B, H, N, d]
         q, k, v = (xp.permute_dims(x, (0, 2, 1, 3)) for x in (q, k, v))
     q5 = xp.reshape(xp.astype(q, compute), (b, hkv, group, p.seqlen_q, p.head_dim))
+    if alibi_slopes is not None:
+        options["alibi"] = Alibi.of(xp, alibi_slopes, hkv, q5)
     k5 = xp.expand_dims(xp.astype(k, compute), axis=2)
     v5 = xp.expand_dims(xp.astype(v, compute), axis=2)
     if p.seqlen_q == 0 or b == 0:
