@@ -7,7 +7,7 @@ with no local-memory spills (tests/test_compile.py checks it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ._specs import (
@@ -15,6 +15,7 @@ from ._specs import (
     DECODE_HEAD_DIMS,
     FA1_HEAD_DIMS,
     FA2_BWD_HEAD_DIMS,
+    FA2_HEAD_DIMS,
     FA3_HEAD_DIMS,
     BwdRowSpec,
     DecodeAppendSpec,
@@ -30,6 +31,7 @@ from ._specs import (
     MergeSpec,
     NaiveSoftmaxSpec,
     TileConfig,
+    tile_width,
 )
 
 if TYPE_CHECKING:
@@ -81,9 +83,21 @@ def fa2_fwd_tiles(head_dim: int, narrow: bool) -> tuple[TileConfig, ...]:
     return (narrow and FA2_FWD_SOFTCAP_TILES.get(head_dim)) or FA2_FWD_TILES[head_dim]
 
 
+def columns(head_dim: int, widths: tuple[int, ...]) -> tuple[int, int]:
+    """(tile width, valid_dim) of a caller's head dim on kernels of tile ``widths``: valid_dim 0
+    where the head dim is a width itself."""
+    width = tile_width(head_dim, widths)
+    return width, (head_dim if head_dim != width else 0)
+
+
 def fa2_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, max_smem: int) -> Fa2FwdSpec:
-    for tile in fa2_fwd_tiles(head_dim, flags.softcap or flags.dropout or flags.alibi):
-        spec = Fa2FwdSpec(dtype, head_dim, tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi)
+    """The FA2 variant of a call; ``head_dim`` is the caller's (any up to 256: the next tile
+    width's variant with the columns past it zero)."""
+    width, valid_dim = columns(head_dim, FA2_HEAD_DIMS)
+    for tile in fa2_fwd_tiles(width, flags.softcap or flags.dropout or flags.alibi):
+        spec = Fa2FwdSpec(
+            dtype, width, tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim
+        )
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(f"no FA2 tile for head_dim={head_dim} fits in {max_smem} bytes of shared memory")
@@ -129,6 +143,13 @@ FA3_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 }
 
 
+#: Head dims below a Hopper tile width that the FA2 kernel runs at its own narrower tile width
+#: instead of the Hopper kernel at the wider one. H200, bf16, N = 4096, TFLOP/s counted at the
+#: caller's head dim, FA2 / Hopper (scripts/tune.py head-dims, docs/gpu_runs/2026-12-01-head-dims/):
+#: d = 32 221 / 216, causal 181 / 193 (a tie: FA2 kept); d = 96 230 / 460, causal 203 / 376;
+#: d = 192 246 / 490, causal 214 / 379 -- so 96 and 192 run at 128 and 256 on Hopper.
+FA2_OVER_FA3_HEAD_DIMS: frozenset[int] = frozenset({32})
+
 #: Keys up to this many per sequence make a short call, which FA3_SHORT_FWD_TILES may serve.
 FA3_SHORT_SEQLEN = 2048
 # Short calls where another tile wins: (head_dim, bounded) -> tile. At d = 64 without a bound,
@@ -145,15 +166,20 @@ FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 }
 
 
-def fa3_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, seqlen_k: int, varlen: bool = False) -> Fa3FwdSpec | None:
+def fa3_fwd_spec(
+    dtype: str, head_dim: int, flags: MaskFlags, seqlen_k: int, varlen: bool = False, *, chosen: bool = False
+) -> Fa3FwdSpec | None:
     """The Hopper variant for a call (``varlen``: packed sequences, ``seqlen_k`` then the
-    longest), or None where it has none (that head dim)."""
-    if head_dim not in FA3_HEAD_DIMS:
+    longest), or None where it has none: a head dim that is not a multiple of 8 (TMA moves
+    16-byte rows), or, unless the caller ``chosen`` this kernel, one that runs faster on FA2
+    (``FA2_OVER_FA3_HEAD_DIMS``)."""
+    if head_dim % 8 or head_dim > FA3_HEAD_DIMS[-1] or (head_dim in FA2_OVER_FA3_HEAD_DIMS and not chosen):
         return None
-    key = (head_dim, flags.causal or flags.local)
+    width, valid_dim = columns(head_dim, FA3_HEAD_DIMS)
+    key = (width, flags.causal or flags.local)
     tile = FA3_SHORT_FWD_TILES.get(key) if seqlen_k <= FA3_SHORT_SEQLEN else None
     tile = tile or FA3_FWD_TILES[key]
-    return Fa3FwdSpec(dtype, head_dim, tile, flags.causal, flags.local, flags.softcap, varlen)
+    return Fa3FwdSpec(dtype, width, tile, flags.causal, flags.local, flags.softcap, varlen, valid_dim)
 
 
 def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
@@ -252,13 +278,16 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 4
 
 
 def decode_tile(head_dim: int, rows: int) -> DecodeTile:
-    """The tile for ``rows`` packed GQA rows (query tokens x query heads per KV head)."""
+    """The tile for ``rows`` packed GQA rows (query tokens x query heads per KV head) at tile
+    width ``head_dim``."""
     tiles = DECODE_TILES[head_dim]
     return next((t for t in tiles if t.block_m >= rows), tiles[-1])
 
 
 def decode_spec(dtype: str, head_dim: int, rows: int, causal: bool) -> DecodeSpec:
-    return DecodeSpec(dtype, head_dim, decode_tile(head_dim, rows), causal)
+    """The decode variant for the caller's ``head_dim`` (as ``fa2_fwd_spec``: the next tile width)."""
+    width, valid_dim = columns(head_dim, DECODE_HEAD_DIMS)
+    return DecodeSpec(dtype, width, decode_tile(width, rows), causal, valid_dim)
 
 
 #: A split count within this fraction of the best wave efficiency is as good: the fewest wins.
@@ -326,18 +355,26 @@ FA2_BWD_DQ_DROPOUT_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_DQ_TILES,
 
 
 def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool = False) -> Fa2BwdSpec:
-    if head_dim not in FA2_BWD_TILES:
-        raise ValueError(f"the GPU backward supports head_dim in {FA2_BWD_HEAD_DIMS}, got {head_dim}")
-    block_m, block_n, d_split = (FA2_BWD_ALIBI_TILES if flags.alibi else FA2_BWD_TILES)[head_dim]
+    """The backward's main variant; ``head_dim`` is the caller's (as ``fa2_fwd_spec``)."""
+    width, valid_dim = columns(head_dim, FA2_BWD_HEAD_DIMS)
+    block_m, block_n, d_split = (FA2_BWD_ALIBI_TILES if flags.alibi else FA2_BWD_TILES)[width]
     return Fa2BwdSpec(
-        dtype, head_dim, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic, d_split,
-        flags.dropout, flags.alibi,
+        dtype, width, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic, d_split,
+        flags.dropout, flags.alibi, valid_dim,
     )  # fmt: skip
 
 
 def fa2_bwd_dq_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa2BwdDqSpec:
-    tile = (FA2_BWD_DQ_DROPOUT_TILES if flags.dropout or flags.alibi else FA2_BWD_DQ_TILES)[head_dim]
-    return Fa2BwdDqSpec(dtype, head_dim, *tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi)
+    width, valid_dim = columns(head_dim, FA2_BWD_HEAD_DIMS)
+    tile = (FA2_BWD_DQ_DROPOUT_TILES if flags.dropout or flags.alibi else FA2_BWD_DQ_TILES)[width]
+    return Fa2BwdDqSpec(
+        dtype, width, *tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim
+    )
+
+
+def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
+    """The backward's per-row kernel ``step`` ("prep" | "dq") for the caller's ``head_dim``."""
+    return BwdRowSpec(step, dtype, *columns(head_dim, FA2_BWD_HEAD_DIMS))
 
 
 def all_fa2_bwd_specs() -> list[KernelSpec]:
@@ -437,7 +474,8 @@ def ctas_per_sm(spec: DecodeSpec, device: DeviceInfo) -> int:
     the driver's cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
     warps = -(-spec.num_threads // 32)
     limits = [device.max_blocks_per_sm, device.max_threads_per_sm // 32 // warps]
-    registers = DECODE_REGISTERS.get((device.arch, spec.name))
+    # A head dim below the tile width: the full tile's count (the column predicates add ~none).
+    registers = DECODE_REGISTERS.get((device.arch, replace(spec, valid_dim=0).name))
     if registers is not None:
         per_warp = -(-registers * 32 // _REGISTER_ALLOCATION) * _REGISTER_ALLOCATION
         limits.append(device.regs_per_sm // (per_warp * warps))

@@ -22,11 +22,9 @@ from . import _dispatch, _interop
 from ._params import PARAMS_STRUCTS, ParamsTemplate
 from ._specs import (
     CUDA_ELEMENT_TYPES,
-    DECODE_HEAD_DIMS,
     DECODE_MAX_QUERIES,
-    FA2_BWD_HEAD_DIMS,
-    FA2_HEAD_DIMS,
     HOPPER_ARCH,
+    MAX_HEAD_DIM,
     BwdRowSpec,
     DecodeAppendSpec,
     Fa2FwdSpec,
@@ -74,6 +72,7 @@ def device_info(index: int) -> DeviceInfo:
 # What a Launch is made of.
 # ---------------------------------------------------------------------------------------------
 TILE = "tile"  # a 16-bit tensor the kernels read in 16-byte chunks (unit stride on head_dim)
+ROWS = "rows"  # one read element by element (a head dim not a multiple of 8: unit stride on it)
 INDEX = "index"  # an int32 array read element by element (unit stride on its last axis)
 CONTIGUOUS = "contiguous"  # read as one C-contiguous block (merge_states' parts)
 LENGTHS = "lengths"  # cache_seqlens: an int32 array, or one int for every sequence
@@ -283,7 +282,13 @@ STRIDE_NAMES = ("batch", "row", "head")
 
 
 def tile_operand(
-    params: ParamsTemplate, name: str, axes: tuple[int, int, int], *, field_prefix: str | None = None, **kw: Any
+    params: ParamsTemplate,
+    name: str,
+    axes: tuple[int, int, int],
+    *,
+    field_prefix: str | None = None,
+    kind: str = TILE,
+    **kw: Any,
 ) -> Operand:
     """A 4-D (or packed 3-D) tensor: ``{prefix}_ptr`` and ``{prefix}_{batch,row,head}_stride``
     from the array axes ``axes`` (-1: no such axis, the stride stays 0)."""
@@ -292,7 +297,18 @@ def tile_operand(
     strides = tuple(
         (params.slot(f"{prefix}_{s}_stride"), axis) for s, axis in zip(STRIDE_NAMES, axes, strict=True) if axis >= 0
     )
-    return Operand(name, TILE, params.slot(ptr_field), strides, **kw)
+    return Operand(name, kind, params.slot(ptr_field), strides, **kw)
+
+
+def tile_kind(head_dim: int) -> str:
+    """How the kernels read a tensor of ``head_dim`` columns: in 16-byte chunks (TILE) where a
+    row is a multiple of 8 elements, element by element (ROWS) otherwise."""
+    return ROWS if head_dim % 8 else TILE
+
+
+def check_head_dim(head_dim: int, kernels: str) -> None:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{kernels} take head_dim from 1 to {MAX_HEAD_DIM}, got {head_dim}")
 
 
 def check_gpu_dtypes(names: dict[str, str], allowed: dict[str, str] = CUDA_ELEMENT_TYPES) -> str:
@@ -382,8 +398,7 @@ def mask_flags(p: Problem) -> _dispatch.MaskFlags:
 def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, packed: bool) -> Fa2FwdSpec | Fa3FwdSpec:
     """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel; ``packed``
     (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens."""
-    if p.head_dim not in FA2_HEAD_DIMS:
-        raise ValueError(f"the GPU kernels support head_dim in {FA2_HEAD_DIMS}, got {p.head_dim}")
+    check_head_dim(p.head_dim, "the GPU kernels")
     flags = mask_flags(p)
     fa2_only = flags.dropout or flags.alibi or p.seqused_k
     if fa2_only and algorithm == "fa3":
@@ -392,13 +407,14 @@ def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, pac
         )
     if algorithm in ("fa3", "auto") and not fa2_only:
         hopper = device.arch == HOPPER_ARCH
-        spec = _dispatch.fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k, packed) if hopper else None
+        chosen = algorithm == "fa3"
+        spec = _dispatch.fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k, packed, chosen=chosen) if hopper else None
         if spec is not None and spec.smem_bytes <= device.max_smem_per_block:
             return spec
         if algorithm == "fa3":
             raise ValueError(
-                "algorithm='fa3' (wgmma + TMA) needs a Hopper GPU (sm_90) and head_dim in (64, 128, 256); this "
-                f"call has head_dim={p.head_dim} on {device.arch}: use algorithm='fa2' or 'auto'"
+                "algorithm='fa3' (wgmma + TMA) needs a Hopper GPU (sm_90) and a head_dim that is a multiple of 8; "
+                f"this call has head_dim={p.head_dim} on {device.arch}: use algorithm='fa2' or 'auto'"
             )
     return _dispatch.fa2_fwd_spec(dtype, p.head_dim, flags, device.max_smem_per_block)
 
@@ -464,10 +480,11 @@ def plan_forward(
     if isinstance(spec, Fa3FwdSpec) and spec.tile.dynamic:
         # The dynamic schedule's tile counters: the stream's pair, 0 between launches.
         scratch = Scratch(8, 0, params.slot("tile_counters"))
+    kind = tile_kind(p.head_dim)
     operands = [
-        tile_operand(params, "q", axes, negate=negate_q),
-        tile_operand(params, "k", axes),
-        tile_operand(params, "v", axes),
+        tile_operand(params, "q", axes, negate=negate_q, kind=kind),
+        tile_operand(params, "k", axes, kind=kind),
+        tile_operand(params, "v", axes, kind=kind),
     ]
     if packed:
         operands += [
@@ -505,8 +522,7 @@ def plan_backward(
     ``scale``. ``deterministic``: dQ from its own kernel over query blocks instead of fp32
     atomics (bit-identical from run to run; two of the five products computed twice)."""
     check_grid(p.batch, p.heads_q)
-    if p.head_dim not in FA2_BWD_HEAD_DIMS:
-        raise ValueError(f"the GPU backward supports head_dim in {FA2_BWD_HEAD_DIMS}, got {p.head_dim}")
+    check_head_dim(p.head_dim, "the GPU backward kernels")
     packed = packed_rows is not None
     scale_log2, prescale, negate_q = softmax_factors(p)
     axes = LAYOUT_AXES["thd" if packed else p.layout]
@@ -548,12 +564,13 @@ def plan_backward(
             return ((params.slot(f"{name}_head_stride"), 0),)
         return ((params.slot(f"{name}_batch_stride"), 0), (params.slot(f"{name}_head_stride"), 1))
 
+    kind = tile_kind(p.head_dim)
     operands = [
-        tile_operand(params, "q", axes, negate=negate_q),
-        tile_operand(params, "k", axes),
-        tile_operand(params, "v", axes),
-        tile_operand(params, "out", axes, field_prefix="o"),
-        tile_operand(params, "dout", axes, field_prefix="do"),
+        tile_operand(params, "q", axes, negate=negate_q, kind=kind),
+        tile_operand(params, "k", axes, kind=kind),
+        tile_operand(params, "v", axes, kind=kind),
+        tile_operand(params, "out", axes, field_prefix="o", kind=kind),
+        tile_operand(params, "dout", axes, field_prefix="do", kind=kind),
         Operand("lse", INDEX, params.slot("lse_ptr"), lse_axes("lse")),
         Operand("dlse", INDEX, params.slot("dlse_ptr"), lse_axes("dlse")),  # optional
     ]
@@ -588,9 +605,11 @@ def plan_backward(
         dq_grid = (-(-rows[0] // dq_spec.block_m), p.batch, p.heads_q)
         dq_step = KernelStep(dq_spec, dq_grid, (dq_spec.num_threads, 1, 1), dq_spec.smem_bytes)
     else:  # the accumulator the main kernel adds into, zeroed by prep, converted by the dq step
-        temporaries += (Temporary("dq_accum", (temp_rows, p.head_dim), "float32", params.slot("dq_accum")),)
-        dq_step = KernelStep(BwdRowSpec("dq", dtype, p.head_dim), row_grid, row_block, 0)
-    steps = (KernelStep(BwdRowSpec("prep", dtype, p.head_dim), row_grid, row_block, 0), main, dq_step)
+        convert = _dispatch.bwd_row_spec("dq", dtype, p.head_dim)  # rows of the tile's width
+        temporaries += (Temporary("dq_accum", (temp_rows, convert.head_dim), "float32", params.slot("dq_accum")),)
+        dq_step = KernelStep(convert, row_grid, row_block, 0)
+    prep = _dispatch.bwd_row_spec("prep", dtype, p.head_dim)
+    steps = (KernelStep(prep, row_grid, row_block, 0), main, dq_step)
     return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries)
 
 
@@ -620,8 +639,7 @@ def plan_kvcache(
     a = kp.attn
     dtype = check_gpu_dtypes({n: d for n, d in dtypes.items() if d is not None and n not in _INDEX_NAMES})
     check_int32({n: dtypes.get(n) for n in _INDEX_NAMES})
-    if a.head_dim not in DECODE_HEAD_DIMS:
-        raise ValueError(f"the decode kernels support head_dim in {DECODE_HEAD_DIMS}, got {a.head_dim}")
+    check_head_dim(a.head_dim, "the decode kernels")
     if a.seqlen_q > DECODE_MAX_QUERIES:
         raise ValueError(
             f"attention_with_kvcache on the GPU takes 1 to {DECODE_MAX_QUERIES} query tokens, got {a.seqlen_q}"
@@ -656,13 +674,14 @@ def plan_kvcache(
         seqlen_new=kp.seqlen_new, page_size_log2=kp.page_size_log2, num_pages=kp.num_pages,
         cache_capacity=kp.capacity, num_splits=splits, blocks_per_split=per_split,
     )  # fmt: skip
-    operands = [tile_operand(params, "q", axes, negate=negate_q)]
+    kind = tile_kind(d)
+    operands = [tile_operand(params, "q", axes, negate=negate_q, kind=kind)]
     if dense:
-        operands += [tile_operand(params, "k", axes), tile_operand(params, "v", axes)]
+        operands += [tile_operand(params, "k", axes, kind=kind), tile_operand(params, "v", axes, kind=kind)]
     else:
         operands += [
-            tile_operand(params, "k_cache", axes, field_prefix="k", in_place=True),
-            tile_operand(params, "v_cache", axes, field_prefix="v", in_place=True),
+            tile_operand(params, "k_cache", axes, field_prefix="k", in_place=True, kind=kind),
+            tile_operand(params, "v_cache", axes, field_prefix="v", in_place=True, kind=kind),
             Operand(
                 "cache_seqlens",
                 LENGTHS,
@@ -678,8 +697,8 @@ def plan_kvcache(
     steps: list[KernelStep] = []
     if kp.seqlen_new:
         operands += [
-            tile_operand(params, "k_new", LAYOUT_AXES["bshd"], field_prefix="k_new"),
-            tile_operand(params, "v_new", LAYOUT_AXES["bshd"], field_prefix="v_new"),
+            tile_operand(params, "k_new", LAYOUT_AXES["bshd"], field_prefix="k_new", kind=kind),
+            tile_operand(params, "v_new", LAYOUT_AXES["bshd"], field_prefix="v_new", kind=kind),
         ]
         if a.batch and a.heads_kv:
             append = DecodeAppendSpec(dtype, d)
@@ -689,11 +708,11 @@ def plan_kvcache(
         steps.append(
             KernelStep(spec, (splits * m_blocks, a.heads_kv, a.batch), (spec.num_threads, 1, 1), spec.smem_bytes)
         )
-        if splits > 1:  # the splits' tickets (left at 0 by the kernel), partial O, partial LSE
-            row_count = a.batch * a.heads_q * a.seqlen_q
+        if splits > 1:  # the splits' tickets (left at 0 by the kernel), partial O (rows of the tile's width), LSE
+            row_count, width = a.batch * a.heads_q * a.seqlen_q, spec.head_dim
             scratch = Scratch(
-                4 * ctas, 4 * row_count * (d + 1) * splits, params.slot("split_counters"),
-                ((params.slot("o_partial_ptr"), 0), (params.slot("lse_partial_ptr"), 4 * row_count * d * splits)),
+                4 * ctas, 4 * row_count * (width + 1) * splits, params.slot("split_counters"),
+                ((params.slot("o_partial_ptr"), 0), (params.slot("lse_partial_ptr"), 4 * row_count * width * splits)),
             )  # fmt: skip
     lse_shape = (a.batch, a.heads_q, a.seqlen_q)
     outputs: tuple[Output, ...] = (
@@ -707,11 +726,11 @@ def plan_kvcache(
 
 
 def decode_applies(p: Problem) -> bool:
-    """The split-KV decode kernel computes this ``attention`` call: a few query tokens, a decode
-    head dim, no window and no softcap (causal is bottom-right, as the kernel's)."""
+    """The split-KV decode kernel computes this ``attention`` call: a few query tokens, no
+    window and no softcap (causal is bottom-right, as the kernel's)."""
     return (
         0 < p.seqlen_q <= DECODE_MAX_QUERIES
-        and p.head_dim in DECODE_HEAD_DIMS
+        and 1 <= p.head_dim <= MAX_HEAD_DIM
         and not p.local_bound
         and (p.softcap == 0)
         and p.dropout_p == 0
@@ -728,7 +747,7 @@ def plan_attention(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q
     if algorithm == "decode" or (one_token and decode_applies(p)):
         if not decode_applies(p):
             raise ValueError(
-                f"algorithm='decode' takes 1 to {DECODE_MAX_QUERIES} query tokens, head_dim in {DECODE_HEAD_DIMS}, "
+                f"algorithm='decode' takes 1 to {DECODE_MAX_QUERIES} query tokens, head_dim up to {MAX_HEAD_DIM}, "
                 f"no window, softcap, dropout or ALiBi; this call has {p.seqlen_q} query tokens, head_dim={p.head_dim}"
             )
         kp = KvCacheProblem(p, paged=False, page_size=p.seqlen_k, num_pages=p.batch, capacity=p.seqlen_k, seqlen_new=0)

@@ -48,6 +48,42 @@ def _check_dtype(dtype: str, supported: dict[str, str]) -> None:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(supported)}")
 
 
+#: The largest head dim a kernel takes (a head dim below a tile width runs on the next one).
+MAX_HEAD_DIM = 256
+
+
+def tile_width(head_dim: int, widths: tuple[int, ...]) -> int:
+    """The tile width a head dim runs at: the smallest of ``widths`` that holds it. The kernels
+    zero the columns past the caller's in shared memory and never touch them in global memory
+    (``TileColumns`` in kernels_cu/common.cuh)."""
+    for width in widths:
+        if head_dim <= width:
+            return width
+    raise ValueError(f"head_dim {head_dim} is above the largest tile width, {widths[-1]}")
+
+
+def _check_columns(head_dim: int, valid_dim: int, widths: tuple[int, ...], whole_chunks: bool = False) -> None:
+    """``head_dim`` is a tile width of ``widths``; ``valid_dim`` (0: all of it) the caller's columns,
+    which must need this width (not fit a smaller one), and be 16-byte rows where ``whole_chunks``."""
+    if head_dim not in widths:
+        raise ValueError(f"unsupported head_dim {head_dim}; supported: {widths}")
+    if valid_dim and (valid_dim >= head_dim or tile_width(valid_dim, widths) != head_dim):
+        raise ValueError(f"valid_dim {valid_dim} does not run at tile width {head_dim}")
+    if valid_dim and whole_chunks and valid_dim % 8:
+        raise ValueError(f"valid_dim {valid_dim} is not a multiple of 8 (16-byte rows)")
+
+
+def _dim_part(head_dim: int, valid_dim: int) -> str:
+    """The name part of a tile width and its caller's columns: ``d128``, ``d128v80``."""
+    return f"d{head_dim}v{valid_dim}" if valid_dim else f"d{head_dim}"
+
+
+def _columns_arg(valid_dim: int) -> tuple[int, ...]:
+    """The traits' trailing ``kValidDim_`` argument, given only below the tile width (so a full
+    tile's instantiation is spelled as before)."""
+    return (valid_dim,) if valid_dim else ()
+
+
 class _KernelSpecBase:
     """What every kernel spec shares: the symbol name from a family prefix, name parts and flag
     suffixes; ``template_args()`` from the traits template and its arguments; the launch bounds;
@@ -133,6 +169,7 @@ class Fa2FwdSpec(_KernelSpecBase):
     softcap: bool = False
     dropout: bool = False  # dropout on P (kernels_cu/dropout.cuh)
     alibi: bool = False  # ALiBi slopes (kernels_cu/variants.cuh; not with softcap)
+    valid_dim: int = 0  # the caller's head dim, when below the tile width head_dim (0: the same)
 
     kernel = "fa2_fwd"
     source_file = "fa2_fwd.cu"
@@ -146,14 +183,13 @@ class Fa2FwdSpec(_KernelSpecBase):
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
-        if self.head_dim not in FA2_HEAD_DIMS:
-            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA2_HEAD_DIMS}")
+        _check_columns(self.head_dim, self.valid_dim, FA2_HEAD_DIMS)
 
     def _name_parts(self) -> tuple[object, ...]:
         t = self.tile
         return (
             _SHORT_DTYPE[self.dtype],
-            f"d{self.head_dim}",
+            _dim_part(self.head_dim, self.valid_dim),
             f"m{t.block_m}",
             f"n{t.block_n}",
             f"w{t.num_warps}",
@@ -197,6 +233,7 @@ class Fa2FwdSpec(_KernelSpecBase):
             self.softcap,
             self.dropout,
             self.alibi,
+            *_columns_arg(self.valid_dim),
         )
 
     @property
@@ -244,6 +281,7 @@ class Fa3FwdSpec(_KernelSpecBase):
     local: bool = False
     softcap: bool = False
     varlen: bool = False  # packed sequences (cu_seqlens); a padded batch's variant skips that code
+    valid_dim: int = 0  # the caller's head dim (a multiple of 8), when below head_dim
 
     kernel = "fa3_fwd"
     source_file = "fa3_fwd.cu"
@@ -257,8 +295,7 @@ class Fa3FwdSpec(_KernelSpecBase):
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
-        if self.head_dim not in FA3_HEAD_DIMS:
-            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA3_HEAD_DIMS}")
+        _check_columns(self.head_dim, self.valid_dim, FA3_HEAD_DIMS, whole_chunks=True)
 
     @property
     def persistent(self) -> bool:
@@ -275,7 +312,7 @@ class Fa3FwdSpec(_KernelSpecBase):
     def _name_parts(self) -> tuple[object, ...]:
         return (
             _SHORT_DTYPE[self.dtype],
-            f"d{self.head_dim}",
+            _dim_part(self.head_dim, self.valid_dim),
             f"m{self.block_m}",
             f"n{self.tile.block_n}",
             f"s{self.tile.stages}",
@@ -308,7 +345,7 @@ class Fa3FwdSpec(_KernelSpecBase):
         t = self.tile
         return (
             self.head_dim, t.block_n, t.consumers, t.stages, t.separate_o, t.pingpong, t.dynamic, self.varlen,
-            CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap,
+            CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap, *_columns_arg(self.valid_dim),
         )  # fmt: skip
 
     # one CTA per SM (setmaxnreg needs the whole register file): the default _min_blocks of 1
@@ -458,6 +495,7 @@ class DecodeSpec(_KernelSpecBase):
     head_dim: int
     tile: DecodeTile
     causal: bool = False
+    valid_dim: int = 0  # the caller's head dim, when below the tile width head_dim
 
     kernel = "decode_partial"
     source_file = "decode.cu"
@@ -471,14 +509,13 @@ class DecodeSpec(_KernelSpecBase):
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
-        if self.head_dim not in DECODE_HEAD_DIMS:
-            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {DECODE_HEAD_DIMS}")
+        _check_columns(self.head_dim, self.valid_dim, DECODE_HEAD_DIMS)
 
     def _name_parts(self) -> tuple[object, ...]:
         t = self.tile
         return (
             _SHORT_DTYPE[self.dtype],
-            f"d{self.head_dim}",
+            _dim_part(self.head_dim, self.valid_dim),
             f"m{t.block_m}",
             f"k{t.warp_keys}",
             f"w{t.num_warps}",
@@ -504,7 +541,7 @@ class DecodeSpec(_KernelSpecBase):
         t = self.tile
         return (
             self.head_dim, t.block_m, t.warp_keys, t.num_warps, t.stages, t.q_in_regs,
-            CUDA_ELEMENT_TYPES[self.dtype], self.causal,
+            CUDA_ELEMENT_TYPES[self.dtype], self.causal, *_columns_arg(self.valid_dim),
         )  # fmt: skip
 
     @property
@@ -514,7 +551,9 @@ class DecodeSpec(_KernelSpecBase):
 
 @dataclass(frozen=True, slots=True)
 class DecodeAppendSpec(_KernelSpecBase):
-    """``decode_append``: k_new / v_new into the cache (contiguous or paged)."""
+    """``decode_append``: k_new / v_new into the cache (contiguous or paged); ``head_dim`` is
+    the caller's (rows of a multiple of 8 elements move in 16-byte chunks, others element by
+    element)."""
 
     dtype: str
     head_dim: int
@@ -533,8 +572,8 @@ class DecodeAppendSpec(_KernelSpecBase):
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
-        if self.head_dim % 8:
-            raise ValueError(f"head_dim {self.head_dim} must be a multiple of 8 (16-byte rows)")
+        if not 1 <= self.head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head_dim {self.head_dim} is not in 1 .. {MAX_HEAD_DIM}")
 
     def _name_parts(self) -> tuple[object, ...]:
         return (_SHORT_DTYPE[self.dtype], f"d{self.head_dim}")
@@ -598,6 +637,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     d_split: int = 1  # warps sharing 16 keys, each with 1 / d_split of d's dK, dV columns
     dropout: bool = False  # the forward's dropout mask regenerated (kernels_cu/dropout.cuh)
     alibi: bool = False
+    valid_dim: int = 0  # the caller's head dim, when below the tile width head_dim
 
     kernel = "fa2_bwd"
     source_file = "fa2_bwd.cu"
@@ -611,8 +651,7 @@ class Fa2BwdSpec(_KernelSpecBase):
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
-        if self.head_dim not in FA2_BWD_HEAD_DIMS:
-            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA2_BWD_HEAD_DIMS}")
+        _check_columns(self.head_dim, self.valid_dim, FA2_BWD_HEAD_DIMS)
         if self.block_m % 32 or self.block_n % 16 or self.d_split not in (1, 2):
             raise ValueError(
                 f"bad backward tile: block_m={self.block_m}, block_n={self.block_n}, d_split={self.d_split}"
@@ -621,7 +660,8 @@ class Fa2BwdSpec(_KernelSpecBase):
             raise ValueError(f"bad backward tile: {self.num_threads} threads for {self.block_m} query rows")
 
     def _name_parts(self) -> tuple[object, ...]:
-        return (_SHORT_DTYPE[self.dtype], f"d{self.head_dim}", f"m{self.block_m}", f"n{self.block_n}")
+        dims = _dim_part(self.head_dim, self.valid_dim)
+        return (_SHORT_DTYPE[self.dtype], dims, f"m{self.block_m}", f"n{self.block_n}")
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
         return (
@@ -643,7 +683,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         return (
             self.head_dim, self.block_m, self.block_n, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local,
-            self.softcap, not self.deterministic, self.d_split, self.dropout, self.alibi,
+            self.softcap, not self.deterministic, self.d_split, self.dropout, self.alibi, *_columns_arg(self.valid_dim),
         )  # fmt: skip
 
 
@@ -662,6 +702,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
     softcap: bool = False
     dropout: bool = False
     alibi: bool = False
+    valid_dim: int = 0
 
     kernel = "fa2_bwd_dq_blocks"
     source_file = "fa2_bwd.cu"
@@ -675,16 +716,15 @@ class Fa2BwdDqSpec(_KernelSpecBase):
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
-        if self.head_dim not in FA2_BWD_HEAD_DIMS:
-            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA2_BWD_HEAD_DIMS}")
+        _check_columns(self.head_dim, self.valid_dim, FA2_BWD_HEAD_DIMS)
         rows_per_warp, rem = divmod(self.block_m, self.num_warps)
         if rem or rows_per_warp % 16 or self.block_n % 16:
             raise ValueError(f"bad dQ tile: block_m={self.block_m}, block_n={self.block_n}, warps={self.num_warps}")
 
     def _name_parts(self) -> tuple[object, ...]:
         return (
-            _SHORT_DTYPE[self.dtype], f"d{self.head_dim}", f"m{self.block_m}", f"n{self.block_n}",
-            f"w{self.num_warps}",
+            _SHORT_DTYPE[self.dtype], _dim_part(self.head_dim, self.valid_dim), f"m{self.block_m}",
+            f"n{self.block_n}", f"w{self.num_warps}",
         )  # fmt: skip
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
@@ -701,7 +741,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         return (
             self.head_dim, self.block_m, self.block_n, self.num_warps, CUDA_ELEMENT_TYPES[self.dtype], self.causal,
-            self.local, self.softcap, self.dropout, self.alibi,
+            self.local, self.softcap, self.dropout, self.alibi, *_columns_arg(self.valid_dim),
         )  # fmt: skip
 
 
@@ -713,7 +753,8 @@ class BwdRowSpec(_KernelSpecBase):
 
     step: str  # "prep" | "dq"
     dtype: str
-    head_dim: int
+    head_dim: int  # the tile width of the main kernel (dQ's accumulator rows)
+    valid_dim: int = 0
 
     kernel = "fa2_bwd_rows"
     source_file = "fa2_bwd.cu"
@@ -730,8 +771,7 @@ class BwdRowSpec(_KernelSpecBase):
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         if self.step not in ("prep", "dq"):
             raise ValueError(f"unknown backward row step {self.step!r}")
-        if self.head_dim not in FA2_BWD_HEAD_DIMS:
-            raise ValueError(f"unsupported head_dim {self.head_dim}; supported: {FA2_BWD_HEAD_DIMS}")
+        _check_columns(self.head_dim, self.valid_dim, FA2_BWD_HEAD_DIMS)
 
     @property
     def prefix(self) -> str:  # type: ignore[override]
@@ -742,10 +782,10 @@ class BwdRowSpec(_KernelSpecBase):
         return f"fa2_bwd_{self.step}<Traits>(params);"
 
     def _name_parts(self) -> tuple[object, ...]:
-        return (_SHORT_DTYPE[self.dtype], f"d{self.head_dim}")
+        return (_SHORT_DTYPE[self.dtype], _dim_part(self.head_dim, self.valid_dim))
 
     def _traits_args(self) -> tuple[object, ...]:
-        return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype])
+        return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype], *_columns_arg(self.valid_dim))
 
 
 KernelSpec = (

@@ -114,6 +114,11 @@ CF_DEVICE void st_shared_b32(uint32_t addr, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
 }
 
+CF_DEVICE void st_shared_b128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w));
+}
+
 CF_DEVICE void st_shared_zero_b128(uint32_t addr) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0u));
 }
@@ -144,6 +149,30 @@ CF_DEVICE void st_global_b128(void* ptr, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
                : "memory");
+}
+
+// The first `count` (0..8) 16-bit elements at src, as one 16-byte chunk whose other elements are
+// zero: a row of a head dim that is not a multiple of 8 is 2-byte aligned only, so it is read
+// element by element (synchronously, unlike cp.async).
+CF_DEVICE uint4 ld_global_elements(const void* src, int count) {
+  const unsigned short* e = static_cast<const unsigned short*>(src);
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = 2 * i < count ? e[2 * i] : 0u;
+    const uint32_t hi = 2 * i + 1 < count ? e[2 * i + 1] : 0u;
+    w[i] = lo | (hi << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The first `count` (0..8) 16-bit elements of a chunk, stored element by element.
+CF_DEVICE void st_global_elements(void* dst, uint4 v, int count) {
+  unsigned short* e = static_cast<unsigned short*>(dst);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    if (i < count) e[i] = static_cast<unsigned short>(w[i / 2] >> (16 * (i % 2)));
 }
 
 // 16-byte global -> shared copy that bypasses L1 (.cg). When !valid the 16 bytes are zero-filled
@@ -223,3 +252,47 @@ struct SwizzledTile {
            ((chunk_even & (kGroup - 1)) ^ xor_bits) * 8;
   }
 };
+
+// ---------------------------------------------------------------------------------------------
+// The caller's columns of a tile. A tile is kHeadDim columns wide (the swizzle's and the MMAs'
+// unit); the caller's rows hold kValidDim <= kHeadDim of them (0: all). The columns past
+// kValidDim are zeros in shared memory, where they add nothing to Q K^T and give zero columns of
+// P V, dS K and dS^T Q, and they are never read or written in global memory: no copy or pad of
+// the caller's arrays. A head dim that is a multiple of 8 moves in whole 16-byte chunks (the
+// chunks past it skipped); any other is 2-byte aligned row to row and moves element by element.
+// ---------------------------------------------------------------------------------------------
+template <int kHeadDim, int kValidDim_>
+struct TileColumns {
+  static constexpr int kValidDim = kValidDim_ > 0 ? kValidDim_ : kHeadDim;
+  static constexpr bool kFull = kValidDim == kHeadDim;
+  static constexpr bool kWholeChunks = kValidDim % 8 == 0;  // rows of 16-byte chunks
+  static constexpr int kChunks = (kValidDim + 7) / 8;       // chunks holding a caller's column
+  static_assert(0 < kValidDim && kValidDim <= kHeadDim, "the caller's columns fit the tile");
+
+  // Does 16-byte chunk `chunk` of a row hold any of the caller's columns? (How many: count.)
+  static CF_DEVICE constexpr bool holds(int chunk) { return kFull || chunk < kChunks; }
+  static CF_DEVICE constexpr int count(int chunk) {
+    return kValidDim - 8 * chunk >= 8 ? 8 : (kValidDim - 8 * chunk > 0 ? kValidDim - 8 * chunk : 0);
+  }
+};
+
+// Chunk `chunk` of a global row of the caller's columns (zeros past them).
+template <typename Columns, typename Element>
+CF_DEVICE uint4 ld_global_chunk(const Element* row, int chunk) {
+  if constexpr (Columns::kWholeChunks) {
+    return Columns::holds(chunk) ? *reinterpret_cast<const uint4*>(row + 8 * chunk)
+                                 : make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    return ld_global_elements(row + 8 * chunk, Columns::count(chunk));
+  }
+}
+
+// Chunk `chunk` of a tile row into a global row of the caller's columns (none past them).
+template <typename Columns, typename Element>
+CF_DEVICE void st_global_chunk(Element* row, int chunk, uint4 v) {
+  if constexpr (Columns::kWholeChunks) {
+    if (Columns::holds(chunk)) st_global_b128(row + 8 * chunk, v);
+  } else {
+    st_global_elements(row + 8 * chunk, v, Columns::count(chunk));
+  }
+}

@@ -75,11 +75,12 @@ struct MergeParams {
 };
 
 template <int kHeadDim_, int kBlockM_, int kWarpKeys_, int kNWarps_, int kStages_, bool Q_in_regs_,
-          typename Element_, bool Is_causal_>
+          typename Element_, bool Is_causal_, int kValidDim_ = 0>
 struct DecodeTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
   using Tile = SwizzledTile<kHeadDim_>;
+  using Columns = TileColumns<kHeadDim_, kValidDim_>;  // the caller's head dim, if below the tile's
 
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;      // packed (token, head) rows per CTA
@@ -194,7 +195,13 @@ CF_DEVICE void load_rows_async(uint32_t s_tile, const RowPtr& row_ptr, int threa
       const int chunk = idx % kChunksPerRow;
       const typename Traits::Element* src = row_ptr(row);
       const uint32_t dst = s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes;
-      cp_async_16(dst, src != nullptr ? src + chunk * 8 : row_ptr.fallback(), src != nullptr);
+      if constexpr (Traits::Columns::kWholeChunks) {
+        const bool valid = Traits::Columns::holds(chunk) && src != nullptr;
+        cp_async_16(dst, src != nullptr ? src + chunk * 8 : row_ptr.fallback(), valid);
+      } else {  // 2-byte aligned rows: element by element (see TileColumns)
+        st_shared_b128(dst, src != nullptr ? ld_global_chunk<typename Traits::Columns>(src, chunk)
+                                           : make_uint4(0u, 0u, 0u, 0u));
+      }
     }
   }
 }
@@ -214,16 +221,27 @@ CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits
                 "a row is at most one warp's chunks");
   constexpr int kRowsPerIter = 32 / kChunksPerRow;
   constexpr int kIters = Traits::kWarpKeys / kRowsPerIter;
+  using Columns = typename Traits::Columns;
   const int chunk = lane % kChunksPerRow;
   const int row0 = lane / kChunksPerRow;
-  if (cache.pages == nullptr || (1 << cache.page_size_log2) >= Traits::kWarpKeys) {
+  if constexpr (!Columns::kWholeChunks) {
+    // 2-byte aligned rows (see TileColumns): element by element, each row looked up.
+#pragma unroll 2
+    for (int it = 0; it < kIters; ++it) {
+      const int row = row0 + it * kRowsPerIter;
+      const uint4 v = key0 + row < seqlen_k
+                          ? ld_global_chunk<Columns>(cache.row(key0 + row, bad_page), chunk)
+                          : make_uint4(0u, 0u, 0u, 0u);
+      st_shared_b128(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes, v);
+    }
+  } else if (cache.pages == nullptr || (1 << cache.page_size_log2) >= Traits::kWarpKeys) {
     const typename Traits::Element* src =
         cache.row(key0, bad_page) + row0 * cache.row_stride + chunk * 8;
     const int64_t step = kRowsPerIter * cache.row_stride;
 #pragma unroll
     for (int it = 0; it < kIters; ++it, src += step) {
       const int row = row0 + it * kRowsPerIter;
-      const bool valid = key0 + row < seqlen_k;
+      const bool valid = Columns::holds(chunk) && key0 + row < seqlen_k;
       cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes,
                   valid ? src : cache.base, valid);
     }
@@ -231,7 +249,7 @@ CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits
 #pragma unroll 2
     for (int it = 0; it < kIters; ++it) {
       const int row = row0 + it * kRowsPerIter;
-      const bool valid = key0 + row < seqlen_k;
+      const bool valid = Columns::holds(chunk) && key0 + row < seqlen_k;
       const typename Traits::Element* src =
           valid ? cache.row(key0 + row, bad_page) + chunk * 8 : cache.base;
       cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes, src, valid);
@@ -461,7 +479,13 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
       Element* g_o = static_cast<Element*>(attn.o_ptr) + batch * attn.o_batch_stride +
                      query * attn.o_row_stride + head * attn.o_head_stride + col;
       const uint2 packed_o = make_uint2(Traits::Ops::pack2(o.x, o.y), Traits::Ops::pack2(o.z, o.w));
-      *reinterpret_cast<uint2*>(g_o) = packed_o;
+      using Columns = typename Traits::Columns;
+      if constexpr (Columns::kWholeChunks) {
+        if (Columns::kFull || col < Columns::kValidDim) *reinterpret_cast<uint2*>(g_o) = packed_o;
+      } else {  // 2-byte aligned rows: the caller's columns of the four, one by one
+        const int count = min(max(Columns::kValidDim - col, 0), 4);
+        st_global_elements(g_o, make_uint4(packed_o.x, packed_o.y, 0u, 0u), count);
+      }
       if (col == 0 && attn.lse_ptr != nullptr) {
         attn.lse_ptr[batch * attn.lse_batch_stride + head * attn.lse_head_stride + query] = row_lse;
       }
@@ -501,9 +525,9 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     float* g_lse = attn.lse_ptr == nullptr ? nullptr
                                            : attn.lse_ptr + batch * attn.lse_batch_stride +
                                                  head * attn.lse_head_stride + query;
-    merge_row<Traits::kHeadDim>(params.o_partial_ptr + row_index * Traits::kHeadDim,
-                                part_rows * Traits::kHeadDim, params.lse_partial_ptr + row_index,
-                                part_rows, params.num_splits, g_o, g_lse, lane);
+    merge_row<Traits::kHeadDim, Traits::Columns::kValidDim>(
+        params.o_partial_ptr + row_index * Traits::kHeadDim, part_rows * Traits::kHeadDim,
+        params.lse_partial_ptr + row_index, part_rows, params.num_splits, g_o, g_lse, lane);
   }
 }
 
@@ -549,8 +573,16 @@ CF_DEVICE void decode_append(const DecodeParams& p) {
     if (reporter) report_error(p, kBadPage);
     return;
   }
-  for (int chunk = threadIdx.x; chunk < Traits::kHeadDim / 8; chunk += Traits::kNThreads) {
-    reinterpret_cast<uint4*>(k_dst)[chunk] = reinterpret_cast<const uint4*>(k_src)[chunk];
-    reinterpret_cast<uint4*>(v_dst)[chunk] = reinterpret_cast<const uint4*>(v_src)[chunk];
+  if constexpr (Traits::kHeadDim % 8 == 0) {
+    for (int chunk = threadIdx.x; chunk < Traits::kHeadDim / 8; chunk += Traits::kNThreads) {
+      reinterpret_cast<uint4*>(k_dst)[chunk] = reinterpret_cast<const uint4*>(k_src)[chunk];
+      reinterpret_cast<uint4*>(v_dst)[chunk] = reinterpret_cast<const uint4*>(v_src)[chunk];
+    }
+  } else {  // rows 2-byte aligned only (see TileColumns): element by element
+    using Bits = unsigned short;
+    for (int i = threadIdx.x; i < Traits::kHeadDim; i += Traits::kNThreads) {
+      reinterpret_cast<Bits*>(k_dst)[i] = reinterpret_cast<const Bits*>(k_src)[i];
+      reinterpret_cast<Bits*>(v_dst)[i] = reinterpret_cast<const Bits*>(v_src)[i];
+    }
   }
 }

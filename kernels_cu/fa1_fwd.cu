@@ -35,6 +35,7 @@ struct Fa1FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
   using Tile = SwizzledTile<kHeadDim_>;
+  using Columns = TileColumns<kHeadDim_, 0>;  // every column is the caller's
 
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockR = kBlockR_;  // B_r: query rows per Q tile

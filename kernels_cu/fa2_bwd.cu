@@ -68,10 +68,11 @@ CF_DEVICE constexpr int largest_divisor_upto(int n, int limit) {
 // ---------------------------------------------------------------------------------------------
 // The per-row kernels: one warp per query row, 16-byte chunks per lane.
 // ---------------------------------------------------------------------------------------------
-template <int kHeadDim_, typename Element_>
+template <int kHeadDim_, typename Element_, int kValidDim_ = 0>
 struct BwdRowTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
+  using Columns = TileColumns<kHeadDim_, kValidDim_>;  // dQ's accumulator is kHeadDim wide
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kNWarps = 4;
   static constexpr int kNThreads = 32 * kNWarps;
@@ -98,13 +99,13 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   const int lane = threadIdx.x % 32;
   const int b = blockIdx.y, h = blockIdx.z;
   float dot = 0.f;
-  if (lane < Traits::kChunks) {
+  if (lane < Traits::Columns::kChunks) {
     const auto* g_o = static_cast<const Element*>(a.o_ptr) + b * a.o_batch_stride +
-                      row * a.o_row_stride + h * a.o_head_stride + 8 * lane;
+                      row * a.o_row_stride + h * a.o_head_stride;
     const auto* g_do = static_cast<const Element*>(p.do_ptr) + b * p.do_batch_stride +
-                       row * p.do_row_stride + h * p.do_head_stride + 8 * lane;
-    const uint4 o = *reinterpret_cast<const uint4*>(g_o);
-    const uint4 d = *reinterpret_cast<const uint4*>(g_do);
+                       row * p.do_row_stride + h * p.do_head_stride;
+    const uint4 o = ld_global_chunk<typename Traits::Columns>(g_o, lane);
+    const uint4 d = ld_global_chunk<typename Traits::Columns>(g_do, lane);
     const Element* oe = reinterpret_cast<const Element*>(&o);
     const Element* de = reinterpret_cast<const Element*>(&d);
 #pragma unroll
@@ -130,7 +131,7 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
   int row;
   const int64_t t = bwd_row<Traits>(p, &row);
   const int lane = threadIdx.x % 32;
-  if (row >= p.attn.seqlen_q || lane >= Traits::kChunks) return;
+  if (row >= p.attn.seqlen_q || lane >= Traits::Columns::kChunks) return;
   const float4* acc = reinterpret_cast<const float4*>(p.dq_accum + t * Traits::kHeadDim) + 2 * lane;
   const float4 lo = acc[0], hi = acc[1];
   const float s = p.dq_scale;
@@ -140,8 +141,12 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
   out.z = Traits::Ops::pack2(hi.x * s, hi.y * s);
   out.w = Traits::Ops::pack2(hi.z * s, hi.w * s);
   auto* g_dq = static_cast<Element*>(p.dq_ptr) + blockIdx.y * p.dq_batch_stride +
-               row * p.dq_row_stride + blockIdx.z * p.dq_head_stride + 8 * lane;
-  *reinterpret_cast<uint4*>(g_dq) = out;
+               row * p.dq_row_stride + blockIdx.z * p.dq_head_stride;
+  if constexpr (Traits::Columns::kFull) {
+    *reinterpret_cast<uint4*>(g_dq + 8 * lane) = out;
+  } else {
+    st_global_chunk<typename Traits::Columns>(g_dq, lane, out);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -149,11 +154,12 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, bool Is_causal_,
           bool Is_local_, bool Has_softcap_, bool Dq_atomic_ = true, int kDSplit_ = 1,
-          bool Has_dropout_ = false, bool Has_alibi_ = false>
+          bool Has_dropout_ = false, bool Has_alibi_ = false, int kValidDim_ = 0>
 struct Fa2BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
-  using Tile = SwizzledTile<kHeadDim_>;   // K, V, Q, dO: [rows][d]
+  using Tile = SwizzledTile<kHeadDim_>;  // K, V, Q, dO: [rows][d]
+  using Columns = TileColumns<kHeadDim_, kValidDim_>;
   using DsTile = SwizzledTile<kBlockM_>;  // dS^T: [keys][query rows]
 
   static constexpr int kHeadDim = kHeadDim_;
@@ -488,8 +494,10 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     const int chunk = idx % kChunksPerRow;
     if (row >= seqlen_k - key0) break;
     const uint32_t offset = Tile::offset(row, chunk) * kEB;
-    st_global_b128(g_dk + row * p.dk_row_stride + chunk * 8, ld_shared_b128(s_k + offset));
-    st_global_b128(g_dv + row * p.dv_row_stride + chunk * 8, ld_shared_b128(s_v + offset));
+    st_global_chunk<typename Traits::Columns>(g_dk + row * p.dk_row_stride, chunk,
+                                              ld_shared_b128(s_k + offset));
+    st_global_chunk<typename Traits::Columns>(g_dv + row * p.dv_row_stride, chunk,
+                                              ld_shared_b128(s_v + offset));
   }
 }
 
@@ -503,11 +511,12 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_,
           bool Is_causal_, bool Is_local_, bool Has_softcap_, bool Has_dropout_ = false,
-          bool Has_alibi_ = false>
+          bool Has_alibi_ = false, int kValidDim_ = 0>
 struct Fa2BwdDqTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
   using Tile = SwizzledTile<kHeadDim_>;
+  using Columns = TileColumns<kHeadDim_, kValidDim_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -667,7 +676,7 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
     const int row = idx / kChunksPerRow;
     const int chunk = idx % kChunksPerRow;
     if (row >= seqlen_q - row_block0) break;
-    st_global_b128(g_dq + row * p.dq_row_stride + chunk * 8,
-                   ld_shared_b128(s_q + Tile::offset(row, chunk) * kEB));
+    st_global_chunk<typename Traits::Columns>(g_dq + row * p.dq_row_stride, chunk,
+                                              ld_shared_b128(s_q + Tile::offset(row, chunk) * kEB));
   }
 }

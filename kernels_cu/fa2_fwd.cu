@@ -28,11 +28,12 @@
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool Q_in_regs_,
           bool Overlap_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_,
-          bool Has_dropout_ = false, bool Has_alibi_ = false>
+          bool Has_dropout_ = false, bool Has_alibi_ = false, int kValidDim_ = 0>
 struct Fa2FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
   using Tile = SwizzledTile<kHeadDim_>;
+  using Columns = TileColumns<kHeadDim_, kValidDim_>;  // the caller's head dim, if below the tile's
 
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -269,8 +270,12 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
     const int row = idx / kChunksPerRow;
     const int chunk = idx % kChunksPerRow;
     if ((kChunks % Traits::kNThreads == 0 || idx < kChunks) && row < seqlen_q - row_block0) {
-      *reinterpret_cast<uint4*>(g_o + row * params.o_row_stride + chunk * 8) =
-          ld_shared_b128(s_q + Tile::offset(row, chunk) * Traits::kElemBytes);
+      const uint4 o = ld_shared_b128(s_q + Tile::offset(row, chunk) * Traits::kElemBytes);
+      if constexpr (Traits::Columns::kFull) {
+        *reinterpret_cast<uint4*>(g_o + row * params.o_row_stride + chunk * 8) = o;
+      } else {
+        st_global_chunk<typename Traits::Columns>(g_o + row * params.o_row_stride, chunk, o);
+      }
     }
   }
 

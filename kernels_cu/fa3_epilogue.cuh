@@ -59,8 +59,9 @@ struct Fa3Epilogue {
       const int row = consumer_row0 + idx / kChunksPerRow;
       const int col = (idx % kChunksPerRow) * 8;
       if (out.row_block0 + row < out.q.len) {
-        st_global_b128(g_o + static_cast<int64_t>(out.row_block0 + row) * params.o_row_stride + col,
-                       ld_shared_b128(s_o + swizzled_offset<kBlockM>(row, col)));
+        st_global_chunk<typename Traits::Columns>(
+            g_o + static_cast<int64_t>(out.row_block0 + row) * params.o_row_stride, col / 8,
+            ld_shared_b128(s_o + swizzled_offset<kBlockM>(row, col)));
       }
     }
     if (params.lse_ptr != nullptr && lane % 4 == 0) {

@@ -48,10 +48,13 @@
 
 template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_,
           bool Pingpong_, bool Dynamic_, bool Varlen_, typename Element_, bool Is_causal_,
-          bool Is_local_, bool Has_softcap_>
+          bool Is_local_, bool Has_softcap_, int kValidDim_ = 0>
 struct Fa3FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
+  // The caller's head dim, if below the tile's: the TMA maps span only its columns (the rest of
+  // a box reads as zeros) and the epilogue stores only them.
+  using Columns = TileColumns<kHeadDim_, kValidDim_>;
 
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
@@ -121,6 +124,7 @@ struct Fa3FwdTraits {
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
                 "key block: a multiple of 16 up to 256 (wgmma N, TMA box)");
   static_assert(sizeof(Element) == 2, "16-bit elements");
+  static_assert(Columns::kWholeChunks, "TMA rows are 16-byte multiples: head dims of 8 k");
   static_assert(!Pingpong || kConsumers == 2, "ping-pong alternates two consumers");
 };
 

@@ -220,12 +220,13 @@ CF_DEVICE float merge_weights(const float (&lse)[kParts], float (&w)[kParts]) {
 
 // One warp merges one output row from num_parts states: part p is O_p = g_o[p * o_part_stride
 // + :d], LSE_p = g_lse[p * lse_part_stride]. The row gets sum_p w_p O_p / sum_p w_p with
-// w_p = exp(LSE_p - max LSE), and g_out_lse (when not nullptr) the merged LSE. Lane l holds
-// columns l, l + 32, ... The parts' LSEs are read 32 at a time, one per lane, and their weights
+// w_p = exp(LSE_p - max LSE), and g_out_lse (when not nullptr) the merged LSE; the parts are
+// kHeadDim wide, the output row its first kValidDim columns. Lane l holds columns l, l + 32, ...
+// The parts' LSEs are read 32 at a time, one per lane, and their weights
 // broadcast by shuffles; the O reads of consecutive parts do not depend on each other, so the
 // unrolled loop keeps several in flight. Loads go through L2 only (ld.global.cg): in the fused
 // combine the parts were just written by other CTAs, whose data no L1 of this SM may hold.
-template <int kHeadDim, typename PartElement, typename OutElement>
+template <int kHeadDim, int kValidDim = kHeadDim, typename PartElement, typename OutElement>
 CF_DEVICE void merge_row(const PartElement* g_o, int64_t o_part_stride, const float* g_lse,
                          int64_t lse_part_stride, int num_parts, OutElement* g_out,
                          float* g_out_lse, int lane) {
@@ -269,7 +270,9 @@ CF_DEVICE void merge_row(const PartElement* g_o, int64_t o_part_stride, const fl
   const float inv = merge_inv_sum(weight_sum);
 #pragma unroll
   for (int c = 0; c < kColsPerLane; ++c) {
-    g_out[lane + 32 * c] = from_float<OutElement>(acc[c] * inv);
+    if (kValidDim == kHeadDim || lane + 32 * c < kValidDim) {  // the caller's columns only
+      g_out[lane + 32 * c] = from_float<OutElement>(acc[c] * inv);
+    }
   }
   if (g_out_lse != nullptr && lane == 0) *g_out_lse = merged_lse(lse_max, weight_sum);
 }

@@ -3,34 +3,59 @@
 // K/V/Q tiles into swizzled shared memory with cp.async, Q fragments by ldmatrix, and the two
 // GEMMs of a key block, S = Q K^T and O += P V, on m16n8k16 tensor-core tiles. Templated on the
 // kernel's traits, which name kHeadDim, kNThreads, kMTiles, kNTiles, kDTiles, kDSteps, kNSteps,
-// kElemBytes, Q_in_regs, Tile (SwizzledTile) and Ops (ElementTraits).
+// kElemBytes, Q_in_regs, Tile (SwizzledTile), Columns (TileColumns) and Ops (ElementTraits).
 #pragma once
 
 #include "common.cuh"
 #include "softmax.cuh"  // p_operand: the S accumulator re-packed as P V's A operand
 
+// Rows [0, kRows) of a global tile of the caller's columns into a swizzled shared tile, element
+// by element (a head dim that is not a multiple of 8: see TileColumns); rows >= rows_valid and
+// the columns past the caller's are zeros. Synchronous loads, so the data is in shared memory
+// when the thread passes its next barrier, as cp.async's would be after its wait.
+template <typename Traits, int kRows>
+CF_DEVICE void load_tile_elements(uint32_t s_tile, const typename Traits::Element* g_tile,
+                                  int64_t row_stride, int rows_valid, int tid) {
+  using Columns = typename Traits::Columns;
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll 1
+  for (int idx = tid; idx < kChunks; idx += Traits::kNThreads) {
+    const int row = idx / kChunksPerRow;
+    const int chunk = idx % kChunksPerRow;
+    const uint4 v = row < rows_valid ? ld_global_chunk<Columns>(g_tile + row * row_stride, chunk)
+                                     : make_uint4(0u, 0u, 0u, 0u);
+    st_shared_b128(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes, v);
+  }
+}
+
 // Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] global tile into a swizzled shared
-// tile; rows >= rows_valid are zero-filled. Consecutive threads take consecutive 16-byte chunks
-// of a row, so a warp reads 512 contiguous bytes per instruction (coalesced). The source pointer
-// advances by a stride step instead of being recomputed per row: with every row address live,
-// ptxas hoisted 16 64-bit addresses out of the main loop and spilled (d = 128, 128 x 64 tile).
+// tile; rows >= rows_valid, and the chunks past the caller's columns (Traits::Columns), are
+// zero-filled. Consecutive threads take consecutive 16-byte chunks of a row, so a warp reads 512
+// contiguous bytes per instruction (coalesced). The source pointer advances by a stride step
+// instead of being recomputed per row: with every row address live, ptxas hoisted 16 64-bit
+// addresses out of the main loop and spilled (d = 128, 128 x 64 tile).
 template <typename Traits, int kRows>
 CF_DEVICE void load_tile_async(uint32_t s_tile, const typename Traits::Element* g_tile,
                                int64_t row_stride, int rows_valid, int tid) {
+  using Columns = typename Traits::Columns;
   constexpr int kChunksPerRow = Traits::kHeadDim / 8;
   constexpr int kElemBytes = sizeof(typename Traits::Element);
-  if constexpr (Traits::kNThreads % kChunksPerRow == 0) {
+  if constexpr (!Columns::kWholeChunks) {
+    load_tile_elements<Traits, kRows>(s_tile, g_tile, row_stride, rows_valid, tid);
+  } else if constexpr (Traits::kNThreads % kChunksPerRow == 0) {
     // Every thread keeps one chunk column and walks down the rows.
     constexpr int kRowsPerIter = Traits::kNThreads / kChunksPerRow;
     constexpr int kIters = ceil_div(kRows, kRowsPerIter);
     const int chunk = tid % kChunksPerRow;
+    const bool chunk_valid = Columns::holds(chunk);
     int row = tid / kChunksPerRow;
     const auto* src = g_tile + row * row_stride + chunk * 8;
     const int64_t src_step = kRowsPerIter * row_stride;
 #pragma unroll 1
     for (int it = 0; it < kIters; ++it, row += kRowsPerIter, src += src_step) {
       if (kRows % kRowsPerIter == 0 || row < kRows) {
-        const bool valid = row < rows_valid;
+        const bool valid = chunk_valid && row < rows_valid;
         cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * kElemBytes, valid ? src : g_tile,
                     valid);
       }
@@ -42,7 +67,7 @@ CF_DEVICE void load_tile_async(uint32_t s_tile, const typename Traits::Element* 
     for (int idx = tid; idx < kChunks; idx += Traits::kNThreads) {
       const int row = idx / kChunksPerRow;
       const int chunk = idx % kChunksPerRow;
-      const bool valid = row < rows_valid;
+      const bool valid = Columns::holds(chunk) && row < rows_valid;
       cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * kElemBytes,
                   g_tile + (valid ? row : 0) * row_stride + chunk * 8, valid);
     }

@@ -4,6 +4,7 @@
     python scripts/tune.py fa3 [--head-dims 64] [--short] [--dtype bfloat16] [--json OUT]
     python scripts/tune.py bwd [--head-dims 64 128] [--dtype bfloat16] [--json OUT]
     python scripts/tune.py decode [--tolerances 0.01 0.05] [--json OUT]
+    python scripts/tune.py head-dims [--head-dims 40 80 96] [--seqlens 4096] [--json OUT]
 
 fa2 / fa3: each candidate tile (FA2: TileConfig, block sizes, warps, stages; Hopper: Fa3Tile,
 key block, consumer warpgroups, K/V stages) is compiled (in parallel), put into the dispatch
@@ -18,6 +19,12 @@ each, its gradient error, and attention_backward's TFLOP/s on the prefill shapes
 decode: DECODE_TILES candidates for d = 128 (bf16, Hq = 32, Hkv = 8, one query token) on four
 cache shapes, then the split counts of the best one, paged caches by page size; ``--tolerances``
 sweeps only the split heuristic's wave-efficiency tolerance (DECODE_WAVE_TOLERANCE).
+
+head-dims: head dims below a tile width (the next width's kernel, the columns past the caller's
+zero): the FA2 kernel, the Hopper kernel and the default beside PyTorch flash and cuDNN, with
+TFLOP/s counted at the caller's head dim (H = 2048 / d rounded down, B * N = 16384). Where FA2
+at its own width beats the Hopper kernel at the next, the head dim belongs in
+FA2_OVER_FA3_HEAD_DIMS.
 """
 
 from __future__ import annotations
@@ -406,6 +413,38 @@ def tune_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# head-dims: which kernel a head dim below a tile width runs faster on.
+# ---------------------------------------------------------------------------------------------
+HEAD_DIMS = (32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256)
+
+
+def tune_head_dims(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device, max_smem = _device()
+    dims, seqlens = args.head_dims or HEAD_DIMS, args.seqlens or (4096,)
+    shapes = [
+        bench.PrefillShape(16384 // n, n, max(1, 2048 // d), d, causal, args.dtype)
+        for d in dims
+        for n in seqlens
+        for causal in (False, True)
+    ]
+    # The variants these shapes meet, compiled in parallel first (a head dim below a tile width
+    # is compiled on demand, so warmup has not built it).
+    specs: list[Any] = []
+    for s in shapes:
+        flags = _dispatch.MaskFlags(s.causal, False, False)
+        specs.append(_dispatch.fa2_fwd_spec(s.dtype, s.head_dim, flags, max_smem))
+        hopper = _dispatch.fa3_fwd_spec(s.dtype, s.head_dim, flags, s.seqlen, chosen=True)
+        specs += [hopper] if hopper is not None else []
+    _kernels.warmup(list(dict.fromkeys(specs)), device, workers=16)
+    rows = []
+    for s in shapes:
+        row = bench.run_prefill(s, backends=("cupyflash", "cupyflash_fa2", "cupyflash_fa3", "flash", "cudnn"))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kernel", required=True)
@@ -423,8 +462,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("decode", help="the split-KV decode kernel's tiles, split counts and page sizes")
     p.add_argument("--tolerances", type=float, nargs="+", help="only sweep the split-count tolerance")
     p.add_argument("--json")
+    p = sub.add_parser("head-dims", help="FA2 against the Hopper kernel at head dims below a tile width")
+    p.add_argument("--head-dims", type=int, nargs="+")
+    p.add_argument("--seqlens", type=int, nargs="+")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json")
     args = parser.parse_args(argv)
-    results = {"fa2": tune_fa2, "fa3": tune_fa3, "bwd": tune_bwd, "decode": tune_decode}[args.kernel](args)
+    tuners = {"fa2": tune_fa2, "fa3": tune_fa3, "bwd": tune_bwd, "decode": tune_decode, "head-dims": tune_head_dims}
+    results = tuners[args.kernel](args)
     _write(args.json, results)
     return 0
 

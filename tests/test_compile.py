@@ -11,13 +11,41 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cupyflash import _kernels
-from cupyflash._dispatch import FA1_DEVICE_SMEM, all_kernel_specs
-from cupyflash._specs import Fa2FwdSpec, TileConfig
+from cupyflash import _dispatch, _kernels
+from cupyflash._dispatch import FA1_DEVICE_SMEM, MaskFlags, all_kernel_specs
+from cupyflash._specs import DecodeAppendSpec, Fa2FwdSpec, KernelSpec, TileConfig
+
+
+def head_dim_sample() -> list[KernelSpec]:
+    """Head dims below a tile width (compiled on demand, one variant per head dim, so not all
+    built here): every kernel family at a sample of them -- the element-by-element path (59, 111),
+    the smallest (8), each tile width's tail (40, 160, 224) -- with no flag and with the flags
+    that take the most registers."""
+    specs: list[KernelSpec] = []
+    for head_dim in (8, 40, 59, 111, 160, 224):
+        for flags in (MaskFlags(False, False, False), MaskFlags(True, True, False, True, True)):
+            specs += [
+                _dispatch.fa2_fwd_spec("bfloat16", head_dim, flags, 232448),
+                _dispatch.fa2_bwd_spec("bfloat16", head_dim, flags),
+                _dispatch.fa2_bwd_spec("float16", head_dim, flags, deterministic=True),
+                _dispatch.fa2_bwd_dq_spec("float16", head_dim, flags),
+            ]
+            hopper = _dispatch.fa3_fwd_spec("bfloat16", head_dim, MaskFlags(flags.causal, flags.local, False), 4096)
+            specs += [hopper] if hopper is not None else []
+        specs += [_dispatch.bwd_row_spec(step, "bfloat16", head_dim) for step in ("prep", "dq")]
+        specs += [_dispatch.decode_spec("float16", head_dim, rows, c) for rows in (4, 64) for c in (False, True)]
+        specs.append(DecodeAppendSpec("bfloat16", head_dim))
+    return list(dict.fromkeys(specs))
+
 
 # Each arch with its GPU's shared memory (FA1's tiles follow it: the A100's variants for sm_80,
 # the H100/H200's for sm_90a); each variant for the archs it targets.
-JOBS = [(spec, arch) for arch, smem in FA1_DEVICE_SMEM.items() for spec in all_kernel_specs(smem) if arch in spec.archs]
+JOBS = [
+    (spec, arch)
+    for arch, smem in FA1_DEVICE_SMEM.items()
+    for spec in [*all_kernel_specs(smem), *head_dim_sample()]
+    if arch in spec.archs
+]
 
 
 def _build(job):

@@ -77,6 +77,21 @@ def test_backward_matches_float64_autograd(rng, dtype, head_dim, case):
     check_backward(torch, q, k, v, causal=causal, window=window, softcap=softcap, scale=None, layout="bshd")
 
 
+@pytest.mark.parametrize("deterministic", (False, True))
+@pytest.mark.parametrize("head_dim", (8, 17, 40, 59, 80, 111, 160, 224))
+@pytest.mark.parametrize("case", ["causal-gqa-odd", "window-softcap"], ids=str)
+def test_backward_head_dims_below_a_tile_width(rng, head_dim, case, deterministic):
+    """The next tile width's kernels with the columns past head_dim zero in shared memory (and
+    never stored): multiples of 8 in 16-byte chunks, the others element by element."""
+    torch = need_torch()
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    b, nq, nk, hq, hkv, causal, window, softcap = CASES[case]
+    q = torch.randn(b, nq, hq, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, nk, hkv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    check_backward(torch, q, k, v, causal=causal, window=window, softcap=softcap, scale=None, layout="bshd",
+                   deterministic=deterministic)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -227,7 +242,7 @@ def test_nan_in_gives_nan_out(rng):
 
 def test_refusals_name_the_problem():
     torch = need_torch()
-    q = torch.randn(1, 8, 1, 80, device="cuda", dtype=torch.float16)  # no kernel at d = 80 (yet)
+    q = torch.randn(1, 8, 1, 264, device="cuda", dtype=torch.float16)  # above every tile width
     lse = torch.zeros(1, 1, 8, device="cuda")
     with pytest.raises(ValueError, match="head_dim"):
         cupyflash.attention_backward(q, q, q, q, q, lse)

@@ -47,6 +47,23 @@ ROWS = {
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_decode_matches_reference(rng, dtype, head_dim, rows, paged):
+    _check_decode(rng, dtype, head_dim, rows, 16 if paged else 0)
+
+
+@pytest.mark.parametrize("page_size", [0, 1, 16], ids=["contiguous", "paged1", "paged16"])
+@pytest.mark.parametrize("rows", ["nq1-gqa4", "nq16-mqa8-causal"], ids=str)
+@pytest.mark.parametrize("head_dim", [8, 32, 59, 80, 96, 160, 224])
+def test_decode_head_dims_below_a_tile_width(rng, head_dim, rows, page_size):
+    """The next tile width's decode and append kernels with the columns past head_dim zero in
+    shared memory and never stored (multiples of 8 in 16-byte chunks, others element by element)."""
+    _check_decode(rng, "bfloat16", head_dim, rows, page_size)
+
+
+def _check_decode(rng, dtype, head_dim, rows, page_size):
+    """Append ROWS[rows]' tokens to ragged caches (contiguous, or paged when page_size > 0) and
+    attend: the output and the LSE against the float64 reference over the caches as they should
+    read after the append; a contiguous cache is also compared with that, bit for bit."""
+    paged = page_size > 0
     torch = need_torch()
     nq, hq, hkv, causal = ROWS[rows]
     b, length, nnew = 4, 1031, nq
@@ -63,13 +80,15 @@ def test_decode_matches_reference(rng, dtype, head_dim, rows, paged):
     table = None
     k_cache, v_cache = k, v
     if paged:
-        (k_cache, v_cache), table = _paginate(torch, (k, v), 16, gen)
+        (k_cache, v_cache), table = _paginate(torch, (k, v), page_size, gen)
     out, lse = cupyflash.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new, v_new=v_new, causal=causal,
         return_lse=True,
     )  # fmt: skip
     assert type(out) is type(q) and out.dtype == q.dtype and out.shape == q.shape
     check_kvcache(out, lse, q, expected_k, expected_v, [n + nnew for n in cached], causal, dtype)
+    if not paged:
+        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 16, 64, 256])
@@ -284,9 +303,9 @@ def test_gpu_bad_input_leaves_the_cache_untouched():
     with pytest.raises(ValueError, match="1 to 16 query tokens"):
         cupyflash.attention_with_kvcache(torch.randn(2, 17, 4, 64, device="cuda", dtype=torch.float16), k, v,
                                          cache_seqlens=3)  # fmt: skip
-    k96 = torch.randn(2, 32, 2, 96, device="cuda", dtype=torch.float16)
-    with pytest.raises(ValueError, match="head_dim in"):
-        cupyflash.attention_with_kvcache(torch.randn(2, 1, 4, 96, device="cuda", dtype=torch.float16), k96, k96,
+    wide = torch.randn(2, 32, 2, 264, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="head_dim from 1 to 256"):
+        cupyflash.attention_with_kvcache(torch.randn(2, 1, 4, 264, device="cuda", dtype=torch.float16), wide, wide,
                                          cache_seqlens=3)  # fmt: skip
     with pytest.raises(ValueError, match="all inputs must be arrays of one library on one device"):
         cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=torch.tensor([1, 2], dtype=torch.int32))

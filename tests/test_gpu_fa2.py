@@ -55,6 +55,31 @@ def test_windows_and_softcap(rng, algorithm, dtype, head_dim, case):
     check_attention(q, k, v, causal=causal, window=window, softcap=softcap, algorithm=algorithm)
 
 
+# Head dims below a tile width (TileColumns in kernels_cu/common.cuh): multiples of 8 move in
+# 16-byte chunks, the others element by element; "auto" runs the Hopper kernel (at the next of
+# 64/128/256) for multiples of 8 on sm_90.
+TAIL_HEAD_DIMS = (8, 17, 40, 59, 80, 111, 160, 224)
+
+
+@pytest.mark.parametrize("algorithm", ("fa2", "auto"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", TAIL_HEAD_DIMS)
+@pytest.mark.parametrize("case", [*SHAPES, "window-softcap"], ids=str)
+def test_head_dims_below_a_tile_width(rng, algorithm, dtype, head_dim, case):
+    b, nq, nk, hq, hkv, causal, window, softcap = {**SHAPES, **EXTRA}[case]
+    q, k, v = gpu_inputs(rng, (b, nq, hq, head_dim), (b, nk, hkv, head_dim), dtype)
+    check_attention(q, k, v, causal=causal, window=window, softcap=softcap, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("head_dim, width", [(59, 61), (59, 64), (80, 84), (80, 96), (40, 64)])
+def test_head_dim_views_of_wider_rows(rng, head_dim, width):
+    """Views of the first head_dim columns of wider rows: read in place where the kernels can
+    (element rows: any stride; 16-byte chunks: strides of 8 elements), else through a copy."""
+    q, k, v = gpu_inputs(rng, (2, 70, 4, width), (2, 90, 2, width), "bfloat16")
+    q, k, v = (x[..., :head_dim] for x in (q, k, v))
+    check_attention(q, k, v, causal=True)
+
+
 @pytest.mark.parametrize("algorithm", ("fa2", "fa3"))
 @pytest.mark.parametrize("head_dim, causal", [(128, True), (64, False), (64, True)])
 def test_long_sequence(rng, algorithm, head_dim, causal):
@@ -100,8 +125,8 @@ def test_auto_runs_the_hopper_kernel_there(rng):
 
 
 def test_fa3_refuses_what_it_cannot_run(rng):
-    q, k, v = gpu_inputs(rng, (1, 16, 2, 96), (1, 16, 2, 96), "float16")
-    with pytest.raises(ValueError, match="algorithm='fa3'"):
+    q, k, v = gpu_inputs(rng, (1, 16, 2, 59), (1, 16, 2, 59), "float16")  # TMA moves 16-byte rows
+    with pytest.raises(ValueError, match="algorithm='fa3'.*multiple of 8"):
         cupyflash.attention(q, k, v, algorithm="fa3")
 
 
@@ -199,8 +224,8 @@ def test_gpu_rejects_unsupported_inputs():
     x = torch.randn(1, 8, 2, 64, device="cuda")
     with pytest.raises(TypeError, match="the GPU kernels take"):
         cupyflash.attention(x, x, x)
-    y = torch.randn(1, 8, 2, 80, device="cuda", dtype=torch.float16)
-    with pytest.raises(ValueError, match="head_dim in"):
+    y = torch.randn(1, 8, 2, 264, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="head_dim from 1 to 256"):
         cupyflash.attention(y, y, y)
     with pytest.raises(ValueError, match="algorithm='decode' takes"):
         cupyflash.attention(x.half(), x.half(), x.half(), algorithm="decode", softcap=5.0)

@@ -24,17 +24,22 @@ def _problem(head_dim: int, causal: bool = False):
     return attention_problem(*shapes, causal=causal, scale=None, window=(-1, -1), softcap=0.0, layout="bshd")
 
 
-@pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 192, 256))
+@pytest.mark.parametrize("head_dim", (32, 40, 59, 64, 96, 128, 192, 224, 256))
 def test_auto_picks_the_hopper_kernel_where_it_applies(head_dim):
+    """The Hopper kernel at the next of its widths for head dims that are multiples of 8 (but
+    32, which FA2 runs as fast at its own width); FA2 for the rest (element-by-element rows)."""
     device = fake_device("sm_90a")
     spec = _plan.forward_spec(_problem(head_dim), "bfloat16", device, "auto", packed=False)
-    assert isinstance(spec, Fa3FwdSpec if head_dim in FA3_HEAD_DIMS else Fa2FwdSpec)
+    on_hopper = head_dim % 8 == 0 and head_dim not in _dispatch.FA2_OVER_FA3_HEAD_DIMS
+    assert isinstance(spec, Fa3FwdSpec if on_hopper else Fa2FwdSpec)
+    assert spec.head_dim >= head_dim and spec.valid_dim == (head_dim if head_dim != spec.head_dim else 0)
     assert not isinstance(spec, Fa3FwdSpec) or not spec.varlen
     # an explicit "fa2" runs the mma.sync kernel; packed sequences get the varlen variant
     assert isinstance(_plan.forward_spec(_problem(head_dim), "bfloat16", device, "fa2", packed=True), Fa2FwdSpec)
     packed = _plan.forward_spec(_problem(head_dim), "bfloat16", device, "auto", packed=True)
-    if head_dim in FA3_HEAD_DIMS:
-        assert isinstance(packed, Fa3FwdSpec) and packed.varlen and packed in _dispatch.all_fa3_fwd_specs()
+    if on_hopper:
+        assert isinstance(packed, Fa3FwdSpec) and packed.varlen
+        assert packed in _dispatch.all_fa3_fwd_specs() or packed.valid_dim  # warmup builds the full widths
         for is_packed in (False, True):  # an explicit "fa3" takes the variant of the layout too
             forced = _plan.forward_spec(_problem(head_dim), "bfloat16", device, "fa3", packed=is_packed)
             assert isinstance(forced, Fa3FwdSpec) and forced.varlen == is_packed

@@ -164,6 +164,6 @@ def test_backward_plan_packed_and_empty():
     empty = _problem((1, 0, 2, 64), (1, 9, 2, 64), (1, 9, 2, 64))
     launch = _plan.plan_backward(empty, "float16", H200, q_shape=(1, 0, 2, 64), k_shape=(1, 9, 2, 64))
     assert not launch.steps and all(o.fill == 0.0 for o in launch.outputs)
-    with pytest.raises(ValueError, match="head_dim"):
-        odd = _problem((1, 9, 2, 80), (1, 9, 2, 80), (1, 9, 2, 80))
-        _plan.plan_backward(odd, "float16", H200, q_shape=(1, 9, 2, 80), k_shape=(1, 9, 2, 80))
+    with pytest.raises(ValueError, match="head_dim from 1 to 256, got 264"):
+        wide = _problem((1, 9, 2, 264), (1, 9, 2, 264), (1, 9, 2, 264))
+        _plan.plan_backward(wide, "float16", H200, q_shape=(1, 9, 2, 264), k_shape=(1, 9, 2, 264))

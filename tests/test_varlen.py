@@ -81,7 +81,7 @@ def _on_gpu(torch, dtype, q, k, v, cu_q, cu_k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 59, 80])
 @pytest.mark.parametrize("lengths", LENGTHS, ids=str)
 @pytest.mark.parametrize("kw", [{"causal": True}, {}, {"window": (20, -1)}], ids=str)
 def test_gpu_varlen_matches_reference(rng, algorithm, dtype, head_dim, lengths, kw):
