@@ -86,7 +86,8 @@ def attention(
     ----------
     q : array, ``(B, Nq, Hq, d)`` for ``layout="bshd"`` or ``(B, Hq, Nq, d)`` for ``"bhsd"``
         CuPy array, PyTorch tensor, any DLPack GPU array (JAX ...) or a host array of any
-        array-API namespace (NumPy, array_api_strict, PyTorch CPU).
+        array-API namespace (NumPy, array_api_strict, PyTorch CPU). Traced JAX arrays (inside
+        ``jax.jit``, ``grad``, ``vmap``) make the call an XLA custom call with a backward.
     k, v : arrays, ``(B, Nk, Hkv, d)`` (or ``(B, Hkv, Nk, d)``), same library, device and dtype
         as ``q``. ``Hq % Hkv == 0``: query head ``h`` reads key/value head ``h // (Hq // Hkv)``
         (GQA; ``Hkv = 1`` is MQA).
@@ -135,7 +136,9 @@ def attention(
         ``random``. Give the same seed to :func:`attention_backward` to differentiate the call
         (autograd does it for tensors that require grad). A call captured into a CUDA graph
         must give one: the seed is a launch parameter, so every replay of a graph repeats the
-        captured call's mask.
+        captured call's mask. Inside a JAX transformation a seed is required and may also be a
+        JAX integer array (0-d, or ``(2,)`` uint32: low and high words), an operand of the
+        compiled program, so that each call can draw a fresh mask.
     alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
         ALiBi, as flash-attn's: the score of query ``i`` and key ``j`` gains
         ``-slope * |i + Nk - Nq - j|`` (after the scale and softcap, before the mask), the slope
