@@ -236,11 +236,14 @@ def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slope
 
 
 def _xla_stream(ctx: Any) -> int | None:
-    """XLA's stream for this call on a GPU, or None on the CPU backend (no GPU context)."""
+    """XLA's stream for this call on a GPU, or None on the CPU backend, which has no GPU context
+    (jax 0.10 raises there). Taken for the CPU wrongly, GPU buffers would fail loudly in
+    ``np.asarray``, never run a host computation."""
     try:
-        return int(ctx.stream)
-    except jax.errors.JaxRuntimeError:
+        stream = ctx.stream
+    except Exception:
         return None
+    return int(stream) if stream else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,8 +282,10 @@ def _cupy_stream(ptr: int, device: int) -> Any:
         cuda = _interop.cupy_module().cuda
         if len(_streams) > 64:
             _streams.clear()
-        from_external = getattr(cuda.Stream, "from_external", None)  # CuPy >= 14; ExternalStream before
-        stream = from_external(_StreamHandle(ptr)) if from_external else cuda.ExternalStream(ptr, device)
+        try:  # CuPy >= 14; ExternalStream (deprecated there) before
+            stream = cuda.Stream.from_external(_StreamHandle(ptr))
+        except (AttributeError, TypeError):
+            stream = cuda.ExternalStream(ptr, device)
         _streams[ptr, device] = stream
     return stream
 
