@@ -86,7 +86,8 @@ def attention(
     ----------
     q : array, ``(B, Nq, Hq, d)`` for ``layout="bshd"`` or ``(B, Hq, Nq, d)`` for ``"bhsd"``
         CuPy array, PyTorch tensor, any DLPack GPU array (JAX ...) or a host array of any
-        array-API namespace (NumPy, array_api_strict, PyTorch CPU).
+        array-API namespace (NumPy, array_api_strict, PyTorch CPU). Traced JAX arrays (inside
+        ``jax.jit``, ``grad``, ``vmap``) make the call an XLA custom call with a backward.
     k, v : arrays, ``(B, Nk, Hkv, d)`` (or ``(B, Hkv, Nk, d)``), same library, device and dtype
         as ``q``. ``Hq % Hkv == 0``: query head ``h`` reads key/value head ``h // (Hq // Hkv)``
         (GQA; ``Hkv = 1`` is MQA).
@@ -135,7 +136,9 @@ def attention(
         ``random``. Give the same seed to :func:`attention_backward` to differentiate the call
         (autograd does it for tensors that require grad). A call captured into a CUDA graph
         must give one: the seed is a launch parameter, so every replay of a graph repeats the
-        captured call's mask.
+        captured call's mask. Inside a JAX transformation a seed is required and may also be a
+        JAX integer array (0-d, or ``(2,)`` uint32: low and high words), an operand of the
+        compiled program, so that each call can draw a fresh mask.
     alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
         ALiBi, as flash-attn's: the score of query ``i`` and key ``j`` gains
         ``-slope * |i + Nk - Nq - j|`` (after the scale and softcap, before the mask), the slope
@@ -173,12 +176,16 @@ def attention(
     options = check_options(causal, scale, window, softcap)
     if deterministic is not False and deterministic is not True:
         deterministic = check_flag("deterministic", deterministic)
+    check_algorithm("attention", algorithm)
+    found = None if alibi_slopes is not None else _interop.lean_arrays(q, k, v)
+    if found is None and _interop.traced((q, k, v, alibi_slopes, seed)):  # under a JAX transformation
+        return _interop.jax_ops().attention(
+            q, k, v, options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes
+        )
     if dropout_p or seed is not None or type(dropout_p) is not float:  # the default skips the checks
         dropout_p, seed = check_dropout(dropout_p, seed)
     if alibi_slopes is not None:
         _interop.refuse_slope_grad(alibi_slopes)
-    check_algorithm("attention", algorithm)
-    found = None if alibi_slopes is not None else _interop.lean_arrays(q, k, v)
     if found is None:
         arrays = _interop.gpu_arrays(("q", "k", "v", "alibi_slopes"), (q, k, v, alibi_slopes))
         if arrays is None:
@@ -197,6 +204,19 @@ def attention(
         return _interop.torch_ops.attention(
             q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes
         )
+    out, lse = gpu_attention(
+        lib, device, q, k, v, options, layout, algorithm, dropout_p, seed, alibi_slopes, return_lse
+    )
+    return (out, lse) if return_lse else out
+
+
+def gpu_attention(
+    lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str,
+    algorithm: str, dropout_p: float, seed: int | None, alibi_slopes: Any, want_lse: bool,
+    given: Any = _launch.NO_OUTPUTS,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The kernels' forward on arrays the pipeline reads (checked options): (out, lse), lse None
+    unless wanted. ``given``: output buffers to write, by name (``_launch.run``)."""
     alibi_key = None if alibi_slopes is None else (tuple(alibi_slopes.shape), alibi_slopes.dtype)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, options, layout, algorithm,
            dropout_p, alibi_key)  # fmt: skip
@@ -208,8 +228,7 @@ def attention(
     arrays_by_name = {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes}
     if dropout_p:
         arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
-    out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
-    return (out, lse) if return_lse else out
+    return _launch.run(launch, lib, device, arrays_by_name, want_lse, given)
 
 
 def _gpu_seed(lib: _interop.ArrayLib, device: int, x: Any, seed: int | None) -> int:
@@ -468,6 +487,17 @@ def attention_backward(
         dropout = Dropout(dropout_p, seed) if seed is not None else None
         return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem, dropout, alibi_slopes)
     lib, device, (dout, q, k, v, out, lse, dlse, alibi_slopes) = arrays
+    return gpu_attention_backward(
+        lib, device, problem, dout, q, k, v, out, lse, dlse, deterministic, seed, alibi_slopes
+    )
+
+
+def gpu_attention_backward(
+    lib: _interop.ArrayLib, device: int, problem: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+    dlse: Any, deterministic: bool, seed: int | None, alibi_slopes: Any, given: Any = _launch.NO_OUTPUTS,
+) -> tuple[Any, Any, Any]:  # fmt: skip
+    """The kernels' backward on arrays the pipeline reads (a checked ``problem``): (dq, dk, dv).
+    ``given``: output buffers to write, by name (``_launch.run_outputs``)."""
     dtypes = _dtypes(q, k, v, out, dout, lse, dlse, alibi_slopes)
     key = ("bwd", lib.name, device, problem, q.shape, k.shape, dtypes, deterministic)
 
@@ -482,7 +512,7 @@ def attention_backward(
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
                       "dropout_seed": seed, "alibi_slopes": alibi_slopes}  # fmt: skip
-    dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
+    dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name, given)
     return dq, dk, dv
 
 

@@ -9,7 +9,9 @@ CuPy arrays and PyTorch CUDA tensors are read straight from the object (``cupy.f
 costs ~23 us a tensor on the H200, three of them more than a whole PyTorch SDPA call); any other
 GPU array (JAX ...) is adopted into CuPy through DLPack once, at the entry, without a copy, and
 its results are handed back through DLPack once, at the exit. Host arrays return None: the
-caller runs the array-API algorithms in their own namespace.
+caller runs the array-API algorithms in their own namespace. JAX tracers (``jax.jit``, grad,
+vmap) have no memory: ``traced`` finds them, and ``attention`` hands them to ``_jax``, which
+runs the same pipeline inside the XLA program on the buffers XLA gives it.
 """
 
 from __future__ import annotations
@@ -374,12 +376,30 @@ def gpu_arrays(names: Sequence[str], arrays: Sequence[Any]) -> tuple[ArrayLib, i
 def _refuse_traced(name: str) -> None:
     """A JAX tracer (``jax.jit``, ``grad``, ``vmap``) has no memory to hand the kernels, and the
     host path's array-API algorithms branch on values (NaN checks, split counts), which tracing
-    cannot do: refused with the way out, rather than failing somewhere inside."""
+    cannot do. ``attention`` takes tracers through ``_jax`` (an XLA custom call); the entry points
+    that reach here do not yet: refused with the way out, rather than failing somewhere inside."""
     raise TypeError(
-        f"cupyflash cannot run inside jax.jit (or grad/vmap) yet: {name} is a traced array, which neither its CUDA "
-        "kernels nor its host algorithms can take. Call it on concrete jax.Array inputs outside the transformation "
+        f"{name} is a traced JAX array (jax.jit, grad or vmap): of cupyflash's functions only attention() runs "
+        "inside JAX transformations so far. Call this one on concrete jax.Array inputs outside the transformation "
         "(on a GPU they run the kernels through DLPack)."
     )
+
+
+def traced(arrays: Sequence[Any]) -> bool:
+    """Is any of ``arrays`` a JAX tracer? (Then the call runs as a JAX primitive: ``_jax``.)"""
+    for x in arrays:
+        if x is not None and (_kind_of_type.get(type(x)) or _kind(x)) == TRACED:
+            return True
+    return False
+
+
+@functools.cache
+def jax_ops() -> Any:
+    """The ``_jax`` module (cupyflash.attention inside JAX transformations), imported on the
+    first call that meets a JAX tracer: importing cupyflash never imports jax."""
+    from . import _jax
+
+    return _jax
 
 
 def _is_array(x: Any) -> bool:

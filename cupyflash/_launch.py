@@ -19,7 +19,8 @@ from ._interop import ArrayLib
 from ._plan import CONTIGUOUS, LENGTHS, SCALAR, TILE, KernelStep, Launch, Operand, TmaMaps
 from ._validate import check_int_seqlens
 
-_NONE: dict[str, Any] = {}  # no temporaries
+_NONE: dict[str, Any] = {}  # no temporaries, no given outputs
+NO_OUTPUTS: Mapping[str, Any] = _NONE  # ``given`` of a call that lets the plan allocate every output
 
 #: Fill every GPU output with NaN before the launch (tests set it: a value the kernel fails to
 #: write then shows up as NaN instead of as stale memory that happens to look right).
@@ -46,28 +47,50 @@ def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return True
 
 
-def run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> tuple[Any, Any]:
+def run(
+    launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool,
+    given: Mapping[str, Any] = _NONE,
+) -> tuple[Any, Any]:  # fmt: skip
     """Execute ``launch`` on the caller's stream; returns (out, lse), lse None unless wanted
-    (or always allocated by the plan). Results are in the caller's type."""
-    results = _on_device(launch, lib, device, arrays, want_lse)
+    (or always allocated by the plan). Results are in the caller's type. ``given``: arrays the
+    kernels write instead of fresh ones, by output name (XLA's buffers under ``jax.jit``)."""
+    results = _on_device(launch, lib, device, arrays, want_lse, given)
     return results["out"], results.get("lse")
 
 
-def run_outputs(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any]) -> tuple[Any, ...]:
+def run_outputs(
+    launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], given: Mapping[str, Any] = _NONE
+) -> tuple[Any, ...]:
     """Execute ``launch``; every output in the plan's order (the backward's dq, dk, dv)."""
-    results = _on_device(launch, lib, device, arrays, True)
+    results = _on_device(launch, lib, device, arrays, True, given)
     return tuple(results[output.name] for output in launch.outputs)
 
 
-def _on_device(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> dict[str, Any]:
+def _on_device(
+    launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool, given: Mapping[str, Any]
+) -> dict[str, Any]:
     """``_run`` with ``device`` current (switched only when it is not: the common case is free)."""
     if _interop.current_device() != device:
         with _interop.cupy_module().cuda.Device(device):
-            return _run(launch, lib, device, arrays, want_lse)
-    return _run(launch, lib, device, arrays, want_lse)
+            return _run(launch, lib, device, arrays, want_lse, given)
+    return _run(launch, lib, device, arrays, want_lse, given)
 
 
-def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> dict[str, Any]:
+def _given_output(lib: ArrayLib, output: Any, array: Any) -> Any:
+    """A caller's buffer for ``output``: it must be what the plan would allocate (C-contiguous,
+    the plan's shape and dtype), since the kernels write it with the plan's strides."""
+    shape = tuple(array.shape)
+    if shape != output.shape or lib.dtype_name(array) != output.dtype or not _is_contiguous(shape, lib.strides(array)):
+        raise ValueError(
+            f"the buffer given for {output.name} is {lib.dtype_name(array)} {shape}; the kernels write a "
+            f"C-contiguous {output.dtype} {output.shape}"
+        )
+    return array
+
+
+def _run(
+    launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool, given: Mapping[str, Any]
+) -> dict[str, Any]:
     values = list(launch.params.values)
     bound: list[tuple[int, tuple[int, ...]] | None] = [None] * len(launch.operands)  # (ptr, strides)
     # Per operand, (the library's own strides, in elements) last found readable: a call whose
@@ -100,7 +123,11 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
     for output in launch.outputs:
         if output.optional and not want_lse:
             continue
-        array = lib.empty(output.shape, output.dtype, device, like)
+        mine = given.get(output.name) if given else None
+        if mine is None:
+            array = lib.empty(output.shape, output.dtype, device, like)
+        else:
+            array = _given_output(lib, output, mine)
         fill = math.nan if poison else output.fill
         if fill is not None:
             lib.fill(array, fill)

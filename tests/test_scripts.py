@@ -25,7 +25,7 @@ def load(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["tune", "ab", "sanitize", "sanitize_workload", "sass_evidence"])
+@pytest.mark.parametrize("name", ["tune", "ab", "sanitize", "sanitize_workload", "sass_evidence", "jax_jit_bench"])
 def test_script_imports_and_its_help_runs(name):
     module = load(name)
     if hasattr(module, "main"):

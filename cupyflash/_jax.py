@@ -1,0 +1,335 @@
+"""``cupyflash.attention`` inside JAX transformations (``jax.jit``, ``grad``, ``vmap``): one XLA
+custom call per direction, through ``jax.experimental.buffer_callback`` (no C++ build step).
+
+A traced array has no memory, so the call is staged into the XLA program instead: at run time
+XLA hands the callback its device buffers and its stream. On a GPU the callback views the
+buffers as CuPy arrays (from their ``__cuda_array_interface__``, no copy), makes XLA's stream
+CuPy's current one, and runs the pipeline every GPU call runs (``_api.gpu_attention``: plan,
+launch), the kernels writing straight into the output buffers XLA allocated. On the CPU backend
+the buffers are NumPy arrays and the callback runs the host path (``xp_impl``, as an eager call
+on CPU arrays does), whose fresh results are copied into XLA's buffers: one copy of out and
+LSE, the host path's way, never a reference computation standing in for the kernels.
+
+``jax.custom_vjp`` gives the call a backward: the forward saves q, k, v, out and the LSE; the
+backward is a second custom call running ``attention_backward``'s pipeline. Dropout's seed is an
+operand of both calls (a ``(2,)`` uint32 array: low and high words), as the PyTorch ops carry it
+in a tensor, so forward and backward draw one mask; JAX has no global generator, so under a
+transformation the caller gives the seed (an int, or a JAX integer array such as one drawn from
+``jax.random.bits``). Imported on the first call that meets a JAX tracer (``_interop.jax_ops``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+from jax.experimental.buffer_callback import buffer_callback
+
+from . import _api, _interop
+from ._validate import check_dropout
+
+#: How many times XLA has run each callback, by (platform, direction): ("gpu", "forward"),
+#: ("cpu", "backward") ... The GPU tests read it as proof that the kernels ran in the program.
+runs: collections.Counter[tuple[str, str]] = collections.Counter()
+
+_U32 = 2**32
+
+# jax.vmap runs the custom call once per mapped element, in a loop of the XLA program: the
+# kernels take one (B, N, H, d) problem, and folding the mapped axis into the batch would need
+# the arrays' layouts rewritten at every call.
+_VMAP_METHOD = "sequential"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A call's static options (checked), the key of its callbacks."""
+
+    options: tuple[Any, ...]  # (causal, scale, window, softcap), as check_options returns them
+    layout: str
+    algorithm: str
+    return_lse: bool
+    deterministic: bool
+    dropout_p: float
+    problem: Any  # the validated Problem (shapes, mask): the backward's plan key
+
+
+def attention(
+    q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str, algorithm: str, return_lse: bool,
+    deterministic: bool, dropout_p: Any, seed: Any, alibi_slopes: Any,
+) -> Any:  # fmt: skip
+    """``cupyflash.attention`` with traced inputs (options already checked by the entry)."""
+    dropout_p, _ = check_dropout(dropout_p, None)
+    for name, x in (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes)):
+        if x is not None and not isinstance(x, jax.Array):
+            raise TypeError(
+                f"{name} must be a JAX array when cupyflash.attention runs inside a JAX transformation, got "
+                f"{type(x).__name__}"
+            )
+    problem = _api._problem(q, k, v, options, layout, dropout_p, alibi_slopes)
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"q, k and v must share one floating dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if alibi_slopes is not None and alibi_slopes.dtype != jnp.float32:
+        raise TypeError(f"alibi_slopes must be float32 (as flash-attn's), got {alibi_slopes.dtype}")
+    deterministic = bool(deterministic)
+    config = Config(options, layout, algorithm, bool(return_lse), deterministic, dropout_p, problem)
+    return _attention(config, q, k, v, _seed_operand(dropout_p, seed), alibi_slopes)
+
+
+def _seed_operand(dropout_p: float, seed: Any) -> Any:
+    """Dropout's seed as the custom calls' ``(2,)`` uint32 operand (low word, high word), or None
+    without dropout."""
+    if not dropout_p:
+        return None
+    if seed is None:
+        raise ValueError(
+            "dropout inside a JAX transformation needs seed=: JAX has no global random state, and a seed drawn while "
+            "tracing would repeat in every call of the compiled function. Pass an int, or a JAX integer array (e.g. "
+            "jax.random.bits(key, dtype=jnp.uint32)); give a fresh one per step for fresh masks"
+        )
+    if isinstance(seed, jax.Array) or hasattr(seed, "dtype"):
+        x = jnp.asarray(seed)
+        if x.shape == (2,) and x.dtype == jnp.uint32:
+            return x
+        if x.shape == () and jnp.issubdtype(x.dtype, jnp.integer):  # its bits, as an unsigned integer
+            high = (x >> 32).astype(jnp.uint32) if x.dtype.itemsize == 8 else jnp.zeros((), jnp.uint32)
+            return jnp.stack([x.astype(jnp.uint32), high])
+        raise ValueError(
+            f"seed must be an int, a 0-d JAX integer array or a (2,) uint32 array, got {x.dtype} {x.shape}"
+        )
+    _, value = check_dropout(dropout_p, seed)
+    assert value is not None
+    return np.array([value % _U32, value // _U32], dtype=np.uint32)
+
+
+def _seed_value(words: np.ndarray) -> int:
+    return int(words[0]) + _U32 * int(words[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# The differentiable function: primal, forward with residuals, backward.
+# ---------------------------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any) -> Any:
+    out, lse = _forward(config, q, k, v, seed, slopes, config.return_lse)
+    return (out, lse) if config.return_lse else out
+
+
+def _attention_fwd(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any) -> tuple[Any, Any]:
+    # symbolic_zeros: each primal comes as (value, perturbed), so differentiated slopes are seen
+    if slopes is not None and slopes.perturbed:
+        raise RuntimeError(
+            "alibi_slopes are differentiated, but ALiBi's slopes get no gradient (as in flash-attn): pass "
+            "jax.lax.stop_gradient(slopes)"
+        )
+    q, k, v = q.value, k.value, v.value
+    seed = None if seed is None else seed.value
+    slopes = None if slopes is None else slopes.value
+    out, lse = _forward(config, q, k, v, seed, slopes, True)
+    return ((out, lse) if config.return_lse else out), (q, k, v, out, lse, seed, slopes)
+
+
+def _attention_bwd(config: Config, residuals: Any, cotangent: Any) -> tuple[Any, ...]:
+    q, k, v, out, lse, seed, slopes = residuals
+    dout, dlse = cotangent if config.return_lse else (cotangent, None)
+    if isinstance(dlse, SymbolicZero):  # the loss does not use the LSE
+        dlse = None
+    if isinstance(dout, SymbolicZero):  # a loss of the LSE alone
+        dout = jnp.zeros(out.shape, out.dtype)
+    dq, dk, dv = _backward(config, dout, q, k, v, out, lse, dlse, seed, slopes)
+    return dq, dk, dv, None, None  # the seed and the slopes get no cotangent
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+def _lse_struct(config: Config, q: Any) -> Any:
+    p = config.problem
+    dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32  # xp_impl.compute_dtype
+    return jax.ShapeDtypeStruct((p.batch, p.heads_q, p.seqlen_q), dtype)
+
+
+def _forward(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, want_lse: bool) -> tuple[Any, Any]:
+    results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if want_lse:
+        results.append(_lse_struct(config, q))
+    callback = _forward_callback(config, seed is not None, slopes is not None, want_lse)
+    extras = tuple(x for x in (seed, slopes) if x is not None)
+    outputs = buffer_callback(callback, tuple(results), vmap_method=_VMAP_METHOD)(q, k, v, *extras)
+    return outputs[0], (outputs[1] if want_lse else None)
+
+
+def _backward(
+    config: Config, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, seed: Any, slopes: Any
+) -> tuple[Any, Any, Any]:
+    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    callback = _backward_callback(config, dlse is not None, seed is not None, slopes is not None)
+    extras = tuple(x for x in (dlse, seed, slopes) if x is not None)
+    dq, dk, dv = buffer_callback(callback, results, vmap_method=_VMAP_METHOD)(dout, q, k, v, out, lse, *extras)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# The callbacks XLA runs. One function object per static key (functools.cache): the primitive
+# carries it as a parameter, so a stable object lets JAX reuse what it compiled for it.
+# ---------------------------------------------------------------------------------------------
+def _split(extras: tuple[Any, ...], *present: bool) -> list[Any]:
+    """The optional operands, None where absent, from the ones passed."""
+    it = iter(extras)
+    return [next(it) if here else None for here in present]
+
+
+@functools.cache
+def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, want_lse: bool) -> Any:
+    def callback(ctx: Any, results: Any, q: Any, k: Any, v: Any, *extras: Any) -> None:
+        seed, slopes = _split(extras, has_seed, has_slopes)
+        stream = _xla_stream(ctx)
+        if stream is None:
+            _host_forward(config, results, q, k, v, seed, slopes)
+            runs["cpu", "forward"] += 1
+            return
+        cupy = _interop.cupy_module()
+        q, k, v = _cupy_view(q), _cupy_view(k), _cupy_view(v)
+        device = q.data.device_id
+        with cupy.cuda.Device(device), _cupy_stream(stream, device):
+            given = {"out": _cupy_view(results[0])}
+            if want_lse:
+                given["lse"] = _cupy_view(results[1])
+            _api.gpu_attention(
+                _interop.CUPY_LIB, device, q, k, v, config.options, config.layout, config.algorithm,
+                config.dropout_p, _gpu_seed(seed), None if slopes is None else _cupy_view(slopes), want_lse, given,
+            )  # fmt: skip
+        runs["gpu", "forward"] += 1
+
+    return callback
+
+
+@functools.cache
+def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slopes: bool) -> Any:
+    def callback(ctx: Any, results: Any, *operands: Any) -> None:
+        dout, q, k, v, out, lse = operands[:6]
+        dlse, seed, slopes = _split(operands[6:], has_dlse, has_seed, has_slopes)
+        stream = _xla_stream(ctx)
+        if stream is None:
+            _host_backward(config, results, dout, q, k, v, out, lse, dlse, seed, slopes)
+            runs["cpu", "backward"] += 1
+            return
+        cupy = _interop.cupy_module()
+        dout, q, k, v, out, lse = (_cupy_view(x) for x in (dout, q, k, v, out, lse))
+        dlse, slopes = (None if x is None else _cupy_view(x) for x in (dlse, slopes))
+        device = q.data.device_id
+        with cupy.cuda.Device(device), _cupy_stream(stream, device):
+            given = {name: _cupy_view(x) for name, x in zip(("dq", "dk", "dv"), results)}
+            _api.gpu_attention_backward(
+                _interop.CUPY_LIB, device, config.problem, dout, q, k, v, out, lse, dlse, config.deterministic,
+                _gpu_seed(seed), slopes, given,
+            )  # fmt: skip
+        runs["gpu", "backward"] += 1
+
+    return callback
+
+
+def _xla_stream(ctx: Any) -> int | None:
+    """XLA's stream for this call on a GPU, or None on the CPU backend, which has no GPU context
+    (jax 0.10 raises there). Taken for the CPU wrongly, GPU buffers would fail loudly in
+    ``np.asarray``, never run a host computation."""
+    try:
+        stream = ctx.stream
+    except Exception:
+        return None
+    return int(stream) if stream else None
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU buffers as CuPy arrays, XLA's stream as CuPy's current stream.
+# ---------------------------------------------------------------------------------------------
+def _cupy_view(buffer: Any) -> Any:
+    """An XLA device buffer as a CuPy array over the same memory (kept alive by ``buffer``)."""
+    cupy = _interop.cupy_module()
+    interface = buffer.__cuda_array_interface__
+    shape = tuple(interface["shape"])
+    dtype = np.dtype(buffer.dtype)  # bfloat16 as ml_dtypes' (the interface's typestr cannot say it)
+    ptr = int(interface["data"][0])
+    size = math.prod(shape) * dtype.itemsize
+    device = -1 if ptr else _interop.current_device()  # -1: CuPy asks the pointer's device
+    memory = cupy.cuda.UnownedMemory(ptr, size, buffer, device)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), interface.get("strides"))
+
+
+class _StreamHandle:
+    """XLA's stream pointer in the CUDA stream protocol (``cupy.cuda.Stream.from_external``)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def _cupy_stream(ptr: int, device: int) -> Any:
+    """A CuPy stream object for XLA's stream, made once per (stream, device)."""
+    stream = _streams.get((ptr, device))
+    if stream is None:
+        cuda = _interop.cupy_module().cuda
+        if len(_streams) > 64:
+            _streams.clear()
+        try:  # CuPy >= 14; ExternalStream (deprecated there) before
+            stream = cuda.Stream.from_external(_StreamHandle(ptr))
+        except (AttributeError, TypeError):
+            stream = cuda.ExternalStream(ptr, device)
+        _streams[ptr, device] = stream
+    return stream
+
+
+def _gpu_seed(seed: Any) -> int | None:
+    """The seed operand's value on the host: a 2-word copy that waits for XLA's stream (the
+    kernels take the seed as a launch parameter), paid only by calls with dropout."""
+    return None if seed is None else _seed_value(_cupy_view(seed).get())
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU backend: the host path on NumPy views of XLA's buffers.
+# ---------------------------------------------------------------------------------------------
+def _host_array(buffer: Any) -> Any:
+    """A CPU buffer as NumPy; bfloat16 as float32 (the host path computes in float32 anyway,
+    and no array-API namespace takes NumPy's ml_dtypes bfloat16)."""
+    x = np.asarray(buffer)
+    return x.astype(np.float32) if x.dtype.name == "bfloat16" else x
+
+
+def _host_forward(config: Config, results: Any, q: Any, k: Any, v: Any, seed: Any, slopes: Any) -> None:
+    causal, scale, window, softcap = config.options
+    out, lse = _api.attention(
+        _host_array(q), _host_array(k), _host_array(v), causal=causal, scale=scale, window=window, softcap=softcap,
+        layout=config.layout, algorithm=config.algorithm, return_lse=True, dropout_p=config.dropout_p,
+        seed=None if seed is None else _seed_value(np.asarray(seed)),
+        alibi_slopes=None if slopes is None else np.asarray(slopes),
+    )  # fmt: skip
+    np.asarray(results[0])[...] = out
+    if len(results) > 1:
+        np.asarray(results[1])[...] = lse
+
+
+def _host_backward(
+    config: Config, results: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, seed: Any,
+    slopes: Any,
+) -> None:  # fmt: skip
+    causal, scale, window, softcap = config.options
+    grads = _api.attention_backward(
+        _host_array(dout), _host_array(q), _host_array(k), _host_array(v), _host_array(out), np.asarray(lse),
+        dlse=None if dlse is None else np.asarray(dlse), causal=causal, scale=scale, window=window, softcap=softcap,
+        layout=config.layout, deterministic=config.deterministic, dropout_p=config.dropout_p,
+        seed=None if seed is None else _seed_value(np.asarray(seed)),
+        alibi_slopes=None if slopes is None else np.asarray(slopes),
+    )  # fmt: skip
+    for buffer, grad in zip(results, grads):
+        np.asarray(buffer)[...] = grad
