@@ -9,7 +9,7 @@ softcap, a negative scale, GQA and MQA, bhsd and a strided head slice; FA2 (ever
 ``small``) and the Hopper kernel forced with ``algorithm=``, the FA1 and naive baselines; packed
 sequences with empty and one-token ones; KV caches contiguous and paged (page sizes 1, 16, 256),
 split counts 1, 3 and automatic, appended tokens; merge_states with an empty part; the backward
-(atomic and deterministic dQ, dense and packed).
+(atomic and deterministic dQ, dense and packed); head dims below a tile width (``headdim``).
 
 ``tiny`` (racecheck, synccheck: they are slow) keeps two head dims and short lengths; ``small``
 (memcheck, initcheck) runs every head dim. On the GPU, CuPy's memory pool is bypassed
@@ -262,6 +262,27 @@ def backward_cases(size: str) -> Iterator[Case]:
             )
 
 
+def tail_head_dim_cases(size: str, hopper: bool) -> Iterator[Case]:
+    """Head dims below a tile width (columns past the caller's zero in shared memory, never
+    touched in global memory): multiples of 8 in 16-byte chunks (40, 80, 224; the Hopper kernel
+    too), others element by element (59); forward, backward, varlen, decode with an append."""
+    nq, nk = (70, 97) if size == "tiny" else (97, 200)
+    for d in (59, 80) if size == "tiny" else (40, 59, 80, 224):
+        for algorithm in ("fa2", "fa3") if hopper and d % 8 == 0 else ("fa2",):
+            for options in ({"causal": True}, {"window": (16, 8), "softcap": 5.0}):
+                call = partial(_attention, b=2, sq=nq, sk=nk, hq=4, hkv=2, d=d, algorithm=algorithm, **options)
+                yield f"headdim attention {algorithm} d={d} {options}", call
+        for deterministic in (False, True):
+            call = partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, causal=True)
+            yield f"headdim backward d={d} det={deterministic}", call
+        call = partial(_varlen, q_lens=[0, 1, 37, 70], k_lens=[5, 1, 0, 97], d=d, causal=True)
+        yield f"headdim varlen d={d}", call
+        for page_size in (None, 1, 16):
+            call = partial(_kvcache, length=300, cached=[0, 1, 150, 290], d=d, page_size=page_size, num_splits=0,
+                           nq=2, new=2)  # fmt: skip
+            yield f"headdim kvcache d={d} page={page_size}", call
+
+
 def _merge(a: Arrays, dtype: str, d: int) -> Any:
     o_a, o_b = a.randn(2, 37, 4, d, dtype=dtype), a.randn(2, 37, 4, d, dtype=dtype)
     lse_a, lse_b = a.randn(2, 4, 37, dtype="float32"), a.randn(2, 4, 37, dtype="float32")
@@ -283,6 +304,7 @@ def cases(size: str = "small", hopper: bool = True) -> list[Case]:
         *kvcache_cases(size),
         *merge_cases(size),
         *backward_cases(size),
+        *tail_head_dim_cases(size, hopper),
     ]
 
 
