@@ -186,15 +186,15 @@ _HOST_BLOCKS_PER_SPLIT = 4
 
 def attention_with_kvcache(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, p: KvCacheProblem,
-    num_splits: int,
+    num_splits: int, batch_idx: Any = None, leftpad: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     from . import xp_impl
 
     arrays = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     arrays += [] if k_new is None else [("k_new", k_new), ("v_new", v_new)]
-    ints = [
-        (n, x) for n, x in (("cache_seqlens", seqlens), ("block_table", table)) if x is not None and type(x) is not int
-    ]
+    given = (("cache_seqlens", seqlens), ("block_table", table), ("cache_batch_idx", batch_idx),
+             ("cache_leftpad", leftpad))  # fmt: skip
+    ints = [(n, x) for n, x in given if x is not None and type(x) is not int]
     xp = namespace(tuple(n for n, _ in arrays + ints), tuple(x for _, x in arrays + ints))
     _check_floats(xp, arrays)
     for name, x in ints:
@@ -202,8 +202,10 @@ def attention_with_kvcache(
             raise TypeError(f"{name} must be an integer array (int32), got {x.dtype}")
     cached = [seqlens] * p.attn.batch if type(seqlens) is int else _host_ints(seqlens)
     pages = None if table is None else _host_ints(table)
-    check_kvcache_values(cached, pages, p)
-    layout = xp_impl.CacheLayout(pages, p.page_size)
+    entries = None if batch_idx is None else _host_ints(batch_idx)
+    first_keys = None if leftpad is None else _host_ints(leftpad)
+    check_kvcache_values(cached, pages, p, entries, first_keys)
+    layout = xp_impl.CacheLayout(pages, p.page_size, entries)
     if k_new is not None:
         xp_impl.append_kv(xp, k_cache, k_new, cached, layout)
         xp_impl.append_kv(xp, v_cache, v_new, cached, layout)
@@ -211,7 +213,9 @@ def attention_with_kvcache(
     splits = num_splits or max(1, key_blocks // _HOST_BLOCKS_PER_SPLIT)
     per_split, _ = split_blocks(key_blocks, splits)
     lengths = [n + p.seqlen_new for n in cached]
-    return xp_impl.attention_with_kvcache(xp, q, k_cache, v_cache, lengths, layout, p.attn, per_split * _HOST_BLOCK_N)
+    return xp_impl.attention_with_kvcache(
+        xp, q, k_cache, v_cache, lengths, layout, p.attn, per_split * _HOST_BLOCK_N, first_keys
+    )
 
 
 def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:

@@ -17,7 +17,8 @@ from ._validate import check_causal, check_num_splits, check_scale_option, kvcac
 
 _plans = _plan.new_cache()
 _merge_plans = _plan.new_cache()
-_KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new")
+_KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx",
+             "cache_leftpad")  # fmt: skip
 
 
 @overload
@@ -30,6 +31,8 @@ def attention_with_kvcache(
     block_table: Any = ...,
     k_new: Any = ...,
     v_new: Any = ...,
+    cache_batch_idx: Any = ...,
+    cache_leftpad: Any = ...,
     causal: bool = ...,
     scale: float | None = ...,
     num_splits: int = ...,
@@ -45,6 +48,8 @@ def attention_with_kvcache(
     block_table: Any = ...,
     k_new: Any = ...,
     v_new: Any = ...,
+    cache_batch_idx: Any = ...,
+    cache_leftpad: Any = ...,
     causal: bool = ...,
     scale: float | None = ...,
     num_splits: int = ...,
@@ -59,6 +64,8 @@ def attention_with_kvcache(
     block_table: Any = None,
     k_new: Any = None,
     v_new: Any = None,
+    cache_batch_idx: Any = None,
+    cache_leftpad: Any = None,
     causal: bool = True,
     scale: float | None = None,
     num_splits: int = 0,
@@ -83,6 +90,14 @@ def attention_with_kvcache(
     k_new, v_new : arrays ``(B, Nnew, Hkv, d)``, optional
         Written into the cache at positions ``cache_seqlens[b] ..`` before attending; the
         attention then covers ``Nk_b = cache_seqlens[b] + Nnew`` keys.
+    cache_batch_idx : int32 array ``(B,)``, optional (contiguous caches)
+        The cache entry of each sequence: sequence ``b`` reads and appends to
+        ``k_cache[cache_batch_idx[b]]`` (flash-attn's argument; the cache may then have any number
+        of entries). Entries given twice receive the appends of one of their sequences.
+    cache_leftpad : int32 array ``(B,)``, optional (contiguous caches)
+        The first key of each sequence's entry (a left-padded cache): sequence ``b`` attends to
+        keys ``cache_leftpad[b] .. cache_seqlens[b] + Nnew - 1``, and ``Nk_b`` counts from there;
+        the append still goes to ``cache_seqlens[b] ..``.
     causal : bool
         Bottom-right aligned within each sequence: query ``i`` sees key ``j`` iff
         ``j <= i + Nk_b - Nq``. For Nq = 2 over Nk_b = 5 keys (1 = visible)::
@@ -108,8 +123,9 @@ def attention_with_kvcache(
     -----
     On the GPU, an int ``cache_seqlens`` is checked against the cache on the host; values of
     device arrays are not read back (that would synchronise the device every step). The
-    kernels check them instead: a sequence whose length is outside ``[0, capacity - Nnew]`` or
-    whose pages in use include an id outside ``[0, num_pages)`` gets NaN output rows (and NaN
+    kernels check them instead: a sequence whose length is outside ``[0, capacity - Nnew]``, whose
+    first key (``cache_leftpad``) is outside ``[0, cache_seqlens[b]]``, whose cache entry is outside
+    the cache or whose pages in use include an id outside ``[0, num_pages)`` gets NaN output rows (and NaN
     LSE), and its ``k_new``/``v_new`` are not written anywhere, so no other sequence's cache is
     ever touched; :func:`check_device_errors` then raises :class:`DeviceValueError` naming what
     was wrong (it synchronises, so the decode step itself never does). Host
@@ -132,25 +148,32 @@ def attention_with_kvcache(
     """
     if _interop.compiling():  # Dynamo traces the custom op, not this function's body
         return _interop.torch_ops.attention_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse
-        )
+            q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse,
+            cache_batch_idx, cache_leftpad,
+        )  # fmt: skip
     causal = check_causal(causal)
     scale = check_scale_option(scale)
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
     seqlens = None if type(cache_seqlens) is int else cache_seqlens
+    batch_idx, leftpad = cache_batch_idx, cache_leftpad
     found = _interop.lean_arrays(q, k_cache, v_cache)
-    if found is not None and not _interop.lean_others(*found, (seqlens, block_table, k_new, v_new)):
+    if found is not None and not _interop.lean_others(*found, (seqlens, block_table, k_new, v_new, batch_idx, leftpad)):
         found = None
     if found is None:
-        arrays = _interop.gpu_arrays(_KV_NAMES, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new))
+        arrays = _interop.gpu_arrays(
+            _KV_NAMES, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad)
+        )
         if arrays is None:
-            p = _problem(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale)
-            out, lse = _host.attention_with_kvcache(
-                q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, p, check_num_splits(num_splits)
+            p = _problem(
+                q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, batch_idx, leftpad
             )
+            out, lse = _host.attention_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, p, check_num_splits(num_splits),
+                batch_idx, leftpad,
+            )  # fmt: skip
             return (out, lse) if return_lse else out
-        lib, device, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new) = arrays
+        lib, device, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad) = arrays
         if lib.name == _interop.DLPACK:
             raise TypeError(
                 "attention_with_kvcache on the GPU takes CuPy arrays or PyTorch tensors (the cache is written in "
@@ -167,44 +190,68 @@ def attention_with_kvcache(
         None if seqlens is None else seqlens.dtype, None if block_table is None else block_table.shape,
         None if block_table is None else block_table.dtype, None if k_new is None else k_new.shape,
         None if k_new is None else k_new.dtype, None if v_new is None else v_new.shape,
+        None if batch_idx is None else (batch_idx.shape, batch_idx.dtype),
+        None if leftpad is None else (leftpad.shape, leftpad.dtype),
     )  # fmt: skip
     launch = _plans.lookup(key)
     if launch is None:
         launch = _plans.get(
             key,
             lambda: _plan_kvcache(
-                lib, device, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits
+                lib,
+                device,
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens,
+                block_table,
+                k_new,
+                v_new,
+                causal,
+                scale,
+                num_splits,
+                batch_idx,
+                leftpad,
             ),  # fmt: skip
         )
     arrays_by_name = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens if seqlens is None else seqlens,
-        "block_table": block_table, "k_new": k_new, "v_new": v_new,
+        "block_table": block_table, "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx,
+        "cache_leftpad": leftpad,
     }  # fmt: skip
     out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
     return (out, lse) if return_lse else out
 
 
 def _problem(
-    q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, causal: Any, scale: Any
-) -> Any:
+    q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, causal: Any, scale: Any,
+    batch_idx: Any, leftpad: Any,
+) -> Any:  # fmt: skip
+    def shape(x: Any) -> tuple[int, ...] | None:
+        return None if x is None else tuple(x.shape)
+
     return kvcache_problem(
         tuple(q.shape), tuple(k_cache.shape), tuple(v_cache.shape), cache_seqlens=seqlens,
-        block_table_shape=None if table is None else tuple(table.shape),
-        k_new_shape=None if k_new is None else tuple(k_new.shape),
-        v_new_shape=None if v_new is None else tuple(v_new.shape), causal=causal, scale=scale,
+        block_table_shape=shape(table), k_new_shape=shape(k_new), v_new_shape=shape(v_new), causal=causal,
+        scale=scale, cache_batch_idx_shape=shape(batch_idx), cache_leftpad_shape=shape(leftpad),
     )  # fmt: skip
 
 
 def _plan_kvcache(
     lib: _interop.ArrayLib, device: int, q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any,
-    v_new: Any, causal: bool, scale: Any, num_splits: int,
+    v_new: Any, causal: bool, scale: Any, num_splits: int, batch_idx: Any, leftpad: Any,
 ) -> _plan.Launch:  # fmt: skip
     # An int cache_seqlens is checked per call (the plan is shared by every int): plan with 0.
-    p = _problem(q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, causal, scale)
-    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new}
+    p = _problem(
+        q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, causal, scale, batch_idx,
+        leftpad,
+    )  # fmt: skip
+    named = {
+        "q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
+        "cache_seqlens": None if type(seqlens) is int else seqlens, "block_table": table,
+        "cache_batch_idx": batch_idx, "cache_leftpad": leftpad,
+    }  # fmt: skip
     dtypes: dict[str, str | None] = {n: None if x is None else lib.dtype_name(x) for n, x in named.items()}
-    dtypes["cache_seqlens"] = None if type(seqlens) is int else lib.dtype_name(seqlens)
-    dtypes["block_table"] = None if table is None else lib.dtype_name(table)
     return _plan.plan_kvcache(p, dtypes, _plan.device_info(device), num_splits=check_num_splits(num_splits))
 
 
@@ -257,7 +304,9 @@ class DeviceValueError(ValueError):
 
 _DEVICE_ERRORS = {
     1: "a block_table entry in use was outside [0, num_pages)",
-    2: "a cache_seqlens value was outside [0, capacity - seqlen_new]",
+    2: "a cache_seqlens value was outside [0, capacity - seqlen_new], or a cache_leftpad value outside "
+    "[0, cache_seqlens]",
+    4: "a cache_batch_idx value was outside the cache's entries",
 }
 
 

@@ -136,6 +136,9 @@ DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("num_splits", "i4"),
     ("blocks_per_split", "i4"),
     ("error_flags", "u8"),
+    ("cache_batch_idx", "u8"),
+    ("cache_leftpad", "u8"),
+    ("cache_batch", "i4"),
 )
 
 MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (

@@ -673,6 +673,7 @@ def plan_kvcache(
         lse_batch_stride=hq * nq, lse_head_stride=nq,
         seqlen_new=kp.seqlen_new, page_size_log2=kp.page_size_log2, num_pages=kp.num_pages,
         cache_capacity=kp.capacity, num_splits=splits, blocks_per_split=per_split,
+        cache_batch=a.batch if kp.paged else kp.num_pages,
     )  # fmt: skip
     kind = tile_kind(d)
     operands = [tile_operand(params, "q", axes, negate=negate_q, kind=kind)]
@@ -694,6 +695,10 @@ def plan_kvcache(
         operands.append(
             Operand("block_table", INDEX, params.slot("block_table"), ((params.slot("block_table_batch_stride"), 0),))
         )
+    if kp.batch_idx:
+        operands.append(Operand("cache_batch_idx", INDEX, params.slot("cache_batch_idx")))
+    if kp.leftpad:
+        operands.append(Operand("cache_leftpad", INDEX, params.slot("cache_leftpad")))
     steps: list[KernelStep] = []
     if kp.seqlen_new:
         operands += [
@@ -755,7 +760,7 @@ def plan_attention(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q
     return plan_forward(p, dtype, device, algorithm, q_shape=q_shape)
 
 
-_INDEX_NAMES = ("cache_seqlens", "block_table")
+_INDEX_NAMES = ("cache_seqlens", "block_table", "cache_batch_idx", "cache_leftpad")
 
 
 def plan_merge(dims: tuple[int, int, int, int], dtypes: dict[str, str]) -> Launch:

@@ -343,9 +343,11 @@ class KvCacheProblem:
     attn: Problem
     paged: bool
     page_size: int  # paged: tokens per page (a power of two); contiguous: the capacity
-    num_pages: int  # paged: pages in the cache; contiguous: the batch
+    num_pages: int  # paged: pages in the cache; contiguous: its entries (first axis)
     capacity: int  # keys one sequence can hold: L_max, or max_pages * page_size
     seqlen_new: int  # tokens appended (k_new / v_new), 0 without
+    batch_idx: bool = False  # contiguous: sequence b uses cache entry cache_batch_idx[b] (else b)
+    leftpad: bool = False  # contiguous: sequence b's keys start at cache_leftpad[b] (else 0)
 
     @property
     def page_size_log2(self) -> int:
@@ -372,6 +374,8 @@ def kvcache_problem(
     v_new_shape: tuple[int, ...] | None,
     causal: Any,
     scale: Any,
+    cache_batch_idx_shape: tuple[int, ...] | None = None,
+    cache_leftpad_shape: tuple[int, ...] | None = None,
 ) -> KvCacheProblem:
     """Check the shapes and options of ``attention_with_kvcache`` (and an int ``cache_seqlens``
     against the capacity); array values are checked by the caller where they are on the host."""
@@ -397,9 +401,18 @@ def kvcache_problem(
             raise ValueError("a paged cache needs at least one page")
         capacity, num_pages = block_table_shape[1] * rows, first
     else:
-        if first != batch:
+        if cache_batch_idx_shape is None and first != batch:
             raise ValueError(f"k_cache must have the batch size of q ({batch}), got {first} (shape {k_cache_shape})")
-        capacity, num_pages = rows, batch
+        if first < 1:
+            raise ValueError("a cache needs at least one entry")
+        capacity, num_pages = rows, first
+    for name, shape in (("cache_batch_idx", cache_batch_idx_shape), ("cache_leftpad", cache_leftpad_shape)):
+        if shape is None:
+            continue
+        if paged:
+            raise ValueError(f"{name} is for contiguous caches: with a block_table the table places each sequence")
+        if tuple(shape) != (batch,):
+            raise ValueError(f"{name} must be a 1-D int32 array of length {batch}, got shape {tuple(shape)}")
     seqlen_new = 0
     if (k_new_shape is None) != (v_new_shape is None):
         raise ValueError("k_new and v_new go together: give both or neither")
@@ -424,18 +437,32 @@ def kvcache_problem(
         q_shape, (batch, capacity, heads_kv, head_dim), (batch, capacity, heads_kv, head_dim),
         causal=causal, scale=scale, window=(-1, -1), softcap=0.0, layout="bshd",
     )  # fmt: skip
-    return KvCacheProblem(attn, paged, rows if paged else capacity, num_pages, capacity, seqlen_new)
+    return KvCacheProblem(
+        attn, paged, rows if paged else capacity, num_pages, capacity, seqlen_new,
+        batch_idx=cache_batch_idx_shape is not None, leftpad=cache_leftpad_shape is not None,
+    )  # fmt: skip
 
 
-def check_kvcache_values(seqlens: list[int], pages: list[list[int]] | None, p: KvCacheProblem) -> None:
-    """Host-side check of cache_seqlens and block_table contents (only where they already live
-    on the host: on the GPU this would cost a device synchronisation per call)."""
+def check_kvcache_values(
+    seqlens: list[int],
+    pages: list[list[int]] | None,
+    p: KvCacheProblem,
+    entries: list[int] | None = None,
+    first_keys: list[int] | None = None,
+) -> None:
+    """Host-side check of the contents of cache_seqlens, block_table, cache_batch_idx
+    (``entries``) and cache_leftpad (``first_keys``), only where they already live on the host:
+    on the GPU this would cost a device synchronisation per call."""
     for b, n in enumerate(seqlens):
         if not 0 <= n <= p.capacity - p.seqlen_new:
             raise ValueError(
                 f"cache_seqlens[{b}]={n} with {p.seqlen_new} new tokens goes beyond the cache "
                 f"({p.capacity} tokens per sequence)"
             )
+        if first_keys is not None and not 0 <= first_keys[b] <= n:
+            raise ValueError(f"cache_leftpad[{b}]={first_keys[b]} is outside [0, cache_seqlens[{b}]={n}]")
+        if entries is not None and not 0 <= entries[b] < p.num_pages:
+            raise ValueError(f"cache_batch_idx[{b}]={entries[b]} is outside the cache's {p.num_pages} entries")
     if pages is not None:
         for b, (row, n) in enumerate(zip(pages, seqlens)):
             used = -(-(n + p.seqlen_new) // p.page_size)

@@ -230,10 +230,7 @@ def flash_attn_with_kvcache(
     ``(num_blocks, page_size, Hk, d)`` with ``block_table`` ``(B, blocks per sequence)``; k and v
     (``(B, Snew, Hk, d)``) are written into the cache at ``cache_seqlens`` first. Returns out, or
     ``(out, softmax_lse)`` with ``return_softmax_lse``."""
-    _refuse(
-        "flash_attn_with_kvcache", rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
-    )  # fmt: skip
+    _refuse("flash_attn_with_kvcache", rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
     if tuple(window_size) != (-1, -1) and not (causal and window_size[0] == -1):
         raise NotImplementedError(f"flash_attn_with_kvcache: window_size={tuple(window_size)} is not supported yet")
     if softcap:
@@ -243,7 +240,8 @@ def flash_attn_with_kvcache(
             raise ValueError("flash_attn_with_kvcache: k and v are appended at cache_seqlens, which is None")
         cache_seqlens = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
     result = attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k, v_new=v, causal=causal,
-        scale=softmax_scale, num_splits=num_splits, return_lse=True,
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k, v_new=v,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal, scale=softmax_scale,
+        num_splits=num_splits, return_lse=True,
     )  # fmt: skip
     return result if return_softmax_lse else result[0]

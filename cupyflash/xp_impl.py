@@ -420,25 +420,30 @@ def decode(
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CacheLayout:
-    """Where key ``j`` of sequence ``b`` lives: contiguous [B, L, Hkv, d] (``pages`` None) or
-    paged [num_pages, page_size, Hkv, d], page ``pages[b][j // page_size]``, slot ``j % page_size``."""
+    """Where key ``j`` of sequence ``b`` lives: contiguous [entries, L, Hkv, d] (``pages`` None),
+    entry ``entries[b]`` (cache_batch_idx; b without), or paged [num_pages, page_size, Hkv, d],
+    page ``pages[b][j // page_size]``, slot ``j % page_size``."""
 
     pages: list[list[int]] | None
     page_size: int
+    entries: list[int] | None = None
+
+    def entry(self, b: int) -> int:
+        return b if self.entries is None else self.entries[b]
 
     def slot(self, b: int, key: int) -> tuple[int, int]:
         if self.pages is None:
-            return b, key
+            return self.entry(b), key
         return self.pages[b][key // self.page_size], key % self.page_size
 
-    def gather(self, xp: Any, cache: Any, b: int, n: int) -> Any:
-        """Keys 0 .. n - 1 of sequence b: [n, Hkv, d]."""
+    def gather(self, xp: Any, cache: Any, b: int, n: int, first: int = 0) -> Any:
+        """Keys first .. n - 1 of sequence b: [n - first, Hkv, d]."""
         if self.pages is None:
-            return cache[b, :n, ...]
+            return cache[self.entry(b), first:n, ...]
         used = self.pages[b][: -(-n // self.page_size)]
         if not used:
             return cache[0, :0, ...]
-        return xp.concat([cache[page, ...] for page in used], axis=0)[:n, ...]
+        return xp.concat([cache[page, ...] for page in used], axis=0)[first:n, ...]
 
 
 def append_kv(xp: Any, cache: Any, new: Any, seqlens: list[int], layout: CacheLayout) -> None:
@@ -450,14 +455,17 @@ def append_kv(xp: Any, cache: Any, new: Any, seqlens: list[int], layout: CacheLa
 
 
 def attention_with_kvcache(
-    xp: Any, q: Any, k_cache: Any, v_cache: Any, seqlens: list[int], layout: CacheLayout, p: Problem, split_keys: int
-) -> tuple[Any, Any]:
-    """Per sequence b: FlashDecoding of q[b] over its seqlens[b] cached keys (new tokens already
-    appended), splits of ``split_keys`` keys as the kernel's; returns (out like q, LSE [B, Hq, Nq])."""
+    xp: Any, q: Any, k_cache: Any, v_cache: Any, seqlens: list[int], layout: CacheLayout, p: Problem, split_keys: int,
+    first_keys: list[int] | None = None,
+) -> tuple[Any, Any]:  # fmt: skip
+    """Per sequence b: FlashDecoding of q[b] over its cached keys first_keys[b] .. seqlens[b] - 1
+    (cache_leftpad; from 0 without; new tokens already appended), splits of ``split_keys`` keys
+    as the kernel's; returns (out like q, LSE [B, Hq, Nq])."""
     outs, lses = [], []
     for b, n in enumerate(seqlens):
-        keys = [xp.expand_dims(layout.gather(xp, c, b, n), axis=0) for c in (k_cache, v_cache)]
-        p_b = dataclasses.replace(p, batch=1, seqlen_k=n)
+        first = 0 if first_keys is None else first_keys[b]
+        keys = [xp.expand_dims(layout.gather(xp, c, b, n, first), axis=0) for c in (k_cache, v_cache)]
+        p_b = dataclasses.replace(p, batch=1, seqlen_k=n - first)
         out, lse = attention(xp, q[b : b + 1, ...], keys[0], keys[1], p_b, algorithm="decode", split_keys=split_keys)
         outs.append(out)
         lses.append(lse)

@@ -55,7 +55,12 @@ struct DecodeParams {
   int32_t cache_capacity;  // keys one sequence can hold: L_max, or max_pages * page_size
   int32_t num_splits;
   int32_t blocks_per_split;  // CTA key blocks (kNWarps * kWarpKeys keys) per split
-  int32_t* error_flags;  // [1] bits ORed in on bad device values (kBadPage, kBadSeqlen), or nullptr
+  int32_t* error_flags;      // [1] bits ORed in on bad device values (kBadPage ...), or nullptr
+  // Contiguous caches only (flash-attn's cache_batch_idx, cache_leftpad):
+  const int32_t*
+      cache_batch_idx;  // [B] the cache entry (of cache_batch) of each sequence, or nullptr: b
+  const int32_t* cache_leftpad;  // [B] the first key of each sequence's entry, or nullptr: 0
+  int32_t cache_batch;           // entries of the cache (its first axis)
 };
 
 // Exact merge of partial results: part p of output row (b, i, h) is
@@ -116,8 +121,9 @@ struct DecodeTraits {
   static_assert(32 % (kHeadDim / 8) == 0 || (kHeadDim / 8) % 32 == 0, "rows map onto lanes");
 };
 
-// Bits of DecodeParams::error_flags.
-enum : int32_t { kBadPage = 1, kBadSeqlen = 2 };
+// Bits of DecodeParams::error_flags: a block-table entry, a length (cache_seqlens, or a
+// cache_leftpad past it), a cache_batch_idx entry out of range.
+enum : int32_t { kBadPage = 1, kBadSeqlen = 2, kBadCacheIndex = 4 };
 
 // Sets bits of *error_flags (one thread calls it).
 CF_DEVICE void report_error(const DecodeParams& p, int32_t bits) {
@@ -149,13 +155,16 @@ struct CacheRows {
   }
 };
 
+// The rows of sequence `batch` in a cache, from key first_key of its entry on (contiguous caches:
+// entry = cache_batch_idx[batch], valid by decode_entry; paged caches take first_key 0).
 template <typename Element>
 CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache,
                                         int64_t batch_stride, int64_t row_stride,
-                                        int64_t head_stride, int batch, int head_k) {
+                                        int64_t head_stride, int batch, int head_k, int entry,
+                                        int first_key) {
   Element* base = const_cast<Element*>(static_cast<const Element*>(cache)) + head_k * head_stride;
   const bool paged = p.block_table != nullptr;
-  if (!paged) base += batch * batch_stride;
+  if (!paged) base += entry * batch_stride + first_key * row_stride;
   return {base,
           paged ? p.block_table + batch * p.block_table_batch_stride : nullptr,
           batch_stride,
@@ -164,19 +173,37 @@ CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache
           p.num_pages};
 }
 
-// Tokens in the cache of sequence `batch` before this call's append. bad_len: the count is not
-// one the cache can hold with the append (< 0 or > capacity - seqlen_new); the sequence then
-// counts as empty (nothing read, nothing written) and its rows come out NaN.
-CF_DEVICE int decode_cached_len(const DecodeParams& p, int batch, bool& bad_len) {
-  const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.attn.seqlen_k;
-  bad_len = cached < 0 || cached > p.cache_capacity - p.seqlen_new;
-  return bad_len ? 0 : cached;
+// Where sequence `batch` lives in the cache and which of its keys it attends: its entry (the
+// cache's first axis, contiguous caches), its first key (cache_leftpad) and the tokens cached
+// before this call's append. bad_len: a count the cache cannot hold with the append (< 0 or
+// > capacity - seqlen_new) or a first key outside [0, cached]; bad_entry: an entry outside
+// [0, cache_batch). Either makes the sequence empty (nothing read, nothing written) and its
+// rows NaN.
+struct CacheSpan {
+  int entry, first_key, cached;
+  bool bad_len, bad_entry;
+  CF_DEVICE bool bad() const { return bad_len || bad_entry; }
+  CF_DEVICE int32_t error_bits() const {
+    return (bad_len ? kBadSeqlen : 0) | (bad_entry ? kBadCacheIndex : 0);
+  }
+};
+
+CF_DEVICE CacheSpan decode_span(const DecodeParams& p, int batch) {
+  CacheSpan s;
+  s.cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.attn.seqlen_k;
+  s.first_key = p.cache_leftpad != nullptr ? p.cache_leftpad[batch] : 0;
+  s.entry = p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
+  s.bad_len = s.cached < 0 || s.cached > p.cache_capacity - p.seqlen_new || s.first_key < 0 ||
+              s.first_key > s.cached;
+  s.bad_entry = static_cast<unsigned>(s.entry) >= static_cast<unsigned>(p.cache_batch);
+  if (s.bad()) s.cached = s.first_key = s.entry = 0;
+  return s;
 }
 
-// Keys attended in sequence `batch`: the cached ones and the appended ones (0 when bad_len).
-CF_DEVICE int decode_seqlen_k(const DecodeParams& p, int batch, bool& bad_len) {
-  const int cached = decode_cached_len(p, batch, bad_len);
-  return bad_len ? 0 : cached + p.seqlen_new;
+// Keys attended in sequence `batch`: from its first key, the cached ones and the appended ones
+// (0 when the span is bad).
+CF_DEVICE int decode_seqlen_k(const DecodeParams& p, const CacheSpan& span) {
+  return span.bad() ? 0 : span.cached + p.seqlen_new - span.first_key;
 }
 
 // Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] tile whose rows lie anywhere
@@ -319,8 +346,8 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   const int seqlen_q = attn.seqlen_q;
   const int rows = group * seqlen_q;  // packed rows of this KV head
 
-  bool bad_len;  // device values of this sequence (see the file comment)
-  const int seqlen_k = decode_seqlen_k(params, batch, bad_len);
+  const CacheSpan span = decode_span(params, batch);  // device values (see the file comment)
+  const int seqlen_k = decode_seqlen_k(params, span);
   // Per warp: did it read a page through a bad block-table entry? (Each warp sets only its own.)
   __shared__ int s_bad_page[Traits::kNWarps];
   const int n_begin = split * params.blocks_per_split;
@@ -350,10 +377,10 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
 
   const CacheRows<Element> k_rows =
       cache_rows<Element>(params, attn.k_ptr, attn.k_batch_stride, attn.k_row_stride,
-                          attn.k_head_stride, batch, head_k);
+                          attn.k_head_stride, batch, head_k, span.entry, span.first_key);
   const CacheRows<Element> v_rows =
       cache_rows<Element>(params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride,
-                          attn.v_head_stride, batch, head_k);
+                          attn.v_head_stride, batch, head_k, span.entry, span.first_key);
   const uint32_t s_warp_ring = s_ring + warp * Traits::kWarpRingBytes;
   auto load_kv = [&](int n_block, int stage) {
     const int key0 = n_block * kBlockN + warp_key0;
@@ -425,8 +452,8 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   bool bad_page = false;
 #pragma unroll
   for (int w = 0; w < Traits::kNWarps; ++w) bad_page |= s_bad_page[w] != 0;
-  const bool bad = bad_len || bad_page;  // the CTA's rows are NaN, not a plausible answer
-  if (tid == 0 && bad) report_error(params, (bad_page ? kBadPage : 0) | (bad_len ? kBadSeqlen : 0));
+  const bool bad = span.bad() || bad_page;  // the CTA's rows are NaN, not a plausible answer
+  if (tid == 0 && bad) report_error(params, (bad_page ? kBadPage : 0) | span.error_bits());
   constexpr int kRowFloats = Traits::kMergeRowFloats;
   float* s_o = s_merge + warp * Traits::kBlockM * kRowFloats;               // [kBlockM][d + 8]
   float* s_lse = s_merge + Traits::kNWarps * Traits::kBlockM * kRowFloats;  // [kNWarps][kBlockM]
@@ -551,18 +578,18 @@ CF_DEVICE void decode_append(const DecodeParams& p) {
   const int head_k = blockIdx.y;
   const int batch = blockIdx.z;
   const bool reporter = threadIdx.x == 0 && head_k == 0;  // one report per (token, sequence)
-  bool bad_len;
   int bad_page = 0;
-  const int pos = decode_cached_len(p, batch, bad_len) + token;
-  if (bad_len || pos >= p.cache_capacity) {
-    if (reporter && token == 0) report_error(p, kBadSeqlen);
+  const CacheSpan span = decode_span(p, batch);
+  const int pos = span.cached + token;  // of the entry (the first key does not move it)
+  if (span.bad() || pos >= p.cache_capacity) {
+    if (reporter && token == 0) report_error(p, span.bad() ? span.error_bits() : kBadSeqlen);
     return;
   }
   const AttnParams& a = p.attn;
   const CacheRows<Element> k_rows = cache_rows<Element>(
-      p, a.k_ptr, a.k_batch_stride, a.k_row_stride, a.k_head_stride, batch, head_k);
+      p, a.k_ptr, a.k_batch_stride, a.k_row_stride, a.k_head_stride, batch, head_k, span.entry, 0);
   const CacheRows<Element> v_rows = cache_rows<Element>(
-      p, a.v_ptr, a.v_batch_stride, a.v_row_stride, a.v_head_stride, batch, head_k);
+      p, a.v_ptr, a.v_batch_stride, a.v_row_stride, a.v_head_stride, batch, head_k, span.entry, 0);
   const auto* k_src = static_cast<const Element*>(p.k_new_ptr) + batch * p.k_new_batch_stride +
                       token * p.k_new_row_stride + head_k * p.k_new_head_stride;
   const auto* v_src = static_cast<const Element*>(p.v_new_ptr) + batch * p.v_new_batch_stride +

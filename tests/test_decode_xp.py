@@ -48,6 +48,48 @@ def test_kvcache_matches_reference(xp, rng, page_size, nq, causal):
     np.testing.assert_allclose(lse64[np.isfinite(ref_lse)], ref_lse[np.isfinite(ref_lse)], atol=1e-4)
 
 
+def kv_entries_reference(q, caches, entries, first_keys, ends, causal):
+    """float64 attention of sequence b over keys first_keys[b] .. ends[b] - 1 of cache entry
+    entries[b]: (out, LSE)."""
+    outs, lses = [], []
+    for b, (entry, first, end) in enumerate(zip(entries, first_keys, ends)):
+        k, v = (c[entry : entry + 1, first:end] for c in caches)
+        out, lse = reference.attention(q[b : b + 1], k, v, causal=causal, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+@pytest.mark.parametrize("options", ["batch_idx", "leftpad", "both"])
+def test_kvcache_batch_idx_and_leftpad_match_reference(xp, rng, options):
+    """flash-attn's cache_batch_idx (sequence b in cache entry idx[b]) and cache_leftpad (its keys
+    from leftpad[b]): appends at cache_seqlens[b] of the entry, attention over [leftpad, end)."""
+    entries_n, b, length, hq, hkv, d, nnew = 5, 3, 40, 4, 2, 16, 2
+    use_idx, use_pad = options in ("batch_idx", "both"), options in ("leftpad", "both")
+    entries = [4, 0, 2] if use_idx else [0, 1, 2]
+    first_keys = [0, 3, 7] if use_pad else [0, 0, 0]
+    cached = [5, 10, 20]
+    q = rng.standard_normal((b, 2, hq, d)).astype(np.float32)
+    caches = [rng.standard_normal((entries_n if use_idx else b, length, hkv, d)).astype(np.float32) for _ in "kv"]
+    new = [rng.standard_normal((b, nnew, hkv, d)).astype(np.float32) for _ in "kv"]
+    expected = [c.copy() for c in caches]
+    for i, entry in enumerate(entries):
+        for c, n in zip(expected, new):
+            c[entry, cached[i] : cached[i] + nnew] = n[i]
+    args = [xp.asarray(x) for x in (q, *caches, *new)]
+    out, lse = cupyflash.attention_with_kvcache(
+        args[0], args[1], args[2], cache_seqlens=xp.asarray(np.array(cached, np.int32)), k_new=args[3],
+        v_new=args[4], cache_batch_idx=xp.asarray(np.array(entries, np.int32)) if use_idx else None,
+        cache_leftpad=xp.asarray(np.array(first_keys, np.int32)) if use_pad else None, return_lse=True,
+    )  # fmt: skip
+    for got, want in zip(args[1:3], expected):  # appended into the entries, the others untouched
+        np.testing.assert_array_equal(reference.to_numpy64(got), want.astype(np.float64))
+    ends = [n + nnew for n in cached]
+    ref, ref_lse = kv_entries_reference(q, expected, entries, first_keys, ends, True)
+    np.testing.assert_allclose(reference.to_numpy64(out), ref, atol=2e-5)
+    np.testing.assert_allclose(reference.to_numpy64(lse), ref_lse, atol=1e-4)
+
+
 def test_kvcache_empty_and_single_key_sequences(rng):
     q = rng.standard_normal((3, 2, 4, 8))
     k, v = (rng.standard_normal((3, 10, 2, 8)) for _ in range(2))
@@ -185,6 +227,13 @@ PAGED = {
             "batch size of q",
         ),  # fmt: skip
         ({"num_splits": -1}, "num_splits must be an int >= 0"),
+        ({"cache_batch_idx": np.array([0, 2], dtype=np.int32)}, r"cache_batch_idx\[1\]=2 is outside the cache's 2"),
+        ({"cache_batch_idx": np.array([0], dtype=np.int32)}, "cache_batch_idx must be a 1-D int32 array of length 2"),
+        ({**PAGED, "cache_batch_idx": np.array([0, 1], dtype=np.int32)}, "cache_batch_idx is for contiguous caches"),
+        ({"cache_leftpad": np.array([0, 5], dtype=np.int32)}, r"cache_leftpad\[1\]=5 is outside \[0, cache_seqlens"),
+        ({"cache_leftpad": np.array([-1, 0], dtype=np.int32)}, r"cache_leftpad\[0\]=-1"),
+        ({**PAGED, "cache_leftpad": np.array([0, 1], dtype=np.int32)}, "cache_leftpad is for contiguous caches"),
+        ({"cache_leftpad": np.array([0.0, 1.0])}, "cache_leftpad must be an integer array"),
     ],
 )
 def test_bad_input_leaves_the_cache_untouched(changes, message):

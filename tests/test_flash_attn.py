@@ -80,7 +80,6 @@ def test_with_kvcache_appends_and_reads_the_whole_cache_by_default(rng):
     [
         (lambda q: fa.flash_attn_with_kvcache(q, q, q, alibi_slopes=np.ones(2)), "alibi_slopes"),
         (lambda q: fa.flash_attn_with_kvcache(q, q, q, rotary_cos=np.ones(4), rotary_sin=np.ones(4)), "rotary_cos"),
-        (lambda q: fa.flash_attn_with_kvcache(q, q, q, cache_batch_idx=np.zeros(1, np.int32)), "cache_batch_idx"),
         (lambda q: fa.flash_attn_with_kvcache(q, q, q, softcap=3.0), "softcap"),
         (lambda q: fa.flash_attn_with_kvcache(q, q, q, window_size=(4, 0)), "window_size"),
     ],

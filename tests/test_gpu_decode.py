@@ -189,6 +189,72 @@ def test_bad_device_values_without_append_give_nan_rows():
     cupyflash.check_device_errors()  # a good call sets nothing
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("nq", [1, 4])
+@pytest.mark.parametrize("splits", [1, 0])
+def test_cache_batch_idx_and_leftpad(rng, head_dim, nq, splits):
+    """flash-attn's cache_batch_idx (sequence b reads and appends to cache entry idx[b]) and
+    cache_leftpad (its keys start at leftpad[b]): against the float64 reference over exactly
+    those keys, the appends in the right entries, the entries no sequence names untouched."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    entries_n, length, hq, hkv = 6, 1031, 8, 2
+    entries, first_keys, cached = [5, 0, 3], [0, 17, 600], [1, 500, 1000]
+    b = len(entries)
+    q = torch.randn(b, nq, hq, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(entries_n, length, hkv, head_dim, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    k_new, v_new = (torch.randn(b, nq, hkv, head_dim, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    expected_k, expected_v = k.clone(), v.clone()
+    for i, entry in enumerate(entries):
+        expected_k[entry, cached[i] : cached[i] + nq] = k_new[i]
+        expected_v[entry, cached[i] : cached[i] + nq] = v_new[i]
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
+    out, lse = cupyflash.attention_with_kvcache(
+        q, k, v, cache_seqlens=ints(cached), k_new=k_new, v_new=v_new, cache_batch_idx=ints(entries),
+        cache_leftpad=ints(first_keys), num_splits=splits, return_lse=True,
+    )  # fmt: skip
+    assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+    # sequence b sees its entry from its first key on: [B, length - min first key, Hkv, d] caches
+    # holding exactly those keys first (zeros after them), for the reference
+    width = length - min(first_keys)
+    shifted = [
+        torch.stack(
+            [
+                torch.nn.functional.pad(c[e, f:], (0, 0, 0, 0, 0, f - min(first_keys)))
+                for e, f in zip(entries, first_keys)
+            ]
+        )  # fmt: skip
+        for c in (k, v)
+    ]
+    assert shifted[0].shape[1] == width
+    lengths = [n + nq - f for n, f in zip(cached, first_keys)]
+    check_kvcache(out, lse, q, shifted[0], shifted[1], lengths, True, "bfloat16")
+    cupyflash.check_device_errors()  # nothing out of range
+
+
+def test_bad_batch_idx_and_leftpad_give_nan_rows_and_append_nothing():
+    """A cache_batch_idx outside the cache's entries, a cache_leftpad past cache_seqlens: that
+    sequence's rows are NaN, nothing is appended for it, the others are right, and
+    check_device_errors names the value."""
+    torch = need_torch()
+    q = torch.randn(3, 1, 4, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(4, 100, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    new = torch.ones(3, 1, 2, 64, device="cuda", dtype=torch.float16)
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
+    for idx, pad, message in (([7, 1, 2], [0, 0, 0], "cache_batch_idx value"), ([0, 1, 2], [50, 0, 0], "leftpad")):
+        k0, v0 = k.clone(), v.clone()
+        out, lse = cupyflash.attention_with_kvcache(
+            q, k, v, cache_seqlens=ints([40, 60, 10]), k_new=new, v_new=new, cache_batch_idx=ints(idx),
+            cache_leftpad=ints(pad), return_lse=True,
+        )  # fmt: skip
+        out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+        assert np.isnan(out64[0]).all() and np.isnan(lse64[0]).all() and not np.isnan(out64[1:]).any()
+        assert all(torch.equal(c[e], c0[e]) for c, c0 in ((k, k0), (v, v0)) for e in (0, 3))  # none for sequence 0
+        assert torch.equal(k[1, 60], new[1, 0]) and torch.equal(v[2, 10], new[2, 0])  # the others appended
+        with pytest.raises(cupyflash.DeviceValueError, match=message):
+            cupyflash.check_device_errors()
+
+
 def test_cuda_graph_capture_replays():
     """A decode step (append, then the split kernel with its fused combine) captured in a CUDA
     graph replays with new inputs written into the same buffers and matches the eager call
