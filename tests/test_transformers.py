@@ -175,3 +175,51 @@ def test_training_mode_dropout_reaches_the_kernels():
     assert torch.equal(a, model(ids).logits)
     model.eval()
     assert not torch.allclose(a, model(ids).logits)
+
+
+def test_left_padded_generation_runs_the_decode_path(monkeypatch):
+    """Greedy generation over a left-padded batch (no window): the decode steps go through
+    attention_with_kvcache with each row's first valid key (no packing copy), and the tokens
+    equal eager attention's."""
+    calls = []
+    real = cft.attention_with_kvcache
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["cache_leftpad"].tolist())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cft, "attention_with_kvcache", counting)
+    eager, ours = _models("llama")
+    ids = torch.randint(1, 101, (3, 8))
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, :5] = 0
+    kwargs = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+    assert calls and all(first == [0, 3, 5] for first in calls)
+
+
+@pytest.mark.gpu
+def test_left_padded_decode_step_on_the_gpu():
+    """One decode step of a left-padded bf16 batch on CUDA through the attention function: the
+    decode kernel from each row's first valid key, against the float64 reference of those keys."""
+    import numpy as np
+
+    from cupyflash import reference
+
+    class Module:
+        is_causal = True
+
+    b, hq, hkv, nk, d = 3, 8, 2, 300, 64
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(b, nk, dtype=torch.bool, device="cuda")
+    first = [0, 17, 250]
+    for i, f in enumerate(first):
+        mask[i, :f] = False
+    out, _ = cft.attention_forward(Module(), q, k, v, mask, scaling=d**-0.5)
+    for i, f in enumerate(first):
+        want = reference.attention(q[i : i + 1, :, :, :], k[i : i + 1, :, f:], v[i : i + 1, :, f:], layout="bhsd")
+        got = reference.to_numpy64(out[i : i + 1])
+        assert np.abs(got - want.transpose(0, 2, 1, 3)).max() < 2e-2

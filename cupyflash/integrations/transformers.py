@@ -10,9 +10,11 @@ padding mask function (flash-attn's), so that a padded batch reaches the attenti
 a ``(batch, keys)`` boolean mask instead of no mask at all. The name avoids "flash", which
 transformers reserves for its hub kernels.
 
-The attention function maps each call onto :func:`cupyflash.attention` (no padding) or
-:func:`cupyflash.attention_varlen` (padding: the valid tokens packed, as flash-attn's integration
-unpads them): causal (bottom-right, so a cache's queries are its last positions), the module's
+The attention function maps each call onto :func:`cupyflash.attention` (no padding),
+:func:`cupyflash.attention_with_kvcache` (a few query tokens over a left-padded batch, as in
+generation: the decode kernel reads each sequence's keys from its first valid one, in place, no
+copy) or :func:`cupyflash.attention_varlen` (other padding: the valid tokens packed, as
+flash-attn's integration unpads them): causal (bottom-right, so a cache's queries are its last positions), the module's
 ``scaling``, ``sliding_window`` (a token sees itself and the ``sliding_window - 1`` before it),
 ``softcap``, GQA and the module's attention ``dropout`` (transformers passes 0 in eval mode).
 PyTorch tensors that require grad get their gradients (the training path).
@@ -26,6 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 from .._api import attention, attention_varlen
+from .._kvcache import attention_with_kvcache
+from .._specs import DECODE_MAX_QUERIES
 
 NAME = "cupyfa"
 
@@ -88,6 +92,13 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]
         key, value = key[:, :, : mask.shape[1]], value[:, :, : mask.shape[1]]
     nk = key.shape[2]
     mask = mask[:, -nk:]
+    first_keys = _left_padding(mask, nq, options, query)
+    if first_keys is not None:  # generation over a left-padded batch: the decode kernel, in place
+        out = attention_with_kvcache(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=nk,
+            cache_leftpad=first_keys, causal=options["causal"], scale=options["scale"],
+        )  # fmt: skip
+        return out
     q_mask = mask[:, -nq:]
     if nq == 1:  # decoding: each sequence's one new token is valid
         q_mask = torch.ones_like(q_mask)
@@ -111,3 +122,22 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]
     packed_out = attention_varlen(packed_q, packed_k, packed_v, cu_q, cu_k, nq, nk, **options)  # maxima: upper bounds
     out = packed_out.new_zeros(b * nq, hq, d).index_put((q_rows,), packed_out)  # padded rows stay 0
     return out.view(b, nq, hq, d)
+
+
+def _left_padding(mask: Any, nq: int, options: dict[str, Any], query: Any) -> Any:
+    """Each row's first valid key (int32) when the call is a few queries over a left-padded batch
+    that the decode kernel takes (no window, softcap or dropout; nothing to differentiate):
+    every row's valid keys are its last ones, the queries among them. Else None. (One device
+    synchronisation: the mask's shape is read on the host.)"""
+    import torch
+
+    plain = options["window"] == (-1, -1) and not options["softcap"] and not options["dropout_p"]
+    if nq > DECODE_MAX_QUERIES or not plain or (query.requires_grad and torch.is_grad_enabled()):
+        return None
+    nk = mask.shape[1]
+    count = mask.sum(1, dtype=torch.int32)
+    first = nk - count
+    left_padded = torch.arange(nk, device=mask.device)[None, :] >= first[:, None]
+    if bool(((mask != left_padded).any(1) | (count < nq)).any()):
+        return None
+    return first
