@@ -49,35 +49,39 @@ def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 def run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> tuple[Any, Any]:
     """Execute ``launch`` on the caller's stream; returns (out, lse), lse None unless wanted
     (or always allocated by the plan). Results are in the caller's type."""
-    results = _on_device(launch, lib, device, arrays, want_lse)
+    if _interop.current_device() == device:  # device switched only when it is not current
+        results = _run(launch, lib, device, arrays, want_lse)
+    else:
+        results = _on_device(launch, lib, device, arrays, want_lse)
     return results["out"], results.get("lse")
 
 
 def run_outputs(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any]) -> tuple[Any, ...]:
     """Execute ``launch``; every output in the plan's order (the backward's dq, dk, dv)."""
-    results = _on_device(launch, lib, device, arrays, True)
+    if _interop.current_device() == device:
+        results = _run(launch, lib, device, arrays, True)
+    else:
+        results = _on_device(launch, lib, device, arrays, True)
     return tuple(results[output.name] for output in launch.outputs)
 
 
 def _on_device(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> dict[str, Any]:
-    """``_run`` with ``device`` current (switched only when it is not: the common case is free)."""
-    if _interop.current_device() != device:
-        with _interop.cupy_module().cuda.Device(device):
-            return _run(launch, lib, device, arrays, want_lse)
-    return _run(launch, lib, device, arrays, want_lse)
+    """``_run`` with ``device`` made current for the call."""
+    with _interop.cupy_module().cuda.Device(device):
+        return _run(launch, lib, device, arrays, want_lse)
 
 
 def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> dict[str, Any]:
     values = list(launch.params.values)
     bound: list[tuple[int, tuple[int, ...]] | None] = [None] * len(launch.operands)  # (ptr, strides)
-    # Per operand, (the library's own strides, in elements) last found readable: a call whose
+    # Per operand, the layout last found readable (``Launch.readable_strides``): a call whose
     # array has the same raw strides skips the conversion and the layout check.
     known = launch.readable_strides
     keep: list[Any] = []  # copies made for this call: alive until the launches are queued
     ptr_of, raw_strides_of = lib.ptr, lib.raw_strides
     # The common operand (an array, read as it is) takes the loop's straight path; an int length,
     # a negated q, a pointer offset or a layout the kernels cannot read take _bind.
-    for i, name, is_tile, ptr_slot, stride_slots, plain in launch.bindings:
+    for i, name, is_tile, ptr_slot, lo, hi, plain in launch.bindings:
         x = arrays.get(name)
         if x is None:
             continue
@@ -85,11 +89,9 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
         if plain and hit is not None and type(x) is not int:
             ptr = ptr_of(x)
             if raw_strides_of(x) == hit[0] and not (is_tile and ptr & 15):
-                strides = hit[1]
                 values[ptr_slot] = ptr
-                for slot, axis in stride_slots:
-                    values[slot] = strides[axis]
-                bound[i] = (ptr, strides)
+                values[lo:hi] = hit[2]
+                bound[i] = (ptr, hit[1])
                 continue
         _bind(launch, i, x, lib, values, bound, keep)
 
@@ -133,7 +135,7 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
             kernel.launch_with_buffers(step.grid, step.block, step.smem, stream, tuple(values), buffers)
         else:
             maps = None if step.tma is None else _tensor_maps(step.tma, launch, bound)
-            kernel.launch(step.grid, step.block, step.smem, stream, *values, tma_maps=maps)
+            kernel.launch(step.grid, step.block, step.smem, stream, values, maps)
     del keep
     if lib.wraps:
         return {name: lib.wrap(array) for name, array in results.items()}
@@ -159,7 +161,7 @@ def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], boun
         x, ptr, strides = _readable_copy(lib, op, x)
         keep.append(x)
     elif not op.negate:
-        launch.readable_strides[i] = (lib.raw_strides(x), strides)
+        launch.readable_strides[i] = (lib.raw_strides(x), strides, tuple(strides[axis] for _, axis in op.stride_slots))
     if op.offset_of is None:
         values[op.ptr_slot] = ptr
     else:

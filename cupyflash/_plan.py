@@ -163,24 +163,27 @@ class Launch:
     # Derived on construction: operands by name (TMA maps and pointer offsets look them up).
     operand_index: dict[str, int] = field(init=False, repr=False, compare=False)
 
-    # Per operand, the strides last found readable by the kernels (``_launch``: a call with the
-    # same strides checks only its pointer's alignment).
+    # Per operand, the layout last found readable by the kernels (``_launch``: a call with the
+    # same raw strides checks only its pointer's alignment): (raw strides, element strides, the
+    # element strides in the order of the operand's stride slots).
     readable_strides: list[Any] = field(init=False, repr=False, compare=False)
 
     # Per operand, what a call's straight path needs, flat: (index, name, a TILE, the pointer's
-    # slot, the (slot, axis) of its strides, plain = neither negated nor given as an offset).
-    bindings: tuple[tuple[int, str, bool, int, tuple[tuple[int, int], ...], bool], ...] = field(
-        init=False, repr=False, compare=False
-    )
+    # slot, the slice of params slots its strides fill, plain = neither negated nor given as an
+    # offset, and its stride slots consecutive: one slice assignment writes them all).
+    bindings: tuple[tuple[int, str, bool, int, int, int, bool], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "operand_index", {op.name: i for i, op in enumerate(self.operands)})
         object.__setattr__(self, "readable_strides", [None] * len(self.operands))
-        bindings = tuple(
-            (i, op.name, op.kind == TILE, op.ptr_slot, op.stride_slots, not op.negate and op.offset_of is None)
-            for i, op in enumerate(self.operands)
-        )
-        object.__setattr__(self, "bindings", bindings)
+        bindings = []
+        for i, op in enumerate(self.operands):
+            slots = [slot for slot, _ in op.stride_slots]
+            lo = slots[0] if slots else 0
+            consecutive = slots == list(range(lo, lo + len(slots)))
+            plain = not op.negate and op.offset_of is None and consecutive
+            bindings.append((i, op.name, op.kind == TILE, op.ptr_slot, lo, lo + len(slots), plain))
+        object.__setattr__(self, "bindings", tuple(bindings))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def launch(self, grid, block, smem, stream, *values, tma_maps=None):  # type: ignore[no-untyped-def]
-        self.calls.append((grid, block, smem, stream, values, tma_maps))
+    def launch(self, grid, block, smem, stream, values, tma_maps=None):  # type: ignore[no-untyped-def]
+        self.calls.append((grid, block, smem, stream, tuple(values), tma_maps))
 
 
 @pytest.fixture
