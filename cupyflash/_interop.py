@@ -189,7 +189,7 @@ class TorchLib(ArrayLib):
 
     def empty(self, shape: Sequence[int], dtype: str, device: int, like: Any = None) -> Any:
         if like is not None:  # 2 us less than torch.empty(..., device=) on the H200 machine
-            return like.new_empty(shape, dtype=self._dtype(dtype))
+            return like.new_empty(shape, dtype=self._dtypes.get(dtype) or self._dtype(dtype))
         where = self._devices.get(device)
         if where is None:  # parsing "cuda:N" per call costs ~1 us
             where = self._devices[device] = torch_module().device("cuda", device)

@@ -81,14 +81,14 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
     ptr_of, raw_strides_of = lib.ptr, lib.raw_strides
     # The common operand (an array, read as it is) takes the loop's straight path; an int length,
     # a negated q, a pointer offset or a layout the kernels cannot read take _bind.
-    for i, name, is_tile, ptr_slot, lo, hi, plain in launch.bindings:
+    for i, name, ptr_slot, lo, hi, align, _ in launch.bindings:
         x = arrays.get(name)
         if x is None:
             continue
         hit = known[i]
-        if plain and hit is not None and type(x) is not int:
+        if hit is not None and type(x) is not int:
             ptr = ptr_of(x)
-            if raw_strides_of(x) == hit[0] and not (is_tile and ptr & 15):
+            if not ptr & align and raw_strides_of(x) == hit[0]:
                 values[ptr_slot] = ptr
                 values[lo:hi] = hit[2]
                 bound[i] = (ptr, hit[1])
@@ -160,7 +160,7 @@ def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], boun
     if not _readable(op.kind, ptr, x.shape, strides):
         x, ptr, strides = _readable_copy(lib, op, x)
         keep.append(x)
-    elif not op.negate:
+    elif launch.bindings[i][-1]:  # plain: the straight path may take this layout next time
         launch.readable_strides[i] = (lib.raw_strides(x), strides, tuple(strides[axis] for _, axis in op.stride_slots))
     if op.offset_of is None:
         values[op.ptr_slot] = ptr

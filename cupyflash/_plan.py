@@ -163,15 +163,17 @@ class Launch:
     # Derived on construction: operands by name (TMA maps and pointer offsets look them up).
     operand_index: dict[str, int] = field(init=False, repr=False, compare=False)
 
-    # Per operand, the layout last found readable by the kernels (``_launch``: a call with the
-    # same raw strides checks only its pointer's alignment): (raw strides, element strides, the
-    # element strides in the order of the operand's stride slots).
+    # Per operand that can take the straight path (``plain`` below), the layout last found
+    # readable by the kernels (``_launch``: a call with the same raw strides checks only its
+    # pointer's alignment): (raw strides, element strides, the element strides in the order of
+    # the operand's stride slots).
     readable_strides: list[Any] = field(init=False, repr=False, compare=False)
 
-    # Per operand, what a call's straight path needs, flat: (index, name, a TILE, the pointer's
-    # slot, the slice of params slots its strides fill, plain = neither negated nor given as an
-    # offset, and its stride slots consecutive: one slice assignment writes them all).
-    bindings: tuple[tuple[int, str, bool, int, int, int, bool], ...] = field(init=False, repr=False, compare=False)
+    # Per operand, what a call's straight path needs, flat: (index, name, the pointer's slot, the
+    # slice of params slots its strides fill, the pointer's alignment mask (15 for a TILE: 16
+    # bytes), plain = neither negated nor given as an offset, and its stride slots consecutive,
+    # so that one slice assignment writes them all).
+    bindings: tuple[tuple[int, str, int, int, int, int, bool], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "operand_index", {op.name: i for i, op in enumerate(self.operands)})
@@ -182,7 +184,7 @@ class Launch:
             lo = slots[0] if slots else 0
             consecutive = slots == list(range(lo, lo + len(slots)))
             plain = not op.negate and op.offset_of is None and consecutive
-            bindings.append((i, op.name, op.kind == TILE, op.ptr_slot, lo, lo + len(slots), plain))
+            bindings.append((i, op.name, op.ptr_slot, lo, lo + len(slots), 15 if op.kind == TILE else 0, plain))
         object.__setattr__(self, "bindings", tuple(bindings))
 
 
