@@ -72,26 +72,28 @@ def _on_device(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, 
 
 
 def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool) -> dict[str, Any]:
-    values = list(launch.params.values)
-    bound: list[tuple[int, tuple[int, ...]] | None] = [None] * len(launch.operands)  # (ptr, strides)
-    # Per operand, the layout last found readable (``Launch.readable_strides``): a call whose
-    # array has the same raw strides skips the conversion and the layout check.
-    known = launch.readable_strides
+    # The layouts last found readable (``Launch.layouts``): a call whose arrays have the same raw
+    # strides starts from params values that hold their strides, and checks only the pointers.
+    raws, known, template = launch.layouts[0]
+    values = list(template)
+    bound: list[Any] | None = [None] * len(raws) if launch.needs_bound else None  # (ptr, strides)
     keep: list[Any] = []  # copies made for this call: alive until the launches are queued
     ptr_of, raw_strides_of = lib.ptr, lib.raw_strides
     # The common operand (an array, read as it is) takes the loop's straight path; an int length,
     # a negated q, a pointer offset or a layout the kernels cannot read take _bind.
-    for i, name, ptr_slot, lo, hi, align, _ in launch.bindings:
+    for i, name, ptr_slot, align in launch.bindings:
         x = arrays.get(name)
         if x is None:
+            if raws[i] is not None:  # an optional operand left out: its strides as planned
+                _unbind(launch, i, values)
             continue
-        hit = known[i]
-        if hit is not None and type(x) is not int:
+        raw = raws[i]
+        if raw is not None and type(x) is not int:
             ptr = ptr_of(x)
-            if not ptr & align and raw_strides_of(x) == hit[0]:
+            if not ptr & align and raw_strides_of(x) == raw:
                 values[ptr_slot] = ptr
-                values[lo:hi] = hit[2]
-                bound[i] = (ptr, hit[1])
+                if bound is not None:
+                    bound[i] = (ptr, known[i])
                 continue
         _bind(launch, i, x, lib, values, bound, keep)
 
@@ -142,7 +144,9 @@ def _run(launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], 
     return results
 
 
-def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], bound: list[Any], keep: list[Any]) -> None:
+def _bind(
+    launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], bound: list[Any] | None, keep: list[Any]
+) -> None:
     """Operand ``i``'s fields, the general way: an int length checked, q negated, the layout
     checked (a copy where the kernels cannot read it), a pointer given as an offset."""
     op = launch.operands[i]
@@ -160,18 +164,37 @@ def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], boun
     if not _readable(op.kind, ptr, x.shape, strides):
         x, ptr, strides = _readable_copy(lib, op, x)
         keep.append(x)
-    elif launch.bindings[i][-1]:  # plain: the straight path may take this layout next time
-        launch.readable_strides[i] = (lib.raw_strides(x), strides, tuple(strides[axis] for _, axis in op.stride_slots))
+    elif launch.plain[i]:  # the straight path takes this layout from the next call on
+        _remember(launch, i, lib.raw_strides(x), strides)
     if op.offset_of is None:
         values[op.ptr_slot] = ptr
     else:
         slot, base, itemsize = op.offset_of
+        assert bound is not None  # a Launch with an offset operand keeps the pointers
         distance = ptr - bound[launch.operand_index[base]][0]
         assert distance % itemsize == 0, f"{op.name} is not element-aligned with {base}"
         values[slot] = distance // itemsize
     for slot, axis in op.stride_slots:
         values[slot] = strides[axis]
-    bound[i] = (ptr, strides)
+    if bound is not None:
+        bound[i] = (ptr, strides)
+
+
+def _remember(launch: Launch, i: int, raw: Any, strides: tuple[int, ...]) -> None:
+    """Operand ``i``'s readable layout into ``launch.layouts``, as a new item built from the
+    current one (a thread that reads the item meanwhile sees the old one or the new one whole)."""
+    raws, known, template = launch.layouts[0]
+    values = list(template)
+    for slot, axis in launch.operands[i].stride_slots:
+        values[slot] = strides[axis]
+    launch.layouts[0] = (raws[:i] + (raw,) + raws[i + 1 :], known[:i] + (strides,) + known[i + 1 :], tuple(values))
+
+
+def _unbind(launch: Launch, i: int, values: list[Any]) -> None:
+    """An absent optional operand's stride slots back to the plan's values (0)."""
+    planned = launch.params.values
+    for slot, _ in launch.operands[i].stride_slots:
+        values[slot] = planned[slot]
 
 
 def _first_meeting(launch: Launch, device: int) -> list[Any]:
@@ -191,9 +214,10 @@ def _readable_copy(lib: ArrayLib, op: Operand, x: Any) -> tuple[Any, int, tuple[
     return x, lib.ptr(x), lib.strides(x)
 
 
-def _tensor_maps(tma: TmaMaps, launch: Launch, bound: list[Any]) -> bytes:
+def _tensor_maps(tma: TmaMaps, launch: Launch, bound: list[Any] | None) -> bytes:
     """The q, k and v maps over (d, rows, heads, batch), from this call's pointers and strides
     (``_tma`` keeps the last ones: loops call again on the same buffers)."""
+    assert bound is not None  # a Launch with TMA maps keeps the pointers
     row, head, batch = tma.axes
     maps = b""
     for name, dims, box in (("q", tma.q_dims, tma.q_box_rows), ("k", tma.kv_dims, tma.kv_box_rows),

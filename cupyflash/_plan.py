@@ -163,29 +163,35 @@ class Launch:
     # Derived on construction: operands by name (TMA maps and pointer offsets look them up).
     operand_index: dict[str, int] = field(init=False, repr=False, compare=False)
 
-    # Per operand that can take the straight path (``plain`` below), the layout last found
-    # readable by the kernels (``_launch``: a call with the same raw strides checks only its
-    # pointer's alignment): (raw strides, element strides, the element strides in the order of
-    # the operand's stride slots).
-    readable_strides: list[Any] = field(init=False, repr=False, compare=False)
+    # The layouts last found readable by the kernels (``_launch``: a call whose operands have
+    # the same raw strides checks only their pointers' alignment), in a one-item list: threads
+    # share a Launch, so the item is replaced whole, never edited. It holds, per operand, the raw
+    # strides (None: none yet, or not ``plain`` below) and the element strides, and the params
+    # values with those operands' strides in their slots (a call starts from these values).
+    layouts: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[int | float, ...]]] = field(
+        init=False, repr=False, compare=False
+    )
 
     # Per operand, what a call's straight path needs, flat: (index, name, the pointer's slot, the
-    # slice of params slots its strides fill, the pointer's alignment mask (15 for a TILE: 16
-    # bytes), plain = neither negated nor given as an offset, and its stride slots consecutive,
-    # so that one slice assignment writes them all).
-    bindings: tuple[tuple[int, str, int, int, int, int, bool], ...] = field(init=False, repr=False, compare=False)
+    # pointer's alignment mask: 15 for a TILE (16 bytes), 0 for the others). ``plain``: neither
+    # negated nor given as an offset (only these take the straight path).
+    bindings: tuple[tuple[int, str, int, int], ...] = field(init=False, repr=False, compare=False)
+    plain: tuple[bool, ...] = field(init=False, repr=False, compare=False)
+    # Whether a call keeps each operand's (pointer, strides): the TMA maps, a pointer offset and
+    # the steps that launch themselves read them.
+    needs_bound: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        n = len(self.operands)
         object.__setattr__(self, "operand_index", {op.name: i for i, op in enumerate(self.operands)})
-        object.__setattr__(self, "readable_strides", [None] * len(self.operands))
-        bindings = []
-        for i, op in enumerate(self.operands):
-            slots = [slot for slot, _ in op.stride_slots]
-            lo = slots[0] if slots else 0
-            consecutive = slots == list(range(lo, lo + len(slots)))
-            plain = not op.negate and op.offset_of is None and consecutive
-            bindings.append((i, op.name, op.ptr_slot, lo, lo + len(slots), 15 if op.kind == TILE else 0, plain))
-        object.__setattr__(self, "bindings", tuple(bindings))
+        object.__setattr__(self, "layouts", [((None,) * n, (None,) * n, self.params.values)])
+        bindings = tuple((i, op.name, op.ptr_slot, 15 if op.kind == TILE else 0) for i, op in enumerate(self.operands))
+        object.__setattr__(self, "bindings", bindings)
+        object.__setattr__(self, "plain", tuple(not op.negate and op.offset_of is None for op in self.operands))
+        needs_bound = any(op.offset_of is not None for op in self.operands) or any(
+            type(step) is not KernelStep or step.tma is not None for step in self.steps
+        )
+        object.__setattr__(self, "needs_bound", needs_bound)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -136,3 +136,27 @@ def test_decode_lengths_scratch_and_error_word(recorder):
     assert counters and _field(launch, int_call, "o_partial_ptr") > counters
     with pytest.raises(ValueError, match="goes beyond the cache"):
         _launch.run(launch, lib, 0, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": 4097}, False)
+
+
+def test_layouts_follow_each_call(recorder):
+    """A Launch remembers the layouts it found readable; a call with other strides (a view of
+    another layout) is bound from its own strides, and an optional operand left out gets the
+    plan's strides back (never a previous call's)."""
+    rng = np.random.default_rng(3)
+    q, k, v, out, dout = _arrays(rng, *[(1, 32, 2, 64)] * 5)
+    lse, dlse = (rng.standard_normal((1, 2, 32)).astype(np.float32) for _ in range(2))
+    p = attention_problem(q.shape, k.shape, v.shape, causal=False, scale=None, window=(-1, -1), softcap=0.0,
+                          layout="bshd")  # fmt: skip
+    launch = _plan.plan_backward(p, "float16", H200, q_shape=q.shape, k_shape=k.shape)
+    lib = _NumpyLib()
+    wide = rng.standard_normal((1, 32, 2, 128)).astype(np.float16)[..., :64]  # row stride 256, not 128
+    named = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse}
+    for k_now, dlse_now in ((k, dlse), (k, dlse), (wide, None), (k, None), (wide, dlse)):
+        launch_values = _launch.run_outputs(launch, lib, 0, {**named, "k": k_now, "dlse": dlse_now})
+        assert len(launch_values) == 3
+        values = recorder.calls[-1][4]
+        assert _field(launch, values, "k_ptr") == k_now.ctypes.data
+        assert _field(launch, values, "k_row_stride") == k_now.strides[1] // 2
+        assert _field(launch, values, "q_row_stride") == 128
+        assert _field(launch, values, "dlse_ptr") == (0 if dlse_now is None else dlse.ctypes.data)
+        assert _field(launch, values, "dlse_head_stride") == (0 if dlse_now is None else 32)
