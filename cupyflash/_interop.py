@@ -119,7 +119,7 @@ class CupyLib(ArrayLib):
         self._strides: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
 
     def ptr(self, x: Any) -> int:
-        return int(x.data.ptr)
+        return x.data.ptr  # already an int (a MemoryPointer's address)
 
     def raw_strides(self, x: Any) -> tuple[int, ...]:
         return x.strides  # bytes
