@@ -160,3 +160,20 @@ def test_layouts_follow_each_call(recorder):
         assert _field(launch, values, "q_row_stride") == 128
         assert _field(launch, values, "dlse_ptr") == (0 if dlse_now is None else dlse.ctypes.data)
         assert _field(launch, values, "dlse_head_stride") == (0 if dlse_now is None else 32)
+
+
+def test_merge_part_b_as_an_offset_from_part_a(recorder):
+    """merge_states reads part b at a distance from part a: the distance comes from this call's
+    pointers, on the first call and on the straight path of the next."""
+    rng = np.random.default_rng(4)
+    launch = _plan.plan_merge((1, 8, 2, 64), {"o_a": "float16", "lse_a": "float32", "o_b": "float16",
+                                              "lse_b": "float32"})  # fmt: skip
+    lib = _NumpyLib()
+    for _ in range(2):
+        o_a, o_b = _arrays(rng, (1, 8, 2, 64), (1, 8, 2, 64))
+        lse_a, lse_b = (rng.standard_normal((1, 2, 8)).astype(np.float32) for _ in range(2))
+        _launch.run(launch, lib, 0, {"o_a": o_a, "lse_a": lse_a, "o_b": o_b, "lse_b": lse_b}, True)
+        values = recorder.calls[-1][4]
+        assert _field(launch, values, "o_parts_ptr") == o_a.ctypes.data
+        assert _field(launch, values, "o_part_stride") == (o_b.ctypes.data - o_a.ctypes.data) // 2
+        assert _field(launch, values, "lse_part_stride") == (lse_b.ctypes.data - lse_a.ctypes.data) // 4
