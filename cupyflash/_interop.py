@@ -121,7 +121,7 @@ class CupyLib(ArrayLib):
         self._strides: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
 
     def ptr(self, x: Any) -> int:
-        return int(x.data.ptr)
+        return x.data.ptr  # already an int (a MemoryPointer's address)
 
     def raw_strides(self, x: Any) -> tuple[int, ...]:
         return x.strides  # bytes
@@ -191,7 +191,7 @@ class TorchLib(ArrayLib):
 
     def empty(self, shape: Sequence[int], dtype: str, device: int, like: Any = None) -> Any:
         if like is not None:  # 2 us less than torch.empty(..., device=) on the H200 machine
-            return like.new_empty(shape, dtype=self._dtype(dtype))
+            return like.new_empty(shape, dtype=self._dtypes.get(dtype) or self._dtype(dtype))
         where = self._devices.get(device)
         if where is None:  # parsing "cuda:N" per call costs ~1 us
             where = self._devices[device] = torch_module().device("cuda", device)
@@ -406,40 +406,26 @@ def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") or hasattr(x, "__dlpack_device__")
 
 
-def lean_others(lib: ArrayLib, device: int, arrays: Sequence[Any]) -> bool:
-    """The optional arrays of a lean call (None, or of ``lib``'s kind on ``device``)."""
-    for x in arrays:
-        if x is None:
-            continue
-        kind = _kind_of_type.get(type(x)) or _kind(x)
-        if kind != lib.name or _device_of(kind, x) != device:
-            return False
-    return True
-
-
-def lean_arrays(q: Any, k: Any, v: Any) -> tuple[ArrayLib, int] | None:
-    """The per-token fast path: (library, device) when q, k and v are all CuPy arrays or all
-    PyTorch CUDA tensors on one GPU (a few attribute reads), else None for ``gpu_arrays``."""
-    kind = _kind_of_type.get(type(q)) or _kind(q)
+def lean_arrays(q: Any, k: Any, v: Any, others: Sequence[Any] = ()) -> tuple[ArrayLib, int] | None:
+    """The per-token fast path: (library, device) when q, k, v and the optional ``others`` (None
+    entries skipped) are all CuPy arrays or all PyTorch CUDA tensors on one GPU (a few attribute
+    reads), else None for ``gpu_arrays``."""
+    cls = type(q)
+    kind = _kind_of_type.get(cls) or _kind(q)
     if kind == TORCH:
         device = q.get_device()
-        if (
-            device >= 0
-            and (_kind_of_type.get(type(k)) or _kind(k)) == TORCH
-            and (_kind_of_type.get(type(v)) or _kind(v)) == TORCH
-            and k.get_device() == device
-            and v.get_device() == device
-        ):
-            return TORCH_LIB, device
-    elif kind == CUPY:
+        if device < 0:
+            return None
+        for x in (k, v, *others):
+            if x is not None and ((type(x) is not cls and _kind(x) != TORCH) or x.get_device() != device):
+                return None
+        return TORCH_LIB, device
+    if kind == CUPY:
         device = q.data.device_id
-        if (
-            (_kind_of_type.get(type(k)) or _kind(k)) == CUPY
-            and (_kind_of_type.get(type(v)) or _kind(v)) == CUPY
-            and k.data.device_id == device
-            and v.data.device_id == device
-        ):
-            return CUPY_LIB, device
+        for x in (k, v, *others):
+            if x is not None and ((type(x) is not cls and _kind(x) != CUPY) or x.data.device_id != device):
+                return None
+        return CUPY_LIB, device
     return None
 
 

@@ -14,7 +14,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,20 +45,20 @@ class CompiledKernel:
         block: tuple[int, int, int],
         smem: int,
         stream_ptr: int,
-        *params: int | float,
+        params: Sequence[int | float],
         tma_maps: bytes | None = None,
     ) -> None:
         """Launch with one params-struct argument (AttnParams, DecodeParams ...: the spec's
-        ``params_type``; for a TMA kernel, Fa3Params: the three 128-byte tensor maps in
-        ``tma_maps``, then the AttnParams), packed straight into a per-thread buffer that
-        cuLaunchKernel reads. CuPy's generic Function call costs ~8 us (argument boxing, an
-        __array_interface__ dict per call); this path is one struct pack and one driver call.
-        A thread with no current CUDA context (the driver API needs one) falls back to CuPy's
-        call, which makes the device's context current first."""
+        ``params_type``, its field values in ``params``; for a TMA kernel, Fa3Params: the three
+        128-byte tensor maps in ``tma_maps``, then the AttnParams), packed straight into a
+        per-thread buffer that cuLaunchKernel reads. CuPy's generic Function call costs ~8 us
+        (argument boxing, an __array_interface__ dict per call); this path is one struct pack
+        and one driver call. A thread with no current CUDA context (the driver API needs one)
+        falls back to CuPy's call, which makes the device's context current first."""
         driver = _driver()
         layout = PARAMS_STRUCTS[self.spec.params_type]
         scratch = _scratch
-        layout.pack_into(scratch.params_view, *params)
+        layout.pack_into(scratch.params_view, params)
         if tma_maps is None:
             kernel_params = scratch.params_kernel_params
         else:

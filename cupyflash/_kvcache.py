@@ -151,15 +151,15 @@ def attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse,
             cache_batch_idx, cache_leftpad,
         )  # fmt: skip
-    causal = check_causal(causal)
-    scale = check_scale_option(scale)
+    if type(causal) is not bool:  # the defaults skip the checks
+        causal = check_causal(causal)
+    if scale is not None and type(scale) is not float:
+        scale = check_scale_option(scale)
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
     seqlens = None if type(cache_seqlens) is int else cache_seqlens
     batch_idx, leftpad = cache_batch_idx, cache_leftpad
-    found = _interop.lean_arrays(q, k_cache, v_cache)
-    if found is not None and not _interop.lean_others(*found, (seqlens, block_table, k_new, v_new, batch_idx, leftpad)):
-        found = None
+    found = _interop.lean_arrays(q, k_cache, v_cache, (seqlens, block_table, k_new, v_new, batch_idx, leftpad))
     if found is None:
         arrays = _interop.gpu_arrays(
             _KV_NAMES, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad)

@@ -54,7 +54,10 @@ def run(
     """Execute ``launch`` on the caller's stream; returns (out, lse), lse None unless wanted
     (or always allocated by the plan). Results are in the caller's type. ``given``: arrays the
     kernels write instead of fresh ones, by output name (XLA's buffers under ``jax.jit``)."""
-    results = _on_device(launch, lib, device, arrays, want_lse, given)
+    if _interop.current_device() == device:  # device switched only when it is not current
+        results = _run(launch, lib, device, arrays, want_lse, given)
+    else:
+        results = _on_device(launch, lib, device, arrays, want_lse, given)
     return results["out"], results.get("lse")
 
 
@@ -62,18 +65,19 @@ def run_outputs(
     launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], given: Mapping[str, Any] = _NONE
 ) -> tuple[Any, ...]:
     """Execute ``launch``; every output in the plan's order (the backward's dq, dk, dv)."""
-    results = _on_device(launch, lib, device, arrays, True, given)
+    if _interop.current_device() == device:
+        results = _run(launch, lib, device, arrays, True, given)
+    else:
+        results = _on_device(launch, lib, device, arrays, True, given)
     return tuple(results[output.name] for output in launch.outputs)
 
 
 def _on_device(
     launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool, given: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """``_run`` with ``device`` current (switched only when it is not: the common case is free)."""
-    if _interop.current_device() != device:
-        with _interop.cupy_module().cuda.Device(device):
-            return _run(launch, lib, device, arrays, want_lse, given)
-    return _run(launch, lib, device, arrays, want_lse, given)
+    """``_run`` with ``device`` made current for the call."""
+    with _interop.cupy_module().cuda.Device(device):
+        return _run(launch, lib, device, arrays, want_lse, given)
 
 
 def _given_output(lib: ArrayLib, output: Any, array: Any) -> Any:
@@ -91,28 +95,28 @@ def _given_output(lib: ArrayLib, output: Any, array: Any) -> Any:
 def _run(
     launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool, given: Mapping[str, Any]
 ) -> dict[str, Any]:
-    values = list(launch.params.values)
-    bound: list[tuple[int, tuple[int, ...]] | None] = [None] * len(launch.operands)  # (ptr, strides)
-    # Per operand, (the library's own strides, in elements) last found readable: a call whose
-    # array has the same raw strides skips the conversion and the layout check.
-    known = launch.readable_strides
+    # The layouts last found readable (``Launch.layouts``): a call whose arrays have the same raw
+    # strides starts from params values that hold their strides, and checks only the pointers.
+    raws, known, template = launch.layouts[0]
+    values = list(template)
+    bound: list[Any] | None = [None] * len(raws) if launch.needs_bound else None  # (ptr, strides)
     keep: list[Any] = []  # copies made for this call: alive until the launches are queued
     ptr_of, raw_strides_of = lib.ptr, lib.raw_strides
     # The common operand (an array, read as it is) takes the loop's straight path; an int length,
     # a negated q, a pointer offset or a layout the kernels cannot read take _bind.
-    for i, name, is_tile, ptr_slot, stride_slots, plain in launch.bindings:
+    for i, name, ptr_slot, align in launch.bindings:
         x = arrays.get(name)
         if x is None:
+            if raws[i] is not None:  # an optional operand left out: its strides as planned
+                _unbind(launch, i, values)
             continue
-        hit = known[i]
-        if plain and hit is not None and type(x) is not int:
+        raw = raws[i]
+        if raw is not None and type(x) is not int:
             ptr = ptr_of(x)
-            if raw_strides_of(x) == hit[0] and not (is_tile and ptr & 15):
-                strides = hit[1]
+            if not ptr & align and raw_strides_of(x) == raw:
                 values[ptr_slot] = ptr
-                for slot, axis in stride_slots:
-                    values[slot] = strides[axis]
-                bound[i] = (ptr, strides)
+                if bound is not None:
+                    bound[i] = (ptr, known[i])
                 continue
         _bind(launch, i, x, lib, values, bound, keep)
 
@@ -160,14 +164,16 @@ def _run(
             kernel.launch_with_buffers(step.grid, step.block, step.smem, stream, tuple(values), buffers)
         else:
             maps = None if step.tma is None else _tensor_maps(step.tma, launch, bound)
-            kernel.launch(step.grid, step.block, step.smem, stream, *values, tma_maps=maps)
+            kernel.launch(step.grid, step.block, step.smem, stream, values, maps)
     del keep
     if lib.wraps:
         return {name: lib.wrap(array) for name, array in results.items()}
     return results
 
 
-def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], bound: list[Any], keep: list[Any]) -> None:
+def _bind(
+    launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], bound: list[Any] | None, keep: list[Any]
+) -> None:
     """Operand ``i``'s fields, the general way: an int length checked, q negated, the layout
     checked (a copy where the kernels cannot read it), a pointer given as an offset."""
     op = launch.operands[i]
@@ -185,18 +191,37 @@ def _bind(launch: Launch, i: int, x: Any, lib: ArrayLib, values: list[Any], boun
     if not _readable(op.kind, ptr, x.shape, strides):
         x, ptr, strides = _readable_copy(lib, op, x)
         keep.append(x)
-    elif not op.negate:
-        launch.readable_strides[i] = (lib.raw_strides(x), strides)
+    elif launch.plain[i]:  # the straight path takes this layout from the next call on
+        _remember(launch, i, lib.raw_strides(x), strides)
     if op.offset_of is None:
         values[op.ptr_slot] = ptr
     else:
         slot, base, itemsize = op.offset_of
+        assert bound is not None  # a Launch with an offset operand keeps the pointers
         distance = ptr - bound[launch.operand_index[base]][0]
         assert distance % itemsize == 0, f"{op.name} is not element-aligned with {base}"
         values[slot] = distance // itemsize
     for slot, axis in op.stride_slots:
         values[slot] = strides[axis]
-    bound[i] = (ptr, strides)
+    if bound is not None:
+        bound[i] = (ptr, strides)
+
+
+def _remember(launch: Launch, i: int, raw: Any, strides: tuple[int, ...]) -> None:
+    """Operand ``i``'s readable layout into ``launch.layouts``, as a new item built from the
+    current one (a thread that reads the item meanwhile sees the old one or the new one whole)."""
+    raws, known, template = launch.layouts[0]
+    values = list(template)
+    for slot, axis in launch.operands[i].stride_slots:
+        values[slot] = strides[axis]
+    launch.layouts[0] = (raws[:i] + (raw,) + raws[i + 1 :], known[:i] + (strides,) + known[i + 1 :], tuple(values))
+
+
+def _unbind(launch: Launch, i: int, values: list[Any]) -> None:
+    """An absent optional operand's stride slots back to the plan's values (0)."""
+    planned = launch.params.values
+    for slot, _ in launch.operands[i].stride_slots:
+        values[slot] = planned[slot]
 
 
 def _first_meeting(launch: Launch, device: int) -> list[Any]:
@@ -216,9 +241,10 @@ def _readable_copy(lib: ArrayLib, op: Operand, x: Any) -> tuple[Any, int, tuple[
     return x, lib.ptr(x), lib.strides(x)
 
 
-def _tensor_maps(tma: TmaMaps, launch: Launch, bound: list[Any]) -> bytes:
+def _tensor_maps(tma: TmaMaps, launch: Launch, bound: list[Any] | None) -> bytes:
     """The q, k and v maps over (d, rows, heads, batch), from this call's pointers and strides
     (``_tma`` keeps the last ones: loops call again on the same buffers)."""
+    assert bound is not None  # a Launch with TMA maps keeps the pointers
     row, head, batch = tma.axes
     maps = b""
     for name, dims, box in (("q", tma.q_dims, tma.q_box_rows), ("k", tma.kv_dims, tma.kv_box_rows),

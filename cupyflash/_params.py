@@ -13,6 +13,7 @@ field list against its C++ struct with the compiler.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -74,8 +75,9 @@ class ParamsStruct:
         self._opaque = np.dtype((np.void, self.dtype.itemsize))
         self._slots = {field: i for i, (field, _) in enumerate(fields)}
 
-    def pack_into(self, buffer: memoryview, *values: int | float) -> None:
-        """Pack one call's field values into a caller-owned buffer (the direct-launch path)."""
+    def pack_into(self, buffer: memoryview, values: Sequence[int | float]) -> None:
+        """Pack one call's field values (in field order) into a caller-owned buffer (the
+        direct-launch path)."""
         self._packer.pack_into(buffer, 0, *values)
 
     def pack(self, *values: int | float) -> np.ndarray:

@@ -162,24 +162,35 @@ class Launch:
     # Derived on construction: operands by name (TMA maps and pointer offsets look them up).
     operand_index: dict[str, int] = field(init=False, repr=False, compare=False)
 
-    # Per operand, the strides last found readable by the kernels (``_launch``: a call with the
-    # same strides checks only its pointer's alignment).
-    readable_strides: list[Any] = field(init=False, repr=False, compare=False)
-
-    # Per operand, what a call's straight path needs, flat: (index, name, a TILE, the pointer's
-    # slot, the (slot, axis) of its strides, plain = neither negated nor given as an offset).
-    bindings: tuple[tuple[int, str, bool, int, tuple[tuple[int, int], ...], bool], ...] = field(
+    # The layouts last found readable by the kernels (``_launch``: a call whose operands have
+    # the same raw strides checks only their pointers' alignment), in a one-item list: threads
+    # share a Launch, so the item is replaced whole, never edited. It holds, per operand, the raw
+    # strides (None: none yet, or not ``plain`` below) and the element strides, and the params
+    # values with those operands' strides in their slots (a call starts from these values).
+    layouts: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[int | float, ...]]] = field(
         init=False, repr=False, compare=False
     )
 
+    # Per operand, what a call's straight path needs, flat: (index, name, the pointer's slot, the
+    # pointer's alignment mask: 15 for a TILE (16 bytes), 0 for the others). ``plain``: neither
+    # negated nor given as an offset (only these take the straight path).
+    bindings: tuple[tuple[int, str, int, int], ...] = field(init=False, repr=False, compare=False)
+    plain: tuple[bool, ...] = field(init=False, repr=False, compare=False)
+    # Whether a call keeps each operand's (pointer, strides): the TMA maps, a pointer offset and
+    # the steps that launch themselves read them.
+    needs_bound: bool = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
+        n = len(self.operands)
         object.__setattr__(self, "operand_index", {op.name: i for i, op in enumerate(self.operands)})
-        object.__setattr__(self, "readable_strides", [None] * len(self.operands))
-        bindings = tuple(
-            (i, op.name, op.kind == TILE, op.ptr_slot, op.stride_slots, not op.negate and op.offset_of is None)
-            for i, op in enumerate(self.operands)
-        )
+        object.__setattr__(self, "layouts", [((None,) * n, (None,) * n, self.params.values)])
+        bindings = tuple((i, op.name, op.ptr_slot, 15 if op.kind == TILE else 0) for i, op in enumerate(self.operands))
         object.__setattr__(self, "bindings", bindings)
+        object.__setattr__(self, "plain", tuple(not op.negate and op.offset_of is None for op in self.operands))
+        needs_bound = any(op.offset_of is not None for op in self.operands) or any(
+            type(step) is not KernelStep or step.tma is not None for step in self.steps
+        )
+        object.__setattr__(self, "needs_bound", needs_bound)
 
 
 # ---------------------------------------------------------------------------------------------

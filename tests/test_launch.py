@@ -50,8 +50,8 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def launch(self, grid, block, smem, stream, *values, tma_maps=None):  # type: ignore[no-untyped-def]
-        self.calls.append((grid, block, smem, stream, values, tma_maps))
+    def launch(self, grid, block, smem, stream, values, tma_maps=None):  # type: ignore[no-untyped-def]
+        self.calls.append((grid, block, smem, stream, tuple(values), tma_maps))
 
 
 @pytest.fixture
@@ -136,3 +136,44 @@ def test_decode_lengths_scratch_and_error_word(recorder):
     assert counters and _field(launch, int_call, "o_partial_ptr") > counters
     with pytest.raises(ValueError, match="goes beyond the cache"):
         _launch.run(launch, lib, 0, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": 4097}, False)
+
+
+def test_layouts_follow_each_call(recorder):
+    """A Launch remembers the layouts it found readable; a call with other strides (a view of
+    another layout) is bound from its own strides, and an optional operand left out gets the
+    plan's strides back (never a previous call's)."""
+    rng = np.random.default_rng(3)
+    q, k, v, out, dout = _arrays(rng, *[(1, 32, 2, 64)] * 5)
+    lse, dlse = (rng.standard_normal((1, 2, 32)).astype(np.float32) for _ in range(2))
+    p = attention_problem(q.shape, k.shape, v.shape, causal=False, scale=None, window=(-1, -1), softcap=0.0,
+                          layout="bshd")  # fmt: skip
+    launch = _plan.plan_backward(p, "float16", H200, q_shape=q.shape, k_shape=k.shape)
+    lib = _NumpyLib()
+    wide = rng.standard_normal((1, 32, 2, 128)).astype(np.float16)[..., :64]  # row stride 256, not 128
+    named = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse}
+    for k_now, dlse_now in ((k, dlse), (k, dlse), (wide, None), (k, None), (wide, dlse)):
+        launch_values = _launch.run_outputs(launch, lib, 0, {**named, "k": k_now, "dlse": dlse_now})
+        assert len(launch_values) == 3
+        values = recorder.calls[-1][4]
+        assert _field(launch, values, "k_ptr") == k_now.ctypes.data
+        assert _field(launch, values, "k_row_stride") == k_now.strides[1] // 2
+        assert _field(launch, values, "q_row_stride") == 128
+        assert _field(launch, values, "dlse_ptr") == (0 if dlse_now is None else dlse.ctypes.data)
+        assert _field(launch, values, "dlse_head_stride") == (0 if dlse_now is None else 32)
+
+
+def test_merge_part_b_as_an_offset_from_part_a(recorder):
+    """merge_states reads part b at a distance from part a: the distance comes from this call's
+    pointers, on the first call and on the straight path of the next."""
+    rng = np.random.default_rng(4)
+    launch = _plan.plan_merge((1, 8, 2, 64), {"o_a": "float16", "lse_a": "float32", "o_b": "float16",
+                                              "lse_b": "float32"})  # fmt: skip
+    lib = _NumpyLib()
+    for _ in range(2):
+        o_a, o_b = _arrays(rng, (1, 8, 2, 64), (1, 8, 2, 64))
+        lse_a, lse_b = (rng.standard_normal((1, 2, 8)).astype(np.float32) for _ in range(2))
+        _launch.run(launch, lib, 0, {"o_a": o_a, "lse_a": lse_a, "o_b": o_b, "lse_b": lse_b}, True)
+        values = recorder.calls[-1][4]
+        assert _field(launch, values, "o_parts_ptr") == o_a.ctypes.data
+        assert _field(launch, values, "o_part_stride") == (o_b.ctypes.data - o_a.ctypes.data) // 2
+        assert _field(launch, values, "lse_part_stride") == (lse_b.ctypes.data - lse_a.ctypes.data) // 4
