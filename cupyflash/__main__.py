@@ -194,6 +194,13 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         return 1
     from . import bench
 
+    if args.page_sizes:  # the paged-cache table only
+        paged = []
+        for b, length in bench.PAGED_DECODE_SHAPES:
+            paged.append(bench.run_paged_decode(bench.DecodeShape(b, length), tuple(args.page_sizes)))
+            print(json.dumps(paged[-1]), flush=True)
+        _write_json(args.json, {"paged_decode": paged})
+        return 0
     rows = []
     for shape in bench.decode_shapes():
         rows.append(bench.run_decode(shape))
@@ -247,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     train.set_defaults(func=cmd_bench_train)
     bench_decode = sub.add_parser("bench-decode", help="decode us and GB/s against PyTorch SDPA (flash, cuDNN)")
     bench_decode.add_argument("--json", help="write the results here")
+    bench_decode.add_argument(
+        "--page-sizes", type=int, nargs="+", help="instead: the contiguous cache against it paged at these sizes"
+    )
     bench_decode.set_defaults(func=cmd_bench_decode)
     bench_varlen = sub.add_parser("bench-varlen", help="packed sequences: TFLOP/s of both kernels and PyTorch's varlen")
     bench_varlen.add_argument("--json", help="write the results here")

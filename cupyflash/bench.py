@@ -414,6 +414,54 @@ def run_decode(shape: DecodeShape) -> dict[str, Any]:
     return row
 
 
+#: (B, L) of the paged-cache table: the issue's page-size targets are set at these shapes.
+PAGED_DECODE_SHAPES = ((1, 131072), (8, 32768), (32, 32768), (64, 4096))
+
+
+def paged_caches(k: Any, v: Any, page_size: int, seed: int = 0) -> tuple[Any, Any, Any]:
+    """The caches [B, L, Hkv, d] as pages [B * L / page_size, page_size, Hkv, d] in a shuffled
+    order, and the int32 block table [B, L / page_size] that finds them."""
+    import torch
+
+    b, length = k.shape[:2]
+    per_seq = length // page_size
+    order = torch.randperm(b * per_seq, generator=torch.Generator().manual_seed(seed)).to(k.device)
+    table = order.reshape(b, per_seq).to(torch.int32)
+    pages = []
+    for cache in (k, v):
+        paged = torch.empty((b * per_seq, page_size, *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+        paged[order] = cache.reshape(b * per_seq, page_size, *cache.shape[2:])
+        pages.append(paged)
+    return pages[0], pages[1], table
+
+
+def run_paged_decode(shape: DecodeShape, page_sizes: tuple[int, ...]) -> dict[str, Any]:
+    """Steady microseconds (20 back-to-back calls a sample) and TB/s of KV read of cupyflash's
+    decode on the contiguous caches and on the same caches paged at each page size, interleaved
+    in one process, and each page size's throughput over the contiguous cache's."""
+    import cupyflash
+
+    q, k, v, seqlens = decode_inputs(shape)
+    calls: dict[str, Callable[[], Any]] = {
+        "contiguous": lambda: cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)
+    }
+    want = calls["contiguous"]()
+    row: dict[str, Any] = asdict(shape)
+    for page_size in page_sizes:
+        k_pages, v_pages, table = paged_caches(k, v, page_size)
+        call = functools.partial(
+            cupyflash.attention_with_kvcache, q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table
+        )
+        assert bool((call() == want).all()), f"page size {page_size}: not the contiguous cache's bits"
+        calls[f"page{page_size}"] = call
+    for name, ms in cuda_times_ms(calls, warmup_ms=100.0, repeat=20, calls=DECODE_STEADY_CALLS).items():
+        row[f"{name}_us"] = round(ms * 1e3, 1)
+        row[f"{name}_TBps"] = round(shape.kv_bytes / (ms * 1e-3) / 1e12, 2)
+    for page_size in page_sizes:
+        row[f"page{page_size}_over_contiguous"] = round(row["contiguous_us"] / row[f"page{page_size}_us"], 3)
+    return row
+
+
 def decode_host_overhead_us(*, rounds: int = 5, calls: int = 1000) -> dict[str, float]:
     """Host time of one decode call at the smallest shape (B = 1, L = 4096), torch tensors: the
     whole call with the automatic split, and with one split (a single launch)."""

@@ -273,13 +273,29 @@ CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits
                   valid ? src : cache.base, valid);
     }
   } else {
+    // Pages smaller than a slice. Lane l looks up the page of key key0 + l once (one coalesced
+    // read of the block table, before any copy) and each copy takes its row's page from that
+    // lane by a shuffle: with a table read per row, every copy waited on a dependent load (page
+    // size 1 ran at 64% of the contiguous cache's bandwidth).
+    static_assert(Traits::kWarpKeys <= 32, "one lane per key of the slice");
+    int my_page = 0;
+    if (lane < Traits::kWarpKeys && key0 + lane < seqlen_k) {
+      const int entry = __ldg(cache.pages + ((key0 + lane) >> cache.page_size_log2));
+      const bool bad = static_cast<unsigned>(entry) >= static_cast<unsigned>(cache.num_pages);
+      if (bad) *bad_page = 1;  // (a row of page 0 is read instead: its result is NaN anyway)
+      my_page = bad ? 0 : entry;
+    }
+    const int slot_mask = (1 << cache.page_size_log2) - 1;
 #pragma unroll 2
     for (int it = 0; it < kIters; ++it) {
       const int row = row0 + it * kRowsPerIter;
+      const int page = __shfl_sync(0xffffffffu, my_page, row);
       const bool valid = Columns::holds(chunk) && key0 + row < seqlen_k;
-      const typename Traits::Element* src =
-          valid ? cache.row(key0 + row, bad_page) + chunk * 8 : cache.base;
-      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes, src, valid);
+      const typename Traits::Element* src = cache.base + page * cache.page_stride +
+                                            ((key0 + row) & slot_mask) * cache.row_stride +
+                                            chunk * 8;
+      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes,
+                  valid ? src : cache.base, valid);
     }
   }
 }
