@@ -108,11 +108,11 @@ def attention(
         If > 0, scores become ``softcap * tanh(scores / softcap)`` before the softmax.
     layout : {"bshd", "bhsd"}
     algorithm : {"auto", "fa2", "fa3", "decode", "fa1", "naive"}
-        On the GPU (float16/bfloat16): ``"fa2"``, the mma.sync kernel (head_dim 32, 64, 96, 128,
-        192, 256); ``"fa3"``, the Hopper kernel (wgmma + TMA; sm_90, head_dim 64, 128, 256);
-        ``"decode"``, the split-KV decode kernel (1 to 16 query tokens, head_dim 64, 128, 256, no
-        window or softcap); ``"auto"`` picks decode for one query token where it applies, else
-        fa3 where it applies, else fa2.
+        On the GPU (float16/bfloat16, any head_dim from 1 to 256: the kernel of the next tile
+        width, the columns past the caller's zero): ``"fa2"``, the mma.sync kernel; ``"fa3"``, the
+        Hopper kernel (wgmma + TMA; sm_90, head_dim a multiple of 8); ``"decode"``, the split-KV
+        decode kernel (1 to 16 query tokens, no dropout or ALiBi); ``"auto"`` picks decode for one
+        query token where it applies, else fa3 where it applies, else fa2.
         ``"fa1"`` (FlashAttention-1's loop order, head_dim 64, 128, 256, 512) and ``"naive"``
         (S and P materialised in HBM, any head_dim) are the baselines of docs/io_analysis.md.
         On the host every algorithm runs through ``cupyflash.xp_impl``.
@@ -332,7 +332,8 @@ def attention_varlen(
     return_lse : bool
         Also return the LSE, shape ``(Hq, total_q)``: float32 (float64 for float64 host inputs).
     algorithm : {"auto", "fa2", "fa3"}
-        The GPU kernel. "auto" is the Hopper kernel where it applies (sm_90, head_dim 64/128/256),
+        The GPU kernel. "auto" is the Hopper kernel where it applies (sm_90, a head_dim that is a
+        multiple of 8),
         else the mma.sync FA2 kernel; "fa2" and "fa3" force one (as :func:`attention`). On the
         host every choice runs ``cupyflash.xp_impl``'s FA2.
     deterministic : bool
@@ -458,7 +459,7 @@ def attention_backward(
 
     Notes
     -----
-    GPU arrays (float16/bfloat16, head_dim 32, 64, 96, 128, 192 or 256) run the mma.sync backward of
+    GPU arrays (float16/bfloat16, head_dim 1 to 256) run the mma.sync backward of
     ``kernels_cu/fa2_bwd.cu`` on the caller's stream; dq is accumulated in float32 with atomic
     adds, so its last bits can differ from run to run (unless ``deterministic``). Host arrays
     run the array-API algorithm (``cupyflash.xp_impl.attention_backward``) in their own

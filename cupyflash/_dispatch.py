@@ -143,12 +143,13 @@ FA3_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 }
 
 
-#: Head dims below a Hopper tile width that the FA2 kernel runs at its own narrower tile width
-#: instead of the Hopper kernel at the wider one. H200, bf16, N = 4096, TFLOP/s counted at the
+#: Head dims up to this one run on the FA2 kernel at its own narrower tile width instead of the
+#: Hopper kernel at the wider one. H200, bf16, N = 4096, TFLOP/s counted at the
 #: caller's head dim, FA2 / Hopper (scripts/tune.py head-dims, docs/gpu_runs/2026-12-01-head-dims/):
-#: d = 32 221 / 216, causal 181 / 193 (a tie: FA2 kept); d = 96 230 / 460, causal 203 / 376;
-#: d = 192 246 / 490, causal 214 / 379 -- so 96 and 192 run at 128 and 256 on Hopper.
-FA2_OVER_FA3_HEAD_DIMS: frozenset[int] = frozenset({32})
+#: d = 32 221 / 216, causal 181 / 193 (a tie: FA2 kept for d <= 32, which run both kernels at
+#: the same widths, 32 and 64); d = 96 230 / 460, causal 203 / 376; d = 192 246 / 490, causal
+#: 214 / 379 -- so 96 and 192 run at 128 and 256 on Hopper.
+FA2_OVER_FA3_MAX_HEAD_DIM = 32
 
 #: Keys up to this many per sequence make a short call, which FA3_SHORT_FWD_TILES may serve.
 FA3_SHORT_SEQLEN = 2048
@@ -172,8 +173,8 @@ def fa3_fwd_spec(
     """The Hopper variant for a call (``varlen``: packed sequences, ``seqlen_k`` then the
     longest), or None where it has none: a head dim that is not a multiple of 8 (TMA moves
     16-byte rows), or, unless the caller ``chosen`` this kernel, one that runs faster on FA2
-    (``FA2_OVER_FA3_HEAD_DIMS``)."""
-    if head_dim % 8 or head_dim > FA3_HEAD_DIMS[-1] or (head_dim in FA2_OVER_FA3_HEAD_DIMS and not chosen):
+    (``FA2_OVER_FA3_MAX_HEAD_DIM``)."""
+    if head_dim % 8 or head_dim > FA3_HEAD_DIMS[-1] or (head_dim <= FA2_OVER_FA3_MAX_HEAD_DIM and not chosen):
         return None
     width, valid_dim = columns(head_dim, FA3_HEAD_DIMS)
     key = (width, flags.causal or flags.local)
@@ -284,10 +285,12 @@ def decode_tile(head_dim: int, rows: int) -> DecodeTile:
     return next((t for t in tiles if t.block_m >= rows), tiles[-1])
 
 
-def decode_spec(dtype: str, head_dim: int, rows: int, causal: bool) -> DecodeSpec:
+def decode_spec(
+    dtype: str, head_dim: int, rows: int, causal: bool, local: bool = False, softcap: bool = False
+) -> DecodeSpec:
     """The decode variant for the caller's ``head_dim`` (as ``fa2_fwd_spec``: the next tile width)."""
     width, valid_dim = columns(head_dim, DECODE_HEAD_DIMS)
-    return DecodeSpec(dtype, width, decode_tile(width, rows), causal, valid_dim)
+    return DecodeSpec(dtype, width, decode_tile(width, rows), causal, valid_dim, local, softcap)
 
 
 #: A split count within this fraction of the best wave efficiency is as good: the fewest wins.
@@ -474,8 +477,10 @@ def ctas_per_sm(spec: DecodeSpec, device: DeviceInfo) -> int:
     the driver's cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
     warps = -(-spec.num_threads // 32)
     limits = [device.max_blocks_per_sm, device.max_threads_per_sm // 32 // warps]
-    # A head dim below the tile width: the full tile's count (the column predicates add ~none).
-    registers = DECODE_REGISTERS.get((device.arch, replace(spec, valid_dim=0).name))
+    # A head dim below the tile width, a window, softcap: the plain full tile's count (the table
+    # lists the plain variants; offline compiles of the others gave -15 to +8 registers).
+    plain = replace(spec, valid_dim=0, local=False, softcap=False)
+    registers = DECODE_REGISTERS.get((device.arch, plain.name))
     if registers is not None:
         per_warp = -(-registers * 32 // _REGISTER_ALLOCATION) * _REGISTER_ALLOCATION
         limits.append(device.regs_per_sm // (per_warp * warps))

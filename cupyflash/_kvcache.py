@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 from . import _host, _interop, _launch, _plan
-from ._validate import check_causal, check_num_splits, check_scale_option, kvcache_problem, merge_problem
+from ._validate import check_num_splits, check_options, check_scale_option, kvcache_problem, merge_problem
 
 _plans = _plan.new_cache()
 _merge_plans = _plan.new_cache()
@@ -35,6 +35,8 @@ def attention_with_kvcache(
     cache_leftpad: Any = ...,
     causal: bool = ...,
     scale: float | None = ...,
+    window: tuple[int, int] = ...,
+    softcap: float = ...,
     num_splits: int = ...,
     return_lse: Literal[False] = ...,
 ) -> Any: ...
@@ -52,6 +54,8 @@ def attention_with_kvcache(
     cache_leftpad: Any = ...,
     causal: bool = ...,
     scale: float | None = ...,
+    window: tuple[int, int] = ...,
+    softcap: float = ...,
     num_splits: int = ...,
     return_lse: Literal[True],
 ) -> tuple[Any, Any]: ...
@@ -68,6 +72,8 @@ def attention_with_kvcache(
     cache_leftpad: Any = None,
     causal: bool = True,
     scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     num_splits: int = 0,
     return_lse: bool = False,
 ) -> Any:
@@ -77,8 +83,9 @@ def attention_with_kvcache(
 
     Parameters
     ----------
-    q : array ``(B, Nq, Hq, d)``; on the GPU ``1 <= Nq <= 16``, float16 or bfloat16, d in 64, 128, 256
-    k_cache, v_cache : arrays, contiguous ``(B, L_max, Hkv, d)``, or paged
+    q : array ``(B, Nq, Hq, d)``; on the GPU ``1 <= Nq <= 16``, float16 or bfloat16, d from 1 to 256
+    k_cache, v_cache : arrays, contiguous ``(B, L_max, Hkv, d)`` (``(entries, L_max, Hkv, d)``
+        with ``cache_batch_idx``), or paged
         ``(num_pages, page_size, Hkv, d)`` with ``block_table``; ``page_size`` any power of two
         (1, 2, ..., 16, ..., 256 ...). Same library, device and dtype as ``q``; ``Hq % Hkv == 0``.
         Modified in place when ``k_new`` / ``v_new`` are given.
@@ -93,7 +100,9 @@ def attention_with_kvcache(
     cache_batch_idx : int32 array ``(B,)``, optional (contiguous caches)
         The cache entry of each sequence: sequence ``b`` reads and appends to
         ``k_cache[cache_batch_idx[b]]`` (flash-attn's argument; the cache may then have any number
-        of entries). Entries given twice receive the appends of one of their sequences.
+        of entries). An entry named twice is read by both sequences; with ``k_new`` it is refused
+        on host arrays and undefined on the GPU (as flash-attn: the entry may end up with tokens of
+        either sequence, mixed), so give each appending sequence its own entry.
     cache_leftpad : int32 array ``(B,)``, optional (contiguous caches)
         The first key of each sequence's entry (a left-padded cache): sequence ``b`` attends to
         keys ``cache_leftpad[b] .. cache_seqlens[b] + Nnew - 1``, and ``Nk_b`` counts from there;
@@ -108,6 +117,13 @@ def attention_with_kvcache(
         With one query token it changes nothing.
     scale : float, optional
         Defaults to ``1 / sqrt(d)``.
+    window : (int, int)
+        Sliding window ``(left, right)`` as ``attention``'s, aligned as ``causal`` (a bound of -1
+        is none; with ``causal`` the right bound is 0): query ``i`` sees keys
+        ``i + Nk_b - Nq - left .. i + Nk_b - Nq + right``. The kernels skip the key blocks
+        before the window.
+    softcap : float
+        Scores pass through ``softcap * tanh(score / softcap)`` (Gemma 2's cap), as ``attention``'s.
     num_splits : int
         Splits of the KV sequence: 0 chooses from the GPU's SM count, the batch, the heads and
         the cache length; 1 runs the same kernel without splitting (no combine step).
@@ -149,11 +165,11 @@ def attention_with_kvcache(
     if _interop.compiling():  # Dynamo traces the custom op, not this function's body
         return _interop.torch_ops.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse,
-            cache_batch_idx, cache_leftpad,
+            cache_batch_idx, cache_leftpad, window, softcap,
         )  # fmt: skip
-    if type(causal) is not bool:  # the defaults skip the checks
-        causal = check_causal(causal)
-    if scale is not None and type(scale) is not float:
+    if type(causal) is not bool or window != (-1, -1) or softcap != 0.0:  # the defaults skip the checks
+        causal, scale, window, softcap = check_options(causal, scale, window, softcap)
+    elif scale is not None and type(scale) is not float:
         scale = check_scale_option(scale)
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
@@ -166,8 +182,9 @@ def attention_with_kvcache(
         )
         if arrays is None:
             p = _problem(
-                q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, batch_idx, leftpad
-            )
+                q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, (causal, scale, window, softcap),
+                batch_idx, leftpad,
+            )  # fmt: skip
             out, lse = _host.attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, p, check_num_splits(num_splits),
                 batch_idx, leftpad,
@@ -185,7 +202,7 @@ def attention_with_kvcache(
         _interop.refuse_autograd("attention_with_kvcache")
     # The signature, flat (a decode step builds it every call): what the plan depends on.
     key = (
-        lib.name, device, causal, scale, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype,
+        lib.name, device, causal, scale, window, softcap, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype,
         v_cache.shape, v_cache.dtype, None if seqlens is None else seqlens.shape,
         None if seqlens is None else seqlens.dtype, None if block_table is None else block_table.shape,
         None if block_table is None else block_table.dtype, None if k_new is None else k_new.shape,
@@ -207,8 +224,7 @@ def attention_with_kvcache(
                 block_table,
                 k_new,
                 v_new,
-                causal,
-                scale,
+                (causal, scale, window, softcap),
                 num_splits,
                 batch_idx,
                 leftpad,
@@ -224,28 +240,31 @@ def attention_with_kvcache(
 
 
 def _problem(
-    q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, causal: Any, scale: Any,
-    batch_idx: Any, leftpad: Any,
+    q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any,
+    options: tuple[bool, Any, tuple[int, int], float], batch_idx: Any, leftpad: Any,
 ) -> Any:  # fmt: skip
+    """``options``: (causal, scale, window, softcap), checked."""
+
     def shape(x: Any) -> tuple[int, ...] | None:
         return None if x is None else tuple(x.shape)
 
+    causal, scale, window, softcap = options
     return kvcache_problem(
         tuple(q.shape), tuple(k_cache.shape), tuple(v_cache.shape), cache_seqlens=seqlens,
         block_table_shape=shape(table), k_new_shape=shape(k_new), v_new_shape=shape(v_new), causal=causal,
-        scale=scale, cache_batch_idx_shape=shape(batch_idx), cache_leftpad_shape=shape(leftpad),
+        scale=scale, cache_batch_idx_shape=shape(batch_idx), cache_leftpad_shape=shape(leftpad), window=window,
+        softcap=softcap,
     )  # fmt: skip
 
 
 def _plan_kvcache(
     lib: _interop.ArrayLib, device: int, q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any,
-    v_new: Any, causal: bool, scale: Any, num_splits: int, batch_idx: Any, leftpad: Any,
+    v_new: Any, options: tuple[bool, Any, tuple[int, int], float], num_splits: int, batch_idx: Any, leftpad: Any,
 ) -> _plan.Launch:  # fmt: skip
     # An int cache_seqlens is checked per call (the plan is shared by every int): plan with 0.
     p = _problem(
-        q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, causal, scale, batch_idx,
-        leftpad,
-    )  # fmt: skip
+        q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, options, batch_idx, leftpad
+    )
     named = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
         "cache_seqlens": None if type(seqlens) is int else seqlens, "block_table": table,

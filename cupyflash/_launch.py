@@ -89,6 +89,8 @@ def _given_output(lib: ArrayLib, output: Any, array: Any) -> Any:
             f"the buffer given for {output.name} is {lib.dtype_name(array)} {shape}; the kernels write a "
             f"C-contiguous {output.dtype} {output.shape}"
         )
+    if lib.ptr(array) & 15:
+        raise ValueError(f"the buffer given for {output.name} is not 16-byte aligned (the kernels store 16 bytes)")
     return array
 
 
@@ -233,9 +235,9 @@ def _first_meeting(launch: Launch, device: int) -> list[Any]:
 
 def _readable_copy(lib: ArrayLib, op: Operand, x: Any) -> tuple[Any, int, tuple[int, ...]]:
     if op.in_place:
+        aligned = " and 16-byte aligned strides and base pointer" if op.kind is TILE else ""
         raise ValueError(
-            f"{op.name} must have a unit stride on head_dim and 16-byte aligned strides and base pointer "
-            "(it is written in place, so it cannot be copied)"
+            f"{op.name} must have a unit stride on head_dim{aligned} (it is written in place, so it cannot be copied)"
         )
     x = lib.copy(x)
     return x, lib.ptr(x), lib.strides(x)

@@ -658,10 +658,10 @@ def plan_kvcache(
     check_grid(a.batch, a.heads_kv)
     if kp.capacity >= 2**31 - 64:
         raise ValueError(f"a cache of {kp.capacity} tokens per sequence is beyond the kernels' int32 positions")
-    scale_log2, _, negate_q = softmax_factors(a)
+    scale_log2, prescale, negate_q = softmax_factors(a)
     group = a.heads_q // a.heads_kv
     rows = group * a.seqlen_q
-    spec = _dispatch.decode_spec(dtype, a.head_dim, rows, a.causal_bound)
+    spec = _dispatch.decode_spec(dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0)
     has_work = a.batch > 0 and a.seqlen_q > 0 and a.heads_q > 0
     m_blocks = -(-rows // spec.tile.block_m)
     key_blocks = -(-kp.capacity // spec.tile.block_n)
@@ -679,7 +679,7 @@ def plan_kvcache(
     out_shape = (a.batch, nq, hq, d) if layout == "bshd" else (a.batch, hq, nq, d)
     out_strides = contiguous_strides(out_shape)
     params = PARAMS_STRUCTS["DecodeParams"].template(
-        **attn_fields(a, (nq, a.seqlen_k if dense else 0), scale_log2, 0.0),
+        **attn_fields(a, (nq, a.seqlen_k if dense else 0), scale_log2, prescale),
         **{f"o_{s}_stride": out_strides[axis] for s, axis in zip(STRIDE_NAMES, axes, strict=True)},
         lse_batch_stride=hq * nq, lse_head_stride=nq,
         seqlen_new=kp.seqlen_new, page_size_log2=kp.page_size_log2, num_pages=kp.num_pages,
@@ -743,12 +743,10 @@ def plan_kvcache(
 
 def decode_applies(p: Problem) -> bool:
     """The split-KV decode kernel computes this ``attention`` call: a few query tokens, no
-    window and no softcap (causal is bottom-right, as the kernel's)."""
+    dropout and no ALiBi (causal is bottom-right, as the kernel's; windows and softcap as FA2's)."""
     return (
         0 < p.seqlen_q <= DECODE_MAX_QUERIES
         and 1 <= p.head_dim <= MAX_HEAD_DIM
-        and not p.local_bound
-        and (p.softcap == 0)
         and p.dropout_p == 0
         and p.alibi == ALIBI_NONE
     )
@@ -764,7 +762,7 @@ def plan_attention(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q
         if not decode_applies(p):
             raise ValueError(
                 f"algorithm='decode' takes 1 to {DECODE_MAX_QUERIES} query tokens, head_dim up to {MAX_HEAD_DIM}, "
-                f"no window, softcap, dropout or ALiBi; this call has {p.seqlen_q} query tokens, head_dim={p.head_dim}"
+                f"no dropout or ALiBi; this call has {p.seqlen_q} query tokens, head_dim={p.head_dim}"
             )
         kp = KvCacheProblem(p, paged=False, page_size=p.seqlen_k, num_pages=p.batch, capacity=p.seqlen_k, seqlen_new=0)
         return plan_kvcache(kp, {"q": dtype}, device, num_splits=0, layout=p.layout, dense=True)

@@ -496,6 +496,8 @@ class DecodeSpec(_KernelSpecBase):
     tile: DecodeTile
     causal: bool = False
     valid_dim: int = 0  # the caller's head dim, when below the tile width head_dim
+    local: bool = False  # a window's left bound
+    softcap: bool = False
 
     kernel = "decode_partial"
     source_file = "decode.cu"
@@ -524,7 +526,8 @@ class DecodeSpec(_KernelSpecBase):
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
         t = self.tile
-        return (("qreg", t.q_in_regs), (f"b{t.min_blocks}", t.min_blocks > 1), ("causal", self.causal))
+        return (("qreg", t.q_in_regs), (f"b{t.min_blocks}", t.min_blocks > 1),
+                *_mask_flags(self.causal, self.local, self.softcap))  # fmt: skip
 
     @property
     def num_threads(self) -> int:
@@ -541,7 +544,7 @@ class DecodeSpec(_KernelSpecBase):
         t = self.tile
         return (
             self.head_dim, t.block_m, t.warp_keys, t.num_warps, t.stages, t.q_in_regs,
-            CUDA_ELEMENT_TYPES[self.dtype], self.causal, *_columns_arg(self.valid_dim),
+            CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap, *_columns_arg(self.valid_dim),
         )  # fmt: skip
 
     @property

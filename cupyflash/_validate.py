@@ -376,6 +376,8 @@ def kvcache_problem(
     scale: Any,
     cache_batch_idx_shape: tuple[int, ...] | None = None,
     cache_leftpad_shape: tuple[int, ...] | None = None,
+    window: Any = (-1, -1),
+    softcap: Any = 0.0,
 ) -> KvCacheProblem:
     """Check the shapes and options of ``attention_with_kvcache`` (and an int ``cache_seqlens``
     against the capacity); array values are checked by the caller where they are on the host."""
@@ -403,7 +405,7 @@ def kvcache_problem(
     else:
         if cache_batch_idx_shape is None and first != batch:
             raise ValueError(f"k_cache must have the batch size of q ({batch}), got {first} (shape {k_cache_shape})")
-        if first < 1:
+        if first < 1 and batch > 0:
             raise ValueError("a cache needs at least one entry")
         capacity, num_pages = rows, first
     for name, shape in (("cache_batch_idx", cache_batch_idx_shape), ("cache_leftpad", cache_leftpad_shape)):
@@ -435,7 +437,7 @@ def kvcache_problem(
         check_int_seqlens(cache_seqlens, capacity, seqlen_new)
     attn = attention_problem(
         q_shape, (batch, capacity, heads_kv, head_dim), (batch, capacity, heads_kv, head_dim),
-        causal=causal, scale=scale, window=(-1, -1), softcap=0.0, layout="bshd",
+        causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd",
     )  # fmt: skip
     return KvCacheProblem(
         attn, paged, rows if paged else capacity, num_pages, capacity, seqlen_new,
@@ -463,6 +465,9 @@ def check_kvcache_values(
             raise ValueError(f"cache_leftpad[{b}]={first_keys[b]} is outside [0, cache_seqlens[{b}]={n}]")
         if entries is not None and not 0 <= entries[b] < p.num_pages:
             raise ValueError(f"cache_batch_idx[{b}]={entries[b]} is outside the cache's {p.num_pages} entries")
+    if entries is not None and p.seqlen_new and len(set(entries)) < len(entries):
+        # Two sequences appending into one entry: which tokens it ends up with is undefined.
+        raise ValueError(f"cache_batch_idx {entries} names an entry twice, with k_new/v_new to append into it")
     if pages is not None:
         for b, (row, n) in enumerate(zip(pages, seqlens)):
             used = -(-(n + p.seqlen_new) // p.page_size)

@@ -18,9 +18,9 @@ float32 ``(batch, nheads, seqlen_q)`` (``(nheads, total_q)`` for varlen), ``cach
 reads the whole cache.
 
 Differences that remain (each raises ``NotImplementedError`` naming the argument, never a
-silent fallback): on ``flash_attn_with_kvcache`` ``rotary_cos``/``rotary_sin``,
-``cache_batch_idx``, ``cache_leftpad``, ``alibi_slopes``, a window and ``softcap``; ``block_table``
-on the varlen functions (``alibi_slopes`` with ``softcap`` on the GPU raises ``ValueError``).
+silent fallback): on ``flash_attn_with_kvcache`` ``rotary_cos``/``rotary_sin`` and
+``alibi_slopes``, more than 16 query tokens on the GPU (``ValueError``); ``block_table`` on the
+varlen functions (``alibi_slopes`` with ``softcap`` on the GPU raises ``ValueError``).
 ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third value is the
 dropout pattern its own tests read back, which is not materialised here (the mask is
 ``cupyflash.xp_impl.Dropout``'s, regenerated from the seed).
@@ -231,10 +231,6 @@ def flash_attn_with_kvcache(
     (``(B, Snew, Hk, d)``) are written into the cache at ``cache_seqlens`` first. Returns out, or
     ``(out, softmax_lse)`` with ``return_softmax_lse``."""
     _refuse("flash_attn_with_kvcache", rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
-    if tuple(window_size) != (-1, -1) and not (causal and window_size[0] == -1):
-        raise NotImplementedError(f"flash_attn_with_kvcache: window_size={tuple(window_size)} is not supported yet")
-    if softcap:
-        raise NotImplementedError(f"flash_attn_with_kvcache: softcap={softcap!r} is not supported yet")
     if cache_seqlens is None:  # flash-attn: the whole cache
         if k is not None or v is not None:
             raise ValueError("flash_attn_with_kvcache: k and v are appended at cache_seqlens, which is None")
@@ -242,6 +238,6 @@ def flash_attn_with_kvcache(
     result = attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k, v_new=v,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal, scale=softmax_scale,
-        num_splits=num_splits, return_lse=True,
+        window=_window(causal, window_size), softcap=softcap, num_splits=num_splits, return_lse=True,
     )  # fmt: skip
     return result if return_softmax_lse else result[0]

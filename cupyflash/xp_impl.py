@@ -469,6 +469,11 @@ def attention_with_kvcache(
         out, lse = attention(xp, q[b : b + 1, ...], keys[0], keys[1], p_b, algorithm="decode", split_keys=split_keys)
         outs.append(out)
         lses.append(lse)
+    if not outs:  # an empty batch
+        lse_shape = (0, p.heads_q, p.seqlen_q)
+        return xp.zeros(q.shape, dtype=q.dtype, device=_device(q)), xp.zeros(
+            lse_shape, dtype=compute_dtype(xp, q), device=_device(q)
+        )
     return xp.concat(outs, axis=0), xp.concat(lses, axis=0)
 
 

@@ -17,14 +17,16 @@
 //   cupyflash.merge_states.
 // decode_append -- writes k_new / v_new into the cache at positions cache_seqlens[b] + t.
 //
-// The cache is contiguous [B, L_max, Hkv, d] or paged [num_pages, page_size, Hkv, d] through a
-// block table [B, max_pages]; page_size is any power of two, down to 1 (rows are gathered one by
-// one through the table). Device-side values are never trusted, and never clamped into a
-// plausible answer: a sequence whose cache_seqlens[b] is < 0 or > capacity - seqlen_new, or one
-// of whose pages in use (those holding its cache_seqlens[b] + seqlen_new keys) has a block-table
-// entry outside [0, num_pages), gets NaN in every output row and LSE, appends nothing through a
-// bad entry (nor anything at all with a bad length), and sets bit 1 (bad page) or 2 (bad length)
-// of *error_flags; no access ever leaves the cache.
+// The cache is contiguous [entries, L_max, Hkv, d] (sequence b in entry cache_batch_idx[b], or b;
+// its keys from cache_leftpad[b], or 0) or paged [num_pages, page_size, Hkv, d] through a block
+// table [B, max_pages]; page_size is any power of two, down to 1 (a slice's pages looked up once,
+// one lane per key). Device-side values are never trusted, and never clamped into a plausible
+// answer: a sequence whose cache_seqlens[b] is < 0 or > capacity - seqlen_new, whose first key is
+// outside [0, cache_seqlens[b]], whose entry is outside the cache, or one of whose pages in use
+// (those holding its keys) has a block-table entry outside [0, num_pages), gets NaN in every
+// output row and LSE, appends nothing through a bad entry (nor anything at all with a bad length
+// or entry), and sets bit 1 (bad page), 2 (bad length) or 4 (bad entry) of *error_flags; no
+// access ever leaves the cache.
 #pragma once
 
 #include "common.cuh"
@@ -80,7 +82,8 @@ struct MergeParams {
 };
 
 template <int kHeadDim_, int kBlockM_, int kWarpKeys_, int kNWarps_, int kStages_, bool Q_in_regs_,
-          typename Element_, bool Is_causal_, int kValidDim_ = 0>
+          typename Element_, bool Is_causal_, bool Is_local_ = false, bool Has_softcap_ = false,
+          int kValidDim_ = 0>
 struct DecodeTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -94,7 +97,8 @@ struct DecodeTraits {
   static constexpr int kStages = kStages_;  // depth of each warp's K/V ring
   static constexpr bool Q_in_regs = Q_in_regs_;
   static constexpr bool Is_causal = Is_causal_;
-  using Transform = NoScoreTransform;  // no decode variant takes a softcap yet
+  static constexpr bool Is_local = Is_local_;  // a window's left bound
+  using Transform = ScoreTransform<Has_softcap_>;
 
   static constexpr int kBlockN = kNWarps * kWarpKeys;  // keys of one CTA step (the split unit)
   static constexpr int kNThreads = kNWarps * 32;
@@ -133,7 +137,7 @@ CF_DEVICE void report_error(const DecodeParams& p, int32_t bits) {
 // Address of key row `key` of one (batch, KV head) in a contiguous or paged cache.
 template <typename Element>
 struct CacheRows {
-  Element* base;         // batch (contiguous) and KV head already applied
+  Element* base;         // KV head applied; contiguous: the entry and the first key too
   const int32_t* pages;  // this sequence's row of the block table, or nullptr
   int64_t page_stride;   // paged: elements between pages
   int64_t row_stride;
@@ -156,7 +160,7 @@ struct CacheRows {
 };
 
 // The rows of sequence `batch` in a cache, from key first_key of its entry on (contiguous caches:
-// entry = cache_batch_idx[batch], valid by decode_entry; paged caches take first_key 0).
+// entry = cache_batch_idx[batch], checked by decode_span; paged caches take first_key 0).
 template <typename Element>
 CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache,
                                         int64_t batch_stride, int64_t row_stride,
@@ -239,7 +243,8 @@ CF_DEVICE void load_rows_async(uint32_t s_tile, const RowPtr& row_ptr, int threa
 // kernel's instructions, so the rows of a slice that lie in one page (every contiguous cache,
 // and pages of >= kWarpKeys tokens: key0 is a multiple of kWarpKeys) take one address and a
 // fixed stride: a generic per-row address took ~65 SASS instructions per copy, 80% of the loop,
-// and held a warp to ~3 GB/s on the H200. Smaller pages look each row's page up.
+// and held a warp to ~3 GB/s on the H200. Smaller pages take each row's page from the slice's
+// table entries, read once (below).
 template <typename Traits>
 CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits::Element>& cache,
                                 int key0, int seqlen_k, int lane, int* bad_page) {
@@ -366,8 +371,14 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   const int seqlen_k = decode_seqlen_k(params, span);
   // Per warp: did it read a page through a bad block-table entry? (Each warp sets only its own.)
   __shared__ int s_bad_page[Traits::kNWarps];
-  const int n_begin = split * params.blocks_per_split;
-  const int n_end = min(n_begin + params.blocks_per_split, ceil_div(seqlen_k, kBlockN));
+  // A window's left edge: the key blocks before the first key any row of the CTA sees (that of
+  // its first query token) are skipped.
+  int n_begin = split * params.blocks_per_split;
+  if constexpr (Traits::Is_local) {
+    const int key_begin = row0 / group + (seqlen_k - seqlen_q) - attn.window_left;
+    n_begin = max(n_begin, max(key_begin, 0) / kBlockN);
+  }
+  const int n_end = min((split + 1) * params.blocks_per_split, ceil_div(seqlen_k, kBlockN));
   // This warp's slices: keys [n * kBlockN + warp * kWarpKeys, + kWarpKeys) for n in [n_begin, w_end).
   const int warp_key0 = warp * kWarpKeys;
   const int w_end = seqlen_k > warp_key0 ? min(n_end, ceil_div(seqlen_k - warp_key0, kBlockN)) : 0;
@@ -432,7 +443,9 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   zero_fill(acc_o);
   OnlineSoftmax<kMTiles> softmax;
   const float scale_log2 = attn.softmax_scale_log2;
-  const PackedRowMask<Traits::Is_causal> mask(row0, group, seqlen_q, seqlen_k, attn.window_right);
+  const PackedRowMask<Traits::Is_causal, Traits::Is_local> mask(
+      row0, min(row0 + Traits::kBlockM, rows), group, seqlen_q, seqlen_k, attn.window_left,
+      attn.window_right);
   const typename Traits::Transform transform(attn);
 
   for (int it = 0, n_block = n_begin; n_block < w_end; ++it, ++n_block) {
@@ -448,7 +461,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     float acc_s[kMTiles][Traits::kNTiles][4];
     gemm_qk<Traits>(acc_s, r_q, s_q, s_k, 0, lane);
     transform_scores(transform, acc_s, /*row0=*/0, key0, lane);  // packed rows: no query row yet
-    if (mask.needs_mask(key0 + kWarpKeys - 1)) mask.apply(acc_s, key0, lane);
+    if (mask.needs_mask(key0, key0 + kWarpKeys - 1)) mask.apply(acc_s, key0, lane);
 
     float rescale[2 * kMTiles];
     softmax.update_max(acc_s, scale_log2, rescale);

@@ -78,22 +78,26 @@ struct KeyMask {
   }
 };
 
-// Which keys the packed rows of a CTA see: MMA row r holds query token (row0 + r) / group.
-template <bool Is_causal>
+// Which keys the packed rows of a CTA see: MMA row r holds query token (row0 + r) / group; the
+// CTA's rows hold tokens query_first .. query_last.
+template <bool Is_causal, bool Is_local = false>
 struct PackedRowMask {
-  KeyMask<1, 1, Is_causal, false> keys;  // the visibility rule per query token
-  int row0, group, query_first;
+  KeyMask<1, 1, Is_causal, Is_local> keys;  // the visibility rule per query token
+  int row0, group, query_first, query_last;
 
-  CF_DEVICE PackedRowMask(int row0_, int group_, int seqlen_q, int seqlen_k, int window_right)
-      : keys(0, seqlen_q, seqlen_k, -1, window_right),
+  CF_DEVICE PackedRowMask(int row0_, int row_end, int group_, int seqlen_q, int seqlen_k,
+                          int window_left, int window_right)
+      : keys(0, seqlen_q, seqlen_k, window_left, window_right),
         row0(row0_),
         group(group_),
-        query_first(row0_ / group_) {}
+        query_first(row0_ / group_),
+        query_last((row_end - 1) / group_) {}
 
-  // Does the key range hide a key from some row (the ragged tail, or the causal edge)?
-  CF_DEVICE bool needs_mask(int key_last) const {
+  // Does the key range hide a key from some row (the ragged tail, the causal edge, the window)?
+  CF_DEVICE bool needs_mask(int key_first, int key_last) const {
     bool partial = key_last >= keys.seqlen_k;
     if (Is_causal) partial |= key_last > query_first + keys.shift + keys.window_right;
+    if (Is_local) partial |= key_first < query_last + keys.shift - keys.window_left;
     return partial;
   }
 

@@ -181,8 +181,9 @@ def varlen_cases(size: str, hopper: bool) -> Iterator[Case]:
 
 
 def _kvcache(
-    a: Arrays, length: int, cached: list[int], d: int, page_size: int | None, num_splits: int, nq: int, new: int
-) -> Any:
+    a: Arrays, length: int, cached: list[int], d: int, page_size: int | None, num_splits: int, nq: int, new: int,
+    **options: Any,
+) -> Any:  # fmt: skip
     b, hq, hkv = len(cached), 8, 2
     extra = {}
     if new:
@@ -196,7 +197,7 @@ def _kvcache(
         extra["block_table"] = a.ints(a.rng.permutation(pages)[: b * per_seq].reshape(b, per_seq))
     return cupyflash.attention_with_kvcache(
         a.randn(b, nq, hq, d), k, v, cache_seqlens=a.ints(cached), num_splits=num_splits, causal=True,
-        return_lse=True, **extra,
+        return_lse=True, **extra, **options,
     )  # fmt: skip
 
 
@@ -218,6 +219,10 @@ def kvcache_cases(size: str) -> Iterator[Case]:
                         new=new,
                     )
                     yield f"kvcache d={d} page={page_size} splits={splits} nq={nq} new={new}", call
+        for page_size in (None, 1):  # a window (its key blocks skipped) with softcap
+            call = partial(_kvcache, length=length, cached=cached, d=d, page_size=page_size, num_splits=0, nq=3,
+                           new=3, window=(70, -1), softcap=4.0)  # fmt: skip
+            yield f"kvcache d={d} page={page_size} window softcap", call
 
 
 def _backward(a: Arrays, nq: int, nk: int, d: int, deterministic: bool, alibi: bool = False, **options: Any) -> Any:

@@ -22,9 +22,9 @@ sweeps only the split heuristic's wave-efficiency tolerance (DECODE_WAVE_TOLERAN
 
 head-dims: head dims below a tile width (the next width's kernel, the columns past the caller's
 zero): the FA2 kernel, the Hopper kernel and the default beside PyTorch flash and cuDNN, with
-TFLOP/s counted at the caller's head dim (H = 2048 / d rounded down, B * N = 16384). Where FA2
-at its own width beats the Hopper kernel at the next, the head dim belongs in
-FA2_OVER_FA3_HEAD_DIMS.
+TFLOP/s counted at the caller's head dim (H = 2048 / d rounded down, B * N = 16384): the head
+dims where FA2 at its own width beats the Hopper kernel at the next set
+_dispatch.FA2_OVER_FA3_MAX_HEAD_DIM.
 """
 
 from __future__ import annotations

@@ -34,7 +34,13 @@ def head_dim_sample() -> list[KernelSpec]:
             specs += [hopper] if hopper is not None else []
         specs += [_dispatch.bwd_row_spec(step, "bfloat16", head_dim) for step in ("prep", "dq")]
         specs += [_dispatch.decode_spec("float16", head_dim, rows, c) for rows in (4, 64) for c in (False, True)]
+        specs += [_dispatch.decode_spec("bfloat16", head_dim, 4, True, local=True, softcap=True)]
         specs.append(DecodeAppendSpec("bfloat16", head_dim))
+    # The decode kernel's window and softcap at every shipped tile (full widths).
+    for width, tiles in _dispatch.DECODE_TILES.items():
+        for tile in tiles:
+            for local, softcap in ((True, False), (False, True)):
+                specs.append(_dispatch.decode_spec("bfloat16", width, tile.block_m, True, local, softcap))
     return list(dict.fromkeys(specs))
 
 

@@ -90,6 +90,47 @@ def test_kvcache_batch_idx_and_leftpad_match_reference(xp, rng, options):
     np.testing.assert_allclose(reference.to_numpy64(lse), ref_lse, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"window": (6, -1)}, {"softcap": 2.5}, {"window": (4, 2), "causal": False}, {"window": (9, -1), "softcap": 4.0}],
+    ids=str,
+)
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_kvcache_window_and_softcap_match_reference(xp, rng, options, page_size):
+    """window and softcap on attention_with_kvcache, as attention's over each sequence's keys."""
+    b, length, hq, hkv, d, nnew, nq = 3, 40, 4, 2, 16, 2, 3
+    q = rng.standard_normal((b, nq, hq, d)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((b, length, hkv, d)).astype(np.float32) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((b, nnew, hkv, d)).astype(np.float32) for _ in range(2))
+    cached = np.array([1, 17, 30], dtype=np.int32)
+    ref_k, ref_v = k_cache.copy(), v_cache.copy()
+    for i in range(b):
+        ref_k[i, cached[i] : cached[i] + nnew], ref_v[i, cached[i] : cached[i] + nnew] = k_new[i], v_new[i]
+    table, k_dev, v_dev = None, k_cache, v_cache
+    if page_size is not None:
+        (k_dev, v_dev), table = paginate(rng, (k_cache, v_cache), page_size)
+    args = [xp.asarray(x) for x in (q, k_dev, v_dev, k_new, v_new)]
+    out, lse = cupyflash.attention_with_kvcache(
+        args[0], args[1], args[2], cache_seqlens=xp.asarray(cached), k_new=args[3], v_new=args[4],
+        block_table=None if table is None else xp.asarray(table), return_lse=True, **options,
+    )  # fmt: skip
+    opts = {"causal": True, **options}
+    for i in range(b):
+        n = int(cached[i]) + nnew
+        ref, ref_lse = reference.attention(q[i : i + 1], ref_k[i : i + 1, :n], ref_v[i : i + 1, :n], return_lse=True,
+                                           **opts)  # fmt: skip
+        np.testing.assert_allclose(reference.to_numpy64(out)[i : i + 1], ref, atol=2e-5)
+        got_lse = reference.to_numpy64(lse)[i : i + 1]
+        assert (np.isneginf(got_lse) == np.isneginf(ref_lse)).all()
+        np.testing.assert_allclose(got_lse[np.isfinite(ref_lse)], ref_lse[np.isfinite(ref_lse)], atol=1e-4)
+
+
+def test_kvcache_empty_batch():
+    q, cache = np.zeros((0, 1, 4, 8), np.float32), np.zeros((0, 10, 2, 8), np.float32)
+    out, lse = cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=3, return_lse=True)
+    assert out.shape == (0, 1, 4, 8) and lse.shape == (0, 4, 1)
+
+
 def test_kvcache_empty_and_single_key_sequences(rng):
     q = rng.standard_normal((3, 2, 4, 8))
     k, v = (rng.standard_normal((3, 10, 2, 8)) for _ in range(2))
@@ -234,6 +275,7 @@ PAGED = {
         ({"cache_leftpad": np.array([-1, 0], dtype=np.int32)}, r"cache_leftpad\[0\]=-1"),
         ({**PAGED, "cache_leftpad": np.array([0, 1], dtype=np.int32)}, "cache_leftpad is for contiguous caches"),
         ({"cache_leftpad": np.array([0.0, 1.0])}, "cache_leftpad must be an integer array"),
+        ({"cache_batch_idx": np.array([1, 1], dtype=np.int32)}, r"names an entry twice, with k_new/v_new"),
     ],
 )
 def test_bad_input_leaves_the_cache_untouched(changes, message):

@@ -80,8 +80,6 @@ def test_with_kvcache_appends_and_reads_the_whole_cache_by_default(rng):
     [
         (lambda q: fa.flash_attn_with_kvcache(q, q, q, alibi_slopes=np.ones(2)), "alibi_slopes"),
         (lambda q: fa.flash_attn_with_kvcache(q, q, q, rotary_cos=np.ones(4), rotary_sin=np.ones(4)), "rotary_cos"),
-        (lambda q: fa.flash_attn_with_kvcache(q, q, q, softcap=3.0), "softcap"),
-        (lambda q: fa.flash_attn_with_kvcache(q, q, q, window_size=(4, 0)), "window_size"),
     ],
 )
 def test_what_is_missing_is_named_not_ignored(call, name):

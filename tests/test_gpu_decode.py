@@ -232,6 +232,41 @@ def test_cache_batch_idx_and_leftpad(rng, head_dim, nq, splits):
     cupyflash.check_device_errors()  # nothing out of range
 
 
+@pytest.mark.parametrize(
+    "options", [{"window": (100, -1)}, {"softcap": 5.0}, {"window": (300, -1), "softcap": 3.0}], ids=str
+)
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("nq", [1, 5])
+def test_decode_window_and_softcap(rng, options, page_size, nq):
+    """A sliding window (the key blocks before it skipped) and softcap in the decode kernel, on
+    ragged caches with an append, contiguous and paged, against the float64 reference."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, length, hq, hkv, d = 3, 1031, 8, 2, 128
+    q = torch.randn(b, nq, hq, d, generator=gen).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(b, length, hkv, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    k_new, v_new = (torch.randn(b, nq, hkv, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    cached = [3, 500, length - nq]
+    expected = [k.clone(), v.clone()]
+    for i, n in enumerate(cached):
+        expected[0][i, n : n + nq], expected[1][i, n : n + nq] = k_new[i], v_new[i]
+    k_cache, v_cache, table = k, v, None
+    if page_size:
+        (k_cache, v_cache), table = _paginate(torch, (k, v), page_size, gen)
+    seqlens = torch.tensor(cached, dtype=torch.int32, device="cuda")
+    out, lse = cupyflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new, v_new=v_new, return_lse=True,
+        **options,
+    )  # fmt: skip
+    out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+    assert not np.isnan(out64).any() and not np.isnan(lse64).any()
+    for i, n in enumerate(cached):
+        keys = [x[i : i + 1, : n + nq] for x in expected]
+        ref, ref_lse = reference.attention(q[i : i + 1], *keys, causal=True, return_lse=True, **options)
+        assert rel_error(out64[i : i + 1], ref) < BOUND["bfloat16"], i
+        np.testing.assert_allclose(lse64[i : i + 1], ref_lse, atol=2e-2)
+
+
 def test_bad_batch_idx_and_leftpad_give_nan_rows_and_append_nothing():
     """A cache_batch_idx outside the cache's entries, a cache_leftpad past cache_seqlens: that
     sequence's rows are NaN, nothing is appended for it, the others are right, and

@@ -228,7 +228,7 @@ def test_gpu_rejects_unsupported_inputs():
     with pytest.raises(ValueError, match="head_dim from 1 to 256"):
         cupyflash.attention(y, y, y)
     with pytest.raises(ValueError, match="algorithm='decode' takes"):
-        cupyflash.attention(x.half(), x.half(), x.half(), algorithm="decode", softcap=5.0)
+        cupyflash.attention(x.half(), x.half(), x.half(), algorithm="decode", dropout_p=0.5, seed=3)
     with pytest.raises(ValueError, match="q is a torch array on the host but k is a torch array on GPU"):
         cupyflash.attention(x.half().cpu(), x.half(), x.half())
 

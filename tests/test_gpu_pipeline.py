@@ -99,8 +99,10 @@ def test_decode_algorithm_on_attention_inputs(rng, layout, nq, causal, head_dim)
 def test_decode_algorithm_refuses_what_it_cannot_compute(rng):
     q, k, v = gpu_inputs(rng, (1, 1, 4, 64), (1, 100, 4, 64), "float16")
     with pytest.raises(ValueError, match="algorithm='decode' takes"):
-        cupyflash.attention(q, k, v, window=(10, 0), algorithm="decode")
-    check_attention(q, k, v, window=(10, 0))  # auto falls back to the prefill kernels
+        cupyflash.attention(q, k, v, dropout_p=0.2, seed=1, algorithm="decode")
+    for options in ({"window": (10, 0)}, {"window": (30, 5), "softcap": 4.0}):  # the decode kernel's own
+        check_attention(q, k, v, algorithm="decode", **options)
+        check_attention(q, k, v, **options)
 
 
 @pytest.mark.parametrize("algorithm", ["fa2", "fa3", "auto"])

@@ -30,7 +30,7 @@ def test_auto_picks_the_hopper_kernel_where_it_applies(head_dim):
     32, which FA2 runs as fast at its own width); FA2 for the rest (element-by-element rows)."""
     device = fake_device("sm_90a")
     spec = _plan.forward_spec(_problem(head_dim), "bfloat16", device, "auto", packed=False)
-    on_hopper = head_dim % 8 == 0 and head_dim not in _dispatch.FA2_OVER_FA3_HEAD_DIMS
+    on_hopper = head_dim % 8 == 0 and head_dim > _dispatch.FA2_OVER_FA3_MAX_HEAD_DIM
     assert isinstance(spec, Fa3FwdSpec if on_hopper else Fa2FwdSpec)
     assert spec.head_dim >= head_dim and spec.valid_dim == (head_dim if head_dim != spec.head_dim else 0)
     assert not isinstance(spec, Fa3FwdSpec) or not spec.varlen

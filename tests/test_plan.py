@@ -96,11 +96,15 @@ def test_auto_runs_one_token_queries_on_the_decode_kernel():
     one = _dense(shapes=((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128)))
     launch = _plan.plan_attention(one, "bfloat16", H200, "auto", (1, 1, 8, 128))
     assert [s.spec.kernel for s in launch.steps] == ["decode_partial"]
-    windowed = _dense(shapes=((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128)), window=(100, 0))
+    windowed = _dense(shapes=((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128)), window=(100, 0), softcap=5.0)
     launch = _plan.plan_attention(windowed, "bfloat16", H200, "auto", (1, 1, 8, 128))
-    assert [s.spec.kernel for s in launch.steps] == ["fa3_fwd"]
+    spec = launch.steps[0].spec
+    assert spec.kernel == "decode_partial" and spec.local and spec.softcap  # windows and softcap too
+    dropout = _dense(shapes=((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128)), dropout_p=0.1)
+    launch = _plan.plan_attention(dropout, "bfloat16", H200, "auto", (1, 1, 8, 128))
+    assert [s.spec.kernel for s in launch.steps] == ["fa2_fwd"]
     with pytest.raises(ValueError, match="algorithm='decode' takes"):
-        _plan.plan_attention(windowed, "bfloat16", H200, "decode", (1, 1, 8, 128))
+        _plan.plan_attention(dropout, "bfloat16", H200, "decode", (1, 1, 8, 128))
 
 
 def test_varlen_mask_does_not_depend_on_the_maxima():

@@ -78,8 +78,9 @@ def attention_forward(
 
 
 def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]) -> Any:
-    """A padded batch: each sequence's valid keys (mask True) and queries packed end to end,
-    attention_varlen, the rows scattered back (padded query rows are 0)."""
+    """A padded batch: a few queries over left padding on the decode kernel (from each row's
+    first valid key, in place); else each sequence's valid keys (mask True) and queries packed
+    end to end, attention_varlen, the rows scattered back (padded query rows are 0)."""
     import torch
 
     if mask.dim() != 2 or mask.dtype != torch.bool:
@@ -92,7 +93,7 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]
         key, value = key[:, :, : mask.shape[1]], value[:, :, : mask.shape[1]]
     nk = key.shape[2]
     mask = mask[:, -nk:]
-    first_keys = _left_padding(mask, nq, options, query)
+    first_keys = _left_padding(mask, nq, options, (query, key, value))
     if first_keys is not None:  # generation over a left-padded batch: the decode kernel, in place
         out = attention_with_kvcache(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=nk,
@@ -124,15 +125,16 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]
     return out.view(b, nq, hq, d)
 
 
-def _left_padding(mask: Any, nq: int, options: dict[str, Any], query: Any) -> Any:
+def _left_padding(mask: Any, nq: int, options: dict[str, Any], tensors: tuple[Any, ...]) -> Any:
     """Each row's first valid key (int32) when the call is a few queries over a left-padded batch
     that the decode kernel takes (no window, softcap or dropout; nothing to differentiate):
     every row's valid keys are its last ones, the queries among them. Else None. (One device
-    synchronisation: the mask's shape is read on the host.)"""
+    synchronisation: whether the mask is left padding is read back.)"""
     import torch
 
     plain = options["window"] == (-1, -1) and not options["softcap"] and not options["dropout_p"]
-    if nq > DECODE_MAX_QUERIES or not plain or (query.requires_grad and torch.is_grad_enabled()):
+    grads = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+    if nq > DECODE_MAX_QUERIES or not plain or grads:
         return None
     nk = mask.shape[1]
     count = mask.sum(1, dtype=torch.int32)
