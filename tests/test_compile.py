@@ -18,11 +18,11 @@ from cupyflash._specs import DecodeAppendSpec, Fa2FwdSpec, KernelSpec, TileConfi
 
 def head_dim_sample() -> list[KernelSpec]:
     """Head dims below a tile width (compiled on demand, one variant per head dim, so not all
-    built here): every kernel family at a sample of them -- the element-by-element path (59, 111),
-    the smallest (8), each tile width's tail (40, 160, 224) -- with no flag and with the flags
-    that take the most registers."""
+    built here): every kernel family at a sample of them -- the element-by-element path (59), the
+    smallest (8), chunked tails of the 192 and 256 widths (160 on FA2 and 256 on the Hopper kernel,
+    224) -- with no flag and with the flags that take the most registers."""
     specs: list[KernelSpec] = []
-    for head_dim in (8, 40, 59, 111, 160, 224):
+    for head_dim in (8, 59, 160, 224):
         for flags in (MaskFlags(False, False, False), MaskFlags(True, True, False, True, True)):
             specs += [
                 _dispatch.fa2_fwd_spec("bfloat16", head_dim, flags, 232448),
