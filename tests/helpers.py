@@ -242,6 +242,26 @@ def paginate(
     return paged, table.astype(np.int32)
 
 
+def check_forward_backward_against_formula(out: Any, grads: Any, q: Any, k: Any, v: Any, dout: Any,
+                                           **formula: Any) -> None:  # fmt: skip
+    """A GPU forward ``out`` and its backward ``grads`` (dq, dk, dv for the loss sum(out * dout))
+    against autograd of naive_low_precision(**formula) (bshd) in float64, by check_against_formula
+    with the same formula in the inputs' own precision as the naive baseline."""
+    import torch
+
+    def run(precision: Any) -> tuple[Any, list[Any]]:
+        leaves = [x.detach().to(precision).requires_grad_(True) for x in (q, k, v)]
+        o = naive_low_precision(*leaves, layout="bshd", **formula)
+        (o.double() * dout.double()).sum().backward()
+        return o, [x.grad for x in leaves]
+
+    want, want_grads = run(torch.float64)
+    low, low_grads = run(q.dtype)
+    check_against_formula(out, want, low, "out")
+    for name, got, ref, lo in zip(("dq", "dk", "dv"), grads, want_grads, low_grads):
+        check_against_formula(got, ref, lo, name)
+
+
 def check_against_formula(got: Any, want: Any, low: Any, name: str) -> float:
     """A GPU result against the float64 formula: within the dtype's bound and within 2x the error
     of the same formula in the inputs' own precision plus a rounding floor (flash-attn's rule)."""

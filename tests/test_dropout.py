@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import check_against_formula, dropout_keep, naive_low_precision, need_torch
+from helpers import (
+    check_forward_backward_against_formula,
+    dropout_keep,
+    naive_low_precision,
+    need_torch,
+)
 
 import cupyflash
 from cupyflash.xp_impl import Dropout, philox4x32_10
@@ -181,18 +186,7 @@ def test_gpu_forward_and_backward_match_the_explicit_formula(rng, dtype, head_di
         dout, q, k, v, out, lse, dropout_p=p, seed=seed, deterministic=deterministic, **options
     )
     keep = dropout_keep(p, seed, b, hq, nq, nk)
-
-    def formula(precision):
-        leaves = [x.detach().to(precision).requires_grad_(True) for x in (q, k, v)]
-        o = naive_low_precision(*leaves, layout="bshd", dropout=(p, keep), **full)
-        (o.double() * dout.double()).sum().backward()
-        return o, [x.grad for x in leaves]
-
-    want, want_grads = formula(torch.float64)
-    low, low_grads = formula(t)
-    check_against_formula(out, want, low, "out")
-    for name, got, ref, lo in zip(("dq", "dk", "dv"), grads, want_grads, low_grads):
-        check_against_formula(got, ref, lo, name)
+    check_forward_backward_against_formula(out, grads, q, k, v, dout, dropout=(p, keep), **full)
 
 
 @pytest.mark.gpu
