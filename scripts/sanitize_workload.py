@@ -168,6 +168,19 @@ def _varlen(a: Arrays, q_lens: list[int], k_lens: list[int], d: int, **options: 
     )
 
 
+def _paged_varlen(a: Arrays, q_lens: list[int], k_lens: list[int], d: int, page_size: int, **options: Any) -> Any:
+    """Packed sequences over shuffled pages (attention_varlen's block_table), two spare pages."""
+    cu_q, cu_k = np.cumsum([0, *q_lens]), np.cumsum([0, *k_lens])
+    width = max(-(-n // page_size) for n in k_lens)
+    pages = len(k_lens) * width + 2
+    k, v = a.randn(pages, page_size, 2, d), a.randn(pages, page_size, 2, d)
+    table = a.ints(a.rng.permutation(pages)[: len(k_lens) * width].reshape(len(k_lens), width))
+    q = a.randn(int(cu_q[-1]) + 3, 4, d)  # 3 rows after the last sequence
+    return cupyflash.attention_varlen(
+        q, k, v, a.ints(cu_q), a.ints(cu_k), max(q_lens), max(k_lens), block_table=table, return_lse=True, **options
+    )
+
+
 def varlen_cases(size: str, hopper: bool) -> Iterator[Case]:
     # empty and one-token sequences, Nq != Nk, one longer than a tile
     lengths = ([0, 1, 37, 70], [5, 1, 0, 97]) if size == "tiny" else ([0, 1, 37, 130, 1], [5, 1, 0, 200, 64])
@@ -178,6 +191,12 @@ def varlen_cases(size: str, hopper: bool) -> Iterator[Case]:
                     f"varlen {algorithm} d={d} {options}",
                     partial(_varlen, q_lens=lengths[0], k_lens=lengths[1], d=d, algorithm=algorithm, **options),
                 )
+    for page_size in (1, 16, 256):
+        for d in (64, 80, 128):
+            yield (
+                f"varlen paged page={page_size} d={d}",
+                partial(_paged_varlen, q_lens=lengths[0], k_lens=lengths[1], d=d, page_size=page_size, causal=True),
+            )
 
 
 def _kvcache(
@@ -185,6 +204,8 @@ def _kvcache(
     **options: Any,
 ) -> Any:  # fmt: skip
     b, hq, hkv = len(cached), 8, 2
+    if options.pop("alibi", False):  # (Hq,) slopes
+        options["alibi_slopes"] = a.randn(hq, dtype="float32")
     extra = {}
     if new:
         extra = {"k_new": a.randn(b, new, hkv, d), "v_new": a.randn(b, new, hkv, d)}
@@ -223,6 +244,14 @@ def kvcache_cases(size: str) -> Iterator[Case]:
             call = partial(_kvcache, length=length, cached=cached, d=d, page_size=page_size, num_splits=0, nq=3,
                            new=3, window=(70, -1), softcap=4.0)  # fmt: skip
             yield f"kvcache d={d} page={page_size} window softcap", call
+        for page_size in (None, 1, 16, 256):  # past 16 query tokens, and ALiBi: the FA2 kernel over the cache
+            few = [0, 1, length // 2, length - 40]
+            call = partial(_kvcache, length=length, cached=few, d=d, page_size=page_size, num_splits=0, nq=37,
+                           new=37)  # fmt: skip
+            yield f"kvcache fa2 d={d} page={page_size} nq=37 new=37", call
+            call = partial(_kvcache, length=length, cached=cached, d=d, page_size=page_size, num_splits=0, nq=1,
+                           new=1, alibi=True)  # fmt: skip
+            yield f"kvcache fa2 d={d} page={page_size} alibi", call
 
 
 def _backward(a: Arrays, nq: int, nk: int, d: int, deterministic: bool, alibi: bool = False, **options: Any) -> Any:
