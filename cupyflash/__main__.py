@@ -1,4 +1,4 @@
-"""``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen}``."""
+"""``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen,bench-chunked}``."""
 
 from __future__ import annotations
 
@@ -215,6 +215,19 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_chunked(args: argparse.Namespace) -> int:
+    if not _require_gpu("bench-chunked"):
+        return 1
+    from . import bench
+
+    rows = []
+    for shape in bench.CHUNK_SHAPES:
+        rows.append(bench.run_chunked_prefill(shape))
+        print(json.dumps(rows[-1]), flush=True)
+    _write_json(args.json, {"chunked_prefill": rows})
+    return 0
+
+
 def cmd_bench_varlen(args: argparse.Namespace) -> int:
     if not _require_gpu("bench-varlen"):
         return 1
@@ -261,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     bench_varlen = sub.add_parser("bench-varlen", help="packed sequences: TFLOP/s of both kernels and PyTorch's varlen")
     bench_varlen.add_argument("--json", help="write the results here")
     bench_varlen.set_defaults(func=cmd_bench_varlen)
+    chunked = sub.add_parser(
+        "bench-chunked", help="chunked prefill against a KV cache: the cache call, paged varlen, dense, SDPA"
+    )
+    chunked.add_argument("--json", help="write the results here")
+    chunked.set_defaults(func=cmd_bench_chunked)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

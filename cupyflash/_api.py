@@ -269,12 +269,13 @@ def _with_alibi(problem: Any, alibi_slopes: Any) -> Any:
 
 def _varlen_problem(
     q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: tuple[Any, ...],
-    dropout_p: float = 0.0, alibi_slopes: Any = None, seqused_k: Any = None,
+    dropout_p: float = 0.0, alibi_slopes: Any = None, seqused_k: Any = None, block_table: Any = None,
 ) -> Any:  # fmt: skip
     problem = varlen_problem(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(cu_q.shape), tuple(cu_k.shape), max_q, max_k,
         causal=options[0], scale=options[1], window=options[2], softcap=options[3], dropout_p=dropout_p,
         seqused_k_shape=None if seqused_k is None else tuple(seqused_k.shape),
+        block_table_shape=None if block_table is None else tuple(block_table.shape),
     )  # fmt: skip
     return _with_alibi(problem, alibi_slopes)
 
@@ -313,6 +314,7 @@ def attention_varlen(
     seed: int | None = None,
     alibi_slopes: Any = None,
     seqused_k: Any = None,
+    block_table: Any = None,
 ) -> Any:
     """Attention over a batch of sequences of different lengths packed end to end, as
     flash-attn's ``flash_attn_varlen_func``.
@@ -320,9 +322,11 @@ def attention_varlen(
     Parameters
     ----------
     q : array ``(total_q, Hq, d)``; sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
-    k, v : arrays ``(total_k, Hkv, d)``, split by ``cu_seqlens_k``
+    k, v : arrays ``(total_k, Hkv, d)``, split by ``cu_seqlens_k``; with ``block_table``, pages
+        ``(num_pages, page_size, Hkv, d)`` of a paged KV cache (``page_size`` a power of two)
     cu_seqlens_q, cu_seqlens_k : int32 arrays ``(batch + 1,)``, starting at 0, non-decreasing,
-        on the same device as ``q``
+        on the same device as ``q``; with ``block_table``, ``cu_seqlens_k`` gives each sequence's
+        key count only
     max_seqlen_q, max_seqlen_k : int
         The longest query / key sequence. They size the grid and nothing else: the mask always
         comes from ``causal``/``window``. On the GPU they must not be understated (rows past
@@ -346,6 +350,14 @@ def attention_varlen(
         flash-attn's: only the first ``seqused_k[b]`` keys of sequence ``b`` take part (its causal
         alignment counts those), e.g. a cache region preallocated per sequence. On the GPU the FA2
         kernel (``"auto"`` picks it); trusted like the offsets and clamped into each sequence.
+    block_table : int32 array ``(batch, max_pages)``, optional
+        Paged keys (chunked prefill against a paged cache, as serving engines run it): key ``j``
+        of sequence ``b`` is slot ``j % page_size`` of page ``block_table[b, j // page_size]``.
+        On the GPU the FA2 kernel reads the pages in place; its device values are checked there
+        as :func:`attention_with_kvcache`'s: a page id in use outside ``[0, num_pages)``, or a key
+        count (from ``cu_seqlens_k`` / ``seqused_k``) that is negative or beyond the sequence's
+        table row, makes that sequence's rows NaN and :func:`check_device_errors` raise. No
+        dropout, no gradients, not under ``torch.compile`` yet.
 
     Notes
     -----
@@ -361,6 +373,12 @@ def attention_varlen(
     >>> cupyflash.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).shape
     (7, 2, 16)
     """
+    if block_table is not None:
+        options = check_options(causal, scale, window, softcap)
+        return _paged_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, return_lse, algorithm,
+            dropout_p, alibi_slopes, seqused_k, block_table,
+        )  # fmt: skip
     if _interop.compiling():
         return _interop.torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
@@ -408,6 +426,47 @@ def attention_varlen(
     if dropout_p:
         arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
     out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
+    return (out, lse) if return_lse else out
+
+
+_PAGED_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k", "block_table")
+
+
+def _paged_varlen(
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: tuple[Any, ...], return_lse: bool,
+    algorithm: str, dropout_p: float, alibi_slopes: Any, seqused_k: Any, block_table: Any,
+) -> Any:  # fmt: skip
+    """attention_varlen over a paged cache: the FA2 kernel over the cache view on the GPU."""
+    if _interop.compiling():
+        raise NotImplementedError("attention_varlen with a block_table does not run under torch.compile yet")
+    check_algorithm("attention_varlen", algorithm)
+    if algorithm == "fa3":
+        raise ValueError("algorithm='fa3' (the Hopper kernel) does not read paged keys: use 'auto' or 'fa2'")
+    given = (q, k, v, cu_q, cu_k, alibi_slopes, seqused_k, block_table)
+    arrays = _interop.gpu_arrays(_PAGED_NAMES, given)
+    if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
+        _interop.refuse_autograd("attention_varlen with a block_table")
+    problem = _varlen_problem(
+        q, k, v, cu_q, cu_k, max_q, max_k, options, dropout_p, alibi_slopes, seqused_k, block_table
+    )
+    if arrays is None:
+        out, lse = _host.attention_varlen(
+            q, k, v, cu_q, cu_k, problem, None, alibi_slopes, seqused_k, block_table=block_table
+        )
+        return (out, lse) if return_lse else out
+    lib, device, named = arrays
+    q, k, v, cu_q, cu_k, alibi_slopes, seqused_k, block_table = named
+    key = (lib.name, device, problem, q.shape, k.shape, block_table.shape, _dtypes(*named), "paged")
+
+    def plan() -> _plan.Launch:
+        dtypes = {n: None if x is None else lib.dtype_name(x) for n, x in zip(_PAGED_NAMES, named)}
+        _check_slopes_dtype(lib, alibi_slopes)
+        return _plan.plan_paged_varlen(
+            problem, dtypes, _plan.device_info(device), tuple(q.shape), tuple(block_table.shape), k.shape[0]
+        )
+
+    launch = _plans.get(key, plan)
+    out, lse = _launch.run(launch, lib, device, dict(zip(_PAGED_NAMES, named)), return_lse)
     return (out, lse) if return_lse else out
 
 

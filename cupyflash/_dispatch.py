@@ -25,6 +25,7 @@ from ._specs import (
     Fa2BwdDqSpec,
     Fa2BwdSpec,
     Fa2FwdSpec,
+    Fa2KvCacheSpec,
     Fa3FwdSpec,
     Fa3Tile,
     KernelSpec,
@@ -90,14 +91,14 @@ def columns(head_dim: int, widths: tuple[int, ...]) -> tuple[int, int]:
     return width, (head_dim if head_dim != width else 0)
 
 
-def fa2_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, max_smem: int) -> Fa2FwdSpec:
+def fa2_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, max_smem: int, *, over_cache: bool = False) -> Fa2FwdSpec:
     """The FA2 variant of a call; ``head_dim`` is the caller's (any up to 256: the next tile
-    width's variant with the columns past it zero)."""
+    width's variant with the columns past it zero). ``over_cache``: the variant whose keys come
+    through the KV-cache view (``Fa2KvCacheSpec``)."""
     width, valid_dim = columns(head_dim, FA2_HEAD_DIMS)
+    kind = Fa2KvCacheSpec if over_cache else Fa2FwdSpec
     for tile in fa2_fwd_tiles(width, flags.softcap or flags.dropout or flags.alibi):
-        spec = Fa2FwdSpec(
-            dtype, width, tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim
-        )
+        spec = kind(dtype, width, tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim)
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(f"no FA2 tile for head_dim={head_dim} fits in {max_smem} bytes of shared memory")
@@ -115,6 +116,19 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
                             for local in (False, True):
                                 specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap, dropout, alibi))
     return specs
+
+
+def all_fa2_kvcache_specs(max_smem: int = 232448) -> list[Fa2FwdSpec]:
+    """The FA2-over-a-cache variants ``fa2_fwd_spec(..., over_cache=True)`` picks on a device with
+    ``max_smem`` bytes of shared memory per block (no dropout: the cache calls have none)."""
+    return [
+        fa2_fwd_spec(dtype, head_dim, MaskFlags(causal, local, softcap, alibi=alibi), max_smem, over_cache=True)
+        for head_dim in FA2_FWD_TILES
+        for softcap, alibi in ((False, False), (True, False), (False, True))
+        for dtype in ("float16", "bfloat16")
+        for causal in (False, True)
+        for local in (False, True)
+    ]
 
 
 # Hopper forward: (head_dim, bounded) -> tile, bounded = a causal or window bound (uneven tiles)
@@ -402,6 +416,7 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
     archs in its ``archs``)."""
     return [
         *all_fa2_fwd_specs(),
+        *all_fa2_kvcache_specs(max_smem),
         *all_fa3_fwd_specs(),
         *all_decode_specs(),
         *all_naive_softmax_specs(),

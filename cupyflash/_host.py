@@ -107,22 +107,34 @@ def _sequence(problem: Problem, b: int, rows: tuple[int, int], dropout: Any) -> 
 
 def attention_varlen(
     q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, dropout: Any = None, alibi_slopes: Any = None,
-    seqused_k: Any = None,
+    seqused_k: Any = None, block_table: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
-    """One dense attention per sequence, in the arrays' own namespace."""
+    """One dense attention per sequence, in the arrays' own namespace; with ``block_table``, each
+    sequence's keys gathered from its pages first."""
     from . import xp_impl
 
-    xp = _namespace_with_slopes(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), (q, k, v, cu_q, cu_k), alibi_slopes)
+    names: tuple[str, ...] = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+    arrays: tuple[Any, ...] = (q, k, v, cu_q, cu_k)
+    if block_table is not None:
+        names, arrays = (*names, "block_table"), (*arrays, block_table)
+    xp = _namespace_with_slopes(names, arrays, alibi_slopes)
     _check_floats(xp, [("q", q), ("k", k), ("v", v)])
-    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+    for name, cu in zip(names[3:], arrays[3:]):
         if not xp.isdtype(cu.dtype, "integral"):
             raise TypeError(f"{name} must be an integer array (int32, as flash-attn's), got {cu.dtype}")
-    check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], problem.seqlen_q, problem.seqlen_k)
+    paged = block_table is not None
+    total_k = None if paged else k.shape[0]
+    check_cu_seqlens_values(cu_q, cu_k, q.shape[0], total_k, problem.seqlen_q, problem.seqlen_k)
     used = _keys_used(xp, cu_k, seqused_k)
+    layout = _paged_layout(block_table, k.shape, used, cu_k) if paged else None
     outs, lses = [], []
     for b in range(problem.batch):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), used[b]
-        seq = [xp.expand_dims(x, axis=0) for x in (q[q0:q1, ...], k[k0:k1, ...], v[k0:k1, ...])]
+        if layout is not None:  # keys 0 .. k1 - k0 of sequence b, from its pages
+            k_b, v_b = (layout.gather(xp, x, b, k1 - k0) for x in (k, v))
+        else:
+            k_b, v_b = k[k0:k1, ...], v[k0:k1, ...]
+        seq = [xp.expand_dims(x, axis=0) for x in (q[q0:q1, ...], k_b, v_b)]
         dense, seq_dropout = _sequence(problem, b, (q1 - q0, k1 - k0), dropout)
         slopes = _sequence_slopes(alibi_slopes, b)
         out, lse = xp_impl.attention(
@@ -138,6 +150,23 @@ def attention_varlen(
         out = xp.concat([out, xp.zeros((pad, *q.shape[1:]), dtype=q.dtype)], axis=0)
         lse = xp.concat([lse, xp.full((problem.heads_q, pad), -math.inf, dtype=lse.dtype)], axis=1)
     return out, lse
+
+
+def _paged_layout(table: Any, page_shape: tuple[int, ...], used: list[int], cu_k: Any) -> Any:
+    """The pages of packed sequences (attention_varlen's block_table), every page in use checked."""
+    from . import xp_impl
+
+    pages, (num_pages, page_size) = _host_ints(table), page_shape[:2]
+    for b, (row, end) in enumerate(zip(pages, used)):
+        count = end - int(cu_k[b])
+        if count > len(row) * page_size:
+            raise ValueError(
+                f"sequence {b} has {count} keys, beyond its block_table row ({len(row)} pages of {page_size})"
+            )
+        bad = [x for x in row[: -(-count // page_size)] if not 0 <= x < num_pages]
+        if bad:
+            raise ValueError(f"block_table[{b}] points outside the {num_pages} pages of the cache: {bad}")
+    return xp_impl.CacheLayout(pages, page_size)
 
 
 def attention_varlen_backward(
@@ -186,17 +215,18 @@ _HOST_BLOCKS_PER_SPLIT = 4
 
 def attention_with_kvcache(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, p: KvCacheProblem,
-    num_splits: int, batch_idx: Any = None, leftpad: Any = None,
+    num_splits: int, batch_idx: Any = None, leftpad: Any = None, alibi_slopes: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     from . import xp_impl
 
     arrays = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     arrays += [] if k_new is None else [("k_new", k_new), ("v_new", v_new)]
+    arrays += [] if alibi_slopes is None else [("alibi_slopes", alibi_slopes)]
     given = (("cache_seqlens", seqlens), ("block_table", table), ("cache_batch_idx", batch_idx),
              ("cache_leftpad", leftpad))  # fmt: skip
     ints = [(n, x) for n, x in given if x is not None and type(x) is not int]
     xp = namespace(tuple(n for n, _ in arrays + ints), tuple(x for _, x in arrays + ints))
-    _check_floats(xp, arrays)
+    _check_floats(xp, [(n, x) for n, x in arrays if n != "alibi_slopes"])
     for name, x in ints:
         if not xp.isdtype(x.dtype, "integral"):
             raise TypeError(f"{name} must be an integer array (int32), got {x.dtype}")
@@ -214,7 +244,7 @@ def attention_with_kvcache(
     per_split, _ = split_blocks(key_blocks, splits)
     lengths = [n + p.seqlen_new for n in cached]
     return xp_impl.attention_with_kvcache(
-        xp, q, k_cache, v_cache, lengths, layout, p.attn, per_split * _HOST_BLOCK_N, first_keys
+        xp, q, k_cache, v_cache, lengths, layout, p.attn, per_split * _HOST_BLOCK_N, first_keys, alibi_slopes
     )
 
 

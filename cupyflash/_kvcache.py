@@ -10,15 +10,23 @@ host; host arrays run ``xp_impl`` in their own namespace, every value checked fi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, overload
 
 from . import _host, _interop, _launch, _plan
-from ._validate import check_num_splits, check_options, check_scale_option, kvcache_problem, merge_problem
+from ._validate import (
+    check_alibi,
+    check_num_splits,
+    check_options,
+    check_scale_option,
+    kvcache_problem,
+    merge_problem,
+)
 
 _plans = _plan.new_cache()
 _merge_plans = _plan.new_cache()
 _KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx",
-             "cache_leftpad")  # fmt: skip
+             "cache_leftpad", "alibi_slopes")  # fmt: skip
 
 
 @overload
@@ -37,6 +45,7 @@ def attention_with_kvcache(
     scale: float | None = ...,
     window: tuple[int, int] = ...,
     softcap: float = ...,
+    alibi_slopes: Any = ...,
     num_splits: int = ...,
     return_lse: Literal[False] = ...,
 ) -> Any: ...
@@ -56,6 +65,7 @@ def attention_with_kvcache(
     scale: float | None = ...,
     window: tuple[int, int] = ...,
     softcap: float = ...,
+    alibi_slopes: Any = ...,
     num_splits: int = ...,
     return_lse: Literal[True],
 ) -> tuple[Any, Any]: ...
@@ -74,6 +84,7 @@ def attention_with_kvcache(
     scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: Any = None,
     num_splits: int = 0,
     return_lse: bool = False,
 ) -> Any:
@@ -83,7 +94,9 @@ def attention_with_kvcache(
 
     Parameters
     ----------
-    q : array ``(B, Nq, Hq, d)``; on the GPU ``1 <= Nq <= 16``, float16 or bfloat16, d from 1 to 256
+    q : array ``(B, Nq, Hq, d)``; on the GPU float16 or bfloat16, d from 1 to 256. Up to 16 query
+        tokens run on the split-KV decode kernel; more (chunked prefill against a cache) on the
+        FA2 kernel, which reads the cache in place as the decode kernel does
     k_cache, v_cache : arrays, contiguous ``(B, L_max, Hkv, d)`` (``(entries, L_max, Hkv, d)``
         with ``cache_batch_idx``), or paged
         ``(num_pages, page_size, Hkv, d)`` with ``block_table``; ``page_size`` any power of two
@@ -124,6 +137,9 @@ def attention_with_kvcache(
         before the window.
     softcap : float
         Scores pass through ``softcap * tanh(score / softcap)`` (Gemma 2's cap), as ``attention``'s.
+    alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
+        ALiBi, as ``attention``'s: the score of query ``i`` and key ``j`` gains
+        ``-slope * |i + Nk_b - Nq - j|``. On the GPU it runs on the FA2 kernel (not with softcap).
     num_splits : int
         Splits of the KV sequence: 0 chooses from the GPU's SM count, the batch, the heads and
         the cache length; 1 runs the same kernel without splitting (no combine step).
@@ -165,7 +181,7 @@ def attention_with_kvcache(
     if _interop.compiling():  # Dynamo traces the custom op, not this function's body
         return _interop.torch_ops.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse,
-            cache_batch_idx, cache_leftpad, window, softcap,
+            cache_batch_idx, cache_leftpad, window, softcap, alibi_slopes,
         )  # fmt: skip
     if type(causal) is not bool or window != (-1, -1) or softcap != 0.0:  # the defaults skip the checks
         causal, scale, window, softcap = check_options(causal, scale, window, softcap)
@@ -174,23 +190,25 @@ def attention_with_kvcache(
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
     seqlens = None if type(cache_seqlens) is int else cache_seqlens
-    batch_idx, leftpad = cache_batch_idx, cache_leftpad
-    found = _interop.lean_arrays(q, k_cache, v_cache, (seqlens, block_table, k_new, v_new, batch_idx, leftpad))
+    batch_idx, leftpad, slopes = cache_batch_idx, cache_leftpad, alibi_slopes
+    if slopes is not None:
+        _interop.refuse_slope_grad(slopes)
+    found = _interop.lean_arrays(q, k_cache, v_cache, (seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes))
     if found is None:
         arrays = _interop.gpu_arrays(
-            _KV_NAMES, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad)
+            _KV_NAMES, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes)
         )
         if arrays is None:
             p = _problem(
                 q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, (causal, scale, window, softcap),
-                batch_idx, leftpad,
+                batch_idx, leftpad, slopes,
             )  # fmt: skip
             out, lse = _host.attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, p, check_num_splits(num_splits),
-                batch_idx, leftpad,
+                batch_idx, leftpad, slopes,
             )  # fmt: skip
             return (out, lse) if return_lse else out
-        lib, device, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad) = arrays
+        lib, device, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes) = arrays
         if lib.name == _interop.DLPACK:
             raise TypeError(
                 "attention_with_kvcache on the GPU takes CuPy arrays or PyTorch tensors (the cache is written in "
@@ -209,6 +227,7 @@ def attention_with_kvcache(
         None if k_new is None else k_new.dtype, None if v_new is None else v_new.shape,
         None if batch_idx is None else (batch_idx.shape, batch_idx.dtype),
         None if leftpad is None else (leftpad.shape, leftpad.dtype),
+        None if slopes is None else (slopes.shape, slopes.dtype),
     )  # fmt: skip
     launch = _plans.lookup(key)
     if launch is None:
@@ -228,12 +247,13 @@ def attention_with_kvcache(
                 num_splits,
                 batch_idx,
                 leftpad,
+                slopes,
             ),  # fmt: skip
         )
     arrays_by_name = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens if seqlens is None else seqlens,
         "block_table": block_table, "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx,
-        "cache_leftpad": leftpad,
+        "cache_leftpad": leftpad, "alibi_slopes": slopes,
     }  # fmt: skip
     out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
     return (out, lse) if return_lse else out
@@ -241,7 +261,7 @@ def attention_with_kvcache(
 
 def _problem(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any,
-    options: tuple[bool, Any, tuple[int, int], float], batch_idx: Any, leftpad: Any,
+    options: tuple[bool, Any, tuple[int, int], float], batch_idx: Any, leftpad: Any, slopes: Any = None,
 ) -> Any:  # fmt: skip
     """``options``: (causal, scale, window, softcap), checked."""
 
@@ -249,28 +269,36 @@ def _problem(
         return None if x is None else tuple(x.shape)
 
     causal, scale, window, softcap = options
-    return kvcache_problem(
+    kp = kvcache_problem(
         tuple(q.shape), tuple(k_cache.shape), tuple(v_cache.shape), cache_seqlens=seqlens,
         block_table_shape=shape(table), k_new_shape=shape(k_new), v_new_shape=shape(v_new), causal=causal,
         scale=scale, cache_batch_idx_shape=shape(batch_idx), cache_leftpad_shape=shape(leftpad), window=window,
         softcap=softcap,
     )  # fmt: skip
+    if slopes is None:
+        return kp
+    alibi = check_alibi(slopes, kp.attn.batch, kp.attn.heads_q)
+    return dataclasses.replace(kp, attn=dataclasses.replace(kp.attn, alibi=alibi))
 
 
 def _plan_kvcache(
     lib: _interop.ArrayLib, device: int, q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any,
     v_new: Any, options: tuple[bool, Any, tuple[int, int], float], num_splits: int, batch_idx: Any, leftpad: Any,
+    slopes: Any,
 ) -> _plan.Launch:  # fmt: skip
     # An int cache_seqlens is checked per call (the plan is shared by every int): plan with 0.
     p = _problem(
-        q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, options, batch_idx, leftpad
-    )
+        q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, options, batch_idx, leftpad,
+        slopes,
+    )  # fmt: skip
     named = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
         "cache_seqlens": None if type(seqlens) is int else seqlens, "block_table": table,
         "cache_batch_idx": batch_idx, "cache_leftpad": leftpad,
     }  # fmt: skip
     dtypes: dict[str, str | None] = {n: None if x is None else lib.dtype_name(x) for n, x in named.items()}
+    if slopes is not None and lib.dtype_name(slopes) != "float32":
+        raise TypeError(f"alibi_slopes must be float32, got {lib.dtype_name(slopes)}")
     return _plan.plan_kvcache(p, dtypes, _plan.device_info(device), num_splits=check_num_splits(num_splits))
 
 
@@ -323,15 +351,18 @@ class DeviceValueError(ValueError):
 
 _DEVICE_ERRORS = {
     1: "a block_table entry in use was outside [0, num_pages)",
-    2: "a cache_seqlens value was outside [0, capacity - seqlen_new], or a cache_leftpad value outside "
-    "[0, cache_seqlens]",
+    2: "a cache_seqlens value was outside [0, capacity - seqlen_new], a cache_leftpad value outside "
+    "[0, cache_seqlens], or a packed sequence's key count (cu_seqlens_k, seqused_k) negative or beyond its "
+    "block_table row",
     4: "a cache_batch_idx value was outside the cache's entries",
 }
 
 
 def check_device_errors(device: int | None = None) -> None:
     """Raise :class:`DeviceValueError` if a kernel on ``device`` (default: the current one) met
-    an out-of-range device-side ``cache_seqlens`` or ``block_table`` value since the last check.
+    an out-of-range device-side value of ``attention_with_kvcache`` (``cache_seqlens``,
+    ``block_table``, ``cache_batch_idx``, ``cache_leftpad``) or of ``attention_varlen`` over pages
+    (``block_table``, the key counts of ``cu_seqlens_k`` / ``seqused_k``) since the last check.
 
     The kernels cannot raise: they refuse the bad value instead (that sequence's output rows
     and LSE are NaN and nothing is appended through it, so no other sequence's cache changes)
@@ -344,4 +375,4 @@ def check_device_errors(device: int | None = None) -> None:
     bits = _workspace.take_device_errors(index)
     if bits:
         found = [message for bit, message in _DEVICE_ERRORS.items() if bits & bit]
-        raise DeviceValueError(f"attention_with_kvcache on GPU {index}: " + "; ".join(found))
+        raise DeviceValueError(f"a cache kernel on GPU {index}: " + "; ".join(found))

@@ -641,40 +641,48 @@ def plan_kvcache(
     layout: str = "bshd",
     dense: bool = False,
 ) -> Launch:
-    """At most two launches: append k_new / v_new into the cache, then the split-KV kernel,
-    whose last split of each row to finish merges the partials (no combine launch).
+    """At most two launches: append k_new / v_new into the cache, then the attention: the split-KV
+    kernel for up to DECODE_MAX_QUERIES query tokens (its last split of each row to finish merges
+    the partials: no combine launch), else (or with ALiBi) the FA2 forward over the cache view.
 
     ``dense``: ``attention`` of a few query tokens over k and v (operands "q", "k", "v" in
-    ``layout``, every sequence ``attn.seqlen_k`` keys long) on the same kernel.
+    ``layout``, every sequence ``attn.seqlen_k`` keys long) on the split-KV kernel.
     """
     a = kp.attn
     dtype = check_gpu_dtypes({n: d for n, d in dtypes.items() if d is not None and n not in _INDEX_NAMES})
     check_int32({n: dtypes.get(n) for n in _INDEX_NAMES})
     check_head_dim(a.head_dim, "the decode kernels")
-    if a.seqlen_q > DECODE_MAX_QUERIES:
-        raise ValueError(
-            f"attention_with_kvcache on the GPU takes 1 to {DECODE_MAX_QUERIES} query tokens, got {a.seqlen_q}"
-        )
-    check_grid(a.batch, a.heads_kv)
     if kp.capacity >= 2**31 - 64:
         raise ValueError(f"a cache of {kp.capacity} tokens per sequence is beyond the kernels' int32 positions")
+    over_cache = not dense and (a.seqlen_q > DECODE_MAX_QUERIES or a.alibi != ALIBI_NONE)
+    if dense and a.seqlen_q > DECODE_MAX_QUERIES:
+        raise ValueError(f"the split-KV kernel takes 1 to {DECODE_MAX_QUERIES} query tokens, got {a.seqlen_q}")
+    check_grid(a.batch, a.heads_q if over_cache else a.heads_kv)
     scale_log2, prescale, negate_q = softmax_factors(a)
-    group = a.heads_q // a.heads_kv
-    rows = group * a.seqlen_q
-    spec = _dispatch.decode_spec(dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0)
     has_work = a.batch > 0 and a.seqlen_q > 0 and a.heads_q > 0
-    m_blocks = -(-rows // spec.tile.block_m)
-    key_blocks = -(-kp.capacity // spec.tile.block_n)
-    ctas = a.batch * a.heads_kv * m_blocks
-    if num_splits == 0 and has_work:
-        num_splits = _dispatch.decode_num_splits(
-            ctas=ctas,
-            key_blocks=key_blocks,
-            num_sms=device.num_sms,
-            ctas_per_sm=_dispatch.ctas_per_sm(spec, device),
-        )
-    per_split, splits = _dispatch.split_blocks(key_blocks, max(num_splits, 1))
     d, hq, nq = a.head_dim, a.heads_q, a.seqlen_q
+    splits, per_split, ctas = 1, 0, 0
+    if over_cache:
+        fa2 = _dispatch.fa2_fwd_spec(dtype, d, mask_flags(a), device.max_smem_per_block, over_cache=True)
+        grid = (-(-nq // fa2.tile.block_m), a.batch, hq)
+        attention_step = KernelStep(fa2, grid, (fa2.num_threads, 1, 1), fa2.smem_bytes)
+    else:
+        group = a.heads_q // a.heads_kv
+        rows = group * a.seqlen_q
+        spec = _dispatch.decode_spec(dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0)
+        m_blocks = -(-rows // spec.tile.block_m)
+        key_blocks = -(-kp.capacity // spec.tile.block_n)
+        ctas = a.batch * a.heads_kv * m_blocks
+        if num_splits == 0 and has_work:
+            num_splits = _dispatch.decode_num_splits(
+                ctas=ctas,
+                key_blocks=key_blocks,
+                num_sms=device.num_sms,
+                ctas_per_sm=_dispatch.ctas_per_sm(spec, device),
+            )
+        per_split, splits = _dispatch.split_blocks(key_blocks, max(num_splits, 1))
+        grid = (splits * m_blocks, a.heads_kv, a.batch)
+        attention_step = KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes)
     axes = LAYOUT_AXES[layout]
     out_shape = (a.batch, nq, hq, d) if layout == "bshd" else (a.batch, hq, nq, d)
     out_strides = contiguous_strides(out_shape)
@@ -692,8 +700,7 @@ def plan_kvcache(
         operands += [tile_operand(params, "k", axes, kind=kind), tile_operand(params, "v", axes, kind=kind)]
     else:
         operands += [
-            tile_operand(params, "k_cache", axes, field_prefix="k", in_place=True, kind=kind),
-            tile_operand(params, "v_cache", axes, field_prefix="v", in_place=True, kind=kind),
+            *_cache_operands(params, kp, kind),
             Operand(
                 "cache_seqlens",
                 LENGTHS,
@@ -702,14 +709,11 @@ def plan_kvcache(
                 int_limit=(kp.capacity, kp.seqlen_new),
             ),  # fmt: skip
         ]
-    if kp.paged:
-        operands.append(
-            Operand("block_table", INDEX, params.slot("block_table"), ((params.slot("block_table_batch_stride"), 0),))
-        )
     if kp.batch_idx:
         operands.append(Operand("cache_batch_idx", INDEX, params.slot("cache_batch_idx")))
     if kp.leftpad:
         operands.append(Operand("cache_leftpad", INDEX, params.slot("cache_leftpad")))
+    operands += fa2_option_operands(params, a)  # ALiBi slopes (the FA2 path)
     steps: list[KernelStep] = []
     if kp.seqlen_new:
         operands += [
@@ -721,9 +725,7 @@ def plan_kvcache(
             steps.append(KernelStep(append, (kp.seqlen_new, a.heads_kv, a.batch), (append.num_threads, 1, 1), 0))
     scratch = None
     if has_work:
-        steps.append(
-            KernelStep(spec, (splits * m_blocks, a.heads_kv, a.batch), (spec.num_threads, 1, 1), spec.smem_bytes)
-        )
+        steps.append(attention_step)
         if splits > 1:  # the splits' tickets (left at 0 by the kernel), partial O (rows of the tile's width), LSE
             row_count, width = a.batch * a.heads_q * a.seqlen_q, spec.head_dim
             scratch = Scratch(
@@ -739,6 +741,73 @@ def plan_kvcache(
         outputs = tuple(_filled(o) for o in outputs)
     error_slot = -1 if dense else params.slot("error_flags")
     return Launch(params, tuple(operands), outputs, tuple(steps), scratch=scratch, error_slot=error_slot)
+
+
+def _cache_operands(params: ParamsTemplate, kp: KvCacheProblem, kind: str) -> list[Operand]:
+    """k_cache and v_cache (written in place by an append) and the block table of a paged cache:
+    [entries or pages, rows, Hkv, d], the first axis's stride the entry's or the page's."""
+    operands = [
+        tile_operand(params, "k_cache", LAYOUT_AXES["bshd"], field_prefix="k", in_place=True, kind=kind),
+        tile_operand(params, "v_cache", LAYOUT_AXES["bshd"], field_prefix="v", in_place=True, kind=kind),
+    ]
+    if kp.paged:
+        operands.append(
+            Operand("block_table", INDEX, params.slot("block_table"), ((params.slot("block_table_batch_stride"), 0),))
+        )
+    return operands
+
+
+def plan_paged_varlen(
+    p: Problem,
+    dtypes: dict[str, str | None],
+    device: DeviceInfo,
+    q_shape: tuple[int, ...],
+    table_shape: tuple[int, ...],
+    num_pages: int,
+) -> Launch:
+    """attention_varlen with a block_table: the FA2 forward over the cache view, packed queries
+    (cu_seqlens_q) against each sequence's pages, its key count from cu_seqlens_k (and
+    seqused_k); operands "k" and "v" are the pages. Rows outside every sequence are 0, LSE -inf."""
+    dtype = check_gpu_dtypes({n: dtypes[n] for n in ("q", "k", "v")})  # type: ignore[misc]
+    check_int32({n: dtypes.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table")})
+    check_head_dim(p.head_dim, "the GPU kernels")
+    check_grid(p.batch, p.heads_q)
+    capacity = table_shape[1] * p.page_size
+    if capacity >= 2**31 - 64:
+        raise ValueError(f"a block_table row of {capacity} keys is beyond the kernels' int32 positions")
+    scale_log2, prescale, negate_q = softmax_factors(p)
+    total_q = q_shape[0]
+    axes = LAYOUT_AXES["thd"]
+    out_strides = contiguous_strides(q_shape)
+    params = PARAMS_STRUCTS["DecodeParams"].template(
+        **attn_fields(p, (total_q, 0), scale_log2, prescale),
+        **{f"o_{s}_stride": out_strides[a] if a >= 0 else 0 for s, a in zip(STRIDE_NAMES, axes, strict=True)},
+        lse_batch_stride=0, lse_head_stride=total_q,
+        page_size_log2=p.page_size.bit_length() - 1, num_pages=num_pages, cache_capacity=capacity, num_splits=1,
+        cache_batch=p.batch,
+    )  # fmt: skip
+    kind = tile_kind(p.head_dim)
+    operands = [
+        tile_operand(params, "q", axes, negate=negate_q, kind=kind),
+        tile_operand(params, "k", LAYOUT_AXES["bshd"], kind=kind),  # (page, slot, head)
+        tile_operand(params, "v", LAYOUT_AXES["bshd"], kind=kind),
+        Operand("block_table", INDEX, params.slot("block_table"), ((params.slot("block_table_batch_stride"), 0),)),
+        Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),
+        Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
+        *fa2_option_operands(params, p),
+    ]
+    outputs: tuple[Output, ...] = (
+        Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0),
+        Output("lse", (p.heads_q, total_q), "float32", params.slot("lse_ptr"), fill=-math.inf, optional=True),
+    )
+    steps: tuple[KernelStep, ...] = ()
+    if p.batch > 0 and p.seqlen_q > 0 and p.heads_q > 0:
+        spec = _dispatch.fa2_fwd_spec(dtype, p.head_dim, mask_flags(p), device.max_smem_per_block, over_cache=True)
+        grid = (-(-p.seqlen_q // spec.tile.block_m), p.batch, p.heads_q)
+        steps = (KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes),)
+    else:
+        outputs = tuple(_filled(o) for o in outputs)
+    return Launch(params, tuple(operands), outputs, steps, error_slot=params.slot("error_flags"))
 
 
 def decode_applies(p: Problem) -> bool:

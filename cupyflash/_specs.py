@@ -242,6 +242,25 @@ class Fa2FwdSpec(_KernelSpecBase):
 
 
 @dataclass(frozen=True, slots=True)
+class Fa2KvCacheSpec(Fa2FwdSpec):
+    """``fa2_fwd_kvcache`` of ``kernels_cu/fa2_fwd.cu``: the FA2 forward whose keys come through
+    the KV-cache view (``kernels_cu/kvcache.cuh``: contiguous entries or pages, every device
+    value checked), for many query tokens against a cache and for packed sequences over pages.
+    The same traits as ``Fa2FwdSpec``; no dropout."""
+
+    params_type = "DecodeParams"
+    param_decl = "const DecodeParams params"
+    kernel = "fa2_fwd_kvcache"
+    prefix = "fa2_kvcache"
+    entry = "fa2_fwd_kvcache<Traits>(params);"
+
+    def __post_init__(self) -> None:
+        Fa2FwdSpec.__post_init__(self)
+        if self.dropout:
+            raise ValueError("the FA2 forward over a KV cache has no dropout variant")
+
+
+@dataclass(frozen=True, slots=True)
 class Fa3Tile:
     """CTA shape of the Hopper forward: key block, consumer warpgroups of 64 query rows each,
     K/V slots of the mbarrier ring, O staged in its own buffer (so the next tile's Q loads during

@@ -151,6 +151,7 @@ class Problem:
     dropout_p: float = 0.0  # checked by check_dropout
     alibi: str = ALIBI_NONE  # ALiBi slopes: none, (Hq,) "head", or (B, Hq) "batch_head"
     seqused_k: bool = False  # packed: a per-sequence count of the keys used (flash-attn's seqused_k)
+    page_size: int = 0  # packed over a paged cache (attention_varlen's block_table): keys per page; 0 without
 
     @property
     def causal_bound(self) -> bool:
@@ -283,13 +284,23 @@ def varlen_problem(
     softcap: Any,
     dropout_p: float = 0.0,
     seqused_k_shape: tuple[int, ...] | None = None,
+    block_table_shape: tuple[int, ...] | None = None,
 ) -> Problem:
     """Check ``attention_varlen``'s arguments. The Problem's seqlens are the maxima: they size
     the grid and nothing else. The mask bounds are kept whatever the maxima say (a bound the
     maxima would call "hides nothing" is kept), so an understated max_seqlen can never drop
-    the causal mask or the window."""
-    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
-        if len(shape) != 3:
+    the causal mask or the window. With ``block_table_shape`` (B, max_pages), k and v are pages
+    ``(num_pages, page_size, Hkv, d)`` and cu_seqlens_k gives each sequence's key count."""
+    if len(q_shape) != 3:
+        raise ValueError(f"q must be 3-D (total_tokens, heads, head_dim) for attention_varlen, got shape {q_shape}")
+    paged = block_table_shape is not None
+    for name, shape in (("k", k_shape), ("v", v_shape)):
+        if paged and len(shape) != 4:
+            raise ValueError(
+                f"{name} must be 4-D pages (num_pages, page_size, heads_kv, head_dim) with a block_table, "
+                f"got shape {tuple(shape)}"
+            )
+        if not paged and len(shape) != 3:
             raise ValueError(
                 f"{name} must be 3-D (total_tokens, heads, head_dim) for attention_varlen, got shape {tuple(shape)}"
             )
@@ -302,11 +313,18 @@ def varlen_problem(
         lengths = (cu_seqlens_q_shape[0], cu_seqlens_k_shape[0])
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {lengths}")
     total_q, hq, d = q_shape
-    total_k, hk, dk = k_shape
+    page_size = 0
+    if paged:
+        assert block_table_shape is not None
+        num_pages, page_size, hk, dk = k_shape
+        total_k = check_pages(block_table_shape, cu_seqlens_q_shape[0] - 1, num_pages, page_size, "k")
+    else:
+        total_k, hk, dk = k_shape
     max_q = _check_count("max_seqlen_q", max_seqlen_q)
     max_k = _check_count("max_seqlen_k", max_seqlen_k)
     if max_q > total_q or max_k > total_k:
-        raise ValueError(f"max_seqlen_q/k ({max_q}, {max_k}) exceed the packed lengths ({total_q}, {total_k})")
+        what = "the packed query length and a block_table row's keys" if paged else "the packed lengths"
+        raise ValueError(f"max_seqlen_q/k ({max_q}, {max_k}) exceed {what} ({total_q}, {total_k})")
     dense = attention_problem(
         (1, max_q, hq, d), (1, max_k, hk, dk), (1, max_k, hk, dk),
         causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd", dropout_p=dropout_p,
@@ -315,9 +333,11 @@ def varlen_problem(
     batch = cu_seqlens_q_shape[0] - 1
     if seqused_k_shape is not None and tuple(seqused_k_shape) != (batch,):
         raise ValueError(f"seqused_k must be 1-D of length batch = {batch}, got shape {tuple(seqused_k_shape)}")
+    if paged and dropout_p:
+        raise ValueError("dropout over a paged cache (block_table) is not supported")
     return dataclasses.replace(
         dense, batch=batch, layout=VARLEN_LAYOUT, window_left=left, window_right=right,
-        seqused_k=seqused_k_shape is not None,
+        seqused_k=seqused_k_shape is not None, page_size=page_size,
     )  # fmt: skip
 
 
@@ -325,13 +345,16 @@ def varlen_problem(
 _UNBOUNDED = 2**31 - 1
 
 
-def check_cu_seqlens_values(cu_q: Any, cu_k: Any, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
+def check_cu_seqlens_values(cu_q: Any, cu_k: Any, total_q: int, total_k: int | None, max_q: int, max_k: int) -> None:
     """Host-side check of cu_seqlens contents (only where they already live on the host: on the
-    GPU this would cost a device synchronisation per call)."""
+    GPU this would cost a device synchronisation per call). ``total_k`` None: keys in pages (a
+    block_table), whose offsets are counts only."""
     for name, cu, total, longest in (("cu_seqlens_q", cu_q, total_q, max_q), ("cu_seqlens_k", cu_k, total_k, max_k)):
         values = [int(x) for x in cu]
-        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] > total:
-            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {values}")
+        past_end = total is not None and values[-1] > total
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or past_end:
+            end = "" if total is None else f" and end at most at {total}"
+            raise ValueError(f"{name} must start at 0 and never decrease{end}, got {values}")
         if any(b - a > longest for a, b in zip(values, values[1:])):
             raise ValueError(f"{name} has a sequence longer than its max_seqlen ({longest}): {values}")
 
@@ -352,6 +375,18 @@ class KvCacheProblem:
     @property
     def page_size_log2(self) -> int:
         return self.page_size.bit_length() - 1 if self.paged else 0
+
+
+def check_pages(table_shape: tuple[int, ...], batch: int, num_pages: int, page_size: int, cache: str) -> int:
+    """A block table (batch, max_pages) over ``num_pages`` pages of ``page_size`` (a power of two)
+    keys; returns the keys one sequence's row can hold."""
+    if len(table_shape) != 2 or table_shape[0] != batch:
+        raise ValueError(f"block_table must be 2-D (batch={batch}, max_pages), got shape {table_shape}")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page size {page_size} ({cache}.shape[1]) is not supported: it must be a power of two >= 1")
+    if num_pages < 1:
+        raise ValueError("a paged cache needs at least one page")
+    return table_shape[1] * page_size
 
 
 def check_int_seqlens(cache_seqlens: int, capacity: int, seqlen_new: int) -> None:
@@ -395,13 +430,7 @@ def kvcache_problem(
     paged = block_table_shape is not None
     if paged:
         assert block_table_shape is not None
-        if len(block_table_shape) != 2 or block_table_shape[0] != batch:
-            raise ValueError(f"block_table must be 2-D (batch={batch}, max_pages), got shape {block_table_shape}")
-        if rows < 1 or rows & (rows - 1):
-            raise ValueError(f"page size {rows} (k_cache.shape[1]) is not supported: it must be a power of two >= 1")
-        if first < 1:
-            raise ValueError("a paged cache needs at least one page")
-        capacity, num_pages = block_table_shape[1] * rows, first
+        capacity, num_pages = check_pages(block_table_shape, batch, first, rows, "k_cache"), first
     else:
         if cache_batch_idx_shape is None and first != batch:
             raise ValueError(f"k_cache must have the batch size of q ({batch}), got {first} (shape {k_cache_shape})")

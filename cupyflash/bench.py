@@ -605,3 +605,82 @@ def format_varlen_table(rows: list[dict[str, Any]]) -> str:
         cells = " ".join(f"{r.get(n) or float('nan'):>13.1f}" for n in names)
         lines.append(f"{r['head_dim']:>4} {str(r['causal']):>6} {r['sequences']:>4} {r['longest']:>7} | {cells}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked prefill against a KV cache: a chunk of new query tokens attends to the keys already
+# cached plus its own (bottom-right causal), as serving engines run a long prompt in pieces.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChunkShape:
+    batch: int
+    cached: int  # keys before the chunk
+    chunk: int  # new query tokens (their keys already in the cache)
+    heads_q: int = 32
+    heads_kv: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    @property
+    def seqlen_k(self) -> int:
+        return self.cached + self.chunk
+
+    @property
+    def flops(self) -> float:
+        """4 H d per visible (query, key) pair: query i of the chunk sees cached + i + 1 keys."""
+        pairs = self.chunk * self.cached + self.chunk * (self.chunk + 1) / 2
+        return 4.0 * self.batch * self.heads_q * self.head_dim * pairs
+
+
+CHUNK_SHAPES = (ChunkShape(1, 14336, 2048), ChunkShape(8, 3584, 512), ChunkShape(32, 1920, 128))
+CHUNK_PAGE_SIZES = (1, 16, 256)
+
+
+def run_chunked_prefill(shape: ChunkShape, page_sizes: tuple[int, ...] = CHUNK_PAGE_SIZES) -> dict[str, Any]:
+    """TFLOP/s of one chunk of every sequence, interleaved in one process, on the same data:
+    ``attention_with_kvcache`` over a contiguous cache and over paged caches; the same packed
+    batch through ``attention_varlen`` over the pages (block_table); ``attention`` on the
+    contiguous keys (the Hopper kernel where it applies; ``dense_fa2`` the FA2 kernel); and SDPA
+    with a lower-right causal bias on repeated K/V heads (GQA expanded outside the timing).
+    Results of every cupyflash entry are checked equal (bits) or close (the dense kernels)."""
+    import torch
+    from torch.nn.attention.bias import causal_lower_right
+
+    import cupyflash
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dtype = getattr(torch, shape.dtype)
+    b, nq, nk, hq, hkv, d = shape.batch, shape.chunk, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.head_dim
+    q = torch.randn(b, nq, hq, d, generator=gen, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, nk, hkv, d, generator=gen, device="cuda", dtype=dtype) for _ in range(2))
+    row: dict[str, Any] = asdict(shape)
+    calls: dict[str, Callable[[], Any]] = {
+        "cache": lambda: cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=nk, causal=True),
+        "dense": lambda: cupyflash.attention(q, k, v, causal=True),
+        "dense_fa2": lambda: cupyflash.attention(q, k, v, causal=True, algorithm="fa2"),
+    }
+    want = calls["cache"]()
+    q_packed = q.reshape(b * nq, hq, d)
+    cu_q = torch.arange(0, b * nq + 1, nq, device="cuda", dtype=torch.int32)
+    cu_k = torch.arange(0, b * nk + 1, nk, device="cuda", dtype=torch.int32)
+    for page_size in page_sizes:
+        k_pages, v_pages, table = paged_caches(k, v, page_size)
+        cache = functools.partial(
+            cupyflash.attention_with_kvcache, q, k_pages, v_pages, cache_seqlens=nk, block_table=table, causal=True
+        )
+        packed = functools.partial(
+            cupyflash.attention_varlen, q_packed, k_pages, v_pages, cu_q, cu_k, nq, nk, causal=True, block_table=table
+        )
+        assert bool((cache() == want).all()), f"page size {page_size}: not the contiguous cache's bits"
+        assert bool((packed().reshape(q.shape) == want).all()), f"varlen page size {page_size}: other bits"
+        calls[f"cache_page{page_size}"] = cache
+        calls[f"varlen_page{page_size}"] = packed
+    dense = calls["dense"]().float()
+    row["dense_max_abs_diff"] = float((dense - want.float()).abs().max())
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k.repeat_interleave(hq // hkv, 2), v.repeat_interleave(hq // hkv, 2)))
+    bias = causal_lower_right(nq, nk)
+    calls["sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias)
+    for name, ms in cuda_times_ms(runnable(calls, row), warmup_ms=200.0, repeat=20).items():
+        row[name] = round(shape.flops / ms / 1e9, 1)
+        row[f"{name}_ms"] = round(ms, 4)
+    return row

@@ -18,9 +18,9 @@ float32 ``(batch, nheads, seqlen_q)`` (``(nheads, total_q)`` for varlen), ``cach
 reads the whole cache.
 
 Differences that remain (each raises ``NotImplementedError`` naming the argument, never a
-silent fallback): on ``flash_attn_with_kvcache`` ``rotary_cos``/``rotary_sin`` and
-``alibi_slopes``, more than 16 query tokens on the GPU (``ValueError``); ``block_table`` on the
-varlen functions (``alibi_slopes`` with ``softcap`` on the GPU raises ``ValueError``).
+silent fallback): on ``flash_attn_with_kvcache`` ``rotary_cos``/``rotary_sin``; ``block_table``
+on the varlen functions has no backward and no dropout (``alibi_slopes`` with ``softcap`` on the
+GPU raises ``ValueError``).
 ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third value is the
 dropout pattern its own tests read back, which is not materialised here (the mask is
 ``cupyflash.xp_impl.Dropout``'s, regenerated from the seed).
@@ -148,13 +148,12 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: Any = None,
 ) -> Any:
-    """q ``(total_q, H, d)``, k and v ``(total_k, Hk, d)``, cu_seqlens int32 ``(batch + 1,)``;
-    ``softmax_lse`` is ``(H, total_q)``."""
-    _refuse("flash_attn_varlen_func", block_table=block_table)
+    """q ``(total_q, H, d)``, k and v ``(total_k, Hk, d)`` (pages ``(num_blocks, page_size, Hk, d)``
+    with ``block_table``), cu_seqlens int32 ``(batch + 1,)``; ``softmax_lse`` is ``(H, total_q)``."""
     result = attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,
         window=_window(causal, window_size), softcap=softcap, return_lse=True, deterministic=deterministic,
-        dropout_p=dropout_p, alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p, alibi_slopes=alibi_slopes, block_table=block_table,
     )  # fmt: skip
     return _returned(result, return_attn_probs)
 
@@ -230,7 +229,7 @@ def flash_attn_with_kvcache(
     ``(num_blocks, page_size, Hk, d)`` with ``block_table`` ``(B, blocks per sequence)``; k and v
     (``(B, Snew, Hk, d)``) are written into the cache at ``cache_seqlens`` first. Returns out, or
     ``(out, softmax_lse)`` with ``return_softmax_lse``."""
-    _refuse("flash_attn_with_kvcache", rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    _refuse("flash_attn_with_kvcache", rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     if cache_seqlens is None:  # flash-attn: the whole cache
         if k is not None or v is not None:
             raise ValueError("flash_attn_with_kvcache: k and v are appended at cache_seqlens, which is None")
@@ -238,6 +237,7 @@ def flash_attn_with_kvcache(
     result = attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k, v_new=v,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal, scale=softmax_scale,
-        window=_window(causal, window_size), softcap=softcap, num_splits=num_splits, return_lse=True,
+        window=_window(causal, window_size), softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+        return_lse=True,
     )  # fmt: skip
     return result if return_softmax_lse else result[0]

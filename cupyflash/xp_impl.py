@@ -456,17 +456,21 @@ def append_kv(xp: Any, cache: Any, new: Any, seqlens: list[int], layout: CacheLa
 
 def attention_with_kvcache(
     xp: Any, q: Any, k_cache: Any, v_cache: Any, seqlens: list[int], layout: CacheLayout, p: Problem, split_keys: int,
-    first_keys: list[int] | None = None,
+    first_keys: list[int] | None = None, alibi_slopes: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Per sequence b: FlashDecoding of q[b] over its cached keys first_keys[b] .. seqlens[b] - 1
     (cache_leftpad; from 0 without; new tokens already appended), splits of ``split_keys`` keys
-    as the kernel's; returns (out like q, LSE [B, Hq, Nq])."""
+    as the kernel's; ALiBi slopes (Hq,) or (B, Hq); returns (out like q, LSE [B, Hq, Nq])."""
     outs, lses = [], []
     for b, n in enumerate(seqlens):
         first = 0 if first_keys is None else first_keys[b]
         keys = [xp.expand_dims(layout.gather(xp, c, b, n, first), axis=0) for c in (k_cache, v_cache)]
         p_b = dataclasses.replace(p, batch=1, seqlen_k=n - first)
-        out, lse = attention(xp, q[b : b + 1, ...], keys[0], keys[1], p_b, algorithm="decode", split_keys=split_keys)
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.ndim == 1 else alibi_slopes[b : b + 1, ...]
+        out, lse = attention(
+            xp, q[b : b + 1, ...], keys[0], keys[1], p_b, algorithm="decode", split_keys=split_keys,
+            alibi_slopes=slopes,
+        )  # fmt: skip
         outs.append(out)
         lses.append(lse)
     if not outs:  # an empty batch

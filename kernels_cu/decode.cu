@@ -30,40 +30,12 @@
 #pragma once
 
 #include "common.cuh"
-#include "mask.cuh"  // KeyMask, PackedRowMask
+#include "mask.cuh"     // KeyMask, PackedRowMask
+#include "kvcache.cuh"  // DecodeParams, CacheSpan, CacheRows: the cache view
 #include "params.cuh"
 #include "softmax.cuh"   // the online softmax and merge_row
 #include "tile_mma.cuh"  // gemm_qk, gemm_pv, load_q_regs: the mma.sync tile verbs
 #include "variants.cuh"
-
-struct DecodeParams {
-  // q [B, Nq, Hq, d], o, lse as for attention (seqlen_q = Nq). k_ptr / v_ptr are the caches;
-  // their batch strides are page strides when paged. seqlen_k is the cached length of every
-  // sequence when cache_seqlens is nullptr (an int given on the host).
-  AttnParams attn;
-  const int32_t* cache_seqlens;  // [B] tokens already in the cache, or nullptr
-  const int32_t* block_table;    // [B, max_pages] page of each page-sized key range, or nullptr
-  const void* k_new_ptr;         // [B, Nnew, Hkv, d] appended before attending, or nullptr
-  const void* v_new_ptr;         // [B, Nnew, Hkv, d]
-  float* o_partial_ptr;          // [num_splits, B, Hq, Nq, d], when num_splits > 1
-  float* lse_partial_ptr;        // [num_splits, B, Hq, Nq]
-  int32_t* split_counters;       // [B, Hkv, m_blocks] tickets, 0 between calls, when num_splits > 1
-  int64_t block_table_batch_stride;
-  int64_t k_new_batch_stride, k_new_row_stride, k_new_head_stride;
-  int64_t v_new_batch_stride, v_new_row_stride, v_new_head_stride;
-  int32_t seqlen_new;      // Nnew
-  int32_t page_size_log2;  // paged cache: log2(page size)
-  int32_t num_pages;       // paged cache: pages in k_ptr / v_ptr
-  int32_t cache_capacity;  // keys one sequence can hold: L_max, or max_pages * page_size
-  int32_t num_splits;
-  int32_t blocks_per_split;  // CTA key blocks (kNWarps * kWarpKeys keys) per split
-  int32_t* error_flags;      // [1] bits ORed in on bad device values (kBadPage ...), or nullptr
-  // Contiguous caches only (flash-attn's cache_batch_idx, cache_leftpad):
-  const int32_t*
-      cache_batch_idx;  // [B] the cache entry (of cache_batch) of each sequence, or nullptr: b
-  const int32_t* cache_leftpad;  // [B] the first key of each sequence's entry, or nullptr: 0
-  int32_t cache_batch;           // entries of the cache (its first axis)
-};
 
 // Exact merge of partial results: part p of output row (b, i, h) is
 //   O_p = o_parts_ptr[p * o_part_stride + b * o_batch_stride + i * o_row_stride + h * o_head_stride + :]
@@ -124,118 +96,6 @@ struct DecodeTraits {
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
   static_assert(32 % (kHeadDim / 8) == 0 || (kHeadDim / 8) % 32 == 0, "rows map onto lanes");
 };
-
-// Bits of DecodeParams::error_flags: a block-table entry, a length (cache_seqlens, or a
-// cache_leftpad past it), a cache_batch_idx entry out of range.
-enum : int32_t { kBadPage = 1, kBadSeqlen = 2, kBadCacheIndex = 4 };
-
-// Sets bits of *error_flags (one thread calls it).
-CF_DEVICE void report_error(const DecodeParams& p, int32_t bits) {
-  if (bits != 0 && p.error_flags != nullptr) atomicOr(p.error_flags, bits);
-}
-
-// Address of key row `key` of one (batch, KV head) in a contiguous or paged cache.
-template <typename Element>
-struct CacheRows {
-  Element* base;         // KV head applied; contiguous: the entry and the first key too
-  const int32_t* pages;  // this sequence's row of the block table, or nullptr
-  int64_t page_stride;   // paged: elements between pages
-  int64_t row_stride;
-  int page_size_log2;
-  int num_pages;
-
-  // A block-table entry outside [0, num_pages) sets *bad_page = 1 and gives a row of page 0
-  // (inside the cache: the caller reads it, whose result is NaN anyway, or writes nothing). A
-  // store, not a flag held in a register across the main loop: the d = 64, 64-row decode tile
-  // runs at 255 registers.
-  CF_DEVICE Element* row(int key, int* bad_page) const {
-    if (pages == nullptr) return base + key * row_stride;
-    const int entry = __ldg(pages + (key >> page_size_log2));
-    const bool bad = static_cast<unsigned>(entry) >= static_cast<unsigned>(num_pages);
-    if (bad) *bad_page = 1;
-    const int page = bad ? 0 : entry;
-    const int slot = key & ((1 << page_size_log2) - 1);
-    return base + page * page_stride + slot * row_stride;
-  }
-};
-
-// The rows of sequence `batch` in a cache, from key first_key of its entry on (contiguous caches:
-// entry = cache_batch_idx[batch], checked by decode_span; paged caches take first_key 0).
-template <typename Element>
-CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache,
-                                        int64_t batch_stride, int64_t row_stride,
-                                        int64_t head_stride, int batch, int head_k, int entry,
-                                        int first_key) {
-  Element* base = const_cast<Element*>(static_cast<const Element*>(cache)) + head_k * head_stride;
-  const bool paged = p.block_table != nullptr;
-  if (!paged) base += entry * batch_stride + first_key * row_stride;
-  return {base,
-          paged ? p.block_table + batch * p.block_table_batch_stride : nullptr,
-          batch_stride,
-          row_stride,
-          p.page_size_log2,
-          p.num_pages};
-}
-
-// Where sequence `batch` lives in the cache and which of its keys it attends: its entry (the
-// cache's first axis, contiguous caches), its first key (cache_leftpad) and the tokens cached
-// before this call's append. bad_len: a count the cache cannot hold with the append (< 0 or
-// > capacity - seqlen_new) or a first key outside [0, cached]; bad_entry: an entry outside
-// [0, cache_batch). Either makes the sequence empty (nothing read, nothing written) and its
-// rows NaN.
-struct CacheSpan {
-  int entry, first_key, cached;
-  bool bad_len, bad_entry;
-  CF_DEVICE bool bad() const { return bad_len || bad_entry; }
-  CF_DEVICE int32_t error_bits() const {
-    return (bad_len ? kBadSeqlen : 0) | (bad_entry ? kBadCacheIndex : 0);
-  }
-};
-
-CF_DEVICE CacheSpan decode_span(const DecodeParams& p, int batch) {
-  CacheSpan s;
-  s.cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.attn.seqlen_k;
-  s.first_key = p.cache_leftpad != nullptr ? p.cache_leftpad[batch] : 0;
-  s.entry = p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
-  s.bad_len = s.cached < 0 || s.cached > p.cache_capacity - p.seqlen_new || s.first_key < 0 ||
-              s.first_key > s.cached;
-  s.bad_entry = static_cast<unsigned>(s.entry) >= static_cast<unsigned>(p.cache_batch);
-  if (s.bad()) s.cached = s.first_key = s.entry = 0;
-  return s;
-}
-
-// Keys attended in sequence `batch`: from its first key, the cached ones and the appended ones
-// (0 when the span is bad).
-CF_DEVICE int decode_seqlen_k(const DecodeParams& p, const CacheSpan& span) {
-  return span.bad() ? 0 : span.cached + p.seqlen_new - span.first_key;
-}
-
-// Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] tile whose rows lie anywhere
-// (row_ptr(r): the row's address, or nullptr for a row to zero-fill) into a swizzled tile, with
-// kThreads threads: a warp for its own K/V slice, the CTA for Q. Each 32 threads read whole
-// 16-byte chunks of consecutive rows, so a warp instruction covers 512 contiguous-row bytes.
-template <typename Traits, int kRows, int kThreads, typename RowPtr>
-CF_DEVICE void load_rows_async(uint32_t s_tile, const RowPtr& row_ptr, int thread) {
-  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
-  constexpr int kChunks = kRows * kChunksPerRow;
-#pragma unroll 1
-  for (int it = 0; it < ceil_div(kChunks, kThreads); ++it) {
-    const int idx = it * kThreads + thread;
-    if (kChunks % kThreads == 0 || idx < kChunks) {
-      const int row = idx / kChunksPerRow;
-      const int chunk = idx % kChunksPerRow;
-      const typename Traits::Element* src = row_ptr(row);
-      const uint32_t dst = s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes;
-      if constexpr (Traits::Columns::kWholeChunks) {
-        const bool valid = Traits::Columns::holds(chunk) && src != nullptr;
-        cp_async_16(dst, src != nullptr ? src + chunk * 8 : row_ptr.fallback(), valid);
-      } else {  // 2-byte aligned rows: element by element (see TileColumns)
-        st_shared_b128(dst, src != nullptr ? ld_global_chunk<typename Traits::Columns>(src, chunk)
-                                           : make_uint4(0u, 0u, 0u, 0u));
-      }
-    }
-  }
-}
 
 // One warp copies keys [key0, key0 + kWarpKeys) of a cache into a swizzled [kWarpKeys][d] tile
 // (keys >= seqlen_k zero-filled). Lane l takes 16-byte chunk l % (d / 8) of rows l / (d / 8),

@@ -20,6 +20,7 @@
 
 #include "common.cuh"
 #include "dropout.cuh"
+#include "kvcache.cuh"  // CacheRows, CacheSpan: fa2_fwd_kvcache
 #include "mask.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
@@ -67,8 +68,125 @@ struct Fa2FwdTraits {
   static_assert(!Overlap || kStages == 2, "the overlapped loop runs two K and two V stages");
 };
 
+// K and V of one (batch, KV head) in dense or packed tensors: key block n_block at a fixed stride.
 template <typename Traits>
-CF_DEVICE void fa2_fwd(const AttnParams& params) {
+struct DenseKv {
+  using Element = typename Traits::Element;
+  const Element* k;
+  const Element* v;
+  int64_t k_row_stride, v_row_stride;
+
+  CF_DEVICE void load_k(uint32_t s_tile, int n_block, int rows_valid, int tid) const {
+    load_tile_async<Traits, Traits::kBlockN>(
+        s_tile, k + static_cast<int64_t>(n_block) * Traits::kBlockN * k_row_stride, k_row_stride,
+        rows_valid, tid);
+  }
+  CF_DEVICE void load_v(uint32_t s_tile, int n_block, int rows_valid, int tid) const {
+    load_tile_async<Traits, Traits::kBlockN>(
+        s_tile, v + static_cast<int64_t>(n_block) * Traits::kBlockN * v_row_stride, v_row_stride,
+        rows_valid, tid);
+  }
+  // The epilogue's barrier; dense tensors hold no device value to doubt.
+  CF_DEVICE bool barrier_any_bad() const {
+    __syncthreads();
+    return false;
+  }
+};
+
+// Rows [0, kRows) of keys key0 .. of a paged cache whose pages are smaller than the block, into a
+// swizzled tile (rows >= rows_valid zero-filled), as load_tile_async lays them out: each thread
+// keeps one 16-byte chunk column and walks down its rows. Every row's page is looked up first,
+// all lookups in flight together, then the copies are issued: with a lookup per copy, each copy
+// waited on its own dependent load of the block table.
+template <typename Traits, int kRows>
+CF_DEVICE void load_tile_paged(uint32_t s_tile, const CacheRows<typename Traits::Element>& rows,
+                               int key0, int rows_valid, int tid, int* bad_page) {
+  using Columns = typename Traits::Columns;
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  constexpr int kRowsPerIter = Traits::kNThreads / kChunksPerRow;
+  constexpr int kIters = ceil_div(kRows, kRowsPerIter);
+  const int chunk = tid % kChunksPerRow;
+  const int row0 = tid / kChunksPerRow;
+  int page[kIters];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int row = row0 + it * kRowsPerIter;
+    page[it] = 0;
+    if (row < rows_valid) {
+      const int entry = __ldg(rows.pages + ((key0 + row) >> rows.page_size_log2));
+      const bool bad = static_cast<unsigned>(entry) >= static_cast<unsigned>(rows.num_pages);
+      if (bad) *bad_page = 1;  // (page 0 is read instead: the rows are NaN anyway)
+      page[it] = bad ? 0 : entry;
+    }
+  }
+  const int slot_mask = (1 << rows.page_size_log2) - 1;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int row = row0 + it * kRowsPerIter;
+    if (kRows % kRowsPerIter == 0 || row < kRows) {
+      const bool valid = Columns::holds(chunk) && row < rows_valid;
+      const typename Traits::Element* src = rows.base + page[it] * rows.page_stride +
+                                            ((key0 + row) & slot_mask) * rows.row_stride +
+                                            chunk * 8;
+      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes,
+                  valid ? src : rows.base, valid);
+    }
+  }
+}
+
+// Key block n_block of a cache (kvcache.cuh) into a swizzled tile. A block that lies in one page
+// (contiguous caches, and pages of >= kBlockN keys: key blocks start at multiples of kBlockN and
+// page sizes are powers of two) is one address and a fixed stride, as a dense tensor's; smaller
+// pages take each row's page from the block table.
+template <typename Traits>
+CF_DEVICE void load_cache_block(uint32_t s_tile, const CacheRows<typename Traits::Element>& rows,
+                                int n_block, int rows_valid, int tid, int* bad_page) {
+  using Element = typename Traits::Element;
+  const int key0 = n_block * Traits::kBlockN;
+  if (rows.pages == nullptr || (1 << rows.page_size_log2) >= Traits::kBlockN) {
+    load_tile_async<Traits, Traits::kBlockN>(s_tile, rows.row(key0, bad_page), rows.row_stride,
+                                             rows_valid, tid);
+  } else if constexpr (Traits::Columns::kWholeChunks &&
+                       Traits::kNThreads % (Traits::kHeadDim / 8) == 0) {
+    load_tile_paged<Traits, Traits::kBlockN>(s_tile, rows, key0, rows_valid, tid, bad_page);
+  } else {  // rows of 12 or 24 chunks (d = 96, 192), or 2-byte aligned rows: row by row
+    struct {
+      const CacheRows<Element>& rows;
+      int key0, rows_valid;
+      int* bad_page;
+      CF_DEVICE const Element* operator()(int r) const {
+        return r < rows_valid ? rows.row(key0 + r, bad_page) : nullptr;
+      }
+      CF_DEVICE const Element* fallback() const { return rows.base; }
+    } row_ptr{rows, key0, rows_valid, bad_page};
+    load_rows_async<Traits, Traits::kBlockN, Traits::kNThreads>(s_tile, row_ptr, tid);
+  }
+}
+
+// K and V of one (batch, KV head) in a KV cache. A block-table entry outside the cache sets the
+// thread's *bad_page (a register: the block reads page 0 instead, inside the cache); the
+// epilogue's barrier ORs it over the CTA, and a bad span (the sequence's length, first key or
+// entry) counts as bad too: the CTA's rows are then NaN.
+template <typename Traits>
+struct CacheKv {
+  CacheRows<typename Traits::Element> k, v;
+  int* bad_page;
+  bool span_bad;
+
+  CF_DEVICE void load_k(uint32_t s_tile, int n_block, int rows_valid, int tid) const {
+    load_cache_block<Traits>(s_tile, k, n_block, rows_valid, tid, bad_page);
+  }
+  CF_DEVICE void load_v(uint32_t s_tile, int n_block, int rows_valid, int tid) const {
+    load_cache_block<Traits>(s_tile, v, n_block, rows_valid, tid, bad_page);
+  }
+  CF_DEVICE bool barrier_any_bad() const { return __syncthreads_or(*bad_page) != 0 || span_bad; }
+};
+
+// One CTA: query block m_block of rows_q of (batch, head) against the seqlen_k keys of `kv`.
+// Returns whether the rows were written as NaN (kv found a bad device value; CTA-uniform).
+template <typename Traits, typename Kv>
+CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, int head,
+                             const SeqRange rows_q, int seqlen_k, const Kv& kv) {
   using Element = typename Traits::Element;
   using Tile = typename Traits::Tile;
   constexpr int kBlockM = Traits::kBlockM;
@@ -82,22 +200,13 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   const uint32_t s_k = s_q + Traits::kSmemQElems * Traits::kElemBytes;  // [kStages][kBlockN][d]
   const uint32_t s_v = s_k + kStages * kStageBytes;                     // [kStages][kBlockN][d]
 
-  // Causal: the last query blocks see the most keys; launch them first so the long CTAs do not
-  // straggle at the end of the grid.
-  const int m_block = Traits::Is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int batch = blockIdx.y;
-  const int head = blockIdx.z;
-  const int head_k = head / params.h_h_k_ratio;
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp_row0 = (tid / 32) * Traits::kRowsPerWarp;  // first row of this warp in the block
 
-  const SeqRange rows_q = seq_range(params.cu_seqlens_q, batch, params.seqlen_q);
-  const SeqRange rows_k = key_range(params, batch);
   const int seqlen_q = rows_q.len;
-  const int seqlen_k = rows_k.len;
   const int row_block0 = m_block * kBlockM;
-  if (row_block0 >= seqlen_q) return;  // varlen: a sequence shorter than the grid (whole CTA)
+  if (row_block0 >= seqlen_q) return false;  // varlen: a sequence shorter than the grid
   const KeyMask<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> mask(
       m_block, seqlen_q, seqlen_k, params.window_left, params.window_right);
   const int n_begin = mask.n_block_begin();
@@ -106,18 +215,11 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   const int64_t q_row0 = rows_q.start + row_block0;  // first query row of the block
   const Element* g_q = static_cast<const Element*>(params.q_ptr) + batch * params.q_batch_stride +
                        head * params.q_head_stride + q_row0 * params.q_row_stride;
-  const Element* g_k = static_cast<const Element*>(params.k_ptr) + batch * params.k_batch_stride +
-                       head_k * params.k_head_stride + rows_k.start * params.k_row_stride;
-  const Element* g_v = static_cast<const Element*>(params.v_ptr) + batch * params.v_batch_stride +
-                       head_k * params.v_head_stride + rows_k.start * params.v_row_stride;
 
   auto load_kv = [&](int n_block, int stage) {
-    const int64_t key0 = static_cast<int64_t>(n_block) * kBlockN;
     const int rows_valid = seqlen_k - n_block * kBlockN;
-    load_tile_async<Traits, kBlockN>(s_k + stage * kStageBytes, g_k + key0 * params.k_row_stride,
-                                     params.k_row_stride, rows_valid, tid);
-    load_tile_async<Traits, kBlockN>(s_v + stage * kStageBytes, g_v + key0 * params.v_row_stride,
-                                     params.v_row_stride, rows_valid, tid);
+    kv.load_k(s_k + stage * kStageBytes, n_block, rows_valid, tid);
+    kv.load_v(s_v + stage * kStageBytes, n_block, rows_valid, tid);
   };
 
   float acc_o[kMTiles][Traits::kDTiles][4];
@@ -186,17 +288,11 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
     const int n_blocks = max(n_end - n_begin, 0);
     auto load_k = [&](int it) {  // K of the it-th visited block (n_end - 1 - it) into stage it % 2
       const int n_block = n_end - 1 - it;
-      load_tile_async<Traits, kBlockN>(
-          s_k + (it % 2) * kStageBytes,
-          g_k + static_cast<int64_t>(n_block) * kBlockN * params.k_row_stride, params.k_row_stride,
-          seqlen_k - n_block * kBlockN, tid);
+      kv.load_k(s_k + (it % 2) * kStageBytes, n_block, seqlen_k - n_block * kBlockN, tid);
     };
     auto load_v = [&](int it) {
       const int n_block = n_end - 1 - it;
-      load_tile_async<Traits, kBlockN>(
-          s_v + (it % 2) * kStageBytes,
-          g_v + static_cast<int64_t>(n_block) * kBlockN * params.v_row_stride, params.v_row_stride,
-          seqlen_k - n_block * kBlockN, tid);
+      kv.load_v(s_v + (it % 2) * kStageBytes, n_block, seqlen_k - n_block * kBlockN, tid);
     };
     if (n_blocks > 0) load_k(0);
     cp_async_commit();  // group: Q, K_0
@@ -245,7 +341,12 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   scale_rows(acc_o, inv_sum);
 
   cp_async_wait<0>();
-  __syncthreads();
+  const bool bad = kv.barrier_any_bad();  // every warp is done with the Q tile, which takes O
+  if (bad) {  // a cache's bad device value: NaN rows, not a plausible answer
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) inv_sum[r] = lse[r] = quiet_nan();
+    scale_rows(acc_o, inv_sum);
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -287,5 +388,58 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
       const int row = row_block0 + warp_row0 + 16 * (r / 2) + lane / 4 + 8 * (r % 2);
       if (row < seqlen_q) g_lse[row] = lse[r];
     }
+  }
+  return bad;
+}
+
+// attention / attention_varlen: K and V rows of batch entry b (packed: its cu_seqlens_k range).
+template <typename Traits>
+CF_DEVICE void fa2_fwd(const AttnParams& params) {
+  using Element = typename Traits::Element;
+  // Causal: the last query blocks see the most keys; launch them first so the long CTAs do not
+  // straggle at the end of the grid.
+  const int m_block = Traits::Is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int batch = blockIdx.y;
+  const int head = blockIdx.z;
+  const int head_k = head / params.h_h_k_ratio;
+  const SeqRange rows_k = key_range(params, batch);
+  const DenseKv<Traits> kv{
+      static_cast<const Element*>(params.k_ptr) + batch * params.k_batch_stride +
+          head_k * params.k_head_stride + rows_k.start * params.k_row_stride,
+      static_cast<const Element*>(params.v_ptr) + batch * params.v_batch_stride +
+          head_k * params.v_head_stride + rows_k.start * params.v_row_stride,
+      params.k_row_stride, params.v_row_stride};
+  fa2_fwd_block<Traits>(params, m_block, batch, head,
+                        seq_range(params.cu_seqlens_q, batch, params.seqlen_q), rows_k.len, kv);
+}
+
+// Many query tokens against a KV cache (attention_with_kvcache past the decode kernel's query
+// count, after its append), and packed sequences over a paged cache (attention_varlen's
+// block_table): the keys through the cache view of kvcache.cuh, every device value checked.
+template <typename Traits>
+CF_DEVICE void fa2_fwd_kvcache(const DecodeParams& p) {
+  using Element = typename Traits::Element;
+  const AttnParams& params = p.attn;
+  const int m_block = Traits::Is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int batch = blockIdx.y;
+  const int head = blockIdx.z;
+  const int head_k = head / params.h_h_k_ratio;
+  const CacheSpan span = cache_span(p, batch);
+  int bad_page = 0;
+  const CacheKv<Traits> kv{
+      cache_rows<Element>(p, params.k_ptr, params.k_batch_stride, params.k_row_stride,
+                          params.k_head_stride, batch, head_k, span.entry, span.first_key),
+      cache_rows<Element>(p, params.v_ptr, params.v_batch_stride, params.v_row_stride,
+                          params.v_head_stride, batch, head_k, span.entry, span.first_key),
+      &bad_page, span.bad()};
+  const bool bad = fa2_fwd_block<Traits>(params, m_block, batch, head,
+                                         seq_range(params.cu_seqlens_q, batch, params.seqlen_q),
+                                         decode_seqlen_k(p, span), kv);
+  // One report per sequence for its span (every CTA of it sees the same one), one per CTA for a
+  // page (no page is read through a bad span).
+  if (threadIdx.x == 0) {
+    int32_t bits = blockIdx.x == 0 && head == 0 ? span.error_bits() : 0;
+    if (bad && !span.bad()) bits |= kBadPage;
+    report_error(p, bits);
   }
 }

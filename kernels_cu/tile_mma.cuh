@@ -74,6 +74,33 @@ CF_DEVICE void load_tile_async(uint32_t s_tile, const typename Traits::Element* 
   }
 }
 
+// Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] tile whose rows lie anywhere
+// (row_ptr(r): the row's address, or nullptr for a row to zero-fill) into a swizzled tile, with
+// kThreads threads: a warp for its own K/V slice, the CTA for Q. Each 32 threads read whole
+// 16-byte chunks of consecutive rows, so a warp instruction covers 512 contiguous-row bytes.
+template <typename Traits, int kRows, int kThreads, typename RowPtr>
+CF_DEVICE void load_rows_async(uint32_t s_tile, const RowPtr& row_ptr, int thread) {
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll 1
+  for (int it = 0; it < ceil_div(kChunks, kThreads); ++it) {
+    const int idx = it * kThreads + thread;
+    if (kChunks % kThreads == 0 || idx < kChunks) {
+      const int row = idx / kChunksPerRow;
+      const int chunk = idx % kChunksPerRow;
+      const typename Traits::Element* src = row_ptr(row);
+      const uint32_t dst = s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes;
+      if constexpr (Traits::Columns::kWholeChunks) {
+        const bool valid = Traits::Columns::holds(chunk) && src != nullptr;
+        cp_async_16(dst, src != nullptr ? src + chunk * 8 : row_ptr.fallback(), valid);
+      } else {  // 2-byte aligned rows: element by element (see TileColumns)
+        st_shared_b128(dst, src != nullptr ? ld_global_chunk<typename Traits::Columns>(src, chunk)
+                                           : make_uint4(0u, 0u, 0u, 0u));
+      }
+    }
+  }
+}
+
 // A operand of Q K^T for the warp's kMTiles row tiles at k-step ds (columns 16 ds .. 16 ds + 15).
 // ldmatrix matrices 0..3 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
 // (rows 8-15, k 8-15): exactly the a0..a3 registers of m16n8k16.

@@ -78,7 +78,6 @@ def test_with_kvcache_appends_and_reads_the_whole_cache_by_default(rng):
 @pytest.mark.parametrize(
     ("call", "name"),
     [
-        (lambda q: fa.flash_attn_with_kvcache(q, q, q, alibi_slopes=np.ones(2)), "alibi_slopes"),
         (lambda q: fa.flash_attn_with_kvcache(q, q, q, rotary_cos=np.ones(4), rotary_sin=np.ones(4)), "rotary_cos"),
     ],
 )

@@ -33,12 +33,17 @@ def _paginate(torch, caches, page_size, gen):
 
 
 # (Nq, Hq, Hkv, causal): one token with GQA 4 (the benchmark's rows), speculative tokens with
-# causal masking, MHA, and MQA with 16 tokens (128 packed rows: several m-blocks).
+# causal masking, MHA, and MQA with 16 tokens (128 packed rows: several m-blocks); past 16 query
+# tokens (chunked prefill against the cache) the FA2 kernel over the cache view: 17 (one ragged
+# query block), 150 (two blocks, causal), MHA not causal.
 ROWS = {
     "nq1-gqa4": (1, 8, 2, True),
     "nq3-gqa4-causal": (3, 8, 2, True),
     "nq5-mha": (5, 2, 2, False),
     "nq16-mqa8-causal": (16, 8, 1, True),
+    "nq17-gqa4-causal": (17, 8, 2, True),
+    "nq150-gqa4-causal": (150, 8, 2, True),
+    "nq40-mha": (40, 2, 2, False),
 }
 
 
@@ -51,7 +56,7 @@ def test_decode_matches_reference(rng, dtype, head_dim, rows, paged):
 
 
 @pytest.mark.parametrize("page_size", [0, 1, 16], ids=["contiguous", "paged1", "paged16"])
-@pytest.mark.parametrize("rows", ["nq1-gqa4", "nq16-mqa8-causal"], ids=str)
+@pytest.mark.parametrize("rows", ["nq1-gqa4", "nq16-mqa8-causal", "nq40-mha"], ids=str)
 @pytest.mark.parametrize("head_dim", [8, 32, 59, 80, 96, 160, 224])
 def test_decode_head_dims_below_a_tile_width(rng, head_dim, rows, page_size):
     """The next tile width's decode and append kernels with the columns past head_dim zero in
@@ -109,6 +114,14 @@ def test_paged_equals_contiguous(rng, page_size):
         assert torch.equal(dense, paged), f"page_size={page_size}, num_splits={splits}"
     ref = kv_reference(q, k, v, [1000, 1, 400], True)[0]
     assert rel_error(reference.to_numpy64(paged), ref) < BOUND["bfloat16"]
+    # 40 query tokens: the FA2 kernel over the cache view, a block in one page or row by row
+    q40 = torch.randn(b, 40, hq, d, generator=gen).to("cuda", torch.bfloat16)
+    dense = cupyflash.attention_with_kvcache(q40, k, v, cache_seqlens=seqlens, causal=True)
+    paged, lse = cupyflash.attention_with_kvcache(
+        q40, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, causal=True, return_lse=True
+    )
+    assert torch.equal(dense, paged), f"page_size={page_size}, 40 queries"
+    check_kvcache(paged, lse, q40, k, v, [1000, 1, 400], True, "bfloat16")
 
 
 def test_append_writes_the_cache_in_place(rng):
@@ -157,13 +170,14 @@ def test_int_seqlens_and_cupy_arrays(rng):
     check_kvcache(out, lse, q, k, v, [250, 250], True, "float16")
 
 
-def test_bad_device_values_without_append_give_nan_rows():
+@pytest.mark.parametrize("nq", [1, 20], ids=["decode", "fa2"])
+def test_bad_device_values_without_append_give_nan_rows(nq):
     """Values the host never reads, on the read-only path (no k_new): a length beyond the cache
     or below 0, a page id outside the cache in a page the sequence uses; that sequence's rows
     are NaN (O and LSE), not a plausible answer from clamped reads, and the others are right.
     (The append path: tests/test_gpu_reliability.py.)"""
     torch = need_torch()
-    q = torch.randn(3, 1, 4, 64, device="cuda", dtype=torch.float16)
+    q = torch.randn(3, nq, 4, 64, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(3, 100, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
     lengths = torch.tensor([1000, -5, 60], dtype=torch.int32, device="cuda")
     out, lse = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, return_lse=True)
@@ -190,7 +204,7 @@ def test_bad_device_values_without_append_give_nan_rows():
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
-@pytest.mark.parametrize("nq", [1, 4])
+@pytest.mark.parametrize("nq", [1, 4, 33])
 @pytest.mark.parametrize("splits", [1, 0])
 def test_cache_batch_idx_and_leftpad(rng, head_dim, nq, splits):
     """flash-attn's cache_batch_idx (sequence b reads and appends to cache entry idx[b]) and
@@ -199,7 +213,7 @@ def test_cache_batch_idx_and_leftpad(rng, head_dim, nq, splits):
     torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     entries_n, length, hq, hkv = 6, 1031, 8, 2
-    entries, first_keys, cached = [5, 0, 3], [0, 17, 600], [1, 500, 1000]
+    entries, first_keys, cached = [5, 0, 3], [0, 17, 600], [1, 500, min(1000, length - nq)]
     b = len(entries)
     q = torch.randn(b, nq, hq, head_dim, generator=gen).to("cuda", torch.bfloat16)
     k, v = (torch.randn(entries_n, length, hkv, head_dim, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
@@ -236,7 +250,7 @@ def test_cache_batch_idx_and_leftpad(rng, head_dim, nq, splits):
     "options", [{"window": (100, -1)}, {"softcap": 5.0}, {"window": (300, -1), "softcap": 3.0}], ids=str
 )
 @pytest.mark.parametrize("page_size", [0, 16])
-@pytest.mark.parametrize("nq", [1, 5])
+@pytest.mark.parametrize("nq", [1, 5, 70])
 def test_decode_window_and_softcap(rng, options, page_size, nq):
     """A sliding window (the key blocks before it skipped) and softcap in the decode kernel, on
     ragged caches with an append, contiguous and paged, against the float64 reference."""
@@ -267,14 +281,15 @@ def test_decode_window_and_softcap(rng, options, page_size, nq):
         np.testing.assert_allclose(lse64[i : i + 1], ref_lse, atol=2e-2)
 
 
-def test_bad_batch_idx_and_leftpad_give_nan_rows_and_append_nothing():
+@pytest.mark.parametrize("nq", [1, 20], ids=["decode", "fa2"])
+def test_bad_batch_idx_and_leftpad_give_nan_rows_and_append_nothing(nq):
     """A cache_batch_idx outside the cache's entries, a cache_leftpad past cache_seqlens: that
     sequence's rows are NaN, nothing is appended for it, the others are right, and
     check_device_errors names the value."""
     torch = need_torch()
-    q = torch.randn(3, 1, 4, 64, device="cuda", dtype=torch.float16)
+    q = torch.randn(3, nq, 4, 64, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(4, 100, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
-    new = torch.ones(3, 1, 2, 64, device="cuda", dtype=torch.float16)
+    new = torch.ones(3, nq, 2, 64, device="cuda", dtype=torch.float16)
     ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
     for idx, pad, message in (([7, 1, 2], [0, 0, 0], "cache_batch_idx value"), ([0, 1, 2], [50, 0, 0], "leftpad")):
         k0, v0 = k.clone(), v.clone()
@@ -401,9 +416,10 @@ def test_gpu_bad_input_leaves_the_cache_untouched():
     table = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="page size 24 .* is not supported"):
         cupyflash.attention_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table, k_new=new, v_new=new)
-    with pytest.raises(ValueError, match="1 to 16 query tokens"):
+    many = new.expand(2, 17, 2, 64)
+    with pytest.raises(ValueError, match="goes beyond the cache"):  # 17 queries: the FA2 path checks the same
         cupyflash.attention_with_kvcache(torch.randn(2, 17, 4, 64, device="cuda", dtype=torch.float16), k, v,
-                                         cache_seqlens=3)  # fmt: skip
+                                         cache_seqlens=16, k_new=many, v_new=many)  # fmt: skip
     wide = torch.randn(2, 32, 2, 264, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="head_dim from 1 to 256"):
         cupyflash.attention_with_kvcache(torch.randn(2, 1, 4, 264, device="cuda", dtype=torch.float16), wide, wide,

@@ -92,6 +92,38 @@ def test_plans_do_not_touch_the_device(monkeypatch):
     assert [s.spec.kernel for s in launch.steps] == ["decode_append", "decode_partial"]
 
 
+def test_cache_calls_past_the_decode_kernel_run_fa2_over_the_cache():
+    """More than DECODE_MAX_QUERIES query tokens, or ALiBi, on the cache call: the append, then the
+    FA2 forward over the cache view (grid per query block, batch, query head); packed sequences
+    over pages the same kernel alone."""
+    import dataclasses
+
+    from cupyflash._validate import ALIBI_HEAD, KvCacheProblem, varlen_problem
+
+    def cache(nq: int) -> KvCacheProblem:
+        return kvcache_problem(
+            (4, nq, 8, 128), (64, 16, 2, 128), (64, 16, 2, 128), cache_seqlens=5, block_table_shape=(4, 16),
+            k_new_shape=(4, nq, 2, 128), v_new_shape=(4, nq, 2, 128), causal=True, scale=None,
+        )  # fmt: skip
+
+    dtypes = {"q": "bfloat16", "block_table": "int32"}
+    launch = _plan.plan_kvcache(cache(17), dtypes, H200, num_splits=0)
+    assert [s.spec.kernel for s in launch.steps] == ["decode_append", "fa2_fwd_kvcache"]
+    assert launch.steps[1].grid == (1, 4, 8) and launch.scratch is None and launch.error_slot >= 0
+    alibi = cache(1)
+    alibi = dataclasses.replace(alibi, attn=dataclasses.replace(alibi.attn, alibi=ALIBI_HEAD))
+    launch = _plan.plan_kvcache(alibi, dtypes, H200, num_splits=0)
+    assert launch.steps[1].spec.kernel == "fa2_fwd_kvcache" and launch.steps[1].spec.alibi
+    packed = varlen_problem(
+        (100, 8, 128), (64, 16, 2, 128), (64, 16, 2, 128), (5,), (5,), 60, 256, causal=True, scale=None,
+        window=(-1, -1), softcap=0.0, block_table_shape=(4, 16),
+    )  # fmt: skip
+    index = dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "block_table"), "int32")
+    launch = _plan.plan_paged_varlen(packed, {"q": "bfloat16", "k": "bfloat16", "v": "bfloat16", **index}, H200,
+                                     (100, 8, 128), (4, 16), 64)  # fmt: skip
+    assert [s.spec.kernel for s in launch.steps] == ["fa2_fwd_kvcache"] and launch.steps[0].grid[1:] == (4, 8)
+
+
 def test_auto_runs_one_token_queries_on_the_decode_kernel():
     one = _dense(shapes=((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128)))
     launch = _plan.plan_attention(one, "bfloat16", H200, "auto", (1, 1, 8, 128))

@@ -1,0 +1,151 @@
+// The KV-cache view: where sequence b's keys live in a cache (contiguous entries, or pages
+// through a block table), which of them it attends, and the checks of the device-side values
+// that say so. Shared by the split-KV decode kernel and its append (decode.cu) and by the FA2
+// forward over a cache (fa2_fwd.cu: many query tokens against a cache, packed sequences over
+// pages). A device value is never trusted and never clamped into a plausible answer: a sequence
+// whose length, first key or entry is out of range, or one of whose pages in use has a
+// block-table entry outside [0, num_pages), reads and writes nothing through it, gets NaN rows,
+// and sets a bit of *error_flags, which the host turns into an exception
+// (cupyflash.check_device_errors).
+#pragma once
+
+#include "common.cuh"
+#include "params.cuh"
+
+struct DecodeParams {
+  // q [B, Nq, Hq, d], o, lse as for attention (seqlen_q = Nq). k_ptr / v_ptr are the caches;
+  // their batch strides are page strides when paged. seqlen_k is the cached length of every
+  // sequence when cache_seqlens is nullptr (an int given on the host).
+  AttnParams attn;
+  const int32_t* cache_seqlens;  // [B] tokens already in the cache, or nullptr
+  const int32_t* block_table;    // [B, max_pages] page of each page-sized key range, or nullptr
+  const void* k_new_ptr;         // [B, Nnew, Hkv, d] appended before attending, or nullptr
+  const void* v_new_ptr;         // [B, Nnew, Hkv, d]
+  float* o_partial_ptr;          // [num_splits, B, Hq, Nq, d], when num_splits > 1
+  float* lse_partial_ptr;        // [num_splits, B, Hq, Nq]
+  int32_t* split_counters;       // [B, Hkv, m_blocks] tickets, 0 between calls, when num_splits > 1
+  int64_t block_table_batch_stride;
+  int64_t k_new_batch_stride, k_new_row_stride, k_new_head_stride;
+  int64_t v_new_batch_stride, v_new_row_stride, v_new_head_stride;
+  int32_t seqlen_new;      // Nnew
+  int32_t page_size_log2;  // paged cache: log2(page size)
+  int32_t num_pages;       // paged cache: pages in k_ptr / v_ptr
+  int32_t cache_capacity;  // keys one sequence can hold: L_max, or max_pages * page_size
+  int32_t num_splits;
+  int32_t blocks_per_split;  // CTA key blocks (kNWarps * kWarpKeys keys) per split
+  int32_t* error_flags;      // [1] bits ORed in on bad device values (kBadPage ...), or nullptr
+  // Contiguous caches only (flash-attn's cache_batch_idx, cache_leftpad):
+  const int32_t*
+      cache_batch_idx;  // [B] the cache entry (of cache_batch) of each sequence, or nullptr: b
+  const int32_t* cache_leftpad;  // [B] the first key of each sequence's entry, or nullptr: 0
+  int32_t cache_batch;           // entries of the cache (its first axis)
+};
+
+// Bits of DecodeParams::error_flags: a block-table entry, a length (cache_seqlens, or a
+// cache_leftpad past it), a cache_batch_idx entry out of range.
+enum : int32_t { kBadPage = 1, kBadSeqlen = 2, kBadCacheIndex = 4 };
+
+// Sets bits of *error_flags (one thread calls it).
+CF_DEVICE void report_error(const DecodeParams& p, int32_t bits) {
+  if (bits != 0 && p.error_flags != nullptr) atomicOr(p.error_flags, bits);
+}
+
+// Address of key row `key` of one (batch, KV head) in a contiguous or paged cache.
+template <typename Element>
+struct CacheRows {
+  Element* base;         // KV head applied; contiguous: the entry and the first key too
+  const int32_t* pages;  // this sequence's row of the block table, or nullptr
+  int64_t page_stride;   // paged: elements between pages
+  int64_t row_stride;
+  int page_size_log2;
+  int num_pages;
+
+  // A block-table entry outside [0, num_pages) sets *bad_page = 1 and gives a row of page 0
+  // (inside the cache: the caller reads it, whose result is NaN anyway, or writes nothing). A
+  // store, not a flag held in a register across the main loop: the d = 64, 64-row decode tile
+  // runs at 255 registers.
+  CF_DEVICE Element* row(int key, int* bad_page) const {
+    if (pages == nullptr) return base + key * row_stride;
+    const int entry = __ldg(pages + (key >> page_size_log2));
+    const bool bad = static_cast<unsigned>(entry) >= static_cast<unsigned>(num_pages);
+    if (bad) *bad_page = 1;
+    const int page = bad ? 0 : entry;
+    const int slot = key & ((1 << page_size_log2) - 1);
+    return base + page * page_stride + slot * row_stride;
+  }
+};
+
+// The rows of sequence `batch` in a cache, from key first_key of its entry on (contiguous caches:
+// entry = cache_batch_idx[batch], checked by decode_span; paged caches take first_key 0).
+template <typename Element>
+CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache,
+                                        int64_t batch_stride, int64_t row_stride,
+                                        int64_t head_stride, int batch, int head_k, int entry,
+                                        int first_key) {
+  Element* base = const_cast<Element*>(static_cast<const Element*>(cache)) + head_k * head_stride;
+  const bool paged = p.block_table != nullptr;
+  if (!paged) base += entry * batch_stride + first_key * row_stride;
+  return {base,
+          paged ? p.block_table + batch * p.block_table_batch_stride : nullptr,
+          batch_stride,
+          row_stride,
+          p.page_size_log2,
+          p.num_pages};
+}
+
+// Where sequence `batch` lives in the cache and which of its keys it attends: its entry (the
+// cache's first axis, contiguous caches), its first key (cache_leftpad) and the tokens cached
+// before this call's append. bad_len: a count the cache cannot hold with the append (< 0 or
+// > capacity - seqlen_new) or a first key outside [0, cached]; bad_entry: an entry outside
+// [0, cache_batch). Either makes the sequence empty (nothing read, nothing written) and its
+// rows NaN.
+struct CacheSpan {
+  int entry, first_key, cached;
+  bool bad_len, bad_entry;
+  CF_DEVICE bool bad() const { return bad_len || bad_entry; }
+  CF_DEVICE int32_t error_bits() const {
+    return (bad_len ? kBadSeqlen : 0) | (bad_entry ? kBadCacheIndex : 0);
+  }
+};
+
+CF_DEVICE CacheSpan decode_span(const DecodeParams& p, int batch) {
+  CacheSpan s;
+  s.cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.attn.seqlen_k;
+  s.first_key = p.cache_leftpad != nullptr ? p.cache_leftpad[batch] : 0;
+  s.entry = p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
+  s.bad_len = s.cached < 0 || s.cached > p.cache_capacity - p.seqlen_new || s.first_key < 0 ||
+              s.first_key > s.cached;
+  s.bad_entry = static_cast<unsigned>(s.entry) >= static_cast<unsigned>(p.cache_batch);
+  if (s.bad()) s.cached = s.first_key = s.entry = 0;
+  return s;
+}
+
+// Keys attended in sequence `batch`: from its first key, the cached ones and the appended ones
+// (0 when the span is bad).
+CF_DEVICE int decode_seqlen_k(const DecodeParams& p, const CacheSpan& span) {
+  return span.bad() ? 0 : span.cached + p.seqlen_new - span.first_key;
+}
+
+// Packed sequences over a paged cache (attention_varlen's block_table): sequence b's key count
+// is cu_seqlens_k[b + 1] - cu_seqlens_k[b] (cut to seqused_k[b] where given), its keys from slot 0
+// of its first page. A negative offset or count, a seqused_k outside [0, count], or a count past
+// its block-table row (capacity) is bad_len.
+CF_DEVICE CacheSpan packed_span(const DecodeParams& p, int batch) {
+  const AttnParams& a = p.attn;
+  const int start = a.cu_seqlens_k[batch];
+  const int count = a.cu_seqlens_k[batch + 1] - start;
+  const int used = a.seqused_k != nullptr ? a.seqused_k[batch] : count;
+  CacheSpan s;
+  s.entry = batch;
+  s.first_key = 0;
+  s.bad_len = start < 0 || count < 0 || count > p.cache_capacity || used < 0 || used > count;
+  s.bad_entry = false;
+  s.cached = s.bad_len ? 0 : used;
+  return s;
+}
+
+// The span of sequence b for the FA2 forward over a cache: packed sequences where cu_seqlens_k
+// is given, else attention_with_kvcache's.
+CF_DEVICE CacheSpan cache_span(const DecodeParams& p, int batch) {
+  return p.attn.cu_seqlens_k != nullptr ? packed_span(p, batch) : decode_span(p, batch);
+}
