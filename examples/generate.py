@@ -17,49 +17,10 @@ import time
 
 import numpy as np
 import torch
+from tinygpt import TinyGPT
 
 import cupyflash
 from cupyflash import reference
-
-
-class TinyGPT:
-    """Pre-norm decoder: token + position embeddings, n_layers x (GQA attention, 4x GELU MLP)."""
-
-    def __init__(self, *, vocab: int, d_model: int, n_layers: int, heads_q: int, heads_kv: int, max_len: int) -> None:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        w = lambda *shape: torch.randn(*shape, generator=gen, device="cuda") / shape[0] ** 0.5  # noqa: E731
-        self.heads_q, self.heads_kv, self.head_dim = heads_q, heads_kv, d_model // heads_q
-        kv_dim = heads_kv * self.head_dim
-        self.embed = torch.randn(vocab, d_model, generator=gen, device="cuda").bfloat16()
-        self.pos = (0.1 * torch.randn(max_len, d_model, generator=gen, device="cuda")).bfloat16()
-        self.layers = [
-            {
-                "qkv": w(d_model, d_model + 2 * kv_dim).bfloat16(),
-                "out": w(d_model, d_model).bfloat16(),
-                "up": w(d_model, 4 * d_model).bfloat16(),
-                "down": w(4 * d_model, d_model).bfloat16(),
-            }
-            for _ in range(n_layers)
-        ]
-        self.unembed = w(d_model, vocab).bfloat16()
-
-    def split_qkv(self, x: torch.Tensor, layer: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, n, _ = x.shape
-        qkv = torch.nn.functional.rms_norm(x, (x.shape[-1],)) @ layer["qkv"]
-        q, k, v = qkv.split([self.heads_q * self.head_dim, *(2 * [self.heads_kv * self.head_dim])], dim=-1)
-        return (
-            q.reshape(b, n, self.heads_q, self.head_dim),
-            k.reshape(b, n, self.heads_kv, self.head_dim),
-            v.reshape(b, n, self.heads_kv, self.head_dim),
-        )
-
-    def finish_layer(self, x: torch.Tensor, attn: torch.Tensor, layer: dict) -> torch.Tensor:
-        x = x + attn.flatten(2) @ layer["out"]
-        h = torch.nn.functional.rms_norm(x, (x.shape[-1],)) @ layer["up"]
-        return x + torch.nn.functional.gelu(h) @ layer["down"]
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],)) @ self.unembed
 
 
 class PagedCache:
