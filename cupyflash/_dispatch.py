@@ -31,6 +31,7 @@ from ._specs import (
     KernelSpec,
     MergeSpec,
     NaiveSoftmaxSpec,
+    RotaryQSpec,
     TileConfig,
     tile_width,
 )
@@ -347,6 +348,7 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
                 for causal in (False, True):
                     specs.append(DecodeSpec(dtype, head_dim, tile, causal))
             specs.append(DecodeAppendSpec(dtype, head_dim))
+            specs.append(RotaryQSpec(dtype, head_dim))
             specs.append(MergeSpec("float32", dtype, head_dim))
             specs.append(MergeSpec(dtype, dtype, head_dim))
     return specs

@@ -216,11 +216,13 @@ _HOST_BLOCKS_PER_SPLIT = 4
 def attention_with_kvcache(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, p: KvCacheProblem,
     num_splits: int, batch_idx: Any = None, leftpad: Any = None, alibi_slopes: Any = None,
+    rotary_cos: Any = None, rotary_sin: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     from . import xp_impl
 
     arrays = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     arrays += [] if k_new is None else [("k_new", k_new), ("v_new", v_new)]
+    arrays += [] if rotary_cos is None else [("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)]
     arrays += [] if alibi_slopes is None else [("alibi_slopes", alibi_slopes)]
     given = (("cache_seqlens", seqlens), ("block_table", table), ("cache_batch_idx", batch_idx),
              ("cache_leftpad", leftpad))  # fmt: skip
@@ -236,6 +238,16 @@ def attention_with_kvcache(
     first_keys = None if leftpad is None else _host_ints(leftpad)
     check_kvcache_values(cached, pages, p, entries, first_keys)
     layout = xp_impl.CacheLayout(pages, p.page_size, entries)
+    if p.rotary_half:  # k_new at its cache positions, q at the first new one (+ i per token)
+        nq = p.attn.seqlen_q
+        k_new = xp_impl.rotary(
+            xp, k_new, rotary_cos, rotary_sin, [[n + t for t in range(p.seqlen_new)] for n in cached],
+            p.rotary_interleaved,
+        )  # fmt: skip
+        step = 1 if p.rotary_q_per_token else 0
+        q = xp_impl.rotary(
+            xp, q, rotary_cos, rotary_sin, [[n + step * i for i in range(nq)] for n in cached], p.rotary_interleaved
+        )
     if k_new is not None:
         xp_impl.append_kv(xp, k_cache, k_new, cached, layout)
         xp_impl.append_kv(xp, v_cache, v_new, cached, layout)

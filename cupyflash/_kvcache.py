@@ -26,7 +26,7 @@ from ._validate import (
 _plans = _plan.new_cache()
 _merge_plans = _plan.new_cache()
 _KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx",
-             "cache_leftpad", "alibi_slopes")  # fmt: skip
+             "cache_leftpad", "alibi_slopes", "rotary_cos", "rotary_sin")  # fmt: skip
 
 
 @overload
@@ -46,6 +46,9 @@ def attention_with_kvcache(
     window: tuple[int, int] = ...,
     softcap: float = ...,
     alibi_slopes: Any = ...,
+    rotary_cos: Any = ...,
+    rotary_sin: Any = ...,
+    rotary_interleaved: bool = ...,
     num_splits: int = ...,
     return_lse: Literal[False] = ...,
 ) -> Any: ...
@@ -66,6 +69,9 @@ def attention_with_kvcache(
     window: tuple[int, int] = ...,
     softcap: float = ...,
     alibi_slopes: Any = ...,
+    rotary_cos: Any = ...,
+    rotary_sin: Any = ...,
+    rotary_interleaved: bool = ...,
     num_splits: int = ...,
     return_lse: Literal[True],
 ) -> tuple[Any, Any]: ...
@@ -85,6 +91,9 @@ def attention_with_kvcache(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Any = None,
+    rotary_cos: Any = None,
+    rotary_sin: Any = None,
+    rotary_interleaved: bool = True,
     num_splits: int = 0,
     return_lse: bool = False,
 ) -> Any:
@@ -140,6 +149,16 @@ def attention_with_kvcache(
     alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
         ALiBi, as ``attention``'s: the score of query ``i`` and key ``j`` gains
         ``-slope * |i + Nk_b - Nq - j|``. On the GPU it runs on the FA2 kernel (not with softcap).
+    rotary_cos, rotary_sin : arrays ``(seqlen_ro, rotary_dim / 2)``, optional, q's dtype
+        Rotary embedding applied before attending, as flash-attn's: ``k_new`` token ``t`` of
+        sequence ``b`` is rotated at position ``cache_seqlens[b] + t`` as it is appended, query
+        token ``i`` at ``cache_seqlens[b] + i`` when ``causal`` or a ``window`` is set, else all at
+        ``cache_seqlens[b]``; the first ``rotary_dim`` columns rotate, the rest pass. Needs
+        ``k_new``; ``seqlen_ro`` at least the cache's capacity. On the GPU the append rotates
+        k_new and a small kernel rotates q into a temporary (one launch more).
+    rotary_interleaved : bool
+        flash-attn's: pairs columns ``(2i, 2i + 1)`` (True, its default) or ``(i, i + rotary_dim / 2)``
+        (False, GPT-NeoX's and Llama's).
     num_splits : int
         Splits of the KV sequence: 0 chooses from the GPU's SM count, the batch, the heads and
         the cache length; 1 runs the same kernel without splitting (no combine step).
@@ -181,7 +200,7 @@ def attention_with_kvcache(
     if _interop.compiling():  # Dynamo traces the custom op, not this function's body
         return _interop.torch_ops.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse,
-            cache_batch_idx, cache_leftpad, window, softcap, alibi_slopes,
+            cache_batch_idx, cache_leftpad, window, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
         )  # fmt: skip
     if type(causal) is not bool or window != (-1, -1) or softcap != 0.0:  # the defaults skip the checks
         causal, scale, window, softcap = check_options(causal, scale, window, softcap)
@@ -190,25 +209,29 @@ def attention_with_kvcache(
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
     seqlens = None if type(cache_seqlens) is int else cache_seqlens
-    batch_idx, leftpad, slopes = cache_batch_idx, cache_leftpad, alibi_slopes
+    batch_idx, leftpad, slopes, cos, sin = cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin
     if slopes is not None:
         _interop.refuse_slope_grad(slopes)
-    found = _interop.lean_arrays(q, k_cache, v_cache, (seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes))
+    if (cos is None) != (sin is None):
+        raise ValueError("rotary_cos and rotary_sin go together: give both or neither")
+    rotary = None if cos is None else rotary_interleaved
+    others = (seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin)
+    found = _interop.lean_arrays(q, k_cache, v_cache, others)
     if found is None:
-        arrays = _interop.gpu_arrays(
-            _KV_NAMES, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes)
-        )
+        arrays = _interop.gpu_arrays(_KV_NAMES, (q, k_cache, v_cache, *others))
         if arrays is None:
             p = _problem(
                 q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, (causal, scale, window, softcap),
-                batch_idx, leftpad, slopes,
+                batch_idx, leftpad, slopes, (cos, sin, rotary),
             )  # fmt: skip
             out, lse = _host.attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, p, check_num_splits(num_splits),
-                batch_idx, leftpad, slopes,
+                batch_idx, leftpad, slopes, cos, sin,
             )  # fmt: skip
             return (out, lse) if return_lse else out
-        lib, device, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes) = arrays
+        lib, device, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin) = (
+            arrays
+        )
         if lib.name == _interop.DLPACK:
             raise TypeError(
                 "attention_with_kvcache on the GPU takes CuPy arrays or PyTorch tensors (the cache is written in "
@@ -228,6 +251,7 @@ def attention_with_kvcache(
         None if batch_idx is None else (batch_idx.shape, batch_idx.dtype),
         None if leftpad is None else (leftpad.shape, leftpad.dtype),
         None if slopes is None else (slopes.shape, slopes.dtype),
+        None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, rotary),
     )  # fmt: skip
     launch = _plans.lookup(key)
     if launch is None:
@@ -248,12 +272,13 @@ def attention_with_kvcache(
                 batch_idx,
                 leftpad,
                 slopes,
+                (cos, sin, rotary),
             ),  # fmt: skip
         )
     arrays_by_name = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens if seqlens is None else seqlens,
         "block_table": block_table, "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx,
-        "cache_leftpad": leftpad, "alibi_slopes": slopes,
+        "cache_leftpad": leftpad, "alibi_slopes": slopes, "rotary_cos": cos, "rotary_sin": sin,
     }  # fmt: skip
     out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
     return (out, lse) if return_lse else out
@@ -262,8 +287,9 @@ def attention_with_kvcache(
 def _problem(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any,
     options: tuple[bool, Any, tuple[int, int], float], batch_idx: Any, leftpad: Any, slopes: Any = None,
+    rotary: tuple[Any, Any, Any] = (None, None, None),
 ) -> Any:  # fmt: skip
-    """``options``: (causal, scale, window, softcap), checked."""
+    """``options``: (causal, scale, window, softcap), checked; ``rotary``: (cos, sin, interleaved)."""
 
     def shape(x: Any) -> tuple[int, ...] | None:
         return None if x is None else tuple(x.shape)
@@ -273,7 +299,8 @@ def _problem(
         tuple(q.shape), tuple(k_cache.shape), tuple(v_cache.shape), cache_seqlens=seqlens,
         block_table_shape=shape(table), k_new_shape=shape(k_new), v_new_shape=shape(v_new), causal=causal,
         scale=scale, cache_batch_idx_shape=shape(batch_idx), cache_leftpad_shape=shape(leftpad), window=window,
-        softcap=softcap,
+        softcap=softcap, rotary_shapes=None if rotary[0] is None else (rotary[0].shape, rotary[1].shape),
+        rotary_interleaved=rotary[2],
     )  # fmt: skip
     if slopes is None:
         return kp
@@ -284,17 +311,17 @@ def _problem(
 def _plan_kvcache(
     lib: _interop.ArrayLib, device: int, q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any,
     v_new: Any, options: tuple[bool, Any, tuple[int, int], float], num_splits: int, batch_idx: Any, leftpad: Any,
-    slopes: Any,
+    slopes: Any, rotary: tuple[Any, Any, Any],
 ) -> _plan.Launch:  # fmt: skip
     # An int cache_seqlens is checked per call (the plan is shared by every int): plan with 0.
     p = _problem(
         q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, options, batch_idx, leftpad,
-        slopes,
+        slopes, rotary,
     )  # fmt: skip
     named = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
         "cache_seqlens": None if type(seqlens) is int else seqlens, "block_table": table,
-        "cache_batch_idx": batch_idx, "cache_leftpad": leftpad,
+        "cache_batch_idx": batch_idx, "cache_leftpad": leftpad, "rotary_cos": rotary[0], "rotary_sin": rotary[1],
     }  # fmt: skip
     dtypes: dict[str, str | None] = {n: None if x is None else lib.dtype_name(x) for n, x in named.items()}
     if slopes is not None and lib.dtype_name(slopes) != "float32":

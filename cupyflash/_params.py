@@ -141,6 +141,13 @@ DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("cache_batch_idx", "u8"),
     ("cache_leftpad", "u8"),
     ("cache_batch", "i4"),
+    ("rotary_cos", "u8"),
+    ("rotary_sin", "u8"),
+    ("q_src_ptr", "u8"),
+    *((f"q_src_{s}_stride", "i8") for s in ("batch", "row", "head")),
+    ("rotary_half", "i4"),
+    ("rotary_interleaved", "i4"),
+    ("rotary_q_per_token", "i4"),
 )
 
 MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (

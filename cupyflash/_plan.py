@@ -31,6 +31,7 @@ from ._specs import (
     Fa3FwdSpec,
     KernelSpec,
     MergeSpec,
+    RotaryQSpec,
 )
 from ._validate import ALIBI_BATCH_HEAD, ALIBI_NONE, KvCacheProblem, Problem
 from .xp_impl import Dropout
@@ -686,6 +687,8 @@ def plan_kvcache(
     axes = LAYOUT_AXES[layout]
     out_shape = (a.batch, nq, hq, d) if layout == "bshd" else (a.batch, hq, nq, d)
     out_strides = contiguous_strides(out_shape)
+    # A rotary embedding: the attention reads q from a contiguous temporary the rotation fills.
+    rotated_q = {f"q_{s}_stride": out_strides[axis] for s, axis in zip(STRIDE_NAMES, axes, strict=True)}
     params = PARAMS_STRUCTS["DecodeParams"].template(
         **attn_fields(a, (nq, a.seqlen_k if dense else 0), scale_log2, prescale),
         **{f"o_{s}_stride": out_strides[axis] for s, axis in zip(STRIDE_NAMES, axes, strict=True)},
@@ -693,9 +696,22 @@ def plan_kvcache(
         seqlen_new=kp.seqlen_new, page_size_log2=kp.page_size_log2, num_pages=kp.num_pages,
         cache_capacity=kp.capacity, num_splits=splits, blocks_per_split=per_split,
         cache_batch=a.batch if kp.paged else kp.num_pages,
+        **({} if not kp.rotary_half else {
+            **rotated_q, "rotary_half": kp.rotary_half, "rotary_interleaved": int(kp.rotary_interleaved),
+            "rotary_q_per_token": int(kp.rotary_q_per_token),
+        }),
     )  # fmt: skip
     kind = tile_kind(d)
-    operands = [tile_operand(params, "q", axes, negate=negate_q, kind=kind)]
+    temporaries: tuple[Temporary, ...] = ()
+    if kp.rotary_half:  # the caller's q is read by the rotation only
+        operands = [
+            tile_operand(params, "q", axes, field_prefix="q_src", negate=negate_q, kind=kind),
+            Operand("rotary_cos", CONTIGUOUS, params.slot("rotary_cos")),
+            Operand("rotary_sin", CONTIGUOUS, params.slot("rotary_sin")),
+        ]
+        temporaries = (Temporary("q_rotated", out_shape, dtype, params.slot("q_ptr")),)
+    else:
+        operands = [tile_operand(params, "q", axes, negate=negate_q, kind=kind)]
     if dense:
         operands += [tile_operand(params, "k", axes, kind=kind), tile_operand(params, "v", axes, kind=kind)]
     else:
@@ -725,6 +741,9 @@ def plan_kvcache(
             steps.append(KernelStep(append, (kp.seqlen_new, a.heads_kv, a.batch), (append.num_threads, 1, 1), 0))
     scratch = None
     if has_work:
+        if kp.rotary_half:
+            rotate = RotaryQSpec(dtype, d)
+            steps.append(KernelStep(rotate, (nq, hq, a.batch), (rotate.num_threads, 1, 1), 0))
         steps.append(attention_step)
         if splits > 1:  # the splits' tickets (left at 0 by the kernel), partial O (rows of the tile's width), LSE
             row_count, width = a.batch * a.heads_q * a.seqlen_q, spec.head_dim
@@ -740,7 +759,7 @@ def plan_kvcache(
     if not has_work:
         outputs = tuple(_filled(o) for o in outputs)
     error_slot = -1 if dense else params.slot("error_flags")
-    return Launch(params, tuple(operands), outputs, tuple(steps), scratch=scratch, error_slot=error_slot)
+    return Launch(params, tuple(operands), outputs, tuple(steps), temporaries, scratch=scratch, error_slot=error_slot)
 
 
 def _cache_operands(params: ParamsTemplate, kp: KvCacheProblem, kind: str) -> list[Operand]:

@@ -605,6 +605,16 @@ class DecodeAppendSpec(_KernelSpecBase):
 
 
 @dataclass(frozen=True, slots=True)
+class RotaryQSpec(DecodeAppendSpec):
+    """``decode_rotary_q``: the queries of a cache call rotated (rotary embedding) into the
+    temporary the attention reads; one warp per row, as the append (which rotates k_new)."""
+
+    kernel = "decode_rotary_q"
+    prefix = "decode_rotary_q"
+    entry = "decode_rotary_q<Traits>(params);"
+
+
+@dataclass(frozen=True, slots=True)
 class MergeSpec(_KernelSpecBase):
     """``decode_merge``: exact merge of partial (O, LSE) states; split-KV combine and merge_states."""
 

@@ -264,6 +264,7 @@ def attention_with_kvcache_op(
     block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None, causal: bool, scale: float,
     num_splits: int, cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     from ._kvcache import attention_with_kvcache as kvcache
 
@@ -272,7 +273,8 @@ def attention_with_kvcache_op(
             q, k_cache, v_cache, cache_seqlens=cache_seqlen if cache_seqlens is None else cache_seqlens,
             block_table=block_table, k_new=k_new, v_new=v_new, cache_batch_idx=cache_batch_idx,
             cache_leftpad=cache_leftpad, causal=causal, scale=scale, window=(window_left, window_right),
-            softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=True,
+            softcap=softcap, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved, num_splits=num_splits, return_lse=True,
         )  # fmt: skip
     return _contiguous(out, lse)
 
@@ -283,6 +285,7 @@ def _(
     block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None, causal: bool, scale: float,
     num_splits: int, cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     b, nq, hq, _ = q.shape
     lse = q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
@@ -292,7 +295,8 @@ def _(
 def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, k_new: Any,
                            v_new: Any, causal: Any, scale: Any, num_splits: Any, return_lse: bool,
                            cache_batch_idx: Any = None, cache_leftpad: Any = None, window: Any = (-1, -1),
-                           softcap: Any = 0.0, alibi_slopes: Any = None) -> Any:  # fmt: skip
+                           softcap: Any = 0.0, alibi_slopes: Any = None, rotary_cos: Any = None,
+                           rotary_sin: Any = None, rotary_interleaved: bool = True) -> Any:  # fmt: skip
     """``cupyflash.attention_with_kvcache`` through the custom op (while Dynamo traces it)."""
     causal, scale, window, softcap = check_options(causal, scale, window, softcap)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -300,7 +304,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     out, lse = attention_with_kvcache_op(
         q, k_cache, v_cache, None if as_int else cache_seqlens, cache_seqlens if as_int else 0, block_table, k_new,
         v_new, causal, scale, int(num_splits), cache_batch_idx, cache_leftpad, window[0], window[1], softcap,
-        alibi_slopes,
+        alibi_slopes, rotary_cos, rotary_sin, bool(rotary_interleaved),
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

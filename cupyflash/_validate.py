@@ -371,6 +371,9 @@ class KvCacheProblem:
     seqlen_new: int  # tokens appended (k_new / v_new), 0 without
     batch_idx: bool = False  # contiguous: sequence b uses cache entry cache_batch_idx[b] (else b)
     leftpad: bool = False  # contiguous: sequence b's keys start at cache_leftpad[b] (else 0)
+    rotary_half: int = 0  # rotary embedding: rotary_dim / 2 (rotary_cos.shape[1]); 0 without
+    rotary_interleaved: bool = False  # pairs (2i, 2i + 1), else (i, i + rotary_half)
+    rotary_q_per_token: bool = False  # query token i at cache_seqlens + i (causal or a window), else + 0
 
     @property
     def page_size_log2(self) -> int:
@@ -413,9 +416,12 @@ def kvcache_problem(
     cache_leftpad_shape: tuple[int, ...] | None = None,
     window: Any = (-1, -1),
     softcap: Any = 0.0,
+    rotary_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    rotary_interleaved: Any = True,
 ) -> KvCacheProblem:
     """Check the shapes and options of ``attention_with_kvcache`` (and an int ``cache_seqlens``
-    against the capacity); array values are checked by the caller where they are on the host."""
+    against the capacity); array values are checked by the caller where they are on the host.
+    ``rotary_shapes``: those of rotary_cos and rotary_sin, (seqlen_ro, rotary_dim / 2) each."""
     if len(q_shape) != 4:
         raise ValueError(f"q must be 4-D (batch, seqlen_q, heads, head_dim), got shape {tuple(q_shape)}")
     if len(k_cache_shape) != 4:
@@ -468,10 +474,32 @@ def kvcache_problem(
         q_shape, (batch, capacity, heads_kv, head_dim), (batch, capacity, heads_kv, head_dim),
         causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd",
     )  # fmt: skip
+    rotary_half = 0
+    if rotary_shapes is not None:
+        rotary_half = _check_rotary(rotary_shapes, head_dim, capacity, seqlen_new)
+        rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     return KvCacheProblem(
         attn, paged, rows if paged else capacity, num_pages, capacity, seqlen_new,
         batch_idx=cache_batch_idx_shape is not None, leftpad=cache_leftpad_shape is not None,
+        rotary_half=rotary_half, rotary_interleaved=bool(rotary_interleaved) and rotary_half > 0,
+        rotary_q_per_token=rotary_half > 0 and (causal is True or tuple(window) != (-1, -1)),
     )  # fmt: skip
+
+
+def _check_rotary(shapes: tuple[tuple[int, ...], tuple[int, ...]], head_dim: int, capacity: int, new: int) -> int:
+    """rotary_cos and rotary_sin (seqlen_ro, rotary_dim / 2): one shape, rotary_dim even and at
+    most head_dim, a row for every position of the cache, and k_new to rotate (flash-attn's rules)."""
+    cos, sin = (tuple(x) for x in shapes)
+    if cos != sin or len(cos) != 2:
+        raise ValueError(f"rotary_cos and rotary_sin must be 2-D (seqlen_ro, rotary_dim / 2) alike, got {cos}, {sin}")
+    seqlen_ro, half = cos
+    if not 1 <= 2 * half <= head_dim:
+        raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * half} must be in 2 .. head_dim ({head_dim})")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos has {seqlen_ro} positions, fewer than the cache's {capacity} per sequence")
+    if not new:
+        raise ValueError("rotary_cos / rotary_sin rotate q and k_new: they need k_new and v_new")
+    return half
 
 
 def check_kvcache_values(

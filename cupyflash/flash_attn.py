@@ -17,10 +17,10 @@ Semantics taken from flash-attn: ``causal=True`` sets the window's right bound t
 float32 ``(batch, nheads, seqlen_q)`` (``(nheads, total_q)`` for varlen), ``cache_seqlens=None``
 reads the whole cache.
 
-Differences that remain (each raises ``NotImplementedError`` naming the argument, never a
-silent fallback): on ``flash_attn_with_kvcache`` ``rotary_cos``/``rotary_sin``; ``block_table``
-on the varlen functions has no backward and no dropout (``alibi_slopes`` with ``softcap`` on the
-GPU raises ``ValueError``).
+Differences that remain (each raises an error naming the argument, never a silent fallback):
+``block_table`` on the varlen functions has no backward and no dropout; ``rotary_cos`` needs a row
+for every position of the cache (flash-attn's own rule) and any even rotary dim is taken (flash-attn
+asks for a multiple of 16); ``alibi_slopes`` with ``softcap`` on the GPU raises ``ValueError``.
 ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third value is the
 dropout pattern its own tests read back, which is not materialised here (the mask is
 ``cupyflash.xp_impl.Dropout``'s, regenerated from the seed).
@@ -42,16 +42,6 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]
-
-
-def _refuse(function: str, **given: Any) -> None:
-    """NotImplementedError for the first flash-attn option this port does not have."""
-    for name, value in given.items():
-        if value is not None:
-            raise NotImplementedError(
-                f"{function}: {name}={'...' if hasattr(value, 'shape') else repr(value)} is not supported by "
-                "cupyflash yet (see cupyflash.flash_attn's docstring for what differs from flash-attn)"
-            )
 
 
 def _window(causal: bool, window_size: Any) -> tuple[int, int]:
@@ -229,7 +219,6 @@ def flash_attn_with_kvcache(
     ``(num_blocks, page_size, Hk, d)`` with ``block_table`` ``(B, blocks per sequence)``; k and v
     (``(B, Snew, Hk, d)``) are written into the cache at ``cache_seqlens`` first. Returns out, or
     ``(out, softmax_lse)`` with ``return_softmax_lse``."""
-    _refuse("flash_attn_with_kvcache", rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     if cache_seqlens is None:  # flash-attn: the whole cache
         if k is not None or v is not None:
             raise ValueError("flash_attn_with_kvcache: k and v are appended at cache_seqlens, which is None")
@@ -237,7 +226,7 @@ def flash_attn_with_kvcache(
     result = attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k, v_new=v,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal, scale=softmax_scale,
-        window=_window(causal, window_size), softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-        return_lse=True,
+        window=_window(causal, window_size), softcap=softcap, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, num_splits=num_splits, return_lse=True,
     )  # fmt: skip
     return result if return_softmax_lse else result[0]

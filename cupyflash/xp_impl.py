@@ -446,6 +446,27 @@ class CacheLayout:
         return xp.concat([cache[page, ...] for page in used], axis=0)[first:n, ...]
 
 
+def rotary(xp: Any, x: Any, cos: Any, sin: Any, positions: list[list[int]], interleaved: bool) -> Any:
+    """Rotary embedding (twin of decode.cu's rotate_row): row n of sequence b of x (B, N, H, d)
+    rotated at position positions[b][n], pair (a, b) = (2i, 2i + 1) when ``interleaved``, else
+    (i, i + R), i < R = cos.shape[1], with c, s = cos[pos, i], sin[pos, i]:
+    y_a = x_a c - x_b s, y_b = x_a s + x_b c; columns >= 2R unchanged. In x's dtype."""
+    b, n, h, d = x.shape
+    half = cos.shape[1]
+    if b * n == 0:
+        return x
+    index = xp.asarray([p for row in positions for p in row], dtype=xp.int64, device=_device(x))
+    c, s = (xp.reshape(xp.astype(xp.take(t, index, axis=0), x.dtype), (b, n, 1, half)) for t in (cos, sin))
+    if interleaved:
+        xa, xb = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+    else:
+        xa, xb = x[..., :half], x[..., half : 2 * half]
+    ya, yb = xa * c - xb * s, xa * s + xb * c
+    pairs = xp.stack((ya, yb), axis=-1) if interleaved else xp.stack((ya, yb), axis=-2)
+    rotated = xp.reshape(pairs, (b, n, h, 2 * half))
+    return xp.concat((rotated, x[..., 2 * half :]), axis=-1)
+
+
 def append_kv(xp: Any, cache: Any, new: Any, seqlens: list[int], layout: CacheLayout) -> None:
     """Write new[b, t] at position seqlens[b] + t of sequence b's cache, in place."""
     for b, cached in enumerate(seqlens):

@@ -15,7 +15,9 @@
 // decode_merge -- the exact merge of partials (O_i, LSE_i) by LSE rescaling, one warp per output
 //   row (merge_row in softmax.cuh, which the fused combine uses too); the kernel serves
 //   cupyflash.merge_states.
-// decode_append -- writes k_new / v_new into the cache at positions cache_seqlens[b] + t.
+// decode_append -- writes k_new / v_new into the cache at positions cache_seqlens[b] + t (k_new
+//   rotated there first with a rotary embedding); decode_rotary_q -- the queries rotated into a
+//   temporary the attention reads.
 //
 // The cache is contiguous [entries, L_max, Hkv, d] (sequence b in entry cache_batch_idx[b], or b;
 // its keys from cache_leftpad[b], or 0) or paged [num_pages, page_size, Hkv, d] through a block
@@ -460,6 +462,49 @@ struct AppendTraits {
   static constexpr int kSmemBytes = 0;
 };
 
+// Row x (the caller's head_dim columns) rotated at position pos into y (rotary embedding, as
+// RoFormer and flash-attn): pair (a, b) = (2i, 2i + 1) when interleaved, else (i, i + R), for
+// i < R = rotary_half, with c, s = rotary_cos[pos, i], rotary_sin[pos, i]:
+//   y_a = x_a c - x_b s,   y_b = x_a s + x_b c   (fp32, one rounding); columns >= 2R copied.
+// One warp per row, element by element (a few rows per call: the loads are not the cost).
+template <typename Element>
+CF_DEVICE void rotate_row(Element* y, const Element* x, int head_dim, const DecodeParams& p,
+                          int pos, int lane) {
+  const int half = p.rotary_half;
+  const auto* cos_row =
+      static_cast<const Element*>(p.rotary_cos) + static_cast<int64_t>(pos) * half;
+  const auto* sin_row =
+      static_cast<const Element*>(p.rotary_sin) + static_cast<int64_t>(pos) * half;
+  for (int i = lane; i < half; i += 32) {
+    const int a = p.rotary_interleaved ? 2 * i : i;
+    const int b = p.rotary_interleaved ? 2 * i + 1 : i + half;
+    const float xa = to_float(x[a]), xb = to_float(x[b]);
+    const float c = to_float(cos_row[i]), s = to_float(sin_row[i]);
+    y[a] = from_float<Element>(xa * c - xb * s);
+    y[b] = from_float<Element>(xa * s + xb * c);
+  }
+  for (int j = 2 * half + lane; j < head_dim; j += 32) y[j] = x[j];
+}
+
+// q rotated into the contiguous temporary attn.q_ptr [B, Nq, Hq, d] the attention reads: grid
+// (Nq, Hq, B), one warp per row. A sequence with a bad span (decode_span) is rotated at
+// position 0 (its attention rows are NaN whatever q holds; the row is still written whole).
+template <typename Traits>
+CF_DEVICE void decode_rotary_q(const DecodeParams& p) {
+  using Element = typename Traits::Element;
+  const int token = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const AttnParams& a = p.attn;
+  const CacheSpan span = decode_span(p, batch);
+  const int pos = span.bad() ? 0 : span.cached + (p.rotary_q_per_token ? token : 0);
+  const auto* src = static_cast<const Element*>(p.q_src_ptr) + batch * p.q_src_batch_stride +
+                    token * p.q_src_row_stride + head * p.q_src_head_stride;
+  auto* dst = const_cast<Element*>(static_cast<const Element*>(a.q_ptr)) +
+              batch * a.q_batch_stride + token * a.q_row_stride + head * a.q_head_stride;
+  rotate_row(dst, src, Traits::kHeadDim, p, pos, threadIdx.x);
+}
+
 template <typename Traits>
 CF_DEVICE void decode_append(const DecodeParams& p) {
   using Element = typename Traits::Element;
@@ -487,6 +532,11 @@ CF_DEVICE void decode_append(const DecodeParams& p) {
   Element* v_dst = v_rows.row(pos, &bad_page);
   if (bad_page) {
     if (reporter) report_error(p, kBadPage);
+    return;
+  }
+  if (p.rotary_half > 0) {  // k_new rotated at its position as it is written; v_new as it is
+    rotate_row(k_dst, k_src, Traits::kHeadDim, p, pos, threadIdx.x);
+    for (int i = threadIdx.x; i < Traits::kHeadDim; i += Traits::kNThreads) v_dst[i] = v_src[i];
     return;
   }
   if constexpr (Traits::kHeadDim % 8 == 0) {

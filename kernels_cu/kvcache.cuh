@@ -39,6 +39,18 @@ struct DecodeParams {
       cache_batch_idx;  // [B] the cache entry (of cache_batch) of each sequence, or nullptr: b
   const int32_t* cache_leftpad;  // [B] the first key of each sequence's entry, or nullptr: 0
   int32_t cache_batch;           // entries of the cache (its first axis)
+  // Rotary embedding before attending (flash-attn's rotary_cos / rotary_sin: [seqlen_ro,
+  // rotary_half] in q's element type, seqlen_ro >= capacity): k_new row t of sequence b is
+  // rotated at position cache_seqlens[b] + t as it is appended; query token i at
+  // cache_seqlens[b] + i (rotary_q_per_token: causal or a window) or cache_seqlens[b], from the
+  // caller's q (q_src_*) into attn.q_ptr, a contiguous temporary the attention reads.
+  const void* rotary_cos;
+  const void* rotary_sin;
+  const void* q_src_ptr;
+  int64_t q_src_batch_stride, q_src_row_stride, q_src_head_stride;
+  int32_t rotary_half;         // rotary_dim / 2; 0: no rotary embedding
+  int32_t rotary_interleaved;  // pairs (2i, 2i + 1); else (i, i + rotary_half), GPT-NeoX's
+  int32_t rotary_q_per_token;
 };
 
 // Bits of DecodeParams::error_flags: a block-table entry, a length (cache_seqlens, or a

@@ -206,6 +206,10 @@ def _kvcache(
     b, hq, hkv = len(cached), 8, 2
     if options.pop("alibi", False):  # (Hq,) slopes
         options["alibi_slopes"] = a.randn(hq, dtype="float32")
+    if options.pop("rotary", False):  # half the head dim rotated, GPT-NeoX pairs
+        capacity = length if page_size is None else -(-length // page_size) * page_size
+        options.update(rotary_cos=a.randn(capacity, d // 4), rotary_sin=a.randn(capacity, d // 4))
+        options["rotary_interleaved"] = False
     extra = {}
     if new:
         extra = {"k_new": a.randn(b, new, hkv, d), "v_new": a.randn(b, new, hkv, d)}
@@ -252,6 +256,10 @@ def kvcache_cases(size: str) -> Iterator[Case]:
             call = partial(_kvcache, length=length, cached=cached, d=d, page_size=page_size, num_splits=0, nq=1,
                            new=1, alibi=True)  # fmt: skip
             yield f"kvcache fa2 d={d} page={page_size} alibi", call
+            for nq in (2, 37):  # rotary: the append rotates k_new, a kernel rotates q
+                call = partial(_kvcache, length=length, cached=few, d=d, page_size=page_size, num_splits=0, nq=nq,
+                               new=nq, rotary=True)  # fmt: skip
+                yield f"kvcache rotary d={d} page={page_size} nq={nq}", call
 
 
 def _backward(a: Arrays, nq: int, nk: int, d: int, deterministic: bool, alibi: bool = False, **options: Any) -> Any:

@@ -428,3 +428,46 @@ def test_gpu_bad_input_leaves_the_cache_untouched():
         cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=torch.tensor([1, 2], dtype=torch.int32))
     torch.cuda.synchronize()
     assert torch.equal(k, k0) and torch.equal(pages, pages0)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("nq", [1, 4, 33], ids=["decode1", "decode4", "fa2"])
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(128, 128), (128, 64), (80, 32)])
+def test_rotary_matches_the_host_twin(rng, interleaved, nq, page_size, head_dim, rotary_dim):
+    """rotary_cos / rotary_sin on the GPU (k_new rotated by the append, q by its own kernel into a
+    temporary) against the same call on float64 host copies of the same bf16 values: the output,
+    the LSE and the appended (rotated) keys read back from the cache."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, length, hq, hkv = 3, 300, 8, 2
+    bf16 = lambda *shape: torch.randn(*shape, generator=gen).bfloat16()  # noqa: E731
+    q, k, v = bf16(b, nq, hq, head_dim), bf16(b, length, hkv, head_dim), bf16(b, length, hkv, head_dim)
+    k_new, v_new = bf16(b, nq, hkv, head_dim), bf16(b, nq, hkv, head_dim)
+    theta = torch.rand(length, rotary_dim // 2, generator=gen) * 6.28
+    cos, sin = theta.cos().bfloat16(), theta.sin().bfloat16()
+    cached = [0, 77, length - nq]
+    host = [x.double().numpy() for x in (q, k, v, k_new, v_new, cos, sin)]
+    want, want_lse = cupyflash.attention_with_kvcache(
+        host[0], host[1], host[2], cache_seqlens=np.array(cached, np.int32), k_new=host[3], v_new=host[4],
+        rotary_cos=host[5], rotary_sin=host[6], rotary_interleaved=interleaved, return_lse=True,
+    )  # fmt: skip
+    gpu = [x.cuda() for x in (q, k, v, k_new, v_new, cos, sin)]
+    k_cache, v_cache, table = gpu[1], gpu[2], None
+    if page_size:
+        (k_cache, v_cache), table = _paginate(torch, (gpu[1], gpu[2]), page_size, gen)
+    out, lse = cupyflash.attention_with_kvcache(
+        gpu[0], k_cache, v_cache, cache_seqlens=torch.tensor(cached, dtype=torch.int32, device="cuda"),
+        block_table=table, k_new=gpu[3], v_new=gpu[4], rotary_cos=gpu[5], rotary_sin=gpu[6],
+        rotary_interleaved=interleaved, return_lse=True,
+    )  # fmt: skip
+    assert rel_error(reference.to_numpy64(out), want) < BOUND["bfloat16"]
+    np.testing.assert_allclose(reference.to_numpy64(lse), want_lse, atol=3e-2)
+    for i, n in enumerate(cached):  # the appended rows, rotated (rounded to bf16 once)
+        if page_size:
+            rows = [k_cache[table[i, (n + t) // page_size], (n + t) % page_size] for t in range(nq)]
+            got = torch.stack(rows)
+        else:
+            got = k_cache[i, n : n + nq]
+        np.testing.assert_allclose(reference.to_numpy64(got), host[1][i, n : n + nq], rtol=1e-2, atol=1e-2)
+    cupyflash.check_device_errors()
