@@ -1,37 +1,55 @@
 """The three algorithms side by side (docs/io_analysis.md): naive attention (S and P in HBM),
 FlashAttention-1's loop order, FA2 (the mma.sync kernel) and the default dispatch, in TFLOP/s
 on GPT-2-medium-like heads (H = 16, d = 64, fp16, non-causal) at N = 1024 and 4096. Measured
-once in setup_cache (bench.run_prefill: one process, the same inputs)."""
+in one setup_cache (bench.run_prefill: one process, the same inputs) with the fixed GEMM
+reference before and after: ``BaselinesOverGemm`` the gated ratios, ``BaselinesGemm`` the
+GEMM's TFLOP/s."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from . import _reference as reference
 from ._gpu import require_gpu, require_torch
 
 BACKENDS = ["cupyflash_naive", "cupyflash_fa1", "cupyflash_fa2", "cupyflash"]
 SEQLENS = [1024, 4096]
 
 
-class Baselines:
-    params = (BACKENDS, SEQLENS)
-    param_names = ["backend", "seqlen"]
+class _Run:
     timeout = 900
 
-    def setup_cache(self) -> dict[tuple[Any, ...], float | None]:
+    def setup_cache(self) -> tuple[dict[tuple[Any, ...], float | None], float | None]:
         require_gpu()
         require_torch()
         from cupyflash import bench
 
-        results: dict[tuple[Any, ...], float | None] = {}
-        for seqlen in SEQLENS:
-            shape = bench.PrefillShape(16384 // seqlen, seqlen, 16, 64, False, "float16")
-            row = bench.run_prefill(shape, backends=tuple(BACKENDS))
-            for backend in BACKENDS:
-                results[backend, seqlen] = row.get(backend)
-        return results
+        def family() -> dict[tuple[Any, ...], float | None]:
+            results: dict[tuple[Any, ...], float | None] = {}
+            for seqlen in SEQLENS:
+                shape = bench.PrefillShape(16384 // seqlen, seqlen, 16, 64, False, "float16")
+                row = bench.run_prefill(shape, backends=tuple(BACKENDS))
+                for backend in BACKENDS:
+                    results[backend, seqlen] = row.get(backend)
+            return results
 
-    def track_tflops(self, results: dict[tuple[Any, ...], float | None], backend: str, seqlen: int) -> float | None:
-        return results[backend, seqlen]
+        return reference.measured(family, lambda: reference.gemm_tflops(size=8192))
+
+
+class Baselines(_Run):
+    params = (BACKENDS, SEQLENS)
+    param_names = ["backend", "seqlen"]
+
+    def track_tflops(self, run: Any, backend: str, seqlen: int) -> float | None:
+        return run[0][backend, seqlen]
 
     track_tflops.unit = "TFLOP/s"  # type: ignore[attr-defined]
+
+
+class BaselinesOverGemm(reference._RatioEntries, _Run):
+    params = (BACKENDS, SEQLENS)
+    param_names = ["backend", "seqlen"]
+
+
+class BaselinesGemm(reference._GemmEntry, _Run):
+    pass

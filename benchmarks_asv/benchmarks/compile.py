@@ -16,7 +16,8 @@ class FirstCall:
     def setup(self) -> None:
         require_gpu()
         # A fresh CuPy cache directory: the compile really happens (each benchmark runs in its
-        # own spawned process, so nothing compiled earlier is in memory either).
+        # own process, forked from one that never imported CuPy, so nothing compiled earlier is
+        # in memory either).
         os.environ["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix="cupyflash-asv-")
 
     def track_compile_seconds(self) -> float:
