@@ -444,7 +444,7 @@ def test_rotary_matches_the_host_twin(rng, interleaved, nq, page_size, head_dim,
     bf16 = lambda *shape: torch.randn(*shape, generator=gen).bfloat16()  # noqa: E731
     q, k, v = bf16(b, nq, hq, head_dim), bf16(b, length, hkv, head_dim), bf16(b, length, hkv, head_dim)
     k_new, v_new = bf16(b, nq, hkv, head_dim), bf16(b, nq, hkv, head_dim)
-    theta = torch.rand(length, rotary_dim // 2, generator=gen) * 6.28
+    theta = torch.rand(length + 32, rotary_dim // 2, generator=gen) * 6.28  # a row per position of any page count
     cos, sin = theta.cos().bfloat16(), theta.sin().bfloat16()
     cached = [0, 77, length - nq]
     host = [x.double().numpy() for x in (q, k, v, k_new, v_new, cos, sin)]
