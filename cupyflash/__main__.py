@@ -1,4 +1,4 @@
-"""``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen,bench-chunked}``."""
+"""``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen,bench-chunked,bench-mask}``."""
 
 from __future__ import annotations
 
@@ -228,6 +228,20 @@ def cmd_bench_chunked(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_mask(args: argparse.Namespace) -> int:
+    if not _require_gpu("bench-mask"):
+        return 1
+    from . import bench
+
+    rows = []
+    for shape in bench.MASK_SHAPES:
+        for kind in bench.MASK_KINDS:
+            rows.append(bench.run_masked_prefill(shape, kind))
+            print(json.dumps(rows[-1]), flush=True)
+    _write_json(args.json, {"masked_prefill": rows})
+    return 0
+
+
 def cmd_bench_varlen(args: argparse.Namespace) -> int:
     if not _require_gpu("bench-varlen"):
         return 1
@@ -279,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     chunked.add_argument("--json", help="write the results here")
     chunked.set_defaults(func=cmd_bench_chunked)
+    masked = sub.add_parser("bench-mask", help="attn_mask: key padding, boolean and additive masks against SDPA")
+    masked.add_argument("--json", help="write the results here")
+    masked.set_defaults(func=cmd_bench_mask)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -16,6 +16,7 @@ from ._validate import (
     attention_problem,
     check_algorithm,
     check_alibi,
+    check_attn_mask,
     check_dropout,
     check_flag,
     check_options,
@@ -44,6 +45,7 @@ def attention(
     dropout_p: float = ...,
     seed: int | None = ...,
     alibi_slopes: Any = ...,
+    attn_mask: Any = ...,
 ) -> Any: ...
 @overload
 def attention(
@@ -62,6 +64,7 @@ def attention(
     dropout_p: float = ...,
     seed: int | None = ...,
     alibi_slopes: Any = ...,
+    attn_mask: Any = ...,
 ) -> tuple[Any, Any]: ...
 def attention(
     q: Any,
@@ -79,6 +82,7 @@ def attention(
     dropout_p: float = 0.0,
     seed: int | None = None,
     alibi_slopes: Any = None,
+    attn_mask: Any = None,
 ) -> Any:
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v``.
 
@@ -145,6 +149,14 @@ def attention(
         of the query head (and batch entry). Same library and device as ``q``. On the GPU: the
         FA2 kernel (``"auto"`` picks it; not with softcap yet; ``"fa3"`` and ``"decode"`` have
         no ALiBi); the host takes every combination.
+    attn_mask : array, optional
+        SDPA's ``attn_mask``, broadcast to ``(B, Hq, Nq, Nk)`` axis by axis (2 to 4 dims, each
+        full or 1, missing leading ones 1): boolean (True: the key takes part) or additive (q's
+        dtype on the GPU; added to ``scale * q @ k^T``), together with ``causal``/``window``.
+        A key-padding mask is ``(B, 1, 1, Nk)``. A row whose every key is masked outputs 0 with
+        LSE ``-inf`` (SDPA's gives NaN). Same library and device as ``q``. On the GPU the FA2
+        kernel reads it in place (strides 0 on broadcast axes); not with softcap or ALiBi, and
+        no backward yet (tensors that require grad are refused).
 
     Returns
     -------
@@ -168,6 +180,11 @@ def attention(
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
+    if attn_mask is not None:
+        return _masked_attention(
+            q, k, v, attn_mask, check_options(causal, scale, window, softcap), layout, algorithm, return_lse,
+            dropout_p, seed, alibi_slopes,
+        )  # fmt: skip
     if _interop.compiling():  # Dynamo traces the custom op, not this function's body
         return _interop.torch_ops.attention(
             q, k, v, causal, scale, window, softcap, layout, algorithm, return_lse, deterministic, dropout_p, seed,
@@ -207,6 +224,54 @@ def attention(
     out, lse = gpu_attention(
         lib, device, q, k, v, options, layout, algorithm, dropout_p, seed, alibi_slopes, return_lse
     )
+    return (out, lse) if return_lse else out
+
+
+_MASKED_NAMES = ("q", "k", "v", "attn_mask")
+
+
+def _masked_attention(
+    q: Any, k: Any, v: Any, attn_mask: Any, options: tuple[Any, ...], layout: str, algorithm: str, return_lse: bool,
+    dropout_p: float, seed: int | None, alibi_slopes: Any,
+) -> Any:  # fmt: skip
+    """attention with an attn_mask: the FA2 kernel with the mask as a score variant on the GPU."""
+    if _interop.compiling() or _interop.traced((q, k, v, attn_mask)):
+        raise NotImplementedError(
+            "attention with attn_mask does not run under torch.compile or a JAX transformation yet"
+        )
+    check_algorithm("attention", algorithm)
+    if algorithm not in ("auto", "fa2"):
+        raise ValueError(f"attn_mask runs on the FA2 kernel: algorithm must be 'auto' or 'fa2', got {algorithm!r}")
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    problem = _problem(q, k, v, options, layout, dropout_p, alibi_slopes)
+    if not hasattr(attn_mask, "shape") or not hasattr(attn_mask, "dtype"):
+        raise TypeError(f"attn_mask must be an array, got {type(attn_mask).__name__}")
+    kind, shape = check_attn_mask(tuple(attn_mask.shape), "bool" in str(attn_mask.dtype), problem)
+    problem = dataclasses.replace(problem, mask=kind, mask_shape=shape)
+    mask = attn_mask if attn_mask.ndim == 4 else attn_mask.reshape(shape)
+    arrays = _interop.gpu_arrays(_MASKED_NAMES, (q, k, v, mask))
+    if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
+        _interop.refuse_autograd("attention with attn_mask")
+    if arrays is None:
+        out, lse = _host.attention(q, k, v, problem, algorithm, _host_dropout(q, dropout_p, seed), attn_mask=mask)
+        return (out, lse) if return_lse else out
+    lib, device, (q, k, v, mask) = arrays
+    key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, mask.dtype, problem, layout, algorithm)
+
+    def plan() -> _plan.Launch:
+        dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
+        mask_dtype = lib.dtype_name(mask)
+        if kind == "additive" and mask_dtype != dtype:
+            raise TypeError(
+                f"an additive attn_mask must have q's dtype {dtype} on the GPU (as SDPA's), got {mask_dtype}"
+            )
+        return _plan.plan_attention(problem, dtype, _plan.device_info(device), algorithm, tuple(q.shape))
+
+    launch = _plans.get(key, plan)
+    arrays_by_name = {"q": q, "k": k, "v": v, "attn_mask": mask}
+    if dropout_p:
+        arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
+    out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
     return (out, lse) if return_lse else out
 
 

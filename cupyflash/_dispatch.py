@@ -78,6 +78,7 @@ class MaskFlags:
     softcap: bool
     dropout: bool = False
     alibi: bool = False  # not with softcap
+    mask: str = ""  # an attn_mask: "additive" or "bool" (FA2 forward; not with softcap or ALiBi)
 
 
 def fa2_fwd_tiles(head_dim: int, narrow: bool) -> tuple[TileConfig, ...]:
@@ -98,8 +99,11 @@ def fa2_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, max_smem: int, *, 
     through the KV-cache view (``Fa2KvCacheSpec``)."""
     width, valid_dim = columns(head_dim, FA2_HEAD_DIMS)
     kind = Fa2KvCacheSpec if over_cache else Fa2FwdSpec
-    for tile in fa2_fwd_tiles(width, flags.softcap or flags.dropout or flags.alibi):
-        spec = kind(dtype, width, tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim)
+    for tile in fa2_fwd_tiles(width, flags.softcap or flags.dropout or flags.alibi or bool(flags.mask)):
+        spec = kind(
+            dtype, width, tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim,
+            flags.mask,
+        )  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(f"no FA2 tile for head_dim={head_dim} fits in {max_smem} bytes of shared memory")
@@ -116,6 +120,14 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
                         for causal in (False, True):
                             for local in (False, True):
                                 specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap, dropout, alibi))
+    for head_dim in FA2_FWD_TILES:  # an attn_mask: the first tile that fits (as fa2_fwd_spec picks)
+        for mask in ("additive", "bool"):
+            for dropout in (False, True):
+                for dtype in ("float16", "bfloat16"):
+                    for causal in (False, True):
+                        for local in (False, True):
+                            flags = MaskFlags(causal, local, False, dropout, mask=mask)
+                            specs.append(fa2_fwd_spec(dtype, head_dim, flags, 232448))
     return specs
 
 

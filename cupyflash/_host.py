@@ -41,15 +41,23 @@ def _check_floats(xp: Any, named: list[tuple[str, Any]]) -> None:
 
 
 def attention(
-    q: Any, k: Any, v: Any, problem: Problem, algorithm: str, dropout: Any = None, alibi_slopes: Any = None
-) -> tuple[Any, Any]:
+    q: Any, k: Any, v: Any, problem: Problem, algorithm: str, dropout: Any = None, alibi_slopes: Any = None,
+    attn_mask: Any = None,
+) -> tuple[Any, Any]:  # fmt: skip
     from . import xp_impl
 
-    xp = _namespace_with_slopes(("q", "k", "v"), (q, k, v), alibi_slopes)
+    if attn_mask is not None:
+        xp = namespace(("q", "k", "v", "attn_mask"), (q, k, v, attn_mask))
+        if not (xp.isdtype(attn_mask.dtype, "bool") or xp.isdtype(attn_mask.dtype, "real floating")):
+            raise TypeError(f"attn_mask must be boolean or real floating, got {attn_mask.dtype}")
+    else:
+        xp = _namespace_with_slopes(("q", "k", "v"), (q, k, v), alibi_slopes)
     _check_floats(xp, [("q", q), ("k", k), ("v", v)])
     # fa3 is FA2's algorithm on Hopper's instructions: on the host both are xp_impl's fa2.
     host_algorithm = "fa2" if algorithm in ("auto", "fa3") else algorithm
-    return xp_impl.attention(xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout, alibi_slopes=alibi_slopes)
+    return xp_impl.attention(
+        xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout, alibi_slopes=alibi_slopes, attn_mask=attn_mask
+    )
 
 
 def _keys_used(xp: Any, cu_k: Any, seqused_k: Any) -> list[int]:

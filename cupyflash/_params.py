@@ -46,6 +46,8 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("alibi_batch_stride", "i8"),
     ("alibi_scale", "f4"),
     ("seqused_k", "u8"),
+    ("bias_ptr", "u8"),
+    *((f"bias_{s}_stride", "i8") for s in ("batch", "head", "row", "key")),
 )
 
 _STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}

@@ -360,7 +360,7 @@ def attn_fields(p: Problem, rows: tuple[int, int], scale_log2: float, prescale: 
         "softmax_scale_log2": scale_log2,
         "softcap_prescale": prescale,
         **dropout_fields(p),
-        **({} if p.alibi == ALIBI_NONE else {"alibi_scale": LOG2E / scale_log2}),
+        **({} if p.alibi == ALIBI_NONE and not p.mask else {"alibi_scale": LOG2E / scale_log2}),
     }
 
 
@@ -374,7 +374,8 @@ def dropout_fields(p: Problem) -> dict[str, int | float]:
 
 def fa2_option_operands(params: ParamsTemplate, p: Problem) -> list[Operand]:
     """The per-call operands of the FA2 kernels' options: the dropout seed (an int the entry point
-    draws or is given), the fp32 ALiBi slopes (Hq,) (batch stride 0) or (B, Hq), seqused_k."""
+    draws or is given), the fp32 ALiBi slopes (Hq,) (batch stride 0) or (B, Hq), seqused_k, an
+    attn_mask."""
     operands = []
     if p.dropout_p > 0:
         operands.append(Operand("dropout_seed", SCALAR, params.slot("dropout_seed")))
@@ -383,6 +384,10 @@ def fa2_option_operands(params: ParamsTemplate, p: Problem) -> list[Operand]:
         operands.append(Operand("alibi_slopes", INDEX, params.slot("alibi_slopes"), strides))
     if p.seqused_k:
         operands.append(Operand("seqused_k", INDEX, params.slot("seqused_k")))
+    if p.mask:  # (B|1, Hq|1, Nq|1, Nk|1): a broadcast axis keeps stride 0
+        axes = enumerate(("batch", "head", "row", "key"))
+        mask_strides = tuple((params.slot(f"bias_{n}_stride"), a) for a, n in axes if p.mask_shape[a] > 1)
+        operands.append(Operand("attn_mask", INDEX, params.slot("bias_ptr"), mask_strides))
     return operands
 
 
@@ -404,7 +409,9 @@ def mask_flags(p: Problem) -> _dispatch.MaskFlags:
     """The variant flags of a call (softcap and ALiBi do not combine on the GPU yet)."""
     if p.softcap > 0 and p.alibi != ALIBI_NONE:
         raise ValueError("softcap and alibi_slopes together are not supported on the GPU yet")
-    return _dispatch.MaskFlags(p.causal_bound, p.local_bound, p.softcap > 0, p.dropout_p > 0, p.alibi != ALIBI_NONE)
+    return _dispatch.MaskFlags(
+        p.causal_bound, p.local_bound, p.softcap > 0, p.dropout_p > 0, p.alibi != ALIBI_NONE, mask=p.mask
+    )
 
 
 def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, packed: bool) -> Fa2FwdSpec | Fa3FwdSpec:
@@ -412,7 +419,7 @@ def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, pac
     (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens."""
     check_head_dim(p.head_dim, "the GPU kernels")
     flags = mask_flags(p)
-    fa2_only = flags.dropout or flags.alibi or p.seqused_k
+    fa2_only = flags.dropout or flags.alibi or p.seqused_k or bool(p.mask)
     if fa2_only and algorithm == "fa3":
         raise ValueError(
             "algorithm='fa3' (the Hopper kernel) has no dropout, ALiBi or seqused_k: use algorithm='fa2' or 'auto'"
@@ -837,6 +844,7 @@ def decode_applies(p: Problem) -> bool:
         and 1 <= p.head_dim <= MAX_HEAD_DIM
         and p.dropout_p == 0
         and p.alibi == ALIBI_NONE
+        and not p.mask
     )
 
 

@@ -170,6 +170,7 @@ class Fa2FwdSpec(_KernelSpecBase):
     dropout: bool = False  # dropout on P (kernels_cu/dropout.cuh)
     alibi: bool = False  # ALiBi slopes (kernels_cu/variants.cuh; not with softcap)
     valid_dim: int = 0  # the caller's head dim, when below the tile width head_dim (0: the same)
+    mask: str = ""  # an attn_mask (kernels_cu/variants.cuh's AttnBias): "", "additive" or "bool"
 
     kernel = "fa2_fwd"
     source_file = "fa2_fwd.cu"
@@ -184,6 +185,10 @@ class Fa2FwdSpec(_KernelSpecBase):
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         _check_columns(self.head_dim, self.valid_dim, FA2_HEAD_DIMS)
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"unknown attn_mask kind {self.mask!r}; kinds: {sorted(MASK_KINDS)}")
+        if self.mask and (self.softcap or self.alibi):
+            raise ValueError("an attn_mask does not combine with softcap or ALiBi yet")
 
     def _name_parts(self) -> tuple[object, ...]:
         t = self.tile
@@ -205,6 +210,7 @@ class Fa2FwdSpec(_KernelSpecBase):
             *_mask_flags(self.causal, self.local, self.softcap),
             ("drop", self.dropout),
             ("alibi", self.alibi),
+            (f"{self.mask}mask", bool(self.mask)),
         )
 
     @property
@@ -233,12 +239,17 @@ class Fa2FwdSpec(_KernelSpecBase):
             self.softcap,
             self.dropout,
             self.alibi,
-            *_columns_arg(self.valid_dim),
+            # the caller's columns, then the mask kind (kValidDim_ spelled out before it)
+            *((self.valid_dim, MASK_KINDS[self.mask]) if self.mask else _columns_arg(self.valid_dim)),
         )
 
     @property
     def _min_blocks(self) -> int:
         return self.tile.min_blocks
+
+
+#: attn_mask kinds of the FA2 forward -> the traits' kBias_ (kernels_cu/variants.cuh).
+MASK_KINDS = {"": 0, "additive": 1, "bool": 2}
 
 
 @dataclass(frozen=True, slots=True)

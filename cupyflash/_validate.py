@@ -126,6 +126,22 @@ def check_alibi(slopes: Any, batch: int, heads_q: int) -> str:
                      f"({batch}, {heads_q}), got {shape}")  # fmt: skip
 
 
+def check_attn_mask(shape: tuple[int, ...], is_bool: bool, p: Problem) -> tuple[str, tuple[int, int, int, int]]:
+    """SDPA's attn_mask: 2-D to 4-D, broadcastable to (B, Hq, Nq, Nk) with each axis full or 1
+    (the missing leading axes are 1); boolean (True: the key takes part) or additive. Returns
+    its kind and 4-D shape."""
+    shape = tuple(shape)
+    if not 2 <= len(shape) <= 4:
+        raise ValueError(f"attn_mask must have 2 to 4 dims, (B|1, Hq|1, Nq|1, Nk|1) from the right, got shape {shape}")
+    full = (1,) * (4 - len(shape)) + shape
+    want = (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
+    if any(n not in (1, w) for n, w in zip(full, want)):
+        raise ValueError(f"attn_mask of shape {shape} does not broadcast to (B, Hq, Nq, Nk) = {want} axis by axis")
+    if p.softcap > 0 or p.alibi != ALIBI_NONE:
+        raise ValueError("attn_mask does not combine with softcap or alibi_slopes yet")
+    return ("bool" if is_bool else "additive"), full  # type: ignore[return-value]
+
+
 def check_algorithm(entry: str, algorithm: Any) -> str:
     allowed = ALGORITHMS[entry]
     if type(algorithm) is not str or algorithm not in allowed:
@@ -152,6 +168,8 @@ class Problem:
     alibi: str = ALIBI_NONE  # ALiBi slopes: none, (Hq,) "head", or (B, Hq) "batch_head"
     seqused_k: bool = False  # packed: a per-sequence count of the keys used (flash-attn's seqused_k)
     page_size: int = 0  # packed over a paged cache (attention_varlen's block_table): keys per page; 0 without
+    mask: str = ""  # an attn_mask: "" none, "additive", "bool"
+    mask_shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # its 4-D shape (B|1, Hq|1, Nq|1, Nk|1)
 
     @property
     def causal_bound(self) -> bool:

@@ -684,3 +684,61 @@ def run_chunked_prefill(shape: ChunkShape, page_sizes: tuple[int, ...] = CHUNK_P
         row[name] = round(shape.flops / ms / 1e9, 1)
         row[f"{name}_ms"] = round(ms, 4)
     return row
+
+
+# ---------------------------------------------------------------------------------------------
+# attn_mask: a key-padding mask, a boolean mask per query row, an additive bias per head.
+# ---------------------------------------------------------------------------------------------
+MASK_SHAPES = (PrefillShape(4, 4096, 16, 128, False, "bfloat16"), PrefillShape(16, 1024, 16, 128, False, "bfloat16"))
+MASK_KINDS = ("key_padding", "bool_rows", "additive_heads")
+
+
+def _mask_for(kind: str, shape: PrefillShape, gen: Any) -> Any:
+    """key_padding (B, 1, 1, N): each sequence's first quarter hidden (left padding);
+    bool_rows (B, 1, N, N): random keep with p = 0.9; additive_heads (1, H, N, N): normal, q's dtype."""
+    import torch
+
+    b, n, h = shape.batch, shape.seqlen, shape.heads
+    if kind == "key_padding":
+        keep = torch.ones(b, 1, 1, n, dtype=torch.bool, device="cuda")
+        keep[..., : n // 4] = False
+        return keep
+    if kind == "bool_rows":
+        return torch.rand(b, 1, n, n, generator=gen, device="cuda") < 0.9
+    return torch.randn(1, h, n, n, generator=gen, device="cuda").to(getattr(torch, shape.dtype))
+
+
+def run_masked_prefill(shape: PrefillShape, kind: str) -> dict[str, Any]:
+    """TFLOP/s (of the unmasked work) of cupyflash with ``kind``'s mask, without it, and of
+    PyTorch SDPA's efficient and cuDNN backends with the same mask, interleaved in one process."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cupyflash
+
+    q, k, v = prefill_inputs(shape)
+    mask = _mask_for(kind, shape, torch.Generator(device="cuda").manual_seed(1))
+    row: dict[str, Any] = {**asdict(shape), "mask": kind, "mask_shape": list(mask.shape)}
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def sdpa(backend: Any) -> Callable[[], Any]:
+        def call() -> Any:
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+
+        return call
+
+    calls: dict[str, Callable[[], Any]] = {
+        "cupyflash_mask": lambda: cupyflash.attention(q, k, v, attn_mask=mask),
+        "cupyflash_fa2_nomask": lambda: cupyflash.attention(q, k, v, algorithm="fa2"),
+        "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+    }
+    ok = runnable(calls, row)
+    if "sdpa_efficient" in ok:  # the same answer as SDPA's on the same mask
+        want = ok["sdpa_efficient"]().transpose(1, 2).float()
+        row["max_abs_diff_vs_sdpa"] = float((ok["cupyflash_mask"]().float() - want).abs().max())
+    for name, ms in cuda_times_ms(ok, warmup_ms=200.0, repeat=20).items():
+        row[name] = round(shape.flops / ms / 1e9, 1)
+        row[f"{name}_ms"] = round(ms, 4)
+    return row

@@ -269,27 +269,57 @@ class Alibi:
         return -self.slopes * xp.astype(distance, self.slopes.dtype)
 
 
+@dataclass(frozen=True)
+class MaskBias:
+    """An attention mask (twin of kernels_cu/variants.cuh's AttnBias), SDPA's attn_mask: additive,
+    or boolean (True: the key takes part; False: its logit -inf); ``values`` [B|1, Hkv|1, G|1,
+    Nq|1, Nk|1] as an additive bias in the compute dtype."""
+
+    values: Any
+
+    @staticmethod
+    def of(xp: Any, mask: Any, heads_kv: int, like: Any) -> MaskBias:
+        """From the caller's 4-D (B|1, Hq|1, Nq|1, Nk|1) mask."""
+        if mask.dtype == xp.bool:
+            zero = xp.zeros(mask.shape, dtype=like.dtype, device=_device(like))
+            values = xp.where(mask, zero, xp.full(mask.shape, -math.inf, dtype=like.dtype, device=_device(like)))
+        else:
+            values = xp.asarray(xp.astype(mask, like.dtype), device=_device(like))
+        b, h, nq, nk = values.shape
+        grouped = (heads_kv, h // heads_kv) if h > 1 else (1, 1)
+        return MaskBias(xp.reshape(values, (b, *grouped, nq, nk)))
+
+    def bias(self, xp: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
+        v = self.values
+        v = v if v.shape[-2] == 1 else v[..., rows[0] : rows[1], :]
+        return v if v.shape[-1] == 1 else v[..., keys[0] : keys[1]]
+
+
+#: What a score may gain before the softmax: ALiBi's distance bias or an attention mask.
+LogitBias = Alibi | MaskBias
+
+
 def _logits(
-    xp: Any, q_blk: Any, k_blk: Any, p: Problem, alibi: Alibi | None = None, rows: tuple[int, int] = (0, 0),
+    xp: Any, q_blk: Any, k_blk: Any, p: Problem, bias: LogitBias | None = None, rows: tuple[int, int] = (0, 0),
     keys: tuple[int, int] = (0, 0),
 ) -> Any:  # fmt: skip
     """Scaled (and soft-capped) scores of a block: [.., rows, d] x [.., keys, d] -> [.., rows, keys];
-    with ``alibi``, plus its bias at query rows ``rows`` and keys ``keys`` (ranges)."""
+    with ``bias`` (ALiBi or an attn_mask), plus it at query rows ``rows`` and keys ``keys`` (ranges)."""
     s = q_blk @ xp.matrix_transpose(k_blk)
     s = p.softcap * xp.tanh(s * (p.scale / p.softcap)) if p.softcap > 0 else s * p.scale
-    return s if alibi is None else s + alibi.bias(xp, p, rows, keys)
+    return s if bias is None else s + bias.bias(xp, p, rows, keys)
 
 
 # ---------------------------------------------------------------------------------------------
 # The algorithms. q: [B, Hkv, G, Nq, d]; k, v: [B, Hkv, 1, Nk, d]. Return (O, LSE [B, Hkv, G, Nq]).
 # ---------------------------------------------------------------------------------------------
 def naive(
-    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, dropout: Dropout | None = None, alibi: Alibi | None = None
+    xp: Any, q: Any, k: Any, v: Any, p: Problem, *, dropout: Dropout | None = None, bias: LogitBias | None = None
 ) -> tuple[Any, Any]:
     """Three passes over N x N matrices: S = Q K^T, P = softmax(S), O = P V (P dropped out first
     with ``dropout``)."""
     mask = KeyMask(0, p.seqlen_q - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
-    logits = _logits(xp, q, k, p, alibi, (0, p.seqlen_q), (0, p.seqlen_k))
+    logits = _logits(xp, q, k, p, bias, (0, p.seqlen_q), (0, p.seqlen_k))
     s = mask.apply(xp, logits, 0, p.seqlen_k - 1)  # pass 1: S
     if p.seqlen_k:
         row_max = xp.max(s, axis=-1)
@@ -306,7 +336,7 @@ def naive(
 
 def fa2_partial(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int, block_n: int, key_range: tuple[int, int],
-    dropout: Dropout | None = None, alibi: Alibi | None = None,
+    dropout: Dropout | None = None, bias: LogitBias | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """FA2 over keys in ``key_range`` (the whole sequence, or one split of FlashDecoding).
 
@@ -330,7 +360,7 @@ def fa2_partial(
             if key1 <= key0:
                 continue
             # -- scores of this block, masked only where the block straddles a bound
-            s = _logits(xp, q_blk, k[..., key0:key1, :], p, alibi, (row0, row1), (key0, key1))
+            s = _logits(xp, q_blk, k[..., key0:key1, :], p, bias, (row0, row1), (key0, key1))
             if mask.needs_mask(key0, key1 - 1):
                 s = mask.apply(xp, s, key0, key1 - 1)
             # -- update m and l, rescale O, accumulate P V
@@ -349,10 +379,10 @@ def fa2_partial(
 
 def fa2(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, block_m: int = 64, block_n: int = 64,
-    dropout: Dropout | None = None, alibi: Alibi | None = None,
+    dropout: Dropout | None = None, bias: LogitBias | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     return fa2_partial(
-        xp, q, k, v, p, block_m=block_m, block_n=block_n, key_range=(0, p.seqlen_k), dropout=dropout, alibi=alibi
+        xp, q, k, v, p, block_m=block_m, block_n=block_n, key_range=(0, p.seqlen_k), dropout=dropout, bias=bias
     )
 
 
@@ -365,7 +395,7 @@ def fa1_block_sizes(head_dim: int, sram_elements: int = DEFAULT_SRAM_ELEMENTS) -
 
 def fa1(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, sram_elements: int = DEFAULT_SRAM_ELEMENTS,
-    alibi: Alibi | None = None,
+    bias: LogitBias | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Algorithm 1 of FlashAttention: K/V blocks outer, Q blocks inner, O/l/m through "HBM"."""
     block_r, block_c = fa1_block_sizes(p.head_dim, sram_elements)
@@ -383,7 +413,7 @@ def fa1(
             mask = KeyMask(row0, row1 - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
             if key1 <= mask.key_begin() or key0 >= mask.key_end():
                 continue  # every key of the block hidden from every row of Q_i
-            s = _logits(xp, q[..., row0:row1, :], k_blk, p, alibi, (row0, row1), (key0, key1))
+            s = _logits(xp, q[..., row0:row1, :], k_blk, p, bias, (row0, row1), (key0, key1))
             if mask.needs_mask(key0, key1 - 1):
                 s = mask.apply(xp, s, key0, key1 - 1)
             m_new, rescale = update_max(xp, m_hbm[i], s, LOG2E)
@@ -399,7 +429,7 @@ def fa1(
 
 def decode(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, num_splits: int = 4, block_n: int = 64, split_keys: int = 0,
-    alibi: Alibi | None = None,
+    bias: LogitBias | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """FlashDecoding: split the keys into chunks of ``split_keys`` keys (default: ``num_splits``
     chunks of whole key blocks), one FA2 partial (O_s, LSE_s) each, then merge them exactly."""
@@ -409,7 +439,7 @@ def decode(
         chunk = -(-chunk // block_n) * block_n  # whole key blocks per split, as the kernel
     outs, lses = [], []
     for key0 in range(0, max(p.seqlen_k, 1), chunk):
-        o, lse = fa2_partial(xp, q, k, v, p, block_m=64, block_n=block_n, key_range=(key0, key0 + chunk), alibi=alibi)
+        o, lse = fa2_partial(xp, q, k, v, p, block_m=64, block_n=block_n, key_range=(key0, key0 + chunk), bias=bias)
         outs.append(o)
         lses.append(lse)
     return merge(xp, outs, lses)
@@ -530,11 +560,12 @@ def _device(x: Any) -> Any:
 
 def attention(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", dropout: Dropout | None = None,
-    alibi_slopes: Any = None, **options: Any,
+    alibi_slopes: Any = None, attn_mask: Any = None, **options: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Run one algorithm on caller arrays in ``p.layout``; returns (out in the caller's dtype and
     layout, LSE [B, Hq, Nq] in the compute dtype: float64 for float64 inputs, else float32).
-    ``dropout``: naive and fa2 only. ``alibi_slopes``: (Hq,) or (B, Hq), every algorithm."""
+    ``dropout``: naive and fa2 only. ``alibi_slopes``: (Hq,) or (B, Hq), every algorithm.
+    ``attn_mask``: 4-D (B|1, Hq|1, Nq|1, Nk|1), boolean or additive (not with alibi_slopes)."""
     if dropout is not None:
         if algorithm not in ("naive", "fa2"):
             raise ValueError(f"dropout runs with the naive and fa2 algorithms, not {algorithm!r}")
@@ -545,7 +576,9 @@ def attention(
         q, k, v = (xp.permute_dims(x, (0, 2, 1, 3)) for x in (q, k, v))
     q5 = xp.reshape(xp.astype(q, compute), (b, hkv, group, p.seqlen_q, p.head_dim))
     if alibi_slopes is not None:
-        options["alibi"] = Alibi.of(xp, alibi_slopes, hkv, q5)
+        options["bias"] = Alibi.of(xp, alibi_slopes, hkv, q5)
+    if attn_mask is not None:
+        options["bias"] = MaskBias.of(xp, attn_mask, hkv, q5)
     k5 = xp.expand_dims(xp.astype(k, compute), axis=2)
     v5 = xp.expand_dims(xp.astype(v, compute), axis=2)
     if p.seqlen_q == 0 or b == 0:
@@ -567,7 +600,7 @@ def attention(
 # ---------------------------------------------------------------------------------------------
 def fa2_backward(
     xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, *, dlse: Any = None,
-    block_m: int = 64, block_n: int = 64, dropout: Dropout | None = None, alibi: Alibi | None = None,
+    block_m: int = 64, block_n: int = 64, dropout: Dropout | None = None, bias: LogitBias | None = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """(dQ, dK, dV) in the internal layout: q, dout, out [B, Hkv, G, Nq, d]; k, v [B, Hkv, 1, Nk, d];
     lse and dlse (the LSE's gradient, or None) [B, Hkv, G, Nq]. dK and dV are summed over the G
@@ -591,7 +624,7 @@ def fa2_backward(
             q_blk, do_blk = q[..., row0:row1, :], dout[..., row0:row1, :]
             # -- P again, from the logits and the saved LSE (0 where masked, or the row is empty)
             capped = _logits(xp, q_blk, k_blk, p)  # the softcap's derivative reads it without the bias
-            s = capped if alibi is None else capped + alibi.bias(xp, p, (row0, row1), (key0, key1))
+            s = capped if bias is None else capped + bias.bias(xp, p, (row0, row1), (key0, key1))
             if mask.needs_mask(key0, key1 - 1):
                 s = mask.apply(xp, s, key0, key1 - 1)
             lse_blk = lse[..., row0:row1, None]
@@ -635,7 +668,7 @@ def attention_backward(
         None if x is None else xp.reshape(xp.astype(x, compute), (b, hkv, group, p.seqlen_q)) for x in (lse, dlse)
     )
     alibi = None if alibi_slopes is None else Alibi.of(xp, alibi_slopes, hkv, q5)
-    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout, alibi=alibi)
+    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout, bias=alibi)
     dq = to_bhsd(xp.reshape(dq5, (b, p.heads_q, p.seqlen_q, p.head_dim)))
     dk, dv = (to_bhsd(x[:, :, 0, ...]) for x in (dk5, dv5))
     return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)

@@ -29,7 +29,7 @@
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool Q_in_regs_,
           bool Overlap_, typename Element_, bool Is_causal_, bool Is_local_, bool Has_softcap_,
-          bool Has_dropout_ = false, bool Has_alibi_ = false, int kValidDim_ = 0>
+          bool Has_dropout_ = false, bool Has_alibi_ = false, int kValidDim_ = 0, int kBias_ = 0>
 struct Fa2FwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -47,7 +47,8 @@ struct Fa2FwdTraits {
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Has_dropout = Has_dropout_;
-  using Transform = ScoreTransform<Has_softcap, Has_alibi_>;
+  using Transform =
+      ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;  // kBias_: an attn_mask
 
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kRowsPerWarp = kBlockM / kNWarps;

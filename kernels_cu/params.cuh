@@ -59,6 +59,13 @@ struct AttnParams {
   // Keys used per batch entry (flash-attn's seqused_k: the first seqused_k[b] keys of sequence
   // b take part, and its causal shift counts those), or nullptr: all. FA2 kernels (key_range).
   const int32_t* seqused_k;
+
+  // An attention mask (variants with kBias; kernels_cu/variants.cuh's AttnBias): SDPA's attn_mask
+  // [B|1, Hq|1, Nq|1, Nk|1], additive in q's element type (entering the logit times alibi_scale,
+  // 1 / M) or boolean (one byte, true = take part), element (b, h, i, j) at
+  // bias_ptr[b * bias_batch_stride + h * bias_head_stride + i * bias_row_stride + j * bias_key_stride].
+  const void* bias_ptr;
+  int64_t bias_batch_stride, bias_head_stride, bias_row_stride, bias_key_stride;
 };
 
 // cuTensorMapEncodeTiled's opaque 128-byte CUtensorMap (cuda.h cannot be included under NVRTC).

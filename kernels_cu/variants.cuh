@@ -45,22 +45,64 @@ struct Alibi {
   }
 };
 
-// The variant of a kernel's flags (softcap and ALiBi do not combine yet).
-template <bool Has_softcap, bool Has_alibi>
+// Kinds of an attention mask (SDPA's attn_mask; AttnParams::bias_ptr): none, additive in the
+// kernel's element type, boolean (one byte per element: true = the key takes part).
+enum : int { kNoBias = 0, kAdditiveBias = 1, kBoolBias = 2 };
+
+// logit(s) = s + bias / M for an additive mask (M the softmax's multiplier, as ALiBi's: the
+// softmax sees scale * s + bias), or s where a boolean mask holds and -inf where it does not.
+// The mask is [B|1, H|1, Nq|1, Nk|1] through strides (0 on a broadcast axis); (row, key) past the
+// sequence are not read (the key mask hides those keys, and no row past Nq is stored).
+template <typename BiasElement, bool Is_bool>
+struct AttnBias {
+  const BiasElement* base;  // the tile's batch entry and query head
+  int64_t row_stride, key_stride;
+  float scale;
+  int rows, keys;
+  CF_DEVICE AttnBias(const AttnParams& p, int batch, int head, int /*shift*/)
+      : base(static_cast<const BiasElement*>(p.bias_ptr) + batch * p.bias_batch_stride +
+             head * p.bias_head_stride),
+        row_stride(p.bias_row_stride),
+        key_stride(p.bias_key_stride),
+        scale(p.alibi_scale),
+        rows(p.seqlen_q),
+        keys(p.seqlen_k) {}
+  CF_DEVICE float operator()(float score, int row, int key) const {
+    if (row >= rows || key >= keys) return score;
+    const BiasElement b = base[row * row_stride + key * key_stride];
+    if constexpr (Is_bool) {
+      return b != 0 ? score : neg_infinity();
+    } else {
+      return fmaf(to_float(b), scale, score);
+    }
+  }
+};
+
+// The variant of a kernel's flags (softcap, ALiBi and a mask do not combine yet).
+template <typename Element, bool Has_softcap, bool Has_alibi, int kBias>
 struct SelectScoreTransform {
-  static_assert(!(Has_softcap && Has_alibi), "softcap and ALiBi do not combine yet");
+  static_assert(int(Has_softcap) + int(Has_alibi) + int(kBias != kNoBias) <= 1,
+                "softcap, ALiBi and a mask do not combine yet");
   using type = NoScoreTransform;
 };
-template <>
-struct SelectScoreTransform<true, false> {
+template <typename Element>
+struct SelectScoreTransform<Element, true, false, kNoBias> {
   using type = Softcap;
 };
-template <>
-struct SelectScoreTransform<false, true> {
+template <typename Element>
+struct SelectScoreTransform<Element, false, true, kNoBias> {
   using type = Alibi;
 };
-template <bool Has_softcap, bool Has_alibi = false>
-using ScoreTransform = typename SelectScoreTransform<Has_softcap, Has_alibi>::type;
+template <typename Element>
+struct SelectScoreTransform<Element, false, false, kAdditiveBias> {
+  using type = AttnBias<Element, false>;
+};
+template <typename Element>
+struct SelectScoreTransform<Element, false, false, kBoolBias> {
+  using type = AttnBias<unsigned char, true>;
+};
+template <bool Has_softcap, bool Has_alibi = false, int kBias = kNoBias, typename Element = __half>
+using ScoreTransform = typename SelectScoreTransform<Element, Has_softcap, Has_alibi, kBias>::type;
 
 // Apply a variant to a tile of scores. Fragment layout of m16n8 tiles (as KeyMask::apply):
 // element e of tile (mt, nt) is row row0 + 16 mt + lane / 4 + 8 (e / 2),

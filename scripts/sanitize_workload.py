@@ -79,6 +79,14 @@ class Arrays:
             return self.module.from_numpy(host).cuda()
         return host
 
+    def bools(self, values: Any, shape: tuple[int, ...]) -> Any:
+        host = np.ascontiguousarray(np.broadcast_to(np.asarray(values, dtype=bool), shape))
+        if self.lib == "cupy":
+            return self.module.asarray(host)
+        if self.lib == "torch":
+            return self.module.from_numpy(host).cuda()
+        return host
+
     def full_like(self, x: Any, value: float) -> Any:
         if self.lib == "cupy" and str(x.dtype) == "bfloat16":  # through torch, as randn
             import torch
@@ -115,6 +123,11 @@ def _attention(
     )
     if alibi:  # (B, Hq) slopes
         options["alibi_slopes"] = a.randn(b, hq, dtype="float32")
+    mask = options.pop("mask", None)
+    if mask == "key-padding":  # (B, 1, 1, Nk), the first third of the keys hidden
+        options["attn_mask"] = a.bools(np.arange(sk)[None, None, None, :] >= sk // 3, (b, 1, 1, sk))
+    elif mask == "additive":  # (1, Hq, Nq, Nk) in q's dtype
+        options["attn_mask"] = a.randn(1, hq, sq, sk, dtype=dtype)
     return cupyflash.attention(q, k, v, return_lse=True, **options)
 
 
@@ -142,6 +155,8 @@ def attention_cases(size: str, hopper: bool) -> Iterator[Case]:
     dropout = [  # FA2 only
         ("dropout-causal", 1, nq, nk, 4, 2, {"causal": True, "dropout_p": 0.3, "seed": 5}),
         ("alibi-window", 2, nq, nk, 4, 2, {"window": (20, 5), "alibi": True}),
+        ("mask-padding-causal", 2, nq, nk, 4, 2, {"causal": True, "mask": "key-padding"}),
+        ("mask-additive-window", 1, nq, nk, 4, 2, {"window": (20, 5), "mask": "additive"}),
     ]
     for algorithm, dims in (("fa2", fa2_dims), ("fa3", fa3_dims)):
         for d in dims:
