@@ -155,8 +155,8 @@ def attention(
         dtype on the GPU; added to ``scale * q @ k^T``), together with ``causal``/``window``.
         A key-padding mask is ``(B, 1, 1, Nk)``. A row whose every key is masked outputs 0 with
         LSE ``-inf`` (SDPA's gives NaN). Same library and device as ``q``. On the GPU the FA2
-        kernel reads it in place (strides 0 on broadcast axes); not with softcap or ALiBi, and
-        no backward yet (tensors that require grad are refused).
+        kernels read it in place (strides 0 on broadcast axes), forward and backward (the mask
+        gets no gradient); head_dim up to 128 there for now, not with softcap or ALiBi.
 
     Returns
     -------
@@ -183,7 +183,7 @@ def attention(
     if attn_mask is not None:
         return _masked_attention(
             q, k, v, attn_mask, check_options(causal, scale, window, softcap), layout, algorithm, return_lse,
-            dropout_p, seed, alibi_slopes,
+            check_flag("deterministic", deterministic), dropout_p, seed, alibi_slopes,
         )  # fmt: skip
     if _interop.compiling():  # Dynamo traces the custom op, not this function's body
         return _interop.torch_ops.attention(
@@ -232,26 +232,25 @@ _MASKED_NAMES = ("q", "k", "v", "attn_mask")
 
 def _masked_attention(
     q: Any, k: Any, v: Any, attn_mask: Any, options: tuple[Any, ...], layout: str, algorithm: str, return_lse: bool,
-    dropout_p: float, seed: int | None, alibi_slopes: Any,
+    deterministic: bool, dropout_p: float, seed: int | None, alibi_slopes: Any,
 ) -> Any:  # fmt: skip
     """attention with an attn_mask: the FA2 kernel with the mask as a score variant on the GPU."""
-    if _interop.compiling() or _interop.traced((q, k, v, attn_mask)):
-        raise NotImplementedError(
-            "attention with attn_mask does not run under torch.compile or a JAX transformation yet"
+    if _interop.compiling():  # Dynamo traces the custom op, which takes the mask
+        return _interop.torch_ops.attention(
+            q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes, attn_mask
         )
+    if _interop.traced((q, k, v, attn_mask)):
+        raise NotImplementedError("attention with attn_mask does not run under a JAX transformation yet")
     check_algorithm("attention", algorithm)
     if algorithm not in ("auto", "fa2"):
         raise ValueError(f"attn_mask runs on the FA2 kernel: algorithm must be 'auto' or 'fa2', got {algorithm!r}")
     dropout_p, seed = check_dropout(dropout_p, seed)
-    problem = _problem(q, k, v, options, layout, dropout_p, alibi_slopes)
-    if not hasattr(attn_mask, "shape") or not hasattr(attn_mask, "dtype"):
-        raise TypeError(f"attn_mask must be an array, got {type(attn_mask).__name__}")
-    kind, shape = check_attn_mask(tuple(attn_mask.shape), "bool" in str(attn_mask.dtype), problem)
-    problem = dataclasses.replace(problem, mask=kind, mask_shape=shape)
-    mask = attn_mask if attn_mask.ndim == 4 else attn_mask.reshape(shape)
+    problem, mask = _with_mask(_problem(q, k, v, options, layout, dropout_p, alibi_slopes), attn_mask)
     arrays = _interop.gpu_arrays(_MASKED_NAMES, (q, k, v, mask))
     if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
-        _interop.refuse_autograd("attention with attn_mask")
+        return _interop.torch_ops.attention(
+            q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes, mask
+        )
     if arrays is None:
         out, lse = _host.attention(q, k, v, problem, algorithm, _host_dropout(q, dropout_p, seed), attn_mask=mask)
         return (out, lse) if return_lse else out
@@ -260,11 +259,7 @@ def _masked_attention(
 
     def plan() -> _plan.Launch:
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
-        mask_dtype = lib.dtype_name(mask)
-        if kind == "additive" and mask_dtype != dtype:
-            raise TypeError(
-                f"an additive attn_mask must have q's dtype {dtype} on the GPU (as SDPA's), got {mask_dtype}"
-            )
+        _check_mask_dtype(lib, problem, mask, dtype)
         return _plan.plan_attention(problem, dtype, _plan.device_info(device), algorithm, tuple(q.shape))
 
     launch = _plans.get(key, plan)
@@ -273,6 +268,24 @@ def _masked_attention(
         arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
     out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
     return (out, lse) if return_lse else out
+
+
+def _with_mask(problem: Any, attn_mask: Any) -> tuple[Any, Any]:
+    """The problem with its (checked) attn_mask's kind and 4-D shape, and the mask as 4-D."""
+    if attn_mask is None:
+        return problem, None
+    if not hasattr(attn_mask, "shape") or not hasattr(attn_mask, "dtype"):
+        raise TypeError(f"attn_mask must be an array, got {type(attn_mask).__name__}")
+    kind, shape = check_attn_mask(tuple(attn_mask.shape), "bool" in str(attn_mask.dtype), problem)
+    mask = attn_mask if attn_mask.ndim == 4 else attn_mask.reshape(shape)
+    return dataclasses.replace(problem, mask=kind, mask_shape=shape), mask
+
+
+def _check_mask_dtype(lib: _interop.ArrayLib, problem: Any, mask: Any, dtype: str) -> None:
+    if problem.mask == "additive" and lib.dtype_name(mask) != dtype:
+        raise TypeError(
+            f"an additive attn_mask must have q's dtype {dtype} on the GPU (as SDPA's), got {lib.dtype_name(mask)}"
+        )
 
 
 def gpu_attention(
@@ -553,6 +566,7 @@ def attention_backward(
     dropout_p: float = 0.0,
     seed: int | None = None,
     alibi_slopes: Any = None,
+    attn_mask: Any = None,
 ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention` at ``out, lse = attention(q, k, v, ...,
     return_lse=True)`` for the output gradient ``dout``, as FlashAttention-2's backward computes
@@ -576,6 +590,7 @@ def attention_backward(
         when ``dropout_p > 0``): ``dv = (P M r)^T dout``, ``dS = P * (dout v^T M r - D)`` with
         M the keep mask and ``r`` the forward's scale of the kept values.
     alibi_slopes : the forward's (the slopes get no gradient, as in flash-attn).
+    attn_mask : the forward's (it gets no gradient; a masked score's dS is 0).
 
     Returns
     -------
@@ -602,33 +617,35 @@ def attention_backward(
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = _backward_dropout(dropout_p, seed)
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes")
-    given = (dout, q, k, v, out, lse, dlse, alibi_slopes)
-    problem = _problem(q, k, v, options, layout, dropout_p, alibi_slopes)
+    problem, mask = _with_mask(_problem(q, k, v, options, layout, dropout_p, alibi_slopes), attn_mask)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask")
+    given = (dout, q, k, v, out, lse, dlse, alibi_slopes, mask)
     lse_shape = (problem.batch, problem.heads_q, problem.seqlen_q)
     _check_shapes(given, names, (q.shape, q.shape, lse_shape, lse_shape), ("dout", "out", "lse", "dlse"))
     arrays = _interop.gpu_arrays(names, given)
     if arrays is None:
         dropout = Dropout(dropout_p, seed) if seed is not None else None
-        return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem, dropout, alibi_slopes)
-    lib, device, (dout, q, k, v, out, lse, dlse, alibi_slopes) = arrays
+        return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem, dropout, alibi_slopes, mask)
+    lib, device, (dout, q, k, v, out, lse, dlse, alibi_slopes, mask) = arrays
     return gpu_attention_backward(
-        lib, device, problem, dout, q, k, v, out, lse, dlse, deterministic, seed, alibi_slopes
+        lib, device, problem, dout, q, k, v, out, lse, dlse, deterministic, seed, alibi_slopes, attn_mask=mask
     )
 
 
 def gpu_attention_backward(
     lib: _interop.ArrayLib, device: int, problem: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
     dlse: Any, deterministic: bool, seed: int | None, alibi_slopes: Any, given: Any = _launch.NO_OUTPUTS,
+    attn_mask: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """The kernels' backward on arrays the pipeline reads (a checked ``problem``): (dq, dk, dv).
     ``given``: output buffers to write, by name (``_launch.run_outputs``)."""
-    dtypes = _dtypes(q, k, v, out, dout, lse, dlse, alibi_slopes)
+    dtypes = _dtypes(q, k, v, out, dout, lse, dlse, alibi_slopes, attn_mask)
     key = ("bwd", lib.name, device, problem, q.shape, k.shape, dtypes, deterministic)
 
     def plan() -> _plan.Launch:
         _check_slopes_dtype(lib, alibi_slopes)
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
+        _check_mask_dtype(lib, problem, attn_mask, dtype)
         return _plan.plan_backward(
             problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
             deterministic=deterministic,
@@ -636,7 +653,7 @@ def gpu_attention_backward(
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
-                      "dropout_seed": seed, "alibi_slopes": alibi_slopes}  # fmt: skip
+                      "dropout_seed": seed, "alibi_slopes": alibi_slopes, "attn_mask": attn_mask}  # fmt: skip
     dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name, given)
     return dq, dk, dv
 

@@ -66,6 +66,17 @@ FA2_FWD_SOFTCAP_TILES: dict[int, tuple[TileConfig, ...]] = {
     128: (TileConfig(128, 64, 8, q_in_regs=True),),
     256: (TileConfig(128, 32, 8), TileConfig(64, 32, 4)),
 }
+# An attn_mask's element loads per score (with their addresses) spilled d = 32's and 64's four-warp
+# tiles (two row tiles a warp) by 12-92 B on sm_80, and every 64-key tile at d = 128 by 40-64 B
+# with an additive mask on sm_80: eight warps of one row tile at d <= 64, 32-key blocks at
+# d = 128. Every tile tried at d = 192 and 256 spilled on sm_80 (8-120 B), so the GPU takes masks
+# up to d = 128 (FA2_MASK_MAX_HEAD_DIM) until the mask tile is staged through shared memory.
+FA2_FWD_MASK_TILES: dict[int, tuple[TileConfig, ...]] = {
+    32: (TileConfig(128, 64, 8),),
+    64: (TileConfig(128, 64, 8),),
+    128: (TileConfig(128, 32, 8, q_in_regs=True),),
+}
+FA2_MASK_MAX_HEAD_DIM = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +97,11 @@ def fa2_fwd_tiles(head_dim: int, narrow: bool) -> tuple[TileConfig, ...]:
     return (narrow and FA2_FWD_SOFTCAP_TILES.get(head_dim)) or FA2_FWD_TILES[head_dim]
 
 
+def fa2_fwd_mask_tiles(head_dim: int) -> tuple[TileConfig, ...]:
+    """The forward's tiles with an attn_mask (the narrow ones, eight warps at d <= 64)."""
+    return FA2_FWD_MASK_TILES.get(head_dim) or fa2_fwd_tiles(head_dim, True)
+
+
 def columns(head_dim: int, widths: tuple[int, ...]) -> tuple[int, int]:
     """(tile width, valid_dim) of a caller's head dim on kernels of tile ``widths``: valid_dim 0
     where the head dim is a width itself."""
@@ -99,7 +115,8 @@ def fa2_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, max_smem: int, *, 
     through the KV-cache view (``Fa2KvCacheSpec``)."""
     width, valid_dim = columns(head_dim, FA2_HEAD_DIMS)
     kind = Fa2KvCacheSpec if over_cache else Fa2FwdSpec
-    for tile in fa2_fwd_tiles(width, flags.softcap or flags.dropout or flags.alibi or bool(flags.mask)):
+    narrow = flags.softcap or flags.dropout or flags.alibi
+    for tile in fa2_fwd_mask_tiles(width) if flags.mask else fa2_fwd_tiles(width, narrow):
         spec = kind(
             dtype, width, tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim,
             flags.mask,
@@ -120,7 +137,7 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
                         for causal in (False, True):
                             for local in (False, True):
                                 specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap, dropout, alibi))
-    for head_dim in FA2_FWD_TILES:  # an attn_mask: the first tile that fits (as fa2_fwd_spec picks)
+    for head_dim in (d for d in FA2_FWD_TILES if d <= FA2_MASK_MAX_HEAD_DIM):  # an attn_mask, as fa2_fwd_spec picks
         for mask in ("additive", "bool"):
             for dropout in (False, True):
                 for dtype in ("float16", "bfloat16"):
@@ -377,30 +394,40 @@ FA2_BWD_TILES: dict[int, tuple[int, int, int]] = {
 # ALiBi at d = 128: 32 x 128 and 32 x 64 spilled 4-24 bytes on sm_90a (NVRTC 13.0.88) for some
 # flags; 64 x 64 with two warps per 16 keys (d split) fits every flag on both archs.
 FA2_BWD_ALIBI_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_TILES, 128: (64, 64, 2)}
+# An attn_mask at d = 96: 32 x 128 spilled 4-8 bytes on sm_80 with dropout; 64 x 64 split in d fits.
+FA2_BWD_MASK_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_ALIBI_TILES, 96: (64, 64, 2)}
 
 
 # The deterministic backward's dQ kernel: (block_m, block_n, warps), 16 query rows per warp (32
 # keys at d = 256: 64 spilled 24 bytes; with dropout at d = 192 too: 64 spilled 4-8 bytes).
 FA2_BWD_DQ_TILES: dict[int, tuple[int, int, int]] = {d: (64, 32 if d == 256 else 64, 4) for d in FA2_BWD_HEAD_DIMS}
 FA2_BWD_DQ_DROPOUT_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_DQ_TILES, 192: (64, 32, 4)}
+# An attn_mask's dQ kernel at d = 128 spilled 64 B on sm_80 with 64-key blocks.
+FA2_BWD_DQ_MASK_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_DQ_DROPOUT_TILES, 128: (64, 32, 4)}
 
 
 def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool = False) -> Fa2BwdSpec:
     """The backward's main variant; ``head_dim`` is the caller's (as ``fa2_fwd_spec``)."""
     width, valid_dim = columns(head_dim, FA2_BWD_HEAD_DIMS)
-    block_m, block_n, d_split = (FA2_BWD_ALIBI_TILES if flags.alibi else FA2_BWD_TILES)[width]
+    # a score variant holding registers (ALiBi's slope, a mask's pointer and strides): narrower tiles
+    tiles = FA2_BWD_MASK_TILES if flags.mask else FA2_BWD_ALIBI_TILES if flags.alibi else FA2_BWD_TILES
+    block_m, block_n, d_split = tiles[width]
     return Fa2BwdSpec(
         dtype, width, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic, d_split,
-        flags.dropout, flags.alibi, valid_dim,
+        flags.dropout, flags.alibi, valid_dim, flags.mask,
     )  # fmt: skip
 
 
 def fa2_bwd_dq_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa2BwdDqSpec:
     width, valid_dim = columns(head_dim, FA2_BWD_HEAD_DIMS)
-    tile = (FA2_BWD_DQ_DROPOUT_TILES if flags.dropout or flags.alibi else FA2_BWD_DQ_TILES)[width]
+    if flags.mask:
+        tile = FA2_BWD_DQ_MASK_TILES[width]
+    else:
+        tile = (FA2_BWD_DQ_DROPOUT_TILES if flags.dropout or flags.alibi else FA2_BWD_DQ_TILES)[width]
     return Fa2BwdDqSpec(
-        dtype, width, *tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim
-    )
+        dtype, width, *tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim,
+        flags.mask,
+    )  # fmt: skip
 
 
 def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
@@ -409,6 +436,8 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 
 
 def all_fa2_bwd_specs() -> list[KernelSpec]:
+    """The backward's variants warmup compiles: every one but an attn_mask's (those compile on
+    first use; the CI compile test builds a sample of them)."""
     specs: list[KernelSpec] = []
     for head_dim in FA2_BWD_TILES:
         for dtype in CUDA_ELEMENT_TYPES:

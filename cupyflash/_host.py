@@ -93,17 +93,18 @@ def _namespace_with_slopes(names: tuple[str, ...], arrays: tuple[Any, ...], slop
 
 def attention_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, problem: Problem, dropout: Any = None,
-    alibi_slopes: Any = None,
+    alibi_slopes: Any = None, attn_mask: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     from . import xp_impl
 
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes")
-    arrays = (dout, q, k, v, out, lse, dlse, alibi_slopes)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask")
+    arrays = (dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask)
     xp = namespace(*zip(*((n, x) for n, x in zip(names, arrays) if x is not None)))
     _check_floats(xp, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)])
     return xp_impl.attention_backward(
-        xp, dout, q, k, v, out, lse, problem, dlse=dlse, dropout=dropout, alibi_slopes=alibi_slopes
-    )
+        xp, dout, q, k, v, out, lse, problem, dlse=dlse, dropout=dropout, alibi_slopes=alibi_slopes,
+        attn_mask=attn_mask,
+    )  # fmt: skip
 
 
 def _sequence(problem: Problem, b: int, rows: tuple[int, int], dropout: Any) -> tuple[Problem, Any]:

@@ -84,6 +84,13 @@ def _columns_arg(valid_dim: int) -> tuple[int, ...]:
     return (valid_dim,) if valid_dim else ()
 
 
+def _columns_and_mask(valid_dim: int, mask: str) -> tuple[int, ...]:
+    """The FA2 traits' trailing ``kValidDim_, kBias_``: the mask kind (MASK_KINDS) after the
+    caller's columns, spelled out only where a mask is on (so a variant without one is spelled
+    as before)."""
+    return (valid_dim, MASK_KINDS[mask]) if mask else _columns_arg(valid_dim)
+
+
 class _KernelSpecBase:
     """What every kernel spec shares: the symbol name from a family prefix, name parts and flag
     suffixes; ``template_args()`` from the traits template and its arguments; the launch bounds;
@@ -239,8 +246,7 @@ class Fa2FwdSpec(_KernelSpecBase):
             self.softcap,
             self.dropout,
             self.alibi,
-            # the caller's columns, then the mask kind (kValidDim_ spelled out before it)
-            *((self.valid_dim, MASK_KINDS[self.mask]) if self.mask else _columns_arg(self.valid_dim)),
+            *_columns_and_mask(self.valid_dim, self.mask),
         )
 
     @property
@@ -681,6 +687,7 @@ class Fa2BwdSpec(_KernelSpecBase):
     dropout: bool = False  # the forward's dropout mask regenerated (kernels_cu/dropout.cuh)
     alibi: bool = False
     valid_dim: int = 0  # the caller's head dim, when below the tile width head_dim
+    mask: str = ""  # the forward's attn_mask: "", "additive" or "bool" (MASK_KINDS)
 
     kernel = "fa2_bwd"
     source_file = "fa2_bwd.cu"
@@ -709,7 +716,8 @@ class Fa2BwdSpec(_KernelSpecBase):
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
         return (
             (f"split{self.d_split}", self.d_split > 1), *_mask_flags(self.causal, self.local, self.softcap),
-            ("drop", self.dropout), ("alibi", self.alibi), ("det", self.deterministic),
+            ("drop", self.dropout), ("alibi", self.alibi), (f"{self.mask}mask", bool(self.mask)),
+            ("det", self.deterministic),
         )  # fmt: skip
 
     @property
@@ -726,7 +734,8 @@ class Fa2BwdSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         return (
             self.head_dim, self.block_m, self.block_n, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local,
-            self.softcap, not self.deterministic, self.d_split, self.dropout, self.alibi, *_columns_arg(self.valid_dim),
+            self.softcap, not self.deterministic, self.d_split, self.dropout, self.alibi,
+            *_columns_and_mask(self.valid_dim, self.mask),
         )  # fmt: skip
 
 
@@ -746,6 +755,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
     dropout: bool = False
     alibi: bool = False
     valid_dim: int = 0
+    mask: str = ""
 
     kernel = "fa2_bwd_dq_blocks"
     source_file = "fa2_bwd.cu"
@@ -771,7 +781,10 @@ class Fa2BwdDqSpec(_KernelSpecBase):
         )  # fmt: skip
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
-        return (*_mask_flags(self.causal, self.local, self.softcap), ("drop", self.dropout), ("alibi", self.alibi))
+        return (
+            *_mask_flags(self.causal, self.local, self.softcap), ("drop", self.dropout), ("alibi", self.alibi),
+            (f"{self.mask}mask", bool(self.mask)),
+        )  # fmt: skip
 
     @property
     def num_threads(self) -> int:
@@ -784,7 +797,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         return (
             self.head_dim, self.block_m, self.block_n, self.num_warps, CUDA_ELEMENT_TYPES[self.dtype], self.causal,
-            self.local, self.softcap, self.dropout, self.alibi, *_columns_arg(self.valid_dim),
+            self.local, self.softcap, self.dropout, self.alibi, *_columns_and_mask(self.valid_dim, self.mask),
         )  # fmt: skip
 
 

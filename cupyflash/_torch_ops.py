@@ -53,13 +53,13 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 def attention_op(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int,
     softcap: float, layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
-    alibi_slopes: Tensor | None,
+    alibi_slopes: Tensor | None, attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         out, lse = _api.attention(
             q, k, v, causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap, layout=layout,
             algorithm=algorithm, return_lse=True, dropout_p=dropout_p, seed=_seed_value(dropout_p, seed),
-            alibi_slopes=alibi_slopes,
+            alibi_slopes=alibi_slopes, attn_mask=attn_mask,
         )  # fmt: skip
     return _contiguous(out, lse)
 
@@ -68,6 +68,7 @@ def attention_op(
 def _(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
     layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
+    attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     p = _problem(q, k, v, causal, scale, window_left, window_right, softcap, layout)
     lse = q.new_empty((p.batch, p.heads_q, p.seqlen_q), dtype=_lse_dtype(q))
@@ -78,13 +79,13 @@ def _(
 def attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
     scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
-    dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
+    dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None, attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     with torch.no_grad():
         grads = _api.attention_backward(
             dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale, window=(window_left, window_right),
             softcap=softcap, layout=layout, deterministic=deterministic, dropout_p=dropout_p,
-            seed=_seed_value(dropout_p, seed), alibi_slopes=alibi_slopes,
+            seed=_seed_value(dropout_p, seed), alibi_slopes=alibi_slopes, attn_mask=attn_mask,
         )  # fmt: skip
     return _contiguous(*grads)
 
@@ -93,21 +94,21 @@ def attention_backward_op(
 def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
     scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
-    dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
+    dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None, attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return _empty_like(q, k, v)
 
 
 def _setup_attention(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, causal, scale, window_left, window_right, softcap, layout, _, deterministic, dropout_p, seed = inputs[:13]
-    ctx.save_for_backward(q, k, v, *output, seed, inputs[13])
+    ctx.save_for_backward(q, k, v, *output, seed, inputs[13], inputs[14] if len(inputs) > 14 else None)
     ctx.options = (causal, scale, window_left, window_right, softcap, layout, deterministic, dropout_p)
 
 
 def _attention_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, out, lse, seed, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, *ctx.options, seed, alibi_slopes)
-    return dq, dk, dv, *(None,) * 11  # the options, the seed and the slopes get none
+    q, k, v, out, lse, seed, alibi_slopes, attn_mask = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, *ctx.options, seed, alibi_slopes, attn_mask)
+    return dq, dk, dv, *(None,) * 12  # the options, the seed, the slopes and the mask get none
 
 
 attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
@@ -115,15 +116,17 @@ attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
 
 def attention(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, softcap: Any, layout: str,
               algorithm: str, return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any,
-              alibi_slopes: Any = None) -> Any:  # fmt: skip
+              alibi_slopes: Any = None, attn_mask: Any = None) -> Any:  # fmt: skip
     """``cupyflash.attention`` through the custom op (arguments as the public function's)."""
     _refuse_slope_grad(alibi_slopes)
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("attn_mask gets no gradient from cupyflash: pass a mask that does not require grad")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window_left, window_right = window
     dropout_p = float(dropout_p)
     out, lse = attention_op(
         q, k, v, bool(causal), scale, int(window_left), int(window_right), float(softcap), layout, algorithm,
-        bool(deterministic), dropout_p, _seed_tensor(q, dropout_p, seed), alibi_slopes,
+        bool(deterministic), dropout_p, _seed_tensor(q, dropout_p, seed), alibi_slopes, attn_mask,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

@@ -654,10 +654,11 @@ def fa2_backward(
 
 def attention_backward(
     xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, dlse: Any = None,
-    dropout: Dropout | None = None, alibi_slopes: Any = None,
+    dropout: Dropout | None = None, alibi_slopes: Any = None, attn_mask: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """The gradients of ``attention`` on caller arrays in ``p.layout``: (dq, dk, dv) in the
-    inputs' dtype and layout, computed in float32 (float64 for float64 inputs)."""
+    inputs' dtype and layout, computed in float32 (float64 for float64 inputs). ``alibi_slopes``,
+    ``attn_mask``: the forward's (neither gets a gradient)."""
     compute = compute_dtype(xp, q)
     b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
     to_bhsd = (lambda x: xp.permute_dims(x, (0, 2, 1, 3))) if p.layout == "bshd" else (lambda x: x)
@@ -667,8 +668,12 @@ def attention_backward(
     lse4, dlse4 = (
         None if x is None else xp.reshape(xp.astype(x, compute), (b, hkv, group, p.seqlen_q)) for x in (lse, dlse)
     )
-    alibi = None if alibi_slopes is None else Alibi.of(xp, alibi_slopes, hkv, q5)
-    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout, bias=alibi)
+    bias: LogitBias | None = None
+    if alibi_slopes is not None:
+        bias = Alibi.of(xp, alibi_slopes, hkv, q5)
+    if attn_mask is not None:
+        bias = MaskBias.of(xp, attn_mask, hkv, q5)
+    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout, bias=bias)
     dq = to_bhsd(xp.reshape(dq5, (b, p.heads_q, p.seqlen_q, p.head_dim)))
     dk, dv = (to_bhsd(x[:, :, 0, ...]) for x in (dk5, dv5))
     return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)

@@ -154,7 +154,7 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, bool Is_causal_,
           bool Is_local_, bool Has_softcap_, bool Dq_atomic_ = true, int kDSplit_ = 1,
-          bool Has_dropout_ = false, bool Has_alibi_ = false, int kValidDim_ = 0>
+          bool Has_dropout_ = false, bool Has_alibi_ = false, int kValidDim_ = 0, int kBias_ = 0>
 struct Fa2BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -179,7 +179,8 @@ struct Fa2BwdTraits {
   // dQ accumulated here with atomics; false: fa2_bwd_dq_blocks computes it (deterministic).
   static constexpr bool Dq_atomic = Dq_atomic_;
   static constexpr bool Has_dropout = Has_dropout_;
-  using Transform = ScoreTransform<Has_softcap, Has_alibi_>;
+  using Transform =
+      ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;  // kBias_: an attn_mask
 
   // The shape names of tile_mma.cuh for a warp's products with 16 key rows: M = keys (one
   // 16-row tile), N = the warp's query rows (S^T, dP^T), K-steps over d; then M = keys,
@@ -511,7 +512,7 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_,
           bool Is_causal_, bool Is_local_, bool Has_softcap_, bool Has_dropout_ = false,
-          bool Has_alibi_ = false, int kValidDim_ = 0>
+          bool Has_alibi_ = false, int kValidDim_ = 0, int kBias_ = 0>
 struct Fa2BwdDqTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -526,7 +527,8 @@ struct Fa2BwdDqTraits {
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Has_dropout = Has_dropout_;
-  using Transform = ScoreTransform<Has_softcap, Has_alibi_>;
+  using Transform =
+      ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;  // kBias_: an attn_mask
   // tile_mma.cuh's names, as the forward's: M = query rows, N = keys, K-steps over d (S, dP),
   // then over keys (dQ).
   static constexpr int kRowsPerWarp = kBlockM / kNWarps;

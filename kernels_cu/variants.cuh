@@ -122,6 +122,26 @@ CF_DEVICE void transform_scores(const Transform& transform, float (&s)[kMTiles][
       }
 }
 
+// A mask reads one element per score: a column of key tiles at a time, a compiler barrier between
+// them, so that the loads of the whole tile are not hoisted together (with their addresses they
+// spilled the FA2 tiles).
+template <typename BiasElement, bool Is_bool, int kMTiles, int kNTiles>
+CF_DEVICE void transform_scores(const AttnBias<BiasElement, Is_bool>& transform,
+                                float (&s)[kMTiles][kNTiles][4], int row0, int key0, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2);
+        const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+        s[mt][nt][e] = transform(s[mt][nt][e], row, key);
+      }
+    asm volatile("" ::: "memory");
+  }
+}
+
 // The identity leaves the tile alone (not even the index arithmetic above is written).
 template <int kMTiles, int kNTiles>
 CF_DEVICE void transform_scores(const NoScoreTransform&, float (&)[kMTiles][kNTiles][4], int, int,

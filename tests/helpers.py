@@ -75,12 +75,14 @@ def naive_low_precision(
     return_lse: bool = False,
     dropout: tuple[float, Any] | None = None,
     alibi_slopes: Any = None,
+    bias: Any = None,
 ) -> Any:
     """Standard attention in the inputs' own precision (PyTorch's math path, unfused; S in
     float32); with ``return_lse`` also each row's float32 LSE. Differentiable (the backward
     tests run it through autograd in the inputs' precision and in float64). ``dropout``:
     (p, keep mask [B, Hq, Nq, Nk], as ``dropout_keep``): P times the mask / the keep probability.
-    ``alibi_slopes`` (Hq,) or (B, Hq): the scores gain -slope * |i + Nk - Nq - j| (flash-attn's)."""
+    ``alibi_slopes`` (Hq,) or (B, Hq): the scores gain -slope * |i + Nk - Nq - j| (flash-attn's).
+    ``bias``: a tensor broadcast to (B, Hq, Nq, Nk) added to the scaled scores (an attn_mask)."""
     torch = need_torch()
     # A contiguous copy first: torch's DLPack import aborts the process on some CuPy views.
     q, k, v = (x if isinstance(x, torch.Tensor) else torch.from_dlpack(x.copy(order="C")) for x in (q, k, v))
@@ -99,6 +101,8 @@ def naive_low_precision(
         slopes = torch.as_tensor(alibi_slopes).to(s.device, s.dtype)
         slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
         s = s - slopes * distance
+    if bias is not None:
+        s = s + bias.to(s.device, s.dtype)
     visible = torch.from_numpy(reference.visible_keys(q.shape[2], k.shape[2], bool(causal), window)).to(q.device)
     s = s.masked_fill(~visible, -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)

@@ -74,5 +74,34 @@ def test_attn_mask_checks(rng):
         cupyflash.attention(q, k, v, attn_mask=np.zeros((4, 4), dtype=np.int32))
     torch = pytest.importorskip("torch")
     qt = torch.randn(1, 4, 2, 8, requires_grad=True)
-    with pytest.raises(RuntimeError, match="attention with attn_mask has no backward"):
-        cupyflash.attention(qt, qt, qt, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="attn_mask gets no gradient"):
+        cupyflash.attention(qt, qt, qt, attn_mask=torch.zeros(4, 4, requires_grad=True))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_through_a_mask_match_autograd_of_the_formula(rng, kind, causal):
+    """torch tensors that require grad take the custom op (the host path's backward here): dq, dk,
+    dv against torch.autograd of softmax(q k^T / sqrt(d) + mask) v in float64."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    q = torch.randn(2, 5, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 7, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    if kind == "bool":
+        mask = torch.rand(2, 1, 5, 7, generator=gen) > 0.3
+        mask[..., 0] = True  # every row keeps a key causal rows see
+        bias = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, -torch.inf)
+    else:
+        mask = torch.randn(1, 4, 5, 7, generator=gen, dtype=torch.float64)
+        bias = mask
+    dout = torch.randn(2, 5, 4, 8, generator=gen, dtype=torch.float64)
+    out = cupyflash.attention(q, k, v, attn_mask=mask, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    kk, vv = (x.repeat_interleave(2, dim=2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(8) + bias
+    if causal:
+        s = s.masked_fill(torch.arange(7)[None] > torch.arange(5)[:, None] + 2, -torch.inf)
+    want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vv)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    for got, expected in zip(grads, torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)

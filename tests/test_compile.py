@@ -41,6 +41,13 @@ def head_dim_sample() -> list[KernelSpec]:
         for tile in tiles:
             for local, softcap in ((True, False), (False, True)):
                 specs.append(_dispatch.decode_spec("bfloat16", width, tile.block_m, True, local, softcap))
+    # attn_mask's backward variants (compiled on first use, not by warmup): a sample of each kind
+    for mask in ("additive", "bool"):
+        for head_dim, causal in ((64, True), (80, False), (128, True)):
+            flags = MaskFlags(causal, False, False, mask=mask)
+            specs.append(_dispatch.fa2_bwd_spec("bfloat16", head_dim, flags))
+            specs.append(_dispatch.fa2_bwd_spec("float16", head_dim, flags, deterministic=True))
+            specs.append(_dispatch.fa2_bwd_dq_spec("float16", head_dim, flags))
     return list(dict.fromkeys(specs))
 
 

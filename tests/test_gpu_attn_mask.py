@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BOUND, need_torch, rel_error
+from helpers import BOUND, check_forward_backward_against_formula, need_torch, rel_error
 
 import cupyflash
 from cupyflash import reference
@@ -85,5 +85,31 @@ def test_mask_gpu_checks():
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="additive attn_mask must have q's dtype"):
         cupyflash.attention(q, q, q, attn_mask=torch.zeros(16, 16, device="cuda"))
-    with pytest.raises(RuntimeError, match="attention with attn_mask has no backward"):
-        cupyflash.attention(q.requires_grad_(), q, q, attn_mask=torch.ones(16, 16, device="cuda", dtype=torch.bool))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(("head_dim", "causal"), [(64, True), (128, False), (80, True)])
+def test_mask_gradients_on_the_gpu(rng, kind, deterministic, head_dim, causal):
+    """The FA2 backward with the mask as its score variant (atomic and deterministic dQ): dq, dk,
+    dv of bf16 inputs against autograd of the float64 formula (the error rule of
+    helpers.check_forward_backward_against_formula)."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, nq, nk, hq, hkv = 2, 150, 211, 4, 2
+    q = torch.randn(b, nq, hq, head_dim, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(b, nk, hkv, head_dim, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+            for _ in range(2))  # fmt: skip
+    if kind == "bool":
+        mask = (torch.rand(b, 1, 1, nk, generator=gen) > 0.3).cuda()
+        mask[..., -1] = True
+        bias = torch.zeros(mask.shape, device="cuda", dtype=torch.float64).masked_fill(~mask, -torch.inf)
+    else:
+        mask = torch.randn(1, hq, nq, nk, generator=gen).to("cuda", torch.bfloat16)
+        bias = mask.double()
+    dout = torch.randn(b, nq, hq, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    out = cupyflash.attention(q, k, v, attn_mask=mask, causal=causal, deterministic=deterministic)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_forward_backward_against_formula(
+        out, grads, q, k, v, dout, causal=causal, window=(-1, -1), softcap=0.0, scale=None, bias=bias
+    )
