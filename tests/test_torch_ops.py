@@ -177,6 +177,39 @@ def test_torch_compile_varlen_and_its_backward():
         torch.library.opcheck(_torch_ops.attention_varlen_op, args)
 
 
+def test_torch_compile_and_opcheck_with_an_attn_mask():
+    """attention with a key-padding attn_mask compiled (fullgraph): no graph break, eager's
+    output and gradients; opcheck on the ops with a mask (boolean and additive)."""
+    from cupyflash import _torch_ops
+
+    torch._dynamo.reset()
+    torch.manual_seed(9)
+    q, k, v = _leaves((2, 6, 4, 16), (2, 9, 2, 16), (2, 9, 2, 16), dtype=torch.float32)
+    keep = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    keep[1, ..., :4] = False
+
+    def f(q, k, v):
+        return cupyflash.attention(q, k, v, causal=True, attn_mask=keep).square().sum()
+
+    explained = torch._dynamo.explain(f)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.compile(f, fullgraph=True)(q, k, v).backward()
+    got = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    f(q, k, v).backward()
+    for a, b in zip(got, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b)
+    for mask in (keep, torch.randn(1, 4, 6, 9)):
+        args = (q, k, v, True, 0.25, -1, 0, 0.0, "bshd", "auto", False, 0.0, torch.tensor(0), None, mask)
+        torch.library.opcheck(_torch_ops.attention_op, args)
+        out, lse = _torch_ops.attention_op(*args)
+        saved = [x.detach() for x in (q, k, v, out, lse)]
+        bwd = (torch.randn_like(out), *saved, None, True, 0.25, -1, 0, 0.0, "bshd", False, 0.0, torch.tensor(0), None,
+               mask)  # fmt: skip
+        torch.library.opcheck(_torch_ops.attention_backward_op, bwd)
+
+
 def test_importing_cupyflash_does_not_import_torch():
     code = "import sys, cupyflash; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
