@@ -93,3 +93,14 @@ def test_kvcache_alibi_on_the_host(rng, nq):
         np.testing.assert_allclose(out[i : i + 1], want, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
         cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=cached, alibi_slopes=slopes[0, :3])
+
+
+def test_paged_varlen_refuses_gradients(rng):
+    """No backward over a paged cache: tensors that require grad are refused, never detached."""
+    torch = pytest.importorskip("torch")
+    pages = torch.randn(4, 8, 2, 16, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(5, 4, 16, dtype=torch.float64)
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 9, 20], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="attention_varlen with a block_table has no backward pass"):
+        cupyflash.attention_varlen(q, pages, pages, cu_q, cu_k, 3, 11, block_table=table)
