@@ -10,6 +10,10 @@
 #     bench     prefill against PyTorch SDPA (python -m cupyflash bench)
 #     decode    decode against PyTorch SDPA (bench-decode)
 #     varlen    packed sequences against PyTorch (bench-varlen)
+#     chunked   chunked prefill against a KV cache: the cache call, paged varlen, dense, SDPA
+#               (bench-chunked)
+#     mask      attn_mask against SDPA's efficient and cuDNN backends (bench-mask)
+#     serve     examples/serve.py (continuous batching over pages) beside the same loop on SDPA
 #     host      host time per tiny call, torch and CuPy, beside SDPA (scripts/ab.py host .)
 #     generate  examples/generate.py (a small GPT-style model with a paged cache)
 #     sass      SASS evidence of the variants (scripts/sass_evidence.py; needs nvcc, cuobjdump)
@@ -28,13 +32,13 @@
 # The machine has no network: Python packages it lacks travel as wheels in .whl/ (see README).
 # Exits 1 if any step failed.
 set -uo pipefail
-ALL_STEPS="warmup tests bench decode varlen host generate sass io tune sanitize ab train"
+ALL_STEPS="warmup tests bench decode varlen chunked mask serve host generate sass io tune sanitize ab train"
 LOG_DIR=${OUT:-gpu_logs}
 if [ $# -gt 0 ] && [[ " $ALL_STEPS " != *" $1 "* ]]; then  # the first argument is not a step
   LOG_DIR=$1
   shift
 fi
-STEPS=${*:-${STEPS:-warmup tests bench decode varlen host generate sass}}
+STEPS=${*:-${STEPS:-warmup tests bench decode varlen chunked mask serve host generate sass}}
 mkdir -p "$LOG_DIR"
 LOG_DIR=$(cd "$LOG_DIR" && pwd)
 cd "$(dirname "$0")/.."
@@ -74,6 +78,9 @@ step_tests() {
 step_bench() { run bench python3 -m cupyflash bench --json "$LOG_DIR/bench.json"; }
 step_decode() { run decode python3 -m cupyflash bench-decode --json "$LOG_DIR/bench_decode.json"; }
 step_varlen() { run varlen python3 -m cupyflash bench-varlen --json "$LOG_DIR/bench_varlen.json"; }
+step_chunked() { run chunked python3 -m cupyflash bench-chunked --json "$LOG_DIR/bench_chunked.json"; }
+step_mask() { run mask python3 -m cupyflash bench-mask --json "$LOG_DIR/bench_mask.json"; }
+step_serve() { run serve python3 examples/serve.py --json "$LOG_DIR/serve.json"; }
 step_host() { run host python3 scripts/ab.py host . --rounds 3; }
 step_generate() { run generate python3 examples/generate.py; }
 step_sass() {
