@@ -141,22 +141,43 @@ def test_bf16_model_on_the_gpu_against_eager(kind):
     assert (got[valid].argmax(-1) == want[valid].argmax(-1)).float().mean() > 0.95
 
 
-def test_masks_it_cannot_express_raise():
+def _positional(q, k, mask, window=None):
+    """float64 attention as transformers counts it: causal over positions (bottom-right), the
+    window over positions, padded keys hidden; q (B, Hq, Nq, d), k = v (B, Hkv, Nk, d)."""
+    nq, nk = q.shape[2], k.shape[2]
+    kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = q.double() @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
+    i, j = torch.arange(nq)[:, None] + nk - nq, torch.arange(nk)[None, :]
+    visible = (j <= i) & (True if window is None else j > i - window)
+    s = s.masked_fill(~(visible & mask[:, None, None, :]), -torch.inf)
+    return (torch.softmax(s, dim=-1).nan_to_num(0.0) @ kk).transpose(1, 2)
+
+
+def test_masks_packing_cannot_express_run_with_an_attn_mask():
+    """Padding among a cache's newest positions, and a window over a mask with gaps, run the
+    padding as an attn_mask (positions kept): against the positional formula on the valid rows;
+    what cannot be expressed at all still raises."""
+
     class Module:
         is_causal = True
 
     q, k = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 8, 16)
     mask = torch.ones(2, 8, dtype=torch.bool)
     mask[1, -1] = False  # a cache whose newest position is padding, with 3 query tokens
-    with pytest.raises(ValueError, match="newest"):
-        cft.attention_forward(Module(), q, k, k, mask)
+    out, _ = cft.attention_forward(Module(), q, k, k, mask)
+    want = _positional(q, k, mask)
+    valid = mask[:, -3:]
+    torch.testing.assert_close(out[valid].double(), want[valid], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="2-D boolean padding mask"):
         cft.attention_forward(Module(), q, k, k, torch.zeros(2, 1, 3, 8))
     holes = torch.ones(2, 8, dtype=torch.bool)
-    holes[0, 3] = False  # a gap inside a sequence: the window would count tokens, not positions
+    holes[0, 3] = False  # a gap inside a sequence: packed, the window would count tokens
     q8 = torch.randn(2, 4, 8, 16)
-    with pytest.raises(ValueError, match="gaps"):
-        cft.attention_forward(Module(), q8, k, k, holes, sliding_window=4)
+    out, _ = cft.attention_forward(Module(), q8, k, k, holes, sliding_window=4)
+    want = _positional(q8, k, holes, window=4)
+    torch.testing.assert_close(out[holes].double(), want[holes], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="softcap"):
+        cft.attention_forward(Module(), q8, k, k, holes, sliding_window=4, softcap=3.0)
     cft.attention_forward(Module(), q8, k, k, holes)  # without a window the packed sequence is exact
 
 

@@ -18,9 +18,11 @@ flash-attn's integration unpads them): causal (bottom-right, so a cache's querie
 ``scaling``, ``sliding_window`` (a token sees itself and the ``sliding_window - 1`` before it),
 ``softcap``, GQA and the module's attention ``dropout`` (transformers passes 0 in eval mode).
 PyTorch tensors that require grad get their gradients (the training path).
-What it cannot express raises: a non-causal sliding window, a padding mask
-with several query tokens whose last positions are not all valid (the queries of a cache must
-be its newest tokens), a sliding window over a mask with gaps inside a sequence.
+What packing cannot express -- several query tokens whose last positions are not all valid, a
+sliding window over a mask with gaps inside a sequence -- runs :func:`cupyflash.attention` with
+the padding as an ``attn_mask`` (positions kept). What it cannot express at all raises: a
+non-causal sliding window, those two cases with softcap, a mask other than transformers' 2-D
+boolean padding mask.
 """
 
 from __future__ import annotations
@@ -104,16 +106,14 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]
     if nq == 1:  # decoding: each sequence's one new token is valid
         q_mask = torch.ones_like(q_mask)
     elif nq != nk and not bool(q_mask.all()):
-        raise ValueError(
-            f"{nq} query tokens over {nk} cached keys with padding among the last {nq} positions: the queries of a "
-            "cache must be its newest (valid) tokens"
-        )
+        # Padding among a cache's newest positions: packed, the queries would lose their positions.
+        return _key_padding(query, key, value, mask, options, "the queries of a cache must be its newest tokens")
     if options["window"][0] >= 0:
         # Packed, a window counts valid tokens; transformers counts positions. They agree when each
         # row's valid tokens are one run (left or right padding), not around a hole.
         runs = mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(1)
         if bool((runs > 1).any()):
-            raise ValueError("a sliding window over a padding mask with gaps inside a sequence is not supported")
+            return _key_padding(query, key, value, mask, options, "a sliding window over gaps inside a sequence")
     q_rows, k_rows = q_mask.reshape(-1), mask.reshape(-1)
     packed_q = query.transpose(1, 2).reshape(b * nq, hq, d)[q_rows]
     packed_k, packed_v = (x.transpose(1, 2).reshape(b * nk, x.shape[1], d)[k_rows] for x in (key, value))
@@ -123,6 +123,16 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]
     packed_out = attention_varlen(packed_q, packed_k, packed_v, cu_q, cu_k, nq, nk, **options)  # maxima: upper bounds
     out = packed_out.new_zeros(b * nq, hq, d).index_put((q_rows,), packed_out)  # padded rows stay 0
     return out.view(b, nq, hq, d)
+
+
+def _key_padding(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any], case: str) -> Any:
+    """The padding as an attn_mask ``(B, 1, 1, Nk)`` over the unpacked batch, for what packing
+    cannot express (``case``): causal and window count positions, as transformers does. Padded
+    query rows come back as the kernel computes them (transformers ignores them)."""
+    if options["softcap"]:
+        raise ValueError(f"{case}, with softcap: an attn_mask does not combine with softcap yet")
+    out = attention(query, key, value, layout="bhsd", attn_mask=mask[:, None, None, :], **options)
+    return out.transpose(1, 2)
 
 
 def _left_padding(mask: Any, nq: int, options: dict[str, Any], tensors: tuple[Any, ...]) -> Any:
