@@ -1,5 +1,6 @@
 """Regression gate over the committed asv results: the newest measured commit on the current
-branch against the measured commit before it, on the H200 machine.
+branch against the measured commit before it, on the H200 machine (``--pairs N``: each of the
+newest N measured commits against the one before it, for a run over a commit range).
 
 A benchmark regresses when it moves the wrong way (TFLOP/s, GB/s or a ratio down; us, s or %
 up) by more than its noise threshold. What is gated:
@@ -28,7 +29,7 @@ kernels) and ~1% at N = 16384, host times ~10-30%, first-call compile times seve
 drops. Exits 1 on a regression.
 Reads asv's JSON directly (no asv import), so it runs wherever the results are checked out.
 
-    python scripts/asv_gate.py [--results benchmarks_asv/results] [--machine h200]
+    python scripts/asv_gate.py [--results benchmarks_asv/results] [--machine h200] [--pairs N]
 """
 
 from __future__ import annotations
@@ -150,20 +151,10 @@ def branch_order() -> list[str]:
     return out.stdout.split()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", type=Path, default=Path("benchmarks_asv/results"))
-    parser.add_argument("--machine", default="h200")
-    args = parser.parse_args()
-    benchmarks = json.loads((args.results / "benchmarks.json").read_text())
-    by_commit = load_results(args.results / args.machine)
-    measured = [c for c in branch_order() if c in by_commit]
-    if len(measured) < 2:
-        print(f"asv gate: {len(measured)} measured commit(s) on this branch; nothing to compare")
-        return 0
-    new, old = measured[0], measured[1]
-    thresholds, why = noise_thresholds(args.results, args.machine)
-    print(f"asv gate: {new[:10]} vs {old[:10]} on {args.machine}; thresholds: {why}")
+def compare(
+    benchmarks: dict[str, Any], by_commit: Results, new: str, old: str, thresholds: dict[str, float]
+) -> list[str]:
+    """Print ``new`` against ``old`` entry by entry; returns the entries that regressed."""
     regressions = []
     for name in sorted(set(by_commit[new]) & set(by_commit[old])):
         if name not in benchmarks:
@@ -196,7 +187,31 @@ def main() -> int:
             flag = "REGRESSION" if change > threshold else ""
             print(f"  {name}({label}): {a:.4g} -> {b:.4g} {basis} ({-change:+.1%}, {allowed}) {flag}")
             if flag:
-                regressions.append(f"{name}({label})")
+                regressions.append(f"{new[:10]}: {name}({label})")
+    return regressions
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=Path("benchmarks_asv/results"))
+    parser.add_argument("--machine", default="h200")
+    parser.add_argument(
+        "--pairs", type=int, default=1,
+        help="compare each of the newest N measured commits with the measured one before it (a run over "
+        "a commit range: N = the commits it measured); default 1",
+    )  # fmt: skip
+    args = parser.parse_args()
+    benchmarks = json.loads((args.results / "benchmarks.json").read_text())
+    by_commit = load_results(args.results / args.machine)
+    measured = [c for c in branch_order() if c in by_commit]
+    if len(measured) < 2:
+        print(f"asv gate: {len(measured)} measured commit(s) on this branch; nothing to compare")
+        return 0
+    thresholds, why = noise_thresholds(args.results, args.machine)
+    regressions = []
+    for new, old in list(zip(measured, measured[1:]))[: max(args.pairs, 1)]:
+        print(f"asv gate: {new[:10]} vs {old[:10]} on {args.machine}; thresholds: {why}")
+        regressions += compare(benchmarks, by_commit, new, old, thresholds)
     if regressions:
         print(f"asv gate: {len(regressions)} regression(s) beyond their thresholds: {regressions}")
         return 1

@@ -135,3 +135,5 @@ done
 [ -f "$OUT_DIR/asv_results.tgz" ] || pack
 echo "== done in ${SECONDS}s:"
 cat "$OUT_DIR/asv_summary.txt" 2>/dev/null || echo "(nothing measured)"
+measured=$(grep -c " h200 " "$OUT_DIR/asv_summary.txt" 2>/dev/null || true)
+echo "== gate them (here): python scripts/asv_gate.py --pairs ${measured:-1}"

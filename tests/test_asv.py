@@ -163,9 +163,9 @@ def test_dashboard_builds_from_committed_results(tmp_path):
     assert (tmp_path / "html" / "index.html").exists()
 
 
-def _gate(results: Path) -> subprocess.CompletedProcess:
+def _gate(results: Path, *options: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "asv_gate.py"), "--results", str(results)],
+        [sys.executable, str(ROOT / "scripts" / "asv_gate.py"), "--results", str(results), *options],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
 
@@ -262,6 +262,25 @@ def test_regression_gate_reads_cupyflash_against_the_fixed_reference(tmp_path):
     assert slower_code.returncode == 1, slower_code.stdout
     flagged = [line for line in slower_code.stdout.splitlines() if line.endswith("REGRESSION")]
     assert len(flagged) == 1 and "PrefillOverGemm.track_ratio('cupyflash', 128): 0.75 -> 0.6 ratio" in flagged[0]
+    shutil.rmtree(tmp_path)
+
+
+@needs_git
+def test_regression_gate_pairs_cover_a_commit_range(tmp_path):
+    """Three measured commits, the middle one 50% slower and the newest back: the newest pair
+    alone passes; --pairs 2 also compares the middle one with the oldest and flags it."""
+    commits = _commits()
+    if len(commits) < 3:
+        pytest.skip("needs three commits")
+    name = "compile.FirstCall.track_compile_seconds"
+    results = tmp_path / "range"
+    results.mkdir()
+    (results / "benchmarks.json").write_text(json.dumps({name: {"unit": "s", "params": []}}))
+    for commit, seconds in zip(commits[:3], (1.0, 1.5, 1.0)):  # newest first
+        _write_run(results, "h200", commit, {name: ([], [seconds])}, "v1")
+    assert _gate(results).returncode == 0
+    run = _gate(results, "--pairs", "2")
+    assert run.returncode == 1 and run.stdout.count("REGRESSION") == 1, run.stdout
     shutil.rmtree(tmp_path)
 
 
