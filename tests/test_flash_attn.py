@@ -75,6 +75,53 @@ def test_with_kvcache_appends_and_reads_the_whole_cache_by_default(rng):
     assert lse.shape == (2, 4, 1)
 
 
+def test_a_serving_sequence_through_the_flash_attn_names(rng):
+    """A serving engine's calls as flash-attn users write them: a prompt chunk prefilled over a
+    paged cache (flash_attn_varlen_func with block_table), then a decode step with the rotary
+    embedding and an append (flash_attn_with_kvcache, GPT-NeoX pairs, paged): each against the
+    same math on contiguous keys."""
+    page, pages, hk, h, d = 4, 12, 2, 4, 16
+    k_pages, v_pages = (rng.standard_normal((pages, page, hk, d)) for _ in range(2))
+    table = np.array([[7, 2, 9], [0, 11, 5]], dtype=np.int32)
+    lens = [10, 6]  # keys in each sequence's cache after its prompt chunk
+    chunk = [3, 6]  # the chunk's queries: the newest positions of each sequence
+    q = rng.standard_normal((sum(chunk), h, d))
+    cu_q = np.array([0, 3, 9], dtype=np.int32)
+    cu_k = np.array([0, 10, 16], dtype=np.int32)
+    out = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 6, 10, causal=True, block_table=table)
+    gathered = ([np.concatenate([x[p] for p in row])[:n] for row, n in zip(table, lens)] for x in (k_pages, v_pages))
+    keys, values = gathered
+    for b in range(2):
+        want = reference.attention(q[None, cu_q[b] : cu_q[b + 1]], keys[b][None], values[b][None], causal=True)
+        np.testing.assert_allclose(out[cu_q[b] : cu_q[b + 1]], want[0], rtol=1e-10, atol=1e-12)
+    # the decode step: one new token each, rotated (half the head dim) at its position as appended
+    theta = rng.uniform(0, 6.28, (len(table[0]) * page, d // 4))
+    cos, sin = np.cos(theta), np.sin(theta)
+    q1 = rng.standard_normal((2, 1, h, d))
+    k1, v1 = (rng.standard_normal((2, 1, hk, d)) for _ in range(2))
+    seqlens = np.array(lens, dtype=np.int32)
+    out1 = fa.flash_attn_with_kvcache(
+        q1, k_pages, v_pages, k1, v1, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, block_table=table,
+        causal=True, rotary_interleaved=False,
+    )  # fmt: skip
+
+    def neox(x, pos):  # GPT-NeoX pairs (i, i + R) turned by theta[pos]
+        half = d // 4
+        c, s_ = np.cos(theta[pos]), np.sin(theta[pos])
+        y = x.copy()
+        y[..., :half] = x[..., :half] * c - x[..., half : 2 * half] * s_
+        y[..., half : 2 * half] = x[..., :half] * s_ + x[..., half : 2 * half] * c
+        return y
+
+    for b, n in enumerate(lens):
+        appended = k_pages[table[b, n // page], n % page]
+        np.testing.assert_allclose(appended, neox(k1[b, 0], n), rtol=1e-12, atol=1e-12)
+        k_all = np.concatenate([keys[b], neox(k1[b], n)])[None]
+        v_all = np.concatenate([values[b], v1[b]])[None]
+        want = reference.attention(neox(q1[b : b + 1], n), k_all, v_all, causal=True)
+        np.testing.assert_allclose(out1[b : b + 1], want, rtol=1e-10, atol=1e-12)
+
+
 def test_rotary_without_new_keys_is_named_not_ignored():
     q = np.zeros((1, 4, 2, 16))
     with pytest.raises(ValueError, match="rotary_cos / rotary_sin rotate q and k_new"):
