@@ -520,6 +520,8 @@ def _paged_varlen(
     check_algorithm("attention_varlen", algorithm)
     if algorithm == "fa3":
         raise ValueError("algorithm='fa3' (the Hopper kernel) does not read paged keys: use 'auto' or 'fa2'")
+    if alibi_slopes is not None:
+        _interop.refuse_slope_grad(alibi_slopes)
     given = (q, k, v, cu_q, cu_k, alibi_slopes, seqused_k, block_table)
     arrays = _interop.gpu_arrays(_PAGED_NAMES, given)
     if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):

@@ -154,7 +154,8 @@ def attention_with_kvcache(
         sequence ``b`` is rotated at position ``cache_seqlens[b] + t`` as it is appended, query
         token ``i`` at ``cache_seqlens[b] + i`` when ``causal`` or a ``window`` is set, else all at
         ``cache_seqlens[b]``; the first ``rotary_dim`` columns rotate, the rest pass. Needs
-        ``k_new``; ``seqlen_ro`` at least the cache's capacity. On the GPU the append rotates
+        ``k_new``; a row for every position a key or query can take (the capacity, and
+        ``capacity - Nnew + Nq`` when causal queries outnumber the new tokens). On the GPU the append rotates
         k_new and a small kernel rotates q into a temporary (one launch more).
     rotary_interleaved : bool
         flash-attn's: pairs columns ``(2i, 2i + 1)`` (True, its default) or ``(i, i + rotary_dim / 2)``

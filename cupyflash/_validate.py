@@ -139,7 +139,8 @@ def check_attn_mask(shape: tuple[int, ...], is_bool: bool, p: Problem) -> tuple[
         raise ValueError(f"attn_mask of shape {shape} does not broadcast to (B, Hq, Nq, Nk) = {want} axis by axis")
     if p.softcap > 0 or p.alibi != ALIBI_NONE:
         raise ValueError("attn_mask does not combine with softcap or alibi_slopes yet")
-    return ("bool" if is_bool else "additive"), full  # type: ignore[return-value]
+    b, h, nq, nk = full
+    return ("bool" if is_bool else "additive"), (b, h, nq, nk)
 
 
 def check_algorithm(entry: str, algorithm: Any) -> str:
@@ -493,30 +494,36 @@ def kvcache_problem(
         causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd",
     )  # fmt: skip
     rotary_half = 0
+    per_token = causal is True or tuple(window) != (-1, -1)
     if rotary_shapes is not None:
-        rotary_half = _check_rotary(rotary_shapes, head_dim, capacity, seqlen_new)
+        # Query i sits at cache_seqlens + i (per token), the last at most capacity - Nnew + Nq - 1.
+        positions = max(capacity, capacity - seqlen_new + (q_shape[1] if per_token else 1))
+        rotary_half = _check_rotary(rotary_shapes, head_dim, positions, seqlen_new)
         rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     return KvCacheProblem(
         attn, paged, rows if paged else capacity, num_pages, capacity, seqlen_new,
         batch_idx=cache_batch_idx_shape is not None, leftpad=cache_leftpad_shape is not None,
         rotary_half=rotary_half, rotary_interleaved=bool(rotary_interleaved) and rotary_half > 0,
-        rotary_q_per_token=rotary_half > 0 and (causal is True or tuple(window) != (-1, -1)),
+        rotary_q_per_token=rotary_half > 0 and per_token,
     )  # fmt: skip
 
 
-def _check_rotary(shapes: tuple[tuple[int, ...], tuple[int, ...]], head_dim: int, capacity: int, new: int) -> int:
+def _check_rotary(shapes: tuple[tuple[int, ...], tuple[int, ...]], head_dim: int, positions: int, new: int) -> int:
     """rotary_cos and rotary_sin (seqlen_ro, rotary_dim / 2): one shape, rotary_dim even and at
-    most head_dim, a row for every position of the cache, and k_new to rotate (flash-attn's rules)."""
+    most head_dim, a row for every position a key or query can take (``positions``: the cache's
+    capacity, more when there are more query tokens than new ones), and k_new to rotate."""
+    if not new:
+        raise ValueError("rotary_cos / rotary_sin rotate q and k_new: they need k_new and v_new")
     cos, sin = (tuple(x) for x in shapes)
     if cos != sin or len(cos) != 2:
         raise ValueError(f"rotary_cos and rotary_sin must be 2-D (seqlen_ro, rotary_dim / 2) alike, got {cos}, {sin}")
     seqlen_ro, half = cos
     if not 1 <= 2 * half <= head_dim:
         raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * half} must be in 2 .. head_dim ({head_dim})")
-    if seqlen_ro < capacity:
-        raise ValueError(f"rotary_cos has {seqlen_ro} positions, fewer than the cache's {capacity} per sequence")
-    if not new:
-        raise ValueError("rotary_cos / rotary_sin rotate q and k_new: they need k_new and v_new")
+    if seqlen_ro < positions:
+        raise ValueError(
+            f"rotary_cos has {seqlen_ro} positions, fewer than the {positions} the cache's keys and queries can take"
+        )
     return half
 
 

@@ -68,8 +68,13 @@ def test_rotary_checks_its_inputs(rng):
     call()
     with pytest.raises(ValueError, match="go together"):
         call(rotary_sin=None)
-    with pytest.raises(ValueError, match="fewer than the cache's 8"):
+    with pytest.raises(ValueError, match="fewer than the 8 the cache's keys and queries can take"):
         call(rotary_cos=np.ones((7, 4)), rotary_sin=np.ones((7, 4)))
+    # three causal query tokens over one new one: the last query can sit at capacity - 1 + 2
+    q3 = rng.standard_normal((1, 3, 2, 16))
+    with pytest.raises(ValueError, match="fewer than the 10 the cache's keys and queries can take"):
+        cupyflash.attention_with_kvcache(q3, k.copy(), k.copy(), cache_seqlens=2, causal=True, **given)
+    cupyflash.attention_with_kvcache(q3, k.copy(), k.copy(), cache_seqlens=2, causal=False, **given)  # all at 2
     with pytest.raises(ValueError, match="must be in 2 .. head_dim"):
         call(rotary_cos=np.ones((8, 9)), rotary_sin=np.ones((8, 9)))
     with pytest.raises(ValueError, match="alike"):

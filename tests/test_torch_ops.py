@@ -150,6 +150,19 @@ def test_torch_compile_decode_step_with_cache_append():
     torch.library.opcheck(_torch_ops.attention_with_kvcache_op, args)
 
 
+def _check_compiled_loss(f, q, k, v) -> None:
+    """f(q, k, v), a scalar loss, compiled (fullgraph): no graph break, eager's gradients."""
+    explained = torch._dynamo.explain(f)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.compile(f, fullgraph=True)(q, k, v).backward()
+    got = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    f(q, k, v).backward()
+    for a, b in zip(got, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b)
+
+
 def test_torch_compile_varlen_and_its_backward():
     """attention_varlen compiled (fullgraph) forward and backward: no graph break, eager's
     gradients; opcheck on the varlen ops."""
@@ -163,15 +176,7 @@ def test_torch_compile_varlen_and_its_backward():
     def f(q, k, v):
         return cupyflash.attention_varlen(q, k, v, cu, cu, 7, 7, causal=True).square().sum()
 
-    explained = torch._dynamo.explain(f)(q, k, v)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    torch.compile(f, fullgraph=True)(q, k, v).backward()
-    got = [x.grad.clone() for x in (q, k, v)]
-    for x in (q, k, v):
-        x.grad = None
-    f(q, k, v).backward()
-    for a, b in zip(got, (q.grad, k.grad, v.grad)):
-        torch.testing.assert_close(a, b)
+    _check_compiled_loss(f, q, k, v)
     for dropout_p, seed in ((0.0, 0), (0.25, 99)):
         args = (q, k, v, cu, cu, 7, 7, True, 0.25, -1, 0, 0.0, "auto", False, dropout_p, torch.tensor(seed), None, None)
         torch.library.opcheck(_torch_ops.attention_varlen_op, args)
@@ -191,15 +196,7 @@ def test_torch_compile_and_opcheck_with_an_attn_mask():
     def f(q, k, v):
         return cupyflash.attention(q, k, v, causal=True, attn_mask=keep).square().sum()
 
-    explained = torch._dynamo.explain(f)(q, k, v)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    torch.compile(f, fullgraph=True)(q, k, v).backward()
-    got = [x.grad.clone() for x in (q, k, v)]
-    for x in (q, k, v):
-        x.grad = None
-    f(q, k, v).backward()
-    for a, b in zip(got, (q.grad, k.grad, v.grad)):
-        torch.testing.assert_close(a, b)
+    _check_compiled_loss(f, q, k, v)
     for mask in (keep, torch.randn(1, 4, 6, 9)):
         args = (q, k, v, True, 0.25, -1, 0, 0.0, "bshd", "auto", False, 0.0, torch.tensor(0), None, mask)
         torch.library.opcheck(_torch_ops.attention_op, args)
