@@ -29,6 +29,7 @@ from ._specs import (
     Fa3FwdSpec,
     Fa3Tile,
     KernelSpec,
+    MaskCellsSpec,
     MergeSpec,
     NaiveSoftmaxSpec,
     RotaryQSpec,
@@ -146,6 +147,11 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
                             flags = MaskFlags(causal, local, False, dropout, mask=mask)
                             specs.append(fa2_fwd_spec(dtype, head_dim, flags, 232448))
     return specs
+
+
+def all_mask_cells_specs(params_type: str) -> list[MaskCellsSpec]:
+    """The mask summary's variants in the forward's (``AttnParams``) or the backward's launches."""
+    return [MaskCellsSpec(mask_dtype, params_type) for mask_dtype in ("bool", *CUDA_ELEMENT_TYPES)]
 
 
 def all_fa2_kvcache_specs(max_smem: int = 232448) -> list[Fa2FwdSpec]:
@@ -459,6 +465,7 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
     archs in its ``archs``)."""
     return [
         *all_fa2_fwd_specs(),
+        *all_mask_cells_specs("AttnParams"),
         *all_fa2_kvcache_specs(max_smem),
         *all_fa3_fwd_specs(),
         *all_decode_specs(),

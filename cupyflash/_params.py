@@ -48,6 +48,11 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("seqused_k", "u8"),
     ("bias_ptr", "u8"),
     *((f"bias_{s}_stride", "i8") for s in ("batch", "head", "row", "key")),
+    ("mask_cells", "u8"),
+    *((f"mask_cells_{s}_stride", "i4") for s in ("batch", "head", "row", "key")),
+    ("mask_cell_rows_log2", "i4"),
+    ("mask_cell_keys_log2", "i4"),
+    ("mask_heads", "i4"),
 )
 
 _STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,6 +30,7 @@ from ._specs import (
     Fa2FwdSpec,
     Fa3FwdSpec,
     KernelSpec,
+    MaskCellsSpec,
     MergeSpec,
     RotaryQSpec,
 )
@@ -391,6 +392,41 @@ def fa2_option_operands(params: ParamsTemplate, p: Problem) -> list[Operand]:
     return operands
 
 
+def mask_cells(
+    p: Problem, dtype: str, tiles: Sequence[tuple[int, int]], params_type: str
+) -> tuple[dict[str, int], tuple[int, ...], KernelStep]:
+    """An attn_mask's block summary (kernels_cu/attn_mask.cuh) for kernels of ``tiles`` (block_m,
+    block_n): cells of the smallest tile (every tile a whole number of cells), covering the mask's
+    rows and keys rounded up to the largest tile (the cells past them read "empty"), one axis of
+    one cell where the mask broadcasts. Returns the params fields, the summary's shape and the
+    step that writes it, which runs first."""
+    batches, heads, rows, keys = p.mask_shape
+    cell_rows, cell_keys = min(m for m, _ in tiles), min(n for _, n in tiles)
+    tile_rows, tile_keys = max(m for m, _ in tiles), max(n for _, n in tiles)
+    assert all(m % cell_rows == 0 and n % cell_keys == 0 for m, n in tiles), tiles
+    assert cell_rows & (cell_rows - 1) == 0 and cell_keys & (cell_keys - 1) == 0, tiles  # the kernels shift
+    cells_m = -(-p.seqlen_q // tile_rows) * (tile_rows // cell_rows) if rows > 1 else 1
+    cells_n = -(-p.seqlen_k // tile_keys) * (tile_keys // cell_keys) if keys > 1 else 1
+    shape = (batches, heads, cells_m, cells_n)
+    strides = contiguous_strides(shape)
+    fields = {
+        **{
+            f"mask_cells_{n}_stride": st if dim > 1 else 0
+            for n, st, dim in zip(("batch", "head", "row", "key"), strides, p.mask_shape, strict=True)
+        },
+        "mask_cell_rows_log2": cell_rows.bit_length() - 1,
+        "mask_cell_keys_log2": cell_keys.bit_length() - 1,
+        "mask_heads": heads,
+    }
+    step = KernelStep(
+        MaskCellsSpec("bool" if p.mask == "bool" else dtype, params_type),
+        (cells_n, cells_m, batches * heads),
+        (MaskCellsSpec.num_threads, 1, 1),
+        0,
+    )
+    return fields, shape, step
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
@@ -480,10 +516,17 @@ def plan_forward(
     }
     steps: tuple[KernelStep, ...] = ()
     scratch = None
+    cells_shape: tuple[int, ...] = ()
     if spec is not None:
         block = (spec.num_threads, 1, 1)
         if isinstance(spec, Fa2FwdSpec):
             step = KernelStep(spec, (-(-p.seqlen_q // spec.tile.block_m), p.batch, p.heads_q), block, spec.smem_bytes)
+            if p.mask:  # its block summary first: the kernel skips the tiles it hides
+                cell_fields, cells_shape, cells_step = mask_cells(
+                    p, dtype, [(spec.tile.block_m, spec.tile.block_n)], "AttnParams"
+                )
+                fixed.update(cell_fields)
+                steps = (cells_step,)
         else:
             assert spec.varlen == packed, f"{spec.name} on {'packed' if packed else 'padded'} inputs"
             m_blocks = -(-p.seqlen_q // spec.block_m)
@@ -499,8 +542,11 @@ def plan_forward(
             )  # fmt: skip
             step = KernelStep(spec, grid, block, spec.smem_bytes, tma=tma)
             fixed["num_m_blocks"] = m_blocks
-        steps = (step,)
+        steps += (step,)
     params = struct.template(**fixed)
+    temporaries = (
+        (Temporary("mask_cells", (math.prod(cells_shape),), "uint8", params.slot("mask_cells")),) if cells_shape else ()
+    )
     if isinstance(spec, Fa3FwdSpec) and spec.tile.dynamic:
         # The dynamic schedule's tile counters: the stream's pair, 0 between launches.
         scratch = Scratch(8, 0, params.slot("tile_counters"))
@@ -522,8 +568,8 @@ def plan_forward(
     )
     if not has_work or (p.seqlen_k == 0 and not packed):  # no key: O = 0, LSE = -inf, no kernel
         outputs = tuple(_filled(o) for o in outputs)
-        steps, scratch = (), None
-    return Launch(params, tuple(operands), outputs, steps, scratch=scratch)
+        steps, scratch, temporaries = (), None, ()
+    return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries, scratch=scratch)
 
 
 def plan_backward(
@@ -577,8 +623,16 @@ def plan_backward(
     for name, strides in (("dq", q_strides), ("dk", k_strides), ("dv", k_strides)):
         for s, a in zip(STRIDE_NAMES, axes, strict=True):
             output_strides[f"{name}_{s}_stride"] = strides[a] if a >= 0 else 0
+    cell_tiles = [(spec.block_m, spec.block_n)]
+    if deterministic:
+        dq_spec = _dispatch.fa2_bwd_dq_spec(dtype, p.head_dim, flags)
+        cell_tiles.append((dq_spec.block_m, dq_spec.block_n))
+    cell_fields: dict[str, int] = {}
+    if p.mask:  # its block summary, for both kernels' tiles: they skip the tiles it hides
+        cell_fields, cells_shape, cells_step = mask_cells(p, dtype, cell_tiles, "BwdParams")
     params = PARAMS_STRUCTS["BwdParams"].template(
         **attn_fields(p, rows, scale_log2, prescale),
+        **cell_fields,
         **output_strides,
         row_batch_stride=row_strides[0],
         row_head_stride=row_strides[1],
@@ -628,7 +682,6 @@ def plan_backward(
         spec, (-(-rows[1] // spec.block_n), p.batch, p.heads_kv), (spec.num_threads, 1, 1), spec.smem_bytes
     )
     if deterministic:  # dQ over query blocks, no accumulator
-        dq_spec = _dispatch.fa2_bwd_dq_spec(dtype, p.head_dim, flags)
         dq_grid = (-(-rows[0] // dq_spec.block_m), p.batch, p.heads_q)
         dq_step = KernelStep(dq_spec, dq_grid, (dq_spec.num_threads, 1, 1), dq_spec.smem_bytes)
     else:  # the accumulator the main kernel adds into, zeroed by prep, converted by the dq step
@@ -636,7 +689,10 @@ def plan_backward(
         temporaries += (Temporary("dq_accum", (temp_rows, convert.head_dim), "float32", params.slot("dq_accum")),)
         dq_step = KernelStep(convert, row_grid, row_block, 0)
     prep = _dispatch.bwd_row_spec("prep", dtype, p.head_dim)
-    steps = (KernelStep(prep, row_grid, row_block, 0), main, dq_step)
+    steps: tuple[KernelStep, ...] = (KernelStep(prep, row_grid, row_block, 0), main, dq_step)
+    if p.mask:
+        steps = (cells_step, *steps)
+        temporaries += (Temporary("mask_cells", (math.prod(cells_shape),), "uint8", params.slot("mask_cells")),)
     return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries)
 
 

@@ -844,6 +844,51 @@ class BwdRowSpec(_KernelSpecBase):
         return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype], *_columns_arg(self.valid_dim))
 
 
+@dataclass(frozen=True, slots=True)
+class MaskCellsSpec(_KernelSpecBase):
+    """``attn_mask_cells`` (``kernels_cu/attn_mask.cuh``): an attn_mask's block summary, written
+    before the FA2 kernels that read the mask, in their launch (forward: ``AttnParams``, from
+    fa2_fwd.cu; backward: ``BwdParams``, whose ``attn`` it reads, from fa2_bwd.cu). One CTA per
+    cell."""
+
+    mask_dtype: str  # "bool", or an additive mask's (q's) "float16" | "bfloat16"
+    params_type: str = "AttnParams"  # "AttnParams" | "BwdParams"
+
+    kernel = "attn_mask_cells"
+    archs = CI_ARCHS
+    uses_tma = False
+    num_threads = 256
+    smem_bytes = 0
+    traits = "MaskCellsTraits"
+    prefix = "attn_mask_cells"
+
+    def __post_init__(self) -> None:
+        if self.mask_dtype != "bool":
+            _check_dtype(self.mask_dtype, CUDA_ELEMENT_TYPES)
+        if self.params_type not in ("AttnParams", "BwdParams"):
+            raise ValueError(f"the mask summary runs in AttnParams or BwdParams launches, not {self.params_type}")
+
+    @property
+    def source_file(self) -> str:
+        return "fa2_bwd.cu" if self.params_type == "BwdParams" else "fa2_fwd.cu"
+
+    @property
+    def param_decl(self) -> str:
+        return f"const {self.params_type} params"
+
+    @property
+    def entry(self) -> str:  # type: ignore[override]
+        return f"attn_mask_cells<Traits>(params{'.attn' if self.params_type == 'BwdParams' else ''});"
+
+    def _name_parts(self) -> tuple[object, ...]:
+        dtype = "bool" if self.mask_dtype == "bool" else _SHORT_DTYPE[self.mask_dtype]
+        return (dtype, "bwd" if self.params_type == "BwdParams" else "fwd")
+
+    def _traits_args(self) -> tuple[object, ...]:
+        is_bool = self.mask_dtype == "bool"
+        return ("unsigned char" if is_bool else CUDA_ELEMENT_TYPES[self.mask_dtype], is_bool)
+
+
 KernelSpec = (
     Fa2FwdSpec
     | Fa3FwdSpec
@@ -855,4 +900,5 @@ KernelSpec = (
     | Fa2BwdSpec
     | Fa2BwdDqSpec
     | BwdRowSpec
+    | MaskCellsSpec
 )

@@ -687,15 +687,17 @@ def run_chunked_prefill(shape: ChunkShape, page_sizes: tuple[int, ...] = CHUNK_P
 
 
 # ---------------------------------------------------------------------------------------------
-# attn_mask: a key-padding mask, a boolean mask per query row, an additive bias per head.
+# attn_mask: a key-padding mask, a boolean mask per query row, an additive bias per head, a
+# causal mask given as a boolean mask (transformers' 4-D mask).
 # ---------------------------------------------------------------------------------------------
 MASK_SHAPES = (PrefillShape(4, 4096, 16, 128, False, "bfloat16"), PrefillShape(16, 1024, 16, 128, False, "bfloat16"))
-MASK_KINDS = ("key_padding", "bool_rows", "additive_heads")
+MASK_KINDS = ("key_padding", "bool_rows", "additive_heads", "causal_bool")
 
 
 def _mask_for(kind: str, shape: PrefillShape, gen: Any) -> Any:
     """key_padding (B, 1, 1, N): each sequence's first quarter hidden (left padding);
-    bool_rows (B, 1, N, N): random keep with p = 0.9; additive_heads (1, H, N, N): normal, q's dtype."""
+    bool_rows (B, 1, N, N): random keep with p = 0.9; additive_heads (1, H, N, N): normal, q's dtype;
+    causal_bool (B, 1, N, N): the lower triangle (the kernel's block summary skips the rest)."""
     import torch
 
     b, n, h = shape.batch, shape.seqlen, shape.heads
@@ -703,6 +705,8 @@ def _mask_for(kind: str, shape: PrefillShape, gen: Any) -> Any:
         keep = torch.ones(b, 1, 1, n, dtype=torch.bool, device="cuda")
         keep[..., : n // 4] = False
         return keep
+    if kind == "causal_bool":
+        return torch.ones(n, n, dtype=torch.bool, device="cuda").tril().expand(b, 1, n, n).contiguous()
     if kind == "bool_rows":
         return torch.rand(b, 1, n, n, generator=gen, device="cuda") < 0.9
     return torch.randn(1, h, n, n, generator=gen, device="cuda").to(getattr(torch, shape.dtype))

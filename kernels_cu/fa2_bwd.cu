@@ -27,6 +27,7 @@
 // with t = tanh(s scale / softcap), so dk_scale = scale. dQ = scale dS K in both cases.
 #pragma once
 
+#include "attn_mask.cuh"  // the mask's block summary, run before the kernels
 #include "common.cuh"
 #include "dropout.cuh"
 #include "mask.cuh"
@@ -179,8 +180,8 @@ struct Fa2BwdTraits {
   // dQ accumulated here with atomics; false: fa2_bwd_dq_blocks computes it (deterministic).
   static constexpr bool Dq_atomic = Dq_atomic_;
   static constexpr bool Has_dropout = Has_dropout_;
-  using Transform =
-      ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;  // kBias_: an attn_mask
+  static constexpr int kBias = kBias_;  // an attn_mask (kNoBias, kAdditiveBias, kBoolBias)
+  using Transform = ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;
 
   // The shape names of tile_mma.cuh for a warp's products with 16 key rows: M = keys (one
   // 16-row tile), N = the warp's query rows (S^T, dP^T), K-steps over d; then M = keys,
@@ -314,7 +315,16 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const uint32_t no_regs[1][Traits::kDSteps][4] = {};  // gemm_qk's Q_in_regs operand (unused)
   const float scale_log2 = a.softmax_scale_log2;
 
-  if (steps > 0) load_step(0, 0);
+  // An attn_mask's state of step `step`'s tile (variants.cuh): a tile it hides is skipped (no
+  // load, no MMA: its P and dS are 0), one it shows unchanged is not read. Mixed without a mask.
+  auto tile_state = [&](int step) {
+    if constexpr (Traits::kBias != kNoBias) {
+      return mask_tile_state<kBlockM, kBlockN>(a, batch, step_head(step), step_row0(step), key0);
+    } else {
+      return static_cast<int>(kMaskCellMixed);
+    }
+  };
+  if (steps > 0 && tile_state(0) != kMaskCellHidden) load_step(0, 0);
   cp_async_commit();  // group: K, V, step 0
   for (int step = 0; step < steps; ++step) {
     const int stage = step % 2;
@@ -322,8 +332,10 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     // barrier of the previous step) and with dS^T (read after it).
     cp_async_wait<0>();
     __syncthreads();
-    if (step + 1 < steps) load_step(step + 1, stage ^ 1);
+    if (step + 1 < steps && tile_state(step + 1) != kMaskCellHidden) load_step(step + 1, stage ^ 1);
     cp_async_commit();
+    const int state = tile_state(step);
+    if (state == kMaskCellHidden) continue;  // CTA-uniform
     const uint32_t q_tile = s_q + stage * kStageBytes;
     const uint32_t do_tile = s_do + stage * kStageBytes;
     const int row0 = step_row0(step);
@@ -339,7 +351,8 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     gemm_qk<Traits>(acc_s, no_regs, s_k, q_tile + phase_offset, warp_key0, lane);
     // logit(S^T), then the mask (-inf), as the forward orders them.
     const typename Traits::Transform transform(a, batch, step_head(step), seqlen_k - seqlen_q);
-    transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0 + phase_row0, lane);
+    if (state != kMaskCellPlain)
+      transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0 + phase_row0, lane);
     if (range.needs_mask(row0 / kBlockM)) {
       range.apply(acc_s, key0 + warp_key0, row0 + phase_row0, lane);
     }
@@ -527,8 +540,8 @@ struct Fa2BwdDqTraits {
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Has_dropout = Has_dropout_;
-  using Transform =
-      ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;  // kBias_: an attn_mask
+  static constexpr int kBias = kBias_;  // an attn_mask (kNoBias, kAdditiveBias, kBoolBias)
+  using Transform = ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;
   // tile_mma.cuh's names, as the forward's: M = query rows, N = keys, K-steps over d (S, dP),
   // then over keys (dQ).
   static constexpr int kRowsPerWarp = kBlockM / kNWarps;
@@ -623,18 +636,30 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
 
   load_tile_async<Traits, kBlockM>(s_q, g_q, a.q_row_stride, seqlen_q - row_block0, tid);
   load_tile_async<Traits, kBlockM>(s_do, g_do, p.do_row_stride, seqlen_q - row_block0, tid);
-  if (n_end - 1 >= n_begin) load_kv(n_end - 1, 0);
+  // An attn_mask's state of key block n_block, as in the forward: hidden tiles skipped.
+  auto tile_state = [&](int n_block) {
+    if constexpr (Traits::kBias != kNoBias) {
+      return mask_tile_state<kBlockM, kBlockN>(a, batch, head, row_block0, n_block * kBlockN);
+    } else {
+      return static_cast<int>(kMaskCellMixed);
+    }
+  };
+  if (n_end - 1 >= n_begin && tile_state(n_end - 1) != kMaskCellHidden) load_kv(n_end - 1, 0);
   cp_async_commit();
   for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
     const int stage = it % 2;
     cp_async_wait<0>();
     __syncthreads();  // block n_block landed; the other stage was released in the last iteration
-    if (n_block - 1 >= n_begin) load_kv(n_block - 1, stage ^ 1);
+    if (n_block - 1 >= n_begin && tile_state(n_block - 1) != kMaskCellHidden)
+      load_kv(n_block - 1, stage ^ 1);
     cp_async_commit();
+    const int state = tile_state(n_block);
+    if (state == kMaskCellHidden) continue;  // CTA-uniform
     float acc_s[kMTiles][kNTiles][4], acc_dp[kMTiles][kNTiles][4];
     gemm_qk<Traits>(acc_s, no_regs, s_q, s_k + stage * kStageBytes, warp_row0, lane);
     gemm_qk<Traits>(acc_dp, no_regs, s_do, s_v + stage * kStageBytes, warp_row0, lane);
-    transform_scores(transform, acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
+    if (state != kMaskCellPlain)
+      transform_scores(transform, acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
     if (mask.needs_mask(n_block)) {
       mask.apply(acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
     }

@@ -18,6 +18,7 @@
 // the MMAs of block j + 1's scores are issued before block j's softmax (see the loop).
 #pragma once
 
+#include "attn_mask.cuh"  // the mask's block summary, run before the kernels
 #include "common.cuh"
 #include "dropout.cuh"
 #include "kvcache.cuh"  // CacheRows, CacheSpan: fa2_fwd_kvcache
@@ -47,8 +48,8 @@ struct Fa2FwdTraits {
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Has_dropout = Has_dropout_;
-  using Transform =
-      ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;  // kBias_: an attn_mask
+  static constexpr int kBias = kBias_;  // an attn_mask (kNoBias, kAdditiveBias, kBoolBias)
+  using Transform = ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;
 
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kRowsPerWarp = kBlockM / kNWarps;
@@ -67,6 +68,7 @@ struct Fa2FwdTraits {
   static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
   static_assert(!Overlap || kStages == 2, "the overlapped loop runs two K and two V stages");
+  static_assert(!Overlap || kBias == kNoBias, "a mask's tile skipping runs in the K/V ring");
 };
 
 // K and V of one (batch, KV head) in dense or packed tensors: key block n_block at a fixed stride.
@@ -233,16 +235,27 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
     if constexpr (Traits::Q_in_regs) ::load_q_regs<Traits>(r_q, s_q, warp_row0, lane);
   };
 
+  // An attn_mask's state of key block n_block (variants.cuh): a tile it hides is skipped (no
+  // load, no MMA), one it shows unchanged is not read. Without a mask every block is mixed: a
+  // constant, and the branches on it fold away.
+  auto tile_state = [&](int n_block) {
+    if constexpr (Traits::kBias != kNoBias) {
+      return mask_tile_state<kBlockM, kBlockN>(params, batch, head, row_block0, n_block * kBlockN);
+    } else {
+      return static_cast<int>(kMaskCellMixed);
+    }
+  };
   // Scores of key block n_block -> logits: the score variant (softcap), then the mask.
   const typename Traits::Transform transform(params, batch, head, seqlen_k - seqlen_q);
-  auto logits = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block) {
-    transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
+  auto logits = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int state) {
+    if (state != kMaskCellPlain)
+      transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
     if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
   };
   // Logits of key block n_block from the K tile in `stage`: S = Q K^T, then logits().
-  auto scores = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int stage) {
+  auto scores = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int stage, int state) {
     gemm_qk<Traits>(s, r_q, s_q, s_k + stage * kStageBytes, warp_row0, lane);
-    logits(s, n_block);
+    logits(s, n_block, state);
   };
 
   const DropoutMask dropout(params.dropout_seed, params.dropout_threshold, head, batch);
@@ -265,7 +278,8 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
     // commit group each (Q rides with the first), so the group arithmetic holds for short ranges.
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      if (n_end - 1 - s >= n_begin) load_kv(n_end - 1 - s, s);
+      const int n_block = n_end - 1 - s;
+      if (n_block >= n_begin && tile_state(n_block) != kMaskCellHidden) load_kv(n_block, s);
       cp_async_commit();
     }
     for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
@@ -274,11 +288,14 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
       cp_async_wait<kStages - 2>();
       __syncthreads();
       const int n_prefetch = n_block - (kStages - 1);
-      if (n_prefetch >= n_begin) load_kv(n_prefetch, (it + kStages - 1) % kStages);
+      if (n_prefetch >= n_begin && tile_state(n_prefetch) != kMaskCellHidden)
+        load_kv(n_prefetch, (it + kStages - 1) % kStages);
       cp_async_commit();
       if (it == 0) load_q_regs();
+      const int state = tile_state(n_block);
+      if (state == kMaskCellHidden) continue;  // CTA-uniform: every warp skips the block
       float acc_s[kMTiles][Traits::kNTiles][4];
-      scores(acc_s, n_block, it % kStages);
+      scores(acc_s, n_block, it % kStages, state);
       softmax_pv(acc_s, n_block, it % kStages);
     }
   } else {
@@ -306,7 +323,7 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
       cp_async_wait<1>();
       __syncthreads();
       load_q_regs();
-      scores(s_even, n_end - 1, 0);
+      scores(s_even, n_end - 1, 0, kMaskCellMixed);
     }
     // Step it: S_it is in `cur`; computes S_{it+1} into `next` and O += softmax(S_it) V_it.
     auto step = [&](float (&cur)[kMTiles][Traits::kNTiles][4],
@@ -322,7 +339,7 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
         gemm_qk<Traits>(next, r_q, s_q, s_k + ((it + 1) % 2) * kStageBytes, warp_row0, lane);
       }
       softmax_pv(cur, n_end - 1 - it, it % 2);
-      if (it + 1 < n_blocks) logits(next, n_end - 2 - it);
+      if (it + 1 < n_blocks) logits(next, n_end - 2 - it, kMaskCellMixed);
     };
     // Unrolled by two so that `cur` and `next` swap names instead of registers.
     for (int it = 0; it < n_blocks; it += 2) {

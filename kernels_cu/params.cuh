@@ -66,6 +66,18 @@ struct AttnParams {
   // bias_ptr[b * bias_batch_stride + h * bias_head_stride + i * bias_row_stride + j * bias_key_stride].
   const void* bias_ptr;
   int64_t bias_batch_stride, bias_head_stride, bias_row_stride, bias_key_stride;
+
+  // The mask's block summary (kernels_cu/attn_mask.cuh writes it before the attention kernel):
+  // one byte per cell of 2^mask_cell_rows_log2 query rows x 2^mask_cell_keys_log2 keys of the
+  // mask's (batch, head), saying whether the cell hides every key (its tiles are skipped: no
+  // load, no MMA), shows every key unchanged (the mask is not read there), or is mixed. Cell
+  // (b, h, m, n) at mask_cells[b * mask_cells_batch_stride + h * mask_cells_head_stride +
+  // m * mask_cells_row_stride + n * mask_cells_key_stride], a stride 0 on a broadcast axis.
+  const unsigned char* mask_cells;
+  int32_t mask_cells_batch_stride, mask_cells_head_stride;
+  int32_t mask_cells_row_stride, mask_cells_key_stride;
+  int32_t mask_cell_rows_log2, mask_cell_keys_log2;
+  int32_t mask_heads;  // heads of the mask (1 or Hq): the summary kernel's grid z is batch x heads
 };
 
 // cuTensorMapEncodeTiled's opaque 128-byte CUtensorMap (cuda.h cannot be included under NVRTC).

@@ -48,6 +48,7 @@ def head_dim_sample() -> list[KernelSpec]:
             specs.append(_dispatch.fa2_bwd_spec("bfloat16", head_dim, flags))
             specs.append(_dispatch.fa2_bwd_spec("float16", head_dim, flags, deterministic=True))
             specs.append(_dispatch.fa2_bwd_dq_spec("float16", head_dim, flags))
+    specs += _dispatch.all_mask_cells_specs("BwdParams")
     return list(dict.fromkeys(specs))
 
 

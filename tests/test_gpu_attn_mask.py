@@ -96,16 +96,27 @@ def test_mask_gradients_on_the_gpu(rng, kind, deterministic, head_dim, causal):
     helpers.check_forward_backward_against_formula)."""
     torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
-    b, nq, nk, hq, hkv = 2, 150, 211, 4, 2
+    b, nq, nk, hq = 2, 150, 211, 4
+    if kind == "bool":
+        mask = torch.rand(b, 1, 1, nk, generator=gen) > 0.3
+        mask[..., -1] = True
+    else:
+        mask = torch.randn(1, hq, nq, nk, generator=gen, dtype=torch.float64)
+    _check_mask_gradients(torch, gen, (b, nq, nk, hq, 2, head_dim), mask, causal, deterministic)
+
+
+def _check_mask_gradients(torch, gen, dims, mask, causal, deterministic):
+    """dq, dk, dv of bf16 inputs (b, nq, nk, hq, hkv, d) with ``mask`` (boolean, or a float64
+    bias rounded to bf16) against autograd of the float64 formula with the same mask."""
+    b, nq, nk, hq, hkv, head_dim = dims
     q = torch.randn(b, nq, hq, head_dim, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
     k, v = (torch.randn(b, nk, hkv, head_dim, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
             for _ in range(2))  # fmt: skip
-    if kind == "bool":
-        mask = (torch.rand(b, 1, 1, nk, generator=gen) > 0.3).cuda()
-        mask[..., -1] = True
-        bias = torch.zeros(mask.shape, device="cuda", dtype=torch.float64).masked_fill(~mask, -torch.inf)
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, -torch.inf).cuda()
+        mask = mask.cuda()
     else:
-        mask = torch.randn(1, hq, nq, nk, generator=gen).to("cuda", torch.bfloat16)
+        mask = mask.to("cuda", torch.bfloat16)
         bias = mask.double()
     dout = torch.randn(b, nq, hq, head_dim, generator=gen).to("cuda", torch.bfloat16)
     out = cupyflash.attention(q, k, v, attn_mask=mask, causal=causal, deterministic=deterministic)
@@ -113,3 +124,71 @@ def test_mask_gradients_on_the_gpu(rng, kind, deterministic, head_dim, causal):
     check_forward_backward_against_formula(
         out, grads, q, k, v, dout, causal=causal, window=(-1, -1), softcap=0.0, scale=None, bias=bias
     )
+
+
+def _block_mask(torch, gen, dims, kind, grain):
+    """A mask of grain x grain blocks, each hiding every key, showing every key as it is, or
+    random (the three states of the kernels' block summary, at cells of any alignment to them)."""
+    b, h, nq, nk = dims
+    states = torch.randint(0, 3, (b, h, -(-nq // grain), -(-nk // grain)), generator=gen)
+    states = states.repeat_interleave(grain, 2).repeat_interleave(grain, 3)[:, :, :nq, :nk]
+    if kind == "bool":
+        return torch.where(states == 0, False, torch.where(states == 1, True, torch.rand(dims, generator=gen) > 0.5))
+    noise = torch.randn(dims, generator=gen, dtype=torch.float64) * 2
+    return torch.where(states == 0, -torch.inf, torch.where(states == 1, 0.0, noise))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("grain", [16, 128])
+@pytest.mark.parametrize("options", [{}, {"causal": True}], ids=str)
+@pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64)])
+def test_block_sparse_masks_skip_hidden_tiles(rng, kind, grain, options, dtype, head_dim):
+    """Masks whose blocks hide every key, show every key or mix (the kernels skip the first kind
+    and do not read the second) against the float64 host twin; rows the mask hides entirely are
+    0 with LSE -inf there and here."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, nq, nk, hq, hkv = 2, 300, 555, 4, 2
+    tdtype = getattr(torch, dtype)
+    q, k, v = (torch.randn(b, n, h, head_dim, generator=gen).to(tdtype) for n, h in ((nq, hq), (nk, hkv), (nk, hkv)))
+    mask = _block_mask(torch, gen, (b, 1, nq, nk), kind, grain)
+    mask[0, 0, 5:9] = False if kind == "bool" else -torch.inf  # rows that see no key
+    host_mask = mask.numpy() if kind == "bool" else mask.to(tdtype).double().numpy()
+    want, want_lse = cupyflash.attention(*(x.double().numpy() for x in (q, k, v)), attn_mask=host_mask,
+                                         return_lse=True, **options)  # fmt: skip
+    gpu_mask = mask.cuda() if kind == "bool" else mask.to("cuda", tdtype)
+    out, lse = cupyflash.attention(q.cuda(), k.cuda(), v.cuda(), attn_mask=gpu_mask, return_lse=True, **options)
+    assert rel_error(reference.to_numpy64(out), want) < BOUND[dtype]
+    got_lse, finite = reference.to_numpy64(lse), np.isfinite(want_lse)
+    assert (np.isfinite(got_lse) == finite).all() and (~finite).any()
+    np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=2e-2)
+    assert (reference.to_numpy64(out)[0, 5:9] == 0).all()
+
+
+def test_masks_that_show_every_key_are_not_read_and_nan_still_reaches_the_output():
+    """An all-true boolean mask and an all-zero additive one both take the tiles' unread path:
+    the same bits. A NaN in an otherwise zero block is not skipped: its row is NaN."""
+    torch = need_torch()
+    q, k, v = (torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    shown = cupyflash.attention(q, k, v, attn_mask=torch.ones(200, 200, dtype=torch.bool, device="cuda"))
+    zero = cupyflash.attention(q, k, v, attn_mask=torch.zeros(1, 4, 200, 200, dtype=torch.float16, device="cuda"))
+    assert torch.equal(shown, zero)
+    bias = torch.zeros(2, 1, 200, 200, dtype=torch.float16, device="cuda")
+    bias[1, 0, 77, 150] = torch.nan
+    out = cupyflash.attention(q, k, v, attn_mask=bias)
+    assert torch.isnan(out[1, 77]).all() and not torch.isnan(out[1, :77]).any() and not torch.isnan(out[0]).any()
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(("head_dim", "causal"), [(64, False), (128, True)])
+def test_block_sparse_mask_gradients(rng, kind, deterministic, head_dim, causal):
+    """The backward skips the tiles a mask hides (in the key-block kernel and the deterministic dQ
+    kernel, whose tiles differ: one summary of the smaller cells serves both)."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, nq, nk, hq = 2, 190, 333, 4
+    mask = _block_mask(torch, gen, (b, hq, nq, nk), kind, 32)
+    for key in (0, -1):  # every row sees a key, under causal too (the formula's softmax)
+        mask[..., key] = True if kind == "bool" else 0.0
+    _check_mask_gradients(torch, gen, (b, nq, nk, hq, 2, head_dim), mask, causal, deterministic)

@@ -203,3 +203,35 @@ def test_backward_plan_packed_and_empty():
     with pytest.raises(ValueError, match="head_dim from 1 to 256, got 264"):
         wide = _problem((1, 9, 2, 264), (1, 9, 2, 264), (1, 9, 2, 264))
         _plan.plan_backward(wide, "float16", H200, q_shape=(1, 9, 2, 264), k_shape=(1, 9, 2, 264))
+
+
+def test_mask_plans_write_the_block_summary_first():
+    """An attn_mask's launch starts with its block summary (kernels_cu/attn_mask.cuh): cells of the
+    smallest tile over the rows and keys rounded up to the largest, stride 0 where the mask
+    broadcasts; the backward's cells serve both of its kernels' tiles."""
+    import dataclasses
+
+    p = dataclasses.replace(_dense(causal=True), mask="bool", mask_shape=(2, 1, 1, 333))
+    launch = _plan.plan_forward(p, "bfloat16", H200, "auto", q_shape=(2, 300, 8, 128))
+    cells, fa2 = launch.steps
+    assert type(cells.spec).__name__ == "MaskCellsSpec" and fa2.spec.mask == "bool"
+    tile = fa2.spec.tile
+    assert cells.grid == (-(-333 // tile.block_n), 1, 2)  # keys x one row cell (broadcast) x batch
+    (summary,) = launch.temporaries
+    assert summary.dtype == "uint8" and summary.shape == (2 * cells.grid[0],)
+    assert summary.ptr_slot == launch.params.slot("mask_cells")
+    value = launch.params.value
+    strides = [value(f"mask_cells_{axis}_stride") for axis in ("batch", "head", "row", "key")]
+    assert strides == [cells.grid[0], 0, 0, 1] and value("mask_heads") == 1
+    assert 1 << value("mask_cell_keys_log2") == tile.block_n and 1 << value("mask_cell_rows_log2") == tile.block_m
+
+    full = dataclasses.replace(_dense(), mask="additive", mask_shape=(1, 8, 300, 333))
+    det = _plan.plan_backward(full, "bfloat16", H200, q_shape=(2, 300, 8, 128), k_shape=(2, 333, 2, 128),
+                              deterministic=True)  # fmt: skip
+    cells, _prep, main, dq = det.steps
+    rows = min(main.spec.block_m, dq.spec.block_m)
+    keys = min(main.spec.block_n, dq.spec.block_n)
+    assert (1 << det.params.value("mask_cell_rows_log2"), 1 << det.params.value("mask_cell_keys_log2")) == (rows, keys)
+    tile_rows, tile_keys = max(main.spec.block_m, dq.spec.block_m), max(main.spec.block_n, dq.spec.block_n)
+    assert cells.grid == (-(-333 // tile_keys) * tile_keys // keys, -(-300 // tile_rows) * tile_rows // rows, 8)
+    assert det.params.value("mask_cells_batch_stride") == 0 and det.params.value("mask_heads") == 8
