@@ -291,7 +291,7 @@ def _check_mask_dtype(lib: _interop.ArrayLib, problem: Any, mask: Any, dtype: st
 def gpu_attention(
     lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str,
     algorithm: str, dropout_p: float, seed: int | None, alibi_slopes: Any, want_lse: bool,
-    given: Any = _launch.NO_OUTPUTS,
+    given: Any = _launch.EMPTY,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The kernels' forward on arrays the pipeline reads (checked options): (out, lse), lse None
     unless wanted. ``given``: output buffers to write, by name (``_launch.run``)."""
@@ -636,7 +636,7 @@ def attention_backward(
 
 def gpu_attention_backward(
     lib: _interop.ArrayLib, device: int, problem: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-    dlse: Any, deterministic: bool, seed: int | None, alibi_slopes: Any, given: Any = _launch.NO_OUTPUTS,
+    dlse: Any, deterministic: bool, seed: int | None, alibi_slopes: Any, given: Any = _launch.EMPTY,
     attn_mask: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """The kernels' backward on arrays the pipeline reads (a checked ``problem``): (dq, dk, dv).

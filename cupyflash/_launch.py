@@ -19,8 +19,9 @@ from ._interop import ArrayLib
 from ._plan import CONTIGUOUS, LENGTHS, SCALAR, TILE, KernelStep, Launch, Operand, TmaMaps
 from ._validate import check_int_seqlens
 
-_NONE: dict[str, Any] = {}  # no temporaries, no given outputs
-NO_OUTPUTS: Mapping[str, Any] = _NONE  # ``given`` of a call that lets the plan allocate every output
+# The empty mapping: ``given`` of a call that lets the plan allocate every output, and the
+# temporaries of a plan that has none (one shared object, no allocation per call).
+EMPTY: Mapping[str, Any] = {}
 
 #: Fill every GPU output with NaN before the launch (tests set it: a value the kernel fails to
 #: write then shows up as NaN instead of as stale memory that happens to look right).
@@ -49,7 +50,7 @@ def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 
 def run(
     launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], want_lse: bool,
-    given: Mapping[str, Any] = _NONE,
+    given: Mapping[str, Any] = EMPTY,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Execute ``launch`` on the caller's stream; returns (out, lse), lse None unless wanted
     (or always allocated by the plan). Results are in the caller's type. ``given``: arrays the
@@ -62,7 +63,7 @@ def run(
 
 
 def run_outputs(
-    launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], given: Mapping[str, Any] = _NONE
+    launch: Launch, lib: ArrayLib, device: int, arrays: Mapping[str, Any], given: Mapping[str, Any] = EMPTY
 ) -> tuple[Any, ...]:
     """Execute ``launch``; every output in the plan's order (the backward's dq, dk, dv)."""
     if _interop.current_device() == device:
@@ -139,7 +140,7 @@ def _run(
             lib.fill(array, fill)
         values[output.ptr_slot] = lib.ptr(array)
         results[output.name] = array
-    temporaries = _NONE
+    temporaries = EMPTY
     if launch.temporaries:
         temporaries = {t.name: lib.empty(t.shape, t.dtype, device, like) for t in launch.temporaries}
         for t in launch.temporaries:
