@@ -2,6 +2,7 @@
 through CuPy, behind one function that takes CuPy, PyTorch, JAX or any array-API array."""
 
 from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward
+from ._cascade import attention_with_shared_prefix
 from ._kernels import KernelCompileError
 from ._kvcache import DeviceValueError, attention_with_kvcache, check_device_errors, merge_states
 from ._version import __version__
@@ -18,6 +19,7 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_backward",
     "attention_with_kvcache",
+    "attention_with_shared_prefix",
     "check_device_errors",
     "merge_states",
 ]

@@ -1,4 +1,5 @@
-"""``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen,bench-chunked,bench-mask}``."""
+"""``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen,bench-chunked,bench-mask,
+bench-cascade}``."""
 
 from __future__ import annotations
 
@@ -242,6 +243,19 @@ def cmd_bench_mask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_cascade(args: argparse.Namespace) -> int:
+    if not _require_gpu("bench-cascade"):
+        return 1
+    from . import bench
+
+    rows = []
+    for shape in bench.CASCADE_SHAPES:
+        rows.append(bench.run_cascade(*shape))
+        print(json.dumps(rows[-1]), flush=True)
+    _write_json(args.json, {"cascade": rows})
+    return 0
+
+
 def cmd_bench_varlen(args: argparse.Namespace) -> int:
     if not _require_gpu("bench-varlen"):
         return 1
@@ -296,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     masked = sub.add_parser("bench-mask", help="attn_mask: key padding, boolean and additive masks against SDPA")
     masked.add_argument("--json", help="write the results here")
     masked.set_defaults(func=cmd_bench_mask)
+    cascade = sub.add_parser("bench-cascade", help="shared-prefix decoding against the flat paged call")
+    cascade.add_argument("--json", help="write the results here")
+    cascade.set_defaults(func=cmd_bench_cascade)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -462,6 +462,50 @@ def run_paged_decode(shape: DecodeShape, page_sizes: tuple[int, ...]) -> dict[st
     return row
 
 
+#: Shared-prefix (cascade) decoding: (B, prefix keys, own keys per request, page size).
+CASCADE_SHAPES = ((64, 32768, 512, 16), (16, 32768, 512, 16), (64, 4096, 512, 16))
+
+
+def run_cascade(batch: int, prefix: int, own: int, page_size: int) -> dict[str, Any]:
+    """Microseconds (single and steady) of attention_with_shared_prefix against the flat paged
+    call over the same pages (each request's table: the prefix's pages, then its own), one
+    decode token, GQA 32/8, d = 128, bf16, interleaved in one process; their largest difference."""
+    import torch
+
+    import cupyflash
+
+    hq, hkv, d = 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prefix_pages, own_pages = prefix // page_size, own // page_size
+    pages = prefix_pages + batch * own_pages
+    k_pool, v_pool = (
+        torch.randn(pages, page_size, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2)
+    )
+    order = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)
+    prefix_table = order[:prefix_pages].reshape(1, prefix_pages)
+    own_table = order[prefix_pages:].reshape(batch, own_pages)
+    flat_table = torch.cat([prefix_table.expand(batch, prefix_pages), own_table], dim=1).contiguous()
+    q = torch.randn(batch, 1, hq, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    own_lens = torch.full((batch,), own, dtype=torch.int32, device="cuda")
+    calls: dict[str, Callable[[], Any]] = {
+        "cascade": lambda: cupyflash.attention_with_shared_prefix(
+            q, k_pool, v_pool, prefix_block_table=prefix_table, prefix_seqlens=prefix, block_table=own_table,
+            cache_seqlens=own_lens,
+        ),
+        "flat_paged": lambda: cupyflash.attention_with_kvcache(
+            q, k_pool, v_pool, cache_seqlens=own_lens + prefix, block_table=flat_table
+        ),
+    }  # fmt: skip
+    row: dict[str, Any] = {"batch": batch, "prefix": prefix, "own": own, "page_size": page_size, "hq": hq, "hkv": hkv}
+    row["max_abs_diff"] = round(float((calls["cascade"]().float() - calls["flat_paged"]().float()).abs().max()), 5)
+    for suffix, burst in (("", 1), ("_steady", DECODE_STEADY_CALLS)):
+        times = cuda_times_ms(calls, warmup_ms=100.0, repeat=20, calls=burst)
+        for name, ms in times.items():
+            row[f"{name}{suffix}_us"] = round(ms * 1e3, 1)
+        row[f"speedup{suffix}"] = round(times["flat_paged"] / times["cascade"], 2)
+    return row
+
+
 def decode_host_overhead_us(*, rounds: int = 5, calls: int = 1000) -> dict[str, float]:
     """Host time of one decode call at the smallest shape (B = 1, L = 4096), torch tensors: the
     whole call with the automatic split, and with one split (a single launch)."""

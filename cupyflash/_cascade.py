@@ -1,0 +1,242 @@
+"""Shared-prefix (cascade) decoding: ``attention_with_shared_prefix``.
+
+Requests that share a long prefix (a system prompt, parallel sampling, beams) attend to its keys
+once per group instead of once per request. The keys are split in two and the two attentions
+merged exactly by their LSE (``merge_states``: softmax over a union of disjoint key sets):
+
+- the shared prefix: every query of a group against the group's prefix pages, all of them
+  visible, as one packed sequence of ``attention_varlen`` over the pages (the FA2 kernel over the
+  cache view), with the query heads of a KV head packed as rows (GQA: the K/V tiles are read once
+  for the whole group of heads) and the prefix split into a few key ranges so that the grid fills
+  the GPU (FlashDecoding's split, merged by the same LSE rule);
+- each request's own suffix: ``attention_with_kvcache`` over its own pages (the split-KV decode
+  kernel), with the append of ``k_new`` / ``v_new``.
+
+Every step is a public call of the library, so the host path (any array-API namespace) runs the
+same composition; no kernel of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ._kvcache import attention_with_kvcache, merge_states
+
+# Splits of the prefix's keys: enough CTAs for two waves of the GPU, each split at least this
+# many keys (a split's fixed cost, its partial state and a merge, is then below its read time).
+_MIN_SPLIT_KEYS = 2048
+_MAX_SPLITS = 32
+
+
+def attention_with_shared_prefix(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    prefix_block_table: Any,
+    prefix_seqlens: Any,
+    block_table: Any,
+    cache_seqlens: Any,
+    k_new: Any = None,
+    v_new: Any = None,
+    prefix_groups: Sequence[int] | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    num_splits: int = 0,
+    return_lse: bool = False,
+) -> Any:
+    """Decoding over a two-level paged KV cache (FlashInfer's cascade): each request's keys are its
+    group's shared prefix followed by its own suffix, both in pages of one pool.
+
+    Parameters
+    ----------
+    q : array ``(B, Nq, Hq, d)``, as for :func:`attention_with_kvcache` (on the GPU float16 or
+        bfloat16, d a multiple of 32 up to 256)
+    k_cache, v_cache : paged caches ``(num_pages, page_size, Hkv, d)``: the pool holding both the
+        prefixes' pages and the requests' own pages
+    prefix_block_table : int32 array ``(G, max_prefix_pages)``
+        The pages of each group's shared prefix (key ``j`` of prefix ``g`` is slot
+        ``j % page_size`` of page ``prefix_block_table[g, j // page_size]``).
+    prefix_seqlens : int, or int32 array ``(G,)``
+        The keys of each prefix.
+    block_table : int32 array ``(B, max_pages)``; cache_seqlens : int or int32 array ``(B,)``
+        Each request's own pages and the tokens already in them (its keys after its prefix), as
+        :func:`attention_with_kvcache` takes them.
+    k_new, v_new : arrays ``(B, Nnew, Hkv, d)``, optional
+        Appended to each request's own pages first (as :func:`attention_with_kvcache`).
+    prefix_groups : sequence of ``G + 1`` ints, optional
+        Requests ``prefix_groups[g] .. prefix_groups[g + 1] - 1`` share prefix ``g`` (host ints:
+        scheduling metadata, sorted by group). Default: one group of all ``B`` requests.
+    causal : bool
+        Bottom-right aligned over the prefix and the suffix together, as if the request's keys were
+        one sequence. The prefix is then visible to every query as long as each request's own keys
+        (after the append) number at least ``Nq - 1``: always with ``k_new`` of ``Nnew >= Nq - 1``
+        tokens or one query token; otherwise ``cache_seqlens`` must be host values that show it.
+    scale, softcap, num_splits, return_lse : as for :func:`attention_with_kvcache`
+        (``num_splits`` is the suffix's; the prefix's split follows from its length and the GPU).
+
+    Returns
+    -------
+    out, or (out, lse): as :func:`attention_with_kvcache` over each request's whole key sequence,
+    equal to the flat paged call up to the rounding of the two partial outputs to q's dtype.
+
+    Examples
+    --------
+    >>> import numpy as np, cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> pool = rng.standard_normal((6, 4, 1, 8)).astype(np.float32)  # 6 pages of 4 keys
+    >>> q = rng.standard_normal((2, 1, 2, 8)).astype(np.float32)
+    >>> prefix = np.array([[0, 1]], dtype=np.int32)  # both requests share 8 keys on pages 0, 1
+    >>> own = np.array([[2], [3]], dtype=np.int32)  # then 3 and 1 keys of their own
+    >>> seqlens = np.array([3, 1], dtype=np.int32)
+    >>> out = cupyflash.attention_with_shared_prefix(q, pool, pool, prefix_block_table=prefix, prefix_seqlens=8,
+    ...                                              block_table=own, cache_seqlens=seqlens)
+    >>> flat = np.array([[0, 1, 2], [0, 1, 3]], dtype=np.int32)
+    >>> want = cupyflash.attention_with_kvcache(q, pool, pool, cache_seqlens=seqlens + 8, block_table=flat)
+    >>> bool(np.allclose(out, want, atol=1e-5))
+    True
+    """
+    from array_api_compat import array_namespace
+    from array_api_compat import device as device_of
+
+    b, nq, hq, d = (int(n) for n in q.shape)
+    if len(k_cache.shape) != 4:
+        raise ValueError(f"k_cache must be paged (num_pages, page_size, Hkv, d), got shape {tuple(k_cache.shape)}")
+    page_size, hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
+    if len(prefix_block_table.shape) != 2:
+        raise ValueError(f"prefix_block_table must be (groups, pages), got shape {tuple(prefix_block_table.shape)}")
+    num_groups, prefix_pages = (int(n) for n in prefix_block_table.shape)
+    groups = _check_groups(prefix_groups, num_groups, b)
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"Hq = {hq} must be a multiple of Hkv = {hkv}")
+    if causal and nq > 1 and (k_new is None or int(k_new.shape[1]) < nq - 1):
+        _check_suffix_covers_queries(cache_seqlens, nq)
+    xp = array_namespace(q)
+    where = device_of(q)
+
+    # The suffix first: its append must land before anything reads the pages (no other read of
+    # those pages follows, but a caller may pass the same pool as prefix and suffix).
+    out_s, lse_s = attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
+        causal=causal, scale=scale, softcap=softcap, num_splits=num_splits, return_lse=True,
+    )  # fmt: skip
+
+    # The prefix: S key ranges of `chunk` pages each; pseudo-sequence (s, g) is group g's queries
+    # (GQA-packed: row t * group + j is query row t at head hkv * group + j) against range s of
+    # prefix g. The packed rows run s-major, so part s of the output is the whole batch.
+    group = hq // hkv
+    rows = b * nq * group
+    splits = _prefix_splits(q, prefix_pages * page_size, hkv, rows)
+    chunk = -(-prefix_pages // splits) if prefix_pages else 1
+    splits = max(-(-prefix_pages // chunk), 1)
+    chunk_keys = chunk * page_size
+    int32 = xp.int32
+    pad = splits * chunk - prefix_pages
+    table = prefix_block_table
+    if pad:
+        table = xp.concat([table, xp.zeros((num_groups, pad), dtype=int32, device=where)], axis=1)
+    table = xp.reshape(xp.permute_dims(xp.reshape(table, (num_groups, splits, chunk)), (1, 0, 2)), (-1, chunk))
+    lens = xp.asarray(prefix_seqlens, dtype=int32, device=where)
+    lens = xp.broadcast_to(xp.reshape(lens, (1, -1)), (1, num_groups))
+    starts = xp.reshape(xp.arange(splits, dtype=int32, device=where) * chunk_keys, (splits, 1))
+    counts = xp.reshape(xp.minimum(xp.maximum(lens - starts, 0), chunk_keys), (-1,))
+    zero = xp.zeros((1,), dtype=int32, device=where)
+    cu_k = xp.astype(xp.concat([zero, xp.cumulative_sum(counts)]), int32)
+    group_rows = [(groups[g + 1] - groups[g]) * nq * group for g in range(num_groups)]
+    cu_q = xp.asarray([0, *_running_sums(group_rows * splits)], dtype=int32, device=where)
+
+    q_rows = xp.reshape(xp.permute_dims(xp.reshape(q, (b * nq, hkv, group, d)), (0, 2, 1, 3)), (rows, hkv, d))
+    q_packed = xp.concat([q_rows] * splits, axis=0) if splits > 1 else q_rows
+    out_p, lse_p = _varlen(
+        q_packed, k_cache, v_cache, cu_q, cu_k, max(group_rows, default=0), chunk_keys, scale, softcap, table
+    )
+    # Back to (S, B Nq, Hq, d) and (S, Hq, B Nq): part s of every request.
+    t = b * nq
+    out_p = xp.reshape(
+        xp.permute_dims(xp.reshape(out_p, (splits, t, group, hkv, d)), (0, 1, 3, 2, 4)), (splits, t, hq, d)
+    )
+    lse_p = xp.reshape(xp.permute_dims(xp.reshape(lse_p, (hkv, splits, t, group)), (1, 0, 3, 2)), (splits, hq, t))
+    while splits > 1:  # pairs of parts merged at once: log2(S) rounds of one call each
+        half = splits // 2
+        merged, merged_lse = merge_states(out_p[:half], lse_p[:half], out_p[half : 2 * half], lse_p[half : 2 * half])
+        if splits % 2:
+            merged = xp.concat([merged, out_p[2 * half :]], axis=0)
+            merged_lse = xp.concat([merged_lse, lse_p[2 * half :]], axis=0)
+        out_p, lse_p, splits = merged, merged_lse, half + splits % 2
+    prefix_out = xp.reshape(out_p[0], (b, nq, hq, d))
+    prefix_lse = xp.permute_dims(xp.reshape(lse_p[0], (hq, b, nq)), (1, 0, 2))
+    out, lse = merge_states(prefix_out, prefix_lse, out_s, lse_s)
+    return (out, lse) if return_lse else out
+
+
+def _varlen(
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, scale: Any, softcap: float, table: Any
+) -> tuple[Any, Any]:
+    from ._api import attention_varlen
+
+    out, lse = attention_varlen(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal=False, scale=scale, softcap=softcap, return_lse=True,
+        block_table=table,
+    )  # fmt: skip
+    return out, lse
+
+
+def _check_groups(prefix_groups: Sequence[int] | None, num_groups: int, batch: int) -> list[int]:
+    if prefix_groups is None:
+        if num_groups != 1:
+            raise ValueError(f"prefix_groups is needed with {num_groups} prefixes (which requests share which)")
+        return [0, batch]
+    groups = [int(g) for g in prefix_groups]
+    if len(groups) != num_groups + 1 or groups[0] != 0 or groups[-1] != batch:
+        raise ValueError(
+            f"prefix_groups must be {num_groups + 1} offsets from 0 to B = {batch} (one group per prefix_block_table "
+            f"row), got {groups}"
+        )
+    if any(a > b for a, b in zip(groups, groups[1:])):
+        raise ValueError(f"prefix_groups must not decrease (requests sorted by group), got {groups}")
+    return groups
+
+
+def _check_suffix_covers_queries(cache_seqlens: Any, nq: int) -> None:
+    """Causal with several query tokens and no append of as many: the prefix is visible to every
+    query only if every request's own keys number at least Nq - 1 (else its first queries must
+    not see the prefix's end, which one packed prefix call cannot express)."""
+    import numpy as np
+
+    try:
+        lens = np.asarray(cache_seqlens)
+    except (TypeError, RuntimeError, ValueError) as err:  # a GPU array: not readable without a sync
+        raise ValueError(
+            f"causal with {nq} query tokens needs each request's own keys (cache_seqlens plus the append) to number "
+            "at least Nq - 1 so that every query sees the whole prefix: give k_new of Nq tokens, or cache_seqlens on "
+            "the host"
+        ) from err
+    if lens.size and int(lens.min()) < nq - 1:
+        raise ValueError(
+            f"causal with {nq} query tokens: a request has {int(lens.min())} keys of its own, fewer than Nq - 1 = "
+            f"{nq - 1}, so its first queries would not see the whole prefix; attend over the flat block table instead"
+        )
+
+
+def _prefix_splits(q: Any, prefix_keys: int, heads: int, rows: int) -> int:
+    """How many key ranges the prefix is split into on the GPU: CTAs for two waves (a CTA takes
+    128 packed rows of one head), each range at least _MIN_SPLIT_KEYS keys; one on the host."""
+    from . import _interop, _plan
+
+    arrays = _interop.gpu_arrays(("q",), (q,))
+    if arrays is None:
+        return 1
+    ctas = heads * max(-(-rows // 128), 1)
+    want = max(1, (2 * _plan.device_info(arrays[1]).num_sms) // ctas)
+    most = max(1, prefix_keys // _MIN_SPLIT_KEYS)
+    return int(min(want, most, _MAX_SPLITS))
+
+
+def _running_sums(values: list[int]) -> list[int]:
+    total, sums = 0, []
+    for v in values:
+        total += v
+        sums.append(total)
+    return sums
