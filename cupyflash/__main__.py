@@ -1,4 +1,5 @@
-"""``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen,bench-chunked,bench-mask}``."""
+"""``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen,bench-chunked,bench-mask,
+bench-transformers}``."""
 
 from __future__ import annotations
 
@@ -255,6 +256,17 @@ def cmd_bench_varlen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_transformers(args: argparse.Namespace) -> int:
+    """Exits 1 if a stage raised or a logits check fell outside the floor."""
+    from . import bench_transformers
+
+    if args.device == "cuda" and not _require_gpu("bench-transformers --device cuda"):
+        return 1
+    report = bench_transformers.run(quick=args.quick, device=args.device, families=args.families)
+    _write_json(args.json, report)
+    return 1 if report["failures"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -296,6 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     masked = sub.add_parser("bench-mask", help="attn_mask: key padding, boolean and additive masks against SDPA")
     masked.add_argument("--json", help="write the results here")
     masked.set_defaults(func=cmd_bench_mask)
+    models = sub.add_parser(
+        "bench-transformers",
+        help="Llama-, Qwen2- and Gemma2-style models with cupyflash beside SDPA and eager: prefill time, logits, "
+        "padded batches, generation",
+    )
+    models.add_argument("--quick", action="store_true", help="tiny models (the CPU path runs them in float32)")
+    models.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: cuda if visible")
+    models.add_argument("--families", nargs="+", choices=("llama", "qwen2", "gemma2"), help="default: all three")
+    models.add_argument("--json", help="write the results here")
+    models.set_defaults(func=cmd_bench_transformers)
     args = parser.parse_args(argv)
     return int(args.func(args))
 
