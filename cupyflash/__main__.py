@@ -4,6 +4,7 @@ bench-transformers}``."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -262,8 +263,8 @@ def cmd_bench_transformers(args: argparse.Namespace) -> int:
 
     if args.device == "cuda" and not _require_gpu("bench-transformers --device cuda"):
         return 1
-    report = bench_transformers.run(quick=args.quick, device=args.device, families=args.families)
-    _write_json(args.json, report)
+    save = functools.partial(_write_json, args.json)  # after each family: a run cut short keeps its results
+    report = bench_transformers.run(quick=args.quick, device=args.device, families=args.families, save=save)
     return 1 if report["failures"] else 0
 
 

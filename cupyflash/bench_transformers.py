@@ -459,9 +459,15 @@ def failures(results: list[dict[str, Any]]) -> list[str]:
 
 
 def run(
-    *, quick: bool, device: str, families: tuple[str, ...] | None = None, say: Callable[[str], None] = print
+    *,
+    quick: bool,
+    device: str,
+    families: tuple[str, ...] | None = None,
+    say: Callable[[str], None] = print,
+    save: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Every family's stages; the results as one JSON-ready dict (``failures`` lists what went wrong)."""
+    """Every family's stages; the results as one JSON-ready dict (``failures`` lists what went
+    wrong), also given to ``save`` after each family (a run cut short keeps what it measured)."""
     import torch
     import transformers
 
@@ -490,7 +496,11 @@ def run(
     for key, value in header.items():
         say(f"{key}: {value}")
     chosen = [f for f in FAMILIES if families is None or f.name in families]
-    results = [run_family(family, setup, say) for family in chosen]
+    results: list[dict[str, Any]] = []
+    for family in chosen:
+        results.append(run_family(family, setup, say))
+        if save is not None:
+            save({**header, "families": results, "failures": failures(results), "complete": family is chosen[-1]})
     bad = failures(results)
     say("\nfailures: " + (", ".join(bad) or "none"))
-    return {**header, "families": results, "failures": bad}
+    return {**header, "families": results, "failures": bad, "complete": True}

@@ -260,7 +260,7 @@ def test_bench_transformers_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)
     report = json.loads((tmp_path / "r.json").read_text())
-    assert status == 0 and report["failures"] == []
+    assert status == 0 and report["failures"] == [] and report["complete"]
     assert [f["family"] for f in report["families"]] == ["llama", "qwen2", "gemma2"]
     for family in report["families"]:
         assert family["errors"] == {}
