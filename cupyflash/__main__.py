@@ -1,9 +1,10 @@
 """``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen,bench-chunked,bench-mask,
-bench-cascade}``."""
+bench-cascade,bench-transformers}``."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -269,6 +270,17 @@ def cmd_bench_varlen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_transformers(args: argparse.Namespace) -> int:
+    """Exits 1 if a stage raised or a logits check fell outside the floor."""
+    from . import bench_transformers
+
+    if args.device == "cuda" and not _require_gpu("bench-transformers --device cuda"):
+        return 1
+    save = functools.partial(_write_json, args.json)  # after each family: a run cut short keeps its results
+    report = bench_transformers.run(quick=args.quick, device=args.device, families=args.families, save=save)
+    return 1 if report["failures"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -313,6 +325,16 @@ def main(argv: list[str] | None = None) -> int:
     cascade = sub.add_parser("bench-cascade", help="shared-prefix decoding against the flat paged call")
     cascade.add_argument("--json", help="write the results here")
     cascade.set_defaults(func=cmd_bench_cascade)
+    models = sub.add_parser(
+        "bench-transformers",
+        help="Llama-, Qwen2- and Gemma2-style models with cupyflash beside SDPA and eager: prefill time, logits, "
+        "padded batches, generation",
+    )
+    models.add_argument("--quick", action="store_true", help="tiny models (the CPU path runs them in float32)")
+    models.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: cuda if visible")
+    models.add_argument("--families", nargs="+", choices=("llama", "qwen2", "gemma2"), help="default: all three")
+    models.add_argument("--json", help="write the results here")
+    models.set_defaults(func=cmd_bench_transformers)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

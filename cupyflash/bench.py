@@ -70,27 +70,57 @@ def cuda_times_ms(
     time before the first launch is inside the sample."""
     import torch
 
+    def stamp() -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(begin: Any, end: Any) -> float:
+        end.synchronize()
+        return float(begin.elapsed_time(end))
+
+    return _interleaved_ms(fns, torch.cuda.synchronize, stamp, elapsed_ms, warmup_ms, repeat, calls)
+
+
+def host_times_ms(
+    fns: dict[str, Callable[[], Any]], *, warmup_ms: float = 300.0, repeat: int = 30, calls: int = 1
+) -> dict[str, float]:
+    """:func:`cuda_times_ms`'s rounds timed with the host clock, for work that runs on the host
+    (the CPU path, where there is no device to wait for)."""
+    return _interleaved_ms(
+        fns, lambda: None, time.perf_counter, lambda begin, end: (end - begin) * 1e3, warmup_ms, repeat, calls
+    )
+
+
+def _interleaved_ms(
+    fns: dict[str, Callable[[], Any]],
+    sync: Callable[[], None],
+    stamp: Callable[[], Any],
+    elapsed_ms: Callable[[Any, Any], float],
+    warmup_ms: float,
+    repeat: int,
+    calls: int,
+) -> dict[str, float]:
+    """The warm-up and the shuffled rounds of :func:`cuda_times_ms`, on any clock: ``stamp``
+    marks a point of the work queue, ``elapsed_ms`` waits for the later mark and measures."""
     names = list(fns)
     for fn in fns.values():
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     while (time.perf_counter() - start) * 1e3 < warmup_ms:
         for fn in fns.values():
             fn()
-            torch.cuda.synchronize()
+            sync()
     times: dict[str, list[float]] = {name: [] for name in names}
     order = random.Random(0)
     for _ in range(repeat):
         order.shuffle(names)
         for name in names:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+            begin = stamp()
             for _ in range(calls):
                 fns[name]()
-            end.record()
-            end.synchronize()
-            times[name].append(begin.elapsed_time(end) / calls)
+            times[name].append(elapsed_ms(begin, stamp()) / calls)
     return {name: float(statistics.median(samples)) for name, samples in times.items()}
 
 

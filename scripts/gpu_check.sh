@@ -13,6 +13,9 @@
 #     chunked   chunked prefill against a KV cache: the cache call, paged varlen, dense, SDPA
 #               (bench-chunked)
 #     mask      attn_mask against SDPA's efficient and cuDNN backends (bench-mask)
+#     transformers  Llama-, Qwen2- and Gemma2-style models (random init, bf16) with cupyflash beside
+#               SDPA and eager: 8k-token prefill time, logits, padded batches, greedy generation
+#               with a DynamicCache and a StaticCache (bench-transformers; needs transformers)
 #     serve     examples/serve.py (continuous batching over pages) beside the same loop on SDPA
 #     host      host time per tiny call, torch and CuPy, beside SDPA (scripts/ab.py host .)
 #     generate  examples/generate.py (a small GPT-style model with a paged cache)
@@ -32,13 +35,13 @@
 # The machine has no network: Python packages it lacks travel as wheels in .whl/ (see README).
 # Exits 1 if any step failed.
 set -uo pipefail
-ALL_STEPS="warmup tests bench decode varlen chunked mask serve host generate sass io tune sanitize ab train"
+ALL_STEPS="warmup tests bench decode varlen chunked mask transformers serve host generate sass io tune sanitize ab train"
 LOG_DIR=${OUT:-gpu_logs}
 if [ $# -gt 0 ] && [[ " $ALL_STEPS " != *" $1 "* ]]; then  # the first argument is not a step
   LOG_DIR=$1
   shift
 fi
-STEPS=${*:-${STEPS:-warmup tests bench decode varlen chunked mask serve host generate sass}}
+STEPS=${*:-${STEPS:-warmup tests bench decode varlen chunked mask transformers serve host generate sass}}
 mkdir -p "$LOG_DIR"
 LOG_DIR=$(cd "$LOG_DIR" && pwd)
 cd "$(dirname "$0")/.."
@@ -80,6 +83,7 @@ step_decode() { run decode python3 -m cupyflash bench-decode --json "$LOG_DIR/be
 step_varlen() { run varlen python3 -m cupyflash bench-varlen --json "$LOG_DIR/bench_varlen.json"; }
 step_chunked() { run chunked python3 -m cupyflash bench-chunked --json "$LOG_DIR/bench_chunked.json"; }
 step_mask() { run mask python3 -m cupyflash bench-mask --json "$LOG_DIR/bench_mask.json"; }
+step_transformers() { run transformers python3 -m cupyflash bench-transformers --json "$LOG_DIR/bench_transformers.json"; }
 step_serve() { run serve python3 examples/serve.py --json "$LOG_DIR/serve.json"; }
 step_host() { run host python3 scripts/ab.py host . --rounds 3; }
 step_generate() { run generate python3 examples/generate.py; }

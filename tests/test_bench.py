@@ -30,3 +30,19 @@ def test_runnable_keeps_the_calls_that_run_and_names_the_refusals():
     calls = bench.runnable({"ok": lambda: 1, "no": refuse}, row)
     assert list(calls) == ["ok"]
     assert row == {"no": None, "no_error": "head_dim 512 not supported"}
+
+
+def test_host_times_are_per_call_medians_on_the_host_clock(monkeypatch):
+    """host_times_ms runs cuda_times_ms's rounds on the host clock: a sample of several calls
+    gives the per-call time (here on a fake clock that each call advances by its cost)."""
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def costs(seconds: float):
+        def call() -> None:
+            clock[0] += seconds
+
+        return call
+
+    times = bench.host_times_ms({"short": costs(0.002), "long": costs(0.006)}, warmup_ms=0.0, repeat=3, calls=4)
+    assert times == {"short": pytest.approx(2.0), "long": pytest.approx(6.0)}

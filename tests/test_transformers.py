@@ -244,3 +244,42 @@ def test_left_padded_decode_step_on_the_gpu():
         want = reference.attention(q[i : i + 1, :, :, :], k[i : i + 1, :, f:], v[i : i + 1, :, f:], layout="bhsd")
         got = reference.to_numpy64(out[i : i + 1])
         assert np.abs(got - want.transpose(0, 2, 1, 3)).max() < 2e-2
+
+
+def test_bench_transformers_runs_end_to_end_on_the_cpu(tmp_path, capsys):
+    """``python -m cupyflash bench-transformers --quick`` on the CPU (float32, the host path):
+    every family's stages run and pass, the JSON holds each measurement, the table is printed."""
+    import json
+
+    from cupyflash.__main__ import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only contend (100x slower on a loaded host)
+    try:
+        status = main(["bench-transformers", "--quick", "--device", "cpu", "--json", str(tmp_path / "r.json")])
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert status == 0 and report["failures"] == [] and report["complete"]
+    assert [f["family"] for f in report["families"]] == ["llama", "qwen2", "gemma2"]
+    for family in report["families"]:
+        assert family["errors"] == {}
+        prefill = [family[f"prefill_{b}x{n}"] for b, n in report["sizes"]["prefill"]]
+        for row in prefill:
+            assert set(row["single_ms"]) == {cft.NAME, family["peer"], "eager"}
+            assert all(ms > 0 for ms in [*row["single_ms"].values(), *row["back_to_back_ms"].values()])
+            assert row["lm_head_rows"] == "last (logits_to_keep=1)"
+        for stage in ("logits", "padded_left", "padded_right"):
+            rows = family[stage]["vs_reference"]
+            assert set(rows) == set(family["checked"]) and family[stage]["within_floor"]
+            assert all(r["top1_agreement"] == 1.0 and r["max_abs_diff"] < 1e-5 for r in rows.values())
+        for cache in ("dynamic", "static"):
+            generated = family[f"generate_{cache}"]
+            assert all(generated["identical"].values()) and all(v > 0 for v in generated["tokens_per_s"].values())
+    gemma2 = report["families"][2]
+    assert gemma2["peer"] == "torch_sdp_nosoftcap" and "sdpa" not in gemma2["checked"]
+    assert gemma2["config"]["attn_logit_softcapping"] == 50.0
+    qwen2 = report["families"][1]["config"]
+    assert qwen2["layer_types"] == ["full_attention", "sliding_attention"]
+    out = capsys.readouterr().out
+    assert "== gemma2" in out and "failures: none" in out
