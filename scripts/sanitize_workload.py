@@ -39,6 +39,7 @@ FA3_HEAD_DIMS = (64, 128, 256)
 FA1_HEAD_DIMS = (64, 128, 256, 512)
 DECODE_HEAD_DIMS = (64, 128, 256)
 BWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+MASK_MAX_HEAD_DIM = 128  # attn_mask on the GPU
 
 
 class Arrays:
@@ -123,12 +124,23 @@ def _attention(
     )
     if alibi:  # (B, Hq) slopes
         options["alibi_slopes"] = a.randn(b, hq, dtype="float32")
-    mask = options.pop("mask", None)
-    if mask == "key-padding":  # (B, 1, 1, Nk), the first third of the keys hidden
-        options["attn_mask"] = a.bools(np.arange(sk)[None, None, None, :] >= sk // 3, (b, 1, 1, sk))
-    elif mask == "additive":  # (1, Hq, Nq, Nk) in q's dtype
-        options["attn_mask"] = a.randn(1, hq, sq, sk, dtype=dtype)
+    _add_mask(a, options, b, hq, sq, sk, dtype)
     return cupyflash.attention(q, k, v, return_lse=True, **options)
+
+
+def _add_mask(a: Arrays, options: dict[str, Any], b: int, hq: int, sq: int, sk: int, dtype: str) -> None:
+    """options["mask"] -> an attn_mask: "key-padding" (B, 1, 1, Nk), the first third of the keys
+    hidden; "additive" (1, Hq, Nq, Nk) in q's dtype; "blocks" (1, 1, Nq, Nk) boolean, 32 x 32
+    blocks hiding every key, showing every key or random (the kernels skip the first kind)."""
+    mask = options.pop("mask", None)
+    if mask == "key-padding":
+        options["attn_mask"] = a.bools(np.arange(sk)[None, None, None, :] >= sk // 3, (b, 1, 1, sk))
+    elif mask == "additive":
+        options["attn_mask"] = a.randn(1, hq, sq, sk, dtype=dtype)
+    elif mask == "blocks":
+        states = np.kron(a.rng.integers(0, 3, (-(-sq // 32), -(-sk // 32))), np.ones((32, 32), dtype=int))[:sq, :sk]
+        keep = np.where(states == 2, a.rng.random((sq, sk)) < 0.5, states == 1)
+        options["attn_mask"] = a.bools(keep, (1, 1, sq, sk))
 
 
 def _layouts(a: Arrays, nq: int, nk: int, d: int) -> Any:
@@ -157,10 +169,13 @@ def attention_cases(size: str, hopper: bool) -> Iterator[Case]:
         ("alibi-window", 2, nq, nk, 4, 2, {"window": (20, 5), "alibi": True}),
         ("mask-padding-causal", 2, nq, nk, 4, 2, {"causal": True, "mask": "key-padding"}),
         ("mask-additive-window", 1, nq, nk, 4, 2, {"window": (20, 5), "mask": "additive"}),
+        ("mask-blocks", 2, nq, nk, 4, 2, {"mask": "blocks"}),
     ]
     for algorithm, dims in (("fa2", fa2_dims), ("fa3", fa3_dims)):
         for d in dims:
             for label, b, sq, sk, hq, hkv, options in shapes + (dropout if algorithm == "fa2" else []):
+                if "mask" in options and d > MASK_MAX_HEAD_DIM:
+                    continue
                 for dtype in ("float16", "bfloat16") if label == "causal-gqa" else ("bfloat16",):
                     call = partial(
                         _attention, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dtype=dtype, algorithm=algorithm, **options
@@ -281,6 +296,7 @@ def _backward(a: Arrays, nq: int, nk: int, d: int, deterministic: bool, alibi: b
     q, k, v = a.randn(2, nq, 4, d), a.randn(2, nk, 2, d), a.randn(2, nk, 2, d)
     if alibi:  # (Hq,) slopes
         options["alibi_slopes"] = a.randn(4, dtype="float32")
+    _add_mask(a, options, 2, 4, nq, nk, "float16")
     out, lse = cupyflash.attention(q, k, v, return_lse=True, **options)
     dout = a.randn(2, nq, 4, d)
     return cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
@@ -304,7 +320,10 @@ def backward_cases(size: str) -> Iterator[Case]:
         for deterministic in (False, True):
             dropout = {"causal": True, "dropout_p": 0.3, "seed": 9}
             alibi = {"causal": True, "alibi": True}
-            for options in ({"causal": True}, {"window": (30, 5), "softcap": 4.0}, dropout, alibi):
+            blocks = {"mask": "blocks"}
+            for options in ({"causal": True}, {"window": (30, 5), "softcap": 4.0}, dropout, alibi, blocks):
+                if "mask" in options and d > MASK_MAX_HEAD_DIM:
+                    continue
                 label = f"backward d={d} det={deterministic} {options}"
                 yield label, partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, **options)
             yield (
@@ -353,6 +372,33 @@ def merge_cases(size: str) -> Iterator[Case]:
             yield f"merge_states {dtype} d={d}", partial(_merge, dtype=dtype, d=d)
 
 
+def _shared_prefix(a: Arrays, prefix: int, own: list[int], page_size: int, d: int) -> Any:
+    """Cascade decoding: a prefix of ``prefix`` keys shared by every request (split into key
+    ranges on the GPU), each request's own pages after it, one appended token."""
+    b, hq, hkv = len(own), 8, 2
+    own_pages = [-(-(n + 1) // page_size) for n in own]
+    prefix_pages = -(-prefix // page_size)
+    pages = prefix_pages + sum(own_pages)
+    k, v = a.randn(pages, page_size, hkv, d), a.randn(pages, page_size, hkv, d)
+    order = a.rng.permutation(pages)
+    own_rows, start = [], prefix_pages
+    for n in own_pages:
+        own_rows.append(list(order[start : start + n]) + [0] * (max(own_pages) - n))
+        start += n
+    return cupyflash.attention_with_shared_prefix(
+        a.randn(b, 1, hq, d), k, v, prefix_block_table=a.ints([order[:prefix_pages]]), prefix_seqlens=prefix,
+        block_table=a.ints(own_rows), cache_seqlens=a.ints(own), k_new=a.randn(b, 1, hkv, d),
+        v_new=a.randn(b, 1, hkv, d), return_lse=True,
+    )  # fmt: skip
+
+
+def cascade_cases(size: str) -> Iterator[Case]:
+    for page_size in (1, 16):
+        call = partial(_shared_prefix, prefix=4096 if size != "tiny" else 2100, own=[5, 0, 40], page_size=page_size,
+                       d=128)  # fmt: skip
+        yield f"shared prefix page={page_size}", call
+
+
 def cases(size: str = "small", hopper: bool = True) -> list[Case]:
     """Every call of the workload, in order: (label, fn(arrays))."""
     return [
@@ -360,6 +406,7 @@ def cases(size: str = "small", hopper: bool = True) -> list[Case]:
         *varlen_cases(size, hopper),
         *kvcache_cases(size),
         *merge_cases(size),
+        *cascade_cases(size),
         *backward_cases(size),
         *tail_head_dim_cases(size, hopper),
     ]
