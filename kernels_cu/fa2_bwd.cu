@@ -319,7 +319,8 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   // load, no MMA: its P and dS are 0), one it shows unchanged is not read. Mixed without a mask.
   auto tile_state = [&](int step) {
     if constexpr (Traits::kBias != kNoBias) {
-      return mask_tile_state<kBlockM, kBlockN>(a, batch, step_head(step), step_row0(step), key0);
+      return mask_tile_state<kBlockM, kBlockN, false>(a, batch, step_head(step), step_row0(step),
+                                                      key0);
     } else {
       return static_cast<int>(kMaskCellMixed);
     }
@@ -639,7 +640,8 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
   // An attn_mask's state of key block n_block, as in the forward: hidden tiles skipped.
   auto tile_state = [&](int n_block) {
     if constexpr (Traits::kBias != kNoBias) {
-      return mask_tile_state<kBlockM, kBlockN>(a, batch, head, row_block0, n_block * kBlockN);
+      return mask_tile_state<kBlockM, kBlockN, false>(a, batch, head, row_block0,
+                                                      n_block * kBlockN);
     } else {
       return static_cast<int>(kMaskCellMixed);
     }

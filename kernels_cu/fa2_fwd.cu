@@ -240,7 +240,8 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   // constant, and the branches on it fold away.
   auto tile_state = [&](int n_block) {
     if constexpr (Traits::kBias != kNoBias) {
-      return mask_tile_state<kBlockM, kBlockN>(params, batch, head, row_block0, n_block * kBlockN);
+      return mask_tile_state<kBlockM, kBlockN, /*kOneCell=*/true>(params, batch, head, row_block0,
+                                                                  n_block * kBlockN);
     } else {
       return static_cast<int>(kMaskCellMixed);
     }

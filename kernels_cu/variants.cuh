@@ -86,25 +86,32 @@ struct AttnBias {
 enum : int { kMaskCellHidden = 0, kMaskCellMixed = 1, kMaskCellPlain = 2, kMaskCellEmpty = 3 };
 
 // The state of a tile of kBlockM query rows from row0 and kBlockN keys from key0 of query head
-// `head`, from the summary's cells covering it (a tile is one cell or a few; the cells are the
-// tiles of the launch's smallest kernel). Uniform over the CTA: one broadcast load per cell.
-template <int kBlockM, int kBlockN>
+// `head`, from the summary's cells covering it. The cells are the tiles of the launch's smallest
+// kernel: kOneCell where the caller's tile is one cell (the forward; one load), else a tile spans
+// a few cells (the backward's key-block kernel beside its dQ kernel). Uniform over the CTA: a
+// broadcast load per cell.
+template <int kBlockM, int kBlockN, bool kOneCell>
 CF_DEVICE int mask_tile_state(const AttnParams& p, int batch, int head, int row0, int key0) {
-  const int cells_m = max(kBlockM >> p.mask_cell_rows_log2, 1);
-  const int cells_n = max(kBlockN >> p.mask_cell_keys_log2, 1);
   const unsigned char* cells =
       p.mask_cells + batch * p.mask_cells_batch_stride + head * p.mask_cells_head_stride;
   const int m0 = row0 >> p.mask_cell_rows_log2;
   const int n0 = key0 >> p.mask_cell_keys_log2;
-  bool any_shown = false, all_plain = true;
-  for (int m = 0; m < cells_m; ++m)
-    for (int n = 0; n < cells_n; ++n) {
-      const int c =
-          __ldg(cells + (m0 + m) * p.mask_cells_row_stride + (n0 + n) * p.mask_cells_key_stride);
-      any_shown |= c == kMaskCellMixed || c == kMaskCellPlain;
-      all_plain &= c == kMaskCellPlain || c == kMaskCellEmpty;
-    }
-  return !any_shown ? kMaskCellHidden : all_plain ? kMaskCellPlain : kMaskCellMixed;
+  if constexpr (kOneCell) {
+    const int c = __ldg(cells + m0 * p.mask_cells_row_stride + n0 * p.mask_cells_key_stride);
+    return c == kMaskCellEmpty ? kMaskCellHidden : c;
+  } else {
+    const int cells_m = max(kBlockM >> p.mask_cell_rows_log2, 1);
+    const int cells_n = max(kBlockN >> p.mask_cell_keys_log2, 1);
+    bool any_shown = false, all_plain = true;
+    for (int m = 0; m < cells_m; ++m)
+      for (int n = 0; n < cells_n; ++n) {
+        const int c =
+            __ldg(cells + (m0 + m) * p.mask_cells_row_stride + (n0 + n) * p.mask_cells_key_stride);
+        any_shown |= c == kMaskCellMixed || c == kMaskCellPlain;
+        all_plain &= c == kMaskCellPlain || c == kMaskCellEmpty;
+      }
+    return !any_shown ? kMaskCellHidden : all_plain ? kMaskCellPlain : kMaskCellMixed;
+  }
 }
 
 // The variant of a kernel's flags (softcap, ALiBi and a mask do not combine yet).
