@@ -1,5 +1,6 @@
-"""``cupyflash.attention`` inside JAX transformations (``jax.jit``, ``grad``, ``vmap``): one XLA
-custom call per direction, through ``jax.experimental.buffer_callback`` (no C++ build step).
+"""``cupyflash.attention`` and ``attention_with_kvcache`` inside JAX transformations (``jax.jit``,
+``grad``, ``vmap``): one XLA custom call per direction, through
+``jax.experimental.buffer_callback`` (no C++ build step).
 
 A traced array has no memory, so the call is staged into the XLA program instead: at run time
 XLA hands the callback its device buffers and its stream. On a GPU the callback views the
@@ -15,7 +16,15 @@ backward is a second custom call running ``attention_backward``'s pipeline. Drop
 operand of both calls (a ``(2,)`` uint32 array: low and high words), as the PyTorch ops carry it
 in a tensor, so forward and backward draw one mask; JAX has no global generator, so under a
 transformation the caller gives the seed (an int, or a JAX integer array such as one drawn from
-``jax.random.bits``). Imported on the first call that meets a JAX tracer (``_interop.jax_ops``).
+``jax.random.bits``).
+
+The cache call (inference only, as flash-attn's: a ``jax.custom_jvp`` refuses differentiation)
+has every array argument as an operand. JAX arrays are immutable, so with k_new it returns the
+appended caches too: the custom call's cache results alias the cache operands
+(``input_output_aliases``), and the kernels append into the result buffers, which XLA makes the
+operands' own when the caller donates them (else it copies the caches there first). Concrete JAX
+arrays with k_new run the same call, compiled once per static key. Imported on the first call
+that needs it (``_interop.jax_ops``).
 """
 
 from __future__ import annotations

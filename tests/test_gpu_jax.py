@@ -3,7 +3,9 @@
 reference forward; PyTorch autograd of the naive attention for gradients) with flash-attn's
 rule (within the dtype's bound and 2x the naive low-precision error plus a floor). Proof that
 the kernels ran, not a traced reference: the compiled program holds the GPU callback and no
-dot or GEMM, and the callback's run counter moves. Run with XLA_PYTHON_CLIENT_PREALLOCATE=false
+dot or GEMM, and the callback's run counter moves. ``attention_with_kvcache`` under jit against the
+eager PyTorch call on the same values (the same plan and kernels), its returned caches, donation
+and the device-value errors. Run with XLA_PYTHON_CLIENT_PREALLOCATE=false
 (set here too, before JAX starts) so CuPy's pool and JAX's share the GPU.
 """
 

@@ -1,8 +1,9 @@
 """JAX inputs. Concrete arrays run as any array (the host path here; the kernels through DLPack
 on a GPU). Traced ones (jax.jit, grad, vmap) run ``cupyflash.attention`` as an XLA custom call
 (``cupyflash._jax``): on this CPU backend its callback runs the host path, so the custom_vjp
-wiring, the abstract shapes, dropout's seed operand and the refusals are all checked here; the
-GPU twin is test_gpu_jax.py. The oracle is float64 (the reference forward, PyTorch autograd of
+wiring, the abstract shapes, dropout's seed operand and the refusals are all checked here, and
+``attention_with_kvcache``'s custom call (the returned caches, donation, vmap, the refused
+derivative); the GPU twin is test_gpu_jax.py. The oracle is float64 (the reference forward, PyTorch autograd of
 the naive attention for gradients)."""
 
 from __future__ import annotations
