@@ -229,18 +229,12 @@ def attention_with_kvcache(
 ) -> tuple[Any, Any]:  # fmt: skip
     from . import xp_impl
 
-    arrays = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
-    arrays += [] if k_new is None else [("k_new", k_new), ("v_new", v_new)]
-    arrays += [] if rotary_cos is None else [("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)]
-    arrays += [] if alibi_slopes is None else [("alibi_slopes", alibi_slopes)]
-    given = (("cache_seqlens", seqlens), ("block_table", table), ("cache_batch_idx", batch_idx),
-             ("cache_leftpad", leftpad))  # fmt: skip
-    ints = [(n, x) for n, x in given if x is not None and type(x) is not int]
-    xp = namespace(tuple(n for n, _ in arrays + ints), tuple(x for _, x in arrays + ints))
-    _check_floats(xp, [(n, x) for n, x in arrays if n != "alibi_slopes"])
-    for name, x in ints:
-        if not xp.isdtype(x.dtype, "integral"):
-            raise TypeError(f"{name} must be an integer array (int32), got {x.dtype}")
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": seqlens, "block_table": table,
+             "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx, "cache_leftpad": leftpad,
+             "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}  # fmt: skip
+    arrays = {n: x for n, x in named.items() if x is not None and type(x) is not int}
+    xp = namespace(tuple(arrays), tuple(arrays.values()))
+    check_kvcache_dtypes(xp, arrays)
     cached = [seqlens] * p.attn.batch if type(seqlens) is int else _host_ints(seqlens)
     pages = None if table is None else _host_ints(table)
     entries = None if batch_idx is None else _host_ints(batch_idx)
@@ -267,6 +261,21 @@ def attention_with_kvcache(
     return xp_impl.attention_with_kvcache(
         xp, q, k_cache, v_cache, lengths, layout, p.attn, per_split * _HOST_BLOCK_N, first_keys, alibi_slopes
     )
+
+
+_KV_INDEX_NAMES = ("cache_seqlens", "block_table", "cache_batch_idx", "cache_leftpad")
+
+
+def check_kvcache_dtypes(xp: Any, arrays: dict[str, Any]) -> None:
+    """The dtypes of a cache call's arrays (by name, those given), in namespace ``xp``: one real
+    floating dtype for q, the caches, k_new / v_new and the rotary tables, integers for the
+    indices (the GPU kernels also want int32, float16 / bfloat16 and float32 slopes: the plan
+    checks those)."""
+    _check_floats(xp, [(n, x) for n, x in arrays.items() if n not in _KV_INDEX_NAMES and n != "alibi_slopes"])
+    for name in _KV_INDEX_NAMES:
+        x = arrays.get(name)
+        if x is not None and not xp.isdtype(x.dtype, "integral"):
+            raise TypeError(f"{name} must be an integer array (int32), got {x.dtype}")
 
 
 def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:

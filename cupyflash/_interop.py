@@ -10,8 +10,9 @@ costs ~23 us a tensor on the H200, three of them more than a whole PyTorch SDPA 
 GPU array (JAX ...) is adopted into CuPy through DLPack once, at the entry, without a copy, and
 its results are handed back through DLPack once, at the exit. Host arrays return None: the
 caller runs the array-API algorithms in their own namespace. JAX tracers (``jax.jit``, grad,
-vmap) have no memory: ``traced`` finds them, and ``attention`` hands them to ``_jax``, which
-runs the same pipeline inside the XLA program on the buffers XLA gives it.
+vmap) have no memory: ``traced`` finds them, and ``attention`` and ``attention_with_kvcache``
+hand them to ``_jax``, which runs the same pipeline inside the XLA program on the buffers XLA
+gives it.
 """
 
 from __future__ import annotations
@@ -376,12 +377,13 @@ def gpu_arrays(names: Sequence[str], arrays: Sequence[Any]) -> tuple[ArrayLib, i
 def _refuse_traced(name: str) -> None:
     """A JAX tracer (``jax.jit``, ``grad``, ``vmap``) has no memory to hand the kernels, and the
     host path's array-API algorithms branch on values (NaN checks, split counts), which tracing
-    cannot do. ``attention`` takes tracers through ``_jax`` (an XLA custom call); the entry points
-    that reach here do not yet: refused with the way out, rather than failing somewhere inside."""
+    cannot do. ``attention`` and ``attention_with_kvcache`` take tracers through ``_jax`` (XLA
+    custom calls); the entry points that reach here do not yet: refused with the way out, rather
+    than failing somewhere inside."""
     raise TypeError(
-        f"{name} is a traced JAX array (jax.jit, grad or vmap): of cupyflash's functions only attention() runs "
-        "inside JAX transformations so far. Call this one on concrete jax.Array inputs outside the transformation "
-        "(on a GPU they run the kernels through DLPack)."
+        f"{name} is a traced JAX array (jax.jit, grad or vmap): of cupyflash's functions only attention() and "
+        "attention_with_kvcache() run inside JAX transformations so far. Call this one on concrete jax.Array inputs "
+        "outside the transformation (on a GPU they run the kernels through DLPack)."
     )
 
 
@@ -393,10 +395,19 @@ def traced(arrays: Sequence[Any]) -> bool:
     return False
 
 
+def has_jax_arrays(arrays: Sequence[Any]) -> bool:
+    """Is any of ``arrays`` a JAX array, traced or concrete? (A cache call that appends to JAX
+    arrays, which are immutable, returns the new caches: ``_jax``.)"""
+    for x in arrays:
+        if x is not None and (_kind(x) == TRACED or _library(x) in ("jax", "jaxlib")):
+            return True
+    return False
+
+
 @functools.cache
 def jax_ops() -> Any:
-    """The ``_jax`` module (cupyflash.attention inside JAX transformations), imported on the
-    first call that meets a JAX tracer: importing cupyflash never imports jax."""
+    """The ``_jax`` module (cupyflash inside JAX transformations, and cache calls that append to
+    JAX arrays), imported on the first such call: importing cupyflash never imports jax."""
     from . import _jax
 
     return _jax

@@ -1,5 +1,6 @@
-"""``cupyflash.attention`` inside JAX transformations (``jax.jit``, ``grad``, ``vmap``): one XLA
-custom call per direction, through ``jax.experimental.buffer_callback`` (no C++ build step).
+"""``cupyflash.attention`` and ``attention_with_kvcache`` inside JAX transformations (``jax.jit``,
+``grad``, ``vmap``): one XLA custom call per direction, through
+``jax.experimental.buffer_callback`` (no C++ build step).
 
 A traced array has no memory, so the call is staged into the XLA program instead: at run time
 XLA hands the callback its device buffers and its stream. On a GPU the callback views the
@@ -15,7 +16,15 @@ backward is a second custom call running ``attention_backward``'s pipeline. Drop
 operand of both calls (a ``(2,)`` uint32 array: low and high words), as the PyTorch ops carry it
 in a tensor, so forward and backward draw one mask; JAX has no global generator, so under a
 transformation the caller gives the seed (an int, or a JAX integer array such as one drawn from
-``jax.random.bits``). Imported on the first call that meets a JAX tracer (``_interop.jax_ops``).
+``jax.random.bits``).
+
+The cache call (inference only, as flash-attn's: a ``jax.custom_jvp`` refuses differentiation)
+has every array argument as an operand. JAX arrays are immutable, so with k_new it returns the
+appended caches too: the custom call's cache results alias the cache operands
+(``input_output_aliases``), and the kernels append into the result buffers, which XLA makes the
+operands' own when the caller donates them (else it copies the caches there first). Concrete JAX
+arrays with k_new run the same call, compiled once per static key. Imported on the first call
+that needs it (``_interop.jax_ops``).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _api, _interop
+from . import _api, _host, _interop, _kvcache
 from ._validate import check_dropout
 
 #: How many times XLA has run each callback, by (platform, direction): ("gpu", "forward"),
@@ -66,12 +75,7 @@ def attention(
 ) -> Any:  # fmt: skip
     """``cupyflash.attention`` with traced inputs (options already checked by the entry)."""
     dropout_p, _ = check_dropout(dropout_p, None)
-    for name, x in (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes)):
-        if x is not None and not isinstance(x, jax.Array):
-            raise TypeError(
-                f"{name} must be a JAX array when cupyflash.attention runs inside a JAX transformation, got "
-                f"{type(x).__name__}"
-            )
+    _check_jax_arrays("attention", {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes})
     problem = _api._problem(q, k, v, options, layout, dropout_p, alibi_slopes)
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"q, k and v must share one floating dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
@@ -80,6 +84,12 @@ def attention(
     deterministic = bool(deterministic)
     config = Config(options, layout, algorithm, bool(return_lse), deterministic, dropout_p, problem)
     return _attention(config, q, k, v, _seed_operand(dropout_p, seed), alibi_slopes)
+
+
+def _check_jax_arrays(entry: str, named: dict[str, Any], where: str = "inside a JAX transformation") -> None:
+    for name, x in named.items():
+        if x is not None and not isinstance(x, jax.Array):
+            raise TypeError(f"{name} must be a JAX array when cupyflash.{entry} runs {where}, got {type(x).__name__}")
 
 
 def _seed_operand(dropout_p: float, seed: Any) -> Any:
@@ -149,16 +159,16 @@ def _attention_bwd(config: Config, residuals: Any, cotangent: Any) -> tuple[Any,
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-def _lse_struct(config: Config, q: Any) -> Any:
-    p = config.problem
+def _lse_struct(problem: Any, q: Any) -> Any:
+    """The LSE of an attention problem over q: float32 (float64 for float64 host inputs)."""
     dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32  # xp_impl.compute_dtype
-    return jax.ShapeDtypeStruct((p.batch, p.heads_q, p.seqlen_q), dtype)
+    return jax.ShapeDtypeStruct((problem.batch, problem.heads_q, problem.seqlen_q), dtype)
 
 
 def _forward(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, want_lse: bool) -> tuple[Any, Any]:
     results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if want_lse:
-        results.append(_lse_struct(config, q))
+        results.append(_lse_struct(config.problem, q))
     callback = _forward_callback(config, seed is not None, slopes is not None, want_lse)
     extras = tuple(x for x in (seed, slopes) if x is not None)
     outputs = buffer_callback(callback, tuple(results), vmap_method=_VMAP_METHOD)(q, k, v, *extras)
@@ -233,6 +243,131 @@ def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slope
         runs["gpu", "backward"] += 1
 
     return callback
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache call: attention_with_kvcache. Inference only, as flash-attn's: no backward.
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KvConfig:
+    """A cache call's static options (checked) and which operands it has, its callback's key."""
+
+    options: tuple[Any, ...]  # (causal, scale, window, softcap), as check_options returns them
+    num_splits: int
+    rotary: bool | None  # rotary_interleaved with rotary tables, else None
+    return_lse: bool
+    names: tuple[str, ...]  # the operands given, in _kvcache._KV_NAMES' order
+    problem: Any  # the validated KvCacheProblem
+
+    @property
+    def appends(self) -> bool:
+        return "k_new" in self.names
+
+
+def attention_with_kvcache(
+    arrays: dict[str, Any], options: tuple[Any, ...], num_splits: int, rotary: bool | None, return_lse: bool
+) -> Any:
+    """``cupyflash.attention_with_kvcache`` on JAX arrays (traced, or concrete ones with k_new;
+    ``arrays`` by name, options already checked by the entry): one custom call. With k_new it
+    returns ``(result, k_cache, v_cache)``, the caches with the new tokens, as new arrays (the
+    custom call's results alias the cache operands: XLA writes in place into donated caches and
+    copies the others first)."""
+    seqlens = arrays["cache_seqlens"]
+    others = {n: x for n, x in arrays.items() if not (n == "cache_seqlens" and type(x) is int)}
+    _check_jax_arrays("attention_with_kvcache", others, "on JAX arrays (inside a JAX transformation, or appending)")
+    problem = _kvcache._problem(
+        arrays["q"], arrays["k_cache"], arrays["v_cache"], seqlens, arrays["block_table"], arrays["k_new"],
+        arrays["v_new"], options, arrays["cache_batch_idx"], arrays["cache_leftpad"], arrays["alibi_slopes"],
+        (arrays["rotary_cos"], arrays["rotary_sin"], rotary),
+    )  # fmt: skip
+    operands = {n: x for n, x in others.items() if x is not None}
+    _host.check_kvcache_dtypes(jnp, operands)
+    if type(seqlens) is int:  # checked against the capacity above; an operand, so no recompile per length
+        operands["cache_seqlens"] = np.full((problem.attn.batch,), seqlens, np.int32)
+    names = tuple(n for n in _kvcache._KV_NAMES if n in operands)
+    config = KvConfig(options, num_splits, rotary, bool(return_lse), names, problem)
+    values = tuple(operands[n] for n in names)
+    if _interop.traced(values):
+        return _kvcache_call(config, values)
+    # Concrete arrays: the same custom call, compiled once per config; the caller's caches stay
+    # as they were (XLA copies them into the results, which it does not when a jitted caller
+    # donates them).
+    return _compiled_kvcache_call(config)(values)
+
+
+@functools.cache
+def _compiled_kvcache_call(config: KvConfig) -> Any:
+    return jax.jit(functools.partial(_kvcache_call, config))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _kvcache_call(config: KvConfig, operands: tuple[Any, ...]) -> Any:
+    q = operands[0]
+    results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if config.return_lse:
+        results.append(_lse_struct(config.problem.attn, q))
+    aliases = {}
+    if config.appends:  # operands 1 and 2 are k_cache and v_cache: the last two results
+        aliases = {1: len(results), 2: len(results) + 1}
+        results += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands[1:3]]
+    outputs = buffer_callback(
+        _kvcache_callback(config), tuple(results), vmap_method=_VMAP_METHOD, input_output_aliases=aliases
+    )(*operands)
+    result = (outputs[0], outputs[1]) if config.return_lse else outputs[0]
+    return (result, outputs[-2], outputs[-1]) if config.appends else result
+
+
+def _kvcache_jvp(config: KvConfig, primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+    (operands,), (dots,) = primals, tangents
+    moved = [n for n, t in zip(config.names, dots) if not isinstance(t, SymbolicZero)]
+    if moved:
+        which = f"{', '.join(moved)} {'is' if len(moved) == 1 else 'are'}"
+        raise TypeError(
+            "attention_with_kvcache has no derivative (it is inference only, as flash-attn's "
+            f"flash_attn_with_kvcache), but {which} differentiated here: compute the gradient with "
+            "cupyflash.attention, or pass jax.lax.stop_gradient(x) where no gradient is wanted"
+        )
+    out = _kvcache_call(config, operands)
+    return out, jax.tree.map(jnp.zeros_like, out)
+
+
+_kvcache_call.defjvp(_kvcache_jvp, symbolic_zeros=True)
+
+
+@functools.cache
+def _kvcache_callback(config: KvConfig) -> Any:
+    def callback(ctx: Any, results: Any, *operands: Any) -> None:
+        stream = _xla_stream(ctx)
+        if stream is None:
+            _host_kvcache(config, results, dict(zip(config.names, operands)))
+            runs["cpu", "kvcache"] += 1
+            return
+        cupy = _interop.cupy_module()
+        views: dict[str, Any] = dict.fromkeys(_kvcache._KV_NAMES)
+        views.update((n, _cupy_view(x)) for n, x in zip(config.names, operands))
+        device = views["q"].data.device_id
+        with cupy.cuda.Device(device), _cupy_stream(stream, device):
+            given = {"out": _cupy_view(results[0])}
+            if config.return_lse:
+                given["lse"] = _cupy_view(results[1])
+            if config.appends:  # the kernels append into XLA's result buffers, the caches' own when aliased
+                for name, result in zip(("k_cache", "v_cache"), results[-2:]):
+                    views[name] = _cache_result(views[name], _cupy_view(result), lambda x: x.data.ptr)
+            _kvcache.gpu_attention_with_kvcache(
+                _interop.CUPY_LIB, device, views, config.options, config.num_splits, config.rotary,
+                config.return_lse, given,
+            )  # fmt: skip
+        runs["gpu", "kvcache"] += 1
+
+    return callback
+
+
+def _cache_result(cache: Any, result: Any, address: Any) -> Any:
+    """The result buffer of an appended cache, holding the cache: XLA hands the cache's own
+    buffer (input_output_aliases) unless it could not alias, then a fresh one, filled here."""
+    if address(result) != address(cache):
+        result[...] = cache
+    return result
 
 
 def _xla_stream(ctx: Any) -> int | None:
@@ -333,3 +468,30 @@ def _host_backward(
     )  # fmt: skip
     for buffer, grad in zip(results, grads):
         np.asarray(buffer)[...] = grad
+
+
+def _host_kvcache(config: KvConfig, results: Any, operands: dict[str, Any]) -> None:
+    """The cache call's host path (``_host.attention_with_kvcache`` through the entry, as an eager
+    call on NumPy arrays), appending into the caches' result buffers."""
+    arrays = dict.fromkeys(_kvcache._KV_NAMES) | {n: _host_array(x) for n, x in operands.items()}
+    caches = []
+    if config.appends:
+        for name, result in zip(("k_cache", "v_cache"), results[-2:]):
+            buffer = _cache_result(np.asarray(operands[name]), np.asarray(result), lambda x: x.ctypes.data)
+            arrays[name] = _host_array(buffer)  # the buffer itself, or a float32 copy of a bfloat16 one
+            caches.append((buffer, arrays[name]))
+    causal, scale, window, softcap = config.options
+    out, lse = _kvcache.attention_with_kvcache(
+        arrays["q"], arrays["k_cache"], arrays["v_cache"], cache_seqlens=arrays["cache_seqlens"],
+        block_table=arrays["block_table"], k_new=arrays["k_new"], v_new=arrays["v_new"],
+        cache_batch_idx=arrays["cache_batch_idx"], cache_leftpad=arrays["cache_leftpad"], causal=causal, scale=scale,
+        window=window, softcap=softcap, alibi_slopes=arrays["alibi_slopes"], rotary_cos=arrays["rotary_cos"],
+        rotary_sin=arrays["rotary_sin"], rotary_interleaved=bool(config.rotary), num_splits=config.num_splits,
+        return_lse=True,
+    )  # fmt: skip
+    np.asarray(results[0])[...] = out
+    if config.return_lse:
+        np.asarray(results[1])[...] = lse
+    for buffer, appended in caches:
+        if appended is not buffer:
+            buffer[...] = appended

@@ -11,6 +11,7 @@ host; host arrays run ``xp_impl`` in their own namespace, every value checked fi
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Literal, overload
 
 from . import _host, _interop, _launch, _plan
@@ -27,6 +28,7 @@ _plans = _plan.new_cache()
 _merge_plans = _plan.new_cache()
 _KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx",
              "cache_leftpad", "alibi_slopes", "rotary_cos", "rotary_sin")  # fmt: skip
+_kv_operands = operator.itemgetter(*_KV_NAMES)
 
 
 @overload
@@ -110,7 +112,7 @@ def attention_with_kvcache(
         with ``cache_batch_idx``), or paged
         ``(num_pages, page_size, Hkv, d)`` with ``block_table``; ``page_size`` any power of two
         (1, 2, ..., 16, ..., 256 ...). Same library, device and dtype as ``q``; ``Hq % Hkv == 0``.
-        Modified in place when ``k_new`` / ``v_new`` are given.
+        Modified in place when ``k_new`` / ``v_new`` are given (JAX arrays are not: see Returns).
     cache_seqlens : int or int32 array ``(B,)``
         Tokens already in each sequence's cache.
     block_table : int32 array ``(B, max_pages)``, optional
@@ -170,6 +172,11 @@ def attention_with_kvcache(
     -------
     out : array like ``q``; lse : ``(B, Hq, Nq)`` when ``return_lse``, float32 (float64 for float64
         host inputs)
+    (result, k_cache, v_cache) : with JAX arrays and ``k_new``: ``result`` is ``out`` (or
+        ``(out, lse)``) as above, and ``k_cache``, ``v_cache`` are new arrays, the caches with
+        ``k_new`` / ``v_new`` appended (JAX arrays are immutable: the caches passed in are
+        unchanged). Under ``jax.jit`` with the caches donated (``donate_argnums``) XLA appends in
+        place, with no copy of the cache; otherwise the call copies each cache once.
 
     Notes
     -----
@@ -184,6 +191,14 @@ def attention_with_kvcache(
     arrays are checked in full before anything is written. The GPU path makes no
     synchronisation and no allocation outside the caller's library, so a decode step can be
     captured in a CUDA graph (warm it up once first: the first call compiles its kernels).
+
+    JAX: inside ``jax.jit`` or ``vmap`` (and for concrete JAX arrays with ``k_new``) the call is one
+    XLA custom call. On a GPU the kernels run on XLA's buffers and stream (device values checked
+    by the kernels, as above: :func:`check_device_errors` after the jitted call); on JAX's CPU
+    backend the host path runs (values checked there: a bad one fails the run with its message;
+    bfloat16 computed as float32). Shapes, options and an int ``cache_seqlens`` are checked at
+    trace time, the GPU's dtypes at the first run. There is no derivative (as flash-attn's, it is
+    inference only): differentiating through it raises, naming the argument.
 
     Examples
     --------
@@ -219,7 +234,14 @@ def attention_with_kvcache(
     others = (seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin)
     found = _interop.lean_arrays(q, k_cache, v_cache, others)
     if found is None:
-        arrays = _interop.gpu_arrays(_KV_NAMES, (q, k_cache, v_cache, *others))
+        given = (q, k_cache, v_cache, *others)
+        if _interop.traced(given) or (k_new is not None and _interop.has_jax_arrays(given)):
+            # JAX arrays are immutable: the custom call returns the appended caches (_jax).
+            return _interop.jax_ops().attention_with_kvcache(
+                dict(zip(_KV_NAMES, (q, k_cache, v_cache, cache_seqlens, *others[1:]))),
+                (causal, scale, window, softcap), check_num_splits(num_splits), rotary, return_lse,
+            )  # fmt: skip
+        arrays = _interop.gpu_arrays(_KV_NAMES, given)
         if arrays is None:
             p = _problem(
                 q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, (causal, scale, window, softcap),
@@ -233,23 +255,40 @@ def attention_with_kvcache(
         lib, device, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin) = (
             arrays
         )
-        if lib.name == _interop.DLPACK:
+        if lib.name == _interop.DLPACK and k_new is not None:
             raise TypeError(
-                "attention_with_kvcache on the GPU takes CuPy arrays or PyTorch tensors (the cache is written in "
-                f"place), got {type(q).__module__}.{type(q).__name__}"
+                "attention_with_kvcache with k_new on the GPU takes CuPy arrays, PyTorch tensors or JAX arrays (the "
+                f"cache is written in place), got {type(q).__module__}.{type(q).__name__}"
             )
     else:
         lib, device = found
     if lib.check_inputs((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)):
         _interop.refuse_autograd("attention_with_kvcache")
+    arrays_by_name = {
+        "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens if seqlens is None else seqlens,
+        "block_table": block_table, "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx,
+        "cache_leftpad": leftpad, "alibi_slopes": slopes, "rotary_cos": cos, "rotary_sin": sin,
+    }  # fmt: skip
+    out, lse = gpu_attention_with_kvcache(
+        lib, device, arrays_by_name, (causal, scale, window, softcap), num_splits, rotary, return_lse
+    )
+    return (out, lse) if return_lse else out
+
+
+def gpu_attention_with_kvcache(
+    lib: _interop.ArrayLib, device: int, arrays: dict[str, Any], options: tuple[bool, Any, tuple[int, int], float],
+    num_splits: int, rotary: bool | None, want_lse: bool, given: Any = _launch.NO_OUTPUTS,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The kernels of a cache call on arrays the pipeline reads, by name (``_KV_NAMES``; the
+    caches are appended in place): (out, lse), lse None unless wanted. ``given``: output buffers
+    to write, by name (``_launch.run``; XLA's under ``jax.jit``)."""
+    q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin = _kv_operands(arrays)
     # The signature, flat (a decode step builds it every call): what the plan depends on.
     key = (
-        lib.name, device, causal, scale, window, softcap, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype,
-        v_cache.shape, v_cache.dtype, None if seqlens is None else seqlens.shape,
-        None if seqlens is None else seqlens.dtype, None if block_table is None else block_table.shape,
-        None if block_table is None else block_table.dtype, None if k_new is None else k_new.shape,
-        None if k_new is None else k_new.dtype, None if v_new is None else v_new.shape,
-        None if batch_idx is None else (batch_idx.shape, batch_idx.dtype),
+        lib.name, device, *options, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype, v_cache.shape,
+        v_cache.dtype, None if type(seqlens) is int else (seqlens.shape, seqlens.dtype),
+        None if table is None else (table.shape, table.dtype), None if k_new is None else (k_new.shape, k_new.dtype),
+        None if v_new is None else v_new.shape, None if batch_idx is None else (batch_idx.shape, batch_idx.dtype),
         None if leftpad is None else (leftpad.shape, leftpad.dtype),
         None if slopes is None else (slopes.shape, slopes.dtype),
         None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, rotary),
@@ -264,11 +303,11 @@ def attention_with_kvcache(
                 q,
                 k_cache,
                 v_cache,
-                cache_seqlens,
-                block_table,
+                seqlens,
+                table,
                 k_new,
                 v_new,
-                (causal, scale, window, softcap),
+                options,
                 num_splits,
                 batch_idx,
                 leftpad,
@@ -276,13 +315,7 @@ def attention_with_kvcache(
                 (cos, sin, rotary),
             ),  # fmt: skip
         )
-    arrays_by_name = {
-        "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens if seqlens is None else seqlens,
-        "block_table": block_table, "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx,
-        "cache_leftpad": leftpad, "alibi_slopes": slopes, "rotary_cos": cos, "rotary_sin": sin,
-    }  # fmt: skip
-    out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
-    return (out, lse) if return_lse else out
+    return _launch.run(launch, lib, device, arrays, want_lse, given)
 
 
 def _problem(

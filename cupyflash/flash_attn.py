@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _interop
 from ._api import attention, attention_varlen
 from ._kvcache import attention_with_kvcache
 
@@ -218,15 +219,20 @@ def flash_attn_with_kvcache(
     """q ``(B, Sq, H, d)``; k_cache and v_cache ``(B, capacity, Hk, d)``, or pages
     ``(num_blocks, page_size, Hk, d)`` with ``block_table`` ``(B, blocks per sequence)``; k and v
     (``(B, Snew, Hk, d)``) are written into the cache at ``cache_seqlens`` first. Returns out, or
-    ``(out, softmax_lse)`` with ``return_softmax_lse``."""
+    ``(out, softmax_lse)`` with ``return_softmax_lse``; JAX arrays, which are immutable, with k
+    and v: that and the new caches, ``(result, k_cache, v_cache)``, as
+    :func:`cupyflash.attention_with_kvcache`."""
     if cache_seqlens is None:  # flash-attn: the whole cache
         if k is not None or v is not None:
             raise ValueError("flash_attn_with_kvcache: k and v are appended at cache_seqlens, which is None")
         cache_seqlens = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-    result = attention_with_kvcache(
+    result: Any = attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k, v_new=v,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal, scale=softmax_scale,
         window=_window(causal, window_size), softcap=softcap, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, num_splits=num_splits, return_lse=True,
     )  # fmt: skip
+    if k is not None and _interop.has_jax_arrays((q, k_cache, v_cache, k, v)):
+        (out, lse), k_cache, v_cache = result
+        return ((out, lse) if return_softmax_lse else out), k_cache, v_cache
     return result if return_softmax_lse else result[0]

@@ -3,12 +3,15 @@
 reference forward; PyTorch autograd of the naive attention for gradients) with flash-attn's
 rule (within the dtype's bound and 2x the naive low-precision error plus a floor). Proof that
 the kernels ran, not a traced reference: the compiled program holds the GPU callback and no
-dot or GEMM, and the callback's run counter moves. Run with XLA_PYTHON_CLIENT_PREALLOCATE=false
+dot or GEMM, and the callback's run counter moves. ``attention_with_kvcache`` under jit against the
+eager PyTorch call on the same values (the same plan and kernels), its returned caches, donation
+and the device-value errors. Run with XLA_PYTHON_CLIENT_PREALLOCATE=false
 (set here too, before JAX starts) so CuPy's pool and JAX's share the GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -163,3 +166,190 @@ def test_vmap_under_jit_runs_once_per_element(rng):
     for i in range(2):
         want = cupyflash.attention(stacked[i], k, v, **options)
         np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(want))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_with_kvcache under jax.jit: the custom call against the eager PyTorch call on the
+# same values (the same plan and kernels: equal within one rounding of the dtype), the appended
+# caches read back from the returned arrays, the inputs unchanged.
+# ---------------------------------------------------------------------------------------------
+# (B, Nq, Hq, Hkv, d, capacity, Nnew, page_size (0: contiguous), extras); extras among "int" (an
+# int cache_seqlens), "lse", "rotary". Nq > 16 is a chunked prefill (the FA2 kernel over the cache).
+KV_CASES = {
+    "decode-paged16-gqa4-append": (3, 1, 8, 2, 128, 1024, 1, 16, ("lse",)),
+    "decode-contiguous-mqa-int": (2, 1, 8, 1, 64, 777, 0, 0, ("int", "lse")),
+    "speculative-contiguous-append": (2, 4, 8, 2, 64, 300, 4, 0, ()),
+    "prefill-chunk-paged16-append": (2, 40, 8, 2, 128, 512, 40, 16, ("lse",)),
+    "rotary-decode-paged16-append": (2, 1, 4, 2, 64, 256, 1, 16, ("rotary", "lse")),
+}
+_STEP = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # one rounding step of the dtype, relative
+
+
+def _cache_arrays(rng, case, dtype):
+    """(JAX arrays on the GPU by keyword, the other keywords): floats in ``dtype``, indices int32."""
+    b, nq, hq, hkv, d, capacity, new, page_size, extras = KV_CASES[case]
+    host = {"q": rng.standard_normal((b, nq, hq, d))}
+    if page_size:
+        num_pages = b * capacity // page_size + 3
+        host["k_cache"], host["v_cache"] = (rng.standard_normal((num_pages, page_size, hkv, d)) for _ in range(2))
+        host["block_table"] = rng.permutation(num_pages)[: b * capacity // page_size].reshape(b, -1).astype(np.int32)
+    else:
+        host["k_cache"], host["v_cache"] = (rng.standard_normal((b, capacity, hkv, d)) for _ in range(2))
+    if new:
+        host["k_new"], host["v_new"] = (rng.standard_normal((b, new, hkv, d)) for _ in range(2))
+    static = {"causal": True, "return_lse": "lse" in extras}
+    if "int" in extras:
+        static["cache_seqlens"] = capacity - new - 5
+    else:
+        host["cache_seqlens"] = rng.integers(0, capacity - new + 1, b).astype(np.int32)
+        host["cache_seqlens"][0] = capacity - new  # a full cache: the last key of the last page
+    if "rotary" in extras:
+        theta = rng.uniform(0, 2 * np.pi, (capacity + nq, d // 4))
+        host["rotary_cos"], host["rotary_sin"] = np.cos(theta), np.sin(theta)
+        static["rotary_interleaved"] = False
+    device = _gpu()
+    arrays = {
+        n: jax.device_put(jnp.asarray(x, jnp.int32 if x.dtype == np.int32 else dtype), device) for n, x in host.items()
+    }
+    return arrays, static
+
+
+def _torch_copies(torch, arrays, dtype):
+    """Fresh CUDA tensors holding the JAX arrays' values (never their memory: the eager call
+    appends in place)."""
+    copies = {}
+    for name, x in arrays.items():
+        if x.dtype == jnp.int32:
+            copies[name] = torch.from_numpy(np.asarray(x)).cuda()
+        else:
+            copies[name] = torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(getattr(torch, dtype))
+    return copies
+
+
+def _np(x):
+    return x.double().cpu().numpy() if hasattr(x, "cpu") else _f64(x)
+
+
+def _assert_within_rounding(got, want, dtype, name):
+    got, want = _np(got), _np(want)
+    assert not np.isnan(got).any(), f"{name}: NaN (an unwritten, poisoned element?)"
+    np.testing.assert_allclose(got, want, rtol=_STEP[dtype], atol=_STEP[dtype], err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(KV_CASES))
+def test_jit_cache_call_matches_the_eager_gpu_call(rng, case, dtype):
+    torch = need_torch()
+    arrays, static = _cache_arrays(rng, case, dtype)
+    before_values = {n: np.asarray(x) for n, x in arrays.items()}
+    appends = "k_new" in arrays
+    f = jax.jit(lambda arrays: cupyflash.attention_with_kvcache(**arrays, **static))
+    _assert_kernels_only(f.lower(arrays).compile().as_text())
+    before = _runs(("gpu", "kvcache"))
+    got = f(arrays)
+    jax.block_until_ready(got)
+    assert _runs(("gpu", "kvcache")) == before + 1
+    copies = _torch_copies(torch, arrays, dtype)
+    want = cupyflash.attention_with_kvcache(**copies, **static)
+    result = got[0] if appends else got
+    out, lse = result if static["return_lse"] else (result, None)
+    want_out, want_lse = want if static["return_lse"] else (want, None)
+    assert out.dtype == arrays["q"].dtype and out.shape == arrays["q"].shape
+    _assert_within_rounding(out, want_out, dtype, "out")
+    if lse is not None:
+        assert lse.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(lse), want_lse.cpu().numpy(), rtol=1e-5, atol=1e-4)
+    if appends:
+        for name, cache in zip(("k_cache", "v_cache"), got[1:]):
+            assert cache.dtype == arrays[name].dtype and cache.shape == arrays[name].shape
+            if "rotary_cos" in arrays:  # the same rotation kernel on the same values
+                _assert_within_rounding(cache, copies[name], dtype, name)
+            else:  # an append is a copy
+                np.testing.assert_array_equal(_np(cache), _np(copies[name]), err_msg=name)
+    for name, x in arrays.items():  # JAX arrays are immutable: the inputs keep their values
+        np.testing.assert_array_equal(np.asarray(x), before_values[name], err_msg=name)
+    cupyflash.check_device_errors()  # every value in range
+
+
+def test_concrete_jax_arrays_take_the_custom_call_with_k_new_and_dlpack_without(rng):
+    arrays, static = _cache_arrays(rng, "decode-paged16-gqa4-append", "bfloat16")
+    jitted = jax.jit(lambda arrays: cupyflash.attention_with_kvcache(**arrays, **static))(arrays)
+    k_before = np.asarray(arrays["k_cache"])
+    before = _runs(("gpu", "kvcache"))
+    eager = cupyflash.attention_with_kvcache(**arrays, **static)  # concrete, with k_new: the compiled call
+    assert _runs(("gpu", "kvcache")) == before + 1
+    for got, want in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(arrays["k_cache"]), k_before)
+    read_only = {n: x for n, x in arrays.items() if n not in ("k_new", "v_new")}
+    out, lse = cupyflash.attention_with_kvcache(**read_only, **static)  # no k_new: DLPack, in place
+    assert _runs(("gpu", "kvcache")) == before + 1
+    assert isinstance(out, jax.Array) and out.dtype == arrays["q"].dtype
+    want_out, want_lse = jax.jit(lambda a: cupyflash.attention_with_kvcache(**a, **static))(read_only)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
+def test_donated_caches_are_appended_in_place_on_the_gpu(rng):
+    torch = need_torch()
+    arrays, _ = _cache_arrays(rng, "decode-paged16-gqa4-append", "float16")
+    copies = _torch_copies(torch, arrays, "float16")
+    step = jax.jit(
+        lambda q, k_cache, v_cache, k_new, v_new, seqlens, table: cupyflash.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new, v_new=v_new
+        ),
+        donate_argnums=(1, 2),
+    )
+    k_cache, v_cache = jnp.copy(arrays["k_cache"]), jnp.copy(arrays["v_cache"])  # buffers nothing else holds
+    seqlens = np.asarray(arrays["cache_seqlens"]) // 2  # room for the steps
+    for t in range(3):
+        pointers = k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer()
+        k_new, v_new = arrays["k_new"] * (t + 1), arrays["v_new"] - t
+        out, k_cache, v_cache = step(arrays["q"], k_cache, v_cache, k_new, v_new, jnp.asarray(seqlens + t),
+                                     arrays["block_table"])  # fmt: skip
+        assert (k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer()) == pointers, "a copy, not in place"
+        want = cupyflash.attention_with_kvcache(
+            copies["q"], copies["k_cache"], copies["v_cache"], cache_seqlens=torch.from_numpy(seqlens + t).cuda(),
+            block_table=copies["block_table"], k_new=copies["k_new"] * (t + 1), v_new=copies["v_new"] - t,
+        )  # fmt: skip
+        _assert_within_rounding(out, want, "float16", f"out, step {t}")
+    np.testing.assert_array_equal(_np(k_cache), _np(copies["k_cache"]))
+    np.testing.assert_array_equal(_np(v_cache), _np(copies["v_cache"]))
+
+
+@pytest.mark.parametrize("nq", [1, 20], ids=["decode", "fa2"])
+def test_jit_bad_page_id_gives_nan_rows_and_a_device_error(nq):
+    """A page id outside the cache in a page a sequence uses, under jit: that sequence's rows are
+    NaN (O and LSE), nothing is appended through it, the others are right, and
+    check_device_errors raises after the jitted call."""
+    with contextlib.suppress(cupyflash.DeviceValueError):  # start clean
+        cupyflash.check_device_errors()
+    device = _gpu()
+    rng = np.random.default_rng(nq)
+    put = lambda x, dtype: jax.device_put(jnp.asarray(x, dtype), device)  # noqa: E731
+    q = put(rng.standard_normal((3, nq, 4, 64)), jnp.float16)
+    k_pages, v_pages = (put(rng.standard_normal((9, 16, 2, 64)), jnp.float16) for _ in range(2))
+    k_new, v_new = (put(rng.standard_normal((3, 1, 2, 64)), jnp.float16) for _ in range(2))
+    table = put([[0, 1, 99], [2, 3, -7], [4, 5, 0]], jnp.int32)
+    seqlens = put([47, 47, 31], jnp.int32)  # with the new token: 48, 48 (pages 0-2) and 32 (pages 4, 5)
+
+    def step(q, k_pages, v_pages, k_new, v_new, table, seqlens):
+        return cupyflash.attention_with_kvcache(
+            q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, k_new=k_new, v_new=v_new, return_lse=True
+        )
+
+    f = jax.jit(step)
+    (out, lse), k_after, v_after = f(q, k_pages, v_pages, k_new, v_new, table, seqlens)
+    out64, lse64 = _f64(out), np.asarray(lse, np.float64)
+    assert np.isnan(out64[:2]).all() and np.isnan(lse64[:2]).all()
+    assert np.isfinite(out64[2]).all() and np.isfinite(lse64[2]).all()
+    with pytest.raises(cupyflash.DeviceValueError, match="block_table entry in use was outside"):
+        cupyflash.check_device_errors()
+    # Only the good sequence appended (its token 31 is slot 15 of page 5); the bad ones wrote nothing.
+    for before, new, after in ((k_pages, k_new, k_after), (v_pages, v_new, v_after)):
+        want = np.asarray(before).copy()
+        want[5, 15] = np.asarray(new)[2, 0]
+        np.testing.assert_array_equal(np.asarray(after), want)
+    good = jnp.asarray([[0, 1, 2], [3, 6, 7], [4, 5, 8]], jnp.int32)
+    jax.block_until_ready(f(q, k_pages, v_pages, k_new, v_new, good, seqlens))
+    cupyflash.check_device_errors()  # a good call sets nothing
