@@ -225,9 +225,11 @@ _HOST_BLOCKS_PER_SPLIT = 4
 def attention_with_kvcache(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, p: KvCacheProblem,
     num_splits: int, batch_idx: Any = None, leftpad: Any = None, alibi_slopes: Any = None,
-    rotary_cos: Any = None, rotary_sin: Any = None,
+    rotary_cos: Any = None, rotary_sin: Any = None, fp8: tuple[str, Any, Any] | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
-    from . import xp_impl
+    """``fp8``: (format, k_scale, v_scale) of float8 caches (``_fp8``): k_new / v_new quantised on
+    append, the attention over the dequantised caches."""
+    from . import _fp8, xp_impl
 
     arrays = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     arrays += [] if k_new is None else [("k_new", k_new), ("v_new", v_new)]
@@ -237,7 +239,14 @@ def attention_with_kvcache(
              ("cache_leftpad", leftpad))  # fmt: skip
     ints = [(n, x) for n, x in given if x is not None and type(x) is not int]
     xp = namespace(tuple(n for n, _ in arrays + ints), tuple(x for _, x in arrays + ints))
-    _check_floats(xp, [(n, x) for n, x in arrays if n != "alibi_slopes"])
+    cache_names = ("alibi_slopes",) if fp8 is None else ("alibi_slopes", "k_cache", "v_cache")
+    _check_floats(xp, [(n, x) for n, x in arrays if n not in cache_names])
+    scales = None
+    if fp8 is not None:  # checked before anything is written
+        heads_kv = k_cache.shape[2]
+        scales = [
+            _fp8.host_scale_array(xp, n, s, heads_kv, k_cache) for n, s in (("k_scale", fp8[1]), ("v_scale", fp8[2]))
+        ]
     for name, x in ints:
         if not xp.isdtype(x.dtype, "integral"):
             raise TypeError(f"{name} must be an integer array (int32), got {x.dtype}")
@@ -257,7 +266,20 @@ def attention_with_kvcache(
         q = xp_impl.rotary(
             xp, q, rotary_cos, rotary_sin, [[n + step * i for i in range(nq)] for n in cached], p.rotary_interleaved
         )
-    if k_new is not None:
+    if fp8 is not None and scales is not None:
+        fmt = fp8[0]
+        if k_new is not None:  # stored as the kernels' append stores it
+            k_new, v_new = (
+                _fp8.quantise(xp, x, fmt, s, c) for x, s, c in zip((k_new, v_new), scales, (k_cache, v_cache))
+            )
+            xp_impl.append_kv(xp, k_cache, k_new, cached, layout)
+            xp_impl.append_kv(xp, v_cache, v_new, cached, layout)
+        compute = xp_impl.compute_dtype(xp, q)
+        k_cache, v_cache = (
+            _fp8.dequantise(xp, n, c, fmt, s, compute)
+            for n, c, s in zip(("k_cache", "v_cache"), (k_cache, v_cache), scales)
+        )
+    elif k_new is not None:
         xp_impl.append_kv(xp, k_cache, k_new, cached, layout)
         xp_impl.append_kv(xp, v_cache, v_new, cached, layout)
     key_blocks = -(-p.capacity // _HOST_BLOCK_N)
