@@ -174,6 +174,25 @@ def attention_with_kvcache(
         the cache length; 1 runs the same kernel without splitting (no combine step).
     return_lse : bool
         Also return the float32 natural-log LSE ``(B, Hq, Nq)``.
+    k_scale, v_scale : float or float32 array ``()``, ``(1,)`` or ``(Hkv,)``, optional
+        A float8 cache's scales (default 1.0): a cached value of KV head ``h`` reads as
+        ``fp8 * scale[h]``. A host number is checked (positive, finite in float32); a device array
+        is read as given, at run time (a captured graph sees its later values).
+    kv_dtype : "e4m3" or "e5m2", optional
+        The float8 format of ``uint8`` caches (CuPy has no float8 dtype: pass the bytes with this);
+        ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensors and ml_dtypes' float8 NumPy arrays
+        carry their own (``kv_dtype`` must then agree).
+
+    Float8 caches: q, ``k_new`` and ``v_new`` stay in q's dtype and the output is q's. ``k_new`` /
+    ``v_new`` are stored as ``saturate(round_to_nearest_even(float32(x) / scale))`` -- vLLM's and
+    FlashInfer's rule (CUDA's ``__nv_cvt_float_to_fp8`` with ``__NV_SATFINITE``): beyond 448
+    (e4m3) or 57344 (e5m2) a value saturates, infinities too; NaN stays NaN (torch's own cast
+    overflows e5m2 to inf: clamp before it to get the same bytes). The GPU kernel widens the bytes
+    exactly and applies the scales in float32 (the K scale in the softmax multiplier, the V scale
+    in the output); it takes 1 to 16 query tokens, no ALiBi, head_dim 64 or 128, and refuses the
+    rest by name. The host path dequantises (``float8 * scale`` in float32, float64 for float64 q)
+    and runs the same algorithm; it takes NumPy and PyTorch CPU caches. Not under
+    ``torch.compile`` with ``k_scale`` / ``v_scale`` / ``kv_dtype`` given.
 
     Returns
     -------
