@@ -196,6 +196,16 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         return 1
     from . import bench
 
+    if args.fp8:  # the float8-cache table only
+        fp8_rows = []
+        for b, length in bench.FP8_DECODE_SHAPES:
+            for page_size in (0, 16):
+                fp8_rows.append(bench.run_fp8_decode(bench.DecodeShape(b, length), page_size))
+                print(bench.format_fp8_decode_table(fp8_rows[-1:]).splitlines()[-1], flush=True)
+        print(f"steady: per call of {bench.DECODE_STEADY_CALLS} back-to-back calls; single: one call between events")
+        print(bench.format_fp8_decode_table(fp8_rows))
+        _write_json(args.json, {"fp8_decode": fp8_rows})
+        return 0
     if args.page_sizes:  # the paged-cache table only
         paged = []
         for b, length in bench.PAGED_DECODE_SHAPES:
@@ -309,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_decode.add_argument("--json", help="write the results here")
     bench_decode.add_argument(
         "--page-sizes", type=int, nargs="+", help="instead: the contiguous cache against it paged at these sizes"
+    )
+    bench_decode.add_argument(
+        "--fp8", action="store_true", help="instead: the bf16 cache against its e4m3 copy (contiguous, page 16)"
     )
     bench_decode.set_defaults(func=cmd_bench_decode)
     bench_varlen = sub.add_parser("bench-varlen", help="packed sequences: TFLOP/s of both kernels and PyTorch's varlen")

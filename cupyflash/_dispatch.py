@@ -17,6 +17,7 @@ from ._specs import (
     FA2_BWD_HEAD_DIMS,
     FA2_HEAD_DIMS,
     FA3_HEAD_DIMS,
+    FP8_DECODE_HEAD_DIMS,
     BwdRowSpec,
     DecodeAppendSpec,
     DecodeSpec,
@@ -336,11 +337,12 @@ def decode_tile(head_dim: int, rows: int) -> DecodeTile:
 
 
 def decode_spec(
-    dtype: str, head_dim: int, rows: int, causal: bool, local: bool = False, softcap: bool = False
+    dtype: str, head_dim: int, rows: int, causal: bool, local: bool = False, softcap: bool = False, fp8: bool = False
 ) -> DecodeSpec:
-    """The decode variant for the caller's ``head_dim`` (as ``fa2_fwd_spec``: the next tile width)."""
+    """The decode variant for the caller's ``head_dim`` (as ``fa2_fwd_spec``: the next tile width);
+    ``fp8``: over a float8 cache (head dims FP8_DECODE_HEAD_DIMS), the same tiles."""
     width, valid_dim = columns(head_dim, DECODE_HEAD_DIMS)
-    return DecodeSpec(dtype, width, decode_tile(width, rows), causal, valid_dim, local, softcap)
+    return DecodeSpec(dtype, width, decode_tile(width, rows), causal, valid_dim, local, softcap, fp8)
 
 
 #: A split count within this fraction of the best wave efficiency is as good: the fewest wins.
@@ -386,6 +388,20 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
             specs.append(RotaryQSpec(dtype, head_dim))
             specs.append(MergeSpec("float32", dtype, head_dim))
             specs.append(MergeSpec(dtype, dtype, head_dim))
+        specs += fp8_decode_specs(dtype)
+    return specs
+
+
+def fp8_decode_specs(dtype: str) -> list[DecodeSpec | DecodeAppendSpec]:
+    """The float8-cache variants for queries of ``dtype`` (either format: a run-time field): every
+    tile of FP8_DECODE_HEAD_DIMS, causal or not, and the quantising append. Windows and softcap
+    compile on first use (the CI compile test builds a sample)."""
+    specs: list[DecodeSpec | DecodeAppendSpec] = []
+    for head_dim in FP8_DECODE_HEAD_DIMS:
+        specs += [
+            DecodeSpec(dtype, head_dim, t, causal, fp8=True) for t in DECODE_TILES[head_dim] for causal in (False, True)
+        ]
+        specs.append(DecodeAppendSpec(dtype, head_dim, fp8=True))
     return specs
 
 
@@ -479,57 +495,98 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
 # Occupancy of the decode kernel, which decides how many splits fill the GPU. The plan is pure
 # (no compile, no driver query), so registers per thread come from this table: ptxas's count
 # for each shipped decode variant and arch with NVRTC 13.0.88 (the H200 machine's, pinned in CI),
-# which tests/test_plan.py checks against a compile.
+# which tests/test_plan.py checks against a compile. The float8-cache variants (``_fp8``) are listed
+# too: their widening pass costs 0-16 registers over the 16-bit cache's tile.
 # ---------------------------------------------------------------------------------------------
 DECODE_REGISTERS: dict[tuple[str, str], int] = {
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 193,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal"): 196,
+    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal_fp8"): 198,
+    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_fp8"): 195,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2"): 239,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 245,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_causal_fp8"): 251,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_fp8"): 248,
     ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3"): 243,
     ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3_causal"): 242,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg"): 127,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_causal"): 137,
+    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_causal_fp8"): 134,
+    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_fp8"): 133,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg"): 193,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 196,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal_fp8"): 195,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_fp8"): 193,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3"): 254,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 255,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_causal_fp8"): 255,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_fp8"): 254,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg"): 193,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal"): 196,
+    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal_fp8"): 198,
+    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_fp8"): 195,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2"): 239,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 245,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_causal_fp8"): 251,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_fp8"): 248,
     ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3"): 243,
     ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3_causal"): 242,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg"): 127,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_causal"): 137,
+    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_causal_fp8"): 134,
+    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_fp8"): 132,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg"): 193,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 196,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal_fp8"): 195,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_fp8"): 193,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3"): 254,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 255,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_causal_fp8"): 255,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_fp8"): 254,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 194,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal"): 197,
+    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal_fp8"): 198,
+    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_fp8"): 194,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2"): 238,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 240,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_causal_fp8"): 254,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_fp8"): 249,
     ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3"): 242,
     ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3_causal"): 245,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg"): 128,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_causal"): 136,
+    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_causal_fp8"): 140,
+    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_fp8"): 128,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg"): 193,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 197,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal_fp8"): 199,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_fp8"): 197,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3"): 255,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 255,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_causal_fp8"): 255,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_fp8"): 255,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg"): 194,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal"): 197,
+    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal_fp8"): 198,
+    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_fp8"): 194,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2"): 238,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 240,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_causal_fp8"): 254,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_fp8"): 249,
     ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3"): 242,
     ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3_causal"): 245,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg"): 128,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_causal"): 136,
+    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_causal_fp8"): 140,
+    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_fp8"): 128,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg"): 193,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 197,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal_fp8"): 199,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_fp8"): 197,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3"): 255,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 255,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_causal_fp8"): 255,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_fp8"): 255,
 }
 
 _REGISTER_ALLOCATION = 256  # registers are given to a warp in units of 256 (sm_80, sm_90)

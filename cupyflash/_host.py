@@ -225,16 +225,24 @@ _HOST_BLOCKS_PER_SPLIT = 4
 def attention_with_kvcache(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, p: KvCacheProblem,
     num_splits: int, batch_idx: Any = None, leftpad: Any = None, alibi_slopes: Any = None,
-    rotary_cos: Any = None, rotary_sin: Any = None,
+    rotary_cos: Any = None, rotary_sin: Any = None, fp8: tuple[str, Any, Any] | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
-    from . import xp_impl
+    """``fp8``: (format, k_scale, v_scale) of float8 caches (``_fp8``): k_new / v_new quantised on
+    append, the attention over the dequantised caches."""
+    from . import _fp8, xp_impl
 
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": seqlens, "block_table": table,
              "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx, "cache_leftpad": leftpad,
              "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}  # fmt: skip
     arrays = {n: x for n, x in named.items() if x is not None and type(x) is not int}
     xp = namespace(tuple(arrays), tuple(arrays.values()))
-    check_kvcache_dtypes(xp, arrays)
+    check_kvcache_dtypes(xp, arrays, fp8_cache=fp8 is not None)
+    scales = None
+    if fp8 is not None:  # checked before anything is written
+        heads_kv = k_cache.shape[2]
+        scales = [
+            _fp8.host_scale_array(xp, n, s, heads_kv, k_cache) for n, s in (("k_scale", fp8[1]), ("v_scale", fp8[2]))
+        ]
     cached = [seqlens] * p.attn.batch if type(seqlens) is int else _host_ints(seqlens)
     pages = None if table is None else _host_ints(table)
     entries = None if batch_idx is None else _host_ints(batch_idx)
@@ -251,7 +259,20 @@ def attention_with_kvcache(
         q = xp_impl.rotary(
             xp, q, rotary_cos, rotary_sin, [[n + step * i for i in range(nq)] for n in cached], p.rotary_interleaved
         )
-    if k_new is not None:
+    if fp8 is not None and scales is not None:
+        fmt = fp8[0]
+        if k_new is not None:  # stored as the kernels' append stores it
+            k_new, v_new = (
+                _fp8.quantise(xp, x, fmt, s, c) for x, s, c in zip((k_new, v_new), scales, (k_cache, v_cache))
+            )
+            xp_impl.append_kv(xp, k_cache, k_new, cached, layout)
+            xp_impl.append_kv(xp, v_cache, v_new, cached, layout)
+        compute = xp_impl.compute_dtype(xp, q)
+        k_cache, v_cache = (
+            _fp8.dequantise(xp, n, c, fmt, s, compute)
+            for n, c, s in zip(("k_cache", "v_cache"), (k_cache, v_cache), scales)
+        )
+    elif k_new is not None:
         xp_impl.append_kv(xp, k_cache, k_new, cached, layout)
         xp_impl.append_kv(xp, v_cache, v_new, cached, layout)
     key_blocks = -(-p.capacity // _HOST_BLOCK_N)
@@ -266,12 +287,13 @@ def attention_with_kvcache(
 _KV_INDEX_NAMES = ("cache_seqlens", "block_table", "cache_batch_idx", "cache_leftpad")
 
 
-def check_kvcache_dtypes(xp: Any, arrays: dict[str, Any]) -> None:
+def check_kvcache_dtypes(xp: Any, arrays: dict[str, Any], fp8_cache: bool = False) -> None:
     """The dtypes of a cache call's arrays (by name, those given), in namespace ``xp``: one real
-    floating dtype for q, the caches, k_new / v_new and the rotary tables, integers for the
-    indices (the GPU kernels also want int32, float16 / bfloat16 and float32 slopes: the plan
-    checks those)."""
-    _check_floats(xp, [(n, x) for n, x in arrays.items() if n not in _KV_INDEX_NAMES and n != "alibi_slopes"])
+    floating dtype for q, the caches (unless ``fp8_cache``: float8 or bytes, checked by ``_fp8``),
+    k_new / v_new and the rotary tables, integers for the indices (the GPU kernels also want
+    int32, float16 / bfloat16 and float32 slopes: the plan checks those)."""
+    skip = {*_KV_INDEX_NAMES, "alibi_slopes", *(("k_cache", "v_cache") if fp8_cache else ())}
+    _check_floats(xp, [(n, x) for n, x in arrays.items() if n not in skip])
     for name in _KV_INDEX_NAMES:
         x = arrays.get(name)
         if x is not None and not xp.isdtype(x.dtype, "integral"):

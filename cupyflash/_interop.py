@@ -443,14 +443,14 @@ def lean_arrays(q: Any, k: Any, v: Any, others: Sequence[Any] = ()) -> tuple[Arr
 # ---------------------------------------------------------------------------------------------
 # What the kernels can read in place.
 # ---------------------------------------------------------------------------------------------
-def tile_layout_readable(shape: Sequence[int], strides: Sequence[int]) -> bool:
+def tile_layout_readable(shape: Sequence[int], strides: Sequence[int], chunk: int = 8) -> bool:
     """Unit stride on head_dim and strides that are 16-byte multiples (cp.async and TMA move
-    16-byte chunks of 16-bit elements), none negative (a TMA tensor map takes unsigned strides).
-    Strides of size-1 axes are never used, so they may be anything."""
+    16-byte chunks of ``chunk`` elements: 8 of 16 bits, 16 of a float8 cache), none negative (a TMA
+    tensor map takes unsigned strides). Strides of size-1 axes are never used, so they may be anything."""
     if strides[-1] != 1 and shape[-1] > 1:
         return False
     for size, stride in zip(shape[:-1], strides[:-1]):
-        if (stride % 8 or stride < 0) and size > 1:
+        if (stride % chunk or stride < 0) and size > 1:
             return False
     return True
 

@@ -14,7 +14,7 @@ import dataclasses
 import operator
 from typing import Any, Literal, overload
 
-from . import _host, _interop, _launch, _plan
+from . import _fp8, _host, _interop, _launch, _plan
 from ._validate import (
     check_alibi,
     check_num_splits,
@@ -27,7 +27,7 @@ from ._validate import (
 _plans = _plan.new_cache()
 _merge_plans = _plan.new_cache()
 _KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx",
-             "cache_leftpad", "alibi_slopes", "rotary_cos", "rotary_sin")  # fmt: skip
+             "cache_leftpad", "alibi_slopes", "rotary_cos", "rotary_sin", "k_scale", "v_scale")  # fmt: skip
 _kv_operands = operator.itemgetter(*_KV_NAMES)
 
 
@@ -53,6 +53,9 @@ def attention_with_kvcache(
     rotary_interleaved: bool = ...,
     num_splits: int = ...,
     return_lse: Literal[False] = ...,
+    k_scale: Any = ...,
+    v_scale: Any = ...,
+    kv_dtype: str | None = ...,
 ) -> Any: ...
 @overload
 def attention_with_kvcache(
@@ -76,6 +79,9 @@ def attention_with_kvcache(
     rotary_interleaved: bool = ...,
     num_splits: int = ...,
     return_lse: Literal[True],
+    k_scale: Any = ...,
+    v_scale: Any = ...,
+    kv_dtype: str | None = ...,
 ) -> tuple[Any, Any]: ...
 def attention_with_kvcache(
     q: Any,
@@ -98,6 +104,9 @@ def attention_with_kvcache(
     rotary_interleaved: bool = True,
     num_splits: int = 0,
     return_lse: bool = False,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    kv_dtype: str | None = None,
 ) -> Any:
     """Attention of a few new query tokens over a KV cache, as flash-attn's
     ``flash_attn_with_kvcache`` (FlashDecoding: the keys are split over many CTAs and the
@@ -167,6 +176,25 @@ def attention_with_kvcache(
         the cache length; 1 runs the same kernel without splitting (no combine step).
     return_lse : bool
         Also return the float32 natural-log LSE ``(B, Hq, Nq)``.
+    k_scale, v_scale : float or float32 array ``()``, ``(1,)`` or ``(Hkv,)``, optional
+        A float8 cache's scales (default 1.0): a cached value of KV head ``h`` reads as
+        ``fp8 * scale[h]``. A host number is checked (positive, finite in float32); a device array
+        is read as given, at run time (a captured graph sees its later values).
+    kv_dtype : "e4m3" or "e5m2", optional
+        The float8 format of ``uint8`` caches (CuPy has no float8 dtype: pass the bytes with this);
+        ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensors and ml_dtypes' float8 NumPy arrays
+        carry their own (``kv_dtype`` must then agree).
+
+    Float8 caches: q, ``k_new`` and ``v_new`` stay in q's dtype and the output is q's. ``k_new`` /
+    ``v_new`` are stored as ``saturate(round_to_nearest_even(float32(x) / scale))`` -- vLLM's and
+    FlashInfer's rule (CUDA's ``__nv_cvt_float_to_fp8`` with ``__NV_SATFINITE``): beyond 448
+    (e4m3) or 57344 (e5m2) a value saturates, infinities too; NaN stays NaN (torch's own cast
+    overflows e5m2 to inf: clamp before it to get the same bytes). The GPU kernel widens the bytes
+    exactly and applies the scales in float32 (the K scale in the softmax multiplier, the V scale
+    in the output); it takes 1 to 16 query tokens, no ALiBi, head_dim 64 or 128, and refuses the
+    rest by name. The host path dequantises (``float8 * scale`` in float32, float64 for float64 q)
+    and runs the same algorithm; it takes NumPy and PyTorch CPU caches. Not under
+    ``torch.compile`` with ``k_scale`` / ``v_scale`` / ``kv_dtype`` given.
 
     Returns
     -------
@@ -214,6 +242,11 @@ def attention_with_kvcache(
     ((2, 1, 4, 8), 1.0)
     """
     if _interop.compiling():  # Dynamo traces the custom op, not this function's body
+        if k_scale is not None or v_scale is not None or kv_dtype is not None:
+            raise NotImplementedError(
+                "attention_with_kvcache's k_scale / v_scale / kv_dtype do not go through torch.compile yet: call it "
+                "outside the compiled region (a float8 cache with the default scales, 1.0, does)"
+            )
         return _interop.torch_ops.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse,
             cache_batch_idx, cache_leftpad, window, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
@@ -231,12 +264,21 @@ def attention_with_kvcache(
     if (cos is None) != (sin is None):
         raise ValueError("rotary_cos and rotary_sin go together: give both or neither")
     rotary = None if cos is None else rotary_interleaved
-    others = (seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin)
+    # Float8 caches' scales: a host number is checked here and goes to the kernel per call; an
+    # array is an operand like the others (on the GPU read as given).
+    k_host = v_host = fp8_key = None
+    if k_scale is not None or v_scale is not None or kv_dtype is not None:
+        k_host, v_host = _fp8.host_scale("k_scale", k_scale), _fp8.host_scale("v_scale", v_scale)
+        k_scale, v_scale = (None if h is not None else x for h, x in ((k_host, k_scale), (v_host, v_scale)))
+        fp8_key = (kv_dtype, *(None if x is None else (x.shape, x.dtype) for x in (k_scale, v_scale)))
+    others = (seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale)
     found = _interop.lean_arrays(q, k_cache, v_cache, others)
     if found is None:
         given = (q, k_cache, v_cache, *others)
         if _interop.traced(given) or (k_new is not None and _interop.has_jax_arrays(given)):
             # JAX arrays are immutable: the custom call returns the appended caches (_jax).
+            if fp8_key is not None or "float8" in str(k_cache.dtype):
+                raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
             return _interop.jax_ops().attention_with_kvcache(
                 dict(zip(_KV_NAMES, (q, k_cache, v_cache, cache_seqlens, *others[1:]))),
                 (causal, scale, window, softcap), check_num_splits(num_splits), rotary, return_lse,
@@ -250,11 +292,13 @@ def attention_with_kvcache(
             out, lse = _host.attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, p, check_num_splits(num_splits),
                 batch_idx, leftpad, slopes, cos, sin,
+                fp8=_host_fp8(q, k_cache, v_cache, k_new, v_new, kv_dtype, k_scale if k_host is None else k_host,
+                              v_scale if v_host is None else v_host),
             )  # fmt: skip
             return (out, lse) if return_lse else out
-        lib, device, (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin) = (
-            arrays
-        )
+        lib, device, gpu = arrays
+        q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin = gpu[:12]
+        k_scale, v_scale = gpu[12:]
         if lib.name == _interop.DLPACK and k_new is not None:
             raise TypeError(
                 "attention_with_kvcache with k_new on the GPU takes CuPy arrays, PyTorch tensors or JAX arrays (the "
@@ -268,21 +312,31 @@ def attention_with_kvcache(
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens if seqlens is None else seqlens,
         "block_table": block_table, "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx,
         "cache_leftpad": leftpad, "alibi_slopes": slopes, "rotary_cos": cos, "rotary_sin": sin,
+        "k_scale": k_scale if k_host is None else k_host, "v_scale": v_scale if v_host is None else v_host,
     }  # fmt: skip
     out, lse = gpu_attention_with_kvcache(
-        lib, device, arrays_by_name, (causal, scale, window, softcap), num_splits, rotary, return_lse
-    )
+        lib, device, arrays_by_name, (causal, scale, window, softcap), num_splits, rotary, return_lse,
+        kv_dtype=kv_dtype,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
 def gpu_attention_with_kvcache(
     lib: _interop.ArrayLib, device: int, arrays: dict[str, Any], options: tuple[bool, Any, tuple[int, int], float],
-    num_splits: int, rotary: bool | None, want_lse: bool, given: Any = _launch.NO_OUTPUTS,
+    num_splits: int, rotary: bool | None, want_lse: bool, given: Any = _launch.EMPTY, kv_dtype: str | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The kernels of a cache call on arrays the pipeline reads, by name (``_KV_NAMES``; the
     caches are appended in place): (out, lse), lse None unless wanted. ``given``: output buffers
-    to write, by name (``_launch.run``; XLA's under ``jax.jit``)."""
-    q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin = _kv_operands(arrays)
+    to write, by name (``_launch.run``; XLA's under ``jax.jit``). A float8 cache's scales are
+    arrays (operands) or host floats (checked, passed per call); ``kv_dtype`` names its format
+    for caches of bytes (CuPy's uint8)."""
+    q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale = (
+        _kv_operands(arrays)
+    )
+    scale_arrays = tuple(None if x is None or type(x) is float else x for x in (k_scale, v_scale))
+    fp8_key = None
+    if kv_dtype is not None or k_scale is not None or v_scale is not None:
+        fp8_key = (kv_dtype, *(None if x is None else (x.shape, x.dtype) for x in scale_arrays))
     # The signature, flat (a decode step builds it every call): what the plan depends on.
     key = (
         lib.name, device, *options, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype, v_cache.shape,
@@ -291,7 +345,7 @@ def gpu_attention_with_kvcache(
         None if v_new is None else v_new.shape, None if batch_idx is None else (batch_idx.shape, batch_idx.dtype),
         None if leftpad is None else (leftpad.shape, leftpad.dtype),
         None if slopes is None else (slopes.shape, slopes.dtype),
-        None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, rotary),
+        None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, rotary), fp8_key,
     )  # fmt: skip
     launch = _plans.lookup(key)
     if launch is None:
@@ -313,6 +367,7 @@ def gpu_attention_with_kvcache(
                 leftpad,
                 slopes,
                 (cos, sin, rotary),
+                (kv_dtype, scale_arrays[0], scale_arrays[1]),
             ),  # fmt: skip
         )
     return _launch.run(launch, lib, device, arrays, want_lse, given)
@@ -345,7 +400,7 @@ def _problem(
 def _plan_kvcache(
     lib: _interop.ArrayLib, device: int, q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any,
     v_new: Any, options: tuple[bool, Any, tuple[int, int], float], num_splits: int, batch_idx: Any, leftpad: Any,
-    slopes: Any, rotary: tuple[Any, Any, Any],
+    slopes: Any, rotary: tuple[Any, Any, Any], fp8_args: tuple[Any, Any, Any] = (None, None, None),
 ) -> _plan.Launch:  # fmt: skip
     # An int cache_seqlens is checked per call (the plan is shared by every int): plan with 0.
     p = _problem(
@@ -360,7 +415,49 @@ def _plan_kvcache(
     dtypes: dict[str, str | None] = {n: None if x is None else lib.dtype_name(x) for n, x in named.items()}
     if slopes is not None and lib.dtype_name(slopes) != "float32":
         raise TypeError(f"alibi_slopes must be float32, got {lib.dtype_name(slopes)}")
-    return _plan.plan_kvcache(p, dtypes, _plan.device_info(device), num_splits=check_num_splits(num_splits))
+    fp8 = _gpu_fp8(lib, dtypes, p.attn.heads_kv, *fp8_args)
+    return _plan.plan_kvcache(p, dtypes, _plan.device_info(device), num_splits=check_num_splits(num_splits), fp8=fp8)
+
+
+def _dtype_name(x: Any) -> str:
+    return str(getattr(x.dtype, "name", x.dtype)).removeprefix("torch.")
+
+
+def _refuse_fp8_queries(named: dict[str, str | None]) -> None:
+    for name, dtype in named.items():
+        if dtype is not None and dtype.startswith("float8"):
+            raise TypeError(f"{name} is {dtype}: only the KV cache may be float8 (queries and new tokens stay 16-bit)")
+
+
+def _gpu_fp8(
+    lib: _interop.ArrayLib, dtypes: dict[str, str | None], heads_kv: int, kv_dtype: Any, k_scale: Any, v_scale: Any
+) -> _fp8.Fp8Cache | None:
+    """The float8 cache of a GPU call (None for caches of q's type), its scales' forms checked."""
+    _refuse_fp8_queries({n: dtypes.get(n) for n in ("q", "k_new", "v_new")})
+    k_dtype, v_dtype = dtypes["k_cache"] or "", dtypes["v_cache"] or ""
+    fmt = _fp8.cache_format(k_dtype, v_dtype, kv_dtype)
+    if fmt is None:
+        _fp8.refuse_scales_without_fp8(k_scale, v_scale, k_dtype)
+        return None
+    forms = [
+        "host" if x is None else _fp8.scale_form(name, tuple(x.shape), lib.dtype_name(x), heads_kv)
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale))
+    ]
+    return _fp8.Fp8Cache(fmt, *forms)
+
+
+def _host_fp8(
+    q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any, kv_dtype: Any, k_scale: Any, v_scale: Any
+) -> tuple[str, Any, Any] | None:
+    """(format, k_scale, v_scale) of float8 host caches, or None for caches of q's type."""
+    names = {"q": q, "k_new": k_new, "v_new": v_new}
+    _refuse_fp8_queries({n: None if x is None else _dtype_name(x) for n, x in names.items()})
+    k_dtype, v_dtype = _dtype_name(k_cache), _dtype_name(v_cache)
+    fmt = _fp8.cache_format(k_dtype, v_dtype, kv_dtype)
+    if fmt is None:
+        _fp8.refuse_scales_without_fp8(k_scale, v_scale, k_dtype)
+        return None
+    return fmt, k_scale, v_scale
 
 
 def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:

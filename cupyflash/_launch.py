@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _interop, _kernels, _tma, _workspace
 from ._interop import ArrayLib
-from ._plan import CONTIGUOUS, LENGTHS, SCALAR, TILE, KernelStep, Launch, Operand, TmaMaps
+from ._plan import CONTIGUOUS, FP8_TILE, LENGTHS, SCALAR, TILE, KernelStep, Launch, Operand, TmaMaps
 from ._validate import check_int_seqlens
 
 # The empty mapping: ``given`` of a call that lets the plan allocate every output, and the
@@ -33,6 +33,8 @@ def _readable(kind: str, ptr: int, shape: tuple[int, ...], strides: tuple[int, .
     so a repeated call checks only the pointer's alignment.)"""
     if kind == TILE:
         return _interop.kernel_readable(ptr, shape, strides)
+    if kind == FP8_TILE:  # bytes: 16-byte chunks are 16 elements
+        return ptr % 16 == 0 and _interop.tile_layout_readable(shape, strides, chunk=16)
     if kind == CONTIGUOUS:
         return _is_contiguous(shape, strides)
     return not shape or shape[-1] <= 1 or strides[-1] == 1  # INDEX, LENGTHS: unit stride on the last axis
@@ -236,7 +238,7 @@ def _first_meeting(launch: Launch, device: int) -> list[Any]:
 
 def _readable_copy(lib: ArrayLib, op: Operand, x: Any) -> tuple[Any, int, tuple[int, ...]]:
     if op.in_place:
-        aligned = " and 16-byte aligned strides and base pointer" if op.kind is TILE else ""
+        aligned = " and 16-byte aligned strides and base pointer" if op.kind in (TILE, FP8_TILE) else ""
         raise ValueError(
             f"{op.name} must have a unit stride on head_dim{aligned} (it is written in place, so it cannot be copied)"
         )

@@ -155,6 +155,13 @@ DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("rotary_half", "i4"),
     ("rotary_interleaved", "i4"),
     ("rotary_q_per_token", "i4"),
+    ("k_scale_ptr", "u8"),
+    ("v_scale_ptr", "u8"),
+    ("k_scale", "f4"),
+    ("v_scale", "f4"),
+    ("k_scale_head_stride", "i4"),
+    ("v_scale_head_stride", "i4"),
+    ("kv_fp8", "i4"),
 )
 
 MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (

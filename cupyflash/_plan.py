@@ -19,10 +19,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import _dispatch, _interop
+from ._fp8 import Fp8Cache
 from ._params import PARAMS_STRUCTS, ParamsTemplate
 from ._specs import (
     CUDA_ELEMENT_TYPES,
     DECODE_MAX_QUERIES,
+    FP8_DECODE_HEAD_DIMS,
+    FP8_KV_FORMATS,
     HOPPER_ARCH,
     MAX_HEAD_DIM,
     BwdRowSpec,
@@ -75,6 +78,7 @@ def device_info(index: int) -> DeviceInfo:
 # ---------------------------------------------------------------------------------------------
 TILE = "tile"  # a 16-bit tensor the kernels read in 16-byte chunks (unit stride on head_dim)
 ROWS = "rows"  # one read element by element (a head dim not a multiple of 8: unit stride on it)
+FP8_TILE = "fp8_tile"  # a float8 cache (bytes) the kernels read in 16-byte chunks (unit stride on head_dim)
 INDEX = "index"  # an int32 array read element by element (unit stride on its last axis)
 CONTIGUOUS = "contiguous"  # read as one C-contiguous block (merge_states' parts)
 LENGTHS = "lengths"  # cache_seqlens: an int32 array, or one int for every sequence
@@ -186,7 +190,9 @@ class Launch:
         n = len(self.operands)
         object.__setattr__(self, "operand_index", {op.name: i for i, op in enumerate(self.operands)})
         object.__setattr__(self, "layouts", [((None,) * n, (None,) * n, self.params.values)])
-        bindings = tuple((i, op.name, op.ptr_slot, 15 if op.kind == TILE else 0) for i, op in enumerate(self.operands))
+        bindings = tuple(
+            (i, op.name, op.ptr_slot, 15 if op.kind in (TILE, FP8_TILE) else 0) for i, op in enumerate(self.operands)
+        )
         object.__setattr__(self, "bindings", bindings)
         object.__setattr__(self, "plain", tuple(not op.negate and op.offset_of is None for op in self.operands))
         needs_bound = any(op.offset_of is not None for op in self.operands) or any(
@@ -712,6 +718,7 @@ def plan_kvcache(
     num_splits: int,
     layout: str = "bshd",
     dense: bool = False,
+    fp8: Fp8Cache | None = None,
 ) -> Launch:
     """At most two launches: append k_new / v_new into the cache, then the attention: the split-KV
     kernel for up to DECODE_MAX_QUERIES query tokens (its last split of each row to finish merges
@@ -719,9 +726,12 @@ def plan_kvcache(
 
     ``dense``: ``attention`` of a few query tokens over k and v (operands "q", "k", "v" in
     ``layout``, every sequence ``attn.seqlen_k`` keys long) on the split-KV kernel.
+    ``fp8``: float8 caches (dequantised by the split-KV kernel, k_new / v_new quantised by the
+    append; operands "k_scale" / "v_scale": a per-call host float, or a float32 device array).
     """
     a = kp.attn
-    dtype = check_gpu_dtypes({n: d for n, d in dtypes.items() if d is not None and n not in _INDEX_NAMES})
+    skip = _INDEX_NAMES if fp8 is None else (*_INDEX_NAMES, "k_cache", "v_cache", "k_scale", "v_scale")
+    dtype = check_gpu_dtypes({n: d for n, d in dtypes.items() if d is not None and n not in skip})
     check_int32({n: dtypes.get(n) for n in _INDEX_NAMES})
     check_head_dim(a.head_dim, "the decode kernels")
     if kp.capacity >= 2**31 - 64:
@@ -729,6 +739,8 @@ def plan_kvcache(
     over_cache = not dense and (a.seqlen_q > DECODE_MAX_QUERIES or a.alibi != ALIBI_NONE)
     if dense and a.seqlen_q > DECODE_MAX_QUERIES:
         raise ValueError(f"the split-KV kernel takes 1 to {DECODE_MAX_QUERIES} query tokens, got {a.seqlen_q}")
+    if fp8 is not None:
+        _check_fp8_call(kp, over_cache)
     check_grid(a.batch, a.heads_q if over_cache else a.heads_kv)
     scale_log2, prescale, negate_q = softmax_factors(a)
     has_work = a.batch > 0 and a.seqlen_q > 0 and a.heads_q > 0
@@ -741,7 +753,9 @@ def plan_kvcache(
     else:
         group = a.heads_q // a.heads_kv
         rows = group * a.seqlen_q
-        spec = _dispatch.decode_spec(dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0)
+        spec = _dispatch.decode_spec(
+            dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0, fp8=fp8 is not None
+        )
         m_blocks = -(-rows // spec.tile.block_m)
         key_blocks = -(-kp.capacity // spec.tile.block_n)
         ctas = a.batch * a.heads_kv * m_blocks
@@ -767,6 +781,10 @@ def plan_kvcache(
         seqlen_new=kp.seqlen_new, page_size_log2=kp.page_size_log2, num_pages=kp.num_pages,
         cache_capacity=kp.capacity, num_splits=splits, blocks_per_split=per_split,
         cache_batch=a.batch if kp.paged else kp.num_pages,
+        **({} if fp8 is None else {
+            "kv_fp8": FP8_KV_FORMATS[fp8.format], "k_scale": 1.0, "v_scale": 1.0,
+            "k_scale_head_stride": int(fp8.k_scale == "head"), "v_scale_head_stride": int(fp8.v_scale == "head"),
+        }),
         **({} if not kp.rotary_half else {
             **rotated_q, "rotary_half": kp.rotary_half, "rotary_interleaved": int(kp.rotary_interleaved),
             "rotary_q_per_token": int(kp.rotary_q_per_token),
@@ -787,7 +805,8 @@ def plan_kvcache(
         operands += [tile_operand(params, "k", axes, kind=kind), tile_operand(params, "v", axes, kind=kind)]
     else:
         operands += [
-            *_cache_operands(params, kp, kind),
+            *_cache_operands(params, kp, kind if fp8 is None else FP8_TILE),
+            *([] if fp8 is None else _scale_operands(params, fp8)),
             Operand(
                 "cache_seqlens",
                 LENGTHS,
@@ -808,7 +827,7 @@ def plan_kvcache(
             tile_operand(params, "v_new", LAYOUT_AXES["bshd"], field_prefix="v_new", kind=kind),
         ]
         if a.batch and a.heads_kv:
-            append = DecodeAppendSpec(dtype, d)
+            append = DecodeAppendSpec(dtype, d, fp8=fp8 is not None)
             steps.append(KernelStep(append, (kp.seqlen_new, a.heads_kv, a.batch), (append.num_threads, 1, 1), 0))
     scratch = None
     if has_work:
@@ -831,6 +850,33 @@ def plan_kvcache(
         outputs = tuple(_filled(o) for o in outputs)
     error_slot = -1 if dense else params.slot("error_flags")
     return Launch(params, tuple(operands), outputs, tuple(steps), temporaries, scratch=scratch, error_slot=error_slot)
+
+
+def _check_fp8_call(kp: KvCacheProblem, over_cache: bool) -> None:
+    """A float8 cache runs on the split-KV decode kernel only (the FA2 kernel over a cache reads
+    16-bit tiles), at head dims FP8_DECODE_HEAD_DIMS."""
+    a = kp.attn
+    if over_cache:
+        why = "ALiBi (which runs on the FA2 kernel)" if a.alibi != ALIBI_NONE else f"{a.seqlen_q} query tokens"
+        raise ValueError(
+            f"a float8 KV cache runs on the split-KV decode kernel: 1 to {DECODE_MAX_QUERIES} query tokens and no "
+            f"ALiBi; this call has {why} (dequantise the cache, or split the queries into chunks of "
+            f"{DECODE_MAX_QUERIES})"
+        )
+    if a.head_dim not in FP8_DECODE_HEAD_DIMS:
+        raise ValueError(f"a float8 KV cache on the GPU takes head_dim {FP8_DECODE_HEAD_DIMS}, got {a.head_dim}")
+
+
+def _scale_operands(params: ParamsTemplate, fp8: Fp8Cache) -> list[Operand]:
+    """k_scale and v_scale: a host float into its field per call (the template holds 1.0 for a
+    call that gives none), or a float32 device array (one value, or one per KV head) by pointer."""
+    operands = []
+    for name, form in (("k_scale", fp8.k_scale), ("v_scale", fp8.v_scale)):
+        if form == "host":
+            operands.append(Operand(name, SCALAR, params.slot(name)))
+        else:
+            operands.append(Operand(name, CONTIGUOUS, params.slot(f"{name}_ptr")))
+    return operands
 
 
 def _cache_operands(params: ParamsTemplate, kp: KvCacheProblem, kind: str) -> list[Operand]:

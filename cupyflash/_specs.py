@@ -495,6 +495,11 @@ class NaiveSoftmaxSpec(_KernelSpecBase):
 
 #: Head dimensions with a compiled decode variant.
 DECODE_HEAD_DIMS = (64, 128, 256)
+#: Head dimensions of the decode kernel over a float8 KV cache (whole tiles only: its bytes move
+#: in 16-byte chunks of 16 elements, and the widened tile is a 16-bit one of the same width).
+FP8_DECODE_HEAD_DIMS = (64, 128)
+#: Float8 cache formats -> DecodeParams::kv_fp8 (kernels_cu/fp8.cuh).
+FP8_KV_FORMATS = {"e4m3": 1, "e5m2": 2}
 #: Query tokens per sequence the decode kernel takes (one, or a few for speculative decoding).
 DECODE_MAX_QUERIES = 16
 #: Element types of merge_states on the GPU (the split-KV partials are float32).
@@ -534,6 +539,7 @@ class DecodeSpec(_KernelSpecBase):
     valid_dim: int = 0  # the caller's head dim, when below the tile width head_dim
     local: bool = False  # a window's left bound
     softcap: bool = False
+    fp8: bool = False  # a float8 cache (the format, e4m3 or e5m2, is a run-time field)
 
     kernel = "decode_partial"
     source_file = "decode.cu"
@@ -548,6 +554,10 @@ class DecodeSpec(_KernelSpecBase):
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         _check_columns(self.head_dim, self.valid_dim, DECODE_HEAD_DIMS)
+        if self.fp8 and (self.valid_dim or self.head_dim not in FP8_DECODE_HEAD_DIMS):
+            raise ValueError(
+                f"a float8 cache takes head_dim {FP8_DECODE_HEAD_DIMS}, not {self.valid_dim or self.head_dim}"
+            )
 
     def _name_parts(self) -> tuple[object, ...]:
         t = self.tile
@@ -563,7 +573,7 @@ class DecodeSpec(_KernelSpecBase):
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
         t = self.tile
         return (("qreg", t.q_in_regs), (f"b{t.min_blocks}", t.min_blocks > 1),
-                *_mask_flags(self.causal, self.local, self.softcap))  # fmt: skip
+                *_mask_flags(self.causal, self.local, self.softcap), ("fp8", self.fp8))  # fmt: skip
 
     @property
     def num_threads(self) -> int:
@@ -572,7 +582,10 @@ class DecodeSpec(_KernelSpecBase):
     @property
     def smem_bytes(self) -> int:
         t, d = self.tile, self.head_dim
-        ring = t.num_warps * 2 * t.stages * t.warp_keys * d * 2
+        # per warp: the ring of cached [K, V] slices; a float8 cache's is bytes, then the widened 16-bit [K, V]
+        ring = t.num_warps * (
+            2 * t.stages * t.warp_keys * d * (1 if self.fp8 else 2) + (4 * t.warp_keys * d if self.fp8 else 0)
+        )
         merge = t.num_warps * t.block_m * (d + 8 + 1) * 4  # the warps' fp32 partials, padded rows
         return t.block_m * d * 2 + max(ring, merge)
 
@@ -580,7 +593,8 @@ class DecodeSpec(_KernelSpecBase):
         t = self.tile
         return (
             self.head_dim, t.block_m, t.warp_keys, t.num_warps, t.stages, t.q_in_regs,
-            CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap, *_columns_arg(self.valid_dim),
+            CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap,
+            *((self.valid_dim, True) if self.fp8 else _columns_arg(self.valid_dim)),
         )  # fmt: skip
 
     @property
@@ -592,10 +606,11 @@ class DecodeSpec(_KernelSpecBase):
 class DecodeAppendSpec(_KernelSpecBase):
     """``decode_append``: k_new / v_new into the cache (contiguous or paged); ``head_dim`` is
     the caller's (rows of a multiple of 8 elements move in 16-byte chunks, others element by
-    element)."""
+    element); ``fp8``: quantised into a float8 cache (the format is a run-time field)."""
 
     dtype: str
     head_dim: int
+    fp8: bool = False
 
     kernel = "decode_append"
     source_file = "decode.cu"
@@ -613,12 +628,17 @@ class DecodeAppendSpec(_KernelSpecBase):
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         if not 1 <= self.head_dim <= MAX_HEAD_DIM:
             raise ValueError(f"head_dim {self.head_dim} is not in 1 .. {MAX_HEAD_DIM}")
+        if self.fp8 and (self.kernel != "decode_append" or self.head_dim % 8):
+            raise ValueError(f"{type(self).__name__}: a float8 cache is appended to in whole 8-element chunks")
 
     def _name_parts(self) -> tuple[object, ...]:
         return (_SHORT_DTYPE[self.dtype], f"d{self.head_dim}")
 
+    def _name_flags(self) -> tuple[tuple[str, bool], ...]:
+        return (("fp8", self.fp8),)
+
     def _traits_args(self) -> tuple[object, ...]:
-        return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype])
+        return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype], *((True,) if self.fp8 else ()))
 
 
 @dataclass(frozen=True, slots=True)

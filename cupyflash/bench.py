@@ -536,6 +536,110 @@ def run_cascade(batch: int, prefix: int, own: int, page_size: int) -> dict[str, 
     return row
 
 
+#: (B, L) of the float8-cache table (GQA 32/8, d = 128, B * L <= 4M tokens): the issue's target,
+#: the e4m3 cache >= 1.8x the bf16 cache's steady speed, is set at L >= 32k.
+FP8_DECODE_SHAPES = ((1, 32768), (1, 131072), (8, 32768), (8, 131072), (32, 32768), (32, 131072))
+#: Sequences of each shape compared with the float64 reference (the rest are timed only).
+FP8_REFERENCE_SEQUENCES = 2
+
+
+def fp8_caches(k: Any, v: Any) -> tuple[Any, Any, Any, Any]:
+    """e4m3 copies of 16-bit caches [B, L, Hkv, d] with one float32 scale per KV head (amax / 448),
+    quantised by attention_with_kvcache's rule (round to nearest even, saturated): k, v, k_scale, v_scale."""
+    import torch
+
+    out = []
+    for cache in (k, v):
+        scale = (cache.float().abs().amax(dim=(0, 1, 3)) / 448.0).clamp_min(1e-12)
+        quantised = (cache.float() / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        out.append((quantised, scale.contiguous()))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def fp8_reference_error(out: Any, q: Any, k: Any, v: Any, seqlens: Any, k_scale: Any = None, v_scale: Any = None,
+                        sequences: int = FP8_REFERENCE_SEQUENCES) -> float:  # fmt: skip
+    """||out - ref|| / ||ref|| over the first ``sequences`` sequences, ref the float64 attention
+    over the caches as they read (dequantised: float8 * scale, when scales are given)."""
+    import torch
+
+    hq, hkv = q.shape[2], k.shape[2]
+    num = den = 0.0
+    for b in range(min(sequences, q.shape[0])):
+        n = int(seqlens[b])
+        kb, vb = (c[b, :n].to(torch.float64) for c in (k, v))  # [n, Hkv, d]
+        if k_scale is not None:
+            kb = kb * k_scale.to(torch.float64)[:, None]
+            vb = vb * v_scale.to(torch.float64)[:, None]
+        qb = q[b].to(torch.float64).reshape(q.shape[1], hkv, hq // hkv, q.shape[3])  # [Nq, Hkv, g, d]
+        scores = torch.einsum("qhgd,nhd->qhgn", qb, kb) / q.shape[3] ** 0.5
+        ref = torch.einsum("qhgn,nhd->qhgd", scores.softmax(dim=-1), vb).reshape(q.shape[1], hq, q.shape[3])
+        num += float((out[b].to(torch.float64) - ref).square().sum())
+        den += float(ref.square().sum())
+    return (num / den) ** 0.5
+
+
+def run_fp8_decode(shape: DecodeShape, page_size: int = 0) -> dict[str, Any]:
+    """The bf16 cache against its e4m3 copy (per-KV-head scales) at one shape, contiguous or paged
+    (``page_size``), interleaved in one process: single-call and steady (DECODE_STEADY_CALLS
+    back-to-back calls a sample) microseconds, TB/s of the KV bytes each reads, the e4m3 cache's
+    steady speed over the bf16 cache's, and each one's error against the float64 reference of
+    the cache it reads (dequantised for e4m3)."""
+    import torch
+
+    import cupyflash
+
+    q, k, v, seqlens = decode_inputs(shape)
+    k8, v8, k_scale, v_scale = fp8_caches(k, v)
+    caches: dict[str, tuple[Any, ...]] = {"bf16": (k, v), "e4m3": (k8, v8)}
+    table = None
+    if page_size:
+        k_pages, v_pages, table = paged_caches(k, v, page_size)
+        # (paged as bytes: torch indexes float8 tensors in few ops; the same seed gives the same table)
+        byte_pages = paged_caches(k8.view(torch.uint8), v8.view(torch.uint8), page_size)
+        k8_pages, v8_pages = (x.view(torch.float8_e4m3fn) for x in byte_pages[:2])
+        caches = {"bf16": (k_pages, v_pages), "e4m3": (k8_pages, v8_pages)}
+    scales = {"bf16": {}, "e4m3": {"k_scale": k_scale, "v_scale": v_scale}}
+    calls: dict[str, Callable[[], Any]] = {
+        name: functools.partial(
+            cupyflash.attention_with_kvcache, q, *caches[name], cache_seqlens=seqlens, block_table=table,
+            **scales[name],
+        )
+        for name in caches
+    }  # fmt: skip
+    row: dict[str, Any] = {**asdict(shape), "page_size": page_size}
+    kv_bytes = {"bf16": shape.kv_bytes, "e4m3": shape.kv_bytes // 2}
+    for suffix, burst in (("", 1), ("_steady", DECODE_STEADY_CALLS)):
+        for name, ms in cuda_times_ms(calls, warmup_ms=100.0, repeat=20, calls=burst).items():
+            row[f"{name}{suffix}_us"] = round(ms * 1e3, 1)
+            row[f"{name}{suffix}_TBps"] = round(kv_bytes[name] / (ms * 1e-3) / 1e12, 2)
+    row["e4m3_speedup_steady"] = round(row["bf16_steady_us"] / row["e4m3_steady_us"], 3)
+    row["e4m3_speedup"] = round(row["bf16_us"] / row["e4m3_us"], 3)
+    row["bf16_error"] = fp8_reference_error(calls["bf16"](), q, k, v, seqlens)
+    row["e4m3_error"] = fp8_reference_error(calls["e4m3"](), q, k8, v8, seqlens, k_scale, v_scale)
+    del caches, calls
+    torch.cuda.empty_cache()
+    return row
+
+
+def format_fp8_decode_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (shape, layout): steady and single-call us and TB/s of the bf16 and e4m3
+    caches, the e4m3 cache's speed-up, and both errors against the float64 reference."""
+    header = (
+        f"{'B':>3} {'L':>7} {'page':>4} | {'bf16 us':>8} {'TB/s':>5} {'e4m3 us':>8} {'TB/s':>5} {'x':>5} | "
+        f"{'single bf16':>11} {'e4m3':>8} {'x':>5} | {'err bf16':>9} {'err e4m3':>9}"
+    )
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"{r['batch']:>3} {r['seqlen']:>7} {r['page_size']:>4} | {r['bf16_steady_us']:>8.1f} "
+            f"{r['bf16_steady_TBps']:>5.2f} {r['e4m3_steady_us']:>8.1f} {r['e4m3_steady_TBps']:>5.2f} "
+            f"{r['e4m3_speedup_steady']:>5.2f} | {r['bf16_us']:>11.1f} {r['e4m3_us']:>8.1f} "
+            f"{r['e4m3_speedup']:>5.2f} | "
+            f"{r['bf16_error']:>9.2e} {r['e4m3_error']:>9.2e}"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
 def decode_host_overhead_us(*, rounds: int = 5, calls: int = 1000) -> dict[str, float]:
     """Host time of one decode call at the smallest shape (B = 1, L = 4096), torch tensors: the
     whole call with the automatic split, and with one split (a single launch)."""

@@ -32,6 +32,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "fp8.cuh"      // the float8 cache: widening, quantisation
 #include "mask.cuh"     // KeyMask, PackedRowMask
 #include "kvcache.cuh"  // DecodeParams, CacheSpan, CacheRows: the cache view
 #include "params.cuh"
@@ -57,7 +58,7 @@ struct MergeParams {
 
 template <int kHeadDim_, int kBlockM_, int kWarpKeys_, int kNWarps_, int kStages_, bool Q_in_regs_,
           typename Element_, bool Is_causal_, bool Is_local_ = false, bool Has_softcap_ = false,
-          int kValidDim_ = 0>
+          int kValidDim_ = 0, bool Kv_fp8_ = false>
 struct DecodeTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -72,7 +73,13 @@ struct DecodeTraits {
   static constexpr bool Q_in_regs = Q_in_regs_;
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;  // a window's left bound
+  static constexpr bool Has_softcap = Has_softcap_;
   using Transform = ScoreTransform<Has_softcap_>;
+  // A float8 cache (the format, e4m3 or e5m2, is DecodeParams::kv_fp8): the ring holds the
+  // cached bytes, half a 16-bit slice's, and each step widens its slice into one 16-bit K/V tile
+  // of the warp that the MMAs read as they read a 16-bit cache's ring (fp8.cuh).
+  static constexpr bool Kv_fp8 = Kv_fp8_;
+  using CacheElement = typename CacheElementOf<Element, Kv_fp8>::type;
 
   static constexpr int kBlockN = kNWarps * kWarpKeys;  // keys of one CTA step (the split unit)
   static constexpr int kNThreads = kNWarps * 32;
@@ -85,7 +92,9 @@ struct DecodeTraits {
   static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
   static constexpr int kSmemQBytes = kBlockM * kHeadDim * kElemBytes;
   static constexpr int kTileBytes = kWarpKeys * kHeadDim * kElemBytes;  // one K (or V) slice
-  static constexpr int kWarpRingBytes = 2 * kStages * kTileBytes;
+  static constexpr int kStageBytes = kWarpKeys * kHeadDim * int(sizeof(CacheElement));  // as cached
+  // Per warp: [kStages][K, V][kWarpKeys][d] cached elements; with fp8, then the widened [K, V] tile.
+  static constexpr int kWarpRingBytes = 2 * kStages * kStageBytes + (Kv_fp8 ? 2 * kTileBytes : 0);
   // Epilogue: every warp's normalised O (fp32, rows padded by 8 floats: 2-way instead of 8-way
   // bank conflicts on the fragment stores) and LSE, in the ring once it has drained.
   static constexpr int kMergeRowFloats = kHeadDim + 8;
@@ -97,20 +106,39 @@ struct DecodeTraits {
   static_assert(kBlockM % 16 == 0 && kWarpKeys % 16 == 0, "whole MMA tiles");
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
   static_assert(32 % (kHeadDim / 8) == 0 || (kHeadDim / 8) % 32 == 0, "rows map onto lanes");
+  static_assert(!Kv_fp8 || (Columns::kFull && (kHeadDim == 64 || kHeadDim == 128)),
+                "a float8 cache takes whole tiles of d = 64 or 128");
 };
 
-// One warp copies keys [key0, key0 + kWarpKeys) of a cache into a swizzled [kWarpKeys][d] tile
-// (keys >= seqlen_k zero-filled). Lane l takes 16-byte chunk l % (d / 8) of rows l / (d / 8),
-// + 32 / (d / 8), ...: a warp instruction reads whole 128-byte lines. This loop is most of the
+// Shared-memory byte offset of 16-byte chunk `chunk` of row `row` of a warp's ring slice: the
+// swizzled tile of a 16-bit cache (the MMAs read it); the plain row-major bytes of a float8
+// cache, which widen_slice reads back in the same order (32 lanes, 512 contiguous bytes: no bank
+// conflict) to write the swizzled 16-bit tile.
+template <typename Traits>
+CF_DEVICE uint32_t slice_chunk_offset(int row, int chunk) {
+  if constexpr (Traits::Kv_fp8) {
+    return (row * (Traits::kHeadDim / 16) + chunk) * 16;
+  } else {
+    return Traits::Tile::offset(row, chunk) * Traits::kElemBytes;
+  }
+}
+
+// One warp copies keys [key0, key0 + kWarpKeys) of a cache into its ring slice at s_tile (keys
+// >= seqlen_k zero-filled), 16-byte chunks (8 elements of a 16-bit cache, 16 of a float8 one):
+// lane l takes chunk l % kChunksPerRow of rows l / kChunksPerRow, + 32 / kChunksPerRow, ...: a
+// warp instruction reads whole 128-byte lines. This loop is most of the
 // kernel's instructions, so the rows of a slice that lie in one page (every contiguous cache,
 // and pages of >= kWarpKeys tokens: key0 is a multiple of kWarpKeys) take one address and a
 // fixed stride: a generic per-row address took ~65 SASS instructions per copy, 80% of the loop,
 // and held a warp to ~3 GB/s on the H200. Smaller pages take each row's page from the slice's
 // table entries, read once (below).
 template <typename Traits>
-CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits::Element>& cache,
-                                int key0, int seqlen_k, int lane, int* bad_page) {
-  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+CF_DEVICE void load_slice_async(uint32_t s_tile,
+                                const CacheRows<typename Traits::CacheElement>& cache, int key0,
+                                int seqlen_k, int lane, int* bad_page) {
+  using CacheElement = typename Traits::CacheElement;
+  constexpr int kChunkElements = 16 / static_cast<int>(sizeof(CacheElement));
+  constexpr int kChunksPerRow = Traits::kHeadDim / kChunkElements;
   static_assert(kChunksPerRow <= 32 && 32 % kChunksPerRow == 0,
                 "a row is at most one warp's chunks");
   constexpr int kRowsPerIter = 32 / kChunksPerRow;
@@ -118,7 +146,9 @@ CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits
   using Columns = typename Traits::Columns;
   const int chunk = lane % kChunksPerRow;
   const int row0 = lane / kChunksPerRow;
-  if constexpr (!Columns::kWholeChunks) {
+  // (A float8 slice is a whole tile: Columns::holds is in 8-element chunks of 16-bit rows.)
+  const bool chunk_valid = Traits::Kv_fp8 || Columns::holds(chunk);
+  if constexpr (!Traits::Kv_fp8 && !Columns::kWholeChunks) {
     // 2-byte aligned rows (see TileColumns): element by element, each row looked up.
 #pragma unroll 2
     for (int it = 0; it < kIters; ++it) {
@@ -126,18 +156,17 @@ CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits
       const uint4 v = key0 + row < seqlen_k
                           ? ld_global_chunk<Columns>(cache.row(key0 + row, bad_page), chunk)
                           : make_uint4(0u, 0u, 0u, 0u);
-      st_shared_b128(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes, v);
+      st_shared_b128(s_tile + slice_chunk_offset<Traits>(row, chunk), v);
     }
   } else if (cache.pages == nullptr || (1 << cache.page_size_log2) >= Traits::kWarpKeys) {
-    const typename Traits::Element* src =
-        cache.row(key0, bad_page) + row0 * cache.row_stride + chunk * 8;
+    const CacheElement* src =
+        cache.row(key0, bad_page) + row0 * cache.row_stride + chunk * kChunkElements;
     const int64_t step = kRowsPerIter * cache.row_stride;
 #pragma unroll
     for (int it = 0; it < kIters; ++it, src += step) {
       const int row = row0 + it * kRowsPerIter;
-      const bool valid = Columns::holds(chunk) && key0 + row < seqlen_k;
-      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes,
-                  valid ? src : cache.base, valid);
+      const bool valid = chunk_valid && key0 + row < seqlen_k;
+      cp_async_16(s_tile + slice_chunk_offset<Traits>(row, chunk), valid ? src : cache.base, valid);
     }
   } else {
     // Pages smaller than a slice. Lane l looks up the page of key key0 + l once (one coalesced
@@ -157,13 +186,43 @@ CF_DEVICE void load_slice_async(uint32_t s_tile, const CacheRows<typename Traits
     for (int it = 0; it < kIters; ++it) {
       const int row = row0 + it * kRowsPerIter;
       const int page = __shfl_sync(0xffffffffu, my_page, row);
-      const bool valid = Columns::holds(chunk) && key0 + row < seqlen_k;
-      const typename Traits::Element* src = cache.base + page * cache.page_stride +
-                                            ((key0 + row) & slot_mask) * cache.row_stride +
-                                            chunk * 8;
-      cp_async_16(s_tile + Traits::Tile::offset(row, chunk) * Traits::kElemBytes,
-                  valid ? src : cache.base, valid);
+      const bool valid = chunk_valid && key0 + row < seqlen_k;
+      const CacheElement* src = cache.base + page * cache.page_stride +
+                                ((key0 + row) & slot_mask) * cache.row_stride +
+                                chunk * kChunkElements;
+      cp_async_16(s_tile + slice_chunk_offset<Traits>(row, chunk), valid ? src : cache.base, valid);
     }
+  }
+}
+
+// A float8 cache: the warp widens its landed [K, V] slice (2 kWarpKeys rows of d bytes at
+// s_bytes) into the swizzled 16-bit [K, V] tile at s_tile, exactly (fp8.cuh). Lane l takes byte
+// chunks l, l + 32, ... (16 elements each) and writes 16-bit chunks 2c and 2c + 1 of the row; the
+// lanes whose c has bit 2 set write 2c + 1 first, so the eight lanes of each store phase hit
+// eight different 16-byte bank groups (d = 128: 2c alone gives 0, 2, 4, 6 twice). Zero-filled
+// rows (keys past the sequence) widen to zeros. Per 16 keys and d = 128 that is 4 + 4 shared
+// loads, 8 + 8 shared stores and 64 conversions per lane, beside the 32 MMAs of the step.
+// Unrolled 2 of 4 (d = 64) or 8 (d = 128) passes: fully unrolled, ptxas kept every pass's words
+// live and the d = 64, 16-row tile took 154 registers instead of 128 (1 CTA per SM, not 2;
+// NVRTC 13.0.88, sm_90a); unrolled 2 it keeps the 16-bit cache's counts within 2-13.
+template <typename Traits, __nv_fp8_interpretation_t kFormat>
+CF_DEVICE void widen_slice(uint32_t s_tile, uint32_t s_bytes, int lane) {
+  constexpr int kByteChunksPerRow = Traits::kHeadDim / 16;
+  constexpr int kChunks = 2 * Traits::kWarpKeys * kByteChunksPerRow;
+  static_assert(kChunks % 32 == 0, "whole warp passes");
+#pragma unroll 2
+  for (int i = 0; i < kChunks / 32; ++i) {
+    const int idx = i * 32 + lane;
+    const int row = idx / kByteChunksPerRow;
+    const int c = idx % kByteChunksPerRow;
+    const uint4 bytes = ld_shared_b128(s_bytes + idx * 16);
+    const uint4 lo = widen_fp8x8<typename Traits::Element, kFormat>(bytes.x, bytes.y);
+    const uint4 hi = widen_fp8x8<typename Traits::Element, kFormat>(bytes.z, bytes.w);
+    const bool swap = (c & 4) != 0;
+    const uint32_t first = s_tile + Traits::Tile::offset(row, 2 * c + (swap ? 1 : 0)) * 2;
+    const uint32_t second = s_tile + Traits::Tile::offset(row, 2 * c + (swap ? 0 : 1)) * 2;
+    st_shared_b128(first, swap ? hi : lo);
+    st_shared_b128(second, swap ? lo : hi);
   }
 }
 
@@ -264,18 +323,21 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   load_rows_async<Traits, Traits::kBlockM, Traits::kNThreads>(s_q, q_rows, tid);
   cp_async_commit();
 
-  const CacheRows<Element> k_rows =
-      cache_rows<Element>(params, attn.k_ptr, attn.k_batch_stride, attn.k_row_stride,
-                          attn.k_head_stride, batch, head_k, span.entry, span.first_key);
-  const CacheRows<Element> v_rows =
-      cache_rows<Element>(params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride,
-                          attn.v_head_stride, batch, head_k, span.entry, span.first_key);
+  using CacheElement = typename Traits::CacheElement;
+  const CacheRows<CacheElement> k_rows =
+      cache_rows<CacheElement>(params, attn.k_ptr, attn.k_batch_stride, attn.k_row_stride,
+                               attn.k_head_stride, batch, head_k, span.entry, span.first_key);
+  const CacheRows<CacheElement> v_rows =
+      cache_rows<CacheElement>(params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride,
+                               attn.v_head_stride, batch, head_k, span.entry, span.first_key);
   const uint32_t s_warp_ring = s_ring + warp * Traits::kWarpRingBytes;
+  // fp8: the widened [K, V] tile after the ring (the MMAs' operands; the ring holds bytes)
+  const uint32_t s_warp_tile = s_warp_ring + 2 * kStages * Traits::kStageBytes;
   auto load_kv = [&](int n_block, int stage) {
     const int key0 = n_block * kBlockN + warp_key0;
-    const uint32_t s_k = s_warp_ring + stage * 2 * Traits::kTileBytes;
+    const uint32_t s_k = s_warp_ring + stage * 2 * Traits::kStageBytes;
     load_slice_async<Traits>(s_k, k_rows, key0, seqlen_k, lane, &s_bad_page[warp]);
-    load_slice_async<Traits>(s_k + Traits::kTileBytes, v_rows, key0, seqlen_k, lane,
+    load_slice_async<Traits>(s_k + Traits::kStageBytes, v_rows, key0, seqlen_k, lane,
                              &s_bad_page[warp]);
   };
 
@@ -304,7 +366,19 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   float acc_o[kMTiles][Traits::kDTiles][4];
   zero_fill(acc_o);
   OnlineSoftmax<kMTiles> softmax;
-  const float scale_log2 = attn.softmax_scale_log2;
+  float scale_log2 = attn.softmax_scale_log2;
+  // A float8 cache's scales, applied in fp32 (fp8.cuh): K's multiplies the scores -- folded into
+  // the softmax's multiplier (kept >= the host's 1e-30 floor, _plan.ZERO_SCALE_SURROGATE), or,
+  // with softcap, the raw scores before the cap -- and V's the normalised output.
+  // The scales wait in shared memory, read where they are used: held in registers across the
+  // loop, the d = 64, 64-row tile with softcap spilled 4 bytes (sm_90a, NVRTC 13.0.88).
+  __shared__ float2 s_kv_scale;
+  if constexpr (Traits::Kv_fp8) {
+    const float2 kv_scale = kv_scales(params, head_k);
+    if (tid == 0) s_kv_scale = kv_scale;
+    if constexpr (!Traits::Has_softcap) scale_log2 = fmaxf(scale_log2 * kv_scale.x, 1e-30f);
+    __syncthreads();  // (s_kv_scale)
+  }
   const PackedRowMask<Traits::Is_causal, Traits::Is_local> mask(
       row0, min(row0 + Traits::kBlockM, rows), group, seqlen_q, seqlen_k, attn.window_left,
       attn.window_right);
@@ -318,10 +392,29 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     if (n_block + kStages - 1 < w_end) load_kv(n_block + kStages - 1, (it + kStages - 1) % kStages);
     cp_async_commit();
 
-    const uint32_t s_k = s_warp_ring + (it % kStages) * 2 * Traits::kTileBytes;
+    uint32_t s_k = s_warp_ring + (it % kStages) * 2 * Traits::kStageBytes;
+    if constexpr (Traits::Kv_fp8) {
+      // (The warp's last reads of the tile, the previous step's P V, are behind the __syncwarp.)
+      if (params.kv_fp8 == kKvE5M2) {
+        widen_slice<Traits, __NV_E5M2>(s_warp_tile, s_k, lane);
+      } else {
+        widen_slice<Traits, __NV_E4M3>(s_warp_tile, s_k, lane);
+      }
+      __syncwarp();
+      s_k = s_warp_tile;
+    }
     const int key0 = n_block * kBlockN + warp_key0;
     float acc_s[kMTiles][Traits::kNTiles][4];
     gemm_qk<Traits>(acc_s, r_q, s_q, s_k, 0, lane);
+    if constexpr (Traits::Kv_fp8 && Traits::Has_softcap) {
+      const float k_scale = __uint_as_float(ld_shared_b32(smem_addr(&s_kv_scale.x)));
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < Traits::kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] *= k_scale;
+    }
     transform_scores(transform, acc_s, /*row0=*/0, key0, lane);  // packed rows: no query row yet
     if (mask.needs_mask(key0, key0 + kWarpKeys - 1)) mask.apply(acc_s, key0, lane);
 
@@ -335,6 +428,10 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   // Epilogue 1: each warp normalises its own partial (O_w, LSE_w) and parks it in shared memory.
   float inv_sum[2 * kMTiles], lse[2 * kMTiles];
   softmax.finalize(scale_log2, inv_sum, lse);
+  if constexpr (Traits::Kv_fp8) {
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) inv_sum[r] *= s_kv_scale.y;  // (the merge is linear in O)
+  }
   scale_rows(acc_o, inv_sum);
   cp_async_wait<0>();
   // Every warp is done with its ring (the merge buffer overlays it); and did any read a page
@@ -454,10 +551,14 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
 // length appends nothing; a bad block-table entry for the position writes nothing through it
 // (both reported in error_flags; the attention's rows of that sequence are NaN).
 // ---------------------------------------------------------------------------------------------
-template <int kHeadDim_, typename Element_>
+template <int kHeadDim_, typename Element_, bool Kv_fp8_ = false>
 struct AppendTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  // A float8 cache: each element quantised as it is written (quantise_fp8x2, fp8.cuh).
+  static constexpr bool Kv_fp8 = Kv_fp8_;
+  using CacheElement = typename CacheElementOf<Element, Kv_fp8>::type;
+  static_assert(!Kv_fp8 || kHeadDim % 8 == 0, "float8 rows are whole 8-byte chunks");
   static constexpr int kNThreads = 32;
   static constexpr int kSmemBytes = 0;
 };
@@ -467,8 +568,9 @@ struct AppendTraits {
 // i < R = rotary_half, with c, s = rotary_cos[pos, i], rotary_sin[pos, i]:
 //   y_a = x_a c - x_b s,   y_b = x_a s + x_b c   (fp32, one rounding); columns >= 2R copied.
 // One warp per row, element by element (a few rows per call: the loads are not the cost).
-template <typename Element>
-CF_DEVICE void rotate_row(Element* y, const Element* x, int head_dim, const DecodeParams& p,
+// store(j, value) writes y_j, rounded to q's type (a float8 cache quantises that value).
+template <typename Element, typename Store>
+CF_DEVICE void rotate_row(const Store& store, const Element* x, int head_dim, const DecodeParams& p,
                           int pos, int lane) {
   const int half = p.rotary_half;
   const auto* cos_row =
@@ -480,11 +582,29 @@ CF_DEVICE void rotate_row(Element* y, const Element* x, int head_dim, const Deco
     const int b = p.rotary_interleaved ? 2 * i + 1 : i + half;
     const float xa = to_float(x[a]), xb = to_float(x[b]);
     const float c = to_float(cos_row[i]), s = to_float(sin_row[i]);
-    y[a] = from_float<Element>(xa * c - xb * s);
-    y[b] = from_float<Element>(xa * s + xb * c);
+    store(a, from_float<Element>(xa * c - xb * s));
+    store(b, from_float<Element>(xa * s + xb * c));
   }
-  for (int j = 2 * half + lane; j < head_dim; j += 32) y[j] = x[j];
+  for (int j = 2 * half + lane; j < head_dim; j += 32) store(j, x[j]);
 }
+
+// rotate_row's store into a row of q's type.
+template <typename Element>
+struct StoreElements {
+  Element* y;
+  CF_DEVICE void operator()(int j, Element value) const { y[j] = value; }
+};
+
+// rotate_row's store into a float8 cache row: value / scale, rounded and saturated.
+template <typename Element>
+struct StoreFp8 {
+  unsigned char* y;
+  float scale;
+  int32_t format;
+  CF_DEVICE void operator()(int j, Element value) const {
+    y[j] = quantise_fp8(to_float(value), scale, format);
+  }
+};
 
 // q rotated into the contiguous temporary attn.q_ptr [B, Nq, Hq, d] the attention reads: grid
 // (Nq, Hq, B), one warp per row. A sequence with a bad span (decode_span) is rotated at
@@ -502,40 +622,17 @@ CF_DEVICE void decode_rotary_q(const DecodeParams& p) {
                     token * p.q_src_row_stride + head * p.q_src_head_stride;
   auto* dst = const_cast<Element*>(static_cast<const Element*>(a.q_ptr)) +
               batch * a.q_batch_stride + token * a.q_row_stride + head * a.q_head_stride;
-  rotate_row(dst, src, Traits::kHeadDim, p, pos, threadIdx.x);
+  rotate_row(StoreElements<Element>{dst}, src, Traits::kHeadDim, p, pos, threadIdx.x);
 }
 
+// A k_new / v_new row into a cache of q's type, as it is (k_new rotated first).
 template <typename Traits>
-CF_DEVICE void decode_append(const DecodeParams& p) {
+CF_DEVICE void append_row(typename Traits::Element* k_dst, typename Traits::Element* v_dst,
+                          const typename Traits::Element* k_src,
+                          const typename Traits::Element* v_src, const DecodeParams& p, int pos) {
   using Element = typename Traits::Element;
-  const int token = blockIdx.x;
-  const int head_k = blockIdx.y;
-  const int batch = blockIdx.z;
-  const bool reporter = threadIdx.x == 0 && head_k == 0;  // one report per (token, sequence)
-  int bad_page = 0;
-  const CacheSpan span = decode_span(p, batch);
-  const int pos = span.cached + token;  // of the entry (the first key does not move it)
-  if (span.bad() || pos >= p.cache_capacity) {
-    if (reporter && token == 0) report_error(p, span.bad() ? span.error_bits() : kBadSeqlen);
-    return;
-  }
-  const AttnParams& a = p.attn;
-  const CacheRows<Element> k_rows = cache_rows<Element>(
-      p, a.k_ptr, a.k_batch_stride, a.k_row_stride, a.k_head_stride, batch, head_k, span.entry, 0);
-  const CacheRows<Element> v_rows = cache_rows<Element>(
-      p, a.v_ptr, a.v_batch_stride, a.v_row_stride, a.v_head_stride, batch, head_k, span.entry, 0);
-  const auto* k_src = static_cast<const Element*>(p.k_new_ptr) + batch * p.k_new_batch_stride +
-                      token * p.k_new_row_stride + head_k * p.k_new_head_stride;
-  const auto* v_src = static_cast<const Element*>(p.v_new_ptr) + batch * p.v_new_batch_stride +
-                      token * p.v_new_row_stride + head_k * p.v_new_head_stride;
-  Element* k_dst = k_rows.row(pos, &bad_page);
-  Element* v_dst = v_rows.row(pos, &bad_page);
-  if (bad_page) {
-    if (reporter) report_error(p, kBadPage);
-    return;
-  }
   if (p.rotary_half > 0) {  // k_new rotated at its position as it is written; v_new as it is
-    rotate_row(k_dst, k_src, Traits::kHeadDim, p, pos, threadIdx.x);
+    rotate_row(StoreElements<Element>{k_dst}, k_src, Traits::kHeadDim, p, pos, threadIdx.x);
     for (int i = threadIdx.x; i < Traits::kHeadDim; i += Traits::kNThreads) v_dst[i] = v_src[i];
     return;
   }
@@ -550,5 +647,74 @@ CF_DEVICE void decode_append(const DecodeParams& p) {
       reinterpret_cast<Bits*>(k_dst)[i] = reinterpret_cast<const Bits*>(k_src)[i];
       reinterpret_cast<Bits*>(v_dst)[i] = reinterpret_cast<const Bits*>(v_src)[i];
     }
+  }
+}
+
+// A k_new / v_new row into a float8 cache, quantised with its KV head's scales (k_new rotated
+// first, rounded to q's type, as a 16-bit cache would hold it): 8 elements per lane and step, one
+// 8-byte store.
+template <typename Traits>
+CF_DEVICE void append_fp8_row(unsigned char* k_dst, unsigned char* v_dst,
+                              const typename Traits::Element* k_src,
+                              const typename Traits::Element* v_src, const DecodeParams& p,
+                              int head_k, int pos) {
+  using Element = typename Traits::Element;
+  const float2 scale = kv_scales(p, head_k);
+  const int format = p.kv_fp8;
+  const bool rotate = p.rotary_half > 0;
+  if (rotate)
+    rotate_row(StoreFp8<Element>{k_dst, scale.x, format}, k_src, Traits::kHeadDim, p, pos,
+               threadIdx.x);
+  for (int chunk = threadIdx.x; chunk < Traits::kHeadDim / 8; chunk += Traits::kNThreads) {
+    for (int kv = rotate ? 1 : 0; kv < 2; ++kv) {
+      const uint4 x = reinterpret_cast<const uint4*>(kv == 0 ? k_src : v_src)[chunk];
+      const float s = kv == 0 ? scale.x : scale.y;
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+      uint32_t q[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const Element* pair = reinterpret_cast<const Element*>(&w[i]);
+        q[i] = quantise_fp8x2(to_float(pair[0]), to_float(pair[1]), s, format);
+      }
+      reinterpret_cast<uint2*>(kv == 0 ? k_dst : v_dst)[chunk] =
+          make_uint2(q[0] | (q[1] << 16), q[2] | (q[3] << 16));
+    }
+  }
+}
+
+template <typename Traits>
+CF_DEVICE void decode_append(const DecodeParams& p) {
+  using Element = typename Traits::Element;
+  using CacheElement = typename Traits::CacheElement;
+  const int token = blockIdx.x;
+  const int head_k = blockIdx.y;
+  const int batch = blockIdx.z;
+  const bool reporter = threadIdx.x == 0 && head_k == 0;  // one report per (token, sequence)
+  int bad_page = 0;
+  const CacheSpan span = decode_span(p, batch);
+  const int pos = span.cached + token;  // of the entry (the first key does not move it)
+  if (span.bad() || pos >= p.cache_capacity) {
+    if (reporter && token == 0) report_error(p, span.bad() ? span.error_bits() : kBadSeqlen);
+    return;
+  }
+  const AttnParams& a = p.attn;
+  const CacheRows<CacheElement> k_rows = cache_rows<CacheElement>(
+      p, a.k_ptr, a.k_batch_stride, a.k_row_stride, a.k_head_stride, batch, head_k, span.entry, 0);
+  const CacheRows<CacheElement> v_rows = cache_rows<CacheElement>(
+      p, a.v_ptr, a.v_batch_stride, a.v_row_stride, a.v_head_stride, batch, head_k, span.entry, 0);
+  const auto* k_src = static_cast<const Element*>(p.k_new_ptr) + batch * p.k_new_batch_stride +
+                      token * p.k_new_row_stride + head_k * p.k_new_head_stride;
+  const auto* v_src = static_cast<const Element*>(p.v_new_ptr) + batch * p.v_new_batch_stride +
+                      token * p.v_new_row_stride + head_k * p.v_new_head_stride;
+  CacheElement* k_dst = k_rows.row(pos, &bad_page);
+  CacheElement* v_dst = v_rows.row(pos, &bad_page);
+  if (bad_page) {
+    if (reporter) report_error(p, kBadPage);
+    return;
+  }
+  if constexpr (Traits::Kv_fp8) {
+    append_fp8_row<Traits>(k_dst, v_dst, k_src, v_src, p, head_k, pos);
+  } else {
+    append_row<Traits>(k_dst, v_dst, k_src, v_src, p, pos);
   }
 }

@@ -51,7 +51,23 @@ struct DecodeParams {
   int32_t rotary_half;         // rotary_dim / 2; 0: no rotary embedding
   int32_t rotary_interleaved;  // pairs (2i, 2i + 1); else (i, i + rotary_half), GPT-NeoX's
   int32_t rotary_q_per_token;
+  // A float8 cache (kv_fp8 = kKvE4M3 or kKvE5M2, fp8.cuh; kKvSameAsQ: the cache is in q's type):
+  // k_ptr / v_ptr hold bytes, their strides in bytes, and byte b of KV head h stands for
+  // fp8(b) * scale_h, scale_h = k_scale_ptr[h * k_scale_head_stride] (a device array, read as
+  // given), or k_scale where k_scale_ptr is nullptr (a host value); V alike.
+  const float* k_scale_ptr;  // [1] or [Hkv], or nullptr
+  const float* v_scale_ptr;
+  float k_scale, v_scale;
+  int32_t k_scale_head_stride, v_scale_head_stride;  // 0 (one scale per tensor) or 1 (per KV head)
+  int32_t kv_fp8;
 };
+
+// The (K, V) scales of KV head head_k of a float8 cache.
+CF_DEVICE float2 kv_scales(const DecodeParams& p, int head_k) {
+  return make_float2(
+      p.k_scale_ptr != nullptr ? p.k_scale_ptr[head_k * p.k_scale_head_stride] : p.k_scale,
+      p.v_scale_ptr != nullptr ? p.v_scale_ptr[head_k * p.v_scale_head_stride] : p.v_scale);
+}
 
 // Bits of DecodeParams::error_flags: a block-table entry, a length (cache_seqlens, or a
 // cache_leftpad past it), a cache_batch_idx entry out of range.

@@ -41,6 +41,10 @@ def head_dim_sample() -> list[KernelSpec]:
         for tile in tiles:
             for local, softcap in ((True, False), (False, True)):
                 specs.append(_dispatch.decode_spec("bfloat16", width, tile.block_m, True, local, softcap))
+    # A float8 cache's window and softcap (compiled on first use): every tile, both on at once.
+    for width in _dispatch.FP8_DECODE_HEAD_DIMS:
+        for tile in _dispatch.DECODE_TILES[width]:
+            specs.append(_dispatch.decode_spec("float16", width, tile.block_m, True, True, True, fp8=True))
     # attn_mask's backward variants (compiled on first use, not by warmup): a sample of each kind
     for mask in ("additive", "bool"):
         for head_dim, causal in ((64, True), (80, False), (128, True)):

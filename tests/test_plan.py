@@ -16,13 +16,17 @@ H200 = _plan.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
 
 
 def _decode_specs() -> list[DecodeSpec]:
-    return [
+    plain = [
         DecodeSpec(dtype, d, tile, causal)
         for d, tiles in _dispatch.DECODE_TILES.items()
         for tile in tiles
         for causal in (False, True)
         for dtype in ("bfloat16", "float16")
     ]
+    fp8 = [
+        s for dtype in ("bfloat16", "float16") for s in _dispatch.fp8_decode_specs(dtype) if isinstance(s, DecodeSpec)
+    ]
+    return plain + fp8
 
 
 def test_decode_register_table_matches_ptxas():
