@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from . import _plan
 from ._kvcache import attention_with_kvcache, merge_states
 
 # Splits of the prefix's keys: enough CTAs for two waves of the GPU, each split at least this
@@ -124,40 +125,142 @@ def attention_with_shared_prefix(
     )  # fmt: skip
 
     # The prefix: S key ranges of `chunk` pages each; pseudo-sequence (s, g) is group g's queries
-    # (GQA-packed: row t * group + j is query row t at head hkv * group + j) against range s of
-    # prefix g. The packed rows run s-major, so part s of the output is the whole batch.
+    # against range s of prefix g. One query token: GQA-packed rows (row t * group + j is request t
+    # at head hkv * group + j, so a CTA's K/V tiles serve the whole group of heads); several: the
+    # query heads as they are. The packed rows run s-major: part s of the output is the batch.
     group = hq // hkv
-    rows = b * nq * group
-    splits = _prefix_splits(q, prefix_pages * page_size, hkv, rows)
+    packed = nq == 1
+    heads, rows_per_query = (hkv, group) if packed else (hq, 1)
+    t = b * nq
+    rows = t * rows_per_query
+    splits = _prefix_splits(q, prefix_pages * page_size, heads, rows)
     chunk = -(-prefix_pages // splits) if prefix_pages else 1
     splits = max(-(-prefix_pages // chunk), 1)
     chunk_keys = chunk * page_size
-    int32 = xp.int32
-    pad = splits * chunk - prefix_pages
-    table = prefix_block_table
-    if pad:
-        table = xp.concat([table, xp.zeros((num_groups, pad), dtype=int32, device=where)], axis=1)
-    table = xp.reshape(xp.permute_dims(xp.reshape(table, (num_groups, splits, chunk)), (1, 0, 2)), (-1, chunk))
-    lens = xp.asarray(prefix_seqlens, dtype=int32, device=where)
-    lens = xp.broadcast_to(xp.reshape(lens, (1, -1)), (1, num_groups))
-    starts = xp.reshape(xp.arange(splits, dtype=int32, device=where) * chunk_keys, (splits, 1))
-    counts = xp.reshape(xp.minimum(xp.maximum(lens - starts, 0), chunk_keys), (-1,))
-    zero = xp.zeros((1,), dtype=int32, device=where)
-    cu_k = xp.astype(xp.concat([zero, xp.cumulative_sum(counts)]), int32)
-    group_rows = [(groups[g + 1] - groups[g]) * nq * group for g in range(num_groups)]
-    cu_q = xp.asarray([0, *_running_sums(group_rows * splits)], dtype=int32, device=where)
-
-    q_rows = xp.reshape(xp.permute_dims(xp.reshape(q, (b * nq, hkv, group, d)), (0, 2, 1, 3)), (rows, hkv, d))
-    q_packed = xp.concat([q_rows] * splits, axis=0) if splits > 1 else q_rows
+    table = _split_table(xp, where, prefix_block_table, splits, chunk)
+    group_rows = tuple((groups[g + 1] - groups[g]) * nq * rows_per_query for g in range(num_groups))
+    cu_q, cu_k = _offsets(xp, where, group_rows, splits, chunk_keys, prefix_seqlens)
+    if packed:
+        q_rows = xp.reshape(xp.permute_dims(xp.reshape(q, (t, hkv, group, d)), (0, 2, 1, 3)), (rows, hkv, d))
+    else:
+        q_rows = xp.reshape(q, (rows, hq, d))
+    if splits > 1:
+        q_rows = xp.reshape(xp.broadcast_to(q_rows[None], (splits, rows, heads, d)), (splits * rows, heads, d))
     out_p, lse_p = _varlen(
-        q_packed, k_cache, v_cache, cu_q, cu_k, max(group_rows, default=0), chunk_keys, scale, softcap, table
+        q_rows, k_cache, v_cache, cu_q, cu_k, max(group_rows, default=0), chunk_keys, scale, softcap, table
     )
-    # Back to (S, B Nq, Hq, d) and (S, Hq, B Nq): part s of every request.
-    t = b * nq
-    out_p = xp.reshape(
-        xp.permute_dims(xp.reshape(out_p, (splits, t, group, hkv, d)), (0, 1, 3, 2, 4)), (splits, t, hq, d)
-    )
-    lse_p = xp.reshape(xp.permute_dims(xp.reshape(lse_p, (hkv, splits, t, group)), (1, 0, 3, 2)), (splits, hq, t))
+    prefix_out, prefix_lse = _merge_prefix(xp, out_p, lse_p, splits, (b, nq, hq, hkv, d), packed)
+    out, lse = merge_states(prefix_out, prefix_lse, out_s, lse_s)
+    return (out, lse) if return_lse else out
+
+
+def _split_table(xp: Any, where: Any, table: Any, splits: int, chunk: int) -> Any:
+    """The block table of the pseudo-sequences: row s * G + g is pages s * chunk .. of prefix g
+    (zeros past the prefix's pages: never read, no key there)."""
+    num_groups, pages = (int(n) for n in table.shape)
+    pad = splits * chunk - pages
+    if pad:
+        table = xp.concat([table, xp.zeros((num_groups, pad), dtype=table.dtype, device=where)], axis=1)
+    if num_groups == 1:  # a view: no copy
+        return xp.reshape(table, (splits, chunk))
+    return xp.reshape(xp.permute_dims(xp.reshape(table, (num_groups, splits, chunk)), (1, 0, 2)), (-1, chunk))
+
+
+# Offsets built from host values, kept on their device: a call builds them once (a host-to-device
+# copy from pageable memory waits for the stream: every call would be a synchronisation).
+_OFFSETS: dict[Any, Any] = {}
+
+
+def _offsets(
+    xp: Any, where: Any, group_rows: tuple[int, ...], splits: int, chunk_keys: int, prefix_seqlens: Any
+) -> tuple[Any, Any]:
+    """cu_seqlens_q and cu_seqlens_k of the pseudo-sequences (s-major, g inner): group g's rows,
+    and the keys of range s of prefix g, min(max(len_g - s chunk_keys, 0), chunk_keys)."""
+    host_lens = _host_ints(prefix_seqlens, len(group_rows))
+    key = (xp.__name__, str(where), group_rows, splits, chunk_keys, host_lens)
+    hit = _OFFSETS.get(key)
+    if hit is not None:
+        return hit
+    int32 = xp.int32
+    cu_q = xp.asarray([0, *_running_sums(list(group_rows) * splits)], dtype=int32, device=where)
+    if host_lens is not None:
+        counts = [min(max(n - s * chunk_keys, 0), chunk_keys) for s in range(splits) for n in host_lens]
+        cu_k = xp.asarray([0, *_running_sums(counts)], dtype=int32, device=where)
+    else:  # lengths on the device: counts computed there, every call
+        lens = xp.reshape(xp.asarray(prefix_seqlens, dtype=int32, device=where), (1, -1))
+        starts = xp.reshape(xp.arange(splits, dtype=int32, device=where) * chunk_keys, (splits, 1))
+        counts_d = xp.reshape(xp.minimum(xp.maximum(lens - starts, 0), chunk_keys), (-1,))
+        zero = xp.zeros((1,), dtype=int32, device=where)
+        return cu_q, xp.astype(xp.concat([zero, xp.cumulative_sum(counts_d)]), int32)
+    if len(_OFFSETS) >= 256:
+        _OFFSETS.clear()
+    _OFFSETS[key] = cu_q, cu_k
+    return cu_q, cu_k
+
+
+def _host_ints(x: Any, count: int) -> tuple[int, ...] | None:
+    """Host prefix lengths as ``count`` ints (an int is every prefix's), or None for an array on
+    a device (read there: no synchronisation)."""
+    if isinstance(x, int):
+        return (int(x),) * count
+    from . import _interop
+
+    if _interop.gpu_arrays(("prefix_seqlens",), (x,)) is not None:
+        return None
+    import numpy as np
+
+    values = tuple(int(n) for n in np.asarray(x).reshape(-1))
+    if len(values) != count:
+        raise ValueError(f"prefix_seqlens must have one entry per prefix ({count}), got {len(values)}")
+    return values
+
+
+_parts_plans = _plan.new_cache()
+
+
+def parts_layout(splits: int, dims: tuple[int, int, int, int, int], packed: bool) -> _plan.PartsLayout:
+    """Where the merge kernel finds the prefix's S states in the varlen kernel's output (rows of
+    part s first; out (S rows, heads, d), LSE (heads, S rows)) and writes (B, Nq, Hq, d) and
+    (B, Hq, Nq). ``dims``: (B, Nq, Hq, Hkv, d)."""
+    b, nq, hq, hkv, d = dims
+    t, group = b * nq, hq // hkv
+    if packed:  # index space (hkv, j, t): packed row t * group + j of head hkv is out head hkv * group + j
+        return _plan.PartsLayout(
+            (hkv, group, t, d), splits, (t * group * hkv * d, d, hkv * d, group * hkv * d),
+            (t * group, splits * t * group, group), (b, nq, hq, d), (group * d, d, hq * d), (b, hq, nq), (group, hq),
+        )  # fmt: skip
+    # index space (b, i, h): row b * nq + i of every part
+    return _plan.PartsLayout(
+        (b, nq, hq, d), splits, (t * hq * d, nq * hq * d, hq * d, d), (t, nq, splits * t), (b, nq, hq, d),
+        (nq * hq * d, hq * d, d), (b, hq, nq), (hq * nq, nq),
+    )  # fmt: skip
+
+
+def _merge_prefix(
+    xp: Any, out_p: Any, lse_p: Any, splits: int, dims: tuple[int, int, int, int, int], packed: bool
+) -> tuple[Any, Any]:
+    """The S key ranges' states of the prefix merged by LSE into (B, Nq, Hq, d) and (B, Hq, Nq): on
+    the GPU one launch of the split-KV merge reading the varlen kernel's packed output in place
+    (``_plan.PartsLayout``), on the host pairwise ``merge_states``."""
+    from . import _interop, _launch
+
+    b, nq, hq, hkv, d = dims
+    t, group = b * nq, hq // hkv
+    arrays = _interop.gpu_arrays(("out", "lse"), (out_p, lse_p))
+    if arrays is not None:
+        lib, device, (o, lse) = arrays
+        layout = parts_layout(splits, dims, packed)
+        dtype = lib.dtype_name(o)
+        launch = _parts_plans.get((lib.name, device, layout, dtype), lambda: _plan.plan_merge_parts(layout, dtype))
+        return _launch.run(launch, lib, device, {"o_parts": o, "lse_parts": lse}, True)
+    if packed:
+        out_p = xp.reshape(
+            xp.permute_dims(xp.reshape(out_p, (splits, t, group, hkv, d)), (0, 1, 3, 2, 4)), (splits, t, hq, d)
+        )
+        lse_p = xp.reshape(xp.permute_dims(xp.reshape(lse_p, (hkv, splits, t, group)), (1, 0, 3, 2)), (splits, hq, t))
+    else:
+        out_p = xp.reshape(out_p, (splits, t, hq, d))
+        lse_p = xp.permute_dims(xp.reshape(lse_p, (hq, splits, t)), (1, 0, 2))
     while splits > 1:  # pairs of parts merged at once: log2(S) rounds of one call each
         half = splits // 2
         merged, merged_lse = merge_states(out_p[:half], lse_p[:half], out_p[half : 2 * half], lse_p[half : 2 * half])
@@ -167,8 +270,7 @@ def attention_with_shared_prefix(
         out_p, lse_p, splits = merged, merged_lse, half + splits % 2
     prefix_out = xp.reshape(out_p[0], (b, nq, hq, d))
     prefix_lse = xp.permute_dims(xp.reshape(lse_p[0], (hq, b, nq)), (1, 0, 2))
-    out, lse = merge_states(prefix_out, prefix_lse, out_s, lse_s)
-    return (out, lse) if return_lse else out
+    return prefix_out, prefix_lse
 
 
 def _varlen(

@@ -107,3 +107,35 @@ def test_refusals(rng):
         )
     with pytest.raises(ValueError, match="must be paged"):
         cupyflash.attention_with_shared_prefix(q, pool[0], v_pool[0], cache_seqlens=2, prefix_groups=[0, 1, 3], **args)
+
+
+@pytest.mark.parametrize(("nq", "packed"), [(1, True), (1, False), (3, False)])
+def test_the_gpu_merge_layout_reads_the_varlen_output_as_the_host_merge_does(rng, nq, packed):
+    """The strides the GPU's one merge launch reads the prefix's S states with (parts_layout),
+    walked in NumPy as kernels_cu/decode.cu's decode_merge walks them, against the host's pairwise
+    merge of the same varlen output."""
+    b, hq, hkv, d, splits = 3, 8, 2, 32, 4
+    heads, per = (hkv, hq // hkv) if packed else (hq, 1)
+    rows = b * nq * per
+    out_p = rng.standard_normal((splits * rows, heads, d))
+    lse_p = rng.standard_normal((heads, splits * rows))
+    lse_p[:, 5] = -np.inf  # a row of a part that saw no key
+    want, want_lse = _cascade._merge_prefix(np, out_p, lse_p, splits, (b, nq, hq, hkv, d), packed)
+    layout = _cascade.parts_layout(splits, (b, nq, hq, hkv, d), packed)
+    o_flat, lse_flat = out_p.reshape(-1), lse_p.reshape(-1)
+    out, lse = np.zeros(int(np.prod(layout.out_shape))), np.zeros(int(np.prod(layout.lse_shape)))
+    (nb, nr, nh, _), (op, ob, orow, oh), (lp, lb, lh) = layout.dims, layout.o_strides, layout.lse_strides
+    for i_b in range(nb):
+        for i_r in range(nr):
+            for i_h in range(nh):
+                parts_lse = np.array([lse_flat[p * lp + i_b * lb + i_h * lh + i_r] for p in range(splits)])
+                base = i_b * ob + i_r * orow + i_h * oh
+                parts = np.stack([o_flat[p * op + base : p * op + base + d] for p in range(splits)])
+                total = np.logaddexp.reduce(parts_lse)
+                o = (np.exp(parts_lse - total)[:, None] * parts).sum(0)
+                s_b, s_r, s_h = layout.out_strides
+                start = i_b * s_b + i_r * s_r + i_h * s_h
+                out[start : start + d] = o
+                lse[i_b * layout.out_lse_strides[0] + i_h * layout.out_lse_strides[1] + i_r] = total
+    np.testing.assert_allclose(out.reshape(layout.out_shape), want, atol=1e-12)
+    np.testing.assert_allclose(lse.reshape(layout.lse_shape), want_lse, atol=1e-12)
