@@ -317,15 +317,19 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
 
   // An attn_mask's state of step `step`'s tile (variants.cuh): a tile it hides is skipped (no
   // load, no MMA: its P and dS are 0), one it shows unchanged is not read. Mixed without a mask.
+  // Read a step before it is needed (the step after the one prefetched): no load waits at the
+  // top of the loop.
   auto tile_state = [&](int step) {
     if constexpr (Traits::kBias != kNoBias) {
+      if (step >= steps) return static_cast<int>(kMaskCellHidden);
       return mask_tile_state<kBlockM, kBlockN, false>(a, batch, step_head(step), step_row0(step),
                                                       key0);
     } else {
       return static_cast<int>(kMaskCellMixed);
     }
   };
-  if (steps > 0 && tile_state(0) != kMaskCellHidden) load_step(0, 0);
+  int state_cur = tile_state(0), state_next = tile_state(1);
+  if (steps > 0 && state_cur != kMaskCellHidden) load_step(0, 0);
   cp_async_commit();  // group: K, V, step 0
   for (int step = 0; step < steps; ++step) {
     const int stage = step % 2;
@@ -333,9 +337,11 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     // barrier of the previous step) and with dS^T (read after it).
     cp_async_wait<0>();
     __syncthreads();
-    if (step + 1 < steps && tile_state(step + 1) != kMaskCellHidden) load_step(step + 1, stage ^ 1);
+    const int state = state_cur, prefetch_state = state_next;
+    state_cur = state_next;
+    state_next = tile_state(step + 2);
+    if (step + 1 < steps && prefetch_state != kMaskCellHidden) load_step(step + 1, stage ^ 1);
     cp_async_commit();
-    const int state = tile_state(step);
     if (state == kMaskCellHidden) continue;  // CTA-uniform
     const uint32_t q_tile = s_q + stage * kStageBytes;
     const uint32_t do_tile = s_do + stage * kStageBytes;
@@ -637,25 +643,30 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
 
   load_tile_async<Traits, kBlockM>(s_q, g_q, a.q_row_stride, seqlen_q - row_block0, tid);
   load_tile_async<Traits, kBlockM>(s_do, g_do, p.do_row_stride, seqlen_q - row_block0, tid);
-  // An attn_mask's state of key block n_block, as in the forward: hidden tiles skipped.
+  // An attn_mask's state of key block n_block, as in the forward: hidden tiles skipped, the
+  // states read an iteration ahead.
   auto tile_state = [&](int n_block) {
     if constexpr (Traits::kBias != kNoBias) {
+      if (n_block < n_begin) return static_cast<int>(kMaskCellHidden);
       return mask_tile_state<kBlockM, kBlockN, false>(a, batch, head, row_block0,
                                                       n_block * kBlockN);
     } else {
       return static_cast<int>(kMaskCellMixed);
     }
   };
-  if (n_end - 1 >= n_begin && tile_state(n_end - 1) != kMaskCellHidden) load_kv(n_end - 1, 0);
+  int state_cur = tile_state(n_end - 1), state_next = tile_state(n_end - 2);
+  if (n_end - 1 >= n_begin && state_cur != kMaskCellHidden) load_kv(n_end - 1, 0);
   cp_async_commit();
   for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
     const int stage = it % 2;
     cp_async_wait<0>();
     __syncthreads();  // block n_block landed; the other stage was released in the last iteration
-    if (n_block - 1 >= n_begin && tile_state(n_block - 1) != kMaskCellHidden)
+    const int state = state_cur, prefetch_state = state_next;
+    state_cur = state_next;
+    state_next = tile_state(n_block - 2);
+    if (n_block - 1 >= n_begin && prefetch_state != kMaskCellHidden)
       load_kv(n_block - 1, stage ^ 1);
     cp_async_commit();
-    const int state = tile_state(n_block);
     if (state == kMaskCellHidden) continue;  // CTA-uniform
     float acc_s[kMTiles][kNTiles][4], acc_dp[kMTiles][kNTiles][4];
     gemm_qk<Traits>(acc_s, no_regs, s_q, s_k + stage * kStageBytes, warp_row0, lane);

@@ -236,10 +236,11 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   };
 
   // An attn_mask's state of key block n_block (variants.cuh): a tile it hides is skipped (no
-  // load, no MMA), one it shows unchanged is not read. Without a mask every block is mixed: a
-  // constant, and the branches on it fold away.
+  // load, no MMA), one it shows unchanged is not read; blocks before n_begin are never visited.
+  // Without a mask every block is mixed: a constant, and the branches on it fold away.
   auto tile_state = [&](int n_block) {
     if constexpr (Traits::kBias != kNoBias) {
+      if (n_block < n_begin) return static_cast<int>(kMaskCellHidden);
       return mask_tile_state<kBlockM, kBlockN, /*kOneCell=*/true>(params, batch, head, row_block0,
                                                                   n_block * kBlockN);
     } else {
@@ -277,10 +278,17 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   if constexpr (!Traits::Overlap) {
     // Ring of kStages K/V pairs: Q and the first kStages - 1 key blocks in the prologue, one
     // commit group each (Q rides with the first), so the group arithmetic holds for short ranges.
+    //
+    // A mask's tile states are read an iteration before they are needed (the block after the
+    // one prefetched), so that no load waits at the top of the loop; the ring is then two
+    // stages deep, the prefetched block being the next one.
+    static_assert(Traits::kBias == kNoBias || kStages == 2, "a mask's state pipeline");
+    int state_cur = tile_state(n_end - 1), state_next = tile_state(n_end - 2);
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
       const int n_block = n_end - 1 - s;
-      if (n_block >= n_begin && tile_state(n_block) != kMaskCellHidden) load_kv(n_block, s);
+      if (n_block >= n_begin && (s == 0 ? state_cur : kMaskCellMixed) != kMaskCellHidden)
+        load_kv(n_block, s);
       cp_async_commit();
     }
     for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
@@ -288,12 +296,14 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
       // the stage about to be refilled was released by all warps in the previous iteration.
       cp_async_wait<kStages - 2>();
       __syncthreads();
+      const int state = state_cur, prefetch_state = state_next;
+      state_cur = state_next;
+      state_next = tile_state(n_block - 2);  // used by the next iteration
       const int n_prefetch = n_block - (kStages - 1);
-      if (n_prefetch >= n_begin && tile_state(n_prefetch) != kMaskCellHidden)
+      if (n_prefetch >= n_begin && prefetch_state != kMaskCellHidden)
         load_kv(n_prefetch, (it + kStages - 1) % kStages);
       cp_async_commit();
       if (it == 0) load_q_regs();
-      const int state = tile_state(n_block);
       if (state == kMaskCellHidden) continue;  // CTA-uniform: every warp skips the block
       float acc_s[kMTiles][Traits::kNTiles][4];
       scores(acc_s, n_block, it % kStages, state);
