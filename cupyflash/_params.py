@@ -48,6 +48,7 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("seqused_k", "u8"),
     ("bias_ptr", "u8"),
     *((f"bias_{s}_stride", "i8") for s in ("batch", "head", "row", "key")),
+    ("error_flags", "u8"),
 )
 
 _STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}
@@ -139,7 +140,6 @@ DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("cache_capacity", "i4"),
     ("num_splits", "i4"),
     ("blocks_per_split", "i4"),
-    ("error_flags", "u8"),
     ("cache_batch_idx", "u8"),
     ("cache_leftpad", "u8"),
     ("cache_batch", "i4"),

@@ -157,7 +157,7 @@ class Launch:
     steps: tuple[Any, ...] = ()  # KernelStep, or a step with .execute(call) (the naive GEMMs)
     temporaries: tuple[Temporary, ...] = ()
     scratch: Scratch | None = None
-    error_slot: int = -1  # the params slot of the device error word (decode kernels), or -1
+    error_slot: int = -1  # the params slot of the device error word (``error_word_slot``), or -1
     # The steps' compiled kernels, filled by the Launch's first run (``_launch``); never planned.
     kernels: list[Any] = field(default_factory=list, repr=False, compare=False)
     # Derived on construction: operands by name (TMA maps and pointer offsets look them up).
@@ -391,6 +391,14 @@ def fa2_option_operands(params: ParamsTemplate, p: Problem) -> list[Operand]:
     return operands
 
 
+def error_word_slot(params: ParamsTemplate) -> int:
+    """The slot of AttnParams' ``error_flags``, the device error word that ``_launch.run`` binds
+    per call (``_workspace.device_error_word``: no synchronisation, no host read), for the plans
+    whose kernels check device-side values: cu_seqlens and seqused_k (packed sequences), cache
+    lengths and page ids (the cache kernels)."""
+    return params.slot("error_flags")
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
@@ -523,7 +531,8 @@ def plan_forward(
     if not has_work or (p.seqlen_k == 0 and not packed):  # no key: O = 0, LSE = -inf, no kernel
         outputs = tuple(_filled(o) for o in outputs)
         steps, scratch = (), None
-    return Launch(params, tuple(operands), outputs, steps, scratch=scratch)
+    error_slot = error_word_slot(params) if packed else -1  # the kernels check cu_seqlens, seqused_k
+    return Launch(params, tuple(operands), outputs, steps, scratch=scratch, error_slot=error_slot)
 
 
 def plan_backward(
@@ -637,7 +646,8 @@ def plan_backward(
         dq_step = KernelStep(convert, row_grid, row_block, 0)
     prep = _dispatch.bwd_row_spec("prep", dtype, p.head_dim)
     steps = (KernelStep(prep, row_grid, row_block, 0), main, dq_step)
-    return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries)
+    error_slot = error_word_slot(params) if packed else -1  # the main kernel checks cu_seqlens, seqused_k
+    return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries, error_slot=error_slot)
 
 
 def _filled(output: Output) -> Output:
@@ -773,7 +783,7 @@ def plan_kvcache(
     )
     if not has_work:
         outputs = tuple(_filled(o) for o in outputs)
-    error_slot = -1 if dense else params.slot("error_flags")
+    error_slot = -1 if dense else error_word_slot(params)
     return Launch(params, tuple(operands), outputs, tuple(steps), temporaries, scratch=scratch, error_slot=error_slot)
 
 
@@ -841,7 +851,7 @@ def plan_paged_varlen(
         steps = (KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes),)
     else:
         outputs = tuple(_filled(o) for o in outputs)
-    return Launch(params, tuple(operands), outputs, steps, error_slot=params.slot("error_flags"))
+    return Launch(params, tuple(operands), outputs, steps, error_slot=error_word_slot(params))
 
 
 def decode_applies(p: Problem) -> bool:

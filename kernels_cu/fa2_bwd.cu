@@ -220,6 +220,48 @@ struct Fa2BwdTraits {
                 "a split halves the query rows of S^T and the columns of dK, dV");
 };
 
+// A bad sequence (params.cuh's SeqRows): its gradients are NaN, never a plausible value, over
+// the rows it still has (a valid range): dK and dV over this CTA's keys; dQ through the
+// accumulator the dq step converts, for each query head of the group, its rows spread over the
+// sequence's CTAs (one CTA looping over them all took a register the d = 128 tile does not
+// have: 8 bytes of spills on sm_90a); without Dq_atomic fa2_bwd_dq_blocks writes dQ's NaN.
+// Nothing is read, no product runs. The first CTA of the first KV head reports the bits.
+template <typename Traits>
+CF_DEVICE void fa2_bwd_nan_sequence(const BwdParams& p, const SeqRows& seq, int n_block, int batch,
+                                    int head_k) {
+  using Element = typename Traits::Element;
+  const AttnParams& a = p.attn;
+  const int tid = threadIdx.x;
+  if (tid == 0 && n_block == 0 && head_k == 0) report_error(a, seq.error_bits);
+  const int key0 = n_block * Traits::kBlockN;
+  const int keys_valid = min(seq.k.len - key0, Traits::kBlockN);
+  if (keys_valid > 0) {
+    const int64_t key_row0 = seq.k.start + key0;
+    store_nan_rows<Traits, Traits::kBlockN>(
+        static_cast<Element*>(p.dk_ptr) + batch * p.dk_batch_stride + head_k * p.dk_head_stride +
+            key_row0 * p.dk_row_stride,
+        p.dk_row_stride, keys_valid, tid);
+    store_nan_rows<Traits, Traits::kBlockN>(
+        static_cast<Element*>(p.dv_ptr) + batch * p.dv_batch_stride + head_k * p.dv_head_stride +
+            key_row0 * p.dv_row_stride,
+        p.dv_row_stride, keys_valid, tid);
+  }
+  if (Traits::Dq_atomic) {
+    // Query row r by CTA (r / kBlockN) % gridDim.x: the grid covers every key block, >= 1.
+#pragma unroll 1
+    for (int r0 = n_block * Traits::kBlockN; r0 < seq.q.len; r0 += gridDim.x * Traits::kBlockN) {
+      const int rows = min(seq.q.len - r0, Traits::kBlockN);
+#pragma unroll 1
+      for (int head = head_k * a.h_h_k_ratio; head < (head_k + 1) * a.h_h_k_ratio; ++head) {
+        const int64_t row =
+            batch * p.row_batch_stride + head * p.row_head_stride + seq.q.start + r0;
+        store_nan_floats<Traits>(p.dq_accum + row * Traits::kHeadDim,
+                                 static_cast<int64_t>(rows) * Traits::kHeadDim, tid);
+      }
+    }
+  }
+}
+
 template <typename Traits>
 CF_DEVICE void fa2_bwd(const BwdParams& p) {
   using Element = typename Traits::Element;
@@ -254,8 +296,13 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const int phase_row0 = part * Traits::kPhaseRows;  // first query row of this warp's S^T
   const int acc_col0 = part * Traits::kAccCols;      // first column of this warp's dK, dV
 
-  const SeqRange rows_q = seq_range(a.cu_seqlens_q, batch, a.seqlen_q);
-  const SeqRange rows_k = key_range(a, batch);
+  const SeqRows seq = seq_rows(a, batch);
+  if (seq.bad()) {
+    fa2_bwd_nan_sequence<Traits>(p, seq, n_block, batch, head_k);
+    return;
+  }
+  const SeqRange rows_q = seq.q;
+  const SeqRange rows_k = seq.k;
   const int seqlen_q = rows_q.len;
   const int seqlen_k = rows_k.len;
   const int key0 = n_block * kBlockN;
@@ -572,12 +619,20 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
   const int lane = tid % 32;
   const int warp_row0 = (tid / 32) * Traits::kRowsPerWarp;
 
-  const SeqRange rows_q = seq_range(a.cu_seqlens_q, batch, a.seqlen_q);
-  const SeqRange rows_k = key_range(a, batch);
+  const SeqRows seq = seq_rows(a, batch);
+  const SeqRange rows_q = seq.q;
+  const SeqRange rows_k = seq.k;
   const int seqlen_q = rows_q.len;
   const int seqlen_k = rows_k.len;
   const int row_block0 = m_block * kBlockM;
   if (row_block0 >= seqlen_q) return;
+  if (seq.bad()) {  // NaN dQ rows, nothing read (fa2_bwd reports the bits)
+    store_nan_rows<Traits, kBlockM>(static_cast<Element*>(p.dq_ptr) + batch * p.dq_batch_stride +
+                                        head * p.dq_head_stride +
+                                        (rows_q.start + row_block0) * p.dq_row_stride,
+                                    p.dq_row_stride, seqlen_q - row_block0, tid);
+    return;
+  }
   const KeyMask<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> mask(
       m_block, seqlen_q, seqlen_k, a.window_left, a.window_right);
   const int n_begin = mask.n_block_begin();
