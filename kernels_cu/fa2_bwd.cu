@@ -113,16 +113,20 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  const float lse = a.lse_ptr[b * a.lse_batch_stride + h * a.lse_head_stride + row];  // broadcast
   if (lane == 0) {
-    const float lse = a.lse_ptr[b * a.lse_batch_stride + h * a.lse_head_stride + row];
     if (p.dlse_ptr != nullptr)
       dot -= p.dlse_ptr[b * p.dlse_batch_stride + h * p.dlse_head_stride + row];
     p.dsum[t] = dot;
     p.neg_lse_log2[t] = lse == neg_infinity() ? neg_infinity() : -lse * kLog2e;
   }
   if (p.dq_accum == nullptr) return;  // deterministic: dQ has no accumulator
+  // A row whose LSE is NaN gets NaN dQ: its P is NaN, so its dQ was NaN already where a key
+  // block adds into it; a bad sequence's rows (NaN LSE from the forward, no key block) too.
+  const float fill = is_nan(lse) ? quiet_nan() : 0.f;
   float4* acc = reinterpret_cast<float4*>(p.dq_accum + t * Traits::kHeadDim);
-  for (int i = lane; i < Traits::kHeadDim / 4; i += 32) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = lane; i < Traits::kHeadDim / 4; i += 32)
+    acc[i] = make_float4(fill, fill, fill, fill);
 }
 
 template <typename Traits>
@@ -221,11 +225,11 @@ struct Fa2BwdTraits {
 };
 
 // A bad sequence (params.cuh's SeqRows): its gradients are NaN, never a plausible value, over
-// the rows it still has (a valid range): dK and dV over this CTA's keys; dQ through the
-// accumulator the dq step converts, for each query head of the group, its rows spread over the
-// sequence's CTAs (one CTA looping over them all took a register the d = 128 tile does not
-// have: 8 bytes of spills on sm_90a); without Dq_atomic fa2_bwd_dq_blocks writes dQ's NaN.
-// Nothing is read, no product runs. The first CTA of the first KV head reports the bits.
+// the rows it still has (a valid range): dK and dV over this CTA's keys here; dQ by
+// fa2_bwd_dq_blocks (deterministic), or, with Dq_atomic, through the accumulator fa2_bwd_prep
+// fills with NaN for rows whose LSE is NaN, as the forward's is for such a sequence (writing
+// it here, in any loop form tried, cost the d = 128 tile 4-8 bytes of spills). Nothing is
+// read, no product runs. The first CTA of the first KV head reports the bits.
 template <typename Traits>
 CF_DEVICE void fa2_bwd_nan_sequence(const BwdParams& p, const SeqRows& seq, int n_block, int batch,
                                     int head_k) {
@@ -245,20 +249,6 @@ CF_DEVICE void fa2_bwd_nan_sequence(const BwdParams& p, const SeqRows& seq, int 
         static_cast<Element*>(p.dv_ptr) + batch * p.dv_batch_stride + head_k * p.dv_head_stride +
             key_row0 * p.dv_row_stride,
         p.dv_row_stride, keys_valid, tid);
-  }
-  if (Traits::Dq_atomic) {
-    // Query row r by CTA (r / kBlockN) % gridDim.x: the grid covers every key block, >= 1.
-#pragma unroll 1
-    for (int r0 = n_block * Traits::kBlockN; r0 < seq.q.len; r0 += gridDim.x * Traits::kBlockN) {
-      const int rows = min(seq.q.len - r0, Traits::kBlockN);
-#pragma unroll 1
-      for (int head = head_k * a.h_h_k_ratio; head < (head_k + 1) * a.h_h_k_ratio; ++head) {
-        const int64_t row =
-            batch * p.row_batch_stride + head * p.row_head_stride + seq.q.start + r0;
-        store_nan_floats<Traits>(p.dq_accum + row * Traits::kHeadDim,
-                                 static_cast<int64_t>(rows) * Traits::kHeadDim, tid);
-      }
-    }
   }
 }
 
