@@ -224,34 +224,6 @@ struct Fa2BwdTraits {
                 "a split halves the query rows of S^T and the columns of dK, dV");
 };
 
-// A bad sequence (params.cuh's SeqRows): its gradients are NaN, never a plausible value, over
-// the rows it still has (a valid range): dK and dV over this CTA's keys here; dQ by
-// fa2_bwd_dq_blocks (deterministic), or, with Dq_atomic, through the accumulator fa2_bwd_prep
-// fills with NaN for rows whose LSE is NaN, as the forward's is for such a sequence (writing
-// it here, in any loop form tried, cost the d = 128 tile 4-8 bytes of spills). Nothing is
-// read, no product runs. The first CTA of the first KV head reports the bits.
-template <typename Traits>
-CF_DEVICE void fa2_bwd_nan_sequence(const BwdParams& p, const SeqRows& seq, int n_block, int batch,
-                                    int head_k) {
-  using Element = typename Traits::Element;
-  const AttnParams& a = p.attn;
-  const int tid = threadIdx.x;
-  if (tid == 0 && n_block == 0 && head_k == 0) report_error(a, seq.error_bits);
-  const int key0 = n_block * Traits::kBlockN;
-  const int keys_valid = min(seq.k.len - key0, Traits::kBlockN);
-  if (keys_valid > 0) {
-    const int64_t key_row0 = seq.k.start + key0;
-    store_nan_rows<Traits, Traits::kBlockN>(
-        static_cast<Element*>(p.dk_ptr) + batch * p.dk_batch_stride + head_k * p.dk_head_stride +
-            key_row0 * p.dk_row_stride,
-        p.dk_row_stride, keys_valid, tid);
-    store_nan_rows<Traits, Traits::kBlockN>(
-        static_cast<Element*>(p.dv_ptr) + batch * p.dv_batch_stride + head_k * p.dv_head_stride +
-            key_row0 * p.dv_row_stride,
-        p.dv_row_stride, keys_valid, tid);
-  }
-}
-
 template <typename Traits>
 CF_DEVICE void fa2_bwd(const BwdParams& p) {
   using Element = typename Traits::Element;
@@ -286,11 +258,13 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const int phase_row0 = part * Traits::kPhaseRows;  // first query row of this warp's S^T
   const int acc_col0 = part * Traits::kAccCols;      // first column of this warp's dK, dV
 
+  // A bad sequence (params.cuh's SeqRows) runs no step: its dK and dV over a valid key range
+  // leave through the epilogue as 0 x NaN, never a plausible value (a NaN store path of its own
+  // cost the d = 128 tile up to 12 bytes of spills); dQ's NaN comes from fa2_bwd_dq_blocks, or
+  // with Dq_atomic from fa2_bwd_prep (a NaN-LSE row, as the forward gave it). The first CTA of
+  // the first KV head reports the bits.
   const SeqRows seq = seq_rows(a, batch);
-  if (seq.bad()) {
-    fa2_bwd_nan_sequence<Traits>(p, seq, n_block, batch, head_k);
-    return;
-  }
+  if (tid == 0 && n_block == 0 && head_k == 0) report_error(a, seq.error_bits);
   const SeqRange rows_q = seq.q;
   const SeqRange rows_k = seq.k;
   const int seqlen_q = rows_q.len;
@@ -302,7 +276,7 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const int m_begin = range.m_block_begin();
   const int m_blocks = max(range.m_block_end() - m_begin, 0);
   const int group = a.h_h_k_ratio;
-  const int steps = m_blocks * group;  // (query head of the group, query block) pairs
+  const int steps = seq.bad() ? 0 : m_blocks * group;  // (query head of the group, query block)
 
   const int64_t key_row0 = rows_k.start + key0;
   const Element* g_k = static_cast<const Element*>(a.k_ptr) + batch * a.k_batch_stride +
@@ -506,7 +480,10 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
 
   // Epilogue: dK scaled (and dV, by dropout_scale, with dropout), both staged through the K and
   // V tiles (free once every warp is past the last dQ), then written as 16-byte rows.
-  const float dv_scale = Traits::Has_dropout ? a.dropout_scale : 1.f;
+  // The sequence's check read again, not held across the loop (a register the tile lacks).
+  const bool bad = seq_rows(a, batch).bad();
+  const float dk_scale = bad ? quiet_nan() : p.dk_scale;
+  const float dv_scale = bad ? quiet_nan() : Traits::Has_dropout ? a.dropout_scale : 1.f;
   cp_async_wait<0>();
   __syncthreads();
 #pragma unroll
@@ -515,8 +492,8 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     for (int half = 0; half < 2; ++half) {
       const int row = warp_key0 + lane / 4 + 8 * half;
       const int offset = (Tile::offset(row, acc_col0 / 8 + dt) + 2 * (lane % 4)) * kEB;
-      st_shared_b32(s_k + offset, Ops::pack2(acc_dk[0][dt][2 * half] * p.dk_scale,
-                                             acc_dk[0][dt][2 * half + 1] * p.dk_scale));
+      st_shared_b32(s_k + offset, Ops::pack2(acc_dk[0][dt][2 * half] * dk_scale,
+                                             acc_dk[0][dt][2 * half + 1] * dk_scale));
       st_shared_b32(s_v + offset, Ops::pack2(acc_dv[0][dt][2 * half] * dv_scale,
                                              acc_dv[0][dt][2 * half + 1] * dv_scale));
     }
