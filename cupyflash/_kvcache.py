@@ -403,7 +403,7 @@ def check_device_errors(device: int | None = None) -> None:
     through it, so no other sequence's cache changes. A packed sequence with a bad value reads
     nothing through a bad range, computes nothing, and writes NaN over the rows it still has:
     with a bad ``cu_seqlens_k`` pair or ``seqused_k``, its query rows (O and LSE; in the
-    backward dq, and dk, dv of its key rows when that pair is valid). With a bad
+    backward dq, while its dk, dv stay 0, untouched). With a bad
     ``cu_seqlens_q`` pair it has no rows of its own (those offsets are what says which rows are
     its), so it writes nothing there: the rows keep 0 (LSE -inf, gradient 0) unless a sequence
     with a valid pair covers them. No value is ever read or

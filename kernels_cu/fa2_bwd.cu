@@ -258,13 +258,16 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const int phase_row0 = part * Traits::kPhaseRows;  // first query row of this warp's S^T
   const int acc_col0 = part * Traits::kAccCols;      // first column of this warp's dK, dV
 
-  // A bad sequence (params.cuh's SeqRows) runs no step: its dK and dV over a valid key range
-  // leave through the epilogue as 0 x NaN, never a plausible value (a NaN store path of its own
-  // cost the d = 128 tile up to 12 bytes of spills); dQ's NaN comes from fa2_bwd_dq_blocks, or
-  // with Dq_atomic from fa2_bwd_prep (a NaN-LSE row, as the forward gave it). The first CTA of
-  // the first KV head reports the bits.
+  // A bad sequence (params.cuh's SeqRows) computes nothing here and leaves dK and dV untouched
+  // (0, as keys of no sequence): any NaN store in this kernel, or the check held or read again
+  // for the epilogue, cost the d = 128 tiles 4-24 bytes of spills (sm_80, sm_90a). Its dQ is
+  // NaN: fa2_bwd_dq_blocks writes it, or with Dq_atomic fa2_bwd_prep starts the accumulator of
+  // a NaN-LSE row (as the forward gave it) at NaN. The first CTA of the first KV head reports.
   const SeqRows seq = seq_rows(a, batch);
-  if (tid == 0 && n_block == 0 && head_k == 0) report_error(a, seq.error_bits);
+  if (seq.bad()) {
+    if (tid == 0 && n_block == 0 && head_k == 0) report_error(a, seq.error_bits);
+    return;
+  }
   const SeqRange rows_q = seq.q;
   const SeqRange rows_k = seq.k;
   const int seqlen_q = rows_q.len;
@@ -276,7 +279,7 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const int m_begin = range.m_block_begin();
   const int m_blocks = max(range.m_block_end() - m_begin, 0);
   const int group = a.h_h_k_ratio;
-  const int steps = seq.bad() ? 0 : m_blocks * group;  // (query head of the group, query block)
+  const int steps = m_blocks * group;  // (query head of the group, query block) pairs
 
   const int64_t key_row0 = rows_k.start + key0;
   const Element* g_k = static_cast<const Element*>(a.k_ptr) + batch * a.k_batch_stride +
@@ -480,10 +483,7 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
 
   // Epilogue: dK scaled (and dV, by dropout_scale, with dropout), both staged through the K and
   // V tiles (free once every warp is past the last dQ), then written as 16-byte rows.
-  // The sequence's check read again, not held across the loop (a register the tile lacks).
-  const bool bad = seq_rows(a, batch).bad();
-  const float dk_scale = bad ? quiet_nan() : p.dk_scale;
-  const float dv_scale = bad ? quiet_nan() : Traits::Has_dropout ? a.dropout_scale : 1.f;
+  const float dv_scale = Traits::Has_dropout ? a.dropout_scale : 1.f;
   cp_async_wait<0>();
   __syncthreads();
 #pragma unroll
@@ -492,8 +492,8 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     for (int half = 0; half < 2; ++half) {
       const int row = warp_key0 + lane / 4 + 8 * half;
       const int offset = (Tile::offset(row, acc_col0 / 8 + dt) + 2 * (lane % 4)) * kEB;
-      st_shared_b32(s_k + offset, Ops::pack2(acc_dk[0][dt][2 * half] * dk_scale,
-                                             acc_dk[0][dt][2 * half + 1] * dk_scale));
+      st_shared_b32(s_k + offset, Ops::pack2(acc_dk[0][dt][2 * half] * p.dk_scale,
+                                             acc_dk[0][dt][2 * half + 1] * p.dk_scale));
       st_shared_b32(s_v + offset, Ops::pack2(acc_dv[0][dt][2 * half] * dv_scale,
                                              acc_dv[0][dt][2 * half + 1] * dv_scale));
     }
