@@ -427,7 +427,7 @@ def attention_varlen(
     seqused_k : int32 array ``(batch,)``, optional
         flash-attn's: only the first ``seqused_k[b]`` keys of sequence ``b`` take part (its causal
         alignment counts those), e.g. a cache region preallocated per sequence. On the GPU the FA2
-        kernel (``"auto"`` picks it); trusted like the offsets and clamped into each sequence.
+        kernel (``"auto"`` picks it); checked on the device like the offsets (Notes).
     block_table : int32 array ``(batch, max_pages)``, optional
         Paged keys (chunked prefill against a paged cache, as serving engines run it): key ``j``
         of sequence ``b`` is slot ``j % page_size`` of page ``block_table[b, j // page_size]``.
@@ -440,8 +440,18 @@ def attention_varlen(
     Notes
     -----
     On the GPU the offsets are not read back to the host (that would synchronise the device on
-    every call): they are trusted like flash-attn's, and the kernel clamps them into the packed
-    tensors so that wrong offsets can never read or write out of bounds. Host arrays are checked.
+    every call, and break CUDA-graph capture): the kernels check each sequence's own pair as
+    they read it. A sequence ``b`` whose ``cu_seqlens_k`` pair is bad (negative, decreasing,
+    past ``total_k``, or a first offset other than 0) or whose ``seqused_k[b]`` is outside
+    ``[0, its key count]`` reads no key and gets NaN output rows (and NaN LSE) over its query
+    rows. One whose ``cu_seqlens_q`` pair is bad (the same, against ``total_q``) has no rows of
+    its own, since those offsets are what says which rows are its: it writes nothing, and those
+    rows keep 0 (LSE ``-inf``) unless a sequence with a valid pair covers them. Either way no
+    value is read or written outside the arrays, rows of sequences whose pairs are valid are
+    computed as usual, and :func:`check_device_errors` raises :class:`DeviceValueError` naming
+    ``cu_seqlens_q``, ``cu_seqlens_k`` or ``seqused_k`` (a bad pair in ``cu_seqlens_q`` can make
+    two valid-looking pairs overlap, as in ``[0, 10, 5, 20]``: the flag is the signal, check it).
+    Host arrays are checked in full before anything is computed (``ValueError``).
 
     Examples
     --------
@@ -686,8 +696,12 @@ def attention_varlen_backward(
     """The gradients (dq, dk, dv) of :func:`attention_varlen` at ``out, lse =
     attention_varlen(..., return_lse=True)``, as :func:`attention_backward` computes them, per
     packed sequence. ``lse`` (and ``dlse``) are ``(Hq, total_q)``. Packed rows that belong to
-    no sequence get zero gradients. On the GPU the offsets are trusted as the forward's (and
-    clamped into the packed tensors); on the host they are checked. ``dropout_p`` and ``seed``:
+    no sequence get zero gradients. On the GPU the offsets and ``seqused_k`` are checked on the
+    device as the forward's: a sequence with a bad value computes nothing, gets NaN dq over its
+    query rows when its ``cu_seqlens_q`` pair is valid, and leaves dk and dv untouched (0, as
+    keys of no sequence), and :func:`check_device_errors` raises. Without ``deterministic``,
+    dq's NaN comes from the NaN ``lse`` rows the forward gave that sequence (autograd passes
+    those); an ``lse`` from other offsets leaves its dq 0 too. On the host they are checked. ``dropout_p`` and ``seed``:
     the forward's, as for :func:`attention_backward`; ``alibi_slopes`` and ``seqused_k`` too (keys
     past ``seqused_k`` get zero gradients)."""
     options = check_options(causal, scale, window, softcap)

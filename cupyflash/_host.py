@@ -62,7 +62,7 @@ def attention(
 
 def _keys_used(xp: Any, cu_k: Any, seqused_k: Any) -> list[int]:
     """Each sequence's end of used keys: cu_seqlens_k[b + 1], or cu_seqlens_k[b] + seqused_k[b]
-    (checked to lie in the sequence: the host can say so, where the GPU clamps)."""
+    (checked to lie in the sequence, as the GPU kernels check it on the device)."""
     ends = [int(x) for x in cu_k[1:]]
     if seqused_k is None:
         return ends

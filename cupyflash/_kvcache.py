@@ -503,29 +503,42 @@ def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
 
 
 class DeviceValueError(ValueError):
-    """A device-side value given to ``attention_with_kvcache`` was out of range (found by the
-    kernels, reported by :func:`check_device_errors`)."""
+    """A device-side value given to ``attention_with_kvcache`` or ``attention_varlen`` (and its
+    backward) was out of range (found by the kernels, reported by :func:`check_device_errors`)."""
 
 
+# The bits of the device error word (kernels_cu/params.cuh: kBadPage ... kBadSequsedK).
 _DEVICE_ERRORS = {
     1: "a block_table entry in use was outside [0, num_pages)",
     2: "a cache_seqlens value was outside [0, capacity - seqlen_new], a cache_leftpad value outside "
-    "[0, cache_seqlens], or a packed sequence's key count (cu_seqlens_k, seqused_k) negative or beyond its "
-    "block_table row",
+    "[0, cache_seqlens], or a packed sequence's key count (cu_seqlens_k over pages) beyond its block_table row",
     4: "a cache_batch_idx value was outside the cache's entries",
+    8: "a cu_seqlens_q value was negative, decreasing or past the packed total (or cu_seqlens_q[0] was not 0)",
+    16: "a cu_seqlens_k value was negative, decreasing or past the packed total (or cu_seqlens_k[0] was not 0)",
+    32: "a seqused_k value was outside [0, its sequence's key count]",
 }
 
 
 def check_device_errors(device: int | None = None) -> None:
     """Raise :class:`DeviceValueError` if a kernel on ``device`` (default: the current one) met
-    an out-of-range device-side value of ``attention_with_kvcache`` (``cache_seqlens``,
-    ``block_table``, ``cache_batch_idx``, ``cache_leftpad``) or of ``attention_varlen`` over pages
-    (``block_table``, the key counts of ``cu_seqlens_k`` / ``seqused_k``) since the last check.
+    an out-of-range device-side value since the last check: of ``attention_with_kvcache``
+    (``cache_seqlens``, ``block_table``, ``cache_batch_idx``, ``cache_leftpad``), or of
+    ``attention_varlen`` and ``attention_varlen_backward`` (``cu_seqlens_q`` / ``cu_seqlens_k``
+    offsets that are negative, decreasing, past the packed total or not starting at 0, a
+    ``seqused_k`` outside ``[0, key count]``; over pages: ``block_table``, a key count beyond its
+    table row). The message names each kind of value met.
 
-    The kernels cannot raise: they refuse the bad value instead (that sequence's output rows
-    and LSE are NaN and nothing is appended through it, so no other sequence's cache changes)
-    and set a flag that this call reads. It waits for the device (a synchronisation), so call it
-    where a serving loop can afford one: after a step in debug runs, or every N steps.
+    The kernels cannot raise: they refuse the bad value instead and set a flag that this call
+    reads and clears. A cache sequence's output rows and LSE are NaN and nothing is appended
+    through it, so no other sequence's cache changes. A packed sequence with a bad value reads
+    nothing through a bad range, computes nothing, and writes NaN over the rows it still has:
+    with a bad ``cu_seqlens_k`` pair or ``seqused_k``, its query rows (O and LSE; in the
+    backward dq, while its dk, dv stay 0, untouched). With a bad
+    ``cu_seqlens_q`` pair it has no rows of its own (those offsets are what says which rows are
+    its), so it writes nothing there: the rows keep 0 (LSE -inf, gradient 0) unless a sequence
+    with a valid pair covers them. No value is ever read or
+    written outside the arrays. It waits for the device (a synchronisation), so call it where a
+    serving loop can afford one: after a step in debug runs, or every N steps.
     """
     from . import _workspace
 
@@ -533,4 +546,4 @@ def check_device_errors(device: int | None = None) -> None:
     bits = _workspace.take_device_errors(index)
     if bits:
         found = [message for bit, message in _DEVICE_ERRORS.items() if bits & bit]
-        raise DeviceValueError(f"a cache kernel on GPU {index}: " + "; ".join(found))
+        raise DeviceValueError(f"a kernel on GPU {index}: " + "; ".join(found))

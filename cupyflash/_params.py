@@ -53,6 +53,7 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("mask_cell_rows_log2", "i4"),
     ("mask_cell_keys_log2", "i4"),
     ("mask_heads", "i4"),
+    ("error_flags", "u8"),
 )
 
 _STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}
@@ -144,7 +145,6 @@ DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("cache_capacity", "i4"),
     ("num_splits", "i4"),
     ("blocks_per_split", "i4"),
-    ("error_flags", "u8"),
     ("cache_batch_idx", "u8"),
     ("cache_leftpad", "u8"),
     ("cache_batch", "i4"),

@@ -162,7 +162,7 @@ class Launch:
     steps: tuple[Any, ...] = ()  # KernelStep, or a step with .execute(call) (the naive GEMMs)
     temporaries: tuple[Temporary, ...] = ()
     scratch: Scratch | None = None
-    error_slot: int = -1  # the params slot of the device error word (decode kernels), or -1
+    error_slot: int = -1  # the params slot of the device error word (``error_word_slot``), or -1
     # The steps' compiled kernels, filled by the Launch's first run (``_launch``); never planned.
     kernels: list[Any] = field(default_factory=list, repr=False, compare=False)
     # Derived on construction: operands by name (TMA maps and pointer offsets look them up).
@@ -433,6 +433,14 @@ def mask_cells(
     return fields, shape, step
 
 
+def error_word_slot(params: ParamsTemplate) -> int:
+    """The slot of AttnParams' ``error_flags``, the device error word that ``_launch.run`` binds
+    per call (``_workspace.device_error_word``: no synchronisation, no host read), for the plans
+    whose kernels check device-side values: cu_seqlens and seqused_k (packed sequences), cache
+    lengths and page ids (the cache kernels)."""
+    return params.slot("error_flags")
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
@@ -575,7 +583,10 @@ def plan_forward(
     if not has_work or (p.seqlen_k == 0 and not packed):  # no key: O = 0, LSE = -inf, no kernel
         outputs = tuple(_filled(o) for o in outputs)
         steps, scratch, temporaries = (), None, ()
-    return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries, scratch=scratch)
+    error_slot = error_word_slot(params) if packed else -1  # the kernels check cu_seqlens, seqused_k
+    return Launch(
+        params, tuple(operands), outputs, steps, temporaries=temporaries, scratch=scratch, error_slot=error_slot
+    )
 
 
 def plan_backward(
@@ -699,7 +710,8 @@ def plan_backward(
     if p.mask:
         steps = (cells_step, *steps)
         temporaries += (Temporary("mask_cells", (math.prod(cells_shape),), "uint8", params.slot("mask_cells")),)
-    return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries)
+    error_slot = error_word_slot(params) if packed else -1  # the main kernel checks cu_seqlens, seqused_k
+    return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries, error_slot=error_slot)
 
 
 def _filled(output: Output) -> Output:
@@ -848,7 +860,7 @@ def plan_kvcache(
     )
     if not has_work:
         outputs = tuple(_filled(o) for o in outputs)
-    error_slot = -1 if dense else params.slot("error_flags")
+    error_slot = -1 if dense else error_word_slot(params)
     return Launch(params, tuple(operands), outputs, tuple(steps), temporaries, scratch=scratch, error_slot=error_slot)
 
 
@@ -943,7 +955,7 @@ def plan_paged_varlen(
         steps = (KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes),)
     else:
         outputs = tuple(_filled(o) for o in outputs)
-    return Launch(params, tuple(operands), outputs, steps, error_slot=params.slot("error_flags"))
+    return Launch(params, tuple(operands), outputs, steps, error_slot=error_word_slot(params))
 
 
 def decode_applies(p: Problem) -> bool:

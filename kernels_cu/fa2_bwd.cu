@@ -94,6 +94,15 @@ template <typename Traits>
 CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   using Element = typename Traits::Element;
   const AttnParams& a = p.attn;
+  // Packed sequences: the first CTA checks every sequence's offsets and seqused_k and reports
+  // the bad ones (the key-block kernel skips a bad sequence without a word: its registers).
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
+      (a.cu_seqlens_q != nullptr || a.seqused_k != nullptr)) {
+    int32_t bits = 0;
+    for (int b = threadIdx.x; b < a.batch; b += Traits::kNThreads)
+      bits |= seq_rows(a, b).error_bits;
+    report_error(a, bits);
+  }
   int row;
   const int64_t t = bwd_row<Traits>(p, &row);
   if (row >= a.seqlen_q) return;
@@ -114,16 +123,20 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  const float lse = a.lse_ptr[b * a.lse_batch_stride + h * a.lse_head_stride + row];  // broadcast
   if (lane == 0) {
-    const float lse = a.lse_ptr[b * a.lse_batch_stride + h * a.lse_head_stride + row];
     if (p.dlse_ptr != nullptr)
       dot -= p.dlse_ptr[b * p.dlse_batch_stride + h * p.dlse_head_stride + row];
     p.dsum[t] = dot;
     p.neg_lse_log2[t] = lse == neg_infinity() ? neg_infinity() : -lse * kLog2e;
   }
   if (p.dq_accum == nullptr) return;  // deterministic: dQ has no accumulator
+  // A row whose LSE is NaN gets NaN dQ: its P is NaN, so its dQ was NaN already where a key
+  // block adds into it; a bad sequence's rows (NaN LSE from the forward, no key block) too.
+  const float fill = is_nan(lse) ? quiet_nan() : 0.f;
   float4* acc = reinterpret_cast<float4*>(p.dq_accum + t * Traits::kHeadDim);
-  for (int i = lane; i < Traits::kHeadDim / 4; i += 32) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = lane; i < Traits::kHeadDim / 4; i += 32)
+    acc[i] = make_float4(fill, fill, fill, fill);
 }
 
 template <typename Traits>
@@ -255,8 +268,13 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const int phase_row0 = part * Traits::kPhaseRows;  // first query row of this warp's S^T
   const int acc_col0 = part * Traits::kAccCols;      // first column of this warp's dK, dV
 
-  const SeqRange rows_q = seq_range(a.cu_seqlens_q, batch, a.seqlen_q);
-  const SeqRange rows_k = key_range(a, batch);
+  // A bad sequence (params.cuh's SeqRows) has empty ranges here: nothing is read, its key
+  // rows' dK and dV are 0, its dQ rows NaN (fa2_bwd_prep starts the accumulator of a NaN-LSE row,
+  // as the forward gave it, at NaN; fa2_bwd_dq_blocks writes NaN). fa2_bwd_prep reports it: a
+  // check or a store of its own here spilled the d = 128 tiles, at their register limit.
+  const SeqRows seq = seq_rows(a, batch);
+  const SeqRange rows_q = seq.q;
+  const SeqRange rows_k = seq.k;
   const int seqlen_q = rows_q.len;
   const int seqlen_k = rows_k.len;
   const int key0 = n_block * kBlockN;
@@ -592,12 +610,20 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
   const int lane = tid % 32;
   const int warp_row0 = (tid / 32) * Traits::kRowsPerWarp;
 
-  const SeqRange rows_q = seq_range(a.cu_seqlens_q, batch, a.seqlen_q);
-  const SeqRange rows_k = key_range(a, batch);
+  const SeqRows seq = seq_rows(a, batch);
+  const SeqRange rows_q = seq.q;
+  const SeqRange rows_k = seq.k;
   const int seqlen_q = rows_q.len;
   const int seqlen_k = rows_k.len;
   const int row_block0 = m_block * kBlockM;
   if (row_block0 >= seqlen_q) return;
+  if (seq.bad()) {  // NaN dQ rows, nothing read (fa2_bwd reports the bits)
+    store_nan_rows<Traits, kBlockM>(static_cast<Element*>(p.dq_ptr) + batch * p.dq_batch_stride +
+                                        head * p.dq_head_stride +
+                                        (rows_q.start + row_block0) * p.dq_row_stride,
+                                    p.dq_row_stride, seqlen_q - row_block0, tid);
+    return;
+  }
   const KeyMask<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> mask(
       m_block, seqlen_q, seqlen_k, a.window_left, a.window_right);
   const int n_begin = mask.n_block_begin();

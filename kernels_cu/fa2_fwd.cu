@@ -421,6 +421,28 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   return bad;
 }
 
+// A bad sequence (params.cuh's SeqRows: packed offsets or seqused_k out of range): the CTA's
+// rows of O and LSE are NaN and nothing is read. Its first CTA reports the bits.
+template <typename Traits>
+CF_DEVICE void fa2_fwd_nan_block(const AttnParams& params, int m_block, int batch, int head,
+                                 const SeqRows& rows) {
+  using Element = typename Traits::Element;
+  if (threadIdx.x == 0 && blockIdx.x == 0 && head == 0) report_error(params, rows.error_bits);
+  const int row_block0 = m_block * Traits::kBlockM;
+  const int rows_valid = min(rows.q.len - row_block0, Traits::kBlockM);
+  if (rows_valid <= 0) return;
+  const int64_t q_row0 = rows.q.start + row_block0;
+  store_nan_rows<Traits, Traits::kBlockM>(
+      static_cast<Element*>(params.o_ptr) + batch * params.o_batch_stride +
+          head * params.o_head_stride + q_row0 * params.o_row_stride,
+      params.o_row_stride, rows_valid, threadIdx.x);
+  if (params.lse_ptr != nullptr) {
+    store_nan_floats<Traits>(
+        params.lse_ptr + batch * params.lse_batch_stride + head * params.lse_head_stride + q_row0,
+        rows_valid, threadIdx.x);
+  }
+}
+
 // attention / attention_varlen: K and V rows of batch entry b (packed: its cu_seqlens_k range).
 template <typename Traits>
 CF_DEVICE void fa2_fwd(const AttnParams& params) {
@@ -431,15 +453,18 @@ CF_DEVICE void fa2_fwd(const AttnParams& params) {
   const int batch = blockIdx.y;
   const int head = blockIdx.z;
   const int head_k = head / params.h_h_k_ratio;
-  const SeqRange rows_k = key_range(params, batch);
+  const SeqRows rows = seq_rows(params, batch);
+  if (rows.bad()) {
+    fa2_fwd_nan_block<Traits>(params, m_block, batch, head, rows);
+    return;
+  }
   const DenseKv<Traits> kv{
       static_cast<const Element*>(params.k_ptr) + batch * params.k_batch_stride +
-          head_k * params.k_head_stride + rows_k.start * params.k_row_stride,
+          head_k * params.k_head_stride + rows.k.start * params.k_row_stride,
       static_cast<const Element*>(params.v_ptr) + batch * params.v_batch_stride +
-          head_k * params.v_head_stride + rows_k.start * params.v_row_stride,
+          head_k * params.v_head_stride + rows.k.start * params.v_row_stride,
       params.k_row_stride, params.v_row_stride};
-  fa2_fwd_block<Traits>(params, m_block, batch, head,
-                        seq_range(params.cu_seqlens_q, batch, params.seqlen_q), rows_k.len, kv);
+  fa2_fwd_block<Traits>(params, m_block, batch, head, rows.q, rows.k.len, kv);
 }
 
 // Many query tokens against a KV cache (attention_with_kvcache past the decode kernel's query
@@ -454,6 +479,15 @@ CF_DEVICE void fa2_fwd_kvcache(const DecodeParams& p) {
   const int head = blockIdx.z;
   const int head_k = head / params.h_h_k_ratio;
   const CacheSpan span = cache_span(p, batch);
+  // Packed queries (cu_seqlens_q) are checked as attention_varlen's (the key span by cache_span):
+  // bad offsets leave the sequence no query rows to read or write, so its CTAs stop here.
+  int32_t q_bits = 0;
+  const SeqRange rows_q =
+      seq_range(params.cu_seqlens_q, batch, params.seqlen_q, kBadCuSeqlensQ, &q_bits);
+  if (q_bits != 0) {
+    if (threadIdx.x == 0 && blockIdx.x == 0 && head == 0) report_error(p, q_bits | span.bits);
+    return;
+  }
   int bad_page = 0;
   const CacheKv<Traits> kv{
       cache_rows<Element>(p, params.k_ptr, params.k_batch_stride, params.k_row_stride,
@@ -461,9 +495,8 @@ CF_DEVICE void fa2_fwd_kvcache(const DecodeParams& p) {
       cache_rows<Element>(p, params.v_ptr, params.v_batch_stride, params.v_row_stride,
                           params.v_head_stride, batch, head_k, span.entry, span.first_key),
       &bad_page, span.bad()};
-  const bool bad = fa2_fwd_block<Traits>(params, m_block, batch, head,
-                                         seq_range(params.cu_seqlens_q, batch, params.seqlen_q),
-                                         decode_seqlen_k(p, span), kv);
+  const bool bad =
+      fa2_fwd_block<Traits>(params, m_block, batch, head, rows_q, decode_seqlen_k(p, span), kv);
   // One report per sequence for its span (every CTA of it sees the same one), one per CTA for a
   // page (no page is read through a bad span).
   if (threadIdx.x == 0) {

@@ -14,6 +14,7 @@ struct Fa3TileOut {
   int row_block0, batch, head;
   SeqRange q;
   bool has_keys;  // it visited a key block (else acc_o holds no value of it)
+  bool bad;       // its sequence's device-side values are bad (TileRows): NaN rows, not zeros
 };
 
 template <typename Traits>
@@ -32,11 +33,14 @@ struct Fa3Epilogue {
     constexpr int kHeadDim = Traits::kHeadDim;
     float inv_sum[2], lse[2];
     softmax.finalize(scale_log2, inv_sum, lse);
-    // A tile without keys writes zeros. Chosen, not multiplied: acc_o may hold anything (even
-    // NaN) there, and zeroing it would redefine wgmma accumulators while the next tile's first
-    // Q K^T is in flight, which makes ptxas serialise every wgmma of the kernel.
+    // A tile without keys writes zeros (NaN for a bad sequence, which visits none). Chosen, not
+    // multiplied: acc_o may hold anything (even NaN) there, and zeroing it would redefine wgmma
+    // accumulators while the next tile's first Q K^T is in flight, which makes ptxas serialise
+    // every wgmma of the kernel.
+    if (out.bad) lse[0] = lse[1] = quiet_nan();
+    const float no_keys = out.bad ? quiet_nan() : 0.f;
     auto normalised = [&](int dt, int e) {
-      return out.has_keys ? acc_o[0][dt][e] * inv_sum[e / 2] : 0.f;
+      return out.has_keys ? acc_o[0][dt][e] * inv_sum[e / 2] : no_keys;
     };
 #pragma unroll
     for (int dt = 0; dt < Traits::kDTiles; ++dt) {

@@ -396,7 +396,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       end_turn();
     }
     kv_iter += n_blocks;
-    pending = {true, last_stage, {row_block0, tile.batch, tile.head, rows.q, n_blocks > 0}};
+    pending = {
+        true, last_stage, {row_block0, tile.batch, tile.head, rows.q, n_blocks > 0, rows.bad()}};
     if constexpr (!Traits::Overlap_epilogue) {
       finish_pending(false);
       if (!Traits::Separate_o && lane == 0) mbar_arrive(smem.q_empty(qb));  // O has left the Q tile

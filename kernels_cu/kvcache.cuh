@@ -5,7 +5,7 @@
 // pages). A device value is never trusted and never clamped into a plausible answer: a sequence
 // whose length, first key or entry is out of range, or one of whose pages in use has a
 // block-table entry outside [0, num_pages), reads and writes nothing through it, gets NaN rows,
-// and sets a bit of *error_flags, which the host turns into an exception
+// and sets a bit of attn.error_flags (params.cuh), which the host turns into an exception
 // (cupyflash.check_device_errors).
 #pragma once
 
@@ -33,7 +33,6 @@ struct DecodeParams {
   int32_t cache_capacity;  // keys one sequence can hold: L_max, or max_pages * page_size
   int32_t num_splits;
   int32_t blocks_per_split;  // CTA key blocks (kNWarps * kWarpKeys keys) per split
-  int32_t* error_flags;      // [1] bits ORed in on bad device values (kBadPage ...), or nullptr
   // Contiguous caches only (flash-attn's cache_batch_idx, cache_leftpad):
   const int32_t*
       cache_batch_idx;  // [B] the cache entry (of cache_batch) of each sequence, or nullptr: b
@@ -69,14 +68,8 @@ CF_DEVICE float2 kv_scales(const DecodeParams& p, int head_k) {
       p.v_scale_ptr != nullptr ? p.v_scale_ptr[head_k * p.v_scale_head_stride] : p.v_scale);
 }
 
-// Bits of DecodeParams::error_flags: a block-table entry, a length (cache_seqlens, or a
-// cache_leftpad past it), a cache_batch_idx entry out of range.
-enum : int32_t { kBadPage = 1, kBadSeqlen = 2, kBadCacheIndex = 4 };
-
-// Sets bits of *error_flags (one thread calls it).
-CF_DEVICE void report_error(const DecodeParams& p, int32_t bits) {
-  if (bits != 0 && p.error_flags != nullptr) atomicOr(p.error_flags, bits);
-}
+// Sets bits (params.cuh's kBadPage ...) of attn.error_flags (one thread calls it).
+CF_DEVICE void report_error(const DecodeParams& p, int32_t bits) { report_error(p.attn, bits); }
 
 // Address of key row `key` of one (batch, KV head) in a contiguous or paged cache.
 template <typename Element>
@@ -123,17 +116,16 @@ CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache
 
 // Where sequence `batch` lives in the cache and which of its keys it attends: its entry (the
 // cache's first axis, contiguous caches), its first key (cache_leftpad) and the tokens cached
-// before this call's append. bad_len: a count the cache cannot hold with the append (< 0 or
-// > capacity - seqlen_new) or a first key outside [0, cached]; bad_entry: an entry outside
-// [0, cache_batch). Either makes the sequence empty (nothing read, nothing written) and its
-// rows NaN.
+// before this call's append. bits: kBadSeqlen for a count the cache cannot hold with the append
+// (< 0 or > capacity - seqlen_new) or a first key outside [0, cached], kBadCacheIndex for an
+// entry outside [0, cache_batch), and for packed sequences kBadCuSeqlensK / kBadSequsedK (one
+// int, not a flag per kind: the span lives across the FA2 kernel's main loop). Any bit makes the
+// sequence empty (nothing read, nothing written) and its rows NaN.
 struct CacheSpan {
   int entry, first_key, cached;
-  bool bad_len, bad_entry;
-  CF_DEVICE bool bad() const { return bad_len || bad_entry; }
-  CF_DEVICE int32_t error_bits() const {
-    return (bad_len ? kBadSeqlen : 0) | (bad_entry ? kBadCacheIndex : 0);
-  }
+  int32_t bits;
+  CF_DEVICE bool bad() const { return bits != 0; }
+  CF_DEVICE int32_t error_bits() const { return bits; }
 };
 
 CF_DEVICE CacheSpan decode_span(const DecodeParams& p, int batch) {
@@ -141,9 +133,10 @@ CF_DEVICE CacheSpan decode_span(const DecodeParams& p, int batch) {
   s.cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.attn.seqlen_k;
   s.first_key = p.cache_leftpad != nullptr ? p.cache_leftpad[batch] : 0;
   s.entry = p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
-  s.bad_len = s.cached < 0 || s.cached > p.cache_capacity - p.seqlen_new || s.first_key < 0 ||
-              s.first_key > s.cached;
-  s.bad_entry = static_cast<unsigned>(s.entry) >= static_cast<unsigned>(p.cache_batch);
+  const bool bad_len = s.cached < 0 || s.cached > p.cache_capacity - p.seqlen_new ||
+                       s.first_key < 0 || s.first_key > s.cached;
+  const bool bad_entry = static_cast<unsigned>(s.entry) >= static_cast<unsigned>(p.cache_batch);
+  s.bits = (bad_len ? kBadSeqlen : 0) | (bad_entry ? kBadCacheIndex : 0);
   if (s.bad()) s.cached = s.first_key = s.entry = 0;
   return s;
 }
@@ -156,19 +149,23 @@ CF_DEVICE int decode_seqlen_k(const DecodeParams& p, const CacheSpan& span) {
 
 // Packed sequences over a paged cache (attention_varlen's block_table): sequence b's key count
 // is cu_seqlens_k[b + 1] - cu_seqlens_k[b] (cut to seqused_k[b] where given), its keys from slot 0
-// of its first page. A negative offset or count, a seqused_k outside [0, count], or a count past
-// its block-table row (capacity) is bad_len.
+// of its first page. Offsets as the host checks them (a first one other than 0, a negative one, a
+// decrease: kBadCuSeqlensK; there is no packed total), a count past its block-table row (capacity:
+// kBadSeqlen), a seqused_k outside [0, count] (kBadSequsedK) make the span bad.
 CF_DEVICE CacheSpan packed_span(const DecodeParams& p, int batch) {
   const AttnParams& a = p.attn;
   const int start = a.cu_seqlens_k[batch];
   const int count = a.cu_seqlens_k[batch + 1] - start;
+  const bool bad_offsets = (batch == 0 && start != 0) || start < 0 || count < 0;
   const int used = a.seqused_k != nullptr ? a.seqused_k[batch] : count;
   CacheSpan s;
   s.entry = batch;
   s.first_key = 0;
-  s.bad_len = start < 0 || count < 0 || count > p.cache_capacity || used < 0 || used > count;
-  s.bad_entry = false;
-  s.cached = s.bad_len ? 0 : used;
+  s.bits = bad_offsets                ? kBadCuSeqlensK
+           : count > p.cache_capacity ? kBadSeqlen
+           : used < 0 || used > count ? kBadSequsedK
+                                      : 0;
+  s.cached = s.bits != 0 ? 0 : used;
   return s;
 }
 

@@ -57,7 +57,7 @@ struct AttnParams {
   float alibi_scale;
 
   // Keys used per batch entry (flash-attn's seqused_k: the first seqused_k[b] keys of sequence
-  // b take part, and its causal shift counts those), or nullptr: all. FA2 kernels (key_range).
+  // b take part, and its causal shift counts those), or nullptr: all. FA2 kernels (seq_rows).
   const int32_t* seqused_k;
 
   // An attention mask (variants with kBias; kernels_cu/variants.cuh's AttnBias): SDPA's attn_mask
@@ -78,7 +78,32 @@ struct AttnParams {
   int32_t mask_cells_row_stride, mask_cells_key_stride;
   int32_t mask_cell_rows_log2, mask_cell_keys_log2;
   int32_t mask_heads;  // heads of the mask (1 or Hq): the summary kernel's grid z is batch x heads
+
+  // The device error word ([1], one per GPU, cupyflash/_workspace.py), or nullptr: a kernel that
+  // meets a bad device-side value ORs in its bit (kBadCuSeqlensQ ... below), and
+  // cupyflash.check_device_errors reads and clears it. Kernels cannot raise, and a check on the
+  // host would read the values back: a synchronisation per call.
+  int32_t* error_flags;
 };
+
+// Bits of AttnParams::error_flags, one per kind of bad device-side value (cupyflash/_kvcache.py's
+// _DEVICE_ERRORS names each for the exception): a block-table entry in use outside the cache; a
+// length (cache_seqlens, a cache_leftpad past it, a paged sequence's key count past its table row);
+// a cache_batch_idx entry outside the cache; packed offsets (cu_seqlens_q, cu_seqlens_k) that are
+// negative, decreasing or past the packed total; a seqused_k outside [0, the sequence's key count].
+enum : int32_t {
+  kBadPage = 1,
+  kBadSeqlen = 2,
+  kBadCacheIndex = 4,
+  kBadCuSeqlensQ = 8,
+  kBadCuSeqlensK = 16,
+  kBadSequsedK = 32
+};
+
+// Sets bits of *error_flags (one thread calls it; an atomic: every sequence's CTAs may report).
+CF_DEVICE void report_error(const AttnParams& p, int32_t bits) {
+  if (bits != 0 && p.error_flags != nullptr) atomicOr(p.error_flags, bits);
+}
 
 // cuTensorMapEncodeTiled's opaque 128-byte CUtensorMap (cuda.h cannot be included under NVRTC).
 struct alignas(64) TmaMap {
@@ -97,23 +122,54 @@ struct Fa3Params {
   int32_t num_m_blocks;  // query blocks per (batch, head): of the longest sequence when varlen
 };
 
-// The rows of one batch entry: [start, start + len). Offsets are clamped into [0, total], so a
-// wrong cu_seqlens array can give a wrong answer but never a read or write outside the tensors.
+// The rows of one batch entry: [start, start + len).
 struct SeqRange {
   int start;
   int len;
 };
 
-CF_DEVICE SeqRange seq_range(const int32_t* cu_seqlens, int batch, int seqlen_or_total) {
-  if (cu_seqlens == nullptr) return {0, seqlen_or_total};
-  const int end = min(max(cu_seqlens[batch + 1], 0), seqlen_or_total);
-  const int start = min(max(cu_seqlens[batch], 0), end);
-  return {start, end - start};
+// Rows cu_seqlens[batch] .. cu_seqlens[batch + 1] of a packed tensor of `total` rows (all of them
+// for a padded batch: cu_seqlens nullptr). Offsets the host check refuses too (_validate.py's
+// check_cu_seqlens_values: a first offset other than 0, a decrease, an end past the total; a
+// negative one is one of those) are never clamped into a plausible range: the sequence gets no
+// rows (nothing read or written through them) and `bit` is ORed into *bits.
+CF_DEVICE SeqRange seq_range(const int32_t* cu_seqlens, int batch, int total, int32_t bit,
+                             int32_t* bits) {
+  if (cu_seqlens == nullptr) return {0, total};
+  const int start = cu_seqlens[batch];
+  const int end = cu_seqlens[batch + 1];
+  // start >= 0 follows from the first offset being 0 and no decrease, but each sequence checks
+  // only its own pair: a negative start must fail here, not only in the pair that decreases.
+  const bool ok = (batch > 0 || start == 0) && start >= 0 && end >= start && end <= total;
+  if (ok) return {start, end - start};
+  *bits |= bit;
+  return {0, 0};
 }
 
-// The keys of batch entry b: its range, cut to the first seqused_k[b] (clamped into the range).
-CF_DEVICE SeqRange key_range(const AttnParams& p, int batch) {
-  SeqRange keys = seq_range(p.cu_seqlens_k, batch, p.seqlen_k);
-  if (p.seqused_k != nullptr) keys.len = min(max(p.seqused_k[batch], 0), keys.len);
-  return keys;
+// The query and key rows of batch entry b, every device-side value checked (read once per CTA,
+// values the kernel needs anyway): cu_seqlens_q / cu_seqlens_k when packed, and seqused_k (the
+// first seqused_k[b] keys take part; outside [0, key count] is bad). A range whose offsets are bad
+// is empty; the other one keeps its rows. A bad sequence (error_bits != 0) attends no key: the
+// kernels write NaN over the rows it still has (its query rows, and its key rows' gradients)
+// and report error_bits once per sequence. Which rows a sequence owns is defined only by valid
+// offsets, so a sequence never writes through a bad range: with cu_seqlens_q itself bad, rows
+// the caller meant for it are written by no one (docs/robustness.md).
+struct SeqRows {
+  SeqRange q, k;
+  int32_t error_bits;
+  CF_DEVICE bool bad() const { return error_bits != 0; }
+};
+
+CF_DEVICE SeqRows seq_rows(const AttnParams& p, int batch) {
+  SeqRows s;
+  s.error_bits = 0;
+  s.q = seq_range(p.cu_seqlens_q, batch, p.seqlen_q, kBadCuSeqlensQ, &s.error_bits);
+  s.k = seq_range(p.cu_seqlens_k, batch, p.seqlen_k, kBadCuSeqlensK, &s.error_bits);
+  if (p.seqused_k != nullptr && (s.error_bits & kBadCuSeqlensK) == 0) {
+    const int used = p.seqused_k[batch];
+    const bool ok = used >= 0 && used <= s.k.len;
+    s.k.len = ok ? used : 0;  // bad: no key (a kernel that only skips it reads none)
+    if (!ok) s.error_bits |= kBadSequsedK;
+  }
+  return s;
 }

@@ -29,6 +29,30 @@ CF_DEVICE void load_tile_elements(uint32_t s_tile, const typename Traits::Elemen
   }
 }
 
+// NaN into rows [0, min(rows_valid, kRows)) of a [rows][kHeadDim] global tile of the caller's
+// columns, and into count floats from g_float: the output of a sequence whose device-side values
+// are bad (params.cuh's SeqRows), which must not look like an answer. Runs instead of the
+// sequence's computation, never beside it, so it costs the main loop nothing.
+template <typename Traits, int kRows>
+CF_DEVICE void store_nan_rows(typename Traits::Element* g_tile, int64_t row_stride, int rows_valid,
+                              int tid) {
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  const uint32_t nan2 = Traits::Ops::pack2(quiet_nan(), quiet_nan());
+  const uint4 nan8 = make_uint4(nan2, nan2, nan2, nan2);
+#pragma unroll 1
+  for (int idx = tid; idx < kRows * kChunksPerRow; idx += Traits::kNThreads) {
+    const int row = idx / kChunksPerRow;
+    if (row >= rows_valid) break;
+    st_global_chunk<typename Traits::Columns>(g_tile + row * row_stride, idx % kChunksPerRow, nan8);
+  }
+}
+
+template <typename Traits>
+CF_DEVICE void store_nan_floats(float* g_float, int64_t count, int tid) {
+#pragma unroll 1
+  for (int64_t i = tid; i < count; i += Traits::kNThreads) g_float[i] = quiet_nan();
+}
+
 // Asynchronously copy rows [0, kRows) of a [rows][kHeadDim] global tile into a swizzled shared
 // tile; rows >= rows_valid, and the chunks past the caller's columns (Traits::Columns), are
 // zero-filled. Consecutive threads take consecutive 16-byte chunks of a row, so a warp reads 512

@@ -13,15 +13,25 @@
 #include "params.cuh"
 
 // The query and key rows of a tile's sequence: all of them for a padded batch, its slice of the
-// packed tensors for varlen.
+// packed tensors for varlen, checked (params.cuh's seq_rows). A bad sequence reads no key (k is
+// empty) and its tiles of a valid query range are written as NaN (bad()).
 template <bool Varlen>
 struct TileRows {
   SeqRange q, k;
-  CF_DEVICE TileRows(const AttnParams& params, int batch)
-      : q(Varlen ? seq_range(params.cu_seqlens_q, batch, params.seqlen_q)
-                 : SeqRange{0, params.seqlen_q}),
-        k(Varlen ? seq_range(params.cu_seqlens_k, batch, params.seqlen_k)
-                 : SeqRange{0, params.seqlen_k}) {}
+  int32_t error_bits;
+  CF_DEVICE TileRows(const AttnParams& params, int batch) {
+    if constexpr (Varlen) {
+      const SeqRows rows = seq_rows(params, batch);
+      q = rows.q;
+      k = rows.bad() ? SeqRange{rows.k.start, 0} : rows.k;
+      error_bits = rows.error_bits;
+    } else {
+      q = {0, params.seqlen_q};
+      k = {0, params.seqlen_k};
+      error_bits = 0;
+    }
+  }
+  CF_DEVICE bool bad() const { return error_bits != 0; }
 };
 
 template <typename Traits>
@@ -52,11 +62,15 @@ struct TileScheduler {
     return t + grid;
   }
 
-  // Varlen: a tile past the end of its sequence holds no rows; the consumers never see it.
+  // Varlen: a tile past the end of its sequence holds no rows; the consumers never see it. The
+  // producer asks once per tile it draws, and every tile is drawn once: the sequence's tile
+  // (query block 0, head 0), empty or not, reports its bad values.
   CF_DEVICE bool empty(int t, const AttnParams& params) const {
     if constexpr (!Traits::Varlen) return false;
     const Tile tile = (*this)(t, params);
-    return tile.m_block * Traits::kBlockM >= TileRows<Traits::Varlen>(params, tile.batch).q.len;
+    const TileRows<Traits::Varlen> rows(params, tile.batch);
+    if (tile.m_block == 0 && tile.head == 0) report_error(params, rows.error_bits);
+    return tile.m_block * Traits::kBlockM >= rows.q.len;
   }
 
   // This CTA draws no more tiles. The dynamic schedule's last CTA to get here knows every draw

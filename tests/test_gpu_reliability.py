@@ -1,6 +1,7 @@
-"""Reliability on the GPU (issue 15): NaN in gives NaN out on every algorithm and split count,
-huge float16 scores stay finite, and bad device-side decode values (page ids, cache lengths)
-neither write into another sequence's pages nor give a plausible answer (their rows are NaN).
+"""Reliability on the GPU: NaN in gives NaN out on every algorithm and split count, huge float16
+scores stay finite, bad device-side decode values (page ids, cache lengths) neither write into
+another sequence's pages nor give a plausible answer (their rows are NaN), and bad packed
+offsets (cu_seqlens, seqused_k) are never clamped into one.
 Outputs are NaN-poisoned before every launch (conftest), so "NaN where expected" is checked
 together with "finite and close to the float64 reference everywhere else"."""
 
@@ -295,3 +296,278 @@ def test_bad_device_seqlens_write_nothing_and_give_nan(rng, paged):
         ref, ref_lse = kv_reference(q[s : s + 1], expected_k[s : s + 1], expected_v[s : s + 1], [n], True)
         assert rel_error(out64[s : s + 1], ref) < BOUND["float16"]
         np.testing.assert_allclose(lse64[s : s + 1], ref_lse, atol=2e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad packed offsets on the device (attention_varlen's cu_seqlens_q / cu_seqlens_k, seqused_k):
+# never clamped into a plausible answer. A sequence whose key offsets (or seqused_k) are bad gets
+# NaN rows; one whose query offsets are bad owns no rows and writes nothing; the others are
+# unchanged, bit for bit; check_device_errors names the array.
+# ---------------------------------------------------------------------------------------------
+Q_LENS, K_LENS = [37, 64, 21], [50, 130, 77]  # every tile partial
+TAIL = 5  # rows of q after the last sequence: in no sequence
+# case: (the array, the entry, its new value as a function of the good offsets)
+BAD_OFFSETS = {
+    "k-negative": ("k", 0, lambda cu: -5),  # sequence 0 starts below 0
+    "k-decreasing": ("k", 3, lambda cu: cu[2] - 1),  # sequence 2 ends before it starts
+    "k-past-total": ("k", 3, lambda cu: cu[3] + 1),  # sequence 2 ends past the packed keys
+    "k-decreasing-middle": ("k", 2, lambda cu: cu[1] - 3),  # sequence 1 bad, 2 valid (and longer)
+    "q-negative": ("q", 0, lambda cu: -1),
+    "q-decreasing": ("q", 3, lambda cu: cu[2] - 1),
+    "q-past-total": ("q", 3, lambda cu: cu[3] + TAIL + 1),
+}
+
+
+def _cu(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _pair_ok(cu, b, total):
+    """The kernels' rule for sequence b's pair (the host check's, per pair): a first offset of
+    0, no decrease, nothing below 0 or past the packed total."""
+    start, end = int(cu[b]), int(cu[b + 1])
+    return (b > 0 or start == 0) and 0 <= start <= end <= total
+
+
+def _bad_varlen_case(torch, rng, case=None):
+    """bf16 packed q (with TAIL rows in no sequence), k, v; the good offsets and the case's (the
+    good ones again without a case), the packed totals, and the array the case spoils."""
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    cu = {"q": _cu(Q_LENS), "k": _cu(K_LENS)}
+    total = {"q": int(cu["q"][-1]) + TAIL, "k": int(cu["k"][-1])}
+    q = torch.randn(total["q"], 4, 128, generator=gen).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(total["k"], 2, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    bad = {name: c.copy() for name, c in cu.items()}
+    which = None
+    if case is not None:
+        which, entry, value = BAD_OFFSETS[case]
+        bad[which][entry] = value(cu[which])
+    return q, k, v, cu, bad, total, which
+
+
+def _clear_device_errors(torch):
+    from cupyflash import _workspace
+
+    _workspace.take_device_errors(torch.cuda.current_device())  # another test's bits are its own
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(BAD_OFFSETS))
+@pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
+def test_bad_cu_seqlens_give_nan_rows_and_write_nothing_else(rng, monkeypatch, algorithm, case, causal):
+    """The forward on FA2 and on the Hopper kernel: NaN rows (O and LSE) for a sequence with bad
+    key offsets; no write at all for one with bad query offsets (its rows and the tail keep the
+    output's 0 / -inf, or the tests' NaN poison); the other sequences as with good offsets, bit
+    for bit, and right against the float64 reference; check_device_errors names the array once."""
+    torch = need_torch()
+    skip_unless_kernel(algorithm, 128)
+    from cupyflash import _launch
+
+    _clear_device_errors(torch)
+    q, k, v, cu, bad, total, which = _bad_varlen_case(torch, rng, case)
+    dev = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
+    q64, k64, v64 = (reference.to_numpy64(x) for x in (q, k, v))
+    options = dict(causal=causal, return_lse=True, algorithm=algorithm)
+    good_out, good_lse = cupyflash.attention_varlen(q, k, v, dev(cu["q"]), dev(cu["k"]), 64, 130, **options)
+    cupyflash.check_device_errors()  # good offsets set nothing
+    for poison in (True, False):
+        monkeypatch.setattr(_launch, "POISON_OUTPUTS", poison)
+        out, lse = cupyflash.attention_varlen(q, k, v, dev(bad["q"]), dev(bad["k"]), 64, 130, **options)
+        out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+        owned = np.zeros(total["q"], dtype=bool)
+        for b in range(len(Q_LENS)):
+            if not _pair_ok(bad["q"], b, total["q"]):
+                continue  # no rows of its own: checked with the unowned rows below
+            rows = slice(int(bad["q"][b]), int(bad["q"][b + 1]))
+            owned[rows] = True
+            if not _pair_ok(bad["k"], b, total["k"]):
+                assert np.isnan(out64[rows]).all() and np.isnan(lse64[:, rows]).all(), f"sequence {b} must be NaN"
+                continue
+            keys = slice(int(bad["k"][b]), int(bad["k"][b + 1]))
+            ref, ref_lse = reference.attention(
+                q64[None, rows], k64[None, keys], v64[None, keys], causal=causal, return_lse=True
+            )
+            assert np.isfinite(out64[rows]).all() and np.isfinite(lse64[:, rows]).all()
+            assert rel_error(out64[rows], ref[0]) < BOUND["bfloat16"]
+            np.testing.assert_allclose(lse64[:, rows], ref_lse[0], atol=2e-3, rtol=1e-3)
+            if all(bad[n][b : b + 2].tolist() == cu[n][b : b + 2].tolist() for n in ("q", "k")):
+                assert torch.equal(out[rows], good_out[rows]) and torch.equal(lse[:, rows], good_lse[:, rows])
+        unowned = ~owned
+        assert unowned.sum() >= TAIL + (Q_LENS[0] if case == "q-negative" else 0)
+        if poison:
+            assert np.isnan(out64[unowned]).all() and np.isnan(lse64[:, unowned]).all()
+        else:  # written by no kernel: the output's 0 and -inf
+            assert (out64[unowned] == 0).all() and np.isneginf(lse64[:, unowned]).all()
+        message = f"a cu_seqlens_{which} value was negative, decreasing or past the packed total"
+        with pytest.raises(cupyflash.DeviceValueError, match=message) as info:
+            cupyflash.check_device_errors()
+        other = "k" if which == "q" else "q"
+        assert f"cu_seqlens_{other}" not in str(info.value)
+        cupyflash.check_device_errors()  # read and cleared
+
+
+@pytest.mark.parametrize("used_1", [-1, K_LENS[1] + 1], ids=["negative", "past-count"])
+def test_bad_seqused_k_gives_nan_rows(rng, used_1):
+    """seqused_k[b] outside [0, the sequence's key count] on the device: sequence b's rows are
+    NaN (no key clamped into place), the others as the host computes them; the error names
+    seqused_k."""
+    torch = need_torch()
+    _clear_device_errors(torch)
+    q, k, v, cu, _, _, _ = _bad_varlen_case(torch, rng)
+    used = np.array([12, used_1, 77], dtype=np.int32)
+    dev = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
+    out, lse = cupyflash.attention_varlen(
+        q, k, v, dev(cu["q"]), dev(cu["k"]), 64, 130, causal=True, seqused_k=dev(used), return_lse=True
+    )
+    out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+    q64, k64, v64 = (reference.to_numpy64(x) for x in (q, k, v))
+    for b in range(3):
+        rows = slice(int(cu["q"][b]), int(cu["q"][b + 1]))
+        if b == 1:
+            assert np.isnan(out64[rows]).all() and np.isnan(lse64[:, rows]).all()
+            continue
+        keys = slice(int(cu["k"][b]), int(cu["k"][b]) + int(used[b]))
+        ref = reference.attention(q64[None, rows], k64[None, keys], v64[None, keys], causal=True)
+        assert rel_error(out64[rows], ref[0]) < BOUND["bfloat16"]
+    with pytest.raises(cupyflash.DeviceValueError, match=r"seqused_k value was outside \[0, its sequence's key"):
+        cupyflash.check_device_errors()
+    cupyflash.check_device_errors()
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+# (Not "k-decreasing-middle": the valid-looking pair after the bad one overlaps sequence 0's keys,
+# whose dk rows both would write: the flag is the signal there, the gradients are undefined.)
+@pytest.mark.parametrize("case", ["k-negative", "k-past-total", "k-decreasing", "q-decreasing", "q-past-total"])
+@pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
+def test_bad_cu_seqlens_backward_gives_nan_or_untouched_gradients(rng, monkeypatch, algorithm, case, deterministic):
+    """Through autograd (the forward on FA2 or the Hopper kernel, the FA2 backward): a sequence
+    with a bad value gets NaN dq over its valid query rows and leaves dk, dv untouched (0, as
+    keys of no sequence); rows no valid pair owns are untouched (0); the other sequences'
+    gradients are those of the good offsets (bit for bit for dk, dv and the deterministic dq);
+    forward and backward each report the array."""
+    torch = need_torch()
+    skip_unless_kernel(algorithm, 128)
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "POISON_OUTPUTS", False)  # untouched rows read the outputs' 0
+    _clear_device_errors(torch)
+    q, k, v, cu, bad, total, which = _bad_varlen_case(torch, rng, case)
+    dev = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
+    dout = torch.randn_like(q)
+
+    def grads(offsets):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = cupyflash.attention_varlen(
+            *leaves, dev(offsets["q"]), dev(offsets["k"]), 64, 130, causal=True, algorithm=algorithm,
+            deterministic=deterministic,
+        )  # fmt: skip
+        forward_error = None
+        try:
+            cupyflash.check_device_errors()
+        except cupyflash.DeviceValueError as error:
+            forward_error = str(error)
+        out.backward(dout)
+        return [x.grad for x in leaves], forward_error
+
+    (good_dq, good_dk, good_dv), none = grads(cu)
+    assert none is None
+    cupyflash.check_device_errors()
+    (dq, dk, dv), forward_error = grads(bad)
+    message = f"a cu_seqlens_{which} value was negative, decreasing or past the packed total"
+    assert forward_error is not None and message in forward_error
+    with pytest.raises(cupyflash.DeviceValueError, match=message):
+        cupyflash.check_device_errors()  # set again by the backward
+    cupyflash.check_device_errors()
+    dq64, dk64, dv64 = (reference.to_numpy64(x) for x in (dq, dk, dv))
+    owned_q, owned_k = np.zeros(total["q"], dtype=bool), np.zeros(total["k"], dtype=bool)
+    for b in range(len(Q_LENS)):
+        q_ok, k_ok = _pair_ok(bad["q"], b, total["q"]), _pair_ok(bad["k"], b, total["k"])
+        rows = slice(int(bad["q"][b]), int(bad["q"][b + 1])) if q_ok else slice(0, 0)
+        keys = slice(int(bad["k"][b]), int(bad["k"][b + 1])) if k_ok else slice(0, 0)
+        owned_q[rows], owned_k[keys] = True, True
+        if not (q_ok and k_ok):
+            assert np.isnan(dq64[rows]).all(), f"sequence {b}: dq must be NaN over its query rows"
+            owned_k[keys] = False  # its keys' dk, dv: untouched, as keys of no sequence
+            continue
+        assert np.isfinite(dq64[rows]).all() and np.isfinite(dk64[keys]).all() and np.isfinite(dv64[keys]).all()
+        if all(bad[n][b : b + 2].tolist() == cu[n][b : b + 2].tolist() for n in ("q", "k")):
+            assert torch.equal(dk[keys], good_dk[keys]) and torch.equal(dv[keys], good_dv[keys])
+            if deterministic:
+                assert torch.equal(dq[rows], good_dq[rows])
+            else:  # fp32 atomics: the order of the adds varies
+                torch.testing.assert_close(dq[rows], good_dq[rows], atol=2e-2, rtol=2e-2)
+    assert (dq64[~owned_q] == 0).all() and (dk64[~owned_k] == 0).all() and (dv64[~owned_k] == 0).all()
+
+
+def test_bad_cu_seqlens_in_a_captured_graph():
+    """The checks need no synchronisation: a varlen forward captured in a CUDA graph replays
+    with good offsets as the eager call does, with bad ones written into the same buffer gives
+    the bad sequence NaN rows and sets the error word, and with good ones again is right."""
+    torch = need_torch()
+    _clear_device_errors(torch)
+    rng = np.random.default_rng(5)
+    q, k, v, cu, bad, _, _ = _bad_varlen_case(torch, rng, "k-past-total")
+    cu_q, cu_k = (torch.from_numpy(cu[n]).cuda() for n in ("q", "k"))
+    step = lambda: cupyflash.attention_varlen(q, k, v, cu_q, cu_k, 64, 130, causal=True, algorithm="fa2")  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile, plan, the error word
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step()
+    eager = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    rows = slice(int(cu["q"][2]), int(cu["q"][3]))
+    assert torch.equal(graph_out[: rows.stop], eager[: rows.stop])
+    cupyflash.check_device_errors()
+    cu_k.copy_(torch.from_numpy(bad["k"]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool(graph_out[rows].isnan().all()) and torch.equal(graph_out[: rows.start], eager[: rows.start])
+    with pytest.raises(cupyflash.DeviceValueError, match="cu_seqlens_k value"):
+        cupyflash.check_device_errors()
+    cu_k.copy_(torch.from_numpy(cu["k"]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out[: rows.stop], eager[: rows.stop])
+    cupyflash.check_device_errors()
+
+
+def test_paged_varlen_bad_cu_seqlens(monkeypatch):
+    """attention_varlen over pages: query offsets past the packed total leave that sequence no
+    rows (nothing written: the output's 0, LSE -inf), key offsets not starting at 0 make its rows
+    NaN; the other sequences are right; the error names the array."""
+    torch = need_torch()
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "POISON_OUTPUTS", False)  # rows no kernel writes read the outputs' 0
+    _clear_device_errors(torch)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(60, 4, 64, generator=gen).to("cuda", torch.float16)
+    pages = torch.randn(8, 16, 2, 64, generator=gen).to("cuda", torch.float16)
+    table = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32, device="cuda")
+    ints = lambda rows: torch.tensor(rows, dtype=torch.int32, device="cuda")  # noqa: E731
+    for cu_q, cu_k, bad_seq, message, written in (
+        ([0, 20, 40, 61], [0, 32, 64, 96], 2, "cu_seqlens_q value", False),
+        ([0, 20, 40, 60], [1, 32, 64, 96], 0, "cu_seqlens_k value", True),
+    ):
+        out, lse = cupyflash.attention_varlen(
+            q, pages, pages, ints(cu_q), ints(cu_k), 20, 32, causal=True, block_table=table, return_lse=True
+        )
+        out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+        bad_rows = slice(20 * bad_seq, 20 * bad_seq + 20)
+        if written:
+            assert np.isnan(out64[bad_rows]).all() and np.isnan(lse64[:, bad_rows]).all()
+        else:
+            assert (out64[bad_rows] == 0).all() and np.isneginf(lse64[:, bad_rows]).all()
+        for b in {0, 1, 2} - {bad_seq}:
+            rows = slice(20 * b, 20 * b + 20)
+            keys = pages[table[b].long()].reshape(1, 32, 2, 64)
+            want = reference.attention(q[None, rows], keys, keys, causal=True)
+            assert rel_error(out64[rows], want[0]) < BOUND["float16"]
+        with pytest.raises(cupyflash.DeviceValueError, match=message):
+            cupyflash.check_device_errors()
+        cupyflash.check_device_errors()

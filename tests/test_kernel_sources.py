@@ -7,6 +7,7 @@ import importlib.util
 import re
 from pathlib import Path
 
+from cupyflash._kvcache import _DEVICE_ERRORS
 from cupyflash._specs import WGMMA_N
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,3 +47,20 @@ def test_every_file_opens_with_its_role():
     for path in KERNELS.glob("*.cu*"):
         first = path.read_text().splitlines()[0]
         assert first.startswith("// ") and len(first) > 20, f"{path.name}: no opening comment"
+
+
+def test_every_device_error_bit_has_its_message():
+    """The bits of the device error word (params.cuh) are distinct powers of two, and each has
+    the message check_device_errors raises for it, naming the value (and no message lacks a bit)."""
+    enum = re.search(r"enum : int32_t \{([^}]*)\}", (KERNELS / "params.cuh").read_text())
+    assert enum is not None
+    bits = {name: int(value) for name, value in re.findall(r"(kBad\w+) = (\d+)", enum.group(1))}
+    assert len(bits) == len(set(bits.values())) >= 6
+    assert all(bit & (bit - 1) == 0 for bit in bits.values())
+    assert set(bits.values()) == set(_DEVICE_ERRORS)
+    named = {"kBadPage": "block_table", "kBadSeqlen": "cache_seqlens", "kBadCacheIndex": "cache_batch_idx",
+             "kBadCuSeqlensQ": "cu_seqlens_q value", "kBadCuSeqlensK": "cu_seqlens_k value",
+             "kBadSequsedK": "seqused_k value"}  # fmt: skip
+    assert set(named) == set(bits)
+    for name, word in named.items():
+        assert word in _DEVICE_ERRORS[bits[name]], (name, _DEVICE_ERRORS[bits[name]])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cupyflash import _interop, _kernels, _launch, _plan, _workspace
-from cupyflash._validate import attention_problem, kvcache_problem
+from cupyflash._validate import attention_problem, kvcache_problem, varlen_problem
 
 H200 = _plan.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
 
@@ -136,6 +136,43 @@ def test_decode_lengths_scratch_and_error_word(recorder):
     assert counters and _field(launch, int_call, "o_partial_ptr") > counters
     with pytest.raises(ValueError, match="goes beyond the cache"):
         _launch.run(launch, lib, 0, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": 4097}, False)
+
+
+@pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
+def test_varlen_plans_bind_the_error_word(recorder, algorithm):
+    """Packed sequences: the forward (FA2 and the Hopper kernel) and every backward step get the
+    device error word, from the table of pointers (no allocation, no synchronisation), on every
+    call; a padded batch, whose kernels read no device-side offset, gets none."""
+    rng = np.random.default_rng(4)
+    q, k, v, out, dout = _arrays(rng, (40, 4, 128), (50, 2, 128), (50, 2, 128), (40, 4, 128), (40, 4, 128))
+    lse = rng.standard_normal((4, 40)).astype(np.float32)
+    cu_q, cu_k = np.array([0, 15, 40], np.int32), np.array([0, 20, 50], np.int32)
+    p = varlen_problem(q.shape, k.shape, v.shape, cu_q.shape, cu_k.shape, 25, 30, causal=True, scale=None,
+                       window=(-1, -1), softcap=0.0)  # fmt: skip
+    lib = _NumpyLib()
+    forward = _plan.plan_forward(p, "float16", H200, algorithm, q_shape=q.shape, packed_rows=(40, 50))
+    assert forward.error_slot == forward.params.slot("error_flags") >= 0
+    arrays = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    for _ in range(2):  # the first call binds the layouts, the second takes the straight path
+        _launch.run(forward, lib, 0, arrays, True)
+    assert len(recorder.calls) == 2
+    assert all(_field(forward, call[4], "error_flags") == 4242 for call in recorder.calls)
+    assert all(_field(forward, call[4], "cu_seqlens_q") == cu_q.ctypes.data for call in recorder.calls)
+
+    recorder.calls.clear()
+    backward = _plan.plan_backward(p, "float16", H200, q_shape=q.shape, k_shape=k.shape, packed_rows=(40, 50))
+    assert backward.error_slot == backward.params.slot("error_flags")
+    _launch.run_outputs(backward, lib, 0, {**arrays, "out": out, "dout": dout, "lse": lse})
+    assert len(recorder.calls) == len(backward.steps) == 3
+    assert all(_field(backward, call[4], "error_flags") == 4242 for call in recorder.calls)
+
+    recorder.calls.clear()
+    dense = attention_problem((1, 40, 4, 128), (1, 50, 2, 128), (1, 50, 2, 128), causal=True, scale=None,
+                              window=(-1, -1), softcap=0.0, layout="bshd")  # fmt: skip
+    padded = _plan.plan_forward(dense, "float16", H200, algorithm, q_shape=(1, 40, 4, 128))
+    assert padded.error_slot == -1
+    _launch.run(padded, lib, 0, {"q": q[None], "k": k[None], "v": v[None]}, False)
+    assert _field(padded, recorder.calls[0][4], "error_flags") == 0
 
 
 def test_layouts_follow_each_call(recorder):

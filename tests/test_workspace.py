@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+import cupyflash
 from cupyflash import _interop, _workspace
 
 
@@ -100,3 +101,31 @@ def test_default_stream_handles_are_per_thread(fake_device):
     worker.join()
     assert here[0] != there[0] and here[2] != there[2]
     assert here[9] == there[9]  # an explicit stream is one stream in every thread
+
+
+def test_the_error_word_is_made_outside_a_capture(monkeypatch):
+    """The first call to need the word allocates it (zeroed) and keeps its pointer; later calls
+    read the table; a first call inside a CUDA-graph capture gets 0 (no reporting) instead of an
+    allocation the capture would refuse."""
+    monkeypatch.setattr(_workspace, "error_word_ptrs", {})
+    monkeypatch.setattr(_workspace, "stream_is_capturing", lambda stream: True)
+    assert _workspace.device_error_word(0, 7) == 0 and _workspace.error_word_ptrs == {}
+
+
+def test_device_errors_name_each_bad_value(monkeypatch):
+    """check_device_errors turns the bits the kernels set into one DeviceValueError that names
+    each kind of value met (cu_seqlens_q and cu_seqlens_k apart), and raises nothing once the
+    word reads 0 (the read clears it)."""
+    taken = iter([8 | 32, 16, 1 | 2, 0])
+    monkeypatch.setattr(_workspace, "take_device_errors", lambda device: next(taken))
+    with pytest.raises(cupyflash.DeviceValueError, match="on GPU 0") as info:
+        cupyflash.check_device_errors(0)
+    message = str(info.value)
+    assert "a cu_seqlens_q value was negative, decreasing or past the packed total" in message
+    assert "seqused_k value was outside [0, its sequence's key count]" in message
+    assert "cu_seqlens_k" not in message and "block_table" not in message
+    with pytest.raises(cupyflash.DeviceValueError, match="a cu_seqlens_k value was negative, decreasing"):
+        cupyflash.check_device_errors(0)
+    with pytest.raises(cupyflash.DeviceValueError, match="block_table entry.*; a cache_seqlens value"):
+        cupyflash.check_device_errors(0)
+    cupyflash.check_device_errors(0)
