@@ -697,11 +697,11 @@ def attention_varlen_backward(
     attention_varlen(..., return_lse=True)``, as :func:`attention_backward` computes them, per
     packed sequence. ``lse`` (and ``dlse``) are ``(Hq, total_q)``. Packed rows that belong to
     no sequence get zero gradients. On the GPU the offsets and ``seqused_k`` are checked on the
-    device as the forward's: a sequence with a bad value computes nothing, gets NaN dq over its
-    query rows when its ``cu_seqlens_q`` pair is valid, and leaves dk and dv untouched (0, as
-    keys of no sequence), and :func:`check_device_errors` raises. Without ``deterministic``,
-    dq's NaN comes from the NaN ``lse`` rows the forward gave that sequence (autograd passes
-    those); an ``lse`` from other offsets leaves its dq 0 too. On the host they are checked. ``dropout_p`` and ``seed``:
+    device as the forward's and a bad one is reported (:func:`check_device_errors` raises): a
+    sequence whose keys are bad gets NaN dq over its query rows (from the NaN ``lse`` rows the
+    forward gave it, which autograd passes); the key-block kernel reads the offsets clamped into
+    the tensors, so a bad sequence's dk, dv are undefined and may reach the rows its clamped
+    range covers, never outside the tensors. On the host they are checked. ``dropout_p`` and ``seed``:
     the forward's, as for :func:`attention_backward`; ``alibi_slopes`` and ``seqused_k`` too (keys
     past ``seqused_k`` get zero gradients)."""
     options = check_options(causal, scale, window, softcap)

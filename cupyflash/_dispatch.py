@@ -418,9 +418,6 @@ FA2_BWD_TILES: dict[int, tuple[int, int, int]] = {
 FA2_BWD_ALIBI_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_TILES, 128: (64, 64, 2)}
 # An attn_mask at d = 96: 32 x 128 spilled 4-8 bytes on sm_80 with dropout; 64 x 64 split in d fits.
 FA2_BWD_MASK_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_ALIBI_TILES, 96: (64, 64, 2)}
-# A window at d = 128: 32 x 128 with causal + local spilled 4 bytes on sm_90a once the kernel checks
-# its packed offsets (it sits at 255 registers); 64 x 64 split in d, ALiBi's tile, fits.
-FA2_BWD_LOCAL_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_TILES, 128: (64, 64, 2)}
 
 
 # The deterministic backward's dQ kernel: (block_m, block_n, warps), 16 query rows per warp (32
@@ -435,12 +432,7 @@ def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: boo
     """The backward's main variant; ``head_dim`` is the caller's (as ``fa2_fwd_spec``)."""
     width, valid_dim = columns(head_dim, FA2_BWD_HEAD_DIMS)
     # a score variant holding registers (ALiBi's slope, a mask's pointer and strides): narrower tiles
-    tiles = (
-        FA2_BWD_MASK_TILES if flags.mask
-        else FA2_BWD_ALIBI_TILES if flags.alibi
-        else FA2_BWD_LOCAL_TILES if flags.local
-        else FA2_BWD_TILES
-    )  # fmt: skip
+    tiles = FA2_BWD_MASK_TILES if flags.mask else FA2_BWD_ALIBI_TILES if flags.alibi else FA2_BWD_TILES
     block_m, block_n, d_split = tiles[width]
     return Fa2BwdSpec(
         dtype, width, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic, d_split,

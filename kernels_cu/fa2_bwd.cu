@@ -268,11 +268,11 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const int phase_row0 = part * Traits::kPhaseRows;  // first query row of this warp's S^T
   const int acc_col0 = part * Traits::kAccCols;      // first column of this warp's dK, dV
 
-  // A bad sequence (params.cuh's SeqRows) has empty ranges here: nothing is read, its key
-  // rows' dK and dV are 0, its dQ rows NaN (fa2_bwd_prep starts the accumulator of a NaN-LSE row,
-  // as the forward gave it, at NaN; fa2_bwd_dq_blocks writes NaN). fa2_bwd_prep reports it: a
-  // check or a store of its own here spilled the d = 128 tiles, at their register limit.
-  const SeqRows seq = seq_rows(a, batch);
+  // Offsets clamped, unchecked (params.cuh's clamped_seq_rows: a check here spilled the d = 128
+  // tiles at their register limit); fa2_bwd_prep checks every sequence and reports a bad one, and
+  // a bad sequence's dQ rows are NaN (prep starts the accumulator of a NaN-LSE row, as the
+  // forward gave it, at NaN; fa2_bwd_dq_blocks writes NaN).
+  const SeqRows seq = clamped_seq_rows(a, batch);
   const SeqRange rows_q = seq.q;
   const SeqRange rows_k = seq.k;
   const int seqlen_q = rows_q.len;

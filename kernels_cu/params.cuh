@@ -173,3 +173,23 @@ CF_DEVICE SeqRows seq_rows(const AttnParams& p, int batch) {
   }
   return s;
 }
+
+// The rows of batch entry b with its offsets clamped into the packed totals, unchecked: only for
+// the backward's key-block kernel, at its register limit (any check there spilled the d = 128
+// tiles), in a launch whose prep kernel checks every sequence's offsets (seq_rows) and reports a
+// bad one. A bad sequence's dK and dV there are then not an answer, and check_device_errors says
+// so; no access leaves the tensors.
+CF_DEVICE SeqRows clamped_seq_rows(const AttnParams& p, int batch) {
+  auto clamp = [](const int32_t* cu, int b, int total) -> SeqRange {
+    if (cu == nullptr) return {0, total};
+    const int end = min(max(cu[b + 1], 0), total);
+    const int start = min(max(cu[b], 0), end);
+    return {start, end - start};
+  };
+  SeqRows s;
+  s.error_bits = 0;
+  s.q = clamp(p.cu_seqlens_q, batch, p.seqlen_q);
+  s.k = clamp(p.cu_seqlens_k, batch, p.seqlen_k);
+  if (p.seqused_k != nullptr) s.k.len = min(max(p.seqused_k[batch], 0), s.k.len);
+  return s;
+}

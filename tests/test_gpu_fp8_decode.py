@@ -83,7 +83,11 @@ def test_fp8_decode_matches_reference_of_dequantised_cache(rng, fmt, dtype, head
     ref16 = kv_reference(q.double().cpu().numpy(), k16.double().cpu().numpy(), v16.double().cpu().numpy(), lengths,
                          causal)[0]  # fmt: skip
     error16 = rel_error(reference.to_numpy64(out16), ref16)
-    assert error < BOUND[dtype] and error <= 1.25 * error16 + 1e-5, (error, error16)
+    # The floor of q's dtype: the exact answer over the dequantised cache rounded to it. The 16-bit
+    # path's reference holds values already in q's dtype, so its one-key sequence (output = v) is
+    # exact and its error can sit below that floor, which no kernel of the fp8 cache can reach.
+    floor = rel_error(reference.to_numpy64(torch.from_numpy(ref).to(tdtype)), ref)
+    assert error < BOUND[dtype] and error <= 1.25 * max(error16, floor) + 1e-5, (error, error16, floor)
     lse64, finite = reference.to_numpy64(lse), np.isfinite(ref_lse)
     assert (np.isneginf(lse64) == np.isneginf(ref_lse)).all()
     np.testing.assert_allclose(lse64[finite], ref_lse[finite], atol=2e-2)

@@ -434,17 +434,24 @@ def test_bad_seqused_k_gives_nan_rows(rng, used_1):
     cupyflash.check_device_errors()
 
 
+def _clamped(cu, b, total):
+    """The rows the backward's key-block kernel reads for sequence b (params.cuh's
+    clamped_seq_rows): its pair clamped into [0, total], unchecked."""
+    end = min(max(int(cu[b + 1]), 0), total)
+    return slice(min(max(int(cu[b]), 0), end), end)
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-# (Not "k-decreasing-middle": the valid-looking pair after the bad one overlaps sequence 0's keys,
-# whose dk rows both would write: the flag is the signal there, the gradients are undefined.)
 @pytest.mark.parametrize("case", ["k-negative", "k-past-total", "k-decreasing", "q-decreasing", "q-past-total"])
 @pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
-def test_bad_cu_seqlens_backward_gives_nan_or_untouched_gradients(rng, monkeypatch, algorithm, case, deterministic):
-    """Through autograd (the forward on FA2 or the Hopper kernel, the FA2 backward): a sequence
-    with a bad value gets NaN dq over its valid query rows and leaves dk, dv untouched (0, as
-    keys of no sequence); rows no valid pair owns are untouched (0); the other sequences'
-    gradients are those of the good offsets (bit for bit for dk, dv and the deterministic dq);
-    forward and backward each report the array."""
+def test_bad_cu_seqlens_backward_is_reported_and_stays_in_bounds(rng, monkeypatch, algorithm, case, deterministic):
+    """Through autograd (the forward on FA2 or the Hopper kernel, the FA2 backward): forward and
+    backward each report the bad array (the backward's prep kernel checks every sequence); a
+    sequence whose keys are bad gets NaN dq over its query rows (its LSE is the forward's NaN);
+    the key-block kernel reads each sequence's offsets clamped into the tensors, unchecked (a check
+    there spilled its registers), so a bad sequence's dk, dv are undefined and may reach the rows
+    its clamped range covers; every sequence outside those ranges keeps the good offsets'
+    gradients, and rows outside every range stay untouched (0)."""
     torch = need_torch()
     skip_unless_kernel(algorithm, 128)
     from cupyflash import _launch
@@ -479,16 +486,24 @@ def test_bad_cu_seqlens_backward_gives_nan_or_untouched_gradients(rng, monkeypat
         cupyflash.check_device_errors()  # set again by the backward
     cupyflash.check_device_errors()
     dq64, dk64, dv64 = (reference.to_numpy64(x) for x in (dq, dk, dv))
-    owned_q, owned_k = np.zeros(total["q"], dtype=bool), np.zeros(total["k"], dtype=bool)
-    for b in range(len(Q_LENS)):
-        q_ok, k_ok = _pair_ok(bad["q"], b, total["q"]), _pair_ok(bad["k"], b, total["k"])
-        rows = slice(int(bad["q"][b]), int(bad["q"][b + 1])) if q_ok else slice(0, 0)
-        keys = slice(int(bad["k"][b]), int(bad["k"][b + 1])) if k_ok else slice(0, 0)
-        owned_q[rows], owned_k[keys] = True, True
-        if not (q_ok and k_ok):
+    sequences = range(len(Q_LENS))
+    ok = {b: _pair_ok(bad["q"], b, total["q"]) and _pair_ok(bad["k"], b, total["k"]) for b in sequences}
+    # Rows and keys a bad sequence's clamped ranges reach (the key-block kernel writes dk, dv of its
+    # keys and adds into dq of its rows there).
+    reached_q, reached_k = np.zeros(total["q"], dtype=bool), np.zeros(total["k"], dtype=bool)
+    for b in (b for b in sequences if not ok[b]):
+        reached_q[_clamped(bad["q"], b, total["q"])] = True
+        reached_k[_clamped(bad["k"], b, total["k"])] = True
+    owned_q, owned_k = reached_q.copy(), reached_k.copy()
+    for b in sequences:
+        rows, keys = _clamped(bad["q"], b, total["q"]), _clamped(bad["k"], b, total["k"])
+        if not _pair_ok(bad["k"], b, total["k"]) and _pair_ok(bad["q"], b, total["q"]):
             assert np.isnan(dq64[rows]).all(), f"sequence {b}: dq must be NaN over its query rows"
-            owned_k[keys] = False  # its keys' dk, dv: untouched, as keys of no sequence
+        if not ok[b]:
             continue
+        owned_q[rows], owned_k[keys] = True, True
+        if reached_q[rows].any() or reached_k[keys].any():
+            continue  # shares rows or keys with a bad sequence's clamped ranges: undefined
         assert np.isfinite(dq64[rows]).all() and np.isfinite(dk64[keys]).all() and np.isfinite(dv64[keys]).all()
         if all(bad[n][b : b + 2].tolist() == cu[n][b : b + 2].tolist() for n in ("q", "k")):
             assert torch.equal(dk[keys], good_dk[keys]) and torch.equal(dv[keys], good_dv[keys])
