@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import _plan
+from . import _interop, _plan
 from ._kvcache import attention_with_kvcache, merge_states
+from ._validate import check_options
 
 # Splits of the prefix's keys: enough CTAs for two waves of the GPU, each split at least this
 # many keys (a split's fixed cost, its partial state and a merge, is then below its read time).
@@ -116,6 +117,7 @@ def attention_with_shared_prefix(
         _check_suffix_covers_queries(cache_seqlens, nq)
     xp = array_namespace(q)
     where = device_of(q)
+    gpu = _interop.gpu_arrays(("q",), (q,))  # (library, device, ...) on a GPU, None on the host
 
     # The suffix first: its append must land before anything reads the pages (no other read of
     # those pages follows, but a caller may pass the same pool as prefix and suffix).
@@ -133,7 +135,7 @@ def attention_with_shared_prefix(
     heads, rows_per_query = (hkv, group) if packed else (hq, 1)
     t = b * nq
     rows = t * rows_per_query
-    splits = _prefix_splits(q, prefix_pages * page_size, heads, rows)
+    splits = _prefix_splits(gpu, prefix_pages * page_size, heads, rows)
     chunk = -(-prefix_pages // splits) if prefix_pages else 1
     splits = max(-(-prefix_pages // chunk), 1)
     chunk_keys = chunk * page_size
@@ -146,10 +148,15 @@ def attention_with_shared_prefix(
         q_rows = xp.reshape(q, (rows, hq, d))
     if splits > 1:
         q_rows = xp.reshape(xp.broadcast_to(q_rows[None], (splits, rows, heads, d)), (splits * rows, heads, d))
-    out_p, lse_p = _varlen(
-        q_rows, k_cache, v_cache, cu_q, cu_k, max(group_rows, default=0), chunk_keys, scale, softcap, table
-    )
-    prefix_out, prefix_lse = _merge_prefix(xp, out_p, lse_p, splits, (b, nq, hq, hkv, d), packed)
+    prefix_args = (q_rows, k_cache, v_cache, cu_q, cu_k, max(group_rows, default=0), chunk_keys, scale, softcap, table)
+    dims = (b, nq, hq, hkv, d)
+    if gpu is None:
+        out_p, lse_p = _varlen(*prefix_args)
+        prefix_out, prefix_lse = _merge_prefix(xp, out_p, lse_p, splits, dims, packed)
+    else:
+        lib, device = gpu[0], gpu[1]
+        out_p, lse_p = _gpu_prefix(lib, device, *prefix_args)
+        prefix_out, prefix_lse = _gpu_merge_prefix(lib, device, out_p, lse_p, splits, dims, packed)
     out, lse = merge_states(prefix_out, prefix_lse, out_s, lse_s)
     return (out, lse) if return_lse else out
 
@@ -236,23 +243,27 @@ def parts_layout(splits: int, dims: tuple[int, int, int, int, int], packed: bool
     )  # fmt: skip
 
 
+def _gpu_merge_prefix(
+    lib: Any, device: int, out_p: Any, lse_p: Any, splits: int, dims: tuple[int, int, int, int, int], packed: bool
+) -> tuple[Any, Any]:
+    """The S key ranges' states of the prefix merged by LSE into (B, Nq, Hq, d) and (B, Hq, Nq) in
+    one launch of the split-KV merge, reading the varlen kernel's packed output in place
+    (``parts_layout``)."""
+    from . import _launch
+
+    layout = parts_layout(splits, dims, packed)
+    dtype = lib.dtype_name(out_p)
+    launch = _parts_plans.get((lib.name, device, layout, dtype), lambda: _plan.plan_merge_parts(layout, dtype))
+    return _launch.run(launch, lib, device, {"o_parts": out_p, "lse_parts": lse_p}, True)
+
+
 def _merge_prefix(
     xp: Any, out_p: Any, lse_p: Any, splits: int, dims: tuple[int, int, int, int, int], packed: bool
 ) -> tuple[Any, Any]:
-    """The S key ranges' states of the prefix merged by LSE into (B, Nq, Hq, d) and (B, Hq, Nq): on
-    the GPU one launch of the split-KV merge reading the varlen kernel's packed output in place
-    (``_plan.PartsLayout``), on the host pairwise ``merge_states``."""
-    from . import _interop, _launch
-
+    """The host's merge of the prefix's S states (the GPU's: ``_gpu_merge_prefix``): pairwise
+    ``merge_states`` over the varlen output rearranged to (S, B Nq, Hq, d) and (S, Hq, B Nq)."""
     b, nq, hq, hkv, d = dims
     t, group = b * nq, hq // hkv
-    arrays = _interop.gpu_arrays(("out", "lse"), (out_p, lse_p))
-    if arrays is not None:
-        lib, device, (o, lse) = arrays
-        layout = parts_layout(splits, dims, packed)
-        dtype = lib.dtype_name(o)
-        launch = _parts_plans.get((lib.name, device, layout, dtype), lambda: _plan.plan_merge_parts(layout, dtype))
-        return _launch.run(launch, lib, device, {"o_parts": o, "lse_parts": lse}, True)
     if packed:
         out_p = xp.reshape(
             xp.permute_dims(xp.reshape(out_p, (splits, t, group, hkv, d)), (0, 1, 3, 2, 4)), (splits, t, hq, d)
@@ -271,6 +282,35 @@ def _merge_prefix(
     prefix_out = xp.reshape(out_p[0], (b, nq, hq, d))
     prefix_lse = xp.permute_dims(xp.reshape(lse_p[0], (hq, b, nq)), (1, 0, 2))
     return prefix_out, prefix_lse
+
+
+_prefix_plans = _plan.new_cache()
+
+
+def _gpu_prefix(
+    lib: Any, device: int, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, scale: Any,
+    softcap: float, table: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The prefix's paged varlen call on the GPU, its plan cached by the call's signature: the
+    public call's checks and planning run once per shape (a decode step is host-bound here)."""
+    from . import _api, _launch
+
+    named = dict(zip(_api._PAGED_NAMES, (q, k, v, cu_q, cu_k, None, None, table)))
+    dtypes = tuple(None if x is None else lib.dtype_name(x) for x in named.values())
+    key = (lib.name, device, q.shape, k.shape, table.shape, cu_q.shape, dtypes, max_q, max_k, scale, softcap)
+
+    def plan() -> _plan.Launch:
+        _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, softcap, table)  # every check of the public call
+        problem = _api._varlen_problem(
+            q, k, v, cu_q, cu_k, max_q, max_k, check_options(False, scale, (-1, -1), softcap), block_table=table
+        )
+        return _plan.plan_paged_varlen(
+            problem, dict(zip(named, dtypes)), _plan.device_info(device), tuple(q.shape), tuple(table.shape),
+            k.shape[0],
+        )  # fmt: skip
+
+    launch = _prefix_plans.get(key, plan)
+    return _launch.run(launch, lib, device, named, True)
 
 
 def _varlen(
@@ -322,16 +362,15 @@ def _check_suffix_covers_queries(cache_seqlens: Any, nq: int) -> None:
         )
 
 
-def _prefix_splits(q: Any, prefix_keys: int, heads: int, rows: int) -> int:
-    """How many key ranges the prefix is split into on the GPU: CTAs for two waves (a CTA takes
-    128 packed rows of one head), each range at least _MIN_SPLIT_KEYS keys; one on the host."""
-    from . import _interop, _plan
-
-    arrays = _interop.gpu_arrays(("q",), (q,))
-    if arrays is None:
+def _prefix_splits(gpu: Any, prefix_keys: int, heads: int, rows: int) -> int:
+    """How many key ranges the prefix is split into on the GPU (``gpu``: gpu_arrays' answer):
+    CTAs for two waves (a CTA takes 128 packed rows of one head), each range at least
+    _MIN_SPLIT_KEYS keys; one on the host."""
+    if gpu is None:
         return 1
+    device = gpu[1]
     ctas = heads * max(-(-rows // 128), 1)
-    want = max(1, (2 * _plan.device_info(arrays[1]).num_sms) // ctas)
+    want = max(1, (2 * _plan.device_info(device).num_sms) // ctas)
     most = max(1, prefix_keys // _MIN_SPLIT_KEYS)
     return int(min(want, most, _MAX_SPLITS))
 

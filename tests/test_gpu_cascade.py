@@ -41,7 +41,8 @@ def test_matches_the_flat_paged_call(nq, nnew, page_size):
         k_new, v_new = (torch.randn(5, nnew, hkv, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
     seqlens = torch.tensor(own_lens, dtype=torch.int32, device="cuda")
     k_flat, v_flat = pool.clone(), v_pool.clone()
-    splits = _cascade._prefix_splits(q, max(prefix_pages) * page_size, hkv, 5 * nq * hq // hkv)
+    heads, rows = (hkv, 5 * hq // hkv) if nq == 1 else (hq, 5 * nq)  # GQA-packed rows for one token
+    splits = _cascade._prefix_splits((None, torch.cuda.current_device()), max(prefix_pages) * page_size, heads, rows)
     assert splits > 1  # the GPU splits the prefix: the merge of parts is under test
     out, lse = cupyflash.attention_with_shared_prefix(
         q, pool, v_pool, prefix_block_table=table(prefix_rows), prefix_seqlens=torch.tensor(prefix_lens,
