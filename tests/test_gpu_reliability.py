@@ -244,6 +244,8 @@ def test_bad_page_id_writes_no_other_page(rng, bad_page, where):
         ref, ref_lse = kv_reference(q[s : s + 1], k_seq, v_seq, [length], True)
         assert rel_error(out64[s : s + 1], ref) < BOUND["float16"]
         np.testing.assert_allclose(lse64[s : s + 1], ref_lse, atol=2e-3, rtol=1e-3)
+    with pytest.raises(cupyflash.DeviceValueError, match="block_table entry"):  # and it is not silent
+        cupyflash.check_device_errors()
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
@@ -296,6 +298,8 @@ def test_bad_device_seqlens_write_nothing_and_give_nan(rng, paged):
         ref, ref_lse = kv_reference(q[s : s + 1], expected_k[s : s + 1], expected_v[s : s + 1], [n], True)
         assert rel_error(out64[s : s + 1], ref) < BOUND["float16"]
         np.testing.assert_allclose(lse64[s : s + 1], ref_lse, atol=2e-3, rtol=1e-3)
+    with pytest.raises(cupyflash.DeviceValueError, match="cache_seqlens value"):  # and it is not silent
+        cupyflash.check_device_errors()
 
 
 # ---------------------------------------------------------------------------------------------
