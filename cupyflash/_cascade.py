@@ -18,6 +18,7 @@ same composition; no kernel of its own.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -115,9 +116,11 @@ def attention_with_shared_prefix(
         raise ValueError(f"Hq = {hq} must be a multiple of Hkv = {hkv}")
     if causal and nq > 1 and (k_new is None or int(k_new.shape[1]) < nq - 1):
         _check_suffix_covers_queries(cache_seqlens, nq)
+    host_lens = _host_lengths(prefix_seqlens, num_groups, prefix_pages * page_size)  # before any append
     xp = array_namespace(q)
     where = device_of(q)
-    gpu = _interop.gpu_arrays(("q",), (q,))  # (library, device, ...) on a GPU, None on the host
+    # (library, device, ...) on a GPU, None on the host; the prefix table in q's library and device
+    gpu = _interop.gpu_arrays(("q", "prefix_block_table"), (q, prefix_block_table))
 
     # The suffix first: its append must land before anything reads the pages (no other read of
     # those pages follows, but a caller may pass the same pool as prefix and suffix).
@@ -141,7 +144,7 @@ def attention_with_shared_prefix(
     chunk_keys = chunk * page_size
     table = _split_table(xp, where, prefix_block_table, splits, chunk)
     group_rows = tuple((groups[g + 1] - groups[g]) * nq * rows_per_query for g in range(num_groups))
-    cu_q, cu_k = _offsets(xp, where, group_rows, splits, chunk_keys, prefix_seqlens)
+    cu_q, cu_k = _offsets(xp, where, group_rows, splits, chunk_keys, prefix_seqlens, host_lens)
     if packed:
         q_rows = xp.reshape(xp.permute_dims(xp.reshape(q, (t, hkv, group, d)), (0, 2, 1, 3)), (rows, hkv, d))
     else:
@@ -179,46 +182,54 @@ _OFFSETS: dict[Any, Any] = {}
 
 
 def _offsets(
-    xp: Any, where: Any, group_rows: tuple[int, ...], splits: int, chunk_keys: int, prefix_seqlens: Any
-) -> tuple[Any, Any]:
+    xp: Any, where: Any, group_rows: tuple[int, ...], splits: int, chunk_keys: int, prefix_seqlens: Any,
+    host_lens: tuple[int, ...] | None,
+) -> tuple[Any, Any]:  # fmt: skip
     """cu_seqlens_q and cu_seqlens_k of the pseudo-sequences (s-major, g inner): group g's rows,
-    and the keys of range s of prefix g, min(max(len_g - s chunk_keys, 0), chunk_keys)."""
-    host_lens = _host_ints(prefix_seqlens, len(group_rows))
+    and the keys of range s of prefix g, len_g - s chunk_keys cut to [0, chunk_keys] except at the
+    ends: the first range keeps a negative length and the last one the keys past the table, so
+    that the kernel flags a bad device length instead of reading a plausible part of it."""
     key = (xp.__name__, str(where), group_rows, splits, chunk_keys, host_lens)
     hit = _OFFSETS.get(key)
     if hit is not None:
         return hit
     int32 = xp.int32
-    cu_q = xp.asarray([0, *_running_sums(list(group_rows) * splits)], dtype=int32, device=where)
-    if host_lens is not None:
-        counts = [min(max(n - s * chunk_keys, 0), chunk_keys) for s in range(splits) for n in host_lens]
-        cu_k = xp.asarray([0, *_running_sums(counts)], dtype=int32, device=where)
-    else:  # lengths on the device: counts computed there, every call
+    cu_q = xp.asarray([0, *itertools.accumulate(group_rows * splits)], dtype=int32, device=where)
+    if host_lens is None:  # lengths on the device: counts computed there, every call
         lens = xp.reshape(xp.asarray(prefix_seqlens, dtype=int32, device=where), (1, -1))
         starts = xp.reshape(xp.arange(splits, dtype=int32, device=where) * chunk_keys, (splits, 1))
-        counts_d = xp.reshape(xp.minimum(xp.maximum(lens - starts, 0), chunk_keys), (-1,))
+        counts = lens - starts
+        counts = xp.where(starts > 0, xp.maximum(counts, 0), counts)
+        counts = xp.where(starts < (splits - 1) * chunk_keys, xp.minimum(counts, chunk_keys), counts)
         zero = xp.zeros((1,), dtype=int32, device=where)
-        return cu_q, xp.astype(xp.concat([zero, xp.cumulative_sum(counts_d)]), int32)
+        return cu_q, xp.astype(xp.concat([zero, xp.cumulative_sum(xp.reshape(counts, (-1,)))]), int32)
+    counts = [min(max(n - s * chunk_keys, 0), chunk_keys) for s in range(splits) for n in host_lens]
+    cu_k = xp.asarray([0, *itertools.accumulate(counts)], dtype=int32, device=where)
     if len(_OFFSETS) >= 256:
         _OFFSETS.clear()
     _OFFSETS[key] = cu_q, cu_k
     return cu_q, cu_k
 
 
-def _host_ints(x: Any, count: int) -> tuple[int, ...] | None:
-    """Host prefix lengths as ``count`` ints (an int is every prefix's), or None for an array on
-    a device (read there: no synchronisation)."""
-    if isinstance(x, int):
-        return (int(x),) * count
+def _host_lengths(x: Any, count: int, capacity: int) -> tuple[int, ...] | None:
+    """Host prefix lengths as ``count`` ints (an int is every prefix's), each checked within the
+    prefix table's ``capacity`` keys; None for an array on a device (read there, checked by the
+    kernels: no synchronisation)."""
     from . import _interop
 
-    if _interop.gpu_arrays(("prefix_seqlens",), (x,)) is not None:
+    if isinstance(x, int):
+        values: tuple[int, ...] = (int(x),) * count
+    elif _interop.gpu_arrays(("prefix_seqlens",), (x,)) is not None:
         return None
-    import numpy as np
+    else:
+        import numpy as np
 
-    values = tuple(int(n) for n in np.asarray(x).reshape(-1))
+        values = tuple(int(n) for n in np.asarray(x).reshape(-1))
     if len(values) != count:
         raise ValueError(f"prefix_seqlens must have one entry per prefix ({count}), got {len(values)}")
+    bad = [n for n in values if not 0 <= n <= capacity]
+    if bad:
+        raise ValueError(f"prefix_seqlens {bad} outside [0, {capacity}] (the keys prefix_block_table's pages hold)")
     return values
 
 
@@ -299,8 +310,7 @@ def _gpu_prefix(
     dtypes = tuple(None if x is None else lib.dtype_name(x) for x in named.values())
     key = (lib.name, device, q.shape, k.shape, table.shape, cu_q.shape, dtypes, max_q, max_k, scale, softcap)
 
-    def plan() -> _plan.Launch:
-        _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, softcap, table)  # every check of the public call
+    def plan() -> _plan.Launch:  # the public call's checks (shapes, options, dtypes), without its launch
         problem = _api._varlen_problem(
             q, k, v, cu_q, cu_k, max_q, max_k, check_options(False, scale, (-1, -1), softcap), block_table=table
         )
@@ -373,11 +383,3 @@ def _prefix_splits(gpu: Any, prefix_keys: int, heads: int, rows: int) -> int:
     want = max(1, (2 * _plan.device_info(device).num_sms) // ctas)
     most = max(1, prefix_keys // _MIN_SPLIT_KEYS)
     return int(min(want, most, _MAX_SPLITS))
-
-
-def _running_sums(values: list[int]) -> list[int]:
-    total, sums = 0, []
-    for v in values:
-        total += v
-        sums.append(total)
-    return sums

@@ -139,3 +139,17 @@ def test_the_gpu_merge_layout_reads_the_varlen_output_as_the_host_merge_does(rng
                 lse[i_b * layout.out_lse_strides[0] + i_h * layout.out_lse_strides[1] + i_r] = total
     np.testing.assert_allclose(out.reshape(layout.out_shape), want, atol=1e-12)
     np.testing.assert_allclose(lse.reshape(layout.lse_shape), want_lse, atol=1e-12)
+
+
+def test_prefix_lengths_past_the_prefix_table_raise_before_the_append(rng):
+    pool, v_pool, prefix_table, own_table, _ = _pool_and_tables(rng, 4, [8], [2, 2], [0, 2])
+    q = rng.standard_normal((2, 1, 2, pool.shape[-1]))
+    k_new = v_new = rng.standard_normal((2, 1, 2, pool.shape[-1]))
+    before = pool.copy()
+    for lens in (9, -1, np.array([12], dtype=np.int32)):  # the table's 2 pages hold 8 keys
+        with pytest.raises(ValueError, match=r"prefix_seqlens .* outside \[0, 8\]"):
+            cupyflash.attention_with_shared_prefix(
+                q, pool, v_pool, prefix_block_table=prefix_table, prefix_seqlens=lens, block_table=own_table,
+                cache_seqlens=2, k_new=k_new, v_new=v_new,
+            )  # fmt: skip
+    np.testing.assert_array_equal(pool, before)
