@@ -179,7 +179,9 @@ def attention_with_kvcache(
     k_scale, v_scale : float or float32 array ``()``, ``(1,)`` or ``(Hkv,)``, optional
         A float8 cache's scales (default 1.0): a cached value of KV head ``h`` reads as
         ``fp8 * scale[h]``. A host number is checked (positive, finite in float32); a device array
-        is read as given, at run time (a captured graph sees its later values).
+        is read as given, at run time (a captured graph sees its later values); a device k_scale
+        that is negative, NaN or infinite gives NaN rows (without softcap, where the kernel folds it
+        into the softmax's multiplier).
     kv_dtype : "e4m3" or "e5m2", optional
         The float8 format of ``uint8`` caches (CuPy has no float8 dtype: pass the bytes with this);
         ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensors and ml_dtypes' float8 NumPy arrays
@@ -266,18 +268,18 @@ def attention_with_kvcache(
     rotary = None if cos is None else rotary_interleaved
     # Float8 caches' scales: a host number is checked here and goes to the kernel per call; an
     # array is an operand like the others (on the GPU read as given).
-    k_host = v_host = fp8_key = None
-    if k_scale is not None or v_scale is not None or kv_dtype is not None:
+    k_host = v_host = None
+    fp8_options = k_scale is not None or v_scale is not None or kv_dtype is not None
+    if fp8_options:
         k_host, v_host = _fp8.host_scale("k_scale", k_scale), _fp8.host_scale("v_scale", v_scale)
         k_scale, v_scale = (None if h is not None else x for h, x in ((k_host, k_scale), (v_host, v_scale)))
-        fp8_key = (kv_dtype, *(None if x is None else (x.shape, x.dtype) for x in (k_scale, v_scale)))
     others = (seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale)
     found = _interop.lean_arrays(q, k_cache, v_cache, others)
     if found is None:
         given = (q, k_cache, v_cache, *others)
         if _interop.traced(given) or (k_new is not None and _interop.has_jax_arrays(given)):
             # JAX arrays are immutable: the custom call returns the appended caches (_jax).
-            if fp8_key is not None or "float8" in str(k_cache.dtype):
+            if fp8_options or "float8" in str(k_cache.dtype):
                 raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
             return _interop.jax_ops().attention_with_kvcache(
                 dict(zip(_KV_NAMES, (q, k_cache, v_cache, cache_seqlens, *others[1:]))),
@@ -333,10 +335,10 @@ def gpu_attention_with_kvcache(
     q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale = (
         _kv_operands(arrays)
     )
-    scale_arrays = tuple(None if x is None or type(x) is float else x for x in (k_scale, v_scale))
-    fp8_key = None
+    fp8_key = None  # a host float scale keys as "host": its value goes to the kernel per call
     if kv_dtype is not None or k_scale is not None or v_scale is not None:
-        fp8_key = (kv_dtype, *(None if x is None else (x.shape, x.dtype) for x in scale_arrays))
+        forms = ("host" if type(x) is float else None if x is None else (x.shape, x.dtype) for x in (k_scale, v_scale))
+        fp8_key = (kv_dtype, *forms)
     # The signature, flat (a decode step builds it every call): what the plan depends on.
     key = (
         lib.name, device, *options, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype, v_cache.shape,
@@ -367,7 +369,7 @@ def gpu_attention_with_kvcache(
                 leftpad,
                 slopes,
                 (cos, sin, rotary),
-                (kv_dtype, scale_arrays[0], scale_arrays[1]),
+                (kv_dtype, k_scale, v_scale),
             ),  # fmt: skip
         )
     return _launch.run(launch, lib, device, arrays, want_lse, given)
@@ -439,8 +441,8 @@ def _gpu_fp8(
     if fmt is None:
         _fp8.refuse_scales_without_fp8(k_scale, v_scale, k_dtype)
         return None
-    forms = [
-        "host" if x is None else _fp8.scale_form(name, tuple(x.shape), lib.dtype_name(x), heads_kv)
+    forms = [  # None (1.0) and host floats go to the kernel per call
+        "host" if x is None or type(x) is float else _fp8.scale_form(name, tuple(x.shape), lib.dtype_name(x), heads_kv)
         for name, x in (("k_scale", k_scale), ("v_scale", v_scale))
     ]
     return _fp8.Fp8Cache(fmt, *forms)

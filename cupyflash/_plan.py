@@ -742,7 +742,7 @@ def plan_kvcache(
     append; operands "k_scale" / "v_scale": a per-call host float, or a float32 device array).
     """
     a = kp.attn
-    skip = _INDEX_NAMES if fp8 is None else (*_INDEX_NAMES, "k_cache", "v_cache", "k_scale", "v_scale")
+    skip = _INDEX_NAMES if fp8 is None else (*_INDEX_NAMES, "k_cache", "v_cache")
     dtype = check_gpu_dtypes({n: d for n, d in dtypes.items() if d is not None and n not in skip})
     check_int32({n: dtypes.get(n) for n in _INDEX_NAMES})
     check_head_dim(a.head_dim, "the decode kernels")

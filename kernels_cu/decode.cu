@@ -376,7 +376,15 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   if constexpr (Traits::Kv_fp8) {
     const float2 kv_scale = kv_scales(params, head_k);
     if (tid == 0) s_kv_scale = kv_scale;
-    if constexpr (!Traits::Has_softcap) scale_log2 = fmaxf(scale_log2 * kv_scale.x, 1e-30f);
+    // A device k_scale is read as given: 0 gives the uniform softmax of zero keys (the host's
+    // floor), a positive one the floored product; a negative, NaN or infinite one, which this
+    // multiplier cannot stand for, makes every score NaN -- not a plausible answer.
+    if constexpr (!Traits::Has_softcap) {
+      const float k_scale = kv_scale.x;
+      scale_log2 = k_scale == 0.f                       ? 1e-30f
+                   : k_scale > 0.f && isfinite(k_scale) ? fmaxf(scale_log2 * k_scale, 1e-30f)
+                                                        : quiet_nan();
+    }
     __syncthreads();  // (s_kv_scale)
   }
   const PackedRowMask<Traits::Is_causal, Traits::Is_local> mask(

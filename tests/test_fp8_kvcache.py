@@ -230,3 +230,13 @@ def test_fp8_cache_operand_layout_rule():
     assert _interop.tile_layout_readable((2, 4, 2, 64), (512, 128, 64, 1), chunk=16)
     assert not _interop.tile_layout_readable((2, 4, 2, 8), (64, 16, 8, 1), chunk=16)
     assert _interop.tile_layout_readable((2, 4, 2, 8), (64, 16, 8, 1))
+
+
+def test_the_gpu_plan_refuses_a_host_float_scale_on_a_16_bit_cache():
+    """The GPU plan sees a host float scale as the caller gave it (the kernel takes its value per
+    call), so a 16-bit cache with one is refused there as on the host, not planned without it."""
+    from cupyflash import _interop, _kvcache
+
+    dtypes = {"q": "bfloat16", "k_cache": "bfloat16", "v_cache": "bfloat16", "k_new": None, "v_new": None}
+    with pytest.raises(TypeError, match="k_scale / v_scale dequantise a float8 cache"):
+        _kvcache._gpu_fp8(_interop.CUPY_LIB, dtypes, 2, None, 2.0, None)

@@ -148,3 +148,11 @@ def test_fp8_cuda_graph_capture_replays(rng):
     graph.replay()
     torch.cuda.synchronize()
     assert not torch.equal(out, want)
+
+
+def test_a_host_float_scale_on_a_16_bit_cache_is_refused():
+    torch = need_torch()
+    q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(2, 32, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="k_scale / v_scale dequantise a float8 cache"):
+        cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=8, k_scale=2.0)
