@@ -16,6 +16,7 @@ from ._specs import (
     FA1_HEAD_DIMS,
     FA2_BWD_HEAD_DIMS,
     FA2_HEAD_DIMS,
+    FA3_BWD_HEAD_DIMS,
     FA3_HEAD_DIMS,
     FP8_DECODE_HEAD_DIMS,
     BwdRowSpec,
@@ -27,6 +28,7 @@ from ._specs import (
     Fa2BwdSpec,
     Fa2FwdSpec,
     Fa2KvCacheSpec,
+    Fa3BwdSpec,
     Fa3FwdSpec,
     Fa3Tile,
     KernelSpec,
@@ -457,6 +459,27 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
     return BwdRowSpec(step, dtype, *columns(head_dim, FA2_BWD_HEAD_DIMS))
 
 
+def fa3_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool) -> Fa3BwdSpec | None:
+    """The Hopper backward for a call, or None where it has none (then FA2's runs): head dims
+    other than FA3_BWD_HEAD_DIMS, softcap, dropout, ALiBi, an attn_mask, packed sequences, and
+    the deterministic mode (its dQ adds in L2 in no fixed order)."""
+    if head_dim not in FA3_BWD_HEAD_DIMS or deterministic or packed:
+        return None
+    if flags.softcap or flags.dropout or flags.alibi or flags.mask:
+        return None
+    return Fa3BwdSpec(dtype, head_dim, flags.causal, flags.local)
+
+
+def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
+    return [
+        Fa3BwdSpec(dtype, head_dim, causal, local)
+        for head_dim in FA3_BWD_HEAD_DIMS
+        for dtype in CUDA_ELEMENT_TYPES
+        for causal in (False, True)
+        for local in (False, True)
+    ]
+
+
 def all_fa2_bwd_specs() -> list[KernelSpec]:
     """The backward's variants warmup compiles: every one but an attn_mask's (those compile on
     first use; the CI compile test builds a sample of them)."""
@@ -488,6 +511,7 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
         *all_naive_softmax_specs(),
         *all_fa1_fwd_specs(max_smem),
         *all_fa2_bwd_specs(),
+        *all_fa3_bwd_specs(),
     ]
 
 

@@ -49,8 +49,8 @@ class CompiledKernel:
         tma_maps: bytes | None = None,
     ) -> None:
         """Launch with one params-struct argument (AttnParams, DecodeParams ...: the spec's
-        ``params_type``, its field values in ``params``; for a TMA kernel, Fa3Params: the three
-        128-byte tensor maps in ``tma_maps``, then the AttnParams), packed straight into a
+        ``params_type``, its field values in ``params``; for a TMA kernel, Fa3Params or
+        Fa3BwdParams: its 128-byte tensor maps in ``tma_maps``, then those fields), packed into a
         per-thread buffer that cuLaunchKernel reads. CuPy's generic Function call costs ~8 us
         (argument boxing, an __array_interface__ dict per call); this path is one struct pack
         and one driver call. A thread with no current CUDA context (the driver API needs one)
@@ -60,10 +60,10 @@ class CompiledKernel:
         scratch = _scratch
         layout.pack_into(scratch.params_view, params)
         if tma_maps is None:
-            kernel_params = scratch.params_kernel_params
-        else:
-            scratch.maps_view[:] = tma_maps
-            kernel_params = scratch.fa3_kernel_params
+            kernel_params = scratch.kernel_params[0]
+        else:  # the maps end where the params struct starts
+            scratch.maps_view[scratch.maps_bytes - len(tma_maps) :] = tma_maps
+            kernel_params = scratch.kernel_params[len(tma_maps) // MAP_BYTES]
         try:
             driver.launchKernel(self.function.ptr, *grid, *block, smem, stream_ptr, kernel_params, 0)
         except driver.CUDADriverError:
@@ -72,7 +72,7 @@ class CompiledKernel:
             if tma_maps is None:
                 arg = layout.pack(*params)
             else:
-                raw = bytes(scratch.maps_view) + bytes(scratch.params_view[: layout.dtype.itemsize])
+                raw = tma_maps + bytes(scratch.params_view[: layout.dtype.itemsize])
                 arg = np.frombuffer(raw + bytes(-len(raw) % 64), dtype=np.dtype((np.void, len(raw) + -len(raw) % 64)))
             self.function(grid, block, (arg,), shared_mem=smem, stream=_StreamPtr(stream_ptr))
 
@@ -112,25 +112,30 @@ class _StreamPtr:
 
 class _LaunchScratch(threading.local):
     """Per-thread kernel-argument memory and the one-entry void* arrays cuLaunchKernel takes (it
-    copies the arguments during the call, so reuse is safe). Laid out as Fa3Params: three
-    tensor maps (64-byte aligned) at 0, 128, 256, then the params struct at 384 (room for the
-    largest); every other launch points at the params struct alone."""
+    copies the arguments during the call, so reuse is safe). Room for four tensor maps (64-byte
+    aligned) at 0 .. 511, then the params struct at 512 (room for the largest): the Hopper
+    backward's Fa3BwdParams starts at 0 (four maps), the forward's Fa3Params at 128 (three maps
+    at 128, 256, 384), and every other launch points at the params struct alone."""
+
+    MAX_MAPS = 4
 
     def __init__(self) -> None:
         import numpy as np
 
-        maps_bytes = 3 * MAP_BYTES
+        maps_bytes = self.MAX_MAPS * MAP_BYTES
         largest = max(s.dtype.itemsize for s in PARAMS_STRUCTS.values())
         size = maps_bytes + largest
         self.raw = np.zeros(size + 2 * 64, dtype=np.uint8)
         start = -self.raw.ctypes.data % 64
-        self.buffer = self.raw[start : start + size + 64]  # covers Fa3Params' 64-byte padding
+        self.buffer = self.raw[start : start + size + 64]  # covers the structs' 64-byte padding
+        self.maps_bytes = maps_bytes
         self.maps_view = self.buffer[:maps_bytes].data
         self.params_view = self.buffer[maps_bytes:size].data
         base = self.buffer.ctypes.data
-        self.pointer_arrays = np.array([[base + maps_bytes], [base]], dtype=np.uint64)
-        self.params_kernel_params = self.pointer_arrays[0].ctypes.data
-        self.fa3_kernel_params = self.pointer_arrays[1].ctypes.data
+        # Kernel-params arrays: [0] the params struct alone, [n] a struct that starts with n maps.
+        starts = [base + maps_bytes] + [base + maps_bytes - n * MAP_BYTES for n in range(1, self.MAX_MAPS + 1)]
+        self.pointer_arrays = np.array([[start] for start in starts], dtype=np.uint64)
+        self.kernel_params = [int(self.pointer_arrays[i].ctypes.data) for i in range(len(starts))]
 
 
 _scratch = _LaunchScratch()  # one object; its attributes are per thread

@@ -247,13 +247,12 @@ def _readable_copy(lib: ArrayLib, op: Operand, x: Any) -> tuple[Any, int, tuple[
 
 
 def _tensor_maps(tma: TmaMaps, launch: Launch, bound: list[Any] | None) -> bytes:
-    """The q, k and v maps over (d, rows, heads, batch), from this call's pointers and strides
+    """The step's maps over (d, rows, heads, batch), from this call's pointers and strides
     (``_tma`` keeps the last ones: loops call again on the same buffers)."""
     assert bound is not None  # a Launch with TMA maps keeps the pointers
     row, head, batch = tma.axes
     maps = b""
-    for name, dims, box in (("q", tma.q_dims, tma.q_box_rows), ("k", tma.kv_dims, tma.kv_box_rows),
-                            ("v", tma.kv_dims, tma.kv_box_rows)):  # fmt: skip
+    for name, dims, box in tma.maps:
         ptr, strides = bound[launch.operand_index[name]]
         axis_strides = (strides[row], strides[head], strides[batch] if batch >= 0 else 0)
         maps += _tma.tile_map(tma.dtype, ptr, dims, axis_strides, box)

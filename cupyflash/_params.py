@@ -198,6 +198,7 @@ BWD_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("row_head_stride", "i8"),
     ("dq_scale", "f4"),
     ("dk_scale", "f4"),
+    ("dq_tiled", "i4"),
 )
 
 # Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters;
@@ -217,6 +218,9 @@ PARAMS_STRUCTS = {
         ParamsStruct("DecodeParams", DECODE_PARAMS_FIELDS),
         ParamsStruct("MergeParams", MERGE_PARAMS_FIELDS),
         ParamsStruct("BwdParams", BWD_PARAMS_FIELDS),
+        # Fa3BwdParams = { TmaMap q_map, k_map, v_map, do_map; BwdParams bwd; }: the maps apart
+        # (bytes 0-511), then these fields.
+        ParamsStruct("Fa3BwdParams", BWD_PARAMS_FIELDS),
     )
 }
 

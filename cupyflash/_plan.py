@@ -134,14 +134,13 @@ class Scratch:
 
 @dataclass(frozen=True, slots=True)
 class TmaMaps:
-    """The Hopper kernel's three tensor maps (q, k, v), encoded per call from the operands."""
+    """A Hopper kernel's tensor maps (the forward's q, k, v; the backward's q, k, v, dout), in the
+    order of its params struct, encoded per call from the operands of those names."""
 
     dtype: str
     axes: tuple[int, int, int]  # (row, head, batch) axes of the operands; -1: batch stride 0
-    q_dims: tuple[int, int, int, int]  # (d, rows, heads, batch), innermost first
-    kv_dims: tuple[int, int, int, int]
-    q_box_rows: int
-    kv_box_rows: int
+    # Per map: (operand name, (d, rows, heads, batch) innermost first, box rows).
+    maps: tuple[tuple[str, tuple[int, int, int, int], int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -550,10 +549,9 @@ def plan_forward(
             # Uniform tiles: one persistent CTA per SM walks them; uneven ones: a CTA per tile.
             grid = (min(tiles, device.num_sms) if spec.persistent else tiles, 1, 1)
             batches = 1 if packed else p.batch
-            tma = TmaMaps(
-                dtype, (axes[1], axes[2], axes[0]), (p.head_dim, rows[0], p.heads_q, batches),
-                (p.head_dim, rows[1], p.heads_kv, batches), spec.block_m, spec.block_n,
-            )  # fmt: skip
+            q_dims, kv_dims = (p.head_dim, rows[0], p.heads_q, batches), (p.head_dim, rows[1], p.heads_kv, batches)
+            maps = (("q", q_dims, spec.block_m), ("k", kv_dims, spec.block_n), ("v", kv_dims, spec.block_n))
+            tma = TmaMaps(dtype, (axes[1], axes[2], axes[0]), maps)
             step = KernelStep(spec, grid, block, spec.smem_bytes, tma=tma)
             fixed["num_m_blocks"] = m_blocks
         steps += (step,)
@@ -599,8 +597,9 @@ def plan_backward(
     packed_rows: tuple[int, int] | None = None,
     deterministic: bool = False,
 ) -> Launch:
-    """FlashAttention-2's backward (kernels_cu/fa2_bwd.cu): the per-row preparation, the main
-    kernel over key blocks, dQ from its fp32 accumulator. Operands q, k, v, out, dout, lse, the
+    """The backward: the per-row preparation, the main kernel over key blocks, dQ from its fp32
+    accumulator (kernels_cu/fa2_bwd.cu; on Hopper the main kernel is kernels_cu/fa3_bwd.cu's
+    where it has the variant: ``_dispatch.fa3_bwd_spec``). Operands q, k, v, out, dout, lse, the
     optional dlse (and cu_seqlens when ``packed_rows``); outputs dq, dk, dv as fresh arrays of
     q's and k's shape.
 
@@ -619,20 +618,28 @@ def plan_backward(
     rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
     has_work = p.batch > 0 and p.heads_q > 0 and rows[0] > 0 and rows[1] > 0
     flags = mask_flags(p)
+    hopper = None
+    if device.arch == HOPPER_ARCH and not p.seqused_k:
+        hopper = _dispatch.fa3_bwd_spec(dtype, p.head_dim, flags, deterministic, packed)
+        if hopper is not None and hopper.smem_bytes > device.max_smem_per_block:
+            hopper = None
     spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags, deterministic)
-    if spec.smem_bytes > device.max_smem_per_block:
+    if hopper is None and spec.smem_bytes > device.max_smem_per_block:
         raise ValueError(
             f"the GPU backward at head_dim={p.head_dim} needs {spec.smem_bytes} bytes of shared memory per block; "
             f"this GPU has {device.max_smem_per_block}"
         )
 
     # Per-row temporaries: row r of query head h, batch b at b * row_batch + h * row_head + r.
+    # The Hopper kernel's: each (b, h)'s rows padded to whole 64-row tiles (dQacc tiled, and the
+    # tiles' -LSE log2 e and D rows copied whole).
+    padded_q = -(-p.seqlen_q // 64) * 64 if hopper is not None else p.seqlen_q
     if packed:
         row_strides, temp_rows, batches = (0, rows[0]), p.heads_q * rows[0], 1
     else:
         row_strides, temp_rows, batches = (
-            (p.heads_q * p.seqlen_q, p.seqlen_q),
-            p.batch * p.heads_q * p.seqlen_q,
+            (p.heads_q * padded_q, padded_q),
+            p.batch * p.heads_q * padded_q,
             p.batch,
         )
     q_strides, k_strides = contiguous_strides(q_shape), contiguous_strides(k_shape)
@@ -655,6 +662,7 @@ def plan_backward(
         row_head_stride=row_strides[1],
         dq_scale=p.scale,
         dk_scale=abs(p.scale) if negate_q else p.scale,
+        dq_tiled=int(hopper is not None),
     )
 
     def lse_axes(name: str) -> tuple[tuple[int, int], ...]:  # (Hq, total_q) packed, else (B, Hq, Nq)
@@ -690,14 +698,21 @@ def plan_backward(
         Temporary("neg_lse_log2", (temp_rows,), "float32", params.slot("neg_lse_log2")),
         Temporary("dsum", (temp_rows,), "float32", params.slot("dsum")),
     )
-    row_grid = (-(-rows[0] // BwdRowSpec.rows_per_block), batches, p.heads_q)
+    row_grid = (-(-(padded_q if hopper else rows[0]) // BwdRowSpec.rows_per_block), batches, p.heads_q)
     row_block = (BwdRowSpec.num_threads, 1, 1)
     # Packed: the grids cover the totals, not max_seqlen_*: every sequence fits in its total, so
     # an understated maximum cannot leave keys without dK, dV or rows without dQ (the CTAs past
     # a sequence's end return at once).
-    main = KernelStep(
-        spec, (-(-rows[1] // spec.block_n), p.batch, p.heads_kv), (spec.num_threads, 1, 1), spec.smem_bytes
-    )
+    if hopper is not None:
+        q_dims, kv_dims = (p.head_dim, p.seqlen_q, p.heads_q, p.batch), (p.head_dim, p.seqlen_k, p.heads_kv, p.batch)
+        maps = (("q", q_dims, hopper.block_m), ("k", kv_dims, hopper.block_n), ("v", kv_dims, hopper.block_n),
+                ("dout", q_dims, hopper.block_m))  # fmt: skip
+        tma = TmaMaps(dtype, (axes[1], axes[2], axes[0]), maps)
+        grid = (-(-rows[1] // hopper.block_n), p.batch, p.heads_kv)
+        main = KernelStep(hopper, grid, (hopper.num_threads, 1, 1), hopper.smem_bytes, tma=tma)
+    else:
+        grid = (-(-rows[1] // spec.block_n), p.batch, p.heads_kv)
+        main = KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes)
     if deterministic:  # dQ over query blocks, no accumulator
         dq_grid = (-(-rows[0] // dq_spec.block_m), p.batch, p.heads_q)
         dq_step = KernelStep(dq_spec, dq_grid, (dq_spec.num_threads, 1, 1), dq_spec.smem_bytes)

@@ -821,6 +821,58 @@ class Fa2BwdDqSpec(_KernelSpecBase):
         )  # fmt: skip
 
 
+#: Head dims of the Hopper backward (kernels_cu/fa3_bwd.cu); the others run on FA2's.
+FA3_BWD_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True, slots=True)
+class Fa3BwdSpec(_KernelSpecBase):
+    """A variant of ``fa3_bwd`` in ``kernels_cu/fa3_bwd.cu`` (template ``Fa3BwdTraits``): Hopper
+    only. One CTA per block of 128 keys of a padded batch: a producer warpgroup (TMA) and two
+    consumers (wgmma), 64 query rows per step; dQ into the tiled accumulator
+    (``kernels_cu/dq_tiles.cuh``) that the FA2 backward's per-row dq step converts."""
+
+    dtype: str
+    head_dim: int
+    causal: bool = False
+    local: bool = False
+
+    kernel = "fa3_bwd"
+    source_file = "fa3_bwd.cu"
+    archs = (HOPPER_ARCH,)
+    params_type = "Fa3BwdParams"  # BwdParams' fields after the four tensor maps
+    param_decl = "const __grid_constant__ Fa3BwdParams params"
+    uses_tma = True
+    traits = "Fa3BwdTraits"
+    prefix = "fa3_bwd"
+    entry = "fa3_bwd<Traits>(params);"
+    block_m = 64
+    block_n = 128
+    num_threads = 384  # a producer and two consumer warpgroups
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
+        if self.head_dim not in FA3_BWD_HEAD_DIMS:
+            raise ValueError(f"the Hopper backward takes head_dim in {FA3_BWD_HEAD_DIMS}, got {self.head_dim}")
+
+    def _name_parts(self) -> tuple[object, ...]:
+        return (_SHORT_DTYPE[self.dtype], self.head_dim)
+
+    def _name_flags(self) -> tuple[tuple[str, bool], ...]:
+        return _mask_flags(self.causal, self.local, False)
+
+    @property
+    def smem_bytes(self) -> int:
+        # 1024 bytes of alignment slack; K, V; Q and dO two-deep; dS^T (16-bit); dQ's staging
+        # (fp32, one per consumer at d = 64); -LSE log2 e and D two-deep; 5 mbarriers.
+        d, m, n = self.head_dim, self.block_m, self.block_n
+        stages, staging = 2, (2 if d == 64 else 1)
+        return 1024 + 2 * (2 * n * d + 2 * stages * m * d + n * m) + 4 * staging * m * d + 2 * stages * 4 * m + 8 * 5
+
+    def _traits_args(self) -> tuple[object, ...]:
+        return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local)
+
+
 @dataclass(frozen=True, slots=True)
 class BwdRowSpec(_KernelSpecBase):
     """The backward's per-row kernels in ``kernels_cu/fa2_bwd.cu`` (template ``BwdRowTraits``):
@@ -919,6 +971,7 @@ KernelSpec = (
     | MergeSpec
     | Fa2BwdSpec
     | Fa2BwdDqSpec
+    | Fa3BwdSpec
     | BwdRowSpec
     | MaskCellsSpec
 )

@@ -30,34 +30,12 @@
 #include "attn_mask.cuh"  // the mask's block summary, run before the kernels
 #include "common.cuh"
 #include "dropout.cuh"
+#include "dq_tiles.cuh"  // the Hopper backward's dQacc layout, read by fa2_bwd_dq
 #include "mask.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
 #include "tile_mma.cuh"
 #include "variants.cuh"
-
-struct BwdParams {
-  // q, k, v, o (the forward's output), lse (the forward's, natural log), cu_seqlens, the shape
-  // and the softmax factors, as the forward reads them.
-  AttnParams attn;
-  const void* do_ptr;  // dO, strides do_*
-  void* dq_ptr;        // outputs, strides dq_* / dk_* / dv_*
-  void* dk_ptr;
-  void* dv_ptr;
-  float* dq_accum;        // [rows][d] fp32: row r of the per-row temporaries at r * d
-  float* neg_lse_log2;    // per row: -LSE * log2 e (-inf where LSE = -inf: the row sees no key)
-  float* dsum;            // per row: D = rowsum(dO * O) - dLSE
-  const float* dlse_ptr;  // the gradient of the returned LSE, like lse; nullptr when none
-  int64_t dlse_batch_stride, dlse_head_stride;
-  int64_t do_batch_stride, do_row_stride, do_head_stride;
-  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
-  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
-  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-  // Row r of query head h, batch entry b (r in the packed rows when varlen) is temporary row
-  // b * row_batch_stride + h * row_head_stride + r.
-  int64_t row_batch_stride, row_head_stride;
-  float dq_scale, dk_scale;
-};
 
 // The largest divisor of n that is at most limit.
 CF_DEVICE constexpr int largest_divisor_upto(int n, int limit) {
@@ -90,6 +68,15 @@ CF_DEVICE int64_t bwd_row(const BwdParams& p, int* row_out) {
   return blockIdx.y * p.row_batch_stride + blockIdx.z * p.row_head_stride + row;
 }
 
+// The kHeadDim floats of dQacc at row t (row-major or tiled: the same addresses) set to `fill`.
+template <typename Traits>
+CF_DEVICE void fill_accumulator_row(const BwdParams& p, int64_t t, int lane, float fill) {
+  if (p.dq_accum == nullptr) return;  // deterministic: dQ has no accumulator
+  float4* acc = reinterpret_cast<float4*>(p.dq_accum + t * Traits::kHeadDim);
+  for (int i = lane; i < Traits::kHeadDim / 4; i += 32)
+    acc[i] = make_float4(fill, fill, fill, fill);
+}
+
 template <typename Traits>
 CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   using Element = typename Traits::Element;
@@ -105,8 +92,13 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   }
   int row;
   const int64_t t = bwd_row<Traits>(p, &row);
-  if (row >= a.seqlen_q) return;
   const int lane = threadIdx.x % 32;
+  if (row >= a.seqlen_q) {
+    // The Hopper backward's tiles: a padding row's floats belong to the tile (the grid covers
+    // row_head_stride rows), zeroed for the tile's other rows.
+    if (p.dq_tiled && row < p.row_head_stride) fill_accumulator_row<Traits>(p, t, lane, 0.f);
+    return;
+  }
   const int b = blockIdx.y, h = blockIdx.z;
   float dot = 0.f;
   if (lane < Traits::Columns::kChunks) {
@@ -133,10 +125,9 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   if (p.dq_accum == nullptr) return;  // deterministic: dQ has no accumulator
   // A row whose LSE is NaN gets NaN dQ: its P is NaN, so its dQ was NaN already where a key
   // block adds into it; a bad sequence's rows (NaN LSE from the forward, no key block) too.
-  const float fill = is_nan(lse) ? quiet_nan() : 0.f;
-  float4* acc = reinterpret_cast<float4*>(p.dq_accum + t * Traits::kHeadDim);
-  for (int i = lane; i < Traits::kHeadDim / 4; i += 32)
-    acc[i] = make_float4(fill, fill, fill, fill);
+  // (Tiled: a row's floats are scattered over its tile, so the fill is by row no more; the
+  // Hopper backward takes padded batches only, whose NaN rows every key block they see adds to.)
+  fill_accumulator_row<Traits>(p, t, lane, is_nan(lse) && !p.dq_tiled ? quiet_nan() : 0.f);
 }
 
 template <typename Traits>
@@ -146,8 +137,22 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
   const int64_t t = bwd_row<Traits>(p, &row);
   const int lane = threadIdx.x % 32;
   if (row >= p.attn.seqlen_q || lane >= Traits::Columns::kChunks) return;
-  const float4* acc = reinterpret_cast<const float4*>(p.dq_accum + t * Traits::kHeadDim) + 2 * lane;
-  const float4 lo = acc[0], hi = acc[1];
+  float4 lo, hi;
+  if (p.dq_tiled) {  // the Hopper backward's tiles (dq_tiles.cuh): four pairs of the 8 columns
+    const int r = row % kDqTileRows;
+    const float* tile = p.dq_accum + (t - r) * Traits::kHeadDim;
+    float2 pair[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      pair[i] = *reinterpret_cast<const float2*>(tile + dq_tile_pair(r, 8 * lane + 2 * i));
+    lo = make_float4(pair[0].x, pair[0].y, pair[1].x, pair[1].y);
+    hi = make_float4(pair[2].x, pair[2].y, pair[3].x, pair[3].y);
+  } else {
+    const float4* acc =
+        reinterpret_cast<const float4*>(p.dq_accum + t * Traits::kHeadDim) + 2 * lane;
+    lo = acc[0];
+    hi = acc[1];
+  }
   const float s = p.dq_scale;
   uint4 out;
   out.x = Traits::Ops::pack2(lo.x * s, lo.y * s);

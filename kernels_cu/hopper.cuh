@@ -73,6 +73,36 @@ CF_DEVICE void tma_load_4d(uint32_t dst, const TmaMap& map, uint32_t bar, int c0
       : "memory");
 }
 
+// A contiguous run of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global into
+// shared memory, completing on the mbarrier like a tile load (the backward's per-row -LSE log2 e, D).
+CF_DEVICE void bulk_load(uint32_t dst, const void* src, int bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// dst[i] += src[i] for `bytes` of fp32 (a multiple of 16, 16-byte aligned), in L2 by the TMA
+// engine: one instruction for a whole tile (the backward's dQ), tracked by bulk groups, not mbarriers.
+CF_DEVICE void bulk_reduce_add_f32(float* dst, uint32_t src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   reinterpret_cast<uint64_t>(dst)),
+               "r"(src), "r"(bytes)
+               : "memory");
+}
+CF_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most kPending of this thread's bulk groups are still reading their shared memory.
+template <int kPending>
+CF_DEVICE void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// Until at most kPending of this thread's bulk groups are incomplete (their writes done).
+template <int kPending>
+CF_DEVICE void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------
 // wgmma shared-memory descriptor, 128-byte swizzle:
 //   bits 0-13 start address >> 4, 16-29 leading-dimension byte offset >> 4,

@@ -122,6 +122,42 @@ struct Fa3Params {
   int32_t num_m_blocks;  // query blocks per (batch, head): of the longest sequence when varlen
 };
 
+// The backward's argument (kernels_cu/fa2_bwd.cu's kernels, and the Hopper backward's after its
+// tensor maps).
+struct BwdParams {
+  // q, k, v, o (the forward's output), lse (the forward's, natural log), cu_seqlens, the shape
+  // and the softmax factors, as the forward reads them.
+  AttnParams attn;
+  const void* do_ptr;  // dO, strides do_*
+  void* dq_ptr;        // outputs, strides dq_* / dk_* / dv_*
+  void* dk_ptr;
+  void* dv_ptr;
+  float* dq_accum;        // [rows][d] fp32: row r of the per-row temporaries at r * d
+  float* neg_lse_log2;    // per row: -LSE * log2 e (-inf where LSE = -inf: the row sees no key)
+  float* dsum;            // per row: D = rowsum(dO * O) - dLSE
+  const float* dlse_ptr;  // the gradient of the returned LSE, like lse; nullptr when none
+  int64_t dlse_batch_stride, dlse_head_stride;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  // Row r of query head h, batch entry b (r in the packed rows when varlen) is temporary row
+  // b * row_batch_stride + h * row_head_stride + r.
+  int64_t row_batch_stride, row_head_stride;
+  float dq_scale, dk_scale;
+  // dQacc's layout: rows of d floats (0), or the Hopper backward's tiles (1: each 64-row tile of
+  // a (batch, head) in its MMA fragments' order, kernels_cu/dq_tiles.cuh; the rows padded to whole
+  // tiles, row_head_stride a multiple of 64, and prep zeroes the padding rows too).
+  int32_t dq_tiled;
+};
+
+// The Hopper backward's argument (kernels_cu/fa3_bwd.cu): the tensor maps of Q, K, V and dO, then
+// the BwdParams of the other backward kernels (a __grid_constant__, as Fa3Params).
+struct Fa3BwdParams {
+  TmaMap q_map, k_map, v_map, do_map;
+  BwdParams bwd;
+};
+
 // The rows of one batch entry: [start, start + len).
 struct SeqRange {
   int start;

@@ -31,6 +31,8 @@ HEADER = """\
 //                                      (Q K^T: Q and K stored [rows][d]).
 //   rs_bt(d, a, desc_b, accumulate):   A from registers (the mma.sync A fragment), B stored
 //                                      MN-major (P V: V stored [keys][d], transposed on the fly).
+//   ss_tt(d, desc_a, desc_b, accumulate): A and B both MN-major in shared memory (the backward's
+//                                      dQ = dS K: dS stored [keys][query rows], K [keys][d]).
 // accumulate = 0 overwrites d (first k-step), 1 adds to it.
 // clang-format off: the operand lists are laid out by the generator
 #pragma once
@@ -71,10 +73,14 @@ def _specialisation(n: int, ctype: str, ptx_type: str) -> str:
         f"        : {_acc_operands(n)}\n"
         f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));'
     )
+    ss_tt = ss.replace("p, 1, 1, 0, 0;", "p, 1, 1, 1, 1;")
     return (
         f"template <>\nstruct Wgmma<{n}, {ctype}> {{\n"
         f"  static CF_DEVICE void ss(float (&d)[{n // 8}][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {{\n"
         f"    asm volatile(\n{ss}\n  }}\n"
+        f"  static CF_DEVICE void ss_tt(float (&d)[{n // 8}][4], uint64_t desc_a, uint64_t desc_b,\n"
+        f"                              int accumulate) {{\n"
+        f"    asm volatile(\n{ss_tt}\n  }}\n"
         f"  static CF_DEVICE void rs_bt(float (&d)[{n // 8}][4], const uint32_t (&a)[4], uint64_t desc_b,\n"
         f"                              int accumulate) {{\n"
         f"    asm volatile(\n{rs}\n  }}\n}};\n"

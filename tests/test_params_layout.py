@@ -132,3 +132,22 @@ def test_backward_struct_matches_python_fields():
     inits = ", ".join(f".{name} = {{}}" for name, _ in own)
     lines.append(f"constexpr BwdParams kOrderProbe{{.attn = {{}}, {inits}}};")
     _compile("\n".join(lines))
+
+
+def test_hopper_backward_params_layout():
+    """Fa3BwdParams = four 128-byte tensor maps, then BwdParams at byte 512: where the launch
+    buffer puts the params struct (_kernels._LaunchScratch), the forward's three maps ending there too."""
+    from cupyflash._tma import MAP_BYTES
+
+    bwd = PARAMS_STRUCTS["BwdParams"]
+    assert PARAMS_STRUCTS["Fa3BwdParams"].fields == bwd.fields
+    offset = 4 * MAP_BYTES
+    padded = -(-(offset + bwd.dtype.itemsize) // 64) * 64
+    _compile(
+        '#include "fa3_bwd.cu"\n'
+        f"static_assert(sizeof(Fa3BwdParams) == {padded});\n"
+        f"static_assert({offset} % alignof(BwdParams) == 0);\n",
+        std="c++17",
+    )
+    scratch = _kernels._scratch
+    assert scratch.maps_bytes == offset and scratch.buffer.nbytes >= padded

@@ -13,6 +13,7 @@ from cupyflash._specs import DecodeSpec
 from cupyflash._validate import attention_problem, kvcache_problem, varlen_problem
 
 H200 = _plan.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+A100 = _plan.DeviceInfo(0, "sm_80", 108, 166912, 167936, 65536, 2048, 32)
 
 
 def _decode_specs() -> list[DecodeSpec]:
@@ -164,15 +165,26 @@ def test_backward_plan_three_steps_and_the_scale_signs():
     """prep -> the key-block kernel -> dq; dq carries the signed scale, dk |scale| where q runs
     negated (no softcap) and the signed scale with softcap; dq's accumulator in a params slot."""
     p = _problem((2, 100, 8, 64), (2, 300, 2, 64), (2, 300, 2, 64), causal=True, scale=-0.5)
-    launch = _plan.plan_backward(p, "bfloat16", H200, q_shape=(2, 100, 8, 64), k_shape=(2, 300, 2, 64))
+    launch = _plan.plan_backward(p, "bfloat16", A100, q_shape=(2, 100, 8, 64), k_shape=(2, 300, 2, 64))
     prep, main, dq = launch.steps
     assert (prep.spec.step, dq.spec.step) == ("prep", "dq") and main.spec.causal
+    assert main.spec.kernel == "fa2_bwd" and launch.params.value("dq_tiled") == 0
     assert main.grid == (-(-300 // main.spec.block_n), 2, 2) and prep.grid == (25, 2, 8)
     assert launch.params.value("dq_scale") == -0.5 and launch.params.value("dk_scale") == 0.5
     assert next(op for op in launch.operands if op.name == "q").negate
     assert [o.name for o in launch.outputs] == ["dq", "dk", "dv"]
     accum = next(t for t in launch.temporaries if t.name == "dq_accum")
     assert accum.shape == (2 * 8 * 100, 64) and accum.ptr_slot == launch.params.slot("dq_accum")
+    # Hopper: fa3_bwd over 128-key blocks, its four maps, the rows padded to whole 64-row tiles
+    # (prep's grid covers the padding rows, whose dQacc floats belong to the tiles).
+    launch = _plan.plan_backward(p, "bfloat16", H200, q_shape=(2, 100, 8, 64), k_shape=(2, 300, 2, 64))
+    prep, main, dq = launch.steps
+    assert main.spec.kernel == "fa3_bwd" and main.spec.causal and main.grid == (3, 2, 2)
+    assert [name for name, _, _ in main.tma.maps] == ["q", "k", "v", "dout"]
+    assert launch.params.value("dq_tiled") == 1 and launch.params.value("row_head_stride") == 128
+    assert prep.grid == (32, 2, 8) and dq.spec.step == "dq"
+    accum = next(t for t in launch.temporaries if t.name == "dq_accum")
+    assert accum.shape == (2 * 8 * 128, 64)
     det = _plan.plan_backward(p, "bfloat16", H200, q_shape=(2, 100, 8, 64), k_shape=(2, 300, 2, 64), deterministic=True)
     assert det.steps[1].spec.deterministic and type(det.steps[2].spec).__name__ == "Fa2BwdDqSpec"
     assert det.steps[2].grid == (-(-100 // det.steps[2].spec.block_m), 2, 8)

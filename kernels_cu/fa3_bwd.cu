@@ -1,0 +1,393 @@
+// Hopper backward (sm_90a): FlashAttention-2's backward (fa2_bwd.cu's products, and its per-row
+// prep and dQ conversion kernels before and after this one) on wgmma, TMA and a producer
+// warpgroup, as FlashAttention-3 (Shah et al., 2024) runs its backward.
+//
+// One CTA per block of 128 keys (grid: key blocks, B, Hkv) of a padded batch; 3 warpgroups:
+//   producer   one thread loads K and V once, then for every step (a query head of the group and
+//              a block of 64 query rows that sees the keys) Q and dO (TMA tiles) and the rows'
+//              -LSE log2 e and D (bulk copies) into a two-deep mbarrier ring.
+//   consumers  consumer c owns keys 64 c .. 64 c + 63 of the block (the wgmma M rows); per step
+//     S^T = K_c Q^T,  dP^T = V_c dO^T        wgmma ss, every operand straight from its TMA tile
+//     P^T = exp2(S^T scale_log2 - LSE log2 e),  dS^T = P^T * (dP^T - D)      in registers
+//     dV_c += P^T dO,  dK_c += dS^T Q        wgmma rs: P^T and dS^T from registers as the A
+//                                            operand (the forward's P V), dO and Q read MN-major
+//     dS^T to shared memory, dQ = dS K       wgmma ss_tt, both operands MN-major
+//       (d = 128: consumer c computes d's columns 64 c .. 64 c + 63 over all 128 keys; d = 64:
+//        all 64 columns over its own keys, and both partial sums go into dQacc)
+//     dQ staged in its fragments' order (dq_tiles.cuh), then added into dQacc in L2 by one
+//     bulk reduce-add (no per-element atomics)
+//   and at the end dK (times dk_scale) and dV, summed over the whole loop in registers, stored
+//   through shared memory as whole rows.
+// GQA: the CTA of a KV head loops over its group's query heads, so dK and dV are summed in
+// registers, with no per-query-head copy. Rows past seqlen_q: TMA reads zeros for their Q and
+// dO; their -LSE and D are the padding rows of the per-row temporaries (row_head_stride rounds up
+// to whole tiles, prep writes no value there), so P^T and dS^T are set to 0 at those rows.
+#pragma once
+
+#include "common.cuh"
+#include "dq_tiles.cuh"
+#include "fa3_shared.cuh"  // member_offset, named barriers, kWarpgroupThreads
+#include "hopper.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "softmax.cuh"  // zero_fill
+#include "wgmma.cuh"
+
+// Shared memory after the base is aligned up to a 1024-byte swizzle atom: K, V (each [d / 64]
+// [128 keys][64], swizzled as TMA writes them), the ring's Q and dO tiles, dS^T ([keys][query
+// rows], swizzled: the MN-major A operand of dQ), dQ's staging (dq_tiles.cuh), the ring's -LSE
+// log2 e and D rows, the mbarriers.
+template <int kKVBytes, int kQBytes, int kRowBytes, int kDsBytes, int kDqBytes, int kStages>
+struct Fa3BwdSharedStorage {
+  unsigned char s_k[kKVBytes];
+  unsigned char s_v[kKVBytes];
+  unsigned char s_q[kStages][kQBytes];
+  unsigned char s_do[kStages][kQBytes];
+  unsigned char s_ds[kDsBytes];
+  unsigned char s_dq[kDqBytes];
+  unsigned char s_neg_lse[kStages][kRowBytes];
+  unsigned char s_dsum[kStages][kRowBytes];
+  uint64_t s_kv_full;           // K and V have landed
+  uint64_t s_q_full[kStages];   // the step's Q, dO, -LSE, D have landed
+  uint64_t s_q_empty[kStages];  // every consumer warp is done with them
+};
+
+template <int kHeadDim_, typename Element_, bool Is_causal_, bool Is_local_>
+struct Fa3BwdTraits {
+  using Element = Element_;
+  using Ops = ElementTraits<Element>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kDqTileRows;  // query rows per step (the N of S^T, dP^T)
+  static constexpr int kBlockN = 128;          // keys per CTA: 64 per consumer (wgmma M)
+  static constexpr int kConsumers = 2;
+  static constexpr int kStages = 2;  // Q, dO, -LSE log2 e, D: the ring's depth
+  static constexpr int kNThreads = kWarpgroupThreads * (1 + kConsumers);
+  static constexpr int kColBlocks = kHeadDim / kColBlockElems;
+  static constexpr bool Is_causal = Is_causal_;
+  static constexpr bool Is_local = Is_local_;
+  // dQ = dS K split between the consumers by keys at d = 64 (one 64-column part), else by parts.
+  static constexpr bool Dq_split_keys = kHeadDim == kDqPartCols;
+
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kRowBytes = kBlockM * 4;  // one step's -LSE log2 e (or D)
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kDqTileBytes = kBlockM * kHeadDim * 4;
+  static constexpr int kDqBytes = (Dq_split_keys ? kConsumers : 1) * kDqTileBytes;
+  using SharedStorage =
+      Fa3BwdSharedStorage<kKVBytes, kQBytes, kRowBytes, kDsBytes, kDqBytes, kStages>;
+  static constexpr int kSmemBytes = kSwizzleAtomBytes + static_cast<int>(sizeof(SharedStorage));
+
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the head dims of the Hopper backward");
+  static_assert(sizeof(Element) == 2, "16-bit elements");
+};
+
+template <typename Traits>
+struct Fa3BwdSmem {
+  using Storage = typename Traits::SharedStorage;
+  uint32_t base;
+
+  CF_DEVICE explicit Fa3BwdSmem(const void* smem_raw)
+      : base((smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1)) {}
+
+  CF_DEVICE uint32_t k() const { return base + member_offset(&Storage::s_k); }
+  CF_DEVICE uint32_t v() const { return base + member_offset(&Storage::s_v); }
+  CF_DEVICE uint32_t q(int s) const {
+    return base + member_offset(&Storage::s_q) + s * Traits::kQBytes;
+  }
+  CF_DEVICE uint32_t dout(int s) const {
+    return base + member_offset(&Storage::s_do) + s * Traits::kQBytes;
+  }
+  CF_DEVICE uint32_t ds() const { return base + member_offset(&Storage::s_ds); }
+  CF_DEVICE uint32_t dq() const { return base + member_offset(&Storage::s_dq); }
+  CF_DEVICE uint32_t neg_lse(int s) const {
+    return base + member_offset(&Storage::s_neg_lse) + s * Traits::kRowBytes;
+  }
+  CF_DEVICE uint32_t dsum(int s) const {
+    return base + member_offset(&Storage::s_dsum) + s * Traits::kRowBytes;
+  }
+  CF_DEVICE uint32_t kv_full() const { return base + member_offset(&Storage::s_kv_full); }
+  CF_DEVICE uint32_t q_full(int s) const {
+    return base + member_offset(&Storage::s_q_full) + 8 * s;
+  }
+  CF_DEVICE uint32_t q_empty(int s) const {
+    return base + member_offset(&Storage::s_q_empty) + 8 * s;
+  }
+
+  CF_DEVICE void init_barriers() const {
+    mbar_init(kv_full(), 1);
+    for (int s = 0; s < Traits::kStages; ++s) {
+      mbar_init(q_full(s), 1);
+      mbar_init(q_empty(s), 4 * Traits::kConsumers);  // one arrival per consumer warp
+    }
+    mbar_init_fence();
+  }
+};
+
+// bar.sync ids of the consumers (0 is __syncthreads): both consumers (dS^T and dQ's staging are
+// shared at d = 128), or consumer c alone.
+enum : int { kBwdBarrierBoth = 1, kBwdBarrierConsumer = 2 };
+
+template <typename Traits>
+CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
+  using Element = typename Traits::Element;
+  using Ops = typename Traits::Ops;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  const BwdParams& p = params.bwd;
+  const AttnParams& a = p.attn;
+
+  extern __shared__ unsigned char smem_raw[];
+  const Fa3BwdSmem<Traits> smem(smem_raw);
+
+  const int n_block = blockIdx.x;  // the first key blocks see the most rows under causal: first
+  const int batch = blockIdx.y;
+  const int head_k = blockIdx.z;
+  const int key0 = n_block * kBlockN;
+  const QueryRangeOfKeys<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> range(
+      n_block, a.seqlen_q, a.seqlen_k, a.window_left, a.window_right);
+  const int m_begin = range.m_block_begin();
+  const int m_blocks = max(range.m_block_end() - m_begin, 0);
+  const int group = a.h_h_k_ratio;
+  const int steps = m_blocks * group;
+  // Step `step`: query head head_k * group + step / m_blocks, block m_begin + step % m_blocks.
+  auto step_head = [&](int step) { return head_k * group + step / m_blocks; };
+  auto step_m_block = [&](int step) { return m_begin + step % m_blocks; };
+  // The step's first per-row temporary: -LSE log2 e, D and dQacc's tile (dq_tiles.cuh).
+  auto step_rows = [&](int step) -> int64_t {
+    return batch * p.row_batch_stride + step_head(step) * p.row_head_stride +
+           step_m_block(step) * kBlockM;
+  };
+
+  const int warpgroup = threadIdx.x / kWarpgroupThreads;
+  if (threadIdx.x == 0) smem.init_barriers();
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    mbar_arrive_expect_tx(smem.kv_full(), 2 * Traits::kKVBytes);
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      const uint32_t offset = cb * kBlockN * kSwizzleRowBytes;
+      tma_load_4d(smem.k() + offset, params.k_map, smem.kv_full(), cb * kColBlockElems, key0,
+                  head_k, batch);
+      tma_load_4d(smem.v() + offset, params.v_map, smem.kv_full(), cb * kColBlockElems, key0,
+                  head_k, batch);
+    }
+    for (int step = 0; step < steps; ++step) {
+      const int stage = step % kStages;
+      mbar_wait(smem.q_empty(stage), ((step / kStages) & 1) ^ 1);  // its last use released
+      const uint32_t full = smem.q_full(stage);
+      mbar_arrive_expect_tx(full, 2 * Traits::kQBytes + 2 * Traits::kRowBytes);
+      const int head = step_head(step);
+      const int row0 = step_m_block(step) * kBlockM;
+#pragma unroll
+      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+        const uint32_t offset = cb * kBlockM * kSwizzleRowBytes;
+        tma_load_4d(smem.q(stage) + offset, params.q_map, full, cb * kColBlockElems, row0, head,
+                    batch);
+        tma_load_4d(smem.dout(stage) + offset, params.do_map, full, cb * kColBlockElems, row0, head,
+                    batch);
+      }
+      const int64_t t = step_rows(step);
+      bulk_load(smem.neg_lse(stage), p.neg_lse_log2 + t, Traits::kRowBytes, full);
+      bulk_load(smem.dsum(stage), p.dsum + t, Traits::kRowBytes, full);
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  setmaxnreg_inc<Traits::kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x % kWarpgroupThreads;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int wg_key0 = 64 * consumer;  // this consumer's keys in the block
+  const int warp_key0 = wg_key0 + 16 * warp;
+  const float scale_log2 = a.softmax_scale_log2;
+  using MmaS = Wgmma<kBlockM, Element>;      // S^T, dP^T: 64 keys x 64 query rows
+  using MmaKV = Wgmma<kHeadDim, Element>;    // dV, dK: 64 keys x d
+  using MmaQ = Wgmma<kDqPartCols, Element>;  // dQ: 64 query rows x one 64-column part
+  constexpr int kNTiles = kBlockM / 8;       // 8-row column tiles of S^T
+  constexpr int kRowSteps = kBlockM / 16;    // k-steps of dV, dK over the query rows
+  constexpr bool Split_keys = Traits::Dq_split_keys;
+  const int dq_part = Split_keys ? 0 : consumer;  // the 64 columns of dQ this consumer computes
+  const int dq_key0 = Split_keys ? wg_key0 : 0;   // ... over these keys
+  constexpr int kDqKeys = Split_keys ? 64 : kBlockN;
+  const bool dq_issuer = tid == 0 && (Split_keys || consumer == 0);
+  const uint32_t dq_staging = smem.dq() + (Split_keys ? consumer * Traits::kDqTileBytes : 0);
+  // dS^T complete, dQ staged: among the consumers that share them.
+  auto dq_sync = [&]() {
+    if constexpr (Split_keys)
+      named_barrier_sync(kBwdBarrierConsumer + consumer, kWarpgroupThreads);
+    else
+      named_barrier_sync(kBwdBarrierBoth, 2 * kWarpgroupThreads);
+  };
+
+  float acc_dk[1][kHeadDim / 8][4];  // one 16-row tile per warp, as zero_fill counts them
+  float acc_dv[1][kHeadDim / 8][4];
+  zero_fill(acc_dk);
+  zero_fill(acc_dv);
+  mbar_wait(smem.kv_full(), 0);
+
+  for (int step = 0; step < steps; ++step) {
+    const int stage = step % kStages;
+    mbar_wait(smem.q_full(stage), (step / kStages) & 1);
+    const uint32_t q_tile = smem.q(stage);
+    const uint32_t do_tile = smem.dout(stage);
+    const int m_block = step_m_block(step);
+    const int row0 = m_block * kBlockM;
+
+    // S^T = K_c Q^T, dP^T = V_c dO^T: k-step ks reads 16 columns of d, 32 bytes into the 128-byte
+    // rows of column block ks / 4 (this consumer's keys start wg_key0 rows into K and V).
+    float s[1][kNTiles][4], dp[1][kNTiles][4];
+    auto issue_scores = [&](float (&acc)[kNTiles][4], uint32_t keys, uint32_t rows) {
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const uint32_t col_bytes = (ks % 4) * 32;
+        const uint64_t desc_a = wgmma_desc(
+            keys + (ks / 4) * kBlockN * kSwizzleRowBytes + wg_key0 * kSwizzleRowBytes + col_bytes,
+            0);
+        const uint64_t desc_b =
+            wgmma_desc(rows + (ks / 4) * kBlockM * kSwizzleRowBytes + col_bytes, 0);
+        MmaS::ss(acc, desc_a, desc_b, ks > 0);
+      }
+      wgmma_commit();
+    };
+    wgmma_fence();
+    issue_scores(s[0], smem.k(), q_tile);
+    issue_scores(dp[0], smem.v(), do_tile);
+    wgmma_wait<1>();
+    wgmma_fence_operands(s[0]);
+    if (range.needs_mask(m_block)) range.apply(s, key0 + warp_key0, row0, lane);
+    wgmma_wait<0>();
+    wgmma_fence_operands(dp[0]);
+
+    // P^T and dS^T in the element type, as the A fragments of dV and dK: k-step ks is column
+    // tiles 2 ks, 2 ks + 1, rows lane / 4 and + 8 (p_operand's order).
+    const int rows_valid = a.seqlen_q - row0;
+    uint32_t p_frag[kRowSteps][4], ds_frag[kRowSteps][4];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      const int col0 = 8 * nt + 2 * (lane % 4);  // the two query rows of this thread's columns
+      const float2 neg_lse = ld_shared_f32x2(smem.neg_lse(stage) + col0 * 4);
+      const float2 dsum = ld_shared_f32x2(smem.dsum(stage) + col0 * 4);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float prob[2], ds[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          prob[c] = fast_exp2(fmaf(s[0][nt][2 * half + c], scale_log2, c ? neg_lse.y : neg_lse.x));
+          ds[c] = prob[c] * (dp[0][nt][2 * half + c] - (c ? dsum.y : dsum.x));
+          if (col0 + c >= rows_valid) prob[c] = ds[c] = 0.f;  // a padding row's LSE, D
+        }
+        p_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(prob[0], prob[1]);
+        ds_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(ds[0], ds[1]);
+      }
+    }
+
+    // dV += P^T dO, dK += dS^T Q: k-step ks takes query rows 16 ks .. 16 ks + 15 (two 8-row atoms
+    // of every column block, 2048 bytes per step); d's column blocks are kBlockM rows apart.
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kRowSteps; ++ks)
+      MmaKV::rs_bt(acc_dv[0], p_frag[ks],
+                   wgmma_desc(do_tile + ks * 2 * kSwizzleAtomBytes, kBlockM * kSwizzleRowBytes), 1);
+    wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < kRowSteps; ++ks)
+      MmaKV::rs_bt(acc_dk[0], ds_frag[ks],
+                   wgmma_desc(q_tile + ks * 2 * kSwizzleAtomBytes, kBlockM * kSwizzleRowBytes), 1);
+    wgmma_commit();
+
+    // dS^T to shared memory: key rows of 64 query rows (128 bytes), swizzled.
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        st_shared_b32(smem.ds() + swizzled_offset<kBlockN>(warp_key0 + lane / 4 + 8 * half,
+                                                           8 * nt + 2 * (lane % 4)),
+                      ds_frag[nt / 2][2 * (nt % 2) + half]);
+    fence_proxy_async_shared();
+    if (dq_issuer) bulk_wait_read<0>();  // the last step's dQ has left the staging buffer
+    dq_sync();
+
+    // dQ = dS K: A = dS (query rows x keys) read from dS^T, B = K (keys x d) read from the K
+    // tile, both MN-major; k-step ks takes 16 keys (2048 bytes of either tile).
+    float acc_dq[kDqPartCols / 8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDqKeys / 16; ++ks) {
+      const int key = dq_key0 + 16 * ks;
+      const uint64_t desc_ds = wgmma_desc(smem.ds() + key * kSwizzleRowBytes, 0);
+      const uint64_t desc_k =
+          wgmma_desc(smem.k() + dq_part * kBlockN * kSwizzleRowBytes + key * kSwizzleRowBytes,
+                     kBlockN * kSwizzleRowBytes);
+      MmaQ::ss_tt(acc_dq, desc_ds, desc_k, ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc_dq);
+    wgmma_fence_operands(acc_dk[0]);
+    wgmma_fence_operands(acc_dv[0]);
+#pragma unroll
+    for (int ks = 0; ks < kRowSteps; ++ks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        asm volatile("" : "+r"(p_frag[ks][i]), "+r"(ds_frag[ks][i])::"memory");
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem.q_empty(stage));  // Q, dO, -LSE, D all read
+
+    // dQ staged in its fragments' order, then one bulk reduce-add into dQacc's tile.
+#pragma unroll
+    for (int j = 0; j < kDqPartCols / 8; ++j)
+      st_shared_b128(dq_staging + dq_tile_fragment_bytes(dq_part, j, tid),
+                     make_uint4(__float_as_uint(acc_dq[j][0]), __float_as_uint(acc_dq[j][1]),
+                                __float_as_uint(acc_dq[j][2]), __float_as_uint(acc_dq[j][3])));
+    fence_proxy_async_shared();
+    dq_sync();
+    if (dq_issuer) {
+      bulk_reduce_add_f32(p.dq_accum + step_rows(step) * kHeadDim, dq_staging,
+                          Traits::kDqTileBytes);
+      bulk_commit();
+    }
+  }
+  if (dq_issuer) bulk_wait<0>();  // the staging buffer stays valid until the last add is done
+
+  // Epilogue: dK * dk_scale and dV into the K and V tiles (once both consumers' last dQ has read
+  // K), this consumer's 64 key rows, then to global memory as 16-byte chunks of whole rows.
+  named_barrier_sync(kBwdBarrierBoth, 2 * kWarpgroupThreads);
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t offset =
+          swizzled_offset<kBlockN>(warp_key0 + lane / 4 + 8 * half, 8 * j + 2 * (lane % 4));
+      st_shared_b32(smem.k() + offset, Ops::pack2(acc_dk[0][j][2 * half] * p.dk_scale,
+                                                  acc_dk[0][j][2 * half + 1] * p.dk_scale));
+      st_shared_b32(smem.v() + offset,
+                    Ops::pack2(acc_dv[0][j][2 * half], acc_dv[0][j][2 * half + 1]));
+    }
+  named_barrier_sync(kBwdBarrierConsumer + consumer, kWarpgroupThreads);
+  constexpr int kChunks = kHeadDim / 8;
+  const int64_t key_row0 = key0;
+  auto* g_dk = static_cast<Element*>(p.dk_ptr) + batch * p.dk_batch_stride +
+               head_k * p.dk_head_stride + key_row0 * p.dk_row_stride;
+  auto* g_dv = static_cast<Element*>(p.dv_ptr) + batch * p.dv_batch_stride +
+               head_k * p.dv_head_stride + key_row0 * p.dv_row_stride;
+  for (int idx = tid; idx < 64 * kChunks; idx += kWarpgroupThreads) {
+    const int row = wg_key0 + idx / kChunks;
+    const int chunk = idx % kChunks;
+    if (key0 + row >= a.seqlen_k) break;
+    const uint32_t offset = swizzled_offset<kBlockN>(row, 8 * chunk);
+    st_global_b128(g_dk + row * p.dk_row_stride + 8 * chunk, ld_shared_b128(smem.k() + offset));
+    st_global_b128(g_dv + row * p.dv_row_stride + 8 * chunk, ld_shared_b128(smem.v() + offset));
+  }
+}
