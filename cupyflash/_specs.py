@@ -864,10 +864,11 @@ class Fa3BwdSpec(_KernelSpecBase):
     @property
     def smem_bytes(self) -> int:
         # 1024 bytes of alignment slack; K, V; Q and dO two-deep; dS^T (16-bit); dQ's staging
-        # (fp32, one per consumer at d = 64); -LSE log2 e and D two-deep; 5 mbarriers.
+        # (fp32, one per consumer at d = 64); -LSE log2 e and D two-deep per consumer; 5 mbarriers.
         d, m, n = self.head_dim, self.block_m, self.block_n
         stages, staging = 2, (2 if d == 64 else 1)
-        return 1024 + 2 * (2 * n * d + 2 * stages * m * d + n * m) + 4 * staging * m * d + 2 * stages * 4 * m + 8 * 5
+        rows = 2 * stages * 2 * 4 * m
+        return 1024 + 2 * (2 * n * d + 2 * stages * m * d + n * m) + 4 * staging * m * d + rows + 8 * 5
 
     def _traits_args(self) -> tuple[object, ...]:
         return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local)

@@ -4,8 +4,8 @@
 //
 // One CTA per block of 128 keys (grid: key blocks, B, Hkv) of a padded batch; 3 warpgroups:
 //   producer   one thread loads K and V once, then for every step (a query head of the group and
-//              a block of 64 query rows that sees the keys) Q and dO (TMA tiles) and the rows'
-//              -LSE log2 e and D (bulk copies) into a two-deep mbarrier ring.
+//              a block of 64 query rows that sees the keys) Q and dO (TMA tiles) into a two-deep
+//              mbarrier ring (the rows' -LSE log2 e and D: each consumer loads its own copy).
 //   consumers  consumer c owns keys 64 c .. 64 c + 63 of the block (the wgmma M rows); per step
 //     S^T = K_c Q^T,  dP^T = V_c dO^T        wgmma ss, every operand straight from its TMA tile
 //     P^T = exp2(S^T scale_log2 - LSE log2 e),  dS^T = P^T * (dP^T - D)      in registers
@@ -20,8 +20,7 @@
 //   through shared memory as whole rows.
 // GQA: the CTA of a KV head loops over its group's query heads, so dK and dV are summed in
 // registers, with no per-query-head copy. Rows past seqlen_q: TMA reads zeros for their Q and
-// dO; their -LSE and D are the padding rows of the per-row temporaries (row_head_stride rounds up
-// to whole tiles, prep writes no value there), so P^T and dS^T are set to 0 at those rows.
+// dO, their -LSE and D read as 0, and P^T and dS^T are set to 0 there.
 #pragma once
 
 #include "common.cuh"
@@ -45,11 +44,10 @@ struct Fa3BwdSharedStorage {
   unsigned char s_do[kStages][kQBytes];
   unsigned char s_ds[kDsBytes];
   unsigned char s_dq[kDqBytes];
-  unsigned char s_neg_lse[kStages][kRowBytes];
-  unsigned char s_dsum[kStages][kRowBytes];
-  uint64_t s_kv_full;           // K and V have landed
-  uint64_t s_q_full[kStages];   // the step's Q, dO, -LSE, D have landed
-  uint64_t s_q_empty[kStages];  // every consumer warp is done with them
+  unsigned char s_rows[2][kStages][2][kRowBytes];  // [consumer][stage]: -LSE log2 e, then D
+  uint64_t s_kv_full;                              // K and V have landed
+  uint64_t s_q_full[kStages];                      // the step's Q, dO, -LSE, D have landed
+  uint64_t s_q_empty[kStages];                     // every consumer warp is done with them
 };
 
 template <int kHeadDim_, typename Element_, bool Is_causal_, bool Is_local_>
@@ -103,11 +101,10 @@ struct Fa3BwdSmem {
   }
   CF_DEVICE uint32_t ds() const { return base + member_offset(&Storage::s_ds); }
   CF_DEVICE uint32_t dq() const { return base + member_offset(&Storage::s_dq); }
-  CF_DEVICE uint32_t neg_lse(int s) const {
-    return base + member_offset(&Storage::s_neg_lse) + s * Traits::kRowBytes;
-  }
-  CF_DEVICE uint32_t dsum(int s) const {
-    return base + member_offset(&Storage::s_dsum) + s * Traits::kRowBytes;
+  // Consumer c's copy of a step's -LSE log2 e (then D, kRowBytes on) in ring stage s.
+  CF_DEVICE uint32_t rows(int c, int s) const {
+    return base + member_offset(&Storage::s_rows) +
+           (c * Traits::kStages + s) * 2 * Traits::kRowBytes;
   }
   CF_DEVICE uint32_t kv_full() const { return base + member_offset(&Storage::s_kv_full); }
   CF_DEVICE uint32_t q_full(int s) const {
@@ -185,7 +182,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       const int stage = step % kStages;
       mbar_wait(smem.q_empty(stage), ((step / kStages) & 1) ^ 1);  // its last use released
       const uint32_t full = smem.q_full(stage);
-      mbar_arrive_expect_tx(full, 2 * Traits::kQBytes + 2 * Traits::kRowBytes);
+      mbar_arrive_expect_tx(full, 2 * Traits::kQBytes);
       const int head = step_head(step);
       const int row0 = step_m_block(step) * kBlockM;
 #pragma unroll
@@ -196,9 +193,6 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
         tma_load_4d(smem.dout(stage) + offset, params.do_map, full, cb * kColBlockElems, row0, head,
                     batch);
       }
-      const int64_t t = step_rows(step);
-      bulk_load(smem.neg_lse(stage), p.neg_lse_log2 + t, Traits::kRowBytes, full);
-      bulk_load(smem.dsum(stage), p.dsum + t, Traits::kRowBytes, full);
     }
     return;
   }
@@ -231,6 +225,20 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       named_barrier_sync(kBwdBarrierBoth, 2 * kWarpgroupThreads);
   };
 
+  // A step's -LSE log2 e and D: thread tid loads one (row tid of -LSE, or row tid - 64 of D) a
+  // step ahead into this consumer's copy in the ring (plain loads and stores, ordered by the
+  // consumer's barriers; 0 at a padding row, which prep does not write).
+  auto row_value = [&](int step) {
+    const int r = tid % kBlockM;
+    if (step_m_block(step) * kBlockM + r >= a.seqlen_q) return 0.f;
+    return (tid < kBlockM ? p.neg_lse_log2 : p.dsum)[step_rows(step) + r];
+  };
+  auto store_row_value = [&](int stage, float value) {
+    st_shared_b32(smem.rows(consumer, stage) + tid * 4, __float_as_uint(value));
+  };
+  if (steps > 0) store_row_value(0, row_value(0));
+  named_barrier_sync(kBwdBarrierConsumer + consumer, kWarpgroupThreads);
+
   float acc_dk[1][kHeadDim / 8][4];  // one 16-row tile per warp, as zero_fill counts them
   float acc_dv[1][kHeadDim / 8][4];
   zero_fill(acc_dk);
@@ -239,6 +247,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
 
   for (int step = 0; step < steps; ++step) {
     const int stage = step % kStages;
+    const float next_row_value = step + 1 < steps ? row_value(step + 1) : 0.f;
     mbar_wait(smem.q_full(stage), (step / kStages) & 1);
     const uint32_t q_tile = smem.q(stage);
     const uint32_t do_tile = smem.dout(stage);
@@ -277,8 +286,9 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
       const int col0 = 8 * nt + 2 * (lane % 4);  // the two query rows of this thread's columns
-      const float2 neg_lse = ld_shared_f32x2(smem.neg_lse(stage) + col0 * 4);
-      const float2 dsum = ld_shared_f32x2(smem.dsum(stage) + col0 * 4);
+      const float2 neg_lse = ld_shared_f32x2(smem.rows(consumer, stage) + col0 * 4);
+      const float2 dsum =
+          ld_shared_f32x2(smem.rows(consumer, stage) + Traits::kRowBytes + col0 * 4);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float prob[2], ds[2];
@@ -352,7 +362,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
                      make_uint4(__float_as_uint(acc_dq[j][0]), __float_as_uint(acc_dq[j][1]),
                                 __float_as_uint(acc_dq[j][2]), __float_as_uint(acc_dq[j][3])));
     fence_proxy_async_shared();
-    dq_sync();
+    if (step + 1 < steps) store_row_value((step + 1) % kStages, next_row_value);
+    dq_sync();  // (also orders the next step's -LSE and D before their reads)
     if (dq_issuer) {
       bulk_reduce_add_f32(p.dq_accum + step_rows(step) * kHeadDim, dq_staging,
                           Traits::kDqTileBytes);

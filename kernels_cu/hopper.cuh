@@ -73,16 +73,6 @@ CF_DEVICE void tma_load_4d(uint32_t dst, const TmaMap& map, uint32_t bar, int c0
       : "memory");
 }
 
-// A contiguous run of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global into
-// shared memory, completing on the mbarrier like a tile load (the backward's per-row -LSE log2 e, D).
-CF_DEVICE void bulk_load(uint32_t dst, const void* src, int bytes, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(dst),
-      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
 // dst[i] += src[i] for `bytes` of fp32 (a multiple of 16, 16-byte aligned), in L2 by the TMA
 // engine: one instruction for a whole tile (the backward's dQ), tracked by bulk groups, not mbarriers.
 CF_DEVICE void bulk_reduce_add_f32(float* dst, uint32_t src, int bytes) {

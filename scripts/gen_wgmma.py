@@ -1,4 +1,4 @@
-"""Writes kernels_cu/wgmma.cuh: the wgmma.mma_async wrappers of the Hopper forward.
+"""Writes kernels_cu/wgmma.cuh: the wgmma.mma_async wrappers of the Hopper forward and backward.
 
 Each wgmma shape names its N/2 fp32 accumulator registers one by one in the PTX string, which
 C++ cannot spell with a loop; this script writes them out once (run it after changing SHAPES and

@@ -313,15 +313,17 @@ def _varlen_backward(a: Arrays, q_lens: list[int], k_lens: list[int], d: int, de
 
 
 def backward_cases(size: str) -> Iterator[Case]:
-    """The backward's kernels (prep, key blocks with atomic dQ or the deterministic dQ blocks):
-    partial tiles, causal rows that see no key, a window with softcap, dropout, ALiBi, GQA, packed sequences."""
+    """The backward's kernels (prep, key blocks with atomic dQ or the deterministic dQ blocks; on
+    Hopper its own key-block kernel where it has the variant): partial tiles, causal rows that see
+    no key, a window with and without softcap, dropout, ALiBi, GQA, packed sequences."""
     nq, nk = (70, 97) if size == "tiny" else (97, 200)
     for d in (64, 128) if size == "tiny" else BWD_HEAD_DIMS:
         for deterministic in (False, True):
             dropout = {"causal": True, "dropout_p": 0.3, "seed": 9}
             alibi = {"causal": True, "alibi": True}
             blocks = {"mask": "blocks"}
-            for options in ({"causal": True}, {"window": (30, 5), "softcap": 4.0}, dropout, alibi, blocks):
+            windows = ({"window": (30, 5)}, {"window": (30, 5), "softcap": 4.0})  # Hopper's, FA2's
+            for options in ({"causal": True}, *windows, dropout, alibi, blocks):
                 if "mask" in options and d > MASK_MAX_HEAD_DIM:
                     continue
                 label = f"backward d={d} det={deterministic} {options}"
