@@ -501,7 +501,7 @@ def all_fa2_bwd_specs() -> list[KernelSpec]:
 def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
     """Every variant the dispatcher can pick, FA1's tiles for a device with ``max_smem`` bytes of
     shared memory per block: what warmup compiles and the CI compile test builds (each for the
-    archs in its ``archs``)."""
+    archs in its ``archs``; CI in one element type per arch and a sample of the other)."""
     return [
         *all_fa2_fwd_specs(),
         *all_mask_cells_specs("AttnParams"),

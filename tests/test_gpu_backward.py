@@ -1,6 +1,7 @@
-"""The GPU backward (kernels_cu/fa2_bwd.cu) against PyTorch autograd of a float64 naive attention
-on the same rounded inputs: dq, dk and dv within the dtype's bound and within 2x the error of the
-same naive backward run in the inputs' own precision (flash-attn's rule) plus a rounding floor.
+"""The GPU backward (kernels_cu/fa2_bwd.cu; on Hopper fa3_bwd.cu where it has the variant)
+against PyTorch autograd of a float64 naive attention on the same rounded inputs: dq, dk and dv
+within the dtype's bound and within 2x the error of the same naive backward run in the inputs'
+own precision (flash-attn's rule) plus a rounding floor.
 
 Outputs are NaN-poisoned before every launch (conftest), so a gradient row the kernels fail to
 write shows up as NaN. Cases: every backward head dim, both dtypes, causal (bottom-right, rows
@@ -30,6 +31,8 @@ CASES = {
     "window-both": (1, 300, 301, 4, 2, False, (16, 16), 0.0),
     "softcap-causal": (1, 190, 301, 4, 2, True, (-1, -1), 30.0),
     "window-softcap": (2, 130, 70, 2, 1, False, (-1, 3), 5.0),
+    # Many steps per key block (the Hopper kernel's ring wraps 60 times, GQA group of 8).
+    "causal-gqa-long": (1, 1000, 1000, 8, 1, True, (-1, -1), 0.0),
 }
 
 
