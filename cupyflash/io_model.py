@@ -200,6 +200,61 @@ def fa2_cost(s: AttentionShape, block_m: int, block_n: int, *, kv_reuse: str = "
     )
 
 
+#: Elementwise FLOPs per visible score of the backward's key-block kernel: P = exp2(s scale_log2 -
+#: LSE log2 e) as one FMA and an exp2 (3), dS = P (dP - D) (2).
+BACKWARD_FLOPS_PER_SCORE = 5
+
+
+def fa2_backward_cost(
+    s: AttentionShape, block_m: int, block_n: int, *, q_reuse: str = "per_block", dq_accum: str = "l2"
+) -> Cost:
+    """The backward (kernels_cu/fa2_bwd.cu, and fa3_bwd.cu's key-block kernel on Hopper): prep
+    reads O and dO, writes D and -LSE log2 e and zeroes dQ's float32 accumulator; one CTA per key
+    block of ``block_n`` reads K_j, V_j once and, for every query block of ``block_m`` rows that
+    sees it, Q_i, dO_i, their -LSE and D, recomputes S and P and runs the five products (S, dP,
+    dV, dK, dQ: 10 visible d FLOPs per score), adds its dQ tile into the accumulator and writes
+    dK_j, dV_j once; the dq step reads the accumulator and writes dQ.
+
+    ``q_reuse="per_block"``: each key block's Q, dO, -LSE, D reads reach HBM; ``"l2"``: once per
+    head (as kv_reuse in fa2_cost). ``dq_accum="l2"``: the accumulator's adds stay in L2 (it
+    crosses HBM when prep zeroes it and the dq step reads it); ``"hbm"``: every tile's add also
+    reads and writes its float32 rows."""
+    if q_reuse not in ("per_block", "l2"):
+        raise ValueError(f"q_reuse must be 'per_block' or 'l2', got {q_reuse!r}")
+    if dq_accum not in ("l2", "hbm"):
+        raise ValueError(f"dq_accum must be 'l2' or 'hbm', got {dq_accum!r}")
+    e, nq, nk, d = s.element_bytes, s.seqlen_q, s.seqlen_k, s.head_dim
+    row_bytes = d * e + 2 * 4  # a row of Q or dO with its -LSE or D
+    accum_row = 4 * d
+    # prep: O, dO, LSE in; D, -LSE log2 e, the zeroed accumulator out. dq step: accumulator in, dQ out.
+    read = float(2 * s.tensor_bytes(nq) + LSE_BYTES * nq + accum_row * nq)
+    write = float(2 * 4 * nq + accum_row * nq + s.tensor_bytes(nq))
+    read += 2 * s.tensor_bytes(nk)  # K_j, V_j once
+    write += 2 * s.tensor_bytes(nk)  # dK_j, dV_j once
+    rows_read = 0
+    matmul = softmax = 0.0
+    for row0, rows in _row_tiles(s, block_m):
+        visible = sum(s.key_end(r) for r in range(row0, row0 + rows))
+        blocks = _ceil_div(_tile_key_end(s, row0, rows), block_n)  # key blocks that see the tile
+        rows_read += rows * (blocks if q_reuse == "per_block" else min(blocks, 1))
+        if dq_accum == "hbm":
+            read += blocks * rows * accum_row
+            write += blocks * rows * accum_row
+        matmul += 10.0 * visible * d
+        softmax += BACKWARD_FLOPS_PER_SCORE * visible
+    read += rows_read * row_bytes  # Q_i and its -LSE, dO_i and its D
+    softmax += nq * (2 * d + d)  # prep's rowsum(dO * O), the dq step's scale
+    temporaries = nq * (2 * 4 + accum_row)  # D, -LSE log2 e, the accumulator
+    outputs = s.tensor_bytes(nq + 2 * nk)  # dq, dk, dv
+    return Cost(
+        matmul_flops=s.pairs * matmul,
+        softmax_flops=s.pairs * softmax,
+        hbm_read=s.pairs * read,
+        hbm_write=s.pairs * write,
+        peak_memory=_io_bytes(s) + s.pairs * float(s.tensor_bytes(nq) + outputs + temporaries),
+    )
+
+
 def split_kv_decode_cost(s: AttentionShape, num_splits: int) -> Cost:
     """FlashDecoding for a short query block: the keys split in ``num_splits`` chunks, each CTA
     reads Q and its chunk of K/V once and writes a float32 partial O and LSE; the combine kernel

@@ -70,6 +70,28 @@ def test_fa2_bytes():
         io_model.fa2_cost(ONE_HEAD, 128, 64, kv_reuse="sometimes")
 
 
+def test_fa2_backward_counts():
+    """N = 1024, d = 64, 2-byte elements: a [N, d] tensor is 131072 bytes, an fp32 accumulator
+    row 256; block_m = 64 -> 16 query tiles, each seen by 8 key blocks of 128."""
+    cost = io_model.fa2_backward_cost(ONE_HEAD, block_m=64, block_n=128)
+    prep_and_dq_in = 2 * 131072 + 4 * 1024 + 256 * 1024  # O, dO, LSE; the accumulator
+    kv = 2 * 131072
+    rows = 1024 * 8 * (64 * 2 + 8)  # Q / dO rows with -LSE / D, once per key block
+    assert cost.hbm_read == prep_and_dq_in + kv + rows == 1_904_640
+    assert cost.hbm_write == 8 * 1024 + 256 * 1024 + 131072 + 2 * 131072 == 663_552
+    assert cost.matmul_flops == 2.5 * io_model.fa2_cost(ONE_HEAD, 128, 64).matmul_flops  # the 2.5x rule
+    once = io_model.fa2_backward_cost(ONE_HEAD, 64, 128, q_reuse="l2")
+    assert cost.hbm_read - once.hbm_read == 7 * 1024 * 136
+    spilled = io_model.fa2_backward_cost(ONE_HEAD, 64, 128, dq_accum="hbm")
+    assert spilled.hbm_read - cost.hbm_read == spilled.hbm_write - cost.hbm_write == 16 * 8 * 64 * 256
+    # inputs q, k, v, o, lse; dO; dq, dk, dv; D, -LSE, the accumulator: O(N), nothing N x N
+    assert cost.peak_memory == 4 * 131072 + 4096 + 131072 + 3 * 131072 + 1024 * (8 + 256)
+    causal = io_model.fa2_backward_cost(AttentionShape(1, 1, 1024, 1024, 64, causal=True), 64, 128)
+    assert causal.matmul_flops == 10 * (1024 * 1025 // 2) * 64
+    with pytest.raises(ValueError, match="dq_accum"):
+        io_model.fa2_backward_cost(ONE_HEAD, 64, 128, dq_accum="sometimes")
+
+
 def test_causal_counts():
     """N = 128, causal: query i sees i + 1 keys -> 128 * 129 / 2 = 8256 scores."""
     shape = AttentionShape(1, 1, 128, 128, 64, causal=True)
