@@ -633,7 +633,7 @@ def plan_backward(
     # Per-row temporaries: row r of query head h, batch b at b * row_batch + h * row_head + r.
     # The Hopper kernel's: each (b, h)'s rows padded to whole 64-row tiles (dQacc tiled, and the
     # tiles' -LSE log2 e and D rows copied whole).
-    padded_q = -(-p.seqlen_q // 64) * 64 if hopper is not None else p.seqlen_q
+    padded_q = -(-p.seqlen_q // hopper.block_m) * hopper.block_m if hopper is not None else p.seqlen_q
     if packed:
         row_strides, temp_rows, batches = (0, rows[0]), p.heads_q * rows[0], 1
     else:
@@ -698,7 +698,7 @@ def plan_backward(
         Temporary("neg_lse_log2", (temp_rows,), "float32", params.slot("neg_lse_log2")),
         Temporary("dsum", (temp_rows,), "float32", params.slot("dsum")),
     )
-    row_grid = (-(-(padded_q if hopper else rows[0]) // BwdRowSpec.rows_per_block), batches, p.heads_q)
+    row_grid = (-(-(rows[0] if packed else padded_q) // BwdRowSpec.rows_per_block), batches, p.heads_q)
     row_block = (BwdRowSpec.num_threads, 1, 1)
     # Packed: the grids cover the totals, not max_seqlen_*: every sequence fits in its total, so
     # an understated maximum cannot leave keys without dK, dV or rows without dQ (the CTAs past

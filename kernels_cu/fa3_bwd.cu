@@ -25,7 +25,7 @@
 
 #include "common.cuh"
 #include "dq_tiles.cuh"
-#include "fa3_shared.cuh"  // member_offset, named barriers, kWarpgroupThreads
+#include "fa3_shared.cuh"  // member_offset, kWarpgroupThreads
 #include "hopper.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -46,7 +46,7 @@ struct Fa3BwdSharedStorage {
   unsigned char s_dq[kDqBytes];
   unsigned char s_rows[2][kStages][2][kRowBytes];  // [consumer][stage]: -LSE log2 e, then D
   uint64_t s_kv_full;                              // K and V have landed
-  uint64_t s_q_full[kStages];                      // the step's Q, dO, -LSE, D have landed
+  uint64_t s_q_full[kStages];                      // the step's Q and dO have landed
   uint64_t s_q_empty[kStages];                     // every consumer warp is done with them
 };
 
@@ -55,9 +55,12 @@ struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
   static constexpr int kHeadDim = kHeadDim_;
+  // FlashAttention-3's tile for d <= 128: S^T and dP^T (32 floats each), dK and dV (d / 2 each)
+  // and dQ's 32 fit in a consumer's 240 registers (ptxas: no spill).
   static constexpr int kBlockM = kDqTileRows;  // query rows per step (the N of S^T, dP^T)
   static constexpr int kBlockN = 128;          // keys per CTA: 64 per consumer (wgmma M)
   static constexpr int kConsumers = 2;
+  static constexpr int kKeysPerConsumer = kBlockN / kConsumers;
   static constexpr int kStages = 2;  // Q, dO, -LSE log2 e, D: the ring's depth
   static constexpr int kNThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kColBlocks = kHeadDim / kColBlockElems;
@@ -118,7 +121,7 @@ struct Fa3BwdSmem {
     mbar_init(kv_full(), 1);
     for (int s = 0; s < Traits::kStages; ++s) {
       mbar_init(q_full(s), 1);
-      mbar_init(q_empty(s), 4 * Traits::kConsumers);  // one arrival per consumer warp
+      mbar_init(q_empty(s), kWarpgroupThreads / 32 * Traits::kConsumers);  // one per consumer warp
     }
     mbar_init_fence();
   }
@@ -126,7 +129,13 @@ struct Fa3BwdSmem {
 
 // bar.sync ids of the consumers (0 is __syncthreads): both consumers (dS^T and dQ's staging are
 // shared at d = 128), or consumer c alone.
-enum : int { kBwdBarrierBoth = 1, kBwdBarrierConsumer = 2 };
+enum class BwdBarrier : int { kBoth = 1, kConsumer = 2 };
+CF_DEVICE void bwd_barrier_sync(BwdBarrier id, int consumer) {
+  if (id == BwdBarrier::kBoth)
+    named_barrier_sync(static_cast<int>(id), 2 * kWarpgroupThreads);
+  else
+    named_barrier_sync(static_cast<int>(id) + consumer, kWarpgroupThreads);
+}
 
 template <typename Traits>
 CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
@@ -203,7 +212,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   const int tid = threadIdx.x % kWarpgroupThreads;
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int wg_key0 = 64 * consumer;  // this consumer's keys in the block
+  const int wg_key0 = Traits::kKeysPerConsumer * consumer;  // this consumer's keys in the block
   const int warp_key0 = wg_key0 + 16 * warp;
   const float scale_log2 = a.softmax_scale_log2;
   using MmaS = Wgmma<kBlockM, Element>;      // S^T, dP^T: 64 keys x 64 query rows
@@ -215,14 +224,17 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   const int dq_part = Split_keys ? 0 : consumer;  // the 64 columns of dQ this consumer computes
   const int dq_key0 = Split_keys ? wg_key0 : 0;   // ... over these keys
   constexpr int kDqKeys = Split_keys ? 64 : kBlockN;
+  // One issuer and one reduce of the whole tile per step at d = 128: each consumer adding its own
+  // half (two 16 KB reduces, one barrier fewer per step) measured 5-9% slower
+  // (docs/gpu_runs/2026-12-01-hopper-backward/two-issuers/).
   const bool dq_issuer = tid == 0 && (Split_keys || consumer == 0);
   const uint32_t dq_staging = smem.dq() + (Split_keys ? consumer * Traits::kDqTileBytes : 0);
   // dS^T complete, dQ staged: among the consumers that share them.
   auto dq_sync = [&]() {
     if constexpr (Split_keys)
-      named_barrier_sync(kBwdBarrierConsumer + consumer, kWarpgroupThreads);
+      bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
     else
-      named_barrier_sync(kBwdBarrierBoth, 2 * kWarpgroupThreads);
+      bwd_barrier_sync(BwdBarrier::kBoth, consumer);
   };
 
   // A step's -LSE log2 e and D: thread tid loads one (row tid of -LSE, or row tid - 64 of D) a
@@ -237,7 +249,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     st_shared_b32(smem.rows(consumer, stage) + tid * 4, __float_as_uint(value));
   };
   if (steps > 0) store_row_value(0, row_value(0));
-  named_barrier_sync(kBwdBarrierConsumer + consumer, kWarpgroupThreads);
+  bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
 
   float acc_dk[1][kHeadDim / 8][4];  // one 16-row tile per warp, as zero_fill counts them
   float acc_dv[1][kHeadDim / 8][4];
@@ -353,7 +365,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       for (int i = 0; i < 4; ++i)
         asm volatile("" : "+r"(p_frag[ks][i]), "+r"(ds_frag[ks][i])::"memory");
     __syncwarp();
-    if (lane == 0) mbar_arrive(smem.q_empty(stage));  // Q, dO, -LSE, D all read
+    if (lane == 0) mbar_arrive(smem.q_empty(stage));  // Q, dO read
 
     // dQ staged in its fragments' order, then one bulk reduce-add into dQacc's tile.
 #pragma unroll
@@ -374,7 +386,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
 
   // Epilogue: dK * dk_scale and dV into the K and V tiles (once both consumers' last dQ has read
   // K), this consumer's 64 key rows, then to global memory as 16-byte chunks of whole rows.
-  named_barrier_sync(kBwdBarrierBoth, 2 * kWarpgroupThreads);
+  bwd_barrier_sync(BwdBarrier::kBoth, consumer);
 #pragma unroll
   for (int j = 0; j < kHeadDim / 8; ++j)
 #pragma unroll
@@ -386,14 +398,14 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       st_shared_b32(smem.v() + offset,
                     Ops::pack2(acc_dv[0][j][2 * half], acc_dv[0][j][2 * half + 1]));
     }
-  named_barrier_sync(kBwdBarrierConsumer + consumer, kWarpgroupThreads);
+  bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
   constexpr int kChunks = kHeadDim / 8;
   const int64_t key_row0 = key0;
   auto* g_dk = static_cast<Element*>(p.dk_ptr) + batch * p.dk_batch_stride +
                head_k * p.dk_head_stride + key_row0 * p.dk_row_stride;
   auto* g_dv = static_cast<Element*>(p.dv_ptr) + batch * p.dv_batch_stride +
                head_k * p.dv_head_stride + key_row0 * p.dv_row_stride;
-  for (int idx = tid; idx < 64 * kChunks; idx += kWarpgroupThreads) {
+  for (int idx = tid; idx < Traits::kKeysPerConsumer * kChunks; idx += kWarpgroupThreads) {
     const int row = wg_key0 + idx / kChunks;
     const int chunk = idx % kChunks;
     if (key0 + row >= a.seqlen_k) break;

@@ -1,5 +1,5 @@
-// Hopper (sm_90a) building blocks: TMA tile loads, mbarriers, wgmma descriptors and fences,
-// setmaxnreg. Only kernels compiled for sm_90a include this header.
+// Hopper (sm_90a) building blocks: TMA tile loads, mbarriers, bulk reduce-adds and their groups,
+// wgmma descriptors and fences, setmaxnreg. Only kernels compiled for sm_90a include this header.
 //
 // Shared-memory image of a tile: the 128-byte swizzle that both the TMA engine (SWIZZLE_128B)
 // and wgmma (descriptor layout type 1) use. A [rows][d] tile is stored as d / 64 column blocks
