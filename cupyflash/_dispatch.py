@@ -462,8 +462,7 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 def fa3_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool) -> Fa3BwdSpec | None:
     """The Hopper backward for a call, or None where it has none (then FA2's runs): head dims
     other than FA3_BWD_HEAD_DIMS, softcap, dropout, ALiBi, an attn_mask, packed sequences, and
-    the deterministic mode (its dQ adds in L2 in no fixed order). Packed sequences would also need
-    prep's NaN start of a bad sequence's dQ rows, which the tiled accumulator does not take."""
+    the deterministic mode (its dQ adds in L2 in no fixed order)."""
     if head_dim not in FA3_BWD_HEAD_DIMS or deterministic or packed:
         return None
     if flags.softcap or flags.dropout or flags.alibi or flags.mask:

@@ -68,13 +68,12 @@ CF_DEVICE int64_t bwd_row(const BwdParams& p, int* row_out) {
   return blockIdx.y * p.row_batch_stride + blockIdx.z * p.row_head_stride + row;
 }
 
-// The kHeadDim floats of dQacc at row t (row-major or tiled: the same addresses) set to `fill`.
+// The kHeadDim floats of dQacc at row t (row-major or tiled: the same addresses) set to 0.
 template <typename Traits>
-CF_DEVICE void fill_accumulator_row(const BwdParams& p, int64_t t, int lane, float fill) {
+CF_DEVICE void zero_accumulator_row(const BwdParams& p, int64_t t, int lane) {
   if (p.dq_accum == nullptr) return;  // deterministic: dQ has no accumulator
   float4* acc = reinterpret_cast<float4*>(p.dq_accum + t * Traits::kHeadDim);
-  for (int i = lane; i < Traits::kHeadDim / 4; i += 32)
-    acc[i] = make_float4(fill, fill, fill, fill);
+  for (int i = lane; i < Traits::kHeadDim / 4; i += 32) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 template <typename Traits>
@@ -96,7 +95,7 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   if (row >= a.seqlen_q) {
     // The Hopper backward's tiles: a padding row's floats belong to the tile (the grid covers
     // row_head_stride rows), zeroed for the tile's other rows.
-    if (p.dq_tiled && row < p.row_head_stride) fill_accumulator_row<Traits>(p, t, lane, 0.f);
+    if (p.dq_tiled && row < p.row_head_stride) zero_accumulator_row<Traits>(p, t, lane);
     return;
   }
   const int b = blockIdx.y, h = blockIdx.z;
@@ -122,12 +121,7 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
     p.dsum[t] = dot;
     p.neg_lse_log2[t] = lse == neg_infinity() ? neg_infinity() : -lse * kLog2e;
   }
-  if (p.dq_accum == nullptr) return;  // deterministic: dQ has no accumulator
-  // A row whose LSE is NaN gets NaN dQ: its P is NaN, so its dQ was NaN already where a key
-  // block adds into it; a bad sequence's rows (NaN LSE from the forward, no key block) too.
-  // (Tiled: a row's floats are scattered over its tile, so the fill is by row no more; the
-  // Hopper backward takes padded batches only, whose NaN rows every key block they see adds to.)
-  fill_accumulator_row<Traits>(p, t, lane, is_nan(lse) && !p.dq_tiled ? quiet_nan() : 0.f);
+  zero_accumulator_row<Traits>(p, t, lane);  // (fa2_bwd_dq makes a NaN-LSE row's dQ NaN)
 }
 
 template <typename Traits>
@@ -153,7 +147,10 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
     lo = acc[0];
     hi = acc[1];
   }
-  const float s = p.dq_scale;
+  // A row whose LSE is NaN gets NaN dQ, in either layout: its P is NaN, so its dQ is NaN already
+  // where a key block added into it, and a row no key block visits (a bad sequence's, NaN from
+  // the forward; a given LSE's NaN at a row that sees no key) is made NaN here.
+  const float s = is_nan(p.neg_lse_log2[t]) ? quiet_nan() : p.dq_scale;
   uint4 out;
   out.x = Traits::Ops::pack2(lo.x * s, lo.y * s);
   out.y = Traits::Ops::pack2(lo.z * s, lo.w * s);
@@ -275,8 +272,8 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
 
   // Offsets clamped, unchecked (params.cuh's clamped_seq_rows: a check here spilled the d = 128
   // tiles at their register limit); fa2_bwd_prep checks every sequence and reports a bad one, and
-  // a bad sequence's dQ rows are NaN (prep starts the accumulator of a NaN-LSE row, as the
-  // forward gave it, at NaN; fa2_bwd_dq_blocks writes NaN).
+  // a bad sequence's dQ rows are NaN (fa2_bwd_dq writes a NaN-LSE row's dQ, as the forward gave
+  // it, as NaN; so does fa2_bwd_dq_blocks).
   const SeqRows seq = clamped_seq_rows(a, batch);
   const SeqRange rows_q = seq.q;
   const SeqRange rows_k = seq.k;

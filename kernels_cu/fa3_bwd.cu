@@ -91,8 +91,7 @@ struct Fa3BwdSmem {
   using Storage = typename Traits::SharedStorage;
   uint32_t base;
 
-  CF_DEVICE explicit Fa3BwdSmem(const void* smem_raw)
-      : base((smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1)) {}
+  CF_DEVICE explicit Fa3BwdSmem(const void* smem_raw) : base(swizzle_aligned_base(smem_raw)) {}
 
   CF_DEVICE uint32_t k() const { return base + member_offset(&Storage::s_k); }
   CF_DEVICE uint32_t v() const { return base + member_offset(&Storage::s_v); }

@@ -62,8 +62,7 @@ struct Fa3Smem {
   using Storage = typename Traits::SharedStorage;
   uint32_t base;  // aligned up to a 1024-byte swizzle atom
 
-  CF_DEVICE explicit Fa3Smem(const void* smem_raw)
-      : base((smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1)) {}
+  CF_DEVICE explicit Fa3Smem(const void* smem_raw) : base(swizzle_aligned_base(smem_raw)) {}
 
   CF_DEVICE uint32_t q(int b) const {
     return base + member_offset(&Storage::s_q_o) + b * Traits::kQBytes;

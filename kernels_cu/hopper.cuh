@@ -14,6 +14,12 @@ constexpr int kSwizzleRowBytes = 128;    // one row of a column block
 constexpr int kSwizzleAtomBytes = 1024;  // 8 rows: the swizzle period
 constexpr int kColBlockElems = 64;       // 16-bit elements per 128-byte row
 
+// A kernel's dynamic shared memory, its .shared address aligned up to a swizzle atom (where the
+// kernels' shared-storage structs start).
+CF_DEVICE uint32_t swizzle_aligned_base(const void* smem_raw) {
+  return (smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1);
+}
+
 // Byte offset of element (row, col) inside a [d / 64][rows][64] swizzled tile.
 template <int kRows>
 CF_DEVICE uint32_t swizzled_offset(int row, int col) {
