@@ -9,6 +9,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 
@@ -246,7 +247,10 @@ def cmd_bench_mask(args: argparse.Namespace) -> int:
     from . import bench
 
     rows = []
-    for shape in bench.MASK_SHAPES:
+    shapes: tuple[bench.PrefillShape, ...] = bench.MASK_SHAPES
+    if args.head_dims:  # the same tokens and H * d at other head dims
+        shapes = tuple(replace(s, heads=s.heads * s.head_dim // d, head_dim=d) for s in shapes for d in args.head_dims)
+    for shape in shapes:
         for kind in bench.MASK_KINDS:
             rows.append(bench.run_masked_prefill(shape, kind))
             print(json.dumps(rows[-1]), flush=True)
@@ -334,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     chunked.set_defaults(func=cmd_bench_chunked)
     masked = sub.add_parser("bench-mask", help="attn_mask: key padding, boolean and additive masks against SDPA")
     masked.add_argument("--json", help="write the results here")
+    masked.add_argument("--head-dims", type=int, nargs="+", help="default: 128 (H * d = 2048 at each)")
     masked.set_defaults(func=cmd_bench_mask)
     cascade = sub.add_parser("bench-cascade", help="shared-prefix decoding against the flat paged call")
     cascade.add_argument("--json", help="write the results here")

@@ -147,8 +147,8 @@ def attention(
         ALiBi, as flash-attn's: the score of query ``i`` and key ``j`` gains
         ``-slope * |i + Nk - Nq - j|`` (after the scale and softcap, before the mask), the slope
         of the query head (and batch entry). Same library and device as ``q``. On the GPU: the
-        FA2 kernel (``"auto"`` picks it; not with softcap yet; ``"fa3"`` and ``"decode"`` have
-        no ALiBi); the host takes every combination.
+        FA2 kernel (``"auto"`` picks it, with softcap too; ``"fa3"`` and ``"decode"`` have
+        no ALiBi).
     attn_mask : array, optional
         SDPA's ``attn_mask``, broadcast to ``(B, Hq, Nq, Nk)`` axis by axis (2 to 4 dims, each
         full or 1, missing leading ones 1): boolean (True: the key takes part) or additive (q's
@@ -156,7 +156,7 @@ def attention(
         A key-padding mask is ``(B, 1, 1, Nk)``. A row whose every key is masked outputs 0 with
         LSE ``-inf`` (SDPA's gives NaN). Same library and device as ``q``. On the GPU the FA2
         kernels read it in place (strides 0 on broadcast axes), forward and backward (the mask
-        gets no gradient); head_dim up to 128 there for now, not with softcap or ALiBi.
+        gets no gradient), at any head dim. Not with softcap or ALiBi.
 
     Returns
     -------

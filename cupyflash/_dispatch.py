@@ -73,14 +73,17 @@ FA2_FWD_SOFTCAP_TILES: dict[int, tuple[TileConfig, ...]] = {
 # An attn_mask's element loads per score (with their addresses) spilled d = 32's and 64's four-warp
 # tiles (two row tiles a warp) by 12-92 B on sm_80, and every 64-key tile at d = 128 by 40-64 B
 # with an additive mask on sm_80: eight warps of one row tile at d <= 64, 32-key blocks at
-# d = 128. Every tile tried at d = 192 and 256 spilled on sm_80 (8-120 B), so the GPU takes masks
-# up to d = 128 (FA2_MASK_MAX_HEAD_DIM) until the mask tile is staged through shared memory.
+# d = 128. d = 192 runs its plain tiles and d = 256 its 32-key softcap tiles (0 spills with every
+# flag on both archs since the mask reads one key column at a time; 64-key tiles spilled 24 B).
 FA2_FWD_MASK_TILES: dict[int, tuple[TileConfig, ...]] = {
     32: (TileConfig(128, 64, 8),),
     64: (TileConfig(128, 64, 8),),
     128: (TileConfig(128, 32, 8, q_in_regs=True),),
 }
-FA2_MASK_MAX_HEAD_DIM = 128
+
+
+#: (softcap, alibi): the score variants every FA2 family compiles (kernels_cu/variants.cuh).
+SCORE_VARIANTS = ((False, False), (True, False), (False, True), (True, True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +95,8 @@ class MaskFlags:
     local: bool
     softcap: bool
     dropout: bool = False
-    alibi: bool = False  # not with softcap
-    mask: str = ""  # an attn_mask: "additive" or "bool" (FA2 forward; not with softcap or ALiBi)
+    alibi: bool = False
+    mask: str = ""  # an attn_mask: "additive" or "bool" (FA2; not with softcap or ALiBi)
 
 
 def fa2_fwd_tiles(head_dim: int, narrow: bool) -> tuple[TileConfig, ...]:
@@ -134,14 +137,14 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
     """Every variant the dispatcher can pick: what warmup and the CI compile test build."""
     specs = []
     for head_dim in FA2_FWD_TILES:
-        for softcap, alibi in ((False, False), (True, False), (False, True)):  # the score variants
+        for softcap, alibi in SCORE_VARIANTS:  # the score variants
             for dropout in (False, True):
                 for tile in fa2_fwd_tiles(head_dim, softcap or dropout or alibi):
                     for dtype in ("float16", "bfloat16"):
                         for causal in (False, True):
                             for local in (False, True):
                                 specs.append(Fa2FwdSpec(dtype, head_dim, tile, causal, local, softcap, dropout, alibi))
-    for head_dim in (d for d in FA2_FWD_TILES if d <= FA2_MASK_MAX_HEAD_DIM):  # an attn_mask, as fa2_fwd_spec picks
+    for head_dim in FA2_FWD_TILES:  # an attn_mask, as fa2_fwd_spec picks
         for mask in ("additive", "bool"):
             for dropout in (False, True):
                 for dtype in ("float16", "bfloat16"):
@@ -163,7 +166,7 @@ def all_fa2_kvcache_specs(max_smem: int = 232448) -> list[Fa2FwdSpec]:
     return [
         fa2_fwd_spec(dtype, head_dim, MaskFlags(causal, local, softcap, alibi=alibi), max_smem, over_cache=True)
         for head_dim in FA2_FWD_TILES
-        for softcap, alibi in ((False, False), (True, False), (False, True))
+        for softcap, alibi in SCORE_VARIANTS
         for dtype in ("float16", "bfloat16")
         for causal in (False, True)
         for local in (False, True)
@@ -426,8 +429,11 @@ FA2_BWD_MASK_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_ALIBI_TILES, 96
 # keys at d = 256: 64 spilled 24 bytes; with dropout at d = 192 too: 64 spilled 4-8 bytes).
 FA2_BWD_DQ_TILES: dict[int, tuple[int, int, int]] = {d: (64, 32 if d == 256 else 64, 4) for d in FA2_BWD_HEAD_DIMS}
 FA2_BWD_DQ_DROPOUT_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_DQ_TILES, 192: (64, 32, 4)}
-# An attn_mask's dQ kernel at d = 128 spilled 64 B on sm_80 with 64-key blocks.
-FA2_BWD_DQ_MASK_TILES: dict[int, tuple[int, int, int]] = {**FA2_BWD_DQ_DROPOUT_TILES, 128: (64, 32, 4)}
+# An attn_mask's dQ kernel at d = 128 spilled 64 B on sm_80 with 64-key blocks; at d = 256, 32-key
+# blocks spilled 8-24 B with a window (both archs; 32 x 32 on two warps too), 16-key blocks none.
+FA2_BWD_DQ_MASK_TILES: dict[int, tuple[int, int, int]] = {
+    **FA2_BWD_DQ_DROPOUT_TILES, 128: (64, 32, 4), 256: (64, 16, 4),
+}  # fmt: skip
 
 
 def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool = False) -> Fa2BwdSpec:
@@ -481,14 +487,15 @@ def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
 
 
 def all_fa2_bwd_specs() -> list[KernelSpec]:
-    """The backward's variants warmup compiles: every one but an attn_mask's (those compile on
-    first use; the CI compile test builds a sample of them)."""
+    """The backward's variants warmup compiles: every one but an attn_mask's and softcap with
+    ALiBi (those compile on first use; the CI compile test builds a sample of them, and all
+    softcap-with-ALiBi ones built once with no spill on either arch)."""
     specs: list[KernelSpec] = []
     for head_dim in FA2_BWD_TILES:
         for dtype in CUDA_ELEMENT_TYPES:
             for causal in (False, True):
                 for local in (False, True):
-                    for softcap, alibi in ((False, False), (True, False), (False, True)):
+                    for softcap, alibi in SCORE_VARIANTS[:3]:
                         for dropout in (False, True):
                             flags = MaskFlags(causal, local, softcap, dropout, alibi)
                             specs.append(fa2_bwd_spec(dtype, head_dim, flags))

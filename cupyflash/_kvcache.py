@@ -134,8 +134,9 @@ def attention_with_kvcache(
         The cache entry of each sequence: sequence ``b`` reads and appends to
         ``k_cache[cache_batch_idx[b]]`` (flash-attn's argument; the cache may then have any number
         of entries). An entry named twice is read by both sequences; with ``k_new`` it is refused
-        on host arrays and undefined on the GPU (as flash-attn: the entry may end up with tokens of
-        either sequence, mixed), so give each appending sequence its own entry.
+        (flash-attn leaves it undefined: the entry would end up with tokens of either sequence):
+        on host arrays before anything runs, on the GPU by the kernels, which append nothing for
+        both sequences, give them NaN rows and report it to :func:`check_device_errors`.
     cache_leftpad : int32 array ``(B,)``, optional (contiguous caches)
         The first key of each sequence's entry (a left-padded cache): sequence ``b`` attends to
         keys ``cache_leftpad[b] .. cache_seqlens[b] + Nnew - 1``, and ``Nk_b`` counts from there;
@@ -159,7 +160,7 @@ def attention_with_kvcache(
         Scores pass through ``softcap * tanh(score / softcap)`` (Gemma 2's cap), as ``attention``'s.
     alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
         ALiBi, as ``attention``'s: the score of query ``i`` and key ``j`` gains
-        ``-slope * |i + Nk_b - Nq - j|``. On the GPU it runs on the FA2 kernel (not with softcap).
+        ``-slope * |i + Nk_b - Nq - j|``. On the GPU it runs on the FA2 kernel (after the softcap, if any).
     rotary_cos, rotary_sin : arrays ``(seqlen_ro, rotary_dim / 2)``, optional, q's dtype
         Rotary embedding applied before attending, as flash-attn's: ``k_new`` token ``t`` of
         sequence ``b`` is rotated at position ``cache_seqlens[b] + t`` as it is appended, query
@@ -509,7 +510,7 @@ class DeviceValueError(ValueError):
     backward) was out of range (found by the kernels, reported by :func:`check_device_errors`)."""
 
 
-# The bits of the device error word (kernels_cu/params.cuh: kBadPage ... kBadSequsedK).
+# The bits of the device error word (kernels_cu/params.cuh: kBadPage ... kBadSharedCacheIndex).
 _DEVICE_ERRORS = {
     1: "a block_table entry in use was outside [0, num_pages)",
     2: "a cache_seqlens value was outside [0, capacity - seqlen_new], a cache_leftpad value outside "
@@ -518,6 +519,7 @@ _DEVICE_ERRORS = {
     8: "a cu_seqlens_q value was negative, decreasing or past the packed total (or cu_seqlens_q[0] was not 0)",
     16: "a cu_seqlens_k value was negative, decreasing or past the packed total (or cu_seqlens_k[0] was not 0)",
     32: "a seqused_k value was outside [0, its sequence's key count]",
+    64: "a cache_batch_idx value named an entry that another sequence also names while k_new appends into it",
 }
 
 

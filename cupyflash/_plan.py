@@ -455,9 +455,7 @@ LAYOUT_AXES = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "thd": (-1, 0, 1)}  # (batc
 
 
 def mask_flags(p: Problem) -> _dispatch.MaskFlags:
-    """The variant flags of a call (softcap and ALiBi do not combine on the GPU yet)."""
-    if p.softcap > 0 and p.alibi != ALIBI_NONE:
-        raise ValueError("softcap and alibi_slopes together are not supported on the GPU yet")
+    """The variant flags of a call."""
     return _dispatch.MaskFlags(
         p.causal_bound, p.local_bound, p.softcap > 0, p.dropout_p > 0, p.alibi != ALIBI_NONE, mask=p.mask
     )
@@ -468,11 +466,6 @@ def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, pac
     (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens."""
     check_head_dim(p.head_dim, "the GPU kernels")
     flags = mask_flags(p)
-    if p.mask and p.head_dim > _dispatch.FA2_MASK_MAX_HEAD_DIM:
-        raise ValueError(
-            f"attn_mask on the GPU takes head_dim up to {_dispatch.FA2_MASK_MAX_HEAD_DIM} for now, got {p.head_dim} "
-            "(the host path takes any)"
-        )
     fa2_only = flags.dropout or flags.alibi or p.seqused_k or bool(p.mask)
     if fa2_only and algorithm == "fa3":
         raise ValueError(
@@ -609,9 +602,6 @@ def plan_backward(
     atomics (bit-identical from run to run; two of the five products computed twice)."""
     check_grid(p.batch, p.heads_q)
     check_head_dim(p.head_dim, "the GPU backward kernels")
-    if p.mask and p.head_dim > _dispatch.FA2_MASK_MAX_HEAD_DIM:
-        limit = _dispatch.FA2_MASK_MAX_HEAD_DIM
-        raise ValueError(f"attn_mask on the GPU takes head_dim up to {limit}, got {p.head_dim}")
     packed = packed_rows is not None
     scale_log2, prescale, negate_q = softmax_factors(p)
     axes = LAYOUT_AXES["thd" if packed else p.layout]

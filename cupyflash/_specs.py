@@ -175,7 +175,7 @@ class Fa2FwdSpec(_KernelSpecBase):
     local: bool = False  # left bound: key >= row + shift - window_left
     softcap: bool = False
     dropout: bool = False  # dropout on P (kernels_cu/dropout.cuh)
-    alibi: bool = False  # ALiBi slopes (kernels_cu/variants.cuh; not with softcap)
+    alibi: bool = False  # ALiBi slopes (kernels_cu/variants.cuh; after the softcap)
     valid_dim: int = 0  # the caller's head dim, when below the tile width head_dim (0: the same)
     mask: str = ""  # an attn_mask (kernels_cu/variants.cuh's AttnBias): "", "additive" or "bool"
 

@@ -20,7 +20,7 @@ reads the whole cache.
 Differences that remain (each raises an error naming the argument, never a silent fallback):
 ``block_table`` on the varlen functions has no backward and no dropout; ``rotary_cos`` needs a row
 for every position of the cache (flash-attn's own rule) and any even rotary dim is taken (flash-attn
-asks for a multiple of 16); ``alibi_slopes`` with ``softcap`` on the GPU raises ``ValueError``.
+asks for a multiple of 16).
 ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third value is the
 dropout pattern its own tests read back, which is not materialised here (the mask is
 ``cupyflash.xp_impl.Dropout``'s, regenerated from the seed).

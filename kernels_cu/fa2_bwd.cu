@@ -419,8 +419,11 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
           }
           ds[c] = prob[c] * (dp - (c ? dsum.y : dsum.x));
           // d tanh: a masked logit (-inf, P = 0) would give 0 * inf; its dS is 0.
-          if constexpr (Traits::Has_softcap)
-            ds[c] = prob[c] != 0.f ? ds[c] * (1.f - logit * logit) : 0.f;
+          if constexpr (Traits::Has_softcap) {
+            const int key = key0 + warp_key0 + lane / 4 + 8 * half;
+            const float t = capped_score(transform, logit, row0 + col0 + c, key);
+            ds[c] = prob[c] != 0.f ? ds[c] * (1.f - t * t) : 0.f;
+          }
           prob[c] = kept_prob;  // dV's operand: P * M (times dropout_scale in the epilogue)
         }
         p_words[nt][half] = Ops::pack2(prob[0], prob[1]);
@@ -716,7 +719,12 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
           const float logit = acc_s[mt][nt][e];
           const float prob = fast_exp2(fmaf(logit, scale_log2, neg_lse[r]));
           float ds = prob * (acc_dp[mt][nt][e] * dp_scale - dsum[r]);
-          if constexpr (Traits::Has_softcap) ds = prob != 0.f ? ds * (1.f - logit * logit) : 0.f;
+          if constexpr (Traits::Has_softcap) {
+            const int row = row_block0 + warp_row0 + 16 * mt + lane / 4 + 8 * (e / 2);
+            const int key = n_block * kBlockN + 8 * nt + 2 * (lane % 4) + e % 2;
+            const float t = capped_score(transform, logit, row, key);
+            ds = prob != 0.f ? ds * (1.f - t * t) : 0.f;
+          }
           acc_dp[mt][nt][e] = ds;
         }
     gemm_pv<Traits>(acc_dq, acc_dp, s_k + stage * kStageBytes, lane);  // dQ += dS K

@@ -114,11 +114,23 @@ CF_DEVICE CacheRows<Element> cache_rows(const DecodeParams& p, const void* cache
           p.num_pages};
 }
 
+// Whether a sequence other than `batch` names cache entry `entry` too. With an append, the two
+// would write the same rows (the entry's tokens undefined, as in flash-attn), so both are refused.
+// The lanes of the calling warp compare a stride of the batch each: the warp must be whole and
+// converged (every caller computes its span at the kernel's top).
+CF_DEVICE bool entry_named_twice(const DecodeParams& p, int batch, int entry) {
+  bool twice = false;
+  for (int b = threadIdx.x % 32; b < p.attn.batch; b += 32)
+    twice |= b != batch && p.cache_batch_idx[b] == entry;
+  return __any_sync(0xffffffffu, twice);
+}
+
 // Where sequence `batch` lives in the cache and which of its keys it attends: its entry (the
 // cache's first axis, contiguous caches), its first key (cache_leftpad) and the tokens cached
 // before this call's append. bits: kBadSeqlen for a count the cache cannot hold with the append
 // (< 0 or > capacity - seqlen_new) or a first key outside [0, cached], kBadCacheIndex for an
-// entry outside [0, cache_batch), and for packed sequences kBadCuSeqlensK / kBadSequsedK (one
+// entry outside [0, cache_batch), kBadSharedCacheIndex for an entry another appending sequence
+// names too, and for packed sequences kBadCuSeqlensK / kBadSequsedK (one
 // int, not a flag per kind: the span lives across the FA2 kernel's main loop). Any bit makes the
 // sequence empty (nothing read, nothing written) and its rows NaN.
 struct CacheSpan {
@@ -136,7 +148,10 @@ CF_DEVICE CacheSpan decode_span(const DecodeParams& p, int batch) {
   const bool bad_len = s.cached < 0 || s.cached > p.cache_capacity - p.seqlen_new ||
                        s.first_key < 0 || s.first_key > s.cached;
   const bool bad_entry = static_cast<unsigned>(s.entry) >= static_cast<unsigned>(p.cache_batch);
-  s.bits = (bad_len ? kBadSeqlen : 0) | (bad_entry ? kBadCacheIndex : 0);
+  const bool shared_entry =
+      p.cache_batch_idx != nullptr && p.seqlen_new > 0 && entry_named_twice(p, batch, s.entry);
+  s.bits = (bad_len ? kBadSeqlen : 0) | (bad_entry ? kBadCacheIndex : 0) |
+           (shared_entry ? kBadSharedCacheIndex : 0);
   if (s.bad()) s.cached = s.first_key = s.entry = 0;
   return s;
 }

@@ -45,6 +45,28 @@ struct Alibi {
   }
 };
 
+// logit(s) = tanh(s * scale / softcap) - slope / M * |row + shift - key|: the cap, then ALiBi's
+// bias (flash-attn's order; M = softcap here, the softcap being folded into the multiplier).
+struct SoftcapAlibi {
+  Softcap cap;
+  Alibi alibi;
+  CF_DEVICE SoftcapAlibi(const AttnParams& p, int batch, int head, int shift)
+      : cap(p), alibi(p, batch, head, shift) {}
+  CF_DEVICE float operator()(float score, int row, int key) const {
+    return alibi(cap(score, row, key), row, key);
+  }
+};
+
+// The capped score t of a logit, whose 1 - t^2 is the softcap's derivative in the backward: the
+// logit itself, less ALiBi's bias where that follows the cap (recomputed, not held in registers).
+template <typename Transform>
+CF_DEVICE float capped_score(const Transform&, float logit, int /*row*/, int /*key*/) {
+  return logit;
+}
+CF_DEVICE float capped_score(const SoftcapAlibi& t, float logit, int row, int key) {
+  return logit - t.alibi(0.f, row, key);
+}
+
 // Kinds of an attention mask (SDPA's attn_mask; AttnParams::bias_ptr): none, additive in the
 // kernel's element type, boolean (one byte per element: true = the key takes part).
 enum : int { kNoBias = 0, kAdditiveBias = 1, kBoolBias = 2 };
@@ -114,11 +136,11 @@ CF_DEVICE int mask_tile_state(const AttnParams& p, int batch, int head, int row0
   }
 }
 
-// The variant of a kernel's flags (softcap, ALiBi and a mask do not combine yet).
+// The variant of a kernel's flags (a mask does not combine with softcap or ALiBi yet).
 template <typename Element, bool Has_softcap, bool Has_alibi, int kBias>
 struct SelectScoreTransform {
-  static_assert(int(Has_softcap) + int(Has_alibi) + int(kBias != kNoBias) <= 1,
-                "softcap, ALiBi and a mask do not combine yet");
+  static_assert(kBias == kNoBias || !(Has_softcap || Has_alibi),
+                "a mask does not combine with softcap or ALiBi yet");
   using type = NoScoreTransform;
 };
 template <typename Element>
@@ -128,6 +150,10 @@ struct SelectScoreTransform<Element, true, false, kNoBias> {
 template <typename Element>
 struct SelectScoreTransform<Element, false, true, kNoBias> {
   using type = Alibi;
+};
+template <typename Element>
+struct SelectScoreTransform<Element, true, true, kNoBias> {
+  using type = SoftcapAlibi;
 };
 template <typename Element>
 struct SelectScoreTransform<Element, false, false, kAdditiveBias> {

@@ -39,7 +39,6 @@ FA3_HEAD_DIMS = (64, 128, 256)
 FA1_HEAD_DIMS = (64, 128, 256, 512)
 DECODE_HEAD_DIMS = (64, 128, 256)
 BWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-MASK_MAX_HEAD_DIM = 128  # attn_mask on the GPU
 
 
 class Arrays:
@@ -167,6 +166,7 @@ def attention_cases(size: str, hopper: bool) -> Iterator[Case]:
     dropout = [  # FA2 only
         ("dropout-causal", 1, nq, nk, 4, 2, {"causal": True, "dropout_p": 0.3, "seed": 5}),
         ("alibi-window", 2, nq, nk, 4, 2, {"window": (20, 5), "alibi": True}),
+        ("alibi-softcap-causal", 1, nq, nk, 4, 2, {"causal": True, "softcap": 5.0, "alibi": True}),
         ("mask-padding-causal", 2, nq, nk, 4, 2, {"causal": True, "mask": "key-padding"}),
         ("mask-additive-window", 1, nq, nk, 4, 2, {"window": (20, 5), "mask": "additive"}),
         ("mask-blocks", 2, nq, nk, 4, 2, {"mask": "blocks"}),
@@ -174,8 +174,6 @@ def attention_cases(size: str, hopper: bool) -> Iterator[Case]:
     for algorithm, dims in (("fa2", fa2_dims), ("fa3", fa3_dims)):
         for d in dims:
             for label, b, sq, sk, hq, hkv, options in shapes + (dropout if algorithm == "fa2" else []):
-                if "mask" in options and d > MASK_MAX_HEAD_DIM:
-                    continue
                 for dtype in ("float16", "bfloat16") if label == "causal-gqa" else ("bfloat16",):
                     call = partial(
                         _attention, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dtype=dtype, algorithm=algorithm, **options
@@ -244,7 +242,10 @@ def _kvcache(
     if new:
         extra = {"k_new": a.randn(b, new, hkv, d), "v_new": a.randn(b, new, hkv, d)}
     if page_size is None:
-        k, v = a.randn(b, length, hkv, d), a.randn(b, length, hkv, d)
+        entries = b + 1 if options.pop("batch_idx", False) else b  # cache_batch_idx: a spare entry
+        k, v = a.randn(entries, length, hkv, d), a.randn(entries, length, hkv, d)
+        if entries > b:  # its duplicate check reads every entry named
+            options["cache_batch_idx"] = a.ints(a.rng.permutation(entries)[:b])
     else:  # pages in shuffled order, two spare ones
         per_seq = -(-length // page_size)
         pages = b * per_seq + 2
@@ -274,6 +275,10 @@ def kvcache_cases(size: str) -> Iterator[Case]:
                         new=new,
                     )
                     yield f"kvcache d={d} page={page_size} splits={splits} nq={nq} new={new}", call
+        for nq in (1, 37):  # cache_batch_idx with an append (the decode kernel, FA2 over the cache)
+            call = partial(_kvcache, length=length, cached=[0, 1, length // 2, length - 40], d=d, page_size=None,
+                           num_splits=0, nq=nq, new=nq, batch_idx=True)  # fmt: skip
+            yield f"kvcache d={d} batch_idx nq={nq}", call
         for page_size in (None, 1):  # a window (its key blocks skipped) with softcap
             call = partial(_kvcache, length=length, cached=cached, d=d, page_size=page_size, num_splits=0, nq=3,
                            new=3, window=(70, -1), softcap=4.0)  # fmt: skip
@@ -284,7 +289,7 @@ def kvcache_cases(size: str) -> Iterator[Case]:
                            new=37)  # fmt: skip
             yield f"kvcache fa2 d={d} page={page_size} nq=37 new=37", call
             call = partial(_kvcache, length=length, cached=cached, d=d, page_size=page_size, num_splits=0, nq=1,
-                           new=1, alibi=True)  # fmt: skip
+                           new=1, alibi=True, softcap=4.0 if page_size == 16 else 0.0)  # fmt: skip
             yield f"kvcache fa2 d={d} page={page_size} alibi", call
             for nq in (2, 37):  # rotary: the append rotates k_new, a kernel rotates q
                 call = partial(_kvcache, length=length, cached=few, d=d, page_size=page_size, num_splits=0, nq=nq,
@@ -315,17 +320,16 @@ def _varlen_backward(a: Arrays, q_lens: list[int], k_lens: list[int], d: int, de
 def backward_cases(size: str) -> Iterator[Case]:
     """The backward's kernels (prep, key blocks with atomic dQ or the deterministic dQ blocks; on
     Hopper its own key-block kernel where it has the variant): partial tiles, causal rows that see
-    no key, a window with and without softcap, dropout, ALiBi, GQA, packed sequences."""
+    no key, a window with and without softcap, dropout, ALiBi (with softcap too), GQA, packed sequences."""
     nq, nk = (70, 97) if size == "tiny" else (97, 200)
     for d in (64, 128) if size == "tiny" else BWD_HEAD_DIMS:
         for deterministic in (False, True):
             dropout = {"causal": True, "dropout_p": 0.3, "seed": 9}
             alibi = {"causal": True, "alibi": True}
+            alibi_softcap = {"window": (30, 5), "softcap": 4.0, "alibi": True}
             blocks = {"mask": "blocks"}
             windows = ({"window": (30, 5)}, {"window": (30, 5), "softcap": 4.0})  # Hopper's, FA2's
-            for options in ({"causal": True}, *windows, dropout, alibi, blocks):
-                if "mask" in options and d > MASK_MAX_HEAD_DIM:
-                    continue
+            for options in ({"causal": True}, *windows, dropout, alibi, alibi_softcap, blocks):
                 label = f"backward d={d} det={deterministic} {options}"
                 yield label, partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, **options)
             yield (

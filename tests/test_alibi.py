@@ -5,7 +5,8 @@ Host tests: every host algorithm against the explicit formula (``helpers.naive_l
 with its ``alibi_slopes``), with causal, a window and softcap; the backward against PyTorch
 autograd of the formula; gradcheck through the custom op; packed sequences (each its own
 distance and, for (B, Hq) slopes, its own row); bad shapes. GPU tests: the FA2 kernels (forward,
-backward with atomic and deterministic dQ) against the float64 formula, every head dim; packed
+backward with atomic and deterministic dQ; with softcap too) against the float64 formula, every
+head dim; packed
 sequences; the kernels without ALiBi refuse it by name.
 """
 
@@ -112,6 +113,7 @@ GPU_CASES = {  # (B, Nq, Nk, Hq, Hkv, options)
     "plain-gqa-odd": (2, 97, 130, 4, 2, {}),
     "causal-nq>nk": (1, 150, 100, 2, 1, {"causal": True}),
     "window": (1, 70, 200, 2, 2, {"window": (40, 8)}),
+    "softcap-causal": (2, 90, 150, 4, 2, {"causal": True, "softcap": 3.0}),  # the cap, then ALiBi
 }
 
 
@@ -169,8 +171,6 @@ def test_gpu_kernels_without_alibi_refuse_it():
         cupyflash.attention(q, k, v, alibi_slopes=slopes, algorithm="fa3")
     with pytest.raises(ValueError, match="ALiBi"):
         cupyflash.attention(q[:, :1], k, v, alibi_slopes=slopes, algorithm="decode")
-    with pytest.raises(ValueError, match="softcap and alibi_slopes"):
-        cupyflash.attention(q, k, v, alibi_slopes=slopes, softcap=5.0)
     with pytest.raises(TypeError, match="float32"):
         cupyflash.attention(q, k, v, alibi_slopes=slopes.double())
     one = cupyflash.attention(q[:, :1], k, v, alibi_slopes=slopes)  # auto: FA2 for one token with ALiBi

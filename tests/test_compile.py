@@ -47,10 +47,19 @@ def head_dim_sample() -> list[KernelSpec]:
     for width in _dispatch.FP8_DECODE_HEAD_DIMS:
         for tile in _dispatch.DECODE_TILES[width]:
             specs.append(_dispatch.decode_spec("float16", width, tile.block_m, True, True, True, fp8=True))
-    # attn_mask's backward variants (compiled on first use, not by warmup): a sample of each kind
-    for mask in ("additive", "bool"):
-        for head_dim, causal in ((64, True), (80, False), (128, True)):
-            flags = MaskFlags(causal, False, False, mask=mask)
+    # attn_mask's backward variants and softcap's with ALiBi (compiled on first use, not by
+    # warmup): a sample of each kind, with the flags that take the most registers among them
+    sample = [
+        (MaskFlags(True, False, False, mask="additive"), (64, 128, 256)),
+        (MaskFlags(False, False, False, mask="additive"), (80, 192)),
+        (MaskFlags(True, False, False, mask="bool"), (80, 192)),
+        (MaskFlags(False, False, False, mask="bool"), (64, 128, 256)),
+        (MaskFlags(True, True, False, True, mask="bool"), (128, 256)),
+        (MaskFlags(True, True, True, True, True), (64, 128, 192, 256)),  # softcap, dropout, ALiBi
+        (MaskFlags(False, False, True, False, True), (64, 128, 256)),
+    ]
+    for flags, head_dims in sample:
+        for head_dim in head_dims:
             specs.append(_dispatch.fa2_bwd_spec("bfloat16", head_dim, flags))
             specs.append(_dispatch.fa2_bwd_spec("float16", head_dim, flags, deterministic=True))
             specs.append(_dispatch.fa2_bwd_dq_spec("float16", head_dim, flags))

@@ -24,7 +24,9 @@ MASK_SHAPES = {
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 @pytest.mark.parametrize("shape", list(MASK_SHAPES), ids=str)
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (40, 7)}], ids=str)
-@pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 80)])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 80), ("float16", 192), ("bfloat16", 224)]
+)
 def test_mask_matches_the_host_twin(rng, kind, shape, options, dtype, head_dim):
     torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
@@ -89,7 +91,7 @@ def test_mask_gpu_checks():
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize(("head_dim", "causal"), [(64, True), (128, False), (80, True)])
+@pytest.mark.parametrize(("head_dim", "causal"), [(64, True), (128, False), (80, True), (192, False), (256, True)])
 def test_mask_gradients_on_the_gpu(rng, kind, deterministic, head_dim, causal):
     """The FA2 backward with the mask as its score variant (atomic and deterministic dQ): dq, dk,
     dv of bf16 inputs against autograd of the float64 formula (the error rule of

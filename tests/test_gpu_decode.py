@@ -305,6 +305,36 @@ def test_bad_batch_idx_and_leftpad_give_nan_rows_and_append_nothing(nq):
             cupyflash.check_device_errors()
 
 
+@pytest.mark.parametrize("nq", [1, 20], ids=["decode", "fa2"])
+def test_an_entry_two_appending_sequences_name_is_refused_on_the_device(nq):
+    """cache_batch_idx naming one entry for two sequences that both append (k_new): neither
+    appends, both get NaN rows, the third is right, and check_device_errors names the value;
+    without k_new two sequences read one entry as they should."""
+    torch = need_torch()
+    q = torch.randn(3, nq, 4, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(4, 100, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    new = torch.ones(3, nq, 2, 64, device="cuda", dtype=torch.float16)
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
+    k0, v0 = k.clone(), v.clone()
+    seqlens = ints([40, 60, 10])
+    out, lse = cupyflash.attention_with_kvcache(
+        q, k, v, cache_seqlens=seqlens, k_new=new, v_new=new, cache_batch_idx=ints([2, 1, 2]), return_lse=True
+    )
+    out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+    assert np.isnan(out64[[0, 2]]).all() and np.isnan(lse64[[0, 2]]).all() and not np.isnan(out64[1]).any()
+    assert all(torch.equal(c[e], c0[e]) for c, c0 in ((k, k0), (v, v0)) for e in (0, 2, 3))  # entry 2 untouched
+    assert torch.equal(k[1, 60], new[1, 0]) and torch.equal(v[1, 60 + nq - 1], new[1, nq - 1])
+    want = reference.attention(q[1:2], k[1:2, : 60 + nq], v[1:2, : 60 + nq], causal=True)
+    assert rel_error(out64[1:2], want) < BOUND["float16"]
+    with pytest.raises(cupyflash.DeviceValueError, match="another sequence also names"):
+        cupyflash.check_device_errors()
+    shared = cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_batch_idx=ints([2, 1, 2]))
+    cupyflash.check_device_errors()  # reading one entry twice is fine
+    for i in (0, 2):
+        want = reference.attention(q[i : i + 1], k[2:3, : int(seqlens[i])], v[2:3, : int(seqlens[i])], causal=True)
+        assert rel_error(reference.to_numpy64(shared[i : i + 1]), want) < BOUND["float16"], i
+
+
 def test_cuda_graph_capture_replays():
     """A decode step (append, then the split kernel with its fused combine) captured in a CUDA
     graph replays with new inputs written into the same buffers and matches the eager call

@@ -127,9 +127,10 @@ def test_paged_varlen_bad_device_values_give_nan_rows():
 @pytest.mark.parametrize("nq", [1, 3, 40])
 @pytest.mark.parametrize("slopes_shape", ["head", "batch_head"])
 @pytest.mark.parametrize("page_size", [0, 16])
-def test_kvcache_alibi(rng, nq, slopes_shape, page_size):
-    """ALiBi on the cache call (the FA2 kernel over the cache, any query count), with an append,
-    against the same call on float64 host copies (the array-API twin)."""
+@pytest.mark.parametrize("softcap", [0.0, 4.0])
+def test_kvcache_alibi(rng, nq, slopes_shape, page_size, softcap):
+    """ALiBi on the cache call (the FA2 kernel over the cache, any query count; after a softcap),
+    with an append, against the same call on float64 host copies (the array-API twin)."""
     torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     b, length, hq, hkv, d = 3, 600, 8, 2, 64
@@ -141,7 +142,7 @@ def test_kvcache_alibi(rng, nq, slopes_shape, page_size):
     host = [x.double().numpy() for x in (q, k, v, k_new, v_new)]
     want, want_lse = cupyflash.attention_with_kvcache(
         host[0], host[1], host[2], cache_seqlens=np.array(cached, np.int32), k_new=host[3], v_new=host[4],
-        alibi_slopes=slopes.numpy().astype(np.float32), return_lse=True,
+        alibi_slopes=slopes.numpy().astype(np.float32), softcap=softcap, return_lse=True,
     )  # fmt: skip
     gpu = [x.to("cuda", torch.bfloat16) for x in (q, k, v, k_new, v_new)]
     k_cache, v_cache, table = gpu[1], gpu[2], None
@@ -157,7 +158,7 @@ def test_kvcache_alibi(rng, nq, slopes_shape, page_size):
             dst[order] = pad(src, (0, 0, 0, 0, 0, per_seq * page_size - length)).reshape(-1, page_size, hkv, d)
     out, lse = cupyflash.attention_with_kvcache(
         gpu[0], k_cache, v_cache, cache_seqlens=torch.tensor(cached, dtype=torch.int32, device="cuda"),
-        block_table=table, k_new=gpu[3], v_new=gpu[4], alibi_slopes=slopes.cuda(), return_lse=True,
+        block_table=table, k_new=gpu[3], v_new=gpu[4], alibi_slopes=slopes.cuda(), softcap=softcap, return_lse=True,
     )  # fmt: skip
     assert rel_error(reference.to_numpy64(out), want) < BOUND["bfloat16"]
     np.testing.assert_allclose(reference.to_numpy64(lse), want_lse, atol=2e-2)
