@@ -836,6 +836,7 @@ class Fa3BwdSpec(_KernelSpecBase):
     head_dim: int
     causal: bool = False
     local: bool = False
+    softcap: bool = False
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -859,7 +860,7 @@ class Fa3BwdSpec(_KernelSpecBase):
         return (_SHORT_DTYPE[self.dtype], self.head_dim)
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
-        return _mask_flags(self.causal, self.local, False)
+        return _mask_flags(self.causal, self.local, self.softcap)
 
     @property
     def smem_bytes(self) -> int:
@@ -871,7 +872,7 @@ class Fa3BwdSpec(_KernelSpecBase):
         return 1024 + 2 * (2 * n * d + 2 * stages * m * d + n * m) + 4 * staging * m * d + rows + 8 * 5
 
     def _traits_args(self) -> tuple[object, ...]:
-        return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local)
+        return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap)
 
 
 @dataclass(frozen=True, slots=True)

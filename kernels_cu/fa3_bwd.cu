@@ -9,6 +9,7 @@
 //   consumers  consumer c owns keys 64 c .. 64 c + 63 of the block (the wgmma M rows); per step
 //     S^T = K_c Q^T,  dP^T = V_c dO^T        wgmma ss, every operand straight from its TMA tile
 //     P^T = exp2(S^T scale_log2 - LSE log2 e),  dS^T = P^T * (dP^T - D)      in registers
+//       (softcap: S^T = tanh(S^T softcap_prescale) first, and dS^T times its 1 - tanh^2)
 //     dV_c += P^T dO,  dK_c += dS^T Q        wgmma rs: P^T and dS^T from registers as the A
 //                                            operand (the forward's P V), dO and Q read MN-major
 //     dS^T to shared memory, dQ = dS K       wgmma ss_tt, both operands MN-major
@@ -29,7 +30,8 @@
 #include "hopper.cuh"
 #include "mask.cuh"
 #include "params.cuh"
-#include "softmax.cuh"  // zero_fill
+#include "softmax.cuh"   // zero_fill
+#include "variants.cuh"  // Softcap
 #include "wgmma.cuh"
 
 // Shared memory after the base is aligned up to a 1024-byte swizzle atom: K, V (each [d / 64]
@@ -50,7 +52,8 @@ struct Fa3BwdSharedStorage {
   uint64_t s_q_empty[kStages];                     // every consumer warp is done with them
 };
 
-template <int kHeadDim_, typename Element_, bool Is_causal_, bool Is_local_>
+template <int kHeadDim_, typename Element_, bool Is_causal_, bool Is_local_,
+          bool Has_softcap_ = false>
 struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -66,6 +69,7 @@ struct Fa3BwdTraits {
   static constexpr int kColBlocks = kHeadDim / kColBlockElems;
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
+  static constexpr bool Has_softcap = Has_softcap_;
   // dQ = dS K split between the consumers by keys at d = 64 (one 64-column part), else by parts.
   static constexpr bool Dq_split_keys = kHeadDim == kDqPartCols;
 
@@ -286,6 +290,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     issue_scores(dp[0], smem.v(), do_tile);
     wgmma_wait<1>();
     wgmma_fence_operands(s[0]);
+    if constexpr (Traits::Has_softcap)  // the forward's order: the cap, then the mask
+      transform_scores_transposed(Softcap(a), s, key0 + warp_key0, row0, lane);
     if (range.needs_mask(m_block)) range.apply(s, key0 + warp_key0, row0, lane);
     wgmma_wait<0>();
     wgmma_fence_operands(dp[0]);
@@ -305,8 +311,12 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
         float prob[2], ds[2];
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          prob[c] = fast_exp2(fmaf(s[0][nt][2 * half + c], scale_log2, c ? neg_lse.y : neg_lse.x));
+          const float logit = s[0][nt][2 * half + c];
+          prob[c] = fast_exp2(fmaf(logit, scale_log2, c ? neg_lse.y : neg_lse.x));
           ds[c] = prob[c] * (dp[0][nt][2 * half + c] - (c ? dsum.y : dsum.x));
+          // d tanh, where the logit is the capped score (a masked one, P = 0, gets dS 0)
+          if constexpr (Traits::Has_softcap)
+            ds[c] = prob[c] != 0.f ? ds[c] * (1.f - logit * logit) : 0.f;
           if (col0 + c >= rows_valid) prob[c] = ds[c] = 0.f;  // a padding row's LSE, D
         }
         p_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(prob[0], prob[1]);
