@@ -420,13 +420,16 @@ def cases(size: str = "small", hopper: bool = True) -> list[Case]:
 
 def run(lib: str = "cupy", size: str = "small", only: str | None = None, skip: str | None = None) -> int:
     """Run every case (those whose label contains ``only``, less those that contain ``skip``);
-    returns the number run."""
+    returns the number run. A filter that matches no case of ``size`` is an error: a sanitizer
+    run over no call would report 0 errors."""
     arrays = Arrays(lib)
     todo = [
         (label, fn)
         for label, fn in cases(size, _hopper(lib))
         if (only is None or only in label) and (skip is None or skip not in label)
     ]
+    if not todo:
+        raise SystemExit(f"sanitize workload: no {size} case matches only={only!r}, skip={skip!r}")
     start = time.perf_counter()
     for i, (label, fn) in enumerate(todo, start=1):
         print(f"[{i}/{len(todo)}] {label}", flush=True)
