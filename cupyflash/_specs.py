@@ -228,7 +228,9 @@ class Fa2FwdSpec(_KernelSpecBase):
     def smem_bytes(self) -> int:
         t = self.tile
         elements = t.block_m * self.head_dim + 2 * t.stages * t.block_n * self.head_dim
-        return 2 * elements
+        # an attn_mask's staged tiles: a row of block_n keys (1-byte bool, else 2) + 16 bytes
+        mask_rows = t.block_n * (1 if self.mask == "bool" else 2) + 16 if self.mask else 0
+        return 2 * elements + t.stages * t.block_m * mask_rows
 
     def _traits_args(self) -> tuple[object, ...]:
         t = self.tile

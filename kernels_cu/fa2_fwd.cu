@@ -7,7 +7,8 @@
 //   O = 0, m = -inf, l = 0                                       (registers)
 //   for each visible key block j (last first, so the masked blocks come first):
 //     S = Q K_j^T                    mma.sync, Q from registers or smem, K via ldmatrix
-//     S = softcap / mask (only blocks that need it)
+//     S = softcap / mask (only blocks that need it; an attn_mask's mixed tiles staged through
+//         shared memory with K_j, V_j where its layout allows: load_mask_tile)
 //     m_new = max(m, rowmax S); O *= exp2(m - m_new); P = exp2(S - m_new); l = l * .. + rowsum P
 //     (dropout: P's dropped elements set to 0; the kept ones scaled by dropout_scale with 1 / l)
 //     O += P V_j                     P re-packed from the S accumulators as the A operand
@@ -62,7 +63,13 @@ struct Fa2FwdTraits {
   static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
   static constexpr int kSmemQElems = kBlockM * kHeadDim;
   static constexpr int kSmemKVElems = kBlockN * kHeadDim;  // one K (or V) stage
-  static constexpr int kSmemBytes = (kSmemQElems + 2 * kStages * kSmemKVElems) * kElemBytes;
+  // An attn_mask's staged tiles, one per K/V stage: kBlockM rows of kBlockN keys, each row 16
+  // bytes longer than its keys (cp.async's 16-byte alignment; the fragment reads' banks).
+  using MaskElement = typename MaskElementOf<kBias_, Element_>::type;
+  static constexpr int kMaskRowBytes = kBlockN * static_cast<int>(sizeof(MaskElement)) + 16;
+  static constexpr int kMaskStageBytes = kBias_ == kNoBias ? 0 : kBlockM * kMaskRowBytes;
+  static constexpr int kSmemBytes =
+      (kSmemQElems + 2 * kStages * kSmemKVElems) * kElemBytes + kStages * kMaskStageBytes;
 
   static_assert(kRowsPerWarp % 16 == 0, "each warp needs whole 16-row MMA tiles");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
@@ -185,6 +192,27 @@ struct CacheKv {
   CF_DEVICE bool barrier_any_bad() const { return __syncthreads_or(*bad_page) != 0 || span_bad; }
 };
 
+// An attn_mask's tile (kBlockM rows from row0, kBlockN keys from key0) into a staged copy in
+// shared memory (rows kMaskRowBytes apart), by 16-byte cp.async chunks beside the block's K and V
+// (the mask is AttnBias::stageable). Rows past the sequence read as zeros; so do chunks past its
+// keys, which the key mask hides anyway.
+template <typename Traits, typename Bias>
+CF_DEVICE void load_mask_tile(uint32_t s_tile, const Bias& bias, int row0, int key0, int tid) {
+  constexpr int kChunksPerRow = Traits::kBlockN / Bias::kChunkElems;
+  constexpr int kChunks = Traits::kBlockM * kChunksPerRow;
+#pragma unroll
+  for (int it = 0; it < ceil_div(kChunks, Traits::kNThreads); ++it) {
+    const int idx = it * Traits::kNThreads + tid;
+    const int row = idx / kChunksPerRow;
+    const int key = key0 + (idx % kChunksPerRow) * Bias::kChunkElems;
+    if (kChunks % Traits::kNThreads == 0 || idx < kChunks) {
+      const bool valid = row0 + row < bias.rows && key < bias.keys;
+      cp_async_16(s_tile + row * Traits::kMaskRowBytes + (idx % kChunksPerRow) * 16,
+                  valid ? bias.base + (row0 + row) * bias.row_stride + key : bias.base, valid);
+    }
+  }
+}
+
 // One CTA: query block m_block of rows_q of (batch, head) against the seqlen_k keys of `kv`.
 // Returns whether the rows were written as NaN (kv found a bad device value; CTA-uniform).
 template <typename Traits, typename Kv>
@@ -202,6 +230,7 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   const uint32_t s_q = smem_addr(smem_raw);                             // [kBlockM][d], then O
   const uint32_t s_k = s_q + Traits::kSmemQElems * Traits::kElemBytes;  // [kStages][kBlockN][d]
   const uint32_t s_v = s_k + kStages * kStageBytes;                     // [kStages][kBlockN][d]
+  const uint32_t s_mask = s_v + kStages * kStageBytes;  // [kStages][kBlockM] mask rows (staged)
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -247,17 +276,37 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
       return static_cast<int>(kMaskCellMixed);
     }
   };
-  // Scores of key block n_block -> logits: the score variant (softcap), then the mask.
+  // Scores of key block n_block -> logits: the score variant (softcap), then the mask. An
+  // attn_mask's mixed tiles come from their staged copy in `stage` where the mask is stageable
+  // (a uniform branch), else from global memory per score.
   const typename Traits::Transform transform(params, batch, head, seqlen_k - seqlen_q);
-  auto logits = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int state) {
-    if (state != kMaskCellPlain)
-      transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
+  bool mask_staged = false;
+  if constexpr (Traits::kBias != kNoBias) mask_staged = transform.stageable();
+  auto load_mask = [&](int n_block, int stage) {  // with the block's K and V, when staged
+    if constexpr (Traits::kBias != kNoBias) {
+      if (mask_staged)
+        load_mask_tile<Traits>(s_mask + stage * Traits::kMaskStageBytes, transform, row_block0,
+                               n_block * kBlockN, tid);
+    }
+  };
+  auto logits = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int state, int stage) {
+    if (state != kMaskCellPlain) {
+      if constexpr (Traits::kBias != kNoBias) {
+        if (mask_staged)
+          transform_scores_staged<Traits::kMaskRowBytes>(
+              transform, s, s_mask + stage * Traits::kMaskStageBytes, warp_row0, lane);
+        else
+          transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
+      } else {
+        transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
+      }
+    }
     if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
   };
   // Logits of key block n_block from the K tile in `stage`: S = Q K^T, then logits().
   auto scores = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int stage, int state) {
     gemm_qk<Traits>(s, r_q, s_q, s_k + stage * kStageBytes, warp_row0, lane);
-    logits(s, n_block, state);
+    logits(s, n_block, state, stage);
   };
 
   const DropoutMask dropout(params.dropout_seed, params.dropout_threshold, head, batch);
@@ -287,8 +336,9 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
       const int n_block = n_end - 1 - s;
-      if (n_block >= n_begin && (s == 0 ? state_cur : kMaskCellMixed) != kMaskCellHidden)
-        load_kv(n_block, s);
+      const int state = s == 0 ? state_cur : kMaskCellMixed;
+      if (n_block >= n_begin && state != kMaskCellHidden) load_kv(n_block, s);
+      if (n_block >= n_begin && state == kMaskCellMixed) load_mask(n_block, s);
       cp_async_commit();
     }
     for (int it = 0, n_block = n_end - 1; n_block >= n_begin; ++it, --n_block) {
@@ -302,6 +352,8 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
       const int n_prefetch = n_block - (kStages - 1);
       if (n_prefetch >= n_begin && prefetch_state != kMaskCellHidden)
         load_kv(n_prefetch, (it + kStages - 1) % kStages);
+      if (n_prefetch >= n_begin && prefetch_state == kMaskCellMixed)
+        load_mask(n_prefetch, (it + kStages - 1) % kStages);
       cp_async_commit();
       if (it == 0) load_q_regs();
       if (state == kMaskCellHidden) continue;  // CTA-uniform: every warp skips the block
@@ -350,7 +402,7 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
         gemm_qk<Traits>(next, r_q, s_q, s_k + ((it + 1) % 2) * kStageBytes, warp_row0, lane);
       }
       softmax_pv(cur, n_end - 1 - it, it % 2);
-      if (it + 1 < n_blocks) logits(next, n_end - 2 - it, kMaskCellMixed);
+      if (it + 1 < n_blocks) logits(next, n_end - 2 - it, kMaskCellMixed, 0);  // (no mask here)
     };
     // Unrolled by two so that `cur` and `next` swap names instead of registers.
     for (int it = 0; it < n_blocks; it += 2) {

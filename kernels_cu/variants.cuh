@@ -91,13 +91,33 @@ struct AttnBias {
         keys(p.seqlen_k) {}
   CF_DEVICE float operator()(float score, int row, int key) const {
     if (row >= rows || key >= keys) return score;
-    const BiasElement b = base[row * row_stride + key * key_stride];
+    return apply(score, base[row * row_stride + key * key_stride]);
+  }
+  CF_DEVICE float apply(float score, BiasElement b) const {
     if constexpr (Is_bool) {
       return b != 0 ? score : neg_infinity();
     } else {
       return fmaf(to_float(b), scale, score);
     }
   }
+  // Elements per 16-byte chunk, and whether the tiles can be copied in such chunks (the
+  // forward's staged tiles, fa2_fwd.cu): keys contiguous, every row 16-byte aligned, and whole
+  // chunks of keys (no chunk reaches past the last key). CTA-uniform.
+  static constexpr int kChunkElems = 16 / static_cast<int>(sizeof(BiasElement));
+  CF_DEVICE bool stageable() const {
+    return key_stride == 1 && row_stride % kChunkElems == 0 && keys % kChunkElems == 0 &&
+           reinterpret_cast<unsigned long long>(base) % 16 == 0;
+  }
+};
+
+// The element type of a mask of kind kBias (what its staged tiles hold).
+template <int kBias, typename Element>
+struct MaskElementOf {
+  using type = Element;
+};
+template <typename Element>
+struct MaskElementOf<kBoolBias, Element> {
+  using type = unsigned char;
 };
 
 // A cell of the mask's block summary (AttnParams::mask_cells; kernels_cu/attn_mask.cuh): every
@@ -202,6 +222,39 @@ CF_DEVICE void transform_scores(const AttnBias<BiasElement, Is_bool>& transform,
       }
     asm volatile("" ::: "memory");
   }
+}
+
+// A mask on a tile of scores from its staged copy in shared memory (s_tile: the tile's rows
+// kRowBytes apart, from the CTA's first row and the block's first key; fa2_fwd.cu's
+// load_mask_tile). Each thread reads its two adjacent keys of a row as one 2- or 4-byte word; the
+// rows' 16 bytes of padding put the 8 rows a warp reads at once in distinct banks.
+template <int kRowBytes, typename BiasElement, bool Is_bool, int kMTiles, int kNTiles>
+CF_DEVICE void transform_scores_staged(const AttnBias<BiasElement, Is_bool>& bias,
+                                       float (&s)[kMTiles][kNTiles][4], uint32_t s_tile,
+                                       int warp_row0, int lane) {
+  constexpr int kElemBytes = static_cast<int>(sizeof(BiasElement));
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp_row0 + 16 * mt + lane / 4 + 8 * half;
+        const uint32_t addr = s_tile + row * kRowBytes + (8 * nt + 2 * (lane % 4)) * kElemBytes;
+        BiasElement pair[2];
+        if constexpr (kElemBytes == 2) {
+          const uint32_t word = ld_shared_b32(addr);
+          pair[0] = *reinterpret_cast<const BiasElement*>(&word);
+          pair[1] = *(reinterpret_cast<const BiasElement*>(&word) + 1);
+        } else {
+          const uint32_t word = ld_shared_u16(addr);
+          pair[0] = static_cast<BiasElement>(word & 0xffu);
+          pair[1] = static_cast<BiasElement>(word >> 8);
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+          s[mt][nt][2 * half + c] = bias.apply(s[mt][nt][2 * half + c], pair[c]);
+      }
 }
 
 // The identity leaves the tile alone (not even the index arithmetic above is written).

@@ -170,6 +170,9 @@ def attention_cases(size: str, hopper: bool) -> Iterator[Case]:
         ("mask-padding-causal", 2, nq, nk, 4, 2, {"causal": True, "mask": "key-padding"}),
         ("mask-additive-window", 1, nq, nk, 4, 2, {"window": (20, 5), "mask": "additive"}),
         ("mask-blocks", 2, nq, nk, 4, 2, {"mask": "blocks"}),
+        # 128 keys: 16-byte mask rows, the mixed tiles staged through shared memory
+        ("mask-blocks-staged", 2, nq, 128, 4, 2, {"mask": "blocks"}),
+        ("mask-additive-staged-causal", 1, nq, 128, 4, 2, {"causal": True, "mask": "additive"}),
     ]
     for algorithm, dims in (("fa2", fa2_dims), ("fa3", fa3_dims)):
         for d in dims:

@@ -27,10 +27,13 @@ MASK_SHAPES = {
 @pytest.mark.parametrize(
     ("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 80), ("float16", 192), ("bfloat16", 224)]
 )
-def test_mask_matches_the_host_twin(rng, kind, shape, options, dtype, head_dim):
+@pytest.mark.parametrize("nk", [301, 320], ids=["keys-read-per-score", "keys-staged"])
+def test_mask_matches_the_host_twin(rng, kind, shape, options, dtype, head_dim, nk):
+    """301 keys: the mask's rows are not 16-byte aligned, the kernel reads it per score; 320: its
+    mixed tiles are staged through shared memory with K and V (AttnBias::stageable)."""
     torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
-    b, nq, nk, hq, hkv = 2, 197, 301, 8, 2
+    b, nq, hq, hkv = 2, 197, 8, 2
     tdtype = getattr(torch, dtype)
     q, k, v = (torch.randn(b, n, h, head_dim, generator=gen).to(tdtype) for n, h in ((nq, hq), (nk, hkv), (nk, hkv)))
     dims = MASK_SHAPES[shape](b, hq, nq, nk)
@@ -50,11 +53,13 @@ def test_mask_matches_the_host_twin(rng, kind, shape, options, dtype, head_dim):
     np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=2e-2)
 
 
-def test_key_padding_equals_sliced_keys_and_expanded_masks(rng):
+@pytest.mark.parametrize("nk", [500, 512])
+def test_key_padding_equals_sliced_keys_and_expanded_masks(rng, nk):
     """A left-padding mask (B, 1, 1, Nk) gives the bits of the mask expanded to (B, Hq, Nq, Nk)
-    with stride 0 (read in place) and matches attention over each sequence's kept keys."""
+    with stride 0 (read in place) and matches attention over each sequence's kept keys (512 keys:
+    the mixed tiles staged through shared memory)."""
     torch = need_torch()
-    b, nq, nk, hq, hkv, d = 3, 64, 500, 8, 2, 128
+    b, nq, hq, hkv, d = 3, 64, 8, 2, 128
     q = torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     pads = [0, 77, 499]
@@ -150,7 +155,7 @@ def test_block_sparse_masks_skip_hidden_tiles(rng, kind, grain, options, dtype, 
     0 with LSE -inf there and here."""
     torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
-    b, nq, nk, hq, hkv = 2, 300, 555, 4, 2
+    b, nq, nk, hq, hkv = 2, 300, 560, 4, 2  # 16-byte rows: the mixed tiles staged
     tdtype = getattr(torch, dtype)
     q, k, v = (torch.randn(b, n, h, head_dim, generator=gen).to(tdtype) for n, h in ((nq, hq), (nk, hkv), (nk, hkv)))
     mask = _block_mask(torch, gen, (b, 1, nq, nk), kind, grain)
