@@ -71,14 +71,15 @@ FA2_FWD_SOFTCAP_TILES: dict[int, tuple[TileConfig, ...]] = {
     256: (TileConfig(128, 32, 8), TileConfig(64, 32, 4)),
 }
 # An attn_mask's element loads per score (with their addresses) spilled d = 32's and 64's four-warp
-# tiles (two row tiles a warp) by 12-92 B on sm_80, and every 64-key tile at d = 128 by 40-64 B
-# with an additive mask on sm_80: eight warps of one row tile at d <= 64, 32-key blocks at
-# d = 128. d = 192 runs its plain tiles and d = 256 its 32-key softcap tiles (0 spills with every
-# flag on both archs since the mask reads one key column at a time; 64-key tiles spilled 24 B).
+# tiles (two row tiles a warp) by 12-92 B on sm_80: eight warps of one row tile at d <= 64.
+# d = 128: 128 x 64 with Q in registers, 1.13-1.24x the 128 x 32 tile with a mask's tiles staged
+# (H200, bf16, four mask kinds at N = 1k and 4k; docs/gpu_runs/2026-12-02-softcap-alibi-masks/
+# run5/); up to 255 registers on sm_80, no spill. d = 192 runs its plain tiles and d = 256 its
+# 32-key softcap tiles (0 spills with every flag on both archs; 64-key tiles spilled 24 B).
 FA2_FWD_MASK_TILES: dict[int, tuple[TileConfig, ...]] = {
     32: (TileConfig(128, 64, 8),),
     64: (TileConfig(128, 64, 8),),
-    128: (TileConfig(128, 32, 8, q_in_regs=True),),
+    128: (TileConfig(128, 64, 8, q_in_regs=True),),
 }
 
 
