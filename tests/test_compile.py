@@ -60,6 +60,10 @@ def head_dim_sample() -> list[KernelSpec]:
     ]
     for flags, head_dims in sample:
         for head_dim in head_dims:
+            if flags.softcap and flags.alibi:  # the forward's and the cache's too
+                specs.append(_dispatch.fa2_fwd_spec("bfloat16", head_dim, flags, 232448))
+                specs.append(_dispatch.fa2_fwd_spec("float16", head_dim, replace(flags, dropout=False), 232448,
+                                                    over_cache=True))  # fmt: skip
             specs.append(_dispatch.fa2_bwd_spec("bfloat16", head_dim, flags))
             specs.append(_dispatch.fa2_bwd_spec("float16", head_dim, flags, deterministic=True))
             specs.append(_dispatch.fa2_bwd_dq_spec("float16", head_dim, flags))
