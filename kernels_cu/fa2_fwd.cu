@@ -65,8 +65,8 @@ struct Fa2FwdTraits {
   static constexpr int kSmemKVElems = kBlockN * kHeadDim;  // one K (or V) stage
   // An attn_mask's staged tiles, one per K/V stage: kBlockM rows of kBlockN keys, each row 16
   // bytes longer than its keys (cp.async's 16-byte alignment; the fragment reads' banks).
-  using MaskElement = typename MaskElementOf<kBias_, Element_>::type;
-  static constexpr int kMaskRowBytes = kBlockN * static_cast<int>(sizeof(MaskElement)) + 16;
+  static constexpr int kMaskElemBytes = kBias_ == kBoolBias ? 1 : kElemBytes;  // AttnBias's
+  static constexpr int kMaskRowBytes = kBlockN * kMaskElemBytes + 16;
   static constexpr int kMaskStageBytes = kBias_ == kNoBias ? 0 : kBlockM * kMaskRowBytes;
   static constexpr int kSmemBytes =
       (kSmemQElems + 2 * kStages * kSmemKVElems) * kElemBytes + kStages * kMaskStageBytes;

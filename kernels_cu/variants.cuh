@@ -110,16 +110,6 @@ struct AttnBias {
   }
 };
 
-// The element type of a mask of kind kBias (what its staged tiles hold).
-template <int kBias, typename Element>
-struct MaskElementOf {
-  using type = Element;
-};
-template <typename Element>
-struct MaskElementOf<kBoolBias, Element> {
-  using type = unsigned char;
-};
-
 // A cell of the mask's block summary (AttnParams::mask_cells; kernels_cu/attn_mask.cuh): every
 // key hidden (boolean false, additive -inf), every key shown unchanged (boolean true, additive
 // exactly 0), anything else (NaN included: it must reach the output), or past the mask's rows or
