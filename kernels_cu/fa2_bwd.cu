@@ -418,11 +418,10 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
             kept_prob = kept ? prob[c] : 0.f;
           }
           ds[c] = prob[c] * (dp - (c ? dsum.y : dsum.x));
-          // d tanh: a masked logit (-inf, P = 0) would give 0 * inf; its dS is 0.
           if constexpr (Traits::Has_softcap) {
             const int key = key0 + warp_key0 + lane / 4 + 8 * half;
-            const float t = capped_score(transform, logit, row0 + col0 + c, key);
-            ds[c] = prob[c] != 0.f ? ds[c] * (1.f - t * t) : 0.f;
+            ds[c] =
+                softcap_grad(ds[c], prob[c], capped_score(transform, logit, row0 + col0 + c, key));
           }
           prob[c] = kept_prob;  // dV's operand: P * M (times dropout_scale in the epilogue)
         }
@@ -722,8 +721,7 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
           if constexpr (Traits::Has_softcap) {
             const int row = row_block0 + warp_row0 + 16 * mt + lane / 4 + 8 * (e / 2);
             const int key = n_block * kBlockN + 8 * nt + 2 * (lane % 4) + e % 2;
-            const float t = capped_score(transform, logit, row, key);
-            ds = prob != 0.f ? ds * (1.f - t * t) : 0.f;
+            ds = softcap_grad(ds, prob, capped_score(transform, logit, row, key));
           }
           acc_dp[mt][nt][e] = ds;
         }

@@ -314,9 +314,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
           const float logit = s[0][nt][2 * half + c];
           prob[c] = fast_exp2(fmaf(logit, scale_log2, c ? neg_lse.y : neg_lse.x));
           ds[c] = prob[c] * (dp[0][nt][2 * half + c] - (c ? dsum.y : dsum.x));
-          // d tanh, where the logit is the capped score (a masked one, P = 0, gets dS 0)
-          if constexpr (Traits::Has_softcap)
-            ds[c] = prob[c] != 0.f ? ds[c] * (1.f - logit * logit) : 0.f;
+          if constexpr (Traits::Has_softcap)  // the logit is the capped score here (no ALiBi)
+            ds[c] = softcap_grad(ds[c], prob[c], logit);
           if (col0 + c >= rows_valid) prob[c] = ds[c] = 0.f;  // a padding row's LSE, D
         }
         p_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(prob[0], prob[1]);

@@ -57,6 +57,12 @@ struct SoftcapAlibi {
   }
 };
 
+// dS through the softcap: d(c tanh(z / c))/dz = 1 - t^2 with t the capped score. A masked logit
+// (-inf, P = 0) would give 0 * inf; its dS is 0.
+CF_DEVICE float softcap_grad(float ds, float prob, float t) {
+  return prob != 0.f ? ds * (1.f - t * t) : 0.f;
+}
+
 // The capped score t of a logit, whose 1 - t^2 is the softcap's derivative in the backward: the
 // logit itself, less ALiBi's bias where that follows the cap (recomputed, not held in registers).
 template <typename Transform>
