@@ -337,10 +337,22 @@ DECODE_MAX_SPLITS = 128
 DECODE_MIN_BLOCKS_PER_SPLIT = 4
 
 
-def decode_tile(head_dim: int, rows: int) -> DecodeTile:
+# A float8 cache's tiles: the 16-bit cache's with twice the stages (its slices are half the
+# bytes), but at d = 128 and 16 rows Q is read from shared memory at each step (123 registers, not
+# 170) for 2 CTAs per SM: on the H200 (bf16 q, GQA 32/8, e4m3, docs/gpu_runs/2026-12-02-fp8-
+# decode/tiles.log) 1.57-1.71x the bf16 cache's speed against 1.43-1.66x at 1 CTA per SM, and
+# 1.17x against 0.92x at B = 1, L = 32k; 8 warps x 2 stages measured the same, 4 warps x 3 stages
+# (4 CTAs per SM) 1.41-1.67x. At d = 64, 2 CTAs per SM measured 1.13-1.22x against 1.16-1.23x.
+FP8_DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {
+    64: tuple(replace(t, stages=2 * t.stages) for t in DECODE_TILES[64]),
+    128: (DecodeTile(16, 16, 8, 3, q_in_regs=False, min_blocks=2), replace(DECODE_TILES[128][1], stages=4)),
+}
+
+
+def decode_tile(head_dim: int, rows: int, fp8: bool = False) -> DecodeTile:
     """The tile for ``rows`` packed GQA rows (query tokens x query heads per KV head) at tile
-    width ``head_dim``."""
-    tiles = DECODE_TILES[head_dim]
+    width ``head_dim`` (over a float8 cache: FP8_DECODE_TILES)."""
+    tiles = (FP8_DECODE_TILES if fp8 else DECODE_TILES)[head_dim]
     return next((t for t in tiles if t.block_m >= rows), tiles[-1])
 
 
@@ -348,9 +360,9 @@ def decode_spec(
     dtype: str, head_dim: int, rows: int, causal: bool, local: bool = False, softcap: bool = False, fp8: bool = False
 ) -> DecodeSpec:
     """The decode variant for the caller's ``head_dim`` (as ``fa2_fwd_spec``: the next tile width);
-    ``fp8``: over a float8 cache (head dims FP8_DECODE_HEAD_DIMS), the same tiles."""
+    ``fp8``: over a float8 cache (head dims FP8_DECODE_HEAD_DIMS)."""
     width, valid_dim = columns(head_dim, DECODE_HEAD_DIMS)
-    return DecodeSpec(dtype, width, decode_tile(width, rows), causal, valid_dim, local, softcap, fp8)
+    return DecodeSpec(dtype, width, decode_tile(width, rows, fp8), causal, valid_dim, local, softcap, fp8)
 
 
 #: A split count within this fraction of the best wave efficiency is as good: the fewest wins.
@@ -407,7 +419,9 @@ def fp8_decode_specs(dtype: str) -> list[DecodeSpec | DecodeAppendSpec]:
     specs: list[DecodeSpec | DecodeAppendSpec] = []
     for head_dim in FP8_DECODE_HEAD_DIMS:
         specs += [
-            DecodeSpec(dtype, head_dim, t, causal, fp8=True) for t in DECODE_TILES[head_dim] for causal in (False, True)
+            DecodeSpec(dtype, head_dim, t, causal, fp8=True)
+            for t in FP8_DECODE_TILES[head_dim]
+            for causal in (False, True)
         ]
         specs.append(DecodeAppendSpec(dtype, head_dim, fp8=True))
     return specs
@@ -530,97 +544,98 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
 # (no compile, no driver query), so registers per thread come from this table: ptxas's count
 # for each shipped decode variant and arch with NVRTC 13.0.88 (the H200 machine's, pinned in CI),
 # which tests/test_plan.py checks against a compile. The float8-cache variants (``_fp8``) are listed
-# too: their widening pass costs 0-16 registers over the 16-bit cache's tile.
+# too: widening in registers, they take 19-22 fewer registers than the 16-bit cache's tile at
+# d = 128 and 6-23 more at d = 64 (sm_90a).
 # ---------------------------------------------------------------------------------------------
 DECODE_REGISTERS: dict[tuple[str, str], int] = {
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 192,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal"): 195,
-    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal_fp8"): 197,
-    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_fp8"): 194,
-    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2"): 241,
-    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 245,
-    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_causal_fp8"): 251,
-    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_fp8"): 247,
+    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_causal_fp8"): 128,
+    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_fp8"): 128,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2"): 237,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 241,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s4_causal_fp8"): 214,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s4_fp8"): 210,
     ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3"): 242,
     ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3_causal"): 242,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg"): 126,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_causal"): 136,
-    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_causal_fp8"): 133,
-    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_fp8"): 131,
+    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 136,
+    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_fp8"): 134,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg"): 192,
-    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 199,
-    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal_fp8"): 191,
-    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_fp8"): 189,
-    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3"): 255,
-    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 255,
-    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_causal_fp8"): 255,
-    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_fp8"): 254,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 197,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 197,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_fp8"): 190,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3"): 242,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 246,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s6_causal_fp8"): 248,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s6_fp8"): 248,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg"): 192,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal"): 195,
-    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal_fp8"): 197,
-    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_fp8"): 194,
-    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2"): 241,
-    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 245,
-    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_causal_fp8"): 251,
-    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_fp8"): 247,
+    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_causal_fp8"): 128,
+    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_fp8"): 126,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2"): 237,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 241,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s4_causal_fp8"): 210,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s4_fp8"): 208,
     ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3"): 242,
     ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3_causal"): 242,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg"): 126,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_causal"): 136,
-    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_causal_fp8"): 133,
-    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_fp8"): 131,
+    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 133,
+    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_fp8"): 131,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg"): 192,
-    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 199,
-    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal_fp8"): 191,
-    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_fp8"): 189,
-    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3"): 255,
-    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 255,
-    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_causal_fp8"): 255,
-    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_fp8"): 254,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 197,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 193,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_fp8"): 190,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3"): 242,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 246,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s6_causal_fp8"): 248,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s6_fp8"): 246,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 193,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal"): 196,
-    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal_fp8"): 196,
-    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_fp8"): 193,
-    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2"): 237,
-    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 240,
-    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_causal_fp8"): 251,
-    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_fp8"): 250,
+    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_causal_fp8"): 122,
+    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_fp8"): 123,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2"): 236,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 239,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s4_causal_fp8"): 222,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s4_fp8"): 222,
     ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3"): 244,
     ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3_causal"): 244,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg"): 127,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_causal"): 135,
-    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_causal_fp8"): 128,
-    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_fp8"): 127,
+    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 148,
+    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_fp8"): 144,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg"): 192,
-    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 197,
-    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal_fp8"): 197,
-    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_fp8"): 194,
-    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3"): 254,
-    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 255,
-    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_causal_fp8"): 255,
-    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_fp8"): 255,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 195,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 211,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_fp8"): 216,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3"): 255,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 254,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s6_causal_fp8"): 241,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s6_fp8"): 245,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg"): 193,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal"): 196,
-    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal_fp8"): 196,
-    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_fp8"): 193,
-    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2"): 237,
-    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 240,
-    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_causal_fp8"): 251,
-    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_fp8"): 250,
+    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_causal_fp8"): 121,
+    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_fp8"): 122,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2"): 236,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 239,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s4_causal_fp8"): 222,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s4_fp8"): 222,
     ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3"): 244,
     ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3_causal"): 244,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg"): 127,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_causal"): 135,
-    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_causal_fp8"): 128,
-    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_fp8"): 127,
+    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 147,
+    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_fp8"): 144,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg"): 192,
-    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 197,
-    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal_fp8"): 197,
-    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_fp8"): 194,
-    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3"): 254,
-    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 255,
-    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_causal_fp8"): 255,
-    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_fp8"): 255,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 195,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 211,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_fp8"): 207,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3"): 255,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 254,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s6_causal_fp8"): 245,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s6_fp8"): 242,
 }
 
 _REGISTER_ALLOCATION = 256  # registers are given to a warp in units of 256 (sm_80, sm_90)

@@ -584,10 +584,7 @@ class DecodeSpec(_KernelSpecBase):
     @property
     def smem_bytes(self) -> int:
         t, d = self.tile, self.head_dim
-        # per warp: the ring of cached [K, V] slices; a float8 cache's is bytes, then the widened 16-bit [K, V]
-        ring = t.num_warps * (
-            2 * t.stages * t.warp_keys * d * (1 if self.fp8 else 2) + (4 * t.warp_keys * d if self.fp8 else 0)
-        )
+        ring = t.num_warps * 2 * t.stages * t.warp_keys * d * (1 if self.fp8 else 2)  # per warp: cached [K, V] slices
         merge = t.num_warps * t.block_m * (d + 8 + 1) * 4  # the warps' fp32 partials, padded rows
         return t.block_m * d * 2 + max(ring, merge)
 

@@ -34,6 +34,7 @@ struct ElementTraits;
 
 template <>
 struct ElementTraits<__half> {
+  static constexpr bool kIsFp16 = true;
   // Two floats rounded to one 32-bit register holding (lo, hi): an MMA A/B operand word.
   static CF_DEVICE uint32_t pack2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
@@ -51,6 +52,7 @@ struct ElementTraits<__half> {
 
 template <>
 struct ElementTraits<__nv_bfloat16> {
+  static constexpr bool kIsFp16 = false;
   static CF_DEVICE uint32_t pack2(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
@@ -88,6 +90,9 @@ CF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
 // Fast math. ex2.approx is the MUFU instruction the online softmax is built around (one per
 // score); ex2.approx(-inf) = +0, which is how masked scores vanish.
 // ---------------------------------------------------------------------------------------------
+// 2^e for e in [-126, 127], exactly (a normal float's exponent field).
+CF_DEVICE float pow2(int e) { return __int_as_float((e + 127) << 23); }
+
 CF_DEVICE float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -141,6 +146,12 @@ CF_DEVICE float2 ld_shared_f32x2(uint32_t addr) {
   return v;
 }
 
+CF_DEVICE uint2 ld_shared_b64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+
 CF_DEVICE uint4 ld_shared_b128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
@@ -188,6 +199,10 @@ CF_DEVICE void cp_async_16(uint32_t dst, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes));
+}
+// The same, always copying (no source-size operand to compute).
+CF_DEVICE void cp_async_16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
 // One 4-byte global -> shared copy (.ca: the only size below 16 bytes cp.async takes); zero

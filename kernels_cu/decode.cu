@@ -76,8 +76,8 @@ struct DecodeTraits {
   static constexpr bool Has_softcap = Has_softcap_;
   using Transform = ScoreTransform<Has_softcap_>;
   // A float8 cache (the format, e4m3 or e5m2, is DecodeParams::kv_fp8): the ring holds the
-  // cached bytes, half a 16-bit slice's, and each step widens its slice into one 16-bit K/V tile
-  // of the warp that the MMAs read as they read a 16-bit cache's ring (fp8.cuh).
+  // cached bytes, half a 16-bit slice's, and the MMAs widen them in registers (gemm_qk_fp8,
+  // gemm_pv_fp8 below).
   static constexpr bool Kv_fp8 = Kv_fp8_;
   using CacheElement = typename CacheElementOf<Element, Kv_fp8>::type;
 
@@ -91,10 +91,9 @@ struct DecodeTraits {
 
   static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
   static constexpr int kSmemQBytes = kBlockM * kHeadDim * kElemBytes;
-  static constexpr int kTileBytes = kWarpKeys * kHeadDim * kElemBytes;  // one K (or V) slice
-  static constexpr int kStageBytes = kWarpKeys * kHeadDim * int(sizeof(CacheElement));  // as cached
-  // Per warp: [kStages][K, V][kWarpKeys][d] cached elements; with fp8, then the widened [K, V] tile.
-  static constexpr int kWarpRingBytes = 2 * kStages * kStageBytes + (Kv_fp8 ? 2 * kTileBytes : 0);
+  static constexpr int kStageBytes = kWarpKeys * kHeadDim * int(sizeof(CacheElement));  // a slice
+  // Per warp: [kStages][K, V][kWarpKeys][d] cached elements.
+  static constexpr int kWarpRingBytes = 2 * kStages * kStageBytes;
   // Epilogue: every warp's normalised O (fp32, rows padded by 8 floats: 2-way instead of 8-way
   // bank conflicts on the fragment stores) and LSE, in the ring once it has drained.
   static constexpr int kMergeRowFloats = kHeadDim + 8;
@@ -110,14 +109,26 @@ struct DecodeTraits {
                 "a float8 cache takes whole tiles of d = 64 or 128");
 };
 
+// Byte offset of 16-byte chunk `chunk` of row `row` in a float8 slice: rows of d bytes whose
+// chunks are XOR-swizzled within each 128-byte line (of one row at d = 128, two at d = 64) so
+// that each 8-lane phase of gemm_qk_fp8's K loads (2 rows x 4 chunks) and gemm_pv_fp8's V loads
+// (the same columns of 4 rows), and of the cp.async writes, hits 8 different bank groups
+// (checked lane by lane for both head dims).
+template <int kHeadDim>
+CF_DEVICE uint32_t fp8_chunk_offset(int row, int chunk) {
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "float8 rows of 64 or 128 bytes");
+  const int line = kHeadDim == 128 ? row : row / 2;
+  const int pos = kHeadDim == 128 ? chunk : (row % 2) * 4 + chunk;
+  const int swizzle = kHeadDim == 128 ? ((line >> 1) & 6) ^ ((line & 1) << 2) : line & 6;
+  return line * 128 + (pos ^ swizzle) * 16;
+}
+
 // Shared-memory byte offset of 16-byte chunk `chunk` of row `row` of a warp's ring slice: the
-// swizzled tile of a 16-bit cache (the MMAs read it); the plain row-major bytes of a float8
-// cache, which widen_slice reads back in the same order (32 lanes, 512 contiguous bytes: no bank
-// conflict) to write the swizzled 16-bit tile.
+// swizzled tile of a 16-bit cache (ldmatrix reads it), or a float8 cache's swizzled bytes.
 template <typename Traits>
 CF_DEVICE uint32_t slice_chunk_offset(int row, int chunk) {
   if constexpr (Traits::Kv_fp8) {
-    return (row * (Traits::kHeadDim / 16) + chunk) * 16;
+    return fp8_chunk_offset<Traits::kHeadDim>(row, chunk);
   } else {
     return Traits::Tile::offset(row, chunk) * Traits::kElemBytes;
   }
@@ -162,11 +173,20 @@ CF_DEVICE void load_slice_async(uint32_t s_tile,
     const CacheElement* src =
         cache.row(key0, bad_page) + row0 * cache.row_stride + chunk * kChunkElements;
     const int64_t step = kRowsPerIter * cache.row_stride;
+    if (key0 + Traits::kWarpKeys <= seqlen_k && chunk_valid) {
+      // A whole slice (every one but a sequence's last): no per-row test, no zero fill -- half
+      // the copy loop's instructions, which the float8 cache's step notices.
 #pragma unroll
-    for (int it = 0; it < kIters; ++it, src += step) {
-      const int row = row0 + it * kRowsPerIter;
-      const bool valid = chunk_valid && key0 + row < seqlen_k;
-      cp_async_16(s_tile + slice_chunk_offset<Traits>(row, chunk), valid ? src : cache.base, valid);
+      for (int it = 0; it < kIters; ++it, src += step)
+        cp_async_16(s_tile + slice_chunk_offset<Traits>(row0 + it * kRowsPerIter, chunk), src);
+    } else {
+#pragma unroll
+      for (int it = 0; it < kIters; ++it, src += step) {
+        const int row = row0 + it * kRowsPerIter;
+        const bool valid = chunk_valid && key0 + row < seqlen_k;
+        cp_async_16(s_tile + slice_chunk_offset<Traits>(row, chunk), valid ? src : cache.base,
+                    valid);
+      }
     }
   } else {
     // Pages smaller than a slice. Lane l looks up the page of key key0 + l once (one coalesced
@@ -195,34 +215,206 @@ CF_DEVICE void load_slice_async(uint32_t s_tile,
   }
 }
 
-// A float8 cache: the warp widens its landed [K, V] slice (2 kWarpKeys rows of d bytes at
-// s_bytes) into the swizzled 16-bit [K, V] tile at s_tile, exactly (fp8.cuh). Lane l takes byte
-// chunks l, l + 32, ... (16 elements each) and writes 16-bit chunks 2c and 2c + 1 of the row; the
-// lanes whose c has bit 2 set write 2c + 1 first, so the eight lanes of each store phase hit
-// eight different 16-byte bank groups (d = 128: 2c alone gives 0, 2, 4, 6 twice). Zero-filled
-// rows (keys past the sequence) widen to zeros. Per 16 keys and d = 128 that is 4 + 4 shared
-// loads, 8 + 8 shared stores and 64 conversions per lane, beside the 32 MMAs of the step.
-// Unrolled 2 of 4 (d = 64) or 8 (d = 128) passes: fully unrolled, ptxas kept every pass's words
-// live and the d = 64, 16-row tile took 154 registers instead of 128 (1 CTA per SM, not 2;
-// NVRTC 13.0.88, sm_90a); unrolled 2 it keeps the 16-bit cache's counts within 2-13.
+// ---------------------------------------------------------------------------------------------
+// A float8 cache's MMAs: fp16 operands widened in registers from the cached bytes (fp8.cuh).
+//
+// An MMA's k order and n order are free as long as its two operands agree, and the fp8 path
+// picks them so that each lane's bytes are contiguous in shared memory (lane = 4 g + t):
+//   Q K^T, k-step ds = 4 c + j: lane (g, t) loads 16 bytes of one key row, columns 64 c + 16 t ..
+//     + 15; word j of them (columns p .. p + 3, p = 64 c + 16 t + 4 j) widens to b0 = columns
+//     (p, p + 1) and b1 = (p + 2, p + 3), and Q's fragment takes the same columns.
+//   Keys: column n of 8-key tile nt is key 16 (nt / 2) + 4 (n / 2) + 2 (nt % 2) + n % 2
+//     (Fp8KeyColumns), so that lane t's P fragment of k-step ks (columns 2t, 2t + 1 of tiles 2 ks
+//     and 2 ks + 1) holds keys 4t .. 4t + 3 of it: the B operand of P V is four whole rows.
+//   P V, d-tile dt: column n is d column n d / 8 + dt, so that lane g's V bytes (columns
+//     g d / 8 .. + d / 8 - 1 of rows 4t .. 4t + 3) are one load per row; byte permutes pair
+//     rows 4t, 4t + 1 (b0) and 4t + 2, 4t + 3 (b1) for each d tile.
+// ---------------------------------------------------------------------------------------------
+struct Fp8KeyColumns {
+  CF_DEVICE int operator()(int nt, int lane, int e) const {
+    return 16 * (nt / 2) + 4 * (lane % 4) + 2 * (nt % 2) + e % 2;
+  }
+};
+
+// The score columns' keys of a 16-bit slice (ldmatrix's order) and of a float8 one.
+template <bool Kv_fp8>
+struct SliceKeyColumns {
+  using type = MmaKeyColumns;
+};
+template <>
+struct SliceKeyColumns<true> {
+  using type = Fp8KeyColumns;
+};
+
+// O's column of element e of d-tile dt in the fp8 path's order.
+template <int kHeadDim>
+CF_DEVICE int fp8_o_column(int dt, int lane, int e) {
+  return (2 * (lane % 4) + e % 2) * (kHeadDim / 8) + dt;
+}
+
+// P = exp2(..) <= 1 goes into fp16 times 2^15 (<= 32768): fp16's 10-bit mantissa then reaches
+// probabilities down to 2^-39 of the row's largest (unscaled, fp16 would round those below 2^-14
+// and drop those below 2^-25, which a long row of small weights adds up). O is unscaled once.
+constexpr float kFp8PScale = 32768.f;
+
+// Q's fp16 fragments in the fp8 path's column order, from the CTA's 16-bit Q tile at s_q: r_q[mt]
+// [ds] = columns (p, p + 1) of rows g and g + 8, then (p + 2, p + 3) of both (m16n8k16's a0..a3).
+// fp16 q is taken as it is. bf16 q is multiplied by one power of two 2^e for the CTA's rows,
+// with 2^e max|q| in [2^14, 2^15): every element above 2^-38 max|q| is then exact in fp16 (which
+// has 3 more mantissa bits than bf16), and those below weigh less in a score than its fp32
+// rounding. Returns 2^-e (1 for fp16), by which the scores are multiplied back. (Every warp
+// loads every fragment, so the warp's max is the CTA's; a NaN element stays NaN.)
+template <typename Traits>
+CF_DEVICE float fp8_q_fragments(uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps][4], uint32_t s_q,
+                                int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt)
+#pragma unroll
+    for (int ds = 0; ds < Traits::kDSteps; ++ds)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = 64 * (ds / 4) + 16 * t + 4 * (ds % 4);
+        const int row = 16 * mt + g + 8 * half;
+        const uint2 v = ld_shared_b64(s_q + (Traits::Tile::offset(row, col / 8) + col % 8) * 2);
+        r_q[mt][ds][half] = v.x;
+        r_q[mt][ds][2 + half] = v.y;
+      }
+  if constexpr (Traits::Ops::kIsFp16) {
+    return 1.f;
+  } else {
+    const auto element = [](uint32_t word, int i) {
+      return __uint_as_float(i == 0 ? word << 16 : word & 0xffff0000u);
+    };
+    float amax = 0.f;  // (fmaxf drops NaN)
+#pragma unroll
+    for (int mt = 0; mt < Traits::kMTiles; ++mt)
+#pragma unroll
+      for (int ds = 0; ds < Traits::kDSteps; ++ds)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          amax = fmaxf(amax,
+                       fmaxf(fabsf(element(r_q[mt][ds][i], 0)), fabsf(element(r_q[mt][ds][i], 1))));
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    int e = 0;  // (amax 0 or infinite: q converts as it is)
+    if (amax > 0.f && isfinite(amax)) {
+      const int exponent = static_cast<int>((__float_as_uint(amax) >> 23) & 0xff) - 127;
+      e = min(max(14 - exponent, -126), 126);
+    }
+    const float scale = pow2(e);
+#pragma unroll
+    for (int mt = 0; mt < Traits::kMTiles; ++mt)
+#pragma unroll
+      for (int ds = 0; ds < Traits::kDSteps; ++ds)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t word = r_q[mt][ds][i];
+          r_q[mt][ds][i] =
+              ElementTraits<__half>::pack2(element(word, 0) * scale, element(word, 1) * scale);
+        }
+    return pow2(-e);
+  }
+}
+
+// The A operand of k-step ds: from registers, or (not Q_in_regs) from the fragment-ordered copy
+// at s_qf, one 16-byte load per lane (consecutive lanes, no bank conflict).
+template <typename Traits>
+CF_DEVICE void fp8_q_operand(uint32_t (&a)[4],
+                             const uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps][4],
+                             uint32_t s_qf, int mt, int ds, int lane) {
+  if constexpr (Traits::Q_in_regs) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = r_q[mt][ds][i];
+  } else {
+    const uint4 v = ld_shared_b128(s_qf + ((mt * Traits::kDSteps + ds) * 32 + lane) * 16);
+    a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
+  }
+}
+
+// S = Q K^T over a float8 slice of keys at s_k (scores in Fp8KeyColumns order, times the 2^e of
+// fp8_q_fragments).
 template <typename Traits, __nv_fp8_interpretation_t kFormat>
-CF_DEVICE void widen_slice(uint32_t s_tile, uint32_t s_bytes, int lane) {
-  constexpr int kByteChunksPerRow = Traits::kHeadDim / 16;
-  constexpr int kChunks = 2 * Traits::kWarpKeys * kByteChunksPerRow;
-  static_assert(kChunks % 32 == 0, "whole warp passes");
-#pragma unroll 2
-  for (int i = 0; i < kChunks / 32; ++i) {
-    const int idx = i * 32 + lane;
-    const int row = idx / kByteChunksPerRow;
-    const int c = idx % kByteChunksPerRow;
-    const uint4 bytes = ld_shared_b128(s_bytes + idx * 16);
-    const uint4 lo = widen_fp8x8<typename Traits::Element, kFormat>(bytes.x, bytes.y);
-    const uint4 hi = widen_fp8x8<typename Traits::Element, kFormat>(bytes.z, bytes.w);
-    const bool swap = (c & 4) != 0;
-    const uint32_t first = s_tile + Traits::Tile::offset(row, 2 * c + (swap ? 1 : 0)) * 2;
-    const uint32_t second = s_tile + Traits::Tile::offset(row, 2 * c + (swap ? 0 : 1)) * 2;
-    st_shared_b128(first, swap ? hi : lo);
-    st_shared_b128(second, swap ? lo : hi);
+CF_DEVICE void gemm_qk_fp8(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
+                           const uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps][4],
+                           uint32_t s_qf, uint32_t s_k, int lane) {
+  constexpr int kChunks = Traits::kHeadDim / 64;  // 16-byte loads per row and lane
+  zero_fill(s);
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < Traits::kNTiles; ++nt) {
+    const int key = 16 * (nt / 2) + 4 * (g / 2) + 2 * (nt % 2) + g % 2;  // Fp8KeyColumns, n = g
+    uint4 bytes[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      bytes[c] = ld_shared_b128(s_k + fp8_chunk_offset<Traits::kHeadDim>(key, 4 * c + t));
+#pragma unroll
+    for (int ds = 0; ds < Traits::kDSteps; ++ds) {
+      const uint4& chunk = bytes[ds / 4];
+      const int j = ds % 4;
+      uint32_t b0, b1;
+      Fp8Widen<kFormat>::apply(j == 0   ? chunk.x
+                               : j == 1 ? chunk.y
+                               : j == 2 ? chunk.z
+                                        : chunk.w,
+                               b0, b1);
+#pragma unroll
+      for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+        uint32_t a[4];
+        fp8_q_operand<Traits>(a, r_q, s_qf, mt, ds, lane);
+        ElementTraits<__half>::mma_16816(s[mt][nt], a, b0, b1);
+      }
+    }
+  }
+}
+
+// O += P V over a float8 slice of values at s_v (O's columns in fp8_o_column order, times
+// kFp8PScale).
+template <typename Traits, __nv_fp8_interpretation_t kFormat>
+CF_DEVICE void gemm_pv_fp8(float (&o)[Traits::kMTiles][Traits::kDTiles][4],
+                           const float (&p)[Traits::kMTiles][Traits::kNTiles][4], uint32_t s_v,
+                           int lane) {
+  constexpr int kWords = Traits::kHeadDim / 32;  // a lane's 4-byte words of one row: 4 or 2
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int ks = 0; ks < Traits::kNSteps; ++ks) {
+    uint32_t a[Traits::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Traits::kMTiles; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float* pair = &p[mt][2 * ks + i / 2][2 * (i % 2)];
+        a[mt][i] = ElementTraits<__half>::pack2(pair[0] * kFp8PScale, pair[1] * kFp8PScale);
+      }
+    uint32_t rows[4][kWords];  // keys 16 ks + 4t + i, columns g d / 8 ..
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = 16 * ks + 4 * t + i;
+      if constexpr (Traits::kHeadDim == 128) {
+        const uint4 v = ld_shared_b128(s_v + fp8_chunk_offset<128>(key, g));
+        rows[i][0] = v.x, rows[i][1] = v.y, rows[i][2] = v.z, rows[i][3] = v.w;
+      } else {
+        const uint2 v = ld_shared_b64(s_v + fp8_chunk_offset<64>(key, g / 2) + 8 * (g % 2));
+        rows[i][0] = v.x, rows[i][1] = v.y;
+      }
+    }
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) {
+      uint32_t b[4][2];  // d tiles 4 w .. 4 w + 3: {b0, b1}
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair) {  // rows 4t, 4t + 1 -> b0; 4t + 2, 4t + 3 -> b1
+        const uint32_t x = rows[2 * pair][w], y = rows[2 * pair + 1][w];
+        // (x_k y_k x_k+1 y_k+1): d tiles k and k + 1
+        Fp8Widen<kFormat>::apply(__byte_perm(x, y, 0x5140), b[0][pair], b[1][pair]);
+        Fp8Widen<kFormat>::apply(__byte_perm(x, y, 0x7362), b[2][pair], b[3][pair]);
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int mt = 0; mt < Traits::kMTiles; ++mt)
+          ElementTraits<__half>::mma_16816(o[mt][4 * w + k], a[mt], b[k][0], b[k][1]);
+    }
   }
 }
 
@@ -331,8 +523,6 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
       cache_rows<CacheElement>(params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride,
                                attn.v_head_stride, batch, head_k, span.entry, span.first_key);
   const uint32_t s_warp_ring = s_ring + warp * Traits::kWarpRingBytes;
-  // fp8: the widened [K, V] tile after the ring (the MMAs' operands; the ring holds bytes)
-  const uint32_t s_warp_tile = s_warp_ring + 2 * kStages * Traits::kStageBytes;
   auto load_kv = [&](int n_block, int stage) {
     const int key0 = n_block * kBlockN + warp_key0;
     const uint32_t s_k = s_warp_ring + stage * 2 * Traits::kStageBytes;
@@ -351,7 +541,24 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   __syncthreads();               // ... and every other thread's
 
   uint32_t r_q[kMTiles][Traits::kDSteps][4];  // Q fragments; optimised away unless Q_in_regs
-  if constexpr (Traits::Q_in_regs) {
+  float q_unscale = 1.f;                      // fp8: 2^-e of fp8_q_fragments
+  if constexpr (Traits::Kv_fp8) {
+    q_unscale = fp8_q_fragments<Traits>(r_q, s_q, lane);
+    if constexpr (!Traits::Q_in_regs) {  // the fragment-ordered copy replaces the 16-bit tile
+      __syncthreads();                   // (every warp has read it)
+      if (warp == 0) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int ds = 0; ds < Traits::kDSteps; ++ds) {
+            const uint32_t (&a)[4] = r_q[mt][ds];
+            st_shared_b128(s_q + ((mt * Traits::kDSteps + ds) * 32 + lane) * 16,
+                           make_uint4(a[0], a[1], a[2], a[3]));
+          }
+      }
+      __syncthreads();
+    }
+  } else if constexpr (Traits::Q_in_regs) {
 #pragma unroll
     for (int ds = 0; ds < Traits::kDSteps; ++ds) {
       uint32_t a[kMTiles][4];
@@ -392,6 +599,49 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
       attn.window_right);
   const typename Traits::Transform transform(attn);
 
+  // A step's softmax over the scores of the warp's slice: the transform, the mask (the keys in
+  // the score columns' order), the online update.
+  using KeyColumns = typename SliceKeyColumns<Traits::Kv_fp8>::type;
+  auto softmax_step = [&](float (&acc_s)[kMTiles][Traits::kNTiles][4], int key0) {
+    transform_scores(transform, acc_s, /*row0=*/0, key0, lane);  // packed rows: no query row yet
+    if (mask.needs_mask(key0, key0 + kWarpKeys - 1)) mask.apply(acc_s, key0, lane, KeyColumns{});
+    float rescale[2 * kMTiles];
+    softmax.update_max(acc_s, scale_log2, rescale);
+    rescale_rows_if_moved(acc_o, rescale);
+    softmax.exp_accumulate(acc_s, scale_log2, rescale);
+  };
+  // A float8 slice: the scores of bf16 q multiplied back to q . k (and by K's scale before a
+  // softcap).
+  const bool e5m2 = params.kv_fp8 == kKvE5M2;  // (else e4m3)
+  auto fp8_step = [&](uint32_t s_k, int key0) {
+    if constexpr (Traits::Kv_fp8) {  // (a lambda of every variant: its body only of these)
+      float acc_s[kMTiles][Traits::kNTiles][4];
+      if (e5m2) {
+        gemm_qk_fp8<Traits, __NV_E5M2>(acc_s, r_q, s_q, s_k, lane);
+      } else {
+        gemm_qk_fp8<Traits, __NV_E4M3>(acc_s, r_q, s_q, s_k, lane);
+      }
+      if constexpr (!Traits::Ops::kIsFp16 || Traits::Has_softcap) {
+        float unscale = q_unscale;  // 1 for fp16 q
+        if constexpr (Traits::Has_softcap)
+          unscale *= __uint_as_float(ld_shared_b32(smem_addr(&s_kv_scale.x)));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < Traits::kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] *= unscale;
+      }
+      softmax_step(acc_s, key0);
+      const uint32_t s_v = s_k + Traits::kStageBytes;
+      if (e5m2) {
+        gemm_pv_fp8<Traits, __NV_E5M2>(acc_o, acc_s, s_v, lane);
+      } else {
+        gemm_pv_fp8<Traits, __NV_E4M3>(acc_o, acc_s, s_v, lane);
+      }
+    }
+  };
+
   for (int it = 0, n_block = n_begin; n_block < w_end; ++it, ++n_block) {
     // Slice it has landed (each lane waits for its own copies; __syncwarp publishes them to
     // the warp). The stage refilled below was last read by this warp's previous step.
@@ -400,45 +650,25 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     if (n_block + kStages - 1 < w_end) load_kv(n_block + kStages - 1, (it + kStages - 1) % kStages);
     cp_async_commit();
 
-    uint32_t s_k = s_warp_ring + (it % kStages) * 2 * Traits::kStageBytes;
-    if constexpr (Traits::Kv_fp8) {
-      // (The warp's last reads of the tile, the previous step's P V, are behind the __syncwarp.)
-      if (params.kv_fp8 == kKvE5M2) {
-        widen_slice<Traits, __NV_E5M2>(s_warp_tile, s_k, lane);
-      } else {
-        widen_slice<Traits, __NV_E4M3>(s_warp_tile, s_k, lane);
-      }
-      __syncwarp();
-      s_k = s_warp_tile;
-    }
+    const uint32_t s_k = s_warp_ring + (it % kStages) * 2 * Traits::kStageBytes;
     const int key0 = n_block * kBlockN + warp_key0;
-    float acc_s[kMTiles][Traits::kNTiles][4];
-    gemm_qk<Traits>(acc_s, r_q, s_q, s_k, 0, lane);
-    if constexpr (Traits::Kv_fp8 && Traits::Has_softcap) {
-      const float k_scale = __uint_as_float(ld_shared_b32(smem_addr(&s_kv_scale.x)));
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < Traits::kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] *= k_scale;
+    if constexpr (Traits::Kv_fp8) {
+      fp8_step(s_k, key0);
+    } else {
+      float acc_s[kMTiles][Traits::kNTiles][4];
+      gemm_qk<Traits>(acc_s, r_q, s_q, s_k, 0, lane);
+      softmax_step(acc_s, key0);
+      gemm_pv<Traits>(acc_o, acc_s, s_k + Traits::kStageBytes, lane);
     }
-    transform_scores(transform, acc_s, /*row0=*/0, key0, lane);  // packed rows: no query row yet
-    if (mask.needs_mask(key0, key0 + kWarpKeys - 1)) mask.apply(acc_s, key0, lane);
-
-    float rescale[2 * kMTiles];
-    softmax.update_max(acc_s, scale_log2, rescale);
-    rescale_rows_if_moved(acc_o, rescale);
-    softmax.exp_accumulate(acc_s, scale_log2, rescale);
-    gemm_pv<Traits>(acc_o, acc_s, s_k + Traits::kTileBytes, lane);
   }
-
   // Epilogue 1: each warp normalises its own partial (O_w, LSE_w) and parks it in shared memory.
   float inv_sum[2 * kMTiles], lse[2 * kMTiles];
   softmax.finalize(scale_log2, inv_sum, lse);
   if constexpr (Traits::Kv_fp8) {
+    // V's scale and 2^-15 of P's fp16 copy (the merge is linear in O)
+    const float v_unscale = s_kv_scale.y * (1.f / kFp8PScale);
 #pragma unroll
-    for (int r = 0; r < 2 * kMTiles; ++r) inv_sum[r] *= s_kv_scale.y;  // (the merge is linear in O)
+    for (int r = 0; r < 2 * kMTiles; ++r) inv_sum[r] *= v_unscale;
   }
   scale_rows(acc_o, inv_sum);
   cp_async_wait<0>();
@@ -460,8 +690,15 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
       const int row = 16 * mt + lane / 4 + 8 * half;
 #pragma unroll
       for (int dt = 0; dt < Traits::kDTiles; ++dt) {
-        *reinterpret_cast<float2*>(s_o + row * kRowFloats + 8 * dt + 2 * (lane % 4)) =
-            make_float2(acc_o[mt][dt][2 * half], acc_o[mt][dt][2 * half + 1]);
+        if constexpr (Traits::Kv_fp8) {  // O's columns in the fp8 path's order
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            s_o[row * kRowFloats + fp8_o_column<Traits::kHeadDim>(dt, lane, e)] =
+                acc_o[mt][dt][2 * half + e];
+        } else {
+          *reinterpret_cast<float2*>(s_o + row * kRowFloats + 8 * dt + 2 * (lane % 4)) =
+              make_float2(acc_o[mt][dt][2 * half], acc_o[mt][dt][2 * half + 1]);
+        }
       }
       if (lane % 4 == 0) s_lse[warp * Traits::kBlockM + row] = lse[2 * mt + half];
     }

@@ -78,6 +78,13 @@ struct KeyMask {
   }
 };
 
+// The key of element e of 8-key tile nt of an m16n8 accumulator, from the tile's first key.
+struct MmaKeyColumns {
+  CF_DEVICE int operator()(int nt, int lane, int e) const {
+    return 8 * nt + 2 * (lane % 4) + e % 2;
+  }
+};
+
 // Which keys the packed rows of a CTA see: MMA row r holds query token (row0 + r) / group; the
 // CTA's rows hold tokens query_first .. query_last.
 template <bool Is_causal, bool Is_local = false>
@@ -102,9 +109,10 @@ struct PackedRowMask {
   }
 
   // Fragment layout as KeyMask::apply: element e of tile (mt, nt) is row 16 mt + lane / 4 +
-  // 8 (e / 2), key key0 + 8 nt + 2 (lane % 4) + e % 2.
-  template <int kMTiles, int kNTiles>
-  CF_DEVICE void apply(float (&s)[kMTiles][kNTiles][4], int key0, int lane) const {
+  // 8 (e / 2), key key0 + key_of(nt, lane, e) (MmaKeyColumns: 8 nt + 2 (lane % 4) + e % 2).
+  template <int kMTiles, int kNTiles, typename KeyColumns = MmaKeyColumns>
+  CF_DEVICE void apply(float (&s)[kMTiles][kNTiles][4], int key0, int lane,
+                       KeyColumns key_of = {}) const {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -114,7 +122,7 @@ struct PackedRowMask {
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int e = 2 * half; e < 2 * half + 2; ++e) {
-            const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+            const int key = key0 + key_of(nt, lane, e);
             if (!keys.visible(query, key)) s[mt][nt][e] = neg_infinity();
           }
       }

@@ -71,6 +71,17 @@ class Arrays:
             return self.module.from_dlpack(tensor) if self.lib == "cupy" else tensor
         return host  # the host path runs float32 (NumPy has no bfloat16 array-API namespace)
 
+    def fp8_bytes(self, *shape: int) -> Any:
+        """Random finite float8 bytes of either format (below 0x70 in magnitude: no e4m3 NaN, no
+        e5m2 infinity or NaN), as the uint8 arrays a cache of kv_dtype holds."""
+        host = (self.rng.integers(0, 0x70, shape) | (self.rng.integers(0, 2, shape) << 7)).astype(np.uint8)
+        return self.ints(host).astype(self.module.uint8) if self.lib == "cupy" else self._uint8(host)
+
+    def _uint8(self, host: Any) -> Any:
+        if self.lib == "torch":
+            return self.module.from_numpy(host).cuda()
+        return host
+
     def ints(self, values: Any) -> Any:
         host = np.asarray(values, dtype=np.int32)
         if self.lib == "cupy":
@@ -241,18 +252,22 @@ def _kvcache(
         capacity = length if page_size is None else -(-length // page_size) * page_size
         options.update(rotary_cos=a.randn(capacity, d // 4), rotary_sin=a.randn(capacity, d // 4))
         options["rotary_interleaved"] = False
+    fmt = options.pop("fp8", None)  # a float8 cache of this format, uint8 bytes
+    cache = partial(a.fp8_bytes) if fmt else a.randn
+    if fmt:
+        options.update(kv_dtype=fmt, k_scale=0.5, v_scale=0.25)
     extra = {}
     if new:
         extra = {"k_new": a.randn(b, new, hkv, d), "v_new": a.randn(b, new, hkv, d)}
     if page_size is None:
         entries = b + 1 if options.pop("batch_idx", False) else b  # cache_batch_idx: a spare entry
-        k, v = a.randn(entries, length, hkv, d), a.randn(entries, length, hkv, d)
+        k, v = cache(entries, length, hkv, d), cache(entries, length, hkv, d)
         if entries > b:  # its duplicate check reads every entry named
             options["cache_batch_idx"] = a.ints(a.rng.permutation(entries)[:b])
     else:  # pages in shuffled order, two spare ones
         per_seq = -(-length // page_size)
         pages = b * per_seq + 2
-        k, v = a.randn(pages, page_size, hkv, d), a.randn(pages, page_size, hkv, d)
+        k, v = cache(pages, page_size, hkv, d), cache(pages, page_size, hkv, d)
         extra["block_table"] = a.ints(a.rng.permutation(pages)[: b * per_seq].reshape(b, per_seq))
     return cupyflash.attention_with_kvcache(
         a.randn(b, nq, hq, d), k, v, cache_seqlens=a.ints(cached), num_splits=num_splits, causal=True,
@@ -282,6 +297,11 @@ def kvcache_cases(size: str) -> Iterator[Case]:
             call = partial(_kvcache, length=length, cached=[0, 1, length // 2, length - 40], d=d, page_size=None,
                            num_splits=0, nq=nq, new=nq, batch_idx=True)  # fmt: skip
             yield f"kvcache d={d} batch_idx nq={nq}", call
+        for page_size in (None, 1, 16) if d in (64, 128) else ():  # float8 caches, either format
+            for fmt, nq in (("e4m3", 1), ("e5m2", 4)):
+                call = partial(_kvcache, length=length, cached=cached, d=d, page_size=page_size, num_splits=0, nq=nq,
+                               new=nq, fp8=fmt)  # fmt: skip
+                yield f"kvcache fp8 {fmt} d={d} page={page_size} nq={nq}", call
         for page_size in (None, 1):  # a window (its key blocks skipped) with softcap
             call = partial(_kvcache, length=length, cached=cached, d=d, page_size=page_size, num_splits=0, nq=3,
                            new=3, window=(70, -1), softcap=4.0)  # fmt: skip

@@ -156,3 +156,52 @@ def test_a_host_float_scale_on_a_16_bit_cache_is_refused():
     cache = torch.randn(2, 32, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="k_scale / v_scale dequantise a float8 cache"):
         cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=8, k_scale=2.0)
+
+
+@pytest.mark.parametrize("q_magnitude", [1e5, 1e-5])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_decode_bf16_queries_beyond_fp16_range(rng, fmt, q_magnitude):
+    """The float8 path's MMAs run in fp16: bf16 queries far above fp16's range (1e5 overflows it)
+    or far below (1e-5 * N(0, 1) is mostly fp16-subnormal) are scaled by a power of two first, so
+    the error stays that of the 16-bit cache at the same shape."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, length, hq, hkv, d = 3, 777, 8, 2, 128
+    q = (torch.randn(b, 2, hq, d, generator=gen) * q_magnitude).to("cuda", torch.bfloat16)
+    scale = 1.0 / (q_magnitude * d**0.5) if q_magnitude > 1 else None  # keep the softmax non-trivial
+    k8, v8 = (torch.randn(b, length, hkv, d, generator=gen).cuda().to(_dtype(torch, fmt)) for _ in "kv")
+    lengths = [1, 400, length]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out = cupyflash.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, causal=True, scale=scale)
+    k64, v64 = k8.double().cpu().numpy(), v8.double().cpu().numpy()
+    ref = kv_reference(q.double().cpu().numpy(), k64, v64, lengths, True, scale)[0]
+    error = rel_error(reference.to_numpy64(out), ref)
+    out16 = cupyflash.attention_with_kvcache(
+        q, k8.to(torch.bfloat16), v8.to(torch.bfloat16), cache_seqlens=seqlens, causal=True, scale=scale
+    )
+    error16 = rel_error(reference.to_numpy64(out16), ref)
+    floor = rel_error(reference.to_numpy64(torch.from_numpy(ref).to(torch.bfloat16)), ref)
+    assert error <= 1.25 * max(error16, floor) + 1e-5, (error, error16, floor)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_nan_byte_gives_nan_where_the_16_bit_cache_would(rng, fmt, where):
+    """A NaN byte in the cache (0x7f in both formats) widens to NaN: in a key, the whole rows of
+    the query heads of its KV head in its sequence are NaN (their scores are); in a value, that
+    column of those rows. Every other element is what the clean cache gives, bit for bit."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, length, hq, hkv, d = 3, 700, 8, 2, 64
+    q = torch.randn(b, 1, hq, d, generator=gen).to("cuda", torch.bfloat16)
+    k8, v8 = (torch.randn(b, length, hkv, d, generator=gen).cuda().to(_dtype(torch, fmt)) for _ in "kv")
+    want = reference.to_numpy64(cupyflash.attention_with_kvcache(q, k8, v8, cache_seqlens=length))
+    (k8 if where == "k" else v8).view(torch.uint8)[1, 345, 0, 17] = 0x7F
+    out = reference.to_numpy64(cupyflash.attention_with_kvcache(q, k8, v8, cache_seqlens=length))
+    hit = np.zeros(out.shape, dtype=bool)
+    if where == "k":
+        hit[1, :, :4] = True  # batch 1, the 4 query heads of KV head 0: every column
+    else:
+        hit[1, :, :4, 17] = True
+    assert np.isnan(out[hit]).all() and not np.isnan(out[~hit]).any()
+    np.testing.assert_array_equal(out[~hit], want[~hit])
