@@ -352,13 +352,9 @@ CF_DEVICE void gemm_qk_fp8(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
 #pragma unroll
     for (int ds = 0; ds < Traits::kDSteps; ++ds) {
       const uint4& chunk = bytes[ds / 4];
-      const int j = ds % 4;
+      const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
       uint32_t b0, b1;
-      Fp8Widen<kFormat>::apply(j == 0   ? chunk.x
-                               : j == 1 ? chunk.y
-                               : j == 2 ? chunk.z
-                                        : chunk.w,
-                               b0, b1);
+      Fp8Widen<kFormat>::apply(words[ds % 4], b0, b1);
 #pragma unroll
       for (int mt = 0; mt < Traits::kMTiles; ++mt) {
         uint32_t a[4];
