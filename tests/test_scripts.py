@@ -51,7 +51,8 @@ def test_sanitize_workload_runs_on_host_arrays():
     assert workload.run("numpy", "tiny") == len(workload.cases("tiny", hopper=True))
     labels = [label for label, _ in workload.cases("small", hopper=True)]
     for family in ("attention fa2", "attention fa3", "attention fa1", "attention naive", "varlen fa3", "kvcache",
-                   "merge_states", "page=1 ", "page=16 ", "page=256 ", "splits=3", "new=4"):  # fmt: skip
+                   "merge_states", "page=1 ", "page=16 ", "page=256 ", "splits=3", "new=4", "kvcache fp8 e4m3",
+                   "kvcache fp8 e5m2"):  # fmt: skip
         assert any(family in label for label in labels), family
     with pytest.raises(SystemExit, match="no tiny case matches"):  # a sanitizer run over no call
         workload.run("numpy", "tiny", only="no such case")
