@@ -340,7 +340,7 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 4
 # A float8 cache's tiles: the 16-bit cache's with twice the stages (its slices are half the
 # bytes), but at d = 128 and 16 rows Q is read from shared memory at each step (123 registers, not
 # 170) for 2 CTAs per SM: on the H200 (bf16 q, GQA 32/8, e4m3, docs/gpu_runs/2026-12-02-fp8-
-# decode/tiles.log) 1.57-1.71x the bf16 cache's speed against 1.43-1.66x at 1 CTA per SM, and
+# decode/call3_tiles.log) 1.57-1.71x the bf16 cache's speed against 1.43-1.66x at 1 CTA per SM, and
 # 1.17x against 0.92x at B = 1, L = 32k; 8 warps x 2 stages measured the same, 4 warps x 3 stages
 # (4 CTAs per SM) 1.41-1.67x. At d = 64, 2 CTAs per SM measured 1.13-1.22x against 1.16-1.23x.
 FP8_DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {
@@ -543,9 +543,8 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
 # Occupancy of the decode kernel, which decides how many splits fill the GPU. The plan is pure
 # (no compile, no driver query), so registers per thread come from this table: ptxas's count
 # for each shipped decode variant and arch with NVRTC 13.0.88 (the H200 machine's, pinned in CI),
-# which tests/test_plan.py checks against a compile. The float8-cache variants (``_fp8``) are listed
-# too: widening in registers, they take 19-22 fewer registers than the 16-bit cache's tile at
-# d = 128 and 6-23 more at d = 64 (sm_90a).
+# which tests/test_plan.py checks against a compile. The float8-cache variants (``_fp8``,
+# FP8_DECODE_TILES) are listed too.
 # ---------------------------------------------------------------------------------------------
 DECODE_REGISTERS: dict[tuple[str, str], int] = {
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 192,
