@@ -345,7 +345,10 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 4
 # (4 CTAs per SM) 1.41-1.67x. At d = 64, 2 CTAs per SM measured 1.13-1.22x against 1.16-1.23x.
 FP8_DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {
     64: tuple(replace(t, stages=2 * t.stages) for t in DECODE_TILES[64]),
-    128: (DecodeTile(16, 16, 8, 3, q_in_regs=False, min_blocks=2), replace(DECODE_TILES[128][1], stages=4)),
+    128: (
+        DecodeTile(16, 16, 8, 3, q_in_regs=False, min_blocks=2),
+        replace(DECODE_TILES[128][1], stages=2 * DECODE_TILES[128][1].stages),
+    ),
 }
 
 

@@ -140,16 +140,15 @@ CF_DEVICE uint32_t ld_shared_u16(uint32_t addr) {
   return v;
 }
 
-CF_DEVICE float2 ld_shared_f32x2(uint32_t addr) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
-  return v;
-}
-
 CF_DEVICE uint2 ld_shared_b64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
   return v;
+}
+
+CF_DEVICE float2 ld_shared_f32x2(uint32_t addr) {
+  const uint2 v = ld_shared_b64(addr);
+  return make_float2(__uint_as_float(v.x), __uint_as_float(v.y));
 }
 
 CF_DEVICE uint4 ld_shared_b128(uint32_t addr) {

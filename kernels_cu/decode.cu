@@ -230,9 +230,13 @@ CF_DEVICE void load_slice_async(uint32_t s_tile,
 //     g d / 8 .. + d / 8 - 1 of rows 4t .. 4t + 3) are one load per row; byte permutes pair
 //     rows 4t, 4t + 1 (b0) and 4t + 2, 4t + 3 (b1) for each d tile.
 // ---------------------------------------------------------------------------------------------
-struct Fp8KeyColumns {
+// Column n = 2 pair + odd of 8-key tile nt.
+CF_DEVICE constexpr int fp8_slice_key(int nt, int pair, int odd) {
+  return 16 * (nt / 2) + 4 * pair + 2 * (nt % 2) + odd;
+}
+struct Fp8KeyColumns {  // the accumulator's element e of tile nt (MmaKeyColumns' counterpart)
   CF_DEVICE int operator()(int nt, int lane, int e) const {
-    return 16 * (nt / 2) + 4 * (lane % 4) + 2 * (nt % 2) + e % 2;
+    return fp8_slice_key(nt, lane % 4, e % 2);
   }
 };
 
@@ -344,7 +348,7 @@ CF_DEVICE void gemm_qk_fp8(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int nt = 0; nt < Traits::kNTiles; ++nt) {
-    const int key = 16 * (nt / 2) + 4 * (g / 2) + 2 * (nt % 2) + g % 2;  // Fp8KeyColumns, n = g
+    const int key = fp8_slice_key(nt, g / 2, g % 2);  // B's column n = g
     uint4 bytes[kChunks];
 #pragma unroll
     for (int c = 0; c < kChunks; ++c)
@@ -598,6 +602,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   // A step's softmax over the scores of the warp's slice: the transform, the mask (the keys in
   // the score columns' order), the online update.
   using KeyColumns = typename SliceKeyColumns<Traits::Kv_fp8>::type;
+  // (transform_scores assumes MmaKeyColumns; the decode transform, softcap, reads no key.)
   auto softmax_step = [&](float (&acc_s)[kMTiles][Traits::kNTiles][4], int key0) {
     transform_scores(transform, acc_s, /*row0=*/0, key0, lane);  // packed rows: no query row yet
     if (mask.needs_mask(key0, key0 + kWarpKeys - 1)) mask.apply(acc_s, key0, lane, KeyColumns{});

@@ -12,6 +12,13 @@
 
 #include "common.cuh"
 
+// The key of element e of 8-key tile nt of an m16n8 accumulator, from the tile's first key.
+struct MmaKeyColumns {
+  CF_DEVICE int operator()(int nt, int lane, int e) const {
+    return 8 * nt + 2 * (lane % 4) + e % 2;
+  }
+};
+
 template <int kBlockM, int kBlockN, bool Is_causal, bool Is_local>
 struct KeyMask {
   int row_first;  // first query row of the block
@@ -60,7 +67,7 @@ struct KeyMask {
 
   // Set hidden scores of an MMA accumulator tile to -inf. Fragment layout of m16n8 tiles:
   // element e of tile (mt, nt) sits at row row0 + 16 mt + lane / 4 + 8 (e / 2),
-  // key key0 + 8 nt + 2 (lane % 4) + e % 2.
+  // key key0 + MmaKeyColumns{}(nt, lane, e).
   template <int kMTiles, int kNTiles>
   CF_DEVICE void apply(float (&s)[kMTiles][kNTiles][4], int row0, int key0, int lane) const {
 #pragma unroll
@@ -70,18 +77,11 @@ struct KeyMask {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2);
-          const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+          const int key = key0 + MmaKeyColumns{}(nt, lane, e);
           if (!visible(row, key)) s[mt][nt][e] = neg_infinity();
         }
       }
     }
-  }
-};
-
-// The key of element e of 8-key tile nt of an m16n8 accumulator, from the tile's first key.
-struct MmaKeyColumns {
-  CF_DEVICE int operator()(int nt, int lane, int e) const {
-    return 8 * nt + 2 * (lane % 4) + e % 2;
   }
 };
 

@@ -74,16 +74,10 @@ class Arrays:
     def fp8_bytes(self, *shape: int) -> Any:
         """Random finite float8 bytes of either format (below 0x70 in magnitude: no e4m3 NaN, no
         e5m2 infinity or NaN), as the uint8 arrays a cache of kv_dtype holds."""
-        host = (self.rng.integers(0, 0x70, shape) | (self.rng.integers(0, 2, shape) << 7)).astype(np.uint8)
-        return self.ints(host).astype(self.module.uint8) if self.lib == "cupy" else self._uint8(host)
+        return self.ints(self.rng.integers(0, 0x70, shape) | (self.rng.integers(0, 2, shape) << 7), np.uint8)
 
-    def _uint8(self, host: Any) -> Any:
-        if self.lib == "torch":
-            return self.module.from_numpy(host).cuda()
-        return host
-
-    def ints(self, values: Any) -> Any:
-        host = np.asarray(values, dtype=np.int32)
+    def ints(self, values: Any, dtype: Any = np.int32) -> Any:
+        host = np.asarray(values, dtype=dtype)
         if self.lib == "cupy":
             return self.module.asarray(host)
         if self.lib == "torch":
@@ -253,7 +247,7 @@ def _kvcache(
         options.update(rotary_cos=a.randn(capacity, d // 4), rotary_sin=a.randn(capacity, d // 4))
         options["rotary_interleaved"] = False
     fmt = options.pop("fp8", None)  # a float8 cache of this format, uint8 bytes
-    cache = partial(a.fp8_bytes) if fmt else a.randn
+    cache = a.fp8_bytes if fmt else a.randn
     if fmt:
         options.update(kv_dtype=fmt, k_scale=0.5, v_scale=0.25)
     extra = {}
