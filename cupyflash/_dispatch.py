@@ -487,23 +487,24 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 
 def fa3_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool) -> Fa3BwdSpec | None:
     """The Hopper backward for a call, or None where it has none (then FA2's runs): head dims
-    other than FA3_BWD_HEAD_DIMS, dropout, ALiBi, an attn_mask, packed sequences, and the
-    deterministic mode (its dQ adds in L2 in no fixed order)."""
-    if head_dim not in FA3_BWD_HEAD_DIMS or deterministic or packed:
+    other than FA3_BWD_HEAD_DIMS, dropout, ALiBi, an attn_mask and packed sequences.
+    ``deterministic``: dQ's adds into each tile in a fixed order (fa3_bwd.cu)."""
+    if head_dim not in FA3_BWD_HEAD_DIMS or packed:
         return None
     if flags.dropout or flags.alibi or flags.mask:
         return None
-    return Fa3BwdSpec(dtype, head_dim, flags.causal, flags.local, flags.softcap)
+    return Fa3BwdSpec(dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic)
 
 
 def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
     return [
-        Fa3BwdSpec(dtype, head_dim, causal, local, softcap)
+        Fa3BwdSpec(dtype, head_dim, causal, local, softcap, deterministic)
         for head_dim in FA3_BWD_HEAD_DIMS
         for dtype in CUDA_ELEMENT_TYPES
         for causal in (False, True)
         for local in (False, True)
         for softcap in (False, True)
+        for deterministic in (False, True)
     ]
 
 

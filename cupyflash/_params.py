@@ -199,6 +199,7 @@ BWD_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("dq_scale", "f4"),
     ("dk_scale", "f4"),
     ("dq_tiled", "i4"),
+    ("dq_semaphore", "u8"),
 )
 
 # Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters;

@@ -598,8 +598,9 @@ def plan_backward(
 
     The kernels differentiate with respect to the raw score q . k (see fa2_bwd.cu): dQ carries
     ``scale``; dK carries |scale| where q runs negated (a negative scale without softcap), else
-    ``scale``. ``deterministic``: dQ from its own kernel over query blocks instead of fp32
-    atomics (bit-identical from run to run; two of the five products computed twice)."""
+    ``scale``. ``deterministic``: bit-identical from run to run. On Hopper, the key blocks add
+    into each dQ tile in a fixed order (a semaphore per tile); elsewhere dQ comes from its own
+    kernel over query blocks instead of fp32 atomics (two of the five products computed twice)."""
     check_grid(p.batch, p.heads_q)
     check_head_dim(p.head_dim, "the GPU backward kernels")
     packed = packed_rows is not None
@@ -637,8 +638,9 @@ def plan_backward(
     for name, strides in (("dq", q_strides), ("dk", k_strides), ("dv", k_strides)):
         for s, a in zip(STRIDE_NAMES, axes, strict=True):
             output_strides[f"{name}_{s}_stride"] = strides[a] if a >= 0 else 0
+    dq_kernel = deterministic and hopper is None  # dQ over query blocks, no accumulator
     cell_tiles = [(spec.block_m, spec.block_n)]
-    if deterministic:
+    if dq_kernel:
         dq_spec = _dispatch.fa2_bwd_dq_spec(dtype, p.head_dim, flags)
         cell_tiles.append((dq_spec.block_m, dq_spec.block_n))
     cell_fields: dict[str, int] = {}
@@ -678,7 +680,7 @@ def plan_backward(
         ]
     fill = 0.0 if packed else None  # packed rows outside every sequence get no gradient
     outputs = (  # dq: every packed row written from the zeroed accumulator, but by dq_blocks only in sequences
-        Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr"), fill=fill if deterministic else None),
+        Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr"), fill=fill if dq_kernel else None),
         Output("dk", tuple(k_shape), dtype, params.slot("dk_ptr"), fill=fill),
         Output("dv", tuple(k_shape), dtype, params.slot("dv_ptr"), fill=fill),
     )
@@ -703,13 +705,16 @@ def plan_backward(
     else:
         grid = (-(-rows[1] // spec.block_n), p.batch, p.heads_kv)
         main = KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes)
-    if deterministic:  # dQ over query blocks, no accumulator
+    if dq_kernel:
         dq_grid = (-(-rows[0] // dq_spec.block_m), p.batch, p.heads_q)
         dq_step = KernelStep(dq_spec, dq_grid, (dq_spec.num_threads, 1, 1), dq_spec.smem_bytes)
     else:  # the accumulator the main kernel adds into, zeroed by prep, converted by the dq step
         convert = _dispatch.bwd_row_spec("dq", dtype, p.head_dim)  # rows of the tile's width
         temporaries += (Temporary("dq_accum", (temp_rows, convert.head_dim), "float32", params.slot("dq_accum")),)
         dq_step = KernelStep(convert, row_grid, row_block, 0)
+        if hopper is not None and deterministic:  # its add count per 64-row tile, zeroed by prep
+            tiles = temp_rows // hopper.block_m
+            temporaries += (Temporary("dq_semaphore", (tiles,), "int32", params.slot("dq_semaphore")),)
     prep = _dispatch.bwd_row_spec("prep", dtype, p.head_dim)
     steps: tuple[KernelStep, ...] = (KernelStep(prep, row_grid, row_block, 0), main, dq_step)
     if p.mask:

@@ -836,6 +836,7 @@ class Fa3BwdSpec(_KernelSpecBase):
     causal: bool = False
     local: bool = False
     softcap: bool = False
+    deterministic: bool = False  # dQ's adds in a fixed order per tile (a writer warp, semaphores)
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -859,19 +860,21 @@ class Fa3BwdSpec(_KernelSpecBase):
         return (_SHORT_DTYPE[self.dtype], self.head_dim)
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
-        return _mask_flags(self.causal, self.local, self.softcap)
+        return (*_mask_flags(self.causal, self.local, self.softcap), ("det", self.deterministic))
 
     @property
     def smem_bytes(self) -> int:
         # 1024 bytes of alignment slack; K, V; Q and dO two-deep; dS^T (16-bit); dQ's staging
-        # (fp32, one per consumer at d = 64); -LSE log2 e and D two-deep per consumer; 5 mbarriers.
+        # (fp32, one per consumer at d = 64; two-deep when deterministic); -LSE log2 e and D
+        # two-deep per consumer; 5 mbarriers.
         d, m, n = self.head_dim, self.block_m, self.block_n
-        stages, staging = 2, (2 if d == 64 else 1)
+        stages, staging = 2, (2 if d == 64 else 1) * (2 if self.deterministic else 1)
         rows = 2 * stages * 2 * 4 * m
         return 1024 + 2 * (2 * n * d + 2 * stages * m * d + n * m) + 4 * staging * m * d + rows + 8 * 5
 
     def _traits_args(self) -> tuple[object, ...]:
-        return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap)
+        dtype = CUDA_ELEMENT_TYPES[self.dtype]
+        return (self.head_dim, dtype, self.causal, self.local, self.softcap, self.deterministic)
 
 
 @dataclass(frozen=True, slots=True)

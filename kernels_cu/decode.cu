@@ -290,20 +290,23 @@ CF_DEVICE float fp8_q_fragments(uint32_t (&r_q)[Traits::kMTiles][Traits::kDSteps
     const auto element = [](uint32_t word, int i) {
       return __uint_as_float(i == 0 ? word << 16 : word & 0xffff0000u);
     };
-    float amax = 0.f;  // (fmaxf drops NaN)
+    // The max over finite elements: an infinity (or NaN) stays one after the scaling, and must
+    // not leave the other rows' finite elements unscaled (above fp16's 65504: infinite).
+    const auto finite_abs = [](float x) { return fabsf(x) < -neg_infinity() ? fabsf(x) : 0.f; };
+    float amax = 0.f;
 #pragma unroll
     for (int mt = 0; mt < Traits::kMTiles; ++mt)
 #pragma unroll
       for (int ds = 0; ds < Traits::kDSteps; ++ds)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          amax = fmaxf(amax,
-                       fmaxf(fabsf(element(r_q[mt][ds][i], 0)), fabsf(element(r_q[mt][ds][i], 1))));
+          amax = fmaxf(amax, fmaxf(finite_abs(element(r_q[mt][ds][i], 0)),
+                                   finite_abs(element(r_q[mt][ds][i], 1))));
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    int e = 0;  // (amax 0 or infinite: q converts as it is)
-    if (amax > 0.f && isfinite(amax)) {
+    int e = 0;  // (every element 0 or not finite: q converts as it is)
+    if (amax > 0.f) {
       const int exponent = static_cast<int>((__float_as_uint(amax) >> 23) & 0xff) - 127;
       e = min(max(14 - exponent, -126), 126);
     }

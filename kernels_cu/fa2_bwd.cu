@@ -122,6 +122,10 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
     p.neg_lse_log2[t] = lse == neg_infinity() ? neg_infinity() : -lse * kLog2e;
   }
   zero_accumulator_row<Traits>(p, t, lane);  // (fa2_bwd_dq makes a NaN-LSE row's dQ NaN)
+  // The deterministic Hopper backward's count of adds into this row's tile (tiles start at rows
+  // that are multiples of 64, all below seqlen_q).
+  if (p.dq_semaphore != nullptr && lane == 0 && row % kDqTileRows == 0)
+    p.dq_semaphore[t / kDqTileRows] = 0;
 }
 
 template <typename Traits>

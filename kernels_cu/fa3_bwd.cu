@@ -19,6 +19,13 @@
 //     bulk reduce-add (no per-element atomics)
 //   and at the end dK (times dk_scale) and dV, summed over the whole loop in registers, stored
 //   through shared memory as whole rows.
+// Deterministic (bit-identical dQ run to run): a warp of the producer warpgroup adds the staged
+// dQ tiles (two-deep) while the consumers go on, and every tile of dQacc takes its adds from the
+// key blocks in one order, the last key block that sees it first: a key block waits for its turn
+// (the tile's semaphore counts the adds done), adds, waits for the add to complete, passes the
+// turn on. Key blocks run last first (the grid reversed), so a turn is only ever waited for from
+// a key block that started earlier (no deadlock), and under causal masks or windows the block it
+// waits for, seeing fewer query rows, is two steps ahead of it (no waiting in the steady state).
 // GQA: the CTA of a KV head loops over its group's query heads, so dK and dV are summed in
 // registers, with no per-query-head copy. Rows past seqlen_q: TMA reads zeros for their Q and
 // dO, their -LSE and D read as 0, and P^T and dS^T are set to 0 there.
@@ -53,7 +60,7 @@ struct Fa3BwdSharedStorage {
 };
 
 template <int kHeadDim_, typename Element_, bool Is_causal_, bool Is_local_,
-          bool Has_softcap_ = false>
+          bool Has_softcap_ = false, bool Deterministic_ = false, bool Dq_writer_ = Deterministic_>
 struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -70,15 +77,26 @@ struct Fa3BwdTraits {
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
+  static constexpr bool Deterministic = Deterministic_;
+  // dQ's adds issued by a warp of the producer warpgroup from two staging buffers (else by a
+  // consumer thread from one, which then waits for nothing but the last add's reads).
+  static constexpr bool Dq_writer = Dq_writer_;
+  static_assert(Dq_writer || !Deterministic, "the fixed order waits in the writer warp");
+  static constexpr int kDqBuffers = Dq_writer ? 2 : 1;
   // dQ = dS K split between the consumers by keys at d = 64 (one 64-column part), else by parts.
   static constexpr bool Dq_split_keys = kHeadDim == kDqPartCols;
+  // Deterministic at d = 64: the two consumers' partial dQ (over their own keys) summed in shared
+  // memory first, so that each step adds one tile (two adds into the same floats would have to
+  // wait for each other to keep their order).
+  static constexpr bool Dq_sum_consumers = Deterministic && Dq_split_keys;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kRowBytes = kBlockM * 4;  // one step's -LSE log2 e (or D)
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kDqTileBytes = kBlockM * kHeadDim * 4;
-  static constexpr int kDqBytes = (Dq_split_keys ? kConsumers : 1) * kDqTileBytes;
+  static constexpr int kDqStagedBytes = (Dq_split_keys ? kConsumers : 1) * kDqTileBytes;
+  static constexpr int kDqBytes = kDqBuffers * kDqStagedBytes;
   using SharedStorage =
       Fa3BwdSharedStorage<kKVBytes, kQBytes, kRowBytes, kDsBytes, kDqBytes, kStages>;
   static constexpr int kSmemBytes = kSwizzleAtomBytes + static_cast<int>(sizeof(SharedStorage));
@@ -131,13 +149,21 @@ struct Fa3BwdSmem {
 };
 
 // bar.sync ids of the consumers (0 is __syncthreads): both consumers (dS^T and dQ's staging are
-// shared at d = 128), or consumer c alone.
-enum class BwdBarrier : int { kBoth = 1, kConsumer = 2 };
+// shared at d = 128), or consumer c alone; with the dQ writer warp, per staging buffer b: staged
+// (the consumers arrive, the writer waits) and free again (the writer arrives, the consumers wait).
+enum class BwdBarrier : int { kBoth = 1, kConsumer = 2, kDqStaged = 4, kDqFree = 6 };
 CF_DEVICE void bwd_barrier_sync(BwdBarrier id, int consumer) {
   if (id == BwdBarrier::kBoth)
     named_barrier_sync(static_cast<int>(id), 2 * kWarpgroupThreads);
   else
     named_barrier_sync(static_cast<int>(id) + consumer, kWarpgroupThreads);
+}
+constexpr int kDqHandoverThreads = 2 * kWarpgroupThreads + 32;  // both consumers and the writer
+CF_DEVICE void dq_handover_sync(BwdBarrier id, int buffer) {
+  named_barrier_sync(static_cast<int>(id) + buffer, kDqHandoverThreads);
+}
+CF_DEVICE void dq_handover_arrive(BwdBarrier id, int buffer) {
+  named_barrier_arrive(static_cast<int>(id) + buffer, kDqHandoverThreads);
 }
 
 template <typename Traits>
@@ -154,7 +180,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   extern __shared__ unsigned char smem_raw[];
   const Fa3BwdSmem<Traits> smem(smem_raw);
 
-  const int n_block = blockIdx.x;  // the first key blocks see the most rows under causal: first
+  // The first key blocks see the most rows under causal: first; deterministic: last (above).
+  const int n_block = Traits::Deterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int batch = blockIdx.y;
   const int head_k = blockIdx.z;
   const int key0 = n_block * kBlockN;
@@ -180,6 +207,61 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     setmaxnreg_dec<Traits::kProducerRegs>();
+    if constexpr (Traits::Dq_writer) {
+      if (threadIdx.x / 32 == 1) {
+        // ------------------------------------------------------------ dQ writer (warp 1)
+        // The last key block whose query range holds block m (ranges move up with the key
+        // block, so the blocks that see m are consecutive; the same ranges the CTAs loop over).
+        auto last_key_block = [&](int m) {
+          if constexpr (!Traits::Is_causal) return static_cast<int>(gridDim.x) - 1;
+          int lo = n_block, hi = gridDim.x - 1;
+          while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            const QueryRangeOfKeys<kBlockM, kBlockN, true, Traits::Is_local> later(
+                mid, a.seqlen_q, a.seqlen_k, a.window_left, a.window_right);
+            if (later.m_block_begin() <= m)
+              lo = mid;
+            else
+              hi = mid - 1;
+          }
+          return lo;
+        };
+        // the staged tiles of a buffer: one per consumer at d = 64, unless summed (one)
+        constexpr int kParts =
+            Traits::Dq_split_keys && !Traits::Dq_sum_consumers ? Traits::kConsumers : 1;
+        constexpr int kPartBytes = Traits::kDqTileBytes;
+        for (int step = 0; step < steps; ++step) {
+          const int buffer = step % Traits::kDqBuffers;
+          dq_handover_sync(BwdBarrier::kDqStaged, buffer);
+          if (threadIdx.x == 32) {
+            float* tile = p.dq_accum + step_rows(step) * kHeadDim;
+            int32_t* semaphore = p.dq_semaphore + step_rows(step) / kBlockM;
+            if constexpr (Traits::Deterministic) {
+              const int turn = last_key_block(step_m_block(step)) - n_block;
+              while (ld_acquire_gpu(semaphore) != turn) {
+              }
+              fence_proxy_async_global();
+            }
+            for (int part = 0; part < kParts; ++part) {
+              bulk_reduce_add_f32(tile,
+                                  smem.dq() + buffer * Traits::kDqStagedBytes + part * kPartBytes,
+                                  kPartBytes);
+              bulk_commit();
+            }
+            if constexpr (Traits::Deterministic) bulk_wait<0>();  // done before the turn passes
+            if constexpr (Traits::Deterministic) {
+              fence_proxy_async_global();
+              red_release_gpu_add(semaphore, 1);
+            } else {
+              bulk_wait_read<0>();
+            }
+          }
+          __syncwarp();
+          if (step + Traits::kDqBuffers < steps) dq_handover_arrive(BwdBarrier::kDqFree, buffer);
+        }
+        if (threadIdx.x == 32) bulk_wait<0>();  // the staging buffers stay until the adds are done
+      }
+    }
     if (threadIdx.x != 0) return;
     mbar_arrive_expect_tx(smem.kv_full(), 2 * Traits::kKVBytes);
 #pragma unroll
@@ -230,7 +312,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   // One issuer and one reduce of the whole tile per step at d = 128: each consumer adding its own
   // half (two 16 KB reduces, one barrier fewer per step) measured 5-9% slower
   // (docs/gpu_runs/2026-12-01-hopper-backward/two-issuers/).
-  const bool dq_issuer = tid == 0 && (Split_keys || consumer == 0);
+  const bool dq_issuer = !Traits::Dq_writer && tid == 0 && (Split_keys || consumer == 0);
   const uint32_t dq_staging = smem.dq() + (Split_keys ? consumer * Traits::kDqTileBytes : 0);
   // dS^T complete, dQ staged: among the consumers that share them.
   auto dq_sync = [&]() {
@@ -348,6 +430,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     fence_proxy_async_shared();
     if (dq_issuer) bulk_wait_read<0>();  // the last step's dQ has left the staging buffer
     dq_sync();
+    const int dq_buffer = step % Traits::kDqBuffers;
 
     // dQ = dS K: A = dS (query rows x keys) read from dS^T, B = K (keys x d) read from the K
     // tile, both MN-major; k-step ks takes 16 keys (2048 bytes of either tile).
@@ -376,14 +459,43 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     if (lane == 0) mbar_arrive(smem.q_empty(stage));  // Q, dO read
 
     // dQ staged in its fragments' order, then one bulk reduce-add into dQacc's tile.
+    if (Traits::Dq_writer && step >= Traits::kDqBuffers)
+      dq_handover_sync(BwdBarrier::kDqFree, dq_buffer);  // the writer has read its last tile
+    auto as_uint4 = [](const float (&f)[4]) {
+      return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                        __float_as_uint(f[3]));
+    };
+    const uint32_t staged = smem.dq() + dq_buffer * Traits::kDqStagedBytes;
+    if constexpr (Traits::Dq_sum_consumers) {
+      // Consumer c sums fragments j of half c of both consumers' partial dQ into the first tile
+      // of the buffer, the other half handed over through the second.
+      const uint32_t handover = staged + Traits::kDqTileBytes;
+      constexpr int kHalf = kDqPartCols / 16;
 #pragma unroll
-    for (int j = 0; j < kDqPartCols / 8; ++j)
-      st_shared_b128(dq_staging + dq_tile_fragment_bytes(dq_part, j, tid),
-                     make_uint4(__float_as_uint(acc_dq[j][0]), __float_as_uint(acc_dq[j][1]),
-                                __float_as_uint(acc_dq[j][2]), __float_as_uint(acc_dq[j][3])));
+      for (int j = 0; j < kDqPartCols / 8; ++j)
+        if (j / kHalf != consumer)
+          st_shared_b128(handover + dq_tile_fragment_bytes(0, j, tid), as_uint4(acc_dq[j]));
+      bwd_barrier_sync(BwdBarrier::kBoth, consumer);
+#pragma unroll
+      for (int j = 0; j < kDqPartCols / 8; ++j)
+        if (j / kHalf == consumer) {
+          const uint4 other = ld_shared_b128(handover + dq_tile_fragment_bytes(0, j, tid));
+          const float sum[4] = {
+              acc_dq[j][0] + __uint_as_float(other.x), acc_dq[j][1] + __uint_as_float(other.y),
+              acc_dq[j][2] + __uint_as_float(other.z), acc_dq[j][3] + __uint_as_float(other.w)};
+          st_shared_b128(staged + dq_tile_fragment_bytes(0, j, tid), as_uint4(sum));
+        }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kDqPartCols / 8; ++j)
+        st_shared_b128(dq_staging + dq_buffer * Traits::kDqStagedBytes +
+                           dq_tile_fragment_bytes(dq_part, j, tid),
+                       as_uint4(acc_dq[j]));
+    }
     fence_proxy_async_shared();
     if (step + 1 < steps) store_row_value((step + 1) % kStages, next_row_value);
     dq_sync();  // (also orders the next step's -LSE and D before their reads)
+    if constexpr (Traits::Dq_writer) dq_handover_arrive(BwdBarrier::kDqStaged, dq_buffer);
     if (dq_issuer) {
       bulk_reduce_add_f32(p.dq_accum + step_rows(step) * kHeadDim, dq_staging,
                           Traits::kDqTileBytes);

@@ -99,6 +99,21 @@ CF_DEVICE void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// A turn counter in global memory, between CTAs (the deterministic backward's order of dQ adds):
+// read with acquire, advanced with release, at GPU scope; the proxy fence orders the TMA engine's
+// bulk operations (the async proxy) with these generic-proxy accesses of the same thread.
+CF_DEVICE int ld_acquire_gpu(const int32_t* counter) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+CF_DEVICE void red_release_gpu_add(int32_t* counter, int value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "r"(value) : "memory");
+}
+CF_DEVICE void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 // ---------------------------------------------------------------------------------------------
 // wgmma shared-memory descriptor, 128-byte swizzle:
 //   bits 0-13 start address >> 4, 16-29 leading-dimension byte offset >> 4,

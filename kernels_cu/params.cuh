@@ -151,6 +151,9 @@ struct BwdParams {
   // a (batch, head) in its MMA fragments' order, kernels_cu/dq_tiles.cuh; the rows padded to whole
   // tiles, row_head_stride a multiple of 64, and prep zeroes the padding rows too).
   int32_t dq_tiled;
+  // The deterministic Hopper backward: per dQacc tile, how many key blocks have added into it
+  // (they add in a fixed order, fa3_bwd.cu); zeroed by prep. nullptr otherwise.
+  int32_t* dq_semaphore;
 };
 
 // The Hopper backward's argument (kernels_cu/fa3_bwd.cu): the tensor maps of Q, K, V and dO, then

@@ -359,6 +359,13 @@ def backward_cases(size: str) -> Iterator[Case]:
                     _varlen_backward, q_lens=[0, 1, 37, 70], k_lens=[5, 1, 0, 97], d=d, deterministic=deterministic
                 ),
             )
+            # Key blocks adding into each dQ tile in turn (Hopper, deterministic): 4-12 of them.
+            long_k = 4 * nk + 100
+            for causal in (False, True):
+                yield (
+                    f"backward many key blocks causal={causal} d={d} det={deterministic}",
+                    partial(_backward, nq=nq, nk=long_k, d=d, deterministic=deterministic, causal=causal),
+                )
 
 
 def tail_head_dim_cases(size: str, hopper: bool) -> Iterator[Case]:

@@ -33,6 +33,9 @@ CASES = {
     "window-softcap": (2, 130, 70, 2, 1, False, (-1, 3), 5.0),
     # Many steps per key block (the Hopper kernel's ring wraps 60 times, GQA group of 8).
     "causal-gqa-long": (1, 1000, 1000, 8, 1, True, (-1, -1), 0.0),
+    # Many key blocks add into each dQ tile (32 of 128 keys; a window's band of them).
+    "many-key-blocks": (1, 300, 4000, 4, 2, False, (-1, -1), 0.0),
+    "window-long": (1, 2000, 2100, 2, 1, True, (300, -1), 0.0),
 }
 
 
@@ -125,10 +128,15 @@ def test_backward_layouts_and_scales(rng, options):
     check_backward(torch, q, k, v, **opts)
 
 
+DETERMINISTIC_CASES = ["causal-gqa-odd", "window-softcap", "causal-mqa-nq>nk", "causal-gqa-long", "many-key-blocks",
+                       "window-long"]  # fmt: skip
+
+
 @pytest.mark.parametrize("head_dim", FA2_BWD_HEAD_DIMS)
-@pytest.mark.parametrize("case", ["causal-gqa-odd", "window-softcap", "causal-mqa-nq>nk"], ids=str)
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=str)
 def test_deterministic_is_bit_identical_and_right(rng, head_dim, case):
-    """deterministic=True: dQ from the query-block kernel, no atomics: three runs give the same
+    """deterministic=True (on Hopper at d = 64 and 128: the key blocks add into each dQ tile in a
+    fixed order; elsewhere dQ from the query-block kernel, no atomics): three runs give the same
     bits, and the gradients pass the same oracle checks as the default's."""
     torch = need_torch()
     torch.manual_seed(int(rng.integers(1 << 31)))

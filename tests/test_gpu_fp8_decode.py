@@ -184,6 +184,33 @@ def test_fp8_decode_bf16_queries_beyond_fp16_range(rng, fmt, q_magnitude):
     assert error <= 1.25 * max(error16, floor) + 1e-5, (error, error16, floor)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_decode_an_infinite_bf16_query_element_leaves_the_other_rows_finite(rng, fmt):
+    """bf16 q at 1e5 with one infinite element: the power of two that brings the CTA's rows into
+    fp16 is taken over the finite elements, so the other query heads of that KV head (beyond
+    fp16's range unscaled) stay finite and right; NaN exactly where the 16-bit cache gives NaN."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, length, hq, hkv, d = 2, 500, 8, 2, 128
+    q = (torch.randn(b, 2, hq, d, generator=gen) * 1e5).to(torch.bfloat16)
+    q[1, 0, 0, 5] = float("inf")  # batch 1, token 0, query head 0 (KV head 0's CTA)
+    q = q.cuda()
+    scale = 1.0 / (1e5 * d**0.5)
+    k8, v8 = (torch.randn(b, length, hkv, d, generator=gen).cuda().to(_dtype(torch, fmt)) for _ in "kv")
+    out = reference.to_numpy64(cupyflash.attention_with_kvcache(q, k8, v8, cache_seqlens=length, scale=scale))
+    k16, v16 = k8.to(torch.bfloat16), v8.to(torch.bfloat16)
+    out16 = reference.to_numpy64(cupyflash.attention_with_kvcache(q, k16, v16, cache_seqlens=length, scale=scale))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(out16))
+    lengths = [length] * b
+    ref = kv_reference(q.double().cpu().numpy(), k8.double().cpu().numpy(), v8.double().cpu().numpy(), lengths,
+                       False, scale)[0]  # fmt: skip
+    finite = ~np.isnan(out16).any(axis=-1) & ~np.isnan(ref).any(axis=-1)
+    assert finite[1, 0, 1:4].all() and finite[1, 1, :4].all()  # the CTA's other rows
+    error, error16 = (rel_error(o[finite], ref[finite]) for o in (out, out16))
+    floor = rel_error(reference.to_numpy64(torch.from_numpy(ref[finite]).to(torch.bfloat16)), ref[finite])
+    assert error <= 1.25 * max(error16, floor) + 1e-5, (error, error16, floor)
+
+
 @pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fp8_nan_byte_gives_nan_where_the_16_bit_cache_would(rng, fmt, where):

@@ -185,7 +185,17 @@ def test_backward_plan_three_steps_and_the_scale_signs():
     assert prep.grid == (32, 2, 8) and dq.spec.step == "dq"
     accum = next(t for t in launch.temporaries if t.name == "dq_accum")
     assert accum.shape == (2 * 8 * 128, 64)
+    # deterministic, Hopper: the same kernel adding into each tile in turn, a semaphore per tile
     det = _plan.plan_backward(p, "bfloat16", H200, q_shape=(2, 100, 8, 64), k_shape=(2, 300, 2, 64), deterministic=True)
+    assert det.steps[1].spec.kernel == "fa3_bwd" and det.steps[1].spec.deterministic
+    assert det.steps[1].grid == main.grid and det.steps[2].spec.step == "dq"
+    assert det.steps[1].smem == det.steps[1].spec.smem_bytes > main.spec.smem_bytes  # staging two-deep
+    semaphore = next(t for t in det.temporaries if t.name == "dq_semaphore")
+    assert semaphore.shape == (2 * 8 * 2,) and semaphore.dtype == "int32"
+    assert semaphore.ptr_slot == det.params.slot("dq_semaphore")
+    assert "dq_semaphore" not in {t.name for t in launch.temporaries}
+    # deterministic elsewhere: dQ from its own kernel over query blocks, no accumulator
+    det = _plan.plan_backward(p, "bfloat16", A100, q_shape=(2, 100, 8, 64), k_shape=(2, 300, 2, 64), deterministic=True)
     assert det.steps[1].spec.deterministic and type(det.steps[2].spec).__name__ == "Fa2BwdDqSpec"
     assert det.steps[2].grid == (-(-100 // det.steps[2].spec.block_m), 2, 8)
     assert "dq_accum" not in {t.name for t in det.temporaries}  # no atomics, no accumulator
