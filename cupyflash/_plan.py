@@ -690,7 +690,7 @@ def plan_backward(
         Temporary("neg_lse_log2", (temp_rows,), "float32", params.slot("neg_lse_log2")),
         Temporary("dsum", (temp_rows,), "float32", params.slot("dsum")),
     )
-    row_grid = (-(-(rows[0] if packed else padded_q) // BwdRowSpec.rows_per_block), batches, p.heads_q)
+    row_count = rows[0] if packed else padded_q
     row_block = (BwdRowSpec.num_threads, 1, 1)
     # Packed: the grids cover the totals, not max_seqlen_*: every sequence fits in its total, so
     # an understated maximum cannot leave keys without dK, dV or rows without dQ (the CTAs past
@@ -711,12 +711,13 @@ def plan_backward(
     else:  # the accumulator the main kernel adds into, zeroed by prep, converted by the dq step
         convert = _dispatch.bwd_row_spec("dq", dtype, p.head_dim)  # rows of the tile's width
         temporaries += (Temporary("dq_accum", (temp_rows, convert.head_dim), "float32", params.slot("dq_accum")),)
-        dq_step = KernelStep(convert, row_grid, row_block, 0)
+        dq_step = KernelStep(convert, (convert.grid_x(row_count), batches, p.heads_q), row_block, 0)
         if hopper is not None and deterministic:  # its add count per 64-row tile, zeroed by prep
             tiles = temp_rows // hopper.block_m
             temporaries += (Temporary("dq_semaphore", (tiles,), "int32", params.slot("dq_semaphore")),)
     prep = _dispatch.bwd_row_spec("prep", dtype, p.head_dim)
-    steps: tuple[KernelStep, ...] = (KernelStep(prep, row_grid, row_block, 0), main, dq_step)
+    prep_step = KernelStep(prep, (prep.grid_x(row_count), batches, p.heads_q), row_block, 0)
+    steps: tuple[KernelStep, ...] = (prep_step, main, dq_step)
     if p.mask:
         steps = (cells_step, *steps)
         temporaries += (Temporary("mask_cells", (math.prod(cells_shape),), "uint8", params.slot("mask_cells")),)

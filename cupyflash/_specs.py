@@ -881,7 +881,8 @@ class Fa3BwdSpec(_KernelSpecBase):
 class BwdRowSpec(_KernelSpecBase):
     """The backward's per-row kernels in ``kernels_cu/fa2_bwd.cu`` (template ``BwdRowTraits``):
     ``"prep"`` (D = rowsum(dO * O), -LSE log2 e, dQ's fp32 accumulator zeroed) before the main
-    kernel, ``"dq"`` (the accumulator scaled into dQ) after it. One warp per row."""
+    kernel, ``"dq"`` (the accumulator scaled into dQ) after it. A row's 16-byte chunks on
+    consecutive lanes, ``rows_per_warp`` rows per warp; dq takes rows in pairs (r, r + 8)."""
 
     step: str  # "prep" | "dq"
     dtype: str
@@ -896,7 +897,6 @@ class BwdRowSpec(_KernelSpecBase):
     uses_tma = False
     num_threads = 128
     smem_bytes = 0
-    rows_per_block = 4
     traits = "BwdRowTraits"
 
     def __post_init__(self) -> None:
@@ -918,6 +918,18 @@ class BwdRowSpec(_KernelSpecBase):
 
     def _traits_args(self) -> tuple[object, ...]:
         return (self.head_dim, CUDA_ELEMENT_TYPES[self.dtype], *_columns_arg(self.valid_dim))
+
+    @property
+    def rows_per_warp(self) -> int:
+        """As BwdRowTraits::kRowsPerWarp: 32 / chunks where a row's chunks are a power of two."""
+        chunks = self.head_dim // 8
+        return 32 // chunks if chunks & (chunks - 1) == 0 else 1
+
+    def grid_x(self, rows: int) -> int:
+        """The grid's x for ``rows`` rows per (batch, head): prep a warp per ``rows_per_warp``
+        rows, dq per as many pairs of rows (r, r + 8), 8 pairs per 16 rows."""
+        units = rows if self.step == "prep" else 8 * -(-rows // 16)
+        return -(-units // (self.num_threads // 32 * self.rows_per_warp))
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,8 @@ CF_DEVICE constexpr int largest_divisor_upto(int n, int limit) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The per-row kernels: one warp per query row, 16-byte chunks per lane.
+// The per-row kernels: a row's 16-byte chunks on consecutive lanes, as many rows per warp as fit
+// (a row of 8 chunks at d = 64 would leave 24 lanes idle: issue-bound at half the bandwidth).
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim_, typename Element_, int kValidDim_ = 0>
 struct BwdRowTraits {
@@ -56,24 +57,38 @@ struct BwdRowTraits {
   static constexpr int kNWarps = 4;
   static constexpr int kNThreads = 32 * kNWarps;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a row
+  // kChunks a power of two: 32 / kChunks rows per warp, their lanes aligned groups (the dot
+  // product's xor shuffles stay in the row); else one row per warp. dq: rows in pairs (below).
+  static constexpr bool kPow2Chunks = (kChunks & (kChunks - 1)) == 0;
+  static constexpr int kRowsPerWarp = kPow2Chunks ? 32 / kChunks : 1;
+  static constexpr int kLanesPerRow = kPow2Chunks ? kChunks : 32;
   static constexpr int kSmemBytes = 0;
   static_assert(kHeadDim % 8 == 0 && kChunks <= 32, "one chunk per lane at most");
 };
 
-// Grid (ceil(rows / 4), B or 1 when varlen, Hq); rows = seqlen_q (the packed total when varlen).
+// This lane's row (prep: grid (ceil(rows / (4 kRowsPerWarp)), B or 1 when varlen, Hq); rows =
+// seqlen_q, the padded rows when dq_tiled, the packed total when varlen) and its chunk.
 template <typename Traits>
-CF_DEVICE int64_t bwd_row(const BwdParams& p, int* row_out) {
-  const int row = blockIdx.x * Traits::kNWarps + threadIdx.x / 32;
-  *row_out = row;
+CF_DEVICE int bwd_lane_row(int* chunk) {
+  const int lane = threadIdx.x % 32;
+  *chunk = lane % Traits::kLanesPerRow;
+  return (blockIdx.x * Traits::kNWarps + threadIdx.x / 32) * Traits::kRowsPerWarp +
+         lane / Traits::kLanesPerRow;
+}
+
+// Row r of query head h, batch b (blockIdx.y, z) in the per-row temporaries.
+CF_DEVICE int64_t bwd_temp_row(const BwdParams& p, int row) {
   return blockIdx.y * p.row_batch_stride + blockIdx.z * p.row_head_stride + row;
 }
 
-// The kHeadDim floats of dQacc at row t (row-major or tiled: the same addresses) set to 0.
+// The kHeadDim floats of dQacc at row t (row-major or tiled: the same addresses) set to 0, by the
+// row's lanes (chunk = its lane in the row).
 template <typename Traits>
-CF_DEVICE void zero_accumulator_row(const BwdParams& p, int64_t t, int lane) {
+CF_DEVICE void zero_accumulator_row(const BwdParams& p, int64_t t, int chunk) {
   if (p.dq_accum == nullptr) return;  // deterministic: dQ has no accumulator
   float4* acc = reinterpret_cast<float4*>(p.dq_accum + t * Traits::kHeadDim);
-  for (int i = lane; i < Traits::kHeadDim / 4; i += 32) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = chunk; i < Traits::kHeadDim / 4; i += Traits::kLanesPerRow)
+    acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 template <typename Traits>
@@ -89,83 +104,100 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
       bits |= seq_rows(a, b).error_bits;
     report_error(a, bits);
   }
-  int row;
-  const int64_t t = bwd_row<Traits>(p, &row);
-  const int lane = threadIdx.x % 32;
-  if (row >= a.seqlen_q) {
-    // The Hopper backward's tiles: a padding row's floats belong to the tile (the grid covers
-    // row_head_stride rows), zeroed for the tile's other rows.
-    if (p.dq_tiled && row < p.row_head_stride) zero_accumulator_row<Traits>(p, t, lane);
-    return;
-  }
+  int chunk;
+  const int row = bwd_lane_row<Traits>(&chunk);
+  const int64_t t = bwd_temp_row(p, row);
+  const bool real = row < a.seqlen_q;
   const int b = blockIdx.y, h = blockIdx.z;
   float dot = 0.f;
-  if (lane < Traits::Columns::kChunks) {
+  if (real && chunk < Traits::Columns::kChunks) {
     const auto* g_o = static_cast<const Element*>(a.o_ptr) + b * a.o_batch_stride +
                       row * a.o_row_stride + h * a.o_head_stride;
     const auto* g_do = static_cast<const Element*>(p.do_ptr) + b * p.do_batch_stride +
                        row * p.do_row_stride + h * p.do_head_stride;
-    const uint4 o = ld_global_chunk<typename Traits::Columns>(g_o, lane);
-    const uint4 d = ld_global_chunk<typename Traits::Columns>(g_do, lane);
+    const uint4 o = ld_global_chunk<typename Traits::Columns>(g_o, chunk);
+    const uint4 d = ld_global_chunk<typename Traits::Columns>(g_do, chunk);
     const Element* oe = reinterpret_cast<const Element*>(&o);
     const Element* de = reinterpret_cast<const Element*>(&d);
 #pragma unroll
     for (int i = 0; i < 8; ++i) dot += to_float(oe[i]) * to_float(de[i]);
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-  const float lse = a.lse_ptr[b * a.lse_batch_stride + h * a.lse_head_stride + row];  // broadcast
-  if (lane == 0) {
+  for (int offset = Traits::kLanesPerRow / 2; offset > 0; offset /= 2)
+    dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  if (!real) {
+    // The Hopper backward's tiles: a padding row's floats belong to the tile (the grid covers
+    // row_head_stride rows), zeroed for the tile's other rows.
+    if (p.dq_tiled && row < p.row_head_stride) zero_accumulator_row<Traits>(p, t, chunk);
+    return;
+  }
+  if (chunk == 0) {
+    const float lse = a.lse_ptr[b * a.lse_batch_stride + h * a.lse_head_stride + row];
     if (p.dlse_ptr != nullptr)
       dot -= p.dlse_ptr[b * p.dlse_batch_stride + h * p.dlse_head_stride + row];
     p.dsum[t] = dot;
     p.neg_lse_log2[t] = lse == neg_infinity() ? neg_infinity() : -lse * kLog2e;
+    // The deterministic Hopper backward's count of adds into this row's tile (tiles start at
+    // rows that are multiples of 64, all below seqlen_q).
+    if (p.dq_semaphore != nullptr && row % kDqTileRows == 0) p.dq_semaphore[t / kDqTileRows] = 0;
   }
-  zero_accumulator_row<Traits>(p, t, lane);  // (fa2_bwd_dq makes a NaN-LSE row's dQ NaN)
-  // The deterministic Hopper backward's count of adds into this row's tile (tiles start at rows
-  // that are multiples of 64, all below seqlen_q).
-  if (p.dq_semaphore != nullptr && lane == 0 && row % kDqTileRows == 0)
-    p.dq_semaphore[t / kDqTileRows] = 0;
+  zero_accumulator_row<Traits>(p, t, chunk);  // (fa2_bwd_dq makes a NaN-LSE row's dQ NaN)
 }
 
+// Grid (ceil(pairs / (4 kRowsPerWarp)), B or 1, Hq), pairs = 8 ceil(rows / 16): each lane takes
+// one chunk of two rows, r and r + 8 of a 16-row block. In the Hopper backward's tiles those are
+// the two rows of each fragment (dq_tiles.cuh): the chunk's 8 columns of both rows are 64
+// contiguous bytes (four fragments of consecutive threads), read whole.
 template <typename Traits>
 CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
   using Element = typename Traits::Element;
-  int row;
-  const int64_t t = bwd_row<Traits>(p, &row);
-  const int lane = threadIdx.x % 32;
-  if (row >= p.attn.seqlen_q || lane >= Traits::Columns::kChunks) return;
-  float4 lo, hi;
-  if (p.dq_tiled) {  // the Hopper backward's tiles (dq_tiles.cuh): four pairs of the 8 columns
-    const int r = row % kDqTileRows;
-    const float* tile = p.dq_accum + (t - r) * Traits::kHeadDim;
-    float2 pair[4];
+  int chunk;
+  const int pair = bwd_lane_row<Traits>(&chunk);
+  const int row0 = 16 * (pair / 8) + pair % 8;  // rows row0, row0 + 8
+  if (row0 >= p.attn.seqlen_q || chunk >= Traits::Columns::kChunks) return;
+  const int64_t t0 = bwd_temp_row(p, row0);
+  const bool second = row0 + 8 < p.attn.seqlen_q;
+  float4 lo[2], hi[2];  // columns 8 chunk .. + 3 and + 4 .. + 7 of rows row0, row0 + 8
+  if (p.dq_tiled) {
+    const int r = row0 % kDqTileRows;
+    const float4* frag = reinterpret_cast<const float4*>(p.dq_accum + (t0 - r) * Traits::kHeadDim +
+                                                         dq_tile_pair(r, 8 * chunk));
+    float4 f[4];  // threads 4 (r % 8) + i of the fragment: column pairs 2 i, 2 i + 1
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      pair[i] = *reinterpret_cast<const float2*>(tile + dq_tile_pair(r, 8 * lane + 2 * i));
-    lo = make_float4(pair[0].x, pair[0].y, pair[1].x, pair[1].y);
-    hi = make_float4(pair[2].x, pair[2].y, pair[3].x, pair[3].y);
+    for (int i = 0; i < 4; ++i) f[i] = frag[i];
+    lo[0] = make_float4(f[0].x, f[0].y, f[1].x, f[1].y);
+    hi[0] = make_float4(f[2].x, f[2].y, f[3].x, f[3].y);
+    lo[1] = make_float4(f[0].z, f[0].w, f[1].z, f[1].w);
+    hi[1] = make_float4(f[2].z, f[2].w, f[3].z, f[3].w);
   } else {
-    const float4* acc =
-        reinterpret_cast<const float4*>(p.dq_accum + t * Traits::kHeadDim) + 2 * lane;
-    lo = acc[0];
-    hi = acc[1];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (k == 1 && !second) break;
+      const float4* acc =
+          reinterpret_cast<const float4*>(p.dq_accum + (t0 + 8 * k) * Traits::kHeadDim) + 2 * chunk;
+      lo[k] = acc[0];
+      hi[k] = acc[1];
+    }
   }
-  // A row whose LSE is NaN gets NaN dQ, in either layout: its P is NaN, so its dQ is NaN already
-  // where a key block added into it, and a row no key block visits (a bad sequence's, NaN from
-  // the forward; a given LSE's NaN at a row that sees no key) is made NaN here.
-  const float s = is_nan(p.neg_lse_log2[t]) ? quiet_nan() : p.dq_scale;
-  uint4 out;
-  out.x = Traits::Ops::pack2(lo.x * s, lo.y * s);
-  out.y = Traits::Ops::pack2(lo.z * s, lo.w * s);
-  out.z = Traits::Ops::pack2(hi.x * s, hi.y * s);
-  out.w = Traits::Ops::pack2(hi.z * s, hi.w * s);
-  auto* g_dq = static_cast<Element*>(p.dq_ptr) + blockIdx.y * p.dq_batch_stride +
-               row * p.dq_row_stride + blockIdx.z * p.dq_head_stride;
-  if constexpr (Traits::Columns::kFull) {
-    *reinterpret_cast<uint4*>(g_dq + 8 * lane) = out;
-  } else {
-    st_global_chunk<typename Traits::Columns>(g_dq, lane, out);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    if (k == 1 && !second) break;
+    // A row whose LSE is NaN gets NaN dQ, in either layout: its P is NaN, so its dQ is NaN
+    // already where a key block added into it, and a row no key block visits (a bad sequence's,
+    // NaN from the forward; a given LSE's NaN at a row that sees no key) is made NaN here.
+    const float s = is_nan(p.neg_lse_log2[t0 + 8 * k]) ? quiet_nan() : p.dq_scale;
+    uint4 out;
+    out.x = Traits::Ops::pack2(lo[k].x * s, lo[k].y * s);
+    out.y = Traits::Ops::pack2(lo[k].z * s, lo[k].w * s);
+    out.z = Traits::Ops::pack2(hi[k].x * s, hi[k].y * s);
+    out.w = Traits::Ops::pack2(hi[k].z * s, hi[k].w * s);
+    auto* g_dq = static_cast<Element*>(p.dq_ptr) + blockIdx.y * p.dq_batch_stride +
+                 (row0 + 8 * k) * p.dq_row_stride + blockIdx.z * p.dq_head_stride;
+    if constexpr (Traits::Columns::kFull) {
+      *reinterpret_cast<uint4*>(g_dq + 8 * chunk) = out;
+    } else {
+      st_global_chunk<typename Traits::Columns>(g_dq, chunk, out);
+    }
   }
 }
 

@@ -169,7 +169,9 @@ def test_backward_plan_three_steps_and_the_scale_signs():
     prep, main, dq = launch.steps
     assert (prep.spec.step, dq.spec.step) == ("prep", "dq") and main.spec.causal
     assert main.spec.kernel == "fa2_bwd" and launch.params.value("dq_tiled") == 0
-    assert main.grid == (-(-300 // main.spec.block_n), 2, 2) and prep.grid == (25, 2, 8)
+    # d = 64: four rows per warp in prep, four pairs of rows (r, r + 8) per warp in dq
+    assert main.grid == (-(-300 // main.spec.block_n), 2, 2) and prep.grid == (7, 2, 8)
+    assert dq.grid == (-(-8 * 7 // 16), 2, 8)
     assert launch.params.value("dq_scale") == -0.5 and launch.params.value("dk_scale") == 0.5
     assert next(op for op in launch.operands if op.name == "q").negate
     assert [o.name for o in launch.outputs] == ["dq", "dk", "dv"]
@@ -182,7 +184,7 @@ def test_backward_plan_three_steps_and_the_scale_signs():
     assert main.spec.kernel == "fa3_bwd" and main.spec.causal and main.grid == (3, 2, 2)
     assert [name for name, _, _ in main.tma.maps] == ["q", "k", "v", "dout"]
     assert launch.params.value("dq_tiled") == 1 and launch.params.value("row_head_stride") == 128
-    assert prep.grid == (32, 2, 8) and dq.spec.step == "dq"
+    assert prep.grid == (8, 2, 8) and dq.spec.step == "dq" and dq.grid == (4, 2, 8)
     accum = next(t for t in launch.temporaries if t.name == "dq_accum")
     assert accum.shape == (2 * 8 * 128, 64)
     # deterministic, Hopper: the same kernel adding into each tile in turn, a semaphore per tile
@@ -212,7 +214,7 @@ def test_backward_plan_packed_and_empty():
     launch = _plan.plan_backward(p, "float16", H200, q_shape=(50, 4, 128), k_shape=(70, 2, 128), packed_rows=(50, 70))
     assert launch.params.value("row_batch_stride") == 0 and launch.params.value("row_head_stride") == 50
     assert [o.fill for o in launch.outputs] == [None, 0.0, 0.0]  # rows outside every sequence: no gradient
-    assert launch.steps[0].grid == (13, 1, 4)
+    assert launch.steps[0].grid == (7, 1, 4)  # d = 128: two rows per warp
     # the key blocks cover the packed total (70 keys), whatever max_seqlen_k says: one block of 128
     assert launch.steps[1].grid == (1, 3, 2)
     understated = varlen_problem(
