@@ -248,8 +248,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
                                   kPartBytes);
               bulk_commit();
             }
-            if constexpr (Traits::Deterministic) bulk_wait<0>();  // done before the turn passes
             if constexpr (Traits::Deterministic) {
+              bulk_wait<0>();  // the add done before the turn passes
               fence_proxy_async_global();
               red_release_gpu_add(semaphore, 1);
             } else {
