@@ -24,8 +24,11 @@
 // key blocks in one order, the last key block that sees it first: a key block waits for its turn
 // (the tile's semaphore counts the adds done), adds, waits for the add to complete, passes the
 // turn on. Key blocks run last first (the grid reversed), so a turn is only ever waited for from
-// a key block that started earlier (no deadlock), and under causal masks or windows the block it
-// waits for, seeing fewer query rows, is two steps ahead of it (no waiting in the steady state).
+// a key block with a lower linear CTA index: no deadlock as long as the GPU starts CTAs in
+// increasing index order, which CUDA does not promise but does (FlashAttention-3's deterministic
+// backward assumes the same). Under causal masks or windows the block waited for, seeing fewer
+// query rows, is two steps ahead (no waiting in the steady state); without them each key block
+// lags the one before by one add's round trip, once per wave.
 // GQA: the CTA of a KV head loops over its group's query heads, so dK and dV are summed in
 // registers, with no per-query-head copy. Rows past seqlen_q: TMA reads zeros for their Q and
 // dO, their -LSE and D read as 0, and P^T and dS^T are set to 0 there.
