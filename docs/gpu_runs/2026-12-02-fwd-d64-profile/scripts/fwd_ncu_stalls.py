@@ -1,0 +1,28 @@
+# fwd_ncu.py at d = 64 and 128, N = 1k only: the input of the stall-reason profile (ncu_stalls.log).
+import torch
+import cupyflash
+from cupyflash import bench
+
+shapes = [(64, 1024, False), (128, 1024, False)]
+for d, n, causal in shapes:
+    shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, causal, "bfloat16")
+    q, k, v = bench.prefill_inputs(shape)
+    qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))
+
+    def ours():
+        cupyflash.attention(q, k, v, causal=causal)
+
+    def theirs():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+
+    for _ in range(5):
+        ours()
+        theirs()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    ours()
+    theirs()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("done", d, n, causal, flush=True)
