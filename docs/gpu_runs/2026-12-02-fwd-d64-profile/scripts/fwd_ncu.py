@@ -1,10 +1,15 @@
 # One forward call per shape for Nsight Compute: cupyflash's Hopper kernel and SDPA cuDNN's, on the
 # same inputs, after a warm-up outside the profiled range (cudaProfilerStart/Stop).
+# `fwd_ncu.py n1k`: the N = 1k pairs only (the stall-reason profile, ncu_stalls.log).
+import sys
+
 import torch
 import cupyflash
 from cupyflash import bench
 
 shapes = [(64, 1024, False), (64, 1024, True), (64, 4096, False), (128, 1024, False)]
+if sys.argv[1:] == ["n1k"]:
+    shapes = [(64, 1024, False), (128, 1024, False)]
 for d, n, causal in shapes:
     shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, causal, "bfloat16")
     q, k, v = bench.prefill_inputs(shape)
