@@ -358,14 +358,15 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     // rows of column block ks / 4 (this consumer's keys start wg_key0 rows into K and V).
     float s[1][kNTiles][4], dp[1][kNTiles][4];
     auto issue_scores = [&](float (&acc)[kNTiles][4], uint32_t keys, uint32_t rows) {
+      const uint64_t desc_a0 = wgmma_desc(keys + wg_key0 * kSwizzleRowBytes, 0);
+      const uint64_t desc_b0 = wgmma_desc(rows, 0);
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
         const uint32_t col_bytes = (ks % 4) * 32;
-        const uint64_t desc_a = wgmma_desc(
-            keys + (ks / 4) * kBlockN * kSwizzleRowBytes + wg_key0 * kSwizzleRowBytes + col_bytes,
-            0);
+        const uint64_t desc_a =
+            wgmma_desc_advance(desc_a0, (ks / 4) * kBlockN * kSwizzleRowBytes + col_bytes);
         const uint64_t desc_b =
-            wgmma_desc(rows + (ks / 4) * kBlockM * kSwizzleRowBytes + col_bytes, 0);
+            wgmma_desc_advance(desc_b0, (ks / 4) * kBlockM * kSwizzleRowBytes + col_bytes);
         MmaS::ss(acc, desc_a, desc_b, ks > 0);
       }
       wgmma_commit();
@@ -411,15 +412,17 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     // dV += P^T dO, dK += dS^T Q: k-step ks takes query rows 16 ks .. 16 ks + 15 (two 8-row atoms
     // of every column block, 2048 bytes per step); d's column blocks are kBlockM rows apart.
     wgmma_fence();
+    const uint64_t desc_do = wgmma_desc(do_tile, kBlockM * kSwizzleRowBytes);
 #pragma unroll
     for (int ks = 0; ks < kRowSteps; ++ks)
-      MmaKV::rs_bt(acc_dv[0], p_frag[ks],
-                   wgmma_desc(do_tile + ks * 2 * kSwizzleAtomBytes, kBlockM * kSwizzleRowBytes), 1);
+      MmaKV::rs_bt(acc_dv[0], p_frag[ks], wgmma_desc_advance(desc_do, ks * 2 * kSwizzleAtomBytes),
+                   1);
     wgmma_commit();
+    const uint64_t desc_q = wgmma_desc(q_tile, kBlockM * kSwizzleRowBytes);
 #pragma unroll
     for (int ks = 0; ks < kRowSteps; ++ks)
-      MmaKV::rs_bt(acc_dk[0], ds_frag[ks],
-                   wgmma_desc(q_tile + ks * 2 * kSwizzleAtomBytes, kBlockM * kSwizzleRowBytes), 1);
+      MmaKV::rs_bt(acc_dk[0], ds_frag[ks], wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes),
+                   1);
     wgmma_commit();
 
     // dS^T to shared memory: key rows of 64 query rows (128 bytes), swizzled.
@@ -439,14 +442,15 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     // tile, both MN-major; k-step ks takes 16 keys (2048 bytes of either tile).
     float acc_dq[kDqPartCols / 8][4];
     wgmma_fence();
+    const uint64_t desc_ds0 = wgmma_desc(smem.ds() + dq_key0 * kSwizzleRowBytes, 0);
+    const uint64_t desc_k0 =
+        wgmma_desc(smem.k() + dq_part * kBlockN * kSwizzleRowBytes + dq_key0 * kSwizzleRowBytes,
+                   kBlockN * kSwizzleRowBytes);
 #pragma unroll
     for (int ks = 0; ks < kDqKeys / 16; ++ks) {
-      const int key = dq_key0 + 16 * ks;
-      const uint64_t desc_ds = wgmma_desc(smem.ds() + key * kSwizzleRowBytes, 0);
-      const uint64_t desc_k =
-          wgmma_desc(smem.k() + dq_part * kBlockN * kSwizzleRowBytes + key * kSwizzleRowBytes,
-                     kBlockN * kSwizzleRowBytes);
-      MmaQ::ss_tt(acc_dq, desc_ds, desc_k, ks > 0);
+      const uint32_t key_bytes = 16 * ks * kSwizzleRowBytes;
+      MmaQ::ss_tt(acc_dq, wgmma_desc_advance(desc_ds0, key_bytes),
+                  wgmma_desc_advance(desc_k0, key_bytes), ks > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();

@@ -265,14 +265,15 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // S = Q K^T for the K tile in `k_slot`: k-step ks reads 16 columns of d, 32 bytes into the
     // 128-byte rows of column block ks / 4 (this consumer's Q rows start consumer_row0 rows in).
     auto issue_qk = [&](float (&s)[1][Traits::kNTiles][4], uint32_t k_slot) {
+      const uint64_t desc_q0 = wgmma_desc(smem.q(qb) + consumer_row0 * kSwizzleRowBytes, 0);
+      const uint64_t desc_k0 = wgmma_desc(k_slot, 0);
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
         const uint32_t col_bytes = (ks % 4) * 32;
-        const uint64_t desc_q = wgmma_desc(smem.q(qb) + (ks / 4) * kBlockM * kSwizzleRowBytes +
-                                               consumer_row0 * kSwizzleRowBytes + col_bytes,
-                                           0);
+        const uint64_t desc_q =
+            wgmma_desc_advance(desc_q0, (ks / 4) * kBlockM * kSwizzleRowBytes + col_bytes);
         const uint64_t desc_k =
-            wgmma_desc(k_slot + (ks / 4) * kBlockN * kSwizzleRowBytes + col_bytes, 0);
+            wgmma_desc_advance(desc_k0, (ks / 4) * kBlockN * kSwizzleRowBytes + col_bytes);
         Mma::ss(s[0], desc_q, desc_k, ks > 0);
       }
       wgmma_commit();
@@ -281,10 +282,10 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // atoms of every column block, 2048 bytes per step); d's column blocks are kBlockN rows apart.
     // The tile's first P V overwrites O (acc_o still holds the previous tile's).
     auto issue_pv = [&](uint32_t v_slot, bool first) {
+      const uint64_t desc_v0 = wgmma_desc(v_slot, kBlockN * kSwizzleRowBytes);
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        const uint64_t desc_v =
-            wgmma_desc(v_slot + ks * 2 * kSwizzleAtomBytes, kBlockN * kSwizzleRowBytes);
+        const uint64_t desc_v = wgmma_desc_advance(desc_v0, ks * 2 * kSwizzleAtomBytes);
         MmaPV::rs_bt(acc_o[0], p_prev[ks], desc_v, ks > 0 || !first);
       }
       wgmma_commit();

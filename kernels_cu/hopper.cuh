@@ -131,6 +131,15 @@ CF_DEVICE uint64_t wgmma_desc(uint32_t smem_byte_addr, uint32_t lbo_bytes) {
   return desc;
 }
 
+// The descriptor of the address `bytes` past the one `desc` holds, for the k-steps of one
+// operand: one integer add instead of encoding the address again (mask, shift, or) before each
+// wgmma, on the path that issues them. A shared address is below 2^18, so the start-address
+// field (bits 0-13) takes the add without a carry into the fields above it.
+CF_DEVICE uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t low = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | low;
+}
+
 // Orders this thread's register writes of accumulators / A fragments before the next wgmma.
 CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 // Orders this thread's shared-memory stores (generic proxy) before later reads by the async
