@@ -108,3 +108,46 @@ def test_gpu_check_steps_are_all_defined():
     for step in steps:
         assert re.search(rf"^step_{step}\(\) \{{", text, re.M), step
         assert re.search(rf"^#\s+{step}\s", text, re.M), f"{step} is missing from the usage"
+
+
+def test_fp8_accuracy_emulation_without_casts_is_exact_attention():
+    """The FP8 study's blockwise forward (the kernel's order of work) with no cast of P and
+    unquantised inputs is attention: 300 rows and keys leave a partial tile and key block."""
+    np = pytest.importorskip("numpy")
+    fp8 = load("fp8_accuracy")
+    q, k, v = fp8.make_inputs("gaussian", 300, 2, 64, seed=1)
+    ref = fp8.reference(q, k, v, 0.125)
+    out = fp8.blockwise(q, k, v, 0.125, cast_p=lambda p: p)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-6)
+    # P scaled before its cast and divided out again: the same result
+    scaled = fp8.blockwise(q, k, v, 0.125, cast_p=lambda p: p, p_scale=256.0)
+    np.testing.assert_allclose(scaled, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_fp8_accuracy_quantisers():
+    np = pytest.importorskip("numpy")
+    fp8 = load("fp8_accuracy")
+    h = fp8.hadamard(64)
+    np.testing.assert_allclose(h @ h.T, np.eye(64), atol=1e-12)
+    with pytest.raises(ValueError, match="power-of-two"):
+        fp8.hadamard(96)
+    cast = fp8.e4m3(np.array([1000.0, -1e9, 0.3, 448.0, np.nan, 2.0**-10]))
+    assert cast[:4].tolist() == [448.0, -448.0, 0.3125, 448.0]  # saturated, nearest, exact
+    assert np.isnan(cast[4]) and cast[5] == 0.0  # NaN stays; half the smallest subnormal rounds to 0
+    x = fp8.make_inputs("channels", 64, 4, 64, seed=2)[2]
+    for granularity in ("tensor", "head"):
+        x8, descale = fp8.quantise(x, granularity)
+        assert descale.shape == (1, 1, 4, 1)
+        amax = np.max(np.abs(x8), axis=(0, 1, 3))
+        assert amax.max() == 448.0 and (granularity == "tensor" or (amax == 448.0).all())
+        np.testing.assert_allclose(x8 * descale, x, rtol=2.0**-4, atol=float(descale.max()) * 2.0**-9)
+
+
+def test_fp8_accuracy_measures_every_method():
+    fp8 = load("fp8_accuracy")
+    result = fp8.measure("sparse", 256, 2, 64)
+    rmse = result["rmse"]
+    assert set(rmse) == set(fp8.methods(64)) and all(0 < e < result["ref_rms"] for e in rmse.values())
+    assert rmse["bf16"] < min(e for name, e in rmse.items() if name != "bf16")
+    # sparse outliers: the Hadamard rotation of Q and K lowers the error of the plain per-tensor cast
+    assert rmse["fp8 tensor hadamard P*1"] < rmse["fp8 tensor P*1"]

@@ -2,12 +2,14 @@
 single calls after warm-up, 20 back-to-back calls between two events, bench.py's interleaved
 harness. `fwd` times the forward; `train` a training step (forward + backward).
 
-    python ab3.py fwd|train BASE_TREE [--json OUT]
+    python ab3.py fwd|train TREE [TREE ...] [--json OUT]
 
-The working tree's cupyflash is "new"; BASE_TREE holds a copy of the other package renamed
-``cfbase`` (its torch op namespace `_LIB` renamed too, so both register), beside its kernels_cu/.
-(The logs of this folder were written by two scripts, fwd_ab3.py and bwd_ab3.py, merged here
-afterwards: the same calls, timings and report.)
+The working tree's cupyflash is "new". Each TREE is a folder holding another cupyflash renamed
+after the folder (TREE/NAME/, with its torch op namespace `_LIB` = NAME, so that all register)
+beside its kernels_cu/: make_ab_tree.sh writes one. The calls of the first TREE are named
+"base" in the report. (This folder's logs were written with one TREE, .ab/base holding
+``cfbase``, by two scripts, fwd_ab3.py and bwd_ab3.py, merged here afterwards: the same calls,
+timings and report.)
 """
 
 import argparse
@@ -21,13 +23,19 @@ from cupyflash import bench
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=("fwd", "train"))
-parser.add_argument("base_tree")
+parser.add_argument("trees", nargs="+")
 parser.add_argument("--json")
 args = parser.parse_args()
-sys.path.insert(0, args.base_tree)
-import cfbase  # noqa: E402
+import importlib  # noqa: E402
+import os  # noqa: E402
 
-print("new:", cupyflash.__file__, "base:", cfbase.__file__, flush=True)
+OTHERS = {}  # report name -> the tree's package
+for i, tree in enumerate(args.trees):
+    package = next(n for n in os.listdir(tree) if os.path.isfile(os.path.join(tree, n, "_api.py")))
+    sys.path.insert(0, tree)
+    OTHERS["base" if i == 0 else package] = importlib.import_module(package)
+print("new:", cupyflash.__file__, {name: m.__file__ for name, m in OTHERS.items()}, flush=True)
+NAMES = ["new", *OTHERS]
 SHAPES = {
     "fwd": [(64, 1024, 0), (64, 1024, 1), (64, 4096, 0), (64, 4096, 1), (128, 1024, 0), (128, 4096, 0),
             (128, 4096, 1), (128, 16384, 0)],
@@ -38,13 +46,10 @@ REPEAT = {"fwd": (30, 10), "train": (20, 5)}[args.mode]  # samples: single / int
 
 def forward_calls(q, k, v, causal):
     """The three forwards and each one's largest difference from cuDNN's output."""
-    fns = {
-        "new": lambda: cupyflash.attention(q, k, v, causal=causal),
-        "base": lambda: cfbase.attention(q, k, v, causal=causal),
-        "cudnn": bench.sdpa_call("cudnn", q, k, v, causal),
-    }
+    fns = {name: (lambda m=m: m.attention(q, k, v, causal=causal)) for name, m in [("new", cupyflash), *OTHERS.items()]}
+    fns["cudnn"] = bench.sdpa_call("cudnn", q, k, v, causal)
     ref = fns["cudnn"]().transpose(1, 2).float()
-    return fns, {name: float((fns[name]().float() - ref).abs().max()) for name in ("new", "base")}
+    return fns, {name: float((fns[name]().float() - ref).abs().max()) for name in NAMES}
 
 
 def training_calls(q, k, v, causal):
@@ -66,9 +71,10 @@ def training_calls(q, k, v, causal):
         qt.grad = kt.grad = vt.grad = None
         out.backward(grad.transpose(1, 2))
 
-    fns = {"new": step(cupyflash.attention), "base": step(cfbase.attention), "cudnn": cudnn_step}
+    fns = {name: step(m.attention) for name, m in [("new", cupyflash), *OTHERS.items()]}
+    fns["cudnn"] = cudnn_step
     grads = {}
-    for name in ("new", "base"):
+    for name in NAMES:
         fns[name]()
         grads[name] = [x.grad.float() for x in (q, k, v)]
     cudnn_step()
@@ -90,10 +96,10 @@ for d, n, causal in SHAPES:
     line = f"d={d:3d} N={n:5d} causal={causal}"
     for timing, ms in timings.items():
         row[timing] = {name: round(t * 1e3, 1) for name, t in ms.items()}
-        line += (f" | {timing}: new {ms['new'] * 1e3:7.1f} base {ms['base'] * 1e3:7.1f} cudnn {ms['cudnn'] * 1e3:7.1f} us"
-                 f" new/cudnn {ms['cudnn'] / ms['new']:.3f} base/cudnn {ms['cudnn'] / ms['base']:.3f}")
+        line += f" | {timing}: " + " ".join(f"{name} {ms[name] * 1e3:7.1f}" for name in [*NAMES, "cudnn"]) + " us"
+        line += "".join(f" {name}/cudnn {ms['cudnn'] / ms[name]:.3f}" for name in NAMES)
     rows.append(row)
-    print(line, f"| err new {err['new']:.2e} base {err['base']:.2e}", flush=True)
+    print(line, "| err " + " ".join(f"{name} {e:.2e}" for name, e in err.items()), flush=True)
 if args.json:
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
