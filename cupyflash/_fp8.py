@@ -203,3 +203,81 @@ def quantise(xp: Any, new: Any, fmt: str, scale: Any, like: Any) -> Any:
     # ml_dtypes rounds to nearest even and overflows to NaN (e4m3) or inf (e5m2): clamp first.
     values = np.clip(quotient, -limit, limit).astype(getattr(ml_dtypes, DTYPE_NAMES[fmt]))
     return values if like.dtype == values.dtype else values.view(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The public quantiser: a float8 cache (or any float8 operand) and its scale from 16/32-bit data.
+# ---------------------------------------------------------------------------------------------
+_HEAD_AXIS = {"bshd": 2, "bhsd": 1}
+
+
+def quantize_fp8(x: Any, *, fmt: str = "e4m3", per: str = "head", layout: str = "bshd") -> tuple[Any, Any]:
+    """Quantise ``x`` to float8 with the scale a float8 KV cache reads it by.
+
+    Parameters
+    ----------
+    x : PyTorch tensor (any device) or NumPy array, float16 / bfloat16 / float32 / float64, 4-d:
+        ``(B, N, H, d)`` for ``layout="bshd"`` (also a paged cache ``(pages, page_size, Hkv, d)``)
+        or ``(B, H, N, d)`` for ``"bhsd"``.
+    fmt : {"e4m3", "e5m2"}
+    per : {"head", "tensor"}
+        One scale per head (the cache's ``(Hkv,)`` form) or one for the whole tensor (``()``).
+    layout : {"bshd", "bhsd"}
+        Where the head axis is.
+
+    Returns
+    -------
+    (values, scale) : ``values`` as ``x``'s library stores float8 (``torch.float8_e4m3fn`` /
+        ``float8_e5m2``, or ml_dtypes' float8 for NumPy) and ``scale`` float32 of shape ``(H,)``
+        or ``()`` on ``x``'s device, such that ``values * scale`` approximates ``x``: the largest
+        finite ``|x|`` of each head (or of the tensor) maps to the format's largest value (448 for
+        e4m3, 57344 for e5m2), each value is rounded once to the nearest float8 value, ties to
+        even, as ``attention_with_kvcache`` stores appended tokens. NaN stays NaN; +-inf
+        saturates; a head of zeros gets scale 1. Pass them as ``k_cache`` / ``k_scale`` (and
+        ``v_cache`` / ``v_scale``) to ``attention_with_kvcache``.
+    """
+    if fmt not in FP8_MAX:
+        raise ValueError(f"fmt must be 'e4m3' or 'e5m2', got {fmt!r}")
+    if per not in ("head", "tensor"):
+        raise ValueError(f"per must be 'head' or 'tensor', got {per!r}")
+    if layout not in _HEAD_AXIS:
+        raise ValueError(f"layout must be 'bshd' or 'bhsd', got {layout!r}")
+    module = type(x).__module__.split(".")[0]
+    if module not in ("torch", "numpy"):
+        raise TypeError(
+            f"quantize_fp8 takes a PyTorch tensor or a NumPy array (the libraries with a float8 dtype), "
+            f"got {type(x).__module__}.{type(x).__name__}"
+        )
+    dtype = str(x.dtype).removeprefix("torch.")
+    if dtype not in ("float16", "bfloat16", "float32", "float64"):
+        raise TypeError(f"quantize_fp8 takes float16, bfloat16, float32 or float64 data, got {dtype}")
+    if x.ndim != 4:
+        raise ValueError(f"quantize_fp8 takes a 4-d array ({layout}), got shape {tuple(x.shape)}")
+    head_axis = _HEAD_AXIS[layout]
+    reduce_axes = tuple(a for a in range(4) if a != head_axis or per == "tensor")
+    limit = FP8_MAX[fmt]
+    x32: Any  # a torch tensor or a NumPy array, as x
+    scale: Any
+    like: Any
+    if module == "torch":
+        import torch
+
+        x32 = x.to(torch.float32)
+        magnitude = torch.where(torch.isfinite(x32), x32.abs(), torch.zeros((), dtype=torch.float32, device=x.device))
+        amax = torch.amax(magnitude, dim=reduce_axes)
+        scale = torch.where(amax > 0, amax / limit, torch.ones((), dtype=torch.float32, device=x.device))
+        like = torch.empty(0, dtype=getattr(torch, DTYPE_NAMES[fmt]))
+    else:
+        import ml_dtypes
+        import numpy as np
+
+        x32 = np.asarray(x, dtype=np.float32)
+        with np.errstate(invalid="ignore"):
+            amax = np.max(np.where(np.isfinite(x32), np.abs(x32), 0.0), axis=reduce_axes).astype(np.float32)
+        scale = np.where(amax > 0, amax / np.float32(limit), np.float32(1.0)).astype(np.float32)
+        like = np.empty(0, dtype=getattr(ml_dtypes, DTYPE_NAMES[fmt]))
+    shape = [1, 1, 1, 1]
+    if per == "head":
+        shape[head_axis] = x.shape[head_axis]
+    values = quantise(None, x32, fmt, scale.reshape(shape), like)
+    return values, scale

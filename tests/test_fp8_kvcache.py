@@ -241,3 +241,74 @@ def test_the_gpu_plan_refuses_a_host_float_scale_on_a_16_bit_cache():
     dtypes = {"q": "bfloat16", "k_cache": "bfloat16", "v_cache": "bfloat16", "k_new": None, "v_new": None}
     with pytest.raises(TypeError, match="k_scale / v_scale dequantise a float8 cache"):
         _kvcache._gpu_fp8(_interop.CUPY_LIB, dtypes, 2, None, 2.0, None)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("per", ["head", "tensor"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_quantize_fp8_makes_the_cache_and_scale_a_decode_step_reads(rng, fmt, per, layout):
+    """quantize_fp8's values and scale: the rule above with scale = amax / the format's largest
+    value (per head or for the tensor), and attention_with_kvcache over them equals the float64
+    attention over their dequantised values."""
+    b, length, hq, hkv, d = 2, 24, 4, 2, 16
+    raw = [rng.standard_normal((b, length, hkv, d)) * np.array([0.01, 30.0])[:, None] for _ in "kv"]
+    shaped = [x.transpose(0, 2, 1, 3).copy() if layout == "bhsd" else x for x in raw]
+    results = [cupyflash.quantize_fp8(x.astype(np.float32), fmt=fmt, per=per, layout=layout) for x in shaped]
+    largest = float(ml_dtypes.finfo(FP8[fmt]).max)
+    for x, (values, scale) in zip(raw, results):
+        assert values.dtype == FP8[fmt] and scale.dtype == np.float32
+        assert scale.shape == ((hkv,) if per == "head" else ())
+        amax = np.abs(x).max(axis=(0, 1, 3)) if per == "head" else np.abs(x).max()
+        np.testing.assert_allclose(scale, amax / largest, rtol=1e-6)
+        head_major = values.transpose(0, 2, 1, 3) if layout == "bhsd" else values
+        np.testing.assert_array_equal(
+            head_major.view(np.uint8), _quantise(x, fmt, _column(scale, hkv).astype(np.float32)).view(np.uint8)
+        )
+    (k8, k_scale), (v8, v_scale) = results
+    if layout == "bhsd":
+        k8, v8 = (c.transpose(0, 2, 1, 3).copy() for c in (k8, v8))
+    q = rng.standard_normal((b, 1, hq, d)).astype(np.float32)
+    seqlens = np.array([5, length], dtype=np.int32)
+    out = cupyflash.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_scale=k_scale, v_scale=v_scale)
+    ref_k, ref_v = (c.astype(np.float64) * _column(s, hkv) for c, s in zip((k8, v8), (k_scale, v_scale)))
+    ref, _ = kv_reference(q.astype(np.float64), ref_k, ref_v, seqlens, False)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=2e-6 * max(1.0, np.abs(ref).max()))
+
+
+def test_quantize_fp8_edge_values_and_torch():
+    x = np.zeros((1, 2, 2, 4), dtype=np.float32)
+    x[0, 0, 0] = [1.0, -2.0, np.nan, np.inf]  # head 0: NaN stays, inf saturates, amax over finite values
+    values, scale = cupyflash.quantize_fp8(x)
+    assert scale.tolist() == [np.float32(2.0 / 448), 1.0]  # head 1 is all zeros: scale 1
+    got = values.astype(np.float32)[0, 0, 0]
+    assert got[0] == 224.0 and got[1] == -448.0 and np.isnan(got[2]) and got[3] == 448.0
+    assert (values.astype(np.float32)[:, :, 1] == 0).all()
+    torch = pytest.importorskip("torch")
+    t_values, t_scale = cupyflash.quantize_fp8(torch.from_numpy(x).to(torch.bfloat16), fmt="e5m2", per="tensor")
+    assert t_values.dtype == torch.float8_e5m2 and t_scale.dtype == torch.float32 and t_scale.shape == ()
+    n_values, n_scale = cupyflash.quantize_fp8(x, fmt="e5m2", per="tensor")
+    assert float(t_scale) == float(n_scale)
+    # the same values (NaN's bytes may differ: torch writes 0xFF, ml_dtypes 0x7E)
+    np.testing.assert_array_equal(t_values.to(torch.float32).numpy(), n_values.astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "message"),
+    [
+        ({"fmt": "e3m4"}, ValueError, "fmt must be"),
+        ({"per": "row"}, ValueError, "per must be"),
+        ({"layout": "sbhd"}, ValueError, "layout must be"),
+    ],
+)
+def test_quantize_fp8_refuses_bad_options(kw, error, message):
+    with pytest.raises(error, match=message):
+        cupyflash.quantize_fp8(np.ones((1, 2, 2, 4), np.float32), **kw)
+
+
+def test_quantize_fp8_refuses_bad_inputs():
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+        cupyflash.quantize_fp8(np.ones((1, 2, 2, 4), np.int32))
+    with pytest.raises(ValueError, match="4-d"):
+        cupyflash.quantize_fp8(np.ones((2, 2, 4), np.float32))
+    with pytest.raises(TypeError, match="PyTorch tensor or a NumPy array"):
+        cupyflash.quantize_fp8([[[[1.0]]]])
