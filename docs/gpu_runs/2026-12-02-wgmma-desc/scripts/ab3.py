@@ -2,7 +2,7 @@
 single calls after warm-up, 20 back-to-back calls between two events, bench.py's interleaved
 harness. `fwd` times the forward; `train` a training step (forward + backward).
 
-    python ab3.py fwd|train TREE [TREE ...] [--json OUT]
+    python ab3.py fwd|train TREE [TREE ...] [--shapes D-N-CAUSAL ...] [--json OUT]
 
 The working tree's cupyflash is "new". Each TREE is a folder holding another cupyflash renamed
 after the folder (TREE/NAME/, with its torch op namespace `_LIB` = NAME, so that all register)
@@ -25,6 +25,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=("fwd", "train"))
 parser.add_argument("trees", nargs="+")
 parser.add_argument("--json")
+parser.add_argument("--shapes", nargs="+", help="d-N-causal, e.g. 64-1024-0 (default: the mode's list)")
 args = parser.parse_args()
 import importlib  # noqa: E402
 import os  # noqa: E402
@@ -41,6 +42,8 @@ SHAPES = {
             (128, 4096, 1), (128, 16384, 0)],
     "train": [(64, 1024, 0), (64, 4096, 1), (128, 1024, 0), (128, 4096, 0), (128, 4096, 1), (128, 16384, 0)],
 }[args.mode]
+if args.shapes:
+    SHAPES = [tuple(int(x) for x in shape.split("-")) for shape in args.shapes]
 REPEAT = {"fwd": (30, 10), "train": (20, 5)}[args.mode]  # samples: single / interleaved, back-to-back
 
 
