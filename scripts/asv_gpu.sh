@@ -5,7 +5,7 @@
 #   scripts/asv_gpu.sh OUT_DIR --since-measured      main's commits (first parent) after the newest
 #                                                    one with results committed on main, newest first
 #
-# Run from the repository root on the GPU machine, with .whl/ (asv and its needs, see README)
+# Run from the repository root on the GPU machine, with .whl/ (asv and its needs: scripts/fetch_wheels.sh)
 # and .gitbundle/cupyflash.bundle carried along: the working tree there has no git history, so
 # the bundle (made here by `git bundle create .gitbundle/cupyflash.bundle --all`) gives asv the
 # commits. Every commit is measured with this working tree's suite (benchmarks_asv/benchmarks:
