@@ -7,15 +7,16 @@ unquantised inputs, beside the bf16 forward's.
                                    [--inputs gaussian outliers] [--json OUT]
 
 The emulation follows the Hopper kernel's order of work (kernels_cu/fa3_fwd.cu, FlashAttention-3's
-FP8 path): Q, K and V are quantised once, ``x8 = saturate(rn(x / s))`` with ``s = amax / 448`` over
-the tensor or over each (batch, head); a tile of 64 query rows visits key blocks of 128, the last
-first, with the online softmax of docs/background (running max m, P = exp2(S log2e - m), the
-rescale of O and l when m moves); P is cast to e4m3 for the P V product (its scale ``p_scale``: P
-itself in [0, 1], or P * 256 to keep 8 more binades above e4m3's smallest subnormal, 2^-9, and
-divided out of O), while l sums the float32 P; products of float8 values are exact in float32, and
-their sums are taken in float32 here. Not emulated: the order and width of the tensor cores' own
-accumulation, which on Hopper keeps fewer mantissa bits than float32 for FP8 inputs; the
-GPU tests of the kernel will compare against this emulation with that allowance.
+FP8 path): Q, K and V are quantised once by cupyflash.quantize_fp8, ``x8 = saturate(rn(x / s))``
+with ``s = amax / 448`` over the tensor or over each head (one batch); a tile of 64 query rows
+visits key blocks of 128, the last first, with the online softmax of docs/background (running
+max m, P = exp2(S log2e - m), the rescale of O and l when m moves); P is cast to e4m3 for the
+P V product (its scale ``p_scale``: P itself in [0, 1], or P * 256 to keep 8 more binades above
+e4m3's smallest subnormal, 2^-9, and divided out of O), while l sums the float32 P; products of
+float8 values are exact in float32, and their sums are taken in float32 here. Not emulated: the
+order and width of the tensor cores' own accumulation, which on Hopper keeps fewer mantissa bits
+than float32 for FP8 inputs; the GPU tests of the kernel will compare against this emulation
+with that allowance.
 
 Inputs: see make_inputs. Output: per input and sequence length, each method's RMSE and its
 ratio to the bf16 forward's.
@@ -29,7 +30,6 @@ import math
 
 import numpy as np
 
-E4M3_MAX = 448.0
 BLOCK_M, BLOCK_N = 64, 128
 
 
@@ -45,11 +45,14 @@ def hadamard(d: int) -> np.ndarray:
 
 
 def e4m3(x: np.ndarray) -> np.ndarray:
-    """x rounded to the nearest e4m3 value (ties to even), saturated at +-448, as float32."""
+    """x rounded to the nearest e4m3 value (ties to even), saturated at +-448, as float32: the
+    library's rule (cupyflash._fp8.quantise, as a float8 cache's append)."""
     import ml_dtypes
 
-    clipped = np.clip(np.asarray(x, dtype=np.float32), -E4M3_MAX, E4M3_MAX)
-    return clipped.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    from cupyflash import _fp8
+
+    like = np.empty(0, dtype=ml_dtypes.float8_e4m3fn)
+    return _fp8.quantise(np, x, "e4m3", np.float32(1.0), like).astype(np.float32)
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -59,12 +62,15 @@ def bf16(x: np.ndarray) -> np.ndarray:
 
 
 def quantise(x: np.ndarray, granularity: str) -> tuple[np.ndarray, np.ndarray]:
-    """x (B, N, H, d) as e4m3 values and their descale (B, 1, H, 1): x ~ x8 * descale."""
-    axes = (1, 3) if granularity == "head" else (0, 1, 2, 3)
-    amax = np.max(np.abs(x), axis=axes, keepdims=True)
-    descale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
-    descale = np.broadcast_to(descale, (x.shape[0], 1, x.shape[2], 1))
-    return e4m3(x / descale), descale
+    """x (1, N, H, d) as e4m3 values (float32) and their descale (1, 1, H, 1): x ~ x8 * descale,
+    by cupyflash.quantize_fp8 (per head or for the tensor: amax / 448)."""
+    from cupyflash import quantize_fp8
+
+    if x.shape[0] != 1:
+        raise ValueError("one batch: quantize_fp8's per-head scale spans the batch, the kernel's (B, H)")
+    x8, scale = quantize_fp8(x, fmt="e4m3", per=granularity)
+    descale = np.broadcast_to(np.asarray(scale, np.float32).reshape(1, 1, -1, 1), (1, 1, x.shape[2], 1))
+    return x8.astype(np.float32), descale
 
 
 def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
