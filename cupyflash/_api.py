@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, overload
 
-from . import _baselines_gpu, _host, _interop, _launch, _plan
+from . import _baselines_gpu, _fp8_forward, _host, _interop, _launch, _plan
 from ._validate import (
     attention_problem,
     check_algorithm,
@@ -46,6 +46,11 @@ def attention(
     seed: int | None = ...,
     alibi_slopes: Any = ...,
     attn_mask: Any = ...,
+    q_descale: Any = ...,
+    k_descale: Any = ...,
+    v_descale: Any = ...,
+    out_dtype: Any = ...,
+    fp8_dtype: str | None = ...,
 ) -> Any: ...
 @overload
 def attention(
@@ -65,6 +70,11 @@ def attention(
     seed: int | None = ...,
     alibi_slopes: Any = ...,
     attn_mask: Any = ...,
+    q_descale: Any = ...,
+    k_descale: Any = ...,
+    v_descale: Any = ...,
+    out_dtype: Any = ...,
+    fp8_dtype: str | None = ...,
 ) -> tuple[Any, Any]: ...
 def attention(
     q: Any,
@@ -83,6 +93,11 @@ def attention(
     seed: int | None = None,
     alibi_slopes: Any = None,
     attn_mask: Any = None,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
+    out_dtype: Any = None,
+    fp8_dtype: str | None = None,
 ) -> Any:
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v``.
 
@@ -157,6 +172,19 @@ def attention(
         LSE ``-inf`` (SDPA's gives NaN). Same library and device as ``q``. On the GPU the FA2
         kernels read it in place (strides 0 on broadcast axes), forward and backward (the mask
         gets no gradient), at any head dim. Not with softcap or ALiBi.
+    q_descale, k_descale, v_descale : optional
+        The FP8 forward (FlashAttention-3's FP8 call): with q, k and v in float8 e4m3
+        (``torch.float8_e4m3fn``, ml_dtypes' ``float8_e4m3fn``, or uint8 bytes with
+        ``fp8_dtype="e4m3"``) the call computes ``softmax(scale (q_descale q) (k_descale k)^T)
+        (v_descale v)``. Each descale is None (1), a positive number, or a float32 array of
+        shape ``()``, ``(Hkv,)`` or ``(B, Hkv)`` (query head ``h`` takes KV head ``h // (Hq //
+        Hkv)``'s). On the GPU: Hopper, head_dim 128, causal or not, no window, softcap, dropout,
+        ALiBi or mask, and no backward; P is rounded to e4m3 for P V as FlashAttention-3 does
+        (docs/fp8_forward.md: its accuracy). :func:`quantize_fp8` makes the inputs.
+    out_dtype : {"bfloat16", "float16"}, optional
+        The FP8 forward's output dtype (default bfloat16).
+    fp8_dtype : {"e4m3"}, optional
+        The float8 format of uint8 q, k, v (CuPy has no float8 dtype).
 
     Returns
     -------
@@ -180,6 +208,14 @@ def attention(
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
+    if _fp8_forward.is_fp8_call(q, (q_descale, k_descale, v_descale), fp8_dtype):
+        return _fp8_forward.attention_fp8(
+            q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, layout=layout, algorithm=algorithm,
+            return_lse=return_lse, dropout_p=dropout_p, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
+            descales=(q_descale, k_descale, v_descale), out_dtype=out_dtype, fp8_dtype=fp8_dtype,
+        )  # fmt: skip
+    if out_dtype is not None:
+        raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
     if attn_mask is not None:
         return _masked_attention(
             q, k, v, attn_mask, check_options(causal, scale, window, softcap), layout, algorithm, return_lse,

@@ -19,6 +19,7 @@ from ._specs import (
     FA3_BWD_HEAD_DIMS,
     FA3_HEAD_DIMS,
     FP8_DECODE_HEAD_DIMS,
+    FP8_FWD_HEAD_DIMS,
     BwdRowSpec,
     DecodeAppendSpec,
     DecodeSpec,
@@ -31,6 +32,7 @@ from ._specs import (
     Fa3BwdSpec,
     Fa3FwdSpec,
     Fa3Tile,
+    Fp8VtSpec,
     KernelSpec,
     MaskCellsSpec,
     MergeSpec,
@@ -256,6 +258,26 @@ def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
                                 assert spec is not None
                                 if spec not in specs:
                                     specs.append(spec)
+    return specs
+
+
+# The FP8 forward (e4m3 q, k, v): d = 128's tiles of the 16-bit kernel (ping-pong, two K / V
+# stages; dynamic under a bound), a Vt block of 128 keys.
+FP8_FWD_TILES: dict[bool, Fa3Tile] = {False: FA3_FWD_TILES[(128, False)], True: FA3_FWD_TILES[(128, True)]}
+
+
+def fp8_fwd_specs(out_dtype: str, head_dim: int, causal: bool) -> tuple[Fp8VtSpec, Fa3FwdSpec]:
+    """The FP8 forward's two kernels: V's transpose, then the Hopper kernel on e4m3 inputs."""
+    tile = FP8_FWD_TILES[causal]
+    return Fp8VtSpec(head_dim), Fa3FwdSpec(out_dtype, head_dim, tile, causal, fp8=True)
+
+
+def all_fp8_fwd_specs() -> list[Fp8VtSpec | Fa3FwdSpec]:
+    specs: list[Fp8VtSpec | Fa3FwdSpec] = []
+    for head_dim in FP8_FWD_HEAD_DIMS:
+        specs.append(Fp8VtSpec(head_dim))
+        for dtype in ("float16", "bfloat16"):
+            specs += [fp8_fwd_specs(dtype, head_dim, causal)[1] for causal in (False, True)]
     return specs
 
 
@@ -535,6 +557,7 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
         *all_mask_cells_specs("AttnParams"),
         *all_fa2_kvcache_specs(max_smem),
         *all_fa3_fwd_specs(),
+        *all_fp8_fwd_specs(),
         *all_decode_specs(),
         *all_naive_softmax_specs(),
         *all_fa1_fwd_specs(max_smem),

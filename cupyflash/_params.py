@@ -209,6 +209,18 @@ FA3_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     *ATTN_PARAMS_FIELDS,
     ("tile_counters", "u8"),
     ("num_m_blocks", "i4"),
+    # Fa3Descale q_descale, k_descale, v_descale (the FP8 forward): { ptr, batch_stride,
+    # head_stride, value } each, flattened as <name>_ptr, <name>_batch_stride, ... and <name>.
+    *(
+        field
+        for name in ("q_descale", "k_descale", "v_descale")
+        for field in (
+            (f"{name}_ptr", "u8"),
+            (f"{name}_batch_stride", "i4"),
+            (f"{name}_head_stride", "i4"),
+            (name, "f4"),
+        )
+    ),
 )
 
 PARAMS_STRUCTS = {

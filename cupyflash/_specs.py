@@ -22,6 +22,9 @@ CI_ARCHS = ("sm_80", "sm_90a")
 #: Head dimensions of the Hopper (wgmma + TMA) forward: multiples of 64 (128-byte swizzle rows).
 FA3_HEAD_DIMS = (64, 128, 256)
 HOPPER_ARCH = "sm_90a"
+#: Head dimensions of the FP8 forward (e4m3 q, k, v on the Hopper kernel): whole 128-byte rows of
+#: e4m3, in the shared memory two Q buffers, O and two K / V stages take (d = 256 needs 256 KB).
+FP8_FWD_HEAD_DIMS = (128,)
 #: wgmma N extents with a wrapper in kernels_cu/wgmma.cuh (scripts/gen_wgmma.py SHAPES): the shipped
 #: key blocks (64, 128) and head dims (64, 128, 256).
 WGMMA_N = (64, 128, 256)
@@ -320,6 +323,7 @@ class Fa3FwdSpec(_KernelSpecBase):
     softcap: bool = False
     varlen: bool = False  # packed sequences (cu_seqlens); a padded batch's variant skips that code
     valid_dim: int = 0  # the caller's head dim (a multiple of 8), when below head_dim
+    fp8: bool = False  # q, k, v in e4m3 (V read as Vt, fp8_vt.cu's output); dtype is the output's
 
     kernel = "fa3_fwd"
     source_file = "fa3_fwd.cu"
@@ -334,6 +338,11 @@ class Fa3FwdSpec(_KernelSpecBase):
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         _check_columns(self.head_dim, self.valid_dim, FA3_HEAD_DIMS, whole_chunks=True)
+        if self.fp8 and (
+            self.head_dim not in FP8_FWD_HEAD_DIMS or self.valid_dim or self.varlen or self.softcap
+            or self.tile.block_n != 128 or not self.tile.separate_o
+        ):  # fmt: skip
+            raise ValueError(f"no FP8 forward variant for {self}: head dims {FP8_FWD_HEAD_DIMS}, 128-key blocks")
 
     @property
     def persistent(self) -> bool:
@@ -349,7 +358,7 @@ class Fa3FwdSpec(_KernelSpecBase):
 
     def _name_parts(self) -> tuple[object, ...]:
         return (
-            _SHORT_DTYPE[self.dtype],
+            f"e4m3_{_SHORT_DTYPE[self.dtype]}" if self.fp8 else _SHORT_DTYPE[self.dtype],
             _dim_part(self.head_dim, self.valid_dim),
             f"m{self.block_m}",
             f"n{self.tile.block_n}",
@@ -374,19 +383,58 @@ class Fa3FwdSpec(_KernelSpecBase):
     def smem_bytes(self) -> int:
         # 1024 bytes of alignment slack, Q (double-buffered when O has its own buffer), [O,] the
         # K and V slots, the mbarriers and tile indices (as Fa3FwdTraits::kSmemBytes).
+        # Q, K and V take 1 byte an element with FP8 inputs; O always 2.
         t = self.tile
         q_buffers = 2 if t.separate_o else 1
-        rows = self.block_m * (q_buffers + t.separate_o) + 2 * t.stages * t.block_n
-        return 1024 + 2 * self.head_dim * rows + 8 * (2 * q_buffers + 4 * t.stages) + 8
+        in_bytes = 1 if self.fp8 else 2
+        operands = in_bytes * self.head_dim * (self.block_m * q_buffers + 2 * t.stages * t.block_n)
+        o_bytes = 2 * self.head_dim * self.block_m if t.separate_o else 0
+        return 1024 + operands + o_bytes + 8 * (2 * q_buffers + 4 * t.stages) + 8
 
     def _traits_args(self) -> tuple[object, ...]:
         t = self.tile
+        element = CUDA_ELEMENT_TYPES[self.dtype]
         return (
             self.head_dim, t.block_n, t.consumers, t.stages, t.separate_o, t.pingpong, t.dynamic, self.varlen,
-            CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap, *_columns_arg(self.valid_dim),
+            f"E4m3Inputs<{element}>" if self.fp8 else element, self.causal, self.local, self.softcap,
+            *_columns_arg(self.valid_dim),
         )  # fmt: skip
 
     # one CTA per SM (setmaxnreg needs the whole register file): the default _min_blocks of 1
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8VtSpec(_KernelSpecBase):
+    """A variant of ``kernels_cu/fp8_vt.cu``: V (e4m3 bytes) transposed, its keys permuted, for the
+    FP8 forward (template ``Fp8VtTraits``)."""
+
+    head_dim: int
+
+    kernel = "fp8_vt"
+    source_file = "fp8_vt.cu"
+    archs = (HOPPER_ARCH,)
+    num_threads = 128
+    params_type = "AttnParams"
+    param_decl = "const AttnParams params"
+    uses_tma = False
+    traits = "Fp8VtTraits"
+    prefix = "fp8_vt"
+    entry = "fp8_vt<Traits>(params);"
+    keys_per_block = 128  # Vt positions per CTA (Fp8VtTraits::kKeys)
+
+    def __post_init__(self) -> None:
+        if self.head_dim not in FP8_FWD_HEAD_DIMS:
+            raise ValueError(f"the FP8 forward takes head dims {FP8_FWD_HEAD_DIMS}, got {self.head_dim}")
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.keys_per_block * (self.head_dim + 16)
+
+    def _name_parts(self) -> tuple[object, ...]:
+        return (f"d{self.head_dim}",)
+
+    def _traits_args(self) -> tuple[object, ...]:
+        return (self.head_dim,)
 
 
 #: Head dimensions with a compiled FA1 variant (512: where the IO model predicts FA1's traffic
@@ -980,6 +1028,7 @@ class MaskCellsSpec(_KernelSpecBase):
 KernelSpec = (
     Fa2FwdSpec
     | Fa3FwdSpec
+    | Fp8VtSpec
     | Fa1FwdSpec
     | NaiveSoftmaxSpec
     | DecodeSpec

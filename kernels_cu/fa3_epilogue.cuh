@@ -15,6 +15,9 @@ struct Fa3TileOut {
   SeqRange q;
   bool has_keys;  // it visited a key block (else acc_o holds no value of it)
   bool bad;       // its sequence's device-side values are bad (TileRows): NaN rows, not zeros
+  // FP8 inputs: the tile's softmax factor (with q_descale k_descale) and V's descale, which
+  // multiplies 1 / l (the epilogue of a tile runs under the next tile's first Q K^T).
+  float scale_log2, v_descale;
 };
 
 template <typename Traits>
@@ -33,6 +36,10 @@ struct Fa3Epilogue {
     constexpr int kHeadDim = Traits::kHeadDim;
     float inv_sum[2], lse[2];
     softmax.finalize(scale_log2, inv_sum, lse);
+    if constexpr (Traits::Fp8) {
+      inv_sum[0] *= out.v_descale;
+      inv_sum[1] *= out.v_descale;
+    }
     // A tile without keys writes zeros (NaN for a bad sequence, which visits none). Chosen, not
     // multiplied: acc_o may hold anything (even NaN) there, and zeroing it would redefine wgmma
     // accumulators while the next tile's first Q K^T is in flight, which makes ptxas serialise

@@ -38,6 +38,7 @@
 #include "fa3_shared.cuh"    // SharedStorage, the mbarriers and named barriers
 #include "fa3_epilogue.cuh"  // Fa3Epilogue: normalise, stage, store O and LSE
 #include "fa3_mainloop.cuh"  // Fa3Producer (TMA loads), Fa3Consumer (the wgmma / softmax pipeline)
+#include "fp8_fwd.cuh"       // the FP8 forward: P as the e4m3 A operand, the key order of Vt
 #include "hopper.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -46,12 +47,40 @@
 #include "variants.cuh"
 #include "wgmma.cuh"
 
+// The element types of a variant: 16-bit inputs and output of one type, or (FP8 forward) Q, K
+// and V in e4m3 with an output of type Out, named by E4m3Inputs<Out>.
+template <typename Out>
+struct E4m3Inputs;
+template <typename Element_>
+struct Fa3Elements {
+  using Input = Element_;
+  using Output = Element_;
+  static constexpr bool kFp8 = false;
+};
+template <typename Out>
+struct Fa3Elements<E4m3Inputs<Out>> {
+  using Input = __nv_fp8_e4m3;
+  using Output = Out;
+  static constexpr bool kFp8 = true;
+};
+
 template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_,
           bool Pingpong_, bool Dynamic_, bool Varlen_, typename Element_, bool Is_causal_,
           bool Is_local_, bool Has_softcap_, int kValidDim_ = 0>
 struct Fa3FwdTraits {
-  using Element = Element_;
+  // Element: O's type (and P's, with 16-bit inputs); Input: Q's, K's and V's in memory.
+  using Element = typename Fa3Elements<Element_>::Output;
+  using Input = typename Fa3Elements<Element_>::Input;
   using Ops = ElementTraits<Element>;
+  // FP8 inputs (FlashAttention-3's FP8 forward): Q K^T and P V on e4m3 wgmma (k-steps of 32
+  // elements), P cast to e4m3 in registers, V read transposed (Vt [d][keys], written by
+  // fp8_vt.cu, keys permuted inside every 32 so that P's accumulator is the A operand as it
+  // stands), and the descale factors in the softmax's scale and in 1 / l.
+  static constexpr bool Fp8 = Fa3Elements<Element_>::kFp8;
+  static constexpr int kInBytes = static_cast<int>(sizeof(Input));
+  static constexpr int kInColBlockElems = kSwizzleRowBytes / kInBytes;  // one 128-byte row
+  static constexpr int kQkSteps = kHeadDim_ * kInBytes / 32;  // wgmma k-steps: 32 bytes of a row
+  static constexpr int kPvSteps = kBlockN_ * kInBytes / 32;
   // The caller's head dim, if below the tile's: the TMA maps span only its columns (the rest of
   // a box reads as zeros) and the epilogue stores only them.
   using Columns = TileColumns<kHeadDim_, kValidDim_>;
@@ -95,16 +124,16 @@ struct Fa3FwdTraits {
   static constexpr int kNThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kNTiles = kBlockN / 8;   // 8-key column tiles of S (per warp: m16n8)
   static constexpr int kDTiles = kHeadDim / 8;  // 8-wide column tiles of O
-  static constexpr int kColBlocks = kHeadDim / kColBlockElems;
+  static constexpr int kColBlocks = kHeadDim / kInColBlockElems;
 
   // Shared memory: kQBuffers Q tiles, [O,] kStages K slots, kStages V slots (all swizzled,
   // 1024-byte aligned), then the mbarriers q_full[kQBuffers], q_empty[..], k_full[kStages],
   // k_empty[..], v_full[..], v_empty[..] and each Q buffer's tile index (8 bytes).
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kOBytes = Separate_o ? kQBytes : 0;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDim * kInBytes;
+  static constexpr int kOBytes = Separate_o ? kBlockM * kHeadDim * 2 : 0;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * kInBytes;
   static constexpr int kBarrierBytes = 8 * (2 * kQBuffers + 4 * kStages) + 8;  // + the tile indices
-  using SharedStorage = Fa3SharedStorage<kQBytes, kQBuffers, Separate_o, kKVBytes, kStages>;
+  using SharedStorage = Fa3SharedStorage<kQBytes, kQBuffers, kOBytes, kKVBytes, kStages>;
   static constexpr int kSmemBytes =
       kSwizzleAtomBytes /* alignment slack */ + static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes == kSwizzleAtomBytes + kQBuffers * kQBytes + kOBytes +
@@ -123,10 +152,42 @@ struct Fa3FwdTraits {
   static_assert(kHeadDim % kColBlockElems == 0, "head dim must be a multiple of 64");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
                 "key block: a multiple of 16 up to 256 (wgmma N, TMA box)");
-  static_assert(sizeof(Element) == 2, "16-bit elements");
+  static_assert(sizeof(Element) == 2, "16-bit output");
+  static_assert(!Fp8 || (kBlockN == 128 && kHeadDim % 128 == 0 && Separate_o && !Varlen &&
+                         !Has_softcap && kValidDim_ == 0),
+                "FP8 inputs: 128-key blocks (one 128-byte Vt row), whole 128-byte rows of Q and K, "
+                "O in its own buffer; no varlen, softcap or partial head dim yet");
   static_assert(Columns::kWholeChunks, "TMA rows are 16-byte multiples: head dims of 8 k");
   static_assert(!Pingpong || kConsumers == 2, "ping-pong alternates two consumers");
 };
+
+// O += P V for the V tile in `v_slot` (a function template, not a lambda of the kernel: NVRTC
+// instantiates both branches of an `if constexpr` inside a lambda). The tile's first P V
+// overwrites O (acc_o still holds the previous tile's).
+//   16-bit: k-step ks takes keys 16 ks .. 16 ks + 15 (two 8-row atoms of every column block,
+//           2048 bytes per step) of V read MN-major; d's column blocks are kBlockN rows apart.
+//   FP8:    the Vt tile is K-major ([d][128 keys], one 128-byte row per column of d), and k-step
+//           ks takes its 32 keys 32 ks bytes into every row, as Q K^T steps through K.
+template <typename Traits>
+CF_DEVICE void issue_pv_wgmmas(float (&acc_o)[Traits::kDTiles][4],
+                               const uint32_t (&p_prev)[Traits::kPvSteps][4], uint32_t v_slot,
+                               bool first) {
+  using MmaPV = Wgmma<Traits::kHeadDim, typename Traits::Input>;
+  if constexpr (Traits::Fp8) {
+    const uint64_t desc_vt0 = wgmma_desc(v_slot, 0);
+#pragma unroll
+    for (int ks = 0; ks < Traits::kPvSteps; ++ks)
+      MmaPV::rs(acc_o, p_prev[ks], wgmma_desc_advance(desc_vt0, ks * 32), ks > 0 || !first);
+  } else {
+    const uint64_t desc_v0 = wgmma_desc(v_slot, Traits::kBlockN * kSwizzleRowBytes);
+#pragma unroll
+    for (int ks = 0; ks < Traits::kPvSteps; ++ks) {
+      const uint64_t desc_v = wgmma_desc_advance(desc_v0, ks * 2 * kSwizzleAtomBytes);
+      MmaPV::rs_bt(acc_o, p_prev[ks], desc_v, ks > 0 || !first);
+    }
+  }
+  wgmma_commit();
+}
 
 template <typename Traits>
 CF_DEVICE void fa3_fwd(const Fa3Params& p) {
@@ -134,7 +195,6 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
-  constexpr int kHeadDim = Traits::kHeadDim;
   const AttnParams& params = p.attn;
 
   extern __shared__ unsigned char smem_raw[];
@@ -187,8 +247,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   const int warp_row0 = consumer_row0 + 16 * warp;
   const float scale_log2 = params.softmax_scale_log2;
   const typename Traits::Transform transform(params);
-  using Mma = Wgmma<kBlockN, Element>;
-  using MmaPV = Wgmma<kHeadDim, Element>;
+  using Mma = Wgmma<kBlockN, typename Traits::Input>;
 
   // Ping-pong turns: named barrier NamedBarrier::kTurn + c is consumer c's "your turn" signal. A
   // turn is one batch of wgmma issues; consumer 1 hands consumer 0 the first. Both consumers
@@ -206,12 +265,12 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   float acc_o[1][Traits::kDTiles][4];  // one 16-row tile per warp, as the softmax steps count
   zero_fill(acc_o);  // once: each tile's first P V overwrites it (no wgmma is in flight here)
   OnlineSoftmax<1> softmax;
-  uint32_t p_prev[kBlockN / 16][4];  // P of the block before, the A operand of its P V
+  uint32_t p_prev[Traits::kPvSteps][4];  // P of the block before, the A operand of its P V
 
   // Keeps P's registers untouched until the wgmma reading them has completed.
   auto fence_p = [&]() {
 #pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks)
+    for (int ks = 0; ks < Traits::kPvSteps; ++ks)
 #pragma unroll
       for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(p_prev[ks][i])::"memory");
   };
@@ -220,7 +279,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   using TileOut = Fa3TileOut;
   const Fa3Epilogue<Traits> epilogue{params, smem.o(),      consumer, tid,
                                      lane,   consumer_row0, warp_row0};
-  auto store_tile = [&](const TileOut& out) { epilogue.store(out, acc_o, softmax, scale_log2); };
+  auto store_tile = [&](const TileOut& out) {
+    epilogue.store(out, acc_o, softmax, Traits::Fp8 ? out.scale_log2 : scale_log2);
+  };
 
   // A tile whose last P V has been issued but whose epilogue has not run (Overlap_epilogue).
   struct Pending {
@@ -261,14 +322,23 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
                                 params.window_right);
     const int n_end = mask.n_block_end();
     const int n_blocks = max(n_end - mask.n_block_begin(), 0);
+    // FP8: the scores are q_descale k_descale (Q8 K8^T), so the softmax's factor takes both;
+    // v_descale scales O with 1 / l in the epilogue.
+    float tile_scale_log2 = scale_log2, v_descale = 1.f;
+    if constexpr (Traits::Fp8) {
+      const int head_k = tile.head / params.h_h_k_ratio;
+      tile_scale_log2 *= p.q_descale.at(tile.batch, head_k) * p.k_descale.at(tile.batch, head_k);
+      v_descale = p.v_descale.at(tile.batch, head_k);
+    }
 
-    // S = Q K^T for the K tile in `k_slot`: k-step ks reads 16 columns of d, 32 bytes into the
-    // 128-byte rows of column block ks / 4 (this consumer's Q rows start consumer_row0 rows in).
+    // S = Q K^T for the K tile in `k_slot`: k-step ks reads 32 bytes of d (16 columns, or 32 of
+    // e4m3) into the 128-byte rows of column block ks / 4 (this consumer's Q rows start
+    // consumer_row0 rows in).
     auto issue_qk = [&](float (&s)[1][Traits::kNTiles][4], uint32_t k_slot) {
       const uint64_t desc_q0 = wgmma_desc(smem.q(qb) + consumer_row0 * kSwizzleRowBytes, 0);
       const uint64_t desc_k0 = wgmma_desc(k_slot, 0);
 #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
         const uint32_t col_bytes = (ks % 4) * 32;
         const uint64_t desc_q =
             wgmma_desc_advance(desc_q0, (ks / 4) * kBlockM * kSwizzleRowBytes + col_bytes);
@@ -278,29 +348,25 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       }
       wgmma_commit();
     };
-    // O += P V for the V tile in `v_slot`: k-step ks takes keys 16 ks .. 16 ks + 15 (two 8-row
-    // atoms of every column block, 2048 bytes per step); d's column blocks are kBlockN rows apart.
-    // The tile's first P V overwrites O (acc_o still holds the previous tile's).
+    // O += P V for the V tile in `v_slot` (issue_pv_wgmmas above).
     auto issue_pv = [&](uint32_t v_slot, bool first) {
-      const uint64_t desc_v0 = wgmma_desc(v_slot, kBlockN * kSwizzleRowBytes);
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        const uint64_t desc_v = wgmma_desc_advance(desc_v0, ks * 2 * kSwizzleAtomBytes);
-        MmaPV::rs_bt(acc_o[0], p_prev[ks], desc_v, ks > 0 || !first);
-      }
-      wgmma_commit();
+      issue_pv_wgmmas<Traits>(acc_o[0], p_prev, v_slot, first);
     };
     // Softcap, mask, running max and P = exp2(..) of one block of scores.
     auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, float (&rescale)[2]) {
       transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
       if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
-      softmax.update_max(s, scale_log2, rescale);
-      softmax.exp_accumulate(s, scale_log2, rescale);
+      softmax.update_max(s, tile_scale_log2, rescale);
+      softmax.exp_accumulate(s, tile_scale_log2, rescale);
     };
     auto to_operand = [&](const float (&s)[1][Traits::kNTiles][4]) {
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
-        p_operand<typename Traits::Ops>(p_prev[ks], s[0], ks);
+      for (int ks = 0; ks < Traits::kPvSteps; ++ks) {
+        if constexpr (Traits::Fp8)
+          p_operand_e4m3(p_prev[ks], s[0], ks);
+        else
+          p_operand<typename Traits::Ops>(p_prev[ks], s[0], ks);
+      }
     };
     // Varlen: a sequence's last key block runs into the next sequence's rows (or the packed
     // tensor's unused tail), which TMA does not zero. Their scores are masked to -inf, so P is 0
@@ -397,8 +463,10 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       end_turn();
     }
     kv_iter += n_blocks;
-    pending = {
-        true, last_stage, {row_block0, tile.batch, tile.head, rows.q, n_blocks > 0, rows.bad()}};
+    pending = {true,
+               last_stage,
+               {row_block0, tile.batch, tile.head, rows.q, n_blocks > 0, rows.bad(),
+                tile_scale_log2, v_descale}};
     if constexpr (!Traits::Overlap_epilogue) {
       finish_pending(false);
       if (!Traits::Separate_o && lane == 0) mbar_arrive(smem.q_empty(qb));  // O has left the Q tile

@@ -6,13 +6,14 @@
 #include "hopper.cuh"
 
 // Shared memory of one CTA, after the base is aligned up to a 1024-byte swizzle atom: the Q
-// buffers (buffer b holds the Q of the CTA's tiles b, b + kQBuffers, ...), O's own buffer when
-// Separate_o (else O is staged in Q buffer 0), kStages K slots, kStages V slots (every tile
-// swizzled, 1024-byte aligned), then the mbarriers and each Q buffer's tile index. The members
-// are named s_* (shared memory), the accessors of Fa3Smem below after them.
-template <int kQBytes, int kQBuffers, bool Separate_o, int kKVBytes, int kStages>
+// buffers (buffer b holds the Q of the CTA's tiles b, b + kQBuffers, ...), O's own buffer of
+// kOBytes when O has one (else kOBytes is 0 and O is staged in Q buffer 0), kStages K slots,
+// kStages V slots (every tile swizzled, 1024-byte aligned), then the mbarriers and each Q
+// buffer's tile index. The members are named s_* (shared memory), the accessors of Fa3Smem below
+// after them. (O is 16-bit: with float8 inputs its buffer is twice a Q buffer.)
+template <int kQBytes, int kQBuffers, int kOBytes, int kKVBytes, int kStages>
 struct Fa3SharedStorage {
-  unsigned char s_q_o[(kQBuffers + (Separate_o ? 1 : 0)) * kQBytes];
+  unsigned char s_q_o[kQBuffers * kQBytes + kOBytes];
   unsigned char s_k[kStages][kKVBytes];
   unsigned char s_v[kStages][kKVBytes];
   uint64_t s_q_full[kQBuffers];   // the producer's Q load (one arrival + its bytes)

@@ -115,13 +115,26 @@ struct alignas(64) TmaMap {
 // The Hopper forward's argument: three TMA tensor maps (innermost first: d, rows, heads, batch) and the
 // AttnParams every kernel takes. Passed as a __grid_constant__ so the maps stay in parameter
 // memory, where TMA reads them.
+// A descale factor of the FP8 forward: the float32 value for (batch b, KV head h) at
+// ptr[b * batch_stride + h * head_stride] (strides 0 on a broadcast axis), or `value` (a host
+// number; 1 when none was given) where ptr is nullptr.
+struct Fa3Descale {
+  const float* ptr;
+  int32_t batch_stride, head_stride;
+  float value;
+  CF_DEVICE float at(int b, int h) const {
+    return ptr == nullptr ? value : ptr[b * batch_stride + h * head_stride];
+  }
+};
+
 struct Fa3Params {
-  TmaMap q_map, k_map, v_map;
+  TmaMap q_map, k_map, v_map;  // with FP8 inputs v_map is over Vt (fp8_vt.cu's output)
   AttnParams attn;
   // The dynamic schedule's counters: [0] tiles drawn past the first gridDim.x, [1] CTAs done.
   // Both read 0 at launch; the last CTA to finish sets them back (cupyflash/_workspace.py).
   int32_t* tile_counters;
   int32_t num_m_blocks;  // query blocks per (batch, head): of the longest sequence when varlen
+  Fa3Descale q_descale, k_descale, v_descale;  // FP8 inputs only
 };
 
 // The backward's argument (kernels_cu/fa2_bwd.cu's kernels, and the Hopper backward's after its

@@ -19,9 +19,12 @@ from pathlib import Path
 # (_dispatch.FA3_FWD_TILES block_n 64 / 128, FA3_HEAD_DIMS 64 / 128 / 256); = _specs.WGMMA_N.
 SHAPES = (64, 128, 256)
 TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
+# 8-bit inputs (the FP8 forward): m64nNk32, K-major operands only (wgmma has no transpose for them).
+FP8_TYPES = {"__nv_fp8_e4m3": "e4m3"}
 
 HEADER = """\
-// wgmma.mma_async wrappers (m64nNk16, fp32 accumulate), written by scripts/gen_wgmma.py.
+// wgmma.mma_async wrappers (m64nNk16 for 16-bit inputs, m64nNk32 for e4m3; fp32 accumulate),
+// written by scripts/gen_wgmma.py.
 //
 // A warpgroup (4 warps) computes a 64 x N tile; warp w holds rows 16 w .. 16 w + 15 and its
 // accumulator d[j][e] is element (row 16 w + lane / 4 + 8 (e / 2), col 8 j + 2 (lane % 4) + e % 2):
@@ -33,9 +36,17 @@ HEADER = """\
 //                                      MN-major (P V: V stored [keys][d], transposed on the fly).
 //   ss_tt(d, desc_a, desc_b, accumulate): A and B both MN-major in shared memory (the backward's
 //                                      dQ = dS K: dS stored [keys][query rows], K [keys][d]).
+// e4m3 (a k-step is 32 elements: 32 bytes of a row, as for 16-bit inputs) has no transposed
+// operand, so both of its forms read B K-major:
+//   ss(d, desc_a, desc_b, accumulate): as above (Q K^T);
+//   rs(d, a, desc_b, accumulate):      A from registers (4 registers of 4 e4m3: rows g, g + 8,
+//                                      columns 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3, for
+//                                      lane = 4 g + t), B K-major (P V: V stored transposed, [d][keys]).
 // accumulate = 0 overwrites d (first k-step), 1 adds to it.
 // clang-format off: the operand lists are laid out by the generator
 #pragma once
+
+#include <cuda_fp8.h>
 
 #include "common.cuh"
 
@@ -54,14 +65,15 @@ def _acc_operands(n: int) -> str:
     return (",\n" + " " * 14).join(lines)
 
 
-def _specialisation(n: int, ctype: str, ptx_type: str) -> str:
+def _asm_bodies(n: int, shape: str, immediates: str, rs_immediates: str) -> tuple[str, str]:
+    """The asm statement bodies of the shared-memory form (A and B by descriptor) and the register
+    form (A from four registers) of one wgmma shape, ``immediates`` after the scale-d predicate."""
     acc = n // 2
-    shape = f"m64n{n}k16.f32.{ptx_type}.{ptx_type}"
     ss = (
         f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"\n'
         f'        "wgmma.mma_async.sync.aligned.{shape} "\n'
         f'        "{{{_regs(0, acc)}}}, "\n'
-        f'        "%{acc}, %{acc + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
+        f'        "%{acc}, %{acc + 1}, p, {immediates};\\n}}\\n"\n'
         f"        : {_acc_operands(n)}\n"
         f'        : "l"(desc_a), "l"(desc_b), "r"(accumulate));'
     )
@@ -69,21 +81,41 @@ def _specialisation(n: int, ctype: str, ptx_type: str) -> str:
         f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 5}, 0;\\n"\n'
         f'        "wgmma.mma_async.sync.aligned.{shape} "\n'
         f'        "{{{_regs(0, acc)}}}, "\n'
-        f'        "{{{_regs(acc, 4)}}}, %{acc + 4}, p, 1, 1, 1;\\n}}\\n"\n'
+        f'        "{{{_regs(acc, 4)}}}, %{acc + 4}, p, {rs_immediates};\\n}}\\n"\n'
         f"        : {_acc_operands(n)}\n"
         f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));'
     )
+    return ss, rs
+
+
+def _method(name: str, n: int, operands: str, body: str) -> str:
+    """One wrapper method; all but ``ss`` break before ``int accumulate``, aligned after the "("."""
+    head = f"  static CF_DEVICE void {name}("
+    gap = " " if name == "ss" else "\n" + " " * len(head)
+    return f"{head}float (&d)[{n // 8}][4], {operands},{gap}int accumulate) {{\n    asm volatile(\n{body}\n  }}\n"
+
+
+def _specialisation(n: int, ctype: str, ptx_type: str) -> str:
+    # immediates: scale-a, scale-b, transpose-a, transpose-b (the register form: scale-a, -b, transpose-b)
+    ss, rs = _asm_bodies(n, f"m64n{n}k16.f32.{ptx_type}.{ptx_type}", "1, 1, 0, 0", "1, 1, 1")
     ss_tt = ss.replace("p, 1, 1, 0, 0;", "p, 1, 1, 1, 1;")
     return (
         f"template <>\nstruct Wgmma<{n}, {ctype}> {{\n"
-        f"  static CF_DEVICE void ss(float (&d)[{n // 8}][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {{\n"
-        f"    asm volatile(\n{ss}\n  }}\n"
-        f"  static CF_DEVICE void ss_tt(float (&d)[{n // 8}][4], uint64_t desc_a, uint64_t desc_b,\n"
-        f"                              int accumulate) {{\n"
-        f"    asm volatile(\n{ss_tt}\n  }}\n"
-        f"  static CF_DEVICE void rs_bt(float (&d)[{n // 8}][4], const uint32_t (&a)[4], uint64_t desc_b,\n"
-        f"                              int accumulate) {{\n"
-        f"    asm volatile(\n{rs}\n  }}\n}};\n"
+        + _method("ss", n, "uint64_t desc_a, uint64_t desc_b", ss)
+        + _method("ss_tt", n, "uint64_t desc_a, uint64_t desc_b", ss_tt)
+        + _method("rs_bt", n, "const uint32_t (&a)[4], uint64_t desc_b", rs)
+        + "};\n"
+    )
+
+
+def _fp8_specialisation(n: int, ctype: str, ptx_type: str) -> str:
+    # 8-bit inputs take no transpose immediates: scale-a, scale-b only
+    ss, rs = _asm_bodies(n, f"m64n{n}k32.f32.{ptx_type}.{ptx_type}", "1, 1", "1, 1")
+    return (
+        f"template <>\nstruct Wgmma<{n}, {ctype}> {{\n"
+        + _method("ss", n, "uint64_t desc_a, uint64_t desc_b", ss)
+        + _method("rs", n, "const uint32_t (&a)[4], uint64_t desc_b", rs)
+        + "};\n"
     )
 
 
@@ -96,6 +128,8 @@ def render() -> str:
     for n in SHAPES:
         for ctype, ptx_type in TYPES.items():
             parts.append(_specialisation(n, ctype, ptx_type))
+        for ctype, ptx_type in FP8_TYPES.items():
+            parts.append(_fp8_specialisation(n, ctype, ptx_type))
     return "\n".join(parts)
 
 
