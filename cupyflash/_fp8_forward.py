@@ -46,6 +46,89 @@ def attention_fp8(
     descales: tuple[Any, Any, Any], out_dtype: Any, fp8_dtype: Any,
 ) -> Any:  # fmt: skip
     """``attention`` on float8 inputs (its arguments, checked here)."""
+    if attn_mask is not None or alibi_slopes is not None or dropout_p or softcap or algorithm != "auto":
+        _refuse_options(attn_mask, alibi_slopes, dropout_p, softcap, window, algorithm)
+    if _interop.compiling():
+        raise NotImplementedError("the FP8 forward is not a torch.compile op yet: call it outside the compiled region")
+    # The straight path (CuPy arrays or CUDA tensors, a call planned before): the plan's checks
+    # hold for every call with its key; only a host descale's value is checked per call.
+    arrays = (q, k, v)
+    descale_arrays = tuple(None if x is None or isinstance(x, (int, float)) else x for x in descales)
+    found = _interop.lean_arrays(q, k, v, descale_arrays)
+    if found is not None and not found[0].check_inputs(arrays):
+        lib, device = found
+        key = _key(lib, device, q, k, v, causal, scale, window, layout, out_dtype, fp8_dtype, descale_arrays)
+        planned = _plans.lookup(key)
+        if planned is not None:
+            return _run(planned, lib, device, q, k, v, descales, descale_arrays, return_lse)
+    _refuse_options(attn_mask, alibi_slopes, dropout_p, softcap, window, algorithm)
+    if scale is not None and not scale > 0:
+        raise ValueError(f"the FP8 forward takes a positive scale, got {scale!r}")
+    options = check_options(causal, scale, window, softcap)
+    out_name = _out_dtype_name(out_dtype)
+    if _interop.traced(arrays):
+        raise NotImplementedError("the FP8 forward does not run under a JAX transformation yet")
+    if _interop.needs_autograd(arrays) or any(getattr(x, "requires_grad", False) for x in arrays):
+        raise NotImplementedError("the FP8 forward has no backward: pass tensors that do not require grad")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_e4m3(name, x, fp8_dtype)
+    problem = _problem(q, k, v, options, layout)
+    hosts = [host_scale(name, x) for name, x in zip(DESCALE_NAMES, descales, strict=True)]
+    device_descales = tuple(None if h is not None or x is None else x for h, x in zip(hosts, descales, strict=True))
+    found_all = _interop.gpu_arrays(("q", "k", "v", *DESCALE_NAMES), (q, k, v, *device_descales))
+    if found_all is None:
+        out, lse = _host_fp8(q, k, v, problem, descales, out_name, fp8_dtype)
+        return (out, lse) if return_lse else out
+    lib, device, _ = found_all
+    if lib.name not in (_interop.CUPY, _interop.TORCH):
+        raise NotImplementedError("the FP8 forward takes PyTorch float8 tensors or CuPy uint8 arrays on the GPU")
+    forms = {
+        name: "host" if x is None else _descale_form(lib, name, x, problem.batch, problem.heads_kv)
+        for name, x in zip(DESCALE_NAMES, device_descales, strict=True)
+    }
+
+    def plan() -> tuple[_plan.Launch, _plan.Launch]:
+        info = _plan.device_info(device)
+        if info.arch != HOPPER_ARCH:
+            raise ValueError(f"the FP8 forward runs on the Hopper kernel (sm_90a), not on {info.arch}")
+        if problem.head_dim not in FP8_FWD_HEAD_DIMS:
+            raise ValueError(f"the FP8 forward takes head_dim {FP8_FWD_HEAD_DIMS} on the GPU, got {problem.head_dim}")
+        return _plan.plan_fp8_forward(problem, out_name, info, tuple(q.shape), forms)
+
+    key = _key(lib, device, q, k, v, causal, scale, window, layout, out_dtype, fp8_dtype, device_descales)
+    return _run(_plans.get(key, plan), lib, device, q, k, v, descales, device_descales, return_lse)
+
+
+def _key(
+    lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, layout: Any,
+    out_dtype: Any, fp8_dtype: Any, descale_arrays: tuple[Any, ...],
+) -> tuple[Any, ...]:  # fmt: skip
+    """A call's plan key: its arguments as given (an unhashable one, a list window, plans uncached)."""
+    arrays = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in descale_arrays)
+    return (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal, scale, window, layout,
+            out_dtype, fp8_dtype, arrays)  # fmt: skip
+
+
+def _run(
+    planned: tuple[_plan.Launch, _plan.Launch], lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any,
+    descales: tuple[Any, ...], descale_arrays: tuple[Any, ...], return_lse: bool,
+) -> Any:  # fmt: skip
+    """V's transpose, then the attention kernel; a host descale's value into its field."""
+    transpose, main = planned
+    (vt,) = _launch.run_outputs(transpose, lib, device, {"v": v})
+    by_name: dict[str, Any] = {"q": q, "k": k, "v": vt}
+    for name, given, array in zip(DESCALE_NAMES, descales, descale_arrays, strict=True):
+        if array is not None:
+            by_name[name] = array
+        elif given is not None:
+            by_name[name] = host_scale(name, given)
+    out, lse = _launch.run(main, lib, device, by_name, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def _refuse_options(
+    attn_mask: Any, alibi_slopes: Any, dropout_p: Any, softcap: Any, window: Any, algorithm: str
+) -> None:  # fmt: skip
     refused = {
         "attn_mask": attn_mask is not None,
         "alibi_slopes": alibi_slopes is not None,
@@ -60,53 +143,6 @@ def attention_fp8(
         raise ValueError(
             f"the FP8 forward runs on the Hopper kernel: algorithm must be 'auto' or 'fa3', got {algorithm!r}"
         )
-    if scale is not None and not scale > 0:
-        raise ValueError(f"the FP8 forward takes a positive scale, got {scale!r}")
-    options = check_options(causal, scale, window, softcap)
-    out_name = _out_dtype_name(out_dtype)
-    if _interop.compiling():
-        raise NotImplementedError("the FP8 forward is not a torch.compile op yet: call it outside the compiled region")
-    arrays = (q, k, v)
-    if _interop.traced(arrays):
-        raise NotImplementedError("the FP8 forward does not run under a JAX transformation yet")
-    if _interop.needs_autograd(arrays) or any(getattr(x, "requires_grad", False) for x in arrays):
-        raise NotImplementedError("the FP8 forward has no backward: pass tensors that do not require grad")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_e4m3(name, x, fp8_dtype)
-    problem = _problem(q, k, v, options, layout)
-    hosts = [host_scale(name, x) for name, x in zip(DESCALE_NAMES, descales, strict=True)]
-    device_descales = [None if h is not None or x is None else x for h, x in zip(hosts, descales, strict=True)]
-    found = _interop.gpu_arrays(("q", "k", "v", *DESCALE_NAMES), (q, k, v, *device_descales))
-    if found is None:
-        out, lse = _host_fp8(q, k, v, problem, descales, out_name, fp8_dtype)
-        return (out, lse) if return_lse else out
-    lib, device, (q, k, v, *device_descales) = found
-    if lib.name not in (_interop.CUPY, _interop.TORCH):
-        raise NotImplementedError("the FP8 forward takes PyTorch float8 tensors or CuPy uint8 arrays on the GPU")
-    forms = {
-        name: "host" if x is None else _descale_form(lib, name, x, problem.batch, problem.heads_kv)
-        for name, x in zip(DESCALE_NAMES, device_descales, strict=True)
-    }
-    key = (lib.name, device, q.shape, k.shape, v.shape, options, layout, out_name, tuple(forms.values()))
-
-    def plan() -> tuple[_plan.Launch, _plan.Launch]:
-        info = _plan.device_info(device)
-        if info.arch != HOPPER_ARCH:
-            raise ValueError(f"the FP8 forward runs on the Hopper kernel (sm_90a), not on {info.arch}")
-        if problem.head_dim not in FP8_FWD_HEAD_DIMS:
-            raise ValueError(f"the FP8 forward takes head_dim {FP8_FWD_HEAD_DIMS} on the GPU, got {problem.head_dim}")
-        return _plan.plan_fp8_forward(problem, out_name, info, tuple(q.shape), forms)
-
-    transpose, main = _plans.get(key, plan)
-    (vt,) = _launch.run_outputs(transpose, lib, device, {"v": v})
-    by_name: dict[str, Any] = {"q": q, "k": k, "v": vt}
-    for name, host, array in zip(DESCALE_NAMES, hosts, device_descales, strict=True):
-        if array is not None:
-            by_name[name] = array
-        elif host is not None:
-            by_name[name] = host
-    out, lse = _launch.run(main, lib, device, by_name, return_lse)
-    return (out, lse) if return_lse else out
 
 
 def _out_dtype_name(out_dtype: Any) -> str:

@@ -428,7 +428,7 @@ class Fp8VtSpec(_KernelSpecBase):
 
     @property
     def smem_bytes(self) -> int:
-        return self.keys_per_block * (self.head_dim + 16)
+        return self.keys_per_block * self.head_dim
 
     def _name_parts(self) -> tuple[object, ...]:
         return (f"d{self.head_dim}",)

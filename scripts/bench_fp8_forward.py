@@ -48,6 +48,22 @@ def rmse_vs_float64(out, q, k, v, causal):
     return float((out[0, :, :2].double().transpose(0, 1) - ref).pow(2).mean().sqrt())
 
 
+def host_us(fn, calls: int = 200) -> float:
+    """Median host microseconds of one call (the GPU queue is kept from filling: a sync every 20)."""
+    import statistics
+    import time
+
+    samples = []
+    for i in range(calls):
+        if i % 20 == 0:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def measure(n: int, causal: bool) -> dict:
     shape = bench.PrefillShape(TOKENS // n, n, HEADS, D, causal, "bfloat16")
     q, k, v = bench.prefill_inputs(shape)
@@ -86,6 +102,9 @@ def measure(n: int, causal: bool) -> dict:
     )
     row["vt_us"] = round(vt_ms * 1e3, 1)
     line += f" | vt {vt_ms * 1e3:.1f} us"
+    if n == args.seqlens[0]:  # host time per call: the call's own wall time while the queue runs ahead
+        row["host_us"] = {name: round(host_us(fn), 1) for name, fn in fns.items()}
+        line += " | host " + " ".join(f"{name} {t:.1f}" for name, t in row["host_us"].items()) + " us"
     if "rmse" in row:
         line += " | rmse " + " ".join(f"{name} {e:.3e}" for name, e in row["rmse"].items())
     print(line, flush=True)

@@ -223,3 +223,17 @@ def test_fp8_forward_refusals(rng):
         cupyflash.attention(q, k, v, v_descale=-1.0)
     with pytest.raises(TypeError, match="out_dtype"):
         cupyflash.attention(q, k, v, out_dtype="float32")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_forward_empty_shapes(rng, causal):
+    """No key: O = 0 and LSE = -inf; no query or no batch: empty outputs; no kernel reads past them."""
+    torch = _hopper_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    q, k, v = _inputs(torch, gen, 2, 5, 0, 2, 2)
+    out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+    assert torch.equal(out.float(), torch.zeros_like(out, dtype=torch.float32)) and bool(torch.isneginf(lse).all())
+    for b, nq in ((0, 5), (2, 0)):
+        q, k, v = _inputs(torch, gen, b, nq, 7, 2, 2)
+        out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+        assert tuple(out.shape) == tuple(q.shape) and tuple(lse.shape) == (b, 2, nq)
