@@ -126,7 +126,10 @@ def noise_thresholds(results_dir: Path, machine: str) -> tuple[dict[str, float],
     sample (the tiny-call host time moved 2% between the two runs of one commit and 11% between
     two commits of identical code), so each parameter borrows the worst spread of its family.
     Spreads are of the gated values (the ratios; the host time over its in-run reference), from
-    the commits run twice with the same benchmark version."""
+    the commits run twice with the same benchmark version, relative to the smaller of the two
+    values: a spread must not depend on which run came first (585b5e0's compile benchmark
+    measured 1.19 s on a fresh machine, then 0.18 s: a 6.7x spread, where relative to the first
+    run it read as 0.85x and allowed the same pair in the other order to fail the gate)."""
     repeat_dir = results_dir / f"{machine}-repeat"
     if not repeat_dir.is_dir():
         return {}, f"no repeated run committed: {MIN_THRESHOLD:.0%} for all"
@@ -141,7 +144,7 @@ def noise_thresholds(results_dir: Path, machine: str) -> tuple[dict[str, float],
             for combo in a_values:
                 a, b = gated_value(a_values, combo, ref), gated_value(b_values, combo, ref)
                 if a and b and not (combo and combo[0] in PEERS):
-                    thresholds[name] = max(thresholds.get(name, MIN_THRESHOLD), 2 * abs(b - a) / a)
+                    thresholds[name] = max(thresholds.get(name, MIN_THRESHOLD), 2 * abs(b - a) / min(a, b))
     return thresholds, (f"2 x the largest spread of a commit run twice, per benchmark, at least {MIN_THRESHOLD:.0%} "
                         f"({MIN_THRESHOLD:.0%} where no repeat of the benchmark's version is committed)")  # fmt: skip
 

@@ -298,6 +298,23 @@ def test_regression_gate_threshold_comes_from_a_repeat_of_the_same_version(tmp_p
 
 
 @needs_git
+def test_regression_gate_spread_does_not_depend_on_the_order_of_the_two_runs(tmp_path):
+    """A commit run twice gave 1.0 and 1.25: the threshold is 2 x 25% (relative to the smaller
+    value) whichever run came first, so the next commit's 1.8 (44% over a first run of 1.25) and
+    1.45 (45% over a first run of 1.0) both pass, and 1.9 (52%) fails."""
+    name = "compile.FirstCall.track_compile_seconds"
+    benchmarks = {name: ("s", [])}
+
+    def gate(first: float, again: float, new: float) -> int:
+        return _gate_runs(tmp_path, benchmarks, {name: [first]}, {name: [new]}, {name: [again]}).returncode
+
+    assert gate(1.25, 1.0, 1.8) == 0
+    assert gate(1.0, 1.25, 1.45) == 0
+    assert gate(1.25, 1.0, 1.9) == 1
+    shutil.rmtree(tmp_path)
+
+
+@needs_git
 def test_regression_gate_reads_the_host_time_against_sdpa_in_the_same_run(tmp_path):
     """The host time has no fixed reference: cupyflash's over SDPA's of the same process."""
     name = "host.HostOverhead.track_tiny_call"
