@@ -3,7 +3,7 @@ through CuPy, behind one function that takes CuPy, PyTorch, JAX or any array-API
 
 from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward
 from ._cascade import attention_with_shared_prefix
-from ._fp8 import quantize_fp8
+from ._fp8 import quantize_fp8, quantize_qk_fp8
 from ._kernels import KernelCompileError
 from ._kvcache import DeviceValueError, attention_with_kvcache, check_device_errors, merge_states
 from ._version import __version__
@@ -24,4 +24,5 @@ __all__ = [
     "check_device_errors",
     "merge_states",
     "quantize_fp8",
+    "quantize_qk_fp8",
 ]

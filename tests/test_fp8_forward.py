@@ -119,3 +119,56 @@ def test_fp8_variants_and_plan():
     assert (values[slot("k_descale_batch_stride")], values[slot("k_descale_head_stride")]) == (2, 1)
     assert (values[slot("v_descale_batch_stride")], values[slot("v_descale_head_stride")]) == (0, 1)
     assert values[slot("q_descale")] == 1.0
+
+
+def test_quantize_qk_fp8_with_hadamard_lowers_the_error_on_outlier_channels(rng):
+    """q and k with 4 of 128 channels 8x larger (the host twin's "channels" inputs): rotated
+    together, the FP8 attention's RMSE against float64 of the unquantised inputs drops; without
+    the rotation the pair is quantize_fp8's (q per tensor, k per head); q k^T is unchanged by it."""
+    b, n, h, d = 1, 256, 2, 128
+    q, k, v = (rng.standard_normal((b, n, h, d)) for _ in range(3))
+    outliers = rng.choice(d, 4, replace=False)
+    q[..., outliers] *= 8
+    k[..., outliers] *= 8
+    want = reference.attention(q, k, v)
+    v8, v_scale = cupyflash.quantize_fp8(v)
+
+    def rmse(hadamard: bool) -> float:
+        q8, qs, k8, ks = cupyflash.quantize_qk_fp8(q, k, hadamard=hadamard)
+        out = cupyflash.attention(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=v_scale, out_dtype="float16")
+        return float(np.sqrt(((out.astype(np.float64) - want) ** 2).mean()))
+
+    plain, rotated = rmse(False), rmse(True)
+    assert rotated * 1.5 < plain, (plain, rotated)
+    q8, qs, k8, ks = cupyflash.quantize_qk_fp8(q, k)
+    for got, got_scale, (want8, want_scale) in (
+        (q8, qs, cupyflash.quantize_fp8(q, per="tensor")),
+        (k8, ks, cupyflash.quantize_fp8(k)),
+    ):
+        np.testing.assert_array_equal(got.view(np.uint8), want8.view(np.uint8))
+        np.testing.assert_array_equal(got_scale, want_scale)
+    from cupyflash._fp8 import _hadamard_rotated
+
+    qr, kr = _hadamard_rotated("q", q, "bshd"), _hadamard_rotated("k", k, "bshd")
+    np.testing.assert_allclose(qr @ kr.transpose(0, 1, 3, 2), q @ k.transpose(0, 1, 3, 2), atol=1e-9)
+
+
+def test_quantize_qk_fp8_refusals(rng):
+    q = rng.standard_normal((1, 4, 2, 96))
+    with pytest.raises(ValueError, match="power of two"):
+        cupyflash.quantize_qk_fp8(q, q, hadamard=True)
+    with pytest.raises(TypeError, match="quantize_qk_fp8 takes a PyTorch tensor or a NumPy array"):
+        cupyflash.quantize_qk_fp8([1.0], q, hadamard=True)
+    with pytest.raises(ValueError, match="4-d"):
+        cupyflash.quantize_qk_fp8(q[0], q[0], hadamard=True)
+
+
+def test_quantize_qk_fp8_in_torch(rng):
+    torch = pytest.importorskip("torch")
+    q, k = (torch.from_numpy(rng.standard_normal((1, 8, 2, 64))).to(torch.bfloat16) for _ in range(2))
+    q8, qs, k8, ks = cupyflash.quantize_qk_fp8(q, k, hadamard=True)
+    assert q8.dtype == torch.float8_e4m3fn and qs.shape == () and ks.shape == (2,)
+    # the dequantised rotated pair's dot products (per token: head by head) are q k's, to e4m3's error
+    got = ((q8.float() * qs) @ (k8.float() * ks[:, None]).transpose(-1, -2)).numpy()
+    want = (q.float() @ k.float().transpose(-1, -2)).numpy()
+    assert np.sqrt(((got - want) ** 2).mean() / (want**2).mean()) < 0.1
