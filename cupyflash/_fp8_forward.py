@@ -32,12 +32,15 @@ _plans = _plan.new_pair_cache()
 
 
 def is_fp8_call(q: Any, descales: tuple[Any, Any, Any], fp8_dtype: Any) -> bool:
-    """Whether ``attention`` takes the FP8 path: a float8 (1-byte) q, or an FP8 option given.
-    Cheap on the 16-bit path: one attribute and a compare."""
+    """Whether ``attention`` takes the FP8 path: a float8 (or uint8) q, or an FP8 option given.
+    Cheap on the 16-bit path: two attribute reads and a compare."""
     if fp8_dtype is not None or any(x is not None for x in descales):
         return True
     dtype = getattr(q, "dtype", None)
-    return getattr(dtype, "itemsize", 0) == 1
+    if getattr(dtype, "itemsize", 0) != 1:
+        return False
+    name = str(dtype)  # a float8 type, or uint8 bytes (the path says to name their format);
+    return "float8" in name or name.endswith("uint8")  # int8 and bool get the usual dtype error
 
 
 def attention_fp8(
@@ -68,8 +71,8 @@ def attention_fp8(
     out_name = _out_dtype_name(out_dtype)
     if _interop.traced(arrays):
         raise NotImplementedError("the FP8 forward does not run under a JAX transformation yet")
-    if _interop.needs_autograd(arrays) or any(getattr(x, "requires_grad", False) for x in arrays):
-        raise NotImplementedError("the FP8 forward has no backward: pass tensors that do not require grad")
+    if _interop.needs_autograd(arrays):
+        _interop.refuse_autograd("the FP8 forward")
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_e4m3(name, x, fp8_dtype)
     problem = _problem(q, k, v, options, layout)

@@ -62,6 +62,12 @@ def test_host_fp8_in_torch(rng):
     got = cupyflash.attention(*(torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn) for x in (q, k, v)))
     assert got.dtype == torch.bfloat16
     np.testing.assert_array_equal(got.float().numpy(), cupyflash.attention(q, k, v).astype(np.float32))
+    wants_grad = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn).requires_grad_()
+    tk, tv = (torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn) for x in (k, v))
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        cupyflash.attention(wants_grad, tk, tv)
+    with torch.no_grad():
+        assert torch.equal(cupyflash.attention(wants_grad, tk, tv), got)
 
 
 def test_fp8_forward_refusals(rng):
@@ -92,6 +98,8 @@ def test_fp8_forward_refusals(rng):
         cupyflash.attention(q.astype(ml_dtypes.float8_e5m2), k, v)
     with pytest.raises(TypeError, match="descales and fp8_dtype are for float8 inputs"):
         cupyflash.attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), q_descale=2.0)
+    with pytest.raises(TypeError, match="real floating dtype, got int8"):  # the usual dtype error
+        cupyflash.attention(q.view(np.int8), k.view(np.int8), v.view(np.int8))
     with pytest.raises(TypeError, match="out_dtype is the FP8 forward's"):
         cupyflash.attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), out_dtype="bfloat16")
 
