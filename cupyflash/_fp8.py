@@ -116,6 +116,15 @@ def refuse_scales_without_fp8(k_scale: Any, v_scale: Any, dtype: str) -> None:
 # The host twin (NumPy with ml_dtypes' float8 arrays or uint8 bytes; PyTorch CPU float8 tensors
 # or uint8 bytes): dequantise in the compute dtype, quantise by the rule above.
 # ---------------------------------------------------------------------------------------------
+def dtype_name(x: Any) -> str:
+    """An array's dtype by name, whatever its library ("float8_e4m3fn", "uint8", "bfloat16": a
+    PyTorch dtype without "torch."); a non-array's type name, for the messages that refuse it."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return type(x).__name__
+    return str(getattr(dtype, "name", dtype)).removeprefix("torch.")
+
+
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
@@ -150,7 +159,7 @@ def host_scale_array(xp: Any, name: str, scale: Any, heads_kv: int, like: Any) -
 
     value = 1.0 if scale is None else host_scale(name, scale)
     if value is None:
-        dtype = str(scale.dtype).removeprefix("torch.")
+        dtype = dtype_name(scale)
         scale_form(name, tuple(scale.shape), dtype, heads_kv)
         values = to_numpy64(scale).reshape(-1)
         bad = [float(v) for v in values if not (math.isfinite(v) and v > 0)]
@@ -281,7 +290,7 @@ def _check_quantizable(caller: str, x: Any, layout: str) -> str:
             f"{caller} takes a PyTorch tensor or a NumPy array (the libraries with a float8 dtype), "
             f"got {type(x).__module__}.{type(x).__name__}"
         )
-    dtype = str(x.dtype).removeprefix("torch.")
+    dtype = dtype_name(x)
     if dtype not in ("float16", "bfloat16", "float32", "float64"):
         raise TypeError(f"{caller} takes float16, bfloat16, float32 or float64 data, got {dtype}")
     if x.ndim != 4:

@@ -11,8 +11,9 @@ scripts/fp8_accuracy.py is the kernel's bit-level twin, docs/fp8_forward.md its 
 
 A descale is None (1.0), a positive host number, or a float32 array of shape () / (1,) (one
 value), (Hkv,) or (B, Hkv) (FlashAttention-3's): the value for query head h of batch entry b is
-``descale[b, h // (Hq / Hkv)]``. Device arrays are not read on the host, so their values are not
-checked: they must be positive and finite (a negative one breaks the online softmax's maximum).
+``descale[b, h // (Hq / Hkv)]``. Device arrays are not read on the host: the kernel makes the rows
+of a (batch, KV head) whose descale is not positive and finite NaN (0 would give a uniform
+softmax, a plausible answer; a negative one breaks the online softmax's maximum).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _host, _interop, _launch, _plan
-from ._fp8 import host_scale, scale_form
+from ._fp8 import dtype_name, host_scale, scale_form
 from ._specs import FP8_FWD_HEAD_DIMS, HOPPER_ARCH
 from ._validate import check_options
 
@@ -34,7 +35,8 @@ _plans = _plan.new_pair_cache()
 def is_fp8_call(q: Any, descales: tuple[Any, Any, Any], fp8_dtype: Any) -> bool:
     """Whether ``attention`` takes the FP8 path: a float8 (or uint8) q, or an FP8 option given.
     Cheap on the 16-bit path: two attribute reads and a compare."""
-    if fp8_dtype is not None or any(x is not None for x in descales):
+    q_descale, k_descale, v_descale = descales
+    if fp8_dtype is not None or q_descale is not None or k_descale is not None or v_descale is not None:
         return True
     dtype = getattr(q, "dtype", None)
     if getattr(dtype, "itemsize", 0) != 1:
@@ -68,7 +70,7 @@ def attention_fp8(
     if scale is not None and not scale > 0:
         raise ValueError(f"the FP8 forward takes a positive scale, got {scale!r}")
     options = check_options(causal, scale, window, softcap)
-    out_name = _out_dtype_name(out_dtype)
+    out_name = _outdtype_name(out_dtype)
     if _interop.traced(arrays):
         raise NotImplementedError("the FP8 forward does not run under a JAX transformation yet")
     if _interop.needs_autograd(arrays):
@@ -80,7 +82,7 @@ def attention_fp8(
     device_descales = tuple(None if h is not None or x is None else x for h, x in zip(hosts, descales, strict=True))
     found_all = _interop.gpu_arrays(("q", "k", "v", *DESCALE_NAMES), (q, k, v, *device_descales))
     if found_all is None:
-        out, lse = _host_fp8(q, k, v, problem, descales, out_name, fp8_dtype)
+        out, lse = _host_fp8(q, k, v, problem, descales, out_name)
         return (out, lse) if return_lse else out
     lib, device, _ = found_all
     if lib.name not in (_interop.CUPY, _interop.TORCH):
@@ -148,22 +150,18 @@ def _refuse_options(
         )
 
 
-def _out_dtype_name(out_dtype: Any) -> str:
+def _outdtype_name(out_dtype: Any) -> str:
     name = "bfloat16" if out_dtype is None else str(out_dtype).removeprefix("torch.")
     if name not in OUT_DTYPES:
         raise TypeError(f"out_dtype of the FP8 forward must be one of {OUT_DTYPES}, got {out_dtype!r}")
     return name
 
 
-def _dtype_name(x: Any) -> str:
-    return str(getattr(x, "dtype", type(x).__name__)).removeprefix("torch.")
-
-
 def _check_e4m3(name: str, x: Any, fp8_dtype: Any) -> None:
     """An e4m3 input: a float8_e4m3fn array, or uint8 bytes named by fp8_dtype='e4m3'."""
     if fp8_dtype is not None and fp8_dtype != "e4m3":
         raise ValueError(f"fp8_dtype must be 'e4m3' (the FP8 forward's format) or None, got {fp8_dtype!r}")
-    dtype = _dtype_name(x)
+    dtype = dtype_name(x)
     if dtype in _E4M3_NAMES:
         return
     if dtype == "uint8":
@@ -200,9 +198,7 @@ def _form(name: str, shape: tuple[int, ...], dtype: str, batch: int, heads_kv: i
         ) from None
 
 
-def _host_fp8(
-    q: Any, k: Any, v: Any, problem: Any, descales: tuple[Any, Any, Any], out_name: str, fp8_dtype: Any
-) -> tuple[Any, Any]:
+def _host_fp8(q: Any, k: Any, v: Any, problem: Any, descales: tuple[Any, Any, Any], out_name: str) -> tuple[Any, Any]:
     """The host path: q, k, v dequantised to float32 (times their descales), exact attention,
     the output rounded to ``out_name``; LSE float32."""
     import numpy as np
@@ -241,7 +237,7 @@ def _host_descale(name: str, descale: Any, batch: int, heads_kv: int) -> Any:
     value = host_scale(name, descale)
     if descale is None or value is not None:
         return np.full((batch, heads_kv), 1.0 if value is None else value)
-    form = _form(name, tuple(descale.shape), _dtype_name(descale), batch, heads_kv)
+    form = _form(name, tuple(descale.shape), dtype_name(descale), batch, heads_kv)
     grid = {"tensor": (1, 1), "head": (1, heads_kv), "batch_head": (batch, heads_kv)}[form]
     values = np.broadcast_to(to_numpy64(descale).reshape(grid), (batch, heads_kv)).copy()
     bad = values[~(np.isfinite(values) & (values > 0))]

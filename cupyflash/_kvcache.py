@@ -422,10 +422,6 @@ def _plan_kvcache(
     return _plan.plan_kvcache(p, dtypes, _plan.device_info(device), num_splits=check_num_splits(num_splits), fp8=fp8)
 
 
-def _dtype_name(x: Any) -> str:
-    return str(getattr(x.dtype, "name", x.dtype)).removeprefix("torch.")
-
-
 def _refuse_fp8_queries(named: dict[str, str | None]) -> None:
     for name, dtype in named.items():
         if dtype is not None and dtype.startswith("float8"):
@@ -454,8 +450,8 @@ def _host_fp8(
 ) -> tuple[str, Any, Any] | None:
     """(format, k_scale, v_scale) of float8 host caches, or None for caches of q's type."""
     names = {"q": q, "k_new": k_new, "v_new": v_new}
-    _refuse_fp8_queries({n: None if x is None else _dtype_name(x) for n, x in names.items()})
-    k_dtype, v_dtype = _dtype_name(k_cache), _dtype_name(v_cache)
+    _refuse_fp8_queries({n: None if x is None else _fp8.dtype_name(x) for n, x in names.items()})
+    k_dtype, v_dtype = _fp8.dtype_name(k_cache), _fp8.dtype_name(v_cache)
     fmt = _fp8.cache_format(k_dtype, v_dtype, kv_dtype)
     if fmt is None:
         _fp8.refuse_scales_without_fp8(k_scale, v_scale, k_dtype)

@@ -495,6 +495,15 @@ def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, pac
     return _dispatch.fa2_fwd_spec(dtype, p.head_dim, flags, device.max_smem_per_block)
 
 
+def fa3_grid(spec: Fa3FwdSpec, tiles: int, device: DeviceInfo) -> tuple[int, int, int]:
+    """The Hopper forward's grid over ``tiles`` query tiles: uniform tiles (or tiles drawn from
+    the dynamic schedule's counter) are walked by one persistent CTA per SM, uneven ones get a
+    CTA each."""
+    if tiles >= 2**31:
+        raise ValueError(f"{tiles} query tiles exceed the kernel's 32-bit tile counter")
+    return (min(tiles, device.num_sms) if spec.persistent else tiles, 1, 1)
+
+
 def plan_forward(
     p: Problem,
     dtype: str,
@@ -546,11 +555,7 @@ def plan_forward(
         else:
             assert spec.varlen == packed, f"{spec.name} on {'packed' if packed else 'padded'} inputs"
             m_blocks = -(-p.seqlen_q // spec.block_m)
-            tiles = m_blocks * p.batch * p.heads_q
-            if tiles >= 2**31:
-                raise ValueError(f"{tiles} query tiles exceed the kernel's 32-bit tile counter")
-            # Uniform tiles: one persistent CTA per SM walks them; uneven ones: a CTA per tile.
-            grid = (min(tiles, device.num_sms) if spec.persistent else tiles, 1, 1)
+            grid = fa3_grid(spec, m_blocks * p.batch * p.heads_q, device)
             batches = 1 if packed else p.batch
             q_dims, kv_dims = (p.head_dim, rows[0], p.heads_q, batches), (p.head_dim, rows[1], p.heads_kv, batches)
             maps = (("q", q_dims, spec.block_m), ("k", kv_dims, spec.block_n), ("v", kv_dims, spec.block_n))
@@ -652,10 +657,7 @@ def plan_fp8_forward(
             batch_stride, head_stride = DESCALE_STRIDES.get(form, (p.heads_kv, 1))
             fixed.update({f"{name}_batch_stride": batch_stride, f"{name}_head_stride": head_stride})
     params = PARAMS_STRUCTS["Fa3Params"].template(**fixed)
-    tiles = m_blocks * p.batch * p.heads_q
-    if tiles >= 2**31:
-        raise ValueError(f"{tiles} query tiles exceed the kernel's 32-bit tile counter")
-    grid = (min(tiles, device.num_sms) if spec.persistent else tiles, 1, 1)
+    grid = fa3_grid(spec, m_blocks * p.batch * p.heads_q, device)
     q_dims = (d, p.seqlen_q, p.heads_q, p.batch)
     k_dims = (d, p.seqlen_k, p.heads_kv, p.batch)
     vt_dims = (keys, d, p.heads_kv, p.batch)  # keys innermost; a box is 128 keys x all of d

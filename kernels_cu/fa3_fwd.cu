@@ -327,8 +327,14 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     float tile_scale_log2 = scale_log2, v_descale = 1.f;
     if constexpr (Traits::Fp8) {
       const int head_k = tile.head / params.h_h_k_ratio;
-      tile_scale_log2 *= p.q_descale.at(tile.batch, head_k) * p.k_descale.at(tile.batch, head_k);
+      const float qk_descale =
+          p.q_descale.at(tile.batch, head_k) * p.k_descale.at(tile.batch, head_k);
       v_descale = p.v_descale.at(tile.batch, head_k);
+      // A device descale is not read on the host: one that is not positive and finite (0 would
+      // give a uniform softmax, a plausible answer) makes the tile's rows NaN instead.
+      const bool usable = qk_descale > 0.f && qk_descale <= 3.4028235e38f && v_descale > 0.f &&
+                          v_descale <= 3.4028235e38f;
+      tile_scale_log2 = usable ? tile_scale_log2 * qk_descale : quiet_nan();
     }
 
     // S = Q K^T for the K tile in `k_slot`: k-step ks reads 32 bytes of d (16 columns, or 32 of

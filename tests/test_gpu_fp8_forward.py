@@ -237,3 +237,21 @@ def test_fp8_forward_empty_shapes(rng, causal):
         q, k, v = _inputs(torch, gen, b, nq, 7, 2, 2)
         out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
         assert tuple(out.shape) == tuple(q.shape) and tuple(lse.shape) == (b, 2, nq)
+
+
+def test_fp8_forward_unusable_device_descale_gives_nan_rows(rng):
+    """A device descale is not read on the host: 0, a negative or a NaN value makes its (batch,
+    KV head)'s rows NaN (0 would be a uniform softmax, a plausible answer), the others untouched."""
+    torch = _hopper_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, hq, hkv = 2, 4, 2
+    q, k, v = _inputs(torch, gen, b, 150, 150, hq, hkv)
+    want = cupyflash.attention(q, k, v).float()
+    for bad in (0.0, -1.0, float("nan")):
+        for name in ("k_descale", "v_descale"):
+            descale = torch.ones(b, hkv, device="cuda")
+            descale[1, 0] = bad
+            out, lse = cupyflash.attention(q, k, v, return_lse=True, **{name: descale})
+            out = out.float()
+            assert torch.isnan(out[1, :, :2]).all() and torch.isnan(lse[1, :2]).all()  # KV head 0's query heads
+            assert torch.equal(out[0], want[0]) and torch.equal(out[1, :, 2:], want[1, :, 2:])
