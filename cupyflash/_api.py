@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, overload
 
-from . import _baselines_gpu, _fp8_forward, _host, _interop, _launch, _plan
+from . import _baselines_gpu, _device, _fp8_forward, _host, _interop, _launch, _plan
 from ._validate import (
     attention_problem,
     check_algorithm,
@@ -296,7 +296,7 @@ def _masked_attention(
     def plan() -> _plan.Launch:
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
         _check_mask_dtype(lib, problem, mask, dtype)
-        return _plan.plan_attention(problem, dtype, _plan.device_info(device), algorithm, tuple(q.shape))
+        return _plan.plan_attention(problem, dtype, _device.device_info(device), algorithm, tuple(q.shape))
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "attn_mask": mask}
@@ -404,8 +404,8 @@ def _plan_attention(
     if algorithm in ("fa1", "naive"):
         if dropout_p or alibi_slopes is not None:
             raise ValueError(f"the GPU baseline algorithm={algorithm!r} has no dropout or ALiBi: use 'auto' or 'fa2'")
-        return _baselines_gpu.plan_baseline(problem, dtype, _plan.device_info(device), algorithm)
-    return _plan.plan_attention(problem, dtype, _plan.device_info(device), algorithm, tuple(q.shape))
+        return _baselines_gpu.plan_baseline(problem, dtype, _device.device_info(device), algorithm)
+    return _plan.plan_attention(problem, dtype, _device.device_info(device), algorithm, tuple(q.shape))
 
 
 def attention_varlen(
@@ -541,7 +541,7 @@ def attention_varlen(
         _check_slopes_dtype(lib, alibi_slopes)
         rows = (q.shape[0], k.shape[0])
         return _plan.plan_forward(
-            problem, dtype, _plan.device_info(device), algorithm, q_shape=tuple(q.shape), packed_rows=rows
+            problem, dtype, _device.device_info(device), algorithm, q_shape=tuple(q.shape), packed_rows=rows
         )
 
     launch = _plans.get(key, plan)
@@ -588,7 +588,7 @@ def _paged_varlen(
         dtypes = {n: None if x is None else lib.dtype_name(x) for n, x in zip(_PAGED_NAMES, named)}
         _check_slopes_dtype(lib, alibi_slopes)
         return _plan.plan_paged_varlen(
-            problem, dtypes, _plan.device_info(device), tuple(q.shape), tuple(block_table.shape), k.shape[0]
+            problem, dtypes, _device.device_info(device), tuple(q.shape), tuple(block_table.shape), k.shape[0]
         )
 
     launch = _plans.get(key, plan)
@@ -698,7 +698,7 @@ def gpu_attention_backward(
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
         _check_mask_dtype(lib, problem, attn_mask, dtype)
         return _plan.plan_backward(
-            problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
+            problem, dtype, _device.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
             deterministic=deterministic,
         )  # fmt: skip
 
@@ -769,7 +769,7 @@ def attention_varlen_backward(
                            "seqused_k": None if seqused_k is None else lib.dtype_name(seqused_k)})  # fmt: skip
         _check_slopes_dtype(lib, alibi_slopes)
         return _plan.plan_backward(
-            problem, dtype, _plan.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
+            problem, dtype, _device.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
             packed_rows=(q.shape[0], k.shape[0]), deterministic=deterministic,
         )  # fmt: skip
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _interop
+from . import _device, _interop
 from ._dispatch import fa1_tiles
 from ._interop import ArrayLib
 from ._params import PARAMS_STRUCTS
@@ -33,7 +33,6 @@ from ._plan import (
     MAX_SOFTCAP_PRESCALE,
     STRIDE_NAMES,
     ZERO_SCALE_SURROGATE,
-    DeviceInfo,
     KernelStep,
     Launch,
     Output,
@@ -58,7 +57,7 @@ CUDA_ELEMENT_BYTES = 2  # float16 and bfloat16
 def plan_baseline(
     p: Problem,
     dtype: str,
-    device: DeviceInfo,
+    device: _device.DeviceInfo,
     algorithm: str,
     *,
     block_r: int | None = None,
@@ -269,5 +268,5 @@ def fa1_attention(
         layout=layout,
     )  # fmt: skip
     dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
-    launch = plan_baseline(p, dtype, _plan.device_info(device), "fa1", block_r=block_r, block_c=block_c)
+    launch = plan_baseline(p, dtype, _device.device_info(device), "fa1", block_r=block_r, block_c=block_c)
     return _launch.run(launch, lib, device, {"q": q, "k": k, "v": v}, True)

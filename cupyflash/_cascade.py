@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from . import _interop, _plan
+from . import _device, _interop, _plan
 from ._kvcache import attention_with_kvcache, merge_states
 from ._validate import check_options
 
@@ -315,7 +315,7 @@ def _gpu_prefix(
             q, k, v, cu_q, cu_k, max_q, max_k, check_options(False, scale, (-1, -1), softcap), block_table=table
         )
         return _plan.plan_paged_varlen(
-            problem, dict(zip(named, dtypes)), _plan.device_info(device), tuple(q.shape), tuple(table.shape),
+            problem, dict(zip(named, dtypes)), _device.device_info(device), tuple(q.shape), tuple(table.shape),
             k.shape[0],
         )  # fmt: skip
 
@@ -380,6 +380,6 @@ def _prefix_splits(gpu: Any, prefix_keys: int, heads: int, rows: int) -> int:
         return 1
     device = gpu[1]
     ctas = heads * max(-(-rows // 128), 1)
-    want = max(1, (2 * _plan.device_info(device).num_sms) // ctas)
+    want = max(1, (2 * _device.device_info(device).num_sms) // ctas)
     most = max(1, prefix_keys // _MIN_SPLIT_KEYS)
     return int(min(want, most, _MAX_SPLITS))

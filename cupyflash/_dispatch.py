@@ -43,7 +43,7 @@ from ._specs import (
 )
 
 if TYPE_CHECKING:
-    from ._plan import DeviceInfo
+    from ._device import DeviceInfo
 
 # head_dim -> candidates, best first. TFLOP/s measured on the H200 (bf16, B * N = 16384,
 # H * d = 2048; N = 1024 / 4096 / 16384, non-causal then causal; scripts/tune.py fa2,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _host, _interop, _launch, _plan
+from . import _device, _host, _interop, _launch, _plan
 from ._fp8 import dtype_name, host_scale, scale_form
 from ._specs import FP8_FWD_HEAD_DIMS, HOPPER_ARCH
 from ._validate import check_options
@@ -93,7 +93,7 @@ def attention_fp8(
     }
 
     def plan() -> tuple[_plan.Launch, _plan.Launch]:
-        info = _plan.device_info(device)
+        info = _device.device_info(device)
         if info.arch != HOPPER_ARCH:
             raise ValueError(f"the FP8 forward runs on the Hopper kernel (sm_90a), not on {info.arch}")
         if problem.head_dim not in FP8_FWD_HEAD_DIMS:

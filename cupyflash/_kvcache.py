@@ -14,7 +14,7 @@ import dataclasses
 import operator
 from typing import Any, Literal, overload
 
-from . import _fp8, _host, _interop, _launch, _plan
+from . import _device, _fp8, _host, _interop, _launch, _plan
 from ._validate import (
     check_alibi,
     check_num_splits,
@@ -419,7 +419,7 @@ def _plan_kvcache(
     if slopes is not None and lib.dtype_name(slopes) != "float32":
         raise TypeError(f"alibi_slopes must be float32, got {lib.dtype_name(slopes)}")
     fp8 = _gpu_fp8(lib, dtypes, p.attn.heads_kv, *fp8_args)
-    return _plan.plan_kvcache(p, dtypes, _plan.device_info(device), num_splits=check_num_splits(num_splits), fp8=fp8)
+    return _plan.plan_kvcache(p, dtypes, _device.device_info(device), num_splits=check_num_splits(num_splits), fp8=fp8)
 
 
 def _refuse_fp8_queries(named: dict[str, str | None]) -> None:

@@ -11,14 +11,14 @@ compiled where a Launch first meets it (``_kernels.get_kernel``).
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
-from . import _dispatch, _interop
+from . import _dispatch
+from ._device import DeviceInfo
 from ._fp8 import Fp8Cache
 from ._params import PARAMS_STRUCTS, ParamsTemplate
 from ._specs import (
@@ -39,39 +39,6 @@ from ._specs import (
 )
 from ._validate import ALIBI_BATCH_HEAD, ALIBI_NONE, KvCacheProblem, Problem
 from .xp_impl import Dropout
-
-
-# ---------------------------------------------------------------------------------------------
-# The device, read once.
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class DeviceInfo:
-    index: int
-    arch: str  # NVRTC target: "sm_90a" on Hopper, else "sm_XY"
-    num_sms: int
-    max_smem_per_block: int  # opt-in dynamic shared memory of one CTA
-    smem_per_sm: int
-    regs_per_sm: int
-    max_threads_per_sm: int
-    max_blocks_per_sm: int
-
-
-@functools.cache
-def device_info(index: int) -> DeviceInfo:
-    from ._kernels import device_arch
-
-    attr = functools.partial(_interop.device_attribute, index)
-    return DeviceInfo(
-        index=index,
-        arch=device_arch(index),
-        num_sms=attr("MultiProcessorCount"),
-        max_smem_per_block=attr("MaxSharedMemoryPerBlockOptin"),
-        smem_per_sm=attr("MaxSharedMemoryPerMultiprocessor"),
-        regs_per_sm=attr("MaxRegistersPerMultiprocessor"),
-        max_threads_per_sm=attr("MaxThreadsPerMultiProcessor"),
-        max_blocks_per_sm=attr("MaxBlocksPerMultiprocessor"),
-    )
-
 
 # ---------------------------------------------------------------------------------------------
 # What a Launch is made of.

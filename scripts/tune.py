@@ -285,7 +285,7 @@ def _decode_plan() -> dict[str, int]:
     return {
         "splits": int(launch.params.value("num_splits")),
         "regs": kernel.num_regs,
-        "ctas_per_sm": _dispatch.ctas_per_sm(step.spec, _plan.device_info(0)),
+        "ctas_per_sm": _dispatch.ctas_per_sm(step.spec, _device.device_info(0)),
     }
 
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import kv_reference, paginate
 
 import cupyflash
-from cupyflash import _fp8, _plan
+from cupyflash import _device, _fp8, _plan
 from cupyflash._validate import kvcache_problem
 
 FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -175,7 +175,7 @@ def test_scales_refused_on_a_16_bit_cache():
         )  # fmt: skip
 
 
-H200 = _plan.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
 
 
 def _gpu_plan(nq=1, d=128, alibi=False, k_form="host", v_form="head"):

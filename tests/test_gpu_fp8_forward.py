@@ -11,7 +11,7 @@ import pytest
 from helpers import is_hopper, need_torch
 
 import cupyflash
-from cupyflash import reference
+from cupyflash import _device, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -159,7 +159,7 @@ def test_fp8_vt_is_v_transposed_with_permuted_keys(rng):
     v[v == 0x7F] = 1  # no NaN bytes: the poison is 0x7F
     p = attention_problem((b, 5, hkv, d), (b, nk, hkv, d), (b, nk, hkv, d), causal=False, scale=None,
                           window=(-1, -1), softcap=0.0, layout="bshd", dropout_p=0.0)  # fmt: skip
-    transpose, _ = _plan.plan_fp8_forward(p, "bfloat16", _plan.device_info(0), (b, 5, hkv, d), {})
+    transpose, _ = _plan.plan_fp8_forward(p, "bfloat16", _device.device_info(0), (b, 5, hkv, d), {})
     (vt,) = _launch.run_outputs(transpose, _interop.TORCH_LIB, 0, {"v": v})
     keys = vt.shape[-1]
     assert keys == 384 and tuple(vt.shape) == (b, d, hkv, keys)

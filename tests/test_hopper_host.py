@@ -7,16 +7,16 @@ import ctypes
 
 import pytest
 
-from cupyflash import _dispatch, _plan, _tma
+from cupyflash import _device, _dispatch, _plan, _tma
 from cupyflash._specs import FA3_HEAD_DIMS, Fa2FwdSpec, Fa3FwdSpec
 from cupyflash._validate import attention_problem
 
 H100_SMEM = 227 * 1024
 
 
-def fake_device(arch: str) -> _plan.DeviceInfo:
+def fake_device(arch: str) -> _device.DeviceInfo:
     """A device of a chosen arch with the H100/H200's shared memory per block."""
-    return _plan.DeviceInfo(0, arch, 132, H100_SMEM, 233472, 65536, 2048, 32)
+    return _device.DeviceInfo(0, arch, 132, H100_SMEM, 233472, 65536, 2048, 32)
 
 
 def _problem(head_dim: int, causal: bool = False):

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupyflash import _interop, _kernels, _launch, _plan, _workspace
+from cupyflash import _device, _interop, _kernels, _launch, _plan, _workspace
 from cupyflash._validate import attention_problem, kvcache_problem, varlen_problem
 
-H200 = _plan.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
 
 
 class _NumpyLib(_interop.ArrayLib):

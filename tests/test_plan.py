@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cupyflash import _dispatch, _kernels, _plan
+from cupyflash import _device, _dispatch, _interop, _kernels, _plan
 from cupyflash._specs import DecodeSpec
 from cupyflash._validate import attention_problem, kvcache_problem, varlen_problem
 
-H200 = _plan.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
-A100 = _plan.DeviceInfo(0, "sm_80", 108, 166912, 167936, 65536, 2048, 32)
+H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+A100 = _device.DeviceInfo(0, "sm_80", 108, 166912, 167936, 65536, 2048, 32)
 
 
 def _decode_specs() -> list[DecodeSpec]:
@@ -81,7 +81,7 @@ def test_plans_do_not_touch_the_device(monkeypatch):
         raise AssertionError("the plan touched the device")
 
     monkeypatch.setattr(_kernels, "get_kernel", forbidden)
-    monkeypatch.setattr(_plan._interop, "device_attribute", forbidden)
+    monkeypatch.setattr(_interop, "device_attribute", forbidden)
     for algorithm in ("auto", "fa2", "fa3", "decode"):
         shapes = ((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128))
         _plan.plan_attention(_dense(shapes=shapes), "bfloat16", H200, algorithm, (1, 1, 8, 128))
