@@ -1,15 +1,18 @@
 """cupyflash: exact attention (FlashAttention-1/2, FlashDecoding) as CUDA C compiled at run time
 through CuPy, behind one function that takes CuPy, PyTorch, JAX or any array-API array."""
 
-from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward
+from ._api import (
+    attention,
+    attention_backward,
+    attention_varlen,
+    attention_varlen_backward,
+    attention_with_kvcache,
+)
 from ._cascade import attention_with_shared_prefix
 from ._fp8 import quantize_fp8, quantize_qk_fp8
 from ._kernels import KernelCompileError
-from ._kvcache import DeviceValueError, attention_with_kvcache, check_device_errors, merge_states
+from ._kvcache import DeviceValueError, check_device_errors, merge_states
 from ._version import __version__
-
-if "torch" in __import__("sys").modules:  # the custom ops, registered before any call is traced
-    from . import _torch_ops  # noqa: F401
 
 __all__ = [
     "DeviceValueError",

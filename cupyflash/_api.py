@@ -1,31 +1,28 @@
 """The public attention functions: ``attention``, ``attention_varlen`` and their backward twins.
 
-Each is validate -> plan -> run: options are checked first (the same way on every call), the
-arrays' library and device found by ``_interop``, a ``Launch`` looked up by the call's signature
-or planned (``_plan``, pure), and ``_launch.run`` queues it on the caller's stream. Host arrays
-run the array-API algorithms (``_host``).
+Each states its signature and semantics, checks its options into a typed call
+(``_attention.Forward`` ...) and hands it to one route: the forward calls to the front door
+(``_front.route``: torch.compile, JAX tracing, autograd, host or GPU), the backward calls to
+their executor (``_attention``), which runs them where their arrays live.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal, overload
 
-from . import _baselines_gpu, _device, _fp8_forward, _host, _interop, _launch, _plan
-from ._validate import (
-    attention_problem,
-    check_algorithm,
-    check_alibi,
-    check_attn_mask,
-    check_dropout,
-    check_flag,
-    check_options,
-    varlen_problem,
-)
-from .xp_impl import Dropout
+from . import _attention, _fp8, _fp8_forward, _front, _interop, _kvcache
+from ._validate import Options, check_algorithm, check_flag, check_num_splits, check_options, check_scale_option
 
-# The forward plans, by call signature (library, device, shapes, dtypes, options).
-_plans = _plan.new_cache()
+# The forward entry points, as the front door routes them.
+_ATTENTION = _front.Operation(
+    "attention", _attention.host_forward, _attention.gpu_forward, torch="attention", jax="attention"
+)
+_VARLEN = _front.Operation(
+    "attention_varlen", _attention.host_varlen_forward, _attention.gpu_varlen_forward, torch="attention_varlen"
+)
+_PAGED_VARLEN = _front.Operation(
+    "attention_varlen with a block_table", _attention.host_varlen_forward, _attention.gpu_varlen_forward
+)
 
 
 @overload
@@ -216,196 +213,16 @@ def attention(
         )  # fmt: skip
     if out_dtype is not None:
         raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
-    if attn_mask is not None:
-        return _masked_attention(
-            q, k, v, attn_mask, check_options(causal, scale, window, softcap), layout, algorithm, return_lse,
-            check_flag("deterministic", deterministic), dropout_p, seed, alibi_slopes,
-        )  # fmt: skip
-    if _interop.compiling():  # Dynamo traces the custom op, not this function's body
-        return _interop.torch_ops.attention(
-            q, k, v, causal, scale, window, softcap, layout, algorithm, return_lse, deterministic, dropout_p, seed,
-            alibi_slopes,
-        )  # fmt: skip
-    options = check_options(causal, scale, window, softcap)
+    algorithm = check_algorithm("attention", algorithm)
+    if attn_mask is not None and algorithm not in ("auto", "fa2"):
+        raise ValueError(f"attn_mask runs on the FA2 kernel: algorithm must be 'auto' or 'fa2', got {algorithm!r}")
     if deterministic is not False and deterministic is not True:
         deterministic = check_flag("deterministic", deterministic)
-    check_algorithm("attention", algorithm)
-    found = None if alibi_slopes is not None else _interop.lean_arrays(q, k, v)
-    if found is None and _interop.traced((q, k, v, alibi_slopes, seed)):  # under a JAX transformation
-        return _interop.jax_ops().attention(
-            q, k, v, options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes
-        )
-    if dropout_p or seed is not None or type(dropout_p) is not float:  # the default skips the checks
-        dropout_p, seed = check_dropout(dropout_p, seed)
-    if alibi_slopes is not None:
-        _interop.refuse_slope_grad(alibi_slopes)
-    if found is None:
-        arrays = _interop.gpu_arrays(("q", "k", "v", "alibi_slopes"), (q, k, v, alibi_slopes))
-        if arrays is None:
-            if _interop.needs_autograd((q, k, v)):
-                return _interop.torch_ops.attention(
-                    q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes
-                )
-            problem = _problem(q, k, v, options, layout, dropout_p, alibi_slopes)
-            dropout = _host_dropout(q, dropout_p, seed)
-            out, lse = _host.attention(q, k, v, problem, algorithm, dropout, alibi_slopes)
-            return (out, lse) if return_lse else out
-        lib, device, (q, k, v, alibi_slopes) = arrays
-    else:
-        lib, device = found
-    if lib.check_inputs((q, k, v)):  # tensors that require grad: the custom op has the backward
-        return _interop.torch_ops.attention(
-            q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes
-        )
-    out, lse = gpu_attention(
-        lib, device, q, k, v, options, layout, algorithm, dropout_p, seed, alibi_slopes, return_lse
-    )
-    return (out, lse) if return_lse else out
-
-
-_MASKED_NAMES = ("q", "k", "v", "attn_mask")
-
-
-def _masked_attention(
-    q: Any, k: Any, v: Any, attn_mask: Any, options: tuple[Any, ...], layout: str, algorithm: str, return_lse: bool,
-    deterministic: bool, dropout_p: float, seed: int | None, alibi_slopes: Any,
-) -> Any:  # fmt: skip
-    """attention with an attn_mask: the FA2 kernel with the mask as a score variant on the GPU."""
-    if _interop.compiling():  # Dynamo traces the custom op, which takes the mask
-        return _interop.torch_ops.attention(
-            q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes, attn_mask
-        )
-    if _interop.traced((q, k, v, attn_mask)):
-        raise NotImplementedError("attention with attn_mask does not run under a JAX transformation yet")
-    check_algorithm("attention", algorithm)
-    if algorithm not in ("auto", "fa2"):
-        raise ValueError(f"attn_mask runs on the FA2 kernel: algorithm must be 'auto' or 'fa2', got {algorithm!r}")
-    dropout_p, seed = check_dropout(dropout_p, seed)
-    problem, mask = _with_mask(_problem(q, k, v, options, layout, dropout_p, alibi_slopes), attn_mask)
-    arrays = _interop.gpu_arrays(_MASKED_NAMES, (q, k, v, mask))
-    if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
-        return _interop.torch_ops.attention(
-            q, k, v, *options, layout, algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes, mask
-        )
-    if arrays is None:
-        out, lse = _host.attention(q, k, v, problem, algorithm, _host_dropout(q, dropout_p, seed), attn_mask=mask)
-        return (out, lse) if return_lse else out
-    lib, device, (q, k, v, mask) = arrays
-    key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, mask.dtype, problem, layout, algorithm)
-
-    def plan() -> _plan.Launch:
-        dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
-        _check_mask_dtype(lib, problem, mask, dtype)
-        return _plan.plan_attention(problem, dtype, _device.device_info(device), algorithm, tuple(q.shape))
-
-    launch = _plans.get(key, plan)
-    arrays_by_name = {"q": q, "k": k, "v": v, "attn_mask": mask}
-    if dropout_p:
-        arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
-    out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
-    return (out, lse) if return_lse else out
-
-
-def _with_mask(problem: Any, attn_mask: Any) -> tuple[Any, Any]:
-    """The problem with its (checked) attn_mask's kind and 4-D shape, and the mask as 4-D."""
-    if attn_mask is None:
-        return problem, None
-    if not hasattr(attn_mask, "shape") or not hasattr(attn_mask, "dtype"):
-        raise TypeError(f"attn_mask must be an array, got {type(attn_mask).__name__}")
-    kind, shape = check_attn_mask(tuple(attn_mask.shape), "bool" in str(attn_mask.dtype), problem)
-    mask = attn_mask if attn_mask.ndim == 4 else attn_mask.reshape(shape)
-    return dataclasses.replace(problem, mask=kind, mask_shape=shape), mask
-
-
-def _check_mask_dtype(lib: _interop.ArrayLib, problem: Any, mask: Any, dtype: str) -> None:
-    if problem.mask == "additive" and lib.dtype_name(mask) != dtype:
-        raise TypeError(
-            f"an additive attn_mask must have q's dtype {dtype} on the GPU (as SDPA's), got {lib.dtype_name(mask)}"
-        )
-
-
-def gpu_attention(
-    lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str,
-    algorithm: str, dropout_p: float, seed: int | None, alibi_slopes: Any, want_lse: bool,
-    given: Any = _launch.EMPTY,
-) -> tuple[Any, Any]:  # fmt: skip
-    """The kernels' forward on arrays the pipeline reads (checked options): (out, lse), lse None
-    unless wanted. ``given``: output buffers to write, by name (``_launch.run``)."""
-    alibi_key = None if alibi_slopes is None else (tuple(alibi_slopes.shape), alibi_slopes.dtype)
-    key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, options, layout, algorithm,
-           dropout_p, alibi_key)  # fmt: skip
-    launch = _plans.lookup(key)
-    if launch is None:
-        launch = _plans.get(
-            key, lambda: _plan_attention(lib, device, q, k, v, options, layout, algorithm, dropout_p, alibi_slopes)
-        )
-    arrays_by_name = {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes}
-    if dropout_p:
-        arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
-    return _launch.run(launch, lib, device, arrays_by_name, want_lse, given)
-
-
-def _gpu_seed(lib: _interop.ArrayLib, device: int, x: Any, seed: int | None) -> int:
-    """The seed of a GPU call with dropout: the caller's, or a fresh one (never under capture)."""
-    if seed is not None:
-        return seed
-    if _interop.stream_is_capturing(lib.stream(device)):
-        raise _interop.dropout_capture_error()
-    return _interop.draw_seed(x)
-
-
-def _host_dropout(x: Any, dropout_p: float, seed: int | None) -> Dropout | None:
-    if not dropout_p:
-        return None
-    return Dropout(dropout_p, _interop.draw_seed(x) if seed is None else seed)
-
-
-def _problem(
-    q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str, dropout_p: float = 0.0, alibi_slopes: Any = None
-) -> Any:
-    causal, scale, window, softcap = options
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "shape"):
-            raise TypeError(f"{name} must be an array (CuPy, PyTorch, JAX, NumPy ...), got {type(x).__name__}")
-    problem = attention_problem(
-        tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=causal, scale=scale, window=window, softcap=softcap,
-        layout=layout, dropout_p=dropout_p,
+    call = _attention.Forward(
+        q, k, v, check_options(causal, scale, window, softcap), layout, algorithm, deterministic, dropout_p, seed,
+        alibi_slopes, attn_mask,
     )  # fmt: skip
-    return _with_alibi(problem, alibi_slopes)
-
-
-def _with_alibi(problem: Any, alibi_slopes: Any) -> Any:
-    """The problem with the kind of its (checked) ALiBi slopes, against its batch and heads."""
-    if alibi_slopes is None:
-        return problem
-    return dataclasses.replace(problem, alibi=check_alibi(alibi_slopes, problem.batch, problem.heads_q))
-
-
-def _varlen_problem(
-    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: tuple[Any, ...],
-    dropout_p: float = 0.0, alibi_slopes: Any = None, seqused_k: Any = None, block_table: Any = None,
-) -> Any:  # fmt: skip
-    problem = varlen_problem(
-        tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(cu_q.shape), tuple(cu_k.shape), max_q, max_k,
-        causal=options[0], scale=options[1], window=options[2], softcap=options[3], dropout_p=dropout_p,
-        seqused_k_shape=None if seqused_k is None else tuple(seqused_k.shape),
-        block_table_shape=None if block_table is None else tuple(block_table.shape),
-    )  # fmt: skip
-    return _with_alibi(problem, alibi_slopes)
-
-
-def _plan_attention(
-    lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str, algorithm: str,
-    dropout_p: float, alibi_slopes: Any,
-) -> _plan.Launch:  # fmt: skip
-    problem = _problem(q, k, v, options, layout, dropout_p, alibi_slopes)
-    dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
-    _check_slopes_dtype(lib, alibi_slopes)
-    if algorithm in ("fa1", "naive"):
-        if dropout_p or alibi_slopes is not None:
-            raise ValueError(f"the GPU baseline algorithm={algorithm!r} has no dropout or ALiBi: use 'auto' or 'fa2'")
-        return _baselines_gpu.plan_baseline(problem, dtype, _device.device_info(device), algorithm)
-    return _plan.plan_attention(problem, dtype, _device.device_info(device), algorithm, tuple(q.shape))
+    return _front.results(*_front.route(_ATTENTION, call, return_lse), return_lse)
 
 
 def attention_varlen(
@@ -497,103 +314,16 @@ def attention_varlen(
     >>> cupyflash.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).shape
     (7, 2, 16)
     """
+    call = _attention.VarlenForward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_options(causal, scale, window, softcap),
+        check_algorithm("attention_varlen", algorithm), check_flag("deterministic", deterministic), dropout_p, seed,
+        alibi_slopes, seqused_k, block_table,
+    )  # fmt: skip
     if block_table is not None:
-        options = check_options(causal, scale, window, softcap)
-        return _paged_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, return_lse, algorithm,
-            dropout_p, alibi_slopes, seqused_k, block_table,
-        )  # fmt: skip
-    if _interop.compiling():
-        return _interop.torch_ops.attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
-            algorithm, return_lse, deterministic, dropout_p, seed, alibi_slopes, seqused_k,
-        )  # fmt: skip
-    options = check_options(causal, scale, window, softcap)
-    deterministic = check_flag("deterministic", deterministic)
-    dropout_p, seed = check_dropout(dropout_p, seed)
-    if alibi_slopes is not None:
-        _interop.refuse_slope_grad(alibi_slopes)
-    check_algorithm("attention_varlen", algorithm)
-    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k")
-    arrays = _interop.gpu_arrays(names, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k))
-    if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
-        return _interop.torch_ops.attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options, algorithm, return_lse,
-            deterministic, dropout_p, seed, alibi_slopes, seqused_k,
-        )  # fmt: skip
-    problem = _varlen_problem(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p, alibi_slopes, seqused_k
-    )
-    if arrays is None:
-        dropout = _host_dropout(q, dropout_p, seed)
-        out, lse = _host.attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, problem, dropout, alibi_slopes, seqused_k
-        )
-        return (out, lse) if return_lse else out
-    lib, device, (q, k, v, cu_q, cu_k, alibi_slopes, seqused_k) = arrays
-    key = (lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, cu_q, cu_k, alibi_slopes, seqused_k),
-           algorithm)  # fmt: skip
-
-    def plan() -> _plan.Launch:
-        dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
-        _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k),
-                           "seqused_k": None if seqused_k is None else lib.dtype_name(seqused_k)})  # fmt: skip
-        _check_slopes_dtype(lib, alibi_slopes)
-        rows = (q.shape[0], k.shape[0])
-        return _plan.plan_forward(
-            problem, dtype, _device.device_info(device), algorithm, q_shape=tuple(q.shape), packed_rows=rows
-        )
-
-    launch = _plans.get(key, plan)
-    arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "alibi_slopes": alibi_slopes,
-                      "seqused_k": seqused_k}  # fmt: skip
-    if dropout_p:
-        arrays_by_name["dropout_seed"] = _gpu_seed(lib, device, q, seed)
-    out, lse = _launch.run(launch, lib, device, arrays_by_name, return_lse)
-    return (out, lse) if return_lse else out
-
-
-_PAGED_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k", "block_table")
-
-
-def _paged_varlen(
-    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: tuple[Any, ...], return_lse: bool,
-    algorithm: str, dropout_p: float, alibi_slopes: Any, seqused_k: Any, block_table: Any,
-) -> Any:  # fmt: skip
-    """attention_varlen over a paged cache: the FA2 kernel over the cache view on the GPU."""
-    if _interop.compiling():
-        raise NotImplementedError("attention_varlen with a block_table does not run under torch.compile yet")
-    check_algorithm("attention_varlen", algorithm)
-    if algorithm == "fa3":
-        raise ValueError("algorithm='fa3' (the Hopper kernel) does not read paged keys: use 'auto' or 'fa2'")
-    if alibi_slopes is not None:
-        _interop.refuse_slope_grad(alibi_slopes)
-    given = (q, k, v, cu_q, cu_k, alibi_slopes, seqused_k, block_table)
-    arrays = _interop.gpu_arrays(_PAGED_NAMES, given)
-    if arrays[0].check_inputs((q, k, v)) if arrays is not None else _interop.needs_autograd((q, k, v)):
-        _interop.refuse_autograd("attention_varlen with a block_table")
-    problem = _varlen_problem(
-        q, k, v, cu_q, cu_k, max_q, max_k, options, dropout_p, alibi_slopes, seqused_k, block_table
-    )
-    if arrays is None:
-        out, lse = _host.attention_varlen(
-            q, k, v, cu_q, cu_k, problem, None, alibi_slopes, seqused_k, block_table=block_table
-        )
-        return (out, lse) if return_lse else out
-    lib, device, named = arrays
-    q, k, v, cu_q, cu_k, alibi_slopes, seqused_k, block_table = named
-    key = (lib.name, device, problem, q.shape, k.shape, block_table.shape, _dtypes(*named), "paged")
-
-    def plan() -> _plan.Launch:
-        dtypes = {n: None if x is None else lib.dtype_name(x) for n, x in zip(_PAGED_NAMES, named)}
-        _check_slopes_dtype(lib, alibi_slopes)
-        return _plan.plan_paged_varlen(
-            problem, dtypes, _device.device_info(device), tuple(q.shape), tuple(block_table.shape), k.shape[0]
-        )
-
-    launch = _plans.get(key, plan)
-    out, lse = _launch.run(launch, lib, device, dict(zip(_PAGED_NAMES, named)), return_lse)
-    return (out, lse) if return_lse else out
+        if call.algorithm == "fa3":
+            raise ValueError("algorithm='fa3' (the Hopper kernel) does not read paged keys: use 'auto' or 'fa2'")
+        return _front.results(*_front.route(_PAGED_VARLEN, call, return_lse), return_lse)
+    return _front.results(*_front.route(_VARLEN, call, return_lse), return_lse)
 
 
 def attention_backward(
@@ -667,46 +397,11 @@ def attention_backward(
     """
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
-    dropout_p, seed = _backward_dropout(dropout_p, seed)
-    problem, mask = _with_mask(_problem(q, k, v, options, layout, dropout_p, alibi_slopes), attn_mask)
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask")
-    given = (dout, q, k, v, out, lse, dlse, alibi_slopes, mask)
-    lse_shape = (problem.batch, problem.heads_q, problem.seqlen_q)
-    _check_shapes(given, names, (q.shape, q.shape, lse_shape, lse_shape), ("dout", "out", "lse", "dlse"))
-    arrays = _interop.gpu_arrays(names, given)
-    if arrays is None:
-        dropout = Dropout(dropout_p, seed) if seed is not None else None
-        return _host.attention_backward(dout, q, k, v, out, lse, dlse, problem, dropout, alibi_slopes, mask)
-    lib, device, (dout, q, k, v, out, lse, dlse, alibi_slopes, mask) = arrays
-    return gpu_attention_backward(
-        lib, device, problem, dout, q, k, v, out, lse, dlse, deterministic, seed, alibi_slopes, attn_mask=mask
+    dropout_p, seed = _attention.backward_dropout(dropout_p, seed)
+    call = _attention.Backward(
+        dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, seed, alibi_slopes, attn_mask
     )
-
-
-def gpu_attention_backward(
-    lib: _interop.ArrayLib, device: int, problem: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-    dlse: Any, deterministic: bool, seed: int | None, alibi_slopes: Any, given: Any = _launch.EMPTY,
-    attn_mask: Any = None,
-) -> tuple[Any, Any, Any]:  # fmt: skip
-    """The kernels' backward on arrays the pipeline reads (a checked ``problem``): (dq, dk, dv).
-    ``given``: output buffers to write, by name (``_launch.run_outputs``)."""
-    dtypes = _dtypes(q, k, v, out, dout, lse, dlse, alibi_slopes, attn_mask)
-    key = ("bwd", lib.name, device, problem, q.shape, k.shape, dtypes, deterministic)
-
-    def plan() -> _plan.Launch:
-        _check_slopes_dtype(lib, alibi_slopes)
-        dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
-        _check_mask_dtype(lib, problem, attn_mask, dtype)
-        return _plan.plan_backward(
-            problem, dtype, _device.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
-            deterministic=deterministic,
-        )  # fmt: skip
-
-    launch = _plans.get(key, plan)
-    arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
-                      "dropout_seed": seed, "alibi_slopes": alibi_slopes, "attn_mask": attn_mask}  # fmt: skip
-    dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name, given)
-    return dq, dk, dv
+    return _attention.backward(call)
 
 
 def attention_varlen_backward(
@@ -745,79 +440,273 @@ def attention_varlen_backward(
     past ``seqused_k`` get zero gradients)."""
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
-    dropout_p, seed = _backward_dropout(dropout_p, seed)
-    problem = _varlen_problem(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dropout_p, alibi_slopes, seqused_k
-    )
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k")
-    given = (dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k)
-    lse_shape = (problem.heads_q, q.shape[0])
-    _check_shapes(given, names, (q.shape, q.shape, lse_shape, lse_shape), ("dout", "out", "lse", "dlse"))
-    arrays = _interop.gpu_arrays(names, given)
-    if arrays is None:
-        dropout = Dropout(dropout_p, seed) if seed is not None else None
-        return _host.attention_varlen_backward(
-            dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, problem, dropout, alibi_slopes, seqused_k
-        )
-    lib, device, (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k) = arrays
-    dtypes = _dtypes(q, k, v, out, dout, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k)
-    key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape, dtypes, deterministic)
+    dropout_p, seed = _attention.backward_dropout(dropout_p, seed)
+    call = _attention.VarlenBackward(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, deterministic,
+        dropout_p, seed, alibi_slopes, seqused_k,
+    )  # fmt: skip
+    return _attention.varlen_backward(call)
 
-    def plan() -> _plan.Launch:
-        dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
-        _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k),
-                           "seqused_k": None if seqused_k is None else lib.dtype_name(seqused_k)})  # fmt: skip
-        _check_slopes_dtype(lib, alibi_slopes)
-        return _plan.plan_backward(
-            problem, dtype, _device.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
-            packed_rows=(q.shape[0], k.shape[0]), deterministic=deterministic,
+
+@overload
+def attention_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    cache_seqlens: Any,
+    block_table: Any = ...,
+    k_new: Any = ...,
+    v_new: Any = ...,
+    cache_batch_idx: Any = ...,
+    cache_leftpad: Any = ...,
+    causal: bool = ...,
+    scale: float | None = ...,
+    window: tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Any = ...,
+    rotary_cos: Any = ...,
+    rotary_sin: Any = ...,
+    rotary_interleaved: bool = ...,
+    num_splits: int = ...,
+    return_lse: Literal[False] = ...,
+    k_scale: Any = ...,
+    v_scale: Any = ...,
+    kv_dtype: str | None = ...,
+) -> Any: ...
+@overload
+def attention_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    cache_seqlens: Any,
+    block_table: Any = ...,
+    k_new: Any = ...,
+    v_new: Any = ...,
+    cache_batch_idx: Any = ...,
+    cache_leftpad: Any = ...,
+    causal: bool = ...,
+    scale: float | None = ...,
+    window: tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Any = ...,
+    rotary_cos: Any = ...,
+    rotary_sin: Any = ...,
+    rotary_interleaved: bool = ...,
+    num_splits: int = ...,
+    return_lse: Literal[True],
+    k_scale: Any = ...,
+    v_scale: Any = ...,
+    kv_dtype: str | None = ...,
+) -> tuple[Any, Any]: ...
+def attention_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    cache_seqlens: Any,
+    block_table: Any = None,
+    k_new: Any = None,
+    v_new: Any = None,
+    cache_batch_idx: Any = None,
+    cache_leftpad: Any = None,
+    causal: bool = True,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    rotary_cos: Any = None,
+    rotary_sin: Any = None,
+    rotary_interleaved: bool = True,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    kv_dtype: str | None = None,
+) -> Any:
+    """Attention of a few new query tokens over a KV cache, as flash-attn's
+    ``flash_attn_with_kvcache`` (FlashDecoding: the keys are split over many CTAs and the
+    partial results merged exactly).
+
+    Parameters
+    ----------
+    q : array ``(B, Nq, Hq, d)``; on the GPU float16 or bfloat16, d from 1 to 256. Up to 16 query
+        tokens run on the split-KV decode kernel; more (chunked prefill against a cache) on the
+        FA2 kernel, which reads the cache in place as the decode kernel does
+    k_cache, v_cache : arrays, contiguous ``(B, L_max, Hkv, d)`` (``(entries, L_max, Hkv, d)``
+        with ``cache_batch_idx``), or paged
+        ``(num_pages, page_size, Hkv, d)`` with ``block_table``; ``page_size`` any power of two
+        (1, 2, ..., 16, ..., 256 ...). Same library, device and dtype as ``q``; ``Hq % Hkv == 0``.
+        Modified in place when ``k_new`` / ``v_new`` are given (JAX arrays are not: see Returns).
+    cache_seqlens : int or int32 array ``(B,)``
+        Tokens already in each sequence's cache.
+    block_table : int32 array ``(B, max_pages)``, optional
+        Page of each ``page_size`` keys of each sequence: key ``j`` of sequence ``b`` is slot
+        ``j % page_size`` of page ``block_table[b, j // page_size]``.
+    k_new, v_new : arrays ``(B, Nnew, Hkv, d)``, optional
+        Written into the cache at positions ``cache_seqlens[b] ..`` before attending; the
+        attention then covers ``Nk_b = cache_seqlens[b] + Nnew`` keys.
+    cache_batch_idx : int32 array ``(B,)``, optional (contiguous caches)
+        The cache entry of each sequence: sequence ``b`` reads and appends to
+        ``k_cache[cache_batch_idx[b]]`` (flash-attn's argument; the cache may then have any number
+        of entries). An entry named twice is read by both sequences; with ``k_new`` it is refused
+        (flash-attn leaves it undefined: the entry would end up with tokens of either sequence):
+        on host arrays before anything runs, on the GPU by the kernels, which append nothing for
+        both sequences, give them NaN rows and report it to :func:`check_device_errors`.
+    cache_leftpad : int32 array ``(B,)``, optional (contiguous caches)
+        The first key of each sequence's entry (a left-padded cache): sequence ``b`` attends to
+        keys ``cache_leftpad[b] .. cache_seqlens[b] + Nnew - 1``, and ``Nk_b`` counts from there;
+        the append still goes to ``cache_seqlens[b] ..``.
+    causal : bool
+        Bottom-right aligned within each sequence: query ``i`` sees key ``j`` iff
+        ``j <= i + Nk_b - Nq``. For Nq = 2 over Nk_b = 5 keys (1 = visible)::
+
+            1 1 1 1 0
+            1 1 1 1 1
+
+        With one query token it changes nothing.
+    scale : float, optional
+        Defaults to ``1 / sqrt(d)``.
+    window : (int, int)
+        Sliding window ``(left, right)`` as ``attention``'s, aligned as ``causal`` (a bound of -1
+        is none; with ``causal`` the right bound is 0): query ``i`` sees keys
+        ``i + Nk_b - Nq - left .. i + Nk_b - Nq + right``. The kernels skip the key blocks
+        before the window.
+    softcap : float
+        Scores pass through ``softcap * tanh(score / softcap)`` (Gemma 2's cap), as ``attention``'s.
+    alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
+        ALiBi, as ``attention``'s: the score of query ``i`` and key ``j`` gains
+        ``-slope * |i + Nk_b - Nq - j|``. On the GPU it runs on the FA2 kernel (after the softcap, if any).
+    rotary_cos, rotary_sin : arrays ``(seqlen_ro, rotary_dim / 2)``, optional, q's dtype
+        Rotary embedding applied before attending, as flash-attn's: ``k_new`` token ``t`` of
+        sequence ``b`` is rotated at position ``cache_seqlens[b] + t`` as it is appended, query
+        token ``i`` at ``cache_seqlens[b] + i`` when ``causal`` or a ``window`` is set, else all at
+        ``cache_seqlens[b]``; the first ``rotary_dim`` columns rotate, the rest pass. Needs
+        ``k_new``; a row for every position a key or query can take (the capacity, and
+        ``capacity - Nnew + Nq`` when causal queries outnumber the new tokens). On the GPU the append rotates
+        k_new and a small kernel rotates q into a temporary (one launch more).
+    rotary_interleaved : bool
+        flash-attn's: pairs columns ``(2i, 2i + 1)`` (True, its default) or ``(i, i + rotary_dim / 2)``
+        (False, GPT-NeoX's and Llama's).
+    num_splits : int
+        Splits of the KV sequence: 0 chooses from the GPU's SM count, the batch, the heads and
+        the cache length; 1 runs the same kernel without splitting (no combine step).
+    return_lse : bool
+        Also return the float32 natural-log LSE ``(B, Hq, Nq)``.
+    k_scale, v_scale : float or float32 array ``()``, ``(1,)`` or ``(Hkv,)``, optional
+        A float8 cache's scales (default 1.0): a cached value of KV head ``h`` reads as
+        ``fp8 * scale[h]``. A host number is checked (positive, finite in float32); a device array
+        is read as given, at run time (a captured graph sees its later values); a device k_scale
+        that is negative, NaN or infinite gives NaN rows (without softcap, where the kernel folds it
+        into the softmax's multiplier).
+    kv_dtype : "e4m3" or "e5m2", optional
+        The float8 format of ``uint8`` caches (CuPy has no float8 dtype: pass the bytes with this);
+        ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensors and ml_dtypes' float8 NumPy arrays
+        carry their own (``kv_dtype`` must then agree).
+
+    Float8 caches: q, ``k_new`` and ``v_new`` stay in q's dtype and the output is q's. ``k_new`` /
+    ``v_new`` are stored as ``saturate(round_to_nearest_even(float32(x) / scale))`` -- vLLM's and
+    FlashInfer's rule (CUDA's ``__nv_cvt_float_to_fp8`` with ``__NV_SATFINITE``): beyond 448
+    (e4m3) or 57344 (e5m2) a value saturates, infinities too; NaN stays NaN (torch's own cast
+    overflows e5m2 to inf: clamp before it to get the same bytes). The GPU kernel widens the bytes
+    exactly and applies the scales in float32 (the K scale in the softmax multiplier, the V scale
+    in the output); it takes 1 to 16 query tokens, no ALiBi, head_dim 64 or 128, and refuses the
+    rest by name. The host path dequantises (``float8 * scale`` in float32, float64 for float64 q)
+    and runs the same algorithm; it takes NumPy and PyTorch CPU caches. Not under
+    ``torch.compile`` with ``k_scale`` / ``v_scale`` / ``kv_dtype`` given.
+
+    Returns
+    -------
+    out : array like ``q``; lse : ``(B, Hq, Nq)`` when ``return_lse``, float32 (float64 for float64
+        host inputs)
+    (result, k_cache, v_cache) : with JAX arrays and ``k_new``: ``result`` is ``out`` (or
+        ``(out, lse)``) as above, and ``k_cache``, ``v_cache`` are new arrays, the caches with
+        ``k_new`` / ``v_new`` appended (JAX arrays are immutable: the caches passed in are
+        unchanged). Under ``jax.jit`` with the caches donated (``donate_argnums``) XLA appends in
+        place, with no copy of the cache; otherwise the call copies each cache once.
+
+    Notes
+    -----
+    On the GPU, an int ``cache_seqlens`` is checked against the cache on the host; values of
+    device arrays are not read back (that would synchronise the device every step). The
+    kernels check them instead: a sequence whose length is outside ``[0, capacity - Nnew]``, whose
+    first key (``cache_leftpad``) is outside ``[0, cache_seqlens[b]]``, whose cache entry is outside
+    the cache or whose pages in use include an id outside ``[0, num_pages)`` gets NaN output rows (and NaN
+    LSE), and its ``k_new``/``v_new`` are not written anywhere, so no other sequence's cache is
+    ever touched; :func:`check_device_errors` then raises :class:`DeviceValueError` naming what
+    was wrong (it synchronises, so the decode step itself never does). Host
+    arrays are checked in full before anything is written. The GPU path makes no
+    synchronisation and no allocation outside the caller's library, so a decode step can be
+    captured in a CUDA graph (warm it up once first: the first call compiles its kernels).
+
+    JAX: inside ``jax.jit`` or ``vmap`` (and for concrete JAX arrays with ``k_new``) the call is one
+    XLA custom call. On a GPU the kernels run on XLA's buffers and stream (device values checked
+    by the kernels, as above: :func:`check_device_errors` after the jitted call); on JAX's CPU
+    backend the host path runs (values checked there: a bad one fails the run with its message;
+    bfloat16 computed as float32). Shapes, options and an int ``cache_seqlens`` are checked at
+    trace time, the GPU's dtypes at the first run. There is no derivative (as flash-attn's, it is
+    inference only): differentiating through it raises, naming the argument.
+
+    Examples
+    --------
+    >>> import numpy as np, cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> k_cache = rng.standard_normal((2, 16, 1, 8)).astype(np.float32)
+    >>> v_cache = rng.standard_normal((2, 16, 1, 8)).astype(np.float32)
+    >>> q = rng.standard_normal((2, 1, 4, 8)).astype(np.float32)
+    >>> k_new = v_new = np.ones((2, 1, 1, 8), dtype=np.float32)
+    >>> seqlens = np.array([3, 9], dtype=np.int32)
+    >>> out = cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k_new=k_new, v_new=v_new)
+    >>> out.shape, float(k_cache[1, 9, 0, 0])
+    ((2, 1, 4, 8), 1.0)
+    """
+    if _interop.compiling():  # Dynamo traces the custom op, not this function's body
+        if k_scale is not None or v_scale is not None or kv_dtype is not None:
+            raise NotImplementedError(
+                "attention_with_kvcache's k_scale / v_scale / kv_dtype do not go through torch.compile yet: call it "
+                "outside the compiled region (a float8 cache with the default scales, 1.0, does)"
+            )
+        return _front.torch_ops().attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse,
+            cache_batch_idx, cache_leftpad, window, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
         )  # fmt: skip
-
-    launch = _plans.get(key, plan)
-    arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
-                      "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "dropout_seed": seed,
-                      "alibi_slopes": alibi_slopes, "seqused_k": seqused_k}  # fmt: skip
-    dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
-    return dq, dk, dv
-
-
-def _dtypes(*arrays: Any) -> tuple[Any, ...]:
-    """Every array's dtype for a plan key (None for an absent optional array): a plan checks the
-    dtypes once, so a call whose dtypes differ must not find it."""
-    return tuple(None if x is None else x.dtype for x in arrays)
-
-
-def _check_slopes_dtype(lib: _interop.ArrayLib, slopes: Any) -> None:
-    if slopes is not None and lib.dtype_name(slopes) != "float32":
-        raise TypeError(f"alibi_slopes must be float32 (as flash-attn's), got {lib.dtype_name(slopes)}")
-
-
-def _backward_dropout(dropout_p: Any, seed: Any) -> tuple[float, int | None]:
-    """The forward's dropout, checked; its seed is required (the mask is regenerated from it)."""
-    dropout_p, seed = check_dropout(dropout_p, seed)
-    if dropout_p and seed is None:
-        raise ValueError("a backward with dropout_p > 0 needs the forward's seed= (its mask is regenerated from it)")
-    return dropout_p, seed if dropout_p else None
-
-
-def _check_shapes(
-    given: tuple[Any, ...], names: tuple[str, ...], shapes: tuple[Any, ...], which: tuple[str, ...]
-) -> None:
-    by_name = dict(zip(names, given))
-    for name, shape in zip(which, shapes):
-        x = by_name[name]
-        if x is None:
-            continue
-        if not hasattr(x, "shape"):
-            raise TypeError(f"{name} must be an array (CuPy, PyTorch, JAX, NumPy ...), got {type(x).__name__}")
-        if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-
-
-def _backward_dtypes(lib: _interop.ArrayLib, q: Any, k: Any, v: Any, out: Any, dout: Any, lse: Any, dlse: Any) -> str:
-    dtype = _plan.check_gpu_dtypes({n: lib.dtype_name(x) for n, x in
-                                    (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout))})  # fmt: skip
-    for name, x in (("lse", lse), ("dlse", dlse)):
-        if x is not None and lib.dtype_name(x) != "float32":
-            raise TypeError(f"{name} must be float32 (as attention returns the LSE), got {lib.dtype_name(x)}")
-    return dtype
+    if type(causal) is not bool or window != (-1, -1) or softcap != 0.0:  # the defaults skip the checks
+        options = check_options(causal, scale, window, softcap)
+    else:
+        options = Options(causal, scale if scale is None or type(scale) is float else check_scale_option(scale))
+    if type(num_splits) is not int:
+        num_splits = check_num_splits(num_splits)
+    if alibi_slopes is not None:
+        _interop.refuse_slope_grad(alibi_slopes)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin go together: give both or neither")
+    rotary = None if rotary_cos is None else rotary_interleaved
+    # Float8 caches' scales: a host number is checked here and goes to the kernel per call; an
+    # array is an operand like the others (on the GPU read as given).
+    k_host, v_host = _fp8.host_scale("k_scale", k_scale), _fp8.host_scale("v_scale", v_scale)
+    k_scale, v_scale = (x if h is None else h for h, x in ((k_host, k_scale), (v_host, v_scale)))
+    call = _kvcache.CacheCall(
+        dict(zip(_kvcache.KV_NAMES, (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, cache_batch_idx,
+                                     cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, k_scale, v_scale))),
+        options, num_splits, rotary, kv_dtype,
+    )  # fmt: skip
+    operands = call.operands()
+    found = _interop.lean_arrays(q, k_cache, v_cache, operands[3:])
+    if found is None:
+        if _interop.traced(operands) or (k_new is not None and _interop.has_jax_arrays(operands)):
+            # JAX arrays are immutable: the custom call returns the appended caches (_jax).
+            if call.fp8 or "float8" in str(k_cache.dtype):
+                raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
+            return _front.jax_ops().attention_with_kvcache(
+                call.arrays, options, check_num_splits(num_splits), rotary, return_lse
+            )
+        out, lse = _kvcache.with_kvcache(call, return_lse)
+    else:
+        lib, device = found
+        if lib.check_inputs((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)):
+            _interop.refuse_autograd("attention_with_kvcache")
+        out, lse = _kvcache.gpu_attention_with_kvcache(
+            lib, device, call.arrays, options, num_splits, rotary, return_lse, kv_dtype=kv_dtype
+        )
+    return _front.results(out, lse, return_lse)

@@ -22,8 +22,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from . import _device, _interop, _plan
-from ._kvcache import attention_with_kvcache, merge_states
+from . import _attention, _device, _interop, _plan
+from ._api import attention_with_kvcache
+from ._kvcache import merge_states
 from ._validate import check_options
 
 # Splits of the prefix's keys: enough CTAs for two waves of the GPU, each split at least this
@@ -304,14 +305,14 @@ def _gpu_prefix(
 ) -> tuple[Any, Any]:  # fmt: skip
     """The prefix's paged varlen call on the GPU, its plan cached by the call's signature: the
     public call's checks and planning run once per shape (a decode step is host-bound here)."""
-    from . import _api, _launch
+    from . import _launch
 
-    named = dict(zip(_api._PAGED_NAMES, (q, k, v, cu_q, cu_k, None, None, table)))
+    named = dict(zip(_attention.PAGED_NAMES, (q, k, v, cu_q, cu_k, None, None, table)))
     dtypes = tuple(None if x is None else lib.dtype_name(x) for x in named.values())
     key = (lib.name, device, q.shape, k.shape, table.shape, cu_q.shape, dtypes, max_q, max_k, scale, softcap)
 
     def plan() -> _plan.Launch:  # the public call's checks (shapes, options, dtypes), without its launch
-        problem = _api._varlen_problem(
+        problem = _attention.varlen_problem_of(
             q, k, v, cu_q, cu_k, max_q, max_k, check_options(False, scale, (-1, -1), softcap), block_table=table
         )
         return _plan.plan_paged_varlen(
@@ -326,12 +327,10 @@ def _gpu_prefix(
 def _varlen(
     q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, scale: Any, softcap: float, table: Any
 ) -> tuple[Any, Any]:
-    from ._api import attention_varlen
-
-    out, lse = attention_varlen(
-        q, k, v, cu_q, cu_k, max_q, max_k, causal=False, scale=scale, softcap=softcap, return_lse=True,
-        block_table=table,
-    )  # fmt: skip
+    call = _attention.VarlenForward(
+        q, k, v, cu_q, cu_k, max_q, max_k, check_options(False, scale, (-1, -1), softcap), block_table=table
+    )
+    out, lse = _attention.varlen_forward(call, want_lse=True)
     return out, lse
 
 

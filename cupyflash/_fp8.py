@@ -125,7 +125,7 @@ def dtype_name(x: Any) -> str:
     return str(getattr(dtype, "name", dtype)).removeprefix("torch.")
 
 
-def _is_torch(x: Any) -> bool:
+def is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
 
@@ -138,9 +138,9 @@ def _check_host_cache(name: str, x: Any) -> None:
         )
 
 
-def _float8_view(x: Any, fmt: str) -> Any:
+def float8_view(x: Any, fmt: str) -> Any:
     """The cache as float8 values (a view of uint8 bytes)."""
-    if _is_torch(x):
+    if is_torch(x):
         import torch
 
         dtype = getattr(torch, DTYPE_NAMES[fmt])
@@ -172,7 +172,7 @@ def host_scale_array(xp: Any, name: str, scale: Any, heads_kv: int, like: Any) -
     import numpy as np
 
     column = np.broadcast_to(values, (heads_kv,)).reshape(heads_kv, 1).copy()
-    if _is_torch(like):
+    if is_torch(like):
         import torch
 
         return torch.from_numpy(column)
@@ -183,8 +183,8 @@ def dequantise(xp: Any, name: str, cache: Any, fmt: str, scale: Any, compute: An
     """The cache's values ``float8 * scale`` in the ``compute`` dtype (float32, or float64 for
     float64 queries): [.., Hkv, d] times the (Hkv, 1) scale column."""
     _check_host_cache(name, cache)
-    values = _float8_view(cache, fmt)
-    if _is_torch(values):
+    values = float8_view(cache, fmt)
+    if is_torch(values):
         import torch
 
         dtype = torch.float64 if compute == xp.float64 else torch.float32
@@ -197,7 +197,7 @@ def quantise(xp: Any, new: Any, fmt: str, scale: Any, like: Any) -> Any:
     float32(new) / float32(scale), rounded to the nearest float8 value (ties to even), saturated
     to +-FP8_MAX[fmt] (infinities too); NaN stays NaN."""
     limit = FP8_MAX[fmt]
-    if _is_torch(like):
+    if is_torch(like):
         import torch
 
         quotient = new.to(torch.float32) / scale.to(torch.float32)

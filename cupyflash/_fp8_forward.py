@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _device, _host, _interop, _launch, _plan
+from . import _attention, _device, _host, _interop, _launch, _plan
 from ._fp8 import dtype_name, host_scale, scale_form
 from ._specs import FP8_FWD_HEAD_DIMS, HOPPER_ARCH
 from ._validate import check_options
@@ -77,7 +77,7 @@ def attention_fp8(
         _interop.refuse_autograd("the FP8 forward")
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_e4m3(name, x, fp8_dtype)
-    problem = _problem(q, k, v, options, layout)
+    problem = _attention.problem_of(q, k, v, options, layout)
     hosts = [host_scale(name, x) for name, x in zip(DESCALE_NAMES, descales, strict=True)]
     device_descales = tuple(None if h is not None or x is None else x for h, x in zip(hosts, descales, strict=True))
     found_all = _interop.gpu_arrays(("q", "k", "v", *DESCALE_NAMES), (q, k, v, *device_descales))
@@ -174,12 +174,6 @@ def _check_e4m3(name: str, x: Any, fp8_dtype: Any) -> None:
     )
 
 
-def _problem(q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str) -> Any:
-    from ._api import _problem as attention_problem
-
-    return attention_problem(q, k, v, options, layout)
-
-
 def _descale_form(lib: _interop.ArrayLib, name: str, x: Any, batch: int, heads_kv: int) -> str:
     """A device descale's form (``_plan.plan_fp8_forward``)."""
     return _form(name, tuple(x.shape), lib.dtype_name(x), batch, heads_kv)
@@ -203,14 +197,14 @@ def _host_fp8(q: Any, k: Any, v: Any, problem: Any, descales: tuple[Any, Any, An
     the output rounded to ``out_name``; LSE float32."""
     import numpy as np
 
-    from ._fp8 import _float8_view, _is_torch
+    from ._fp8 import float8_view, is_torch
     from .reference import to_numpy64
 
     group = problem.heads_q // problem.heads_kv if problem.heads_kv else 1
     head_axis = 2 if problem.layout == "bshd" else 1
     values = []
     for name, x, descale in (("q", q, descales[0]), ("k", k, descales[1]), ("v", v, descales[2])):
-        x32 = np.asarray(to_numpy64(_float8_view(x, "e4m3")), dtype=np.float32)
+        x32 = np.asarray(to_numpy64(float8_view(x, "e4m3")), dtype=np.float32)
         factor = _host_descale(name, descale, problem.batch, problem.heads_kv)  # (B, Hkv) float64
         if name == "q":
             factor = np.repeat(factor, group, axis=1)
@@ -218,7 +212,7 @@ def _host_fp8(q: Any, k: Any, v: Any, problem: Any, descales: tuple[Any, Any, An
         shape[0], shape[head_axis] = factor.shape
         values.append((x32 * factor.reshape(shape)).astype(np.float32))
     out, lse = _host.attention(values[0], values[1], values[2], problem, "auto")
-    if _is_torch(q):
+    if is_torch(q):
         import torch
 
         return torch.from_numpy(np.asarray(out)).to(getattr(torch, out_name)), torch.from_numpy(np.asarray(lse))

@@ -10,16 +10,16 @@ costs ~23 us a tensor on the H200, three of them more than a whole PyTorch SDPA 
 GPU array (JAX ...) is adopted into CuPy through DLPack once, at the entry, without a copy, and
 its results are handed back through DLPack once, at the exit. Host arrays return None: the
 caller runs the array-API algorithms in their own namespace. JAX tracers (``jax.jit``, grad,
-vmap) have no memory: ``traced`` finds them, and ``attention`` and ``attention_with_kvcache``
-hand them to ``_jax``, which runs the same pipeline inside the XLA program on the buffers XLA
-gives it.
+vmap) have no memory: ``traced`` finds them, and the front door hands the calls of
+``attention`` and ``attention_with_kvcache`` to ``_jax``, which runs the same pipeline inside the
+XLA program on the buffers XLA gives it. This module imports no other part of cupyflash.
 """
 
 from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # DLPack device types that are GPU memory the kernels can read (kDLCUDA, kDLCUDAManaged).
@@ -31,14 +31,25 @@ DLPACK = "dlpack"
 TRACED = "traced"  # a JAX tracer (jax.jit, grad, vmap): no memory behind it
 
 
+#: What runs when cupyflash first meets PyTorch (``when_torch_imported``): the front door's
+#: loading of its custom ops, so that they exist before any call is traced.
+_torch_hooks: list[Callable[[], Any]] = []
+
+
+def when_torch_imported(hook: Callable[[], Any]) -> None:
+    """Run ``hook`` once cupyflash first imports torch (``torch_module``): how an adapter gets
+    registered without this module importing it."""
+    _torch_hooks.append(hook)
+
+
 @functools.cache
 def torch_module() -> Any:
     """``torch``, imported once (for per-call paths: an import statement costs ~1 us there), and
-    cupyflash's custom ops registered with it."""
+    the ``when_torch_imported`` hooks run."""
     import torch
 
-    from . import _torch_ops  # noqa: F401
-
+    for hook in _torch_hooks:
+        hook()
     return torch
 
 
@@ -265,11 +276,9 @@ def _not_compiling() -> bool:
     return False
 
 
-#: ``torch.compiler.is_compiling`` once cupyflash's torch ops exist (``_torch_ops``), so that a
-#: call Dynamo traces goes straight to the custom op; a constant False before.
+#: ``torch.compiler.is_compiling`` once cupyflash's torch ops exist (``_torch_ops`` registers it),
+#: so that a call Dynamo traces goes straight to the custom op; a constant False before.
 compiling = _not_compiling
-#: The ``_torch_ops`` module once imported (the calls that go through autograd or Dynamo).
-torch_ops: Any = None
 
 
 class DlpackLib(CupyLib):
@@ -402,15 +411,6 @@ def has_jax_arrays(arrays: Sequence[Any]) -> bool:
         if x is not None and (_kind(x) == TRACED or _library(x) in ("jax", "jaxlib")):
             return True
     return False
-
-
-@functools.cache
-def jax_ops() -> Any:
-    """The ``_jax`` module (cupyflash inside JAX transformations, and cache calls that append to
-    JAX arrays), imported on the first such call: importing cupyflash never imports jax."""
-    from . import _jax
-
-    return _jax
 
 
 def _is_array(x: Any) -> bool:

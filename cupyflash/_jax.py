@@ -5,7 +5,7 @@
 A traced array has no memory, so the call is staged into the XLA program instead: at run time
 XLA hands the callback its device buffers and its stream. On a GPU the callback views the
 buffers as CuPy arrays (from their ``__cuda_array_interface__``, no copy), makes XLA's stream
-CuPy's current one, and runs the pipeline every GPU call runs (``_api.gpu_attention``: plan,
+CuPy's current one, and runs the executor every GPU call runs (``_attention.gpu_forward``: plan,
 launch), the kernels writing straight into the output buffers XLA allocated. On the CPU backend
 the buffers are NumPy arrays and the callback runs the host path (``xp_impl``, as an eager call
 on CPU arrays does), whose fresh results are copied into XLA's buffers: one copy of out and
@@ -24,7 +24,7 @@ appended caches too: the custom call's cache results alias the cache operands
 (``input_output_aliases``), and the kernels append into the result buffers, which XLA makes the
 operands' own when the caller donates them (else it copies the caches there first). Concrete JAX
 arrays with k_new run the same call, compiled once per static key. Imported on the first call
-that needs it (``_interop.jax_ops``).
+that needs it (``_front.jax_ops``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _api, _host, _interop, _kvcache
-from ._validate import check_dropout
+from . import _attention, _host, _interop, _kvcache
+from ._validate import Options, check_dropout
 
 #: How many times XLA has run each callback, by (platform, direction): ("gpu", "forward"),
 #: ("cpu", "backward") ... The GPU tests read it as proof that the kernels ran in the program.
@@ -60,7 +60,7 @@ _VMAP_METHOD = "sequential"
 class Config:
     """A call's static options (checked), the key of its callbacks."""
 
-    options: tuple[Any, ...]  # (causal, scale, window, softcap), as check_options returns them
+    options: Options
     layout: str
     algorithm: str
     return_lse: bool
@@ -69,21 +69,24 @@ class Config:
     problem: Any  # the validated Problem (shapes, mask): the backward's plan key
 
 
-def attention(
-    q: Any, k: Any, v: Any, options: tuple[Any, ...], layout: str, algorithm: str, return_lse: bool,
-    deterministic: bool, dropout_p: Any, seed: Any, alibi_slopes: Any,
-) -> Any:  # fmt: skip
-    """``cupyflash.attention`` with traced inputs (options already checked by the entry)."""
-    dropout_p, _ = check_dropout(dropout_p, None)
+def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
+    """An ``attention`` call with traced inputs (options checked by the entry): (out, lse), lse
+    None unless wanted."""
+    q, k, v, alibi_slopes = call.q, call.k, call.v, call.alibi_slopes
+    if call.attn_mask is not None:
+        raise NotImplementedError("attention with attn_mask does not run under a JAX transformation yet")
+    dropout_p, _ = check_dropout(call.dropout_p, None)
     _check_jax_arrays("attention", {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes})
-    problem = _api._problem(q, k, v, options, layout, dropout_p, alibi_slopes)
+    problem = _attention.problem_of(q, k, v, call.options, call.layout, dropout_p, alibi_slopes)
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"q, k and v must share one floating dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if alibi_slopes is not None and alibi_slopes.dtype != jnp.float32:
         raise TypeError(f"alibi_slopes must be float32 (as flash-attn's), got {alibi_slopes.dtype}")
-    deterministic = bool(deterministic)
-    config = Config(options, layout, algorithm, bool(return_lse), deterministic, dropout_p, problem)
-    return _attention(config, q, k, v, _seed_operand(dropout_p, seed), alibi_slopes)
+    config = Config(
+        call.options, call.layout, call.algorithm, bool(want_lse), bool(call.deterministic), dropout_p, problem
+    )
+    result = _attention_vjp(config, q, k, v, _seed_operand(dropout_p, call.seed), alibi_slopes)
+    return result if want_lse else (result, None)
 
 
 def _check_jax_arrays(entry: str, named: dict[str, Any], where: str = "inside a JAX transformation") -> None:
@@ -126,7 +129,7 @@ def _seed_value(words: np.ndarray) -> int:
 # The differentiable function: primal, forward with residuals, backward.
 # ---------------------------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any) -> Any:
+def _attention_vjp(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any) -> Any:
     out, lse = _forward(config, q, k, v, seed, slopes, config.return_lse)
     return (out, lse) if config.return_lse else out
 
@@ -156,7 +159,7 @@ def _attention_bwd(config: Config, residuals: Any, cotangent: Any) -> tuple[Any,
     return dq, dk, dv, None, None  # the seed and the slopes get no cotangent
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+_attention_vjp.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def _lse_struct(problem: Any, q: Any) -> Any:
@@ -211,10 +214,11 @@ def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, want_lse
             given = {"out": _cupy_view(results[0])}
             if want_lse:
                 given["lse"] = _cupy_view(results[1])
-            _api.gpu_attention(
-                _interop.CUPY_LIB, device, q, k, v, config.options, config.layout, config.algorithm,
-                config.dropout_p, _gpu_seed(seed), None if slopes is None else _cupy_view(slopes), want_lse, given,
+            call = _attention.Forward(
+                q, k, v, config.options, config.layout, config.algorithm, config.deterministic, config.dropout_p,
+                _gpu_seed(seed), None if slopes is None else _cupy_view(slopes),
             )  # fmt: skip
+            _attention.gpu_forward(_interop.CUPY_LIB, device, call, want_lse, given)
         runs["gpu", "forward"] += 1
 
     return callback
@@ -236,10 +240,11 @@ def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slope
         device = q.data.device_id
         with cupy.cuda.Device(device), _cupy_stream(stream, device):
             given = {name: _cupy_view(x) for name, x in zip(("dq", "dk", "dv"), results)}
-            _api.gpu_attention_backward(
-                _interop.CUPY_LIB, device, config.problem, dout, q, k, v, out, lse, dlse, config.deterministic,
-                _gpu_seed(seed), slopes, given,
+            call = _attention.Backward(
+                dout, q, k, v, out, lse, dlse, config.options, config.layout, config.deterministic, config.dropout_p,
+                _gpu_seed(seed), slopes,
             )  # fmt: skip
+            _attention.gpu_backward(_interop.CUPY_LIB, device, call, config.problem, given)
         runs["gpu", "backward"] += 1
 
     return callback
@@ -252,11 +257,11 @@ def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slope
 class KvConfig:
     """A cache call's static options (checked) and which operands it has, its callback's key."""
 
-    options: tuple[Any, ...]  # (causal, scale, window, softcap), as check_options returns them
+    options: Options
     num_splits: int
     rotary: bool | None  # rotary_interleaved with rotary tables, else None
     return_lse: bool
-    names: tuple[str, ...]  # the operands given, in _kvcache._KV_NAMES' order
+    names: tuple[str, ...]  # the operands given, in _kvcache.KV_NAMES' order
     problem: Any  # the validated KvCacheProblem
 
     @property
@@ -265,7 +270,7 @@ class KvConfig:
 
 
 def attention_with_kvcache(
-    arrays: dict[str, Any], options: tuple[Any, ...], num_splits: int, rotary: bool | None, return_lse: bool
+    arrays: dict[str, Any], options: Options, num_splits: int, rotary: bool | None, return_lse: bool
 ) -> Any:
     """``cupyflash.attention_with_kvcache`` on JAX arrays (traced, or concrete ones with k_new;
     ``arrays`` by name, options already checked by the entry): one custom call. With k_new it
@@ -275,7 +280,7 @@ def attention_with_kvcache(
     seqlens = arrays["cache_seqlens"]
     others = {n: x for n, x in arrays.items() if not (n == "cache_seqlens" and type(x) is int)}
     _check_jax_arrays("attention_with_kvcache", others, "on JAX arrays (inside a JAX transformation, or appending)")
-    problem = _kvcache._problem(
+    problem = _kvcache.kvcache_problem_of(
         arrays["q"], arrays["k_cache"], arrays["v_cache"], seqlens, arrays["block_table"], arrays["k_new"],
         arrays["v_new"], options, arrays["cache_batch_idx"], arrays["cache_leftpad"], arrays["alibi_slopes"],
         (arrays["rotary_cos"], arrays["rotary_sin"], rotary),
@@ -284,7 +289,7 @@ def attention_with_kvcache(
     _host.check_kvcache_dtypes(jnp, operands)
     if type(seqlens) is int:  # checked against the capacity above; an operand, so no recompile per length
         operands["cache_seqlens"] = np.full((problem.attn.batch,), seqlens, np.int32)
-    names = tuple(n for n in _kvcache._KV_NAMES if n in operands)
+    names = tuple(n for n in _kvcache.KV_NAMES if n in operands)
     config = KvConfig(options, num_splits, rotary, bool(return_lse), names, problem)
     values = tuple(operands[n] for n in names)
     if _interop.traced(values):
@@ -343,7 +348,7 @@ def _kvcache_callback(config: KvConfig) -> Any:
             runs["cpu", "kvcache"] += 1
             return
         cupy = _interop.cupy_module()
-        views: dict[str, Any] = dict.fromkeys(_kvcache._KV_NAMES)
+        views: dict[str, Any] = dict.fromkeys(_kvcache.KV_NAMES)
         views.update((n, _cupy_view(x)) for n, x in zip(config.names, operands))
         device = views["q"].data.device_id
         with cupy.cuda.Device(device), _cupy_stream(stream, device):
@@ -442,13 +447,12 @@ def _host_array(buffer: Any) -> Any:
 
 
 def _host_forward(config: Config, results: Any, q: Any, k: Any, v: Any, seed: Any, slopes: Any) -> None:
-    causal, scale, window, softcap = config.options
-    out, lse = _api.attention(
-        _host_array(q), _host_array(k), _host_array(v), causal=causal, scale=scale, window=window, softcap=softcap,
-        layout=config.layout, algorithm=config.algorithm, return_lse=True, dropout_p=config.dropout_p,
-        seed=None if seed is None else _seed_value(np.asarray(seed)),
-        alibi_slopes=None if slopes is None else np.asarray(slopes),
+    call = _attention.Forward(
+        _host_array(q), _host_array(k), _host_array(v), config.options, config.layout, config.algorithm,
+        config.deterministic, config.dropout_p, None if seed is None else _seed_value(np.asarray(seed)),
+        None if slopes is None else np.asarray(slopes),
     )  # fmt: skip
+    out, lse = _attention.host_forward(call)
     np.asarray(results[0])[...] = out
     if len(results) > 1:
         np.asarray(results[1])[...] = lse
@@ -458,14 +462,13 @@ def _host_backward(
     config: Config, results: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, seed: Any,
     slopes: Any,
 ) -> None:  # fmt: skip
-    causal, scale, window, softcap = config.options
-    grads = _api.attention_backward(
+    call = _attention.Backward(
         _host_array(dout), _host_array(q), _host_array(k), _host_array(v), _host_array(out), np.asarray(lse),
-        dlse=None if dlse is None else np.asarray(dlse), causal=causal, scale=scale, window=window, softcap=softcap,
-        layout=config.layout, deterministic=config.deterministic, dropout_p=config.dropout_p,
-        seed=None if seed is None else _seed_value(np.asarray(seed)),
-        alibi_slopes=None if slopes is None else np.asarray(slopes),
+        None if dlse is None else np.asarray(dlse), config.options, config.layout, config.deterministic,
+        config.dropout_p, None if seed is None else _seed_value(np.asarray(seed)),
+        None if slopes is None else np.asarray(slopes),
     )  # fmt: skip
+    grads = _attention.backward(call)
     for buffer, grad in zip(results, grads):
         np.asarray(buffer)[...] = grad
 
@@ -473,22 +476,15 @@ def _host_backward(
 def _host_kvcache(config: KvConfig, results: Any, operands: dict[str, Any]) -> None:
     """The cache call's host path (``_host.attention_with_kvcache`` through the entry, as an eager
     call on NumPy arrays), appending into the caches' result buffers."""
-    arrays = dict.fromkeys(_kvcache._KV_NAMES) | {n: _host_array(x) for n, x in operands.items()}
+    arrays = dict.fromkeys(_kvcache.KV_NAMES) | {n: _host_array(x) for n, x in operands.items()}
     caches = []
     if config.appends:
         for name, result in zip(("k_cache", "v_cache"), results[-2:]):
             buffer = _cache_result(np.asarray(operands[name]), np.asarray(result), lambda x: x.ctypes.data)
             arrays[name] = _host_array(buffer)  # the buffer itself, or a float32 copy of a bfloat16 one
             caches.append((buffer, arrays[name]))
-    causal, scale, window, softcap = config.options
-    out, lse = _kvcache.attention_with_kvcache(
-        arrays["q"], arrays["k_cache"], arrays["v_cache"], cache_seqlens=arrays["cache_seqlens"],
-        block_table=arrays["block_table"], k_new=arrays["k_new"], v_new=arrays["v_new"],
-        cache_batch_idx=arrays["cache_batch_idx"], cache_leftpad=arrays["cache_leftpad"], causal=causal, scale=scale,
-        window=window, softcap=softcap, alibi_slopes=arrays["alibi_slopes"], rotary_cos=arrays["rotary_cos"],
-        rotary_sin=arrays["rotary_sin"], rotary_interleaved=bool(config.rotary), num_splits=config.num_splits,
-        return_lse=True,
-    )  # fmt: skip
+    call = _kvcache.CacheCall(arrays, config.options, config.num_splits, config.rotary)
+    out, lse = _kvcache.with_kvcache(call, want_lse=True)
     np.asarray(results[0])[...] = out
     if config.return_lse:
         np.asarray(results[1])[...] = lse

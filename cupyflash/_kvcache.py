@@ -12,323 +12,87 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Literal, overload
+from typing import Any
 
 from . import _device, _fp8, _host, _interop, _launch, _plan
 from ._validate import (
+    Options,
     check_alibi,
     check_num_splits,
-    check_options,
-    check_scale_option,
     kvcache_problem,
     merge_problem,
 )
 
 _plans = _plan.new_cache()
 _merge_plans = _plan.new_cache()
-_KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx",
+KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx",
              "cache_leftpad", "alibi_slopes", "rotary_cos", "rotary_sin", "k_scale", "v_scale")  # fmt: skip
-_kv_operands = operator.itemgetter(*_KV_NAMES)
+_kv_operands = operator.itemgetter(*KV_NAMES)
 
 
-@overload
-def attention_with_kvcache(
-    q: Any,
-    k_cache: Any,
-    v_cache: Any,
-    *,
-    cache_seqlens: Any,
-    block_table: Any = ...,
-    k_new: Any = ...,
-    v_new: Any = ...,
-    cache_batch_idx: Any = ...,
-    cache_leftpad: Any = ...,
-    causal: bool = ...,
-    scale: float | None = ...,
-    window: tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Any = ...,
-    rotary_cos: Any = ...,
-    rotary_sin: Any = ...,
-    rotary_interleaved: bool = ...,
-    num_splits: int = ...,
-    return_lse: Literal[False] = ...,
-    k_scale: Any = ...,
-    v_scale: Any = ...,
-    kv_dtype: str | None = ...,
-) -> Any: ...
-@overload
-def attention_with_kvcache(
-    q: Any,
-    k_cache: Any,
-    v_cache: Any,
-    *,
-    cache_seqlens: Any,
-    block_table: Any = ...,
-    k_new: Any = ...,
-    v_new: Any = ...,
-    cache_batch_idx: Any = ...,
-    cache_leftpad: Any = ...,
-    causal: bool = ...,
-    scale: float | None = ...,
-    window: tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Any = ...,
-    rotary_cos: Any = ...,
-    rotary_sin: Any = ...,
-    rotary_interleaved: bool = ...,
-    num_splits: int = ...,
-    return_lse: Literal[True],
-    k_scale: Any = ...,
-    v_scale: Any = ...,
-    kv_dtype: str | None = ...,
-) -> tuple[Any, Any]: ...
-def attention_with_kvcache(
-    q: Any,
-    k_cache: Any,
-    v_cache: Any,
-    *,
-    cache_seqlens: Any,
-    block_table: Any = None,
-    k_new: Any = None,
-    v_new: Any = None,
-    cache_batch_idx: Any = None,
-    cache_leftpad: Any = None,
-    causal: bool = True,
-    scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Any = None,
-    rotary_cos: Any = None,
-    rotary_sin: Any = None,
-    rotary_interleaved: bool = True,
-    num_splits: int = 0,
-    return_lse: bool = False,
-    k_scale: Any = None,
-    v_scale: Any = None,
-    kv_dtype: str | None = None,
-) -> Any:
-    """Attention of a few new query tokens over a KV cache, as flash-attn's
-    ``flash_attn_with_kvcache`` (FlashDecoding: the keys are split over many CTAs and the
-    partial results merged exactly).
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheCall:
+    """One ``attention_with_kvcache`` call, checked: its arrays by name (``KV_NAMES``; a float8
+    cache's scale may be a checked host float) and its options."""
 
-    Parameters
-    ----------
-    q : array ``(B, Nq, Hq, d)``; on the GPU float16 or bfloat16, d from 1 to 256. Up to 16 query
-        tokens run on the split-KV decode kernel; more (chunked prefill against a cache) on the
-        FA2 kernel, which reads the cache in place as the decode kernel does
-    k_cache, v_cache : arrays, contiguous ``(B, L_max, Hkv, d)`` (``(entries, L_max, Hkv, d)``
-        with ``cache_batch_idx``), or paged
-        ``(num_pages, page_size, Hkv, d)`` with ``block_table``; ``page_size`` any power of two
-        (1, 2, ..., 16, ..., 256 ...). Same library, device and dtype as ``q``; ``Hq % Hkv == 0``.
-        Modified in place when ``k_new`` / ``v_new`` are given (JAX arrays are not: see Returns).
-    cache_seqlens : int or int32 array ``(B,)``
-        Tokens already in each sequence's cache.
-    block_table : int32 array ``(B, max_pages)``, optional
-        Page of each ``page_size`` keys of each sequence: key ``j`` of sequence ``b`` is slot
-        ``j % page_size`` of page ``block_table[b, j // page_size]``.
-    k_new, v_new : arrays ``(B, Nnew, Hkv, d)``, optional
-        Written into the cache at positions ``cache_seqlens[b] ..`` before attending; the
-        attention then covers ``Nk_b = cache_seqlens[b] + Nnew`` keys.
-    cache_batch_idx : int32 array ``(B,)``, optional (contiguous caches)
-        The cache entry of each sequence: sequence ``b`` reads and appends to
-        ``k_cache[cache_batch_idx[b]]`` (flash-attn's argument; the cache may then have any number
-        of entries). An entry named twice is read by both sequences; with ``k_new`` it is refused
-        (flash-attn leaves it undefined: the entry would end up with tokens of either sequence):
-        on host arrays before anything runs, on the GPU by the kernels, which append nothing for
-        both sequences, give them NaN rows and report it to :func:`check_device_errors`.
-    cache_leftpad : int32 array ``(B,)``, optional (contiguous caches)
-        The first key of each sequence's entry (a left-padded cache): sequence ``b`` attends to
-        keys ``cache_leftpad[b] .. cache_seqlens[b] + Nnew - 1``, and ``Nk_b`` counts from there;
-        the append still goes to ``cache_seqlens[b] ..``.
-    causal : bool
-        Bottom-right aligned within each sequence: query ``i`` sees key ``j`` iff
-        ``j <= i + Nk_b - Nq``. For Nq = 2 over Nk_b = 5 keys (1 = visible)::
+    arrays: dict[str, Any]
+    options: Options
+    num_splits: int = 0
+    rotary: bool | None = None  # interleaved or not, with rotary_cos / rotary_sin; None without
+    kv_dtype: str | None = None
 
-            1 1 1 1 0
-            1 1 1 1 1
+    @property
+    def fp8(self) -> bool:
+        """A float8 cache's options given (scales or the format)."""
+        a = self.arrays
+        return a["k_scale"] is not None or a["v_scale"] is not None or self.kv_dtype is not None
 
-        With one query token it changes nothing.
-    scale : float, optional
-        Defaults to ``1 / sqrt(d)``.
-    window : (int, int)
-        Sliding window ``(left, right)`` as ``attention``'s, aligned as ``causal`` (a bound of -1
-        is none; with ``causal`` the right bound is 0): query ``i`` sees keys
-        ``i + Nk_b - Nq - left .. i + Nk_b - Nq + right``. The kernels skip the key blocks
-        before the window.
-    softcap : float
-        Scores pass through ``softcap * tanh(score / softcap)`` (Gemma 2's cap), as ``attention``'s.
-    alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
-        ALiBi, as ``attention``'s: the score of query ``i`` and key ``j`` gains
-        ``-slope * |i + Nk_b - Nq - j|``. On the GPU it runs on the FA2 kernel (after the softcap, if any).
-    rotary_cos, rotary_sin : arrays ``(seqlen_ro, rotary_dim / 2)``, optional, q's dtype
-        Rotary embedding applied before attending, as flash-attn's: ``k_new`` token ``t`` of
-        sequence ``b`` is rotated at position ``cache_seqlens[b] + t`` as it is appended, query
-        token ``i`` at ``cache_seqlens[b] + i`` when ``causal`` or a ``window`` is set, else all at
-        ``cache_seqlens[b]``; the first ``rotary_dim`` columns rotate, the rest pass. Needs
-        ``k_new``; a row for every position a key or query can take (the capacity, and
-        ``capacity - Nnew + Nq`` when causal queries outnumber the new tokens). On the GPU the append rotates
-        k_new and a small kernel rotates q into a temporary (one launch more).
-    rotary_interleaved : bool
-        flash-attn's: pairs columns ``(2i, 2i + 1)`` (True, its default) or ``(i, i + rotary_dim / 2)``
-        (False, GPT-NeoX's and Llama's).
-    num_splits : int
-        Splits of the KV sequence: 0 chooses from the GPU's SM count, the batch, the heads and
-        the cache length; 1 runs the same kernel without splitting (no combine step).
-    return_lse : bool
-        Also return the float32 natural-log LSE ``(B, Hq, Nq)``.
-    k_scale, v_scale : float or float32 array ``()``, ``(1,)`` or ``(Hkv,)``, optional
-        A float8 cache's scales (default 1.0): a cached value of KV head ``h`` reads as
-        ``fp8 * scale[h]``. A host number is checked (positive, finite in float32); a device array
-        is read as given, at run time (a captured graph sees its later values); a device k_scale
-        that is negative, NaN or infinite gives NaN rows (without softcap, where the kernel folds it
-        into the softmax's multiplier).
-    kv_dtype : "e4m3" or "e5m2", optional
-        The float8 format of ``uint8`` caches (CuPy has no float8 dtype: pass the bytes with this);
-        ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensors and ml_dtypes' float8 NumPy arrays
-        carry their own (``kv_dtype`` must then agree).
+    def operands(self) -> tuple[Any, ...]:
+        """The arrays, ``KV_NAMES``' order; an int ``cache_seqlens`` and a host scale as None."""
+        return tuple(None if type(x) in (int, float) else x for x in _kv_operands(self.arrays))
 
-    Float8 caches: q, ``k_new`` and ``v_new`` stay in q's dtype and the output is q's. ``k_new`` /
-    ``v_new`` are stored as ``saturate(round_to_nearest_even(float32(x) / scale))`` -- vLLM's and
-    FlashInfer's rule (CUDA's ``__nv_cvt_float_to_fp8`` with ``__NV_SATFINITE``): beyond 448
-    (e4m3) or 57344 (e5m2) a value saturates, infinities too; NaN stays NaN (torch's own cast
-    overflows e5m2 to inf: clamp before it to get the same bytes). The GPU kernel widens the bytes
-    exactly and applies the scales in float32 (the K scale in the softmax multiplier, the V scale
-    in the output); it takes 1 to 16 query tokens, no ALiBi, head_dim 64 or 128, and refuses the
-    rest by name. The host path dequantises (``float8 * scale`` in float32, float64 for float64 q)
-    and runs the same algorithm; it takes NumPy and PyTorch CPU caches. Not under
-    ``torch.compile`` with ``k_scale`` / ``v_scale`` / ``kv_dtype`` given.
 
-    Returns
-    -------
-    out : array like ``q``; lse : ``(B, Hq, Nq)`` when ``return_lse``, float32 (float64 for float64
-        host inputs)
-    (result, k_cache, v_cache) : with JAX arrays and ``k_new``: ``result`` is ``out`` (or
-        ``(out, lse)``) as above, and ``k_cache``, ``v_cache`` are new arrays, the caches with
-        ``k_new`` / ``v_new`` appended (JAX arrays are immutable: the caches passed in are
-        unchanged). Under ``jax.jit`` with the caches donated (``donate_argnums``) XLA appends in
-        place, with no copy of the cache; otherwise the call copies each cache once.
-
-    Notes
-    -----
-    On the GPU, an int ``cache_seqlens`` is checked against the cache on the host; values of
-    device arrays are not read back (that would synchronise the device every step). The
-    kernels check them instead: a sequence whose length is outside ``[0, capacity - Nnew]``, whose
-    first key (``cache_leftpad``) is outside ``[0, cache_seqlens[b]]``, whose cache entry is outside
-    the cache or whose pages in use include an id outside ``[0, num_pages)`` gets NaN output rows (and NaN
-    LSE), and its ``k_new``/``v_new`` are not written anywhere, so no other sequence's cache is
-    ever touched; :func:`check_device_errors` then raises :class:`DeviceValueError` naming what
-    was wrong (it synchronises, so the decode step itself never does). Host
-    arrays are checked in full before anything is written. The GPU path makes no
-    synchronisation and no allocation outside the caller's library, so a decode step can be
-    captured in a CUDA graph (warm it up once first: the first call compiles its kernels).
-
-    JAX: inside ``jax.jit`` or ``vmap`` (and for concrete JAX arrays with ``k_new``) the call is one
-    XLA custom call. On a GPU the kernels run on XLA's buffers and stream (device values checked
-    by the kernels, as above: :func:`check_device_errors` after the jitted call); on JAX's CPU
-    backend the host path runs (values checked there: a bad one fails the run with its message;
-    bfloat16 computed as float32). Shapes, options and an int ``cache_seqlens`` are checked at
-    trace time, the GPU's dtypes at the first run. There is no derivative (as flash-attn's, it is
-    inference only): differentiating through it raises, naming the argument.
-
-    Examples
-    --------
-    >>> import numpy as np, cupyflash
-    >>> rng = np.random.default_rng(0)
-    >>> k_cache = rng.standard_normal((2, 16, 1, 8)).astype(np.float32)
-    >>> v_cache = rng.standard_normal((2, 16, 1, 8)).astype(np.float32)
-    >>> q = rng.standard_normal((2, 1, 4, 8)).astype(np.float32)
-    >>> k_new = v_new = np.ones((2, 1, 1, 8), dtype=np.float32)
-    >>> seqlens = np.array([3, 9], dtype=np.int32)
-    >>> out = cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k_new=k_new, v_new=v_new)
-    >>> out.shape, float(k_cache[1, 9, 0, 0])
-    ((2, 1, 4, 8), 1.0)
-    """
-    if _interop.compiling():  # Dynamo traces the custom op, not this function's body
-        if k_scale is not None or v_scale is not None or kv_dtype is not None:
-            raise NotImplementedError(
-                "attention_with_kvcache's k_scale / v_scale / kv_dtype do not go through torch.compile yet: call it "
-                "outside the compiled region (a float8 cache with the default scales, 1.0, does)"
-            )
-        return _interop.torch_ops.attention_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse,
-            cache_batch_idx, cache_leftpad, window, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
-        )  # fmt: skip
-    if type(causal) is not bool or window != (-1, -1) or softcap != 0.0:  # the defaults skip the checks
-        causal, scale, window, softcap = check_options(causal, scale, window, softcap)
-    elif scale is not None and type(scale) is not float:
-        scale = check_scale_option(scale)
-    if type(num_splits) is not int:
-        num_splits = check_num_splits(num_splits)
-    seqlens = None if type(cache_seqlens) is int else cache_seqlens
-    batch_idx, leftpad, slopes, cos, sin = cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin
-    if slopes is not None:
-        _interop.refuse_slope_grad(slopes)
-    if (cos is None) != (sin is None):
-        raise ValueError("rotary_cos and rotary_sin go together: give both or neither")
-    rotary = None if cos is None else rotary_interleaved
-    # Float8 caches' scales: a host number is checked here and goes to the kernel per call; an
-    # array is an operand like the others (on the GPU read as given).
-    k_host = v_host = None
-    fp8_options = k_scale is not None or v_scale is not None or kv_dtype is not None
-    if fp8_options:
-        k_host, v_host = _fp8.host_scale("k_scale", k_scale), _fp8.host_scale("v_scale", v_scale)
-        k_scale, v_scale = (None if h is not None else x for h, x in ((k_host, k_scale), (v_host, v_scale)))
-    others = (seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale)
-    found = _interop.lean_arrays(q, k_cache, v_cache, others)
+def with_kvcache(call: CacheCall, want_lse: bool) -> tuple[Any, Any]:
+    """A cache call where its arrays live: (out, lse), lse None on the GPU unless wanted."""
+    operands = call.operands()
+    found = _interop.gpu_arrays(KV_NAMES, operands)
+    a = call.arrays
     if found is None:
-        given = (q, k_cache, v_cache, *others)
-        if _interop.traced(given) or (k_new is not None and _interop.has_jax_arrays(given)):
-            # JAX arrays are immutable: the custom call returns the appended caches (_jax).
-            if fp8_options or "float8" in str(k_cache.dtype):
-                raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
-            return _interop.jax_ops().attention_with_kvcache(
-                dict(zip(_KV_NAMES, (q, k_cache, v_cache, cache_seqlens, *others[1:]))),
-                (causal, scale, window, softcap), check_num_splits(num_splits), rotary, return_lse,
-            )  # fmt: skip
-        arrays = _interop.gpu_arrays(_KV_NAMES, given)
-        if arrays is None:
-            p = _problem(
-                q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, (causal, scale, window, softcap),
-                batch_idx, leftpad, slopes, (cos, sin, rotary),
-            )  # fmt: skip
-            out, lse = _host.attention_with_kvcache(
-                q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, p, check_num_splits(num_splits),
-                batch_idx, leftpad, slopes, cos, sin,
-                fp8=_host_fp8(q, k_cache, v_cache, k_new, v_new, kv_dtype, k_scale if k_host is None else k_host,
-                              v_scale if v_host is None else v_host),
-            )  # fmt: skip
-            return (out, lse) if return_lse else out
-        lib, device, gpu = arrays
-        q, k_cache, v_cache, seqlens, block_table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin = gpu[:12]
-        k_scale, v_scale = gpu[12:]
-        if lib.name == _interop.DLPACK and k_new is not None:
-            raise TypeError(
-                "attention_with_kvcache with k_new on the GPU takes CuPy arrays, PyTorch tensors or JAX arrays (the "
-                f"cache is written in place), got {type(q).__module__}.{type(q).__name__}"
-            )
-    else:
-        lib, device = found
-    if lib.check_inputs((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)):
-        _interop.refuse_autograd("attention_with_kvcache")
-    arrays_by_name = {
-        "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens if seqlens is None else seqlens,
-        "block_table": block_table, "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx,
-        "cache_leftpad": leftpad, "alibi_slopes": slopes, "rotary_cos": cos, "rotary_sin": sin,
-        "k_scale": k_scale if k_host is None else k_host, "v_scale": v_scale if v_host is None else v_host,
-    }  # fmt: skip
-    out, lse = gpu_attention_with_kvcache(
-        lib, device, arrays_by_name, (causal, scale, window, softcap), num_splits, rotary, return_lse,
-        kv_dtype=kv_dtype,
-    )  # fmt: skip
-    return (out, lse) if return_lse else out
+        seqlens = a["cache_seqlens"]
+        cos, sin = a["rotary_cos"], a["rotary_sin"]
+        p = kvcache_problem_of(
+            a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], call.options,
+            a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], (cos, sin, call.rotary),
+        )  # fmt: skip
+        fp8 = _host_fp8(a["q"], a["k_cache"], a["v_cache"], a["k_new"], a["v_new"], call.kv_dtype, a["k_scale"],
+                        a["v_scale"])  # fmt: skip
+        return _host.attention_with_kvcache(
+            a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], p,
+            check_num_splits(call.num_splits), a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], cos, sin,
+            fp8=fp8,
+        )  # fmt: skip
+    lib, device, gpu = found
+    if lib.name == _interop.DLPACK and a["k_new"] is not None:
+        raise TypeError(
+            "attention_with_kvcache with k_new on the GPU takes CuPy arrays, PyTorch tensors or JAX arrays (the "
+            f"cache is written in place), got {type(a['q']).__module__}.{type(a['q']).__name__}"
+        )
+    arrays = dict(zip(KV_NAMES, gpu))
+    if type(a["cache_seqlens"]) is int:
+        arrays["cache_seqlens"] = a["cache_seqlens"]
+    for name in ("k_scale", "v_scale"):  # host floats, passed per call
+        if type(a[name]) is float:
+            arrays[name] = a[name]
+    return gpu_attention_with_kvcache(
+        lib, device, arrays, call.options, call.num_splits, call.rotary, want_lse, kv_dtype=call.kv_dtype
+    )
 
 
 def gpu_attention_with_kvcache(
-    lib: _interop.ArrayLib, device: int, arrays: dict[str, Any], options: tuple[bool, Any, tuple[int, int], float],
+    lib: _interop.ArrayLib, device: int, arrays: dict[str, Any], options: Options,
     num_splits: int, rotary: bool | None, want_lse: bool, given: Any = _launch.EMPTY, kv_dtype: str | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
-    """The kernels of a cache call on arrays the pipeline reads, by name (``_KV_NAMES``; the
+    """The kernels of a cache call on arrays the pipeline reads, by name (``KV_NAMES``; the
     caches are appended in place): (out, lse), lse None unless wanted. ``given``: output buffers
     to write, by name (``_launch.run``; XLA's under ``jax.jit``). A float8 cache's scales are
     arrays (operands) or host floats (checked, passed per call); ``kv_dtype`` names its format
@@ -342,7 +106,7 @@ def gpu_attention_with_kvcache(
         fp8_key = (kv_dtype, *forms)
     # The signature, flat (a decode step builds it every call): what the plan depends on.
     key = (
-        lib.name, device, *options, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype, v_cache.shape,
+        lib.name, device, options, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype, v_cache.shape,
         v_cache.dtype, None if type(seqlens) is int else (seqlens.shape, seqlens.dtype),
         None if table is None else (table.shape, table.dtype), None if k_new is None else (k_new.shape, k_new.dtype),
         None if v_new is None else v_new.shape, None if batch_idx is None else (batch_idx.shape, batch_idx.dtype),
@@ -376,17 +140,17 @@ def gpu_attention_with_kvcache(
     return _launch.run(launch, lib, device, arrays, want_lse, given)
 
 
-def _problem(
+def kvcache_problem_of(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any,
-    options: tuple[bool, Any, tuple[int, int], float], batch_idx: Any, leftpad: Any, slopes: Any = None,
+    options: Options, batch_idx: Any, leftpad: Any, slopes: Any = None,
     rotary: tuple[Any, Any, Any] = (None, None, None),
 ) -> Any:  # fmt: skip
-    """``options``: (causal, scale, window, softcap), checked; ``rotary``: (cos, sin, interleaved)."""
+    """A cache call's ``KvCacheProblem``; ``rotary``: (cos, sin, interleaved)."""
 
     def shape(x: Any) -> tuple[int, ...] | None:
         return None if x is None else tuple(x.shape)
 
-    causal, scale, window, softcap = options
+    causal, scale, window, softcap = options.causal, options.scale, options.window, options.softcap
     kp = kvcache_problem(
         tuple(q.shape), tuple(k_cache.shape), tuple(v_cache.shape), cache_seqlens=seqlens,
         block_table_shape=shape(table), k_new_shape=shape(k_new), v_new_shape=shape(v_new), causal=causal,
@@ -402,11 +166,11 @@ def _problem(
 
 def _plan_kvcache(
     lib: _interop.ArrayLib, device: int, q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any,
-    v_new: Any, options: tuple[bool, Any, tuple[int, int], float], num_splits: int, batch_idx: Any, leftpad: Any,
+    v_new: Any, options: Options, num_splits: int, batch_idx: Any, leftpad: Any,
     slopes: Any, rotary: tuple[Any, Any, Any], fp8_args: tuple[Any, Any, Any] = (None, None, None),
 ) -> _plan.Launch:  # fmt: skip
     # An int cache_seqlens is checked per call (the plan is shared by every int): plan with 0.
-    p = _problem(
+    p = kvcache_problem_of(
         q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, options, batch_idx, leftpad,
         slopes, rotary,
     )  # fmt: skip

@@ -5,23 +5,23 @@ as one opaque op; ``attention_with_kvcache`` as one too (no backward; the caches
 Imported when cupyflash first meets a torch tensor (``_interop.torch_module``) or at ``import
 cupyflash`` when torch is already imported: importing cupyflash never imports torch.
 
-The public functions route here (``_api``, ``_kvcache``): always while Dynamo traces them
-(``compiling``), and in eager mode when an input requires grad. The ops' bodies call the public
-functions again under ``torch.no_grad()``, which run the kernels (or the host path for CPU
-tensors) as for any call.
+The front door routes calls here (``_front.route``): always while Dynamo traces them
+(``compiling``), and in eager mode when an input requires grad. The ops' bodies call the
+executors (``_attention``, ``_kvcache``) under ``torch.no_grad()``, which run the kernels (or the
+host path for CPU tensors) as for any call. This module registers itself with the array protocol
+(``_interop.compiling``) when it is imported; nothing below the front door imports it.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import _api, _interop
-from ._validate import attention_problem, check_options
+from . import _attention, _interop, _kvcache
+from ._validate import Options, attention_problem, check_options
 
 _LIB = "cupyflash"
 
@@ -55,12 +55,13 @@ def attention_op(
     softcap: float, layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
     alibi_slopes: Tensor | None, attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    options = Options(causal, scale, (window_left, window_right), softcap)
+    call = _attention.Forward(
+        q, k, v, options, layout, algorithm, deterministic, dropout_p, _seed_value(dropout_p, seed), alibi_slopes,
+        attn_mask,
+    )  # fmt: skip
     with torch.no_grad():
-        out, lse = _api.attention(
-            q, k, v, causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap, layout=layout,
-            algorithm=algorithm, return_lse=True, dropout_p=dropout_p, seed=_seed_value(dropout_p, seed),
-            alibi_slopes=alibi_slopes, attn_mask=attn_mask,
-        )  # fmt: skip
+        out, lse = _attention.forward(call, want_lse=True)
     return _contiguous(out, lse)
 
 
@@ -81,12 +82,13 @@ def attention_backward_op(
     scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
     dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None, attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    options = Options(causal, scale, (window_left, window_right), softcap)
+    call = _attention.Backward(
+        dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, _seed_value(dropout_p, seed),
+        alibi_slopes, attn_mask,
+    )  # fmt: skip
     with torch.no_grad():
-        grads = _api.attention_backward(
-            dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale, window=(window_left, window_right),
-            softcap=softcap, layout=layout, deterministic=deterministic, dropout_p=dropout_p,
-            seed=_seed_value(dropout_p, seed), alibi_slopes=alibi_slopes, attn_mask=attn_mask,
-        )  # fmt: skip
+        grads = _attention.backward(call)
     return _contiguous(*grads)
 
 
@@ -114,21 +116,21 @@ def _attention_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, 
 attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
 
 
-def attention(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, softcap: Any, layout: str,
-              algorithm: str, return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any,
-              alibi_slopes: Any = None, attn_mask: Any = None) -> Any:  # fmt: skip
-    """``cupyflash.attention`` through the custom op (arguments as the public function's)."""
-    _refuse_slope_grad(alibi_slopes)
-    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
+    """An ``attention`` call through the custom op: (out, lse)."""
+    _refuse_slope_grad(call.alibi_slopes)
+    mask = call.attn_mask
+    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
         raise RuntimeError("attn_mask gets no gradient from cupyflash: pass a mask that does not require grad")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    window_left, window_right = window
-    dropout_p = float(dropout_p)
+    o, q = call.options, call.q
+    scale = 1.0 / math.sqrt(q.shape[-1]) if o.scale is None else float(o.scale)
+    dropout_p = float(call.dropout_p)
     out, lse = attention_op(
-        q, k, v, bool(causal), scale, int(window_left), int(window_right), float(softcap), layout, algorithm,
-        bool(deterministic), dropout_p, _seed_tensor(q, dropout_p, seed), alibi_slopes, attn_mask,
+        q, call.k, call.v, bool(o.causal), scale, int(o.window[0]), int(o.window[1]), float(o.softcap), call.layout,
+        call.algorithm, bool(call.deterministic), dropout_p, _seed_tensor(q, dropout_p, call.seed), call.alibi_slopes,
+        mask,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,12 +176,13 @@ def attention_varlen_op(
     algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
     seqused_k: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    options = Options(causal, scale, (window_left, window_right), softcap)
+    call = _attention.VarlenForward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, algorithm, deterministic, dropout_p,
+        _seed_value(dropout_p, seed), alibi_slopes, seqused_k,
+    )  # fmt: skip
     with torch.no_grad():
-        out, lse = _api.attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
-            window=(window_left, window_right), softcap=softcap, algorithm=algorithm, return_lse=True,
-            dropout_p=dropout_p, seed=_seed_value(dropout_p, seed), alibi_slopes=alibi_slopes, seqused_k=seqused_k,
-        )  # fmt: skip
+        out, lse = _attention.varlen_forward(call, want_lse=True)
     return _contiguous(out, lse)
 
 
@@ -202,13 +205,13 @@ def attention_varlen_backward_op(
     window_left: int, window_right: int, softcap: float, deterministic: bool, dropout_p: float, seed: Tensor,
     alibi_slopes: Tensor | None, seqused_k: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    options = Options(causal, scale, (window_left, window_right), softcap)
+    call = _attention.VarlenBackward(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, deterministic,
+        dropout_p, _seed_value(dropout_p, seed), alibi_slopes, seqused_k,
+    )  # fmt: skip
     with torch.no_grad():
-        grads = _api.attention_varlen_backward(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
-            causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
-            deterministic=deterministic, dropout_p=dropout_p, seed=_seed_value(dropout_p, seed),
-            alibi_slopes=alibi_slopes, seqused_k=seqused_k,
-        )  # fmt: skip
+        grads = _attention.varlen_backward(call)
     return _contiguous(*grads)
 
 
@@ -240,21 +243,18 @@ def _varlen_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...
 attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen)
 
 
-def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
-                     max_seqlen_k: int, causal: Any, scale: Any, window: Any, softcap: Any, algorithm: str,
-                     return_lse: bool, deterministic: bool, dropout_p: Any, seed: Any,
-                     alibi_slopes: Any = None, seqused_k: Any = None) -> Any:  # fmt: skip
-    """``cupyflash.attention_varlen`` through the custom op."""
-    _refuse_slope_grad(alibi_slopes)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    window_left, window_right = window
-    dropout_p = float(dropout_p)
+def attention_varlen(call: _attention.VarlenForward, want_lse: bool) -> tuple[Any, Any]:
+    """An ``attention_varlen`` call through the custom op: (out, lse)."""
+    _refuse_slope_grad(call.alibi_slopes)
+    o, q = call.options, call.q
+    scale = 1.0 / math.sqrt(q.shape[-1]) if o.scale is None else float(o.scale)
+    dropout_p = float(call.dropout_p)
     out, lse = attention_varlen_op(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
-        int(window_left), int(window_right), float(softcap), algorithm, bool(deterministic), dropout_p,
-        _seed_tensor(q, dropout_p, seed), alibi_slopes, seqused_k,
+        q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, int(call.max_seqlen_q), int(call.max_seqlen_k),
+        bool(o.causal), scale, int(o.window[0]), int(o.window[1]), float(o.softcap), call.algorithm,
+        bool(call.deterministic), dropout_p, _seed_tensor(q, dropout_p, call.seed), call.alibi_slopes, call.seqused_k,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,16 +269,13 @@ def attention_with_kvcache_op(
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    from ._kvcache import attention_with_kvcache as kvcache
-
+    arrays = (q, k_cache, v_cache, cache_seqlen if cache_seqlens is None else cache_seqlens, block_table, k_new,
+              v_new, cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, None, None)  # fmt: skip
+    options = Options(causal, scale, (window_left, window_right), softcap)
+    rotary = None if rotary_cos is None else rotary_interleaved
+    call = _kvcache.CacheCall(dict(zip(_kvcache.KV_NAMES, arrays)), options, num_splits, rotary)
     with torch.no_grad():
-        out, lse = kvcache(
-            q, k_cache, v_cache, cache_seqlens=cache_seqlen if cache_seqlens is None else cache_seqlens,
-            block_table=block_table, k_new=k_new, v_new=v_new, cache_batch_idx=cache_batch_idx,
-            cache_leftpad=cache_leftpad, causal=causal, scale=scale, window=(window_left, window_right),
-            softcap=softcap, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            rotary_interleaved=rotary_interleaved, num_splits=num_splits, return_lse=True,
-        )  # fmt: skip
+        out, lse = _kvcache.with_kvcache(call, want_lse=True)
     return _contiguous(out, lse)
 
 
@@ -301,8 +298,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
                            softcap: Any = 0.0, alibi_slopes: Any = None, rotary_cos: Any = None,
                            rotary_sin: Any = None, rotary_interleaved: bool = True) -> Any:  # fmt: skip
     """``cupyflash.attention_with_kvcache`` through the custom op (while Dynamo traces it)."""
-    causal, scale, window, softcap = check_options(causal, scale, window, softcap)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    options = check_options(causal, scale, window, softcap)
+    causal, window, softcap = options.causal, options.window, options.softcap
+    scale = 1.0 / math.sqrt(q.shape[-1]) if options.scale is None else float(options.scale)
     as_int = isinstance(cache_seqlens, int)
     out, lse = attention_with_kvcache_op(
         q, k_cache, v_cache, None if as_int else cache_seqlens, cache_seqlens if as_int else 0, block_table, k_new,
@@ -318,11 +316,11 @@ def _problem(
 ) -> Any:  # fmt: skip
     options = check_options(causal, scale, (window_left, window_right), softcap)
     return attention_problem(
-        tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=options[0], scale=options[1], window=options[2],
-        softcap=options[3], layout=layout,
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=options.causal, scale=options.scale,
+        window=options.window, softcap=options.softcap, layout=layout,
     )  # fmt: skip
 
 
-# The public functions find this module here (a module attribute Dynamo can read while it traces).
+# Registered with the array protocol: the front door asks it whether Dynamo is tracing (a module
+# attribute Dynamo can read while it traces).
 _interop.compiling = torch.compiler.is_compiling
-_interop.torch_ops = sys.modules[__name__]

@@ -44,18 +44,28 @@ def check_causal(causal: Any) -> bool:
     return check_flag("causal", causal)
 
 
-def check_options(
-    causal: Any, scale: Any, window: Any, softcap: Any
-) -> tuple[bool, float | None, tuple[int, int], float]:
-    """The options of every entry point, checked and in one canonical form (Python scalars, a
-    window tuple), before anything is looked up by them."""
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The score and mask options of a call, checked once at its entry and in one canonical form
+    (Python scalars, the window a tuple of ints): what every route below the public functions
+    takes (the planners read them through the ``Problem`` built from them). ``scale`` None is the
+    default ``1 / sqrt(head_dim)``, resolved where the head dim is known."""
+
+    causal: bool = False
+    scale: float | None = None
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+
+
+def check_options(causal: Any, scale: Any, window: Any, softcap: Any) -> Options:
+    """The options of every entry point, checked, before anything is looked up by them."""
     causal = check_causal(causal)
     scale = check_scale_option(scale)
     if type(window) is not tuple or len(window) != 2 or type(window[0]) is not int or type(window[1]) is not int:
         window = _window(window)
     if type(softcap) is not float:
         softcap = _real("softcap", softcap)
-    return causal, scale, window, softcap
+    return Options(causal, scale, window, softcap)
 
 
 _REAL_MESSAGES = {

@@ -31,8 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _interop
-from ._api import attention, attention_varlen
-from ._kvcache import attention_with_kvcache
+from ._api import attention, attention_varlen, attention_with_kvcache
 
 __all__ = [
     "flash_attn_func",

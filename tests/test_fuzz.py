@@ -693,8 +693,8 @@ def _gpu_view(x: Any, kind: str) -> Any:
     (copied by the library), a negative row stride (CuPy float16 only: torch has none). CuPy
     arrays are re-laid out by torch and handed back through DLPack (CuPy has no bfloat16 kernels)."""
     if kind == "reversed":
-        return x[:, ::-1].copy()[:, ::-1] if str(x.dtype) == "float16" and not _is_torch(x) else x
-    if not _is_torch(x):
+        return x[:, ::-1].copy()[:, ::-1] if str(x.dtype) == "float16" and not is_torch(x) else x
+    if not is_torch(x):
         import cupy
 
         return cupy.from_dlpack(_gpu_view(need_torch().from_dlpack(x), kind))
@@ -711,7 +711,7 @@ def _gpu_view(x: Any, kind: str) -> Any:
     return x
 
 
-def _is_torch(x: Any) -> bool:
+def is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
 

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._api import attention, attention_varlen
-from .._kvcache import attention_with_kvcache
+from .._api import attention, attention_varlen, attention_with_kvcache
 from .._specs import DECODE_MAX_QUERIES
 
 NAME = "cupyfa"

@@ -1,0 +1,544 @@
+"""The executors of ``attention``, ``attention_varlen`` and their backward twins: a checked call
+(``Forward``, ``VarlenForward``, ``Backward``, ``VarlenBackward``) in, its results out, on the
+device its arrays live on. On the GPU: ``Problem`` -> a ``Launch`` looked up by the call's
+signature or planned (``_plan``, pure) -> ``_launch.run`` on the caller's stream. On the host: the
+array-API algorithms (``_host``).
+
+The front door (``_front``) calls them after it has routed a call past torch.compile, JAX
+tracing and autograd; the PyTorch custom ops (``_torch_ops``) and the JAX custom calls (``_jax``)
+call them from their bodies. Nothing here asks which framework is tracing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from . import _baselines_gpu, _device, _host, _interop, _launch, _plan
+from ._validate import (
+    Options,
+    Problem,
+    attention_problem,
+    check_alibi,
+    check_attn_mask,
+    check_dropout,
+    varlen_problem,
+)
+from .xp_impl import Dropout
+
+# The plans, by call signature (library, device, shapes, dtypes, options).
+_plans = _plan.new_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# The calls, checked.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """One ``attention`` call: q, k, v ``(B, N, H, d)`` (or bhsd) and its checked options."""
+
+    q: Any
+    k: Any
+    v: Any
+    options: Options
+    layout: str = "bshd"
+    algorithm: str = "auto"
+    deterministic: bool = False  # the backward's, where autograd differentiates the call
+    dropout_p: float = 0.0
+    seed: int | None = None
+    alibi_slopes: Any = None
+    attn_mask: Any = None
+
+    names = ("q", "k", "v", "alibi_slopes", "attn_mask")
+
+    def arrays(self) -> tuple[Any, ...]:
+        return (self.q, self.k, self.v, self.alibi_slopes, self.attn_mask)
+
+    def prepared(self) -> Forward:
+        """Dropout checked (a traced seed stays as given for the JAX route, which takes it) and
+        ALiBi slopes that require grad refused: the steps after the JAX route."""
+        return _prepared(self)
+
+    def on(self, arrays: list[Any]) -> Forward:
+        """The same call on ``arrays`` (``names``' order), as the pipeline reads them."""
+        q, k, v, slopes, mask = arrays
+        return dataclasses.replace(self, q=q, k=k, v=v, alibi_slopes=slopes, attn_mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class VarlenForward:
+    """One ``attention_varlen`` call: q ``(total_q, Hq, d)``, k, v ``(total_k, Hkv, d)`` (or pages
+    with ``block_table``), split by the int32 offsets."""
+
+    q: Any
+    k: Any
+    v: Any
+    cu_seqlens_q: Any
+    cu_seqlens_k: Any
+    max_seqlen_q: int
+    max_seqlen_k: int
+    options: Options
+    algorithm: str = "auto"
+    deterministic: bool = False
+    dropout_p: float = 0.0
+    seed: int | None = None
+    alibi_slopes: Any = None
+    seqused_k: Any = None
+    block_table: Any = None
+
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k", "block_table")
+
+    def arrays(self) -> tuple[Any, ...]:
+        return (self.q, self.k, self.v, self.cu_seqlens_q, self.cu_seqlens_k, self.alibi_slopes, self.seqused_k,
+                self.block_table)  # fmt: skip
+
+    def prepared(self) -> VarlenForward:
+        return _prepared(self)
+
+    def on(self, arrays: list[Any]) -> VarlenForward:
+        q, k, v, cu_q, cu_k, slopes, seqused_k, table = arrays
+        return dataclasses.replace(
+            self, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi_slopes=slopes, seqused_k=seqused_k,
+            block_table=table,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Backward:
+    """The gradients of one ``attention`` call at (out, lse), for ``dout`` (and ``dlse``)."""
+
+    dout: Any
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    lse: Any
+    dlse: Any
+    options: Options
+    layout: str = "bshd"
+    deterministic: bool = False
+    dropout_p: float = 0.0
+    seed: int | None = None  # required with dropout: the forward's mask is regenerated from it
+    alibi_slopes: Any = None
+    attn_mask: Any = None
+
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask")
+
+    def arrays(self) -> tuple[Any, ...]:
+        return (self.dout, self.q, self.k, self.v, self.out, self.lse, self.dlse, self.alibi_slopes, self.attn_mask)
+
+    def on(self, arrays: list[Any]) -> Backward:
+        dout, q, k, v, out, lse, dlse, slopes, mask = arrays
+        return dataclasses.replace(
+            self, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, alibi_slopes=slopes, attn_mask=mask
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class VarlenBackward:
+    """The gradients of one ``attention_varlen`` call; ``lse`` and ``dlse`` are ``(Hq, total_q)``."""
+
+    dout: Any
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    lse: Any
+    dlse: Any
+    cu_seqlens_q: Any
+    cu_seqlens_k: Any
+    max_seqlen_q: int
+    max_seqlen_k: int
+    options: Options
+    deterministic: bool = False
+    dropout_p: float = 0.0
+    seed: int | None = None
+    alibi_slopes: Any = None
+    seqused_k: Any = None
+
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k")
+
+    def arrays(self) -> tuple[Any, ...]:
+        return (self.dout, self.q, self.k, self.v, self.out, self.lse, self.dlse, self.cu_seqlens_q,
+                self.cu_seqlens_k, self.alibi_slopes, self.seqused_k)  # fmt: skip
+
+    def on(self, arrays: list[Any]) -> VarlenBackward:
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, slopes, seqused_k = arrays
+        return dataclasses.replace(
+            self, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            alibi_slopes=slopes, seqused_k=seqused_k,
+        )  # fmt: skip
+
+
+def _prepared(call: Any) -> Any:
+    if call.alibi_slopes is not None:
+        _interop.refuse_slope_grad(call.alibi_slopes)
+    dropout_p, seed = call.dropout_p, call.seed
+    if dropout_p or seed is not None or type(dropout_p) is not float:  # the default skips the checks
+        dropout_p, seed = check_dropout(dropout_p, seed)
+        return dataclasses.replace(call, dropout_p=dropout_p, seed=seed)
+    return call
+
+
+# ---------------------------------------------------------------------------------------------
+# Problems: the arrays' shapes against the options (``_validate``), built once per call.
+# ---------------------------------------------------------------------------------------------
+def problem_of(q: Any, k: Any, v: Any, options: Options, layout: str, dropout_p: float = 0.0,
+               alibi_slopes: Any = None) -> Problem:  # fmt: skip
+    """The ``Problem`` of a dense call (every array checked to be one)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape"):
+            raise TypeError(f"{name} must be an array (CuPy, PyTorch, JAX, NumPy ...), got {type(x).__name__}")
+    problem = attention_problem(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=options.causal, scale=options.scale,
+        window=options.window, softcap=options.softcap, layout=layout, dropout_p=dropout_p,
+    )  # fmt: skip
+    return _with_alibi(problem, alibi_slopes)
+
+
+def forward_problem(call: Forward) -> tuple[Problem, Any]:
+    """A forward's problem and its attn_mask as 4-D (None without one)."""
+    problem = problem_of(call.q, call.k, call.v, call.options, call.layout, call.dropout_p, call.alibi_slopes)
+    return with_mask(problem, call.attn_mask)
+
+
+def with_mask(problem: Problem, attn_mask: Any) -> tuple[Problem, Any]:
+    """The problem with its (checked) attn_mask's kind and 4-D shape, and the mask as 4-D."""
+    if attn_mask is None:
+        return problem, None
+    if not hasattr(attn_mask, "shape") or not hasattr(attn_mask, "dtype"):
+        raise TypeError(f"attn_mask must be an array, got {type(attn_mask).__name__}")
+    kind, shape = check_attn_mask(tuple(attn_mask.shape), "bool" in str(attn_mask.dtype), problem)
+    mask = attn_mask if attn_mask.ndim == 4 else attn_mask.reshape(shape)
+    return dataclasses.replace(problem, mask=kind, mask_shape=shape), mask
+
+
+def _with_alibi(problem: Problem, alibi_slopes: Any) -> Problem:
+    """The problem with the kind of its (checked) ALiBi slopes, against its batch and heads."""
+    if alibi_slopes is None:
+        return problem
+    return dataclasses.replace(problem, alibi=check_alibi(alibi_slopes, problem.batch, problem.heads_q))
+
+
+def varlen_problem_of(
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: Options, dropout_p: float = 0.0,
+    alibi_slopes: Any = None, seqused_k: Any = None, block_table: Any = None,
+) -> Problem:  # fmt: skip
+    """The ``Problem`` of a packed call (its offsets' shapes checked; their values where they live)."""
+    problem = varlen_problem(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(cu_q.shape), tuple(cu_k.shape), max_q, max_k,
+        causal=options.causal, scale=options.scale, window=options.window, softcap=options.softcap,
+        dropout_p=dropout_p, seqused_k_shape=None if seqused_k is None else tuple(seqused_k.shape),
+        block_table_shape=None if block_table is None else tuple(block_table.shape),
+    )  # fmt: skip
+    return _with_alibi(problem, alibi_slopes)
+
+
+def _varlen_call_problem(call: VarlenForward | VarlenBackward, block_table: Any = None) -> Problem:
+    return varlen_problem_of(
+        call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
+        call.options, call.dropout_p, call.alibi_slopes, call.seqused_k, block_table,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward.
+# ---------------------------------------------------------------------------------------------
+def forward(call: Forward, want_lse: bool) -> tuple[Any, Any]:
+    """``attention`` where its arrays live: (out, lse), lse None on the GPU unless wanted."""
+    found = _interop.gpu_arrays(call.names, call.arrays())
+    if found is None:
+        return host_forward(call)
+    lib, device, arrays = found
+    return gpu_forward(lib, device, call.on(arrays), want_lse)
+
+
+def host_forward(call: Forward) -> tuple[Any, Any]:
+    problem, mask = forward_problem(call)
+    dropout = host_dropout(call.q, call.dropout_p, call.seed)
+    return _host.attention(call.q, call.k, call.v, problem, call.algorithm, dropout, call.alibi_slopes, mask)
+
+
+def gpu_forward(
+    lib: _interop.ArrayLib, device: int, call: Forward, want_lse: bool, given: Any = _launch.EMPTY
+) -> tuple[Any, Any]:
+    """The kernels' forward on arrays the pipeline reads: (out, lse), lse None unless wanted.
+    ``given``: output buffers to write, by name (``_launch.run``; XLA's under ``jax.jit``)."""
+    if call.attn_mask is not None:
+        return _gpu_masked(lib, device, call, want_lse)
+    q, k, v, slopes = call.q, call.k, call.v, call.alibi_slopes
+    alibi_key = None if slopes is None else (tuple(slopes.shape), slopes.dtype)
+    key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
+           call.algorithm, call.dropout_p, alibi_key)  # fmt: skip
+    launch = _plans.lookup(key)
+    if launch is None:
+        launch = _plans.get(key, lambda: _plan_forward(lib, device, call))
+    arrays_by_name = {"q": q, "k": k, "v": v, "alibi_slopes": slopes}
+    if call.dropout_p:
+        arrays_by_name["dropout_seed"] = gpu_seed(lib, device, q, call.seed)
+    return _launch.run(launch, lib, device, arrays_by_name, want_lse, given)
+
+
+def _plan_forward(lib: _interop.ArrayLib, device: int, call: Forward) -> _plan.Launch:
+    problem, _ = forward_problem(call)
+    dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(call.q), "k": lib.dtype_name(call.k),
+                                    "v": lib.dtype_name(call.v)})  # fmt: skip
+    _check_slopes_dtype(lib, call.alibi_slopes)
+    info = _device.device_info(device)
+    if call.algorithm in ("fa1", "naive"):
+        if call.dropout_p or call.alibi_slopes is not None:
+            raise ValueError(
+                f"the GPU baseline algorithm={call.algorithm!r} has no dropout or ALiBi: use 'auto' or 'fa2'"
+            )
+        return _baselines_gpu.plan_baseline(problem, dtype, info, call.algorithm)
+    return _plan.plan_attention(problem, dtype, info, call.algorithm, tuple(call.q.shape))
+
+
+def _gpu_masked(lib: _interop.ArrayLib, device: int, call: Forward, want_lse: bool) -> tuple[Any, Any]:
+    """attention with an attn_mask: the FA2 kernel with the mask as a score variant."""
+    problem, mask = forward_problem(call)
+    q, k, v = call.q, call.k, call.v
+    key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, mask.dtype, problem, call.layout,
+           call.algorithm)  # fmt: skip
+
+    def plan() -> _plan.Launch:
+        dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
+        _check_mask_dtype(lib, problem, mask, dtype)
+        return _plan.plan_attention(problem, dtype, _device.device_info(device), call.algorithm, tuple(q.shape))
+
+    launch = _plans.get(key, plan)
+    arrays_by_name = {"q": q, "k": k, "v": v, "attn_mask": mask}
+    if call.dropout_p:
+        arrays_by_name["dropout_seed"] = gpu_seed(lib, device, q, call.seed)
+    return _launch.run(launch, lib, device, arrays_by_name, want_lse)
+
+
+def varlen_forward(call: VarlenForward, want_lse: bool) -> tuple[Any, Any]:
+    """``attention_varlen`` where its arrays live: (out, lse), lse None on the GPU unless wanted."""
+    found = _interop.gpu_arrays(call.names, call.arrays())
+    if found is None:
+        return host_varlen_forward(call)
+    lib, device, arrays = found
+    return gpu_varlen_forward(lib, device, call.on(arrays), want_lse)
+
+
+def host_varlen_forward(call: VarlenForward) -> tuple[Any, Any]:
+    problem = _varlen_call_problem(call, call.block_table)
+    if call.block_table is not None:
+        return _host.attention_varlen(
+            call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, problem, None, call.alibi_slopes,
+            call.seqused_k, block_table=call.block_table,
+        )  # fmt: skip
+    dropout = host_dropout(call.q, call.dropout_p, call.seed)
+    return _host.attention_varlen(
+        call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, problem, dropout, call.alibi_slopes,
+        call.seqused_k,
+    )  # fmt: skip
+
+
+def gpu_varlen_forward(lib: _interop.ArrayLib, device: int, call: VarlenForward, want_lse: bool) -> tuple[Any, Any]:
+    """The kernels of a packed call on arrays the pipeline reads: (out, lse)."""
+    if call.block_table is not None:
+        return _gpu_paged_varlen(lib, device, call, want_lse)
+    q, k, v, cu_q, cu_k, slopes, seqused_k = (
+        call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.alibi_slopes, call.seqused_k
+    )  # fmt: skip
+    problem = _varlen_call_problem(call)
+    key = (lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, cu_q, cu_k, slopes, seqused_k),
+           call.algorithm)  # fmt: skip
+
+    def plan() -> _plan.Launch:
+        dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
+        _check_offset_dtypes(lib, cu_q, cu_k, seqused_k)
+        _check_slopes_dtype(lib, slopes)
+        rows = (q.shape[0], k.shape[0])
+        return _plan.plan_forward(
+            problem, dtype, _device.device_info(device), call.algorithm, q_shape=tuple(q.shape), packed_rows=rows
+        )
+
+    launch = _plans.get(key, plan)
+    arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "alibi_slopes": slopes,
+                      "seqused_k": seqused_k}  # fmt: skip
+    if call.dropout_p:
+        arrays_by_name["dropout_seed"] = gpu_seed(lib, device, q, call.seed)
+    return _launch.run(launch, lib, device, arrays_by_name, want_lse)
+
+
+#: The operands of a paged packed call, in ``VarlenForward.names``' order (``_cascade`` too).
+PAGED_NAMES = VarlenForward.names
+
+
+def _gpu_paged_varlen(lib: _interop.ArrayLib, device: int, call: VarlenForward, want_lse: bool) -> tuple[Any, Any]:
+    """attention_varlen over a paged cache: the FA2 kernel over the cache view."""
+    named = call.arrays()
+    q, k, table = call.q, call.k, call.block_table
+    problem = _varlen_call_problem(call, table)
+    key = (lib.name, device, problem, q.shape, k.shape, table.shape, _dtypes(*named), "paged")
+
+    def plan() -> _plan.Launch:
+        dtypes = {n: None if x is None else lib.dtype_name(x) for n, x in zip(PAGED_NAMES, named)}
+        _check_slopes_dtype(lib, call.alibi_slopes)
+        return _plan.plan_paged_varlen(
+            problem, dtypes, _device.device_info(device), tuple(q.shape), tuple(table.shape), k.shape[0]
+        )
+
+    launch = _plans.get(key, plan)
+    return _launch.run(launch, lib, device, dict(zip(PAGED_NAMES, named)), want_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward.
+# ---------------------------------------------------------------------------------------------
+def backward_problem(call: Backward) -> tuple[Problem, Any]:
+    """A backward's problem (its gradients' shapes checked against q's) and its mask as 4-D."""
+    problem, mask = with_mask(
+        problem_of(call.q, call.k, call.v, call.options, call.layout, call.dropout_p, call.alibi_slopes),
+        call.attn_mask,
+    )
+    lse_shape = (problem.batch, problem.heads_q, problem.seqlen_q)
+    _check_shapes(call, (call.q.shape, call.q.shape, lse_shape, lse_shape))
+    return problem, mask
+
+
+def backward(call: Backward) -> tuple[Any, Any, Any]:
+    """``attention_backward`` where its arrays live: (dq, dk, dv)."""
+    problem, mask = backward_problem(call)
+    found = _interop.gpu_arrays(call.names, (*call.arrays()[:-1], mask))
+    if found is None:
+        dropout = Dropout(call.dropout_p, call.seed) if call.seed is not None else None
+        return _host.attention_backward(
+            call.dout, call.q, call.k, call.v, call.out, call.lse, call.dlse, problem, dropout, call.alibi_slopes, mask
+        )
+    lib, device, arrays = found
+    return gpu_backward(lib, device, call.on(arrays), problem)
+
+
+def gpu_backward(
+    lib: _interop.ArrayLib, device: int, call: Backward, problem: Problem, given: Any = _launch.EMPTY
+) -> tuple[Any, Any, Any]:
+    """The kernels' backward on arrays the pipeline reads (``problem``: the call's, checked, its
+    mask 4-D as ``call.attn_mask``): (dq, dk, dv). ``given``: output buffers to write, by name."""
+    q, k, v, out, dout, lse, dlse, slopes, mask = (
+        call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.alibi_slopes, call.attn_mask
+    )  # fmt: skip
+    key = ("bwd", lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, out, dout, lse, dlse, slopes, mask),
+           call.deterministic)  # fmt: skip
+
+    def plan() -> _plan.Launch:
+        _check_slopes_dtype(lib, slopes)
+        dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
+        _check_mask_dtype(lib, problem, mask, dtype)
+        return _plan.plan_backward(
+            problem, dtype, _device.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
+            deterministic=call.deterministic,
+        )  # fmt: skip
+
+    launch = _plans.get(key, plan)
+    arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
+                      "dropout_seed": call.seed, "alibi_slopes": slopes, "attn_mask": mask}  # fmt: skip
+    dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name, given)
+    return dq, dk, dv
+
+
+def varlen_backward(call: VarlenBackward) -> tuple[Any, Any, Any]:
+    """``attention_varlen_backward`` where its arrays live: (dq, dk, dv)."""
+    problem = _varlen_call_problem(call)
+    lse_shape = (problem.heads_q, call.q.shape[0])
+    _check_shapes(call, (call.q.shape, call.q.shape, lse_shape, lse_shape))
+    found = _interop.gpu_arrays(call.names, call.arrays())
+    if found is None:
+        dropout = Dropout(call.dropout_p, call.seed) if call.seed is not None else None
+        return _host.attention_varlen_backward(
+            call.dout, call.q, call.k, call.v, call.out, call.lse, call.dlse, call.cu_seqlens_q, call.cu_seqlens_k,
+            problem, dropout, call.alibi_slopes, call.seqused_k,
+        )  # fmt: skip
+    lib, device, arrays = found
+    dout, q, k, v, out, lse, dlse, cu_q, cu_k, slopes, seqused_k = arrays
+    key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape,
+           _dtypes(q, k, v, out, dout, lse, dlse, cu_q, cu_k, slopes, seqused_k), call.deterministic)  # fmt: skip
+
+    def plan() -> _plan.Launch:
+        dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
+        _check_offset_dtypes(lib, cu_q, cu_k, seqused_k)
+        _check_slopes_dtype(lib, slopes)
+        return _plan.plan_backward(
+            problem, dtype, _device.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
+            packed_rows=(q.shape[0], k.shape[0]), deterministic=call.deterministic,
+        )  # fmt: skip
+
+    launch = _plans.get(key, plan)
+    arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
+                      "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "dropout_seed": call.seed,
+                      "alibi_slopes": slopes, "seqused_k": seqused_k}  # fmt: skip
+    dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout's seed, and the dtype checks a plan makes once.
+# ---------------------------------------------------------------------------------------------
+def gpu_seed(lib: _interop.ArrayLib, device: int, x: Any, seed: int | None) -> int:
+    """The seed of a GPU call with dropout: the caller's, or a fresh one (never under capture)."""
+    if seed is not None:
+        return seed
+    if _interop.stream_is_capturing(lib.stream(device)):
+        raise _interop.dropout_capture_error()
+    return _interop.draw_seed(x)
+
+
+def host_dropout(x: Any, dropout_p: float, seed: int | None) -> Dropout | None:
+    if not dropout_p:
+        return None
+    return Dropout(dropout_p, _interop.draw_seed(x) if seed is None else seed)
+
+
+def backward_dropout(dropout_p: Any, seed: Any) -> tuple[float, int | None]:
+    """The forward's dropout, checked; its seed is required (the mask is regenerated from it)."""
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    if dropout_p and seed is None:
+        raise ValueError("a backward with dropout_p > 0 needs the forward's seed= (its mask is regenerated from it)")
+    return dropout_p, seed if dropout_p else None
+
+
+def _dtypes(*arrays: Any) -> tuple[Any, ...]:
+    """Every array's dtype for a plan key (None for an absent optional array): a plan checks the
+    dtypes once, so a call whose dtypes differ must not find it."""
+    return tuple(None if x is None else x.dtype for x in arrays)
+
+
+def _check_slopes_dtype(lib: _interop.ArrayLib, slopes: Any) -> None:
+    if slopes is not None and lib.dtype_name(slopes) != "float32":
+        raise TypeError(f"alibi_slopes must be float32 (as flash-attn's), got {lib.dtype_name(slopes)}")
+
+
+def _check_mask_dtype(lib: _interop.ArrayLib, problem: Problem, mask: Any, dtype: str) -> None:
+    if problem.mask == "additive" and lib.dtype_name(mask) != dtype:
+        raise TypeError(
+            f"an additive attn_mask must have q's dtype {dtype} on the GPU (as SDPA's), got {lib.dtype_name(mask)}"
+        )
+
+
+def _check_offset_dtypes(lib: _interop.ArrayLib, cu_q: Any, cu_k: Any, seqused_k: Any) -> None:
+    _plan.check_int32({"cu_seqlens_q": lib.dtype_name(cu_q), "cu_seqlens_k": lib.dtype_name(cu_k),
+                       "seqused_k": None if seqused_k is None else lib.dtype_name(seqused_k)})  # fmt: skip
+
+
+def _check_shapes(call: Backward | VarlenBackward, shapes: tuple[Any, ...]) -> None:
+    """dout, out, lse and dlse (if given) against the shapes the forward gives them."""
+    for name, x, shape in zip(("dout", "out", "lse", "dlse"), (call.dout, call.out, call.lse, call.dlse), shapes):
+        if x is None:
+            continue
+        if not hasattr(x, "shape"):
+            raise TypeError(f"{name} must be an array (CuPy, PyTorch, JAX, NumPy ...), got {type(x).__name__}")
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def _backward_dtypes(lib: _interop.ArrayLib, q: Any, k: Any, v: Any, out: Any, dout: Any, lse: Any, dlse: Any) -> str:
+    dtype = _plan.check_gpu_dtypes({n: lib.dtype_name(x) for n, x in
+                                    (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout))})  # fmt: skip
+    for name, x in (("lse", lse), ("dlse", dlse)):
+        if x is not None and lib.dtype_name(x) != "float32":
+            raise TypeError(f"{name} must be float32 (as attention returns the LSE), got {lib.dtype_name(x)}")
+    return dtype

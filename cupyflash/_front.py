@@ -1,0 +1,103 @@
+"""The front door: the one route every forward entry point's call takes, written once.
+
+A public function checks its options, builds its call (``_attention.Forward`` ...) and hands it
+here with its ``Operation``, which names the executors and the framework adapters of that entry
+point. The route, in order:
+
+1. torch.compile tracing the call: the PyTorch custom op (Dynamo keeps it in its graph as one
+   opaque op), or a refusal where the entry point has none;
+2. CuPy arrays or CUDA tensors on one GPU (a few attribute reads: the per-token path);
+3. JAX tracers (``jax.jit``, ``grad``, ``vmap``): the XLA custom call, where the entry point has
+   one (else ``_interop.gpu_arrays`` refuses them, naming the way out);
+4. any other arrays: their library and device found once (``_interop.gpu_arrays``), host arrays
+   to the array-API algorithms;
+5. PyTorch tensors that require grad: the custom op, which has the backward (or a refusal, never
+   a detached result);
+6. the GPU executor.
+
+The adapters (``_torch_ops``, ``_jax``) are imported here on first use, so importing cupyflash
+imports neither torch nor jax; they call the executors, never the public functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import _interop
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """What the route needs of one forward entry point."""
+
+    name: str  # the public function, for messages
+    host: Callable[[Any], tuple[Any, Any]]  # the array-API algorithms: call -> (out, lse)
+    gpu: Callable[[_interop.ArrayLib, int, Any, bool], tuple[Any, Any]]  # the kernels
+    torch: str | None = None  # the _torch_ops function taking the call through its custom op
+    jax: str | None = None  # the _jax function staging the call as an XLA custom call
+    differentiable: int = 3  # the call's first arrays that autograd differentiates (q, k, v)
+
+
+def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, Any]:
+    """``call`` by the route above: (out, lse), lse None on the GPU unless wanted."""
+    if _interop.compiling():
+        return _torch_route(op, call, want_lse, "does not run under torch.compile yet")
+    arrays = call.arrays()
+    found = _interop.lean_arrays(arrays[0], arrays[1], arrays[2], arrays[3:])
+    if found is None:
+        if op.jax is not None and _interop.traced(arrays):
+            return getattr(jax_ops(), op.jax)(call, want_lse)
+        call = call.prepared()
+        on_gpu = _interop.gpu_arrays(call.names, call.arrays())
+        if on_gpu is None:
+            if _interop.needs_autograd(arrays[: op.differentiable]):
+                return _torch_route(op, call, want_lse, "has no backward pass")
+            return op.host(call)
+        lib, device, adopted = on_gpu
+        call = call.on(adopted)
+    else:
+        call = call.prepared()
+        lib, device = found
+    if lib.check_inputs(arrays[: op.differentiable]):  # tensors that require grad, grad mode on
+        return _torch_route(op, call, want_lse, "has no backward pass")
+    return op.gpu(lib, device, call, want_lse)
+
+
+def _torch_route(op: Operation, call: Any, want_lse: bool, missing: str) -> tuple[Any, Any]:
+    if op.torch is None:
+        if missing == "has no backward pass":
+            _interop.refuse_autograd(op.name)
+        raise NotImplementedError(f"{op.name} {missing}")
+    return getattr(torch_ops(), op.torch)(call, want_lse)
+
+
+def results(out: Any, lse: Any, return_lse: bool) -> Any:
+    return (out, lse) if return_lse else out
+
+
+@functools.cache
+def torch_ops() -> Any:
+    """``_torch_ops``: the PyTorch custom ops (registered with torch on import)."""
+    from . import _torch_ops
+
+    return _torch_ops
+
+
+@functools.cache
+def jax_ops() -> Any:
+    """``_jax``: the XLA custom calls, imported on the first traced call (importing cupyflash
+    never imports jax)."""
+    from . import _jax
+
+    return _jax
+
+
+# The PyTorch custom ops exist before any call is traced: now if torch is imported, else once
+# cupyflash first meets a tensor.
+_interop.when_torch_imported(torch_ops)
+if "torch" in sys.modules:
+    torch_ops()
