@@ -314,7 +314,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   constexpr int kDqKeys = Split_keys ? 64 : kBlockN;
   // One issuer and one reduce of the whole tile per step at d = 128: each consumer adding its own
   // half (two 16 KB reduces, one barrier fewer per step) measured 5-9% slower
-  // (docs/gpu_runs/2026-12-01-hopper-backward/two-issuers/).
+  // (docs/evidence.md (2026-12-01-hopper-backward)).
   const bool dq_issuer = !Traits::Dq_writer && tid == 0 && (Split_keys || consumer == 0);
   const uint32_t dq_staging = smem.dq() + (Split_keys ? consumer * Traits::kDqTileBytes : 0);
   // dS^T complete, dQ staged: among the consumers that share them.

@@ -2,7 +2,7 @@
 // CollectiveMainloopFwd::load): the TMA loads of one tile, Q and then K_j and V_j of every visited
 // key block into the kStages-deep mbarrier ring. The consumer side (the software-pipelined
 // wgmma / softmax loop) stays in fa3_fwd.cu as lambdas over the kernel's locals: moved into a
-// struct's methods it compiled to different SASS (docs/gpu_runs/cubin-identity.txt).
+// struct's methods it compiled to different SASS (docs/evidence.md, cubin-identity.txt).
 #pragma once
 
 #include "common.cuh"
