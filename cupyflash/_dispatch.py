@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 # head_dim -> candidates, best first. TFLOP/s measured on the H200 (bf16, B * N = 16384,
 # H * d = 2048; N = 1024 / 4096 / 16384, non-causal then causal; scripts/tune.py fa2,
-# docs/gpu_runs/): the 4-warp 32-row tiles fit two CTAs per SM, whose independent barriers
+# docs/evidence.md, tuning-2026-11-29): the 4-warp 32-row tiles fit two CTAs per SM, whose independent barriers
 # keep the tensor cores busier than one 8-warp CTA in lock-step.
 FA2_FWD_TILES: dict[int, tuple[TileConfig, ...]] = {
     # 189/146 208/192 214/212 vs 128x128 8 warps 152/115 171/155 177/174
@@ -75,8 +75,8 @@ FA2_FWD_SOFTCAP_TILES: dict[int, tuple[TileConfig, ...]] = {
 # An attn_mask's element loads per score (with their addresses) spilled d = 32's and 64's four-warp
 # tiles (two row tiles a warp) by 12-92 B on sm_80: eight warps of one row tile at d <= 64.
 # d = 128: 128 x 64 with Q in registers, 1.13-1.24x the 128 x 32 tile with a mask's tiles staged
-# (H200, bf16, four mask kinds at N = 1k and 4k; docs/gpu_runs/2026-12-02-softcap-alibi-masks/
-# run5/); up to 255 registers on sm_80, no spill. d = 192 runs its plain tiles and d = 256 its
+# (H200, bf16, four mask kinds at N = 1k and 4k; docs/evidence.md,
+# 2026-12-02-softcap-alibi-masks); up to 255 registers on sm_80, no spill. d = 192 runs its plain tiles and d = 256 its
 # 32-key softcap tiles (0 spills with every flag on both archs; 64-key tiles spilled 24 B).
 FA2_FWD_MASK_TILES: dict[int, tuple[TileConfig, ...]] = {
     32: (TileConfig(128, 64, 8),),
@@ -182,7 +182,7 @@ def all_fa2_kvcache_specs(max_smem: int = 232448) -> list[Fa2FwdSpec]:
 # or not (uniform tiles: persistent CTAs on a static stride). Uneven tiles run either one CTA per
 # tile or, with `dynamic`, persistent CTAs drawing tiles from a global counter (in tile order:
 # each (batch, head)'s longest first).
-# Measured on the H200 (bf16, the prefill shapes; scripts/tune.py fa3, docs/gpu_runs/): TFLOP/s
+# Measured on the H200 (bf16, the prefill shapes; scripts/tune.py fa3, docs/evidence.md): TFLOP/s
 # at N = 1024/4096/16384.
 # Two consumers keep S (block_n / 2 fp32 per thread), P and O (d / 2) in the 240 registers each
 # consumer thread gets; d = 256's O takes 128, so its key block is 64 and its O is staged in the
@@ -206,7 +206,7 @@ FA3_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 
 #: Head dims up to this one run on the FA2 kernel at its own narrower tile width instead of the
 #: Hopper kernel at the wider one. H200, bf16, N = 4096, TFLOP/s counted at the
-#: caller's head dim, FA2 / Hopper (scripts/tune.py head-dims, docs/gpu_runs/2026-12-01-head-dims/):
+#: caller's head dim, FA2 / Hopper (scripts/tune.py head-dims, docs/evidence.md (2026-12-01-head-dims)):
 #: d = 32 221 / 216, causal 181 / 193 (a tie: FA2 kept for d <= 32, which run both kernels at
 #: the same widths, 32 and 64); d = 96 230 / 460, causal 203 / 376; d = 192 246 / 490, causal
 #: 214 / 379 -- so 96 and 192 run at 128 and 256 on Hopper.
@@ -221,7 +221,7 @@ FA3_SHORT_SEQLEN = 2048
 # other's GEMMs; with many, three consumers' larger tile amortises each K/V load over more rows.
 # Its dynamic schedule (tiles drawn from a counter, though all are equal) measured 352-359
 # against 328-336 static in three runs: a CTA that falls behind (31 tiles each) draws fewer.
-# d = 128 kept its static schedule: dynamic 454/474 against 461-480 (docs/gpu_runs/
+# d = 128 kept its static schedule: dynamic 454/474 against 461-480 (docs/evidence.md,
 # 2026-11-29-short-dynamic-probe).
 FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
     (64, False): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
@@ -342,7 +342,7 @@ def all_naive_softmax_specs() -> list[NaiveSoftmaxSpec]:
 # first whose block_m holds every row is used, the last one tiles larger groups over m-blocks.
 # Each warp streams its own ring of 16-key K/V slices. H200, bf16, d = 128, Hq/Hkv = 32/8, one
 # token, us at (B, L) = (1, 128k) (8, 32k) (8, 128k) (64, 4k), scripts/tune.py decode,
-# docs/gpu_runs/2026-11-29-decode/: 8 warps x 2 stages (1 CTA/SM) 176 272 970 274, against
+# docs/evidence.md (2026-11-29-decode): 8 warps x 2 stages (1 CTA/SM) 176 272 970 274, against
 # 4 warps x 3 stages (2 CTAs/SM) 191 301 1008 307, 4 x 2 (3 CTAs/SM) 203 296 977 284, 2 x 3
 # (4 CTAs/SM) 213 313 1007 311, 32-key slices 173 285 981 278. d = 64 follows d = 128 (not
 # measured apart); d = 256 keeps 4 warps x 3 stages (8 x 2 would need 264 KB).
@@ -361,8 +361,8 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 4
 
 # A float8 cache's tiles: the 16-bit cache's with twice the stages (its slices are half the
 # bytes), but at d = 128 and 16 rows Q is read from shared memory at each step (123 registers, not
-# 170) for 2 CTAs per SM: on the H200 (bf16 q, GQA 32/8, e4m3, docs/gpu_runs/2026-12-02-fp8-
-# decode/call3_tiles.log) 1.57-1.71x the bf16 cache's speed against 1.43-1.66x at 1 CTA per SM, and
+# 170) for 2 CTAs per SM: on the H200 (bf16 q, GQA 32/8, e4m3, docs/evidence.md,
+# 2026-12-02-fp8-decode) 1.57-1.71x the bf16 cache's speed against 1.43-1.66x at 1 CTA per SM, and
 # 1.17x against 0.92x at B = 1, L = 32k; 8 warps x 2 stages measured the same, 4 warps x 3 stages
 # (4 CTAs per SM) 1.41-1.67x. At d = 64, 2 CTAs per SM measured 1.13-1.22x against 1.16-1.23x.
 FP8_DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {

@@ -62,7 +62,7 @@ def cuda_times_ms(
     low-power kernel (mma.sync: the FA2 kernel, PyTorch's flash backend) may measure lower here
     than alone after its own warm-up: flash at d = 128, N = 16384 gave 324 TFLOP/s in the first
     interleaved run (rotating) against 340 and 341 timed in blocks the same day, on another host
-    (docs/gpu_runs/2026-11-30-1661eae/, 2026-11-30-504d286/).
+    (docs/evidence.md: 2026-11-30-1661eae, 2026-11-30-504d286).
 
     With ``calls`` > 1 a sample is that many back-to-back calls between one pair of events,
     divided by ``calls``: the per-call time of a stream of calls, where each call's host work
