@@ -1,15 +1,27 @@
-"""Every kernel variant the dispatcher can pick compiles through NVRTC for its targets (FA2, FA1,
-naive, decode: sm_80 and sm_90a; the Hopper kernels: sm_90a; in one element type per arch and a
-sample of the other, below, unless CUPYFLASH_COMPILE_ALL=1) on a machine with no GPU, with no
-local-memory spills, no serialised wgmma and no compiler warning, and with the kernel's own shared-memory
-count equal to the spec's (each entry's static_assert); scripts/sass_evidence.py shows the Hopper kernel's
-HGMMA / UTMALDG."""
+"""Kernel variants compile through NVRTC for their targets (FA2, FA1, naive, decode: sm_80 and
+sm_90a; the Hopper kernels: sm_90a) on a machine with no GPU, with no local-memory spills, no
+serialised wgmma and no compiler warning, and with the kernel's own shared-memory count equal to
+the spec's (each entry's static_assert); scripts/sass_evidence.py shows the Hopper kernel's
+HGMMA / UTMALDG.
+
+Which variants, by ``CUPYFLASH_COMPILE_ALL``:
+
+* unset or 0 (the default, ``python -m pytest -n auto``: a few minutes on two cores): a sample.
+  Every kernel family on every arch it targets, and for each kernel shape (family, arch, head
+  dim, tile and every other field that is not a mask flag) the variant with the most mask flags
+  (causal, window, softcap, dropout, ALiBi, attn_mask, deterministic, varlen: the most registers,
+  so the one most likely to spill) and the one with the fewest, in the arch's element type; the
+  other element type's twin of each family's widest heaviest variant.
+* 1 (CI: ``.ci/run`` sets it): every variant the dispatcher can pick, in one element type per
+  arch, and the other type's twin of every 8th (SELECT_OTHER_TYPE below).
+* 2: every variant in both element types, as ``python -m cupyflash warmup`` builds them on a GPU.
+"""
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
@@ -82,11 +94,15 @@ ALL_JOBS = [
 
 # A variant's two element types take the same registers (60 sampled float16 / bfloat16 pairs on
 # both archs: 59 equal, one a register apart, none spilling): only the conversions and the MMA's
-# type differ. So CI builds every variant in one type per arch (float16 for sm_80, bfloat16 for
-# sm_90a, the H200's) and the other type's twin of every 8th (the build is most of CI's time on
-# two cores); CUPYFLASH_COMPILE_ALL=1 builds every one, as warmup does on the GPU machine.
+# type differ. So level 1 builds every variant in one type per arch (float16 for sm_80, bfloat16
+# for sm_90a, the H200's) and the other type's twin of every 8th (the build is most of CI's time on
+# two cores); level 2 builds every one, as warmup does on the GPU machine.
 PRIMARY_DTYPE = {"sm_80": "float16", "sm_90a": "bfloat16"}
 OTHER_TYPE_EVERY = 8
+LEVEL = int(os.environ.get("CUPYFLASH_COMPILE_ALL") or 0)
+# The fields that switch a masking or gradient feature on (each adds code and registers to the
+# same kernel shape); every other field but the element type makes the shape.
+FLAG_FIELDS = ("causal", "local", "softcap", "dropout", "alibi", "mask", "deterministic", "varlen")
 
 
 def select_jobs(jobs: list[tuple[KernelSpec, str]], build_all: bool) -> list[tuple[KernelSpec, str]]:
@@ -107,7 +123,48 @@ def select_jobs(jobs: list[tuple[KernelSpec, str]], build_all: bool) -> list[tup
     return kept
 
 
-JOBS = select_jobs(ALL_JOBS, os.environ.get("CUPYFLASH_COMPILE_ALL") == "1")
+def flag_count(spec: KernelSpec) -> int:
+    return sum(bool(getattr(spec, name, False)) for name in FLAG_FIELDS)
+
+
+def kernel_shape(job: tuple[KernelSpec, str]) -> tuple[object, ...]:
+    """(family, arch, every field but the element type and the flags): head dim, tile, ..."""
+    spec, arch = job
+    rest = tuple((f.name, getattr(spec, f.name)) for f in fields(spec) if f.name not in (*FLAG_FIELDS, "dtype"))
+    return (type(spec).__name__, arch, *rest)
+
+
+def sample_jobs(jobs: list[tuple[KernelSpec, str]]) -> list[tuple[KernelSpec, str]]:
+    """The default sample of ``jobs`` (the module's docstring): for each kernel shape its variants
+    with the most and the fewest flags in the arch's element type (the first of each in list
+    order), and for each (family, arch) the other type's twin of the widest heaviest one."""
+    shapes: dict[tuple[object, ...], list[tuple[KernelSpec, str]]] = {}
+    for job in select_jobs(jobs, build_all=False):
+        shapes.setdefault(kernel_shape(job), []).append(job)
+
+    def typed(job: tuple[KernelSpec, str]) -> bool:  # in the arch's element type (or none)
+        spec, arch = job
+        return getattr(spec, "dtype", PRIMARY_DTYPE[arch]) == PRIMARY_DTYPE[arch]
+
+    heaviest = [max(group, key=lambda j: (flag_count(j[0]), typed(j))) for group in shapes.values()]
+    lightest = [min(group, key=lambda j: (flag_count(j[0]), not typed(j))) for group in shapes.values()]
+    families: dict[tuple[str, str], tuple[KernelSpec, str]] = {}
+    for spec, arch in heaviest:  # per (family, arch): the widest head dim, then the most flags
+        key = (type(spec).__name__, arch)
+        rank = (getattr(spec, "head_dim", 0), flag_count(spec))
+        best = families.get(key)
+        if best is None or rank > (getattr(best[0], "head_dim", 0), flag_count(best[0])):
+            families[key] = (spec, arch)
+    present = set(jobs)
+    twins = []
+    for spec, arch in families.values():
+        other = {"float16": "bfloat16", "bfloat16": "float16"}.get(getattr(spec, "dtype", ""))
+        if other is not None and (replace(spec, dtype=other), arch) in present:
+            twins.append((replace(spec, dtype=other), arch))
+    return list(dict.fromkeys([*heaviest, *lightest, *twins]))
+
+
+JOBS = ALL_JOBS if LEVEL >= 2 else select_jobs(ALL_JOBS, build_all=False) if LEVEL == 1 else sample_jobs(ALL_JOBS)
 
 
 def _build(job):
@@ -115,46 +172,59 @@ def _build(job):
     return spec.name, arch, _kernels.compile_offline(spec, arch)
 
 
-@pytest.fixture(scope="module")
-def builds():
-    """All variants, compiled on a thread pool (NVRTC runs without the GIL)."""
-    first = _build(JOBS[0])  # alone first: loads NVRTC and its builtins library once
+def _build_all(jobs: list[tuple[KernelSpec, str]]) -> list[tuple[str, str, _kernels.OfflineBuild]]:
+    """The jobs compiled on a thread pool (NVRTC runs without the GIL)."""
+    first = _build(jobs[0])  # alone first: loads NVRTC and its builtins library once
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        return [first, *pool.map(_build, JOBS[1:])]
+        return [first, *pool.map(_build, jobs[1:])]
 
 
-def test_every_variant_is_built_in_some_element_type():
-    """Every (variant less its element type, arch) of the full list is among the jobs."""
+def test_the_jobs_cover_what_their_level_promises():
+    """Level 1 and 2: every (variant less its element type, arch) of the full list is among the
+    jobs. The sample: every kernel shape of every family and arch, each with as many flags as the
+    full list's heaviest variant of that shape."""
+    if LEVEL >= 1:
 
-    def untyped(job):
-        spec, arch = job
-        return (replace(spec, dtype="float16") if getattr(spec, "dtype", None) == "bfloat16" else spec), arch
+        def untyped(job):
+            spec, arch = job
+            return (replace(spec, dtype="float16") if getattr(spec, "dtype", None) == "bfloat16" else spec), arch
 
-    assert {untyped(job) for job in ALL_JOBS} == {untyped(job) for job in JOBS}
-    assert len(JOBS) < len(ALL_JOBS) or os.environ.get("CUPYFLASH_COMPILE_ALL") == "1"
+        assert {untyped(job) for job in ALL_JOBS} == {untyped(job) for job in JOBS}
+        assert len(JOBS) < len(ALL_JOBS) or LEVEL >= 2
+        return
+    most: dict[tuple[object, ...], dict[str, int]] = {}
+    for which, jobs in (("all", ALL_JOBS), ("sampled", JOBS)):
+        for spec, arch in jobs:
+            counts = most.setdefault(kernel_shape((spec, arch)), {})
+            counts[which] = max(counts.get(which, 0), flag_count(spec))
+    assert [shape for shape, counts in most.items() if counts.get("sampled") != counts["all"]] == []
+    assert {(type(s), a) for s, a in JOBS} == {(type(s), a) for s, a in ALL_JOBS}
+    assert {a for s, a in JOBS} == set(FA1_DEVICE_SMEM)
+    assert len(JOBS) < len(ALL_JOBS) // 4
 
 
-def test_every_variant_compiles_without_spills(builds):
+def test_every_variant_compiles_cleanly():
+    """One test for the one build (its checks in separate tests would let pytest-xdist build the
+    list on two workers): every job gives a cubin with no local-memory spill, no serialised wgmma
+    and no compiler warning."""
+    builds = _build_all(JOBS)
     assert len(builds) == len(JOBS) > 0
-    spilled = [(name, arch, b.spill_bytes) for name, arch, b in builds if b.spill_bytes]
-    assert not spilled, f"variants spilling to local memory: {spilled}"
     for name, arch, build in builds:
         assert build.cubin, f"{name} {arch}: empty cubin"
         assert f"Compiling entry function '{name}' for '{arch}'" in build.log
-
-
-def test_no_wgmma_is_serialised(builds):
+    spilled = [(name, arch, b.spill_bytes) for name, arch, b in builds if b.spill_bytes]
     # ptxas serialises every wgmma of a kernel (C7514/C7515) when some control-flow path touches
     # an accumulator while its wgmma may be in flight: correct, but the overlap is gone.
     serialised = [(name, arch) for name, arch, b in builds if "wgmma.mma_async instructions are serialized" in b.log]
-    assert not serialised, f"variants whose wgmmas ptxas serialised: {serialised}"
-
-
-def test_no_variant_compiles_with_warnings(builds):
     # NVRTC returns its front-end warnings (e.g. #607: a pragma not followed by a loop, which
     # silently does nothing) in the same log as ptxas's -v lines; those say "ptxas info".
     warned = [(name, arch, b.warnings) for name, arch, b in builds if b.warnings]
-    assert not warned, f"variants compiled with warnings: {warned}"
+    problems = [
+        f"variants spilling to local memory: {spilled}" * bool(spilled),
+        f"variants whose wgmmas ptxas serialised: {serialised}" * bool(serialised),
+        f"variants compiled with warnings: {warned}" * bool(warned),
+    ]
+    assert not any(problems), "\n".join(p for p in problems if p)
 
 
 def test_a_warning_is_seen(monkeypatch):
