@@ -20,6 +20,7 @@ _ATTENTION = _front.Operation(
 _VARLEN = _front.Operation(
     "attention_varlen", _attention.host_varlen_forward, _attention.gpu_varlen_forward, torch="attention_varlen"
 )
+_FP8_ATTENTION = _front.Operation("the FP8 forward", _fp8_forward.host_forward, _fp8_forward.gpu_forward)
 _PAGED_VARLEN = _front.Operation(
     "attention_varlen with a block_table", _attention.host_varlen_forward, _attention.gpu_varlen_forward
 )
@@ -205,12 +206,11 @@ def attention(
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
+    options = check_options(causal, scale, window, softcap)
     if _fp8_forward.is_fp8_call(q, (q_descale, k_descale, v_descale), fp8_dtype):
-        return _fp8_forward.attention_fp8(
-            q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, layout=layout, algorithm=algorithm,
-            return_lse=return_lse, dropout_p=dropout_p, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
-            descales=(q_descale, k_descale, v_descale), out_dtype=out_dtype, fp8_dtype=fp8_dtype,
-        )  # fmt: skip
+        _fp8_forward.refuse_options(options, algorithm, dropout_p, alibi_slopes, attn_mask)
+        fp8 = _fp8_forward.Fp8Forward(q, k, v, options, layout, (q_descale, k_descale, v_descale), out_dtype, fp8_dtype)
+        return _front.results(*_front.route(_FP8_ATTENTION, fp8, return_lse), return_lse)
     if out_dtype is not None:
         raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
     algorithm = check_algorithm("attention", algorithm)
@@ -219,9 +219,8 @@ def attention(
     if deterministic is not False and deterministic is not True:
         deterministic = check_flag("deterministic", deterministic)
     call = _attention.Forward(
-        q, k, v, check_options(causal, scale, window, softcap), layout, algorithm, deterministic, dropout_p, seed,
-        alibi_slopes, attn_mask,
-    )  # fmt: skip
+        q, k, v, options, layout, algorithm, deterministic, dropout_p, seed, alibi_slopes, attn_mask
+    )
     return _front.results(*_front.route(_ATTENTION, call, return_lse), return_lse)
 
 

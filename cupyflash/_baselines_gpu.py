@@ -28,21 +28,18 @@ from . import _device, _interop
 from ._dispatch import fa1_tiles
 from ._interop import ArrayLib
 from ._params import PARAMS_STRUCTS
-from ._plan import (
+from ._plan.common import (
     LAYOUT_AXES,
     MAX_SOFTCAP_PRESCALE,
     STRIDE_NAMES,
     ZERO_SCALE_SURROGATE,
-    KernelStep,
-    Launch,
-    Output,
-    Temporary,
     attn_fields,
     check_grid,
     contiguous_strides,
     softmax_factors,
     tile_operand,
 )
+from ._plan.model import KernelStep, Launch, Output, Temporary
 from ._specs import FA1_HEAD_DIMS, Fa1FwdSpec, NaiveSoftmaxSpec
 from ._validate import Problem
 

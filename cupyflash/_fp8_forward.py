@@ -18,12 +18,14 @@ softmax, a plausible answer; a negative one breaks the online softmax's maximum)
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from . import _attention, _device, _host, _interop, _launch, _plan
 from ._fp8 import dtype_name, host_scale, scale_form
 from ._specs import FP8_FWD_HEAD_DIMS, HOPPER_ARCH
-from ._validate import check_options
+from ._validate import Options, Problem
 
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 OUT_DTYPES = ("bfloat16", "float16")
@@ -45,101 +47,50 @@ def is_fp8_call(q: Any, descales: tuple[Any, Any, Any], fp8_dtype: Any) -> bool:
     return "float8" in name or name.endswith("uint8")  # int8 and bool get the usual dtype error
 
 
-def attention_fp8(
-    q: Any, k: Any, v: Any, *, causal: bool, scale: float | None, window: tuple[int, int], softcap: float,
-    layout: str, algorithm: str, return_lse: bool, dropout_p: float, alibi_slopes: Any, attn_mask: Any,
-    descales: tuple[Any, Any, Any], out_dtype: Any, fp8_dtype: Any,
-) -> Any:  # fmt: skip
-    """``attention`` on float8 inputs (its arguments, checked here)."""
-    if attn_mask is not None or alibi_slopes is not None or dropout_p or softcap or algorithm != "auto":
-        _refuse_options(attn_mask, alibi_slopes, dropout_p, softcap, window, algorithm)
-    if _interop.compiling():
-        raise NotImplementedError("the FP8 forward is not a torch.compile op yet: call it outside the compiled region")
-    # The straight path (CuPy arrays or CUDA tensors, a call planned before): the plan's checks
-    # hold for every call with its key; only a host descale's value is checked per call.
-    arrays = (q, k, v)
-    descale_arrays = tuple(None if x is None or isinstance(x, (int, float)) else x for x in descales)
-    found = _interop.lean_arrays(q, k, v, descale_arrays)
-    if found is not None and not found[0].check_inputs(arrays):
-        lib, device = found
-        key = _key(lib, device, q, k, v, causal, scale, window, layout, out_dtype, fp8_dtype, descale_arrays)
-        planned = _plans.lookup(key)
-        if planned is not None:
-            return _run(planned, lib, device, q, k, v, descales, descale_arrays, return_lse)
-    _refuse_options(attn_mask, alibi_slopes, dropout_p, softcap, window, algorithm)
-    if scale is not None and not scale > 0:
-        raise ValueError(f"the FP8 forward takes a positive scale, got {scale!r}")
-    options = check_options(causal, scale, window, softcap)
-    out_name = _outdtype_name(out_dtype)
-    if _interop.traced(arrays):
-        raise NotImplementedError("the FP8 forward does not run under a JAX transformation yet")
-    if _interop.needs_autograd(arrays):
-        _interop.refuse_autograd("the FP8 forward")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_e4m3(name, x, fp8_dtype)
-    problem = _attention.problem_of(q, k, v, options, layout)
-    hosts = [host_scale(name, x) for name, x in zip(DESCALE_NAMES, descales, strict=True)]
-    device_descales = tuple(None if h is not None or x is None else x for h, x in zip(hosts, descales, strict=True))
-    found_all = _interop.gpu_arrays(("q", "k", "v", *DESCALE_NAMES), (q, k, v, *device_descales))
-    if found_all is None:
-        out, lse = _host_fp8(q, k, v, problem, descales, out_name)
-        return (out, lse) if return_lse else out
-    lib, device, _ = found_all
-    if lib.name not in (_interop.CUPY, _interop.TORCH):
-        raise NotImplementedError("the FP8 forward takes PyTorch float8 tensors or CuPy uint8 arrays on the GPU")
-    forms = {
-        name: "host" if x is None else _descale_form(lib, name, x, problem.batch, problem.heads_kv)
-        for name, x in zip(DESCALE_NAMES, device_descales, strict=True)
-    }
+@dataclass(frozen=True, slots=True)
+class Fp8Forward:
+    """One FP8 ``attention`` call: float8 e4m3 q, k, v (or uint8 bytes with ``fp8_dtype``), its
+    checked options and its descales as given (None, a host number, or a float32 array)."""
 
-    def plan() -> tuple[_plan.Launch, _plan.Launch]:
-        info = _device.device_info(device)
-        if info.arch != HOPPER_ARCH:
-            raise ValueError(f"the FP8 forward runs on the Hopper kernel (sm_90a), not on {info.arch}")
-        if problem.head_dim not in FP8_FWD_HEAD_DIMS:
-            raise ValueError(f"the FP8 forward takes head_dim {FP8_FWD_HEAD_DIMS} on the GPU, got {problem.head_dim}")
-        return _plan.plan_fp8_forward(problem, out_name, info, tuple(q.shape), forms)
+    q: Any
+    k: Any
+    v: Any
+    options: Options
+    layout: str
+    descales: tuple[Any, Any, Any]
+    out_dtype: Any = None
+    fp8_dtype: Any = None
 
-    key = _key(lib, device, q, k, v, causal, scale, window, layout, out_dtype, fp8_dtype, device_descales)
-    return _run(_plans.get(key, plan), lib, device, q, k, v, descales, device_descales, return_lse)
+    names = ("q", "k", "v", *DESCALE_NAMES)
+
+    def arrays(self) -> tuple[Any, ...]:
+        """q, k, v and the descales that are arrays (a host number as None)."""
+        return (self.q, self.k, self.v, *_device_descales(self.descales))
+
+    def prepared(self) -> Fp8Forward:
+        return self
+
+    def on(self, arrays: list[Any]) -> Fp8Forward:
+        q, k, v, *adopted = arrays
+        descales = tuple(x if a is None else a for x, a in zip(self.descales, adopted, strict=True))
+        return dataclasses.replace(self, q=q, k=k, v=v, descales=descales)
 
 
-def _key(
-    lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, layout: Any,
-    out_dtype: Any, fp8_dtype: Any, descale_arrays: tuple[Any, ...],
-) -> tuple[Any, ...]:  # fmt: skip
-    """A call's plan key: its arguments as given (an unhashable one, a list window, plans uncached)."""
-    arrays = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in descale_arrays)
-    return (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal, scale, window, layout,
-            out_dtype, fp8_dtype, arrays)  # fmt: skip
+def _device_descales(descales: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(
+        None if x is None or isinstance(x, (int, float)) or host_scale(name, x) is not None else x
+        for name, x in zip(DESCALE_NAMES, descales, strict=True)
+    )
 
 
-def _run(
-    planned: tuple[_plan.Launch, _plan.Launch], lib: _interop.ArrayLib, device: int, q: Any, k: Any, v: Any,
-    descales: tuple[Any, ...], descale_arrays: tuple[Any, ...], return_lse: bool,
-) -> Any:  # fmt: skip
-    """V's transpose, then the attention kernel; a host descale's value into its field."""
-    transpose, main = planned
-    (vt,) = _launch.run_outputs(transpose, lib, device, {"v": v})
-    by_name: dict[str, Any] = {"q": q, "k": k, "v": vt}
-    for name, given, array in zip(DESCALE_NAMES, descales, descale_arrays, strict=True):
-        if array is not None:
-            by_name[name] = array
-        elif given is not None:
-            by_name[name] = host_scale(name, given)
-    out, lse = _launch.run(main, lib, device, by_name, return_lse)
-    return (out, lse) if return_lse else out
-
-
-def _refuse_options(
-    attn_mask: Any, alibi_slopes: Any, dropout_p: Any, softcap: Any, window: Any, algorithm: str
-) -> None:  # fmt: skip
+def refuse_options(options: Options, algorithm: str, dropout_p: Any, alibi_slopes: Any, attn_mask: Any) -> None:
+    """What the FP8 forward does not take (yet), refused before anything runs."""
     refused = {
         "attn_mask": attn_mask is not None,
         "alibi_slopes": alibi_slopes is not None,
         "dropout_p": bool(dropout_p),
-        "softcap": bool(softcap),
-        "window": tuple(window) != (-1, -1),
+        "softcap": bool(options.softcap),
+        "window": options.window != (-1, -1),
     }
     named = [name for name, given in refused.items() if given]
     if named:
@@ -150,7 +101,65 @@ def _refuse_options(
         )
 
 
-def _outdtype_name(out_dtype: Any) -> str:
+def _checked(call: Fp8Forward) -> tuple[Problem, str]:
+    """The call's problem and output dtype, every input checked (once per plan on the GPU)."""
+    scale = call.options.scale
+    if scale is not None and not scale > 0:
+        raise ValueError(f"the FP8 forward takes a positive scale, got {scale!r}")
+    out_name = _out_dtype_name(call.out_dtype)
+    for name, x in (("q", call.q), ("k", call.k), ("v", call.v)):
+        _check_e4m3(name, x, call.fp8_dtype)
+    return _attention.problem_of(call.q, call.k, call.v, call.options, call.layout), out_name
+
+
+def host_forward(call: Fp8Forward) -> tuple[Any, Any]:
+    """The FP8 forward on host arrays: dequantised, then the exact reference."""
+    problem, out_name = _checked(call)
+    for name, x in zip(DESCALE_NAMES, call.descales, strict=True):
+        host_scale(name, x)
+    return _host_fp8(call.q, call.k, call.v, problem, call.descales, out_name)
+
+
+def gpu_forward(lib: _interop.ArrayLib, device: int, call: Fp8Forward, want_lse: bool) -> tuple[Any, Any]:
+    """V's transpose, then the Hopper kernel on e4m3 inputs: (out, lse), lse None unless wanted.
+    A planned call's checks hold for every call with its key: only a host descale's value is
+    checked per call."""
+    if lib.name not in (_interop.CUPY, _interop.TORCH):
+        raise NotImplementedError("the FP8 forward takes PyTorch float8 tensors or CuPy uint8 arrays on the GPU")
+    q, k, v = call.q, call.k, call.v
+    device_descales = _device_descales(call.descales)
+    forms_key = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in device_descales)
+    key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
+           call.out_dtype, call.fp8_dtype, forms_key)  # fmt: skip
+
+    def plan() -> tuple[_plan.Launch, _plan.Launch]:
+        problem, out_name = _checked(call)
+        info = _device.device_info(device)
+        if info.arch != HOPPER_ARCH:
+            raise ValueError(f"the FP8 forward runs on the Hopper kernel (sm_90a), not on {info.arch}")
+        if problem.head_dim not in FP8_FWD_HEAD_DIMS:
+            raise ValueError(f"the FP8 forward takes head_dim {FP8_FWD_HEAD_DIMS} on the GPU, got {problem.head_dim}")
+        forms = {
+            name: "host" if x is None else _descale_form(lib, name, x, problem.batch, problem.heads_kv)
+            for name, x in zip(DESCALE_NAMES, device_descales, strict=True)
+        }
+        return _plan.plan_fp8_forward(problem, out_name, info, tuple(q.shape), forms)
+
+    planned = _plans.lookup(key)
+    if planned is None:
+        planned = _plans.get(key, plan)
+    transpose, main = planned
+    (vt,) = _launch.run_outputs(transpose, lib, device, {"v": v})
+    by_name: dict[str, Any] = {"q": q, "k": k, "v": vt}
+    for name, given, array in zip(DESCALE_NAMES, call.descales, device_descales, strict=True):
+        if array is not None:
+            by_name[name] = array
+        elif given is not None:
+            by_name[name] = host_scale(name, given)
+    return _launch.run(main, lib, device, by_name, want_lse)
+
+
+def _out_dtype_name(out_dtype: Any) -> str:
     name = "bfloat16" if out_dtype is None else str(out_dtype).removeprefix("torch.")
     if name not in OUT_DTYPES:
         raise TypeError(f"out_dtype of the FP8 forward must be one of {OUT_DTYPES}, got {out_dtype!r}")

@@ -1,0 +1,177 @@
+"""The backward's planner: prep (D = rowsum(dO * O)), the key-block kernel (FA2's mma.sync or
+the Hopper kernel), the dQ conversion, and the deterministic mode's extra steps."""
+
+from __future__ import annotations
+
+import math
+
+from .. import _dispatch
+from .._device import DeviceInfo
+from .._params import PARAMS_STRUCTS
+from .._specs import (
+    HOPPER_ARCH,
+    BwdRowSpec,
+)
+from .._validate import Problem
+from .common import (
+    LAYOUT_AXES,
+    STRIDE_NAMES,
+    attn_fields,
+    check_grid,
+    check_head_dim,
+    contiguous_strides,
+    error_word_slot,
+    fa2_option_operands,
+    filled_output,
+    mask_cells,
+    mask_flags,
+    softmax_factors,
+    tile_kind,
+    tile_operand,
+)
+from .model import INDEX, KernelStep, Launch, Operand, Output, Temporary, TmaMaps
+
+
+def plan_backward(
+    p: Problem,
+    dtype: str,
+    device: DeviceInfo,
+    *,
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    packed_rows: tuple[int, int] | None = None,
+    deterministic: bool = False,
+) -> Launch:
+    """The backward: the per-row preparation, the main kernel over key blocks, dQ from its fp32
+    accumulator (kernels_cu/fa2_bwd.cu; on Hopper the main kernel is kernels_cu/fa3_bwd.cu's
+    where it has the variant: ``_dispatch.fa3_bwd_spec``). Operands q, k, v, out, dout, lse, the
+    optional dlse (and cu_seqlens when ``packed_rows``); outputs dq, dk, dv as fresh arrays of
+    q's and k's shape.
+
+    The kernels differentiate with respect to the raw score q . k (see fa2_bwd.cu): dQ carries
+    ``scale``; dK carries |scale| where q runs negated (a negative scale without softcap), else
+    ``scale``. ``deterministic``: bit-identical from run to run. On Hopper, the key blocks add
+    into each dQ tile in a fixed order (a semaphore per tile); elsewhere dQ comes from its own
+    kernel over query blocks instead of fp32 atomics (two of the five products computed twice)."""
+    check_grid(p.batch, p.heads_q)
+    check_head_dim(p.head_dim, "the GPU backward kernels")
+    packed = packed_rows is not None
+    scale_log2, prescale, negate_q = softmax_factors(p)
+    axes = LAYOUT_AXES["thd" if packed else p.layout]
+    rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
+    has_work = p.batch > 0 and p.heads_q > 0 and rows[0] > 0 and rows[1] > 0
+    flags = mask_flags(p)
+    hopper = None
+    if device.arch == HOPPER_ARCH and not p.seqused_k:
+        hopper = _dispatch.fa3_bwd_spec(dtype, p.head_dim, flags, deterministic, packed)
+        if hopper is not None and hopper.smem_bytes > device.max_smem_per_block:
+            hopper = None
+    spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags, deterministic)
+    if hopper is None and spec.smem_bytes > device.max_smem_per_block:
+        raise ValueError(
+            f"the GPU backward at head_dim={p.head_dim} needs {spec.smem_bytes} bytes of shared memory per block; "
+            f"this GPU has {device.max_smem_per_block}"
+        )
+
+    # Per-row temporaries: row r of query head h, batch b at b * row_batch + h * row_head + r.
+    # The Hopper kernel's: each (b, h)'s rows padded to whole 64-row tiles (dQacc tiled, and the
+    # tiles' -LSE log2 e and D rows copied whole).
+    padded_q = -(-p.seqlen_q // hopper.block_m) * hopper.block_m if hopper is not None else p.seqlen_q
+    if packed:
+        row_strides, temp_rows, batches = (0, rows[0]), p.heads_q * rows[0], 1
+    else:
+        row_strides, temp_rows, batches = (
+            (p.heads_q * padded_q, padded_q),
+            p.batch * p.heads_q * padded_q,
+            p.batch,
+        )
+    q_strides, k_strides = contiguous_strides(q_shape), contiguous_strides(k_shape)
+    output_strides = {}
+    for name, strides in (("dq", q_strides), ("dk", k_strides), ("dv", k_strides)):
+        for s, a in zip(STRIDE_NAMES, axes, strict=True):
+            output_strides[f"{name}_{s}_stride"] = strides[a] if a >= 0 else 0
+    dq_kernel = deterministic and hopper is None  # dQ over query blocks, no accumulator
+    cell_tiles = [(spec.block_m, spec.block_n)]
+    if dq_kernel:
+        dq_spec = _dispatch.fa2_bwd_dq_spec(dtype, p.head_dim, flags)
+        cell_tiles.append((dq_spec.block_m, dq_spec.block_n))
+    cell_fields: dict[str, int] = {}
+    if p.mask:  # its block summary, for both kernels' tiles: they skip the tiles it hides
+        cell_fields, cells_shape, cells_step = mask_cells(p, dtype, cell_tiles, "BwdParams")
+    params = PARAMS_STRUCTS["BwdParams"].template(
+        **attn_fields(p, rows, scale_log2, prescale),
+        **cell_fields,
+        **output_strides,
+        row_batch_stride=row_strides[0],
+        row_head_stride=row_strides[1],
+        dq_scale=p.scale,
+        dk_scale=abs(p.scale) if negate_q else p.scale,
+        dq_tiled=int(hopper is not None),
+    )
+
+    def lse_axes(name: str) -> tuple[tuple[int, int], ...]:  # (Hq, total_q) packed, else (B, Hq, Nq)
+        if packed:
+            return ((params.slot(f"{name}_head_stride"), 0),)
+        return ((params.slot(f"{name}_batch_stride"), 0), (params.slot(f"{name}_head_stride"), 1))
+
+    kind = tile_kind(p.head_dim)
+    operands = [
+        tile_operand(params, "q", axes, negate=negate_q, kind=kind),
+        tile_operand(params, "k", axes, kind=kind),
+        tile_operand(params, "v", axes, kind=kind),
+        tile_operand(params, "out", axes, field_prefix="o", kind=kind),
+        tile_operand(params, "dout", axes, field_prefix="do", kind=kind),
+        Operand("lse", INDEX, params.slot("lse_ptr"), lse_axes("lse")),
+        Operand("dlse", INDEX, params.slot("dlse_ptr"), lse_axes("dlse")),  # optional
+    ]
+    operands += fa2_option_operands(params, p)
+    if packed:
+        operands += [
+            Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),
+            Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
+        ]
+    fill = 0.0 if packed else None  # packed rows outside every sequence get no gradient
+    outputs = (  # dq: every packed row written from the zeroed accumulator, but by dq_blocks only in sequences
+        Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr"), fill=fill if dq_kernel else None),
+        Output("dk", tuple(k_shape), dtype, params.slot("dk_ptr"), fill=fill),
+        Output("dv", tuple(k_shape), dtype, params.slot("dv_ptr"), fill=fill),
+    )
+    if not has_work:  # no query or no key: every gradient is 0
+        return Launch(params, tuple(operands), tuple(filled_output(o) for o in outputs))
+    temporaries: tuple[Temporary, ...] = (
+        Temporary("neg_lse_log2", (temp_rows,), "float32", params.slot("neg_lse_log2")),
+        Temporary("dsum", (temp_rows,), "float32", params.slot("dsum")),
+    )
+    row_count = rows[0] if packed else padded_q
+    row_block = (BwdRowSpec.num_threads, 1, 1)
+    # Packed: the grids cover the totals, not max_seqlen_*: every sequence fits in its total, so
+    # an understated maximum cannot leave keys without dK, dV or rows without dQ (the CTAs past
+    # a sequence's end return at once).
+    if hopper is not None:
+        q_dims, kv_dims = (p.head_dim, p.seqlen_q, p.heads_q, p.batch), (p.head_dim, p.seqlen_k, p.heads_kv, p.batch)
+        maps = (("q", q_dims, hopper.block_m), ("k", kv_dims, hopper.block_n), ("v", kv_dims, hopper.block_n),
+                ("dout", q_dims, hopper.block_m))  # fmt: skip
+        tma = TmaMaps(dtype, (axes[1], axes[2], axes[0]), maps)
+        grid = (-(-rows[1] // hopper.block_n), p.batch, p.heads_kv)
+        main = KernelStep(hopper, grid, (hopper.num_threads, 1, 1), hopper.smem_bytes, tma=tma)
+    else:
+        grid = (-(-rows[1] // spec.block_n), p.batch, p.heads_kv)
+        main = KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes)
+    if dq_kernel:
+        dq_grid = (-(-rows[0] // dq_spec.block_m), p.batch, p.heads_q)
+        dq_step = KernelStep(dq_spec, dq_grid, (dq_spec.num_threads, 1, 1), dq_spec.smem_bytes)
+    else:  # the accumulator the main kernel adds into, zeroed by prep, converted by the dq step
+        convert = _dispatch.bwd_row_spec("dq", dtype, p.head_dim)  # rows of the tile's width
+        temporaries += (Temporary("dq_accum", (temp_rows, convert.head_dim), "float32", params.slot("dq_accum")),)
+        dq_step = KernelStep(convert, (convert.grid_x(row_count), batches, p.heads_q), row_block, 0)
+        if hopper is not None and deterministic:  # its add count per 64-row tile, zeroed by prep
+            tiles = temp_rows // hopper.block_m
+            temporaries += (Temporary("dq_semaphore", (tiles,), "int32", params.slot("dq_semaphore")),)
+    prep = _dispatch.bwd_row_spec("prep", dtype, p.head_dim)
+    prep_step = KernelStep(prep, (prep.grid_x(row_count), batches, p.heads_q), row_block, 0)
+    steps: tuple[KernelStep, ...] = (prep_step, main, dq_step)
+    if p.mask:
+        steps = (cells_step, *steps)
+        temporaries += (Temporary("mask_cells", (math.prod(cells_shape),), "uint8", params.slot("mask_cells")),)
+    error_slot = error_word_slot(params) if packed else -1  # the main kernel checks cu_seqlens, seqused_k
+    return Launch(params, tuple(operands), outputs, steps, temporaries=temporaries, error_slot=error_slot)

@@ -1,0 +1,224 @@
+"""The cache call's planner (``attention_with_kvcache``, FlashDecoding): the append of k_new /
+v_new (with rotary) and the split-KV decode kernel, over contiguous, paged and float8 caches."""
+
+from __future__ import annotations
+
+from .. import _dispatch
+from .._device import DeviceInfo
+from .._fp8 import Fp8Cache
+from .._params import PARAMS_STRUCTS, ParamsTemplate
+from .._specs import (
+    DECODE_MAX_QUERIES,
+    FP8_DECODE_HEAD_DIMS,
+    FP8_KV_FORMATS,
+    DecodeAppendSpec,
+    RotaryQSpec,
+)
+from .._validate import ALIBI_NONE, KvCacheProblem
+from .common import (
+    LAYOUT_AXES,
+    STRIDE_NAMES,
+    attn_fields,
+    check_gpu_dtypes,
+    check_grid,
+    check_head_dim,
+    check_int32,
+    contiguous_strides,
+    error_word_slot,
+    fa2_option_operands,
+    filled_output,
+    mask_flags,
+    softmax_factors,
+    tile_kind,
+    tile_operand,
+)
+from .model import CONTIGUOUS, FP8_TILE, INDEX, LENGTHS, SCALAR, KernelStep, Launch, Operand, Output, Scratch, Temporary
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding over a KV cache (FlashDecoding) and merge_states.
+# ---------------------------------------------------------------------------------------------
+def plan_kvcache(
+    kp: KvCacheProblem,
+    dtypes: dict[str, str | None],
+    device: DeviceInfo,
+    *,
+    num_splits: int,
+    layout: str = "bshd",
+    dense: bool = False,
+    fp8: Fp8Cache | None = None,
+) -> Launch:
+    """At most two launches: append k_new / v_new into the cache, then the attention: the split-KV
+    kernel for up to DECODE_MAX_QUERIES query tokens (its last split of each row to finish merges
+    the partials: no combine launch), else (or with ALiBi) the FA2 forward over the cache view.
+
+    ``dense``: ``attention`` of a few query tokens over k and v (operands "q", "k", "v" in
+    ``layout``, every sequence ``attn.seqlen_k`` keys long) on the split-KV kernel.
+    ``fp8``: float8 caches (dequantised by the split-KV kernel, k_new / v_new quantised by the
+    append; operands "k_scale" / "v_scale": a per-call host float, or a float32 device array).
+    """
+    a = kp.attn
+    skip = INDEX_NAMES if fp8 is None else (*INDEX_NAMES, "k_cache", "v_cache")
+    dtype = check_gpu_dtypes({n: d for n, d in dtypes.items() if d is not None and n not in skip})
+    check_int32({n: dtypes.get(n) for n in INDEX_NAMES})
+    check_head_dim(a.head_dim, "the decode kernels")
+    if kp.capacity >= 2**31 - 64:
+        raise ValueError(f"a cache of {kp.capacity} tokens per sequence is beyond the kernels' int32 positions")
+    over_cache = not dense and (a.seqlen_q > DECODE_MAX_QUERIES or a.alibi != ALIBI_NONE)
+    if dense and a.seqlen_q > DECODE_MAX_QUERIES:
+        raise ValueError(f"the split-KV kernel takes 1 to {DECODE_MAX_QUERIES} query tokens, got {a.seqlen_q}")
+    if fp8 is not None:
+        _check_fp8_call(kp, over_cache)
+    check_grid(a.batch, a.heads_q if over_cache else a.heads_kv)
+    scale_log2, prescale, negate_q = softmax_factors(a)
+    has_work = a.batch > 0 and a.seqlen_q > 0 and a.heads_q > 0
+    d, hq, nq = a.head_dim, a.heads_q, a.seqlen_q
+    splits, per_split, ctas = 1, 0, 0
+    if over_cache:
+        fa2 = _dispatch.fa2_fwd_spec(dtype, d, mask_flags(a), device.max_smem_per_block, over_cache=True)
+        grid = (-(-nq // fa2.tile.block_m), a.batch, hq)
+        attention_step = KernelStep(fa2, grid, (fa2.num_threads, 1, 1), fa2.smem_bytes)
+    else:
+        group = a.heads_q // a.heads_kv
+        rows = group * a.seqlen_q
+        spec = _dispatch.decode_spec(
+            dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0, fp8=fp8 is not None
+        )
+        m_blocks = -(-rows // spec.tile.block_m)
+        key_blocks = -(-kp.capacity // spec.tile.block_n)
+        ctas = a.batch * a.heads_kv * m_blocks
+        if num_splits == 0 and has_work:
+            num_splits = _dispatch.decode_num_splits(
+                ctas=ctas,
+                key_blocks=key_blocks,
+                num_sms=device.num_sms,
+                ctas_per_sm=_dispatch.ctas_per_sm(spec, device),
+            )
+        per_split, splits = _dispatch.split_blocks(key_blocks, max(num_splits, 1))
+        grid = (splits * m_blocks, a.heads_kv, a.batch)
+        attention_step = KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes)
+    axes = LAYOUT_AXES[layout]
+    out_shape = (a.batch, nq, hq, d) if layout == "bshd" else (a.batch, hq, nq, d)
+    out_strides = contiguous_strides(out_shape)
+    # A rotary embedding: the attention reads q from a contiguous temporary the rotation fills.
+    rotated_q = {f"q_{s}_stride": out_strides[axis] for s, axis in zip(STRIDE_NAMES, axes, strict=True)}
+    params = PARAMS_STRUCTS["DecodeParams"].template(
+        **attn_fields(a, (nq, a.seqlen_k if dense else 0), scale_log2, prescale),
+        **{f"o_{s}_stride": out_strides[axis] for s, axis in zip(STRIDE_NAMES, axes, strict=True)},
+        lse_batch_stride=hq * nq, lse_head_stride=nq,
+        seqlen_new=kp.seqlen_new, page_size_log2=kp.page_size_log2, num_pages=kp.num_pages,
+        cache_capacity=kp.capacity, num_splits=splits, blocks_per_split=per_split,
+        cache_batch=a.batch if kp.paged else kp.num_pages,
+        **({} if fp8 is None else {
+            "kv_fp8": FP8_KV_FORMATS[fp8.format], "k_scale": 1.0, "v_scale": 1.0,
+            "k_scale_head_stride": int(fp8.k_scale == "head"), "v_scale_head_stride": int(fp8.v_scale == "head"),
+        }),
+        **({} if not kp.rotary_half else {
+            **rotated_q, "rotary_half": kp.rotary_half, "rotary_interleaved": int(kp.rotary_interleaved),
+            "rotary_q_per_token": int(kp.rotary_q_per_token),
+        }),
+    )  # fmt: skip
+    kind = tile_kind(d)
+    temporaries: tuple[Temporary, ...] = ()
+    if kp.rotary_half:  # the caller's q is read by the rotation only
+        operands = [
+            tile_operand(params, "q", axes, field_prefix="q_src", negate=negate_q, kind=kind),
+            Operand("rotary_cos", CONTIGUOUS, params.slot("rotary_cos")),
+            Operand("rotary_sin", CONTIGUOUS, params.slot("rotary_sin")),
+        ]
+        temporaries = (Temporary("q_rotated", out_shape, dtype, params.slot("q_ptr")),)
+    else:
+        operands = [tile_operand(params, "q", axes, negate=negate_q, kind=kind)]
+    if dense:
+        operands += [tile_operand(params, "k", axes, kind=kind), tile_operand(params, "v", axes, kind=kind)]
+    else:
+        operands += [
+            *_cache_operands(params, kp, kind if fp8 is None else FP8_TILE),
+            *([] if fp8 is None else _scale_operands(params, fp8)),
+            Operand(
+                "cache_seqlens",
+                LENGTHS,
+                params.slot("cache_seqlens"),
+                int_slot=params.slot("seqlen_k"),
+                int_limit=(kp.capacity, kp.seqlen_new),
+            ),  # fmt: skip
+        ]
+    if kp.batch_idx:
+        operands.append(Operand("cache_batch_idx", INDEX, params.slot("cache_batch_idx")))
+    if kp.leftpad:
+        operands.append(Operand("cache_leftpad", INDEX, params.slot("cache_leftpad")))
+    operands += fa2_option_operands(params, a)  # ALiBi slopes (the FA2 path)
+    steps: list[KernelStep] = []
+    if kp.seqlen_new:
+        operands += [
+            tile_operand(params, "k_new", LAYOUT_AXES["bshd"], field_prefix="k_new", kind=kind),
+            tile_operand(params, "v_new", LAYOUT_AXES["bshd"], field_prefix="v_new", kind=kind),
+        ]
+        if a.batch and a.heads_kv:
+            append = DecodeAppendSpec(dtype, d, fp8=fp8 is not None)
+            steps.append(KernelStep(append, (kp.seqlen_new, a.heads_kv, a.batch), (append.num_threads, 1, 1), 0))
+    scratch = None
+    if has_work:
+        if kp.rotary_half:
+            rotate = RotaryQSpec(dtype, d)
+            steps.append(KernelStep(rotate, (nq, hq, a.batch), (rotate.num_threads, 1, 1), 0))
+        steps.append(attention_step)
+        if splits > 1:  # the splits' tickets (left at 0 by the kernel), partial O (rows of the tile's width), LSE
+            row_count, width = a.batch * a.heads_q * a.seqlen_q, spec.head_dim
+            scratch = Scratch(
+                4 * ctas, 4 * row_count * (width + 1) * splits, params.slot("split_counters"),
+                ((params.slot("o_partial_ptr"), 0), (params.slot("lse_partial_ptr"), 4 * row_count * width * splits)),
+            )  # fmt: skip
+    lse_shape = (a.batch, a.heads_q, a.seqlen_q)
+    outputs: tuple[Output, ...] = (
+        Output("out", out_shape, dtype, params.slot("o_ptr")),
+        Output("lse", lse_shape, "float32", params.slot("lse_ptr"), optional=True),
+    )
+    if not has_work:
+        outputs = tuple(filled_output(o) for o in outputs)
+    error_slot = -1 if dense else error_word_slot(params)
+    return Launch(params, tuple(operands), outputs, tuple(steps), temporaries, scratch=scratch, error_slot=error_slot)
+
+
+def _check_fp8_call(kp: KvCacheProblem, over_cache: bool) -> None:
+    """A float8 cache runs on the split-KV decode kernel only (the FA2 kernel over a cache reads
+    16-bit tiles), at head dims FP8_DECODE_HEAD_DIMS."""
+    a = kp.attn
+    if over_cache:
+        why = "ALiBi (which runs on the FA2 kernel)" if a.alibi != ALIBI_NONE else f"{a.seqlen_q} query tokens"
+        raise ValueError(
+            f"a float8 KV cache runs on the split-KV decode kernel: 1 to {DECODE_MAX_QUERIES} query tokens and no "
+            f"ALiBi; this call has {why} (dequantise the cache, or split the queries into chunks of "
+            f"{DECODE_MAX_QUERIES})"
+        )
+    if a.head_dim not in FP8_DECODE_HEAD_DIMS:
+        raise ValueError(f"a float8 KV cache on the GPU takes head_dim {FP8_DECODE_HEAD_DIMS}, got {a.head_dim}")
+
+
+def _scale_operands(params: ParamsTemplate, fp8: Fp8Cache) -> list[Operand]:
+    """k_scale and v_scale: a host float into its field per call (the template holds 1.0 for a
+    call that gives none), or a float32 device array (one value, or one per KV head) by pointer."""
+    operands = []
+    for name, form in (("k_scale", fp8.k_scale), ("v_scale", fp8.v_scale)):
+        if form == "host":
+            operands.append(Operand(name, SCALAR, params.slot(name)))
+        else:
+            operands.append(Operand(name, CONTIGUOUS, params.slot(f"{name}_ptr")))
+    return operands
+
+
+def _cache_operands(params: ParamsTemplate, kp: KvCacheProblem, kind: str) -> list[Operand]:
+    """k_cache and v_cache (written in place by an append) and the block table of a paged cache:
+    [entries or pages, rows, Hkv, d], the first axis's stride the entry's or the page's."""
+    operands = [
+        tile_operand(params, "k_cache", LAYOUT_AXES["bshd"], field_prefix="k", in_place=True, kind=kind),
+        tile_operand(params, "v_cache", LAYOUT_AXES["bshd"], field_prefix="v", in_place=True, kind=kind),
+    ]
+    if kp.paged:
+        operands.append(
+            Operand("block_table", INDEX, params.slot("block_table"), ((params.slot("block_table_batch_stride"), 0),))
+        )
+    return operands
+
+
+INDEX_NAMES = ("cache_seqlens", "block_table", "cache_batch_idx", "cache_leftpad")
