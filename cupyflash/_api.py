@@ -210,7 +210,8 @@ def attention(
     if _fp8_forward.is_fp8_call(q, (q_descale, k_descale, v_descale), fp8_dtype):
         _fp8_forward.refuse_options(options, algorithm, dropout_p, alibi_slopes, attn_mask)
         fp8 = _fp8_forward.Fp8Forward(q, k, v, options, layout, (q_descale, k_descale, v_descale), out_dtype, fp8_dtype)
-        return _front.results(*_front.route(_FP8_ATTENTION, fp8, return_lse), return_lse)
+        out, lse = _front.route(_FP8_ATTENTION, fp8, return_lse)
+        return (out, lse) if return_lse else out
     if out_dtype is not None:
         raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
     algorithm = check_algorithm("attention", algorithm)
@@ -221,7 +222,8 @@ def attention(
     call = _attention.Forward(
         q, k, v, options, layout, algorithm, deterministic, dropout_p, seed, alibi_slopes, attn_mask
     )
-    return _front.results(*_front.route(_ATTENTION, call, return_lse), return_lse)
+    out, lse = _front.route(_ATTENTION, call, return_lse)
+    return (out, lse) if return_lse else out
 
 
 def attention_varlen(
@@ -321,8 +323,10 @@ def attention_varlen(
     if block_table is not None:
         if call.algorithm == "fa3":
             raise ValueError("algorithm='fa3' (the Hopper kernel) does not read paged keys: use 'auto' or 'fa2'")
-        return _front.results(*_front.route(_PAGED_VARLEN, call, return_lse), return_lse)
-    return _front.results(*_front.route(_VARLEN, call, return_lse), return_lse)
+        out, lse = _front.route(_PAGED_VARLEN, call, return_lse)
+        return (out, lse) if return_lse else out
+    out, lse = _front.route(_VARLEN, call, return_lse)
+    return (out, lse) if return_lse else out
 
 
 def attention_backward(
@@ -683,29 +687,37 @@ def attention_with_kvcache(
     rotary = None if rotary_cos is None else rotary_interleaved
     # Float8 caches' scales: a host number is checked here and goes to the kernel per call; an
     # array is an operand like the others (on the GPU read as given).
-    k_host, v_host = _fp8.host_scale("k_scale", k_scale), _fp8.host_scale("v_scale", v_scale)
-    k_scale, v_scale = (x if h is None else h for h, x in ((k_host, k_scale), (v_host, v_scale)))
-    call = _kvcache.CacheCall(
-        dict(zip(_kvcache.KV_NAMES, (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, cache_batch_idx,
-                                     cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, k_scale, v_scale))),
-        options, num_splits, rotary, kv_dtype,
-    )  # fmt: skip
-    operands = call.operands()
-    found = _interop.lean_arrays(q, k_cache, v_cache, operands[3:])
-    if found is None:
-        if _interop.traced(operands) or (k_new is not None and _interop.has_jax_arrays(operands)):
-            # JAX arrays are immutable: the custom call returns the appended caches (_jax).
-            if call.fp8 or "float8" in str(k_cache.dtype):
-                raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
-            return _front.jax_ops().attention_with_kvcache(
-                call.arrays, options, check_num_splits(num_splits), rotary, return_lse
-            )
-        out, lse = _kvcache.with_kvcache(call, return_lse)
-    else:
+    k_host = v_host = None
+    if k_scale is not None or v_scale is not None:
+        k_host, v_host = _fp8.host_scale("k_scale", k_scale), _fp8.host_scale("v_scale", v_scale)
+    seqlens = None if type(cache_seqlens) is int else cache_seqlens
+    others = (seqlens, block_table, k_new, v_new, cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin,
+              k_scale if k_host is None else None, v_scale if v_host is None else None)  # fmt: skip
+    arrays = {
+        "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens, "block_table": block_table,
+        "k_new": k_new, "v_new": v_new, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
+        "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
+        "k_scale": k_scale if k_host is None else k_host, "v_scale": v_scale if v_host is None else v_host,
+    }  # fmt: skip
+    found = _interop.lean_arrays(q, k_cache, v_cache, others)
+    if found is not None:  # CuPy arrays or CUDA tensors on one GPU: the per-token path
         lib, device = found
         if lib.check_inputs((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)):
             _interop.refuse_autograd("attention_with_kvcache")
         out, lse = _kvcache.gpu_attention_with_kvcache(
-            lib, device, call.arrays, options, num_splits, rotary, return_lse, kv_dtype=kv_dtype
+            lib, device, arrays, options, num_splits, rotary, return_lse, kv_dtype=kv_dtype
         )
-    return _front.results(out, lse, return_lse)
+        return (out, lse) if return_lse else out
+    call = _kvcache.CacheCall(arrays, options, num_splits, rotary, kv_dtype)
+    given = (q, k_cache, v_cache, *others)
+    if _interop.traced(given) or (k_new is not None and _interop.has_jax_arrays(given)):
+        # JAX arrays are immutable: the custom call returns the appended caches (_jax).
+        if call.fp8 or "float8" in str(k_cache.dtype):
+            raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
+        return _front.jax_ops().attention_with_kvcache(
+            arrays, options, check_num_splits(num_splits), rotary, return_lse
+        )
+    if _interop.needs_autograd(given):
+        _interop.refuse_autograd("attention_with_kvcache")
+    out, lse = _kvcache.with_kvcache(call, return_lse)
+    return (out, lse) if return_lse else out

@@ -47,7 +47,7 @@ def is_fp8_call(q: Any, descales: tuple[Any, Any, Any], fp8_dtype: Any) -> bool:
     return "float8" in name or name.endswith("uint8")  # int8 and bool get the usual dtype error
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Fp8Forward:
     """One FP8 ``attention`` call: float8 e4m3 q, k, v (or uint8 bytes with ``fp8_dtype``), its
     checked options and its descales as given (None, a host number, or a float32 array)."""

@@ -11,8 +11,8 @@ point. The route, in order:
    one (else ``_interop.gpu_arrays`` refuses them, naming the way out);
 4. any other arrays: their library and device found once (``_interop.gpu_arrays``), host arrays
    to the array-API algorithms;
-5. PyTorch tensors that require grad: the custom op, which has the backward (or a refusal, never
-   a detached result);
+5. PyTorch tensors that require grad, any of the call's: the custom op, which has the backward
+   and refuses what gets no gradient (or a refusal, never a detached result);
 6. the GPU executor.
 
 The adapters (``_torch_ops``, ``_jax``) are imported here on first use, so importing cupyflash
@@ -39,32 +39,32 @@ class Operation:
     gpu: Callable[[_interop.ArrayLib, int, Any, bool], tuple[Any, Any]]  # the kernels
     torch: str | None = None  # the _torch_ops function taking the call through its custom op
     jax: str | None = None  # the _jax function staging the call as an XLA custom call
-    differentiable: int = 3  # the call's first arrays that autograd differentiates (q, k, v)
 
 
 def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, Any]:
     """``call`` by the route above: (out, lse), lse None on the GPU unless wanted."""
-    if _interop.compiling():
-        return _torch_route(op, call, want_lse, "does not run under torch.compile yet")
     arrays = call.arrays()
     found = _interop.lean_arrays(arrays[0], arrays[1], arrays[2], arrays[3:])
+    if found is not None and not _interop.compiling():  # the per-token path first
+        lib, device = found
+        if not lib.check_inputs(arrays):
+            return op.gpu(lib, device, call.prepared(), want_lse)
+    if _interop.compiling():
+        return _torch_route(op, call, want_lse, "does not run under torch.compile yet")
     if found is None:
         if op.jax is not None and _interop.traced(arrays):
             return getattr(jax_ops(), op.jax)(call, want_lse)
         call = call.prepared()
         on_gpu = _interop.gpu_arrays(call.names, call.arrays())
         if on_gpu is None:
-            if _interop.needs_autograd(arrays[: op.differentiable]):
+            if _interop.needs_autograd(arrays):
                 return _torch_route(op, call, want_lse, "has no backward pass")
             return op.host(call)
         lib, device, adopted = on_gpu
         call = call.on(adopted)
-    else:
-        call = call.prepared()
-        lib, device = found
-    if lib.check_inputs(arrays[: op.differentiable]):  # tensors that require grad, grad mode on
-        return _torch_route(op, call, want_lse, "has no backward pass")
-    return op.gpu(lib, device, call, want_lse)
+        if not lib.check_inputs(arrays):
+            return op.gpu(lib, device, call, want_lse)
+    return _torch_route(op, call.prepared(), want_lse, "has no backward pass")  # tensors that require grad
 
 
 def _torch_route(op: Operation, call: Any, want_lse: bool, missing: str) -> tuple[Any, Any]:
@@ -73,10 +73,6 @@ def _torch_route(op: Operation, call: Any, want_lse: bool, missing: str) -> tupl
             _interop.refuse_autograd(op.name)
         raise NotImplementedError(f"{op.name} {missing}")
     return getattr(torch_ops(), op.torch)(call, want_lse)
-
-
-def results(out: Any, lse: Any, return_lse: bool) -> Any:
-    return (out, lse) if return_lse else out
 
 
 @functools.cache

@@ -30,7 +30,7 @@ KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", 
 _kv_operands = operator.itemgetter(*KV_NAMES)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class CacheCall:
     """One ``attention_with_kvcache`` call, checked: its arrays by name (``KV_NAMES``; a float8
     cache's scale may be a checked host float) and its options."""

@@ -1,0 +1,102 @@
+"""Host time per call of the public entry points, with the device stubbed out: no GPU needed.
+
+The arrays are stand-ins that cupyflash takes for CuPy arrays on GPU 0 (shape, dtype, strides,
+a pointer), the device's description is an H100's, and ``_launch.run`` returns at once: what is
+timed is everything a call does on the host before its launch (option checks, routing, the plan
+lookup, the operands' binding is not included). The first call of each shape plans (nothing is
+compiled); the figure is the median over repeats of the mean of many calls after it.
+
+    PYTHONPATH=TREE python scripts/host_overhead.py [--calls 20000] [--repeats 7]
+
+Run it once per tree (an export of another commit as TREE) to compare two commits on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import cupyflash
+from cupyflash import _launch
+
+_H100 = dict(arch="sm_90a", num_sms=132, max_smem_per_block=232448, smem_per_sm=233472, regs_per_sm=65536,
+             max_threads_per_sm=2048, max_blocks_per_sm=32)  # fmt: skip
+
+
+class _Memory:
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+        self.device_id = 0
+
+
+def _stand_in(shape: tuple[int, ...], dtype: str) -> object:
+    """An object cupyflash reads as a C-contiguous CuPy array on GPU 0."""
+    itemsize = np.dtype(dtype).itemsize
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    cls = type("ndarray", (), {"__module__": "cupy._core.core"})
+    x = cls()
+    x.shape, x.dtype, x.itemsize, x.ndim = shape, np.dtype(dtype), itemsize, len(shape)
+    x.strides, x.data, x.device = tuple(reversed(strides)), _Memory(1 << 20), 0
+    return x
+
+
+def _stub_device() -> None:
+    """The device's description without a driver, and no launch."""
+    for name in ("_device", "_plan"):
+        module = sys.modules.get(f"cupyflash.{name}") or __import__(f"cupyflash.{name}", fromlist=["_"])
+        if hasattr(module, "DeviceInfo") and hasattr(module, "device_info"):
+            info = module.DeviceInfo(index=0, **_H100)
+            module.device_info = lambda index, info=info: info
+    _launch.run = lambda *args, **kwargs: (None, None)
+    from cupyflash import _interop
+
+    _interop.current_device = lambda: 0
+
+
+def _time(call: object, calls: int, repeats: int) -> float:
+    call()  # plans
+    means = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        means.append((time.perf_counter() - start) / calls)
+    return statistics.median(means) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    _stub_device()
+    q = _stand_in((1, 1024, 16, 128), "float16")
+    k = v = _stand_in((1, 1024, 16, 128), "float16")
+    q1 = _stand_in((8, 1, 32, 128), "float16")
+    cache = _stand_in((8, 4096, 8, 128), "float16")
+    packed = _stand_in((1024, 16, 128), "float16")
+    cu = _stand_in((3,), "int32")
+    cases = {
+        "attention, prefill (1, 1k, 16, 128)": lambda: cupyflash.attention(q, k, v, causal=True),
+        "attention, one query token over 4k keys": lambda: cupyflash.attention(q1, cache, cache),
+        "attention_with_kvcache, decode (8 x 4k)": lambda: cupyflash.attention_with_kvcache(
+            q1, cache, cache, cache_seqlens=4000
+        ),
+        "attention_varlen (2 sequences, 1k rows)": lambda: cupyflash.attention_varlen(
+            packed, packed, packed, cu, cu, 512, 512, causal=True
+        ),
+    }
+    print(f"cupyflash from {cupyflash.__file__}")
+    for name, call in cases.items():
+        print(f"{name:45s} {_time(call, args.calls, args.repeats):7.2f} us")
+
+
+if __name__ == "__main__":
+    main()
