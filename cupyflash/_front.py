@@ -43,15 +43,15 @@ class Operation:
 
 def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, Any]:
     """``call`` by the route above: (out, lse), lse None on the GPU unless wanted."""
+    if _interop.compiling():  # before anything Dynamo would have to trace
+        return _torch_route(op, call, want_lse, "does not run under torch.compile yet")
     arrays = call.arrays()
     found = _interop.lean_arrays(arrays[0], arrays[1], arrays[2], arrays[3:])
-    if found is not None and not _interop.compiling():  # the per-token path first
+    if found is not None:
         lib, device = found
         if not lib.check_inputs(arrays):
             return op.gpu(lib, device, call.prepared(), want_lse)
-    if _interop.compiling():
-        return _torch_route(op, call, want_lse, "does not run under torch.compile yet")
-    if found is None:
+    else:
         if op.jax is not None and _interop.traced(arrays):
             return getattr(jax_ops(), op.jax)(call, want_lse)
         call = call.prepared()
