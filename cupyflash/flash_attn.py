@@ -32,6 +32,7 @@ from typing import Any
 
 from . import _interop
 from ._api import attention, attention_varlen, attention_with_kvcache
+from ._validate import check_window
 
 __all__ = [
     "flash_attn_func",
@@ -45,8 +46,9 @@ __all__ = [
 
 
 def _window(causal: bool, window_size: Any) -> tuple[int, int]:
-    """flash-attn's rule: causal means a right bound of 0, whatever the window says."""
-    left, right = window_size
+    """flash-attn's rule: causal means a right bound of 0, whatever the window says. Bounds may
+    be 0-d integer tensors or NumPy arrays (taken as the ints they hold)."""
+    left, right = check_window(window_size)
     return (left, 0) if causal else (left, right)
 
 
