@@ -40,13 +40,21 @@ from ._validate import Options, check_window
 from .reference import to_numpy64
 
 __all__ = [
+    "_flash_attn_backward",
+    "_flash_attn_forward",
+    "_flash_attn_varlen_backward",
+    "_flash_attn_varlen_forward",
+    "_get_block_size_n",
     "flash_attn_func",
+    "flash_attn_gpu",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "install",
+    "uninstall",
 ]
 
 
@@ -661,3 +669,43 @@ def _buffers(dq: Any, dk: Any, dv: Any, q: Any, k: Any, v: Any) -> tuple[Any, An
 
 #: flash-attn's compiled module, as ``flash_attn.flash_attn_interface`` names it.
 flash_attn_gpu = _FlashAttnGpu()
+
+
+# ---------------------------------------------------------------------------------------------
+# Presenting this module as the flash_attn package, for libraries built on flash-attn.
+# ---------------------------------------------------------------------------------------------
+_ALIASES = ("flash_attn", "flash_attn.flash_attn_interface")
+
+
+def install() -> None:
+    """Register this module as ``flash_attn`` and ``flash_attn.flash_attn_interface`` in
+    ``sys.modules``, so that libraries written against flash-attn (ring-flash-attn's context
+    parallelism: ring, zigzag, stripe, llama3) import cupyflash's functions. Opt-in and
+    explicit: call it before importing such a library. It refuses if another ``flash_attn`` is
+    already imported (two implementations in one process); calling it twice is harmless.
+    :func:`uninstall` removes the aliases.
+
+    >>> import cupyflash.flash_attn
+    >>> cupyflash.flash_attn.install()
+    >>> from flash_attn.flash_attn_interface import _flash_attn_forward
+    >>> _flash_attn_forward is cupyflash.flash_attn._flash_attn_forward
+    True
+    >>> cupyflash.flash_attn.uninstall()
+    """
+    this = sys.modules[__name__]
+    for name in _ALIASES:
+        present = sys.modules.get(name)
+        if present is not None and present is not this:
+            raise RuntimeError(
+                f"{name} is already imported (from {getattr(present, '__file__', None)}): "
+                "cupyflash.flash_attn.install() must run before anything imports flash-attn"
+            )
+    for name in _ALIASES:
+        sys.modules[name] = this
+
+
+def uninstall() -> None:
+    """Remove the aliases :func:`install` registered (modules imported since keep what they took)."""
+    for name in _ALIASES:
+        if sys.modules.get(name) is sys.modules[__name__]:
+            del sys.modules[name]
