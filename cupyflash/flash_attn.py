@@ -17,13 +17,40 @@ Semantics taken from flash-attn: ``causal=True`` sets the window's right bound t
 float32 ``(batch, nheads, seqlen_q)`` (``(nheads, total_q)`` for varlen), ``cache_seqlens=None``
 reads the whole cache.
 
-Differences that remain (each raises an error naming the argument, never a silent fallback):
-``block_table`` on the varlen functions has no backward and no dropout; ``rotary_cos`` needs a row
-for every position of the cache (flash-attn's own rule) and any even rotary dim is taken (flash-attn
-asks for a multiple of 16).
-``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third value is the
-dropout pattern its own tests read back, which is not materialised here (the mask is
-``cupyflash.xp_impl.Dropout``'s, regenerated from the seed).
+flash-attn 2.8's lower-level functions are here too, for the libraries built on flash-attn:
+``_flash_attn_forward`` (returns ``out, softmax_lse, S_dmask, rng_state``), ``_flash_attn_backward``
+(writes the caller's ``dq``, ``dk``, ``dv``, one copy each of the executor's fresh gradients, and
+returns ``softmax_d``), their varlen twins, ``flash_attn_gpu`` (the compiled module's four entry
+points in their C++ argument order) and ``_get_block_size_n``. :func:`install` presents this module
+as ``flash_attn`` and ``flash_attn.flash_attn_interface`` (opt-in), so that ring-flash-attn's
+context parallelism (ring, zigzag, stripe, llama3) runs on cupyflash::
+
+    import cupyflash.flash_attn
+    cupyflash.flash_attn.install()          # before ring_flash_attn is imported
+    from ring_flash_attn import zigzag_ring_flash_attn_func
+
+``return_attn_probs=True`` (``return_softmax``) with dropout returns flash-attn's ``S_dmask``:
+``(B, H, Sq, Sk)`` rounded up to multiples of 128, ``exp(s - m)`` against each key block's running
+max (blocks of ``_get_block_size_n`` keys), negated where the mask drops the element, as flash-attn's
+tests decode it. It is made on request on the host from the mask regenerated from the seed
+(``cupyflash.xp_impl.dropout_pattern``): O(Sq Sk) memory and a copy of q and k to the host, for tests
+and inspection only.
+
+Differences that remain (each raises an error naming the argument, never a silent fallback, unless
+said):
+``block_table`` on the varlen functions has no dropout and no backward: the forward runs on inputs
+that require grad, and a backward through it raises ``NotImplementedError`` (as flash-attn, which
+has no paged backward either); ``leftpad_k`` of ``_flash_attn_varlen_forward`` is not supported;
+``rotary_cos`` needs a row for every position of the cache (flash-attn's own rule) and any even
+rotary dim is taken (flash-attn asks for a multiple of 16).
+Without dropout, ``return_attn_probs=True`` returns ``None`` as the third value (flash-attn an empty
+tensor). ``rng_state`` is ``[seed, 0]`` int64 on the host (flash-attn's is on the GPU), so the
+backward reads it without a device synchronisation; a given one on the GPU is read back (one
+synchronisation). ``softmax_d`` of the varlen backward holds the packed rows in order, then zeros
+(flash-attn spaces the sequences 128 rows apart). ``zero_tensors`` and the varlen ``num_splits``
+change nothing (rows outside every sequence are always 0). Bad device-side lengths and page ids are
+reported by ``cupyflash.check_device_errors()`` (the rows become NaN), not raised in the call as
+flash-attn does: raising there would synchronise the device on every call.
 """
 
 from __future__ import annotations
