@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -63,7 +64,7 @@ def check_options(causal: Any, scale: Any, window: Any, softcap: Any) -> Options
     causal = check_causal(causal)
     scale = check_scale_option(scale)
     if type(window) is not tuple or len(window) != 2 or type(window[0]) is not int or type(window[1]) is not int:
-        window = _window(window)
+        window = check_window(window)
     if type(softcap) is not float:
         softcap = _real("softcap", softcap)
     return _new_options(Options, (causal, scale, window, softcap))  # Options(...) without its defaults' cost
@@ -91,17 +92,31 @@ def _real(name: str, value: Any) -> float:
     return float(value)
 
 
-def _window(window: Any) -> tuple[int, int]:
+def check_window(window: Any) -> tuple[int, int]:
+    """``window`` as a pair of Python ints. A bound may be an int, a NumPy integer, or a 0-d
+    integer array of any library (a NumPy array, a PyTorch tensor: flash-attn's tests and some
+    of its callers pass them, and its C++ entry takes them as ints); bools and non-integers are
+    refused. A 0-d tensor on a GPU is read back to the host (a device synchronisation)."""
     try:
         left, right = window
     except (TypeError, ValueError):
         raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}") from None
-    bounds = []
-    for bound in (left, right):
-        if isinstance(bound, _BOOLS) or not isinstance(bound, numbers.Integral):
-            raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
-        bounds.append(int(bound))
-    return bounds[0], bounds[1]
+    return _bound(left, window), _bound(right, window)
+
+
+def _bound(bound: Any, window: Any) -> int:
+    if type(bound) is int:
+        return bound
+    if not isinstance(bound, _BOOLS) and isinstance(bound, numbers.Integral):
+        return int(bound)
+    # A 0-d integer array: its __index__ gives the int (a float or bool one is refused below).
+    array: Any = bound
+    if getattr(array, "shape", None) == () and "bool" not in str(getattr(array, "dtype", "bool")):
+        try:
+            return operator.index(array)
+        except TypeError:
+            pass
+    raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
 
 
 # round(p * 65536) must stay below 65536 (xp_impl.Dropout.threshold).
@@ -218,7 +233,7 @@ def normalize_window(causal: bool, window: Any, seqlen_q: int, seqlen_k: int) ->
         left, right = window
     except (TypeError, ValueError):
         raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}") from None
-    left, right = _window(window)
+    left, right = check_window(window)
     if left < -1 or right < -1:
         raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
     if causal:  # flash-attn's rule: causal sets the right bound to 0, whatever the window says

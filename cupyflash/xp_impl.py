@@ -592,6 +592,37 @@ def attention(
     return xp.astype(out, q.dtype), lse
 
 
+def dropout_pattern(
+    xp: Any, q: Any, k: Any, p: Problem, dropout: Dropout, block_n: int, alibi_slopes: Any = None
+) -> Any:
+    """flash-attn's ``S_dmask`` (what ``return_attn_probs=True`` returns with dropout), from the
+    mask ``dropout`` regenerated: ``[B, Hq, Nq, Nk]`` in the compute dtype, element (i, j) =
+    ``exp(s_ij - m_i)``, where ``m_i`` is row i's running max as FA2 meets the key blocks of
+    ``block_n`` keys (last first: the max over block j's keys and those after it), negated where
+    the mask drops the element. So the sign bit marks the dropped elements, and
+    ``|S| * exp(m - LSE)`` is P (how flash-attn's tests decode it). Hidden keys give 0. The whole
+    N x N matrix is made: O(Nq Nk) memory, for tests and inspection only."""
+    compute = compute_dtype(xp, q)
+    b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
+    if p.layout == "bshd":
+        q, k = (xp.permute_dims(x, (0, 2, 1, 3)) for x in (q, k))
+    q5 = xp.reshape(xp.astype(q, compute), (b, hkv, group, p.seqlen_q, p.head_dim))
+    k5 = xp.expand_dims(xp.astype(k, compute), axis=2)
+    bias = None if alibi_slopes is None else Alibi.of(xp, alibi_slopes, hkv, q5)
+    mask = KeyMask(0, p.seqlen_q - 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
+    s = mask.apply(xp, _logits(xp, q5, k5, p, bias, (0, p.seqlen_q), (0, p.seqlen_k)), 0, p.seqlen_k - 1)
+    # -- each block's running max, as the kernel's key loop (last block first) has it
+    row_max = xp.full(s.shape[:-1], -math.inf, dtype=compute, device=_device(s))
+    blocks = []
+    for key0 in reversed(range(0, p.seqlen_k, block_n)):
+        s_blk = s[..., key0 : key0 + block_n]
+        row_max = xp.maximum(row_max, xp.max(s_blk, axis=-1))
+        blocks.append(_exp2(xp, (s_blk - _max_scaled(xp, row_max, 1.0)[..., None]) * LOG2E))
+    probs = xp.concat(blocks[::-1], axis=-1) if blocks else s
+    keep = dropout.keep(xp, probs, p.heads_q, (0, p.seqlen_q), (0, p.seqlen_k))
+    return xp.reshape(xp.where(keep, probs, -probs), (b, p.heads_q, p.seqlen_q, p.seqlen_k))
+
+
 # ---------------------------------------------------------------------------------------------
 # The backward (FlashAttention-2's): key blocks outer, query blocks inner; P recomputed from Q,
 # K and the saved LSE, so nothing of size N x N is kept. With D = rowsum(dO * O):

@@ -33,6 +33,18 @@ def test_func_maps_onto_attention(rng):
     np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True, window=(3, 0)), rtol=1e-10, atol=1e-12)
 
 
+def test_window_bounds_as_0d_tensors():
+    """As flash-attn's tests pass them: 0-d integer tensors, taken as ints (the cache call too)."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(2, n, 2, 16, dtype=torch.float64) for n in (7, 11, 11))
+    window = (torch.tensor(4), torch.tensor(1))
+    assert torch.equal(fa.flash_attn_func(q, k, v, window_size=window), cupyflash.attention(q, k, v, window=(4, 1)))
+    out = fa.flash_attn_with_kvcache(q, k, v, window_size=window, causal=True)
+    assert torch.equal(out, cupyflash.attention_with_kvcache(q, k, v, cache_seqlens=11, window=(4, 0), causal=True))
+    with pytest.raises(ValueError, match="window must be a pair"):
+        fa.flash_attn_func(q, k, v, window_size=(torch.tensor(4.0), -1))
+
+
 def test_packed_forms_are_views_of_one_tensor(rng):
     qkv = rng.standard_normal((2, 11, 3, 4, 16))
     out = fa.flash_attn_qkvpacked_func(qkv, causal=True)

@@ -35,6 +35,10 @@ K = np.zeros((2, 7, 2, 16), dtype=np.float32)
         (Q, K, K, {"window": (-2, 0)}, "window must be a pair"),
         (Q, K, K, {"window": (3,)}, "window must be a pair"),
         (Q, K, K, {"window": (1.5, 2)}, "window must be a pair"),
+        (Q, K, K, {"window": (np.array(1.5), 2)}, "window must be a pair"),
+        (Q, K, K, {"window": (np.array([1]), 2)}, "window must be a pair"),
+        (Q, K, K, {"window": (np.array(True), 2)}, "window must be a pair"),
+        (Q, K, K, {"window": (np.array(-2), 0)}, "window must be a pair"),
         (Q, K, K, {"causal": 1}, "causal must be a bool"),
         (Q, K, K, {"layout": "sbhd"}, "layout must be one of"),
         (Q, K, K, {"algorithm": "flash3"}, "algorithm must be one of"),
@@ -45,6 +49,33 @@ K = np.zeros((2, 7, 2, 16), dtype=np.float32)
 def test_bad_input_raises(q, k, v, kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         cupyflash.attention(q, k, v, **kwargs)
+
+
+def test_window_bounds_may_be_numpy_scalars_and_0d_arrays(rng):
+    """flash-attn's C++ entry takes its window bounds as ints, and its tests pass 0-d tensors:
+    an integer 0-d array (or NumPy integer) is taken as the int it holds."""
+    q, k = rng.standard_normal((1, 9, 2, 8)), rng.standard_normal((1, 12, 2, 8))
+    want = cupyflash.attention(q, k, k, window=(3, 1))
+    for window in [(np.array(3), np.int32(1)), (np.int64(3), np.array(1, dtype=np.int16))]:
+        np.testing.assert_array_equal(cupyflash.attention(q, k, k, window=window), want)
+    cu = np.array([0, 9], dtype=np.int32)
+    np.testing.assert_array_equal(
+        cupyflash.attention_varlen(
+            q[0], k[0], k[0], cu, np.array([0, 12], dtype=np.int32), 9, 12, window=(np.array(3), np.array(1))
+        ),
+        want[0],
+    )
+
+
+def test_window_bounds_may_be_0d_tensors():
+    torch = pytest.importorskip("torch")
+    q, k = torch.randn(1, 9, 2, 8), torch.randn(1, 12, 2, 8)
+    want = cupyflash.attention(q, k, k, window=(3, 1))
+    got = cupyflash.attention(q, k, k, window=(torch.tensor(3), torch.tensor(1, dtype=torch.int32)))
+    assert torch.equal(got, want)
+    for bad in [torch.tensor(3.0), torch.tensor(True), torch.tensor([3])]:
+        with pytest.raises(ValueError, match="window must be a pair"):
+            cupyflash.attention(q, k, k, window=(bad, 1))
 
 
 def test_bhsd_shapes_are_read_as_bhsd():

@@ -1,0 +1,195 @@
+"""ring-flash-attn's context parallelism on cupyflash (``cupyflash.flash_attn.install()``): its
+ring, zigzag and stripe functions on several virtual ranks in one process (a thread per rank,
+the K/V send/recv of ``RingComm`` replaced by an in-process exchange with the same protocol),
+forward and backward against single-process ``cupyflash.attention``; and the real
+``torch.distributed`` path (gloo) at world size 1. Host float32 tensors here; on GPUs the same
+calls run the kernels."""
+
+from __future__ import annotations
+
+import importlib
+import queue
+import sys
+import threading
+import types
+
+import pytest
+
+import cupyflash
+from cupyflash import flash_attn
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def ring():
+    """ring_flash_attn imported over cupyflash.flash_attn. ring-flash-attn 0.1.8's transformers
+    adapter does not import under transformers 5: it is stubbed then (it is not under test)."""
+    if importlib.util.find_spec("ring_flash_attn") is None:
+        pytest.skip("ring-flash-attn is not installed")
+    flash_attn.install()
+    try:
+        import ring_flash_attn
+    except ImportError:
+        for name in [n for n in sys.modules if n.startswith("ring_flash_attn")]:
+            del sys.modules[name]
+        stub = types.ModuleType("ring_flash_attn.adapters")
+        stub.substitute_hf_flash_attn = stub.update_ring_flash_attn_params = None
+        sys.modules["ring_flash_attn.adapters"] = stub
+        import ring_flash_attn
+    yield ring_flash_attn
+    flash_attn.uninstall()
+
+
+class _Exchange:
+    """The in-process network of one run: a mailbox per (receiving rank, comm number)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.boxes: dict[tuple[int, int], queue.Queue] = {}
+        self.lock = threading.Lock()
+        self.local = threading.local()  # the rank of this thread, and how many comms it made
+
+    def box(self, rank: int, number: int) -> queue.Queue:
+        with self.lock:
+            return self.boxes.setdefault((rank, number), queue.Queue())
+
+
+class _VirtualRingComm:
+    """ring_flash_attn.utils.RingComm's protocol (send_recv, commit, wait, send_recv_kv) over an
+    ``_Exchange``: a rank's n-th comm talks to the n-th comm of its neighbours, as the ranks make
+    their comms in one order."""
+
+    def __init__(self, process_group: _Exchange) -> None:
+        local = process_group.local
+        self.exchange, self.rank, self.world_size = process_group, local.rank, process_group.world_size
+        self.number, local.comms = local.comms, local.comms + 1
+        self.send_rank, self.recv_rank = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        self._sends: list[torch.Tensor] = []
+        self._recvs: list[torch.Tensor] = []
+        self._committed = False
+
+    def send_recv(self, to_send: torch.Tensor, recv_tensor: torch.Tensor | None = None) -> torch.Tensor:
+        res = torch.empty_like(to_send) if recv_tensor is None else recv_tensor
+        self._sends.append(to_send)
+        self._recvs.append(res)
+        return res
+
+    def commit(self) -> None:
+        if self._committed:
+            raise RuntimeError("commit called twice")
+        for x in self._sends:
+            self.exchange.box(self.send_rank, self.number).put(x.clone())
+        self._committed = True
+
+    def wait(self) -> None:
+        if not self._committed:
+            raise RuntimeError("wait called before commit")
+        for res in self._recvs:
+            res.copy_(self.exchange.box(self.rank, self.number).get(timeout=60))
+        self._sends, self._recvs, self._committed = [], [], False
+
+    def send_recv_kv(self, k, v, k_buffer=None, v_buffer=None):
+        next_k, next_v = self.send_recv(k, k_buffer), self.send_recv(v, v_buffer)
+        self.commit()
+        return next_k, next_v
+
+
+def _on_virtual_ranks(world_size: int, work) -> list:
+    """``work(rank, group)`` on one thread per rank; their results in rank order."""
+    exchange, results, errors = _Exchange(world_size), [None] * world_size, []
+
+    def run(rank: int) -> None:
+        exchange.local.rank, exchange.local.comms = rank, 0
+        try:
+            results[rank] = work(rank, exchange)
+        except BaseException as error:  # noqa: B036 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _shards(kind: str, world_size: int, n: int) -> list[list[int]]:
+    """Each rank's token indices: contiguous (ring), chunks r and 2W-1-r (zigzag), every W-th (stripe)."""
+    if kind == "zigzag":
+        chunk = n // (2 * world_size)
+        mirror = 2 * world_size - 1
+        return [[*range(r * chunk, (r + 1) * chunk), *range((mirror - r) * chunk, (mirror - r + 1) * chunk)]
+                for r in range(world_size)]  # fmt: skip
+    if kind == "stripe":
+        return [list(range(r, n, world_size)) for r in range(world_size)]
+    per = n // world_size
+    return [list(range(r * per, (r + 1) * per)) for r in range(world_size)]
+
+
+# Each kind's module and function: ring_flash_attn.<name>, <name>_func.
+_NAMES = {"ring": "ring_flash_attn", "zigzag": "zigzag_ring_flash_attn", "stripe": "stripe_flash_attn"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "world_size", "causal"),
+    [
+        ("ring", 2, False),
+        ("ring", 4, True),
+        ("ring", 8, False),
+        ("zigzag", 2, True),
+        ("zigzag", 4, True),
+        ("stripe", 4, True),
+    ],  # zigzag and stripe are causal only
+)
+def test_ring_functions_on_virtual_ranks_match_attention(ring, monkeypatch, kind, world_size, causal):
+    name = _NAMES[kind]
+    monkeypatch.setattr(importlib.import_module(f"ring_flash_attn.{name}"), "RingComm", _VirtualRingComm)
+    function = getattr(ring, f"{name}_func")
+    torch.manual_seed(world_size)
+    n, h, d = 32 * world_size, 2, 16
+    # float64: ring-flash-attn accumulates its gradients in float32 starting from
+    # ``block_dq_buffer.to(torch.float32)``, which aliases the buffer (not a copy) for float32 inputs
+    q, k, v = (torch.randn(1, n, h, d, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(1, n, h, d, dtype=torch.float64)
+    shards = _shards(kind, world_size, n)
+
+    def work(rank, group):
+        idx = torch.tensor(shards[rank])
+        mine = [x[:, idx].clone().requires_grad_() for x in (q, k, v)]
+        out = function(*mine, causal=causal, group=group)
+        out.backward(dout[:, idx])
+        return out.detach(), *(x.grad for x in mine)
+
+    results = _on_virtual_ranks(world_size, work)
+    order = torch.tensor([i for s in shards for i in s])
+    out, dq, dk, dv = (
+        torch.empty(1, n, h, d, dtype=torch.float64).index_copy_(1, order, torch.cat([r[i] for r in results], 1))
+        for i in range(4)
+    )
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = cupyflash.attention(*leaves, causal=causal)
+    want.backward(dout)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-5, atol=1e-5)
+    # ring-flash-attn returns dq in bfloat16 (ring_flash_attn_backward's .to(torch.bfloat16))
+    torch.testing.assert_close(dq, leaves[0].grad, rtol=2e-2, atol=2e-2)
+    for got, leaf in zip((dk, dv), leaves[1:]):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_ring_over_torch_distributed_at_world_size_1(ring, tmp_path):
+    """The real RingComm over a gloo process group of one rank: the forward (no send/recv at
+    world size 1). Its backward sends dk/dv to the rank itself, which gloo refuses ("Pair is not
+    connected"); NCCL runs it (the GPU script)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        q, k, v = (torch.randn(2, 24, 2, 16, dtype=torch.float64) for _ in range(3))
+        for causal in (False, True):
+            out = ring.ring_flash_attn_func(q, k, v, causal=causal)
+            torch.testing.assert_close(out, cupyflash.attention(q, k, v, causal=causal), rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
