@@ -47,7 +47,8 @@ def _nvrtc_version() -> tuple[int, int] | None:
 
 def test_decode_register_table_matches_ptxas():
     """The occupancy model (and so the split count) uses DECODE_REGISTERS: it must be what ptxas
-    gives each shipped decode variant. On a mismatch the message holds the table to paste."""
+    gives each shipped decode variant. On a mismatch the message holds the table to paste. Every
+    variant with CUPYFLASH_COMPILE_ALL=1 (CI), a fifth of them by default."""
     version = _nvrtc_version()
     if version != DECODE_REGISTERS_NVRTC:
         made = ".".join(map(str, DECODE_REGISTERS_NVRTC))
@@ -57,14 +58,21 @@ def test_decode_register_table_matches_ptxas():
             f"releases; this process loads NVRTC {found} (pip install -e '.[cuda13]' pins {made})"
         )
     jobs = [(spec, arch) for spec in _decode_specs() for arch in ("sm_80", "sm_90a")]
+    full = int(os.environ.get("CUPYFLASH_COMPILE_ALL") or 0) >= 1  # CI; tests/test_compile.py's levels
+    if not full:  # every 5th (prime to the 2 archs, 2 types, causal or not): both archs, each head dim
+        jobs = jobs[::5]
+        assert {arch for _, arch in jobs} == {"sm_80", "sm_90a"}
+        assert {spec.head_dim for spec, _ in jobs} == set(_dispatch.DECODE_TILES)
     build = lambda job: (job, _kernels.compile_offline(*job).registers)  # noqa: E731
     first = build(jobs[0])  # alone first: NVRTC loads its builtins library once (a race otherwise)
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
         built = [first, *pool.map(build, jobs[1:])]
     actual = {(arch, spec.name): regs for (spec, arch), regs in built}
-    if actual != _dispatch.DECODE_REGISTERS:
+    expected = _dispatch.DECODE_REGISTERS if full else {key: _dispatch.DECODE_REGISTERS.get(key) for key in actual}
+    if actual != expected:
         table = "".join(f'    ("{a}", "{n}"): {r},\n' for (a, n), r in sorted(actual.items()))
-        pytest.fail(f"DECODE_REGISTERS is stale; the compiled variants give:\n{table}")
+        rerun = "" if full else " (of a sample: CUPYFLASH_COMPILE_ALL=1 gives every entry)"
+        pytest.fail(f"DECODE_REGISTERS is stale; the compiled variants give{rerun}:\n{table}")
 
 
 def test_occupancy_model_on_the_h200():
