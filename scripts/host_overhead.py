@@ -23,7 +23,7 @@ import numpy as np
 import cupyflash
 from cupyflash import _launch
 
-_H100 = dict(arch="sm_90a", num_sms=132, max_smem_per_block=232448, smem_per_sm=233472, regs_per_sm=65536,
+H100 = dict(arch="sm_90a", num_sms=132, max_smem_per_block=232448, smem_per_sm=233472, regs_per_sm=65536,
              max_threads_per_sm=2048, max_blocks_per_sm=32)  # fmt: skip
 
 
@@ -33,7 +33,7 @@ class _Memory:
         self.device_id = 0
 
 
-def _stand_in(shape: tuple[int, ...], dtype: str) -> object:
+def stand_in(shape: tuple[int, ...], dtype: str) -> object:
     """An object cupyflash reads as a C-contiguous CuPy array on GPU 0."""
     itemsize = np.dtype(dtype).itemsize
     strides, step = [], itemsize
@@ -52,7 +52,7 @@ def _stub_device() -> None:
     for name in ("_device", "_plan"):
         module = sys.modules.get(f"cupyflash.{name}") or __import__(f"cupyflash.{name}", fromlist=["_"])
         if hasattr(module, "DeviceInfo") and hasattr(module, "device_info"):
-            info = module.DeviceInfo(index=0, **_H100)
+            info = module.DeviceInfo(index=0, **H100)
             module.device_info = lambda index, info=info: info
     _launch.run = lambda *args, **kwargs: (None, None)
     from cupyflash import _interop
@@ -77,12 +77,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     _stub_device()
-    q = _stand_in((1, 1024, 16, 128), "float16")
-    k = v = _stand_in((1, 1024, 16, 128), "float16")
-    q1 = _stand_in((8, 1, 32, 128), "float16")
-    cache = _stand_in((8, 4096, 8, 128), "float16")
-    packed = _stand_in((1024, 16, 128), "float16")
-    cu = _stand_in((3,), "int32")
+    q = stand_in((1, 1024, 16, 128), "float16")
+    k = v = stand_in((1, 1024, 16, 128), "float16")
+    q1 = stand_in((8, 1, 32, 128), "float16")
+    cache = stand_in((8, 4096, 8, 128), "float16")
+    packed = stand_in((1024, 16, 128), "float16")
+    cu = stand_in((3,), "int32")
     cases = {
         "attention, prefill (1, 1k, 16, 128)": lambda: cupyflash.attention(q, k, v, causal=True),
         "attention, one query token over 4k keys": lambda: cupyflash.attention(q1, cache, cache),

@@ -14,7 +14,7 @@ import cupyflash
 from cupyflash import _device, _interop, _launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from host_overhead import _H100, _stand_in  # noqa: E402
+from host_overhead import H100, stand_in  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -30,9 +30,9 @@ def launches(monkeypatch):
 
     def run_outputs(launch, lib, device, arrays, given=_launch.EMPTY):
         seen.append((launch, {n for n, x in arrays.items() if x is not None}))
-        return tuple(_stand_in(o.shape, o.dtype) for o in launch.outputs)
+        return tuple(stand_in(o.shape, o.dtype) for o in launch.outputs)
 
-    info = _device.DeviceInfo(index=0, **_H100)
+    info = _device.DeviceInfo(index=0, **H100)
     monkeypatch.setattr(_device, "device_info", lambda index: info)
     monkeypatch.setattr(_launch, "run", run)
     monkeypatch.setattr(_launch, "run_outputs", run_outputs)
@@ -55,64 +55,64 @@ def _check(seen: list[tuple[object, set[str]]], kernels: str, optional: tuple[st
 
 
 def test_attention_routes_to_the_hopper_kernel(launches):
-    q = _stand_in((2, 300, 8, 128), "float16")
-    kv = _stand_in((2, 333, 2, 128), "float16")
+    q = stand_in((2, 300, 8, 128), "float16")
+    kv = stand_in((2, 333, 2, 128), "float16")
     assert cupyflash.attention(q, kv, kv, causal=True) == "out"
     assert cupyflash.attention(q, kv, kv, return_lse=True) == ("out", "lse")
     _check(launches, "fa3_fwd")
 
 
 def test_attention_options_route_to_fa2(launches):
-    q = _stand_in((2, 300, 8, 64), "bfloat16")
-    kv = _stand_in((2, 333, 2, 64), "bfloat16")
-    slopes = _stand_in((8,), "float32")
+    q = stand_in((2, 300, 8, 64), "bfloat16")
+    kv = stand_in((2, 333, 2, 64), "bfloat16")
+    slopes = stand_in((8,), "float32")
     cupyflash.attention(q, kv, kv, alibi_slopes=slopes, dropout_p=0.1, seed=3)
     _check(launches, "fa2_fwd")
-    mask = _stand_in((2, 1, 300, 333), "bool")
+    mask = stand_in((2, 1, 300, 333), "bool")
     cupyflash.attention(q, kv, kv, attn_mask=mask)
     _check(launches, "mask")
 
 
 def test_decode_and_cache_calls(launches):
-    q = _stand_in((8, 1, 32, 128), "float16")
-    cache = _stand_in((8, 4096, 8, 128), "float16")
+    q = stand_in((8, 1, 32, 128), "float16")
+    cache = stand_in((8, 4096, 8, 128), "float16")
     cupyflash.attention(q, cache, cache)
     _check(launches, "decode")
-    new = _stand_in((8, 1, 8, 128), "float16")
-    seqlens = _stand_in((8,), "int32")
+    new = stand_in((8, 1, 8, 128), "float16")
+    seqlens = stand_in((8,), "int32")
     cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=seqlens, k_new=new, v_new=new, causal=True)
     cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, return_lse=True)
     _check(launches, "decode")
 
 
 def test_varlen_plain_and_paged(launches):
-    packed = _stand_in((1000, 8, 128), "bfloat16")
-    cu = _stand_in((3,), "int32")
+    packed = stand_in((1000, 8, 128), "bfloat16")
+    cu = stand_in((3,), "int32")
     cupyflash.attention_varlen(packed, packed, packed, cu, cu, 600, 600, causal=True)
     _check(launches, "fwd")
-    pages = _stand_in((64, 16, 8, 128), "bfloat16")
-    table = _stand_in((2, 32), "int32")
+    pages = stand_in((64, 16, 8, 128), "bfloat16")
+    table = stand_in((2, 32), "int32")
     cupyflash.attention_varlen(packed, pages, pages, cu, cu, 600, 512, block_table=table)
     _check(launches, "fa2")
 
 
 def test_backward_calls(launches):
-    q = _stand_in((2, 300, 8, 64), "bfloat16")
-    kv = _stand_in((2, 333, 2, 64), "bfloat16")
-    lse = _stand_in((2, 8, 300), "float32")
+    q = stand_in((2, 300, 8, 64), "bfloat16")
+    kv = stand_in((2, 333, 2, 64), "bfloat16")
+    lse = stand_in((2, 8, 300), "float32")
     dq, dk, dv = cupyflash.attention_backward(q, q, kv, kv, q, lse, causal=True)
     assert dq.shape == q.shape and dk.shape == kv.shape
     _check(launches, "bwd", optional=("dlse",))
-    packed = _stand_in((1000, 8, 64), "bfloat16")
-    cu = _stand_in((3,), "int32")
-    plse = _stand_in((8, 1000), "float32")
+    packed = stand_in((1000, 8, 64), "bfloat16")
+    cu = stand_in((3,), "int32")
+    plse = stand_in((8, 1000), "float32")
     cupyflash.attention_varlen_backward(packed, packed, packed, packed, packed, plse, cu, cu, 600, 600)
     _check(launches, "bwd", optional=("dlse",))
 
 
 def test_fp8_forward(launches):
-    q = _stand_in((1, 512, 8, 128), "uint8")
-    descale = _stand_in((1, 8), "float32")
+    q = stand_in((1, 512, 8, 128), "uint8")
+    descale = stand_in((1, 8), "float32")
     cupyflash.attention(q, q, q, fp8_dtype="e4m3", q_descale=descale, k_descale=0.5, causal=True)
     _check(launches, "fa3_fwd", optional=("v_descale",))  # None: 1.0
     assert any("fp8_vt" in step.spec.name for launch, _ in launches for step in launch.steps)
