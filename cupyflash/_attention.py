@@ -12,6 +12,7 @@ call them from their bodies. Nothing here asks which framework is tracing.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,11 +249,19 @@ def _varlen_call_problem(call: VarlenForward | VarlenBackward, block_table: Any 
 # ---------------------------------------------------------------------------------------------
 def forward(call: Forward, want_lse: bool) -> tuple[Any, Any]:
     """``attention`` where its arrays live: (out, lse), lse None on the GPU unless wanted."""
+    return _where_they_live(call, host_forward, gpu_forward, want_lse)
+
+
+def _where_they_live(
+    call: Any, host: Callable[[Any], tuple[Any, Any]], gpu: Callable[..., tuple[Any, Any]], want_lse: bool
+) -> tuple[Any, Any]:
+    """A forward call on the host or on the GPU its arrays share (adopted as the pipeline reads
+    them): the custom ops' and the JAX host callbacks' way in, past the front door's routing."""
     found = _interop.gpu_arrays(call.names, call.arrays())
     if found is None:
-        return host_forward(call)
+        return host(call)
     lib, device, arrays = found
-    return gpu_forward(lib, device, call.on(arrays), want_lse)
+    return gpu(lib, device, call.on(arrays), want_lse)
 
 
 def host_forward(call: Forward) -> tuple[Any, Any]:
@@ -317,11 +326,7 @@ def _gpu_masked(lib: _interop.ArrayLib, device: int, call: Forward, want_lse: bo
 
 def varlen_forward(call: VarlenForward, want_lse: bool) -> tuple[Any, Any]:
     """``attention_varlen`` where its arrays live: (out, lse), lse None on the GPU unless wanted."""
-    found = _interop.gpu_arrays(call.names, call.arrays())
-    if found is None:
-        return host_varlen_forward(call)
-    lib, device, arrays = found
-    return gpu_varlen_forward(lib, device, call.on(arrays), want_lse)
+    return _where_they_live(call, host_varlen_forward, gpu_varlen_forward, want_lse)
 
 
 def host_varlen_forward(call: VarlenForward) -> tuple[Any, Any]:
