@@ -70,7 +70,7 @@ def attention_fp8(
     if scale is not None and not scale > 0:
         raise ValueError(f"the FP8 forward takes a positive scale, got {scale!r}")
     options = check_options(causal, scale, window, softcap)
-    out_name = _outdtype_name(out_dtype)
+    out_name = _out_dtype_name(out_dtype)
     if _interop.traced(arrays):
         raise NotImplementedError("the FP8 forward does not run under a JAX transformation yet")
     if _interop.needs_autograd(arrays):
@@ -150,7 +150,7 @@ def _refuse_options(
         )
 
 
-def _outdtype_name(out_dtype: Any) -> str:
+def _out_dtype_name(out_dtype: Any) -> str:
     name = "bfloat16" if out_dtype is None else str(out_dtype).removeprefix("torch.")
     if name not in OUT_DTYPES:
         raise TypeError(f"out_dtype of the FP8 forward must be one of {OUT_DTYPES}, got {out_dtype!r}")

@@ -168,16 +168,27 @@ struct QueryRangeOfKeys {
   }
 
   // -inf at hidden (row, key) of a transposed tile: element e of tile (0, nt) is key
-  // key0 + lane / 4 + 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2.
+  // key0 + lane / 4 + 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2. A key's visible
+  // rows are one range, kept as offsets from the thread's first row (lo <= 8 nt + e % 2 <= hi):
+  // a compare with an immediate per score, not row arithmetic (the Hopper backward at d = 64
+  // holds 192 accumulators here, and the per-row sums spilled).
   template <int kNTiles>
   CF_DEVICE void apply(float (&s)[1][kNTiles][4], int key0, int row0, int lane) const {
+    const int thread_row0 = row0 + 2 * (lane % 4);
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+    for (int half = 0; half < 2; ++half) {
+      const int key = key0 + lane / 4 + 8 * half;
+      // row >= key - shift - window_right (causal), row <= key - shift + window_left (local)
+      int lo = Is_causal ? key - keys.shift - keys.window_right - thread_row0 : 0;
+      int hi = Is_local ? key - keys.shift + keys.window_left - thread_row0 : 8 * kNTiles;
+      if (key >= keys.seqlen_k) hi = -1;  // past the last key: no row
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + lane / 4 + 8 * (e / 2);
-        const int row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
-        if (!keys.visible(row, key)) s[0][nt][e] = neg_infinity();
-      }
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int offset = 8 * nt + c;
+          if (offset < lo || offset > hi) s[0][nt][2 * half + c] = neg_infinity();
+        }
+    }
   }
 };
