@@ -206,7 +206,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   // registers live through the consumers' peak and spilled).
   const BwdStep first_step{head_k * group, m_begin};
   auto next_step = [&](BwdStep at) {
-    return at.m_block + 1 < m_end ? BwdStep{at.head, at.m_block + 1} : BwdStep{at.head + 1, m_begin};
+    return at.m_block + 1 < m_end ? BwdStep{at.head, at.m_block + 1}
+                                  : BwdStep{at.head + 1, m_begin};
   };
   // The step's first per-row temporary: -LSE log2 e, D and dQacc's tile (dq_tiles.cuh).
   auto step_rows = [&](BwdStep at) -> int64_t {
@@ -397,7 +398,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     wgmma_fence_operands(s[0]);
     if constexpr (Traits::Has_softcap)  // the forward's order: the cap, then the mask
       transform_scores_transposed(Softcap(a), s, key0 + warp_key0, row0, lane);
-    if (range.needs_mask(m_block)) range.apply(s, key0 + warp_key0, row0, lane);
+    if (range.needs_mask(m_block)) range.apply_by_row_offsets(s, key0 + warp_key0, row0, lane);
     wgmma_wait<0>();
     wgmma_fence_operands(dp[0]);
 
@@ -438,8 +439,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       wgmma_fence();
 #pragma unroll
       for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
-        MmaKV::rs_bt(acc_dv[0], p_frag[ks],
-                     wgmma_desc_advance(desc_do, ks * 2 * kSwizzleAtomBytes), 1);
+        MmaKV::rs_bt(acc_dv[0], p_frag[ks], wgmma_desc_advance(desc_do, ks * 2 * kSwizzleAtomBytes),
+                     1);
       wgmma_commit();
 #pragma unroll
       for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)

@@ -168,12 +168,27 @@ struct QueryRangeOfKeys {
   }
 
   // -inf at hidden (row, key) of a transposed tile: element e of tile (0, nt) is key
-  // key0 + lane / 4 + 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2. A key's visible
-  // rows are one range, kept as offsets from the thread's first row (lo <= 8 nt + e % 2 <= hi):
-  // a compare with an immediate per score, not row arithmetic (the Hopper backward at d = 64
-  // holds 192 accumulators here, and the per-row sums spilled).
+  // key0 + lane / 4 + 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2.
   template <int kNTiles>
   CF_DEVICE void apply(float (&s)[1][kNTiles][4], int key0, int row0, int lane) const {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + lane / 4 + 8 * (e / 2);
+        const int row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
+        if (!keys.visible(row, key)) s[0][nt][e] = neg_infinity();
+      }
+  }
+
+  // The same as apply, with a key's visible rows as one range of offsets from the thread's first
+  // row (lo <= 8 nt + e % 2 <= hi): a compare with an immediate per score, not row arithmetic.
+  // The Hopper backward at d = 64 holds 192 accumulators here, where apply's per-row sums
+  // spilled; the mma.sync backward (fa2_bwd.cu) keeps apply, where this form spilled 8 bytes in
+  // two sm_80 variants (d = 128 causal softcap dropout, d = 64 causal additive mask det).
+  template <int kNTiles>
+  CF_DEVICE void apply_by_row_offsets(float (&s)[1][kNTiles][4], int key0, int row0,
+                                      int lane) const {
     const int thread_row0 = row0 + 2 * (lane % 4);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
