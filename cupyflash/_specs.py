@@ -876,7 +876,7 @@ FA3_BWD_HEAD_DIMS = (64, 128)
 class Fa3BwdSpec(_KernelSpecBase):
     """A variant of ``fa3_bwd`` in ``kernels_cu/fa3_bwd.cu`` (template ``Fa3BwdTraits``): Hopper
     only. One CTA per block of 128 keys of a padded batch: a producer warpgroup (TMA) and two
-    consumers (wgmma), 64 query rows per step; dQ into the tiled accumulator
+    consumers (wgmma), ``block_m`` query rows per step; dQ into the tiled accumulator
     (``kernels_cu/dq_tiles.cuh``) that the FA2 backward's per-row dq step converts."""
 
     dtype: str
@@ -895,7 +895,6 @@ class Fa3BwdSpec(_KernelSpecBase):
     traits = "Fa3BwdTraits"
     prefix = "fa3_bwd"
     entry = "fa3_bwd<Traits>(params);"
-    block_m = 64
     block_n = 128
     num_threads = 384  # a producer and two consumer warpgroups
 
@@ -911,18 +910,24 @@ class Fa3BwdSpec(_KernelSpecBase):
         return (*_mask_flags(self.causal, self.local, self.softcap), ("det", self.deterministic))
 
     @property
+    def block_m(self) -> int:
+        """Query rows per step: FlashAttention-3's 128 at d = 64 (m64n128 wgmmas for S^T and
+        dP^T), 64 at d = 128 (the consumers' registers)."""
+        return 128 if self.head_dim == 64 else 64
+
+    @property
     def smem_bytes(self) -> int:
-        # 1024 bytes of alignment slack; K, V; Q and dO two-deep; dS^T (16-bit); dQ's staging
-        # (fp32, one per consumer at d = 64; two-deep when deterministic); -LSE log2 e and D
-        # two-deep per consumer; 5 mbarriers.
+        # 1024 bytes of alignment slack; K, V; Q and dO two-deep; dS^T (16-bit); a step's dQ
+        # staged (fp32, two-deep when deterministic); -LSE log2 e and D two-deep per consumer;
+        # 5 mbarriers.
         d, m, n = self.head_dim, self.block_m, self.block_n
-        stages, staging = 2, (2 if d == 64 else 1) * (2 if self.deterministic else 1)
+        stages, staging = 2, 2 if self.deterministic else 1
         rows = 2 * stages * 2 * 4 * m
         return 1024 + 2 * (2 * n * d + 2 * stages * m * d + n * m) + 4 * staging * m * d + rows + 8 * 5
 
     def _traits_args(self) -> tuple[object, ...]:
         dtype = CUDA_ELEMENT_TYPES[self.dtype]
-        return (self.head_dim, dtype, self.causal, self.local, self.softcap, self.deterministic)
+        return (self.head_dim, self.block_m, dtype, self.causal, self.local, self.softcap, self.deterministic)
 
 
 @dataclass(frozen=True, slots=True)

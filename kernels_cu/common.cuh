@@ -146,6 +146,18 @@ CF_DEVICE uint2 ld_shared_b64(uint32_t addr) {
   return v;
 }
 
+// ld_shared_f32x2(addr + offset) with the add inside the asm: for an offset known at compile
+// time ptxas folds it into the instruction (one register holds the base of a row of loads),
+// where NVVM would have turned `addr + offset` into an OR that ptxas cannot fold, one register
+// per address.
+CF_DEVICE float2 ld_shared_f32x2_offset(uint32_t addr, uint32_t offset) {
+  uint2 v;
+  asm volatile("{\n .reg .u32 a;\n add.u32 a, %2, %3;\n ld.shared.v2.b32 {%0, %1}, [a];\n}\n"
+               : "=r"(v.x), "=r"(v.y)
+               : "r"(addr), "r"(offset));
+  return make_float2(__uint_as_float(v.x), __uint_as_float(v.y));
+}
+
 CF_DEVICE float2 ld_shared_f32x2(uint32_t addr) {
   const uint2 v = ld_shared_b64(addr);
   return make_float2(__uint_as_float(v.x), __uint_as_float(v.y));

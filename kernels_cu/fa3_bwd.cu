@@ -4,7 +4,8 @@
 //
 // One CTA per block of 128 keys (grid: key blocks, B, Hkv) of a padded batch; 3 warpgroups:
 //   producer   one thread loads K and V once, then for every step (a query head of the group and
-//              a block of 64 query rows that sees the keys) Q and dO (TMA tiles) into a two-deep
+//              a block of query rows, 64 at d = 128 and 128 at d = 64 (Fa3BwdTraits::kBlockM),
+//              that sees the keys) Q and dO (TMA tiles) into a two-deep
 //              mbarrier ring (the rows' -LSE log2 e and D: each consumer loads its own copy).
 //   consumers  consumer c owns keys 64 c .. 64 c + 63 of the block (the wgmma M rows); per step
 //     S^T = K_c Q^T,  dP^T = V_c dO^T        wgmma ss, every operand straight from its TMA tile
@@ -14,7 +15,7 @@
 //                                            operand (the forward's P V), dO and Q read MN-major
 //     dS^T to shared memory, dQ = dS K       wgmma ss_tt, both operands MN-major
 //       (d = 128: consumer c computes d's columns 64 c .. 64 c + 63 over all 128 keys; d = 64:
-//        all 64 columns over its own keys, and both partial sums go into dQacc)
+//        rows 64 c .. 64 c + 63 of the 128 over all 128 keys)
 //     dQ staged in its fragments' order (dq_tiles.cuh), then added into dQacc in L2 by one
 //     bulk reduce-add (no per-element atomics)
 //   and at the end dK (times dk_scale) and dV, summed over the whole loop in registers, stored
@@ -31,7 +32,7 @@
 // lags the one before by one add's round trip, once per wave.
 // GQA: the CTA of a KV head loops over its group's query heads, so dK and dV are summed in
 // registers, with no per-query-head copy. Rows past seqlen_q: TMA reads zeros for their Q and
-// dO, their -LSE and D read as 0, and P^T and dS^T are set to 0 there.
+// dO, their -LSE reads as -inf and D as 0, so that P^T and dS^T are 0 there.
 #pragma once
 
 #include "common.cuh"
@@ -45,9 +46,9 @@
 #include "wgmma.cuh"
 
 // Shared memory after the base is aligned up to a 1024-byte swizzle atom: K, V (each [d / 64]
-// [128 keys][64], swizzled as TMA writes them), the ring's Q and dO tiles, dS^T ([keys][query
-// rows], swizzled: the MN-major A operand of dQ), dQ's staging (dq_tiles.cuh), the ring's -LSE
-// log2 e and D rows, the mbarriers.
+// [128 keys][64], swizzled as TMA writes them), the ring's Q and dO tiles, dS^T ([query rows /
+// 64][keys][64], swizzled: the MN-major A operand of dQ), dQ's staging (dq_tiles.cuh), the ring's
+// -LSE log2 e and D rows, the mbarriers.
 template <int kKVBytes, int kQBytes, int kRowBytes, int kDsBytes, int kDqBytes, int kStages>
 struct Fa3BwdSharedStorage {
   unsigned char s_k[kKVBytes];
@@ -62,16 +63,19 @@ struct Fa3BwdSharedStorage {
   uint64_t s_q_empty[kStages];                     // every consumer warp is done with them
 };
 
-template <int kHeadDim_, typename Element_, bool Is_causal_, bool Is_local_,
+template <int kHeadDim_, int kBlockM_, typename Element_, bool Is_causal_, bool Is_local_,
           bool Has_softcap_ = false, bool Deterministic_ = false, bool Dq_writer_ = Deterministic_>
 struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
   static constexpr int kHeadDim = kHeadDim_;
-  // FlashAttention-3's tile for d <= 128: S^T and dP^T (32 floats each), dK and dV (d / 2 each)
-  // and dQ's 32 fit in a consumer's 240 registers (ptxas: no spill).
-  static constexpr int kBlockM = kDqTileRows;  // query rows per step (the N of S^T, dP^T)
-  static constexpr int kBlockN = 128;          // keys per CTA: 64 per consumer (wgmma M)
+  // Query rows per step (the N of S^T and dP^T), FlashAttention-3's: 64 at d = 128, where S^T and
+  // dP^T (32 floats each), dK and dV (64 each) and dQ's 32 fill a consumer's 240 registers; 128
+  // at d = 64 (S^T and dP^T 64 each, dK and dV 32 each), so that S^T = K_c Q^T and dP^T = V_c dO^T
+  // are m64n128 wgmmas: at m64n64 the two consumers' operand reads alone fill shared memory's
+  // 128 bytes a cycle (4 KB per 131 kFLOP, 32 cycles of tensor core), at m64n128 three quarters.
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = 128;  // keys per CTA: 64 per consumer (wgmma M)
   static constexpr int kConsumers = 2;
   static constexpr int kKeysPerConsumer = kBlockN / kConsumers;
   static constexpr int kStages = 2;  // Q, dO, -LSE log2 e, D: the ring's depth
@@ -86,20 +90,17 @@ struct Fa3BwdTraits {
   static constexpr bool Dq_writer = Dq_writer_;
   static_assert(Dq_writer || !Deterministic, "the fixed order waits in the writer warp");
   static constexpr int kDqBuffers = Dq_writer ? 2 : 1;
-  // dQ = dS K split between the consumers by keys at d = 64 (one 64-column part), else by parts.
-  static constexpr bool Dq_split_keys = kHeadDim == kDqPartCols;
-  // Deterministic at d = 64: the two consumers' partial dQ (over their own keys) summed in shared
-  // memory first, so that each step adds one tile (two adds into the same floats would have to
-  // wait for each other to keep their order).
-  static constexpr bool Dq_sum_consumers = Deterministic && Dq_split_keys;
+  // dQ = dS K, a 64 x 64 part per consumer over all 128 keys: by rows at d = 64 (128 rows, one
+  // 64-row dQacc tile each), by d's 64-column parts at d = 128 (64 rows). (A 64-row step at
+  // d = 64 would split it by keys: two partial sums of one tile, which 128-row steps replaced.)
+  static constexpr bool Dq_split_rows = kHeadDim == kDqPartCols;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kRowBytes = kBlockM * 4;  // one step's -LSE log2 e (or D)
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
-  static constexpr int kDqTileBytes = kBlockM * kHeadDim * 4;
-  static constexpr int kDqStagedBytes = (Dq_split_keys ? kConsumers : 1) * kDqTileBytes;
-  static constexpr int kDqBytes = kDqBuffers * kDqStagedBytes;
+  static constexpr int kDqStepBytes = kBlockM * kHeadDim * 4;  // a step's dQ: one or two tiles
+  static constexpr int kDqBytes = kDqBuffers * kDqStepBytes;
   using SharedStorage =
       Fa3BwdSharedStorage<kKVBytes, kQBytes, kRowBytes, kDsBytes, kDqBytes, kStages>;
   static constexpr int kSmemBytes = kSwizzleAtomBytes + static_cast<int>(sizeof(SharedStorage));
@@ -108,6 +109,7 @@ struct Fa3BwdTraits {
   static constexpr int kConsumerRegs = 240;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the head dims of the Hopper backward");
+  static_assert(kBlockM == (Dq_split_rows ? 2 : 1) * kDqTileRows, "a dQ part per consumer");
   static_assert(sizeof(Element) == 2, "16-bit elements");
 };
 
@@ -154,6 +156,11 @@ struct Fa3BwdSmem {
 // bar.sync ids of the consumers (0 is __syncthreads): both consumers (dS^T and dQ's staging are
 // shared at d = 128), or consumer c alone; with the dQ writer warp, per staging buffer b: staged
 // (the consumers arrive, the writer waits) and free again (the writer arrives, the consumers wait).
+// A step of a CTA's loop: a query head of the KV head's group and a block of its query rows.
+struct BwdStep {
+  int head, m_block;
+};
+
 enum class BwdBarrier : int { kBoth = 1, kConsumer = 2, kDqStaged = 4, kDqFree = 6 };
 CF_DEVICE void bwd_barrier_sync(BwdBarrier id, int consumer) {
   if (id == BwdBarrier::kBoth)
@@ -191,16 +198,20 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   const QueryRangeOfKeys<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> range(
       n_block, a.seqlen_q, a.seqlen_k, a.window_left, a.window_right);
   const int m_begin = range.m_block_begin();
-  const int m_blocks = max(range.m_block_end() - m_begin, 0);
+  const int m_end = max(range.m_block_end(), m_begin);
   const int group = a.h_h_k_ratio;
-  const int steps = m_blocks * group;
-  // Step `step`: query head head_k * group + step / m_blocks, block m_begin + step % m_blocks.
-  auto step_head = [&](int step) { return head_k * group + step / m_blocks; };
-  auto step_m_block = [&](int step) { return m_begin + step % m_blocks; };
+  const int steps = (m_end - m_begin) * group;
+  // The steps: query blocks m_begin .. m_end - 1 of every query head of the group in turn,
+  // followed step by step (a division by the block count per step kept its reciprocal's
+  // registers live through the consumers' peak and spilled).
+  const BwdStep first_step{head_k * group, m_begin};
+  auto next_step = [&](BwdStep at) {
+    return at.m_block + 1 < m_end ? BwdStep{at.head, at.m_block + 1}
+                                  : BwdStep{at.head + 1, m_begin};
+  };
   // The step's first per-row temporary: -LSE log2 e, D and dQacc's tile (dq_tiles.cuh).
-  auto step_rows = [&](int step) -> int64_t {
-    return batch * p.row_batch_stride + step_head(step) * p.row_head_stride +
-           step_m_block(step) * kBlockM;
+  auto step_rows = [&](BwdStep at) -> int64_t {
+    return batch * p.row_batch_stride + at.head * p.row_head_stride + at.m_block * kBlockM;
   };
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
@@ -229,28 +240,23 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
           }
           return lo;
         };
-        // the staged tiles of a buffer: one per consumer at d = 64, unless summed (one)
-        constexpr int kParts =
-            Traits::Dq_split_keys && !Traits::Dq_sum_consumers ? Traits::kConsumers : 1;
-        constexpr int kPartBytes = Traits::kDqTileBytes;
-        for (int step = 0; step < steps; ++step) {
+        BwdStep at = first_step;
+        for (int step = 0; step < steps; ++step, at = next_step(at)) {
           const int buffer = step % Traits::kDqBuffers;
           dq_handover_sync(BwdBarrier::kDqStaged, buffer);
           if (threadIdx.x == 32) {
-            float* tile = p.dq_accum + step_rows(step) * kHeadDim;
-            int32_t* semaphore = p.dq_semaphore + step_rows(step) / kBlockM;
+            float* tile = p.dq_accum + step_rows(at) * kHeadDim;
+            // the step's first tile's (a step's tiles are added together)
+            int32_t* semaphore = p.dq_semaphore + step_rows(at) / kDqTileRows;
             if constexpr (Traits::Deterministic) {
-              const int turn = last_key_block(step_m_block(step)) - n_block;
+              const int turn = last_key_block(at.m_block) - n_block;
               while (ld_acquire_gpu(semaphore) != turn) {
               }
               fence_proxy_async_global();
             }
-            for (int part = 0; part < kParts; ++part) {
-              bulk_reduce_add_f32(tile,
-                                  smem.dq() + buffer * Traits::kDqStagedBytes + part * kPartBytes,
-                                  kPartBytes);
-              bulk_commit();
-            }
+            bulk_reduce_add_f32(tile, smem.dq() + buffer * Traits::kDqStepBytes,
+                                Traits::kDqStepBytes);
+            bulk_commit();
             if constexpr (Traits::Deterministic) {
               bulk_wait<0>();  // the add done before the turn passes
               fence_proxy_async_global();
@@ -275,20 +281,20 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       tma_load_4d(smem.v() + offset, params.v_map, smem.kv_full(), cb * kColBlockElems, key0,
                   head_k, batch);
     }
-    for (int step = 0; step < steps; ++step) {
+    BwdStep at = first_step;
+    for (int step = 0; step < steps; ++step, at = next_step(at)) {
       const int stage = step % kStages;
       mbar_wait(smem.q_empty(stage), ((step / kStages) & 1) ^ 1);  // its last use released
       const uint32_t full = smem.q_full(stage);
       mbar_arrive_expect_tx(full, 2 * Traits::kQBytes);
-      const int head = step_head(step);
-      const int row0 = step_m_block(step) * kBlockM;
+      const int row0 = at.m_block * kBlockM;
 #pragma unroll
       for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
         const uint32_t offset = cb * kBlockM * kSwizzleRowBytes;
-        tma_load_4d(smem.q(stage) + offset, params.q_map, full, cb * kColBlockElems, row0, head,
+        tma_load_4d(smem.q(stage) + offset, params.q_map, full, cb * kColBlockElems, row0, at.head,
                     batch);
-        tma_load_4d(smem.dout(stage) + offset, params.do_map, full, cb * kColBlockElems, row0, head,
-                    batch);
+        tma_load_4d(smem.dout(stage) + offset, params.do_map, full, cb * kColBlockElems, row0,
+                    at.head, batch);
       }
     }
     return;
@@ -303,40 +309,52 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   const int wg_key0 = Traits::kKeysPerConsumer * consumer;  // this consumer's keys in the block
   const int warp_key0 = wg_key0 + 16 * warp;
   const float scale_log2 = a.softmax_scale_log2;
-  using MmaS = Wgmma<kBlockM, Element>;      // S^T, dP^T: 64 keys x 64 query rows
+  using MmaS = Wgmma<kBlockM, Element>;      // S^T, dP^T: 64 keys x kBlockM query rows
   using MmaKV = Wgmma<kHeadDim, Element>;    // dV, dK: 64 keys x d
   using MmaQ = Wgmma<kDqPartCols, Element>;  // dQ: 64 query rows x one 64-column part
   constexpr int kNTiles = kBlockM / 8;       // 8-row column tiles of S^T
   constexpr int kRowSteps = kBlockM / 16;    // k-steps of dV, dK over the query rows
-  constexpr bool Split_keys = Traits::Dq_split_keys;
-  const int dq_part = Split_keys ? 0 : consumer;  // the 64 columns of dQ this consumer computes
-  const int dq_key0 = Split_keys ? wg_key0 : 0;   // ... over these keys
-  constexpr int kDqKeys = Split_keys ? 64 : kBlockN;
-  // One issuer and one reduce of the whole tile per step at d = 128: each consumer adding its own
-  // half (two 16 KB reduces, one barrier fewer per step) measured 5-9% slower
+  // This consumer's part of dQ over all 128 keys: rows 64 c .. 64 c + 63 at d = 64 (A from
+  // column block c of dS^T), d's columns 64 c .. 64 c + 63 at d = 128 (B from column block c of
+  // K); staged as part c of the step's dQ (at d = 64 part c is its 16 KB tile c).
+  const uint32_t dq_rows_offset = Traits::Dq_split_rows ? consumer * kBlockN * kSwizzleRowBytes : 0;
+  const uint32_t dq_cols_offset = Traits::Dq_split_rows ? 0 : consumer * kBlockN * kSwizzleRowBytes;
+  // One issuer and one reduce of the whole step per step: each consumer adding its own half
+  // (two 16 KB reduces, one barrier fewer per step) measured 5-9% slower at d = 128
   // (docs/evidence.md (2026-12-01-hopper-backward)).
-  const bool dq_issuer = !Traits::Dq_writer && tid == 0 && (Split_keys || consumer == 0);
-  const uint32_t dq_staging = smem.dq() + (Split_keys ? consumer * Traits::kDqTileBytes : 0);
-  // dS^T complete, dQ staged: among the consumers that share them.
-  auto dq_sync = [&]() {
-    if constexpr (Split_keys)
-      bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
-    else
-      bwd_barrier_sync(BwdBarrier::kBoth, consumer);
-  };
+  const bool dq_issuer = !Traits::Dq_writer && tid == 0 && consumer == 0;
+  // dS^T complete, dQ staged: both consumers (each one's part of dQ reads both's dS^T).
+  auto dq_sync = [&]() { bwd_barrier_sync(BwdBarrier::kBoth, consumer); };
 
-  // A step's -LSE log2 e and D: thread tid loads one (row tid of -LSE, or row tid - 64 of D) a
-  // step ahead into this consumer's copy in the ring (plain loads and stores, ordered by the
-  // consumer's barriers; 0 at a padding row, which prep does not write).
-  auto row_value = [&](int step) {
-    const int r = tid % kBlockM;
-    if (step_m_block(step) * kBlockM + r >= a.seqlen_q) return 0.f;
-    return (tid < kBlockM ? p.neg_lse_log2 : p.dsum)[step_rows(step) + r];
+  // A step's -LSE log2 e and D: thread tid loads values tid, tid + 128, ... of the 2 kBlockM
+  // (value v: row v of -LSE, or row v - kBlockM of D) a step ahead into this consumer's copy in
+  // the ring (plain loads and stores, ordered by the consumer's barriers). A padding row (past
+  // seqlen_q; prep does not write its values) reads -LSE = -inf and D = 0: its Q and dO are
+  // TMA's zeros, so its scores are 0 or masked, P^T = exp2(-inf) = 0 and dS^T = 0 (dP^T = 0)
+  // with no test per score, as a real row that sees no key.
+  constexpr int kRowValues = 2 * kBlockM / kWarpgroupThreads;
+  auto load_row_values = [&](BwdStep at, float (&values)[kRowValues]) {
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i) {
+      const int v = tid + kWarpgroupThreads * i;
+      const int r = v % kBlockM;
+      if (at.m_block * kBlockM + r < a.seqlen_q)
+        values[i] = (v < kBlockM ? p.neg_lse_log2 : p.dsum)[step_rows(at) + r];
+      else
+        values[i] = v < kBlockM ? neg_infinity() : 0.f;
+    }
   };
-  auto store_row_value = [&](int stage, float value) {
-    st_shared_b32(smem.rows(consumer, stage) + tid * 4, __float_as_uint(value));
+  auto store_row_values = [&](int stage, const float (&values)[kRowValues]) {
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i)
+      st_shared_b32(smem.rows(consumer, stage) + (tid + kWarpgroupThreads * i) * 4,
+                    __float_as_uint(values[i]));
   };
-  if (steps > 0) store_row_value(0, row_value(0));
+  float row_values[kRowValues];
+  if (steps > 0) {
+    load_row_values(first_step, row_values);
+    store_row_values(0, row_values);
+  }
   bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
 
   float acc_dk[1][kHeadDim / 8][4];  // one 16-row tile per warp, as zero_fill counts them
@@ -345,13 +363,15 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   zero_fill(acc_dv);
   mbar_wait(smem.kv_full(), 0);
 
+  BwdStep at = first_step;
   for (int step = 0; step < steps; ++step) {
     const int stage = step % kStages;
-    const float next_row_value = step + 1 < steps ? row_value(step + 1) : 0.f;
+    const BwdStep next = next_step(at);
+    if (step + 1 < steps) load_row_values(next, row_values);
     mbar_wait(smem.q_full(stage), (step / kStages) & 1);
     const uint32_t q_tile = smem.q(stage);
     const uint32_t do_tile = smem.dout(stage);
-    const int m_block = step_m_block(step);
+    const int m_block = at.m_block;
     const int row0 = m_block * kBlockM;
 
     // S^T = K_c Q^T, dP^T = V_c dO^T: k-step ks reads 16 columns of d, 32 bytes into the 128-byte
@@ -378,54 +398,60 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     wgmma_fence_operands(s[0]);
     if constexpr (Traits::Has_softcap)  // the forward's order: the cap, then the mask
       transform_scores_transposed(Softcap(a), s, key0 + warp_key0, row0, lane);
-    if (range.needs_mask(m_block)) range.apply(s, key0 + warp_key0, row0, lane);
+    if (range.needs_mask(m_block)) range.apply_by_row_offsets(s, key0 + warp_key0, row0, lane);
     wgmma_wait<0>();
     wgmma_fence_operands(dp[0]);
 
     // P^T and dS^T in the element type, as the A fragments of dV and dK: k-step ks is column
     // tiles 2 ks, 2 ks + 1, rows lane / 4 and + 8 (p_operand's order).
-    const int rows_valid = a.seqlen_q - row0;
     uint32_t p_frag[kRowSteps][4], ds_frag[kRowSteps][4];
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-      const int col0 = 8 * nt + 2 * (lane % 4);  // the two query rows of this thread's columns
-      const float2 neg_lse = ld_shared_f32x2(smem.rows(consumer, stage) + col0 * 4);
-      const float2 dsum =
-          ld_shared_f32x2(smem.rows(consumer, stage) + Traits::kRowBytes + col0 * 4);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float prob[2], ds[2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float logit = s[0][nt][2 * half + c];
-          prob[c] = fast_exp2(fmaf(logit, scale_log2, c ? neg_lse.y : neg_lse.x));
-          ds[c] = prob[c] * (dp[0][nt][2 * half + c] - (c ? dsum.y : dsum.x));
-          if constexpr (Traits::Has_softcap)  // the logit is the capped score here (no ALiBi)
-            ds[c] = softcap_grad(ds[c], prob[c], logit);
-          if (col0 + c >= rows_valid) prob[c] = ds[c] = 0.f;  // a padding row's LSE, D
-        }
-        p_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(prob[0], prob[1]);
-        ds_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(ds[0], ds[1]);
-      }
-    }
-
-    // dV += P^T dO, dK += dS^T Q: k-step ks takes query rows 16 ks .. 16 ks + 15 (two 8-row atoms
-    // of every column block, 2048 bytes per step); d's column blocks are kBlockM rows apart.
-    wgmma_fence();
+    // this thread's query rows of column tile nt: 8 nt + 2 (lane % 4) and the next
+    const uint32_t thread_rows = smem.rows(consumer, stage) + 2 * (lane % 4) * 4;
     const uint64_t desc_do = wgmma_desc(do_tile, kBlockM * kSwizzleRowBytes);
-#pragma unroll
-    for (int ks = 0; ks < kRowSteps; ++ks)
-      MmaKV::rs_bt(acc_dv[0], p_frag[ks], wgmma_desc_advance(desc_do, ks * 2 * kSwizzleAtomBytes),
-                   1);
-    wgmma_commit();
     const uint64_t desc_q = wgmma_desc(q_tile, kBlockM * kSwizzleRowBytes);
+    // At 128 rows a step (d = 64) in two halves of the rows: the first half's fragments are
+    // complete and its wgmmas issued before the second half's exponentials, which bounds how far
+    // ptxas hoists them (one pass over all 16 column tiles kept ~30 more values live next to the
+    // 192 accumulators, and some variants spilled).
+    constexpr int kParts = kRowSteps > 4 ? 2 : 1;
+    auto dv_dk_part = [&](const int part) {
 #pragma unroll
-    for (int ks = 0; ks < kRowSteps; ++ks)
-      MmaKV::rs_bt(acc_dk[0], ds_frag[ks], wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes),
-                   1);
-    wgmma_commit();
+      for (int nt = part * kNTiles / kParts; nt < (part + 1) * kNTiles / kParts; ++nt) {
+        const float2 neg_lse = ld_shared_f32x2_offset(thread_rows, 8 * nt * 4);
+        const float2 dsum = ld_shared_f32x2_offset(thread_rows, Traits::kRowBytes + 8 * nt * 4);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float prob[2], ds[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float logit = s[0][nt][2 * half + c];
+            prob[c] = fast_exp2(fmaf(logit, scale_log2, c ? neg_lse.y : neg_lse.x));
+            ds[c] = prob[c] * (dp[0][nt][2 * half + c] - (c ? dsum.y : dsum.x));
+            if constexpr (Traits::Has_softcap)  // the logit is the capped score here (no ALiBi)
+              ds[c] = softcap_grad(ds[c], prob[c], logit);
+          }
+          p_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(prob[0], prob[1]);
+          ds_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(ds[0], ds[1]);
+        }
+      }
+      // dV += P^T dO, dK += dS^T Q: k-step ks takes query rows 16 ks .. 16 ks + 15 (two 8-row
+      // atoms of every column block, 2048 bytes per step); d's column blocks are kBlockM rows apart.
+      wgmma_fence();
+#pragma unroll
+      for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
+        MmaKV::rs_bt(acc_dv[0], p_frag[ks], wgmma_desc_advance(desc_do, ks * 2 * kSwizzleAtomBytes),
+                     1);
+      wgmma_commit();
+#pragma unroll
+      for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
+        MmaKV::rs_bt(acc_dk[0], ds_frag[ks], wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes),
+                     1);
+      wgmma_commit();
+    };
+    dv_dk_part(0);
+    if constexpr (kParts == 2) dv_dk_part(1);
 
-    // dS^T to shared memory: key rows of 64 query rows (128 bytes), swizzled.
+    // dS^T to shared memory: key rows of 64 query rows (128 bytes) per column block, swizzled.
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -438,16 +464,15 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     dq_sync();
     const int dq_buffer = step % Traits::kDqBuffers;
 
-    // dQ = dS K: A = dS (query rows x keys) read from dS^T, B = K (keys x d) read from the K
-    // tile, both MN-major; k-step ks takes 16 keys (2048 bytes of either tile).
+    // dQ = dS K: A = dS (query rows x keys) read from dS^T (this consumer's rows: a 64-row
+    // column block of it), B = K (keys x d) read from the K tile, both MN-major; k-step ks takes
+    // 16 keys (2048 bytes of either tile).
     float acc_dq[kDqPartCols / 8][4];
     wgmma_fence();
-    const uint64_t desc_ds0 = wgmma_desc(smem.ds() + dq_key0 * kSwizzleRowBytes, 0);
-    const uint64_t desc_k0 =
-        wgmma_desc(smem.k() + dq_part * kBlockN * kSwizzleRowBytes + dq_key0 * kSwizzleRowBytes,
-                   kBlockN * kSwizzleRowBytes);
+    const uint64_t desc_ds0 = wgmma_desc(smem.ds() + dq_rows_offset, 0);
+    const uint64_t desc_k0 = wgmma_desc(smem.k() + dq_cols_offset, kBlockN * kSwizzleRowBytes);
 #pragma unroll
-    for (int ks = 0; ks < kDqKeys / 16; ++ks) {
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
       const uint32_t key_bytes = 16 * ks * kSwizzleRowBytes;
       MmaQ::ss_tt(acc_dq, wgmma_desc_advance(desc_ds0, key_bytes),
                   wgmma_desc_advance(desc_k0, key_bytes), ks > 0);
@@ -472,42 +497,19 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
                         __float_as_uint(f[3]));
     };
-    const uint32_t staged = smem.dq() + dq_buffer * Traits::kDqStagedBytes;
-    if constexpr (Traits::Dq_sum_consumers) {
-      // Consumer c sums fragments j of half c of both consumers' partial dQ into the first tile
-      // of the buffer, the other half handed over through the second.
-      const uint32_t handover = staged + Traits::kDqTileBytes;
-      constexpr int kHalf = kDqPartCols / 16;
+    const uint32_t staged = smem.dq() + dq_buffer * Traits::kDqStepBytes;
 #pragma unroll
-      for (int j = 0; j < kDqPartCols / 8; ++j)
-        if (j / kHalf != consumer)
-          st_shared_b128(handover + dq_tile_fragment_bytes(0, j, tid), as_uint4(acc_dq[j]));
-      bwd_barrier_sync(BwdBarrier::kBoth, consumer);
-#pragma unroll
-      for (int j = 0; j < kDqPartCols / 8; ++j)
-        if (j / kHalf == consumer) {
-          const uint4 other = ld_shared_b128(handover + dq_tile_fragment_bytes(0, j, tid));
-          const float sum[4] = {
-              acc_dq[j][0] + __uint_as_float(other.x), acc_dq[j][1] + __uint_as_float(other.y),
-              acc_dq[j][2] + __uint_as_float(other.z), acc_dq[j][3] + __uint_as_float(other.w)};
-          st_shared_b128(staged + dq_tile_fragment_bytes(0, j, tid), as_uint4(sum));
-        }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kDqPartCols / 8; ++j)
-        st_shared_b128(dq_staging + dq_buffer * Traits::kDqStagedBytes +
-                           dq_tile_fragment_bytes(dq_part, j, tid),
-                       as_uint4(acc_dq[j]));
-    }
+    for (int j = 0; j < kDqPartCols / 8; ++j)
+      st_shared_b128(staged + dq_tile_fragment_bytes(consumer, j, tid), as_uint4(acc_dq[j]));
     fence_proxy_async_shared();
-    if (step + 1 < steps) store_row_value((step + 1) % kStages, next_row_value);
+    if (step + 1 < steps) store_row_values((step + 1) % kStages, row_values);
     dq_sync();  // (also orders the next step's -LSE and D before their reads)
     if constexpr (Traits::Dq_writer) dq_handover_arrive(BwdBarrier::kDqStaged, dq_buffer);
     if (dq_issuer) {
-      bulk_reduce_add_f32(p.dq_accum + step_rows(step) * kHeadDim, dq_staging,
-                          Traits::kDqTileBytes);
+      bulk_reduce_add_f32(p.dq_accum + step_rows(at) * kHeadDim, staged, Traits::kDqStepBytes);
       bulk_commit();
     }
+    at = next;
   }
   if (dq_issuer) bulk_wait<0>();  // the staging buffer stays valid until the last add is done
 

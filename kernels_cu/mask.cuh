@@ -180,4 +180,30 @@ struct QueryRangeOfKeys {
         if (!keys.visible(row, key)) s[0][nt][e] = neg_infinity();
       }
   }
+
+  // The same as apply, with a key's visible rows as one range of offsets from the thread's first
+  // row (lo <= 8 nt + e % 2 <= hi): a compare with an immediate per score, not row arithmetic.
+  // The Hopper backward at d = 64 holds 192 accumulators here, where apply's per-row sums
+  // spilled; the mma.sync backward (fa2_bwd.cu) keeps apply, where this form spilled 8 bytes in
+  // two sm_80 variants (d = 128 causal softcap dropout, d = 64 causal additive mask det).
+  template <int kNTiles>
+  CF_DEVICE void apply_by_row_offsets(float (&s)[1][kNTiles][4], int key0, int row0,
+                                      int lane) const {
+    const int thread_row0 = row0 + 2 * (lane % 4);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = key0 + lane / 4 + 8 * half;
+      // row >= key - shift - window_right (causal), row <= key - shift + window_left (local)
+      int lo = Is_causal ? key - keys.shift - keys.window_right - thread_row0 : 0;
+      int hi = Is_local ? key - keys.shift + keys.window_left - thread_row0 : 8 * kNTiles;
+      if (key >= keys.seqlen_k) hi = -1;  // past the last key: no row
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int offset = 8 * nt + c;
+          if (offset < lo || offset > hi) s[0][nt][2 * half + c] = neg_infinity();
+        }
+    }
+  }
 };

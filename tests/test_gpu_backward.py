@@ -36,6 +36,8 @@ CASES = {
     # Many key blocks add into each dQ tile (32 of 128 keys; a window's band of them).
     "many-key-blocks": (1, 300, 4000, 4, 2, False, (-1, -1), 0.0),
     "window-long": (1, 2000, 2100, 2, 1, True, (300, -1), 0.0),
+    # The Hopper kernel's 128-row steps at d = 64: the last step's second 64-row tile all padding.
+    "half-step": (2, 192, 256, 4, 2, True, (-1, -1), 0.0),
 }
 
 

@@ -31,6 +31,8 @@ from .common import (
 )
 from .model import INDEX, KernelStep, Launch, Operand, Output, Temporary, TmaMaps
 
+DQ_TILE_ROWS = 64  # the Hopper backward's dQacc tiles (kDqTileRows, kernels_cu/dq_tiles.cuh)
+
 
 def plan_backward(
     p: Problem,
@@ -74,8 +76,8 @@ def plan_backward(
         )
 
     # Per-row temporaries: row r of query head h, batch b at b * row_batch + h * row_head + r.
-    # The Hopper kernel's: each (b, h)'s rows padded to whole 64-row tiles (dQacc tiled, and the
-    # tiles' -LSE log2 e and D rows copied whole).
+    # The Hopper kernel's: each (b, h)'s rows padded to whole steps (block_m: one or two 64-row
+    # dQacc tiles; the steps' -LSE log2 e and D rows read whole).
     padded_q = -(-p.seqlen_q // hopper.block_m) * hopper.block_m if hopper is not None else p.seqlen_q
     if packed:
         row_strides, temp_rows, batches = (0, rows[0]), p.heads_q * rows[0], 1
@@ -165,7 +167,7 @@ def plan_backward(
         temporaries += (Temporary("dq_accum", (temp_rows, convert.head_dim), "float32", params.slot("dq_accum")),)
         dq_step = KernelStep(convert, (convert.grid_x(row_count), batches, p.heads_q), row_block, 0)
         if hopper is not None and deterministic:  # its add count per 64-row tile, zeroed by prep
-            tiles = temp_rows // hopper.block_m
+            tiles = temp_rows // DQ_TILE_ROWS  # (a 128-row step uses its first tile's)
             temporaries += (Temporary("dq_semaphore", (tiles,), "int32", params.slot("dq_semaphore")),)
     prep = _dispatch.bwd_row_spec("prep", dtype, p.head_dim)
     prep_step = KernelStep(prep, (prep.grid_x(row_count), batches, p.heads_q), row_block, 0)
