@@ -23,8 +23,8 @@ flash-attn 2.8's lower-level functions are here too, for the libraries built on 
 returns ``softmax_d``), their varlen twins, ``flash_attn_gpu`` (the compiled module's four entry
 points in their C++ argument order) and ``_get_block_size_n``. :func:`install` presents this module
 as ``flash_attn`` and ``flash_attn.flash_attn_interface`` (opt-in), so that ring-flash-attn's
-context parallelism runs on cupyflash (ring, zigzag and stripe are tested on virtual ranks;
-llama3's varlen functions, which all-gather, are not yet)::
+context parallelism runs on cupyflash (ring, zigzag, stripe and llama3's varlen functions are
+tested on virtual ranks)::
 
     import cupyflash.flash_attn
     cupyflash.flash_attn.install()          # before ring_flash_attn is imported

@@ -1,7 +1,8 @@
 """ring-flash-attn's context parallelism on cupyflash (``cupyflash.flash_attn.install()``): its
 ring, zigzag and stripe functions on several virtual ranks in one process (a thread per rank,
 the K/V send/recv of ``RingComm`` replaced by an in-process exchange with the same protocol),
-forward and backward against single-process ``cupyflash.attention``; and the real
+forward and backward against single-process ``cupyflash.attention``, and llama3's varlen
+function (its all-gather and reduce-scatter in process) against ``attention_varlen``; and the real
 ``torch.distributed`` path (gloo) at world size 1. Host float32 tensors here; on GPUs the same
 calls run the kernels."""
 
@@ -193,3 +194,91 @@ def test_ring_over_torch_distributed_at_world_size_1(ring, tmp_path):
             torch.testing.assert_close(out, cupyflash.attention(q, k, v, causal=causal), rtol=1e-5, atol=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+class _Collectives:
+    """All-gather and reduce-scatter among the threads of one ``_on_virtual_ranks`` run: a
+    rank's n-th collective meets the n-th of every other rank."""
+
+    def __init__(self, exchange: _Exchange) -> None:
+        self.exchange = exchange
+        self.condition = threading.Condition()
+        self.slots: dict[int, list] = {}
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        local, size = self.exchange.local, self.exchange.world_size
+        number = local.collectives = getattr(local, "collectives", 0) + 1
+        with self.condition:
+            slot = self.slots.setdefault(number, [None] * size)
+            slot[local.rank] = tensor.clone()
+            self.condition.notify_all()
+            if not self.condition.wait_for(lambda: all(x is not None for x in slot), timeout=60):
+                raise TimeoutError("a virtual rank did not join the collective")
+        return list(slot)
+
+
+class _VirtualAllGatherComm:
+    """ring_flash_attn.utils.AllGatherComm over ``_Collectives`` (blocking; wait() is then free)."""
+
+    def __init__(self, group: _Collectives) -> None:
+        self.group = group
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        output.copy_(torch.cat(self.group.gather(tensor), 0))
+
+    def wait(self) -> None:
+        pass
+
+
+class _VirtualDist:
+    """The torch.distributed calls llama3's varlen functions make, over ``_Collectives``."""
+
+    @staticmethod
+    def get_world_size(group: _Collectives) -> int:
+        return group.exchange.world_size
+
+    @staticmethod
+    def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group: _Collectives) -> None:
+        total = torch.stack(group.gather(tensor)).sum(0)
+        output.copy_(total.chunk(group.exchange.world_size)[group.exchange.local.rank])
+
+
+@pytest.mark.parametrize(("world_size", "causal"), [(2, True), (4, True), (4, False)])
+def test_llama3_varlen_on_virtual_ranks_matches_attention_varlen(ring, monkeypatch, world_size, causal):
+    """llama3's context parallelism (each rank's query slice against the keys all-gathered in
+    head strides, dk and dv reduce-scattered) over packed sequences that cross the ranks' slices."""
+    module = importlib.import_module("ring_flash_attn.llama3_flash_attn_varlen")
+    monkeypatch.setattr(module, "Comm", _VirtualAllGatherComm)
+    monkeypatch.setattr(module, "dist", _VirtualDist)
+    torch.manual_seed(7 + world_size)
+    n, h, d = 16 * world_size, 2, 16
+    cu = torch.tensor([0, 5, n // 2 + 3, n - 7, n], dtype=torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    q, k, v, dout = (torch.randn(n, h, d, dtype=torch.float64) for _ in range(4))
+    per = n // world_size
+
+    def work(rank, exchange):
+        group = exchange.collectives
+        cu_q, cu_k, max_q, max_k, keys = ring.llama3_flash_attn_prepare_cu_seqlens(cu, causal, rank, world_size)
+        rows = slice(rank * per, (rank + 1) * per)
+        mine = [x[rows].clone().requires_grad_() for x in (q, k, v)]
+        out = ring.llama3_flash_attn_varlen_func(
+            *mine, cu_q, cu_k, max_q, max_k, heads_k_stride=1, local_k_slice=keys, causal=causal, group=group
+        )
+        out.backward(dout[rows])
+        return out.detach(), *(x.grad for x in mine)
+
+    def run(rank, exchange):
+        if not hasattr(exchange, "collectives"):
+            with exchange.lock:
+                exchange.__dict__.setdefault("collectives", _Collectives(exchange))
+        return work(rank, exchange)
+
+    results = _on_virtual_ranks(world_size, run)
+    out, dq, dk, dv = (torch.cat([r[i] for r in results]) for i in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = cupyflash.attention_varlen(*leaves, cu, cu, longest, longest, causal=causal)
+    want.backward(dout)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-5, atol=1e-5)
+    for got, leaf in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-5)
