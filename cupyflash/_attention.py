@@ -51,6 +51,7 @@ class Forward:
     seed: int | None = None
     alibi_slopes: Any = None
     attn_mask: Any = None
+    mods: Any = None  # (score_mod, mask_mod) traced (_mods.Mod or None each), or None: the host path only
 
     names = ("q", "k", "v", "alibi_slopes", "attn_mask")
 
@@ -267,7 +268,10 @@ def _where_they_live(
 def host_forward(call: Forward) -> tuple[Any, Any]:
     problem, mask = forward_problem(call)
     dropout = host_dropout(call.q, call.dropout_p, call.seed)
-    return _host.attention(call.q, call.k, call.v, problem, call.algorithm, dropout, call.alibi_slopes, mask)
+    score_mod, mask_mod = (None, None) if call.mods is None else call.mods
+    return _host.attention(
+        call.q, call.k, call.v, problem, call.algorithm, dropout, call.alibi_slopes, mask, score_mod, mask_mod
+    )
 
 
 def gpu_forward(
