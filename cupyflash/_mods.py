@@ -528,7 +528,7 @@ def _gather(xp: Any, role: str, buffer: Any, indices: list[Any]) -> Any:
     indices = list(xp.broadcast_arrays(*indices)) if len(indices) > 1 else indices
     flat_index = indices[0]
     for axis, (i, n) in enumerate(zip(indices, buffer.shape)):
-        if i.size and (int(xp.min(i)) < 0 or int(xp.max(i)) >= n):
+        if math.prod(i.shape) and (int(xp.min(i)) < 0 or int(xp.max(i)) >= n):
             raise IndexError(
                 f"{role} reads a captured array of shape {tuple(buffer.shape)} at index {int(xp.min(i))} .. "
                 f"{int(xp.max(i))} on axis {axis}: outside the array"
