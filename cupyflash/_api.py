@@ -196,8 +196,9 @@ def attention(
         (arithmetic, comparisons, ``&`` ``|`` ``~``, the functions of :mod:`cupyflash.mods`, and
         captured 1-D / 2-D arrays indexed by index expressions). Python control flow on its
         arguments (``if``, ``bool``, ``int``, ``float``) is refused with a TypeError. On host
-        arrays only so far, forward only: on the GPU, under torch.compile or JAX tracing, or
-        with tensors that require grad it raises NotImplementedError. Not with ``attn_mask``.
+        arrays only so far (its backward: :func:`attention_backward` with the same functions):
+        on the GPU, under torch.compile or JAX tracing, or with tensors that require grad it
+        raises NotImplementedError. Not with ``attn_mask``.
     mask_mod : function ``(b, h, q_idx, kv_idx) -> bool``, optional
         FlexAttention's: the key ``kv_idx`` takes part in row ``q_idx`` iff it returns True
         (together with ``causal`` / ``window``; a row that sees no key outputs 0, LSE ``-inf``).
@@ -378,6 +379,8 @@ def attention_backward(
     seed: int | None = None,
     alibi_slopes: Any = None,
     attn_mask: Any = None,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention` at ``out, lse = attention(q, k, v, ...,
     return_lse=True)`` for the output gradient ``dout``, as FlashAttention-2's backward computes
@@ -404,6 +407,9 @@ def attention_backward(
         M the keep mask and ``r`` the forward's scale of the kept values.
     alibi_slopes : the forward's (the slopes get no gradient, as in flash-attn).
     attn_mask : the forward's (it gets no gradient; a masked score's dS is 0).
+    score_mod, mask_mod : the forward's (host arrays only so far). ``dS`` is multiplied by
+        ``d score_mod / d score``, derived from the traced expression; captured arrays get no
+        gradient.
 
     Returns
     -------
@@ -431,8 +437,16 @@ def attention_backward(
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = _attention.backward_dropout(dropout_p, seed)
+    mods = None
+    if score_mod is not None or mask_mod is not None:
+        if attn_mask is not None:
+            raise ValueError("score_mod / mask_mod do not take attn_mask: write the mask as a mask_mod")
+        mods = (
+            None if score_mod is None else _mods.trace_score_mod(score_mod),
+            None if mask_mod is None else _mods.trace_mask_mod(mask_mod),
+        )
     call = _attention.Backward(
-        dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, seed, alibi_slopes, attn_mask
+        dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods
     )
     return _attention.backward(call)
 

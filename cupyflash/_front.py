@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _interop
+from . import _interop, _mods
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,25 +69,21 @@ def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, Any]:
     return _torch_route(op, call.prepared(), want_lse, "has no backward pass")  # tensors that require grad
 
 
-#: The refusal of score_mod / mask_mod anywhere but on host arrays without autograd.
-MODS_ON_HOST_ONLY = "score_mod / mask_mod run on the host path so far; the GPU kernels are not built yet"
-
-
 def _host_only(op: Operation, call: Any) -> tuple[Any, Any]:
     """A call with a score_mod / mask_mod: the host executor, or a refusal (GPU arrays,
     torch.compile, JAX tracing, tensors that require grad: no kernel or backward has them yet)."""
     arrays = call.arrays()
     if _interop.compiling() or _interop.traced(arrays):
-        raise NotImplementedError(f"{MODS_ON_HOST_ONLY} (nor under torch.compile or JAX tracing)")
+        raise NotImplementedError(f"{_mods.ON_HOST_ONLY} (nor under torch.compile or JAX tracing)")
     if _interop.lean_arrays(arrays[0], arrays[1], arrays[2], arrays[3:]) is not None:
-        raise NotImplementedError(MODS_ON_HOST_ONLY)
+        raise NotImplementedError(_mods.ON_HOST_ONLY)
     call = call.prepared()
     if _interop.gpu_arrays(call.names, call.arrays()) is not None:
-        raise NotImplementedError(MODS_ON_HOST_ONLY)
+        raise NotImplementedError(_mods.ON_HOST_ONLY)
     if _interop.needs_autograd(arrays):
         raise NotImplementedError(
-            f"{op.name} with score_mod / mask_mod has no backward yet: tensors that require grad are refused "
-            "(pass detached tensors, or run under torch.no_grad())"
+            f"{op.name} with score_mod / mask_mod has no autograd yet: tensors that require grad are refused "
+            "(pass detached tensors and call cupyflash.attention_backward with the same score_mod / mask_mod)"
         )
     return op.host(call)
 

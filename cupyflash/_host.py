@@ -95,7 +95,7 @@ def _namespace_with_slopes(names: tuple[str, ...], arrays: tuple[Any, ...], slop
 
 def attention_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, problem: Problem, dropout: Any = None,
-    alibi_slopes: Any = None, attn_mask: Any = None,
+    alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Any = None, mask_mod: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     from . import xp_impl
 
@@ -105,7 +105,7 @@ def attention_backward(
     _check_floats(xp, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)])
     return xp_impl.attention_backward(
         xp, dout, q, k, v, out, lse, problem, dlse=dlse, dropout=dropout, alibi_slopes=alibi_slopes,
-        attn_mask=attn_mask,
+        attn_mask=attn_mask, score_mod=score_mod, mask_mod=mask_mod,
     )  # fmt: skip
 
 

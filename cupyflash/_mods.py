@@ -22,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+#: The refusal of score_mod / mask_mod anywhere but on host arrays (no kernel calls them yet).
+ON_HOST_ONLY = "score_mod / mask_mod run on the host path so far; the GPU kernels are not built yet"
+
 #: The values a node yields: float32 scores, integer indices, booleans.
 FLOAT, INT, BOOL = "float", "int", "bool"
 
@@ -656,3 +659,81 @@ def _buffer_specs(root: Expr) -> list[BufferSpec]:
             found[e.args[0].slot] = e.args[0]
         stack.extend(a for a in e.args if isinstance(a, Expr))
     return [found[s] for s in sorted(found)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The derivative d score_mod / d score, for the backward: dS = P (dP - D) times it.
+# ---------------------------------------------------------------------------------------------
+def score_derivative(mod: Mod) -> Mod:
+    """``d mod / d score`` as a score_mod of the same arguments and buffers (a float expression;
+    0 where the score does not reach, as through ``//``, comparisons and captured arrays)."""
+    memo: dict[int, Expr | None] = {}
+    one = Expr("const", FLOAT, (1.0,))
+
+    def fl(x: Expr) -> Expr:
+        return x if x.kind == FLOAT else Expr("mul", FLOAT, (one, x))
+
+    def mul(a: Expr | None, b: Expr) -> Expr | None:
+        return None if a is None else Expr("mul", FLOAT, (a, b))
+
+    def add(a: Expr | None, b: Expr | None, op: str = "add") -> Expr | None:
+        if b is None:
+            return a
+        if a is None:
+            return b if op == "add" else Expr("neg", FLOAT, (b,))
+        return Expr(op, FLOAT, (a, b))
+
+    def zero_or(x: Expr | None) -> Expr:
+        return Expr("const", FLOAT, (0.0,)) if x is None else x
+
+    def d(e: Expr) -> Expr | None:  # None: identically 0
+        if id(e) in memo:
+            return memo[id(e)]
+        op, args = e.op, e.args
+        out: Expr | None
+        if op == "arg":
+            out = one if args[0] == "score" else None
+        elif op in ("const", "buf", "index", "floordiv", "not") or op in _COMPARE or op in _LOGIC:
+            out = None
+        elif op in ("add", "sub"):
+            out = add(d(args[0]), d(args[1]), op)
+        elif op == "mul":
+            out = add(mul(d(args[0]), fl(args[1])), mul(d(args[1]), fl(args[0])))
+        elif op == "truediv":  # (a' b - a b') / b^2
+            a, b = fl(args[0]), fl(args[1])
+            top = add(mul(d(args[0]), b), mul(d(args[1]), a), "sub")
+            out = None if top is None else Expr("truediv", FLOAT, (top, Expr("mul", FLOAT, (b, b))))
+        elif op == "mod":  # a - b floor(a / b): a' - floor(a / b) b'
+            out = add(d(args[0]), mul(d(args[1]), Expr("floordiv", FLOAT, (fl(args[0]), fl(args[1])))), "sub")
+        elif op == "neg":
+            da = d(args[0])
+            out = None if da is None else Expr("neg", FLOAT, (da,))
+        elif op == "abs":  # sign(a) a'
+            zero = Expr("const", args[0].kind, (0,) if args[0].kind == INT else (0.0,))
+            da = d(args[0])
+            out = (
+                None
+                if da is None
+                else Expr("where", FLOAT, (Expr("lt", BOOL, (args[0], zero)), Expr("neg", FLOAT, (da,)), da))
+            )
+        elif op == "exp":
+            out = mul(d(args[0]), e)
+        elif op == "log":
+            da = d(args[0])
+            out = None if da is None else Expr("truediv", FLOAT, (da, fl(args[0])))
+        elif op == "tanh":  # (1 - tanh^2) a'
+            out = mul(d(args[0]), Expr("sub", FLOAT, (one, Expr("mul", FLOAT, (e, e)))))
+        elif op in ("minimum", "maximum", "where"):
+            if op == "where":
+                condition, a, b = args
+            else:
+                a, b = args
+                condition = Expr("le" if op == "minimum" else "ge", BOOL, (a, b))
+            da, db = d(a), d(b)
+            out = None if da is None and db is None else Expr("where", FLOAT, (condition, zero_or(da), zero_or(db)))
+        else:  # pragma: no cover - the tracer makes no other node
+            raise AssertionError(op)
+        memo[id(e)] = out
+        return out
+
+    return Mod("score_mod", zero_or(d(mod.expr)), mod.buffers)
