@@ -561,6 +561,9 @@ __device__ __forceinline__ long long cf_mods_mod(long long a, long long b) {
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
 __device__ __forceinline__ float cf_mods_fmod(float a, float b) { return a - b * floorf(a / b); }
+// NaN in either gives NaN, as the array API's minimum / maximum (fminf / fmaxf drop it).
+__device__ __forceinline__ float cf_mods_minimum(float a, float b) { return (a < b || a != a) ? a : b; }
+__device__ __forceinline__ float cf_mods_maximum(float a, float b) { return (a > b || a != a) ? a : b; }
 """
 
 
@@ -618,7 +621,7 @@ def cuda_source(mod: Mod) -> str:
                 text = f"({a} {_ARITH[op]} {b})"
         elif op in ("minimum", "maximum"):
             a, b = (cast(emit(x), x.kind, e.kind) for x in args)
-            function = {"minimum": "fminf", "maximum": "fmaxf"}[op] if e.kind == FLOAT else op[:3]
+            function = f"cf_mods_{op}" if e.kind == FLOAT else op[:3]
             text = f"{function}({a}, {b})"
         elif op in _COMPARE:
             kind = BOOL if BOOL in (args[0].kind, args[1].kind) else _promote(args[0].kind, args[1].kind)

@@ -242,6 +242,14 @@ def test_reads_outside_a_captured_array_are_refused(qkv):
         cupyflash.attention(*qkv, mask_mod=lambda b, h, q, kv: short[kv] == 0)
 
 
+def test_tracing_is_refused(qkv, monkeypatch):
+    from cupyflash import _interop
+
+    monkeypatch.setattr(_interop, "compiling", lambda: True)
+    with pytest.raises(NotImplementedError, match="host path so far.*torch.compile"):
+        cupyflash.attention(*qkv, mask_mod=lambda b, h, i, j: j <= i)
+
+
 def test_autograd_and_attn_mask_are_refused():
     torch = pytest.importorskip("torch")
     q = torch.randn(1, 5, 2, 8, requires_grad=True)
@@ -309,6 +317,8 @@ def test_cuda_source_compiles(arch):
     from cupy.cuda import nvrtc
 
     gallery = _gallery()
+    gallery += [_mods.score_derivative(m) for m in gallery if m.role == "score_mod"]  # the backward's slopes
+    gallery = list({m.name: m for m in gallery}.values())
     calls = []
     for index, mod in enumerate(gallery):  # a test kernel that calls each function once
         specs = _mods._buffer_specs(mod.expr)
