@@ -228,7 +228,10 @@ class Sym:
     __rpow__ = __pow__
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._refuse("a NumPy function (use the functions of cupyflash.mods)")
+        return self._refuse(
+            "a NumPy function, or indexes an array it reaches other than as a closure variable, global or default "
+            "(use the functions of cupyflash.mods; capture arrays in a closure)"
+        )
 
 
 def _no_bool_arith(trace: _Trace, a: Expr, b: Expr, symbol: str) -> None:
