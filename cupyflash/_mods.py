@@ -304,6 +304,14 @@ def _is_array(x: Any) -> bool:
     return not isinstance(x, (Sym, type)) and hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")
 
 
+def _empty(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # a free variable not assigned yet
+        return True
+    return False
+
+
 def _with_buffers(fn: Callable[..., Any], trace: _Trace) -> Callable[..., Any]:
     """``fn`` with the 1-D / 2-D arrays it captures (closure cells, globals it names, defaults)
     replaced by ``TracedBuffer``s, so that ``doc_id[q_idx]`` records a read."""
@@ -315,7 +323,9 @@ def _with_buffers(fn: Callable[..., Any], trace: _Trace) -> Callable[..., Any]:
 
     code = fn.__code__
     cells = fn.__closure__ or ()
-    closure = tuple(types.CellType(wrap(n, c.cell_contents)) for n, c in zip(code.co_freevars, cells))
+    closure = tuple(
+        c if _empty(c) else types.CellType(wrap(n, c.cell_contents)) for n, c in zip(code.co_freevars, cells)
+    )
     names = [n for n in code.co_names if n in fn.__globals__ and _is_array(fn.__globals__[n])]
     namespace = fn.__globals__
     if names:

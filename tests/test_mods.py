@@ -191,6 +191,22 @@ def test_other_namespaces():
     np.testing.assert_allclose(np.asarray(strict), expected, atol=1e-5)
 
 
+def test_globals_defaults_and_unassigned_cells(qkv):
+    def make():
+        def mask(b, h, q_idx, kv_idx, ids=GLOBAL_IDS[:NK]):
+            return (GLOBAL_IDS[q_idx] == ids[kv_idx]) | later(kv_idx)
+
+        def later(kv_idx):
+            return kv_idx < 2
+
+        return mask
+
+    check(*qkv, ref_visible=lambda b, h, i, j: (GLOBAL_IDS[i] == GLOBAL_IDS[j]) | (j < 2), mask_mod=make())
+
+
+GLOBAL_IDS = np.arange(NK) // 10
+
+
 def test_the_mods_functions_on_arrays():
     x = np.array([-1.0, 0.5, 2.0])
     np.testing.assert_array_equal(mods.where(x > 0, x, 0.0), [0.0, 0.5, 2.0])
