@@ -1,6 +1,7 @@
 """cupyflash: exact attention (FlashAttention-1/2, FlashDecoding) as CUDA C compiled at run time
 through CuPy, behind one function that takes CuPy, PyTorch, JAX or any array-API array."""
 
+from . import mods
 from ._api import (
     attention,
     attention_backward,
@@ -26,6 +27,7 @@ __all__ = [
     "attention_with_shared_prefix",
     "check_device_errors",
     "merge_states",
+    "mods",
     "quantize_fp8",
     "quantize_qk_fp8",
 ]

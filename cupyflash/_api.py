@@ -8,9 +8,10 @@ their executor (``_attention``), which runs them where their arrays live.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from . import _attention, _fp8, _fp8_forward, _front, _interop, _kvcache
+from . import _attention, _fp8, _fp8_forward, _front, _interop, _kvcache, _mods
 from ._validate import Options, check_algorithm, check_flag, check_num_splits, check_options, check_scale_option
 
 # The forward entry points, as the front door routes them.
@@ -49,6 +50,8 @@ def attention(
     v_descale: Any = ...,
     out_dtype: Any = ...,
     fp8_dtype: str | None = ...,
+    score_mod: Callable[..., Any] | None = ...,
+    mask_mod: Callable[..., Any] | None = ...,
 ) -> Any: ...
 @overload
 def attention(
@@ -73,6 +76,8 @@ def attention(
     v_descale: Any = ...,
     out_dtype: Any = ...,
     fp8_dtype: str | None = ...,
+    score_mod: Callable[..., Any] | None = ...,
+    mask_mod: Callable[..., Any] | None = ...,
 ) -> tuple[Any, Any]: ...
 def attention(
     q: Any,
@@ -96,6 +101,8 @@ def attention(
     v_descale: Any = None,
     out_dtype: Any = None,
     fp8_dtype: str | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> Any:
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v``.
 
@@ -183,6 +190,20 @@ def attention(
         The FP8 forward's output dtype (default bfloat16).
     fp8_dtype : {"e4m3"}, optional
         The float8 format of uint8 q, k, v (CuPy has no float8 dtype).
+    score_mod : function ``(score, b, h, q_idx, kv_idx) -> score``, optional
+        FlexAttention's: a plain Python function of a score (after the scale, softcap and ALiBi),
+        its batch entry, query head, query row and key, traced once per call into an expression
+        (arithmetic, comparisons, ``&`` ``|`` ``~``, the functions of :mod:`cupyflash.mods`, and
+        captured 1-D / 2-D arrays indexed by index expressions). Python control flow on its
+        arguments (``if``, ``bool``, ``int``, ``float``) is refused with a TypeError. On host
+        arrays only so far (its backward: :func:`attention_backward` with the same functions):
+        on the GPU, under torch.compile or JAX tracing, or with tensors that require grad it
+        raises NotImplementedError. Not with ``attn_mask``.
+    mask_mod : function ``(b, h, q_idx, kv_idx) -> bool``, optional
+        FlexAttention's: the key ``kv_idx`` takes part in row ``q_idx`` iff it returns True
+        (together with ``causal`` / ``window``; a row that sees no key outputs 0, LSE ``-inf``).
+        Traced and run as ``score_mod``. E.g. document masking over packed sequences, with a
+        captured ``doc_id`` array: ``lambda b, h, q, kv: doc_id[q] == doc_id[kv]``.
 
     Returns
     -------
@@ -208,6 +229,8 @@ def attention(
     """
     options = check_options(causal, scale, window, softcap)
     if _fp8_forward.is_fp8_call(q, (q_descale, k_descale, v_descale), fp8_dtype):
+        if score_mod is not None or mask_mod is not None:
+            raise ValueError("the FP8 forward takes no score_mod / mask_mod")
         _fp8_forward.refuse_options(options, algorithm, dropout_p, alibi_slopes, attn_mask)
         fp8 = _fp8_forward.Fp8Forward(q, k, v, options, layout, (q_descale, k_descale, v_descale), out_dtype, fp8_dtype)
         out, lse = _front.route(_FP8_ATTENTION, fp8, return_lse)
@@ -215,12 +238,20 @@ def attention(
     if out_dtype is not None:
         raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
     algorithm = check_algorithm("attention", algorithm)
+    mods = None
+    if score_mod is not None or mask_mod is not None:
+        if attn_mask is not None:
+            raise ValueError("score_mod / mask_mod do not take attn_mask: write the mask as a mask_mod")
+        mods = (
+            None if score_mod is None else _mods.trace_score_mod(score_mod),
+            None if mask_mod is None else _mods.trace_mask_mod(mask_mod),
+        )
     if attn_mask is not None and algorithm not in ("auto", "fa2"):
         raise ValueError(f"attn_mask runs on the FA2 kernel: algorithm must be 'auto' or 'fa2', got {algorithm!r}")
     if deterministic is not False and deterministic is not True:
         deterministic = check_flag("deterministic", deterministic)
     call = _attention.Forward(
-        q, k, v, options, layout, algorithm, deterministic, dropout_p, seed, alibi_slopes, attn_mask
+        q, k, v, options, layout, algorithm, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods
     )
     out, lse = _front.route(_ATTENTION, call, return_lse)
     return (out, lse) if return_lse else out
@@ -348,6 +379,8 @@ def attention_backward(
     seed: int | None = None,
     alibi_slopes: Any = None,
     attn_mask: Any = None,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention` at ``out, lse = attention(q, k, v, ...,
     return_lse=True)`` for the output gradient ``dout``, as FlashAttention-2's backward computes
@@ -374,6 +407,9 @@ def attention_backward(
         M the keep mask and ``r`` the forward's scale of the kept values.
     alibi_slopes : the forward's (the slopes get no gradient, as in flash-attn).
     attn_mask : the forward's (it gets no gradient; a masked score's dS is 0).
+    score_mod, mask_mod : the forward's (host arrays only so far). ``dS`` is multiplied by
+        ``d score_mod / d score``, derived from the traced expression; captured arrays get no
+        gradient.
 
     Returns
     -------
@@ -401,8 +437,16 @@ def attention_backward(
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = _attention.backward_dropout(dropout_p, seed)
+    mods = None
+    if score_mod is not None or mask_mod is not None:
+        if attn_mask is not None:
+            raise ValueError("score_mod / mask_mod do not take attn_mask: write the mask as a mask_mod")
+        mods = (
+            None if score_mod is None else _mods.trace_score_mod(score_mod),
+            None if mask_mod is None else _mods.trace_mask_mod(mask_mod),
+        )
     call = _attention.Backward(
-        dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, seed, alibi_slopes, attn_mask
+        dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods
     )
     return _attention.backward(call)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _baselines_gpu, _device, _host, _interop, _launch, _plan
+from . import _baselines_gpu, _device, _host, _interop, _launch, _mods, _plan
 from ._validate import (
     Options,
     Problem,
@@ -51,6 +51,7 @@ class Forward:
     seed: int | None = None
     alibi_slopes: Any = None
     attn_mask: Any = None
+    mods: Any = None  # (score_mod, mask_mod) traced (_mods.Mod or None each), or None: the host path only
 
     names = ("q", "k", "v", "alibi_slopes", "attn_mask")
 
@@ -124,6 +125,7 @@ class Backward:
     seed: int | None = None  # required with dropout: the forward's mask is regenerated from it
     alibi_slopes: Any = None
     attn_mask: Any = None
+    mods: Any = None  # the forward's (score_mod, mask_mod), traced: the host path only
 
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask")
 
@@ -267,7 +269,10 @@ def _where_they_live(
 def host_forward(call: Forward) -> tuple[Any, Any]:
     problem, mask = forward_problem(call)
     dropout = host_dropout(call.q, call.dropout_p, call.seed)
-    return _host.attention(call.q, call.k, call.v, problem, call.algorithm, dropout, call.alibi_slopes, mask)
+    score_mod, mask_mod = (None, None) if call.mods is None else call.mods
+    return _host.attention(
+        call.q, call.k, call.v, problem, call.algorithm, dropout, call.alibi_slopes, mask, score_mod, mask_mod
+    )
 
 
 def gpu_forward(
@@ -413,9 +418,13 @@ def backward(call: Backward) -> tuple[Any, Any, Any]:
     found = _interop.gpu_arrays(call.names, (*call.arrays()[:-1], mask))
     if found is None:
         dropout = Dropout(call.dropout_p, call.seed) if call.seed is not None else None
+        score_mod, mask_mod = (None, None) if call.mods is None else call.mods
         return _host.attention_backward(
-            call.dout, call.q, call.k, call.v, call.out, call.lse, call.dlse, problem, dropout, call.alibi_slopes, mask
-        )
+            call.dout, call.q, call.k, call.v, call.out, call.lse, call.dlse, problem, dropout, call.alibi_slopes, mask,
+            score_mod, mask_mod,
+        )  # fmt: skip
+    if call.mods is not None:
+        raise NotImplementedError(_mods.ON_HOST_ONLY)
     lib, device, arrays = found
     return gpu_backward(lib, device, call.on(arrays), problem)
 

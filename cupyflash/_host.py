@@ -42,8 +42,9 @@ def _check_floats(xp: Any, named: list[tuple[str, Any]]) -> None:
 
 def attention(
     q: Any, k: Any, v: Any, problem: Problem, algorithm: str, dropout: Any = None, alibi_slopes: Any = None,
-    attn_mask: Any = None,
+    attn_mask: Any = None, score_mod: Any = None, mask_mod: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
+    """``score_mod`` / ``mask_mod``: traced (``_mods.Mod``), or None."""
     from . import xp_impl
 
     if attn_mask is not None:
@@ -56,8 +57,9 @@ def attention(
     # fa3 is FA2's algorithm on Hopper's instructions: on the host both are xp_impl's fa2.
     host_algorithm = "fa2" if algorithm in ("auto", "fa3") else algorithm
     return xp_impl.attention(
-        xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout, alibi_slopes=alibi_slopes, attn_mask=attn_mask
-    )
+        xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
+        score_mod=score_mod, mask_mod=mask_mod,
+    )  # fmt: skip
 
 
 def _keys_used(xp: Any, cu_k: Any, seqused_k: Any) -> list[int]:
@@ -93,7 +95,7 @@ def _namespace_with_slopes(names: tuple[str, ...], arrays: tuple[Any, ...], slop
 
 def attention_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, problem: Problem, dropout: Any = None,
-    alibi_slopes: Any = None, attn_mask: Any = None,
+    alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Any = None, mask_mod: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     from . import xp_impl
 
@@ -103,7 +105,7 @@ def attention_backward(
     _check_floats(xp, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)])
     return xp_impl.attention_backward(
         xp, dout, q, k, v, out, lse, problem, dlse=dlse, dropout=dropout, alibi_slopes=alibi_slopes,
-        attn_mask=attn_mask,
+        attn_mask=attn_mask, score_mod=score_mod, mask_mod=mask_mod,
     )  # fmt: skip
 
 

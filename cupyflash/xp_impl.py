@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._mods import Mod, evaluate, score_derivative
 from ._validate import Problem
 
 LOG2E = math.log2(math.e)
@@ -295,8 +296,69 @@ class MaskBias:
         return v if v.shape[-1] == 1 else v[..., keys[0] : keys[1]]
 
 
-#: What a score may gain before the softmax: ALiBi's distance bias or an attention mask.
-LogitBias = Alibi | MaskBias
+@dataclass(frozen=True)
+class Mods:
+    """A traced ``score_mod`` and / or ``mask_mod`` (``_mods``) on the scores after the scale, the
+    softcap and ALiBi (``base``): query head h = Hkv index * G + group index, absolute query rows
+    and keys; hidden scores become -inf. ``buffers``: each one's captured arrays in ``xp``."""
+
+    score_mod: Mod | None
+    mask_mod: Mod | None
+    buffers: tuple[tuple[Any, ...], tuple[Any, ...]]
+    base: Alibi | None = None
+
+    @staticmethod
+    def of(xp: Any, score_mod: Mod | None, mask_mod: Mod | None, base: Alibi | None, like: Any) -> Mods:
+        buffers = tuple(
+            () if mod is None else tuple(xp.asarray(x, device=_device(like)) for x in mod.buffers)
+            for mod in (score_mod, mask_mod)
+        )
+        return Mods(score_mod, mask_mod, (buffers[0], buffers[1]), base)
+
+    def apply(self, xp: Any, s: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
+        """The scores ``s`` [B, Hkv, G, rows, keys] of query rows ``rows`` and keys ``keys`` (ranges)."""
+        if self.base is not None:
+            s = s + self.base.bias(xp, p, rows, keys)
+        index = self._index(xp, s, p, rows, keys)
+        if self.score_mod is not None:
+            s = self._score(xp, self.score_mod, s, index)
+        if self.mask_mod is not None:
+            visible = evaluate(xp, self.mask_mod, index, self.buffers[1], s.dtype)
+            visible = xp.broadcast_to(xp.asarray(visible, dtype=xp.bool, device=_device(s)), s.shape)
+            s = xp.where(visible, s, xp.full_like(s, -math.inf))
+        return s
+
+    def score_slope(self, xp: Any, capped: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
+        """d score_mod / d score at the scores before it (``capped``: scaled and soft-capped)."""
+        s = capped if self.base is None else capped + self.base.bias(xp, p, rows, keys)
+        if self.score_mod is None:
+            return xp.ones_like(s)
+        return self._score(xp, score_derivative(self.score_mod), s, self._index(xp, s, p, rows, keys))
+
+    def _score(self, xp: Any, mod: Mod, s: Any, index: dict[str, Any]) -> Any:
+        modded = evaluate(xp, mod, {"score": s, **index}, self.buffers[0], s.dtype)
+        if not hasattr(modded, "dtype") or modded.dtype != s.dtype:
+            modded = xp.asarray(modded, dtype=s.dtype, device=_device(s))
+        return xp.broadcast_to(modded, s.shape)
+
+    @staticmethod
+    def _index(xp: Any, s: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> dict[str, Any]:
+        device, group = _device(s), p.heads_q // p.heads_kv
+        return {
+            "b": xp.reshape(xp.arange(p.batch, device=device), (-1, 1, 1, 1, 1)),
+            "h": xp.reshape(xp.arange(p.heads_q, device=device), (1, p.heads_kv, group, 1, 1)),
+            "q_idx": xp.reshape(xp.arange(*rows, device=device), (-1, 1)),
+            "kv_idx": xp.reshape(xp.arange(*keys, device=device), (1, -1)),
+        }
+
+
+#: What a score may gain before the softmax: ALiBi's distance bias, an attention mask, or the
+#: user's score_mod / mask_mod.
+LogitBias = Alibi | MaskBias | Mods
+
+
+def _biased(xp: Any, s: Any, bias: LogitBias, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
+    return bias.apply(xp, s, p, rows, keys) if isinstance(bias, Mods) else s + bias.bias(xp, p, rows, keys)
 
 
 def _logits(
@@ -307,7 +369,7 @@ def _logits(
     with ``bias`` (ALiBi or an attn_mask), plus it at query rows ``rows`` and keys ``keys`` (ranges)."""
     s = q_blk @ xp.matrix_transpose(k_blk)
     s = p.softcap * xp.tanh(s * (p.scale / p.softcap)) if p.softcap > 0 else s * p.scale
-    return s if bias is None else s + bias.bias(xp, p, rows, keys)
+    return s if bias is None else _biased(xp, s, bias, p, rows, keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,12 +622,14 @@ def _device(x: Any) -> Any:
 
 def attention(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", dropout: Dropout | None = None,
-    alibi_slopes: Any = None, attn_mask: Any = None, **options: Any,
+    alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Mod | None = None, mask_mod: Mod | None = None,
+    **options: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Run one algorithm on caller arrays in ``p.layout``; returns (out in the caller's dtype and
     layout, LSE [B, Hq, Nq] in the compute dtype: float64 for float64 inputs, else float32).
     ``dropout``: naive and fa2 only. ``alibi_slopes``: (Hq,) or (B, Hq), every algorithm.
-    ``attn_mask``: 4-D (B|1, Hq|1, Nq|1, Nk|1), boolean or additive (not with alibi_slopes)."""
+    ``attn_mask``: 4-D (B|1, Hq|1, Nq|1, Nk|1), boolean or additive (not with alibi_slopes).
+    ``score_mod``, ``mask_mod``: traced (``_mods``), after ALiBi (not with attn_mask)."""
     if dropout is not None:
         if algorithm not in ("naive", "fa2"):
             raise ValueError(f"dropout runs with the naive and fa2 algorithms, not {algorithm!r}")
@@ -579,6 +643,8 @@ def attention(
         options["bias"] = Alibi.of(xp, alibi_slopes, hkv, q5)
     if attn_mask is not None:
         options["bias"] = MaskBias.of(xp, attn_mask, hkv, q5)
+    if score_mod is not None or mask_mod is not None:
+        options["bias"] = Mods.of(xp, score_mod, mask_mod, options.get("bias"), q5)
     k5 = xp.expand_dims(xp.astype(k, compute), axis=2)
     v5 = xp.expand_dims(xp.astype(v, compute), axis=2)
     if p.seqlen_q == 0 or b == 0:
@@ -655,7 +721,7 @@ def fa2_backward(
             q_blk, do_blk = q[..., row0:row1, :], dout[..., row0:row1, :]
             # -- P again, from the logits and the saved LSE (0 where masked, or the row is empty)
             capped = _logits(xp, q_blk, k_blk, p)  # the softcap's derivative reads it without the bias
-            s = capped if bias is None else capped + bias.bias(xp, p, (row0, row1), (key0, key1))
+            s = capped if bias is None else _biased(xp, capped, bias, p, (row0, row1), (key0, key1))
             if mask.needs_mask(key0, key1 - 1):
                 s = mask.apply(xp, s, key0, key1 - 1)
             lse_blk = lse[..., row0:row1, None]
@@ -670,6 +736,9 @@ def fa2_backward(
                 kept, dp = xp.where(keep, probs * dropout.scale, zeros), xp.where(keep, dp * dropout.scale, zeros)
             dv = dv + xp.matrix_transpose(kept) @ do_blk
             ds = probs * (dp - d_rows[..., row0:row1, None])
+            if isinstance(bias, Mods) and bias.score_mod is not None:  # through score_mod: its slope
+                slope = bias.score_slope(xp, capped, p, (row0, row1), (key0, key1))
+                ds = xp.where(visible, ds * slope, xp.zeros_like(ds))
             if p.softcap > 0:
                 ds = xp.where(visible, ds * (1 - (capped / p.softcap) ** 2), xp.zeros_like(ds))
             ds = ds * p.scale
@@ -685,11 +754,12 @@ def fa2_backward(
 
 def attention_backward(
     xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, dlse: Any = None,
-    dropout: Dropout | None = None, alibi_slopes: Any = None, attn_mask: Any = None,
+    dropout: Dropout | None = None, alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Mod | None = None,
+    mask_mod: Mod | None = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """The gradients of ``attention`` on caller arrays in ``p.layout``: (dq, dk, dv) in the
     inputs' dtype and layout, computed in float32 (float64 for float64 inputs). ``alibi_slopes``,
-    ``attn_mask``: the forward's (neither gets a gradient)."""
+    ``attn_mask``, ``score_mod``, ``mask_mod``: the forward's (none gets a gradient)."""
     compute = compute_dtype(xp, q)
     b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
     to_bhsd = (lambda x: xp.permute_dims(x, (0, 2, 1, 3))) if p.layout == "bshd" else (lambda x: x)
@@ -704,6 +774,8 @@ def attention_backward(
         bias = Alibi.of(xp, alibi_slopes, hkv, q5)
     if attn_mask is not None:
         bias = MaskBias.of(xp, attn_mask, hkv, q5)
+    if score_mod is not None or mask_mod is not None:
+        bias = Mods.of(xp, score_mod, mask_mod, bias if isinstance(bias, Alibi) else None, q5)
     dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout, bias=bias)
     dq = to_bhsd(xp.reshape(dq5, (b, p.heads_q, p.seqlen_q, p.head_dim)))
     dk, dv = (to_bhsd(x[:, :, 0, ...]) for x in (dk5, dv5))

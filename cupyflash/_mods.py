@@ -1,0 +1,755 @@
+"""User score and mask functions as expressions (FlexAttention's ``score_mod`` / ``mask_mod``).
+
+A plain Python function is called once on symbolic values (``Sym``) that record what it does
+into an expression tree (``Expr``): arithmetic, comparisons, logical ``& | ~``, ``where``, ``abs``,
+``exp``, ``log``, ``tanh``, ``minimum``, ``maximum``, Python number constants, and indexing of
+captured 1-D / 2-D arrays by index expressions. The tree is the function's identity (``Mod.key``:
+captured arrays appear as buffer slots with their shape and dtype, never their values), and it
+has two readers: ``evaluate`` (the host path, in the arrays' own array-API namespace) and
+``cuda_source`` (a ``__device__`` function for the kernels' score hook).
+
+Python control flow on a traced value (``if``, ``bool``, ``int``, ``float``) cannot be recorded,
+so it is refused with a TypeError that names the operation and the way out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: The refusal of score_mod / mask_mod anywhere but on host arrays (no kernel calls them yet).
+ON_HOST_ONLY = "score_mod / mask_mod run on the host path so far; the GPU kernels are not built yet"
+
+#: The values a node yields: float32 scores, integer indices, booleans.
+FLOAT, INT, BOOL = "float", "int", "bool"
+
+_ARGS = {"score": FLOAT, "b": INT, "h": INT, "q_idx": INT, "kv_idx": INT}
+_UNARY = ("neg", "abs", "exp", "log", "tanh", "not")
+_ARITH = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%"}
+_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_LOGIC = {"and": "&", "or": "|"}
+
+
+@dataclass(frozen=True, slots=True)
+class Expr:
+    """One node: ``op`` ("arg", "const", "buf", "index", an operator or a function), the kind of
+    value it yields, and its operands (nodes, or for leaves a name, a number or a buffer spec)."""
+
+    op: str
+    kind: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    """A captured array as the expression sees it: its slot (order of first use), shape, dtype."""
+
+    slot: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1].removeprefix("dtype('").removesuffix("')")
+
+
+def _kind_of_dtype(name: str) -> str:
+    if name == "bool":
+        return BOOL
+    return INT if "int" in name else FLOAT
+
+
+class _Trace:
+    """The buffers a trace has met, by identity, in order of first use."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.arrays: list[Any] = []
+        self.specs: list[BufferSpec] = []
+
+    def buffer(self, array: Any) -> BufferSpec:
+        for spec, seen in zip(self.specs, self.arrays):
+            if seen is array:
+                return spec
+        spec = BufferSpec(len(self.specs), tuple(int(n) for n in array.shape), _dtype_name(array.dtype))
+        self.arrays.append(array)
+        self.specs.append(spec)
+        return spec
+
+
+def _promote(a: str, b: str) -> str:
+    if FLOAT in (a, b):
+        return FLOAT
+    return INT
+
+
+class Sym:
+    """A traced value: every operation on it records a node instead of computing."""
+
+    __slots__ = ("expr", "trace")
+    __array_ufunc__ = None  # NumPy defers to our reflected operators (array * sym -> Sym.__rmul__)
+    __array_priority__ = 1000
+
+    def __init__(self, expr: Expr, trace: _Trace) -> None:
+        self.expr = expr
+        self.trace = trace
+
+    def _lift(self, other: Any, what: str) -> Expr:
+        return _lift(other, self.trace, what)
+
+    def _binary(self, op: str, other: Any, reflected: bool = False) -> Sym:
+        a, b = self.expr, self._lift(other, _ARITH.get(op) or _COMPARE.get(op) or _LOGIC[op])
+        if reflected:
+            a, b = b, a
+        if op in _LOGIC:
+            if a.kind != BOOL or b.kind != BOOL:
+                raise TypeError(
+                    f"{self.trace.role} uses `{_LOGIC[op]}` on a non-boolean traced value: `&`, `|` and `~` are "
+                    "logical (and, or, not) on comparisons"
+                )
+            kind = BOOL
+        elif op in _COMPARE:
+            _no_bool_arith(self.trace, a, b, _COMPARE[op])
+            kind = BOOL
+        else:
+            _no_bool_arith(self.trace, a, b, _ARITH[op])
+            kind = FLOAT if op == "truediv" else _promote(a.kind, b.kind)
+        return Sym(Expr(op, kind, (a, b)), self.trace)
+
+    def __add__(self, o: Any) -> Sym:
+        return self._binary("add", o)
+
+    def __radd__(self, o: Any) -> Sym:
+        return self._binary("add", o, True)
+
+    def __sub__(self, o: Any) -> Sym:
+        return self._binary("sub", o)
+
+    def __rsub__(self, o: Any) -> Sym:
+        return self._binary("sub", o, True)
+
+    def __mul__(self, o: Any) -> Sym:
+        return self._binary("mul", o)
+
+    def __rmul__(self, o: Any) -> Sym:
+        return self._binary("mul", o, True)
+
+    def __truediv__(self, o: Any) -> Sym:
+        return self._binary("truediv", o)
+
+    def __rtruediv__(self, o: Any) -> Sym:
+        return self._binary("truediv", o, True)
+
+    def __floordiv__(self, o: Any) -> Sym:
+        return self._binary("floordiv", o)
+
+    def __rfloordiv__(self, o: Any) -> Sym:
+        return self._binary("floordiv", o, True)
+
+    def __mod__(self, o: Any) -> Sym:
+        return self._binary("mod", o)
+
+    def __rmod__(self, o: Any) -> Sym:
+        return self._binary("mod", o, True)
+
+    def __lt__(self, o: Any) -> Sym:
+        return self._binary("lt", o)
+
+    def __le__(self, o: Any) -> Sym:
+        return self._binary("le", o)
+
+    def __gt__(self, o: Any) -> Sym:
+        return self._binary("gt", o)
+
+    def __ge__(self, o: Any) -> Sym:
+        return self._binary("ge", o)
+
+    def __eq__(self, o: Any) -> Sym:  # type: ignore[override]
+        return self._binary("eq", o)
+
+    def __ne__(self, o: Any) -> Sym:  # type: ignore[override]
+        return self._binary("ne", o)
+
+    def __and__(self, o: Any) -> Sym:
+        return self._binary("and", o)
+
+    def __rand__(self, o: Any) -> Sym:
+        return self._binary("and", o, True)
+
+    def __or__(self, o: Any) -> Sym:
+        return self._binary("or", o)
+
+    def __ror__(self, o: Any) -> Sym:
+        return self._binary("or", o, True)
+
+    def __neg__(self) -> Sym:
+        return _unary("neg", self)
+
+    def __pos__(self) -> Sym:
+        return self
+
+    def __abs__(self) -> Sym:
+        return _unary("abs", self)
+
+    def __invert__(self) -> Sym:
+        return _unary("not", self)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def _refuse(self, operation: str) -> Any:
+        raise TypeError(
+            f"{self.trace.role} uses {operation} on a traced value: Python control flow cannot depend on the "
+            "scores or indices; use cupyflash.mods.where (and &, |, ~ for and, or, not)"
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self._refuse("`if` (or bool(), and, or, not)"))
+
+    def __int__(self) -> int:
+        return int(self._refuse("int()"))
+
+    def __float__(self) -> float:
+        return float(self._refuse("float()"))
+
+    def __index__(self) -> int:
+        return int(self._refuse("an index into a Python sequence or an array it did not capture"))
+
+    def __iter__(self) -> Any:
+        return self._refuse("iteration")
+
+    def __pow__(self, o: Any) -> Any:
+        return self._refuse("`**`")
+
+    __rpow__ = __pow__
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._refuse(
+            "a NumPy function, or indexes an array it reaches other than as a closure variable, global or default "
+            "(use the functions of cupyflash.mods; capture arrays in a closure)"
+        )
+
+
+def _no_bool_arith(trace: _Trace, a: Expr, b: Expr, symbol: str) -> None:
+    if a.kind == BOOL or b.kind == BOOL:
+        raise TypeError(f"{trace.role} uses `{symbol}` on a boolean traced value: use cupyflash.mods.where")
+
+
+def _lift(value: Any, trace: _Trace, what: str) -> Expr:
+    if isinstance(value, Sym):
+        return value.expr
+    if isinstance(value, bool):
+        return Expr("const", BOOL, (value,))
+    if isinstance(value, numbers.Integral):
+        return Expr("const", INT, (int(value),))
+    if isinstance(value, numbers.Real):
+        return Expr("const", FLOAT, (float(value),))
+    raise TypeError(
+        f"{trace.role} uses `{what}` with a {type(value).__name__}: a traced expression takes Python numbers, "
+        "traced values, and captured 1-D / 2-D arrays indexed by traced values"
+    )
+
+
+def _unary(op: str, x: Any) -> Any:
+    if not isinstance(x, Sym):
+        raise TypeError(f"{op} of a {type(x).__name__} is not traced")
+    kind = x.expr.kind
+    if op == "not":
+        if kind != BOOL:
+            raise TypeError(f"{x.trace.role} uses `~` on a non-boolean traced value: `~` is logical not")
+    elif kind == BOOL:
+        raise TypeError(f"{x.trace.role} uses {op} on a boolean traced value: use cupyflash.mods.where")
+    elif op in ("exp", "log", "tanh"):
+        kind = FLOAT
+    return Sym(Expr(op, kind, (x.expr,)), x.trace)
+
+
+class TracedBuffer:
+    """A captured 1-D / 2-D array during a trace: indexing it by traced values records a read."""
+
+    __slots__ = ("array", "name", "trace")
+
+    def __init__(self, array: Any, name: str, trace: _Trace) -> None:
+        self.array, self.name, self.trace = array, name, trace
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(n) for n in self.array.shape)
+
+    def __getitem__(self, index: Any) -> Sym:
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) != len(self.shape):
+            raise TypeError(
+                f"{self.trace.role} indexes the captured {len(self.shape)}-D array {self.name!r} with {len(index)} "
+                f"index{'es' if len(index) != 1 else ''}: give one index expression per axis"
+            )
+        exprs = tuple(_lift(i, self.trace, f"{self.name}[...]") for i in index)
+        if any(e.kind != INT for e in exprs):
+            raise TypeError(f"{self.trace.role} indexes {self.name!r} with a non-integer expression")
+        spec = self.trace.buffer(self.array)
+        kind = _kind_of_dtype(spec.dtype)
+        return Sym(Expr("index", kind, (Expr("buf", kind, (spec,)), *exprs)), self.trace)
+
+    def __getattr__(self, name: str) -> Any:
+        raise TypeError(
+            f"{self.trace.role} uses {self.name}.{name} of a captured array: only indexing by traced values is traced"
+        )
+
+
+def _is_array(x: Any) -> bool:
+    return not isinstance(x, (Sym, type)) and hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")
+
+
+def _empty(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # a free variable not assigned yet
+        return True
+    return False
+
+
+def _with_buffers(fn: Callable[..., Any], trace: _Trace) -> Callable[..., Any]:
+    """``fn`` with the 1-D / 2-D arrays it captures (closure cells, globals it names, defaults)
+    replaced by ``TracedBuffer``s, so that ``doc_id[q_idx]`` records a read."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+
+    def wrap(name: str, x: Any) -> Any:
+        return TracedBuffer(x, name, trace) if _is_array(x) and x.ndim in (1, 2) else x
+
+    code = fn.__code__
+    cells = fn.__closure__ or ()
+    closure = tuple(
+        c if _empty(c) else types.CellType(wrap(n, c.cell_contents)) for n, c in zip(code.co_freevars, cells)
+    )
+    names = [n for n in code.co_names if n in fn.__globals__ and _is_array(fn.__globals__[n])]
+    namespace = fn.__globals__
+    if names:
+        namespace = dict(fn.__globals__)
+        namespace.update({n: wrap(n, fn.__globals__[n]) for n in names})
+    defaults = None if fn.__defaults__ is None else tuple(wrap("default", d) for d in fn.__defaults__)
+    return types.FunctionType(code, namespace, fn.__name__, defaults, closure or None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The functions users call inside a score_mod / mask_mod: traced on Sym, else the array's own.
+# ---------------------------------------------------------------------------------------------
+def _array_function(name: str, *xs: Any) -> Any:
+    from array_api_compat import array_namespace
+
+    arrays = [x for x in xs if not isinstance(x, (int, float, bool))]
+    if not arrays:
+        raise TypeError(f"cupyflash.mods.{name} takes arrays or traced values, got {[type(x).__name__ for x in xs]}")
+    xp = array_namespace(*arrays)
+    return getattr(xp, name)(*xs)
+
+
+def _trace_of(xs: tuple[Any, ...]) -> _Trace | None:
+    return next((x.trace for x in xs if isinstance(x, Sym)), None)
+
+
+def where(condition: Any, x: Any, y: Any) -> Any:
+    """``x`` where ``condition`` holds, else ``y`` (traced, or ``xp.where`` on arrays)."""
+    trace = _trace_of((condition, x, y))
+    if trace is None:
+        return _array_function("where", condition, x, y)
+    c, a, b = (_lift(v, trace, "where") for v in (condition, x, y))
+    if c.kind != BOOL:
+        raise TypeError(f"{trace.role} calls where with a non-boolean condition")
+    if (a.kind == BOOL) != (b.kind == BOOL):
+        raise TypeError(f"{trace.role} calls where with one boolean and one numeric branch")
+    kind = BOOL if a.kind == BOOL else _promote(a.kind, b.kind)
+    return Sym(Expr("where", kind, (c, a, b)), trace)
+
+
+def _make_unary(name: str, op: str) -> Callable[[Any], Any]:
+    def function(x: Any) -> Any:
+        if isinstance(x, Sym):
+            return _unary(op, x)
+        return _array_function(name, x)
+
+    function.__name__ = name
+    function.__doc__ = f"``{name}(x)``: traced on a traced value, the array namespace's ``{name}`` on an array."
+    return function
+
+
+exp = _make_unary("exp", "exp")
+log = _make_unary("log", "log")
+tanh = _make_unary("tanh", "tanh")
+abs = _make_unary("abs", "abs")  # noqa: A001 (the array API's name)
+
+
+def _make_binary(name: str) -> Callable[[Any, Any], Any]:
+    def function(x: Any, y: Any) -> Any:
+        trace = _trace_of((x, y))
+        if trace is None:
+            return _array_function(name, x, y)
+        a, b = _lift(x, trace, name), _lift(y, trace, name)
+        _no_bool_arith(trace, a, b, name)
+        return Sym(Expr(name, _promote(a.kind, b.kind), (a, b)), trace)
+
+    function.__name__ = name
+    function.__doc__ = f"``{name}(x, y)``, elementwise: traced on traced values, the array namespace's on arrays."
+    return function
+
+
+minimum = _make_binary("minimum")
+maximum = _make_binary("maximum")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Mod:
+    """A traced score_mod or mask_mod: its expression, the captured arrays (slot order) and the
+    key that identifies it (the expression, with buffer shapes and dtypes but not values)."""
+
+    role: str  # "score_mod" or "mask_mod"
+    expr: Expr
+    buffers: tuple[Any, ...]
+
+    @property
+    def key(self) -> tuple[str, Expr]:
+        return (self.role, self.expr)
+
+    @property
+    def name(self) -> str:
+        """``cf_<role>_<12 hex digits of the key>``: the device function's name."""
+        digest = hashlib.sha256(repr(self.key).encode()).hexdigest()[:12]
+        return f"cf_{self.role}_{digest}"
+
+
+def _trace(fn: Callable[..., Any], role: str, params: tuple[str, ...]) -> Mod:
+    if not callable(fn):
+        raise TypeError(f"{role} must be a function, got {type(fn).__name__}")
+    trace = _Trace(role)
+    args = [Sym(Expr("arg", _ARGS[p], (p,)), trace) for p in params]
+    try:
+        result = _with_buffers(fn, trace)(*args)
+    except TypeError as error:
+        if "does not support ufuncs" not in str(error):
+            raise
+        raise TypeError(
+            f"{role} uses a NumPy function on a traced value: use the functions of cupyflash.mods (where, exp, log, "
+            "tanh, abs, minimum, maximum)"
+        ) from None
+    except IndexError as error:  # an array the function reaches by a route we do not rewrite
+        raise TypeError(
+            f"{role} indexes an array that is not a captured 1-D / 2-D array (a closure variable or a global of "
+            f"the function): {error}"
+        ) from None
+    out = _lift(result, trace, "its return value")
+    if role == "mask_mod" and out.kind != BOOL:
+        raise TypeError(f"mask_mod must return a boolean (a comparison, or & | ~ of them), got a {out.kind} value")
+    if role == "score_mod" and out.kind == BOOL:
+        raise TypeError("score_mod must return a score (a number), got a boolean: a mask is mask_mod's")
+    return Mod(role, out, tuple(trace.arrays))
+
+
+def trace_score_mod(fn: Callable[..., Any]) -> Mod:
+    """``fn(score, b, h, q_idx, kv_idx) -> score``, traced."""
+    return _trace(fn, "score_mod", ("score", "b", "h", "q_idx", "kv_idx"))
+
+
+def trace_mask_mod(fn: Callable[..., Any]) -> Mod:
+    """``fn(b, h, q_idx, kv_idx) -> bool``, traced."""
+    return _trace(fn, "mask_mod", ("b", "h", "q_idx", "kv_idx"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The host path: the expression evaluated on arrays of one array-API namespace.
+# ---------------------------------------------------------------------------------------------
+def evaluate(xp: Any, mod: Mod, values: dict[str, Any], buffers: tuple[Any, ...], float_dtype: Any) -> Any:
+    """The expression on arrays: ``values`` maps the arguments (score, b, h, q_idx, kv_idx) to
+    mutually broadcastable arrays (integer indices, the score in ``float_dtype``); ``buffers``
+    the captured arrays in ``xp``, slot order. Returns an array (or a Python number)."""
+    memo: dict[int, Any] = {}
+
+    def as_kind(x: Any, kind: str) -> Any:
+        if kind == FLOAT:
+            if isinstance(x, (bool, int)):
+                return float(x)
+            if not isinstance(x, float) and not xp.isdtype(x.dtype, "real floating"):
+                return xp.astype(x, float_dtype)
+        return x
+
+    def array(x: Any, kind: str) -> Any:
+        if isinstance(x, (bool, int, float)):
+            dtype = xp.bool if kind == BOOL else float_dtype if kind == FLOAT else xp.int64
+            return xp.asarray(x, dtype=dtype)
+        return x
+
+    def run(e: Expr) -> Any:
+        hit = memo.get(id(e))
+        if hit is not None:
+            return hit
+        op, args = e.op, e.args
+        if op == "arg":
+            out = values[args[0]]
+        elif op == "const":
+            out = args[0]
+        elif op == "index":
+            out = _gather(xp, mod.role, buffers[args[0].args[0].slot], [array(run(i), INT) for i in args[1:]])
+            out = as_kind(out, e.kind) if e.kind == FLOAT else out
+        elif op in _ARITH or op in ("minimum", "maximum"):
+            a, b = (as_kind(run(x), e.kind) for x in args)
+            if op in ("minimum", "maximum"):
+                out = getattr(xp, op)(array(a, e.kind), array(b, e.kind))
+            elif op == "truediv":
+                out = as_kind(a, FLOAT) / as_kind(b, FLOAT)
+            elif op == "add":
+                out = a + b
+            elif op == "sub":
+                out = a - b
+            elif op == "mul":
+                out = a * b
+            elif op == "floordiv":
+                out = xp.floor_divide(array(a, e.kind), array(b, e.kind))
+            else:
+                out = xp.remainder(array(a, e.kind), array(b, e.kind))
+        elif op in _COMPARE:
+            kind = _promote(args[0].kind, args[1].kind) if BOOL not in (args[0].kind, args[1].kind) else BOOL
+            a, b = (array(as_kind(run(x), kind), kind) for x in args)
+            out = {"lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b, "eq": a == b, "ne": a != b}[op]
+        elif op in _LOGIC:
+            a, b = (array(run(x), BOOL) for x in args)
+            out = xp.logical_and(a, b) if op == "and" else xp.logical_or(a, b)
+        elif op == "not":
+            out = xp.logical_not(array(run(args[0]), BOOL))
+        elif op == "neg":
+            out = -run(args[0])
+        elif op in ("abs", "exp", "log", "tanh"):
+            out = getattr(xp, op)(array(as_kind(run(args[0]), e.kind), e.kind))
+        elif op == "where":
+            c = array(run(args[0]), BOOL)
+            a, b = (array(as_kind(run(x), e.kind), e.kind) for x in args[1:])
+            out = xp.where(c, a, b)
+        else:  # pragma: no cover - the tracer makes no other node
+            raise AssertionError(op)
+        memo[id(e)] = out
+        return out
+
+    return run(mod.expr)
+
+
+def _gather(xp: Any, role: str, buffer: Any, indices: list[Any]) -> Any:
+    """``buffer[i, j]`` at broadcast integer index arrays, every index checked to lie in the
+    array (Python would wrap a negative one; the kernels would read outside it)."""
+    indices = [xp.astype(i, xp.int64) if i.dtype != xp.int64 else i for i in indices]
+    indices = list(xp.broadcast_arrays(*indices)) if len(indices) > 1 else indices
+    flat_index = indices[0]
+    for axis, (i, n) in enumerate(zip(indices, buffer.shape)):
+        if math.prod(i.shape) and (int(xp.min(i)) < 0 or int(xp.max(i)) >= n):
+            raise IndexError(
+                f"{role} reads a captured array of shape {tuple(buffer.shape)} at index {int(xp.min(i))} .. "
+                f"{int(xp.max(i))} on axis {axis}: outside the array"
+            )
+        if axis:
+            flat_index = flat_index * n + i
+    shape = flat_index.shape
+    flat = xp.take(xp.reshape(buffer, (-1,)), xp.reshape(flat_index, (-1,)), axis=0)
+    return xp.reshape(flat, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA C: the expression as a __device__ function (float32 score, 64-bit integer indices).
+# ---------------------------------------------------------------------------------------------
+_C_TYPES = {FLOAT: "float", INT: "long long", BOOL: "bool"}
+_C_ELEMENT = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool",
+              "int16": "short", "uint8": "unsigned char", "int8": "signed char"}  # fmt: skip
+
+#: Python's floor division and modulo on integers (C's truncate toward zero).
+CUDA_HELPERS = """\
+__device__ __forceinline__ long long cf_mods_floordiv(long long a, long long b) {
+  long long q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ long long cf_mods_mod(long long a, long long b) {
+  long long r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+__device__ __forceinline__ float cf_mods_fmod(float a, float b) { return a - b * floorf(a / b); }
+// NaN in either gives NaN, as the array API's minimum / maximum (fminf / fmaxf drop it).
+__device__ __forceinline__ float cf_mods_minimum(float a, float b) { return (a < b || a != a) ? a : b; }
+__device__ __forceinline__ float cf_mods_maximum(float a, float b) { return (a > b || a != a) ? a : b; }
+"""
+
+
+def _c_const(value: Any, kind: str) -> str:
+    if kind == BOOL:
+        return "true" if value else "false"
+    if kind == INT:
+        return f"{int(value)}LL"
+    if math.isnan(value):
+        return "__int_as_float(0x7fffffff)"
+    if math.isinf(value):
+        return "__int_as_float(0x7f800000)" if value > 0 else "__int_as_float(0xff800000)"
+    return f"{float(value)!r}f"
+
+
+def cuda_source(mod: Mod) -> str:
+    """``mod`` as a ``__device__ __forceinline__`` function (deterministic text; include
+    ``CUDA_HELPERS`` once before it). Parameters: (score,) b, h, q_idx, kv_idx, then per captured
+    array its pointer and one int64 element stride per axis."""
+    params = ["float score"] if mod.role == "score_mod" else []
+    params += ["int b", "int h", "int q_idx", "int kv_idx"]
+    specs = _buffer_specs(mod.expr)
+    for spec in specs:
+        element = _C_ELEMENT.get(spec.dtype)
+        if element is None:
+            raise TypeError(f"{mod.role} captures a {spec.dtype} array: the kernels read {sorted(_C_ELEMENT)}")
+        params.append(f"const {element}* __restrict__ buf{spec.slot}")
+        params += [f"long long buf{spec.slot}_stride{axis}" for axis in range(len(spec.shape))]
+    lines: list[str] = []
+    names: dict[int, str] = {}
+
+    def cast(name: str, have: str, want: str) -> str:
+        return name if have == want else f"({_C_TYPES[want]})({name})"
+
+    def emit(e: Expr) -> str:
+        hit = names.get(id(e))
+        if hit is not None:
+            return hit
+        op, args = e.op, e.args
+        if op == "arg":
+            return "score" if args[0] == "score" else f"(long long){args[0]}"
+        if op == "const":
+            return _c_const(args[0], e.kind)
+        if op == "index":
+            slot = args[0].args[0].slot
+            offset = " + ".join(f"{emit(i)} * buf{slot}_stride{axis}" for axis, i in enumerate(args[1:]))
+            text = f"({_C_TYPES[e.kind]})(buf{slot}[{offset}])"
+        elif op in _ARITH:
+            a, b = (cast(emit(x), x.kind, e.kind if op != "truediv" else FLOAT) for x in args)
+            if op == "floordiv":
+                text = f"cf_mods_floordiv({a}, {b})" if e.kind == INT else f"floorf({a} / {b})"
+            elif op == "mod":
+                text = f"cf_mods_mod({a}, {b})" if e.kind == INT else f"cf_mods_fmod({a}, {b})"
+            else:
+                text = f"({a} {_ARITH[op]} {b})"
+        elif op in ("minimum", "maximum"):
+            a, b = (cast(emit(x), x.kind, e.kind) for x in args)
+            function = f"cf_mods_{op}" if e.kind == FLOAT else op[:3]
+            text = f"{function}({a}, {b})"
+        elif op in _COMPARE:
+            kind = BOOL if BOOL in (args[0].kind, args[1].kind) else _promote(args[0].kind, args[1].kind)
+            a, b = (cast(emit(x), x.kind, kind) for x in args)
+            text = f"({a} {_COMPARE[op]} {b})"
+        elif op in _LOGIC:
+            text = f"({emit(args[0])} {'&&' if op == 'and' else '||'} {emit(args[1])})"
+        elif op == "not":
+            text = f"(!{emit(args[0])})"
+        elif op == "neg":
+            text = f"(-{emit(args[0])})"
+        elif op == "abs":
+            text = f"{'fabsf' if e.kind == FLOAT else 'llabs'}({emit(args[0])})"
+        elif op in ("exp", "log", "tanh"):
+            text = f"{op}f({cast(emit(args[0]), args[0].kind, FLOAT)})"
+        elif op == "where":
+            a, b = (cast(emit(x), x.kind, e.kind) for x in args[1:])
+            text = f"({emit(args[0])} ? {a} : {b})"
+        else:  # pragma: no cover - the tracer makes no other node
+            raise AssertionError(op)
+        name = f"t{len(lines)}"
+        lines.append(f"  const {_C_TYPES[e.kind]} {name} = {text};")
+        names[id(e)] = name
+        return name
+
+    result = emit(mod.expr)
+    returns = "float" if mod.role == "score_mod" else "bool"
+    body = "\n".join([*lines, f"  return {cast(result, mod.expr.kind, FLOAT if returns == 'float' else BOOL)};"])
+    return f"__device__ __forceinline__ {returns} {mod.name}({', '.join(params)}) {{\n{body}\n}}\n"
+
+
+def _buffer_specs(root: Expr) -> list[BufferSpec]:
+    found: dict[int, BufferSpec] = {}
+    stack = [root]
+    while stack:
+        e = stack.pop()
+        if e.op == "buf":
+            found[e.args[0].slot] = e.args[0]
+        stack.extend(a for a in e.args if isinstance(a, Expr))
+    return [found[s] for s in sorted(found)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The derivative d score_mod / d score, for the backward: dS = P (dP - D) times it.
+# ---------------------------------------------------------------------------------------------
+def score_derivative(mod: Mod) -> Mod:
+    """``d mod / d score`` as a score_mod of the same arguments and buffers (a float expression;
+    0 where the score does not reach, as through ``//``, comparisons and captured arrays)."""
+    memo: dict[int, Expr | None] = {}
+    one = Expr("const", FLOAT, (1.0,))
+
+    def fl(x: Expr) -> Expr:
+        return x if x.kind == FLOAT else Expr("mul", FLOAT, (one, x))
+
+    def mul(a: Expr | None, b: Expr) -> Expr | None:
+        return None if a is None else Expr("mul", FLOAT, (a, b))
+
+    def add(a: Expr | None, b: Expr | None, op: str = "add") -> Expr | None:
+        if b is None:
+            return a
+        if a is None:
+            return b if op == "add" else Expr("neg", FLOAT, (b,))
+        return Expr(op, FLOAT, (a, b))
+
+    def zero_or(x: Expr | None) -> Expr:
+        return Expr("const", FLOAT, (0.0,)) if x is None else x
+
+    def d(e: Expr) -> Expr | None:  # None: identically 0
+        if id(e) in memo:
+            return memo[id(e)]
+        op, args = e.op, e.args
+        out: Expr | None
+        if op == "arg":
+            out = one if args[0] == "score" else None
+        elif op in ("const", "buf", "index", "floordiv", "not") or op in _COMPARE or op in _LOGIC:
+            out = None
+        elif op in ("add", "sub"):
+            out = add(d(args[0]), d(args[1]), op)
+        elif op == "mul":
+            out = add(mul(d(args[0]), fl(args[1])), mul(d(args[1]), fl(args[0])))
+        elif op == "truediv":  # (a' b - a b') / b^2
+            a, b = fl(args[0]), fl(args[1])
+            top = add(mul(d(args[0]), b), mul(d(args[1]), a), "sub")
+            out = None if top is None else Expr("truediv", FLOAT, (top, Expr("mul", FLOAT, (b, b))))
+        elif op == "mod":  # a - b floor(a / b): a' - floor(a / b) b'
+            out = add(d(args[0]), mul(d(args[1]), Expr("floordiv", FLOAT, (fl(args[0]), fl(args[1])))), "sub")
+        elif op == "neg":
+            da = d(args[0])
+            out = None if da is None else Expr("neg", FLOAT, (da,))
+        elif op == "abs":  # sign(a) a'
+            zero = Expr("const", args[0].kind, (0,) if args[0].kind == INT else (0.0,))
+            da = d(args[0])
+            out = (
+                None
+                if da is None
+                else Expr("where", FLOAT, (Expr("lt", BOOL, (args[0], zero)), Expr("neg", FLOAT, (da,)), da))
+            )
+        elif op == "exp":
+            out = mul(d(args[0]), e)
+        elif op == "log":
+            da = d(args[0])
+            out = None if da is None else Expr("truediv", FLOAT, (da, fl(args[0])))
+        elif op == "tanh":  # (1 - tanh^2) a'
+            out = mul(d(args[0]), Expr("sub", FLOAT, (one, Expr("mul", FLOAT, (e, e)))))
+        elif op in ("minimum", "maximum", "where"):
+            if op == "where":
+                condition, a, b = args
+            else:
+                a, b = args
+                condition = Expr("le" if op == "minimum" else "ge", BOOL, (a, b))
+            da, db = d(a), d(b)
+            out = None if da is None and db is None else Expr("where", FLOAT, (condition, zero_or(da), zero_or(db)))
+        else:  # pragma: no cover - the tracer makes no other node
+            raise AssertionError(op)
+        memo[id(e)] = out
+        return out
+
+    return Mod("score_mod", zero_or(d(mod.expr)), mod.buffers)

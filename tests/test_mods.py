@@ -1,0 +1,432 @@
+"""``score_mod`` / ``mask_mod`` (FlexAttention's meaning) on the host path, and their trace.
+
+The gallery (causal, sliding window, prefix-LM, document masking over packed sequences,
+chunked local attention, ALiBi, softcap, a relative-position bias table) against a float64
+reference written here in NumPy, and against the built-in options where one exists; the
+refusals of what cannot be traced; the key; the device functions compiled by NVRTC.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _mods, mods
+
+B, NQ, NK, HQ, HKV, D = 2, 37, 45, 4, 2, 16
+SHIFT = NK - NQ  # bottom-right alignment of the built-in masks
+
+
+@pytest.fixture(scope="module")
+def qkv() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return (
+        rng.standard_normal((B, NQ, HQ, D)),
+        rng.standard_normal((B, NK, HKV, D)),
+        rng.standard_normal((B, NK, HKV, D)),
+    )
+
+
+def reference(q, k, v, score=None, visible=None):
+    """float64 ``softmax(score(scale q k^T) masked by visible) v``: score and visible take and
+    return / give (B, Hq, Nq, Nk) arrays from index grids; empty rows give 0 and LSE -inf."""
+    group = HQ // HKV
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+    b, h, i, j = np.meshgrid(np.arange(B), np.arange(HQ), np.arange(NQ), np.arange(NK), indexing="ij")
+    if score is not None:
+        s = np.broadcast_to(score(s, b, h, i, j), s.shape).astype(np.float64)
+    if visible is not None:
+        s = np.where(visible(b, h, i, j), s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    total = p.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", p / np.where(total > 0, total, 1.0), v)
+    with np.errstate(divide="ignore"):
+        lse = np.log(total[..., 0]) + m[..., 0]
+    return out, lse
+
+
+def check(q, k, v, ref_score=None, ref_visible=None, **kwargs):
+    out, lse = cupyflash.attention(q, k, v, return_lse=True, **kwargs)
+    ref_out, ref_lse = reference(q, k, v, ref_score, ref_visible)
+    np.testing.assert_allclose(out, ref_out, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-12)
+    return out, lse
+
+
+# -- the gallery --------------------------------------------------------------------------------
+def test_causal_as_mask_mod(qkv):
+    out, lse = check(*qkv, ref_visible=lambda b, h, i, j: j <= i + SHIFT, mask_mod=lambda b, h, q, kv: kv <= q + SHIFT)
+    built_in, built_in_lse = cupyflash.attention(*qkv, causal=True, return_lse=True)
+    np.testing.assert_allclose(out, built_in, atol=1e-12)
+    np.testing.assert_allclose(lse, built_in_lse, atol=1e-12)
+
+
+def test_sliding_window_as_mask_mod(qkv):
+    left, right = 6, 3
+
+    def window(b, h, q_idx, kv_idx):
+        return (kv_idx >= q_idx + SHIFT - left) & (kv_idx <= q_idx + SHIFT + right)
+
+    out = check(
+        *qkv, ref_visible=lambda b, h, i, j: (j >= i + SHIFT - left) & (j <= i + SHIFT + right), mask_mod=window
+    )
+    np.testing.assert_allclose(out[0], cupyflash.attention(*qkv, window=(left, right)), atol=1e-12)
+
+
+def test_prefix_lm(qkv):
+    prefix = 10
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix) | (kv_idx <= q_idx)
+
+    check(*qkv, ref_visible=lambda b, h, i, j: (j < prefix) | (j <= i), mask_mod=prefix_lm)
+
+
+def test_document_masking_over_packed_sequences():
+    rng = np.random.default_rng(1)
+    n = 50
+    doc_id = np.repeat(np.arange(4, dtype=np.int32), [12, 20, 1, 17])
+    q = rng.standard_normal((1, n, 2, 8))
+    k, v = (rng.standard_normal((1, n, 1, 8)) for _ in range(2))
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc_id[q_idx] == doc_id[kv_idx]) & (kv_idx <= q_idx)
+
+    out = cupyflash.attention(q, k, v, mask_mod=document_causal)
+    starts = np.r_[0, np.cumsum([12, 20, 1, 17])]
+    for s0, s1 in zip(starts[:-1], starts[1:]):  # each document alone, causal
+        alone = cupyflash.attention(q[:, s0:s1], k[:, s0:s1], v[:, s0:s1], causal=True)
+        np.testing.assert_allclose(out[:, s0:s1], alone, atol=1e-12)
+
+
+def test_chunked_local_attention(qkv):
+    chunk = 8
+
+    def chunked(b, h, q_idx, kv_idx):
+        return (q_idx // chunk == kv_idx // chunk) & (kv_idx <= q_idx)
+
+    # rows whose chunk starts past every key they may see have none: output 0, LSE -inf
+    check(*qkv, ref_visible=lambda b, h, i, j: (i // chunk == j // chunk) & (j <= i), mask_mod=chunked)
+
+
+def test_alibi_as_score_mod(qkv):
+    slopes = 2.0 ** (-8.0 * np.arange(1, HQ + 1) / HQ)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * mods.abs(q_idx + SHIFT - kv_idx)
+
+    out = check(*qkv, ref_score=lambda s, b, h, i, j: s - slopes[h] * np.abs(i + SHIFT - j), score_mod=alibi)[0]
+    np.testing.assert_allclose(out, cupyflash.attention(*qkv, alibi_slopes=slopes), atol=1e-12)
+
+
+def test_softcap_as_score_mod(qkv):
+    cap = 0.5
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * mods.tanh(score / cap)
+
+    out = check(*qkv, ref_score=lambda s, *_: cap * np.tanh(s / cap), score_mod=softcap, causal=True,
+                ref_visible=lambda b, h, i, j: j <= i + SHIFT)[0]  # fmt: skip
+    np.testing.assert_allclose(out, cupyflash.attention(*qkv, softcap=cap, causal=True), atol=1e-12)
+
+
+def test_relative_position_bias_table(qkv):
+    rng = np.random.default_rng(2)
+    table = rng.standard_normal((HQ, NQ + NK))  # one bias per head and distance
+    offset = NQ
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[h, kv_idx - q_idx + offset]
+
+    check(*qkv, ref_score=lambda s, b, h, i, j: s + table[h, j - i + offset], score_mod=relative)
+
+
+def test_score_and_mask_together_with_where_and_minimum(qkv):
+    def score(score, b, h, q_idx, kv_idx):
+        return mods.where(h % 2 == 0, mods.minimum(score, 0.25), mods.exp(score) - 1)
+
+    check(
+        *qkv, ref_score=lambda s, b, h, i, j: np.where(h % 2 == 0, np.minimum(s, 0.25), np.exp(s) - 1),
+        ref_visible=lambda b, h, i, j: ~((b == 1) & (j > 20)),
+        score_mod=score, mask_mod=lambda b, h, q, kv: ~((b == 1) & (kv > 20)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("algorithm", ("naive", "fa1", "decode"))
+def test_every_host_algorithm(qkv, algorithm):
+    chunk = 8
+    q, k, v = (x[..., :16] if algorithm == "fa1" else x for x in qkv)
+
+    def chunked(b, h, q_idx, kv_idx):
+        return (q_idx // chunk == kv_idx // chunk) | (kv_idx < 3)
+
+    out = cupyflash.attention(q, k, v, mask_mod=chunked, score_mod=lambda s, b, h, i, j: s * 2, algorithm=algorithm)
+    ref = cupyflash.attention(q, k, v, mask_mod=chunked, score_mod=lambda s, b, h, i, j: s * 2)
+    np.testing.assert_allclose(out, ref, atol=1e-12)
+
+
+def test_other_namespaces():
+    torch = pytest.importorskip("torch")
+    xp = pytest.importorskip("array_api_strict")
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 9, 2, 8)).astype(np.float32) for _ in range(3))
+    doc_id = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2])
+
+    def document(b, h, q_idx, kv_idx):
+        return doc_id[q_idx] == doc_id[kv_idx]
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + 0.5 * (q_idx - kv_idx)
+
+    expected = cupyflash.attention(q, k, v, mask_mod=document, score_mod=bias)
+    on_torch = cupyflash.attention(*(torch.from_numpy(x) for x in (q, k, v)), mask_mod=document, score_mod=bias)
+    strict = cupyflash.attention(*(xp.asarray(x) for x in (q, k, v)), mask_mod=document, score_mod=bias)
+    np.testing.assert_allclose(on_torch.numpy(), expected, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(strict), expected, atol=1e-5)
+
+
+def test_globals_defaults_and_unassigned_cells(qkv):
+    def make():
+        def mask(b, h, q_idx, kv_idx, ids=GLOBAL_IDS[:NK]):
+            return (GLOBAL_IDS[q_idx] == ids[kv_idx]) | later(kv_idx)
+
+        def later(kv_idx):
+            return kv_idx < 2
+
+        return mask
+
+    check(*qkv, ref_visible=lambda b, h, i, j: (GLOBAL_IDS[i] == GLOBAL_IDS[j]) | (j < 2), mask_mod=make())
+
+
+GLOBAL_IDS = np.arange(NK) // 10
+
+
+def test_the_mods_functions_on_arrays():
+    x = np.array([-1.0, 0.5, 2.0])
+    np.testing.assert_array_equal(mods.where(x > 0, x, 0.0), [0.0, 0.5, 2.0])
+    np.testing.assert_array_equal(mods.maximum(x, np.zeros(3)), [0.0, 0.5, 2.0])
+    np.testing.assert_allclose(mods.tanh(x), np.tanh(x))
+
+
+# -- refusals ------------------------------------------------------------------------------------
+def _if(score, b, h, q_idx, kv_idx):
+    if q_idx > kv_idx:
+        return score
+    return score - 1
+
+
+@pytest.mark.parametrize(
+    ("fn", "match"),
+    [
+        (_if, r"score_mod uses `if`.*cupyflash\.mods\.where"),
+        (lambda s, b, h, q, kv: s * int(q), r"uses int\(\)"),
+        (lambda s, b, h, q, kv: s * float(q), r"uses float\(\)"),
+        (lambda s, b, h, q, kv: s if bool(q < kv) else s, r"uses `if`"),
+        (lambda s, b, h, q, kv: np.exp(s), r"uses a NumPy function"),
+        (lambda s, b, h, q, kv: math.exp(s), r"uses float\(\)"),
+        (lambda s, b, h, q, kv: s ** 2, r"uses `\*\*`"),
+        (lambda s, b, h, q, kv: s + "x", r"uses `\+` with a str"),
+        (lambda s, b, h, q, kv: q < kv, r"must return a score"),
+    ],
+)  # fmt: skip
+def test_untraceable_score_mods_are_refused(qkv, fn, match):
+    with pytest.raises(TypeError, match=match):
+        cupyflash.attention(*qkv, score_mod=fn)
+
+
+def test_untraceable_mask_mods_are_refused(qkv):
+    with pytest.raises(TypeError, match="mask_mod uses `if`"):
+        cupyflash.attention(*qkv, mask_mod=lambda b, h, q, kv: q > kv and kv > 2)
+    with pytest.raises(TypeError, match="mask_mod must return a boolean"):
+        cupyflash.attention(*qkv, mask_mod=lambda b, h, q, kv: q - kv)
+    with pytest.raises(TypeError, match="logical"):
+        cupyflash.attention(*qkv, mask_mod=lambda b, h, q, kv: q & kv)
+    ids = np.zeros(NQ, dtype=np.int32)
+    with pytest.raises(TypeError, match="1-D array 'ids' with 2 indexes"):
+        cupyflash.attention(*qkv, mask_mod=lambda b, h, q, kv: ids[q, kv] == 0)
+
+
+def test_reads_outside_a_captured_array_are_refused(qkv):
+    short = np.zeros(NQ, dtype=np.int32)  # NQ entries, indexed by keys (NK > NQ)
+    with pytest.raises(IndexError, match="outside the array"):
+        cupyflash.attention(*qkv, mask_mod=lambda b, h, q, kv: short[kv] == 0)
+
+
+def test_tracing_is_refused(qkv, monkeypatch):
+    from cupyflash import _interop
+
+    monkeypatch.setattr(_interop, "compiling", lambda: True)
+    with pytest.raises(NotImplementedError, match="host path so far.*torch.compile"):
+        cupyflash.attention(*qkv, mask_mod=lambda b, h, i, j: j <= i)
+
+
+def test_gpu_arrays_are_refused(monkeypatch):
+    """Stand-ins that cupyflash takes for CuPy arrays on GPU 0 (as test_gpu_routes_stubbed's)."""
+    import sys
+    from pathlib import Path
+
+    from cupyflash import _interop
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from host_overhead import stand_in
+
+    monkeypatch.setattr(_interop, "current_device", lambda: 0)
+    q, lse = stand_in((1, 64, 2, 64), "float16"), stand_in((1, 2, 64), "float32")
+    with pytest.raises(NotImplementedError, match="the GPU kernels are not built yet"):
+        cupyflash.attention(q, q, q, mask_mod=lambda b, h, i, j: j <= i)
+    with pytest.raises(NotImplementedError, match="the GPU kernels are not built yet"):
+        cupyflash.attention_backward(q, q, q, q, q, lse, score_mod=lambda s, b, h, i, j: s * 2)
+
+
+def test_autograd_and_attn_mask_are_refused():
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 5, 2, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="no autograd yet.*attention_backward"):
+        cupyflash.attention(q, q, q, mask_mod=lambda b, h, i, j: j <= i)
+    with pytest.raises(ValueError, match="write the mask as a mask_mod"):
+        cupyflash.attention(q.detach(), q.detach(), q.detach(), mask_mod=lambda b, h, i, j: j <= i,
+                            attn_mask=torch.ones(5, 5, dtype=torch.bool))  # fmt: skip
+
+
+# -- the key -------------------------------------------------------------------------------------
+def test_the_same_expression_shares_a_key():
+    doc_a, doc_b = np.arange(10, dtype=np.int32), np.ones(10, dtype=np.int32)
+
+    def first(b, h, q_idx, kv_idx):
+        return doc_a[q_idx] == doc_a[kv_idx]
+
+    def second(batch, head, row, key):  # other names, other array of the same shape and dtype
+        return doc_b[row] == doc_b[key]
+
+    a, b = _mods.trace_mask_mod(first), _mods.trace_mask_mod(second)
+    assert a.key == b.key and hash(a.key) == hash(b.key) and a.name == b.name
+    assert a.buffers[0] is doc_a and b.buffers[0] is doc_b
+    wider = np.arange(11, dtype=np.int32)
+    assert _mods.trace_mask_mod(lambda b, h, q, kv: wider[q] == wider[kv]).key != a.key  # shape
+    as_int64 = doc_a.astype(np.int64)
+    assert _mods.trace_mask_mod(lambda b, h, q, kv: as_int64[q] == as_int64[kv]).key != a.key  # dtype
+
+
+def test_different_constants_differ():
+    def cap(c):
+        return _mods.trace_score_mod(lambda s, b, h, q, kv: c * mods.tanh(s / c))
+
+    assert cap(30.0).key == cap(30.0).key
+    assert cap(30.0).key != cap(50.0).key
+    assert cap(30).key != cap(30.0).key  # an int constant is not a float one
+
+
+# -- CUDA C --------------------------------------------------------------------------------------
+def _gallery() -> list[_mods.Mod]:
+    doc_id = np.zeros(64, dtype=np.int32)
+    table = np.zeros((4, 128), dtype=np.float32)
+    return [
+        _mods.trace_mask_mod(lambda b, h, q, kv: (doc_id[q] == doc_id[kv]) & ~(kv > q)),
+        _mods.trace_mask_mod(lambda b, h, q, kv: (q // 8 == kv // 8) | (kv % 3 == 0)),
+        _mods.trace_score_mod(lambda s, b, h, q, kv: s + table[h, kv - q + 64] - 0.5 * mods.abs(q - kv)),
+        _mods.trace_score_mod(
+            lambda s, b, h, q, kv: mods.where(q >= kv, 30.0 * mods.tanh(s / 30.0), mods.log(mods.exp(s) + 1) / 2)
+        ),
+        _mods.trace_score_mod(lambda s, b, h, q, kv: mods.maximum(mods.minimum(s, 5), -math.inf) + (s // 2) % 1.5),
+    ]
+
+
+def test_cuda_source_is_deterministic():
+    first, second = (_mods.cuda_source(m) for m in _gallery()[:3]), (_mods.cuda_source(m) for m in _gallery()[:3])
+    assert list(first) == list(second)
+    text = _mods.cuda_source(_gallery()[0])
+    assert text.startswith("__device__ __forceinline__ bool cf_mask_mod_")
+    assert "const int* __restrict__ buf0, long long buf0_stride0" in text
+
+
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
+def test_cuda_source_compiles(arch):
+    pytest.importorskip("cupy")
+    from cupy.cuda import nvrtc
+
+    gallery = _gallery()
+    gallery += [_mods.score_derivative(m) for m in gallery if m.role == "score_mod"]  # the backward's slopes
+    gallery = list({m.name: m for m in gallery}.values())
+    calls = []
+    for index, mod in enumerate(gallery):  # a test kernel that calls each function once
+        specs = _mods._buffer_specs(mod.expr)
+        buffers = [f"(const {_mods._C_ELEMENT[s.dtype]}*)p, {', '.join(['1LL'] * len(s.shape))}" for s in specs]
+        args = (["x[i]"] if mod.role == "score_mod" else []) + ["0", "1", "i", "i + 1"] + buffers
+        calls.append(f"  x[i] += (float){mod.name}({', '.join(args)});  // {index}")
+    source = "\n".join(
+        [_mods.CUDA_HELPERS, *(_mods.cuda_source(m) for m in gallery),
+         'extern "C" __global__ void cf_mods_test(float* x, const void* p) {',
+         "  const int i = threadIdx.x;", *calls, "}"]
+    )  # fmt: skip
+    program = nvrtc.createProgram(source, "cf_mods_test.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", "--std=c++17"])
+        except nvrtc.NVRTCError as error:
+            pytest.fail(f"{error}\n{nvrtc.getProgramLog(program)}\n{source}")
+        assert len(nvrtc.getCUBIN(program)) > 0
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+# -- the backward (host) -------------------------------------------------------------------------
+def _gradient_cases(torch):
+    table = torch.randn(HQ, NQ + NK, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    slopes = 2.0 ** (-8.0 * torch.arange(1, HQ + 1, dtype=torch.float64) / HQ)
+    return {
+        "softcap": (lambda s, b, h, q, kv: 0.7 * mods.tanh(s / 0.7), None),
+        "alibi": (lambda s, b, h, q, kv: s - slopes[h] * mods.abs(q + SHIFT - kv), lambda b, h, q, kv: kv <= q + SHIFT),
+        "table": (lambda s, b, h, q, kv: s + table[h, kv - q + NQ], None),
+        "where": (
+            lambda s, b, h, q, kv: mods.where(h % 2 == 0, mods.minimum(s, 0.1), mods.log(mods.exp(s) + 1) / 2),
+            lambda b, h, q, kv: (q // 8 == kv // 8) | (kv < 3),
+        ),
+        "poly": (lambda s, b, h, q, kv: mods.maximum(s * s * 0.5 - s, -abs(s)) % 1.5 + 2 / (3 + s * s), None),
+    }
+
+
+@pytest.mark.parametrize("case", ("softcap", "alibi", "table", "where", "poly"))
+def test_backward_matches_autograd_of_the_formula(case):
+    torch = pytest.importorskip("torch")
+    score, visible = _gradient_cases(torch)[case]
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(B, NQ, HQ, D, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(B, NK, HKV, D, dtype=torch.float64, generator=gen) for _ in range(2))
+    dout = torch.randn(B, NQ, HQ, D, dtype=torch.float64, generator=gen)
+    out, lse = cupyflash.attention(q, k, v, score_mod=score, mask_mod=visible, return_lse=True)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, score_mod=score, mask_mod=visible)
+    # the formula, differentiated by autograd (the same functions run on torch's index grids)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    kk, vv = (torch.repeat_interleave(x, HQ // HKV, dim=2) for x in leaves[1:])
+    s = torch.einsum("bqhd,bkhd->bhqk", leaves[0], kk) / math.sqrt(D)
+    b, h, i, j = torch.meshgrid(*(torch.arange(n) for n in (B, HQ, NQ, NK)), indexing="ij")
+    s = torch.broadcast_to(score(s, b, h, i, j), s.shape)
+    if visible is not None:
+        s = torch.where(visible(b, h, i, j), s, -math.inf)
+    p = torch.nan_to_num(torch.softmax(s, dim=-1))
+    ref = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref.detach(), atol=1e-10, rtol=0)
+    for grad, leaf in zip(grads, leaves):
+        torch.testing.assert_close(grad, leaf.grad, atol=1e-9, rtol=0)
+
+
+def test_backward_of_a_mask_mod_alone_matches_the_built_in():
+    rng = np.random.default_rng(6)
+    q, k, v, dout = (rng.standard_normal((1, n, 2, 8)) for n in (9, 12, 12, 9))
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    built_in = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    modded = cupyflash.attention_backward(dout, q, k, v, out, lse, mask_mod=lambda b, h, i, j: j <= i + 3)
+    for a, e in zip(modded, built_in):
+        np.testing.assert_allclose(a, e, atol=1e-12)
+
+
+def test_score_derivative_of_a_score_free_expression_is_zero():
+    slope = _mods.score_derivative(_mods.trace_score_mod(lambda s, b, h, q, kv: q - kv))
+    assert slope.expr == _mods.Expr("const", "float", (0.0,))
