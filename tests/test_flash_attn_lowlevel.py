@@ -202,3 +202,26 @@ def test_flash_attn_gpu_stand_in_takes_the_cxx_argument_order():
         assert torch.equal(got, want)
     with pytest.raises(NotImplementedError, match="out_"):
         fa.flash_attn_gpu.fwd(q, k, v, out, None, 0.0, 0.25, True, -1, -1, 0.0, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropout_p", [0.0, 0.17])
+def test_lower_level_functions_on_the_gpu(dropout_p):
+    """The same calls on CUDA bf16 tensors: the forward equals cupyflash.attention's (the same
+    kernels, the same seed), the backward writes the caller's buffers with attention_backward's
+    gradients, and the rng_state of a dropout forward regenerates its mask in the backward."""
+    torch.manual_seed(1)
+    q, k, v = (x.cuda().to(torch.bfloat16) for x in _qkv(b=2, sq=300, sk=333, h=8, hk=2, d=128))
+    out, lse, _, rng_state = fa._flash_attn_forward(q, k, v, dropout_p, None, True, -1, -1, 0.0, None, False)
+    seed = int(rng_state[0]) % 2**64 if dropout_p else None  # its bits as an unsigned seed
+    want, want_lse = cupyflash.attention(q, k, v, causal=True, dropout_p=dropout_p, seed=seed, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    dout = torch.randn_like(out)
+    dq, dk, dv = (torch.full_like(x, math.nan) for x in (q, k, v))
+    fa._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, None, True, -1, -1, 0.0, None, True,
+                            rng_state)  # fmt: skip
+    grads = cupyflash.attention_backward(
+        dout, q, k, v, out, lse, causal=True, dropout_p=dropout_p, seed=seed, deterministic=True
+    )
+    for given, grad in zip((dq, dk, dv), grads):
+        assert torch.equal(given, grad)
