@@ -97,10 +97,22 @@ def _returned(out: Any, lse: Any, s_dmask: Any, return_attn_probs: bool) -> Any:
     return (out, lse, s_dmask) if return_attn_probs else out
 
 
-def _fresh_seed(q: Any, dropout_p: Any) -> int | None:
+def _fresh_seed(q: Any, dropout_p: Any, needed: bool = True) -> int | None:
     """The dropout mask's seed, drawn here (as ``attention`` would draw it: PyTorch's default
-    generator for tensors) so that the pattern and the backward can regenerate the mask."""
-    return _interop.draw_seed(q) if dropout_p else None
+    generator for tensors) where the call hands it back (``rng_state``) or reads the mask again
+    (``S_dmask``); else None, and ``attention`` draws its own. A seed drawn on the host would be a
+    constant of a compiled graph or a captured CUDA graph (every replay repeating one mask), so
+    those are refused here as ``attention`` refuses them."""
+    if not dropout_p or not needed:
+        return None
+    if _interop.compiling():
+        raise NotImplementedError(
+            "flash-attn's rng_state / S_dmask with dropout under torch.compile: the seed would be a constant of the "
+            "compiled graph; call it eagerly, or without return_attn_probs"
+        )
+    if _library(q) == "torch" and q.is_cuda and sys.modules["torch"].cuda.is_current_stream_capturing():
+        raise _interop.dropout_capture_error()
+    return _interop.draw_seed(q)
 
 
 def _library(x: Any) -> str:
@@ -125,7 +137,7 @@ def flash_attn_func(
 ) -> Any:
     """q ``(B, Sq, H, d)``, k and v ``(B, Sk, Hk, d)``; returns out ``(B, Sq, H, d)``, or
     ``(out, softmax_lse, None)`` with ``return_attn_probs``."""
-    window, seed = _window(causal, window_size), _fresh_seed(q, dropout_p)
+    window, seed = _window(causal, window_size), _fresh_seed(q, dropout_p, needed=return_attn_probs)
     out, lse = attention(
         q, k, v, causal=causal, scale=softmax_scale, window=window, softcap=softcap, return_lse=True,
         deterministic=deterministic, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
@@ -196,7 +208,7 @@ def flash_attn_varlen_func(
 ) -> Any:
     """q ``(total_q, H, d)``, k and v ``(total_k, Hk, d)`` (pages ``(num_blocks, page_size, Hk, d)``
     with ``block_table``), cu_seqlens int32 ``(batch + 1,)``; ``softmax_lse`` is ``(H, total_q)``."""
-    window, seed = _window(causal, window_size), _fresh_seed(q, dropout_p)
+    window, seed = _window(causal, window_size), _fresh_seed(q, dropout_p, needed=return_attn_probs)
     out, lse = _varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,
         window=window, softcap=softcap, deterministic=deterministic, dropout_p=dropout_p, seed=seed,
