@@ -280,6 +280,8 @@ def gpu_forward(
 ) -> tuple[Any, Any]:
     """The kernels' forward on arrays the pipeline reads: (out, lse), lse None unless wanted.
     ``given``: output buffers to write, by name (``_launch.run``; XLA's under ``jax.jit``)."""
+    if call.mods is not None:
+        raise NotImplementedError(_mods.ON_HOST_ONLY)
     if call.attn_mask is not None:
         return _gpu_masked(lib, device, call, want_lse)
     q, k, v, slopes = call.q, call.k, call.v, call.alibi_slopes

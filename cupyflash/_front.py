@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _interop, _mods
+from . import _interop
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +43,6 @@ class Operation:
 
 def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, Any]:
     """``call`` by the route above: (out, lse), lse None on the GPU unless wanted."""
-    if getattr(call, "mods", None) is not None:
-        return _host_only(op, call)
     if _interop.compiling():  # before anything Dynamo would have to trace
         return _torch_route(op, call, want_lse, "does not run under torch.compile yet")
     arrays = call.arrays()
@@ -67,25 +65,6 @@ def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, Any]:
         if not lib.check_inputs(arrays):
             return op.gpu(lib, device, call, want_lse)
     return _torch_route(op, call.prepared(), want_lse, "has no backward pass")  # tensors that require grad
-
-
-def _host_only(op: Operation, call: Any) -> tuple[Any, Any]:
-    """A call with a score_mod / mask_mod: the host executor, or a refusal (GPU arrays,
-    torch.compile, JAX tracing, tensors that require grad: no kernel or backward has them yet)."""
-    arrays = call.arrays()
-    if _interop.compiling() or _interop.traced(arrays):
-        raise NotImplementedError(f"{_mods.ON_HOST_ONLY} (nor under torch.compile or JAX tracing)")
-    if _interop.lean_arrays(arrays[0], arrays[1], arrays[2], arrays[3:]) is not None:
-        raise NotImplementedError(_mods.ON_HOST_ONLY)
-    call = call.prepared()
-    if _interop.gpu_arrays(call.names, call.arrays()) is not None:
-        raise NotImplementedError(_mods.ON_HOST_ONLY)
-    if _interop.needs_autograd(arrays):
-        raise NotImplementedError(
-            f"{op.name} with score_mod / mask_mod has no autograd yet: tensors that require grad are refused "
-            "(pass detached tensors and call cupyflash.attention_backward with the same score_mod / mask_mod)"
-        )
-    return op.host(call)
 
 
 def _torch_route(op: Operation, call: Any, want_lse: bool, missing: str) -> tuple[Any, Any]:

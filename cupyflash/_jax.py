@@ -41,7 +41,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _attention, _host, _interop, _kvcache
+from . import _attention, _host, _interop, _kvcache, _mods
 from ._validate import Options, check_dropout
 
 #: How many times XLA has run each callback, by (platform, direction): ("gpu", "forward"),
@@ -73,6 +73,8 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     """An ``attention`` call with traced inputs (options checked by the entry): (out, lse), lse
     None unless wanted."""
     q, k, v, alibi_slopes = call.q, call.k, call.v, call.alibi_slopes
+    if call.mods is not None:
+        raise NotImplementedError(f"{_mods.ON_HOST_ONLY} (nor under torch.compile or JAX tracing)")
     if call.attn_mask is not None:
         raise NotImplementedError("attention with attn_mask does not run under a JAX transformation yet")
     dropout_p, _ = check_dropout(call.dropout_p, None)

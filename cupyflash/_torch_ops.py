@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _attention, _interop, _kvcache
+from . import _attention, _interop, _kvcache, _mods
 from ._validate import Options, attention_problem, check_options
 
 _LIB = "cupyflash"
@@ -118,6 +118,13 @@ attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
 
 def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     """An ``attention`` call through the custom op: (out, lse)."""
+    if call.mods is not None:  # the op has no score_mod / mask_mod yet: refused, never dropped
+        if _interop.compiling():
+            raise NotImplementedError(f"{_mods.ON_HOST_ONLY} (nor under torch.compile or JAX tracing)")
+        raise NotImplementedError(
+            "attention with score_mod / mask_mod has no autograd yet: tensors that require grad are refused "
+            "(pass detached tensors and call cupyflash.attention_backward with the same score_mod / mask_mod)"
+        )
     _refuse_slope_grad(call.alibi_slopes)
     mask = call.attn_mask
     if mask is not None and mask.requires_grad and torch.is_grad_enabled():
