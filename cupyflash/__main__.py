@@ -124,7 +124,8 @@ def _write_json(path: str | None, results: dict[str, object]) -> None:
 
 
 def _prefill_rows(args: argparse.Namespace, run: Any, table: Any) -> list[dict[str, Any]]:
-    """Each prefill shape of ``args`` run and printed as its row of ``table``, then the table."""
+    """Each prefill shape of ``args`` run and printed as its row of ``table``, then the table,
+    what its numbers are, and why an entry has none."""
     from . import bench
 
     shapes = bench.prefill_shapes(tuple(args.dtype), tuple(args.head_dims or bench.PREFILL_HEAD_DIMS))
@@ -134,7 +135,11 @@ def _prefill_rows(args: argparse.Namespace, run: Any, table: Any) -> list[dict[s
     for shape in shapes:
         rows.append(run(shape))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
+    headline = "interleaved" if "interleaved" in args.timings else args.timings[0]
+    print(f"TFLOP/s: the {headline} timing; each ratio: its range over {', '.join(args.timings)} (one process)")
     print(table(rows))
+    for line in bench.format_refusals(rows):
+        print(f"no number: {line}")
     return rows
 
 
@@ -143,10 +148,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 1
     from . import bench
 
-    rows = _prefill_rows(args, bench.run_prefill, bench.format_prefill_table)
+    backends, timings = tuple(args.backends or bench.PREFILL_BACKENDS), tuple(args.timings)
+    rows = _prefill_rows(
+        args, lambda shape: bench.run_prefill(shape, backends=backends, timings=timings), bench.format_prefill_table
+    )
     overhead = bench.host_overhead_us()
     print(f"host time of a tiny call (1 query, 128 keys, 8 heads, d=128): {overhead}")
-    _write_json(args.json, {"prefill": rows, "host_overhead": overhead})
+    _write_json(args.json, {"prefill": rows, "host_overhead": overhead, "timings": list(timings)})
     return 0
 
 
@@ -155,11 +163,30 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         return 1
     from . import bench
 
+    backends, timings = tuple(args.backends or bench.TRAINING_BACKENDS), tuple(args.timings)
     rows = _prefill_rows(
-        args, lambda shape: bench.run_training(shape, dropout_p=args.dropout), bench.format_training_table
+        args,
+        lambda shape: bench.run_training(shape, backends=backends, dropout_p=args.dropout, timings=timings),
+        bench.format_training_table,
     )
-    _write_json(args.json, {"training": rows})
+    _write_json(args.json, {"training": rows, "timings": list(timings)})
     return 0
+
+
+def _timing_options(parser: argparse.ArgumentParser, backends: tuple[str, ...], choices: tuple[str, ...]) -> None:
+    """--timings and --backends of the prefill and training benchmarks."""
+    from . import bench
+
+    parser.add_argument(
+        "--timings", nargs="+", choices=bench.TIMINGS, default=list(bench.TIMINGS), metavar="TIMING",
+        help="single (calls after warm-up), back_to_back (20 calls between two events), interleaved (rounds of "
+        "one call each, shuffled); default: all three (a ratio is a claim where it holds under each)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--backends", nargs="+", choices=choices, metavar="BACKEND",
+        help=f"default: {' '.join(backends)} (fa4: FlashAttention-4, where flash-attn-4 is installed); "
+        f"any of {', '.join(choices)}",
+    )  # fmt: skip
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
@@ -278,17 +305,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--seqlen", type=int, default=4096, help="the GPU timing's sequence length (default 4096)")
     demo.set_defaults(func=cmd_demo)
-    bench = sub.add_parser("bench", help="TFLOP/s against PyTorch SDPA (flash, cuDNN)")
+    from . import bench as harness
+
+    bench = sub.add_parser(
+        "bench", help="TFLOP/s against PyTorch SDPA (flash, cuDNN) and FlashAttention-4, under three timings"
+    )
     bench.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
     bench.add_argument("--quick", action="store_true", help="only N = 4096")
     bench.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128")
+    _timing_options(bench, harness.PREFILL_BACKENDS, (*harness.CUPYFLASH_BACKENDS, *harness.PEERS))
     bench.add_argument("--json", help="write the results here")
     bench.set_defaults(func=cmd_bench)
-    train = sub.add_parser("bench-train", help="forward + backward TFLOP/s and memory against PyTorch SDPA")
+    train = sub.add_parser(
+        "bench-train",
+        help="forward + backward TFLOP/s and memory against PyTorch SDPA and FlashAttention-4, under three timings",
+    )
     train.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
     train.add_argument("--quick", action="store_true", help="only N = 4096")
     train.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128")
     train.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every backend (default 0)")
+    _timing_options(train, harness.TRAINING_BACKENDS, (*harness.CUPYFLASH_BACKENDS, "cupyflash_det", *harness.PEERS))
     train.add_argument("--json", help="write the results here")
     train.set_defaults(func=cmd_bench_train)
     bench_decode = sub.add_parser("bench-decode", help="decode us and GB/s against PyTorch SDPA (flash, cuDNN)")

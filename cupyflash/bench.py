@@ -1,5 +1,6 @@
-"""Benchmark harness: cupyflash beside PyTorch SDPA (flash and cuDNN backends) in one process,
-on the same inputs, timed with CUDA events (median after warm-up), never on zeros.
+"""Benchmark harness: cupyflash beside PyTorch SDPA (flash and cuDNN backends) and
+FlashAttention-4 (where installed) in one process, on the same inputs, timed with CUDA events
+(median after warm-up), never on zeros.
 
 Used by ``python -m cupyflash bench``, scripts/gpu_check.sh and the asv suite. FLOPs follow
 DESIGN.md: forward ``4 * B * H * Nq * Nk * d``, halved for causal.
@@ -8,8 +9,12 @@ DESIGN.md: forward ``4 * B * H * Nq * Nk * d``, halved for causal.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -129,6 +134,75 @@ def cuda_time_ms(fn: Callable[[], Any], *, warmup_ms: float = 300.0, repeat: int
     return cuda_times_ms({"fn": fn}, warmup_ms=warmup_ms, repeat=repeat, calls=calls)["fn"]
 
 
+#: The timings a speed claim must hold under, in the order :func:`three_timings_ms` runs them.
+TIMINGS = ("single", "back_to_back", "interleaved")
+#: Calls per sample of the back-to-back timing.
+BACK_TO_BACK_CALLS = 20
+
+
+def check_timings(timings: tuple[str, ...]) -> None:
+    """Refuse an empty or unknown set of timing names (before anything compiles)."""
+    unknown = [t for t in timings if t not in TIMINGS]
+    if not timings or unknown:
+        raise ValueError(f"timings must be some of {TIMINGS}, got {tuple(timings)}")
+
+
+def three_timings_ms(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    repeat: int = 30,
+    warmup_ms: float = 300.0,
+    timings: tuple[str, ...] = TIMINGS,
+    times_ms: Callable[..., dict[str, float]] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Median milliseconds per call of each function under each of ``timings``, by timing:
+
+    * ``single``: each function alone after its own warm-up, one call between two events
+      (:func:`cuda_time_ms`): the kernel at the clocks it brings about itself, with the host
+      time before its launch inside the sample;
+    * ``back_to_back``: each function alone, :data:`BACK_TO_BACK_CALLS` calls between two events
+      divided by that count, a third of ``repeat`` samples (at least 3): a stream of calls,
+      each call's host work hidden behind the GPU work of the one before;
+    * ``interleaved``: :func:`cuda_times_ms`'s shuffled rounds, one call of each function in
+      turn, so that clock drift falls on all of them alike.
+
+    They disagree for a reason: the GPU is power-limited, and a kernel that follows a low-power
+    one inherits the higher clocks it left (interleaved), where alone it runs at the clocks of
+    its own power draw (single, back-to-back). A ratio of two functions is a speed claim where it holds under all three
+    (DESIGN.md, Benchmarks). ``times_ms``: the rounds timer, :func:`cuda_times_ms` unless given
+    (:func:`host_times_ms` for work on the host)."""
+    check_timings(timings)
+    times_ms = times_ms or cuda_times_ms
+    alone = {"single": (repeat, 1), "back_to_back": (max(3, repeat // 3), BACK_TO_BACK_CALLS)}
+    result: dict[str, dict[str, float]] = {}
+    for timing in timings:
+        if timing == "interleaved":
+            result[timing] = times_ms(fns, warmup_ms=warmup_ms, repeat=repeat)
+            continue
+        samples, calls = alone[timing]
+        result[timing] = {}
+        for name, fn in fns.items():  # each alone: its own warm-up, then its samples
+            result[timing] |= times_ms({name: fn}, warmup_ms=warmup_ms, repeat=samples, calls=calls)
+    return result
+
+
+def record_timings(row: dict[str, Any], times_ms: dict[str, dict[str, float]], flops: Callable[[str], float]) -> None:
+    """:func:`three_timings_ms`'s result into ``row`` as TFLOP/s (``flops(name)``: the work of
+    one call): ``row["timings"][timing][name]`` for each timing; ``row[name]`` and
+    ``row[f"{name}_ms"]`` from the interleaved timing, or, where it was not run, from the first
+    timing run; ``row["timing"]`` names the one they come from."""
+    headline = "interleaved" if "interleaved" in times_ms else next(iter(times_ms))
+    tflops = {
+        timing: {name: round(flops(name) / ms / 1e9, 1) for name, ms in by_name.items()}
+        for timing, by_name in times_ms.items()
+    }
+    for name, ms in times_ms[headline].items():
+        row[name] = tflops[headline][name]
+        row[f"{name}_ms"] = round(ms, 4)
+    row["timing"] = headline
+    row["timings"] = tflops
+
+
 def runnable(calls: dict[str, Callable[[], Any]], row: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     """The calls that run; each one that raises (a backend refusing the inputs) gets ``None``
     and its first error line in ``row``."""
@@ -169,6 +243,109 @@ def sdpa_call(backend: str, q: Any, k: Any, v: Any, causal: bool, dropout_p: flo
     return call
 
 
+#: FlashAttention-4: the ``flash_attn.cute`` package of flash-attn-4 (CuTe-DSL kernels compiled
+#: at the first call of a shape), a peer where it is installed. Never cupyflash's drop-in
+#: ``cupyflash.flash_attn``, which ``cupyflash.flash_attn.install()`` registers as ``flash_attn``.
+FA4_MODULE = "flash_attn.cute"
+FA4_MISSING = f"{FA4_MODULE} is not installed"
+SDPA_BACKENDS = ("flash", "cudnn")
+#: The other libraries' entries: PyTorch SDPA's backends and FlashAttention-4.
+PEERS = (*SDPA_BACKENDS, "fa4")
+
+
+def _inside_cupyflash(module_name: str | None, file: str | None) -> bool:
+    """Whether a module (its name, its file) is cupyflash's: named ``cupyflash.*``, or a file
+    inside the cupyflash package that is imported (a copy re-exported under another name)."""
+    if module_name and module_name.split(".")[0] == "cupyflash":
+        return True
+    spec = importlib.util.find_spec("cupyflash")
+    if not file or spec is None:
+        return False
+    real = os.path.realpath(file)
+    for root in spec.submodule_search_locations or ():
+        top = os.path.realpath(root)
+        if os.path.commonpath([real, top]) == top:
+            return True
+    return False
+
+
+def fa4_attention() -> Callable[..., Any]:
+    """FlashAttention-4's ``flash_attn_func`` (imported at the first call, not at import time).
+
+    Raises ImportError (:data:`FA4_MISSING`) where flash-attn-4 is not installed, and
+    RuntimeError where ``flash_attn`` or ``flash_attn.cute`` resolves into cupyflash
+    (``cupyflash.flash_attn.install()`` was called, or a module re-exports cupyflash's
+    functions): the peer would be cupyflash timed against itself."""
+    parent = sys.modules.get("flash_attn")
+    if parent is not None and _inside_cupyflash(getattr(parent, "__name__", None), getattr(parent, "__file__", None)):
+        raise RuntimeError(
+            f"flash_attn is {parent.__name__} (cupyflash.flash_attn.install() registered it), so {FA4_MODULE} "
+            "would not be FlashAttention-4; call cupyflash.flash_attn.uninstall() before timing the fa4 peer"
+        )
+    try:
+        module = importlib.import_module(FA4_MODULE)
+    except ModuleNotFoundError as error:
+        if error.name in ("flash_attn", FA4_MODULE):
+            raise ImportError(FA4_MISSING) from error
+        raise ImportError(f"{FA4_MODULE} is not importable: {error}") from error
+    except (ImportError, OSError) as error:  # installed, but a library of its own is missing
+        raise ImportError(f"{FA4_MODULE} is not importable: {type(error).__name__}: {error}") from error
+    function = getattr(module, "flash_attn_func", None)
+    if function is None:
+        raise ImportError(f"{FA4_MODULE} ({getattr(module, '__file__', None)}) has no flash_attn_func")
+    code = getattr(function, "__code__", None)
+    for name, file in (
+        (module.__name__, getattr(module, "__file__", None)),
+        (getattr(function, "__module__", None), getattr(code, "co_filename", None)),
+    ):
+        if _inside_cupyflash(name, file):
+            raise RuntimeError(
+                f"{FA4_MODULE} resolves into cupyflash ({name}, {file}): the fa4 peer would time cupyflash itself"
+            )
+    return function
+
+
+def _refusal(reason: str) -> Callable[[], Any]:
+    """A call that raises ``reason`` (RuntimeError): :func:`runnable` records it in the row."""
+
+    def call() -> Any:
+        raise RuntimeError(reason)
+
+    return call
+
+
+def fa4_call(q: Any, k: Any, v: Any, causal: bool, dropout_p: float = 0.0) -> Callable[[], Any]:
+    """FlashAttention-4's forward on bshd tensors, its output (the LSE it returns beside it
+    dropped), scale 1/sqrt(d) as cupyflash's. Where it cannot run -- not installed, resolving into
+    cupyflash, dropout asked for (it has none) -- a call that raises RuntimeError with the reason."""
+    try:
+        function = fa4_attention()
+    except (ImportError, RuntimeError) as error:
+        return _refusal(str(error))
+    if dropout_p:
+        return _refusal(f"{FA4_MODULE} has no dropout")
+    scale = q.shape[-1] ** -0.5
+
+    def call() -> Any:
+        try:
+            out = function(q, k, v, causal=causal, softmax_scale=scale)
+        except (AssertionError, NotImplementedError) as error:  # how its interface refuses inputs
+            raise RuntimeError(f"{FA4_MODULE} refused the inputs: {type(error).__name__}: {error}") from error
+        return out[0] if isinstance(out, tuple) else out
+
+    return call
+
+
+def peer_call(backend: str, q: Any, k: Any, v: Any, causal: bool, dropout_p: float = 0.0) -> Callable[[], Any]:
+    """The forward of one peer (:data:`PEERS`) on bshd tensors; its output is bhsd for SDPA's
+    backends, bshd for FlashAttention-4."""
+    if backend == "fa4":
+        return fa4_call(q, k, v, causal, dropout_p)
+    if backend in SDPA_BACKENDS:
+        return sdpa_call(backend, q, k, v, causal, dropout_p)
+    raise ValueError(f"unknown backend {backend!r}: cupyflash's are {sorted(CUPYFLASH_BACKENDS)}, peers {PEERS}")
+
+
 #: cupyflash's own entries: the default dispatch (on Hopper the wgmma kernel) and each kernel forced.
 CUPYFLASH_BACKENDS = {
     "cupyflash": "auto",
@@ -177,14 +354,19 @@ CUPYFLASH_BACKENDS = {
     "cupyflash_fa1": "fa1",
     "cupyflash_naive": "naive",
 }
+PREFILL_BACKENDS = ("cupyflash", "cupyflash_fa2", "flash", "cudnn", "fa4")
 
 
 def run_prefill(
-    shape: PrefillShape, backends: tuple[str, ...] = ("cupyflash", "cupyflash_fa2", "flash", "cudnn")
+    shape: PrefillShape, backends: tuple[str, ...] = PREFILL_BACKENDS, timings: tuple[str, ...] = TIMINGS
 ) -> dict[str, Any]:
-    """TFLOP/s of each backend on one shape (None where a backend refused the inputs)."""
+    """TFLOP/s of each backend on one shape under each of ``timings`` (:func:`three_timings_ms`,
+    recorded by :func:`record_timings`: ``row[backend]`` is the interleaved timing's, or the
+    first one's where it was not run). A backend that refused the inputs, or a peer that is not
+    installed, gets ``None`` and its reason in ``row[f"{backend}_error"]``."""
     import cupyflash
 
+    check_timings(timings)
     q, k, v = prefill_inputs(shape)
     row: dict[str, Any] = asdict(shape)
     calls: dict[str, Callable[[], Any]] = {}
@@ -193,10 +375,8 @@ def run_prefill(
             algorithm = CUPYFLASH_BACKENDS[backend]
             calls[backend] = functools.partial(cupyflash.attention, q, k, v, causal=shape.causal, algorithm=algorithm)
         else:
-            calls[backend] = sdpa_call(backend, q, k, v, shape.causal)
-    for backend, ms in cuda_times_ms(runnable(calls, row)).items():
-        row[backend] = round(shape.flops / ms / 1e9, 1)
-        row[f"{backend}_ms"] = round(ms, 4)
+            calls[backend] = peer_call(backend, q, k, v, shape.causal)
+    record_timings(row, three_timings_ms(runnable(calls, row), timings=timings), lambda _: shape.flops)
     return row
 
 
@@ -204,7 +384,7 @@ def run_prefill(
 # Training: forward + backward (the backward counted as 2.5x the forward's FLOPs).
 # ---------------------------------------------------------------------------------------------
 BACKWARD_FLOP_FACTOR = 2.5
-TRAINING_BACKENDS = ("cupyflash", "cupyflash_det", "flash", "cudnn")
+TRAINING_BACKENDS = ("cupyflash", "cupyflash_det", "flash", "cudnn", "fa4")
 
 
 def _training_call(backend: str, q: Any, k: Any, v: Any, causal: bool, dropout_p: float) -> Callable[[], Any]:
@@ -217,25 +397,43 @@ def _training_call(backend: str, q: Any, k: Any, v: Any, causal: bool, dropout_p
     if backend in CUPYFLASH_BACKENDS:
         algorithm = CUPYFLASH_BACKENDS[backend]
         return functools.partial(cupyflash.attention, q, k, v, causal=causal, algorithm=algorithm, dropout_p=dropout_p)
-    return sdpa_call(backend, q, k, v, causal, dropout_p)
+    return peer_call(backend, q, k, v, causal, dropout_p)
+
+
+def extra_mib(call: Callable[[], Any]) -> float:
+    """MiB that one call allocates at its peak beyond what was allocated before it (PyTorch's
+    CUDA allocator)."""
+    import torch
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
 
 
 def run_training(
-    shape: PrefillShape, backends: tuple[str, ...] = TRAINING_BACKENDS, dropout_p: float = 0.0
+    shape: PrefillShape,
+    backends: tuple[str, ...] = TRAINING_BACKENDS,
+    dropout_p: float = 0.0,
+    timings: tuple[str, ...] = TIMINGS,
 ) -> dict[str, Any]:
     """Per backend: TFLOP/s of forward + backward and of the backward alone (autograd.grad on a
-    retained graph), interleaved as :func:`cuda_times_ms`, and the peak memory one forward +
-    backward allocates beyond its inputs and output gradient (MiB; O(N) for a flash kernel).
-    ``dropout_p``: every backend drops out probabilities (its own generator)."""
+    retained graph, entry ``f"{backend}_bwd"``) under each of ``timings``, recorded as by
+    :func:`run_prefill`, and the peak memory one forward + backward allocates beyond its inputs
+    and output gradient (MiB; O(N) for a flash kernel). ``dropout_p``: every backend drops out
+    probabilities (its own generator); FlashAttention-4, which has no dropout, is then refused."""
     import torch
 
+    check_timings(timings)
     q, k, v = (x.requires_grad_(True) for x in prefill_inputs(shape))
     dout = torch.randn_like(q)
     row: dict[str, Any] = {**asdict(shape), "dropout_p": dropout_p}
     forwards = {b: _training_call(b, q, k, v, shape.causal, dropout_p) for b in backends}
     steps, grads = {}, {}
     for backend, forward in runnable(forwards, row).items():
-        sdpa = not backend.startswith("cupyflash")
+        sdpa = backend in SDPA_BACKENDS  # bhsd output; cupyflash's and FlashAttention-4's are bshd
         out = forward().transpose(1, 2) if sdpa else forward()
 
         def step(forward: Callable[[], Any] = forward, sdpa: bool = sdpa) -> Any:
@@ -246,38 +444,57 @@ def run_training(
             return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
         steps[backend], grads[f"{backend}_bwd"] = step, grad_only
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        row[f"{backend}_extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-    fwd_bwd = shape.flops * (1 + BACKWARD_FLOP_FACTOR)
-    for name, ms in cuda_times_ms({**steps, **grads}, repeat=20).items():
-        flops = shape.flops * BACKWARD_FLOP_FACTOR if name.endswith("_bwd") else fwd_bwd
-        row[name] = round(flops / ms / 1e9, 1)
-        row[f"{name}_ms"] = round(ms, 4)
+        row[f"{backend}_extra_mib"] = extra_mib(step)
+
+    def flops(name: str) -> float:
+        return shape.flops * (BACKWARD_FLOP_FACTOR if name.endswith("_bwd") else 1 + BACKWARD_FLOP_FACTOR)
+
+    record_timings(row, three_timings_ms({**steps, **grads}, repeat=20, timings=timings), flops)
     return row
 
 
+def ratio_range(row: dict[str, Any], key: str, over: str) -> str:
+    """``row[key] / row[over]`` (TFLOP/s) under each timing of the row (``row["timings"]``), as
+    its range over them (``0.67-0.72x``; one value where they agree to two decimals): a claim
+    holds where the whole range does. A row without timings gives its one ratio; "n/a" where
+    either entry is missing."""
+    by_timing = row.get("timings") or {"": row}
+    ratios = [t[key] / t[over] for t in by_timing.values() if t.get(key) and t.get(over)]
+    if not ratios:
+        return "n/a"
+    low, high = f"{min(ratios):.2f}", f"{max(ratios):.2f}"
+    return f"{low}x" if low == high else f"{low}-{high}x"
+
+
+#: Width of a ratio column of the tables: "0.67-0.72x" and a space.
+RATIO_WIDTH = 11
+
+
 def format_training_table(rows: list[dict[str, Any]]) -> str:
+    """One line per shape: forward + backward TFLOP/s of each backend (``row[backend]``: the
+    interleaved timing where it was run), cupyflash's ratios to PyTorch flash, cuDNN and
+    FlashAttention-4 and the deterministic mode's to the default (each as its range over the
+    row's timings), the backward's TFLOP/s and the extra memory of one step."""
+
     def value(r: dict[str, Any], key: str) -> float:
         return float(r.get(key) or float("nan"))
 
+    w = RATIO_WIDTH
+    peers = ("flash", "cudnn", "fa4")
     lines = [
-        f"{'dtype':9} {'d':>4} {'N':>6} {'causal':>6} | fwd+bwd TFLOP/s {'ours':>6} {'det':>6} {'flash':>6} "
-        f"{'cudnn':>6} | {'vs flash':>8} {'vs cudnn':>8} {'det/ours':>8} | bwd {'ours':>6} {'flash':>6} {'cudnn':>6} | "
-        "extra MiB ours/flash/cudnn"
+        f"{'dtype':9} {'d':>4} {'N':>6} {'causal':>6} | {'fwd+bwd':7} {'ours':>6} {'det':>6} {'flash':>6} "
+        f"{'cudnn':>6} {'fa4':>6} | {'vs flash':>{w}} {'vs cudnn':>{w}} {'vs fa4':>{w}} {'det/ours':>{w}} | "
+        f"bwd {'ours':>6} {'flash':>6} {'cudnn':>6} {'fa4':>6} | extra MiB ours/flash/cudnn/fa4"
     ]
     for r in rows:
+        ratios = [ratio_range(r, "cupyflash", peer) for peer in peers] + [ratio_range(r, "cupyflash_det", "cupyflash")]
+        tflops = " ".join(f"{value(r, key):>6.1f}" for key in ("cupyflash", "cupyflash_det", *peers))
+        bwd = " ".join(f"{value(r, f'{key}_bwd'):>6.1f}" for key in ("cupyflash", *peers))
+        mib = "/".join(str(r.get(f"{key}_extra_mib")) for key in ("cupyflash", *peers))
         lines.append(
-            f"{r['dtype']:9} {r['head_dim']:>4} {r['seqlen']:>6} {str(r['causal']):>6} | {'':15} "
-            f"{value(r, 'cupyflash'):>6.1f} {value(r, 'cupyflash_det'):>6.1f} {value(r, 'flash'):>6.1f} "
-            f"{value(r, 'cudnn'):>6.1f} | {value(r, 'cupyflash') / value(r, 'flash'):>7.2f}x "
-            f"{value(r, 'cupyflash') / value(r, 'cudnn'):>7.2f}x "
-            f"{value(r, 'cupyflash_det') / value(r, 'cupyflash'):>7.2f}x | "
-            f"{'':3} {value(r, 'cupyflash_bwd'):>6.1f} {value(r, 'flash_bwd'):>6.1f} {value(r, 'cudnn_bwd'):>6.1f} | "
-            f"{r.get('cupyflash_extra_mib')}/{r.get('flash_extra_mib')}/{r.get('cudnn_extra_mib')}"
+            f"{r['dtype']:9} {r['head_dim']:>4} {r['seqlen']:>6} {str(r['causal']):>6} | {'':7} {tflops} | "
+            + " ".join(f"{cell:>{w}}" for cell in ratios)
+            + f" | {'':3} {bwd} | {mib}"
         )
     return "\n".join(lines)
 
@@ -340,26 +557,42 @@ def host_overhead_us(*, rounds: int = 5, calls: int = 1000) -> dict[str, float]:
 
 
 def format_prefill_table(rows: list[dict[str, Any]]) -> str:
-    """TFLOP/s per backend and the ratios of cupyflash (default dispatch) and of its FA2 kernel
-    to PyTorch's flash backend and of cupyflash to cuDNN."""
+    """One line per shape: TFLOP/s per backend (``row[backend]``: the interleaved timing where it
+    was run), the ratios of cupyflash (default dispatch) to PyTorch's flash backend, cuDNN and
+    FlashAttention-4, and of its FA2 kernel to flash, each as its range over the row's timings."""
 
     def value(r: dict[str, Any], key: str) -> float:
         return float(r.get(key) or float("nan"))
 
+    w = RATIO_WIDTH
     header = f"{'dtype':9} {'d':>4} {'N':>6} {'B':>3} {'H':>3} {'causal':>6} | "
     lines = [
-        header + f"{'cupyflash':>9} {'fa2':>7} {'flash':>7} {'cudnn':>7} | "
-        f"{'vs flash':>8} {'vs cudnn':>8} {'fa2/flash':>9}"
+        header + f"{'cupyflash':>9} {'fa2':>7} {'flash':>7} {'cudnn':>7} {'fa4':>7} | "
+        f"{'vs flash':>{w}} {'vs cudnn':>{w}} {'vs fa4':>{w}} {'fa2/flash':>{w}}"
     ]
     for r in rows:
+        ratios = [ratio_range(r, "cupyflash", peer) for peer in ("flash", "cudnn", "fa4")]
+        ratios.append(ratio_range(r, "cupyflash_fa2", "flash"))
         lines.append(
             f"{r['dtype']:9} {r['head_dim']:>4} {r['seqlen']:>6} {r['batch']:>3} {r['heads']:>3} "
-            f"{str(r['causal']):>6} | "
-            f"{value(r, 'cupyflash'):>9.1f} {value(r, 'cupyflash_fa2'):>7.1f} {value(r, 'flash'):>7.1f} "
-            f"{value(r, 'cudnn'):>7.1f} | {value(r, 'cupyflash') / value(r, 'flash'):>7.2f}x "
-            f"{value(r, 'cupyflash') / value(r, 'cudnn'):>7.2f}x {value(r, 'cupyflash_fa2') / value(r, 'flash'):>8.2f}x"
+            f"{str(r['causal']):>6} | {value(r, 'cupyflash'):>9.1f} "
+            + " ".join(f"{value(r, key):>7.1f}" for key in ("cupyflash_fa2", "flash", "cudnn", "fa4"))
+            + " | "
+            + " ".join(f"{cell:>{w}}" for cell in ratios)
         )
     return "\n".join(lines)
+
+
+def format_refusals(rows: list[dict[str, Any]]) -> list[str]:
+    """Each backend's reasons for the rows it has no number in (``row[f"{backend}_error"]``),
+    once per reason, with how many rows gave it: what the tables' nan and n/a stand for."""
+    counts: dict[tuple[str, str], int] = {}
+    for r in rows:
+        for key, reason in r.items():
+            if key.endswith("_error") and reason:
+                name = key.removesuffix("_error")
+                counts[name, str(reason)] = counts.get((name, str(reason)), 0) + 1
+    return [f"{name}: {reason} ({n} of {len(rows)} rows)" for (name, reason), n in counts.items()]
 
 
 # ---------------------------------------------------------------------------------------------

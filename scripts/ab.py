@@ -58,7 +58,7 @@ MEASURE_PREFILL = (
 for case in sys.argv[1:]:
     dtype, d, n, causal = case.split("-")
     shape = bench.PrefillShape(16384 // int(n), int(n), 2048 // int(d), int(d), causal == "1", {dtypes}[dtype])
-    rows.append(bench.run_prefill(shape, ("cupyflash", "cudnn")))
+    rows.append(bench.run_prefill(shape, ("cupyflash", "cudnn"), timings=("interleaved",)))
 print("AB-JSON", json.dumps(rows))
 """
 )

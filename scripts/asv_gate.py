@@ -12,7 +12,8 @@ up) by more than its noise threshold. What is gated:
   absolute gate reads as a regression of code that did not change; the reference is the same
   code at every commit, so it moves with the host only;
 * in a family with such a ratio, nothing else: the absolute values, the reference's own entry
-  and the peers (cuDNN, PyTorch flash) are listed as context, not gated;
+  and the peers (cuDNN, PyTorch flash, FlashAttention-4), with cupyflash's ratios to them
+  (``prefill.PrefillOverPeers`` and the like), are listed as context, not gated;
 * the host time (CPU work, which the GPU references do not track): cupyflash's calls over
   SDPA's tiny call measured in the same process;
 * the rest (compile time): absolute values.
@@ -54,8 +55,9 @@ Results = dict[str, dict[str, tuple[list[tuple[str, ...]], list[float | None], s
 #: Families without a fixed reference -> the entry (first parameter) measured beside cupyflash's
 #: in the same process, that cupyflash's are read against.
 IN_RUN_REFERENCES = {"host.": "'sdpa_us'"}
-#: Entries that measure other libraries: shown beside cupyflash's, never gated.
-PEERS = {"'flash'", "'cudnn'", "'sdpa_us'"}
+#: Entries that measure other libraries (first parameter: the peer's name; the peer-ratio
+#: benchmarks' too): shown beside cupyflash's, never gated.
+PEERS = {"'flash'", "'cudnn'", "'fa4'", "'sdpa_us'"}
 
 Values = dict[tuple[str, ...], float | None]
 

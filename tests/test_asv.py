@@ -97,11 +97,16 @@ def suite(monkeypatch):
                     f"{backend}_steady_TBps": 2 / us}  # fmt: skip
         return row
 
-    monkeypatch.setattr(bench, "run_prefill", lambda shape, backends: {b: prefill_value(b, shape) for b in backends})
-    monkeypatch.setattr(
-        bench, "run_training",
-        lambda shape, backends, dropout_p: {b: prefill_value(b, shape) + 1000 * dropout_p for b in backends},
-    )  # fmt: skip
+    def run_prefill(shape, backends, timings):
+        assert timings == ("interleaved",)  # the suite runs one timing of the three (as fast as before them)
+        return {b: prefill_value(b, shape) for b in backends}
+
+    def run_training(shape, backends, dropout_p, timings):
+        assert timings == ("interleaved",)
+        return {b: prefill_value(b, shape) + 1000 * dropout_p for b in backends}
+
+    monkeypatch.setattr(bench, "run_prefill", run_prefill)
+    monkeypatch.setattr(bench, "run_training", run_training)
     monkeypatch.setattr(bench, "run_decode", decode_row)
     monkeypatch.setattr(bench, "host_overhead_us", lambda rounds, calls: {"cupyflash_torch_us": 20.0,
                         "cupyflash_cupy_us": 18.0, "sdpa_us": 15.0})  # fmt: skip
@@ -143,6 +148,18 @@ def test_every_entry_is_read_from_its_familys_setup_cache(suite):
     for combo, ratio in values["decode.DecodeOverCopy.track_gbps_ratio"].items():
         assert (ratio is None) == (gbps[combo] is None)  # B * L beyond 2M tokens: skipped in both
         assert ratio is None or ratio == pytest.approx(gbps[combo] / 4000.0)
+    # cupyflash over each peer of the same run; FlashAttention-4 a peer of every GPU family but dropout
+    for family, cls in (("prefill", "Prefill.track_tflops"), ("training", "Training.track_fwd_bwd_tflops")):
+        tflops = values[f"{family}.{cls}"]
+        over_peers = values[f"{family}.{cls.split('.')[0]}OverPeers.track_ratio_to_peer"]
+        assert {combo[0] for combo in over_peers} == {"cudnn", "fa4"}
+        for (peer, *shape), ratio in over_peers.items():
+            assert ratio == pytest.approx(tflops[("cupyflash", *shape)] / tflops[(peer, *shape)])
+    baselines = values["baselines.Baselines.track_tflops"]
+    for (peer, seqlen), ratio in values["baselines.BaselinesOverPeers.track_ratio_to_peer"].items():
+        assert ratio == pytest.approx(baselines["cupyflash", seqlen] / baselines[peer, seqlen])
+    assert "fa4" not in {combo[0] for combo in values["baselines.BaselinesOverGemm.track_ratio"]}
+    assert "fa4" not in {combo[0] for combo in values["training.TrainingDropout.track_fwd_bwd_tflops"]}
     # Training and TrainingDropout each from their own setup_cache (dropout_p 0 and 0.1).
     plain, dropout = (
         values["training.Training.track_fwd_bwd_tflops"],
@@ -150,6 +167,30 @@ def test_every_entry_is_read_from_its_familys_setup_cache(suite):
     )
     for combo, value in dropout.items():
         assert value == pytest.approx(plain[combo] + 100.0)
+
+
+def test_a_peer_that_did_not_run_reads_none(suite, monkeypatch):
+    """FlashAttention-4 not installed (its entries None in every row, as bench.run_prefill marks
+    them): its TFLOP/s and cupyflash's ratio to it read None (asv: n/a); cuDNN's are unchanged."""
+    from cupyflash import bench
+
+    for name in ("run_prefill", "run_training"):
+        measured = getattr(bench, name)
+
+        def without_fa4(*args, measured=measured, **kwargs):
+            return {**measured(*args, **kwargs), "fa4": None, "fa4_error": bench.FA4_MISSING}
+
+        monkeypatch.setattr(bench, name, without_fa4)
+    values = _run_all(suite)
+    for name in (
+        "prefill.Prefill.track_tflops",
+        "prefill.PrefillOverPeers.track_ratio_to_peer",
+        "training.TrainingOverPeers.track_ratio_to_peer",
+        "baselines.BaselinesOverPeers.track_ratio_to_peer",
+    ):
+        by_combo = values[name]
+        assert all(value is None for combo, value in by_combo.items() if combo[0] == "fa4"), name
+        assert all(value > 0 for combo, value in by_combo.items() if combo[0] != "fa4"), name  # fmt: skip
 
 
 def test_a_familys_benchmarks_share_one_setup_cache(suite):
@@ -161,6 +202,8 @@ def test_a_familys_benchmarks_share_one_setup_cache(suite):
     assert by_class["fa2_prefill.Fa2Prefill"] == by_class["prefill.Prefill"]  # a subset of its shapes
     assert by_class["decode.Decode"] == by_class["decode.DecodeOverCopy"] == by_class["decode.DecodeCopy"]
     assert by_class["training.TrainingDropout"] == by_class["training.TrainingDropoutOverGemm"]
+    assert by_class["prefill.PrefillOverPeers"] == by_class["prefill.Prefill"]
+    assert by_class["training.TrainingOverPeers"] == by_class["training.Training"]
     assert by_class["training.Training"] != by_class["training.TrainingDropout"]
 
 
@@ -273,6 +316,18 @@ def test_regression_gate_reads_cupyflash_against_the_fixed_reference(tmp_path):
     assert slower_code.returncode == 1, slower_code.stdout
     flagged = [line for line in slower_code.stdout.splitlines() if line.endswith("REGRESSION")]
     assert len(flagged) == 1 and "PrefillOverGemm.track_ratio('cupyflash', 128): 0.75 -> 0.6 ratio" in flagged[0]
+    shutil.rmtree(tmp_path)
+
+
+@needs_git
+def test_regression_gate_lists_cupyflash_over_a_peer_without_gating_it(tmp_path):
+    """cupyflash's ratio to cuDNN and to FlashAttention-4 halved (a new peer release): listed,
+    never gated -- the peer's code moved, not cupyflash's."""
+    name = "prefill.PrefillOverPeers.track_ratio_to_peer"
+    benchmarks = {name: ("ratio", [["'cudnn'", "'fa4'"], ["128"]])}
+    run = _gate_runs(tmp_path, benchmarks, {name: [1.0, 0.9]}, {name: [0.5, 0.45]})
+    assert run.returncode == 0, run.stdout
+    assert f"{name}('fa4', 128): 0.9 -> 0.45 ratio (-50.0%; a peer, not gated)" in run.stdout, run.stdout
     shutil.rmtree(tmp_path)
 
 

@@ -142,6 +142,19 @@ class _RatioEntries:
     track_ratio.unit = "ratio"  # type: ignore[attr-defined]
 
 
+class _PeerRatioEntries:
+    """Mixin: cupyflash's default dispatch over each peer (its ``params``: the peers, then the
+    family's shape parameters) in the same run -- one process, the same inputs, the interleaved
+    timing -- unit "ratio": the speed claim beside cuDNN and FlashAttention-4 (None where the
+    peer is not installed or refused the shape). Its first parameter is a peer's name, so the
+    regression gate lists it and never gates it: a peer changes with its installed version."""
+
+    def track_ratio_to_peer(self, run: _FamilyRun, peer: str, *shape: object) -> float | None:
+        return ratio(run[0][("cupyflash", *shape)], run[0][(peer, *shape)])
+
+    track_ratio_to_peer.unit = "ratio"  # type: ignore[attr-defined]
+
+
 class _GemmEntry:
     """Mixin: the GEMM reference of the run, TFLOP/s."""
 

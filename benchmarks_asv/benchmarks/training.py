@@ -1,10 +1,13 @@
 """Forward + backward TFLOP/s (the backward counted as 2.5x the forward's FLOPs) on the 12 prefill
-shapes (bf16): cupyflash through autograd (its FA2 backward), with ``deterministic=True``, and
-PyTorch SDPA's flash and cuDNN backends, all measured in one setup_cache in one process on the
-same tensors, interleaved (bench.run_training), with the fixed GEMM reference before and after,
+shapes (bf16): cupyflash through autograd (its FA2 backward), with ``deterministic=True``,
+PyTorch SDPA's flash and cuDNN backends, and FlashAttention-4 where flash-attn-4 is installed
+(n/a where not), all measured in one setup_cache in one process on the same tensors, in the
+interleaved timing of bench.run_training only, with the fixed GEMM reference before and after,
 so the peers sit beside cupyflash on the dashboard. ``TrainingOverGemm``: cupyflash's over the
-GEMM's (the gated ratios); ``TrainingGemm``: the GEMM's TFLOP/s. The ``TrainingDropout*``
-classes: the same with ``dropout_p = 0.1``, from a setup_cache of their own."""
+GEMM's (the gated ratios); ``TrainingOverPeers``: cupyflash's over cuDNN's and
+FlashAttention-4's (listed by the gate, not gated); ``TrainingGemm``: the GEMM's TFLOP/s. The
+``TrainingDropout*`` classes: the same with ``dropout_p = 0.1``, from a setup_cache of their own,
+without FlashAttention-4 (it has no dropout)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ from typing import Any
 from . import _reference as reference
 from ._gpu import require_gpu, require_torch
 
-BACKENDS = ["cupyflash", "cupyflash_det", "flash", "cudnn"]
+BACKENDS = ["cupyflash", "cupyflash_det", "flash", "cudnn", "fa4"]
 DROPOUT_BACKENDS = ["cupyflash", "flash", "cudnn"]
+#: The peers cupyflash's ratio is tracked against.
+RATIO_PEERS = ["cudnn", "fa4"]
 SHAPES = ([64, 128], [1024, 4096, 16384], [False, True])
 SHAPE_NAMES = ["head_dim", "seqlen", "causal"]
 
@@ -29,7 +34,7 @@ def _measure(backends: list[str], dropout_p: float) -> _Measured:
     def family() -> dict[tuple[Any, ...], float | None]:
         results: dict[tuple[Any, ...], float | None] = {}
         for shape in bench.prefill_shapes(dtypes=("bfloat16",)):
-            row = bench.run_training(shape, backends=tuple(backends), dropout_p=dropout_p)
+            row = bench.run_training(shape, backends=tuple(backends), dropout_p=dropout_p, timings=("interleaved",))
             for backend in backends:
                 results[backend, shape.head_dim, shape.seqlen, shape.causal] = row.get(backend)
         return results
@@ -59,6 +64,11 @@ class Training(_Run):
 class TrainingOverGemm(reference._RatioEntries, _Run):
     params = (["cupyflash", "cupyflash_det"], *SHAPES)
     param_names = ["backend", *SHAPE_NAMES]
+
+
+class TrainingOverPeers(reference._PeerRatioEntries, _Run):
+    params = (RATIO_PEERS, *SHAPES)
+    param_names = ["peer", *SHAPE_NAMES]
 
 
 class TrainingGemm(reference._GemmEntry, _Run):
