@@ -1,0 +1,106 @@
+"""Where a training step's time goes: the host time of its forward and backward calls, the kernels
+it launches (torch.profiler) and the GPU idle time inside one step, for cupyflash beside cuDNN
+(and FlashAttention-4 where ``flash_attn.cute`` is installed), on one shape.
+
+A step timed alone ("single" in DESIGN.md's three timings) holds its host time wherever the GPU
+waits for it; 20 steps back to back hide it behind the step before. The gap between the two, per
+backend, is what this script takes apart:
+
+    python scripts/step_timeline.py [--d 64] [--n 1024] [--causal] [--steps 20]
+
+Prints per backend: host microseconds of the forward call and of the backward (autograd.grad)
+call, the kernels of one step with their GPU microseconds, their sum, and the step's time between
+two CUDA events (single, and per step of 20 back to back): single - kernels = the GPU's idle time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+import cupyflash
+from cupyflash import bench
+
+
+def _fa4_forward():  # noqa: ANN202
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+    return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)[0]
+
+
+def forwards(causal: bool) -> dict:
+    """Each backend's forward on bshd leaves (returns bshd)."""
+
+    def cudnn(q, k, v, causal):  # noqa: ANN001, ANN202
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+            )
+        return out.transpose(1, 2)
+
+    found = {"cupyflash": lambda q, k, v, causal: cupyflash.attention(q, k, v, causal=causal), "cudnn": cudnn}
+    fa4 = _fa4_forward()
+    if fa4 is not None:
+        found["fa4"] = fa4
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--d", type=int, default=64)
+    parser.add_argument("--n", type=int, default=1024)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    shape = bench.PrefillShape(16384 // args.n, args.n, 2048 // args.d, args.d, args.causal, "bfloat16")
+    q, k, v = (x.requires_grad_() for x in bench.prefill_inputs(shape))
+    dout = torch.randn_like(q)
+    print(f"bf16 B={shape.batch} N={shape.seqlen} H={shape.heads} d={shape.head_dim} causal={shape.causal}")
+    for name, forward in forwards(args.causal).items():
+
+        def step(forward=forward):  # noqa: ANN001, ANN202
+            return torch.autograd.grad(forward(q, k, v, args.causal), (q, k, v), dout)
+
+        for _ in range(30):  # warm-up: compiles, clocks
+            step()
+        torch.cuda.synchronize()
+        host_fwd, host_bwd = [], []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = forward(q, k, v, args.causal)
+            t1 = time.perf_counter()
+            torch.autograd.grad(out, (q, k, v), dout)
+            t2 = time.perf_counter()
+            host_fwd.append((t1 - t0) * 1e6)
+            host_bwd.append((t2 - t1) * 1e6)
+        torch.cuda.synchronize()
+        single = bench.cuda_time_ms(step, repeat=args.steps) * 1e3
+        b2b = bench.cuda_time_ms(step, repeat=max(3, args.steps // 4), calls=20) * 1e3
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        kernels: dict[str, list[float]] = defaultdict(list)
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[event.name[:90]].append(event.time_range.end - event.time_range.start)
+        per_step = {kernel: sum(t) / 5 for kernel, t in kernels.items()}
+        launches = sum(len(t) for t in kernels.values()) / 5
+        print(
+            f"{name:10} host us fwd {statistics.median(host_fwd):7.1f} bwd {statistics.median(host_bwd):7.1f} | "
+            f"step us single {single:8.1f} back-to-back {b2b:8.1f} | kernels {sum(per_step.values()):8.1f} us "
+            f"({launches:.0f} launches) | idle in single {single - sum(per_step.values()):7.1f}"
+        )
+        for kernel, us in sorted(per_step.items(), key=lambda kv: -kv[1]):
+            print(f"    {us:8.1f} us x{len(kernels[kernel]) / 5:.0f}  {kernel}")
+
+
+if __name__ == "__main__":
+    main()
