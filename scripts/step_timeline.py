@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--host-profile", type=int, default=0, help="cProfile this many cupyflash steps (top 30)")
     args = parser.parse_args()
     shape = bench.PrefillShape(16384 // args.n, args.n, 2048 // args.d, args.d, args.causal, "bfloat16")
     q, k, v = (x.requires_grad_() for x in bench.prefill_inputs(shape))
@@ -100,6 +101,23 @@ def main() -> None:
         )
         for kernel, us in sorted(per_step.items(), key=lambda kv: -kv[1]):
             print(f"    {us:8.1f} us x{len(kernels[kernel]) / 5:.0f}  {kernel}")
+        if name == "cupyflash" and args.host_profile:
+            profile_host(step, args.host_profile)
+
+
+def profile_host(step, steps: int) -> None:  # noqa: ANN001
+    """The host functions of ``steps`` training steps by their own time and by their total."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler).sort_stats(order).print_stats(30)
 
 
 if __name__ == "__main__":
