@@ -9,7 +9,14 @@ import math
 from typing import Any
 
 from ._dispatch import split_blocks
-from ._validate import KvCacheProblem, Problem, check_cu_seqlens_values, check_kvcache_values
+from ._validate import (
+    KvCacheProblem,
+    Problem,
+    check_cu_seqlens_values,
+    check_kvcache_values,
+    check_paged_keys,
+    check_seqused_values,
+)
 
 
 def namespace(names: tuple[str, ...], arrays: tuple[Any, ...]) -> Any:
@@ -65,17 +72,11 @@ def attention(
 def _keys_used(xp: Any, cu_k: Any, seqused_k: Any) -> list[int]:
     """Each sequence's end of used keys: cu_seqlens_k[b + 1], or cu_seqlens_k[b] + seqused_k[b]
     (checked to lie in the sequence, as the GPU kernels check it on the device)."""
-    ends = [int(x) for x in cu_k[1:]]
     if seqused_k is None:
-        return ends
+        return [int(x) for x in cu_k[1:]]
     if not xp.isdtype(seqused_k.dtype, "integral"):
         raise TypeError(f"seqused_k must be an integer array (int32, as flash-attn's), got {seqused_k.dtype}")
-    starts = [int(x) for x in cu_k[:-1]]
-    used = [int(x) for x in seqused_k]
-    counts = [e - s for s, e in zip(starts, ends)]
-    if any(not 0 <= n <= c for n, c in zip(used, counts)):
-        raise ValueError(f"seqused_k must lie in 0 .. each sequence's key count {counts}, got {used}")
-    return [s + n for s, n in zip(starts, used)]
+    return check_seqused_values([int(x) for x in cu_k], [int(x) for x in seqused_k])
 
 
 def _sequence_slopes(slopes: Any, b: int) -> Any:
@@ -168,15 +169,7 @@ def _paged_layout(table: Any, page_shape: tuple[int, ...], used: list[int], cu_k
     from . import xp_impl
 
     pages, (num_pages, page_size) = _host_ints(table), page_shape[:2]
-    for b, (row, end) in enumerate(zip(pages, used)):
-        count = end - int(cu_k[b])
-        if count > len(row) * page_size:
-            raise ValueError(
-                f"sequence {b} has {count} keys, beyond its block_table row ({len(row)} pages of {page_size})"
-            )
-        bad = [x for x in row[: -(-count // page_size)] if not 0 <= x < num_pages]
-        if bad:
-            raise ValueError(f"block_table[{b}] points outside the {num_pages} pages of the cache: {bad}")
+    check_paged_keys(pages, [end - int(start) for end, start in zip(used, cu_k)], num_pages, page_size)
     return xp_impl.CacheLayout(pages, page_size)
 
 

@@ -407,6 +407,34 @@ def check_cu_seqlens_values(cu_q: Any, cu_k: Any, total_q: int, total_k: int | N
             raise ValueError(f"{name} has a sequence longer than its max_seqlen ({longest}): {values}")
 
 
+def check_seqused_values(cu_k: list[int], seqused_k: list[int] | None) -> list[int]:
+    """Each packed sequence's end of used keys: ``cu_k[b + 1]``, or ``cu_k[b] + seqused_k[b]``
+    with ``seqused_k[b]`` checked to lie in 0 .. the sequence's key count (host values: on the GPU
+    the kernels check it)."""
+    starts, ends = cu_k[:-1], cu_k[1:]
+    if seqused_k is None:
+        return list(ends)
+    counts = [e - s for s, e in zip(starts, ends)]
+    if any(not 0 <= n <= c for n, c in zip(seqused_k, counts)):
+        raise ValueError(f"seqused_k must lie in 0 .. each sequence's key count {counts}, got {seqused_k}")
+    return [s + n for s, n in zip(starts, seqused_k)]
+
+
+def check_paged_keys(pages: list[list[int]], counts: list[int], num_pages: int, page_size: int) -> None:
+    """Packed sequences over pages (``attention_varlen``'s block_table, host values): each key
+    count within its table row, and every page the count reaches (the first ``ceil(count /
+    page_size)`` of the row) among the cache's ``num_pages``."""
+    for b, (row, count) in enumerate(zip(pages, counts)):
+        if count > len(row) * page_size:
+            raise ValueError(
+                f"sequence {b} has {count} keys (cu_seqlens_k / seqused_k), beyond its block_table row ({len(row)} "
+                f"pages of {page_size})"
+            )
+        bad = [x for x in row[: -(-count // page_size)] if not 0 <= x < num_pages]
+        if bad:
+            raise ValueError(f"block_table[{b}] points outside the {num_pages} pages of the cache: {bad}")
+
+
 @dataclass(frozen=True, slots=True)
 class KvCacheProblem:
     """One ``attention_with_kvcache`` call, normalised. ``attn.seqlen_k`` is the capacity."""
@@ -567,10 +595,14 @@ def check_kvcache_values(
     (``entries``) and cache_leftpad (``first_keys``), only where they already live on the host:
     on the GPU this would cost a device synchronisation per call."""
     for b, n in enumerate(seqlens):
-        if not 0 <= n <= p.capacity - p.seqlen_new:
+        if n < 0:
+            raise ValueError(f"cache_seqlens[{b}]={n} is negative")
+        if n > p.capacity - p.seqlen_new:
+            # Paged, the capacity is what the table holds: name it, as the thing that is too short.
+            rows = f": block_table's {p.capacity // p.page_size} pages of {p.page_size}" if p.paged else ""
             raise ValueError(
                 f"cache_seqlens[{b}]={n} with {p.seqlen_new} new tokens goes beyond the cache "
-                f"({p.capacity} tokens per sequence)"
+                f"({p.capacity} tokens per sequence{rows})"
             )
         if first_keys is not None and not 0 <= first_keys[b] <= n:
             raise ValueError(f"cache_leftpad[{b}]={first_keys[b]} is outside [0, cache_seqlens[{b}]={n}]")

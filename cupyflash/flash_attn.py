@@ -49,22 +49,41 @@ tensor). ``rng_state`` is ``[seed, 0]`` int64 on the host (flash-attn's is on th
 backward reads it without a device synchronisation; a given one on the GPU is read back (one
 synchronisation). ``softmax_d`` of the varlen backward holds the packed rows in order, then zeros
 (flash-attn spaces the sequences 128 rows apart). ``zero_tensors`` and the varlen ``num_splits``
-change nothing (rows outside every sequence are always 0). Bad device-side lengths and page ids are
-reported by ``cupyflash.check_device_errors()`` (the rows become NaN), not raised in the call as
-flash-attn does: raising there would synchronise the device on every call.
+change nothing (rows outside every sequence are always 0).
+
+Bad lengths and page ids raise ``RuntimeError`` in the call, naming the argument, as flash-attn's
+(``flash_attn_with_kvcache``: ``cache_seqlens``, ``block_table``, ``cache_batch_idx``,
+``cache_leftpad``; the varlen functions and ``_flash_attn_varlen_backward``: ``cu_seqlens_q``,
+``cu_seqlens_k``, ``seqused_k``, ``block_table``), by the core API's host rules. For arrays on the
+GPU that reads them back first: one device synchronisation per call, which the core API
+(``cupyflash.attention_with_kvcache``, ``attention_varlen``) never makes. Where nothing can be read
+back -- under ``torch.compile``, JAX tracing, CUDA-graph capture -- the check is skipped and a bad
+value is reported as the core API reports it (on the GPU its rows become NaN and
+``cupyflash.check_device_errors()`` raises). Offsets ending before the packed total are accepted
+(the rows after them are 0), and a sequence longer than its ``max_seqlen`` raises.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import _attention, _interop, xp_impl
 from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward, attention_with_kvcache
-from ._validate import Options, check_window
+from ._kvcache import kvcache_problem_of
+from ._validate import (
+    Options,
+    check_cu_seqlens_values,
+    check_kvcache_values,
+    check_paged_keys,
+    check_seqused_values,
+    check_window,
+)
 from .reference import to_numpy64
 
 __all__ = [
@@ -210,9 +229,9 @@ def flash_attn_varlen_func(
     with ``block_table``), cu_seqlens int32 ``(batch + 1,)``; ``softmax_lse`` is ``(H, total_q)``."""
     window, seed = _window(causal, window_size), _fresh_seed(q, dropout_p, needed=return_attn_probs)
     out, lse = _varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,
-        window=window, softcap=softcap, deterministic=deterministic, dropout_p=dropout_p, seed=seed,
-        alibi_slopes=alibi_slopes, block_table=block_table,
+        "flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        scale=softmax_scale, window=window, softcap=softcap, deterministic=deterministic, dropout_p=dropout_p,
+        seed=seed, alibi_slopes=alibi_slopes, block_table=block_table,
     )  # fmt: skip
     s_dmask = None
     if return_attn_probs and dropout_p:
@@ -294,11 +313,24 @@ def flash_attn_with_kvcache(
     (``(B, Snew, Hk, d)``) are written into the cache at ``cache_seqlens`` first. Returns out, or
     ``(out, softmax_lse)`` with ``return_softmax_lse``; JAX arrays, which are immutable, with k
     and v: that and the new caches, ``(result, k_cache, v_cache)``, as
-    :func:`cupyflash.attention_with_kvcache`."""
+    :func:`cupyflash.attention_with_kvcache`.
+
+    Bad lengths and page ids raise ``RuntimeError`` in the call, naming the argument, as
+    flash-attn's: a ``cache_seqlens`` entry below 0 or, with the ``Snew`` appended tokens, past the
+    capacity (``k_cache.shape[1]``; paged, ``block_table.shape[1] * page_size``, and the message
+    names ``block_table``), a page id that the call reads (the first ``ceil((cache_seqlens[b] +
+    Snew) / page_size)`` of row ``b``) outside ``[0, num_blocks)``, a ``cache_batch_idx`` entry
+    outside the cache's entries (or, with k and v, naming one entry twice), a ``cache_leftpad``
+    entry outside ``[0, cache_seqlens[b]]``. Nothing is written into the cache then. On the GPU
+    this reads the indices back (one synchronisation per call); under ``torch.compile``, JAX
+    tracing and CUDA-graph capture no value can be read, and a bad one is reported as
+    :func:`cupyflash.attention_with_kvcache` reports it: NaN rows and
+    :func:`cupyflash.check_device_errors`."""
     if cache_seqlens is None:  # flash-attn: the whole cache
         if k is not None or v is not None:
             raise ValueError("flash_attn_with_kvcache: k and v are appended at cache_seqlens, which is None")
         cache_seqlens = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    _check_cache_values(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
     result: Any = attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k, v_new=v,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, causal=causal, scale=softmax_scale,
@@ -312,12 +344,19 @@ def flash_attn_with_kvcache(
 
 
 # ---------------------------------------------------------------------------------------------
-# Paged varlen (block_table) with inputs that require grad: the forward runs, its backward raises.
+# The varlen forward: its device-side values checked in the call; paged (block_table) with inputs
+# that require grad, the forward runs and its backward raises.
 # ---------------------------------------------------------------------------------------------
-def _varlen_forward(q: Any, k: Any, v: Any, *args: Any, block_table: Any = None, **options: Any) -> tuple[Any, Any]:
-    """:func:`cupyflash.attention_varlen` (out, lse). With a ``block_table`` and tensors that
-    require grad (which the core call refuses up front), flash-attn's behaviour: the forward runs
-    and a backward through it raises, naming the missing paged backward."""
+def _varlen_forward(
+    entry: str, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int, max_seqlen_k: int, *,
+    block_table: Any = None, **options: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    """:func:`cupyflash.attention_varlen` (out, lse), its offsets, ``seqused_k`` and pages checked
+    first (:func:`_check_varlen_values`). With a ``block_table`` and tensors that require grad
+    (which the core call refuses up front), flash-attn's behaviour: the forward runs and a
+    backward through it raises, naming the missing paged backward."""
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_varlen_values(entry, q, k, v, *args, seqused_k=options.get("seqused_k"), block_table=block_table)
     if block_table is not None and _library(q) == "torch":
         torch = sys.modules["torch"]
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
@@ -353,6 +392,122 @@ def _paged_without_backward() -> Any:
             )
 
     return PagedVarlen
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-attn's contract for device-side lengths and page ids: a bad one raises in the call.
+# ---------------------------------------------------------------------------------------------
+def _index_values(q: Any, named: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """Host copies (int64) of a call's lengths and page ids, by name (those given), or None
+    where no value can be read -- under ``torch.compile`` (a read would break the graph), JAX
+    tracing (no values exist yet) and CUDA-graph capture (a copy to the host is not allowed
+    there): the core API then reports a bad value as it does for its own callers (on the GPU the
+    error word) -- and for arrays that are not integers (the core call refuses them, naming each).
+
+    On the GPU this synchronises: the arrays go to the host in one copy, which waits for the
+    work queued before it. One synchronisation per call is the price of flash-attn's contract,
+    which its users accept; the core API never pays it (it checks on the device instead)."""
+    given = {name: x for name, x in named.items() if x is not None}
+    if _interop.compiling() or _interop.traced((q, *given.values())):
+        return None
+    if not given:
+        return {}
+    from array_api_compat import array_namespace
+
+    found = _interop.gpu_arrays(("q", *given), (q, *given.values()))  # one library on one device, or ValueError
+    arrays = list(given.values()) if found is None else found[2][1:]
+    xp = array_namespace(*arrays)
+    if not all(xp.isdtype(x.dtype, "integral") for x in arrays):
+        return None
+    if found is None:  # host arrays: read where they are, no synchronisation
+        return {name: _host_ints(x) for name, x in zip(given, arrays)}
+    lib, device, _ = found
+    if _interop.stream_is_capturing(lib.stream(device)):
+        return None
+    flat = _host_ints(xp.concat([xp.reshape(xp.astype(x, xp.int64), (-1,)) for x in arrays]))  # the one copy
+    values, start = {}, 0
+    for name, x in zip(given, arrays):
+        size = math.prod(x.shape)
+        values[name] = flat[start : start + size].reshape(tuple(x.shape))
+        start += size
+    return values
+
+
+def _host_ints(x: Any) -> np.ndarray:
+    """An integer array of any library as int64 NumPy (a GPU array copied to the host)."""
+    if _library(x) == "torch":
+        x = x.detach().cpu().numpy()
+    elif _library(x) == "cupy":
+        x = x.get()
+    return np.asarray(x).astype(np.int64)
+
+
+def _raise_as_flash_attn(entry: str, check: Callable[[], Any]) -> Any:
+    """Run a host-value check of the core API; its ValueError comes out as flash-attn raises a bad
+    device-side value: ``RuntimeError``, naming the argument (the message says which)."""
+    try:
+        return check()
+    except ValueError as error:
+        raise RuntimeError(f"{entry}: {error}") from error
+
+
+def _check_cache_values(
+    q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, cache_batch_idx: Any, cache_leftpad: Any,
+    block_table: Any,
+) -> None:  # fmt: skip
+    """flash-attn's contract for ``flash_attn_with_kvcache``: the lengths, page ids and cache
+    entries the call uses, checked by the core API's host rule (``check_kvcache_values``: only
+    the pages each sequence's length reaches count), raised as ``RuntimeError``. The shapes are
+    checked first, as the core call checks them (``ValueError``)."""
+    int_seqlens = type(cache_seqlens) is int
+    named = {"cache_seqlens": None if int_seqlens else cache_seqlens, "block_table": block_table,
+             "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad}  # fmt: skip
+    values = _index_values(q, named)
+    if values is None:
+        return
+    p = kvcache_problem_of(
+        q, k_cache, v_cache, 0 if int_seqlens else cache_seqlens, block_table, k, v, Options(False, None),
+        cache_batch_idx, cache_leftpad,
+    )  # fmt: skip
+    seqlens = [cache_seqlens] * p.attn.batch if int_seqlens else values["cache_seqlens"].tolist()
+    pages, entries, first_keys = (
+        None if n not in values else values[n].tolist() for n in ("block_table", "cache_batch_idx", "cache_leftpad")
+    )
+    _raise_as_flash_attn(
+        "flash_attn_with_kvcache", lambda: check_kvcache_values(seqlens, pages, p, entries, first_keys)
+    )
+
+
+def _check_varlen_values(
+    entry: str, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int, max_seqlen_k: int,
+    seqused_k: Any = None, block_table: Any = None,
+) -> None:  # fmt: skip
+    """flash-attn's contract for the varlen functions: the offsets (starting at 0, never
+    decreasing, within the packed rows and the max_seqlens), ``seqused_k`` (within each
+    sequence's keys) and the pages (a key count within its table row, the page ids it reaches
+    among the cache's), checked by the core API's host rules and raised as ``RuntimeError``."""
+    named = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k,
+             "block_table": block_table}  # fmt: skip
+    values = _index_values(q, named)
+    if values is None:
+        return
+    problem = _attention.varlen_problem_of(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, Options(False, None), seqused_k=seqused_k,
+        block_table=block_table,
+    )  # fmt: skip
+    cu_q, cu_k = values["cu_seqlens_q"].tolist(), values["cu_seqlens_k"].tolist()
+    used = None if seqused_k is None else values["seqused_k"].tolist()
+    paged = block_table is not None
+
+    def check() -> None:
+        total_k = None if paged else k.shape[0]  # over pages the offsets are counts only
+        check_cu_seqlens_values(cu_q, cu_k, q.shape[0], total_k, problem.seqlen_q, problem.seqlen_k)
+        ends = check_seqused_values(cu_k, used)
+        if paged:
+            counts = [end - start for start, end in zip(cu_k, ends)]
+            check_paged_keys(values["block_table"].tolist(), counts, k.shape[0], k.shape[1])
+
+    _raise_as_flash_attn(entry, check)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,8 +704,8 @@ def _flash_attn_varlen_forward(
         raise NotImplementedError("leftpad_k is not supported by attention_varlen: pass the keys without left padding")
     window, seed = _window(causal, (window_size_left, window_size_right)), _fresh_seed(q, dropout_p)
     out, lse = _varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,
-        window=window, softcap=softcap, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
+        "_flash_attn_varlen_forward", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        scale=softmax_scale, window=window, softcap=softcap, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
         seqused_k=seqused_k, block_table=block_table,
     )  # fmt: skip
     s_dmask = None
@@ -626,7 +781,9 @@ def _flash_attn_varlen_backward(
     into the caller's ``dq``, ``dk``, ``dv`` (one copy each, as :func:`_flash_attn_backward`).
     Returns ``softmax_d`` float32 ``(H, total_q + 128 batch)``: ``rowsum(dout * out)`` of the packed
     rows in order, then zeros (flash-attn spaces the sequences 128 rows apart in it; nothing reads
-    it)."""
+    it). The offsets are checked first, as the forward's (:func:`_check_varlen_values`)."""
+    _check_varlen_values("_flash_attn_varlen_backward", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k)  # fmt: skip
     grads = attention_varlen_backward(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         scale=softmax_scale, window=_window(causal, (window_size_left, window_size_right)), softcap=softcap,
