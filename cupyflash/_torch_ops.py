@@ -6,15 +6,20 @@ Imported when cupyflash first meets a torch tensor (``_interop.torch_module``) o
 cupyflash`` when torch is already imported: importing cupyflash never imports torch.
 
 The front door routes calls here (``_front.route``): always while Dynamo traces them
-(``compiling``), and in eager mode when an input requires grad. The ops' bodies call the
-executors (``_attention``, ``_kvcache``) under ``torch.no_grad()``, which run the kernels (or the
-host path for CPU tensors) as for any call. This module registers itself with the array protocol
+(``compiling``), and in eager mode when an input requires grad. Dynamo gets the custom ops; an
+eager call gets the same op bodies through one ``torch.autograd.Function`` (``_Eager``), which
+spares it the dispatcher's per-call work. The ops' bodies call the executors (``_attention``,
+``_kvcache``) under ``torch.no_grad()``, which run the kernels (or the host path for CPU tensors)
+as for any call. This module registers itself with the array protocol
 (``_interop.compiling``) when it is imported; nothing below the front door imports it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,8 +54,7 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op(f"{_LIB}::attention", mutates_args=())
-def attention_op(
+def _attention_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int,
     softcap: float, layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
     alibi_slopes: Tensor | None, attn_mask: Tensor | None = None,
@@ -65,6 +69,9 @@ def attention_op(
     return _contiguous(out, lse)
 
 
+attention_op = torch.library.custom_op(f"{_LIB}::attention", _attention_forward, mutates_args=())
+
+
 @attention_op.register_fake
 def _(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
@@ -76,8 +83,7 @@ def _(
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
 
-@torch.library.custom_op(f"{_LIB}::attention_backward", mutates_args=())
-def attention_backward_op(
+def _attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
     scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
     dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None, attn_mask: Tensor | None = None,
@@ -90,6 +96,9 @@ def attention_backward_op(
     with torch.no_grad():
         grads = _attention.backward(call)
     return _contiguous(*grads)
+
+
+attention_backward_op = torch.library.custom_op(f"{_LIB}::attention_backward", _attention_backward, mutates_args=())
 
 
 @attention_backward_op.register_fake
@@ -107,9 +116,14 @@ def _setup_attention(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Te
     ctx.options = (causal, scale, window_left, window_right, softcap, layout, deterministic, dropout_p)
 
 
-def _attention_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
+def _attention_grads(ctx: Any, dout: Tensor | None, dlse: Tensor | None, backward: Any = None) -> tuple[Any, ...]:
+    """The gradients of the ``attention`` op's inputs, by the backward op (or by ``backward``, its
+    body, on the eager route)."""
     q, k, v, out, lse, seed, alibi_slopes, attn_mask = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, *ctx.options, seed, alibi_slopes, attn_mask)
+    dout = torch.zeros_like(out) if dout is None else dout  # the eager route: only lse was used
+    dq, dk, dv = (backward or attention_backward_op)(
+        dout, q, k, v, out, lse, dlse, *ctx.options, seed, alibi_slopes, attn_mask
+    )  # fmt: skip
     return dq, dk, dv, *(None,) * 12  # the options, the seed, the slopes and the mask get none
 
 
@@ -132,7 +146,7 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     o, q = call.options, call.q
     scale = 1.0 / math.sqrt(q.shape[-1]) if o.scale is None else float(o.scale)
     dropout_p = float(call.dropout_p)
-    out, lse = attention_op(
+    out, lse = _op_or_eager(attention_op, _ATTENTION)(
         q, call.k, call.v, bool(o.causal), scale, int(o.window[0]), int(o.window[1]), float(o.softcap), call.layout,
         call.algorithm, bool(call.deterministic), dropout_p, _seed_tensor(q, dropout_p, call.seed), call.alibi_slopes,
         mask,
@@ -176,8 +190,7 @@ def _seed_value(dropout_p: float, seed: Tensor) -> int | None:
 # ---------------------------------------------------------------------------------------------
 # attention_varlen
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op(f"{_LIB}::attention_varlen", mutates_args=())
-def attention_varlen_op(
+def _varlen_forward(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
     algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
@@ -193,6 +206,9 @@ def attention_varlen_op(
     return _contiguous(out, lse)
 
 
+attention_varlen_op = torch.library.custom_op(f"{_LIB}::attention_varlen", _varlen_forward, mutates_args=())
+
+
 @attention_varlen_op.register_fake
 def _(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
@@ -205,8 +221,7 @@ def _(
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
 
-@torch.library.custom_op(f"{_LIB}::attention_varlen_backward", mutates_args=())
-def attention_varlen_backward_op(
+def _varlen_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
     window_left: int, window_right: int, softcap: float, deterministic: bool, dropout_p: float, seed: Tensor,
@@ -220,6 +235,11 @@ def attention_varlen_backward_op(
     with torch.no_grad():
         grads = _attention.varlen_backward(call)
     return _contiguous(*grads)
+
+
+attention_varlen_backward_op = torch.library.custom_op(
+    f"{_LIB}::attention_varlen_backward", _varlen_backward, mutates_args=()
+)
 
 
 @attention_varlen_backward_op.register_fake
@@ -239,9 +259,11 @@ def _setup_varlen(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tenso
     ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic, dropout_p)
 
 
-def _varlen_grads(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
+def _varlen_grads(ctx: Any, dout: Tensor | None, dlse: Tensor | None, backward: Any = None) -> tuple[Any, ...]:
+    """The gradients of the ``attention_varlen`` op's inputs (``backward`` as in _attention_grads)."""
     q, k, v, out, lse, cu_q, cu_k, seed, alibi_slopes, seqused_k = ctx.saved_tensors
-    dq, dk, dv = attention_varlen_backward_op(
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv = (backward or attention_varlen_backward_op)(
         dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options, seed, alibi_slopes, seqused_k
     )
     return dq, dk, dv, *(None,) * 15
@@ -256,12 +278,68 @@ def attention_varlen(call: _attention.VarlenForward, want_lse: bool) -> tuple[An
     o, q = call.options, call.q
     scale = 1.0 / math.sqrt(q.shape[-1]) if o.scale is None else float(o.scale)
     dropout_p = float(call.dropout_p)
-    out, lse = attention_varlen_op(
+    out, lse = _op_or_eager(attention_varlen_op, _VARLEN)(
         q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, int(call.max_seqlen_q), int(call.max_seqlen_k),
         bool(o.causal), scale, int(o.window[0]), int(o.window[1]), float(o.softcap), call.algorithm,
         bool(call.deterministic), dropout_p, _seed_tensor(q, dropout_p, call.seed), call.alibi_slopes, call.seqused_k,
     )  # fmt: skip
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# The eager route: an op's body, setup and backward called by one autograd.Function
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Twin:
+    """What an op registers with autograd, for ``_Eager`` to call without the dispatcher."""
+
+    forward: Callable[..., tuple[Tensor, Tensor]]  # the op's body
+    setup: Callable[[Any, tuple[Any, ...], tuple[Tensor, Tensor]], None]  # its setup_context
+    grads: Callable[..., tuple[Any, ...]]  # its backward, taking the backward op's body
+    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]  # the backward op's body
+
+
+class _Eager(torch.autograd.Function):
+    """A custom op's forward and backward, called directly: the route of eager calls whose
+    tensors require grad. Through the dispatcher an op pays per call for its schema's defaults,
+    two redispatches and an aliasing check, before its own body runs; for the forward and
+    backward of one training step that was more host time than cupyflash's own (cProfile on an
+    H200, bf16 d = 64 N = 1k: a lone step's kernels waited ~0.42 ms for the host, cuDNN's
+    ~0.06 ms; scripts/step_timeline.py). Same bodies, same saved tensors, same gradients; a
+    gradient that only reaches lse is not made into zeros first (set_materialize_grads). Under
+    torch.compile the custom op stays (``_op_or_eager``): Dynamo needs its fake kernel."""
+
+    @staticmethod
+    def forward(twin: _Twin, *inputs: Any) -> tuple[Tensor, Tensor]:
+        return twin.forward(*inputs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        twin = inputs[0]
+        twin.setup(ctx, inputs[1:], output)
+        ctx.twin = twin
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
+        return (None, *ctx.twin.grads(ctx, dout, dlse, ctx.twin.backward))
+
+
+def _eager(name: str, twin: _Twin) -> Callable[..., tuple[Tensor, Tensor]]:
+    """``twin`` through an ``_Eager`` of its own, so that outputs' ``grad_fn`` name the op
+    (``cupyflash_attentionBackward``)."""
+    function: Any = type(f"cupyflash_{name}", (_Eager,), {"__doc__": f"The eager route of the {name} op."})
+    return functools.partial(function.apply, twin)
+
+
+_ATTENTION = _eager("attention", _Twin(_attention_forward, _setup_attention, _attention_grads, _attention_backward))
+_VARLEN = _eager("attention_varlen", _Twin(_varlen_forward, _setup_varlen, _varlen_grads, _varlen_backward))
+
+
+def _op_or_eager(op: Any, eager: Callable[..., tuple[Tensor, Tensor]]) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The custom op while Dynamo traces; otherwise its eager twin."""
+    return op if _interop.compiling() else eager
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,6 +61,47 @@ def test_outputs_carry_the_graph_and_no_grad_mode_does_not():
         assert not cupyflash.attention(q, k, v).requires_grad
 
 
+@pytest.mark.parametrize("used", ["out", "lse", "both"])
+@pytest.mark.parametrize("entry", ["dense", "varlen"])
+def test_the_eager_route_equals_the_custom_op(entry, used):
+    """Eager calls that need grad take the ops' bodies through one autograd.Function (no
+    dispatcher); their gradients equal the custom op's, whichever outputs the loss reads (a
+    gradient that reaches only lse is not made into zeros first), and a second derivative raises."""
+    from cupyflash import _torch_ops
+
+    torch.manual_seed(11)
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    if entry == "dense":
+        q, k, v = _leaves((2, 5, 4, 8), (2, 7, 2, 8), (2, 7, 2, 8))
+        rest = (True, 0.3, -1, 0, 0.0, "bshd", "auto", False, 0.0, torch.tensor(0), None, None)
+        eager = cupyflash.attention(q, k, v, causal=True, scale=0.3, return_lse=True)
+        op = _torch_ops.attention_op
+        assert type(eager[0].grad_fn).__name__ == "cupyflash_attentionBackward"
+    else:
+        q, k, v = _leaves((7, 2, 8), (7, 1, 8), (7, 1, 8))
+        rest = (cu, cu, 4, 4, True, 0.3, -1, 0, 0.0, "auto", False, 0.0, torch.tensor(0), None, None)
+        eager = cupyflash.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True, scale=0.3, return_lse=True)
+        op = _torch_ops.attention_varlen_op
+        assert type(eager[0].grad_fn).__name__ == "cupyflash_attention_varlenBackward"
+    through_op = op(q, k, v, *rest)
+    weights = {"out": (1.0, 0.0), "lse": (0.0, 1.0), "both": (1.0, 1.0)}[used]
+
+    def loss(out, lse):
+        finite = torch.where(torch.isfinite(lse), lse, 0.0)
+        terms = [w * t for w, t in zip(weights, (out.square().sum(), finite.sin().sum())) if w]
+        return sum(terms)
+
+    torch.testing.assert_close(eager[0], through_op[0], rtol=0, atol=0)
+    want = torch.autograd.grad(loss(*through_op), (q, k, v), allow_unused=True)
+    got = torch.autograd.grad(loss(*eager), (q, k, v), create_graph=False, allow_unused=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    again = cupyflash.attention(q, k, v) if entry == "dense" else cupyflash.attention_varlen(q, k, v, cu, cu, 4, 4)
+    (dq,) = torch.autograd.grad(again.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiable"):
+        dq.sum().backward()
+
+
 def test_opcheck_the_custom_ops():
     """torch.library.opcheck: the fake kernels match the real ones, the schemas are honest, the
     autograd registration is consistent (CPU tensors; the GPU test runs CUDA ones)."""
