@@ -3,7 +3,7 @@
 # of DESIGN.md, on one GPU machine in one call: the training step (bench-train) and the forward
 # (bench) on the bf16 prefill shapes, and where a lone training step's time goes at N = 1k
 # (scripts/step_timeline.py). FA4 staged beforehand (flash_attn.cute importable).
-#   usage (GPU machine, tree root, $OUT set): run.sh [SECONDS]   (each part stops by then)
+#   usage (GPU machine, tree root, $OUT set, after ../../../performance.md's FA4 install): run.sh [SECONDS]
 set -uo pipefail
 END=${1:-570}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
