@@ -281,7 +281,7 @@ def gpu_forward(
     """The kernels' forward on arrays the pipeline reads: (out, lse), lse None unless wanted.
     ``given``: output buffers to write, by name (``_launch.run``; XLA's under ``jax.jit``)."""
     if call.mods is not None:
-        raise NotImplementedError(_mods.ON_HOST_ONLY)
+        return _gpu_mods(lib, device, call, want_lse, given)
     if call.attn_mask is not None:
         return _gpu_masked(lib, device, call, want_lse)
     q, k, v, slopes = call.q, call.k, call.v, call.alibi_slopes
@@ -310,6 +310,45 @@ def _plan_forward(lib: _interop.ArrayLib, device: int, call: Forward) -> _plan.L
             )
         return _baselines_gpu.plan_baseline(problem, dtype, info, call.algorithm)
     return _plan.plan_attention(problem, dtype, info, call.algorithm, tuple(call.q.shape))
+
+
+# The device code of each score_mod / mask_mod pair met, by their keys (the expressions, with
+# their arrays' shapes and dtypes): a call traces its functions again, but writes no code twice.
+_kernel_mods: dict[Any, _mods.KernelMods] = {}
+
+
+def _gpu_mods(
+    lib: _interop.ArrayLib, device: int, call: Forward, want_lse: bool, given: Any = _launch.EMPTY
+) -> tuple[Any, Any]:
+    """attention with a score_mod / mask_mod: the FA2 kernel with the functions compiled into its
+    score hook (kernels_cu/variants.cuh's UserMods), their captured arrays read where they are
+    (on q's device, of q's library)."""
+    if not _mods.gpu_enabled():
+        raise NotImplementedError(_mods.ON_HOST_ONLY)
+    score_mod, mask_mod = call.mods
+    mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key)
+    kernel = _kernel_mods.get(mods_key)
+    if kernel is None:
+        kernel = _kernel_mods.setdefault(mods_key, _mods.kernel_mods(score_mod, mask_mod))
+    captured = kernel.arrays(score_mod, mask_mod)
+    names = tuple(f"{('score_mod', 'mask_mod')[which]}'s captured array {slot}" for which, slot in kernel.buffers)
+    found = _interop.gpu_arrays(("q", *names), (call.q, *captured))
+    if found is None or found[1] != device:  # (a library or device apart from q's is refused there)
+        raise ValueError("score_mod / mask_mod's captured arrays must be on q's GPU to run on the kernels")
+    buffers = found[2][1:]
+    q, k, v = call.q, call.k, call.v
+    key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
+           call.algorithm, call.dropout_p, call.alibi_slopes is not None, mods_key)  # fmt: skip
+
+    def plan() -> _plan.Launch:
+        problem, _ = forward_problem(call)
+        dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
+        info = _device.device_info(device)
+        return _plan.plan_attention(problem, dtype, info, call.algorithm, tuple(q.shape), mods=kernel)
+
+    launch = _plans.get(key, plan)
+    arrays_by_name = {"q": q, "k": k, "v": v, **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}
+    return _launch.run(launch, lib, device, arrays_by_name, want_lse, given)
 
 
 def _gpu_masked(lib: _interop.ArrayLib, device: int, call: Forward, want_lse: bool) -> tuple[Any, Any]:
@@ -426,7 +465,7 @@ def backward(call: Backward) -> tuple[Any, Any, Any]:
             score_mod, mask_mod,
         )  # fmt: skip
     if call.mods is not None:
-        raise NotImplementedError(_mods.ON_HOST_ONLY)
+        raise NotImplementedError(_mods.BACKWARD_ON_HOST_ONLY)
     lib, device, arrays = found
     return gpu_backward(lib, device, call.on(arrays), problem)
 

@@ -101,7 +101,7 @@ class MaskFlags:
     softcap: bool
     dropout: bool = False
     alibi: bool = False
-    mask: str = ""  # an attn_mask: "additive" or "bool" (FA2; not with softcap or ALiBi)
+    mask: str = ""  # an attn_mask: "additive" or "bool" (FA2; not with softcap or ALiBi); "mods"
 
 
 def fa2_fwd_tiles(head_dim: int, narrow: bool) -> tuple[TileConfig, ...]:
@@ -121,17 +121,21 @@ def columns(head_dim: int, widths: tuple[int, ...]) -> tuple[int, int]:
     return width, (head_dim if head_dim != width else 0)
 
 
-def fa2_fwd_spec(dtype: str, head_dim: int, flags: MaskFlags, max_smem: int, *, over_cache: bool = False) -> Fa2FwdSpec:
+def fa2_fwd_spec(
+    dtype: str, head_dim: int, flags: MaskFlags, max_smem: int, *, over_cache: bool = False, mods_source: str = ""
+) -> Fa2FwdSpec:
     """The FA2 variant of a call; ``head_dim`` is the caller's (any up to 256: the next tile
     width's variant with the columns past it zero). ``over_cache``: the variant whose keys come
-    through the KV-cache view (``Fa2KvCacheSpec``)."""
+    through the KV-cache view (``Fa2KvCacheSpec``). ``mods_source``: a user score_mod / mask_mod
+    (flags.mask "mods"), on the narrow tiles (a function per score, as the softcap)."""
     width, valid_dim = columns(head_dim, FA2_HEAD_DIMS)
     kind = Fa2KvCacheSpec if over_cache else Fa2FwdSpec
-    narrow = flags.softcap or flags.dropout or flags.alibi
-    for tile in fa2_fwd_mask_tiles(width) if flags.mask else fa2_fwd_tiles(width, narrow):
+    narrow = flags.softcap or flags.dropout or flags.alibi or flags.mask == "mods"
+    tensor_mask = flags.mask in ("additive", "bool")
+    for tile in fa2_fwd_mask_tiles(width) if tensor_mask else fa2_fwd_tiles(width, narrow):
         spec = kind(
             dtype, width, tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim,
-            flags.mask,
+            flags.mask, mods_source,
         )  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec

@@ -17,13 +17,30 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-#: The refusal of score_mod / mask_mod anywhere but on host arrays (no kernel calls them yet).
-ON_HOST_ONLY = "score_mod / mask_mod run on the host path so far; the GPU kernels are not built yet"
+#: The refusal of score_mod / mask_mod where they cannot run: the GPU forward's hook is built
+#: (the FA2 kernel's UserMods) but waits for its first GPU validation behind GPU_SWITCH; the
+#: backward, autograd, torch.compile and JAX have no hook yet.
+GPU_SWITCH = "CUPYFLASH_GPU_MODS"
+ON_HOST_ONLY = (
+    "score_mod / mask_mod run on the host path so far; the GPU forward's score hook is built but not yet "
+    f"validated on a GPU ({GPU_SWITCH}=1 turns it on)"
+)
+
+
+#: The refusal of the backward with score_mod / mask_mod on GPU arrays.
+BACKWARD_ON_HOST_ONLY = "the backward with score_mod / mask_mod runs on the host path so far (no GPU kernel hook yet)"
+
+
+def gpu_enabled() -> bool:
+    """Is the GPU forward's score hook switched on (``CUPYFLASH_GPU_MODS=1``)?"""
+    return os.environ.get(GPU_SWITCH, "") == "1"
+
 
 #: The values a node yields: float32 scores, integer indices, booleans.
 FLOAT, INT, BOOL = "float", "int", "bool"
@@ -664,6 +681,67 @@ def cuda_source(mod: Mod) -> str:
     returns = "float" if mod.role == "score_mod" else "bool"
     body = "\n".join([*lines, f"  return {cast(result, mod.expr.kind, FLOAT if returns == 'float' else BOOL)};"])
     return f"__device__ __forceinline__ {returns} {mod.name}({', '.join(params)}) {{\n{body}\n}}\n"
+
+
+#: Captured arrays the kernels take (AttnParams' mod_buffer0..3, each 1-D or 2-D).
+MAX_KERNEL_BUFFERS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class KernelMods:
+    """A call's score_mod and mask_mod as the FA2 forward compiles them: ``source`` defines
+    ``cf_user_mods(params, score, b, h, q_idx, kv_idx)`` (kernels_cu/variants.cuh's UserMods
+    calls it); ``buffers`` says which captured array goes to AttnParams' mod_buffer0, 1, ...:
+    (0 = score_mod / 1 = mask_mod, its slot); ``digest`` names the kernel variant."""
+
+    source: str
+    buffers: tuple[tuple[int, int], ...]
+    digest: str
+    ndims: tuple[int, ...]  # each mod_buffer's axes (1 or 2)
+
+    def arrays(self, score_mod: Mod | None, mask_mod: Mod | None) -> tuple[Any, ...]:
+        """The captured arrays of ``score_mod`` / ``mask_mod`` (the ones this was made from) in
+        mod_buffer order."""
+        mods = (score_mod, mask_mod)
+        return tuple(mods[which].buffers[slot] for which, slot in self.buffers)  # type: ignore[union-attr]
+
+
+def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None) -> KernelMods:
+    """The device source of a score_mod and / or mask_mod for the kernels' score hook: each
+    function (``cuda_source``), then ``cf_user_mods``, which reads their captured arrays from
+    AttnParams (at most MAX_KERNEL_BUFFERS), hides the score where mask_mod is false (-inf) and
+    else returns score_mod's value (the score itself without one)."""
+    parts, call = [CUDA_HELPERS], {}
+    order: list[tuple[int, int]] = []
+    ndims: list[int] = []
+    for which, mod in enumerate((score_mod, mask_mod)):
+        if mod is None:
+            continue
+        parts.append(cuda_source(mod))
+        args = ["score"] if mod.role == "score_mod" else []
+        args += ["b", "h", "q_idx", "kv_idx"]
+        for spec in _buffer_specs(mod.expr):
+            n = len(order)
+            if n == MAX_KERNEL_BUFFERS:
+                raise ValueError(
+                    f"score_mod and mask_mod capture more than {MAX_KERNEL_BUFFERS} arrays between them: the "
+                    "GPU kernels take at most that many (stack them into one 2-D array)"
+                )
+            order.append((which, spec.slot))
+            ndims.append(len(spec.shape))
+            args += [f"static_cast<const {_C_ELEMENT[spec.dtype]}*>(p.mod_buffer{n})"]
+            args += [f"p.mod_buffer{n}_stride{axis}" for axis in range(len(spec.shape))]
+        call[mod.role] = f"{mod.name}({', '.join(args)})"
+    body = []
+    if "mask_mod" in call:
+        body.append(f"  if (!{call['mask_mod']}) return __int_as_float(0xff800000);  // -inf")
+    body.append(f"  return {call.get('score_mod', 'score')};")
+    parts.append(
+        "__device__ __forceinline__ float cf_user_mods(const AttnParams& p, float score, int b, int h, int q_idx,\n"
+        "                                               int kv_idx) {\n" + "\n".join(body) + "\n}\n"
+    )
+    source = "".join(parts)
+    return KernelMods(source, tuple(order), hashlib.sha256(source.encode()).hexdigest()[:12], tuple(ndims))
 
 
 def _buffer_specs(root: Expr) -> list[BufferSpec]:

@@ -39,6 +39,7 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("window_right", "i4"),
     ("softmax_scale_log2", "f4"),
     ("softcap_prescale", "f4"),
+    ("mod_score_scale", "f4"),
     ("dropout_seed", "u8"),
     ("dropout_threshold", "u4"),
     ("dropout_scale", "f4"),
@@ -54,6 +55,8 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("mask_cell_keys_log2", "i4"),
     ("mask_heads", "i4"),
     ("error_flags", "u8"),
+    *((f"mod_buffer{i}", "u8") for i in range(4)),
+    *((f"mod_buffer{i}_stride{axis}", "i8") for i in range(4) for axis in range(2)),
 )
 
 _STRUCT_CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}

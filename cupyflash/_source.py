@@ -55,8 +55,13 @@ def cuda_include_options() -> tuple[str, ...]:
 def render(spec: KernelSpec) -> tuple[str, tuple[str, ...], str]:
     """Source, NVRTC options (no arch) and entry symbol of one variant."""
     name = spec.name
+    # A user score_mod / mask_mod (Fa2FwdSpec.mods_source): its functions after AttnParams, then
+    # CF_USER_MODS, which variants.cuh's UserMods is written under.
+    mods = getattr(spec, "mods_source", "")
+    prelude = f'#include "params.cuh"\n{mods}#define CF_USER_MODS 1\n' if mods else ""
     code = (
         f"// cupyflash {__version__} kernels_cu sha256={fingerprint()}\n"
+        f"{prelude}"
         f'#include "{spec.source_file}"\n'
         f"using Traits = {spec.template_args()};\n"
         f'extern "C" __global__ void __launch_bounds__({spec.launch_bounds})\n'

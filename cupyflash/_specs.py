@@ -6,6 +6,7 @@ The compiled binary is keyed by ``(spec, arch)``; the source does not depend on 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -180,7 +181,10 @@ class Fa2FwdSpec(_KernelSpecBase):
     dropout: bool = False  # dropout on P (kernels_cu/dropout.cuh)
     alibi: bool = False  # ALiBi slopes (kernels_cu/variants.cuh; after the softcap)
     valid_dim: int = 0  # the caller's head dim, when below the tile width head_dim (0: the same)
-    mask: str = ""  # an attn_mask (kernels_cu/variants.cuh's AttnBias): "", "additive" or "bool"
+    mask: str = ""  # an attn_mask (kernels_cu/variants.cuh's AttnBias): "", "additive" or "bool"; "mods"
+    # With mask "mods": the user score_mod / mask_mod's device code (_mods.kernel_mods), compiled
+    # in front of the kernel (_source.render) for variants.cuh's UserMods.
+    mods_source: str = ""
 
     kernel = "fa2_fwd"
     source_file = "fa2_fwd.cu"
@@ -199,6 +203,10 @@ class Fa2FwdSpec(_KernelSpecBase):
             raise ValueError(f"unknown attn_mask kind {self.mask!r}; kinds: {sorted(MASK_KINDS)}")
         if self.mask and (self.softcap or self.alibi):
             raise ValueError("an attn_mask does not combine with softcap or ALiBi yet")
+        if (self.mask == "mods") != bool(self.mods_source):
+            raise ValueError("mask 'mods' takes the score_mod / mask_mod source, and only it does")
+        if self.mods_source and self.dropout:
+            raise ValueError("score_mod / mask_mod do not combine with dropout on the GPU yet")
 
     def _name_parts(self) -> tuple[object, ...]:
         t = self.tile
@@ -220,7 +228,8 @@ class Fa2FwdSpec(_KernelSpecBase):
             *_mask_flags(self.causal, self.local, self.softcap),
             ("drop", self.dropout),
             ("alibi", self.alibi),
-            (f"{self.mask}mask", bool(self.mask)),
+            (f"{self.mask}mask", self.mask in ("additive", "bool")),
+            (f"mods{_digest(self.mods_source)}", bool(self.mods_source)),
         )
 
     @property
@@ -232,7 +241,7 @@ class Fa2FwdSpec(_KernelSpecBase):
         t = self.tile
         elements = t.block_m * self.head_dim + 2 * t.stages * t.block_n * self.head_dim
         # an attn_mask's staged tiles: a row of block_n keys (1-byte bool, else 2) + 16 bytes
-        mask_rows = t.block_n * (1 if self.mask == "bool" else 2) + 16 if self.mask else 0
+        mask_rows = t.block_n * (1 if self.mask == "bool" else 2) + 16 if self.mask in ("additive", "bool") else 0
         return 2 * elements + t.stages * t.block_m * mask_rows
 
     def _traits_args(self) -> tuple[object, ...]:
@@ -260,7 +269,12 @@ class Fa2FwdSpec(_KernelSpecBase):
 
 
 #: attn_mask kinds of the FA2 forward -> the traits' kBias_ (kernels_cu/variants.cuh).
-MASK_KINDS = {"": 0, "additive": 1, "bool": 2}
+MASK_KINDS = {"": 0, "additive": 1, "bool": 2, "mods": 3}
+
+
+def _digest(source: str) -> str:
+    """12 hex digits of a generated source: the part of a variant's name that tells two apart."""
+    return hashlib.sha256(source.encode()).hexdigest()[:12] if source else ""
 
 
 @dataclass(frozen=True, slots=True)

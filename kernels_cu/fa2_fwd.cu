@@ -49,7 +49,10 @@ struct Fa2FwdTraits {
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Has_dropout = Has_dropout_;
-  static constexpr int kBias = kBias_;  // an attn_mask (kNoBias, kAdditiveBias, kBoolBias)
+  static constexpr int kBias = kBias_;  // an attn_mask (kAdditiveBias, kBoolBias), kUserMods
+  // A mask tensor: its block summary, its staged tiles (a user mask_mod has neither yet: every
+  // tile it may touch is mixed).
+  static constexpr bool Has_mask_tensor = kBias_ == kAdditiveBias || kBias_ == kBoolBias;
   using Transform = ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;
 
   static constexpr int kNThreads = kNWarps * 32;
@@ -67,7 +70,7 @@ struct Fa2FwdTraits {
   // bytes longer than its keys (cp.async's 16-byte alignment; the fragment reads' banks).
   static constexpr int kMaskElemBytes = kBias_ == kBoolBias ? 1 : kElemBytes;  // AttnBias's
   static constexpr int kMaskRowBytes = kBlockN * kMaskElemBytes + 16;
-  static constexpr int kMaskStageBytes = kBias_ == kNoBias ? 0 : kBlockM * kMaskRowBytes;
+  static constexpr int kMaskStageBytes = Has_mask_tensor ? kBlockM * kMaskRowBytes : 0;
   static constexpr int kSmemBytes =
       (kSmemQElems + 2 * kStages * kSmemKVElems) * kElemBytes + kStages * kMaskStageBytes;
 
@@ -75,7 +78,7 @@ struct Fa2FwdTraits {
   static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
   static_assert(!Overlap || kStages == 2, "the overlapped loop runs two K and two V stages");
-  static_assert(!Overlap || kBias == kNoBias, "a mask's tile skipping runs in the K/V ring");
+  static_assert(!Overlap || !Has_mask_tensor, "a mask's tile skipping runs in the K/V ring");
 };
 
 // K and V of one (batch, KV head) in dense or packed tensors: key block n_block at a fixed stride.
@@ -268,7 +271,7 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   // load, no MMA), one it shows unchanged is not read; blocks before n_begin are never visited.
   // Without a mask every block is mixed: a constant, and the branches on it fold away.
   auto tile_state = [&](int n_block) {
-    if constexpr (Traits::kBias != kNoBias) {
+    if constexpr (Traits::Has_mask_tensor) {
       if (n_block < n_begin) return static_cast<int>(kMaskCellHidden);
       return mask_tile_state<kBlockM, kBlockN, /*kOneCell=*/true>(params, batch, head, row_block0,
                                                                   n_block * kBlockN);
@@ -281,9 +284,9 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   // (a uniform branch), else from global memory per score.
   const typename Traits::Transform transform(params, batch, head, seqlen_k - seqlen_q);
   bool mask_staged = false;
-  if constexpr (Traits::kBias != kNoBias) mask_staged = transform.stageable();
+  if constexpr (Traits::Has_mask_tensor) mask_staged = transform.stageable();
   auto load_mask = [&](int n_block, int stage) {  // with the block's K and V, when staged
-    if constexpr (Traits::kBias != kNoBias) {
+    if constexpr (Traits::Has_mask_tensor) {
       if (mask_staged)
         load_mask_tile<Traits>(s_mask + stage * Traits::kMaskStageBytes, transform, row_block0,
                                n_block * kBlockN, tid);
@@ -291,7 +294,7 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   };
   auto logits = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int state, int stage) {
     if (state != kMaskCellPlain) {
-      if constexpr (Traits::kBias != kNoBias) {
+      if constexpr (Traits::Has_mask_tensor) {
         if (mask_staged)
           transform_scores_staged<Traits::kMaskRowBytes>(
               transform, s, s_mask + stage * Traits::kMaskStageBytes, warp_row0, lane);
@@ -331,7 +334,7 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
     // A mask's tile states are read an iteration before they are needed (the block after the
     // one prefetched), so that no load waits at the top of the loop; the ring is then two
     // stages deep, the prefetched block being the next one.
-    static_assert(Traits::kBias == kNoBias || kStages == 2, "a mask's state pipeline");
+    static_assert(!Traits::Has_mask_tensor || kStages == 2, "a mask's state pipeline");
     int state_cur = tile_state(n_end - 1), state_next = tile_state(n_end - 2);
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {

@@ -40,6 +40,10 @@ struct AttnParams {
   //                                                  softmax_scale_log2 = softcap * log2 e).
   float softmax_scale_log2;
   float softcap_prescale;
+  // A user score_mod / mask_mod (variants with kBias = kUserMods; variants.cuh's UserMods) sees
+  // the scaled score s * mod_score_scale (the caller's scale) and returns the logit itself: the
+  // softmax then multiplies by log2 e alone (softmax_scale_log2 = log2 e).
+  float mod_score_scale;
 
   // Dropout on P (variants with the Dropout flag; kernels_cu/dropout.cuh): element kept iff its
   // 16-bit Philox draw under the key dropout_seed is >= dropout_threshold (= round(p * 65536));
@@ -84,6 +88,18 @@ struct AttnParams {
   // cupyflash.check_device_errors reads and clears it. Kernels cannot raise, and a check on the
   // host would read the values back: a synchronisation per call.
   int32_t* error_flags;
+
+  // The arrays a user score_mod / mask_mod captured (cupyflash/_mods.py), in slot order (the
+  // score function's, then the mask function's), each read as element (i, j) at
+  // mod_buffer[i * stride0 + j * stride1] (1-D arrays: stride1 unused); nullptr where unused.
+  const void* mod_buffer0;
+  const void* mod_buffer1;
+  const void* mod_buffer2;
+  const void* mod_buffer3;
+  int64_t mod_buffer0_stride0, mod_buffer0_stride1;
+  int64_t mod_buffer1_stride0, mod_buffer1_stride1;
+  int64_t mod_buffer2_stride0, mod_buffer2_stride1;
+  int64_t mod_buffer3_stride0, mod_buffer3_stride1;
 };
 
 // Bits of AttnParams::error_flags, one per kind of bad device-side value (cupyflash/_kvcache.py's

@@ -75,7 +75,7 @@ CF_DEVICE float capped_score(const SoftcapAlibi& t, float logit, int row, int ke
 
 // Kinds of an attention mask (SDPA's attn_mask; AttnParams::bias_ptr): none, additive in the
 // kernel's element type, boolean (one byte per element: true = the key takes part).
-enum : int { kNoBias = 0, kAdditiveBias = 1, kBoolBias = 2 };
+enum : int { kNoBias = 0, kAdditiveBias = 1, kBoolBias = 2, kUserMods = 3 };
 
 // logit(s) = s + bias / M for an additive mask (M the softmax's multiplier, as ALiBi's: the
 // softmax sees scale * s + bias), or s where a boolean mask holds and -inf where it does not.
@@ -179,6 +179,30 @@ template <typename Element>
 struct SelectScoreTransform<Element, false, false, kBoolBias> {
   using type = AttnBias<unsigned char, true>;
 };
+
+#ifdef CF_USER_MODS
+// logit(s) = score_mod(s * scale, b, h, row, key), -inf where mask_mod(b, h, row, key) is false
+// (FlexAttention's score_mod / mask_mod, traced in Python: cupyflash/_mods.py writes cf_user_mods
+// and defines CF_USER_MODS before this file). The function sees the scaled score and returns the
+// logit, so the softmax multiplies by log2 e alone (params.cuh: mod_score_scale). (row, key)
+// past the sequence are left alone: the key mask hides those keys, no row past Nq is stored,
+// and the function's captured arrays are not read out of their range there.
+struct UserMods {
+  const AttnParams& params;
+  int batch, head, rows, keys;
+  CF_DEVICE UserMods(const AttnParams& p, int batch_, int head_, int /*shift*/)
+      : params(p), batch(batch_), head(head_), rows(p.seqlen_q), keys(p.seqlen_k) {}
+  CF_DEVICE float operator()(float score, int row, int key) const {
+    if (row >= rows || key >= keys) return score;
+    return cf_user_mods(params, score * params.mod_score_scale, batch, head, row, key);
+  }
+};
+template <typename Element>
+struct SelectScoreTransform<Element, false, false, kUserMods> {
+  using type = UserMods;
+};
+#endif
+
 template <bool Has_softcap, bool Has_alibi = false, int kBias = kNoBias, typename Element = __half>
 using ScoreTransform = typename SelectScoreTransform<Element, Has_softcap, Has_alibi, kBias>::type;
 

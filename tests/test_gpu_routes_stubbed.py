@@ -116,3 +116,50 @@ def test_fp8_forward(launches):
     cupyflash.attention(q, q, q, fp8_dtype="e4m3", q_descale=descale, k_descale=0.5, causal=True)
     _check(launches, "fa3_fwd", optional=("v_descale",))  # None: 1.0
     assert any("fp8_vt" in step.spec.name for launch, _ in launches for step in launch.steps)
+
+
+def test_score_and_mask_functions_route_to_the_fa2_hook(launches, monkeypatch):
+    """score_mod / mask_mod on GPU arrays (with CUPYFLASH_GPU_MODS=1): the FA2 kernel with the
+    functions compiled in (mask kind "mods"), the softmax multiplier log2 e, the function's scale
+    the caller's (negative: |scale| on -q), each captured array an operand in slot order; the
+    same functions again plan nothing new; an array on the host is refused, named."""
+    import math
+
+    from cupyflash import _plan
+
+    monkeypatch.setenv("CUPYFLASH_GPU_MODS", "1")
+    q = stand_in((2, 300, 8, 64), "bfloat16")
+    kv = stand_in((2, 333, 2, 64), "bfloat16")
+    bias, doc = stand_in((8, 333), "float32"), stand_in((333,), "int32")
+
+    def score_mod(s, b, h, i, j):
+        return s + bias[h, j]
+
+    def mask_mod(b, h, i, j):
+        return doc[i] == doc[j]
+
+    for _ in range(2):
+        cupyflash.attention(q, kv, kv, scale=-0.3, score_mod=score_mod, mask_mod=mask_mod)
+    _check(launches, "fa2_fwd")
+    (launch, given), again = launches[0], launches[1][0]
+    assert again is launch  # planned once
+    (step,) = launch.steps
+    assert step.spec.mask == "mods" and "cf_user_mods" in step.spec.mods_source
+    assert {"mod_buffer0", "mod_buffer1"} <= given
+    values = launch.params
+    assert values.value("softmax_scale_log2") == pytest.approx(_plan.common.LOG2E)
+    assert values.value("mod_score_scale") == pytest.approx(0.3, rel=1e-6)
+    assert [op.name for op in launch.operands if op.name.startswith("mod_")] == ["mod_buffer0", "mod_buffer1"]
+    assert next(op for op in launch.operands if op.name == "q").negate
+    strides = {op.name: len(op.stride_slots) for op in launch.operands}
+    assert strides["mod_buffer0"] == 2 and strides["mod_buffer1"] == 1
+    assert not math.isnan(values.value("mod_score_scale"))
+    import numpy as np
+
+    on_host = np.zeros(333, np.int32)
+    with pytest.raises(ValueError, match="mask_mod's captured array 0 is a numpy array on the host"):
+        cupyflash.attention(q, kv, kv, mask_mod=lambda b, h, i, j: on_host[j] == 0)
+    with pytest.raises(ValueError, match="do not combine with softcap"):
+        cupyflash.attention(q, kv, kv, softcap=5.0, mask_mod=mask_mod)
+    with pytest.raises(ValueError, match="run on the FA2 kernel"):
+        cupyflash.attention(q, kv, kv, algorithm="fa3", mask_mod=mask_mod)

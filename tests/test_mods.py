@@ -278,9 +278,11 @@ def test_gpu_arrays_are_refused(monkeypatch):
 
     monkeypatch.setattr(_interop, "current_device", lambda: 0)
     q, lse = stand_in((1, 64, 2, 64), "float16"), stand_in((1, 2, 64), "float32")
-    with pytest.raises(NotImplementedError, match="the GPU kernels are not built yet"):
+    monkeypatch.delenv("CUPYFLASH_GPU_MODS", raising=False)
+    with pytest.raises(NotImplementedError, match="not yet validated on a GPU .CUPYFLASH_GPU_MODS=1"):
         cupyflash.attention(q, q, q, mask_mod=lambda b, h, i, j: j <= i)
-    with pytest.raises(NotImplementedError, match="the GPU kernels are not built yet"):
+    monkeypatch.setenv("CUPYFLASH_GPU_MODS", "1")  # the forward's hook on: the backward still refuses
+    with pytest.raises(NotImplementedError, match="backward with score_mod / mask_mod runs on the host path"):
         cupyflash.attention_backward(q, q, q, q, q, lse, score_mod=lambda s, b, h, i, j: s * 2)
 
 
@@ -430,3 +432,43 @@ def test_backward_of_a_mask_mod_alone_matches_the_built_in():
 def test_score_derivative_of_a_score_free_expression_is_zero():
     slope = _mods.score_derivative(_mods.trace_score_mod(lambda s, b, h, q, kv: q - kv))
     assert slope.expr == _mods.Expr("const", "float", (0.0,))
+
+
+# -- the kernels' score hook (compiled here; run by test_gpu_mods.py) -----------------------------
+def test_the_hook_compiles_cleanly_for_every_arch():
+    """The FA2 forward with generated functions (a 2-D and a 1-D captured array, both functions,
+    a float-only score function, a mask of indices only) at both tile shapes, causal or not, in
+    both element types: a cubin for sm_80 and sm_90a with no spill and no warning."""
+    from cupyflash import _dispatch, _kernels, _mods
+
+    bias, doc = np.zeros((8, 40), np.float32), np.zeros(40, np.int32)
+    document = _mods.trace_mask_mod(lambda b, h, i, j: doc[i] == doc[j])
+    pairs = [
+        (_mods.trace_score_mod(lambda s, b, h, i, j: s + bias[h, j]), document),
+        (_mods.trace_score_mod(lambda s, b, h, i, j: 30.0 * mods.tanh(s / 30.0)), None),
+        (None, _mods.trace_mask_mod(lambda b, h, i, j: (i // 64) == (j // 64))),
+    ]
+    builds = []
+    for (score_mod, mask_mod), dtype in zip(pairs, ("bfloat16", "float16", "bfloat16"), strict=True):
+        source = _mods.kernel_mods(score_mod, mask_mod).source
+        for head_dim in (64, 128):
+            for causal in (False, True):
+                flags = _dispatch.MaskFlags(causal, False, False, mask="mods")
+                spec = _dispatch.fa2_fwd_spec(dtype, head_dim, flags, 232448, mods_source=source)
+                assert spec.mask == "mods"
+                for arch in ("sm_80", "sm_90a"):
+                    builds.append((spec.name, arch, _kernels.compile_offline(spec, arch)))
+    assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
+    assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]
+    assert len({name for name, _, _ in builds}) == 12  # each function pair, tile and bound its own variant
+
+
+def test_kernel_mods_refuses_more_arrays_than_the_kernels_take():
+    from cupyflash import _mods
+
+    a0, a1, a2, a3, a4 = (np.zeros(4, np.float32) for _ in range(5))
+    score_mod = _mods.trace_score_mod(lambda s, b, h, i, j: s + a0[j] + a1[j] + a2[j] + a3[j])
+    mask_mod = _mods.trace_mask_mod(lambda b, h, i, j: a4[j] > 0)
+    with pytest.raises(ValueError, match="more than 4 arrays"):
+        _mods.kernel_mods(score_mod, mask_mod)
+    assert _mods.kernel_mods(score_mod, None).buffers == ((0, 0), (0, 1), (0, 2), (0, 3))

@@ -5,10 +5,12 @@ finds it applies."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from .. import _dispatch
 from .._device import DeviceInfo
-from .._params import PARAMS_STRUCTS
+from .._mods import KernelMods
+from .._params import PARAMS_STRUCTS, ParamsTemplate
 from .._specs import (
     DECODE_MAX_QUERIES,
     HOPPER_ARCH,
@@ -19,6 +21,7 @@ from .._specs import (
 from .._validate import ALIBI_NONE, KvCacheProblem, Problem
 from .common import (
     LAYOUT_AXES,
+    LOG2E,
     STRIDE_NAMES,
     attn_fields,
     check_gpu_dtypes,
@@ -42,11 +45,26 @@ from .model import INDEX, KernelStep, Launch, Operand, Output, Scratch, Temporar
 # ---------------------------------------------------------------------------------------------
 # The forward (attention, attention_varlen): FA2 (mma.sync) or the Hopper kernel.
 # ---------------------------------------------------------------------------------------------
-def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, packed: bool) -> Fa2FwdSpec | Fa3FwdSpec:
+def forward_spec(
+    p: Problem, dtype: str, device: DeviceInfo, algorithm: str, packed: bool, mods: KernelMods | None = None
+) -> Fa2FwdSpec | Fa3FwdSpec:
     """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel; ``packed``
-    (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens."""
+    (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens. ``mods``: a
+    user score_mod / mask_mod, compiled into the FA2 kernel's score hook."""
     check_head_dim(p.head_dim, "the GPU kernels")
     flags = mask_flags(p)
+    if mods is not None:
+        if algorithm not in ("auto", "fa2"):
+            raise ValueError(
+                f"score_mod / mask_mod run on the FA2 kernel: use algorithm='auto' or 'fa2', not {algorithm!r}"
+            )
+        if flags.softcap or flags.dropout or flags.alibi or p.mask:
+            raise ValueError(
+                "on the GPU, score_mod / mask_mod do not combine with softcap, dropout or ALiBi yet: write the softcap "
+                "or the bias into score_mod (softcap: lambda s, b, h, q, kv: c * mods.tanh(s / c))"
+            )
+        flags = replace(flags, mask="mods")
+        return _dispatch.fa2_fwd_spec(dtype, p.head_dim, flags, device.max_smem_per_block, mods_source=mods.source)
     fa2_only = flags.dropout or flags.alibi or p.seqused_k or bool(p.mask)
     if fa2_only and algorithm == "fa3":
         raise ValueError(
@@ -66,6 +84,20 @@ def forward_spec(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, pac
     return _dispatch.fa2_fwd_spec(dtype, p.head_dim, flags, device.max_smem_per_block)
 
 
+def mods_operands(params: ParamsTemplate, mods: KernelMods) -> list[Operand]:
+    """The captured arrays of a score_mod / mask_mod, in mod_buffer order: element strides into
+    the buffer's stride fields (a copy where the last axis is not contiguous)."""
+    return [
+        Operand(
+            f"mod_buffer{i}",
+            INDEX,
+            params.slot(f"mod_buffer{i}"),
+            tuple((params.slot(f"mod_buffer{i}_stride{axis}"), axis) for axis in range(ndim)),
+        )  # fmt: skip
+        for i, ndim in enumerate(mods.ndims)
+    ]
+
+
 def fa3_grid(spec: Fa3FwdSpec, tiles: int, device: DeviceInfo) -> tuple[int, int, int]:
     """The Hopper forward's grid over ``tiles`` query tiles: uniform tiles (or tiles drawn from
     the dynamic schedule's counter) are walked by one persistent CTA per SM, uneven ones get a
@@ -83,17 +115,19 @@ def plan_forward(
     *,
     q_shape: tuple[int, ...],
     packed_rows: tuple[int, int] | None = None,
+    mods: KernelMods | None = None,
 ) -> Launch:
     """One forward kernel over a padded batch (``p.layout`` "bshd"/"bhsd") or packed sequences
     (``packed_rows`` = the packed totals (total_q, total_k): each tile finds its rows in
-    cu_seqlens, batch strides 0; rows outside every sequence are 0 with LSE -inf)."""
+    cu_seqlens, batch strides 0; rows outside every sequence are 0 with LSE -inf). ``mods``: a
+    user score_mod / mask_mod (FA2), its captured arrays operands mod_buffer0, 1, ..."""
     check_grid(p.batch, p.heads_q)
     packed = packed_rows is not None
     scale_log2, prescale, negate_q = softmax_factors(p)
     axes = LAYOUT_AXES["thd" if packed else p.layout]
     rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
     has_work = p.batch > 0 and p.seqlen_q > 0 and p.heads_q > 0
-    spec = forward_spec(p, dtype, device, algorithm, packed) if has_work else None
+    spec = forward_spec(p, dtype, device, algorithm, packed, mods) if has_work else None
     struct = PARAMS_STRUCTS["Fa3Params" if isinstance(spec, Fa3FwdSpec) else "AttnParams"]
 
     # Outputs are fresh contiguous arrays of q's shape; LSE (B, Hq, Nq), or (Hq, total_q) packed.
@@ -110,6 +144,9 @@ def plan_forward(
         "lse_batch_stride": lse_strides[0],
         "lse_head_stride": lse_strides[1],
     }
+    if mods is not None:  # the function sees the scaled score and returns the logit itself
+        fixed["mod_score_scale"] = scale_log2 / LOG2E
+        fixed["softmax_scale_log2"] = LOG2E
     steps: tuple[KernelStep, ...] = ()
     scratch = None
     cells_shape: tuple[int, ...] = ()
@@ -153,6 +190,8 @@ def plan_forward(
             Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
         ]
     operands += fa2_option_operands(params, p)
+    if mods is not None:
+        operands += mods_operands(params, mods)
     outputs: tuple[Output, ...] = (
         Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0 if packed else None),
         Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=-math.inf if packed else None, optional=True),
@@ -231,11 +270,15 @@ def decode_applies(p: Problem) -> bool:
     )
 
 
-def plan_attention(p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q_shape: tuple[int, ...]) -> Launch:
+def plan_attention(
+    p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q_shape: tuple[int, ...], mods: KernelMods | None = None
+) -> Launch:
     """``attention`` on the GPU with the flash kernels ("auto", "fa2", "fa3", "decode"; the
     baselines are ``_baselines_gpu.plan_baseline``). "auto" runs one-token queries on the decode
     kernel (K and V read once per KV head, split over the SMs), the rest on the Hopper kernel
     where it applies, else on FA2."""
+    if mods is not None:
+        return plan_forward(p, dtype, device, algorithm, q_shape=q_shape, mods=mods)
     one_token = algorithm == "auto" and p.seqlen_q == 1 and p.seqlen_k > 0
     if algorithm == "decode" or (one_token and decode_applies(p)):
         if not decode_applies(p):

@@ -1,0 +1,89 @@
+"""score_mod / mask_mod compiled into the FA2 forward's score hook (kernels_cu/variants.cuh's
+UserMods; CUPYFLASH_GPU_MODS=1 until this file has passed on a GPU): each against the float64 host
+path on the same values (the host path is the functions' reference), with causal and windows, GQA,
+odd lengths and head dims, captured 1-D and 2-D arrays (strided too), rows every key of which is
+hidden (output 0, LSE -inf), NaN in giving NaN out; CuPy and PyTorch inputs. Outputs are
+NaN-poisoned (conftest)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import BOUND, need_torch, rel_error
+
+import cupyflash
+from cupyflash import mods, reference
+
+pytestmark = pytest.mark.gpu
+
+B, NQ, NK, HQ, HKV = 2, 197, 301, 8, 2
+
+
+@pytest.fixture(autouse=True)
+def _hook_on(monkeypatch):
+    monkeypatch.setenv("CUPYFLASH_GPU_MODS", "1")
+
+
+def _functions(to_array, seed):
+    """(name, score_mod, mask_mod), their captured arrays made by ``to_array`` from NumPy ones
+    drawn from ``seed`` (the same values on the host and on the GPU)."""
+    rng = np.random.default_rng(seed)
+    doc_q = to_array(np.sort(rng.integers(0, 4, NQ)).astype(np.int32))
+    doc_k = to_array(np.sort(rng.integers(0, 4, NK)).astype(np.int32))
+    bias = to_array(rng.standard_normal((HQ, NK)).astype(np.float32))
+    wide = to_array(rng.standard_normal((NK, 2 * HQ)).astype(np.float32))[:, ::2]  # (NK, HQ), strided
+    slopes = to_array((2.0 ** -np.arange(1, HQ + 1)).astype(np.float32))
+    return [
+        ("softcap", lambda s, b, h, i, j: 20.0 * mods.tanh(s / 20.0), None),
+        ("alibi", lambda s, b, h, i, j: s - slopes[h] * mods.abs(i - j), None),
+        ("bias-2d", lambda s, b, h, i, j: s + bias[h, j], None),
+        ("bias-strided", lambda s, b, h, i, j: s + wide[j, h], None),
+        ("document", None, lambda b, h, i, j: doc_q[i] == doc_k[j]),
+        ("prefix-lm", None, lambda b, h, i, j: (j <= i) | (j < 64)),
+        ("chunked", None, lambda b, h, i, j: (i // 64) == (j // 64)),
+        ("both", lambda s, b, h, i, j: s * 0.5 + bias[h, j], lambda b, h, i, j: (j % 3) != 1),
+        ("hides-rows", None, lambda b, h, i, j: (i % 5) != 0),  # row i % 5 == 0: no key
+    ]
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (50, 9)}, {"scale": -0.2}], ids=str)
+@pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 80)])
+def test_functions_match_the_host_path(rng, options, dtype, head_dim):
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    tdtype = getattr(torch, dtype)
+    q, k, v = (torch.randn(B, n, h, head_dim, generator=gen).to(tdtype) for n, h in ((NQ, HQ), (NK, HKV), (NK, HKV)))
+    host = [x.double().numpy() for x in (q, k, v)]
+    on_host = _functions(lambda x: x, 7)
+    on_gpu = _functions(lambda x: torch.from_numpy(x).cuda(), 7)
+    for (name, score_mod, mask_mod), (_, gpu_score, gpu_mask) in zip(on_host, on_gpu, strict=True):
+        want, want_lse = cupyflash.attention(*host, score_mod=score_mod, mask_mod=mask_mod, return_lse=True, **options)
+        out, lse = cupyflash.attention(q.cuda(), k.cuda(), v.cuda(), score_mod=gpu_score, mask_mod=gpu_mask,
+                                       return_lse=True, **options)  # fmt: skip
+        assert out.dtype == tdtype and out.shape == q.shape, name
+        assert rel_error(reference.to_numpy64(out), want) < BOUND[dtype], name
+        got_lse, finite = reference.to_numpy64(lse), np.isfinite(want_lse)
+        assert (np.isfinite(got_lse) == finite).all(), name
+        np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=2e-2, err_msg=name)
+        if name == "hides-rows":  # rows that see no key: output 0 (not NaN), LSE -inf
+            assert (reference.to_numpy64(out)[:, ::5] == 0).all()
+
+
+def test_cupy_inputs_and_nan(rng):
+    """CuPy arrays and captured CuPy arrays; a NaN in q reaches its row's output."""
+    cp = pytest.importorskip("cupy")
+    q = rng.standard_normal((1, 130, 4, 64)).astype(np.float16)
+    k = rng.standard_normal((1, 150, 4, 64)).astype(np.float16)
+    q[0, 17, 2, 5] = np.nan
+    doc = rng.integers(0, 3, 150).astype(np.int32)
+
+    def mask_on(xp):
+        d = xp.asarray(doc)
+        return lambda b, h, i, j: d[j] == d[i % 150]
+
+    want = cupyflash.attention(q.astype(np.float64), k.astype(np.float64), k.astype(np.float64), mask_mod=mask_on(np))
+    got = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(k), mask_mod=mask_on(cp))
+    got = cp.asnumpy(got).astype(np.float64)
+    assert np.isnan(got[0, 17, 2]).all() and np.isnan(want[0, 17, 2]).all()
+    keep = ~np.isnan(want)
+    assert rel_error(got[keep], want[keep]) < BOUND["float16"]
