@@ -232,17 +232,41 @@ FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 }
 
 
+#: A user score_mod / mask_mod on the Hopper forward: the two-consumer tiles (240 registers a
+#: consumer), since the function's per-score work spilled the three-consumer d = 64 tile (108-240
+#: bytes at 160 registers) and d = 256 (12-16 bytes with a captured 2-D array and a mask) in the
+#: sm_90a builds of tests/test_mods.py's functions; above d = 128 the FA2 kernel takes them.
+FA3_MODS_MAX_HEAD_DIM = 128
+FA3_MODS_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {(64, False): FA3_SHORT_FWD_TILES[(64, False)]}
+
+
 def fa3_fwd_spec(
-    dtype: str, head_dim: int, flags: MaskFlags, seqlen_k: int, varlen: bool = False, *, chosen: bool = False
+    dtype: str,
+    head_dim: int,
+    flags: MaskFlags,
+    seqlen_k: int,
+    varlen: bool = False,
+    *,
+    chosen: bool = False,
+    mods_source: str = "",
 ) -> Fa3FwdSpec | None:
     """The Hopper variant for a call (``varlen``: packed sequences, ``seqlen_k`` then the
     longest), or None where it has none: a head dim that is not a multiple of 8 (TMA moves
     16-byte rows), or, unless the caller ``chosen`` this kernel, one that runs faster on FA2
-    (``FA2_OVER_FA3_MAX_HEAD_DIM``)."""
+    (``FA2_OVER_FA3_MAX_HEAD_DIM``). ``mods_source``: a user score_mod / mask_mod, on the
+    tiles of two consumers up to d = 128 (FA3_MODS_MAX_HEAD_DIM; above it, FA2's)."""
     if head_dim % 8 or head_dim > FA3_HEAD_DIMS[-1] or (head_dim <= FA2_OVER_FA3_MAX_HEAD_DIM and not chosen):
         return None
     width, valid_dim = columns(head_dim, FA3_HEAD_DIMS)
     key = (width, flags.causal or flags.local)
+    if mods_source:
+        if varlen:
+            raise ValueError("score_mod / mask_mod take no packed sequences (varlen) yet")
+        if width > FA3_MODS_MAX_HEAD_DIM:
+            return None
+        mods_tile = FA3_MODS_FWD_TILES.get(key, FA3_FWD_TILES[key])
+        causal, local = flags.causal, flags.local
+        return Fa3FwdSpec(dtype, width, mods_tile, causal, local, False, False, valid_dim, mods_source=mods_source)
     tile = FA3_SHORT_FWD_TILES.get(key) if seqlen_k <= FA3_SHORT_SEQLEN else None
     tile = tile or FA3_FWD_TILES[key]
     return Fa3FwdSpec(dtype, width, tile, flags.causal, flags.local, flags.softcap, varlen, valid_dim)

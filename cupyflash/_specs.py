@@ -338,6 +338,7 @@ class Fa3FwdSpec(_KernelSpecBase):
     varlen: bool = False  # packed sequences (cu_seqlens); a padded batch's variant skips that code
     valid_dim: int = 0  # the caller's head dim (a multiple of 8), when below head_dim
     fp8: bool = False  # q, k, v in e4m3 (V read as Vt, fp8_vt.cu's output); dtype is the output's
+    mods_source: str = ""  # a user score_mod / mask_mod's device code (as Fa2FwdSpec's)
 
     kernel = "fa3_fwd"
     source_file = "fa3_fwd.cu"
@@ -357,6 +358,8 @@ class Fa3FwdSpec(_KernelSpecBase):
             or self.tile.block_n != 128 or not self.tile.separate_o
         ):  # fmt: skip
             raise ValueError(f"no FP8 forward variant for {self}: head dims {FP8_FWD_HEAD_DIMS}, 128-key blocks")
+        if self.mods_source and (self.fp8 or self.softcap):
+            raise ValueError("score_mod / mask_mod do not combine with FP8 inputs or softcap on the Hopper forward")
 
     @property
     def persistent(self) -> bool:
@@ -387,6 +390,7 @@ class Fa3FwdSpec(_KernelSpecBase):
             ("dyn", t.dynamic),
             *_mask_flags(self.causal, self.local, self.softcap),
             ("varlen", self.varlen),
+            (f"mods{_digest(self.mods_source)}", bool(self.mods_source)),
         )
 
     @property
@@ -411,7 +415,7 @@ class Fa3FwdSpec(_KernelSpecBase):
         return (
             self.head_dim, t.block_n, t.consumers, t.stages, t.separate_o, t.pingpong, t.dynamic, self.varlen,
             f"E4m3Inputs<{element}>" if self.fp8 else element, self.causal, self.local, self.softcap,
-            *_columns_arg(self.valid_dim),
+            *((self.valid_dim, True) if self.mods_source else _columns_arg(self.valid_dim)),
         )  # fmt: skip
 
     # one CTA per SM (setmaxnreg needs the whole register file): the default _min_blocks of 1

@@ -66,7 +66,7 @@ struct Fa3Elements<E4m3Inputs<Out>> {
 
 template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_,
           bool Pingpong_, bool Dynamic_, bool Varlen_, typename Element_, bool Is_causal_,
-          bool Is_local_, bool Has_softcap_, int kValidDim_ = 0>
+          bool Is_local_, bool Has_softcap_, int kValidDim_ = 0, bool User_mods_ = false>
 struct Fa3FwdTraits {
   // Element: O's type (and P's, with 16-bit inputs); Input: Q's, K's and V's in memory.
   using Element = typename Fa3Elements<Element_>::Output;
@@ -113,7 +113,9 @@ struct Fa3FwdTraits {
   static constexpr bool Is_causal = Is_causal_;
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
-  using Transform = ScoreTransform<Has_softcap>;
+  // A user score_mod / mask_mod (variants.cuh's UserMods): per score, after Q K^T, as the softcap.
+  static constexpr bool User_mods = User_mods_;
+  using Transform = ScoreTransform<Has_softcap, false, User_mods_ ? kUserMods : kNoBias>;
   // The online softmax of a warp's 16 rows (named here, where the Traits are instantiated: a
   // member of type OnlineSoftmax<1> would instantiate it at its definition, which reorders the
   // symbols of the cubin).
@@ -246,7 +248,6 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   const int consumer_row0 = consumer * Traits::kRowsPerConsumer;  // in the block
   const int warp_row0 = consumer_row0 + 16 * warp;
   const float scale_log2 = params.softmax_scale_log2;
-  const typename Traits::Transform transform(params);
   using Mma = Wgmma<kBlockN, typename Traits::Input>;
 
   // Ping-pong turns: named barrier NamedBarrier::kTurn + c is consumer c's "your turn" signal. A
@@ -322,6 +323,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
                                 params.window_right);
     const int n_end = mask.n_block_end();
     const int n_blocks = max(n_end - mask.n_block_begin(), 0);
+    // The score variant of this tile's (batch, head): a user function reads them.
+    const typename Traits::Transform transform(params, tile.batch, tile.head,
+                                               rows.k.len - rows.q.len);
     // FP8: the scores are q_descale k_descale (Q8 K8^T), so the softmax's factor takes both;
     // v_descale scales O with 1 / l in the epilogue.
     float tile_scale_log2 = scale_log2, v_descale = 1.f;

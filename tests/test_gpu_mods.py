@@ -46,9 +46,10 @@ def _functions(to_array, seed):
     ]
 
 
+@pytest.mark.parametrize("algorithm", ["auto", "fa2"])  # auto: the Hopper kernel on sm_90
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (50, 9)}, {"scale": -0.2}], ids=str)
-@pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 80)])
-def test_functions_match_the_host_path(rng, options, dtype, head_dim):
+@pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 80), ("float16", 40)])
+def test_functions_match_the_host_path(rng, options, dtype, head_dim, algorithm):
     torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     tdtype = getattr(torch, dtype)
@@ -59,7 +60,7 @@ def test_functions_match_the_host_path(rng, options, dtype, head_dim):
     for (name, score_mod, mask_mod), (_, gpu_score, gpu_mask) in zip(on_host, on_gpu, strict=True):
         want, want_lse = cupyflash.attention(*host, score_mod=score_mod, mask_mod=mask_mod, return_lse=True, **options)
         out, lse = cupyflash.attention(q.cuda(), k.cuda(), v.cuda(), score_mod=gpu_score, mask_mod=gpu_mask,
-                                       return_lse=True, **options)  # fmt: skip
+                                       return_lse=True, algorithm=algorithm, **options)  # fmt: skip
         assert out.dtype == tdtype and out.shape == q.shape, name
         assert rel_error(reference.to_numpy64(out), want) < BOUND[dtype], name
         got_lse, finite = reference.to_numpy64(lse), np.isfinite(want_lse)

@@ -140,11 +140,14 @@ def test_score_and_mask_functions_route_to_the_fa2_hook(launches, monkeypatch):
 
     for _ in range(2):
         cupyflash.attention(q, kv, kv, scale=-0.3, score_mod=score_mod, mask_mod=mask_mod)
-    _check(launches, "fa2_fwd")
+    _check(launches, "fa3_fwd")  # on Hopper: the wgmma kernel, the functions in its score step
     (launch, given), again = launches[0], launches[1][0]
     assert again is launch  # planned once
     (step,) = launch.steps
-    assert step.spec.mask == "mods" and "cf_user_mods" in step.spec.mods_source
+    assert "cf_user_mods" in step.spec.mods_source and step.spec.tile.consumers == 2
+    cupyflash.attention(q, kv, kv, scale=-0.3, score_mod=score_mod, mask_mod=mask_mod, algorithm="fa2")
+    _check(launches, "fa2_fwd")
+    assert launches[-1][0].steps[0].spec.mask == "mods"
     assert {"mod_buffer0", "mod_buffer1"} <= given
     values = launch.params
     assert values.value("softmax_scale_log2") == pytest.approx(_plan.common.LOG2E)
@@ -161,5 +164,8 @@ def test_score_and_mask_functions_route_to_the_fa2_hook(launches, monkeypatch):
         cupyflash.attention(q, kv, kv, mask_mod=lambda b, h, i, j: on_host[j] == 0)
     with pytest.raises(ValueError, match="do not combine with softcap"):
         cupyflash.attention(q, kv, kv, softcap=5.0, mask_mod=mask_mod)
-    with pytest.raises(ValueError, match="run on the FA2 kernel"):
-        cupyflash.attention(q, kv, kv, algorithm="fa3", mask_mod=mask_mod)
+    with pytest.raises(ValueError, match="run on the FA2 or the Hopper kernel"):
+        cupyflash.attention(q, kv, kv, algorithm="fa1", mask_mod=mask_mod)
+    wide = stand_in((2, 333, 2, 256), "bfloat16")  # above d = 128: FA2's tiles take the functions
+    cupyflash.attention(stand_in((2, 300, 8, 256), "bfloat16"), wide, wide, mask_mod=mask_mod)
+    _check(launches, "fa2_fwd")

@@ -438,7 +438,8 @@ def test_score_derivative_of_a_score_free_expression_is_zero():
 def test_the_hook_compiles_cleanly_for_every_arch():
     """The FA2 forward with generated functions (a 2-D and a 1-D captured array, both functions,
     a float-only score function, a mask of indices only) at both tile shapes, causal or not, in
-    both element types: a cubin for sm_80 and sm_90a with no spill and no warning."""
+    both element types: a cubin for sm_80 and sm_90a with no spill and no warning; the Hopper
+    forward's at d = 64, 80, 128 (sm_90a), whose tiles do not depend on the length with them."""
     from cupyflash import _dispatch, _kernels, _mods
 
     bias, doc = np.zeros((8, 40), np.float32), np.zeros(40, np.int32)
@@ -458,9 +459,15 @@ def test_the_hook_compiles_cleanly_for_every_arch():
                 assert spec.mask == "mods"
                 for arch in ("sm_80", "sm_90a"):
                     builds.append((spec.name, arch, _kernels.compile_offline(spec, arch)))
+        for head_dim in (64, 80, 128):  # the Hopper forward's, long and short sequences
+            for causal in (False, True):
+                for seqlen_k in (1024, 8192):
+                    flags = _dispatch.MaskFlags(causal, False, False)
+                    spec = _dispatch.fa3_fwd_spec(dtype, head_dim, flags, seqlen_k, mods_source=source)
+                    builds.append((spec.name, "sm_90a", _kernels.compile_offline(spec, "sm_90a")))
     assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
     assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]
-    assert len({name for name, _, _ in builds}) == 12  # each function pair, tile and bound its own variant
+    assert len({name for name, _, _ in builds}) == 12 + 3 * 6  # each function pair, tile and bound its own
 
 
 def test_kernel_mods_refuses_more_arrays_than_the_kernels_take():

@@ -54,14 +54,26 @@ def forward_spec(
     check_head_dim(p.head_dim, "the GPU kernels")
     flags = mask_flags(p)
     if mods is not None:
-        if algorithm not in ("auto", "fa2"):
+        if algorithm not in ("auto", "fa2", "fa3"):
             raise ValueError(
-                f"score_mod / mask_mod run on the FA2 kernel: use algorithm='auto' or 'fa2', not {algorithm!r}"
+                f"score_mod / mask_mod run on the FA2 or the Hopper kernel: use algorithm='auto', 'fa2' or 'fa3', not "
+                f"{algorithm!r}"
             )
         if flags.softcap or flags.dropout or flags.alibi or p.mask:
             raise ValueError(
                 "on the GPU, score_mod / mask_mod do not combine with softcap, dropout or ALiBi yet: write the softcap "
                 "or the bias into score_mod (softcap: lambda s, b, h, q, kv: c * mods.tanh(s / c))"
+            )
+        if algorithm != "fa2" and device.arch == HOPPER_ARCH:
+            on_hopper = _dispatch.fa3_fwd_spec(
+                dtype, p.head_dim, flags, p.seqlen_k, packed, chosen=algorithm == "fa3", mods_source=mods.source
+            )
+            if on_hopper is not None and on_hopper.smem_bytes <= device.max_smem_per_block:
+                return on_hopper
+        if algorithm == "fa3":
+            raise ValueError(
+                "algorithm='fa3' with score_mod / mask_mod needs a Hopper GPU (sm_90) and a head_dim that is a "
+                f"multiple of 8 up to {_dispatch.FA3_MODS_MAX_HEAD_DIM}"
             )
         flags = replace(flags, mask="mods")
         return _dispatch.fa2_fwd_spec(dtype, p.head_dim, flags, device.max_smem_per_block, mods_source=mods.source)
