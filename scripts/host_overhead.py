@@ -55,6 +55,7 @@ def _stub_device() -> None:
             info = module.DeviceInfo(index=0, **H100)
             module.device_info = lambda index, info=info: info
     _launch.run = lambda *args, **kwargs: (None, None)
+    _launch.run_outputs = lambda launch, *args, **kwargs: tuple(None for _ in launch.outputs)
     from cupyflash import _interop
 
     _interop.current_device = lambda: 0
@@ -83,6 +84,7 @@ def main() -> None:
     cache = stand_in((8, 4096, 8, 128), "float16")
     packed = stand_in((1024, 16, 128), "float16")
     cu = stand_in((3,), "int32")
+    lse = stand_in((1, 16, 1024), "float32")
     cases = {
         "attention, prefill (1, 1k, 16, 128)": lambda: cupyflash.attention(q, k, v, causal=True),
         "attention, one query token over 4k keys": lambda: cupyflash.attention(q1, cache, cache),
@@ -91,6 +93,9 @@ def main() -> None:
         ),
         "attention_varlen (2 sequences, 1k rows)": lambda: cupyflash.attention_varlen(
             packed, packed, packed, cu, cu, 512, 512, causal=True
+        ),
+        "attention_backward, prefill (1, 1k, 16, 128)": lambda: cupyflash.attention_backward(
+            q, q, k, v, q, lse, causal=True
         ),
     }
     print(f"cupyflash from {cupyflash.__file__}")
