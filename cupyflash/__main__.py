@@ -204,6 +204,17 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         print(bench.format_fp8_decode_table(fp8_rows))
         _write_json(args.json, {"fp8_decode": fp8_rows})
         return 0
+    if args.batch_invariant:  # batch_invariant=True beside the default only
+        inv_rows = []
+        for b, length in bench.BATCH_INVARIANT_SHAPES:
+            for page_size in (0, 16):
+                inv_rows.append(bench.run_batch_invariant_decode(bench.DecodeShape(b, length), page_size))
+                print(bench.format_batch_invariant_table(inv_rows[-1:]), flush=True)
+        print("cost = batch_invariant us / default us (target <= 1.10 at B * L >= 256k); timings: " + ", ".join(
+            bench.TIMINGS))  # fmt: skip
+        print(bench.format_batch_invariant_table(inv_rows))
+        _write_json(args.json, {"batch_invariant_decode": inv_rows})
+        return 0
     if args.page_sizes:  # the paged-cache table only
         paged = []
         for b, length in bench.PAGED_DECODE_SHAPES:
@@ -335,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     bench_decode.add_argument(
         "--fp8", action="store_true", help="instead: the bf16 cache against its e4m3 copy (contiguous, page 16)"
     )
+    bench_decode.add_argument(
+        "--batch-invariant", action="store_true",
+        help="instead: batch_invariant=True beside the default (contiguous, page 16), under the three timings",
+    )  # fmt: skip
     bench_decode.set_defaults(func=cmd_bench_decode)
     bench_varlen = sub.add_parser("bench-varlen", help="packed sequences: TFLOP/s of both kernels and PyTorch's varlen")
     bench_varlen.add_argument("--json", help="write the results here")

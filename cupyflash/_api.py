@@ -12,7 +12,15 @@ from collections.abc import Callable
 from typing import Any, Literal, overload
 
 from . import _attention, _fp8, _fp8_forward, _front, _interop, _kvcache, _mods
-from ._validate import Options, check_algorithm, check_flag, check_num_splits, check_options, check_scale_option
+from ._validate import (
+    Options,
+    check_algorithm,
+    check_batch_invariant,
+    check_flag,
+    check_num_splits,
+    check_options,
+    check_scale_option,
+)
 
 # The forward entry points, as the front door routes them.
 _ATTENTION = _front.Operation(
@@ -41,6 +49,7 @@ def attention(
     algorithm: str = ...,
     return_lse: Literal[False] = ...,
     deterministic: bool = ...,
+    batch_invariant: bool = ...,
     dropout_p: float = ...,
     seed: int | None = ...,
     alibi_slopes: Any = ...,
@@ -67,6 +76,7 @@ def attention(
     algorithm: str = ...,
     return_lse: Literal[True],
     deterministic: bool = ...,
+    batch_invariant: bool = ...,
     dropout_p: float = ...,
     seed: int | None = ...,
     alibi_slopes: Any = ...,
@@ -92,6 +102,7 @@ def attention(
     algorithm: str = "auto",
     return_lse: bool = False,
     deterministic: bool = False,
+    batch_invariant: bool = False,
     dropout_p: float = 0.0,
     seed: int | None = None,
     alibi_slopes: Any = None,
@@ -146,6 +157,21 @@ def attention(
     deterministic : bool
         For PyTorch tensors that require grad: the backward without atomic adds (bit-identical
         gradients run to run; see :func:`attention_backward`).
+    batch_invariant : bool
+        Each sequence's output and LSE bit-identical whatever else is in the batch: its size,
+        the other sequences, the sequence's place in it (RL post-training and reproducible
+        serving need it). Of the GPU kernels only the split-KV decode kernel (one query token
+        under ``"auto"``, or ``"decode"``) depends on the batch: it splits the keys over CTAs
+        by a count from the occupancy of the whole launch. With the flag its splits are a fixed
+        4096 keys merged in split order, so Nk keys take ceil(Nk / 4096) splits in any batch
+        (fewer CTAs than the default for a small batch: docs/api.md states the cost). The FA2
+        and Hopper kernels, FA1 and the FP8 forward are batch-invariant as they are, and the
+        flag changes nothing there: one CTA computes each (query block, batch, head) tile over
+        all its keys in one order (the Hopper kernel's persistent schedule only picks which CTA
+        computes a tile), and the variant follows the dtype, head dim, flags and Nk. The GPU
+        baseline ``"naive"`` (cuBLAS, whose GEMM algorithm follows the batch) refuses it. On
+        the host no algorithm splits by the batch (``"decode"`` then splits at the GPU's 4096
+        keys). Same GPU, same library versions: across GPUs or releases bits may differ.
     dropout_p : float in [0, 1)
         Dropout on the attention probabilities, as SDPA's and flash-attn's ``dropout_p``: each
         element of ``softmax(...)`` is zeroed with probability ``p' = round(65536 p) / 65536``
@@ -228,7 +254,10 @@ def attention(
     ((1, 5, 2, 16), (1, 2, 5))
     """
     options = check_options(causal, scale, window, softcap)
+    if batch_invariant is not False:
+        batch_invariant = check_batch_invariant(batch_invariant)
     if _fp8_forward.is_fp8_call(q, (q_descale, k_descale, v_descale), fp8_dtype):
+        # (the Hopper kernel on e4m3 splits no keys: batch-invariant either way)
         if score_mod is not None or mask_mod is not None:
             raise ValueError("the FP8 forward takes no score_mod / mask_mod")
         _fp8_forward.refuse_options(options, algorithm, dropout_p, alibi_slopes, attn_mask)
@@ -251,8 +280,9 @@ def attention(
     if deterministic is not False and deterministic is not True:
         deterministic = check_flag("deterministic", deterministic)
     call = _attention.Forward(
-        q, k, v, options, layout, algorithm, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods
-    )
+        q, k, v, options, layout, algorithm, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods,
+        batch_invariant,
+    )  # fmt: skip
     out, lse = _front.route(_ATTENTION, call, return_lse)
     return (out, lse) if return_lse else out
 
@@ -273,6 +303,7 @@ def attention_varlen(
     return_lse: bool = False,
     algorithm: str = "auto",
     deterministic: bool = False,
+    batch_invariant: bool = False,
     dropout_p: float = 0.0,
     seed: int | None = None,
     alibi_slopes: Any = None,
@@ -305,6 +336,14 @@ def attention_varlen(
         host every choice runs ``cupyflash.xp_impl``'s FA2.
     deterministic : bool
         For PyTorch tensors that require grad: the backward without atomic adds.
+    batch_invariant : bool
+        Each sequence's output and LSE bit-identical whatever else is packed with it. The FA2
+        and Hopper kernels split no sequence's keys (one CTA per query block of a sequence and
+        head, over all its keys, in one order), so this holds without the flag but for one
+        choice: at head_dim 64 without a causal or window bound the Hopper kernel runs another
+        tile when ``max_seqlen_k`` (the batch's longest sequence) is at most 2048 keys. The
+        flag keeps that tile choice off the batch (such batches then run up to ~10% slower).
+        Paged keys (``block_table``) and the host path are batch-invariant as they are.
     dropout_p, seed : as in :func:`attention`; an element's (batch, row, key) are its sequence's
         index and its positions within the sequence.
     alibi_slopes : as in :func:`attention`, ``(Hq,)`` or ``(batch, Hq)``; the distance within
@@ -349,7 +388,7 @@ def attention_varlen(
     call = _attention.VarlenForward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_options(causal, scale, window, softcap),
         check_algorithm("attention_varlen", algorithm), check_flag("deterministic", deterministic), dropout_p, seed,
-        alibi_slopes, seqused_k, block_table,
+        alibi_slopes, seqused_k, block_table, check_batch_invariant(batch_invariant),
     )  # fmt: skip
     if block_table is not None:
         if call.algorithm == "fa3":
@@ -516,6 +555,7 @@ def attention_with_kvcache(
     rotary_sin: Any = ...,
     rotary_interleaved: bool = ...,
     num_splits: int = ...,
+    batch_invariant: bool = ...,
     return_lse: Literal[False] = ...,
     k_scale: Any = ...,
     v_scale: Any = ...,
@@ -542,6 +582,7 @@ def attention_with_kvcache(
     rotary_sin: Any = ...,
     rotary_interleaved: bool = ...,
     num_splits: int = ...,
+    batch_invariant: bool = ...,
     return_lse: Literal[True],
     k_scale: Any = ...,
     v_scale: Any = ...,
@@ -567,6 +608,7 @@ def attention_with_kvcache(
     rotary_sin: Any = None,
     rotary_interleaved: bool = True,
     num_splits: int = 0,
+    batch_invariant: bool = False,
     return_lse: bool = False,
     k_scale: Any = None,
     v_scale: Any = None,
@@ -639,6 +681,22 @@ def attention_with_kvcache(
     num_splits : int
         Splits of the KV sequence: 0 chooses from the GPU's SM count, the batch, the heads and
         the cache length; 1 runs the same kernel without splitting (no combine step).
+    batch_invariant : bool
+        Each sequence's output and LSE bit-identical whatever else is in the batch: the batch
+        size, the other sequences and their lengths, the sequence's place in the batch, the
+        cache's capacity or page layout around it (RL post-training and reproducible serving).
+        The default split count comes from an occupancy model over the whole launch, so a
+        sequence's rounding changes with its neighbours. With the flag a split is a fixed 4096
+        keys (``cupyflash._dispatch.BATCH_INVARIANT_SPLIT_KEYS``): a sequence of ``Nk_b`` keys
+        takes ceil(Nk_b / 4096) splits, merged in split order, and nothing else in the kernel
+        depends on the batch (the GQA packing and the tile follow the heads and query tokens).
+        Not with ``num_splits`` (a ValueError). Its cost: no more CTAs than the sequences' own
+        splits where the default would split further to fill the GPU (a small batch of short
+        caches: B = 1 at 32k keys launches half the default's CTAs), and a CTA, which exits at
+        once, for each split of the capacity past a sequence's keys (docs/api.md). More than 16
+        query tokens, or ALiBi, run the FA2 kernel, which splits no keys: invariant either way.
+        The host path computes each sequence alone and splits at the same keys as the GPU.
+        Same GPU and library versions; across GPUs or releases the bits may differ.
     return_lse : bool
         Also return the float32 natural-log LSE ``(B, Hq, Nq)``.
     k_scale, v_scale : float or float32 array ``()``, ``(1,)`` or ``(Hkv,)``, optional
@@ -717,6 +775,7 @@ def attention_with_kvcache(
         return _front.torch_ops().attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse,
             cache_batch_idx, cache_leftpad, window, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
+            batch_invariant,
         )  # fmt: skip
     if type(causal) is not bool or window != (-1, -1) or softcap != 0.0:  # the defaults skip the checks
         options = check_options(causal, scale, window, softcap)
@@ -724,6 +783,8 @@ def attention_with_kvcache(
         options = Options(causal, scale if scale is None or type(scale) is float else check_scale_option(scale))
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
+    if batch_invariant is not False:
+        batch_invariant = check_batch_invariant(batch_invariant, num_splits)
     if alibi_slopes is not None:
         _interop.refuse_slope_grad(alibi_slopes)
     if (rotary_cos is None) != (rotary_sin is None):
@@ -749,17 +810,18 @@ def attention_with_kvcache(
         if lib.check_inputs((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)):
             _interop.refuse_autograd("attention_with_kvcache")
         out, lse = _kvcache.gpu_attention_with_kvcache(
-            lib, device, arrays, options, num_splits, rotary, return_lse, kv_dtype=kv_dtype
-        )
+            lib, device, arrays, options, num_splits, rotary, return_lse, kv_dtype=kv_dtype,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
         return (out, lse) if return_lse else out
-    call = _kvcache.CacheCall(arrays, options, num_splits, rotary, kv_dtype)
+    call = _kvcache.CacheCall(arrays, options, num_splits, rotary, kv_dtype, batch_invariant)
     given = (q, k_cache, v_cache, *others)
     if _interop.traced(given) or (k_new is not None and _interop.has_jax_arrays(given)):
         # JAX arrays are immutable: the custom call returns the appended caches (_jax).
         if call.fp8 or "float8" in str(k_cache.dtype):
             raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
         return _front.jax_ops().attention_with_kvcache(
-            arrays, options, check_num_splits(num_splits), rotary, return_lse
+            arrays, options, check_num_splits(num_splits), rotary, return_lse, batch_invariant
         )
     if _interop.needs_autograd(given):
         _interop.refuse_autograd("attention_with_kvcache")

@@ -52,6 +52,7 @@ class Forward:
     alibi_slopes: Any = None
     attn_mask: Any = None
     mods: Any = None  # (score_mod, mask_mod) traced (_mods.Mod or None each), or None: the host path only
+    batch_invariant: bool = False  # each sequence's result independent of the batch (the decode kernel's splits)
 
     names = ("q", "k", "v", "alibi_slopes", "attn_mask")
 
@@ -89,6 +90,7 @@ class VarlenForward:
     alibi_slopes: Any = None
     seqused_k: Any = None
     block_table: Any = None
+    batch_invariant: bool = False  # the Hopper variant not chosen by the batch's longest sequence
 
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k", "block_table")
 
@@ -271,8 +273,9 @@ def host_forward(call: Forward) -> tuple[Any, Any]:
     dropout = host_dropout(call.q, call.dropout_p, call.seed)
     score_mod, mask_mod = (None, None) if call.mods is None else call.mods
     return _host.attention(
-        call.q, call.k, call.v, problem, call.algorithm, dropout, call.alibi_slopes, mask, score_mod, mask_mod
-    )
+        call.q, call.k, call.v, problem, call.algorithm, dropout, call.alibi_slopes, mask, score_mod, mask_mod,
+        batch_invariant=call.batch_invariant,
+    )  # fmt: skip
 
 
 def gpu_forward(
@@ -287,7 +290,7 @@ def gpu_forward(
     q, k, v, slopes = call.q, call.k, call.v, call.alibi_slopes
     alibi_key = None if slopes is None else (tuple(slopes.shape), slopes.dtype)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
-           call.algorithm, call.dropout_p, alibi_key)  # fmt: skip
+           call.algorithm, call.dropout_p, alibi_key, call.batch_invariant)  # fmt: skip
     launch = _plans.lookup(key)
     if launch is None:
         launch = _plans.get(key, lambda: _plan_forward(lib, device, call))
@@ -308,8 +311,15 @@ def _plan_forward(lib: _interop.ArrayLib, device: int, call: Forward) -> _plan.L
             raise ValueError(
                 f"the GPU baseline algorithm={call.algorithm!r} has no dropout or ALiBi: use 'auto' or 'fa2'"
             )
+        if call.batch_invariant and call.algorithm == "naive":
+            raise ValueError(
+                "batch_invariant=True runs on the flash kernels: the GPU baseline algorithm='naive' multiplies by "
+                "cuBLAS, which picks its GEMM algorithm by the batch too; use 'auto', 'fa2', 'fa3', 'decode' or 'fa1'"
+            )
         return _baselines_gpu.plan_baseline(problem, dtype, info, call.algorithm)
-    return _plan.plan_attention(problem, dtype, info, call.algorithm, tuple(call.q.shape))
+    return _plan.plan_attention(
+        problem, dtype, info, call.algorithm, tuple(call.q.shape), batch_invariant=call.batch_invariant
+    )
 
 
 # The device code of each score_mod / mask_mod pair met, by their keys (the expressions, with
@@ -356,12 +366,15 @@ def _gpu_masked(lib: _interop.ArrayLib, device: int, call: Forward, want_lse: bo
     problem, mask = forward_problem(call)
     q, k, v = call.q, call.k, call.v
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, mask.dtype, problem, call.layout,
-           call.algorithm)  # fmt: skip
+           call.algorithm, call.batch_invariant)  # fmt: skip
 
     def plan() -> _plan.Launch:
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
         _check_mask_dtype(lib, problem, mask, dtype)
-        return _plan.plan_attention(problem, dtype, _device.device_info(device), call.algorithm, tuple(q.shape))
+        info = _device.device_info(device)
+        return _plan.plan_attention(
+            problem, dtype, info, call.algorithm, tuple(q.shape), batch_invariant=call.batch_invariant
+        )
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "attn_mask": mask}
@@ -398,7 +411,7 @@ def gpu_varlen_forward(lib: _interop.ArrayLib, device: int, call: VarlenForward,
     )  # fmt: skip
     problem = _varlen_call_problem(call)
     key = (lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, cu_q, cu_k, slopes, seqused_k),
-           call.algorithm)  # fmt: skip
+           call.algorithm, call.batch_invariant)  # fmt: skip
 
     def plan() -> _plan.Launch:
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
@@ -406,8 +419,9 @@ def gpu_varlen_forward(lib: _interop.ArrayLib, device: int, call: VarlenForward,
         _check_slopes_dtype(lib, slopes)
         rows = (q.shape[0], k.shape[0])
         return _plan.plan_forward(
-            problem, dtype, _device.device_info(device), call.algorithm, q_shape=tuple(q.shape), packed_rows=rows
-        )
+            problem, dtype, _device.device_info(device), call.algorithm, q_shape=tuple(q.shape), packed_rows=rows,
+            batch_invariant=call.batch_invariant,
+        )  # fmt: skip
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "alibi_slopes": slopes,

@@ -249,12 +249,15 @@ def fa3_fwd_spec(
     *,
     chosen: bool = False,
     mods_source: str = "",
+    batch_invariant: bool = False,
 ) -> Fa3FwdSpec | None:
     """The Hopper variant for a call (``varlen``: packed sequences, ``seqlen_k`` then the
     longest), or None where it has none: a head dim that is not a multiple of 8 (TMA moves
     16-byte rows), or, unless the caller ``chosen`` this kernel, one that runs faster on FA2
     (``FA2_OVER_FA3_MAX_HEAD_DIM``). ``mods_source``: a user score_mod / mask_mod, on the
-    tiles of two consumers up to d = 128 (FA3_MODS_MAX_HEAD_DIM; above it, FA2's)."""
+    tiles of two consumers up to d = 128 (FA3_MODS_MAX_HEAD_DIM; above it, FA2's).
+    ``batch_invariant`` with ``varlen``: the longest sequence is the batch's, so the short-call
+    tiles (FA3_SHORT_FWD_TILES) are not chosen by it."""
     if head_dim % 8 or head_dim > FA3_HEAD_DIMS[-1] or (head_dim <= FA2_OVER_FA3_MAX_HEAD_DIM and not chosen):
         return None
     width, valid_dim = columns(head_dim, FA3_HEAD_DIMS)
@@ -267,7 +270,8 @@ def fa3_fwd_spec(
         mods_tile = FA3_MODS_FWD_TILES.get(key, FA3_FWD_TILES[key])
         causal, local = flags.causal, flags.local
         return Fa3FwdSpec(dtype, width, mods_tile, causal, local, False, False, valid_dim, mods_source=mods_source)
-    tile = FA3_SHORT_FWD_TILES.get(key) if seqlen_k <= FA3_SHORT_SEQLEN else None
+    short = seqlen_k <= FA3_SHORT_SEQLEN and not (varlen and batch_invariant)
+    tile = FA3_SHORT_FWD_TILES.get(key) if short else None
     tile = tile or FA3_FWD_TILES[key]
     return Fa3FwdSpec(dtype, width, tile, flags.causal, flags.local, flags.softcap, varlen, valid_dim)
 
@@ -410,12 +414,33 @@ def decode_tile(head_dim: int, rows: int, fp8: bool = False) -> DecodeTile:
 
 
 def decode_spec(
-    dtype: str, head_dim: int, rows: int, causal: bool, local: bool = False, softcap: bool = False, fp8: bool = False
-) -> DecodeSpec:
+    dtype: str, head_dim: int, rows: int, causal: bool, local: bool = False, softcap: bool = False, fp8: bool = False,
+    batch_invariant: bool = False,
+) -> DecodeSpec:  # fmt: skip
     """The decode variant for the caller's ``head_dim`` (as ``fa2_fwd_spec``: the next tile width);
-    ``fp8``: over a float8 cache (head dims FP8_DECODE_HEAD_DIMS)."""
+    ``fp8``: over a float8 cache (head dims FP8_DECODE_HEAD_DIMS); ``batch_invariant``: each
+    sequence merges only its own splits of BATCH_INVARIANT_SPLIT_KEYS keys. The tile depends on
+    the rows (query tokens x the GQA group), never on the batch."""
     width, valid_dim = columns(head_dim, DECODE_HEAD_DIMS)
-    return DecodeSpec(dtype, width, decode_tile(width, rows, fp8), causal, valid_dim, local, softcap, fp8)
+    tile = decode_tile(width, rows, fp8)
+    return DecodeSpec(dtype, width, tile, causal, valid_dim, local, softcap, fp8, batch_invariant)
+
+
+#: ``batch_invariant=True``'s split size in keys. A sequence of L keys takes ceil(L / 4096)
+#: splits, keys [4096 s, 4096 (s + 1)), merged in split order, whatever else is in the batch
+#: (the default's split count comes from an occupancy model over the whole batch, so a sequence's
+#: rounding changes with its neighbours). A multiple of every decode tile's key block (64 and 128
+#: keys, DECODE_TILES and FP8_DECODE_TILES), so a split is whole CTA steps. Why 4096: a split's
+#: fixed cost (its Q load, the ring's first slices, the warps' merge, the partial write, the
+#: ticket) must stay small beside its share of the KV stream. At d = 128 in bf16 a split streams
+#: 2 MB of K and V, ~80 us at an H100 SM's share of HBM (3.35 TB/s / 132), against a few us of
+#: fixed cost; 2048 would double that share where the default runs one split per sequence
+#: (B = 64, L = 32k). And the grid fills the GPU where the issue's target holds: at B * L >= 256k
+#: with 8 KV heads there are >= 512 CTAs (3.9 waves of 132 at one CTA per SM). Shorter batches
+#: get fewer CTAs than the default would launch (B = 1, L = 32k: 64 against 128): that is the
+#: cost of not splitting by the batch (docs/api.md states it; bench.run_batch_invariant_decode
+#: times it).
+BATCH_INVARIANT_SPLIT_KEYS = 4096
 
 
 #: A split count within this fraction of the best wave efficiency is as good: the fewest wins.
@@ -462,6 +487,9 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
             specs.append(MergeSpec("float32", dtype, head_dim))
             specs.append(MergeSpec(dtype, dtype, head_dim))
         specs += fp8_decode_specs(dtype)
+    # batch_invariant's twin of every partial kernel (its windows and softcap compile on first
+    # use, as the default's)
+    specs += [replace(s, batch_invariant=True) for s in specs if isinstance(s, DecodeSpec)]
     return specs
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ._dispatch import split_blocks
+from ._dispatch import BATCH_INVARIANT_SPLIT_KEYS, split_blocks
 from ._validate import (
     KvCacheProblem,
     Problem,
@@ -49,9 +49,11 @@ def _check_floats(xp: Any, named: list[tuple[str, Any]]) -> None:
 
 def attention(
     q: Any, k: Any, v: Any, problem: Problem, algorithm: str, dropout: Any = None, alibi_slopes: Any = None,
-    attn_mask: Any = None, score_mod: Any = None, mask_mod: Any = None,
+    attn_mask: Any = None, score_mod: Any = None, mask_mod: Any = None, *, batch_invariant: bool = False,
 ) -> tuple[Any, Any]:  # fmt: skip
-    """``score_mod`` / ``mask_mod``: traced (``_mods.Mod``), or None."""
+    """``score_mod`` / ``mask_mod``: traced (``_mods.Mod``), or None. ``batch_invariant``: the
+    decode algorithm's splits of BATCH_INVARIANT_SPLIT_KEYS keys, as the GPU's (no host algorithm
+    splits by the batch: its default split count follows the key count alone)."""
     from . import xp_impl
 
     if attn_mask is not None:
@@ -63,9 +65,10 @@ def attention(
     _check_floats(xp, [("q", q), ("k", k), ("v", v)])
     # fa3 is FA2's algorithm on Hopper's instructions: on the host both are xp_impl's fa2.
     host_algorithm = "fa2" if algorithm in ("auto", "fa3") else algorithm
+    splits = {"split_keys": BATCH_INVARIANT_SPLIT_KEYS} if batch_invariant and host_algorithm == "decode" else {}
     return xp_impl.attention(
         xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
-        score_mod=score_mod, mask_mod=mask_mod,
+        score_mod=score_mod, mask_mod=mask_mod, **splits,
     )  # fmt: skip
 
 
@@ -217,13 +220,27 @@ _HOST_BLOCK_N = 64
 _HOST_BLOCKS_PER_SPLIT = 4
 
 
+def kvcache_split_keys(capacity: int, num_splits: int, batch_invariant: bool = False) -> int:
+    """Keys per split of the host's cache call: BATCH_INVARIANT_SPLIT_KEYS with ``batch_invariant``
+    (the GPU kernel's split, so both split a sequence at the same keys), else ``num_splits`` (0:
+    one per _HOST_BLOCKS_PER_SPLIT blocks) over the capacity."""
+    if batch_invariant:
+        return BATCH_INVARIANT_SPLIT_KEYS
+    key_blocks = -(-capacity // _HOST_BLOCK_N)
+    per_split, _ = split_blocks(key_blocks, num_splits or max(1, key_blocks // _HOST_BLOCKS_PER_SPLIT))
+    return per_split * _HOST_BLOCK_N
+
+
 def attention_with_kvcache(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, p: KvCacheProblem,
     num_splits: int, batch_idx: Any = None, leftpad: Any = None, alibi_slopes: Any = None,
     rotary_cos: Any = None, rotary_sin: Any = None, fp8: tuple[str, Any, Any] | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[Any, Any]:  # fmt: skip
     """``fp8``: (format, k_scale, v_scale) of float8 caches (``_fp8``): k_new / v_new quantised on
-    append, the attention over the dequantised caches."""
+    append, the attention over the dequantised caches. Each sequence is computed alone (its
+    query rows over its own keys), so with ``batch_invariant`` (a split size fixed in keys, not a
+    count over the capacity) its result does not depend on the batch."""
     from . import _fp8, xp_impl
 
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": seqlens, "block_table": table,
@@ -270,12 +287,10 @@ def attention_with_kvcache(
     elif k_new is not None:
         xp_impl.append_kv(xp, k_cache, k_new, cached, layout)
         xp_impl.append_kv(xp, v_cache, v_new, cached, layout)
-    key_blocks = -(-p.capacity // _HOST_BLOCK_N)
-    splits = num_splits or max(1, key_blocks // _HOST_BLOCKS_PER_SPLIT)
-    per_split, _ = split_blocks(key_blocks, splits)
+    split_keys = kvcache_split_keys(p.capacity, num_splits, batch_invariant)
     lengths = [n + p.seqlen_new for n in cached]
     return xp_impl.attention_with_kvcache(
-        xp, q, k_cache, v_cache, lengths, layout, p.attn, per_split * _HOST_BLOCK_N, first_keys, alibi_slopes
+        xp, q, k_cache, v_cache, lengths, layout, p.attn, split_keys, first_keys, alibi_slopes
     )
 
 

@@ -67,6 +67,7 @@ class Config:
     deterministic: bool
     dropout_p: float
     problem: Any  # the validated Problem (shapes, mask): the backward's plan key
+    batch_invariant: bool = False
 
 
 def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
@@ -85,8 +86,9 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     if alibi_slopes is not None and alibi_slopes.dtype != jnp.float32:
         raise TypeError(f"alibi_slopes must be float32 (as flash-attn's), got {alibi_slopes.dtype}")
     config = Config(
-        call.options, call.layout, call.algorithm, bool(want_lse), bool(call.deterministic), dropout_p, problem
-    )
+        call.options, call.layout, call.algorithm, bool(want_lse), bool(call.deterministic), dropout_p, problem,
+        bool(call.batch_invariant),
+    )  # fmt: skip
     result = _attention_vjp(config, q, k, v, _seed_operand(dropout_p, call.seed), alibi_slopes)
     return result if want_lse else (result, None)
 
@@ -218,7 +220,7 @@ def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, want_lse
                 given["lse"] = _cupy_view(results[1])
             call = _attention.Forward(
                 q, k, v, config.options, config.layout, config.algorithm, config.deterministic, config.dropout_p,
-                _gpu_seed(seed), None if slopes is None else _cupy_view(slopes),
+                _gpu_seed(seed), None if slopes is None else _cupy_view(slopes), batch_invariant=config.batch_invariant,
             )  # fmt: skip
             _attention.gpu_forward(_interop.CUPY_LIB, device, call, want_lse, given)
         runs["gpu", "forward"] += 1
@@ -265,6 +267,7 @@ class KvConfig:
     return_lse: bool
     names: tuple[str, ...]  # the operands given, in _kvcache.KV_NAMES' order
     problem: Any  # the validated KvCacheProblem
+    batch_invariant: bool = False
 
     @property
     def appends(self) -> bool:
@@ -272,8 +275,9 @@ class KvConfig:
 
 
 def attention_with_kvcache(
-    arrays: dict[str, Any], options: Options, num_splits: int, rotary: bool | None, return_lse: bool
-) -> Any:
+    arrays: dict[str, Any], options: Options, num_splits: int, rotary: bool | None, return_lse: bool,
+    batch_invariant: bool = False,
+) -> Any:  # fmt: skip
     """``cupyflash.attention_with_kvcache`` on JAX arrays (traced, or concrete ones with k_new;
     ``arrays`` by name, options already checked by the entry): one custom call. With k_new it
     returns ``(result, k_cache, v_cache)``, the caches with the new tokens, as new arrays (the
@@ -292,7 +296,7 @@ def attention_with_kvcache(
     if type(seqlens) is int:  # checked against the capacity above; an operand, so no recompile per length
         operands["cache_seqlens"] = np.full((problem.attn.batch,), seqlens, np.int32)
     names = tuple(n for n in _kvcache.KV_NAMES if n in operands)
-    config = KvConfig(options, num_splits, rotary, bool(return_lse), names, problem)
+    config = KvConfig(options, num_splits, rotary, bool(return_lse), names, problem, bool(batch_invariant))
     values = tuple(operands[n] for n in names)
     if _interop.traced(values):
         return _kvcache_call(config, values)
@@ -362,7 +366,7 @@ def _kvcache_callback(config: KvConfig) -> Any:
                     views[name] = _cache_result(views[name], _cupy_view(result), lambda x: x.data.ptr)
             _kvcache.gpu_attention_with_kvcache(
                 _interop.CUPY_LIB, device, views, config.options, config.num_splits, config.rotary,
-                config.return_lse, given,
+                config.return_lse, given, batch_invariant=config.batch_invariant,
             )  # fmt: skip
         runs["gpu", "kvcache"] += 1
 
@@ -452,7 +456,7 @@ def _host_forward(config: Config, results: Any, q: Any, k: Any, v: Any, seed: An
     call = _attention.Forward(
         _host_array(q), _host_array(k), _host_array(v), config.options, config.layout, config.algorithm,
         config.deterministic, config.dropout_p, None if seed is None else _seed_value(np.asarray(seed)),
-        None if slopes is None else np.asarray(slopes),
+        None if slopes is None else np.asarray(slopes), batch_invariant=config.batch_invariant,
     )  # fmt: skip
     out, lse = _attention.host_forward(call)
     np.asarray(results[0])[...] = out
@@ -485,7 +489,9 @@ def _host_kvcache(config: KvConfig, results: Any, operands: dict[str, Any]) -> N
             buffer = _cache_result(np.asarray(operands[name]), np.asarray(result), lambda x: x.ctypes.data)
             arrays[name] = _host_array(buffer)  # the buffer itself, or a float32 copy of a bfloat16 one
             caches.append((buffer, arrays[name]))
-    call = _kvcache.CacheCall(arrays, config.options, config.num_splits, config.rotary)
+    call = _kvcache.CacheCall(
+        arrays, config.options, config.num_splits, config.rotary, batch_invariant=config.batch_invariant
+    )
     out, lse = _kvcache.with_kvcache(call, want_lse=True)
     np.asarray(results[0])[...] = out
     if config.return_lse:

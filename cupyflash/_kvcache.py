@@ -40,6 +40,7 @@ class CacheCall:
     num_splits: int = 0
     rotary: bool | None = None  # interleaved or not, with rotary_cos / rotary_sin; None without
     kv_dtype: str | None = None
+    batch_invariant: bool = False  # splits of a fixed size in keys (num_splits then 0)
 
     @property
     def fp8(self) -> bool:
@@ -69,7 +70,7 @@ def with_kvcache(call: CacheCall, want_lse: bool) -> tuple[Any, Any]:
         return _host.attention_with_kvcache(
             a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], p,
             check_num_splits(call.num_splits), a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], cos, sin,
-            fp8=fp8,
+            fp8=fp8, batch_invariant=call.batch_invariant,
         )  # fmt: skip
     lib, device, gpu = found
     if lib.name == _interop.DLPACK and a["k_new"] is not None:
@@ -84,19 +85,22 @@ def with_kvcache(call: CacheCall, want_lse: bool) -> tuple[Any, Any]:
         if type(a[name]) is float:
             arrays[name] = a[name]
     return gpu_attention_with_kvcache(
-        lib, device, arrays, call.options, call.num_splits, call.rotary, want_lse, kv_dtype=call.kv_dtype
-    )
+        lib, device, arrays, call.options, call.num_splits, call.rotary, want_lse, kv_dtype=call.kv_dtype,
+        batch_invariant=call.batch_invariant,
+    )  # fmt: skip
 
 
 def gpu_attention_with_kvcache(
     lib: _interop.ArrayLib, device: int, arrays: dict[str, Any], options: Options,
     num_splits: int, rotary: bool | None, want_lse: bool, given: Any = _launch.EMPTY, kv_dtype: str | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The kernels of a cache call on arrays the pipeline reads, by name (``KV_NAMES``; the
     caches are appended in place): (out, lse), lse None unless wanted. ``given``: output buffers
     to write, by name (``_launch.run``; XLA's under ``jax.jit``). A float8 cache's scales are
     arrays (operands) or host floats (checked, passed per call); ``kv_dtype`` names its format
-    for caches of bytes (CuPy's uint8)."""
+    for caches of bytes (CuPy's uint8); ``batch_invariant``: splits of a fixed size in keys
+    (checked against ``num_splits`` by the entry)."""
     q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale = (
         _kv_operands(arrays)
     )
@@ -112,7 +116,7 @@ def gpu_attention_with_kvcache(
         None if v_new is None else v_new.shape, None if batch_idx is None else (batch_idx.shape, batch_idx.dtype),
         None if leftpad is None else (leftpad.shape, leftpad.dtype),
         None if slopes is None else (slopes.shape, slopes.dtype),
-        None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, rotary), fp8_key,
+        None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, rotary), fp8_key, batch_invariant,
     )  # fmt: skip
     launch = _plans.lookup(key)
     if launch is None:
@@ -135,6 +139,7 @@ def gpu_attention_with_kvcache(
                 slopes,
                 (cos, sin, rotary),
                 (kv_dtype, k_scale, v_scale),
+                batch_invariant,
             ),  # fmt: skip
         )
     return _launch.run(launch, lib, device, arrays, want_lse, given)
@@ -168,6 +173,7 @@ def _plan_kvcache(
     lib: _interop.ArrayLib, device: int, q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any,
     v_new: Any, options: Options, num_splits: int, batch_idx: Any, leftpad: Any,
     slopes: Any, rotary: tuple[Any, Any, Any], fp8_args: tuple[Any, Any, Any] = (None, None, None),
+    batch_invariant: bool = False,
 ) -> _plan.Launch:  # fmt: skip
     # An int cache_seqlens is checked per call (the plan is shared by every int): plan with 0.
     p = kvcache_problem_of(
@@ -183,7 +189,10 @@ def _plan_kvcache(
     if slopes is not None and lib.dtype_name(slopes) != "float32":
         raise TypeError(f"alibi_slopes must be float32, got {lib.dtype_name(slopes)}")
     fp8 = _gpu_fp8(lib, dtypes, p.attn.heads_kv, *fp8_args)
-    return _plan.plan_kvcache(p, dtypes, _device.device_info(device), num_splits=check_num_splits(num_splits), fp8=fp8)
+    return _plan.plan_kvcache(
+        p, dtypes, _device.device_info(device), num_splits=check_num_splits(num_splits), fp8=fp8,
+        batch_invariant=batch_invariant,
+    )  # fmt: skip
 
 
 def _refuse_fp8_queries(named: dict[str, str | None]) -> None:

@@ -608,6 +608,7 @@ class DecodeSpec(_KernelSpecBase):
     local: bool = False  # a window's left bound
     softcap: bool = False
     fp8: bool = False  # a float8 cache (the format, e4m3 or e5m2, is a run-time field)
+    batch_invariant: bool = False  # each sequence merges only the fixed-size splits of its own keys
 
     kernel = "decode_partial"
     source_file = "decode.cu"
@@ -641,7 +642,8 @@ class DecodeSpec(_KernelSpecBase):
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
         t = self.tile
         return (("qreg", t.q_in_regs), (f"b{t.min_blocks}", t.min_blocks > 1),
-                *_mask_flags(self.causal, self.local, self.softcap), ("fp8", self.fp8))  # fmt: skip
+                *_mask_flags(self.causal, self.local, self.softcap), ("fp8", self.fp8),
+                ("inv", self.batch_invariant))  # fmt: skip
 
     @property
     def num_threads(self) -> int:
@@ -656,10 +658,15 @@ class DecodeSpec(_KernelSpecBase):
 
     def _traits_args(self) -> tuple[object, ...]:
         t = self.tile
+        # The trailing kValidDim_, Kv_fp8_, Batch_invariant_ spelled out only as far as needed
+        # (a variant without them is spelled as before).
+        tail: tuple[object, ...] = (
+            (self.valid_dim, self.fp8, True) if self.batch_invariant
+            else (self.valid_dim, True) if self.fp8 else _columns_arg(self.valid_dim)
+        )  # fmt: skip
         return (
             self.head_dim, t.block_m, t.warp_keys, t.num_warps, t.stages, t.q_in_regs,
-            CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap,
-            *((self.valid_dim, True) if self.fp8 else _columns_arg(self.valid_dim)),
+            CUDA_ELEMENT_TYPES[self.dtype], self.causal, self.local, self.softcap, *tail,
         )  # fmt: skip
 
     @property

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _attention, _interop, _kvcache, _mods
-from ._validate import Options, attention_problem, check_options
+from ._validate import Options, attention_problem, check_batch_invariant, check_num_splits, check_options
 
 _LIB = "cupyflash"
 
@@ -57,12 +57,12 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 def _attention_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int,
     softcap: float, layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
-    alibi_slopes: Tensor | None, attn_mask: Tensor | None = None,
+    alibi_slopes: Tensor | None, attn_mask: Tensor | None = None, batch_invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     options = Options(causal, scale, (window_left, window_right), softcap)
     call = _attention.Forward(
         q, k, v, options, layout, algorithm, deterministic, dropout_p, _seed_value(dropout_p, seed), alibi_slopes,
-        attn_mask,
+        attn_mask, batch_invariant=batch_invariant,
     )  # fmt: skip
     with torch.no_grad():
         out, lse = _attention.forward(call, want_lse=True)
@@ -76,7 +76,7 @@ attention_op = torch.library.custom_op(f"{_LIB}::attention", _attention_forward,
 def _(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
     layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
-    attn_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None, batch_invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     p = _problem(q, k, v, causal, scale, window_left, window_right, softcap, layout)
     lse = q.new_empty((p.batch, p.heads_q, p.seqlen_q), dtype=_lse_dtype(q))
@@ -124,7 +124,7 @@ def _attention_grads(ctx: Any, dout: Tensor | None, dlse: Tensor | None, backwar
     dq, dk, dv = (backward or attention_backward_op)(
         dout, q, k, v, out, lse, dlse, *ctx.options, seed, alibi_slopes, attn_mask
     )  # fmt: skip
-    return dq, dk, dv, *(None,) * 12  # the options, the seed, the slopes and the mask get none
+    return dq, dk, dv, *(None,) * 13  # the options, the seed, the slopes and the mask get none
 
 
 attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
@@ -149,7 +149,7 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     out, lse = _op_or_eager(attention_op, _ATTENTION)(
         q, call.k, call.v, bool(o.causal), scale, int(o.window[0]), int(o.window[1]), float(o.softcap), call.layout,
         call.algorithm, bool(call.deterministic), dropout_p, _seed_tensor(q, dropout_p, call.seed), call.alibi_slopes,
-        mask,
+        mask, bool(call.batch_invariant),
     )  # fmt: skip
     return out, lse
 
@@ -194,12 +194,12 @@ def _varlen_forward(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
     algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
-    seqused_k: Tensor | None,
+    seqused_k: Tensor | None, batch_invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     options = Options(causal, scale, (window_left, window_right), softcap)
     call = _attention.VarlenForward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, algorithm, deterministic, dropout_p,
-        _seed_value(dropout_p, seed), alibi_slopes, seqused_k,
+        _seed_value(dropout_p, seed), alibi_slopes, seqused_k, batch_invariant=batch_invariant,
     )  # fmt: skip
     with torch.no_grad():
         out, lse = _attention.varlen_forward(call, want_lse=True)
@@ -214,7 +214,7 @@ def _(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
     algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
-    seqused_k: Tensor | None,
+    seqused_k: Tensor | None, batch_invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     check_options(causal, scale, (window_left, window_right), softcap)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
@@ -254,7 +254,7 @@ def _(
 
 def _setup_varlen(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, _, deterministic = inputs[:14]
-    dropout_p, seed, alibi_slopes, seqused_k = inputs[14:]
+    dropout_p, seed, alibi_slopes, seqused_k = inputs[14:18]
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed, alibi_slopes, seqused_k)
     ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic, dropout_p)
 
@@ -266,7 +266,7 @@ def _varlen_grads(ctx: Any, dout: Tensor | None, dlse: Tensor | None, backward: 
     dq, dk, dv = (backward or attention_varlen_backward_op)(
         dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options, seed, alibi_slopes, seqused_k
     )
-    return dq, dk, dv, *(None,) * 15
+    return dq, dk, dv, *(None,) * 16  # the offsets, maxima, options, seed, slopes, seqused_k get none
 
 
 attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen)
@@ -282,6 +282,7 @@ def attention_varlen(call: _attention.VarlenForward, want_lse: bool) -> tuple[An
         q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, int(call.max_seqlen_q), int(call.max_seqlen_k),
         bool(o.causal), scale, int(o.window[0]), int(o.window[1]), float(o.softcap), call.algorithm,
         bool(call.deterministic), dropout_p, _seed_tensor(q, dropout_p, call.seed), call.alibi_slopes, call.seqused_k,
+        bool(call.batch_invariant),
     )  # fmt: skip
     return out, lse
 
@@ -353,12 +354,15 @@ def attention_with_kvcache_op(
     num_splits: int, cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
+    batch_invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     arrays = (q, k_cache, v_cache, cache_seqlen if cache_seqlens is None else cache_seqlens, block_table, k_new,
               v_new, cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, None, None)  # fmt: skip
     options = Options(causal, scale, (window_left, window_right), softcap)
     rotary = None if rotary_cos is None else rotary_interleaved
-    call = _kvcache.CacheCall(dict(zip(_kvcache.KV_NAMES, arrays)), options, num_splits, rotary)
+    call = _kvcache.CacheCall(
+        dict(zip(_kvcache.KV_NAMES, arrays)), options, num_splits, rotary, batch_invariant=batch_invariant
+    )
     with torch.no_grad():
         out, lse = _kvcache.with_kvcache(call, want_lse=True)
     return _contiguous(out, lse)
@@ -371,6 +375,7 @@ def _(
     num_splits: int, cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
+    batch_invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     b, nq, hq, _ = q.shape
     lse = q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
@@ -381,16 +386,18 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
                            v_new: Any, causal: Any, scale: Any, num_splits: Any, return_lse: bool,
                            cache_batch_idx: Any = None, cache_leftpad: Any = None, window: Any = (-1, -1),
                            softcap: Any = 0.0, alibi_slopes: Any = None, rotary_cos: Any = None,
-                           rotary_sin: Any = None, rotary_interleaved: bool = True) -> Any:  # fmt: skip
+                           rotary_sin: Any = None, rotary_interleaved: bool = True,
+                           batch_invariant: Any = False) -> Any:  # fmt: skip
     """``cupyflash.attention_with_kvcache`` through the custom op (while Dynamo traces it)."""
     options = check_options(causal, scale, window, softcap)
+    batch_invariant = check_batch_invariant(batch_invariant, check_num_splits(num_splits))
     causal, window, softcap = options.causal, options.window, options.softcap
     scale = 1.0 / math.sqrt(q.shape[-1]) if options.scale is None else float(options.scale)
     as_int = isinstance(cache_seqlens, int)
     out, lse = attention_with_kvcache_op(
         q, k_cache, v_cache, None if as_int else cache_seqlens, cache_seqlens if as_int else 0, block_table, k_new,
         v_new, causal, scale, int(num_splits), cache_batch_idx, cache_leftpad, window[0], window[1], softcap,
-        alibi_slopes, rotary_cos, rotary_sin, bool(rotary_interleaved),
+        alibi_slopes, rotary_cos, rotary_sin, bool(rotary_interleaved), batch_invariant,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

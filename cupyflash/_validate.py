@@ -626,6 +626,20 @@ def check_num_splits(num_splits: Any) -> int:
     return num_splits
 
 
+BATCH_INVARIANT_SPLITS = (
+    "num_splits and batch_invariant=True exclude each other: batch_invariant fixes the size of a split in keys, "
+    "so that a sequence's split count follows its own length and nothing else; leave num_splits at 0"
+)
+
+
+def check_batch_invariant(batch_invariant: Any, num_splits: int = 0) -> bool:
+    """``batch_invariant`` as a bool, refused beside a ``num_splits`` other than 0 (automatic)."""
+    flag = check_flag("batch_invariant", batch_invariant)
+    if flag and num_splits:
+        raise ValueError(BATCH_INVARIANT_SPLITS)
+    return flag
+
+
 def merge_problem(o_a_shape: Any, lse_a_shape: Any, o_b_shape: Any, lse_b_shape: Any) -> tuple[int, int, int, int]:
     """(B, N, H, d) of ``merge_states``' two states: o (B, N, H, d), lse (B, H, N)."""
     if len(o_a_shape) != 4:

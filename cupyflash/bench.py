@@ -725,6 +725,77 @@ def run_paged_decode(shape: DecodeShape, page_sizes: tuple[int, ...]) -> dict[st
     return row
 
 
+#: (B, L) of the batch_invariant table: issue 41's grid (B in 1, 8, 32, 64; L in 4k, 32k, 128k),
+#: where the cache fits (DECODE_MAX_TOKENS). Its cost target: within 10% of the default at B * L
+#: >= 256k.
+BATCH_INVARIANT_SHAPES = tuple(
+    (b, n) for b in (1, 8, 32, 64) for n in (4096, 32768, 131072) if b * n <= DECODE_MAX_TOKENS
+)
+#: A paged row's table this many times wider than its keys (``*_wide``): a serving engine's table
+#: sized for its longest context, whose capacity the batch-invariant grid covers (the splits past a
+#: sequence's keys exit at once).
+BATCH_INVARIANT_WIDE_TABLE = 4
+
+
+def run_batch_invariant_decode(
+    shape: DecodeShape, page_size: int = 0, *, timings: tuple[str, ...] = TIMINGS, repeat: int = 20
+) -> dict[str, Any]:
+    """The cost of ``batch_invariant=True``: the cache call with the flag beside the default on the
+    same inputs (contiguous caches, or paged at ``page_size``; paged rows also with the table
+    BATCH_INVARIANT_WIDE_TABLE times wider than the keys: ``default_wide``, ``invariant_wide``),
+    under each of ``timings`` (:func:`three_timings_ms`). The row holds each call's microseconds
+    and TB/s of KV read per timing (``row["timings"][timing][name]`` in us), ``cost_<timing>`` =
+    invariant us / default us (the target: <= 1.10 at B * L >= 256k), ``wide_cost_<timing>`` the
+    same of the wide table, and the largest difference of the two outputs (rounding only)."""
+    import torch
+
+    import cupyflash
+
+    torch.cuda.empty_cache()  # (the previous row's caches, freed)
+    q, k, v, seqlens = decode_inputs(shape)
+    table = None
+    if page_size:
+        k, v, table = paged_caches(k, v, page_size)
+
+    def call(block_table: Any, batch_invariant: bool) -> Callable[[], Any]:
+        return functools.partial(
+            cupyflash.attention_with_kvcache, q, k, v, cache_seqlens=seqlens, block_table=block_table,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
+
+    calls = {"default": call(table, False), "invariant": call(table, True)}
+    if table is not None:
+        wide = torch.nn.functional.pad(table, (0, (BATCH_INVARIANT_WIDE_TABLE - 1) * table.shape[1]))
+        calls |= {"default_wide": call(wide, False), "invariant_wide": call(wide, True)}
+    row: dict[str, Any] = {**asdict(shape), "page_size": page_size, "kv_GB": round(shape.kv_bytes / 1e9, 3)}
+    row["max_abs_diff"] = round(float((calls["invariant"]().float() - calls["default"]().float()).abs().max()), 5)
+    times = three_timings_ms(calls, repeat=repeat, warmup_ms=100.0, timings=timings)
+    row["timings"] = {t: {name: round(ms * 1e3, 1) for name, ms in by_name.items()} for t, by_name in times.items()}
+    for timing, by_name in times.items():
+        for name, ms in by_name.items():
+            row[f"{name}_{timing}_TBps"] = round(shape.kv_bytes / (ms * 1e-3) / 1e12, 2)
+        row[f"cost_{timing}"] = round(by_name["invariant"] / by_name["default"], 3)
+        if table is not None:
+            row[f"wide_cost_{timing}"] = round(by_name["invariant_wide"] / by_name["default_wide"], 3)
+    return row
+
+
+def format_batch_invariant_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (shape, layout): the default's and the batch-invariant call's us under each
+    timing, the cost (invariant / default) under each, and, paged, the wide table's cost."""
+    lines = []
+    for r in rows:
+        timings = r["timings"]
+        us = " ".join(f"{t[:6]} {timings[t]['default']:>8.1f} {timings[t]['invariant']:>8.1f}" for t in timings)
+        cost = " ".join(f"{r[f'cost_{t}']:>5.3f}" for t in timings)
+        wide = " ".join(f"{r[f'wide_cost_{t}']:>5.3f}" for t in timings) if r["page_size"] else "-"
+        lines.append(
+            f"B={r['batch']:>2} L={r['seqlen']:>6} page={r['page_size']:>2} | default / invariant us: {us} | "
+            f"cost {cost} | wide table {wide}"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
 #: Shared-prefix (cascade) decoding: (B, prefix keys, own keys per request, page size).
 CASCADE_SHAPES = ((64, 32768, 512, 16), (16, 32768, 512, 16), (64, 4096, 512, 16))
 

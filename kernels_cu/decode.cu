@@ -12,6 +12,11 @@
 //   CTA that draws the last ticket merges the splits' partials into the output and sets the
 //   counter back to 0 for the next call (one launch per decode step, no combine kernel: the
 //   merge starts the moment the last split lands, not after a launch gap).
+//   Batch_invariant: a split is a fixed number of keys (blocks_per_split, from the host's
+//   BATCH_INVARIANT_SPLIT_KEYS), and a sequence of L keys merges its own ceil(L / split) splits
+//   (sequence_splits), in split order, whatever else the launch holds: the splits past its keys
+//   exit at once, and one split writes the output directly. Nothing a CTA computes then depends
+//   on the batch, its size, the cache's capacity or the sequence's place in it.
 // decode_merge -- the exact merge of partials (O_i, LSE_i) by LSE rescaling, one warp per output
 //   row (merge_row in softmax.cuh, which the fused combine uses too); the kernel serves
 //   cupyflash.merge_states.
@@ -58,7 +63,7 @@ struct MergeParams {
 
 template <int kHeadDim_, int kBlockM_, int kWarpKeys_, int kNWarps_, int kStages_, bool Q_in_regs_,
           typename Element_, bool Is_causal_, bool Is_local_ = false, bool Has_softcap_ = false,
-          int kValidDim_ = 0, bool Kv_fp8_ = false>
+          int kValidDim_ = 0, bool Kv_fp8_ = false, bool Batch_invariant_ = false>
 struct DecodeTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -80,6 +85,8 @@ struct DecodeTraits {
   // gemm_pv_fp8 below).
   static constexpr bool Kv_fp8 = Kv_fp8_;
   using CacheElement = typename CacheElementOf<Element, Kv_fp8>::type;
+  // Each sequence merges only the splits that hold its keys (sequence_splits below).
+  static constexpr bool Batch_invariant = Batch_invariant_;
 
   static constexpr int kBlockN = kNWarps * kWarpKeys;  // keys of one CTA step (the split unit)
   static constexpr int kNThreads = kNWarps * 32;
@@ -457,6 +464,20 @@ CF_DEVICE void decode_merge(const MergeParams& p) {
                               g_out_lse, lane);
 }
 
+// The splits whose partials a sequence of seqlen_k keys merges, in split order: every split of
+// the launch, or (Batch_invariant) the ceil(seqlen_k / split) that hold its keys -- a function of
+// its own length and the fixed split size alone (at least one: an empty or bad sequence still
+// writes its rows).
+template <typename Traits>
+CF_DEVICE int sequence_splits(const DecodeParams& params, int seqlen_k) {
+  if constexpr (Traits::Batch_invariant) {
+    const int blocks = ceil_div(seqlen_k, Traits::kBlockN);
+    return min(params.num_splits, max(1, ceil_div(blocks, params.blocks_per_split)));
+  } else {
+    return params.num_splits;
+  }
+}
+
 template <typename Traits>
 CF_DEVICE void decode_partial(const DecodeParams& params) {
   using Element = typename Traits::Element;
@@ -485,6 +506,10 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
 
   const CacheSpan span = decode_span(params, batch);  // device values (see the file comment)
   const int seqlen_k = decode_seqlen_k(params, span);
+  if constexpr (Traits::Batch_invariant) {
+    // past this sequence's keys: not among its splits
+    if (split >= sequence_splits<Traits>(params, seqlen_k)) return;
+  }
   // Per warp: did it read a page through a bad block-table entry? (Each warp sets only its own.)
   __shared__ int s_bad_page[Traits::kNWarps];
   // A window's left edge: the key blocks before the first key any row of the CTA sees (that of
@@ -711,7 +736,8 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   // Epilogue 2: merge the warps' partials (verb 4) and write the CTA's rows, 4 columns a thread:
   // the final output when there is one split, else this split's fp32 partial.
   constexpr int kQuads = Traits::kHeadDim / 4;
-  const bool single = params.num_splits == 1;
+  // (sequence_splits at each use: a value held across the loop cost the default variants registers)
+  const bool single = sequence_splits<Traits>(params, seqlen_k) == 1;
 #pragma unroll 1
   for (int idx = tid; idx < Traits::kBlockM * kQuads; idx += Traits::kNThreads) {
     const int row = idx / kQuads;
@@ -763,14 +789,15 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   if (single) return;
 
   // Fused combine. The fence orders this CTA's partial writes before its ticket (the last-block
-  // pattern): the CTA that draws ticket num_splits - 1 finds every split's partial in L2.
+  // pattern): the CTA that draws ticket num_splits - 1 finds every split's partial in L2, and
+  // merges them in split order.
   __shared__ int s_is_last;
   __threadfence();
   __syncthreads();
   if (tid == 0) {
     const int64_t group_index = static_cast<int64_t>(batch) * gridDim.y + head_k;
     int32_t* counter = params.split_counters + group_index * m_blocks + blockIdx.x % m_blocks;
-    const bool last = atomicAdd(counter, 1) == params.num_splits - 1;
+    const bool last = atomicAdd(counter, 1) == sequence_splits<Traits>(params, seqlen_k) - 1;
     if (last) *counter = 0;  // every split has drawn: ready for the next call on this stream
     s_is_last = last;
   }
@@ -791,7 +818,8 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
                                                  head * attn.lse_head_stride + query;
     merge_row<Traits::kHeadDim, Traits::Columns::kValidDim>(
         params.o_partial_ptr + row_index * Traits::kHeadDim, part_rows * Traits::kHeadDim,
-        params.lse_partial_ptr + row_index, part_rows, params.num_splits, g_o, g_lse, lane);
+        params.lse_partial_ptr + row_index, part_rows, sequence_splits<Traits>(params, seqlen_k),
+        g_o, g_lse, lane);
   }
 }
 

@@ -264,6 +264,33 @@ def test_run_prefill_and_training_time_fa4_beside_cupyflash(on_the_host, no_flas
     assert dropout["fa4"] is None and dropout["fa4_error"] == "flash_attn.cute has no dropout"
 
 
+def test_run_batch_invariant_decode_times_the_flag_beside_the_default(on_the_host, monkeypatch):
+    """The cost row of batch_invariant=True: both calls (and the wide table's, paged) under each
+    timing, their cost ratios, and one line of the table per row; on torch CPU tensors."""
+    torch = pytest.importorskip("torch")
+
+    def inputs(shape, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(shape.batch, 1, shape.heads_q, shape.head_dim, generator=gen)
+        k, v = (torch.randn(shape.batch, shape.seqlen, shape.heads_kv, shape.head_dim, generator=gen) for _ in "kv")
+        return q, k, v, torch.full((shape.batch,), shape.seqlen, dtype=torch.int32)
+
+    monkeypatch.setattr(bench, "decode_inputs", inputs)
+    shape = bench.DecodeShape(2, 64, heads_q=4, heads_kv=2, head_dim=16, dtype="float32")
+    rows = [bench.run_batch_invariant_decode(shape, page_size, repeat=2) for page_size in (0, 16)]
+    contiguous, paged = rows
+    assert set(contiguous["timings"]) == set(bench.TIMINGS)
+    assert all(set(t) == {"default", "invariant"} for t in contiguous["timings"].values())
+    assert all(set(t) == {"default", "invariant", "default_wide", "invariant_wide"} for t in paged["timings"].values())
+    for timing in bench.TIMINGS:
+        assert contiguous[f"cost_{timing}"] > 0 and paged[f"wide_cost_{timing}"] > 0
+        assert f"wide_cost_{timing}" not in contiguous
+    assert contiguous["max_abs_diff"] < 1e-5  # the host path: the same algorithm, other split points
+    table = bench.format_batch_invariant_table(rows).splitlines()
+    assert len(table) == 2 and "page= 0" in table[0] and "wide table -" in table[0] and "page=16" in table[1]
+    assert all(b * n >= 4096 and b * n <= bench.DECODE_MAX_TOKENS for b, n in bench.BATCH_INVARIANT_SHAPES)
+
+
 # ---------------------------------------------------------------------------------------------
 # The tables: a ratio as its range over the timings of a row.
 # ---------------------------------------------------------------------------------------------

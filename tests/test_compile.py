@@ -60,6 +60,16 @@ def head_dim_sample() -> list[KernelSpec]:
     for width in _dispatch.FP8_DECODE_HEAD_DIMS:
         for tile in _dispatch.DECODE_TILES[width]:
             specs.append(_dispatch.decode_spec("float16", width, tile.block_m, True, True, True, fp8=True))
+    # batch_invariant with a window and softcap (compiled on first use): every tile, both on at
+    # once, so that the sample's heaviest variant of each decode shape is this one (all 352
+    # batch-invariant variants, every flag, type and arch, built with no spill: NVRTC 13.0.88).
+    for width, tiles in _dispatch.DECODE_TILES.items():
+        for tile in tiles:
+            specs.append(_dispatch.decode_spec("bfloat16", width, tile.block_m, True, True, True, batch_invariant=True))
+            if width in _dispatch.FP8_DECODE_HEAD_DIMS:
+                specs.append(
+                    _dispatch.decode_spec("float16", width, tile.block_m, True, True, True, True, batch_invariant=True)
+                )
     # attn_mask's backward variants and softcap's with ALiBi (compiled on first use, not by
     # warmup): a sample of each kind, with the flags that take the most registers among them
     sample = [
@@ -103,7 +113,7 @@ OTHER_TYPE_EVERY = 8
 LEVEL = int(os.environ.get("CUPYFLASH_COMPILE_ALL") or 0)
 # The fields that switch a masking or gradient feature on (each adds code and registers to the
 # same kernel shape); every other field but the element type makes the shape.
-FLAG_FIELDS = ("causal", "local", "softcap", "dropout", "alibi", "mask", "deterministic", "varlen")
+FLAG_FIELDS = ("causal", "local", "softcap", "dropout", "alibi", "mask", "deterministic", "varlen", "batch_invariant")
 
 
 def select_jobs(jobs: list[tuple[KernelSpec, str]], build_all: bool) -> list[tuple[KernelSpec, str]]:

@@ -10,7 +10,7 @@ on the blocks of ``common``. This face names what the executors use.
 
 from .backward import plan_backward
 from .common import check_gpu_dtypes, check_int32, softmax_factors
-from .decode import plan_kvcache
+from .decode import plan_kvcache, split_ranges
 from .forward import forward_spec, plan_attention, plan_forward, plan_paged_varlen
 from .fp8_forward import plan_fp8_forward
 from .merge import PartsLayout, plan_merge, plan_merge_parts
@@ -40,5 +40,5 @@ __all__ = [
     "Output", "PartsLayout", "PlanCache", "Scratch", "Temporary", "TmaMaps", "check_gpu_dtypes", "check_int32",
     "clear_caches", "forward_spec", "new_cache", "new_pair_cache", "plan_attention", "plan_backward",
     "plan_forward", "plan_fp8_forward", "plan_kvcache", "plan_merge", "plan_merge_parts", "plan_paged_varlen",
-    "softmax_factors",
+    "softmax_factors", "split_ranges",
 ]  # fmt: skip

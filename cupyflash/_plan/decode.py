@@ -12,9 +12,10 @@ from .._specs import (
     FP8_DECODE_HEAD_DIMS,
     FP8_KV_FORMATS,
     DecodeAppendSpec,
+    DecodeSpec,
     RotaryQSpec,
 )
-from .._validate import ALIBI_NONE, KvCacheProblem
+from .._validate import ALIBI_NONE, BATCH_INVARIANT_SPLITS, KvCacheProblem
 from .common import (
     LAYOUT_AXES,
     STRIDE_NAMES,
@@ -47,10 +48,16 @@ def plan_kvcache(
     layout: str = "bshd",
     dense: bool = False,
     fp8: Fp8Cache | None = None,
+    batch_invariant: bool = False,
 ) -> Launch:
     """At most two launches: append k_new / v_new into the cache, then the attention: the split-KV
     kernel for up to DECODE_MAX_QUERIES query tokens (its last split of each row to finish merges
     the partials: no combine launch), else (or with ALiBi) the FA2 forward over the cache view.
+
+    ``num_splits``: 0 picks the count from the occupancy of the whole launch (batch, KV heads,
+    capacity); ``batch_invariant``: splits of BATCH_INVARIANT_SPLIT_KEYS keys instead, enough to
+    cover the capacity, each sequence merging only those that hold its keys (``split_ranges``).
+    The FA2 kernel over the cache splits no keys: it is batch-invariant either way.
 
     ``dense``: ``attention`` of a few query tokens over k and v (operands "q", "k", "v" in
     ``layout``, every sequence ``attn.seqlen_k`` keys long) on the split-KV kernel.
@@ -58,6 +65,8 @@ def plan_kvcache(
     append; operands "k_scale" / "v_scale": a per-call host float, or a float32 device array).
     """
     a = kp.attn
+    if batch_invariant and num_splits:
+        raise ValueError(BATCH_INVARIANT_SPLITS)
     skip = INDEX_NAMES if fp8 is None else (*INDEX_NAMES, "k_cache", "v_cache")
     dtype = check_gpu_dtypes({n: d for n, d in dtypes.items() if d is not None and n not in skip})
     check_int32({n: dtypes.get(n) for n in INDEX_NAMES})
@@ -82,19 +91,24 @@ def plan_kvcache(
         group = a.heads_q // a.heads_kv
         rows = group * a.seqlen_q
         spec = _dispatch.decode_spec(
-            dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0, fp8=fp8 is not None
-        )
+            dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0, fp8=fp8 is not None,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
         m_blocks = -(-rows // spec.tile.block_m)
         key_blocks = -(-kp.capacity // spec.tile.block_n)
         ctas = a.batch * a.heads_kv * m_blocks
-        if num_splits == 0 and has_work:
-            num_splits = _dispatch.decode_num_splits(
-                ctas=ctas,
-                key_blocks=key_blocks,
-                num_sms=device.num_sms,
-                ctas_per_sm=_dispatch.ctas_per_sm(spec, device),
-            )
-        per_split, splits = _dispatch.split_blocks(key_blocks, max(num_splits, 1))
+        if batch_invariant:  # the split size fixed, the count whatever covers the capacity
+            per_split = _dispatch.BATCH_INVARIANT_SPLIT_KEYS // spec.tile.block_n
+            splits = -(-max(key_blocks, 1) // per_split)
+        else:
+            if num_splits == 0 and has_work:
+                num_splits = _dispatch.decode_num_splits(
+                    ctas=ctas,
+                    key_blocks=key_blocks,
+                    num_sms=device.num_sms,
+                    ctas_per_sm=_dispatch.ctas_per_sm(spec, device),
+                )
+            per_split, splits = _dispatch.split_blocks(key_blocks, max(num_splits, 1))
         grid = (splits * m_blocks, a.heads_kv, a.batch)
         attention_step = KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes)
     axes = LAYOUT_AXES[layout]
@@ -178,6 +192,23 @@ def plan_kvcache(
         outputs = tuple(filled_output(o) for o in outputs)
     error_slot = -1 if dense else error_word_slot(params)
     return Launch(params, tuple(operands), outputs, tuple(steps), temporaries, scratch=scratch, error_slot=error_slot)
+
+
+def split_ranges(launch: Launch, seqlen_k: int) -> tuple[tuple[int, int], ...]:
+    """The key ranges ``[begin, end)`` whose partials the split-KV kernel of ``launch`` merges for a
+    sequence of ``seqlen_k`` keys (counted from its first attended key), in the order it merges
+    them: decode_partial's ``sequence_splits`` and its split bounds, in Python (no window: a
+    window only empties the leading ones). One range for one split (written directly, no merge);
+    () where the attention is not the split-KV kernel."""
+    step = next((s for s in launch.steps if isinstance(s.spec, DecodeSpec)), None)
+    if step is None:
+        return ()
+    block_n, spec = step.spec.tile.block_n, step.spec
+    splits, per_split = launch.params.value("num_splits"), launch.params.value("blocks_per_split")
+    keys = per_split * block_n
+    if spec.batch_invariant:
+        splits = min(splits, max(1, -(-seqlen_k // keys)))
+    return tuple((min(s * keys, seqlen_k), min((s + 1) * keys, seqlen_k)) for s in range(int(splits)))
 
 
 def _check_fp8_call(kp: KvCacheProblem, over_cache: bool) -> None:

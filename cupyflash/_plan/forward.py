@@ -46,11 +46,18 @@ from .model import INDEX, KernelStep, Launch, Operand, Output, Scratch, Temporar
 # The forward (attention, attention_varlen): FA2 (mma.sync) or the Hopper kernel.
 # ---------------------------------------------------------------------------------------------
 def forward_spec(
-    p: Problem, dtype: str, device: DeviceInfo, algorithm: str, packed: bool, mods: KernelMods | None = None
-) -> Fa2FwdSpec | Fa3FwdSpec:
+    p: Problem, dtype: str, device: DeviceInfo, algorithm: str, packed: bool, mods: KernelMods | None = None,
+    batch_invariant: bool = False,
+) -> Fa2FwdSpec | Fa3FwdSpec:  # fmt: skip
     """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel; ``packed``
     (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens. ``mods``: a
-    user score_mod / mask_mod, compiled into the FA2 kernel's score hook."""
+    user score_mod / mask_mod, compiled into the FA2 kernel's score hook.
+
+    Neither kernel splits a sequence's keys: one CTA computes each (query block, batch, head)
+    tile over all its keys, in one order; the Hopper kernel's persistent or dynamic schedule
+    only decides which CTA computes which tile. So a sequence's result is the same in any batch
+    once the variant is; the variant follows the dtype, head dim, mask flags and key count,
+    which for packed sequences is the batch's longest: ``batch_invariant`` keeps it out."""
     check_head_dim(p.head_dim, "the GPU kernels")
     flags = mask_flags(p)
     if mods is not None:
@@ -85,7 +92,13 @@ def forward_spec(
     if algorithm in ("fa3", "auto") and not fa2_only:
         hopper = device.arch == HOPPER_ARCH
         chosen = algorithm == "fa3"
-        spec = _dispatch.fa3_fwd_spec(dtype, p.head_dim, flags, p.seqlen_k, packed, chosen=chosen) if hopper else None
+        spec = (
+            _dispatch.fa3_fwd_spec(
+                dtype, p.head_dim, flags, p.seqlen_k, packed, chosen=chosen, batch_invariant=batch_invariant
+            )
+            if hopper
+            else None
+        )
         if spec is not None and spec.smem_bytes <= device.max_smem_per_block:
             return spec
         if algorithm == "fa3":
@@ -128,18 +141,20 @@ def plan_forward(
     q_shape: tuple[int, ...],
     packed_rows: tuple[int, int] | None = None,
     mods: KernelMods | None = None,
+    batch_invariant: bool = False,
 ) -> Launch:
     """One forward kernel over a padded batch (``p.layout`` "bshd"/"bhsd") or packed sequences
     (``packed_rows`` = the packed totals (total_q, total_k): each tile finds its rows in
     cu_seqlens, batch strides 0; rows outside every sequence are 0 with LSE -inf). ``mods``: a
-    user score_mod / mask_mod (FA2), its captured arrays operands mod_buffer0, 1, ..."""
+    user score_mod / mask_mod (FA2), its captured arrays operands mod_buffer0, 1, ...;
+    ``batch_invariant``: the variant not chosen by the batch (``forward_spec``)."""
     check_grid(p.batch, p.heads_q)
     packed = packed_rows is not None
     scale_log2, prescale, negate_q = softmax_factors(p)
     axes = LAYOUT_AXES["thd" if packed else p.layout]
     rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
     has_work = p.batch > 0 and p.seqlen_q > 0 and p.heads_q > 0
-    spec = forward_spec(p, dtype, device, algorithm, packed, mods) if has_work else None
+    spec = forward_spec(p, dtype, device, algorithm, packed, mods, batch_invariant) if has_work else None
     struct = PARAMS_STRUCTS["Fa3Params" if isinstance(spec, Fa3FwdSpec) else "AttnParams"]
 
     # Outputs are fresh contiguous arrays of q's shape; LSE (B, Hq, Nq), or (Hq, total_q) packed.
@@ -283,14 +298,16 @@ def decode_applies(p: Problem) -> bool:
 
 
 def plan_attention(
-    p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q_shape: tuple[int, ...], mods: KernelMods | None = None
-) -> Launch:
+    p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q_shape: tuple[int, ...],
+    mods: KernelMods | None = None, batch_invariant: bool = False,
+) -> Launch:  # fmt: skip
     """``attention`` on the GPU with the flash kernels ("auto", "fa2", "fa3", "decode"; the
     baselines are ``_baselines_gpu.plan_baseline``). "auto" runs one-token queries on the decode
     kernel (K and V read once per KV head, split over the SMs), the rest on the Hopper kernel
-    where it applies, else on FA2."""
+    where it applies, else on FA2. ``batch_invariant``: the decode kernel's splits of a fixed
+    size in keys (``plan_kvcache``), not a count from the batch's occupancy."""
     if mods is not None:
-        return plan_forward(p, dtype, device, algorithm, q_shape=q_shape, mods=mods)
+        return plan_forward(p, dtype, device, algorithm, q_shape=q_shape, mods=mods, batch_invariant=batch_invariant)
     one_token = algorithm == "auto" and p.seqlen_q == 1 and p.seqlen_k > 0
     if algorithm == "decode" or (one_token and decode_applies(p)):
         if not decode_applies(p):
@@ -299,5 +316,7 @@ def plan_attention(
                 f"no dropout or ALiBi; this call has {p.seqlen_q} query tokens, head_dim={p.head_dim}"
             )
         kp = KvCacheProblem(p, paged=False, page_size=p.seqlen_k, num_pages=p.batch, capacity=p.seqlen_k, seqlen_new=0)
-        return plan_kvcache(kp, {"q": dtype}, device, num_splits=0, layout=p.layout, dense=True)
-    return plan_forward(p, dtype, device, algorithm, q_shape=q_shape)
+        return plan_kvcache(
+            kp, {"q": dtype}, device, num_splits=0, layout=p.layout, dense=True, batch_invariant=batch_invariant
+        )
+    return plan_forward(p, dtype, device, algorithm, q_shape=q_shape, batch_invariant=batch_invariant)
