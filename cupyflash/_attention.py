@@ -468,7 +468,21 @@ def backward_problem(call: Backward) -> tuple[Problem, Any]:
 
 
 def backward(call: Backward) -> tuple[Any, Any, Any]:
-    """``attention_backward`` where its arrays live: (dq, dk, dv)."""
+    """``attention_backward`` where its arrays live: (dq, dk, dv). A training step's backward
+    (CuPy arrays or CUDA tensors on one GPU, no mask, dropout or score function) whose arrays'
+    shapes, dtypes and options were planned before goes straight to its launch: its checks were
+    made then (``_lean_backward_key``)."""
+    if call.dropout_p == 0 and call.attn_mask is None and call.mods is None:
+        slopes = call.alibi_slopes
+        lean = _interop.lean_arrays(call.q, call.k, call.v, (call.dout, call.out, call.lse, call.dlse, slopes))
+        if lean is not None:
+            lib, device = lean
+            launch = _plans.lookup(_lean_backward_key(lib, device, call))
+            if launch is not None:
+                arrays_by_name = {"q": call.q, "k": call.k, "v": call.v, "out": call.out, "dout": call.dout,
+                                  "lse": call.lse, "dlse": call.dlse, "alibi_slopes": slopes}  # fmt: skip
+                dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
+                return dq, dk, dv
     problem, mask = backward_problem(call)
     found = _interop.gpu_arrays(call.names, (*call.arrays()[:-1], mask))
     if found is None:
@@ -505,10 +519,24 @@ def gpu_backward(
         )  # fmt: skip
 
     launch = _plans.get(key, plan)
+    if call.dropout_p == 0 and mask is None and not given:  # the next such call finds it by its arrays
+        _plans.get(_lean_backward_key(lib, device, call), lambda: launch)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
                       "dropout_seed": call.seed, "alibi_slopes": slopes, "attn_mask": mask}  # fmt: skip
     dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name, given)
     return dq, dk, dv
+
+
+def _lean_backward_key(lib: _interop.ArrayLib, device: int, call: Backward) -> tuple[Any, ...]:
+    """A backward's plan by what its problem is made of (every array's shape and dtype, the
+    options): a call with this key was checked when its plan was made, since the problem's checks
+    read nothing else (no mask, no dropout here: those calls take the general path)."""
+    q, k, v, out, dout, lse, dlse, slopes = (
+        call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.alibi_slopes
+    )  # fmt: skip
+    return ("bwd-lean", lib.name, device, q.shape, k.shape, v.shape, out.shape, dout.shape, lse.shape,
+            None if dlse is None else dlse.shape, None if slopes is None else slopes.shape,
+            _dtypes(q, k, v, out, dout, lse, dlse, slopes), call.options, call.layout, call.deterministic)  # fmt: skip
 
 
 def varlen_backward(call: VarlenBackward) -> tuple[Any, Any, Any]:

@@ -169,3 +169,27 @@ def test_score_and_mask_functions_route_to_the_fa2_hook(launches, monkeypatch):
     wide = stand_in((2, 333, 2, 256), "bfloat16")  # above d = 128: FA2's tiles take the functions
     cupyflash.attention(stand_in((2, 300, 8, 256), "bfloat16"), wide, wide, mask_mod=mask_mod)
     _check(launches, "fa2_fwd")
+
+
+def test_a_repeated_backward_skips_its_checks_but_not_a_changed_one(launches, monkeypatch):
+    """A backward whose arrays' shapes, dtypes and options were planned before goes straight to
+    that plan (the problem is not rebuilt: its checks were made then); one that differs in any of
+    them (a dout of another shape, an lse of another dtype, another scale) is checked again."""
+    from cupyflash import _attention
+
+    built = []
+    original = _attention.backward_problem
+    monkeypatch.setattr(_attention, "backward_problem", lambda call: built.append(1) or original(call))
+    q = stand_in((3, 211, 8, 64), "bfloat16")  # shapes no other test plans (the plans outlive a test)
+    kv = stand_in((3, 233, 2, 64), "bfloat16")
+    lse = stand_in((3, 8, 211), "float32")
+    for _ in range(3):
+        cupyflash.attention_backward(q, q, kv, kv, q, lse, causal=True)
+    assert len(built) == 1 and launches[0][0] is launches[2][0]
+    _check(launches, "bwd", optional=("dlse", "dropout_seed", "alibi_slopes", "attn_mask"))
+    with pytest.raises(ValueError, match="dout"):
+        cupyflash.attention_backward(stand_in((3, 212, 8, 64), "bfloat16"), q, kv, kv, q, lse, causal=True)
+    with pytest.raises((TypeError, ValueError), match="lse"):
+        cupyflash.attention_backward(q, q, kv, kv, q, stand_in((3, 8, 211), "float16"), causal=True)
+    cupyflash.attention_backward(q, q, kv, kv, q, lse, causal=True, scale=0.5)
+    assert len(built) == 4
