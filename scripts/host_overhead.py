@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,14 @@ class _Memory:
         self.device_id = 0
 
 
+class _StandIn:
+    """The type of the stand-ins: one type, as every CuPy array is a ``cupy.ndarray``."""
+
+
+_StandIn.__module__ = "cupy._core.core"
+_StandIn.__name__ = _StandIn.__qualname__ = "ndarray"
+
+
 def stand_in(shape: tuple[int, ...], dtype: str) -> object:
     """An object cupyflash reads as a C-contiguous CuPy array on GPU 0."""
     itemsize = np.dtype(dtype).itemsize
@@ -40,8 +49,7 @@ def stand_in(shape: tuple[int, ...], dtype: str) -> object:
     for n in reversed(shape):
         strides.append(step)
         step *= n
-    cls = type("ndarray", (), {"__module__": "cupy._core.core"})
-    x = cls()
+    x: Any = _StandIn()
     x.shape, x.dtype, x.itemsize, x.ndim = shape, np.dtype(dtype), itemsize, len(shape)
     x.strides, x.data, x.device = tuple(reversed(strides)), _Memory(1 << 20), 0
     return x
