@@ -228,7 +228,8 @@ def attention(
     ((1, 5, 2, 16), (1, 2, 5))
     """
     options = check_options(causal, scale, window, softcap)
-    if _fp8_forward.is_fp8_call(q, (q_descale, k_descale, v_descale), fp8_dtype):
+    fp8_options = q_descale is not None or k_descale is not None or v_descale is not None or fp8_dtype is not None
+    if fp8_options or _fp8_forward.is_fp8_array(q):  # the FP8 forward
         if score_mod is not None or mask_mod is not None:
             raise ValueError("the FP8 forward takes no score_mod / mask_mod")
         _fp8_forward.refuse_options(options, algorithm, dropout_p, alibi_slopes, attn_mask)
@@ -237,7 +238,8 @@ def attention(
         return (out, lse) if return_lse else out
     if out_dtype is not None:
         raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
-    algorithm = check_algorithm("attention", algorithm)
+    if type(algorithm) is not str or algorithm != "auto":  # the default skips the check
+        algorithm = check_algorithm("attention", algorithm)
     mods = None
     if score_mod is not None or mask_mod is not None:
         if attn_mask is not None:
@@ -346,13 +348,17 @@ def attention_varlen(
     >>> cupyflash.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).shape
     (7, 2, 16)
     """
+    options = check_options(causal, scale, window, softcap)
+    if type(algorithm) is not str or algorithm != "auto":  # the defaults skip the checks
+        algorithm = check_algorithm("attention_varlen", algorithm)
+    if deterministic is not False and deterministic is not True:
+        deterministic = check_flag("deterministic", deterministic)
     call = _attention.VarlenForward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_options(causal, scale, window, softcap),
-        check_algorithm("attention_varlen", algorithm), check_flag("deterministic", deterministic), dropout_p, seed,
-        alibi_slopes, seqused_k, block_table,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, algorithm, deterministic, dropout_p,
+        seed, alibi_slopes, seqused_k, block_table,
     )  # fmt: skip
     if block_table is not None:
-        if call.algorithm == "fa3":
+        if algorithm == "fa3":
             raise ValueError("algorithm='fa3' (the Hopper kernel) does not read paged keys: use 'auto' or 'fa2'")
         out, lse = _front.route(_PAGED_VARLEN, call, return_lse)
         return (out, lse) if return_lse else out
@@ -743,9 +749,9 @@ def attention_with_kvcache(
         "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
         "k_scale": k_scale if k_host is None else k_host, "v_scale": v_scale if v_host is None else v_host,
     }  # fmt: skip
-    found = _interop.lean_arrays(q, k_cache, v_cache, others)
+    found = _interop.lean_arrays((q, k_cache, v_cache, *others))
     if found is not None:  # CuPy arrays or CUDA tensors on one GPU: the per-token path
-        lib, device = found
+        lib, device, _ = found
         if lib.check_inputs((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)):
             _interop.refuse_autograd("attention_with_kvcache")
         out, lse = _kvcache.gpu_attention_with_kvcache(

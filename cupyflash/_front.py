@@ -46,10 +46,10 @@ def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, Any]:
     if _interop.compiling():  # before anything Dynamo would have to trace
         return _torch_route(op, call, want_lse, "does not run under torch.compile yet")
     arrays = call.arrays()
-    found = _interop.lean_arrays(arrays[0], arrays[1], arrays[2], arrays[3:])
+    found = _interop.lean_arrays(arrays)
     if found is not None:
-        lib, device = found
-        if not lib.check_inputs(arrays):
+        lib, device, autograd = found
+        if not autograd:
             return op.gpu(lib, device, call.prepared(), want_lse)
     else:
         if op.jax is not None and _interop.traced(arrays):

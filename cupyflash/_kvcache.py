@@ -114,7 +114,10 @@ def gpu_attention_with_kvcache(
         None if slopes is None else (slopes.shape, slopes.dtype),
         None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, rotary), fp8_key,
     )  # fmt: skip
-    launch = _plans.lookup(key)
+    try:
+        launch = _plans.find(key)
+    except TypeError:  # a part that cannot be hashed: planned uncached (which refuses it)
+        launch = None
     if launch is None:
         launch = _plans.get(
             key,

@@ -96,6 +96,24 @@ def test_varlen_plain_and_paged(launches):
     _check(launches, "fa2")
 
 
+def test_varlen_plans_found_by_checked_maxima_only(launches):
+    """A packed call's plan is looked up by its arguments as given, its Problem checked once per
+    plan: a max_seqlen that only compares equal to an int (a bool, a float) must be refused, not
+    served the int's plan, and one past the packed length refused whatever was planned before."""
+    packed = stand_in((1000, 8, 128), "bfloat16")
+    cu = stand_in((3,), "int32")
+    pages = stand_in((64, 16, 8, 128), "bfloat16")
+    table = stand_in((2, 32), "int32")
+    for k, extra in ((packed, {}), (pages, {"block_table": table})):
+        for max_q in (1, 600):
+            cupyflash.attention_varlen(packed, k, k, cu, cu, max_q, 512, **extra)
+        for bad in (True, 600.0):
+            with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
+                cupyflash.attention_varlen(packed, k, k, cu, cu, bad, 512, **extra)
+        with pytest.raises(ValueError, match="exceed"):
+            cupyflash.attention_varlen(packed, k, k, cu, cu, 1001, 512, **extra)
+
+
 def test_backward_calls(launches):
     q = stand_in((2, 300, 8, 64), "bfloat16")
     kv = stand_in((2, 333, 2, 64), "bfloat16")
