@@ -55,6 +55,7 @@ class Forward:
     mods: Any = None  # (score_mod, mask_mod) traced (_mods.Mod or None each), or None: the host path only
 
     names = ("q", "k", "v", "alibi_slopes", "attn_mask")
+    writes = False  # into none of its arrays
 
     def arrays(self) -> tuple[Any, ...]:
         return (self.q, self.k, self.v, self.alibi_slopes, self.attn_mask)
@@ -102,6 +103,7 @@ class VarlenForward:
     block_table: Any = None
 
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k", "block_table")
+    writes = False
 
     def arrays(self) -> tuple[Any, ...]:
         return (self.q, self.k, self.v, self.cu_seqlens_q, self.cu_seqlens_k, self.alibi_slopes, self.seqused_k,

@@ -59,6 +59,7 @@ class Fp8Forward:
     fp8_dtype: Any = None
 
     names = ("q", "k", "v", *DESCALE_NAMES)
+    writes = False
 
     def arrays(self) -> tuple[Any, ...]:
         """q, k, v and the descales that are arrays (a host number as None)."""

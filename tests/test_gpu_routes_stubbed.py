@@ -134,3 +134,21 @@ def test_fp8_forward(launches):
     cupyflash.attention(q, q, q, fp8_dtype="e4m3", q_descale=descale, k_descale=0.5, causal=True)
     _check(launches, "fa3_fwd", optional=("v_descale",))  # None: 1.0
     assert any("fp8_vt" in step.spec.name for launch, _ in launches for step in launch.steps)
+
+
+def test_fp8_cache_host_scales_checked_every_call(launches):
+    """A float8 cache's host scales go to the kernel per call, so each call's value is checked
+    (the plan, keyed by the scale's form, is shared by every value); array scales are operands."""
+    q = stand_in((8, 1, 32, 128), "float16")
+    cache = stand_in((8, 4096, 8, 128), "uint8")
+    scale = stand_in((8,), "float32")
+    for k_scale in (0.5, 2):
+        cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, kv_dtype="e4m3", k_scale=k_scale)
+        _check(launches, "decode", optional=("k_scale", "v_scale"))
+    cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, kv_dtype="e4m3", k_scale=scale, v_scale=0.25)
+    assert "k_scale" in launches[-1][1]
+    for bad in (-0.5, float("inf"), 1e39):
+        with pytest.raises(ValueError, match="k_scale must be positive and finite"):
+            cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, kv_dtype="e4m3", k_scale=bad)
+    with pytest.raises(TypeError, match="v_scale must be a positive float"):
+        cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, kv_dtype="e4m3", v_scale=True)
