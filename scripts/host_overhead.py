@@ -91,11 +91,16 @@ def main() -> None:
     cache = stand_in((8, 4096, 8, 128), "float16")
     packed = stand_in((1024, 16, 128), "float16")
     cu = stand_in((3,), "int32")
+    new = stand_in((8, 1, 8, 128), "float16")
+    seqlens = stand_in((8,), "int32")
     cases = {
         "attention, prefill (1, 1k, 16, 128)": lambda: cupyflash.attention(q, k, v, causal=True),
         "attention, one query token over 4k keys": lambda: cupyflash.attention(q1, cache, cache),
         "attention_with_kvcache, decode (8 x 4k)": lambda: cupyflash.attention_with_kvcache(
             q1, cache, cache, cache_seqlens=4000
+        ),
+        "attention_with_kvcache, decode step appending": lambda: cupyflash.attention_with_kvcache(
+            q1, cache, cache, cache_seqlens=seqlens, k_new=new, v_new=new
         ),
         "attention_varlen (2 sequences, 1k rows)": lambda: cupyflash.attention_varlen(
             packed, packed, packed, cu, cu, 512, 512, causal=True
