@@ -1,9 +1,10 @@
-"""The public attention functions: ``attention``, ``attention_varlen`` and their backward twins.
+"""The public attention functions: ``attention``, ``attention_varlen``, their backward twins and
+``attention_with_kvcache``.
 
 Each states its signature and semantics, checks its options into a typed call
-(``_attention.Forward`` ...) and hands it to one route: the forward calls to the front door
-(``_front.route``: torch.compile, JAX tracing, autograd, host or GPU), the backward calls to
-their executor (``_attention``), which runs them where their arrays live.
+(``_attention.Forward``, ``_kvcache.CacheCall`` ...) and hands it to one route: the forward calls
+to the front door (``_front.route``: torch.compile, JAX tracing, autograd, host or GPU), the
+backward calls to their executor (``_attention``), which runs them where their arrays live.
 """
 
 from __future__ import annotations
@@ -11,16 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from . import _attention, _fp8, _fp8_forward, _front, _interop, _kvcache, _mods
-from ._validate import (
-    Options,
-    check_algorithm,
-    check_batch_invariant,
-    check_flag,
-    check_num_splits,
-    check_options,
-    check_scale_option,
-)
+from . import _attention, _fp8, _fp8_forward, _front, _kvcache, _mods
+from ._validate import check_algorithm, check_batch_invariant, check_flag, check_num_splits, check_options
 
 # The forward entry points, as the front door routes them.
 _ATTENTION = _front.Operation(
@@ -33,6 +26,10 @@ _FP8_ATTENTION = _front.Operation("the FP8 forward", _fp8_forward.host_forward, 
 _PAGED_VARLEN = _front.Operation(
     "attention_varlen with a block_table", _attention.host_varlen_forward, _attention.gpu_varlen_forward
 )
+_KVCACHE = _front.Operation(
+    "attention_with_kvcache", _kvcache.host_with_kvcache, _kvcache.gpu_with_kvcache, torch="attention_with_kvcache",
+    jax="attention_with_kvcache", backward=False,
+)  # fmt: skip
 
 
 @overload
@@ -256,7 +253,8 @@ def attention(
     options = check_options(causal, scale, window, softcap)
     if batch_invariant is not False:
         batch_invariant = check_batch_invariant(batch_invariant)
-    if _fp8_forward.is_fp8_call(q, (q_descale, k_descale, v_descale), fp8_dtype):
+    fp8_options = q_descale is not None or k_descale is not None or v_descale is not None or fp8_dtype is not None
+    if fp8_options or _fp8_forward.is_fp8_array(q):  # the FP8 forward
         # (the Hopper kernel on e4m3 splits no keys: batch-invariant either way)
         if score_mod is not None or mask_mod is not None:
             raise ValueError("the FP8 forward takes no score_mod / mask_mod")
@@ -266,7 +264,8 @@ def attention(
         return (out, lse) if return_lse else out
     if out_dtype is not None:
         raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
-    algorithm = check_algorithm("attention", algorithm)
+    if type(algorithm) is not str or algorithm != "auto":  # the default skips the check
+        algorithm = check_algorithm("attention", algorithm)
     mods = None
     if score_mod is not None or mask_mod is not None:
         if attn_mask is not None:
@@ -385,13 +384,19 @@ def attention_varlen(
     >>> cupyflash.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).shape
     (7, 2, 16)
     """
+    options = check_options(causal, scale, window, softcap)
+    if type(algorithm) is not str or algorithm != "auto":  # the defaults skip the checks
+        algorithm = check_algorithm("attention_varlen", algorithm)
+    if deterministic is not False and deterministic is not True:
+        deterministic = check_flag("deterministic", deterministic)
+    if batch_invariant is not False:
+        batch_invariant = check_batch_invariant(batch_invariant)
     call = _attention.VarlenForward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_options(causal, scale, window, softcap),
-        check_algorithm("attention_varlen", algorithm), check_flag("deterministic", deterministic), dropout_p, seed,
-        alibi_slopes, seqused_k, block_table, check_batch_invariant(batch_invariant),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, algorithm, deterministic, dropout_p,
+        seed, alibi_slopes, seqused_k, block_table, batch_invariant,
     )  # fmt: skip
     if block_table is not None:
-        if call.algorithm == "fa3":
+        if algorithm == "fa3":
             raise ValueError("algorithm='fa3' (the Hopper kernel) does not read paged keys: use 'auto' or 'fa2'")
         out, lse = _front.route(_PAGED_VARLEN, call, return_lse)
         return (out, lse) if return_lse else out
@@ -766,64 +771,31 @@ def attention_with_kvcache(
     >>> out.shape, float(k_cache[1, 9, 0, 0])
     ((2, 1, 4, 8), 1.0)
     """
-    if _interop.compiling():  # Dynamo traces the custom op, not this function's body
-        if k_scale is not None or v_scale is not None or kv_dtype is not None:
-            raise NotImplementedError(
-                "attention_with_kvcache's k_scale / v_scale / kv_dtype do not go through torch.compile yet: call it "
-                "outside the compiled region (a float8 cache with the default scales, 1.0, does)"
-            )
-        return _front.torch_ops().attention_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, num_splits, return_lse,
-            cache_batch_idx, cache_leftpad, window, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
-            batch_invariant,
-        )  # fmt: skip
-    if type(causal) is not bool or window != (-1, -1) or softcap != 0.0:  # the defaults skip the checks
-        options = check_options(causal, scale, window, softcap)
-    else:
-        options = Options(causal, scale if scale is None or type(scale) is float else check_scale_option(scale))
+    options = check_options(causal, scale, window, softcap)
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
     if batch_invariant is not False:
         batch_invariant = check_batch_invariant(batch_invariant, num_splits)
-    if alibi_slopes is not None:
-        _interop.refuse_slope_grad(alibi_slopes)
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin go together: give both or neither")
     rotary = None if rotary_cos is None else rotary_interleaved
-    # Float8 caches' scales: a host number is checked here and goes to the kernel per call; an
-    # array is an operand like the others (on the GPU read as given).
-    k_host = v_host = None
+    # Float8 caches' scales: a host number goes to the kernel per call (its value checked there);
+    # an array is an operand like the others (on the GPU read as given).
+    k_array = v_array = None
     if k_scale is not None or v_scale is not None:
-        k_host, v_host = _fp8.host_scale("k_scale", k_scale), _fp8.host_scale("v_scale", v_scale)
-    seqlens = None if type(cache_seqlens) is int else cache_seqlens
-    others = (seqlens, block_table, k_new, v_new, cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin,
-              k_scale if k_host is None else None, v_scale if v_host is None else None)  # fmt: skip
-    arrays = {
+        k_array = None if _fp8.is_host_number(k_scale) else k_scale
+        v_array = None if _fp8.is_host_number(v_scale) else v_scale
+    named = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens, "block_table": block_table,
         "k_new": k_new, "v_new": v_new, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
-        "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
-        "k_scale": k_scale if k_host is None else k_host, "v_scale": v_scale if v_host is None else v_host,
+        "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "k_scale": k_scale,
+        "v_scale": v_scale,
     }  # fmt: skip
-    found = _interop.lean_arrays(q, k_cache, v_cache, others)
-    if found is not None:  # CuPy arrays or CUDA tensors on one GPU: the per-token path
-        lib, device = found
-        if lib.check_inputs((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)):
-            _interop.refuse_autograd("attention_with_kvcache")
-        out, lse = _kvcache.gpu_attention_with_kvcache(
-            lib, device, arrays, options, num_splits, rotary, return_lse, kv_dtype=kv_dtype,
-            batch_invariant=batch_invariant,
-        )  # fmt: skip
-        return (out, lse) if return_lse else out
-    call = _kvcache.CacheCall(arrays, options, num_splits, rotary, kv_dtype, batch_invariant)
-    given = (q, k_cache, v_cache, *others)
-    if _interop.traced(given) or (k_new is not None and _interop.has_jax_arrays(given)):
-        # JAX arrays are immutable: the custom call returns the appended caches (_jax).
-        if call.fp8 or "float8" in str(k_cache.dtype):
-            raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
-        return _front.jax_ops().attention_with_kvcache(
-            arrays, options, check_num_splits(num_splits), rotary, return_lse, batch_invariant
-        )
-    if _interop.needs_autograd(given):
-        _interop.refuse_autograd("attention_with_kvcache")
-    out, lse = _kvcache.with_kvcache(call, return_lse)
-    return (out, lse) if return_lse else out
+    operands = (q, k_cache, v_cache, None if type(cache_seqlens) is int else cache_seqlens, block_table, k_new, v_new,
+                cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, k_array, v_array)  # fmt: skip
+    call = _kvcache.CacheCall(named, operands, options, num_splits, rotary, kv_dtype, batch_invariant)
+    results = _front.route(_KVCACHE, call, return_lse)
+    if len(results) == 2:
+        return results if return_lse else results[0]
+    out, lse, k_cache, v_cache = results  # JAX arrays, appended: the new caches (JAX arrays are immutable)
+    return ((out, lse) if return_lse else out), k_cache, v_cache

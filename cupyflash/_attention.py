@@ -33,8 +33,9 @@ _plans = _plan.new_cache()
 
 
 # ---------------------------------------------------------------------------------------------
-# The calls, checked. Not changed once built (``on`` and ``prepared`` make changed copies); not
-# frozen, since a frozen dataclass's __init__ cost a call 0.8 us more.
+# The calls, checked. Not changed once built (``on`` and ``prepared`` make changed copies, each
+# by its constructor: dataclasses.replace cost ~1.2 us); not frozen, since a frozen dataclass's
+# __init__ cost a call 0.8 us more.
 # ---------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Forward:
@@ -55,19 +56,30 @@ class Forward:
     batch_invariant: bool = False  # each sequence's result independent of the batch (the decode kernel's splits)
 
     names = ("q", "k", "v", "alibi_slopes", "attn_mask")
+    writes = False  # into none of its arrays
 
     def arrays(self) -> tuple[Any, ...]:
         return (self.q, self.k, self.v, self.alibi_slopes, self.attn_mask)
 
     def prepared(self) -> Forward:
         """Dropout checked (a traced seed stays as given for the JAX route, which takes it) and
-        ALiBi slopes that require grad refused: the steps after the JAX route."""
-        return _prepared(self)
+        ALiBi slopes that require grad refused: the steps after the JAX route. A call without
+        dropout or ALiBi is itself (its check inline: a second call cost the hot path ~40 ns)."""
+        if self.alibi_slopes is None and self.seed is None and type(self.dropout_p) is float and not self.dropout_p:
+            return self
+        dropout_p, seed = _prepared(self)
+        return Forward(
+            self.q, self.k, self.v, self.options, self.layout, self.algorithm, self.deterministic, dropout_p, seed,
+            self.alibi_slopes, self.attn_mask, self.mods, self.batch_invariant,
+        )  # fmt: skip
 
     def on(self, arrays: list[Any]) -> Forward:
         """The same call on ``arrays`` (``names``' order), as the pipeline reads them."""
         q, k, v, slopes, mask = arrays
-        return dataclasses.replace(self, q=q, k=k, v=v, alibi_slopes=slopes, attn_mask=mask)
+        return Forward(
+            q, k, v, self.options, self.layout, self.algorithm, self.deterministic, self.dropout_p, self.seed, slopes,
+            mask, self.mods, self.batch_invariant,
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -93,19 +105,27 @@ class VarlenForward:
     batch_invariant: bool = False  # the Hopper variant not chosen by the batch's longest sequence
 
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k", "block_table")
+    writes = False
 
     def arrays(self) -> tuple[Any, ...]:
         return (self.q, self.k, self.v, self.cu_seqlens_q, self.cu_seqlens_k, self.alibi_slopes, self.seqused_k,
                 self.block_table)  # fmt: skip
 
     def prepared(self) -> VarlenForward:
-        return _prepared(self)
+        if self.alibi_slopes is None and self.seed is None and type(self.dropout_p) is float and not self.dropout_p:
+            return self
+        dropout_p, seed = _prepared(self)
+        return VarlenForward(
+            self.q, self.k, self.v, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k,
+            self.options, self.algorithm, self.deterministic, dropout_p, seed, self.alibi_slopes, self.seqused_k,
+            self.block_table, self.batch_invariant,
+        )  # fmt: skip
 
     def on(self, arrays: list[Any]) -> VarlenForward:
         q, k, v, cu_q, cu_k, slopes, seqused_k, table = arrays
-        return dataclasses.replace(
-            self, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi_slopes=slopes, seqused_k=seqused_k,
-            block_table=table,
+        return VarlenForward(
+            q, k, v, cu_q, cu_k, self.max_seqlen_q, self.max_seqlen_k, self.options, self.algorithm,
+            self.deterministic, self.dropout_p, self.seed, slopes, seqused_k, table, self.batch_invariant,
         )  # fmt: skip
 
 
@@ -136,9 +156,10 @@ class Backward:
 
     def on(self, arrays: list[Any]) -> Backward:
         dout, q, k, v, out, lse, dlse, slopes, mask = arrays
-        return dataclasses.replace(
-            self, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, alibi_slopes=slopes, attn_mask=mask
-        )
+        return Backward(
+            dout, q, k, v, out, lse, dlse, self.options, self.layout, self.deterministic, self.dropout_p, self.seed,
+            slopes, mask, self.mods,
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -171,20 +192,20 @@ class VarlenBackward:
 
     def on(self, arrays: list[Any]) -> VarlenBackward:
         dout, q, k, v, out, lse, dlse, cu_q, cu_k, slopes, seqused_k = arrays
-        return dataclasses.replace(
-            self, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            alibi_slopes=slopes, seqused_k=seqused_k,
+        return VarlenBackward(
+            dout, q, k, v, out, lse, dlse, cu_q, cu_k, self.max_seqlen_q, self.max_seqlen_k, self.options,
+            self.deterministic, self.dropout_p, self.seed, slopes, seqused_k,
         )  # fmt: skip
 
 
-def _prepared(call: Any) -> Any:
+def _prepared(call: Forward | VarlenForward) -> tuple[float, int | None]:
+    """``prepared``'s checks: slopes that require grad refused, the dropout options checked."""
     if call.alibi_slopes is not None:
         _interop.refuse_slope_grad(call.alibi_slopes)
     dropout_p, seed = call.dropout_p, call.seed
     if dropout_p or seed is not None or type(dropout_p) is not float:  # the default skips the checks
-        dropout_p, seed = check_dropout(dropout_p, seed)
-        return dataclasses.replace(call, dropout_p=dropout_p, seed=seed)
-    return call
+        return check_dropout(dropout_p, seed)
+    return dropout_p, seed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,7 +312,10 @@ def gpu_forward(
     alibi_key = None if slopes is None else (tuple(slopes.shape), slopes.dtype)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
            call.algorithm, call.dropout_p, alibi_key, call.batch_invariant)  # fmt: skip
-    launch = _plans.lookup(key)
+    try:
+        launch = _plans.find(key)
+    except TypeError:  # a part that cannot be hashed: planned uncached (which refuses it)
+        launch = None
     if launch is None:
         launch = _plans.get(key, lambda: _plan_forward(lib, device, call))
     arrays_by_name = {"q": q, "k": k, "v": v, "alibi_slopes": slopes}
@@ -403,27 +427,26 @@ def host_varlen_forward(call: VarlenForward) -> tuple[Any, Any]:
 
 
 def gpu_varlen_forward(lib: _interop.ArrayLib, device: int, call: VarlenForward, want_lse: bool) -> tuple[Any, Any]:
-    """The kernels of a packed call on arrays the pipeline reads: (out, lse)."""
+    """The kernels of a packed call on arrays the pipeline reads: (out, lse). The plan is looked up
+    by the call's arguments as given (the Problem is built from them and nothing else, so it is
+    checked once per plan: building it per call cost ~6 us)."""
     if call.block_table is not None:
         return _gpu_paged_varlen(lib, device, call, want_lse)
     q, k, v, cu_q, cu_k, slopes, seqused_k = (
         call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.alibi_slopes, call.seqused_k
     )  # fmt: skip
-    problem = _varlen_call_problem(call)
-    key = (lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, cu_q, cu_k, slopes, seqused_k),
-           call.algorithm, call.batch_invariant)  # fmt: skip
-
-    def plan() -> _plan.Launch:
-        dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
-        _check_offset_dtypes(lib, cu_q, cu_k, seqused_k)
-        _check_slopes_dtype(lib, slopes)
-        rows = (q.shape[0], k.shape[0])
-        return _plan.plan_forward(
-            problem, dtype, _device.device_info(device), call.algorithm, q_shape=tuple(q.shape), packed_rows=rows,
-            batch_invariant=call.batch_invariant,
-        )  # fmt: skip
-
-    launch = _plans.get(key, plan)
+    key = (
+        lib.name, device, q.shape, k.shape, v.shape, cu_q.shape, cu_k.shape, _maxima(call), call.options,
+        call.dropout_p, q.dtype, k.dtype, v.dtype, cu_q.dtype, cu_k.dtype,
+        None if slopes is None else (slopes.shape, slopes.dtype),
+        None if seqused_k is None else (seqused_k.shape, seqused_k.dtype), call.algorithm, call.batch_invariant,
+    )  # fmt: skip
+    try:
+        launch = _plans.find(key)
+    except TypeError:
+        launch = None
+    if launch is None:
+        launch = _plans.get(key, lambda: _plan_varlen(lib, device, call))
     arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "alibi_slopes": slopes,
                       "seqused_k": seqused_k}  # fmt: skip
     if call.dropout_p:
@@ -431,18 +454,44 @@ def gpu_varlen_forward(lib: _interop.ArrayLib, device: int, call: VarlenForward,
     return _launch.run(launch, lib, device, arrays_by_name, want_lse)
 
 
+def _maxima(call: VarlenForward) -> tuple[int, int]:
+    """(max_seqlen_q, max_seqlen_k) for a plan key: Python ints as they are; anything else
+    checked first (a bool or a float equal to an int must not find that int's plan)."""
+    max_q, max_k = call.max_seqlen_q, call.max_seqlen_k
+    if type(max_q) is not int or type(max_k) is not int:
+        problem = _varlen_call_problem(call, call.block_table)
+        return problem.seqlen_q, problem.seqlen_k
+    return max_q, max_k
+
+
+def _plan_varlen(lib: _interop.ArrayLib, device: int, call: VarlenForward) -> _plan.Launch:
+    q, k, v = call.q, call.k, call.v
+    problem = _varlen_call_problem(call)
+    dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
+    _check_offset_dtypes(lib, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)
+    _check_slopes_dtype(lib, call.alibi_slopes)
+    rows = (q.shape[0], k.shape[0])
+    return _plan.plan_forward(
+        problem, dtype, _device.device_info(device), call.algorithm, q_shape=tuple(q.shape), packed_rows=rows,
+        batch_invariant=call.batch_invariant,
+    )  # fmt: skip
+
+
 #: The operands of a paged packed call, in ``VarlenForward.names``' order (``_cascade`` too).
 PAGED_NAMES = VarlenForward.names
 
 
 def _gpu_paged_varlen(lib: _interop.ArrayLib, device: int, call: VarlenForward, want_lse: bool) -> tuple[Any, Any]:
-    """attention_varlen over a paged cache: the FA2 kernel over the cache view."""
+    """attention_varlen over a paged cache: the FA2 kernel over the cache view (the plan looked up
+    by the arguments as given, as ``gpu_varlen_forward``'s)."""
     named = call.arrays()
-    q, k, table = call.q, call.k, call.block_table
-    problem = _varlen_call_problem(call, table)
-    key = (lib.name, device, problem, q.shape, k.shape, table.shape, _dtypes(*named), "paged")
+    q, k, v, cu_q, cu_k, _, _, table = named
+    key = (lib.name, device, q.shape, k.shape, v.shape, cu_q.shape, cu_k.shape, table.shape, _maxima(call),
+           call.options, call.dropout_p, _dtypes(*named), _shapes(call.alibi_slopes, call.seqused_k),
+           "paged")  # fmt: skip
 
     def plan() -> _plan.Launch:
+        problem = _varlen_call_problem(call, table)
         dtypes = {n: None if x is None else lib.dtype_name(x) for n, x in zip(PAGED_NAMES, named)}
         _check_slopes_dtype(lib, call.alibi_slopes)
         return _plan.plan_paged_varlen(
@@ -474,10 +523,13 @@ def backward(call: Backward) -> tuple[Any, Any, Any]:
     made then (``_lean_backward_key``)."""
     if call.dropout_p == 0 and call.attn_mask is None and call.mods is None:
         slopes = call.alibi_slopes
-        lean = _interop.lean_arrays(call.q, call.k, call.v, (call.dout, call.out, call.lse, call.dlse, slopes))
+        lean = _interop.lean_arrays((call.q, call.k, call.v, call.dout, call.out, call.lse, call.dlse, slopes))
         if lean is not None:
-            lib, device = lean
-            launch = _plans.lookup(_lean_backward_key(lib, device, call))
+            lib, device, _ = lean
+            try:
+                launch = _plans.find(_lean_backward_key(lib, device, call))
+            except TypeError:  # a part that cannot be hashed: the general path refuses it
+                launch = None
             if launch is not None:
                 arrays_by_name = {"q": call.q, "k": call.k, "v": call.v, "out": call.out, "dout": call.dout,
                                   "lse": call.lse, "dlse": call.dlse, "alibi_slopes": slopes}  # fmt: skip
@@ -597,6 +649,11 @@ def backward_dropout(dropout_p: Any, seed: Any) -> tuple[float, int | None]:
     if dropout_p and seed is None:
         raise ValueError("a backward with dropout_p > 0 needs the forward's seed= (its mask is regenerated from it)")
     return dropout_p, seed if dropout_p else None
+
+
+def _shapes(*arrays: Any) -> tuple[Any, ...]:
+    """Every array's shape for a plan key (None for an absent optional array)."""
+    return tuple(None if x is None else x.shape for x in arrays)
 
 
 def _dtypes(*arrays: Any) -> tuple[Any, ...]:

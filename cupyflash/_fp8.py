@@ -66,6 +66,13 @@ def cache_format(k_dtype: str, v_dtype: str, kv_dtype: Any) -> str | None:
     return None
 
 
+def is_host_number(x: Any) -> bool:
+    """Whether a scale is given as a host number (anything but an array: a Python or NumPy real,
+    a NumPy 0-d array, or something ``host_scale`` refuses), not as an array (an operand)."""
+    shape = getattr(x, "shape", None)
+    return shape is None or (shape == () and type(x).__module__.split(".")[0] == "numpy")
+
+
 def host_scale(name: str, x: Any) -> float | None:
     """A scale given as a host number (a Python or NumPy real): its float32 value, checked
     positive and finite; None for an array (or None: the default, 1.0, is the caller's)."""
@@ -73,9 +80,8 @@ def host_scale(name: str, x: Any) -> float | None:
         if isinstance(x, bool):
             raise TypeError(f"{name} must be a positive float or a float32 array, got {x!r}")
         return None
-    shape = getattr(x, "shape", None)
-    if shape is not None and (shape != () or type(x).__module__.split(".")[0] != "numpy"):
-        return None  # an array (a NumPy 0-d array is a host number like np.float32(...))
+    if not is_host_number(x):
+        return None
     try:
         value = float(x)
     except (TypeError, ValueError):

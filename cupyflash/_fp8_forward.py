@@ -18,7 +18,6 @@ softmax, a plausible answer; a negative one breaks the online softmax's maximum)
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +33,10 @@ _E4M3_NAMES = ("float8_e4m3fn",)  # torch's and ml_dtypes' name for the OCP e4m3
 _plans = _plan.new_pair_cache()
 
 
-def is_fp8_call(q: Any, descales: tuple[Any, Any, Any], fp8_dtype: Any) -> bool:
-    """Whether ``attention`` takes the FP8 path: a float8 (or uint8) q, or an FP8 option given.
-    Cheap on the 16-bit path: two attribute reads and a compare."""
-    q_descale, k_descale, v_descale = descales
-    if fp8_dtype is not None or q_descale is not None or k_descale is not None or v_descale is not None:
-        return True
+def is_fp8_array(q: Any) -> bool:
+    """Whether ``q`` makes ``attention`` an FP8 call: a float8 (or uint8) array. Cheap on the
+    16-bit path: two attribute reads and a compare (``attention`` checks the FP8 options, the
+    other way in, inline before it)."""
     dtype = getattr(q, "dtype", None)
     if getattr(dtype, "itemsize", 0) != 1:
         return False
@@ -62,6 +59,7 @@ class Fp8Forward:
     fp8_dtype: Any = None
 
     names = ("q", "k", "v", *DESCALE_NAMES)
+    writes = False
 
     def arrays(self) -> tuple[Any, ...]:
         """q, k, v and the descales that are arrays (a host number as None)."""
@@ -73,7 +71,7 @@ class Fp8Forward:
     def on(self, arrays: list[Any]) -> Fp8Forward:
         q, k, v, *adopted = arrays
         descales = tuple(x if a is None else a for x, a in zip(self.descales, adopted, strict=True))
-        return dataclasses.replace(self, q=q, k=k, v=v, descales=descales)
+        return Fp8Forward(q, k, v, self.options, self.layout, descales, self.out_dtype, self.fp8_dtype)
 
 
 def _device_descales(descales: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -145,7 +143,10 @@ def gpu_forward(lib: _interop.ArrayLib, device: int, call: Fp8Forward, want_lse:
         }
         return _plan.plan_fp8_forward(problem, out_name, info, tuple(q.shape), forms)
 
-    planned = _plans.lookup(key)
+    try:
+        planned = _plans.find(key)
+    except TypeError:  # a part that cannot be hashed: planned uncached (which refuses it)
+        planned = None
     if planned is None:
         planned = _plans.get(key, plan)
     transpose, main = planned

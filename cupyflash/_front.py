@@ -1,19 +1,26 @@
 """The front door: the one route every forward entry point's call takes, written once.
 
-A public function checks its options, builds its call (``_attention.Forward`` ...) and hands it
-here with its ``Operation``, which names the executors and the framework adapters of that entry
-point. The route, in order:
+A public function checks its options, builds its call (``_attention.Forward``,
+``_kvcache.CacheCall`` ...) and hands it here with its ``Operation``, which names the executors
+and the framework adapters of that entry point. The route, in order:
 
 1. torch.compile tracing the call: the PyTorch custom op (Dynamo keeps it in its graph as one
    opaque op), or a refusal where the entry point has none;
 2. CuPy arrays or CUDA tensors on one GPU (a few attribute reads: the per-token path);
 3. JAX tracers (``jax.jit``, ``grad``, ``vmap``): the XLA custom call, where the entry point has
-   one (else ``_interop.gpu_arrays`` refuses them, naming the way out);
+   one (else ``_interop.gpu_arrays`` refuses them, naming the way out); concrete JAX arrays too
+   for a call that writes into its arrays (JAX arrays are immutable: the custom call returns
+   the written ones, new);
 4. any other arrays: their library and device found once (``_interop.gpu_arrays``), host arrays
    to the array-API algorithms;
-5. PyTorch tensors that require grad, any of the call's: the custom op, which has the backward
-   and refuses what gets no gradient (or a refusal, never a detached result);
+5. PyTorch tensors that require grad, any of the call's: the custom op where it has a backward
+   (which refuses what gets no gradient), else a refusal: never a detached result;
 6. the GPU executor.
+
+A call has ``names`` and ``arrays()`` (its arrays in that order, None for one not given),
+``prepared()`` (the checks that come after the torch.compile and JAX routes: a call that needs
+none is itself), ``on(arrays)`` (the same call on adopted arrays) and ``writes`` (whether it
+writes into its arrays).
 
 The adapters (``_torch_ops``, ``_jax``) are imported here on first use, so importing cupyflash
 imports neither torch nor jax; they call the executors, never the public functions.
@@ -39,39 +46,45 @@ class Operation:
     gpu: Callable[[_interop.ArrayLib, int, Any, bool], tuple[Any, Any]]  # the kernels
     torch: str | None = None  # the _torch_ops function taking the call through its custom op
     jax: str | None = None  # the _jax function staging the call as an XLA custom call
+    backward: bool = True  # the custom op has a backward (else tensors that require grad are refused)
 
 
-def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, Any]:
-    """``call`` by the route above: (out, lse), lse None on the GPU unless wanted."""
+def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, ...]:
+    """``call`` by the route above: (out, lse), lse None on the GPU unless wanted; for a call that
+    writes into JAX arrays, (out, lse, *written): the written arrays, new."""
     if _interop.compiling():  # before anything Dynamo would have to trace
-        return _torch_route(op, call, want_lse, "does not run under torch.compile yet")
+        return _compile_route(op, call, want_lse)
     arrays = call.arrays()
-    found = _interop.lean_arrays(arrays[0], arrays[1], arrays[2], arrays[3:])
+    found = _interop.lean_arrays(arrays)
     if found is not None:
-        lib, device = found
-        if not lib.check_inputs(arrays):
+        lib, device, autograd = found
+        if not autograd:
             return op.gpu(lib, device, call.prepared(), want_lse)
     else:
-        if op.jax is not None and _interop.traced(arrays):
+        if op.jax is not None and (_interop.traced(arrays) or (call.writes and _interop.has_jax_arrays(arrays))):
             return getattr(jax_ops(), op.jax)(call, want_lse)
         call = call.prepared()
         on_gpu = _interop.gpu_arrays(call.names, call.arrays())
         if on_gpu is None:
             if _interop.needs_autograd(arrays):
-                return _torch_route(op, call, want_lse, "has no backward pass")
+                return _autograd_route(op, call, want_lse)
             return op.host(call)
         lib, device, adopted = on_gpu
         call = call.on(adopted)
         if not lib.check_inputs(arrays):
             return op.gpu(lib, device, call, want_lse)
-    return _torch_route(op, call.prepared(), want_lse, "has no backward pass")  # tensors that require grad
+    return _autograd_route(op, call.prepared(), want_lse)  # tensors that require grad
 
 
-def _torch_route(op: Operation, call: Any, want_lse: bool, missing: str) -> tuple[Any, Any]:
+def _compile_route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, ...]:
     if op.torch is None:
-        if missing == "has no backward pass":
-            _interop.refuse_autograd(op.name)
-        raise NotImplementedError(f"{op.name} {missing}")
+        raise NotImplementedError(f"{op.name} does not run under torch.compile yet")
+    return getattr(torch_ops(), op.torch)(call, want_lse)
+
+
+def _autograd_route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, ...]:
+    if op.torch is None or not op.backward:
+        _interop.refuse_autograd(op.name)
     return getattr(torch_ops(), op.torch)(call, want_lse)
 
 

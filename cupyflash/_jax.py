@@ -42,7 +42,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import _attention, _host, _interop, _kvcache, _mods
-from ._validate import Options, check_dropout
+from ._validate import Options, check_dropout, check_num_splits
 
 #: How many times XLA has run each callback, by (platform, direction): ("gpu", "forward"),
 #: ("cpu", "backward") ... The GPU tests read it as proof that the kernels ran in the program.
@@ -274,15 +274,16 @@ class KvConfig:
         return "k_new" in self.names
 
 
-def attention_with_kvcache(
-    arrays: dict[str, Any], options: Options, num_splits: int, rotary: bool | None, return_lse: bool,
-    batch_invariant: bool = False,
-) -> Any:  # fmt: skip
+def attention_with_kvcache(call: _kvcache.CacheCall, want_lse: bool) -> tuple[Any, ...]:
     """``cupyflash.attention_with_kvcache`` on JAX arrays (traced, or concrete ones with k_new;
-    ``arrays`` by name, options already checked by the entry): one custom call. With k_new it
-    returns ``(result, k_cache, v_cache)``, the caches with the new tokens, as new arrays (the
+    options already checked by the entry): one custom call. (out, lse), lse None unless wanted;
+    with k_new (out, lse, k_cache, v_cache), the caches with the new tokens as new arrays (the
     custom call's results alias the cache operands: XLA writes in place into donated caches and
     copies the others first)."""
+    arrays = call.named
+    if call.fp8 or "float8" in str(arrays["k_cache"].dtype):
+        raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
+    options, num_splits, rotary = call.options, check_num_splits(call.num_splits), call.rotary
     seqlens = arrays["cache_seqlens"]
     others = {n: x for n, x in arrays.items() if not (n == "cache_seqlens" and type(x) is int)}
     _check_jax_arrays("attention_with_kvcache", others, "on JAX arrays (inside a JAX transformation, or appending)")
@@ -296,14 +297,17 @@ def attention_with_kvcache(
     if type(seqlens) is int:  # checked against the capacity above; an operand, so no recompile per length
         operands["cache_seqlens"] = np.full((problem.attn.batch,), seqlens, np.int32)
     names = tuple(n for n in _kvcache.KV_NAMES if n in operands)
-    config = KvConfig(options, num_splits, rotary, bool(return_lse), names, problem, bool(batch_invariant))
+    config = KvConfig(options, num_splits, rotary, bool(want_lse), names, problem, bool(call.batch_invariant))
     values = tuple(operands[n] for n in names)
-    if _interop.traced(values):
-        return _kvcache_call(config, values)
     # Concrete arrays: the same custom call, compiled once per config; the caller's caches stay
     # as they were (XLA copies them into the results, which it does not when a jitted caller
     # donates them).
-    return _compiled_kvcache_call(config)(values)
+    result = _kvcache_call(config, values) if _interop.traced(values) else _compiled_kvcache_call(config)(values)
+    if not config.appends:
+        return result if want_lse else (result, None)
+    result, k_cache, v_cache = result
+    out, lse = result if want_lse else (result, None)
+    return out, lse, k_cache, v_cache
 
 
 @functools.cache
@@ -364,10 +368,11 @@ def _kvcache_callback(config: KvConfig) -> Any:
             if config.appends:  # the kernels append into XLA's result buffers, the caches' own when aliased
                 for name, result in zip(("k_cache", "v_cache"), results[-2:]):
                     views[name] = _cache_result(views[name], _cupy_view(result), lambda x: x.data.ptr)
-            _kvcache.gpu_attention_with_kvcache(
-                _interop.CUPY_LIB, device, views, config.options, config.num_splits, config.rotary,
-                config.return_lse, given, batch_invariant=config.batch_invariant,
-            )  # fmt: skip
+            # By name only: the executor reads ``named`` (the operands' tuple is the front door's).
+            call = _kvcache.CacheCall(
+                views, (), config.options, config.num_splits, config.rotary, batch_invariant=config.batch_invariant
+            )
+            _kvcache.gpu_with_kvcache(_interop.CUPY_LIB, device, call, config.return_lse, given)
         runs["gpu", "kvcache"] += 1
 
     return callback
@@ -489,7 +494,7 @@ def _host_kvcache(config: KvConfig, results: Any, operands: dict[str, Any]) -> N
             buffer = _cache_result(np.asarray(operands[name]), np.asarray(result), lambda x: x.ctypes.data)
             arrays[name] = _host_array(buffer)  # the buffer itself, or a float32 copy of a bfloat16 one
             caches.append((buffer, arrays[name]))
-    call = _kvcache.CacheCall(
+    call = _kvcache.cache_call(
         arrays, config.options, config.num_splits, config.rotary, batch_invariant=config.batch_invariant
     )
     out, lse = _kvcache.with_kvcache(call, want_lse=True)

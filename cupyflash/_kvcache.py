@@ -32,117 +32,151 @@ _kv_operands = operator.itemgetter(*KV_NAMES)
 
 @dataclasses.dataclass(slots=True)
 class CacheCall:
-    """One ``attention_with_kvcache`` call, checked: its arrays by name (``KV_NAMES``; a float8
-    cache's scale may be a checked host float) and its options."""
+    """One ``attention_with_kvcache`` call, its options checked: its arrays by name (``KV_NAMES``;
+    an int ``cache_seqlens``, and a float8 cache's scale as a host number, each value checked
+    per call where it is used) as ``_launch.run`` reads them, the same in ``KV_NAMES``' order (the
+    int and the host numbers as None) as the front door reads them, and its options. Not changed
+    once built (``on`` and ``prepared`` make changed copies)."""
 
-    arrays: dict[str, Any]
+    named: dict[str, Any]
+    operands: tuple[Any, ...]
     options: Options
     num_splits: int = 0
     rotary: bool | None = None  # interleaved or not, with rotary_cos / rotary_sin; None without
     kv_dtype: str | None = None
     batch_invariant: bool = False  # splits of a fixed size in keys (num_splits then 0)
 
+    names = KV_NAMES
+
+    def arrays(self) -> tuple[Any, ...]:
+        return self.operands
+
+    @property
+    def writes(self) -> bool:
+        """k_new / v_new are appended into the caches."""
+        return self.named["k_new"] is not None
+
     @property
     def fp8(self) -> bool:
         """A float8 cache's options given (scales or the format)."""
-        a = self.arrays
+        a = self.named
         return a["k_scale"] is not None or a["v_scale"] is not None or self.kv_dtype is not None
 
-    def operands(self) -> tuple[Any, ...]:
-        """The arrays, ``KV_NAMES``' order; an int ``cache_seqlens`` and a host scale as None."""
-        return tuple(None if type(x) in (int, float) else x for x in _kv_operands(self.arrays))
+    def prepared(self) -> CacheCall:
+        """ALiBi slopes that require grad refused, with their own message (after the torch.compile
+        route: nothing Dynamo would trace)."""
+        slopes = self.named["alibi_slopes"]
+        if slopes is not None:
+            _interop.refuse_slope_grad(slopes)
+        return self
 
-
-def with_kvcache(call: CacheCall, want_lse: bool) -> tuple[Any, Any]:
-    """A cache call where its arrays live: (out, lse), lse None on the GPU unless wanted."""
-    operands = call.operands()
-    found = _interop.gpu_arrays(KV_NAMES, operands)
-    a = call.arrays
-    if found is None:
-        seqlens = a["cache_seqlens"]
-        cos, sin = a["rotary_cos"], a["rotary_sin"]
-        p = kvcache_problem_of(
-            a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], call.options,
-            a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], (cos, sin, call.rotary),
-        )  # fmt: skip
-        fp8 = _host_fp8(a["q"], a["k_cache"], a["v_cache"], a["k_new"], a["v_new"], call.kv_dtype, a["k_scale"],
-                        a["v_scale"])  # fmt: skip
-        return _host.attention_with_kvcache(
-            a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], p,
-            check_num_splits(call.num_splits), a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], cos, sin,
-            fp8=fp8, batch_invariant=call.batch_invariant,
-        )  # fmt: skip
-    lib, device, gpu = found
-    if lib.name == _interop.DLPACK and a["k_new"] is not None:
-        raise TypeError(
-            "attention_with_kvcache with k_new on the GPU takes CuPy arrays, PyTorch tensors or JAX arrays (the "
-            f"cache is written in place), got {type(a['q']).__module__}.{type(a['q']).__name__}"
+    def on(self, arrays: list[Any]) -> CacheCall:
+        """The same call on ``arrays`` (``KV_NAMES``' order), as the pipeline reads them."""
+        named = dict(zip(KV_NAMES, arrays))
+        for name in ("cache_seqlens", "k_scale", "v_scale"):  # an int and host numbers, passed per call
+            if named[name] is None:
+                named[name] = self.named[name]
+        return CacheCall(
+            named, tuple(arrays), self.options, self.num_splits, self.rotary, self.kv_dtype, self.batch_invariant
         )
-    arrays = dict(zip(KV_NAMES, gpu))
-    if type(a["cache_seqlens"]) is int:
-        arrays["cache_seqlens"] = a["cache_seqlens"]
-    for name in ("k_scale", "v_scale"):  # host floats, passed per call
-        if type(a[name]) is float:
-            arrays[name] = a[name]
-    return gpu_attention_with_kvcache(
-        lib, device, arrays, call.options, call.num_splits, call.rotary, want_lse, kv_dtype=call.kv_dtype,
-        batch_invariant=call.batch_invariant,
+
+
+def cache_call(
+    named: dict[str, Any], options: Options, num_splits: int = 0, rotary: bool | None = None,
+    kv_dtype: str | None = None, batch_invariant: bool = False,
+) -> CacheCall:  # fmt: skip
+    """A ``CacheCall`` of arrays by name (every one of ``KV_NAMES``): the custom ops' and the JAX
+    callbacks' way to make one."""
+    operands = tuple(None if _per_call(n, x) else x for n, x in zip(KV_NAMES, _kv_operands(named)))
+    return CacheCall(named, operands, options, num_splits, rotary, kv_dtype, batch_invariant)
+
+
+def _per_call(name: str, x: Any) -> bool:
+    """Is ``x`` a value passed per call (an int ``cache_seqlens``, a host number scale), no operand?"""
+    if name == "cache_seqlens":
+        return type(x) is int
+    return name in ("k_scale", "v_scale") and x is not None and _fp8.is_host_number(x)
+
+
+def _scales_checked(call: CacheCall) -> CacheCall:
+    """The call with its host number scales as their checked float32 values (positive, finite):
+    what the kernel takes per call."""
+    named = call.named
+    checked = {n: value for n in ("k_scale", "v_scale") if (value := _fp8.host_scale(n, named[n])) is not None}
+    if not checked:
+        return call
+    return CacheCall(
+        named | checked, call.operands, call.options, call.num_splits, call.rotary, call.kv_dtype,
+        call.batch_invariant,
     )  # fmt: skip
 
 
-def gpu_attention_with_kvcache(
-    lib: _interop.ArrayLib, device: int, arrays: dict[str, Any], options: Options,
-    num_splits: int, rotary: bool | None, want_lse: bool, given: Any = _launch.EMPTY, kv_dtype: str | None = None,
-    batch_invariant: bool = False,
-) -> tuple[Any, Any]:  # fmt: skip
-    """The kernels of a cache call on arrays the pipeline reads, by name (``KV_NAMES``; the
-    caches are appended in place): (out, lse), lse None unless wanted. ``given``: output buffers
-    to write, by name (``_launch.run``; XLA's under ``jax.jit``). A float8 cache's scales are
-    arrays (operands) or host floats (checked, passed per call); ``kv_dtype`` names its format
-    for caches of bytes (CuPy's uint8); ``batch_invariant``: splits of a fixed size in keys
+def with_kvcache(call: CacheCall, want_lse: bool) -> tuple[Any, Any]:
+    """A cache call where its arrays live: (out, lse), lse None on the GPU unless wanted (the
+    custom op's and the JAX host callback's way in, past the front door's routing)."""
+    found = _interop.gpu_arrays(KV_NAMES, call.operands)
+    if found is None:
+        return host_with_kvcache(call)
+    lib, device, arrays = found
+    return gpu_with_kvcache(lib, device, call.on(arrays), want_lse)
+
+
+def host_with_kvcache(call: CacheCall) -> tuple[Any, Any]:
+    """A cache call on host arrays: every value checked, then the array-API algorithms."""
+    a = call.named
+    seqlens = a["cache_seqlens"]
+    cos, sin = a["rotary_cos"], a["rotary_sin"]
+    p = kvcache_problem_of(
+        a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], call.options,
+        a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], (cos, sin, call.rotary),
+    )  # fmt: skip
+    fp8 = _host_fp8(a["q"], a["k_cache"], a["v_cache"], a["k_new"], a["v_new"], call.kv_dtype, a["k_scale"],
+                    a["v_scale"])  # fmt: skip
+    return _host.attention_with_kvcache(
+        a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], p,
+        check_num_splits(call.num_splits), a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], cos, sin,
+        fp8=fp8, batch_invariant=call.batch_invariant,
+    )  # fmt: skip
+
+
+def gpu_with_kvcache(
+    lib: _interop.ArrayLib, device: int, call: CacheCall, want_lse: bool, given: Any = _launch.EMPTY
+) -> tuple[Any, Any]:
+    """The kernels of a cache call on arrays the pipeline reads (the caches appended in place):
+    (out, lse), lse None unless wanted. ``given``: output buffers to write, by name
+    (``_launch.run``; XLA's under ``jax.jit``). A float8 cache's scales are arrays (operands) or
+    host numbers (each value checked here and passed per call, as float32); ``kv_dtype`` names its
+    format for caches of bytes (CuPy's uint8); ``batch_invariant``: splits of a fixed size in keys
     (checked against ``num_splits`` by the entry)."""
+    named, kv_dtype = call.named, call.kv_dtype
     q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale = (
-        _kv_operands(arrays)
+        _kv_operands(named)
     )
-    fp8_key = None  # a host float scale keys as "host": its value goes to the kernel per call
+    fp8_key = None  # a host scale keys as "host": its value (checked here) goes to the kernel per call
     if kv_dtype is not None or k_scale is not None or v_scale is not None:
+        call = _scales_checked(call)
+        named = call.named
+        k_scale, v_scale = named["k_scale"], named["v_scale"]
         forms = ("host" if type(x) is float else None if x is None else (x.shape, x.dtype) for x in (k_scale, v_scale))
         fp8_key = (kv_dtype, *forms)
     # The signature, flat (a decode step builds it every call): what the plan depends on.
     key = (
-        lib.name, device, options, num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype, v_cache.shape,
-        v_cache.dtype, None if type(seqlens) is int else (seqlens.shape, seqlens.dtype),
+        lib.name, device, call.options, call.num_splits, q.shape, q.dtype, k_cache.shape, k_cache.dtype,
+        v_cache.shape, v_cache.dtype, None if type(seqlens) is int else (seqlens.shape, seqlens.dtype),
         None if table is None else (table.shape, table.dtype), None if k_new is None else (k_new.shape, k_new.dtype),
         None if v_new is None else v_new.shape, None if batch_idx is None else (batch_idx.shape, batch_idx.dtype),
         None if leftpad is None else (leftpad.shape, leftpad.dtype),
         None if slopes is None else (slopes.shape, slopes.dtype),
-        None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, rotary), fp8_key, batch_invariant,
+        None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, call.rotary), fp8_key,
+        call.batch_invariant,
     )  # fmt: skip
-    launch = _plans.lookup(key)
+    try:
+        launch = _plans.find(key)
+    except TypeError:  # a part that cannot be hashed: planned uncached (which refuses it)
+        launch = None
     if launch is None:
-        launch = _plans.get(
-            key,
-            lambda: _plan_kvcache(
-                lib,
-                device,
-                q,
-                k_cache,
-                v_cache,
-                seqlens,
-                table,
-                k_new,
-                v_new,
-                options,
-                num_splits,
-                batch_idx,
-                leftpad,
-                slopes,
-                (cos, sin, rotary),
-                (kv_dtype, k_scale, v_scale),
-                batch_invariant,
-            ),  # fmt: skip
-        )
-    return _launch.run(launch, lib, device, arrays, want_lse, given)
+        launch = _plans.get(key, lambda: _plan_kvcache(lib, device, call))
+    return _launch.run(launch, lib, device, named, want_lse, given)
 
 
 def kvcache_problem_of(
@@ -169,29 +203,33 @@ def kvcache_problem_of(
     return dataclasses.replace(kp, attn=dataclasses.replace(kp.attn, alibi=alibi))
 
 
-def _plan_kvcache(
-    lib: _interop.ArrayLib, device: int, q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any,
-    v_new: Any, options: Options, num_splits: int, batch_idx: Any, leftpad: Any,
-    slopes: Any, rotary: tuple[Any, Any, Any], fp8_args: tuple[Any, Any, Any] = (None, None, None),
-    batch_invariant: bool = False,
-) -> _plan.Launch:  # fmt: skip
+def _plan_kvcache(lib: _interop.ArrayLib, device: int, call: CacheCall) -> _plan.Launch:
+    q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale = (
+        _kv_operands(call.named)
+    )
+    if lib.name == _interop.DLPACK and k_new is not None:  # checked once per plan: its key has lib.name
+        namespace = getattr(lib, "namespace", None)
+        raise TypeError(
+            "attention_with_kvcache with k_new on the GPU takes CuPy arrays, PyTorch tensors or JAX arrays (the "
+            f"cache is written in place), got {getattr(namespace, '__name__', 'other')} arrays"
+        )
     # An int cache_seqlens is checked per call (the plan is shared by every int): plan with 0.
     p = kvcache_problem_of(
-        q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, options, batch_idx, leftpad,
-        slopes, rotary,
+        q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, call.options, batch_idx,
+        leftpad, slopes, (cos, sin, call.rotary),
     )  # fmt: skip
     named = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
         "cache_seqlens": None if type(seqlens) is int else seqlens, "block_table": table,
-        "cache_batch_idx": batch_idx, "cache_leftpad": leftpad, "rotary_cos": rotary[0], "rotary_sin": rotary[1],
+        "cache_batch_idx": batch_idx, "cache_leftpad": leftpad, "rotary_cos": cos, "rotary_sin": sin,
     }  # fmt: skip
     dtypes: dict[str, str | None] = {n: None if x is None else lib.dtype_name(x) for n, x in named.items()}
     if slopes is not None and lib.dtype_name(slopes) != "float32":
         raise TypeError(f"alibi_slopes must be float32, got {lib.dtype_name(slopes)}")
-    fp8 = _gpu_fp8(lib, dtypes, p.attn.heads_kv, *fp8_args)
+    fp8 = _gpu_fp8(lib, dtypes, p.attn.heads_kv, call.kv_dtype, k_scale, v_scale)
     return _plan.plan_kvcache(
-        p, dtypes, _device.device_info(device), num_splits=check_num_splits(num_splits), fp8=fp8,
-        batch_invariant=batch_invariant,
+        p, dtypes, _device.device_info(device), num_splits=check_num_splits(call.num_splits), fp8=fp8,
+        batch_invariant=call.batch_invariant,
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _attention, _interop, _kvcache, _mods
-from ._validate import Options, attention_problem, check_batch_invariant, check_num_splits, check_options
+from ._validate import Options, attention_problem, check_options
 
 _LIB = "cupyflash"
 
@@ -360,7 +360,7 @@ def attention_with_kvcache_op(
               v_new, cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, None, None)  # fmt: skip
     options = Options(causal, scale, (window_left, window_right), softcap)
     rotary = None if rotary_cos is None else rotary_interleaved
-    call = _kvcache.CacheCall(
+    call = _kvcache.cache_call(
         dict(zip(_kvcache.KV_NAMES, arrays)), options, num_splits, rotary, batch_invariant=batch_invariant
     )
     with torch.no_grad():
@@ -382,24 +382,24 @@ def _(
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
 
-def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, k_new: Any,
-                           v_new: Any, causal: Any, scale: Any, num_splits: Any, return_lse: bool,
-                           cache_batch_idx: Any = None, cache_leftpad: Any = None, window: Any = (-1, -1),
-                           softcap: Any = 0.0, alibi_slopes: Any = None, rotary_cos: Any = None,
-                           rotary_sin: Any = None, rotary_interleaved: bool = True,
-                           batch_invariant: Any = False) -> Any:  # fmt: skip
-    """``cupyflash.attention_with_kvcache`` through the custom op (while Dynamo traces it)."""
-    options = check_options(causal, scale, window, softcap)
-    batch_invariant = check_batch_invariant(batch_invariant, check_num_splits(num_splits))
-    causal, window, softcap = options.causal, options.window, options.softcap
-    scale = 1.0 / math.sqrt(q.shape[-1]) if options.scale is None else float(options.scale)
-    as_int = isinstance(cache_seqlens, int)
+def attention_with_kvcache(call: _kvcache.CacheCall, want_lse: bool) -> tuple[Any, Any]:
+    """An ``attention_with_kvcache`` call through the custom op (while Dynamo traces it): (out, lse)."""
+    if call.fp8:
+        raise NotImplementedError(
+            "attention_with_kvcache's k_scale / v_scale / kv_dtype do not go through torch.compile yet: call it "
+            "outside the compiled region (a float8 cache with the default scales, 1.0, does)"
+        )
+    a, o = call.named, call.options
+    q, seqlens = a["q"], a["cache_seqlens"]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if o.scale is None else float(o.scale)
+    as_int = isinstance(seqlens, int)
     out, lse = attention_with_kvcache_op(
-        q, k_cache, v_cache, None if as_int else cache_seqlens, cache_seqlens if as_int else 0, block_table, k_new,
-        v_new, causal, scale, int(num_splits), cache_batch_idx, cache_leftpad, window[0], window[1], softcap,
-        alibi_slopes, rotary_cos, rotary_sin, bool(rotary_interleaved), batch_invariant,
+        q, a["k_cache"], a["v_cache"], None if as_int else seqlens, seqlens if as_int else 0, a["block_table"],
+        a["k_new"], a["v_new"], o.causal, scale, int(call.num_splits), a["cache_batch_idx"], a["cache_leftpad"],
+        o.window[0], o.window[1], o.softcap, a["alibi_slopes"], a["rotary_cos"], a["rotary_sin"],
+        True if call.rotary is None else call.rotary, bool(call.batch_invariant),
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def _problem(

@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,14 @@ class _Memory:
         self.device_id = 0
 
 
+class _StandIn:
+    """The type of the stand-ins: one type, as every CuPy array is a ``cupy.ndarray``."""
+
+
+_StandIn.__module__ = "cupy._core.core"
+_StandIn.__name__ = _StandIn.__qualname__ = "ndarray"
+
+
 def stand_in(shape: tuple[int, ...], dtype: str) -> object:
     """An object cupyflash reads as a C-contiguous CuPy array on GPU 0."""
     itemsize = np.dtype(dtype).itemsize
@@ -40,8 +49,7 @@ def stand_in(shape: tuple[int, ...], dtype: str) -> object:
     for n in reversed(shape):
         strides.append(step)
         step *= n
-    cls = type("ndarray", (), {"__module__": "cupy._core.core"})
-    x = cls()
+    x: Any = _StandIn()
     x.shape, x.dtype, x.itemsize, x.ndim = shape, np.dtype(dtype), itemsize, len(shape)
     x.strides, x.data, x.device = tuple(reversed(strides)), _Memory(1 << 20), 0
     return x
@@ -84,12 +92,17 @@ def main() -> None:
     cache = stand_in((8, 4096, 8, 128), "float16")
     packed = stand_in((1024, 16, 128), "float16")
     cu = stand_in((3,), "int32")
+    new = stand_in((8, 1, 8, 128), "float16")
+    seqlens = stand_in((8,), "int32")
     lse = stand_in((1, 16, 1024), "float32")
     cases = {
         "attention, prefill (1, 1k, 16, 128)": lambda: cupyflash.attention(q, k, v, causal=True),
         "attention, one query token over 4k keys": lambda: cupyflash.attention(q1, cache, cache),
         "attention_with_kvcache, decode (8 x 4k)": lambda: cupyflash.attention_with_kvcache(
             q1, cache, cache, cache_seqlens=4000
+        ),
+        "attention_with_kvcache, decode step appending": lambda: cupyflash.attention_with_kvcache(
+            q1, cache, cache, cache_seqlens=seqlens, k_new=new, v_new=new
         ),
         "attention_varlen (2 sequences, 1k rows)": lambda: cupyflash.attention_varlen(
             packed, packed, packed, cu, cu, 512, 512, causal=True

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _device, _dispatch, _host, _interop, _kvcache, _launch, _plan
+from cupyflash import _attention, _device, _dispatch, _host, _interop, _kvcache, _launch, _plan
 from cupyflash._fp8 import Fp8Cache
 from cupyflash._specs import DecodeSpec
-from cupyflash._validate import attention_problem, kvcache_problem
+from cupyflash._validate import Options, attention_problem, kvcache_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from host_overhead import H100, stand_in  # noqa: E402
@@ -138,8 +138,9 @@ def test_split_size_fits_every_decode_tile():
 
 
 def test_num_splits_with_batch_invariant_is_refused(monkeypatch):
-    """On the host, on the GPU route (before anything is planned), in the planner, and through
-    the custom op Dynamo traces; a flag that is not a bool too."""
+    """On the host, on the GPU route (before anything is planned), in the planner, and under
+    torch.compile (checked with the other options, before the route hands the call to the custom
+    op); a flag that is not a bool too."""
     q = np.zeros((2, 1, 4, 16), np.float32)
     cache = np.zeros((2, 8, 2, 16), np.float32)
     with pytest.raises(ValueError, match="num_splits and batch_invariant=True exclude each other"):
@@ -155,10 +156,16 @@ def test_num_splits_with_batch_invariant_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="exclude each other"):
         cupyflash.attention_with_kvcache(q_gpu, cache_gpu, cache_gpu, cache_seqlens=3, num_splits=1,
                                          batch_invariant=True)  # fmt: skip
-    torch_ops = pytest.importorskip("cupyflash._torch_ops")
-    with pytest.raises(ValueError, match="exclude each other"):
-        torch_ops.attention_with_kvcache(q, cache, cache, 3, None, None, None, True, None, 4, False,
-                                         batch_invariant=True)  # fmt: skip
+    torch = pytest.importorskip("torch")
+    torch._dynamo.reset()
+    tq, tcache = torch.from_numpy(q), torch.from_numpy(cache)
+    step = torch.compile(
+        lambda q: cupyflash.attention_with_kvcache(q, tcache, tcache, cache_seqlens=3, num_splits=4,
+                                                   batch_invariant=True),
+        fullgraph=True,
+    )  # fmt: skip
+    with pytest.raises(Exception, match="exclude each other"):
+        step(tq)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +212,29 @@ def test_the_flag_is_part_of_the_plan_key(monkeypatch):
     for flag in (False, True):
         cupyflash.attention_with_kvcache(q_many, cache, cache, cache_seqlens=seqlens, batch_invariant=flag)
     assert _specs(seen[-1]) == _specs(seen[-2]) and _specs(seen[-1])[0].kernel == "fa2_fwd_kvcache"
+
+
+def test_the_flag_survives_the_calls_copies(monkeypatch):
+    """The typed calls are copied by their constructors on the way to the kernels (``prepared``
+    with dropout or ALiBi, ``on`` for adopted arrays, a float8 cache's checked host scales): each
+    copy keeps the flag, so the plan is the batch-invariant one on every route."""
+    x = np.zeros((2, 1, 4, 16), np.float32)
+    slopes = np.ones(4, np.float32)
+    forward = _attention.Forward(x, x, x, Options(False), dropout_p=0.25, seed=3,
+                                 alibi_slopes=slopes, batch_invariant=True)  # fmt: skip
+    assert forward.prepared().batch_invariant and forward.on(list(forward.arrays())).batch_invariant
+    cu = np.array([0, 1, 2], np.int32)
+    varlen = _attention.VarlenForward(x[:, 0], x[:, 0], x[:, 0], cu, cu, 1, 1, Options(False),
+                                      dropout_p=0.25, seed=3, batch_invariant=True)  # fmt: skip
+    assert varlen.prepared().batch_invariant and varlen.on(list(varlen.arrays())).batch_invariant
+    named = dict.fromkeys(_kvcache.KV_NAMES) | {"q": x, "k_cache": x, "v_cache": x, "cache_seqlens": 1}
+    cache = _kvcache.cache_call(named, Options(False), batch_invariant=True)
+    assert cache.on(list(cache.arrays())).batch_invariant and cache.prepared().batch_invariant
+    seen = _stub_gpu(monkeypatch)
+    q, fp8_cache = stand_in((8, 1, 32, 128), "float16"), stand_in((8, 9000, 8, 128), "uint8")
+    cupyflash.attention_with_kvcache(q, fp8_cache, fp8_cache, cache_seqlens=9000, kv_dtype="e4m3", k_scale=0.5,
+                                     batch_invariant=True)  # fmt: skip
+    assert _decode_step(seen[-1]).spec.batch_invariant
 
 
 def test_attention_routes_take_the_flag(monkeypatch):

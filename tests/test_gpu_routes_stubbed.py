@@ -96,6 +96,24 @@ def test_varlen_plain_and_paged(launches):
     _check(launches, "fa2")
 
 
+def test_varlen_plans_found_by_checked_maxima_only(launches):
+    """A packed call's plan is looked up by its arguments as given, its Problem checked once per
+    plan: a max_seqlen that only compares equal to an int (a bool, a float) must be refused, not
+    served the int's plan, and one past the packed length refused whatever was planned before."""
+    packed = stand_in((1000, 8, 128), "bfloat16")
+    cu = stand_in((3,), "int32")
+    pages = stand_in((64, 16, 8, 128), "bfloat16")
+    table = stand_in((2, 32), "int32")
+    for k, extra in ((packed, {}), (pages, {"block_table": table})):
+        for max_q in (1, 600):
+            cupyflash.attention_varlen(packed, k, k, cu, cu, max_q, 512, **extra)
+        for bad in (True, 600.0):
+            with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
+                cupyflash.attention_varlen(packed, k, k, cu, cu, bad, 512, **extra)
+        with pytest.raises(ValueError, match="exceed"):
+            cupyflash.attention_varlen(packed, k, k, cu, cu, 1001, 512, **extra)
+
+
 def test_backward_calls(launches):
     q = stand_in((2, 300, 8, 64), "bfloat16")
     kv = stand_in((2, 333, 2, 64), "bfloat16")
@@ -193,3 +211,21 @@ def test_a_repeated_backward_skips_its_checks_but_not_a_changed_one(launches, mo
         cupyflash.attention_backward(q, q, kv, kv, q, stand_in((3, 8, 211), "float16"), causal=True)
     cupyflash.attention_backward(q, q, kv, kv, q, lse, causal=True, scale=0.5)
     assert len(built) == 4
+
+
+def test_fp8_cache_host_scales_checked_every_call(launches):
+    """A float8 cache's host scales go to the kernel per call, so each call's value is checked
+    (the plan, keyed by the scale's form, is shared by every value); array scales are operands."""
+    q = stand_in((8, 1, 32, 128), "float16")
+    cache = stand_in((8, 4096, 8, 128), "uint8")
+    scale = stand_in((8,), "float32")
+    for k_scale in (0.5, 2):
+        cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, kv_dtype="e4m3", k_scale=k_scale)
+        _check(launches, "decode", optional=("k_scale", "v_scale"))
+    cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, kv_dtype="e4m3", k_scale=scale, v_scale=0.25)
+    assert "k_scale" in launches[-1][1]
+    for bad in (-0.5, float("inf"), 1e39):
+        with pytest.raises(ValueError, match="k_scale must be positive and finite"):
+            cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, kv_dtype="e4m3", k_scale=bad)
+    with pytest.raises(TypeError, match="v_scale must be a positive float"):
+        cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, kv_dtype="e4m3", v_scale=True)

@@ -191,6 +191,33 @@ def test_torch_compile_decode_step_with_cache_append():
     torch.library.opcheck(_torch_ops.attention_with_kvcache_op, args)
 
 
+def test_the_cache_call_refuses_tensors_that_require_grad_and_fp8_options_under_compile():
+    """attention_with_kvcache has no backward: any of its tensors that requires grad is refused by
+    name (ALiBi slopes with their own message), never passed back detached; its float8 scales
+    are refused under torch.compile (the op does not take them yet)."""
+    q = torch.randn(2, 1, 4, 16)
+    k_cache, v_cache = torch.randn(2, 16, 2, 16), torch.randn(2, 16, 2, 16)
+    cos, sin = torch.randn(16, 4), torch.randn(16, 4)
+    new = torch.randn(2, 1, 2, 16)
+    given = [("k_cache", {}), ("rotary_cos", {"rotary_cos": cos, "rotary_sin": sin, "k_new": new, "v_new": new})]
+    for name, extra in given:
+        arrays = {"q": q, "k_cache": k_cache.clone(), "v_cache": v_cache.clone(), **extra}
+        arrays[name] = arrays[name].clone().requires_grad_(True)
+        with pytest.raises(RuntimeError, match="attention_with_kvcache has no backward pass"):
+            cupyflash.attention_with_kvcache(**arrays, cache_seqlens=3)
+        with torch.no_grad():
+            cupyflash.attention_with_kvcache(**arrays, cache_seqlens=3)
+    slopes = torch.rand(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="alibi_slopes require grad"):
+        cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, alibi_slopes=slopes)
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda q: cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, k_scale=0.5), fullgraph=True
+    )
+    with pytest.raises(Exception, match="k_scale / v_scale / kv_dtype do not go through torch.compile"):
+        step(q)
+
+
 def _check_compiled_loss(f, q, k, v) -> None:
     """f(q, k, v), a scalar loss, compiled (fullgraph): no graph break, eager's gradients."""
     explained = torch._dynamo.explain(f)(q, k, v)

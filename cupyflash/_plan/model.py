@@ -157,6 +157,10 @@ class PlanCache(Generic[PlanT]):
     def __init__(self) -> None:
         self._entries: dict[Any, PlanT] = {}
         self._lock = threading.Lock()
+        #: The cached Launch, or None: the hot path's check before it builds a planning closure.
+        #: The dict's own ``get`` (a method around it cost every call ~40 ns), so a key that
+        #: cannot be hashed raises TypeError, which the caller takes as a miss (``get`` plans it).
+        self.find: Callable[[Any], PlanT | None] = self._entries.get
 
     def get(self, key: Any, make: Callable[[], PlanT]) -> PlanT:
         try:
@@ -170,14 +174,6 @@ class PlanCache(Generic[PlanT]):
                     self._entries.clear()
                 self._entries[key] = hit
         return hit
-
-    def lookup(self, key: Any) -> PlanT | None:
-        """The cached Launch, or None (a miss, or a key that cannot be hashed): the hot path's
-        check before it builds a planning closure."""
-        try:
-            return self._entries.get(key)
-        except TypeError:
-            return None
 
     def clear(self) -> None:
         self._entries.clear()
