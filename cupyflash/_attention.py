@@ -363,6 +363,8 @@ def _gpu_mods(
     mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key)
     kernel = _kernel_mods.get(mods_key)
     if kernel is None:
+        if len(_kernel_mods) >= _plan.PlanCache.MAX_ENTRIES:  # a process of endless new functions
+            _kernel_mods.clear()
         kernel = _kernel_mods.setdefault(mods_key, _mods.kernel_mods(score_mod, mask_mod))
     captured = kernel.arrays(score_mod, mask_mod)
     names = tuple(f"{('score_mod', 'mask_mod')[which]}'s captured array {slot}" for which, slot in kernel.buffers)
