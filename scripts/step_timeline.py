@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--host-profile", type=int, default=0, help="cProfile this many cupyflash steps (top 30)")
+    parser.add_argument("--parts", action="store_true", help="host time of the pieces of a cupyflash step")
     args = parser.parse_args()
     shape = bench.PrefillShape(16384 // args.n, args.n, 2048 // args.d, args.d, args.causal, "bfloat16")
     q, k, v = (x.requires_grad_() for x in bench.prefill_inputs(shape))
@@ -103,6 +104,45 @@ def main() -> None:
             print(f"    {us:8.1f} us x{len(kernels[kernel]) / 5:.0f}  {kernel}")
         if name == "cupyflash" and args.host_profile:
             profile_host(step, args.host_profile)
+        if name == "cupyflash" and args.parts:
+            host_parts(q, k, v, dout, args.causal, args.steps)
+
+
+def host_parts(q, k, v, dout, causal: bool, steps: int) -> None:  # noqa: ANN001
+    """Host microseconds of the pieces of a cupyflash training step, each timed with the GPU idle
+    before it (a synchronised stream, as a lone step starts): the forward with grad (the eager
+    autograd.Function around the op body), without grad (the body alone), autograd.grad (the
+    engine around the backward body), attention_backward on detached tensors (the body: the
+    executor, its allocations and launches), and the backward's allocations alone."""
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    out, lse = cupyflash.attention(qd, kd, vd, causal=causal, return_lse=True)
+    graph_out = cupyflash.attention(q, k, v, causal=causal)
+
+    def alone(fn) -> float:  # noqa: ANN001
+        fn()
+        times = []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(times)
+
+    def grad_of_graph() -> None:
+        torch.autograd.grad(graph_out, (q, k, v), dout, retain_graph=True)
+
+    def allocations() -> None:
+        [torch.empty_like(x) for x in (q, k, v)] + [torch.empty(q.shape, dtype=torch.float32, device=q.device)]
+
+    parts = {
+        "forward, grad (Function + body)": lambda: cupyflash.attention(q, k, v, causal=causal),
+        "forward, no grad (body)": lambda: cupyflash.attention(qd, kd, vd, causal=causal),
+        "autograd.grad (engine + body)": grad_of_graph,
+        "attention_backward (body)": lambda: cupyflash.attention_backward(dout, qd, kd, vd, out, lse, causal=causal),
+        "the backward's allocations": allocations,
+    }
+    for part, fn in parts.items():
+        print(f"    host us {alone(fn):8.1f}  {part}")
 
 
 def profile_host(step, steps: int) -> None:  # noqa: ANN001
