@@ -5,6 +5,7 @@ torch.compile on CUDA tensors and CUDA-graph capture of a training step."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -100,6 +101,27 @@ def test_the_eager_route_equals_the_custom_op(entry, used):
     (dq,) = torch.autograd.grad(again.square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|differentiable"):
         dq.sum().backward()
+
+
+def test_the_eager_route_carries_dropout_alibi_and_determinism():
+    """Dropout with a given seed (the mask regenerated in the backward), ALiBi slopes and
+    deterministic mode through the eager route: the custom op's output and gradients, bit for bit."""
+    from cupyflash import _torch_ops
+
+    torch.manual_seed(12)
+    q, k, v = _leaves((2, 6, 4, 8), (2, 9, 2, 8), (2, 9, 2, 8))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float32)
+    dout = torch.randn(2, 6, 4, 8, dtype=torch.float64)
+    eager = cupyflash.attention(q, k, v, causal=True, dropout_p=0.3, seed=77, alibi_slopes=slopes, deterministic=True)
+    assert type(eager.grad_fn).__name__ == "cupyflash_attentionBackward"
+    scale = 1.0 / math.sqrt(8)  # as the public function computes the default
+    rest = (True, scale, -1, 0, 0.0, "bshd", "auto", True, 0.3, torch.tensor(77), slopes, None)
+    through_op, _ = _torch_ops.attention_op(q, k, v, *rest)
+    torch.testing.assert_close(eager, through_op, rtol=0, atol=0)
+    got = torch.autograd.grad(eager, (q, k, v), dout)
+    want = torch.autograd.grad(through_op, (q, k, v), dout)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_opcheck_the_custom_ops():
