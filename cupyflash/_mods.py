@@ -556,7 +556,7 @@ def evaluate(xp: Any, mod: Mod, values: dict[str, Any], buffers: tuple[Any, ...]
 
 def _gather(xp: Any, role: str, buffer: Any, indices: list[Any]) -> Any:
     """``buffer[i, j]`` at broadcast integer index arrays, every index checked to lie in the
-    array (Python would wrap a negative one; the kernels would read outside it)."""
+    array (Python would wrap a negative one; the kernels' functions make such a score NaN)."""
     indices = [xp.astype(i, xp.int64) if i.dtype != xp.int64 else i for i in indices]
     indices = list(xp.broadcast_arrays(*indices)) if len(indices) > 1 else indices
     flat_index = indices[0]
@@ -612,7 +612,9 @@ def _c_const(value: Any, kind: str) -> str:
 def cuda_source(mod: Mod) -> str:
     """``mod`` as a ``__device__ __forceinline__`` function (deterministic text; include
     ``CUDA_HELPERS`` once before it). Parameters: (score,) b, h, q_idx, kv_idx, then per captured
-    array its pointer and one int64 element stride per axis."""
+    array its pointer and one int64 element stride per axis, then ``bool& outside``: set where an
+    index falls outside its array (the host path raises there; the kernel reads nothing and its
+    caller makes the score NaN, so the row's output is NaN, never a value read past the array)."""
     params = ["float score"] if mod.role == "score_mod" else []
     params += ["int b", "int h", "int q_idx", "int kv_idx"]
     specs = _buffer_specs(mod.expr)
@@ -638,9 +640,14 @@ def cuda_source(mod: Mod) -> str:
         if op == "const":
             return _c_const(args[0], e.kind)
         if op == "index":
-            slot = args[0].args[0].slot
-            offset = " + ".join(f"{emit(i)} * buf{slot}_stride{axis}" for axis, i in enumerate(args[1:]))
-            text = f"({_C_TYPES[e.kind]})(buf{slot}[{offset}])"
+            spec = args[0].args[0]
+            slot, indices = spec.slot, [emit(i) for i in args[1:]]
+            inside = " && ".join(f"{i} >= 0 && {i} < {n}LL" for i, n in zip(indices, spec.shape, strict=True))
+            check = f"in{len(lines)}"
+            lines.append(f"  const bool {check} = {inside};")
+            lines.append(f"  outside |= !{check};")
+            offset = " + ".join(f"{i} * buf{slot}_stride{axis}" for axis, i in enumerate(indices))
+            text = f"{check} ? ({_C_TYPES[e.kind]})(buf{slot}[{offset}]) : ({_C_TYPES[e.kind]})0"
         elif op in _ARITH:
             a, b = (cast(emit(x), x.kind, e.kind if op != "truediv" else FLOAT) for x in args)
             if op == "floordiv":
@@ -678,6 +685,7 @@ def cuda_source(mod: Mod) -> str:
         return name
 
     result = emit(mod.expr)
+    params.append("bool& outside")
     returns = "float" if mod.role == "score_mod" else "bool"
     body = "\n".join([*lines, f"  return {cast(result, mod.expr.kind, FLOAT if returns == 'float' else BOOL)};"])
     return f"__device__ __forceinline__ {returns} {mod.name}({', '.join(params)}) {{\n{body}\n}}\n"
@@ -731,11 +739,12 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None) -> KernelMods:
             ndims.append(len(spec.shape))
             args += [f"static_cast<const {_C_ELEMENT[spec.dtype]}*>(p.mod_buffer{n})"]
             args += [f"p.mod_buffer{n}_stride{axis}" for axis in range(len(spec.shape))]
-        call[mod.role] = f"{mod.name}({', '.join(args)})"
-    body = []
-    if "mask_mod" in call:
-        body.append(f"  if (!{call['mask_mod']}) return __int_as_float(0xff800000);  // -inf")
-    body.append(f"  return {call.get('score_mod', 'score')};")
+        call[mod.role] = f"{mod.name}({', '.join([*args, 'outside'])})"
+    body = ["  bool outside = false;  // an index outside a captured array: the score is NaN"]
+    body.append(f"  const bool shown = {call.get('mask_mod', 'true')};")
+    body.append(f"  const float logit = {call.get('score_mod', 'score')};")
+    body.append("  if (outside) return __int_as_float(0x7fffffff);")
+    body.append("  return shown ? logit : __int_as_float(0xff800000);  // -inf where the mask hides it")
     parts.append(
         "__device__ __forceinline__ float cf_user_mods(const AttnParams& p, float score, int b, int h, int q_idx,\n"
         "                                               int kv_idx) {\n" + "\n".join(body) + "\n}\n"

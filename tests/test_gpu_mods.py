@@ -88,3 +88,20 @@ def test_cupy_inputs_and_nan(rng):
     assert np.isnan(got[0, 17, 2]).all() and np.isnan(want[0, 17, 2]).all()
     keep = ~np.isnan(want)
     assert rel_error(got[keep], want[keep]) < BOUND["float16"]
+
+
+def test_an_index_outside_a_captured_array_gives_nan_not_a_value_read_past_it():
+    """The host path raises IndexError; the kernels read nothing outside the array and make the
+    score NaN, so every row that reaches such an index outputs NaN (never a plausible value)."""
+    torch = need_torch()
+    q, k = (torch.randn(1, n, 2, 64, device="cuda", dtype=torch.bfloat16) for n in (40, 50))
+    short = torch.zeros(30, dtype=torch.float32, device="cuda")  # 30 entries, 50 keys read
+    on_host = short.cpu()
+    with pytest.raises(IndexError, match="outside the array"):
+        cupyflash.attention(q.cpu().double(), k.cpu().double(), k.cpu().double(),
+                            score_mod=lambda s, b, h, i, j: s + on_host[j])  # fmt: skip
+    out = cupyflash.attention(q, k, k, score_mod=lambda s, b, h, i, j: s + short[j])
+    assert torch.isnan(out).all()
+    causal = cupyflash.attention(q, k, k, causal=True, score_mod=lambda s, b, h, i, j: s + short[j])
+    rows_reaching = torch.arange(40, device="cuda") + 10 >= 30  # row i sees keys 0 .. i + 10
+    assert torch.isnan(causal[0, rows_reaching]).all() and not torch.isnan(causal[0, ~rows_reaching]).any()

@@ -359,12 +359,12 @@ def test_cuda_source_compiles(arch):
     for index, mod in enumerate(gallery):  # a test kernel that calls each function once
         specs = _mods._buffer_specs(mod.expr)
         buffers = [f"(const {_mods._C_ELEMENT[s.dtype]}*)p, {', '.join(['1LL'] * len(s.shape))}" for s in specs]
-        args = (["x[i]"] if mod.role == "score_mod" else []) + ["0", "1", "i", "i + 1"] + buffers
+        args = (["x[i]"] if mod.role == "score_mod" else []) + ["0", "1", "i", "i + 1"] + buffers + ["outside"]
         calls.append(f"  x[i] += (float){mod.name}({', '.join(args)});  // {index}")
     source = "\n".join(
         [_mods.CUDA_HELPERS, *(_mods.cuda_source(m) for m in gallery),
          'extern "C" __global__ void cf_mods_test(float* x, const void* p) {',
-         "  const int i = threadIdx.x;", *calls, "}"]
+         "  const int i = threadIdx.x;", "  bool outside = false;", *calls, "  if (outside) x[i] = 0.f;", "}"]
     )  # fmt: skip
     program = nvrtc.createProgram(source, "cf_mods_test.cu", [], [])
     try:
