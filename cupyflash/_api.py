@@ -266,14 +266,7 @@ def attention(
         raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
     if type(algorithm) is not str or algorithm != "auto":  # the default skips the check
         algorithm = check_algorithm("attention", algorithm)
-    mods = None
-    if score_mod is not None or mask_mod is not None:
-        if attn_mask is not None:
-            raise ValueError("score_mod / mask_mod do not take attn_mask: write the mask as a mask_mod")
-        mods = (
-            None if score_mod is None else _mods.trace_score_mod(score_mod),
-            None if mask_mod is None else _mods.trace_mask_mod(mask_mod),
-        )
+    mods = None if score_mod is None and mask_mod is None else _traced(score_mod, mask_mod, attn_mask)
     if attn_mask is not None and algorithm not in ("auto", "fa2"):
         raise ValueError(f"attn_mask runs on the FA2 kernel: algorithm must be 'auto' or 'fa2', got {algorithm!r}")
     if deterministic is not False and deterministic is not True:
@@ -481,14 +474,7 @@ def attention_backward(
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = _attention.backward_dropout(dropout_p, seed)
-    mods = None
-    if score_mod is not None or mask_mod is not None:
-        if attn_mask is not None:
-            raise ValueError("score_mod / mask_mod do not take attn_mask: write the mask as a mask_mod")
-        mods = (
-            None if score_mod is None else _mods.trace_score_mod(score_mod),
-            None if mask_mod is None else _mods.trace_mask_mod(mask_mod),
-        )
+    mods = None if score_mod is None and mask_mod is None else _traced(score_mod, mask_mod, attn_mask)
     call = _attention.Backward(
         dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods
     )
@@ -799,3 +785,13 @@ def attention_with_kvcache(
         return results if return_lse else results[0]
     out, lse, k_cache, v_cache = results  # JAX arrays, appended: the new caches (JAX arrays are immutable)
     return ((out, lse) if return_lse else out), k_cache, v_cache
+
+
+def _traced(score_mod: Any, mask_mod: Any, attn_mask: Any) -> tuple[Any, Any]:
+    """A call's score_mod and mask_mod traced (``_mods``), each None where not given."""
+    if attn_mask is not None:
+        raise ValueError("score_mod / mask_mod do not take attn_mask: write the mask as a mask_mod")
+    return (
+        None if score_mod is None else _mods.trace_score_mod(score_mod),
+        None if mask_mod is None else _mods.trace_mask_mod(mask_mod),
+    )

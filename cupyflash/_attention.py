@@ -368,9 +368,9 @@ def _gpu_mods(
         kernel = _kernel_mods.setdefault(mods_key, _mods.kernel_mods(score_mod, mask_mod))
     captured = kernel.arrays(score_mod, mask_mod)
     names = tuple(f"{('score_mod', 'mask_mod')[which]}'s captured array {slot}" for which, slot in kernel.buffers)
+    # One library on q's device (an array elsewhere is refused there, named), adopted as q was.
     found = _interop.gpu_arrays(("q", *names), (call.q, *captured))
-    if found is None or found[1] != device:  # (a library or device apart from q's is refused there)
-        raise ValueError("score_mod / mask_mod's captured arrays must be on q's GPU to run on the kernels")
+    assert found is not None and found[1] == device
     buffers = found[2][1:]
     q, k, v = call.q, call.k, call.v
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,

@@ -267,13 +267,13 @@ def fa3_fwd_spec(
             raise ValueError("score_mod / mask_mod take no packed sequences (varlen) yet")
         if width > FA3_MODS_MAX_HEAD_DIM:
             return None
-        mods_tile = FA3_MODS_FWD_TILES.get(key, FA3_FWD_TILES[key])
-        causal, local = flags.causal, flags.local
-        return Fa3FwdSpec(dtype, width, mods_tile, causal, local, False, False, valid_dim, mods_source=mods_source)
-    short = seqlen_k <= FA3_SHORT_SEQLEN and not (varlen and batch_invariant)
-    tile = FA3_SHORT_FWD_TILES.get(key) if short else None
-    tile = tile or FA3_FWD_TILES[key]
-    return Fa3FwdSpec(dtype, width, tile, flags.causal, flags.local, flags.softcap, varlen, valid_dim)
+        tile = FA3_MODS_FWD_TILES.get(key, FA3_FWD_TILES[key])
+    else:
+        short = seqlen_k <= FA3_SHORT_SEQLEN and not (varlen and batch_invariant)
+        tile = (FA3_SHORT_FWD_TILES.get(key) if short else None) or FA3_FWD_TILES[key]
+    return Fa3FwdSpec(
+        dtype, width, tile, flags.causal, flags.local, flags.softcap, varlen, valid_dim, mods_source=mods_source
+    )
 
 
 def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:

@@ -51,7 +51,7 @@ def forward_spec(
 ) -> Fa2FwdSpec | Fa3FwdSpec:  # fmt: skip
     """fa3 on Hopper where it applies (and fits), else the mma.sync FA2 kernel; ``packed``
     (varlen) picks the fa3 variant that reads each sequence's rows from cu_seqlens. ``mods``: a
-    user score_mod / mask_mod, compiled into the FA2 kernel's score hook.
+    user score_mod / mask_mod, compiled into the chosen kernel's score hook.
 
     Neither kernel splits a sequence's keys: one CTA computes each (query block, batch, head)
     tile over all its keys, in one order; the Hopper kernel's persistent or dynamic schedule
@@ -60,6 +60,7 @@ def forward_spec(
     which for packed sequences is the batch's longest: ``batch_invariant`` keeps it out."""
     check_head_dim(p.head_dim, "the GPU kernels")
     flags = mask_flags(p)
+    source = ""
     if mods is not None:
         if algorithm not in ("auto", "fa2", "fa3"):
             raise ValueError(
@@ -71,19 +72,7 @@ def forward_spec(
                 "on the GPU, score_mod / mask_mod do not combine with softcap, dropout or ALiBi yet: write the softcap "
                 "or the bias into score_mod (softcap: lambda s, b, h, q, kv: c * mods.tanh(s / c))"
             )
-        if algorithm != "fa2" and device.arch == HOPPER_ARCH:
-            on_hopper = _dispatch.fa3_fwd_spec(
-                dtype, p.head_dim, flags, p.seqlen_k, packed, chosen=algorithm == "fa3", mods_source=mods.source
-            )
-            if on_hopper is not None and on_hopper.smem_bytes <= device.max_smem_per_block:
-                return on_hopper
-        if algorithm == "fa3":
-            raise ValueError(
-                "algorithm='fa3' with score_mod / mask_mod needs a Hopper GPU (sm_90) and a head_dim that is a "
-                f"multiple of 8 up to {_dispatch.FA3_MODS_MAX_HEAD_DIM}"
-            )
-        flags = replace(flags, mask="mods")
-        return _dispatch.fa2_fwd_spec(dtype, p.head_dim, flags, device.max_smem_per_block, mods_source=mods.source)
+        source = mods.source
     fa2_only = flags.dropout or flags.alibi or p.seqused_k or bool(p.mask)
     if fa2_only and algorithm == "fa3":
         raise ValueError(
@@ -94,19 +83,29 @@ def forward_spec(
         chosen = algorithm == "fa3"
         spec = (
             _dispatch.fa3_fwd_spec(
-                dtype, p.head_dim, flags, p.seqlen_k, packed, chosen=chosen, batch_invariant=batch_invariant
-            )
+                dtype,
+                p.head_dim,
+                flags,
+                p.seqlen_k,
+                packed,
+                chosen=chosen,
+                mods_source=source,
+                batch_invariant=batch_invariant,
+            )  # fmt: skip
             if hopper
             else None
         )
         if spec is not None and spec.smem_bytes <= device.max_smem_per_block:
             return spec
         if algorithm == "fa3":
+            limit = f" up to {_dispatch.FA3_MODS_MAX_HEAD_DIM} with score_mod / mask_mod" if source else ""
             raise ValueError(
-                "algorithm='fa3' (wgmma + TMA) needs a Hopper GPU (sm_90) and a head_dim that is a multiple of 8; "
-                f"this call has head_dim={p.head_dim} on {device.arch}: use algorithm='fa2' or 'auto'"
+                "algorithm='fa3' (wgmma + TMA) needs a Hopper GPU (sm_90) and a head_dim that is a multiple of "
+                f"8{limit}; this call has head_dim={p.head_dim} on {device.arch}: use algorithm='fa2' or 'auto'"
             )
-    return _dispatch.fa2_fwd_spec(dtype, p.head_dim, flags, device.max_smem_per_block)
+    if source:
+        flags = replace(flags, mask="mods")
+    return _dispatch.fa2_fwd_spec(dtype, p.head_dim, flags, device.max_smem_per_block, mods_source=source)
 
 
 def mods_operands(params: ParamsTemplate, mods: KernelMods) -> list[Operand]:
