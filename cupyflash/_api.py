@@ -58,6 +58,7 @@ def attention(
     fp8_dtype: str | None = ...,
     score_mod: Callable[..., Any] | None = ...,
     mask_mod: Callable[..., Any] | None = ...,
+    sinks: Any = ...,
 ) -> Any: ...
 @overload
 def attention(
@@ -85,6 +86,7 @@ def attention(
     fp8_dtype: str | None = ...,
     score_mod: Callable[..., Any] | None = ...,
     mask_mod: Callable[..., Any] | None = ...,
+    sinks: Any = ...,
 ) -> tuple[Any, Any]: ...
 def attention(
     q: Any,
@@ -111,6 +113,7 @@ def attention(
     fp8_dtype: str | None = None,
     score_mod: Callable[..., Any] | None = None,
     mask_mod: Callable[..., Any] | None = None,
+    sinks: Any = None,
 ) -> Any:
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v``.
 
@@ -227,6 +230,14 @@ def attention(
         (together with ``causal`` / ``window``; a row that sees no key outputs 0, LSE ``-inf``).
         Traced and run as ``score_mod``. E.g. document masking over packed sequences, with a
         captured ``doc_id`` array: ``lambda b, h, q, kv: doc_id[q] == doc_id[kv]``.
+    sinks : array ``(Hq,)``, optional
+        Learnable attention sinks (gpt-oss's): a logit per query head that joins every row's
+        softmax denominator and takes no value, ``out = sum_j exp(s_j - lse) v_j`` with
+        ``lse = log(sum_j exp(s_j) + exp(sinks[h]))`` (the returned LSE includes it; a row that
+        sees no key outputs 0 with LSE ``sinks[h]``). float32 on the GPU (cast with
+        ``sinks.float()``: the gradient flows through the cast), on every kernel but the
+        baselines and the FP8 forward; PyTorch autograd (and :func:`attention_backward`) gives
+        its gradient.
 
     Returns
     -------
@@ -256,8 +267,8 @@ def attention(
     fp8_options = q_descale is not None or k_descale is not None or v_descale is not None or fp8_dtype is not None
     if fp8_options or _fp8_forward.is_fp8_array(q):  # the FP8 forward
         # (the Hopper kernel on e4m3 splits no keys: batch-invariant either way)
-        if score_mod is not None or mask_mod is not None:
-            raise ValueError("the FP8 forward takes no score_mod / mask_mod")
+        if score_mod is not None or mask_mod is not None or sinks is not None:
+            raise ValueError("the FP8 forward takes no score_mod / mask_mod or sinks")
         _fp8_forward.refuse_options(options, algorithm, dropout_p, alibi_slopes, attn_mask)
         fp8 = _fp8_forward.Fp8Forward(q, k, v, options, layout, (q_descale, k_descale, v_descale), out_dtype, fp8_dtype)
         out, lse = _front.route(_FP8_ATTENTION, fp8, return_lse)
@@ -273,7 +284,7 @@ def attention(
         deterministic = check_flag("deterministic", deterministic)
     call = _attention.Forward(
         q, k, v, options, layout, algorithm, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods,
-        batch_invariant,
+        batch_invariant, sinks,
     )  # fmt: skip
     out, lse = _front.route(_ATTENTION, call, return_lse)
     return (out, lse) if return_lse else out
@@ -301,6 +312,7 @@ def attention_varlen(
     alibi_slopes: Any = None,
     seqused_k: Any = None,
     block_table: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention over a batch of sequences of different lengths packed end to end, as
     flash-attn's ``flash_attn_varlen_func``.
@@ -352,6 +364,8 @@ def attention_varlen(
         count (from ``cu_seqlens_k`` / ``seqused_k``) that is negative or beyond the sequence's
         table row, makes that sequence's rows NaN and :func:`check_device_errors` raise. No
         dropout, no gradients, not under ``torch.compile`` yet.
+    sinks : array ``(Hq,)``, optional
+        Learnable attention sinks, as in :func:`attention` (every sequence's rows).
 
     Notes
     -----
@@ -386,7 +400,7 @@ def attention_varlen(
         batch_invariant = check_batch_invariant(batch_invariant)
     call = _attention.VarlenForward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, algorithm, deterministic, dropout_p,
-        seed, alibi_slopes, seqused_k, block_table, batch_invariant,
+        seed, alibi_slopes, seqused_k, block_table, batch_invariant, sinks,
     )  # fmt: skip
     if block_table is not None:
         if algorithm == "fa3":
@@ -418,7 +432,8 @@ def attention_backward(
     attn_mask: Any = None,
     score_mod: Callable[..., Any] | None = None,
     mask_mod: Callable[..., Any] | None = None,
-) -> tuple[Any, Any, Any]:
+    sinks: Any = None,
+) -> tuple[Any, ...]:
     """The gradients (dq, dk, dv) of :func:`attention` at ``out, lse = attention(q, k, v, ...,
     return_lse=True)`` for the output gradient ``dout``, as FlashAttention-2's backward computes
     them: P recomputed from q, k and ``lse`` block by block (nothing N x N is kept),
@@ -447,10 +462,15 @@ def attention_backward(
     score_mod, mask_mod : the forward's (host arrays only so far). ``dS`` is multiplied by
         ``d score_mod / d score``, derived from the traced expression; captured arrays get no
         gradient.
+    sinks : the forward's ``(Hq,)``: the gradient ``dsinks = -sum over rows of
+        exp(sinks[h] - lse) * (rowsum(dout * out) - dlse)`` is returned too (dq, dk and dv need
+        nothing more: P recomputed from ``lse``, which holds the sink, leaves its share out).
 
     Returns
     -------
     (dq, dk, dv) : arrays like ``q``, ``k``, ``v`` (fresh and contiguous on the GPU)
+    (dq, dk, dv, dsinks) with ``sinks``: dsinks float32 ``(Hq,)`` (float64 for float64 inputs on
+        the host)
 
     Notes
     -----
@@ -476,8 +496,9 @@ def attention_backward(
     dropout_p, seed = _attention.backward_dropout(dropout_p, seed)
     mods = None if score_mod is None and mask_mod is None else _traced(score_mod, mask_mod, attn_mask)
     call = _attention.Backward(
-        dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods
-    )
+        dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods,
+        sinks,
+    )  # fmt: skip
     return _attention.backward(call)
 
 
@@ -503,7 +524,8 @@ def attention_varlen_backward(
     seed: int | None = None,
     alibi_slopes: Any = None,
     seqused_k: Any = None,
-) -> tuple[Any, Any, Any]:
+    sinks: Any = None,
+) -> tuple[Any, ...]:
     """The gradients (dq, dk, dv) of :func:`attention_varlen` at ``out, lse =
     attention_varlen(..., return_lse=True)``, as :func:`attention_backward` computes them, per
     packed sequence. ``lse`` (and ``dlse``) are ``(Hq, total_q)``. Packed rows that belong to
@@ -514,13 +536,13 @@ def attention_varlen_backward(
     the tensors, so a bad sequence's dk, dv are undefined and may reach the rows its clamped
     range covers, never outside the tensors. On the host they are checked. ``dropout_p`` and ``seed``:
     the forward's, as for :func:`attention_backward`; ``alibi_slopes`` and ``seqused_k`` too (keys
-    past ``seqused_k`` get zero gradients)."""
+    past ``seqused_k`` get zero gradients); ``sinks`` too (dsinks then a fourth result)."""
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = _attention.backward_dropout(dropout_p, seed)
     call = _attention.VarlenBackward(
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, deterministic,
-        dropout_p, seed, alibi_slopes, seqused_k,
+        dropout_p, seed, alibi_slopes, seqused_k, sinks,
     )  # fmt: skip
     return _attention.varlen_backward(call)
 
@@ -551,6 +573,7 @@ def attention_with_kvcache(
     k_scale: Any = ...,
     v_scale: Any = ...,
     kv_dtype: str | None = ...,
+    sinks: Any = ...,
 ) -> Any: ...
 @overload
 def attention_with_kvcache(
@@ -578,6 +601,7 @@ def attention_with_kvcache(
     k_scale: Any = ...,
     v_scale: Any = ...,
     kv_dtype: str | None = ...,
+    sinks: Any = ...,
 ) -> tuple[Any, Any]: ...
 def attention_with_kvcache(
     q: Any,
@@ -604,6 +628,7 @@ def attention_with_kvcache(
     k_scale: Any = None,
     v_scale: Any = None,
     kv_dtype: str | None = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention of a few new query tokens over a KV cache, as flash-attn's
     ``flash_attn_with_kvcache`` (FlashDecoding: the keys are split over many CTAs and the
@@ -658,6 +683,9 @@ def attention_with_kvcache(
     alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
         ALiBi, as ``attention``'s: the score of query ``i`` and key ``j`` gains
         ``-slope * |i + Nk_b - Nq - j|``. On the GPU it runs on the FA2 kernel (after the softcap, if any).
+    sinks : array ``(Hq,)``, optional
+        Learnable attention sinks, as in :func:`attention` (gpt-oss decodes with them): the
+        decode kernel adds them where a row's splits merge.
     rotary_cos, rotary_sin : arrays ``(seqlen_ro, rotary_dim / 2)``, optional, q's dtype
         Rotary embedding applied before attending, as flash-attn's: ``k_new`` token ``t`` of
         sequence ``b`` is rotated at position ``cache_seqlens[b] + t`` as it is appended, query
@@ -775,10 +803,11 @@ def attention_with_kvcache(
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens, "block_table": block_table,
         "k_new": k_new, "v_new": v_new, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
         "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "k_scale": k_scale,
-        "v_scale": v_scale,
+        "v_scale": v_scale, "sinks": sinks,
     }  # fmt: skip
     operands = (q, k_cache, v_cache, None if type(cache_seqlens) is int else cache_seqlens, block_table, k_new, v_new,
-                cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, k_array, v_array)  # fmt: skip
+                cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, k_array, v_array,
+                sinks)  # fmt: skip
     call = _kvcache.CacheCall(named, operands, options, num_splits, rotary, kv_dtype, batch_invariant)
     results = _front.route(_KVCACHE, call, return_lse)
     if len(results) == 2:

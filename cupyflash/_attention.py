@@ -24,6 +24,7 @@ from ._validate import (
     check_alibi,
     check_attn_mask,
     check_dropout,
+    check_sinks,
     varlen_problem,
 )
 from .xp_impl import Dropout
@@ -54,12 +55,13 @@ class Forward:
     attn_mask: Any = None
     mods: Any = None  # (score_mod, mask_mod) traced (_mods.Mod or None each), or None: the host path only
     batch_invariant: bool = False  # each sequence's result independent of the batch (the decode kernel's splits)
+    sinks: Any = None  # learnable sinks (Hq,): a logit per head in every row's softmax denominator
 
-    names = ("q", "k", "v", "alibi_slopes", "attn_mask")
+    names = ("q", "k", "v", "alibi_slopes", "attn_mask", "sinks")
     writes = False  # into none of its arrays
 
     def arrays(self) -> tuple[Any, ...]:
-        return (self.q, self.k, self.v, self.alibi_slopes, self.attn_mask)
+        return (self.q, self.k, self.v, self.alibi_slopes, self.attn_mask, self.sinks)
 
     def prepared(self) -> Forward:
         """Dropout checked (a traced seed stays as given for the JAX route, which takes it) and
@@ -70,15 +72,15 @@ class Forward:
         dropout_p, seed = _prepared(self)
         return Forward(
             self.q, self.k, self.v, self.options, self.layout, self.algorithm, self.deterministic, dropout_p, seed,
-            self.alibi_slopes, self.attn_mask, self.mods, self.batch_invariant,
+            self.alibi_slopes, self.attn_mask, self.mods, self.batch_invariant, self.sinks,
         )  # fmt: skip
 
     def on(self, arrays: list[Any]) -> Forward:
         """The same call on ``arrays`` (``names``' order), as the pipeline reads them."""
-        q, k, v, slopes, mask = arrays
+        q, k, v, slopes, mask, sinks = arrays
         return Forward(
             q, k, v, self.options, self.layout, self.algorithm, self.deterministic, self.dropout_p, self.seed, slopes,
-            mask, self.mods, self.batch_invariant,
+            mask, self.mods, self.batch_invariant, sinks,
         )  # fmt: skip
 
 
@@ -103,13 +105,14 @@ class VarlenForward:
     seqused_k: Any = None
     block_table: Any = None
     batch_invariant: bool = False  # the Hopper variant not chosen by the batch's longest sequence
+    sinks: Any = None
 
-    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k", "block_table")
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k", "block_table", "sinks")
     writes = False
 
     def arrays(self) -> tuple[Any, ...]:
         return (self.q, self.k, self.v, self.cu_seqlens_q, self.cu_seqlens_k, self.alibi_slopes, self.seqused_k,
-                self.block_table)  # fmt: skip
+                self.block_table, self.sinks)  # fmt: skip
 
     def prepared(self) -> VarlenForward:
         if self.alibi_slopes is None and self.seed is None and type(self.dropout_p) is float and not self.dropout_p:
@@ -118,14 +121,14 @@ class VarlenForward:
         return VarlenForward(
             self.q, self.k, self.v, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k,
             self.options, self.algorithm, self.deterministic, dropout_p, seed, self.alibi_slopes, self.seqused_k,
-            self.block_table, self.batch_invariant,
+            self.block_table, self.batch_invariant, self.sinks,
         )  # fmt: skip
 
     def on(self, arrays: list[Any]) -> VarlenForward:
-        q, k, v, cu_q, cu_k, slopes, seqused_k, table = arrays
+        q, k, v, cu_q, cu_k, slopes, seqused_k, table, sinks = arrays
         return VarlenForward(
             q, k, v, cu_q, cu_k, self.max_seqlen_q, self.max_seqlen_k, self.options, self.algorithm,
-            self.deterministic, self.dropout_p, self.seed, slopes, seqused_k, table, self.batch_invariant,
+            self.deterministic, self.dropout_p, self.seed, slopes, seqused_k, table, self.batch_invariant, sinks,
         )  # fmt: skip
 
 
@@ -148,17 +151,19 @@ class Backward:
     alibi_slopes: Any = None
     attn_mask: Any = None
     mods: Any = None  # the forward's (score_mod, mask_mod), traced: the host path only
+    sinks: Any = None  # the forward's sinks (Hq,): their gradient is a fourth result
 
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask")
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask", "sinks")
 
     def arrays(self) -> tuple[Any, ...]:
-        return (self.dout, self.q, self.k, self.v, self.out, self.lse, self.dlse, self.alibi_slopes, self.attn_mask)
+        return (self.dout, self.q, self.k, self.v, self.out, self.lse, self.dlse, self.alibi_slopes, self.attn_mask,
+                self.sinks)  # fmt: skip
 
     def on(self, arrays: list[Any]) -> Backward:
-        dout, q, k, v, out, lse, dlse, slopes, mask = arrays
+        dout, q, k, v, out, lse, dlse, slopes, mask, sinks = arrays
         return Backward(
             dout, q, k, v, out, lse, dlse, self.options, self.layout, self.deterministic, self.dropout_p, self.seed,
-            slopes, mask, self.mods,
+            slopes, mask, self.mods, sinks,
         )  # fmt: skip
 
 
@@ -183,18 +188,20 @@ class VarlenBackward:
     seed: int | None = None
     alibi_slopes: Any = None
     seqused_k: Any = None
+    sinks: Any = None
 
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k")
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k",
+             "sinks")  # fmt: skip
 
     def arrays(self) -> tuple[Any, ...]:
         return (self.dout, self.q, self.k, self.v, self.out, self.lse, self.dlse, self.cu_seqlens_q,
-                self.cu_seqlens_k, self.alibi_slopes, self.seqused_k)  # fmt: skip
+                self.cu_seqlens_k, self.alibi_slopes, self.seqused_k, self.sinks)  # fmt: skip
 
     def on(self, arrays: list[Any]) -> VarlenBackward:
-        dout, q, k, v, out, lse, dlse, cu_q, cu_k, slopes, seqused_k = arrays
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, slopes, seqused_k, sinks = arrays
         return VarlenBackward(
             dout, q, k, v, out, lse, dlse, cu_q, cu_k, self.max_seqlen_q, self.max_seqlen_k, self.options,
-            self.deterministic, self.dropout_p, self.seed, slopes, seqused_k,
+            self.deterministic, self.dropout_p, self.seed, slopes, seqused_k, sinks,
         )  # fmt: skip
 
 
@@ -212,7 +219,7 @@ def _prepared(call: Forward | VarlenForward) -> tuple[float, int | None]:
 # Problems: the arrays' shapes against the options (``_validate``), built once per call.
 # ---------------------------------------------------------------------------------------------
 def problem_of(q: Any, k: Any, v: Any, options: Options, layout: str, dropout_p: float = 0.0,
-               alibi_slopes: Any = None) -> Problem:  # fmt: skip
+               alibi_slopes: Any = None, sinks: Any = None) -> Problem:  # fmt: skip
     """The ``Problem`` of a dense call (every array checked to be one)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape"):
@@ -221,12 +228,14 @@ def problem_of(q: Any, k: Any, v: Any, options: Options, layout: str, dropout_p:
         tuple(q.shape), tuple(k.shape), tuple(v.shape), causal=options.causal, scale=options.scale,
         window=options.window, softcap=options.softcap, layout=layout, dropout_p=dropout_p,
     )  # fmt: skip
-    return _with_alibi(problem, alibi_slopes)
+    return _with_head_arrays(problem, alibi_slopes, sinks)
 
 
 def forward_problem(call: Forward) -> tuple[Problem, Any]:
     """A forward's problem and its attn_mask as 4-D (None without one)."""
-    problem = problem_of(call.q, call.k, call.v, call.options, call.layout, call.dropout_p, call.alibi_slopes)
+    problem = problem_of(
+        call.q, call.k, call.v, call.options, call.layout, call.dropout_p, call.alibi_slopes, call.sinks
+    )
     return with_mask(problem, call.attn_mask)
 
 
@@ -241,16 +250,19 @@ def with_mask(problem: Problem, attn_mask: Any) -> tuple[Problem, Any]:
     return dataclasses.replace(problem, mask=kind, mask_shape=shape), mask
 
 
-def _with_alibi(problem: Problem, alibi_slopes: Any) -> Problem:
-    """The problem with the kind of its (checked) ALiBi slopes, against its batch and heads."""
-    if alibi_slopes is None:
+def _with_head_arrays(problem: Problem, alibi_slopes: Any, sinks: Any) -> Problem:
+    """The problem with the kind of its (checked) ALiBi slopes and sinks, against its batch and heads."""
+    if alibi_slopes is None and sinks is None:
         return problem
-    return dataclasses.replace(problem, alibi=check_alibi(alibi_slopes, problem.batch, problem.heads_q))
+    return dataclasses.replace(
+        problem, alibi=check_alibi(alibi_slopes, problem.batch, problem.heads_q),
+        sinks=check_sinks(sinks, problem.heads_q),
+    )  # fmt: skip
 
 
 def varlen_problem_of(
     q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, options: Options, dropout_p: float = 0.0,
-    alibi_slopes: Any = None, seqused_k: Any = None, block_table: Any = None,
+    alibi_slopes: Any = None, seqused_k: Any = None, block_table: Any = None, sinks: Any = None,
 ) -> Problem:  # fmt: skip
     """The ``Problem`` of a packed call (its offsets' shapes checked; their values where they live)."""
     problem = varlen_problem(
@@ -259,13 +271,13 @@ def varlen_problem_of(
         dropout_p=dropout_p, seqused_k_shape=None if seqused_k is None else tuple(seqused_k.shape),
         block_table_shape=None if block_table is None else tuple(block_table.shape),
     )  # fmt: skip
-    return _with_alibi(problem, alibi_slopes)
+    return _with_head_arrays(problem, alibi_slopes, sinks)
 
 
 def _varlen_call_problem(call: VarlenForward | VarlenBackward, block_table: Any = None) -> Problem:
     return varlen_problem_of(
         call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
-        call.options, call.dropout_p, call.alibi_slopes, call.seqused_k, block_table,
+        call.options, call.dropout_p, call.alibi_slopes, call.seqused_k, block_table, call.sinks,
     )  # fmt: skip
 
 
@@ -295,7 +307,7 @@ def host_forward(call: Forward) -> tuple[Any, Any]:
     score_mod, mask_mod = (None, None) if call.mods is None else call.mods
     return _host.attention(
         call.q, call.k, call.v, problem, call.algorithm, dropout, call.alibi_slopes, mask, score_mod, mask_mod,
-        batch_invariant=call.batch_invariant,
+        batch_invariant=call.batch_invariant, sinks=call.sinks,
     )  # fmt: skip
 
 
@@ -308,17 +320,18 @@ def gpu_forward(
         return _gpu_mods(lib, device, call, want_lse, given)
     if call.attn_mask is not None:
         return _gpu_masked(lib, device, call, want_lse)
-    q, k, v, slopes = call.q, call.k, call.v, call.alibi_slopes
+    q, k, v, slopes, sinks = call.q, call.k, call.v, call.alibi_slopes, call.sinks
     alibi_key = None if slopes is None else (tuple(slopes.shape), slopes.dtype)
+    sinks_key = None if sinks is None else (tuple(sinks.shape), sinks.dtype)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
-           call.algorithm, call.dropout_p, alibi_key, call.batch_invariant)  # fmt: skip
+           call.algorithm, call.dropout_p, alibi_key, call.batch_invariant, sinks_key)  # fmt: skip
     try:
         launch = _plans.find(key)
     except TypeError:  # a part that cannot be hashed: planned uncached (which refuses it)
         launch = None
     if launch is None:
         launch = _plans.get(key, lambda: _plan_forward(lib, device, call))
-    arrays_by_name = {"q": q, "k": k, "v": v, "alibi_slopes": slopes}
+    arrays_by_name = {"q": q, "k": k, "v": v, "alibi_slopes": slopes, "sinks": sinks}
     if call.dropout_p:
         arrays_by_name["dropout_seed"] = gpu_seed(lib, device, q, call.seed)
     return _launch.run(launch, lib, device, arrays_by_name, want_lse, given)
@@ -329,11 +342,12 @@ def _plan_forward(lib: _interop.ArrayLib, device: int, call: Forward) -> _plan.L
     dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(call.q), "k": lib.dtype_name(call.k),
                                     "v": lib.dtype_name(call.v)})  # fmt: skip
     _check_slopes_dtype(lib, call.alibi_slopes)
+    _check_sinks_dtype(lib, call.sinks)
     info = _device.device_info(device)
     if call.algorithm in ("fa1", "naive"):
-        if call.dropout_p or call.alibi_slopes is not None:
+        if call.dropout_p or call.alibi_slopes is not None or call.sinks is not None:
             raise ValueError(
-                f"the GPU baseline algorithm={call.algorithm!r} has no dropout or ALiBi: use 'auto' or 'fa2'"
+                f"the GPU baseline algorithm={call.algorithm!r} has no dropout, ALiBi or sinks: use 'auto' or 'fa2'"
             )
         if call.batch_invariant and call.algorithm == "naive":
             raise ValueError(
@@ -373,17 +387,20 @@ def _gpu_mods(
     assert found is not None and found[1] == device
     buffers = found[2][1:]
     q, k, v = call.q, call.k, call.v
+    sinks = call.sinks
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
-           call.algorithm, call.dropout_p, call.alibi_slopes is not None, mods_key)  # fmt: skip
+           call.algorithm, call.dropout_p, call.alibi_slopes is not None, mods_key,
+           _shapes(sinks), _dtypes(sinks))  # fmt: skip
 
     def plan() -> _plan.Launch:
         problem, _ = forward_problem(call)
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
+        _check_sinks_dtype(lib, sinks)
         info = _device.device_info(device)
         return _plan.plan_attention(problem, dtype, info, call.algorithm, tuple(q.shape), mods=kernel)
 
     launch = _plans.get(key, plan)
-    arrays_by_name = {"q": q, "k": k, "v": v, **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}
+    arrays_by_name = {"q": q, "k": k, "v": v, "sinks": sinks, **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}
     return _launch.run(launch, lib, device, arrays_by_name, want_lse, given)
 
 
@@ -392,18 +409,19 @@ def _gpu_masked(lib: _interop.ArrayLib, device: int, call: Forward, want_lse: bo
     problem, mask = forward_problem(call)
     q, k, v = call.q, call.k, call.v
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, mask.dtype, problem, call.layout,
-           call.algorithm, call.batch_invariant)  # fmt: skip
+           call.algorithm, call.batch_invariant, _dtypes(call.sinks))  # fmt: skip
 
     def plan() -> _plan.Launch:
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
         _check_mask_dtype(lib, problem, mask, dtype)
+        _check_sinks_dtype(lib, call.sinks)
         info = _device.device_info(device)
         return _plan.plan_attention(
             problem, dtype, info, call.algorithm, tuple(q.shape), batch_invariant=call.batch_invariant
         )
 
     launch = _plans.get(key, plan)
-    arrays_by_name = {"q": q, "k": k, "v": v, "attn_mask": mask}
+    arrays_by_name = {"q": q, "k": k, "v": v, "attn_mask": mask, "sinks": call.sinks}
     if call.dropout_p:
         arrays_by_name["dropout_seed"] = gpu_seed(lib, device, q, call.seed)
     return _launch.run(launch, lib, device, arrays_by_name, want_lse)
@@ -419,12 +437,12 @@ def host_varlen_forward(call: VarlenForward) -> tuple[Any, Any]:
     if call.block_table is not None:
         return _host.attention_varlen(
             call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, problem, None, call.alibi_slopes,
-            call.seqused_k, block_table=call.block_table,
+            call.seqused_k, block_table=call.block_table, sinks=call.sinks,
         )  # fmt: skip
     dropout = host_dropout(call.q, call.dropout_p, call.seed)
     return _host.attention_varlen(
         call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, problem, dropout, call.alibi_slopes,
-        call.seqused_k,
+        call.seqused_k, sinks=call.sinks,
     )  # fmt: skip
 
 
@@ -442,6 +460,7 @@ def gpu_varlen_forward(lib: _interop.ArrayLib, device: int, call: VarlenForward,
         call.dropout_p, q.dtype, k.dtype, v.dtype, cu_q.dtype, cu_k.dtype,
         None if slopes is None else (slopes.shape, slopes.dtype),
         None if seqused_k is None else (seqused_k.shape, seqused_k.dtype), call.algorithm, call.batch_invariant,
+        _shapes(call.sinks), _dtypes(call.sinks),
     )  # fmt: skip
     try:
         launch = _plans.find(key)
@@ -450,7 +469,7 @@ def gpu_varlen_forward(lib: _interop.ArrayLib, device: int, call: VarlenForward,
     if launch is None:
         launch = _plans.get(key, lambda: _plan_varlen(lib, device, call))
     arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "alibi_slopes": slopes,
-                      "seqused_k": seqused_k}  # fmt: skip
+                      "seqused_k": seqused_k, "sinks": call.sinks}  # fmt: skip
     if call.dropout_p:
         arrays_by_name["dropout_seed"] = gpu_seed(lib, device, q, call.seed)
     return _launch.run(launch, lib, device, arrays_by_name, want_lse)
@@ -472,6 +491,7 @@ def _plan_varlen(lib: _interop.ArrayLib, device: int, call: VarlenForward) -> _p
     dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
     _check_offset_dtypes(lib, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)
     _check_slopes_dtype(lib, call.alibi_slopes)
+    _check_sinks_dtype(lib, call.sinks)
     rows = (q.shape[0], k.shape[0])
     return _plan.plan_forward(
         problem, dtype, _device.device_info(device), call.algorithm, q_shape=tuple(q.shape), packed_rows=rows,
@@ -487,15 +507,16 @@ def _gpu_paged_varlen(lib: _interop.ArrayLib, device: int, call: VarlenForward, 
     """attention_varlen over a paged cache: the FA2 kernel over the cache view (the plan looked up
     by the arguments as given, as ``gpu_varlen_forward``'s)."""
     named = call.arrays()
-    q, k, v, cu_q, cu_k, _, _, table = named
+    q, k, v, cu_q, cu_k, _, _, table, _ = named
     key = (lib.name, device, q.shape, k.shape, v.shape, cu_q.shape, cu_k.shape, table.shape, _maxima(call),
-           call.options, call.dropout_p, _dtypes(*named), _shapes(call.alibi_slopes, call.seqused_k),
+           call.options, call.dropout_p, _dtypes(*named), _shapes(call.alibi_slopes, call.seqused_k, call.sinks),
            "paged")  # fmt: skip
 
     def plan() -> _plan.Launch:
         problem = _varlen_call_problem(call, table)
         dtypes = {n: None if x is None else lib.dtype_name(x) for n, x in zip(PAGED_NAMES, named)}
         _check_slopes_dtype(lib, call.alibi_slopes)
+        _check_sinks_dtype(lib, call.sinks)
         return _plan.plan_paged_varlen(
             problem, dtypes, _device.device_info(device), tuple(q.shape), tuple(table.shape), k.shape[0]
         )
@@ -510,7 +531,7 @@ def _gpu_paged_varlen(lib: _interop.ArrayLib, device: int, call: VarlenForward, 
 def backward_problem(call: Backward) -> tuple[Problem, Any]:
     """A backward's problem (its gradients' shapes checked against q's) and its mask as 4-D."""
     problem, mask = with_mask(
-        problem_of(call.q, call.k, call.v, call.options, call.layout, call.dropout_p, call.alibi_slopes),
+        problem_of(call.q, call.k, call.v, call.options, call.layout, call.dropout_p, call.alibi_slopes, call.sinks),
         call.attn_mask,
     )
     lse_shape = (problem.batch, problem.heads_q, problem.seqlen_q)
@@ -518,14 +539,14 @@ def backward_problem(call: Backward) -> tuple[Problem, Any]:
     return problem, mask
 
 
-def backward(call: Backward) -> tuple[Any, Any, Any]:
-    """``attention_backward`` where its arrays live: (dq, dk, dv). A training step's backward
+def backward(call: Backward) -> tuple[Any, ...]:
+    """``attention_backward`` where its arrays live: (dq, dk, dv), and dsinks with sinks. A training step's backward
     (CuPy arrays or CUDA tensors on one GPU, no mask, dropout or score function) whose arrays'
     shapes, dtypes and options were planned before goes straight to its launch: its checks were
     made then (``_lean_backward_key``)."""
     if call.dropout_p == 0 and call.attn_mask is None and call.mods is None:
-        slopes = call.alibi_slopes
-        lean = _interop.lean_arrays((call.q, call.k, call.v, call.dout, call.out, call.lse, call.dlse, slopes))
+        slopes, sinks = call.alibi_slopes, call.sinks
+        lean = _interop.lean_arrays((call.q, call.k, call.v, call.dout, call.out, call.lse, call.dlse, slopes, sinks))
         if lean is not None:
             lib, device, _ = lean
             try:
@@ -534,17 +555,17 @@ def backward(call: Backward) -> tuple[Any, Any, Any]:
                 launch = None
             if launch is not None:
                 arrays_by_name = {"q": call.q, "k": call.k, "v": call.v, "out": call.out, "dout": call.dout,
-                                  "lse": call.lse, "dlse": call.dlse, "alibi_slopes": slopes}  # fmt: skip
-                dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
-                return dq, dk, dv
+                                  "lse": call.lse, "dlse": call.dlse, "alibi_slopes": slopes,
+                                  "sinks": sinks}  # fmt: skip
+                return _with_sink_gradient(_launch.run_outputs(launch, lib, device, arrays_by_name))
     problem, mask = backward_problem(call)
-    found = _interop.gpu_arrays(call.names, (*call.arrays()[:-1], mask))
+    found = _interop.gpu_arrays(call.names, (*call.arrays()[:-2], mask, call.sinks))  # the mask as 4-D
     if found is None:
         dropout = Dropout(call.dropout_p, call.seed) if call.seed is not None else None
         score_mod, mask_mod = (None, None) if call.mods is None else call.mods
         return _host.attention_backward(
             call.dout, call.q, call.k, call.v, call.out, call.lse, call.dlse, problem, dropout, call.alibi_slopes, mask,
-            score_mod, mask_mod,
+            score_mod, mask_mod, call.sinks,
         )  # fmt: skip
     if call.mods is not None:
         raise NotImplementedError(_mods.BACKWARD_ON_HOST_ONLY)
@@ -554,17 +575,19 @@ def backward(call: Backward) -> tuple[Any, Any, Any]:
 
 def gpu_backward(
     lib: _interop.ArrayLib, device: int, call: Backward, problem: Problem, given: Any = _launch.EMPTY
-) -> tuple[Any, Any, Any]:
+) -> tuple[Any, ...]:
     """The kernels' backward on arrays the pipeline reads (``problem``: the call's, checked, its
-    mask 4-D as ``call.attn_mask``): (dq, dk, dv). ``given``: output buffers to write, by name."""
-    q, k, v, out, dout, lse, dlse, slopes, mask = (
-        call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.alibi_slopes, call.attn_mask
+    mask 4-D as ``call.attn_mask``): (dq, dk, dv), and dsinks with sinks. ``given``: output
+    buffers to write, by name."""
+    q, k, v, out, dout, lse, dlse, slopes, mask, sinks = (
+        call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.alibi_slopes, call.attn_mask, call.sinks
     )  # fmt: skip
-    key = ("bwd", lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, out, dout, lse, dlse, slopes, mask),
-           call.deterministic)  # fmt: skip
+    key = ("bwd", lib.name, device, problem, q.shape, k.shape,
+           _dtypes(q, k, v, out, dout, lse, dlse, slopes, mask, sinks), call.deterministic)  # fmt: skip
 
     def plan() -> _plan.Launch:
         _check_slopes_dtype(lib, slopes)
+        _check_sinks_dtype(lib, sinks)
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
         _check_mask_dtype(lib, problem, mask, dtype)
         return _plan.plan_backward(
@@ -576,25 +599,34 @@ def gpu_backward(
     if call.dropout_p == 0 and mask is None and not given:  # the next such call finds it by its arrays
         _plans.get(_lean_backward_key(lib, device, call), lambda: launch)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
-                      "dropout_seed": call.seed, "alibi_slopes": slopes, "attn_mask": mask}  # fmt: skip
-    dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name, given)
-    return dq, dk, dv
+                      "dropout_seed": call.seed, "alibi_slopes": slopes, "attn_mask": mask, "sinks": sinks}  # fmt: skip
+    return _with_sink_gradient(_launch.run_outputs(launch, lib, device, arrays_by_name, given))
+
+
+def _with_sink_gradient(grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    """(dq, dk, dv), or with sinks (dq, dk, dv, dsinks): the rows' shares the backward's prep wrote
+    (batches, Hq, rows) summed per head (the caller's library, on its stream)."""
+    if len(grads) == 3:
+        return grads
+    dq, dk, dv, rows = grads
+    return dq, dk, dv, rows.sum(axis=(0, 2))
 
 
 def _lean_backward_key(lib: _interop.ArrayLib, device: int, call: Backward) -> tuple[Any, ...]:
     """A backward's plan by what its problem is made of (every array's shape and dtype, the
     options): a call with this key was checked when its plan was made, since the problem's checks
     read nothing else (no mask, no dropout here: those calls take the general path)."""
-    q, k, v, out, dout, lse, dlse, slopes = (
-        call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.alibi_slopes
+    q, k, v, out, dout, lse, dlse, slopes, sinks = (
+        call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.alibi_slopes, call.sinks
     )  # fmt: skip
     return ("bwd-lean", lib.name, device, q.shape, k.shape, v.shape, out.shape, dout.shape, lse.shape,
             None if dlse is None else dlse.shape, None if slopes is None else slopes.shape,
-            _dtypes(q, k, v, out, dout, lse, dlse, slopes), call.options, call.layout, call.deterministic)  # fmt: skip
+            None if sinks is None else sinks.shape, _dtypes(q, k, v, out, dout, lse, dlse, slopes, sinks),
+            call.options, call.layout, call.deterministic)  # fmt: skip
 
 
-def varlen_backward(call: VarlenBackward) -> tuple[Any, Any, Any]:
-    """``attention_varlen_backward`` where its arrays live: (dq, dk, dv)."""
+def varlen_backward(call: VarlenBackward) -> tuple[Any, ...]:
+    """``attention_varlen_backward`` where its arrays live: (dq, dk, dv), and dsinks with sinks."""
     problem = _varlen_call_problem(call)
     lse_shape = (problem.heads_q, call.q.shape[0])
     _check_shapes(call, (call.q.shape, call.q.shape, lse_shape, lse_shape))
@@ -603,17 +635,19 @@ def varlen_backward(call: VarlenBackward) -> tuple[Any, Any, Any]:
         dropout = Dropout(call.dropout_p, call.seed) if call.seed is not None else None
         return _host.attention_varlen_backward(
             call.dout, call.q, call.k, call.v, call.out, call.lse, call.dlse, call.cu_seqlens_q, call.cu_seqlens_k,
-            problem, dropout, call.alibi_slopes, call.seqused_k,
+            problem, dropout, call.alibi_slopes, call.seqused_k, call.sinks,
         )  # fmt: skip
     lib, device, arrays = found
-    dout, q, k, v, out, lse, dlse, cu_q, cu_k, slopes, seqused_k = arrays
+    dout, q, k, v, out, lse, dlse, cu_q, cu_k, slopes, seqused_k, sinks = arrays
     key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape,
-           _dtypes(q, k, v, out, dout, lse, dlse, cu_q, cu_k, slopes, seqused_k), call.deterministic)  # fmt: skip
+           _dtypes(q, k, v, out, dout, lse, dlse, cu_q, cu_k, slopes, seqused_k, sinks),
+           call.deterministic)  # fmt: skip
 
     def plan() -> _plan.Launch:
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
         _check_offset_dtypes(lib, cu_q, cu_k, seqused_k)
         _check_slopes_dtype(lib, slopes)
+        _check_sinks_dtype(lib, sinks)
         return _plan.plan_backward(
             problem, dtype, _device.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
             packed_rows=(q.shape[0], k.shape[0]), deterministic=call.deterministic,
@@ -622,9 +656,8 @@ def varlen_backward(call: VarlenBackward) -> tuple[Any, Any, Any]:
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
                       "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "dropout_seed": call.seed,
-                      "alibi_slopes": slopes, "seqused_k": seqused_k}  # fmt: skip
-    dq, dk, dv = _launch.run_outputs(launch, lib, device, arrays_by_name)
-    return dq, dk, dv
+                      "alibi_slopes": slopes, "seqused_k": seqused_k, "sinks": sinks}  # fmt: skip
+    return _with_sink_gradient(_launch.run_outputs(launch, lib, device, arrays_by_name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -667,6 +700,13 @@ def _dtypes(*arrays: Any) -> tuple[Any, ...]:
 def _check_slopes_dtype(lib: _interop.ArrayLib, slopes: Any) -> None:
     if slopes is not None and lib.dtype_name(slopes) != "float32":
         raise TypeError(f"alibi_slopes must be float32 (as flash-attn's), got {lib.dtype_name(slopes)}")
+
+
+def _check_sinks_dtype(lib: _interop.ArrayLib, sinks: Any) -> None:
+    if sinks is not None and lib.dtype_name(sinks) != "float32":
+        raise TypeError(
+            f"sinks must be float32 on the GPU, got {lib.dtype_name(sinks)} (a cast keeps its gradient: sinks.float())"
+        )
 
 
 def _check_mask_dtype(lib: _interop.ArrayLib, problem: Problem, mask: Any, dtype: str) -> None:

@@ -307,7 +307,7 @@ def _gpu_prefix(
     public call's checks and planning run once per shape (a decode step is host-bound here)."""
     from . import _launch
 
-    named = dict(zip(_attention.PAGED_NAMES, (q, k, v, cu_q, cu_k, None, None, table)))
+    named = dict(zip(_attention.PAGED_NAMES, (q, k, v, cu_q, cu_k, None, None, table, None), strict=True))
     dtypes = tuple(None if x is None else lib.dtype_name(x) for x in named.values())
     key = (lib.name, device, q.shape, k.shape, table.shape, cu_q.shape, dtypes, max_q, max_k, scale, softcap)
 

@@ -50,6 +50,7 @@ def _check_floats(xp: Any, named: list[tuple[str, Any]]) -> None:
 def attention(
     q: Any, k: Any, v: Any, problem: Problem, algorithm: str, dropout: Any = None, alibi_slopes: Any = None,
     attn_mask: Any = None, score_mod: Any = None, mask_mod: Any = None, *, batch_invariant: bool = False,
+    sinks: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """``score_mod`` / ``mask_mod``: traced (``_mods.Mod``), or None. ``batch_invariant``: the
     decode algorithm's splits of BATCH_INVARIANT_SPLIT_KEYS keys, as the GPU's (no host algorithm
@@ -57,18 +58,18 @@ def attention(
     from . import xp_impl
 
     if attn_mask is not None:
-        xp = namespace(("q", "k", "v", "attn_mask"), (q, k, v, attn_mask))
+        xp = _namespace_with_slopes(("q", "k", "v", "attn_mask"), (q, k, v, attn_mask), None, sinks)
         if not (xp.isdtype(attn_mask.dtype, "bool") or xp.isdtype(attn_mask.dtype, "real floating")):
             raise TypeError(f"attn_mask must be boolean or real floating, got {attn_mask.dtype}")
     else:
-        xp = _namespace_with_slopes(("q", "k", "v"), (q, k, v), alibi_slopes)
+        xp = _namespace_with_slopes(("q", "k", "v"), (q, k, v), alibi_slopes, sinks)
     _check_floats(xp, [("q", q), ("k", k), ("v", v)])
     # fa3 is FA2's algorithm on Hopper's instructions: on the host both are xp_impl's fa2.
     host_algorithm = "fa2" if algorithm in ("auto", "fa3") else algorithm
     splits = {"split_keys": BATCH_INVARIANT_SPLIT_KEYS} if batch_invariant and host_algorithm == "decode" else {}
     return xp_impl.attention(
         xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
-        score_mod=score_mod, mask_mod=mask_mod, **splits,
+        score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, **splits,
     )  # fmt: skip
 
 
@@ -87,29 +88,30 @@ def _sequence_slopes(slopes: Any, b: int) -> Any:
     return slopes if slopes is None or slopes.ndim == 1 else slopes[b, ...]
 
 
-def _namespace_with_slopes(names: tuple[str, ...], arrays: tuple[Any, ...], slopes: Any) -> Any:
-    """The arrays' namespace, ALiBi's slopes (a real floating array) among them when given."""
-    if slopes is None:
-        return namespace(names, arrays)
-    xp = namespace((*names, "alibi_slopes"), (*arrays, slopes))
-    if not xp.isdtype(slopes.dtype, "real floating"):
-        raise TypeError(f"alibi_slopes must have a real floating dtype, got {slopes.dtype}")
+def _namespace_with_slopes(names: tuple[str, ...], arrays: tuple[Any, ...], slopes: Any, sinks: Any = None) -> Any:
+    """The arrays' namespace, ALiBi's slopes and the sinks (real floating arrays) among them when given."""
+    per_head = [(n, x) for n, x in (("alibi_slopes", slopes), ("sinks", sinks)) if x is not None]
+    xp = namespace((*names, *(n for n, _ in per_head)), (*arrays, *(x for _, x in per_head)))
+    for name, x in per_head:
+        if not xp.isdtype(x.dtype, "real floating"):
+            raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
     return xp
 
 
 def attention_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, problem: Problem, dropout: Any = None,
-    alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Any = None, mask_mod: Any = None,
-) -> tuple[Any, Any, Any]:  # fmt: skip
+    alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Any = None, mask_mod: Any = None, sinks: Any = None,
+) -> tuple[Any, ...]:  # fmt: skip
+    """(dq, dk, dv), and dsinks with ``sinks``."""
     from . import xp_impl
 
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask")
-    arrays = (dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask", "sinks")
+    arrays = (dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, sinks)
     xp = namespace(*zip(*((n, x) for n, x in zip(names, arrays) if x is not None)))
     _check_floats(xp, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)])
     return xp_impl.attention_backward(
         xp, dout, q, k, v, out, lse, problem, dlse=dlse, dropout=dropout, alibi_slopes=alibi_slopes,
-        attn_mask=attn_mask, score_mod=score_mod, mask_mod=mask_mod,
+        attn_mask=attn_mask, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
     )  # fmt: skip
 
 
@@ -122,7 +124,7 @@ def _sequence(problem: Problem, b: int, rows: tuple[int, int], dropout: Any) -> 
 
 def attention_varlen(
     q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, dropout: Any = None, alibi_slopes: Any = None,
-    seqused_k: Any = None, block_table: Any = None,
+    seqused_k: Any = None, block_table: Any = None, sinks: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """One dense attention per sequence, in the arrays' own namespace; with ``block_table``, each
     sequence's keys gathered from its pages first."""
@@ -132,7 +134,7 @@ def attention_varlen(
     arrays: tuple[Any, ...] = (q, k, v, cu_q, cu_k)
     if block_table is not None:
         names, arrays = (*names, "block_table"), (*arrays, block_table)
-    xp = _namespace_with_slopes(names, arrays, alibi_slopes)
+    xp = _namespace_with_slopes(names, arrays, alibi_slopes, sinks)
     _check_floats(xp, [("q", q), ("k", k), ("v", v)])
     for name, cu in zip(names[3:], arrays[3:]):
         if not xp.isdtype(cu.dtype, "integral"):
@@ -153,7 +155,7 @@ def attention_varlen(
         dense, seq_dropout = _sequence(problem, b, (q1 - q0, k1 - k0), dropout)
         slopes = _sequence_slopes(alibi_slopes, b)
         out, lse = xp_impl.attention(
-            xp, seq[0], seq[1], seq[2], dense, algorithm="fa2", dropout=seq_dropout, alibi_slopes=slopes
+            xp, seq[0], seq[1], seq[2], dense, algorithm="fa2", dropout=seq_dropout, alibi_slopes=slopes, sinks=sinks
         )
         outs.append(out[0, ...])
         lses.append(lse[0, ...])
@@ -178,19 +180,21 @@ def _paged_layout(table: Any, page_shape: tuple[int, ...], used: list[int], cu_k
 
 def attention_varlen_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, cu_q: Any, cu_k: Any, problem: Problem,
-    dropout: Any = None, alibi_slopes: Any = None, seqused_k: Any = None,
-) -> tuple[Any, Any, Any]:  # fmt: skip
+    dropout: Any = None, alibi_slopes: Any = None, seqused_k: Any = None, sinks: Any = None,
+) -> tuple[Any, ...]:  # fmt: skip
     """One dense backward per sequence; packed rows outside every sequence (and keys past
-    ``seqused_k``) get zero gradients."""
+    ``seqused_k``) get zero gradients. With ``sinks``, dsinks too (the sequences' sum)."""
     from . import xp_impl
 
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k")
-    arrays = (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k",
+             "sinks")  # fmt: skip
+    arrays = (dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi_slopes, seqused_k, sinks)
     xp = namespace(*zip(*((n, x) for n, x in zip(names, arrays) if x is not None)))
     check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], problem.seqlen_q, problem.seqlen_k)
     # cu_seqlens start at 0 and do not decrease (checked): the sequences tile rows [0, cu[-1])
     # in order, so each gradient is the sequences' pieces, then zeros for the rows after them.
     pieces: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+    dsinks = None if sinks is None else xp.zeros_like(xp.astype(sinks, xp_impl.compute_dtype(xp, q)))
     used = _keys_used(xp, cu_k, seqused_k)
     for b in range(problem.batch):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), used[b]
@@ -200,18 +204,22 @@ def attention_varlen_backward(
         dense, seq_dropout = _sequence(problem, b, (q1 - q0, k1 - k0), dropout)
         slopes = _sequence_slopes(alibi_slopes, b)
         grads = xp_impl.attention_backward(
-            xp, dout_b, q_b, k_b, v_b, out_b, lse_b, dense, dlse=dlse_b, dropout=seq_dropout, alibi_slopes=slopes
-        )
-        for piece, grad in zip(pieces, grads):
+            xp, dout_b, q_b, k_b, v_b, out_b, lse_b, dense, dlse=dlse_b, dropout=seq_dropout, alibi_slopes=slopes,
+            sinks=sinks,
+        )  # fmt: skip
+        if dsinks is not None:
+            dsinks = dsinks + grads[3]
+        for piece, grad in zip(pieces, grads[:3]):
             piece.append(grad[0, ...])
         unused = int(cu_k[b + 1]) - k1  # keys past seqused_k: no gradient
         for piece, x in zip(pieces[1:], (k, v)):
             piece.append(xp.zeros((unused, *x.shape[1:]), dtype=x.dtype))
     ends = (int(cu_q[-1]), int(cu_k[-1]), int(cu_k[-1]))
-    return tuple(
+    grads = tuple(
         xp.concat([*piece, xp.zeros((x.shape[0] - end, *x.shape[1:]), dtype=x.dtype)], axis=0)
         for piece, x, end in zip(pieces, (q, k, v), ends)
     )
+    return grads if dsinks is None else (*grads, dsinks)
 
 
 # num_splits=0 on the host (no SM count to fill): one split per 4 blocks of 64 keys, as the GPU's
@@ -235,7 +243,7 @@ def attention_with_kvcache(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, p: KvCacheProblem,
     num_splits: int, batch_idx: Any = None, leftpad: Any = None, alibi_slopes: Any = None,
     rotary_cos: Any = None, rotary_sin: Any = None, fp8: tuple[str, Any, Any] | None = None,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, sinks: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """``fp8``: (format, k_scale, v_scale) of float8 caches (``_fp8``): k_new / v_new quantised on
     append, the attention over the dequantised caches. Each sequence is computed alone (its
@@ -245,7 +253,8 @@ def attention_with_kvcache(
 
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": seqlens, "block_table": table,
              "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx, "cache_leftpad": leftpad,
-             "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}  # fmt: skip
+             "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
+             "sinks": sinks}  # fmt: skip
     arrays = {n: x for n, x in named.items() if x is not None and type(x) is not int}
     xp = namespace(tuple(arrays), tuple(arrays.values()))
     check_kvcache_dtypes(xp, arrays, fp8_cache=fp8 is not None)
@@ -290,7 +299,7 @@ def attention_with_kvcache(
     split_keys = kvcache_split_keys(p.capacity, num_splits, batch_invariant)
     lengths = [n + p.seqlen_new for n in cached]
     return xp_impl.attention_with_kvcache(
-        xp, q, k_cache, v_cache, lengths, layout, p.attn, split_keys, first_keys, alibi_slopes
+        xp, q, k_cache, v_cache, lengths, layout, p.attn, split_keys, first_keys, alibi_slopes, sinks
     )
 
 
@@ -302,8 +311,10 @@ def check_kvcache_dtypes(xp: Any, arrays: dict[str, Any], fp8_cache: bool = Fals
     floating dtype for q, the caches (unless ``fp8_cache``: float8 or bytes, checked by ``_fp8``),
     k_new / v_new and the rotary tables, integers for the indices (the GPU kernels also want
     int32, float16 / bfloat16 and float32 slopes: the plan checks those)."""
-    skip = {*_KV_INDEX_NAMES, "alibi_slopes", *(("k_cache", "v_cache") if fp8_cache else ())}
+    skip = {*_KV_INDEX_NAMES, "alibi_slopes", "sinks", *(("k_cache", "v_cache") if fp8_cache else ())}
     _check_floats(xp, [(n, x) for n, x in arrays.items() if n not in skip])
+    if "sinks" in arrays and not xp.isdtype(arrays["sinks"].dtype, "real floating"):
+        raise TypeError(f"sinks must have a real floating dtype, got {arrays['sinks'].dtype}")
     for name in _KV_INDEX_NAMES:
         x = arrays.get(name)
         if x is not None and not xp.isdtype(x.dtype, "integral"):

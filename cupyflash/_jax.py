@@ -78,6 +78,8 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
         raise NotImplementedError(f"{_mods.ON_HOST_ONLY} (nor under torch.compile or JAX tracing)")
     if call.attn_mask is not None:
         raise NotImplementedError("attention with attn_mask does not run under a JAX transformation yet")
+    if call.sinks is not None:
+        raise NotImplementedError("attention with sinks does not run under a JAX transformation yet")
     dropout_p, _ = check_dropout(call.dropout_p, None)
     _check_jax_arrays("attention", {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes})
     problem = _attention.problem_of(q, k, v, call.options, call.layout, dropout_p, alibi_slopes)
@@ -281,6 +283,8 @@ def attention_with_kvcache(call: _kvcache.CacheCall, want_lse: bool) -> tuple[An
     custom call's results alias the cache operands: XLA writes in place into donated caches and
     copies the others first)."""
     arrays = call.named
+    if arrays["sinks"] is not None:
+        raise NotImplementedError("attention_with_kvcache with sinks does not run on JAX arrays yet")
     if call.fp8 or "float8" in str(arrays["k_cache"].dtype):
         raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
     options, num_splits, rotary = call.options, check_num_splits(call.num_splits), call.rotary

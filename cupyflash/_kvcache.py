@@ -19,6 +19,7 @@ from ._validate import (
     Options,
     check_alibi,
     check_num_splits,
+    check_sinks,
     kvcache_problem,
     merge_problem,
 )
@@ -26,7 +27,7 @@ from ._validate import (
 _plans = _plan.new_cache()
 _merge_plans = _plan.new_cache()
 KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx",
-             "cache_leftpad", "alibi_slopes", "rotary_cos", "rotary_sin", "k_scale", "v_scale")  # fmt: skip
+             "cache_leftpad", "alibi_slopes", "rotary_cos", "rotary_sin", "k_scale", "v_scale", "sinks")  # fmt: skip
 _kv_operands = operator.itemgetter(*KV_NAMES)
 
 
@@ -128,14 +129,14 @@ def host_with_kvcache(call: CacheCall) -> tuple[Any, Any]:
     cos, sin = a["rotary_cos"], a["rotary_sin"]
     p = kvcache_problem_of(
         a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], call.options,
-        a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], (cos, sin, call.rotary),
+        a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], (cos, sin, call.rotary), a["sinks"],
     )  # fmt: skip
     fp8 = _host_fp8(a["q"], a["k_cache"], a["v_cache"], a["k_new"], a["v_new"], call.kv_dtype, a["k_scale"],
                     a["v_scale"])  # fmt: skip
     return _host.attention_with_kvcache(
         a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], p,
         check_num_splits(call.num_splits), a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], cos, sin,
-        fp8=fp8, batch_invariant=call.batch_invariant,
+        fp8=fp8, batch_invariant=call.batch_invariant, sinks=a["sinks"],
     )  # fmt: skip
 
 
@@ -149,7 +150,7 @@ def gpu_with_kvcache(
     format for caches of bytes (CuPy's uint8); ``batch_invariant``: splits of a fixed size in keys
     (checked against ``num_splits`` by the entry)."""
     named, kv_dtype = call.named, call.kv_dtype
-    q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale = (
+    q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale, sinks = (
         _kv_operands(named)
     )
     fp8_key = None  # a host scale keys as "host": its value (checked here) goes to the kernel per call
@@ -168,7 +169,7 @@ def gpu_with_kvcache(
         None if leftpad is None else (leftpad.shape, leftpad.dtype),
         None if slopes is None else (slopes.shape, slopes.dtype),
         None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, call.rotary), fp8_key,
-        call.batch_invariant,
+        call.batch_invariant, None if sinks is None else (sinks.shape, sinks.dtype),
     )  # fmt: skip
     try:
         launch = _plans.find(key)
@@ -182,7 +183,7 @@ def gpu_with_kvcache(
 def kvcache_problem_of(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any,
     options: Options, batch_idx: Any, leftpad: Any, slopes: Any = None,
-    rotary: tuple[Any, Any, Any] = (None, None, None),
+    rotary: tuple[Any, Any, Any] = (None, None, None), sinks: Any = None,
 ) -> Any:  # fmt: skip
     """A cache call's ``KvCacheProblem``; ``rotary``: (cos, sin, interleaved)."""
 
@@ -197,14 +198,15 @@ def kvcache_problem_of(
         softcap=softcap, rotary_shapes=None if rotary[0] is None else (rotary[0].shape, rotary[1].shape),
         rotary_interleaved=rotary[2],
     )  # fmt: skip
-    if slopes is None:
+    if slopes is None and sinks is None:
         return kp
     alibi = check_alibi(slopes, kp.attn.batch, kp.attn.heads_q)
-    return dataclasses.replace(kp, attn=dataclasses.replace(kp.attn, alibi=alibi))
+    has_sinks = check_sinks(sinks, kp.attn.heads_q)
+    return dataclasses.replace(kp, attn=dataclasses.replace(kp.attn, alibi=alibi, sinks=has_sinks))
 
 
 def _plan_kvcache(lib: _interop.ArrayLib, device: int, call: CacheCall) -> _plan.Launch:
-    q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale = (
+    q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale, sinks = (
         _kv_operands(call.named)
     )
     if lib.name == _interop.DLPACK and k_new is not None:  # checked once per plan: its key has lib.name
@@ -216,7 +218,7 @@ def _plan_kvcache(lib: _interop.ArrayLib, device: int, call: CacheCall) -> _plan
     # An int cache_seqlens is checked per call (the plan is shared by every int): plan with 0.
     p = kvcache_problem_of(
         q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, call.options, batch_idx,
-        leftpad, slopes, (cos, sin, call.rotary),
+        leftpad, slopes, (cos, sin, call.rotary), sinks,
     )  # fmt: skip
     named = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
@@ -226,6 +228,8 @@ def _plan_kvcache(lib: _interop.ArrayLib, device: int, call: CacheCall) -> _plan
     dtypes: dict[str, str | None] = {n: None if x is None else lib.dtype_name(x) for n, x in named.items()}
     if slopes is not None and lib.dtype_name(slopes) != "float32":
         raise TypeError(f"alibi_slopes must be float32, got {lib.dtype_name(slopes)}")
+    if sinks is not None and lib.dtype_name(sinks) != "float32":
+        raise TypeError(f"sinks must be float32 on the GPU, got {lib.dtype_name(sinks)}")
     fp8 = _gpu_fp8(lib, dtypes, p.attn.heads_kv, call.kv_dtype, k_scale, v_scale)
     return _plan.plan_kvcache(
         p, dtypes, _device.device_info(device), num_splits=check_num_splits(call.num_splits), fp8=fp8,

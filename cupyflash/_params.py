@@ -46,6 +46,7 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("alibi_slopes", "u8"),
     ("alibi_batch_stride", "i8"),
     ("alibi_scale", "f4"),
+    ("sinks", "u8"),
     ("seqused_k", "u8"),
     ("bias_ptr", "u8"),
     *((f"bias_{s}_stride", "i8") for s in ("batch", "head", "row", "key")),
@@ -203,6 +204,7 @@ BWD_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("dk_scale", "f4"),
     ("dq_tiled", "i4"),
     ("dq_semaphore", "u8"),
+    ("dsink_rows", "u8"),
 )
 
 # Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters;

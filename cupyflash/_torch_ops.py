@@ -58,11 +58,12 @@ def _attention_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int,
     softcap: float, layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor,
     alibi_slopes: Tensor | None, attn_mask: Tensor | None = None, batch_invariant: bool = False,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     options = Options(causal, scale, (window_left, window_right), softcap)
     call = _attention.Forward(
         q, k, v, options, layout, algorithm, deterministic, dropout_p, _seed_value(dropout_p, seed), alibi_slopes,
-        attn_mask, batch_invariant=batch_invariant,
+        attn_mask, batch_invariant=batch_invariant, sinks=sinks,
     )  # fmt: skip
     with torch.no_grad():
         out, lse = _attention.forward(call, want_lse=True)
@@ -76,7 +77,7 @@ attention_op = torch.library.custom_op(f"{_LIB}::attention", _attention_forward,
 def _(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
     layout: str, algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
-    attn_mask: Tensor | None = None, batch_invariant: bool = False,
+    attn_mask: Tensor | None = None, batch_invariant: bool = False, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     p = _problem(q, k, v, causal, scale, window_left, window_right, softcap, layout)
     lse = q.new_empty((p.batch, p.heads_q, p.seqlen_q), dtype=_lse_dtype(q))
@@ -87,15 +88,26 @@ def _attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
     scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
     dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None, attn_mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     options = Options(causal, scale, (window_left, window_right), softcap)
     call = _attention.Backward(
         dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, _seed_value(dropout_p, seed),
-        alibi_slopes, attn_mask,
+        alibi_slopes, attn_mask, sinks=sinks,
     )  # fmt: skip
     with torch.no_grad():
         grads = _attention.backward(call)
-    return _contiguous(*grads)
+    return _contiguous(*_four(q, grads))
+
+
+def _four(q: Tensor, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """A backward op's results: dq, dk, dv and dsinks (empty without sinks: an op's outputs are fixed)."""
+    return grads if len(grads) == 4 else (*grads, q.new_empty((0,), dtype=torch.float32))
+
+
+def _dsinks_like(q: Tensor, sinks: Tensor | None) -> Tensor:
+    """The fake dsinks: (Hq,) float32 with sinks (the kernels' dtype), else empty."""
+    return q.new_empty((0,) if sinks is None else tuple(sinks.shape), dtype=torch.float32)
 
 
 attention_backward_op = torch.library.custom_op(f"{_LIB}::attention_backward", _attention_backward, mutates_args=())
@@ -106,25 +118,32 @@ def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
     scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
     dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None, attn_mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    return _empty_like(q, k, v)
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    return (*_empty_like(q, k, v), _dsinks_like(q, sinks))
 
 
 def _setup_attention(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, causal, scale, window_left, window_right, softcap, layout, _, deterministic, dropout_p, seed = inputs[:13]
-    ctx.save_for_backward(q, k, v, *output, seed, inputs[13], inputs[14] if len(inputs) > 14 else None)
+    mask, sinks = (inputs[i] if len(inputs) > i else None for i in (14, 16))  # (defaults: not given to the op)
+    ctx.save_for_backward(q, k, v, *output, seed, inputs[13], mask, sinks)
     ctx.options = (causal, scale, window_left, window_right, softcap, layout, deterministic, dropout_p)
 
 
 def _attention_grads(ctx: Any, dout: Tensor | None, dlse: Tensor | None, backward: Any = None) -> tuple[Any, ...]:
     """The gradients of the ``attention`` op's inputs, by the backward op (or by ``backward``, its
     body, on the eager route)."""
-    q, k, v, out, lse, seed, alibi_slopes, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, seed, alibi_slopes, attn_mask, sinks = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout  # the eager route: only lse was used
-    dq, dk, dv = (backward or attention_backward_op)(
-        dout, q, k, v, out, lse, dlse, *ctx.options, seed, alibi_slopes, attn_mask
+    dq, dk, dv, dsinks = (backward or attention_backward_op)(
+        dout, q, k, v, out, lse, dlse, *ctx.options, seed, alibi_slopes, attn_mask, sinks
     )  # fmt: skip
-    return dq, dk, dv, *(None,) * 13  # the options, the seed, the slopes and the mask get none
+    # the options, the seed, the slopes, the mask and batch_invariant get none; the sinks theirs
+    return dq, dk, dv, *(None,) * 13, _sink_grad(dsinks, sinks)
+
+
+def _sink_grad(dsinks: Tensor, sinks: Tensor | None) -> Tensor | None:
+    return None if sinks is None else dsinks.to(sinks.dtype)
 
 
 attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
@@ -149,7 +168,7 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     out, lse = _op_or_eager(attention_op, _ATTENTION)(
         q, call.k, call.v, bool(o.causal), scale, int(o.window[0]), int(o.window[1]), float(o.softcap), call.layout,
         call.algorithm, bool(call.deterministic), dropout_p, _seed_tensor(q, dropout_p, call.seed), call.alibi_slopes,
-        mask, bool(call.batch_invariant),
+        mask, bool(call.batch_invariant), call.sinks,
     )  # fmt: skip
     return out, lse
 
@@ -194,12 +213,12 @@ def _varlen_forward(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
     algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
-    seqused_k: Tensor | None, batch_invariant: bool = False,
+    seqused_k: Tensor | None, batch_invariant: bool = False, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     options = Options(causal, scale, (window_left, window_right), softcap)
     call = _attention.VarlenForward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, algorithm, deterministic, dropout_p,
-        _seed_value(dropout_p, seed), alibi_slopes, seqused_k, batch_invariant=batch_invariant,
+        _seed_value(dropout_p, seed), alibi_slopes, seqused_k, batch_invariant=batch_invariant, sinks=sinks,
     )  # fmt: skip
     with torch.no_grad():
         out, lse = _attention.varlen_forward(call, want_lse=True)
@@ -214,7 +233,7 @@ def _(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
     algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
-    seqused_k: Tensor | None, batch_invariant: bool = False,
+    seqused_k: Tensor | None, batch_invariant: bool = False, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     check_options(causal, scale, (window_left, window_right), softcap)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
@@ -225,16 +244,16 @@ def _varlen_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
     window_left: int, window_right: int, softcap: float, deterministic: bool, dropout_p: float, seed: Tensor,
-    alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    alibi_slopes: Tensor | None, seqused_k: Tensor | None, sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     options = Options(causal, scale, (window_left, window_right), softcap)
     call = _attention.VarlenBackward(
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, deterministic,
-        dropout_p, _seed_value(dropout_p, seed), alibi_slopes, seqused_k,
+        dropout_p, _seed_value(dropout_p, seed), alibi_slopes, seqused_k, sinks,
     )  # fmt: skip
     with torch.no_grad():
         grads = _attention.varlen_backward(call)
-    return _contiguous(*grads)
+    return _contiguous(*_four(q, grads))
 
 
 attention_varlen_backward_op = torch.library.custom_op(
@@ -247,26 +266,28 @@ def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
     window_left: int, window_right: int, softcap: float, deterministic: bool, dropout_p: float, seed: Tensor,
-    alibi_slopes: Tensor | None, seqused_k: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    return _empty_like(q, k, v)
+    alibi_slopes: Tensor | None, seqused_k: Tensor | None, sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    return (*_empty_like(q, k, v), _dsinks_like(q, sinks))
 
 
 def _setup_varlen(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, _, deterministic = inputs[:14]
     dropout_p, seed, alibi_slopes, seqused_k = inputs[14:18]
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed, alibi_slopes, seqused_k)
+    sinks = inputs[19] if len(inputs) > 19 else None
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed, alibi_slopes, seqused_k, sinks)
     ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic, dropout_p)
 
 
 def _varlen_grads(ctx: Any, dout: Tensor | None, dlse: Tensor | None, backward: Any = None) -> tuple[Any, ...]:
     """The gradients of the ``attention_varlen`` op's inputs (``backward`` as in _attention_grads)."""
-    q, k, v, out, lse, cu_q, cu_k, seed, alibi_slopes, seqused_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, seed, alibi_slopes, seqused_k, sinks = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
-    dq, dk, dv = (backward or attention_varlen_backward_op)(
-        dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options, seed, alibi_slopes, seqused_k
+    dq, dk, dv, dsinks = (backward or attention_varlen_backward_op)(
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options, seed, alibi_slopes, seqused_k, sinks
     )
-    return dq, dk, dv, *(None,) * 16  # the offsets, maxima, options, seed, slopes, seqused_k get none
+    # the offsets, maxima, options, seed, slopes, seqused_k and batch_invariant get none; the sinks theirs
+    return dq, dk, dv, *(None,) * 16, _sink_grad(dsinks, sinks)
 
 
 attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen)
@@ -282,7 +303,7 @@ def attention_varlen(call: _attention.VarlenForward, want_lse: bool) -> tuple[An
         q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, int(call.max_seqlen_q), int(call.max_seqlen_k),
         bool(o.causal), scale, int(o.window[0]), int(o.window[1]), float(o.softcap), call.algorithm,
         bool(call.deterministic), dropout_p, _seed_tensor(q, dropout_p, call.seed), call.alibi_slopes, call.seqused_k,
-        bool(call.batch_invariant),
+        bool(call.batch_invariant), call.sinks,
     )  # fmt: skip
     return out, lse
 
@@ -297,7 +318,7 @@ class _Twin:
     forward: Callable[..., tuple[Tensor, Tensor]]  # the op's body
     setup: Callable[[Any, tuple[Any, ...], tuple[Tensor, Tensor]], None]  # its setup_context
     grads: Callable[..., tuple[Any, ...]]  # its backward, taking the backward op's body
-    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]  # the backward op's body
+    backward: Callable[..., tuple[Tensor, ...]]  # the backward op's body
 
 
 class _Eager(torch.autograd.Function):
@@ -354,10 +375,11 @@ def attention_with_kvcache_op(
     num_splits: int, cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     arrays = (q, k_cache, v_cache, cache_seqlen if cache_seqlens is None else cache_seqlens, block_table, k_new,
-              v_new, cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, None, None)  # fmt: skip
+              v_new, cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, None, None,
+              sinks)  # fmt: skip
     options = Options(causal, scale, (window_left, window_right), softcap)
     rotary = None if rotary_cos is None else rotary_interleaved
     call = _kvcache.cache_call(
@@ -375,7 +397,7 @@ def _(
     num_splits: int, cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     b, nq, hq, _ = q.shape
     lse = q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
@@ -397,7 +419,7 @@ def attention_with_kvcache(call: _kvcache.CacheCall, want_lse: bool) -> tuple[An
         q, a["k_cache"], a["v_cache"], None if as_int else seqlens, seqlens if as_int else 0, a["block_table"],
         a["k_new"], a["v_new"], o.causal, scale, int(call.num_splits), a["cache_batch_idx"], a["cache_leftpad"],
         o.window[0], o.window[1], o.softcap, a["alibi_slopes"], a["rotary_cos"], a["rotary_sin"],
-        True if call.rotary is None else call.rotary, bool(call.batch_invariant),
+        True if call.rotary is None else call.rotary, bool(call.batch_invariant), a["sinks"],
     )  # fmt: skip
     return out, lse
 

@@ -164,6 +164,16 @@ def check_alibi(slopes: Any, batch: int, heads_q: int) -> str:
                      f"({batch}, {heads_q}), got {shape}")  # fmt: skip
 
 
+def check_sinks(sinks: Any, heads_q: int) -> bool:
+    """Learnable attention sinks (gpt-oss's): one logit per query head, shape (Hq,); True where given."""
+    if sinks is None:
+        return False
+    shape = tuple(getattr(sinks, "shape", ()))
+    if shape != (heads_q,):
+        raise ValueError(f"sinks must have shape (nheads,) = ({heads_q},): one logit per query head, got {shape}")
+    return True
+
+
 def check_attn_mask(shape: tuple[int, ...], is_bool: bool, p: Problem) -> tuple[str, tuple[int, int, int, int]]:
     """SDPA's attn_mask: 2-D to 4-D, broadcastable to (B, Hq, Nq, Nk) with each axis full or 1
     (the missing leading axes are 1); boolean (True: the key takes part) or additive. Returns
@@ -209,6 +219,7 @@ class Problem:
     page_size: int = 0  # packed over a paged cache (attention_varlen's block_table): keys per page; 0 without
     mask: str = ""  # an attn_mask: "" none, "additive", "bool"
     mask_shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # its 4-D shape (B|1, Hq|1, Nq|1, Nk|1)
+    sinks: bool = False  # learnable sinks (Hq,): a logit per head in every row's softmax denominator
 
     @property
     def causal_bound(self) -> bool:

@@ -83,8 +83,11 @@ def attention(
     softcap: float = 0.0,
     layout: str = "bshd",
     return_lse: bool = False,
+    sinks: Any = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """float64 attention; returns NumPy arrays (out in ``layout``, LSE ``[B, Hq, Nq]``)."""
+    """float64 attention; returns NumPy arrays (out in ``layout``, LSE ``[B, Hq, Nq]``).
+    ``sinks`` (Hq,): gpt-oss's learnable sinks, one more score per row, always visible, whose
+    value is 0 (a key column of the sink logit against a zero value row)."""
     q64, k64, v64 = (to_numpy64(x) for x in (q, k, v))
     p = attention_problem(
         q64.shape, k64.shape, v64.shape, causal=causal, scale=scale, window=window, softcap=softcap, layout=layout
@@ -100,6 +103,10 @@ def attention(
         if p.softcap > 0:
             s = p.softcap * np.tanh(s / p.softcap)
         s = np.where(visible_keys(p.seqlen_q, p.seqlen_k, causal, (window[0], window[1])), s, -np.inf)
+        if sinks is not None:
+            column = np.broadcast_to(to_numpy64(sinks)[None, :, None, None], (*s.shape[:3], 1))
+            s = np.concatenate([s, column], axis=-1)
+            v64 = np.concatenate([v64, np.zeros((*v64.shape[:2], 1, v64.shape[3]))], axis=2)
         m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # NaN if any visible score is NaN
         undefined = np.isnan(m) | (m == np.inf)  # a NaN or +inf score: no softmax
         m_finite = np.where(np.isfinite(m), m, 0.0)

@@ -109,6 +109,27 @@ def finalize(xp: Any, row_max: Any, row_sum: Any, scale_log2: float) -> tuple[An
     return inv_sum, xp.where(empty, xp.full_like(lse, -math.inf), lse)
 
 
+def add_sink(xp: Any, out: Any, lse: Any, sink: Any) -> tuple[Any, Any]:
+    """A learnable sink (gpt-oss): the logit ``sink`` (broadcast against ``lse``) joins each row's
+    softmax denominator and takes no value (twin of softmax.cuh's add_sink):
+    lse' = log(exp(lse) + exp(sink)), O' = O exp(lse - lse'). A row that saw no key gets 0 and
+    lse' = sink; NaN in lse or sink gives NaN; a sink of -inf changes nothing."""
+    sink = sink + xp.zeros_like(lse)
+    none = sink == -math.inf
+    merged = xp.logaddexp(lse, xp.where(none, xp.zeros_like(sink), sink))  # (kept finite where unused)
+    factor = xp.where(none, xp.ones_like(lse), xp.exp(lse - merged))
+    return out * factor[..., None], xp.where(none, lse, merged)
+
+
+def sink_gradient(xp: Any, lse: Any, dsum: Any, sink: Any) -> Any:
+    """Each row's share of dLoss / dsink: -P_sink D, P_sink = exp(sink - lse') the sink's weight
+    in the row (lse' its LSE, the sink included) and D = rowsum(dO * O) - dLSE (fa2_bwd.cu's
+    prep). A row whose LSE is -inf (a sink of -inf) has none."""
+    sink = sink + xp.zeros_like(lse)
+    weight = xp.where(lse == -math.inf, xp.zeros_like(lse), xp.exp(sink - lse))
+    return -weight * dsum
+
+
 def merge(xp: Any, outs: list[Any], lses: list[Any]) -> tuple[Any, Any]:
     """Verb 4: exact merge of normalised partials: lse = log sum exp(lse_i),
     O = sum_i exp(lse_i - lse) O_i. Parts that saw no key (lse -inf) weigh 0 whatever their O
@@ -569,11 +590,12 @@ def append_kv(xp: Any, cache: Any, new: Any, seqlens: list[int], layout: CacheLa
 
 def attention_with_kvcache(
     xp: Any, q: Any, k_cache: Any, v_cache: Any, seqlens: list[int], layout: CacheLayout, p: Problem, split_keys: int,
-    first_keys: list[int] | None = None, alibi_slopes: Any = None,
+    first_keys: list[int] | None = None, alibi_slopes: Any = None, sinks: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Per sequence b: FlashDecoding of q[b] over its cached keys first_keys[b] .. seqlens[b] - 1
     (cache_leftpad; from 0 without; new tokens already appended), splits of ``split_keys`` keys
-    as the kernel's; ALiBi slopes (Hq,) or (B, Hq); returns (out like q, LSE [B, Hq, Nq])."""
+    as the kernel's; ALiBi slopes (Hq,) or (B, Hq); sinks (Hq,); returns (out like q, LSE
+    [B, Hq, Nq])."""
     outs, lses = [], []
     for b, n in enumerate(seqlens):
         first = 0 if first_keys is None else first_keys[b]
@@ -582,7 +604,7 @@ def attention_with_kvcache(
         slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.ndim == 1 else alibi_slopes[b : b + 1, ...]
         out, lse = attention(
             xp, q[b : b + 1, ...], keys[0], keys[1], p_b, algorithm="decode", split_keys=split_keys,
-            alibi_slopes=slopes,
+            alibi_slopes=slopes, sinks=sinks,
         )  # fmt: skip
         outs.append(out)
         lses.append(lse)
@@ -614,6 +636,11 @@ def compute_dtype(xp: Any, *arrays: Any) -> Any:
     return xp.float64 if any(x.dtype == xp.float64 for x in arrays) else xp.float32
 
 
+def _per_head(xp: Any, values: Any, heads_kv: int, compute: Any) -> Any:
+    """(Hq,) per-head values as (1, Hkv, group, 1), against (B, Hkv, group, N) rows."""
+    return xp.reshape(xp.astype(values, compute), (1, heads_kv, -1, 1))
+
+
 def _device(x: Any) -> Any:
     from array_api_compat import device
 
@@ -623,13 +650,14 @@ def _device(x: Any) -> Any:
 def attention(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", dropout: Dropout | None = None,
     alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Mod | None = None, mask_mod: Mod | None = None,
-    **options: Any,
+    sinks: Any = None, **options: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Run one algorithm on caller arrays in ``p.layout``; returns (out in the caller's dtype and
     layout, LSE [B, Hq, Nq] in the compute dtype: float64 for float64 inputs, else float32).
     ``dropout``: naive and fa2 only. ``alibi_slopes``: (Hq,) or (B, Hq), every algorithm.
     ``attn_mask``: 4-D (B|1, Hq|1, Nq|1, Nk|1), boolean or additive (not with alibi_slopes).
-    ``score_mod``, ``mask_mod``: traced (``_mods``), after ALiBi (not with attn_mask)."""
+    ``score_mod``, ``mask_mod``: traced (``_mods``), after ALiBi (not with attn_mask).
+    ``sinks``: (Hq,) logits in every row's denominator (``add_sink``), every algorithm."""
     if dropout is not None:
         if algorithm not in ("naive", "fa2"):
             raise ValueError(f"dropout runs with the naive and fa2 algorithms, not {algorithm!r}")
@@ -651,6 +679,8 @@ def attention(
         out5, lse4 = xp.zeros_like(q5), xp.zeros(q5.shape[:-1], dtype=compute, device=_device(q5))
     else:
         out5, lse4 = ALGORITHMS[algorithm](xp, q5, k5, v5, p, **options)
+    if sinks is not None:  # where the rows' final O and LSE are made, as the kernels' epilogues
+        out5, lse4 = add_sink(xp, out5, lse4, _per_head(xp, sinks, hkv, compute))
     out = xp.reshape(out5, (b, p.heads_q, p.seqlen_q, p.head_dim))
     if p.layout == "bshd":
         out = xp.permute_dims(out, (0, 2, 1, 3))
@@ -755,11 +785,14 @@ def fa2_backward(
 def attention_backward(
     xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, dlse: Any = None,
     dropout: Dropout | None = None, alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Mod | None = None,
-    mask_mod: Mod | None = None,
-) -> tuple[Any, Any, Any]:  # fmt: skip
+    mask_mod: Mod | None = None, sinks: Any = None,
+) -> tuple[Any, ...]:  # fmt: skip
     """The gradients of ``attention`` on caller arrays in ``p.layout``: (dq, dk, dv) in the
     inputs' dtype and layout, computed in float32 (float64 for float64 inputs). ``alibi_slopes``,
-    ``attn_mask``, ``score_mod``, ``mask_mod``: the forward's (none gets a gradient)."""
+    ``attn_mask``, ``score_mod``, ``mask_mod``: the forward's (none gets a gradient). With
+    ``sinks`` (Hq,) (whose weight ``lse`` holds), (dq, dk, dv, dsinks), dsinks in the compute
+    dtype: the keys' gradients need nothing more, since P = exp(S - lse) already leaves the sink's
+    share out."""
     compute = compute_dtype(xp, q)
     b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
     to_bhsd = (lambda x: xp.permute_dims(x, (0, 2, 1, 3))) if p.layout == "bshd" else (lambda x: x)
@@ -779,4 +812,9 @@ def attention_backward(
     dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout, bias=bias)
     dq = to_bhsd(xp.reshape(dq5, (b, p.heads_q, p.seqlen_q, p.head_dim)))
     dk, dv = (to_bhsd(x[:, :, 0, ...]) for x in (dk5, dv5))
-    return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)
+    grads = (xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype))
+    if sinks is None:
+        return grads
+    dsum = xp.sum(do5 * o5, axis=-1) - (0.0 if dlse4 is None else dlse4)
+    rows = sink_gradient(xp, lse4, dsum, _per_head(xp, sinks, hkv, compute))
+    return (*grads, xp.reshape(xp.sum(rows, axis=(0, 3)), (p.heads_q,)))

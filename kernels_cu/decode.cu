@@ -693,6 +693,15 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   // Epilogue 1: each warp normalises its own partial (O_w, LSE_w) and parks it in shared memory.
   float inv_sum[2 * kMTiles], lse[2 * kMTiles];
   softmax.finalize(scale_log2, inv_sum, lse);
+  // One split makes its rows' final O and LSE in this CTA: a sink joins warp 0's partial (the
+  // merge over the warps below then counts it once). Split rows take it in the merge of splits.
+  if (warp == 0 && attn.sinks != nullptr && sequence_splits<Traits>(params, seqlen_k) == 1) {
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) {
+      const int packed = row0 + 16 * (r / 2) + lane / 4 + 8 * (r % 2);
+      add_sink(attn.sinks[head_k * group + packed % group], inv_sum[r], lse[r]);
+    }
+  }
   if constexpr (Traits::Kv_fp8) {
     // V's scale and 2^-15 of P's fp16 copy (the merge is linear in O)
     const float v_unscale = s_kv_scale.y * (1.f / kFp8PScale);
@@ -819,7 +828,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     merge_row<Traits::kHeadDim, Traits::Columns::kValidDim>(
         params.o_partial_ptr + row_index * Traits::kHeadDim, part_rows * Traits::kHeadDim,
         params.lse_partial_ptr + row_index, part_rows, sequence_splits<Traits>(params, seqlen_k),
-        g_o, g_lse, lane);
+        g_o, g_lse, lane, attn.sinks == nullptr ? neg_infinity() : attn.sinks[head]);
   }
 }
 

@@ -129,6 +129,7 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
     // The Hopper backward's tiles: a padding row's floats belong to the tile (the grid covers
     // row_head_stride rows), zeroed for the tile's other rows.
     if (p.dq_tiled && row < p.row_head_stride) zero_accumulator_row<Traits>(p, t, chunk);
+    if (p.dsink_rows != nullptr && chunk == 0 && row < p.row_head_stride) p.dsink_rows[t] = 0.f;
     return;
   }
   if (chunk == 0) {
@@ -136,6 +137,11 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
     if (p.dlse_ptr != nullptr)
       dot -= p.dlse_ptr[b * p.dlse_batch_stride + h * p.dlse_head_stride + row];
     p.dsum[t] = dot;
+    // dLoss / dsink = sum over rows of -P_sink * D, P_sink = exp(sink - LSE): the sink's logit
+    // enters O only through the denominator (and LSE, through dLSE, which D holds).
+    // (LSE = -inf: a packed row outside every sequence, or a sink of -inf; no share.)
+    if (p.dsink_rows != nullptr)
+      p.dsink_rows[t] = lse == neg_infinity() ? 0.f : -expf(a.sinks[h] - lse) * dot;
     p.neg_lse_log2[t] = lse == neg_infinity() ? neg_infinity() : -lse * kLog2e;
     // The deterministic Hopper backward's count of adds into this row's tile (tiles start at
     // rows that are multiples of 64, all below seqlen_q).

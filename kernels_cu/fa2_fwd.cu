@@ -418,6 +418,11 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   // which no warp reads any more after the barrier), then write 16-byte coalesced rows.
   float inv_sum[2 * kMTiles], lse[2 * kMTiles];
   softmax.finalize(scale_log2, inv_sum, lse);
+  if (params.sinks != nullptr) {
+    const float sink = params.sinks[head];
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) add_sink(sink, inv_sum[r], lse[r]);
+  }
   if constexpr (Traits::Has_dropout) {
 #pragma unroll
     for (int r = 0; r < 2 * kMTiles; ++r) inv_sum[r] *= params.dropout_scale;

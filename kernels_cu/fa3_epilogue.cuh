@@ -36,6 +36,11 @@ struct Fa3Epilogue {
     constexpr int kHeadDim = Traits::kHeadDim;
     float inv_sum[2], lse[2];
     softmax.finalize(scale_log2, inv_sum, lse);
+    if (params.sinks != nullptr) {  // (a tile without keys: lse -inf, so the sink's own)
+      const float sink = params.sinks[out.head];
+      add_sink(sink, inv_sum[0], lse[0]);
+      add_sink(sink, inv_sum[1], lse[1]);
+    }
     if constexpr (Traits::Fp8) {
       inv_sum[0] *= out.v_descale;
       inv_sum[1] *= out.v_descale;

@@ -60,6 +60,12 @@ struct AttnParams {
   int64_t alibi_batch_stride;  // 0 for slopes (Hq,), Hq for (B, Hq)
   float alibi_scale;
 
+  // Learnable attention sinks (gpt-oss): the fp32 logit sinks[h] of query head h joins every
+  // row's softmax denominator and takes no value, so O = sum_j p_j v_j with
+  // p_j = exp(s_j - lse) and lse = log(sum_j exp(s_j) + exp(sinks[h])) (softmax.cuh's add_sink,
+  // where a row's final O and LSE are made); nullptr: none.
+  const float* sinks;
+
   // Keys used per batch entry (flash-attn's seqused_k: the first seqused_k[b] keys of sequence
   // b take part, and its causal shift counts those), or nullptr: all. FA2 kernels (seq_rows).
   const int32_t* seqused_k;
@@ -183,6 +189,9 @@ struct BwdParams {
   // The deterministic Hopper backward: per dQacc tile, how many key blocks have added into it
   // (they add in a fixed order, fa3_bwd.cu); zeroed by prep. nullptr otherwise.
   int32_t* dq_semaphore;
+  // With attn.sinks: per temporary row, the row's share of dLoss / dsinks[h],
+  // -exp(sinks[h] - LSE) * D (written by prep; the host sums them per head). nullptr otherwise.
+  float* dsink_rows;
 };
 
 // The Hopper backward's argument (kernels_cu/fa3_bwd.cu): the tensor maps of Q, K, V and dO, then

@@ -135,6 +135,23 @@ struct OnlineSoftmax {
   }
 };
 
+// A learnable sink (gpt-oss; AttnParams::sinks): a logit that joins a row's softmax
+// denominator and takes no value. Applied once, where the row's final O and LSE are made:
+//   lse' = log(exp(lse) + exp(sink)) = hi + log1p(exp(lo - hi)),   O' = O exp(lse - lse')
+// (inv_sum, which scales O, takes the factor). A row that saw no key (lse = -inf) gets O' = 0
+// and lse' = sink; a NaN row or a NaN sink makes both NaN; a sink of -inf changes nothing.
+CF_DEVICE void add_sink(float sink, float& inv_sum, float& lse) {
+  if (is_nan(lse) || is_nan(sink)) {
+    inv_sum = lse = quiet_nan();
+    return;
+  }
+  if (sink == neg_infinity()) return;
+  const float hi = fmaxf(lse, sink), lo = fminf(lse, sink);
+  const float merged = hi + __log2f(1.f + fast_exp2((lo - hi) * kLog2e)) * kLn2;
+  inv_sum *= fast_exp2((lse - merged) * kLog2e);
+  lse = merged;
+}
+
 // The accumulator steps around the verbs, on m16n8 tiles (row slot 2 mt + e / 2 of a thread).
 // Zero an accumulator of m16n8 tiles.
 template <int kMTiles, int kCols>
@@ -226,10 +243,11 @@ CF_DEVICE float merge_weights(const float (&lse)[kParts], float (&w)[kParts]) {
 // broadcast by shuffles; the O reads of consecutive parts do not depend on each other, so the
 // unrolled loop keeps several in flight. Loads go through L2 only (ld.global.cg): in the fused
 // combine the parts were just written by other CTAs, whose data no L1 of this SM may hold.
+// ``sink`` (natural log; -inf: none) joins as one more part whose O is 0 (add_sink's meaning).
 template <int kHeadDim, int kValidDim = kHeadDim, typename PartElement, typename OutElement>
 CF_DEVICE void merge_row(const PartElement* g_o, int64_t o_part_stride, const float* g_lse,
                          int64_t lse_part_stride, int num_parts, OutElement* g_out,
-                         float* g_out_lse, int lane) {
+                         float* g_out_lse, int lane, float sink = neg_infinity()) {
   static_assert(kHeadDim % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int kColsPerLane = kHeadDim / 32;
   // The largest LSE over the parts (-inf when every part is empty).
@@ -241,6 +259,7 @@ CF_DEVICE void merge_row(const PartElement* g_o, int64_t o_part_stride, const fl
   for (int offset = 16; offset > 0; offset /= 2) {
     lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
   }
+  lse_max = fmaxf(lse_max, sink);  // (a NaN sink drops out, and its weight makes the sum NaN)
 
   float acc[kColsPerLane] = {};
   float weight_sum = 0.f;
@@ -267,6 +286,7 @@ CF_DEVICE void merge_row(const PartElement* g_o, int64_t o_part_stride, const fl
   for (int offset = 16; offset > 0; offset /= 2) {
     weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, offset);
   }
+  weight_sum += merge_scale(sink, lse_max);  // the sink's weight (0 for none)
   const float inv = merge_inv_sum(weight_sum);
 #pragma unroll
   for (int c = 0; c < kColsPerLane; ++c) {

@@ -133,11 +133,15 @@ def plan_backward(
             Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
         ]
     fill = 0.0 if packed else None  # packed rows outside every sequence get no gradient
-    outputs = (  # dq: every packed row written from the zeroed accumulator, but by dq_blocks only in sequences
+    # dq: every packed row written from the zeroed accumulator, but by dq_blocks only in sequences
+    outputs: tuple[Output, ...] = (
         Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr"), fill=fill if dq_kernel else None),
         Output("dk", tuple(k_shape), dtype, params.slot("dk_ptr"), fill=fill),
         Output("dv", tuple(k_shape), dtype, params.slot("dv_ptr"), fill=fill),
     )
+    if p.sinks:  # each row's share of dsinks (prep), zero on the padding rows; summed per head by the caller
+        outputs += (Output("dsink_rows", (batches, p.heads_q, temp_rows // (batches * p.heads_q or 1)), "float32",
+                           params.slot("dsink_rows"), fill=0.0),)  # fmt: skip
     if not has_work:  # no query or no key: every gradient is 0
         return Launch(params, tuple(operands), tuple(filled_output(o) for o in outputs))
     temporaries: tuple[Temporary, ...] = (

@@ -142,15 +142,17 @@ def dropout_fields(p: Problem) -> dict[str, int | float]:
 
 
 def fa2_option_operands(params: ParamsTemplate, p: Problem) -> list[Operand]:
-    """The per-call operands of the FA2 kernels' options: the dropout seed (an int the entry point
-    draws or is given), the fp32 ALiBi slopes (Hq,) (batch stride 0) or (B, Hq), seqused_k, an
-    attn_mask."""
+    """The per-call operands of the flash kernels' options: the dropout seed (an int the entry point
+    draws or is given), the fp32 ALiBi slopes (Hq,) (batch stride 0) or (B, Hq), the fp32 sinks
+    (Hq,), seqused_k, an attn_mask."""
     operands = []
     if p.dropout_p > 0:
         operands.append(Operand("dropout_seed", SCALAR, params.slot("dropout_seed")))
     if p.alibi != ALIBI_NONE:
         strides = ((params.slot("alibi_batch_stride"), 0),) if p.alibi == ALIBI_BATCH_HEAD else ()
         operands.append(Operand("alibi_slopes", INDEX, params.slot("alibi_slopes"), strides))
+    if p.sinks:  # fp32 (Hq,): read where a row's final O and LSE are made (softmax.cuh's add_sink)
+        operands.append(Operand("sinks", INDEX, params.slot("sinks")))
     if p.seqused_k:
         operands.append(Operand("seqused_k", INDEX, params.slot("seqused_k")))
     if p.mask:  # (B|1, Hq|1, Nq|1, Nk|1): a broadcast axis keeps stride 0

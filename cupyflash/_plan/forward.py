@@ -153,6 +153,11 @@ def plan_forward(
     axes = LAYOUT_AXES["thd" if packed else p.layout]
     rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
     has_work = p.batch > 0 and p.seqlen_q > 0 and p.heads_q > 0
+    # No key: O = 0 and LSE = -inf with no kernel, but a sink's LSE is its own logit: the FA2
+    # kernel then runs over no key block (its epilogue adds the sink).
+    no_keys = p.seqlen_k == 0 and not packed
+    if no_keys and p.sinks:
+        algorithm = "fa2"
     spec = forward_spec(p, dtype, device, algorithm, packed, mods, batch_invariant) if has_work else None
     struct = PARAMS_STRUCTS["Fa3Params" if isinstance(spec, Fa3FwdSpec) else "AttnParams"]
 
@@ -222,7 +227,7 @@ def plan_forward(
         Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0 if packed else None),
         Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=-math.inf if packed else None, optional=True),
     )
-    if not has_work or (p.seqlen_k == 0 and not packed):  # no key: O = 0, LSE = -inf, no kernel
+    if not has_work or (no_keys and not p.sinks):  # no key: O = 0, LSE = -inf, no kernel
         outputs = tuple(filled_output(o) for o in outputs)
         steps, scratch, temporaries = (), None, ()
     error_slot = error_word_slot(params) if packed else -1  # the kernels check cu_seqlens, seqused_k

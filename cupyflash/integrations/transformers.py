@@ -16,7 +16,8 @@ generation: the decode kernel reads each sequence's keys from its first valid on
 copy) or :func:`cupyflash.attention_varlen` (other padding: the valid tokens packed, as
 flash-attn's integration unpads them): causal (bottom-right, so a cache's queries are its last positions), the module's
 ``scaling``, ``sliding_window`` (a token sees itself and the ``sliding_window - 1`` before it),
-``softcap``, GQA and the module's attention ``dropout`` (transformers passes 0 in eval mode).
+``softcap``, GQA, the module's attention ``dropout`` (transformers passes 0 in eval mode) and
+gpt-oss's learnable sinks (``s_aux``, cast to float32: their gradient flows through the cast).
 PyTorch tensors that require grad get their gradients (the training path).
 What packing cannot express -- several query tokens whose last positions are not all valid, a
 sliding window over a mask with gaps inside a sequence -- runs :func:`cupyflash.attention` with
@@ -70,8 +71,10 @@ def attention_forward(
             raise NotImplementedError("a non-causal sliding window is not supported by cupyflash's integration")
         window = (int(sliding_window) - 1, -1)
     cap = float(softcap or 0.0)
+    sinks = kwargs.get("s_aux")  # gpt-oss: a logit per query head in every row's denominator
     options: dict[str, Any] = {"causal": causal, "scale": scaling, "window": window, "softcap": cap,
-                               "dropout_p": float(dropout)}  # fmt: skip
+                               "dropout_p": float(dropout),
+                               "sinks": None if sinks is None else sinks.float()}  # fmt: skip
     if attention_mask is None:
         out = attention(query, key, value, layout="bhsd", **options)
         return out.transpose(1, 2), None
@@ -98,7 +101,7 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, options: dict[str, Any]
     if first_keys is not None:  # generation over a left-padded batch: the decode kernel, in place
         out = attention_with_kvcache(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=nk,
-            cache_leftpad=first_keys, causal=options["causal"], scale=options["scale"],
+            cache_leftpad=first_keys, causal=options["causal"], scale=options["scale"], sinks=options["sinks"],
         )  # fmt: skip
         return out
     q_mask = mask[:, -nq:]
