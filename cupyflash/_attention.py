@@ -371,21 +371,7 @@ def _gpu_mods(
     """attention with a score_mod / mask_mod: the FA2 kernel with the functions compiled into its
     score hook (kernels_cu/variants.cuh's UserMods), their captured arrays read where they are
     (on q's device, of q's library)."""
-    if not _mods.gpu_enabled():
-        raise NotImplementedError(_mods.ON_HOST_ONLY)
-    score_mod, mask_mod = call.mods
-    mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key)
-    kernel = _kernel_mods.get(mods_key)
-    if kernel is None:
-        if len(_kernel_mods) >= _plan.PlanCache.MAX_ENTRIES:  # a process of endless new functions
-            _kernel_mods.clear()
-        kernel = _kernel_mods.setdefault(mods_key, _mods.kernel_mods(score_mod, mask_mod))
-    captured = kernel.arrays(score_mod, mask_mod)
-    names = tuple(f"{('score_mod', 'mask_mod')[which]}'s captured array {slot}" for which, slot in kernel.buffers)
-    # One library on q's device (an array elsewhere is refused there, named), adopted as q was.
-    found = _interop.gpu_arrays(("q", *names), (call.q, *captured))
-    assert found is not None and found[1] == device
-    buffers = found[2][1:]
+    mods_key, kernel, buffers = _kernel_mods_of(call, device)
     q, k, v = call.q, call.k, call.v
     sinks = call.sinks
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
@@ -402,6 +388,26 @@ def _gpu_mods(
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "sinks": sinks, **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}
     return _launch.run(launch, lib, device, arrays_by_name, want_lse, given)
+
+
+def _kernel_mods_of(call: Forward | Backward, device: int) -> tuple[Any, _mods.KernelMods, tuple[Any, ...]]:
+    """A GPU call's score_mod / mask_mod: their key, their device code (written once per key)
+    and their captured arrays in mod_buffer order, adopted as q was (one library, q's device)."""
+    if not _mods.gpu_enabled():
+        raise NotImplementedError(_mods.ON_HOST_ONLY)
+    score_mod, mask_mod = call.mods
+    mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key)
+    kernel = _kernel_mods.get(mods_key)
+    if kernel is None:
+        if len(_kernel_mods) >= _plan.PlanCache.MAX_ENTRIES:  # a process of endless new functions
+            _kernel_mods.clear()
+        kernel = _kernel_mods.setdefault(mods_key, _mods.kernel_mods(score_mod, mask_mod))
+    captured = kernel.arrays(score_mod, mask_mod)
+    names = tuple(f"{('score_mod', 'mask_mod')[which]}'s captured array {slot}" for which, slot in kernel.buffers)
+    # One library on q's device (an array elsewhere is refused there, named), adopted as q was.
+    found = _interop.gpu_arrays(("q", *names), (call.q, *captured))
+    assert found is not None and found[1] == device
+    return mods_key, kernel, tuple(found[2][1:])
 
 
 def _gpu_masked(lib: _interop.ArrayLib, device: int, call: Forward, want_lse: bool) -> tuple[Any, Any]:
@@ -567,9 +573,9 @@ def backward(call: Backward) -> tuple[Any, ...]:
             call.dout, call.q, call.k, call.v, call.out, call.lse, call.dlse, problem, dropout, call.alibi_slopes, mask,
             score_mod, mask_mod, call.sinks,
         )  # fmt: skip
-    if call.mods is not None:
-        raise NotImplementedError(_mods.BACKWARD_ON_HOST_ONLY)
     lib, device, arrays = found
+    if call.mods is not None:
+        return _gpu_mods_backward(lib, device, call.on(arrays), problem)
     return gpu_backward(lib, device, call.on(arrays), problem)
 
 
@@ -610,6 +616,27 @@ def _with_sink_gradient(grads: tuple[Any, ...]) -> tuple[Any, ...]:
         return grads
     dq, dk, dv, rows = grads
     return dq, dk, dv, rows.sum(axis=(0, 2))
+
+
+def _gpu_mods_backward(lib: _interop.ArrayLib, device: int, call: Backward, problem: Problem) -> tuple[Any, ...]:
+    """The backward of a call with a score_mod / mask_mod: the mma.sync kernels with the
+    functions and score_mod's derivative compiled in (``_plan.plan_backward``'s ``mods``)."""
+    mods_key, kernel, buffers = _kernel_mods_of(call, device)
+    q, k, v, out, dout, lse, dlse, sinks = call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.sinks
+    key = ("bwd-mods", lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, out, dout, lse, dlse, sinks),
+           call.deterministic, mods_key)  # fmt: skip
+
+    def plan() -> _plan.Launch:
+        _check_sinks_dtype(lib, sinks)
+        return _plan.plan_backward(
+            problem, _backward_dtypes(lib, q, k, v, out, dout, lse, dlse), _device.device_info(device),
+            q_shape=tuple(q.shape), k_shape=tuple(k.shape), deterministic=call.deterministic, mods=kernel,
+        )  # fmt: skip
+
+    launch = _plans.get(key, plan)
+    arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse, "sinks": sinks,
+                      **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}  # fmt: skip
+    return _with_sink_gradient(_launch.run_outputs(launch, lib, device, arrays_by_name))
 
 
 def _lean_backward_key(lib: _interop.ArrayLib, device: int, call: Backward) -> tuple[Any, ...]:

@@ -536,19 +536,22 @@ FA2_BWD_DQ_MASK_TILES: dict[int, tuple[int, int, int]] = {
 }  # fmt: skip
 
 
-def fa2_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool = False) -> Fa2BwdSpec:
-    """The backward's main variant; ``head_dim`` is the caller's (as ``fa2_fwd_spec``)."""
+def fa2_bwd_spec(
+    dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool = False, mods_source: str = ""
+) -> Fa2BwdSpec:
+    """The backward's main variant; ``head_dim`` is the caller's (as ``fa2_fwd_spec``).
+    ``mods_source``: a user score_mod / mask_mod (flags.mask "mods"), on the mask's tiles."""
     width, valid_dim = columns(head_dim, FA2_BWD_HEAD_DIMS)
     # a score variant holding registers (ALiBi's slope, a mask's pointer and strides): narrower tiles
     tiles = FA2_BWD_MASK_TILES if flags.mask else FA2_BWD_ALIBI_TILES if flags.alibi else FA2_BWD_TILES
     block_m, block_n, d_split = tiles[width]
     return Fa2BwdSpec(
         dtype, width, block_m, block_n, flags.causal, flags.local, flags.softcap, deterministic, d_split,
-        flags.dropout, flags.alibi, valid_dim, flags.mask,
+        flags.dropout, flags.alibi, valid_dim, flags.mask, mods_source,
     )  # fmt: skip
 
 
-def fa2_bwd_dq_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa2BwdDqSpec:
+def fa2_bwd_dq_spec(dtype: str, head_dim: int, flags: MaskFlags, mods_source: str = "") -> Fa2BwdDqSpec:
     width, valid_dim = columns(head_dim, FA2_BWD_HEAD_DIMS)
     if flags.mask:
         tile = FA2_BWD_DQ_MASK_TILES[width]
@@ -556,7 +559,7 @@ def fa2_bwd_dq_spec(dtype: str, head_dim: int, flags: MaskFlags) -> Fa2BwdDqSpec
         tile = (FA2_BWD_DQ_DROPOUT_TILES if flags.dropout or flags.alibi else FA2_BWD_DQ_TILES)[width]
     return Fa2BwdDqSpec(
         dtype, width, *tile, flags.causal, flags.local, flags.softcap, flags.dropout, flags.alibi, valid_dim,
-        flags.mask,
+        flags.mask, mods_source,
     )  # fmt: skip
 
 

@@ -23,18 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-#: The refusal of score_mod / mask_mod where they cannot run: the GPU forward's hook is built
-#: (the FA2 kernel's UserMods) but waits for its first GPU validation behind GPU_SWITCH; the
-#: backward, autograd, torch.compile and JAX have no hook yet.
+#: The refusal of score_mod / mask_mod where they cannot run: the GPU hooks (variants.cuh's
+#: UserMods in the FA2 and Hopper forwards and the FA2 backward) are built but wait for their
+#: first GPU validation behind GPU_SWITCH; torch.compile and JAX have no hook yet.
 GPU_SWITCH = "CUPYFLASH_GPU_MODS"
 ON_HOST_ONLY = (
-    "score_mod / mask_mod run on the host path so far; the GPU forward's score hook is built but not yet "
+    "score_mod / mask_mod run on the host path so far; the GPU kernels' score hook is built but not yet "
     f"validated on a GPU ({GPU_SWITCH}=1 turns it on)"
 )
-
-
-#: The refusal of the backward with score_mod / mask_mod on GPU arrays.
-BACKWARD_ON_HOST_ONLY = "the backward with score_mod / mask_mod runs on the host path so far (no GPU kernel hook yet)"
 
 
 def gpu_enabled() -> bool:
@@ -718,28 +714,39 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None) -> KernelMods:
     """The device source of a score_mod and / or mask_mod for the kernels' score hook: each
     function (``cuda_source``), then ``cf_user_mods``, which reads their captured arrays from
     AttnParams (at most MAX_KERNEL_BUFFERS), hides the score where mask_mod is false (-inf) and
-    else returns score_mod's value (the score itself without one)."""
+    else returns score_mod's value (the score itself without one); and ``cf_user_mods_grad``, the
+    backward's d score_mod / d score at the same arguments (``score_derivative``; 1 without one)."""
     parts, call = [CUDA_HELPERS], {}
     order: list[tuple[int, int]] = []
     ndims: list[int] = []
+
+    def arguments(mod: Mod, which: int) -> str:  # its call, its arrays read from the mod_buffers
+        args = ["score"] if mod.role == "score_mod" else []
+        args += ["b", "h", "q_idx", "kv_idx"]
+        for spec in _buffer_specs(mod.expr):
+            if (which, spec.slot) not in order:
+                if len(order) == MAX_KERNEL_BUFFERS:
+                    raise ValueError(
+                        f"score_mod and mask_mod capture more than {MAX_KERNEL_BUFFERS} arrays between them: the "
+                        "GPU kernels take at most that many (stack them into one 2-D array)"
+                    )
+                order.append((which, spec.slot))
+                ndims.append(len(spec.shape))
+            n = order.index((which, spec.slot))
+            args += [f"static_cast<const {_C_ELEMENT[spec.dtype]}*>(p.mod_buffer{n})"]
+            args += [f"p.mod_buffer{n}_stride{axis}" for axis in range(len(spec.shape))]
+        return f"{mod.name}({', '.join([*args, 'outside'])})"
+
     for which, mod in enumerate((score_mod, mask_mod)):
         if mod is None:
             continue
         parts.append(cuda_source(mod))
-        args = ["score"] if mod.role == "score_mod" else []
-        args += ["b", "h", "q_idx", "kv_idx"]
-        for spec in _buffer_specs(mod.expr):
-            n = len(order)
-            if n == MAX_KERNEL_BUFFERS:
-                raise ValueError(
-                    f"score_mod and mask_mod capture more than {MAX_KERNEL_BUFFERS} arrays between them: the "
-                    "GPU kernels take at most that many (stack them into one 2-D array)"
-                )
-            order.append((which, spec.slot))
-            ndims.append(len(spec.shape))
-            args += [f"static_cast<const {_C_ELEMENT[spec.dtype]}*>(p.mod_buffer{n})"]
-            args += [f"p.mod_buffer{n}_stride{axis}" for axis in range(len(spec.shape))]
-        call[mod.role] = f"{mod.name}({', '.join([*args, 'outside'])})"
+        call[mod.role] = arguments(mod, which)
+    gradient = "1.f"
+    if score_mod is not None:
+        derivative = score_derivative(score_mod)  # reads a subset of score_mod's arrays
+        parts.append(cuda_source(derivative))
+        gradient = arguments(derivative, 0)
     body = ["  bool outside = false;  // an index outside a captured array: the score is NaN"]
     body.append(f"  const bool shown = {call.get('mask_mod', 'true')};")
     body.append(f"  const float logit = {call.get('score_mod', 'score')};")
@@ -748,6 +755,11 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None) -> KernelMods:
     parts.append(
         "__device__ __forceinline__ float cf_user_mods(const AttnParams& p, float score, int b, int h, int q_idx,\n"
         "                                               int kv_idx) {\n" + "\n".join(body) + "\n}\n"
+    )
+    parts.append(  # (an index outside an array made the forward's row NaN, hence its gradients)
+        "__device__ __forceinline__ float cf_user_mods_grad(const AttnParams& p, float score, int b, int h,\n"
+        "                                                    int q_idx, int kv_idx) {\n"
+        + ("  return 1.f;\n}\n" if score_mod is None else f"  bool outside = false;\n  return {gradient};\n}}\n")
     )
     source = "".join(parts)
     return KernelMods(source, tuple(order), hashlib.sha256(source.encode()).hexdigest()[:12], tuple(ndims))

@@ -88,6 +88,16 @@ def _columns_arg(valid_dim: int) -> tuple[int, ...]:
     return (valid_dim,) if valid_dim else ()
 
 
+def _check_mods(mask: str, mods_source: str, other_variant: bool) -> None:
+    """A backward variant's user score_mod / mask_mod: mask "mods" takes its source, alone."""
+    if mask not in MASK_KINDS:
+        raise ValueError(f"unknown attn_mask kind {mask!r}; kinds: {sorted(MASK_KINDS)}")
+    if (mask == "mods") != bool(mods_source):
+        raise ValueError("mask 'mods' takes the score_mod / mask_mod source, and only it does")
+    if mods_source and other_variant:
+        raise ValueError("score_mod / mask_mod do not combine with dropout, softcap or ALiBi on the GPU yet")
+
+
 def _columns_and_mask(valid_dim: int, mask: str) -> tuple[int, ...]:
     """The FA2 traits' trailing ``kValidDim_, kBias_``: the mask kind (MASK_KINDS) after the
     caller's columns, spelled out only where a mask is on (so a variant without one is spelled
@@ -779,7 +789,8 @@ class Fa2BwdSpec(_KernelSpecBase):
     dropout: bool = False  # the forward's dropout mask regenerated (kernels_cu/dropout.cuh)
     alibi: bool = False
     valid_dim: int = 0  # the caller's head dim, when below the tile width head_dim
-    mask: str = ""  # the forward's attn_mask: "", "additive" or "bool" (MASK_KINDS)
+    mask: str = ""  # the forward's attn_mask: "", "additive" or "bool" (MASK_KINDS); "mods"
+    mods_source: str = ""  # with mask "mods": the score_mod / mask_mod's device code (as Fa2FwdSpec's)
 
     kernel = "fa2_bwd"
     source_file = "fa2_bwd.cu"
@@ -800,6 +811,7 @@ class Fa2BwdSpec(_KernelSpecBase):
             )
         if self.num_threads < 2 * self.block_m:  # a thread per LSE row and per D row
             raise ValueError(f"bad backward tile: {self.num_threads} threads for {self.block_m} query rows")
+        _check_mods(self.mask, self.mods_source, self.dropout or self.softcap or self.alibi)
 
     def _name_parts(self) -> tuple[object, ...]:
         dims = _dim_part(self.head_dim, self.valid_dim)
@@ -808,8 +820,8 @@ class Fa2BwdSpec(_KernelSpecBase):
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
         return (
             (f"split{self.d_split}", self.d_split > 1), *_mask_flags(self.causal, self.local, self.softcap),
-            ("drop", self.dropout), ("alibi", self.alibi), (f"{self.mask}mask", bool(self.mask)),
-            ("det", self.deterministic),
+            ("drop", self.dropout), ("alibi", self.alibi), (f"{self.mask}mask", self.mask in ("additive", "bool")),
+            (f"mods{_digest(self.mods_source)}", bool(self.mods_source)), ("det", self.deterministic),
         )  # fmt: skip
 
     @property
@@ -848,6 +860,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
     alibi: bool = False
     valid_dim: int = 0
     mask: str = ""
+    mods_source: str = ""
 
     kernel = "fa2_bwd_dq_blocks"
     source_file = "fa2_bwd.cu"
@@ -865,6 +878,7 @@ class Fa2BwdDqSpec(_KernelSpecBase):
         rows_per_warp, rem = divmod(self.block_m, self.num_warps)
         if rem or rows_per_warp % 16 or self.block_n % 16:
             raise ValueError(f"bad dQ tile: block_m={self.block_m}, block_n={self.block_n}, warps={self.num_warps}")
+        _check_mods(self.mask, self.mods_source, self.dropout or self.softcap or self.alibi)
 
     def _name_parts(self) -> tuple[object, ...]:
         return (
@@ -875,7 +889,8 @@ class Fa2BwdDqSpec(_KernelSpecBase):
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
         return (
             *_mask_flags(self.causal, self.local, self.softcap), ("drop", self.dropout), ("alibi", self.alibi),
-            (f"{self.mask}mask", bool(self.mask)),
+            (f"{self.mask}mask", self.mask in ("additive", "bool")),
+            (f"mods{_digest(self.mods_source)}", bool(self.mods_source)),
         )  # fmt: skip
 
     @property

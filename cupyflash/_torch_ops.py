@@ -151,13 +151,10 @@ attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
 
 def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     """An ``attention`` call through the custom op: (out, lse)."""
-    if call.mods is not None:  # the op has no score_mod / mask_mod yet: refused, never dropped
+    if call.mods is not None:  # no custom op (the functions are not tensors): autograd only
         if _interop.compiling():
             raise NotImplementedError(f"{_mods.ON_HOST_ONLY} (nor under torch.compile or JAX tracing)")
-        raise NotImplementedError(
-            "attention with score_mod / mask_mod has no autograd yet: tensors that require grad are refused "
-            "(pass detached tensors and call cupyflash.attention_backward with the same score_mod / mask_mod)"
-        )
+        return _with_mods(call)
     _refuse_slope_grad(call.alibi_slopes)
     mask = call.attn_mask
     if mask is not None and mask.requires_grad and torch.is_grad_enabled():
@@ -170,6 +167,54 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
         call.algorithm, bool(call.deterministic), dropout_p, _seed_tensor(q, dropout_p, call.seed), call.alibi_slopes,
         mask, bool(call.batch_invariant), call.sinks,
     )  # fmt: skip
+    return out, lse
+
+
+class _ModsAttention(torch.autograd.Function):
+    """``attention`` with a score_mod / mask_mod under autograd (eager; the traced functions ride
+    in the call, not in an op's schema): the backward is attention_backward with the same
+    functions, dS times score_mod's derivative. The functions' captured tensors get no gradient
+    (refused where they require one)."""
+
+    @staticmethod
+    def forward(call: _attention.Forward, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Any, Any]:
+        with torch.no_grad():
+            out, lse = _attention.forward(call, want_lse=True)
+        return _contiguous(out, lse)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        call, q, k, v, sinks = inputs
+        ctx.save_for_backward(q, k, v, *output, sinks)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        c = ctx.call
+        call = _attention.Backward(
+            torch.zeros_like(out) if dout is None else dout, q, k, v, out, lse, dlse, c.options, c.layout,
+            c.deterministic, alibi_slopes=c.alibi_slopes, mods=c.mods, sinks=sinks,
+        )  # fmt: skip
+        with torch.no_grad():
+            grads = _attention.backward(call)
+        dsinks = _sink_grad(grads[3], sinks) if sinks is not None else None
+        return None, *grads[:3], dsinks
+
+
+def _with_mods(call: _attention.Forward) -> tuple[Any, Any]:
+    for mod in call.mods:
+        for x in () if mod is None else mod.buffers:
+            if isinstance(x, Tensor) and x.requires_grad and torch.is_grad_enabled():
+                raise NotImplementedError(
+                    "a score_mod / mask_mod's captured tensor gets no gradient from cupyflash yet: pass it detached"
+                )
+    if call.dropout_p:
+        raise NotImplementedError("score_mod / mask_mod with dropout have no autograd yet")
+    _refuse_slope_grad(call.alibi_slopes)
+    out, lse = _ModsAttention.apply(call, call.q, call.k, call.v, call.sinks)
     return out, lse
 
 

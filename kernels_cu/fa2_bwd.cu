@@ -237,7 +237,11 @@ struct Fa2BwdTraits {
   // dQ accumulated here with atomics; false: fa2_bwd_dq_blocks computes it (deterministic).
   static constexpr bool Dq_atomic = Dq_atomic_;
   static constexpr bool Has_dropout = Has_dropout_;
-  static constexpr int kBias = kBias_;  // an attn_mask (kNoBias, kAdditiveBias, kBoolBias)
+  static constexpr int kBias = kBias_;  // an attn_mask (kAdditiveBias, kBoolBias), kUserMods
+  // An attn_mask tensor has a block summary (mask_cells); a user mask_mod has none yet.
+  static constexpr bool Has_mask_tensor = kBias_ == kAdditiveBias || kBias_ == kBoolBias;
+  // A user score_mod: dS times its derivative at the raw score (kept beside the logits).
+  static constexpr bool Has_user_mods = kBias_ == kUserMods;
   using Transform = ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;
 
   // The shape names of tile_mma.cuh for a warp's products with 16 key rows: M = keys (one
@@ -382,7 +386,7 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   // Read a step before it is needed (the step after the one prefetched): no load waits at the
   // top of the loop.
   auto tile_state = [&](int step) {
-    if constexpr (Traits::kBias != kNoBias) {
+    if constexpr (Traits::Has_mask_tensor) {
       if (step >= steps) return static_cast<int>(kMaskCellHidden);
       return mask_tile_state<kBlockM, kBlockN, false>(a, batch, step_head(step), step_row0(step),
                                                       key0);
@@ -420,6 +424,13 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     gemm_qk<Traits>(acc_s, no_regs, s_k, q_tile + phase_offset, warp_key0, lane);
     // logit(S^T), then the mask (-inf), as the forward orders them.
     const typename Traits::Transform transform(a, batch, step_head(step), seqlen_k - seqlen_q);
+    float raw_s[1][Traits::Has_user_mods ? kNTiles : 1][4];  // the scores score_mod saw
+    if constexpr (Traits::Has_user_mods) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) raw_s[0][nt][e] = acc_s[0][nt][e];
+    }
     if (state != kMaskCellPlain)
       transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0 + phase_row0, lane);
     if (range.needs_mask(row0 / kBlockM)) {
@@ -464,6 +475,11 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
             const int key = key0 + warp_key0 + lane / 4 + 8 * half;
             ds[c] =
                 softcap_grad(ds[c], prob[c], capped_score(transform, logit, row0 + col0 + c, key));
+          }
+          if constexpr (Traits::Has_user_mods) {  // (a hidden score: P = 0, dS = 0)
+            const int key = key0 + warp_key0 + lane / 4 + 8 * half;
+            const float raw = raw_s[0][Traits::Has_user_mods ? nt : 0][2 * half + c];
+            ds[c] = prob[c] != 0.f ? ds[c] * transform.grad(raw, row0 + col0 + c, key) : 0.f;
           }
           prob[c] = kept_prob;  // dV's operand: P * M (times dropout_scale in the epilogue)
         }
@@ -611,7 +627,11 @@ struct Fa2BwdDqTraits {
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Has_dropout = Has_dropout_;
-  static constexpr int kBias = kBias_;  // an attn_mask (kNoBias, kAdditiveBias, kBoolBias)
+  static constexpr int kBias = kBias_;  // an attn_mask (kAdditiveBias, kBoolBias), kUserMods
+  // An attn_mask tensor has a block summary (mask_cells); a user mask_mod has none yet.
+  static constexpr bool Has_mask_tensor = kBias_ == kAdditiveBias || kBias_ == kBoolBias;
+  // A user score_mod: dS times its derivative at the raw score (kept beside the logits).
+  static constexpr bool Has_user_mods = kBias_ == kUserMods;
   using Transform = ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;
   // tile_mma.cuh's names, as the forward's: M = query rows, N = keys, K-steps over d (S, dP),
   // then over keys (dQ).
@@ -718,7 +738,7 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
   // An attn_mask's state of key block n_block, as in the forward: hidden tiles skipped, the
   // states read an iteration ahead.
   auto tile_state = [&](int n_block) {
-    if constexpr (Traits::kBias != kNoBias) {
+    if constexpr (Traits::Has_mask_tensor) {
       if (n_block < n_begin) return static_cast<int>(kMaskCellHidden);
       return mask_tile_state<kBlockM, kBlockN, false>(a, batch, head, row_block0,
                                                       n_block * kBlockN);
@@ -743,6 +763,15 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
     float acc_s[kMTiles][kNTiles][4], acc_dp[kMTiles][kNTiles][4];
     gemm_qk<Traits>(acc_s, no_regs, s_q, s_k + stage * kStageBytes, warp_row0, lane);
     gemm_qk<Traits>(acc_dp, no_regs, s_do, s_v + stage * kStageBytes, warp_row0, lane);
+    float raw_s[Traits::Has_user_mods ? kMTiles : 1][Traits::Has_user_mods ? kNTiles : 1][4];
+    if constexpr (Traits::Has_user_mods) {  // the scores score_mod saw
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) raw_s[mt][nt][e] = acc_s[mt][nt][e];
+    }
     if (state != kMaskCellPlain)
       transform_scores(transform, acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
     if (mask.needs_mask(n_block)) {
@@ -764,6 +793,13 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
             const int row = row_block0 + warp_row0 + 16 * mt + lane / 4 + 8 * (e / 2);
             const int key = n_block * kBlockN + 8 * nt + 2 * (lane % 4) + e % 2;
             ds = softcap_grad(ds, prob, capped_score(transform, logit, row, key));
+          }
+          if constexpr (Traits::Has_user_mods) {  // (a hidden score: P = 0, dS = 0)
+            const int row = row_block0 + warp_row0 + 16 * mt + lane / 4 + 8 * (e / 2);
+            const int key = n_block * kBlockN + 8 * nt + 2 * (lane % 4) + e % 2;
+            const float raw =
+                raw_s[Traits::Has_user_mods ? mt : 0][Traits::Has_user_mods ? nt : 0][e];
+            ds = prob != 0.f ? ds * transform.grad(raw, row, key) : 0.f;
           }
           acc_dp[mt][nt][e] = ds;
         }

@@ -196,6 +196,12 @@ struct UserMods {
     if (row >= rows || key >= keys) return score;
     return cf_user_mods(params, score * params.mod_score_scale, batch, head, row, key);
   }
+  // The backward's d logit / d (scaled score) at the raw score: score_mod's derivative (the
+  // kernels' dq_scale / dk_scale carry the scale itself).
+  CF_DEVICE float grad(float score, int row, int key) const {
+    if (row >= rows || key >= keys) return 1.f;
+    return cf_user_mods_grad(params, score * params.mod_score_scale, batch, head, row, key);
+  }
 };
 template <typename Element>
 struct SelectScoreTransform<Element, false, false, kUserMods> {

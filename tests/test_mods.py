@@ -281,16 +281,40 @@ def test_gpu_arrays_are_refused(monkeypatch):
     monkeypatch.delenv("CUPYFLASH_GPU_MODS", raising=False)
     with pytest.raises(NotImplementedError, match="not yet validated on a GPU .CUPYFLASH_GPU_MODS=1"):
         cupyflash.attention(q, q, q, mask_mod=lambda b, h, i, j: j <= i)
-    monkeypatch.setenv("CUPYFLASH_GPU_MODS", "1")  # the forward's hook on: the backward still refuses
-    with pytest.raises(NotImplementedError, match="backward with score_mod / mask_mod runs on the host path"):
+    with pytest.raises(NotImplementedError, match="not yet validated on a GPU .CUPYFLASH_GPU_MODS=1"):
         cupyflash.attention_backward(q, q, q, q, q, lse, score_mod=lambda s, b, h, i, j: s * 2)
 
 
-def test_autograd_and_attn_mask_are_refused():
+def test_autograd_matches_torch_autograd_of_the_formula():
+    """Tensors that require grad get the gradients of the score function's formula (dS times its
+    derivative, a hidden score none), the sinks' included."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, n, 4, 8, generator=gen, dtype=torch.float64) for n in (6, 9, 9))
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = cupyflash.attention(
+        *leaves[:3], score_mod=lambda s, b, h, i, j: 3.0 * mods.tanh(s / 3.0) - 0.1 * mods.abs(i - j),
+        mask_mod=lambda b, h, i, j: (j % 4) != 1, sinks=leaves[3], return_lse=True,
+    )  # fmt: skip
+    (out.square().sum() + lse.sum()).backward()
+    ref = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    s = torch.einsum("bihd,bjhd->bhij", ref[0], ref[1]) / 8**0.5
+    i, j = torch.arange(6)[:, None], torch.arange(9)[None, :]
+    s = (3.0 * torch.tanh(s / 3.0) - 0.1 * (i - j).abs()).masked_fill(j % 4 == 1, float("-inf"))
+    s = torch.cat([s, ref[3][None, :, None, None].expand(2, 4, 6, 1)], -1)
+    want = torch.einsum("bhij,bjhd->bihd", s.softmax(-1)[..., :-1], ref[2])
+    (want.square().sum() + torch.logsumexp(s, -1).sum()).backward()
+    for got, r in zip(leaves, ref, strict=True):
+        torch.testing.assert_close(got.grad, r.grad)
+
+
+def test_captured_tensors_that_require_grad_and_attn_mask_are_refused():
     torch = pytest.importorskip("torch")
     q = torch.randn(1, 5, 2, 8, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="no autograd yet.*attention_backward"):
-        cupyflash.attention(q, q, q, mask_mod=lambda b, h, i, j: j <= i)
+    bias = torch.zeros(5, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="captured tensor gets no gradient"):
+        cupyflash.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + bias[j])
     with pytest.raises(ValueError, match="write the mask as a mask_mod"):
         cupyflash.attention(q.detach(), q.detach(), q.detach(), mask_mod=lambda b, h, i, j: j <= i,
                             attn_mask=torch.ones(5, 5, dtype=torch.bool))  # fmt: skip
@@ -470,6 +494,32 @@ def test_the_hook_compiles_cleanly_for_every_arch():
     assert len({name for name, _, _ in builds}) == 12 + 3 * 6  # each function pair, tile and bound its own
 
 
+def test_the_backward_hook_compiles_cleanly():
+    """The mma.sync backward (key blocks, and the deterministic mode's dQ kernel) with a score
+    function, its derivative and a mask function compiled in: no spill, no warning, both archs."""
+    from cupyflash import _dispatch, _kernels, _mods
+
+    bias, doc = np.zeros((8, 40), np.float32), np.zeros(40, np.int32)
+    pairs = [
+        (_mods.trace_score_mod(lambda s, b, h, i, j: 20.0 * mods.tanh(s / 20.0) + bias[h, j]),
+         _mods.trace_mask_mod(lambda b, h, i, j: doc[i] == doc[j])),
+        (None, _mods.trace_mask_mod(lambda b, h, i, j: (i // 64) == (j // 64))),
+    ]  # fmt: skip
+    builds = []
+    for score_mod, mask_mod in pairs:
+        source = _mods.kernel_mods(score_mod, mask_mod).source
+        for head_dim in (64, 128, 256):
+            flags = _dispatch.MaskFlags(True, False, False, mask="mods")
+            specs = [_dispatch.fa2_bwd_spec("bfloat16", head_dim, flags, deterministic, source)
+                     for deterministic in (False, True)]  # fmt: skip
+            specs.append(_dispatch.fa2_bwd_dq_spec("bfloat16", head_dim, flags, source))
+            for spec in specs:
+                assert spec.mods_source == source
+                builds += [(spec.name, arch, _kernels.compile_offline(spec, arch)) for arch in ("sm_80", "sm_90a")]
+    assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
+    assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]
+
+
 def test_kernel_mods_refuses_more_arrays_than_the_kernels_take():
     from cupyflash import _mods
 
@@ -479,3 +529,33 @@ def test_kernel_mods_refuses_more_arrays_than_the_kernels_take():
     with pytest.raises(ValueError, match="more than 4 arrays"):
         _mods.kernel_mods(score_mod, mask_mod)
     assert _mods.kernel_mods(score_mod, None).buffers == ((0, 0), (0, 1), (0, 2), (0, 3))
+
+
+def test_the_backward_plan_runs_the_hook_on_the_mma_sync_kernels():
+    """On Hopper too the backward with score functions runs the mma.sync kernels (the Hopper
+    backward has no hook), the functions' arrays bound as the forward binds them, the softmax
+    factor log2 e with the scale moved into the functions' argument."""
+    from dataclasses import replace as changed
+
+    from cupyflash import _device, _mods, _plan
+    from cupyflash._plan.common import LOG2E
+    from cupyflash._validate import attention_problem
+
+    bias = np.zeros((8, 300), np.float32)
+    kernel = _mods.kernel_mods(_mods.trace_score_mod(lambda s, b, h, i, j: s + bias[h, j]), None)
+    h100 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+    p = attention_problem((2, 200, 8, 128), (2, 300, 2, 128), (2, 300, 2, 128), causal=True, scale=None,
+                          window=(-1, -1), softcap=0.0, layout="bshd")  # fmt: skip
+    for deterministic in (False, True):
+        launch = _plan.plan_backward(p, "bfloat16", h100, q_shape=(2, 200, 8, 128), k_shape=(2, 300, 2, 128),
+                                     deterministic=deterministic, mods=kernel)  # fmt: skip
+        names = [step.spec.name for step in launch.steps]
+        assert not any("fa3" in n for n in names) and sum("mods" in n for n in names) == 1 + deterministic
+        assert "mod_buffer0" in [o.name for o in launch.operands]
+        fields = launch.params.struct.dtype.names
+        values = dict(zip(fields, launch.params.values, strict=True))
+        assert values["softmax_scale_log2"] == pytest.approx(LOG2E)
+        assert values["mod_score_scale"] == pytest.approx(128**-0.5)
+    with pytest.raises(ValueError, match="do not combine with softcap"):
+        _plan.plan_backward(changed(p, softcap=5.0), "bfloat16", h100, q_shape=(2, 200, 8, 128),
+                            k_shape=(2, 300, 2, 128), mods=kernel)  # fmt: skip

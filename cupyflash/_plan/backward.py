@@ -4,9 +4,11 @@ the Hopper kernel), the dQ conversion, and the deterministic mode's extra steps.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from .. import _dispatch
 from .._device import DeviceInfo
+from .._mods import KernelMods
 from .._params import PARAMS_STRUCTS
 from .._specs import (
     HOPPER_ARCH,
@@ -15,6 +17,7 @@ from .._specs import (
 from .._validate import Problem
 from .common import (
     LAYOUT_AXES,
+    LOG2E,
     STRIDE_NAMES,
     attn_fields,
     check_grid,
@@ -25,6 +28,7 @@ from .common import (
     filled_output,
     mask_cells,
     mask_flags,
+    mods_operands,
     softmax_factors,
     tile_kind,
     tile_operand,
@@ -43,6 +47,7 @@ def plan_backward(
     k_shape: tuple[int, ...],
     packed_rows: tuple[int, int] | None = None,
     deterministic: bool = False,
+    mods: KernelMods | None = None,
 ) -> Launch:
     """The backward: the per-row preparation, the main kernel over key blocks, dQ from its fp32
     accumulator (kernels_cu/fa2_bwd.cu; on Hopper the main kernel is kernels_cu/fa3_bwd.cu's
@@ -54,7 +59,10 @@ def plan_backward(
     ``scale``; dK carries |scale| where q runs negated (a negative scale without softcap), else
     ``scale``. ``deterministic``: bit-identical from run to run. On Hopper, the key blocks add
     into each dQ tile in a fixed order (a semaphore per tile); elsewhere dQ comes from its own
-    kernel over query blocks instead of fp32 atomics (two of the five products computed twice)."""
+    kernel over query blocks instead of fp32 atomics (two of the five products computed twice).
+    ``mods``: the forward's score_mod / mask_mod, compiled into the mma.sync kernels (dS times the
+    score function's derivative; the Hopper backward has no hook yet), its captured arrays
+    operands mod_buffer0, 1, ..."""
     check_grid(p.batch, p.heads_q)
     check_head_dim(p.head_dim, "the GPU backward kernels")
     packed = packed_rows is not None
@@ -63,12 +71,17 @@ def plan_backward(
     rows = packed_rows if packed_rows is not None else (p.seqlen_q, p.seqlen_k)
     has_work = p.batch > 0 and p.heads_q > 0 and rows[0] > 0 and rows[1] > 0
     flags = mask_flags(p)
+    source = ""
+    if mods is not None:
+        if flags.softcap or flags.dropout or flags.alibi or p.mask:
+            raise ValueError("on the GPU, score_mod / mask_mod do not combine with softcap, dropout or ALiBi yet")
+        flags, source = replace(flags, mask="mods"), mods.source
     hopper = None
     if device.arch == HOPPER_ARCH and not p.seqused_k:
         hopper = _dispatch.fa3_bwd_spec(dtype, p.head_dim, flags, deterministic, packed)
         if hopper is not None and hopper.smem_bytes > device.max_smem_per_block:
             hopper = None
-    spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags, deterministic)
+    spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags, deterministic, source)
     if hopper is None and spec.smem_bytes > device.max_smem_per_block:
         raise ValueError(
             f"the GPU backward at head_dim={p.head_dim} needs {spec.smem_bytes} bytes of shared memory per block; "
@@ -95,13 +108,15 @@ def plan_backward(
     dq_kernel = deterministic and hopper is None  # dQ over query blocks, no accumulator
     cell_tiles = [(spec.block_m, spec.block_n)]
     if dq_kernel:
-        dq_spec = _dispatch.fa2_bwd_dq_spec(dtype, p.head_dim, flags)
+        dq_spec = _dispatch.fa2_bwd_dq_spec(dtype, p.head_dim, flags, source)
         cell_tiles.append((dq_spec.block_m, dq_spec.block_n))
     cell_fields: dict[str, int] = {}
     if p.mask:  # its block summary, for both kernels' tiles: they skip the tiles it hides
         cell_fields, cells_shape, cells_step = mask_cells(p, dtype, cell_tiles, "BwdParams")
     params = PARAMS_STRUCTS["BwdParams"].template(
-        **attn_fields(p, rows, scale_log2, prescale),
+        **attn_fields(p, rows, scale_log2, prescale)
+        # a score function sees the scaled score and returns the logit itself (as the forward's)
+        | ({"mod_score_scale": scale_log2 / LOG2E, "softmax_scale_log2": LOG2E} if mods is not None else {}),
         **cell_fields,
         **output_strides,
         row_batch_stride=row_strides[0],
@@ -127,6 +142,8 @@ def plan_backward(
         Operand("dlse", INDEX, params.slot("dlse_ptr"), lse_axes("dlse")),  # optional
     ]
     operands += fa2_option_operands(params, p)
+    if mods is not None:
+        operands += mods_operands(params, mods)
     if packed:
         operands += [
             Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),

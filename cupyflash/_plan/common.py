@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from .. import _dispatch
+from .._mods import KernelMods
 from .._params import ParamsTemplate
 from .._specs import (
     CUDA_ELEMENT_TYPES,
@@ -160,6 +161,20 @@ def fa2_option_operands(params: ParamsTemplate, p: Problem) -> list[Operand]:
         mask_strides = tuple((params.slot(f"bias_{n}_stride"), a) for a, n in axes if p.mask_shape[a] > 1)
         operands.append(Operand("attn_mask", INDEX, params.slot("bias_ptr"), mask_strides))
     return operands
+
+
+def mods_operands(params: ParamsTemplate, mods: KernelMods) -> list[Operand]:
+    """The captured arrays of a score_mod / mask_mod, in mod_buffer order: element strides into
+    the buffer's stride fields (a copy where the last axis is not contiguous)."""
+    return [
+        Operand(
+            f"mod_buffer{i}",
+            INDEX,
+            params.slot(f"mod_buffer{i}"),
+            tuple((params.slot(f"mod_buffer{i}_stride{axis}"), axis) for axis in range(ndim)),
+        )  # fmt: skip
+        for i, ndim in enumerate(mods.ndims)
+    ]
 
 
 def mask_cells(

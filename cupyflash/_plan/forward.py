@@ -10,7 +10,7 @@ from dataclasses import replace
 from .. import _dispatch
 from .._device import DeviceInfo
 from .._mods import KernelMods
-from .._params import PARAMS_STRUCTS, ParamsTemplate
+from .._params import PARAMS_STRUCTS
 from .._specs import (
     DECODE_MAX_QUERIES,
     HOPPER_ARCH,
@@ -34,6 +34,7 @@ from .common import (
     filled_output,
     mask_cells,
     mask_flags,
+    mods_operands,
     softmax_factors,
     tile_kind,
     tile_operand,
@@ -106,20 +107,6 @@ def forward_spec(
     if source:
         flags = replace(flags, mask="mods")
     return _dispatch.fa2_fwd_spec(dtype, p.head_dim, flags, device.max_smem_per_block, mods_source=source)
-
-
-def mods_operands(params: ParamsTemplate, mods: KernelMods) -> list[Operand]:
-    """The captured arrays of a score_mod / mask_mod, in mod_buffer order: element strides into
-    the buffer's stride fields (a copy where the last axis is not contiguous)."""
-    return [
-        Operand(
-            f"mod_buffer{i}",
-            INDEX,
-            params.slot(f"mod_buffer{i}"),
-            tuple((params.slot(f"mod_buffer{i}_stride{axis}"), axis) for axis in range(ndim)),
-        )  # fmt: skip
-        for i, ndim in enumerate(mods.ndims)
-    ]
 
 
 def fa3_grid(spec: Fa3FwdSpec, tiles: int, device: DeviceInfo) -> tuple[int, int, int]:
