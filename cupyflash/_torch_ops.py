@@ -177,17 +177,14 @@ class _ModsAttention(torch.autograd.Function):
     (refused where they require one)."""
 
     @staticmethod
-    def forward(call: _attention.Forward, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Any, Any]:
-        with torch.no_grad():
-            out, lse = _attention.forward(call, want_lse=True)
-        return _contiguous(out, lse)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        call, q, k, v, sinks = inputs
-        ctx.save_for_backward(q, k, v, *output, sinks)
+    def forward(
+        ctx: Any, call: _attention.Forward, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None
+    ) -> tuple[Any, Any]:
+        out, lse = _contiguous(*_attention.forward(call, want_lse=True))
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call
         ctx.set_materialize_grads(False)
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -374,18 +371,17 @@ class _Eager(torch.autograd.Function):
     H200, bf16 d = 64 N = 1k: a lone step's kernels waited ~0.42 ms for the host, cuDNN's
     ~0.06 ms; scripts/step_timeline.py). Same bodies, same saved tensors, same gradients; a
     gradient that only reaches lse is not made into zeros first (set_materialize_grads). Under
-    torch.compile the custom op stays (``_op_or_eager``): Dynamo needs its fake kernel."""
+    torch.compile the custom op stays (``_op_or_eager``): Dynamo needs its fake kernel. The
+    forward takes ``ctx`` itself (no ``setup_context``): with one, ``Function.apply`` binds the
+    arguments through ``inspect.signature`` on every call (~30 us of a step's host time, cProfile)."""
 
     @staticmethod
-    def forward(twin: _Twin, *inputs: Any) -> tuple[Tensor, Tensor]:
-        return twin.forward(*inputs)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        twin = inputs[0]
-        twin.setup(ctx, inputs[1:], output)
+    def forward(ctx: Any, twin: _Twin, *inputs: Any) -> tuple[Tensor, Tensor]:
+        output = twin.forward(*inputs)
+        twin.setup(ctx, inputs, output)
         ctx.twin = twin
         ctx.set_materialize_grads(False)
+        return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
