@@ -1,5 +1,5 @@
 """``python -m cupyflash {info,warmup,demo,bench,bench-train,bench-decode,bench-varlen,bench-chunked,bench-mask,
-bench-cascade,bench-transformers}``."""
+bench-mods,bench-cascade,bench-transformers}``."""
 
 from __future__ import annotations
 
@@ -249,6 +249,26 @@ def cmd_bench_chunked(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_mods(args: argparse.Namespace) -> int:
+    if not _require_gpu("bench-mods"):
+        return 1
+    from . import bench
+
+    rows = []
+    for shape in bench.MODS_SHAPES:
+        if args.head_dims and shape.head_dim not in args.head_dims:
+            continue
+        for name, functions in bench.mods_gallery(shape.seqlen).items():
+            if args.functions and name not in args.functions:
+                continue
+            for backward in (False, True) if args.backward else (False,):
+                rows.append(bench.run_mods(shape, name, functions, backward))
+                print(bench.format_mods_table(rows[-1:]).splitlines()[-1], flush=True)
+    print(bench.format_mods_table(rows))
+    _write_json(args.json, {"mods": rows})
+    return 0
+
+
 def cmd_bench_mask(args: argparse.Namespace) -> int:
     if not _require_gpu("bench-mask"):
         return 1
@@ -363,6 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     masked.add_argument("--json", help="write the results here")
     masked.add_argument("--head-dims", type=int, nargs="+", help="default: 128 (H * d = 2048 at each)")
     masked.set_defaults(func=cmd_bench_mask)
+    mods_bench = sub.add_parser(
+        "bench-mods", help="score_mod / mask_mod against torch FlexAttention and the built-in options"
+    )
+    mods_bench.add_argument("--json", help="write the results here")
+    mods_bench.add_argument("--head-dims", type=int, nargs="+", help="default: 64 and 128")
+    mods_bench.add_argument("--functions", nargs="+", help="gallery functions (default: all)")
+    mods_bench.add_argument("--backward", action="store_true", help="forward + backward through autograd too")
+    mods_bench.set_defaults(func=cmd_bench_mods)
     cascade = sub.add_parser("bench-cascade", help="shared-prefix decoding against the flat paged call")
     cascade.add_argument("--json", help="write the results here")
     cascade.set_defaults(func=cmd_bench_cascade)

@@ -1228,3 +1228,113 @@ def run_masked_prefill(shape: PrefillShape, kind: str) -> dict[str, Any]:
         row[name] = round(shape.flops / ms / 1e9, 1)
         row[f"{name}_ms"] = round(ms, 4)
     return row
+
+
+# ---------------------------------------------------------------------------------------------
+# score_mod / mask_mod beside FlexAttention and the built-in masks (issue: user score functions)
+# ---------------------------------------------------------------------------------------------
+#: (B, N, H, d) of the score-function benchmark: 16k tokens, H x d = 2048, at N = 4k and 16k.
+MODS_SHAPES = tuple(
+    PrefillShape(16384 // n, n, 2048 // d, d, False, "bfloat16") for d in (64, 128) for n in (4096, 16384)
+)
+
+
+def mods_gallery(seqlen: int) -> dict[str, dict[str, Any]]:
+    """The gallery's functions, each three ways: cupyflash's (``score_mod`` / ``mask_mod`` with
+    ``cupyflash.mods``), FlexAttention's (torch ops; ``mask`` for its block mask) and the built-in
+    options computing the same attention where cupyflash has them (None otherwise). Document
+    masking packs four documents of random lengths (seed 0)."""
+    import torch
+
+    from . import mods
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bounds = torch.sort(torch.randint(1, seqlen, (3,), generator=gen, device="cuda")).values
+    doc = torch.bucketize(torch.arange(seqlen, device="cuda"), bounds, right=True).to(torch.int32)
+    window, cap = 1024, 30.0
+    slopes = torch.exp2(-torch.arange(1, 33, device="cuda", dtype=torch.float32) * 0.25)
+    return {
+        "causal": {"mask_mod": lambda b, h, i, j: j <= i, "flex_mask": lambda b, h, i, j: j <= i,
+                   "builtin": {"causal": True}},
+        "sliding_window": {"mask_mod": lambda b, h, i, j: (j <= i) & (i - j < window),
+                           "flex_mask": lambda b, h, i, j: (j <= i) & (i - j < window),
+                           "builtin": {"causal": True, "window": (window - 1, 0)}},
+        "document_causal": {"mask_mod": lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i),
+                            "flex_mask": lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), "builtin": None},
+        "softcap": {"score_mod": lambda s, b, h, i, j: cap * mods.tanh(s / cap),
+                    "flex_score": lambda s, b, h, i, j: cap * torch.tanh(s / cap), "builtin": {"softcap": cap}},
+        "alibi": {"score_mod": lambda s, b, h, i, j: s - slopes[h] * mods.abs(i - j),
+                  "flex_score": lambda s, b, h, i, j: s - slopes[h] * (i - j).abs(), "builtin": None},
+    }  # fmt: skip
+
+
+def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward: bool) -> dict[str, Any]:
+    """ms of one gallery function (forward, or forward + backward through autograd) under the
+    three timings: cupyflash's score functions, torch's compiled FlexAttention with the same
+    functions (its block mask made once, outside the timing, as a fixed mask is used) and
+    cupyflash's built-in options where they compute the same attention; the largest difference
+    from FlexAttention's output."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import cupyflash
+
+    q, k, v = prefill_inputs(shape)
+    if backward:
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+    dout = torch.randn_like(q)
+    row: dict[str, Any] = {**asdict(shape), "function": name, "backward": backward}
+    score_mod, mask_mod = functions.get("score_mod"), functions.get("mask_mod")
+    n = shape.seqlen
+    block_mask = None
+    if functions.get("flex_mask") is not None:
+        block_mask = create_block_mask(functions["flex_mask"], None, None, n, n, device="cuda")
+    flex = torch.compile(flex_attention, dynamic=False)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def step(forward: Callable[[], Any]) -> Callable[[], Any]:
+        if not backward:
+            return forward
+        return lambda: torch.autograd.grad(forward(), (q, k, v), dout)
+
+    calls: dict[str, Callable[[], Any]] = {
+        "cupyflash_mods": step(lambda: cupyflash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)),
+        "flex": step(
+            lambda: flex(qt, kt, vt, score_mod=functions.get("flex_score"), block_mask=block_mask).transpose(1, 2)
+        ),
+    }
+    if functions["builtin"] is not None:
+        calls["cupyflash_builtin"] = step(lambda: cupyflash.attention(q, k, v, **functions["builtin"]))
+    ok = runnable(calls, row)
+    if {"cupyflash_mods", "flex"} <= ok.keys():
+        with torch.no_grad():
+            ours = cupyflash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod).float()
+            theirs = flex(qt, kt, vt, score_mod=functions.get("flex_score"), block_mask=block_mask)
+            row["max_abs_diff_vs_flex"] = float((ours - theirs.transpose(1, 2).float()).abs().max())
+    row["timings_ms"] = {
+        timing: {key: round(ms, 4) for key, ms in by_name.items()}
+        for timing, by_name in three_timings_ms(ok, repeat=15, warmup_ms=200.0).items()
+    }
+    for timing, ms in row["timings_ms"].items():
+        if "cupyflash_mods" in ms and "flex" in ms:
+            row[f"over_flex_{timing}"] = round(ms["flex"] / ms["cupyflash_mods"], 3)
+        if "cupyflash_mods" in ms and "cupyflash_builtin" in ms:
+            row[f"over_builtin_{timing}"] = round(ms["cupyflash_builtin"] / ms["cupyflash_mods"], 3)
+    return row
+
+
+def format_mods_table(rows: list[dict[str, Any]]) -> str:
+    """One line per row: the speed-up over FlexAttention and over the built-in path (>1: the
+    score functions are faster) as ranges over the three timings."""
+    lines = ["function           d     N  pass  | over flex (range)   over built-in (range) | max |diff| vs flex"]
+
+    def span(r: dict[str, Any], prefix: str) -> str:
+        values = [r[key] for key in r if key.startswith(prefix)]
+        return f"{min(values):.2f}-{max(values):.2f}" if values else "-"
+
+    for r in rows:
+        lines.append(
+            f"{r['function']:<17} {r['head_dim']:>3} {r['seqlen']:>5}  {'f+b' if r['backward'] else 'fwd':<4} | "
+            f"{span(r, 'over_flex_'):<19} {span(r, 'over_builtin_'):<21} | {r.get('max_abs_diff_vs_flex', '-')}"
+        )
+    return "\n".join(lines)
