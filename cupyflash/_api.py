@@ -236,8 +236,8 @@ def attention(
         ``lse = log(sum_j exp(s_j) + exp(sinks[h]))`` (the returned LSE includes it; a row that
         sees no key outputs 0 with LSE ``sinks[h]``). float32 on the GPU (cast with
         ``sinks.float()``: the gradient flows through the cast), on every kernel but the
-        baselines and the FP8 forward; PyTorch autograd (and :func:`attention_backward`) gives
-        its gradient.
+        baselines and the FP8 forward; PyTorch autograd, ``jax.grad`` (and
+        :func:`attention_backward`) give its gradient.
 
     Returns
     -------

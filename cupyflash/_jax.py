@@ -73,25 +73,25 @@ class Config:
 def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     """An ``attention`` call with traced inputs (options checked by the entry): (out, lse), lse
     None unless wanted."""
-    q, k, v, alibi_slopes = call.q, call.k, call.v, call.alibi_slopes
+    q, k, v, alibi_slopes, sinks = call.q, call.k, call.v, call.alibi_slopes, call.sinks
     if call.mods is not None:
         raise NotImplementedError(f"{_mods.ON_HOST_ONLY} (nor under torch.compile or JAX tracing)")
     if call.attn_mask is not None:
         raise NotImplementedError("attention with attn_mask does not run under a JAX transformation yet")
-    if call.sinks is not None:
-        raise NotImplementedError("attention with sinks does not run under a JAX transformation yet")
     dropout_p, _ = check_dropout(call.dropout_p, None)
-    _check_jax_arrays("attention", {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes})
-    problem = _attention.problem_of(q, k, v, call.options, call.layout, dropout_p, alibi_slopes)
+    _check_jax_arrays("attention", {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "sinks": sinks})
+    problem = _attention.problem_of(q, k, v, call.options, call.layout, dropout_p, alibi_slopes, sinks)
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"q, k and v must share one floating dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if alibi_slopes is not None and alibi_slopes.dtype != jnp.float32:
         raise TypeError(f"alibi_slopes must be float32 (as flash-attn's), got {alibi_slopes.dtype}")
+    if sinks is not None and sinks.dtype != jnp.float32:
+        raise TypeError(f"sinks must be float32 (sinks.astype(jnp.float32) keeps its gradient), got {sinks.dtype}")
     config = Config(
         call.options, call.layout, call.algorithm, bool(want_lse), bool(call.deterministic), dropout_p, problem,
         bool(call.batch_invariant),
     )  # fmt: skip
-    result = _attention_vjp(config, q, k, v, _seed_operand(dropout_p, call.seed), alibi_slopes)
+    result = _attention_vjp(config, q, k, v, _seed_operand(dropout_p, call.seed), alibi_slopes, sinks)
     return result if want_lse else (result, None)
 
 
@@ -135,12 +135,12 @@ def _seed_value(words: np.ndarray) -> int:
 # The differentiable function: primal, forward with residuals, backward.
 # ---------------------------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention_vjp(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any) -> Any:
-    out, lse = _forward(config, q, k, v, seed, slopes, config.return_lse)
+def _attention_vjp(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any) -> Any:
+    out, lse = _forward(config, q, k, v, seed, slopes, sinks, config.return_lse)
     return (out, lse) if config.return_lse else out
 
 
-def _attention_fwd(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any) -> tuple[Any, Any]:
+def _attention_fwd(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any) -> tuple[Any, Any]:
     # symbolic_zeros: each primal comes as (value, perturbed), so differentiated slopes are seen
     if slopes is not None and slopes.perturbed:
         raise RuntimeError(
@@ -150,19 +150,20 @@ def _attention_fwd(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: An
     q, k, v = q.value, k.value, v.value
     seed = None if seed is None else seed.value
     slopes = None if slopes is None else slopes.value
-    out, lse = _forward(config, q, k, v, seed, slopes, True)
-    return ((out, lse) if config.return_lse else out), (q, k, v, out, lse, seed, slopes)
+    sinks = None if sinks is None else sinks.value
+    out, lse = _forward(config, q, k, v, seed, slopes, sinks, True)
+    return ((out, lse) if config.return_lse else out), (q, k, v, out, lse, seed, slopes, sinks)
 
 
 def _attention_bwd(config: Config, residuals: Any, cotangent: Any) -> tuple[Any, ...]:
-    q, k, v, out, lse, seed, slopes = residuals
+    q, k, v, out, lse, seed, slopes, sinks = residuals
     dout, dlse = cotangent if config.return_lse else (cotangent, None)
     if isinstance(dlse, SymbolicZero):  # the loss does not use the LSE
         dlse = None
     if isinstance(dout, SymbolicZero):  # a loss of the LSE alone
         dout = jnp.zeros(out.shape, out.dtype)
-    dq, dk, dv = _backward(config, dout, q, k, v, out, lse, dlse, seed, slopes)
-    return dq, dk, dv, None, None  # the seed and the slopes get no cotangent
+    grads = _backward(config, dout, q, k, v, out, lse, dlse, seed, slopes, sinks)
+    return *grads[:3], None, None, (grads[3] if sinks is not None else None)  # the seed and the slopes get none
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -174,24 +175,29 @@ def _lse_struct(problem: Any, q: Any) -> Any:
     return jax.ShapeDtypeStruct((problem.batch, problem.heads_q, problem.seqlen_q), dtype)
 
 
-def _forward(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, want_lse: bool) -> tuple[Any, Any]:
+def _forward(
+    config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any, want_lse: bool
+) -> tuple[Any, Any]:
     results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if want_lse:
         results.append(_lse_struct(config.problem, q))
-    callback = _forward_callback(config, seed is not None, slopes is not None, want_lse)
-    extras = tuple(x for x in (seed, slopes) if x is not None)
+    callback = _forward_callback(config, seed is not None, slopes is not None, sinks is not None, want_lse)
+    extras = tuple(x for x in (seed, slopes, sinks) if x is not None)
     outputs = buffer_callback(callback, tuple(results), vmap_method=_VMAP_METHOD)(q, k, v, *extras)
     return outputs[0], (outputs[1] if want_lse else None)
 
 
 def _backward(
-    config: Config, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, seed: Any, slopes: Any
-) -> tuple[Any, Any, Any]:
+    config: Config, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, seed: Any, slopes: Any,
+    sinks: Any,
+) -> tuple[Any, ...]:  # fmt: skip
+    """(dq, dk, dv), and dsinks (in the sinks' float32) with sinks."""
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    callback = _backward_callback(config, dlse is not None, seed is not None, slopes is not None)
-    extras = tuple(x for x in (dlse, seed, slopes) if x is not None)
-    dq, dk, dv = buffer_callback(callback, results, vmap_method=_VMAP_METHOD)(dout, q, k, v, out, lse, *extras)
-    return dq, dk, dv
+    if sinks is not None:
+        results += (jax.ShapeDtypeStruct(sinks.shape, sinks.dtype),)
+    callback = _backward_callback(config, dlse is not None, seed is not None, slopes is not None, sinks is not None)
+    extras = tuple(x for x in (dlse, seed, slopes, sinks) if x is not None)
+    return tuple(buffer_callback(callback, results, vmap_method=_VMAP_METHOD)(dout, q, k, v, out, lse, *extras))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,12 +211,12 @@ def _split(extras: tuple[Any, ...], *present: bool) -> list[Any]:
 
 
 @functools.cache
-def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, want_lse: bool) -> Any:
+def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, has_sinks: bool, want_lse: bool) -> Any:
     def callback(ctx: Any, results: Any, q: Any, k: Any, v: Any, *extras: Any) -> None:
-        seed, slopes = _split(extras, has_seed, has_slopes)
+        seed, slopes, sinks = _split(extras, has_seed, has_slopes, has_sinks)
         stream = _xla_stream(ctx)
         if stream is None:
-            _host_forward(config, results, q, k, v, seed, slopes)
+            _host_forward(config, results, q, k, v, seed, slopes, sinks)
             runs["cpu", "forward"] += 1
             return
         cupy = _interop.cupy_module()
@@ -223,6 +229,7 @@ def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, want_lse
             call = _attention.Forward(
                 q, k, v, config.options, config.layout, config.algorithm, config.deterministic, config.dropout_p,
                 _gpu_seed(seed), None if slopes is None else _cupy_view(slopes), batch_invariant=config.batch_invariant,
+                sinks=None if sinks is None else _cupy_view(sinks),
             )  # fmt: skip
             _attention.gpu_forward(_interop.CUPY_LIB, device, call, want_lse, given)
         runs["gpu", "forward"] += 1
@@ -231,26 +238,28 @@ def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, want_lse
 
 
 @functools.cache
-def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slopes: bool) -> Any:
+def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slopes: bool, has_sinks: bool) -> Any:
     def callback(ctx: Any, results: Any, *operands: Any) -> None:
         dout, q, k, v, out, lse = operands[:6]
-        dlse, seed, slopes = _split(operands[6:], has_dlse, has_seed, has_slopes)
+        dlse, seed, slopes, sinks = _split(operands[6:], has_dlse, has_seed, has_slopes, has_sinks)
         stream = _xla_stream(ctx)
         if stream is None:
-            _host_backward(config, results, dout, q, k, v, out, lse, dlse, seed, slopes)
+            _host_backward(config, results, dout, q, k, v, out, lse, dlse, seed, slopes, sinks)
             runs["cpu", "backward"] += 1
             return
         cupy = _interop.cupy_module()
         dout, q, k, v, out, lse = (_cupy_view(x) for x in (dout, q, k, v, out, lse))
-        dlse, slopes = (None if x is None else _cupy_view(x) for x in (dlse, slopes))
+        dlse, slopes, sinks = (None if x is None else _cupy_view(x) for x in (dlse, slopes, sinks))
         device = q.data.device_id
         with cupy.cuda.Device(device), _cupy_stream(stream, device):
             given = {name: _cupy_view(x) for name, x in zip(("dq", "dk", "dv"), results)}
             call = _attention.Backward(
                 dout, q, k, v, out, lse, dlse, config.options, config.layout, config.deterministic, config.dropout_p,
-                _gpu_seed(seed), slopes,
+                _gpu_seed(seed), slopes, sinks=sinks,
             )  # fmt: skip
-            _attention.gpu_backward(_interop.CUPY_LIB, device, call, config.problem, given)
+            grads = _attention.gpu_backward(_interop.CUPY_LIB, device, call, config.problem, given)
+            if sinks is not None:  # summed per head on the stream, into XLA's result
+                _cupy_view(results[3])[...] = grads[3]
         runs["gpu", "backward"] += 1
 
     return callback
@@ -461,11 +470,14 @@ def _host_array(buffer: Any) -> Any:
     return x.astype(np.float32) if x.dtype.name == "bfloat16" else x
 
 
-def _host_forward(config: Config, results: Any, q: Any, k: Any, v: Any, seed: Any, slopes: Any) -> None:
+def _host_forward(
+    config: Config, results: Any, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any = None
+) -> None:
     call = _attention.Forward(
         _host_array(q), _host_array(k), _host_array(v), config.options, config.layout, config.algorithm,
         config.deterministic, config.dropout_p, None if seed is None else _seed_value(np.asarray(seed)),
         None if slopes is None else np.asarray(slopes), batch_invariant=config.batch_invariant,
+        sinks=None if sinks is None else np.asarray(sinks),
     )  # fmt: skip
     out, lse = _attention.host_forward(call)
     np.asarray(results[0])[...] = out
@@ -475,13 +487,13 @@ def _host_forward(config: Config, results: Any, q: Any, k: Any, v: Any, seed: An
 
 def _host_backward(
     config: Config, results: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, seed: Any,
-    slopes: Any,
+    slopes: Any, sinks: Any = None,
 ) -> None:  # fmt: skip
     call = _attention.Backward(
         _host_array(dout), _host_array(q), _host_array(k), _host_array(v), _host_array(out), np.asarray(lse),
         None if dlse is None else np.asarray(dlse), config.options, config.layout, config.deterministic,
         config.dropout_p, None if seed is None else _seed_value(np.asarray(seed)),
-        None if slopes is None else np.asarray(slopes),
+        None if slopes is None else np.asarray(slopes), sinks=None if sinks is None else np.asarray(sinks),
     )  # fmt: skip
     grads = _attention.backward(call)
     for buffer, grad in zip(results, grads):

@@ -353,3 +353,27 @@ def test_jit_bad_page_id_gives_nan_rows_and_a_device_error(nq):
     good = jnp.asarray([[0, 1, 2], [3, 6, 7], [4, 5, 8]], jnp.int32)
     jax.block_until_ready(f(q, k_pages, v_pages, k_new, v_new, good, seqlens))
     cupyflash.check_device_errors()  # a good call sets nothing
+
+
+def test_jit_grad_with_sinks_runs_the_kernels():
+    """Learnable sinks under jax.jit + jax.grad on the GPU: the kernels' forward and gradients
+    (dsinks summed on the stream into XLA's result) against the float64 host path."""
+    gpu = _gpu()
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 97, 4, 64), (2, 130, 2, 64), (2, 130, 2, 64)))
+    sinks = rng.standard_normal(4).astype(np.float32)
+    args = [jax.device_put(x, gpu) for x in (q, k, v)]
+    args = [x.astype(jnp.bfloat16) for x in args] + [jax.device_put(sinks, gpu)]
+
+    def loss(q, k, v, sinks):
+        out = cupyflash.attention(q, k, v, causal=True, sinks=sinks)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    before = _runs(("gpu", "backward"))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    assert _runs(("gpu", "backward")) == before + 1
+    host = [np.asarray(x.astype(jnp.float32), dtype=np.float64) for x in args]
+    out, lse = cupyflash.attention(*host[:3], causal=True, sinks=host[3], return_lse=True)
+    want = cupyflash.attention_backward(2 * out, *host[:3], out, lse, causal=True, sinks=host[3])
+    for name, got, ref in zip(("dq", "dk", "dv", "dsinks"), grads, want, strict=True):
+        assert rel_error(np.asarray(got.astype(jnp.float32), dtype=np.float64), ref) < 3e-2, name

@@ -186,6 +186,28 @@ def test_alibi_slopes_run_and_are_refused_when_differentiated():
         jax.grad(lambda s: cupyflash.attention(q, k, v, alibi_slopes=s).sum())(slopes)
 
 
+def test_jit_grad_with_sinks_matches_the_host_path():
+    """Learnable sinks through jax.jit and jax.grad: the forward and every gradient, the sinks'
+    included, equal the eager host path's (attention_backward) on the same float32 values."""
+    q, k, v = _inputs()
+    sinks = jax.device_put(np.array([0.5, -1.0], np.float32), jax.devices("cpu")[0])
+
+    def loss(q, k, v, sinks):
+        out, lse = cupyflash.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+        return jnp.sum(out * out) + jnp.sum(lse)
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    host = [np.asarray(x) for x in (q, k, v, sinks)]
+    out, lse = cupyflash.attention(*host[:3], causal=True, sinks=host[3], return_lse=True)
+    want = cupyflash.attention_backward(2 * out, *host[:3], out, lse, dlse=np.ones_like(lse), causal=True,
+                                        sinks=host[3])  # fmt: skip
+    np.testing.assert_allclose(float(value), float(np.sum(out * out) + np.sum(lse)), rtol=1e-5)
+    for got, ref in zip(grads, want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-4, atol=2e-5)
+    with pytest.raises(TypeError, match="sinks must be float32"):
+        jax.jit(lambda q: cupyflash.attention(q, k, v, sinks=sinks.astype(jnp.float16)))(q)
+
+
 @pytest.mark.parametrize(
     "call",
     [
