@@ -574,6 +574,7 @@ def attention_with_kvcache(
     v_scale: Any = ...,
     kv_dtype: str | None = ...,
     sinks: Any = ...,
+    tree_mask: Any = ...,
 ) -> Any: ...
 @overload
 def attention_with_kvcache(
@@ -602,6 +603,7 @@ def attention_with_kvcache(
     v_scale: Any = ...,
     kv_dtype: str | None = ...,
     sinks: Any = ...,
+    tree_mask: Any = ...,
 ) -> tuple[Any, Any]: ...
 def attention_with_kvcache(
     q: Any,
@@ -629,6 +631,7 @@ def attention_with_kvcache(
     v_scale: Any = None,
     kv_dtype: str | None = None,
     sinks: Any = None,
+    tree_mask: Any = None,
 ) -> Any:
     """Attention of a few new query tokens over a KV cache, as flash-attn's
     ``flash_attn_with_kvcache`` (FlashDecoding: the keys are split over many CTAs and the
@@ -670,7 +673,8 @@ def attention_with_kvcache(
             1 1 1 1 0
             1 1 1 1 1
 
-        With one query token it changes nothing.
+        With one query token it changes nothing. With ``tree_mask`` the tree replaces this rule
+        among the drafts (True or False alike).
     scale : float, optional
         Defaults to ``1 / sqrt(d)``.
     window : (int, int)
@@ -728,6 +732,23 @@ def attention_with_kvcache(
         The float8 format of ``uint8`` caches (CuPy has no float8 dtype: pass the bytes with this);
         ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensors and ml_dtypes' float8 NumPy arrays
         carry their own (``kv_dtype`` must then agree).
+    tree_mask : bool array ``(Nq, Nq)`` (one tree for the batch) or ``(B, Nq, Nq)``, optional
+        Speculative decoding's token tree (FlashInfer's ``custom_mask`` and vLLM's tree attention,
+        unpacked): the ``Nq`` query tokens are the drafts, the last ``Nq`` keys of each sequence
+        (after ``k_new`` is appended: query ``i`` is key ``Nk_b - Nq + i``). Every key before them is
+        visible to every draft; draft ``i`` sees draft ``j`` iff ``tree_mask[b, i, j]`` (an ancestor
+        or itself). A chain (the lower triangle) is ``causal``. For Nq = 3 drafts, a root with two
+        children, over Nk_b = 5 keys::
+
+            1 1 1 0 0          tree_mask = [[1, 0, 0],
+            1 1 1 1 0                       [1, 1, 0],
+            1 1 1 0 1                       [1, 0, 1]]
+
+        A draft that does not see itself is taken as written (its row then has one key fewer; a
+        row that sees no key outputs 0, LSE ``-inf``). Nothing else is checked in the values (on the
+        GPU they are read by the kernel, never copied back). Not with ``window``, ``alibi_slopes``
+        or the rotary tables (rotate q and k_new at the drafts' depths yourself). The GPU runs it
+        on the split-KV kernel: 1 to 16 query tokens (1 byte a flag: NumPy / CuPy / torch bool).
 
     Float8 caches: q, ``k_new`` and ``v_new`` stay in q's dtype and the output is q's. ``k_new`` /
     ``v_new`` are stored as ``saturate(round_to_nearest_even(float32(x) / scale))`` -- vLLM's and
@@ -803,11 +824,11 @@ def attention_with_kvcache(
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens, "block_table": block_table,
         "k_new": k_new, "v_new": v_new, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
         "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "k_scale": k_scale,
-        "v_scale": v_scale, "sinks": sinks,
+        "v_scale": v_scale, "sinks": sinks, "tree_mask": tree_mask,
     }  # fmt: skip
     operands = (q, k_cache, v_cache, None if type(cache_seqlens) is int else cache_seqlens, block_table, k_new, v_new,
                 cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, k_array, v_array,
-                sinks)  # fmt: skip
+                sinks, tree_mask)  # fmt: skip
     call = _kvcache.CacheCall(named, operands, options, num_splits, rotary, kv_dtype, batch_invariant)
     results = _front.route(_KVCACHE, call, return_lse)
     if len(results) == 2:

@@ -417,15 +417,16 @@ def decode_tile(head_dim: int, rows: int, fp8: bool = False) -> DecodeTile:
 
 def decode_spec(
     dtype: str, head_dim: int, rows: int, causal: bool, local: bool = False, softcap: bool = False, fp8: bool = False,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, tree: bool = False,
 ) -> DecodeSpec:  # fmt: skip
     """The decode variant for the caller's ``head_dim`` (as ``fa2_fwd_spec``: the next tile width);
     ``fp8``: over a float8 cache (head dims FP8_DECODE_HEAD_DIMS); ``batch_invariant``: each
-    sequence merges only its own splits of BATCH_INVARIANT_SPLIT_KEYS keys. The tile depends on
-    the rows (query tokens x the GQA group), never on the batch."""
+    sequence merges only its own splits of BATCH_INVARIANT_SPLIT_KEYS keys; ``tree``: a tree mask
+    among the draft tokens (speculative decoding; not with ``causal`` or ``local``). The tile
+    depends on the rows (query tokens x the GQA group), never on the batch."""
     width, valid_dim = columns(head_dim, DECODE_HEAD_DIMS)
     tile = decode_tile(width, rows, fp8)
-    return DecodeSpec(dtype, width, tile, causal, valid_dim, local, softcap, fp8, batch_invariant)
+    return DecodeSpec(dtype, width, tile, causal, valid_dim, local, softcap, fp8, batch_invariant, tree)
 
 
 #: ``batch_invariant=True``'s split size in keys. A sequence of L keys takes ceil(L / 4096)
@@ -484,6 +485,7 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
             for tile in DECODE_TILES[head_dim]:
                 for causal in (False, True):
                     specs.append(DecodeSpec(dtype, head_dim, tile, causal))
+                specs.append(DecodeSpec(dtype, head_dim, tile, tree=True))
             specs.append(DecodeAppendSpec(dtype, head_dim))
             specs.append(RotaryQSpec(dtype, head_dim))
             specs.append(MergeSpec("float32", dtype, head_dim))
@@ -497,14 +499,14 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
 
 def fp8_decode_specs(dtype: str) -> list[DecodeSpec | DecodeAppendSpec]:
     """The float8-cache variants for queries of ``dtype`` (either format: a run-time field): every
-    tile of FP8_DECODE_HEAD_DIMS, causal or not, and the quantising append. Windows and softcap
-    compile on first use (the CI compile test builds a sample)."""
+    tile of FP8_DECODE_HEAD_DIMS, causal, not, or with a tree mask, and the quantising append.
+    Windows and softcap compile on first use (the CI compile test builds a sample)."""
     specs: list[DecodeSpec | DecodeAppendSpec] = []
     for head_dim in FP8_DECODE_HEAD_DIMS:
         specs += [
-            DecodeSpec(dtype, head_dim, t, causal, fp8=True)
+            DecodeSpec(dtype, head_dim, t, causal, fp8=True, tree=tree)
             for t in FP8_DECODE_TILES[head_dim]
-            for causal in (False, True)
+            for causal, tree in ((False, False), (True, False), (False, True))
         ]
         specs.append(DecodeAppendSpec(dtype, head_dim, fp8=True))
     return specs
@@ -632,97 +634,141 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
 # (no compile, no driver query), so registers per thread come from this table: ptxas's count
 # for each shipped decode variant and arch with NVRTC 13.0.88 (the H200 machine's, pinned in CI),
 # which tests/test_plan.py checks against a compile. The float8-cache variants (``_fp8``,
-# FP8_DECODE_TILES) are listed too.
+# FP8_DECODE_TILES) and the tree-mask variants (speculative decoding: ``_tree``) are listed too.
 # ---------------------------------------------------------------------------------------------
 DECODE_REGISTERS: dict[tuple[str, str], int] = {
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 195,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal"): 198,
+    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_tree"): 198,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_causal_fp8"): 128,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_fp8"): 128,
+    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_fp8_tree"): 128,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2"): 240,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 246,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_tree"): 243,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s4_causal_fp8"): 214,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s4_fp8"): 212,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s4_fp8_tree"): 212,
     ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3"): 244,
     ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3_causal"): 244,
+    ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3_tree"): 244,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2"): 126,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_causal"): 128,
+    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_tree"): 124,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 138,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_fp8"): 134,
+    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_fp8_tree"): 136,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg"): 198,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 198,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_tree"): 197,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 206,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_fp8"): 200,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_fp8_tree"): 204,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3"): 255,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 255,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_tree"): 255,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s6_causal_fp8"): 250,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s6_fp8"): 248,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s6_fp8_tree"): 250,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg"): 195,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal"): 198,
+    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_tree"): 198,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_causal_fp8"): 128,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_fp8"): 128,
+    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_fp8_tree"): 128,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2"): 240,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 246,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_tree"): 243,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s4_causal_fp8"): 212,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s4_fp8"): 210,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s4_fp8_tree"): 210,
     ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3"): 244,
     ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3_causal"): 244,
+    ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3_tree"): 244,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2"): 126,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_causal"): 128,
+    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_tree"): 124,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 135,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_fp8"): 133,
+    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_fp8_tree"): 136,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg"): 198,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 198,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_tree"): 197,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 199,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_fp8"): 192,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_fp8_tree"): 194,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3"): 255,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 255,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_tree"): 255,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s6_causal_fp8"): 248,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s6_fp8"): 248,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s6_fp8_tree"): 248,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 194,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal"): 197,
+    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_tree"): 197,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_causal_fp8"): 122,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_fp8"): 123,
+    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_fp8_tree"): 123,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2"): 238,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 240,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_tree"): 241,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s4_causal_fp8"): 221,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s4_fp8"): 221,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s4_fp8_tree"): 222,
     ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3"): 241,
     ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3_causal"): 244,
+    ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3_tree"): 245,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2"): 128,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_causal"): 126,
+    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_tree"): 128,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 152,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_fp8"): 146,
+    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_fp8_tree"): 150,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg"): 193,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 199,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_tree"): 197,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 226,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_fp8"): 209,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_fp8_tree"): 220,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3"): 254,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 254,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_tree"): 254,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s6_causal_fp8"): 241,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s6_fp8"): 245,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s6_fp8_tree"): 245,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg"): 194,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal"): 197,
+    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_tree"): 197,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_causal_fp8"): 121,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_fp8"): 121,
+    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_fp8_tree"): 122,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2"): 238,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 240,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_tree"): 241,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s4_causal_fp8"): 221,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s4_fp8"): 221,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s4_fp8_tree"): 222,
     ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3"): 241,
     ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3_causal"): 244,
+    ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3_tree"): 245,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2"): 128,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_causal"): 126,
+    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_tree"): 128,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 148,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_fp8"): 144,
+    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_fp8_tree"): 146,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg"): 193,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 199,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_tree"): 197,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 211,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_fp8"): 208,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_fp8_tree"): 209,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3"): 254,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 254,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_tree"): 254,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s6_causal_fp8"): 245,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s6_fp8"): 242,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s6_fp8_tree"): 242,
 }
 
 _REGISTER_ALLOCATION = 256  # registers are given to a warp in units of 256 (sm_80, sm_90)

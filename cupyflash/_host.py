@@ -66,7 +66,9 @@ def attention(
     _check_floats(xp, [("q", q), ("k", k), ("v", v)])
     # fa3 is FA2's algorithm on Hopper's instructions: on the host both are xp_impl's fa2.
     host_algorithm = "fa2" if algorithm in ("auto", "fa3") else algorithm
-    splits = {"split_keys": BATCH_INVARIANT_SPLIT_KEYS} if batch_invariant and host_algorithm == "decode" else {}
+    splits: dict[str, Any] = (
+        {"split_keys": BATCH_INVARIANT_SPLIT_KEYS} if batch_invariant and host_algorithm == "decode" else {}
+    )
     return xp_impl.attention(
         xp, q, k, v, problem, algorithm=host_algorithm, dropout=dropout, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
         score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, **splits,
@@ -243,18 +245,19 @@ def attention_with_kvcache(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any, p: KvCacheProblem,
     num_splits: int, batch_idx: Any = None, leftpad: Any = None, alibi_slopes: Any = None,
     rotary_cos: Any = None, rotary_sin: Any = None, fp8: tuple[str, Any, Any] | None = None,
-    batch_invariant: bool = False, sinks: Any = None,
+    batch_invariant: bool = False, sinks: Any = None, tree_mask: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """``fp8``: (format, k_scale, v_scale) of float8 caches (``_fp8``): k_new / v_new quantised on
     append, the attention over the dequantised caches. Each sequence is computed alone (its
     query rows over its own keys), so with ``batch_invariant`` (a split size fixed in keys, not a
-    count over the capacity) its result does not depend on the batch."""
+    count over the capacity) its result does not depend on the batch. ``tree_mask``: bool, the
+    drafts each query token sees (``p.tree_mask_shape``)."""
     from . import _fp8, xp_impl
 
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": seqlens, "block_table": table,
              "k_new": k_new, "v_new": v_new, "cache_batch_idx": batch_idx, "cache_leftpad": leftpad,
              "alibi_slopes": alibi_slopes, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
-             "sinks": sinks}  # fmt: skip
+             "sinks": sinks, "tree_mask": tree_mask}  # fmt: skip
     arrays = {n: x for n, x in named.items() if x is not None and type(x) is not int}
     xp = namespace(tuple(arrays), tuple(arrays.values()))
     check_kvcache_dtypes(xp, arrays, fp8_cache=fp8 is not None)
@@ -299,7 +302,7 @@ def attention_with_kvcache(
     split_keys = kvcache_split_keys(p.capacity, num_splits, batch_invariant)
     lengths = [n + p.seqlen_new for n in cached]
     return xp_impl.attention_with_kvcache(
-        xp, q, k_cache, v_cache, lengths, layout, p.attn, split_keys, first_keys, alibi_slopes, sinks
+        xp, q, k_cache, v_cache, lengths, layout, p.attn, split_keys, first_keys, alibi_slopes, sinks, tree_mask
     )
 
 
@@ -311,7 +314,7 @@ def check_kvcache_dtypes(xp: Any, arrays: dict[str, Any], fp8_cache: bool = Fals
     floating dtype for q, the caches (unless ``fp8_cache``: float8 or bytes, checked by ``_fp8``),
     k_new / v_new and the rotary tables, integers for the indices (the GPU kernels also want
     int32, float16 / bfloat16 and float32 slopes: the plan checks those)."""
-    skip = {*_KV_INDEX_NAMES, "alibi_slopes", "sinks", *(("k_cache", "v_cache") if fp8_cache else ())}
+    skip = {*_KV_INDEX_NAMES, "alibi_slopes", "sinks", "tree_mask", *(("k_cache", "v_cache") if fp8_cache else ())}
     _check_floats(xp, [(n, x) for n, x in arrays.items() if n not in skip])
     if "sinks" in arrays and not xp.isdtype(arrays["sinks"].dtype, "real floating"):
         raise TypeError(f"sinks must have a real floating dtype, got {arrays['sinks'].dtype}")
@@ -319,6 +322,9 @@ def check_kvcache_dtypes(xp: Any, arrays: dict[str, Any], fp8_cache: bool = Fals
         x = arrays.get(name)
         if x is not None and not xp.isdtype(x.dtype, "integral"):
             raise TypeError(f"{name} must be an integer array (int32), got {x.dtype}")
+    tree = arrays.get("tree_mask")
+    if tree is not None and not xp.isdtype(tree.dtype, "bool"):
+        raise TypeError(f"tree_mask must be a bool array, got {tree.dtype}")
 
 
 def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:

@@ -296,6 +296,8 @@ def attention_with_kvcache(call: _kvcache.CacheCall, want_lse: bool) -> tuple[An
         raise NotImplementedError("attention_with_kvcache with sinks does not run on JAX arrays yet")
     if call.fp8 or "float8" in str(arrays["k_cache"].dtype):
         raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
+    if arrays["tree_mask"] is not None:
+        raise NotImplementedError("attention_with_kvcache with a tree_mask does not run on JAX arrays yet")
     options, num_splits, rotary = call.options, check_num_splits(call.num_splits), call.rotary
     seqlens = arrays["cache_seqlens"]
     others = {n: x for n, x in arrays.items() if not (n == "cache_seqlens" and type(x) is int)}

@@ -27,7 +27,8 @@ from ._validate import (
 _plans = _plan.new_cache()
 _merge_plans = _plan.new_cache()
 KV_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx",
-             "cache_leftpad", "alibi_slopes", "rotary_cos", "rotary_sin", "k_scale", "v_scale", "sinks")  # fmt: skip
+             "cache_leftpad", "alibi_slopes", "rotary_cos", "rotary_sin", "k_scale", "v_scale", "sinks",
+             "tree_mask")  # fmt: skip
 _kv_operands = operator.itemgetter(*KV_NAMES)
 
 
@@ -130,13 +131,14 @@ def host_with_kvcache(call: CacheCall) -> tuple[Any, Any]:
     p = kvcache_problem_of(
         a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], call.options,
         a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], (cos, sin, call.rotary), a["sinks"],
+        a["tree_mask"],
     )  # fmt: skip
     fp8 = _host_fp8(a["q"], a["k_cache"], a["v_cache"], a["k_new"], a["v_new"], call.kv_dtype, a["k_scale"],
                     a["v_scale"])  # fmt: skip
     return _host.attention_with_kvcache(
         a["q"], a["k_cache"], a["v_cache"], seqlens, a["block_table"], a["k_new"], a["v_new"], p,
         check_num_splits(call.num_splits), a["cache_batch_idx"], a["cache_leftpad"], a["alibi_slopes"], cos, sin,
-        fp8=fp8, batch_invariant=call.batch_invariant, sinks=a["sinks"],
+        fp8=fp8, batch_invariant=call.batch_invariant, sinks=a["sinks"], tree_mask=a["tree_mask"],
     )  # fmt: skip
 
 
@@ -150,9 +152,8 @@ def gpu_with_kvcache(
     format for caches of bytes (CuPy's uint8); ``batch_invariant``: splits of a fixed size in keys
     (checked against ``num_splits`` by the entry)."""
     named, kv_dtype = call.named, call.kv_dtype
-    q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale, sinks = (
-        _kv_operands(named)
-    )
+    (q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale, sinks,
+     tree) = _kv_operands(named)  # fmt: skip
     fp8_key = None  # a host scale keys as "host": its value (checked here) goes to the kernel per call
     if kv_dtype is not None or k_scale is not None or v_scale is not None:
         call = _scales_checked(call)
@@ -170,6 +171,7 @@ def gpu_with_kvcache(
         None if slopes is None else (slopes.shape, slopes.dtype),
         None if cos is None else (cos.shape, cos.dtype, sin.shape, sin.dtype, call.rotary), fp8_key,
         call.batch_invariant, None if sinks is None else (sinks.shape, sinks.dtype),
+        None if tree is None else (tree.shape, tree.dtype),
     )  # fmt: skip
     try:
         launch = _plans.find(key)
@@ -183,7 +185,7 @@ def gpu_with_kvcache(
 def kvcache_problem_of(
     q: Any, k_cache: Any, v_cache: Any, seqlens: Any, table: Any, k_new: Any, v_new: Any,
     options: Options, batch_idx: Any, leftpad: Any, slopes: Any = None,
-    rotary: tuple[Any, Any, Any] = (None, None, None), sinks: Any = None,
+    rotary: tuple[Any, Any, Any] = (None, None, None), sinks: Any = None, tree_mask: Any = None,
 ) -> Any:  # fmt: skip
     """A cache call's ``KvCacheProblem``; ``rotary``: (cos, sin, interleaved)."""
 
@@ -196,19 +198,22 @@ def kvcache_problem_of(
         block_table_shape=shape(table), k_new_shape=shape(k_new), v_new_shape=shape(v_new), causal=causal,
         scale=scale, cache_batch_idx_shape=shape(batch_idx), cache_leftpad_shape=shape(leftpad), window=window,
         softcap=softcap, rotary_shapes=None if rotary[0] is None else (rotary[0].shape, rotary[1].shape),
-        rotary_interleaved=rotary[2],
+        rotary_interleaved=rotary[2], tree_mask_shape=shape(tree_mask),
     )  # fmt: skip
     if slopes is None and sinks is None:
         return kp
+    if kp.tree and slopes is not None:
+        raise ValueError(
+            "tree_mask does not take alibi_slopes (ALiBi's distance counts positions; a tree's drafts share theirs)"
+        )
     alibi = check_alibi(slopes, kp.attn.batch, kp.attn.heads_q)
     has_sinks = check_sinks(sinks, kp.attn.heads_q)
     return dataclasses.replace(kp, attn=dataclasses.replace(kp.attn, alibi=alibi, sinks=has_sinks))
 
 
 def _plan_kvcache(lib: _interop.ArrayLib, device: int, call: CacheCall) -> _plan.Launch:
-    q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale, sinks = (
-        _kv_operands(call.named)
-    )
+    (q, k_cache, v_cache, seqlens, table, k_new, v_new, batch_idx, leftpad, slopes, cos, sin, k_scale, v_scale, sinks,
+     tree) = _kv_operands(call.named)  # fmt: skip
     if lib.name == _interop.DLPACK and k_new is not None:  # checked once per plan: its key has lib.name
         namespace = getattr(lib, "namespace", None)
         raise TypeError(
@@ -218,12 +223,13 @@ def _plan_kvcache(lib: _interop.ArrayLib, device: int, call: CacheCall) -> _plan
     # An int cache_seqlens is checked per call (the plan is shared by every int): plan with 0.
     p = kvcache_problem_of(
         q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, call.options, batch_idx,
-        leftpad, slopes, (cos, sin, call.rotary), sinks,
+        leftpad, slopes, (cos, sin, call.rotary), sinks, tree,
     )  # fmt: skip
     named = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
         "cache_seqlens": None if type(seqlens) is int else seqlens, "block_table": table,
         "cache_batch_idx": batch_idx, "cache_leftpad": leftpad, "rotary_cos": cos, "rotary_sin": sin,
+        "tree_mask": tree,
     }  # fmt: skip
     dtypes: dict[str, str | None] = {n: None if x is None else lib.dtype_name(x) for n, x in named.items()}
     if slopes is not None and lib.dtype_name(slopes) != "float32":

@@ -166,6 +166,9 @@ DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("k_scale_head_stride", "i4"),
     ("v_scale_head_stride", "i4"),
     ("kv_fp8", "i4"),
+    ("tree_mask", "u8"),
+    ("tree_mask_batch_stride", "i8"),
+    ("tree_mask_row_stride", "i8"),
 )
 
 MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (

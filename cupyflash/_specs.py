@@ -619,6 +619,7 @@ class DecodeSpec(_KernelSpecBase):
     softcap: bool = False
     fp8: bool = False  # a float8 cache (the format, e4m3 or e5m2, is a run-time field)
     batch_invariant: bool = False  # each sequence merges only the fixed-size splits of its own keys
+    tree: bool = False  # speculative decoding's tree mask among the draft tokens (no causal or window bound)
 
     kernel = "decode_partial"
     source_file = "decode.cu"
@@ -637,6 +638,8 @@ class DecodeSpec(_KernelSpecBase):
             raise ValueError(
                 f"a float8 cache takes head_dim {FP8_DECODE_HEAD_DIMS}, not {self.valid_dim or self.head_dim}"
             )
+        if self.tree and (self.causal or self.local):
+            raise ValueError("a tree mask replaces the causal rule among the drafts: no causal or window bound with it")
 
     def _name_parts(self) -> tuple[object, ...]:
         t = self.tile
@@ -653,7 +656,7 @@ class DecodeSpec(_KernelSpecBase):
         t = self.tile
         return (("qreg", t.q_in_regs), (f"b{t.min_blocks}", t.min_blocks > 1),
                 *_mask_flags(self.causal, self.local, self.softcap), ("fp8", self.fp8),
-                ("inv", self.batch_invariant))  # fmt: skip
+                ("inv", self.batch_invariant), ("tree", self.tree))  # fmt: skip
 
     @property
     def num_threads(self) -> int:
@@ -668,10 +671,11 @@ class DecodeSpec(_KernelSpecBase):
 
     def _traits_args(self) -> tuple[object, ...]:
         t = self.tile
-        # The trailing kValidDim_, Kv_fp8_, Batch_invariant_ spelled out only as far as needed
-        # (a variant without them is spelled as before).
+        # The trailing kValidDim_, Kv_fp8_, Batch_invariant_, Is_tree_ spelled out only as far as
+        # needed (a variant without them is spelled as before).
         tail: tuple[object, ...] = (
-            (self.valid_dim, self.fp8, True) if self.batch_invariant
+            (self.valid_dim, self.fp8, self.batch_invariant, True) if self.tree
+            else (self.valid_dim, self.fp8, True) if self.batch_invariant
             else (self.valid_dim, True) if self.fp8 else _columns_arg(self.valid_dim)
         )  # fmt: skip
         return (

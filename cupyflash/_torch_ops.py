@@ -416,11 +416,11 @@ def attention_with_kvcache_op(
     num_splits: int, cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
-    batch_invariant: bool = False, sinks: Tensor | None = None,
+    batch_invariant: bool = False, sinks: Tensor | None = None, tree_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     arrays = (q, k_cache, v_cache, cache_seqlen if cache_seqlens is None else cache_seqlens, block_table, k_new,
               v_new, cache_batch_idx, cache_leftpad, alibi_slopes, rotary_cos, rotary_sin, None, None,
-              sinks)  # fmt: skip
+              sinks, tree_mask)  # fmt: skip
     options = Options(causal, scale, (window_left, window_right), softcap)
     rotary = None if rotary_cos is None else rotary_interleaved
     call = _kvcache.cache_call(
@@ -438,7 +438,7 @@ def _(
     num_splits: int, cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, rotary_interleaved: bool = True,
-    batch_invariant: bool = False, sinks: Tensor | None = None,
+    batch_invariant: bool = False, sinks: Tensor | None = None, tree_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     b, nq, hq, _ = q.shape
     lse = q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
@@ -460,7 +460,7 @@ def attention_with_kvcache(call: _kvcache.CacheCall, want_lse: bool) -> tuple[An
         q, a["k_cache"], a["v_cache"], None if as_int else seqlens, seqlens if as_int else 0, a["block_table"],
         a["k_new"], a["v_new"], o.causal, scale, int(call.num_splits), a["cache_batch_idx"], a["cache_leftpad"],
         o.window[0], o.window[1], o.softcap, a["alibi_slopes"], a["rotary_cos"], a["rotary_sin"],
-        True if call.rotary is None else call.rotary, bool(call.batch_invariant), a["sinks"],
+        True if call.rotary is None else call.rotary, bool(call.batch_invariant), a["sinks"], a["tree_mask"],
     )  # fmt: skip
     return out, lse
 

@@ -470,10 +470,16 @@ class KvCacheProblem:
     rotary_half: int = 0  # rotary embedding: rotary_dim / 2 (rotary_cos.shape[1]); 0 without
     rotary_interleaved: bool = False  # pairs (2i, 2i + 1), else (i, i + rotary_half)
     rotary_q_per_token: bool = False  # query token i at cache_seqlens + i (causal or a window), else + 0
+    tree_mask_shape: tuple[int, ...] | None = None  # a tree mask among the draft tokens (check_tree_mask)
 
     @property
     def page_size_log2(self) -> int:
         return self.page_size.bit_length() - 1 if self.paged else 0
+
+    @property
+    def tree(self) -> bool:
+        """A tree mask among the draft tokens (``attn`` then has no causal or window bound)."""
+        return self.tree_mask_shape is not None
 
 
 def check_pages(table_shape: tuple[int, ...], batch: int, num_pages: int, page_size: int, cache: str) -> int:
@@ -514,10 +520,12 @@ def kvcache_problem(
     softcap: Any = 0.0,
     rotary_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
     rotary_interleaved: Any = True,
+    tree_mask_shape: tuple[int, ...] | None = None,
 ) -> KvCacheProblem:
     """Check the shapes and options of ``attention_with_kvcache`` (and an int ``cache_seqlens``
     against the capacity); array values are checked by the caller where they are on the host.
-    ``rotary_shapes``: those of rotary_cos and rotary_sin, (seqlen_ro, rotary_dim / 2) each."""
+    ``rotary_shapes``: those of rotary_cos and rotary_sin, (seqlen_ro, rotary_dim / 2) each;
+    ``tree_mask_shape``: that of a tree mask among the draft tokens (``check_tree_mask``)."""
     if len(q_shape) != 4:
         raise ValueError(f"q must be 4-D (batch, seqlen_q, heads, head_dim), got shape {tuple(q_shape)}")
     if len(k_cache_shape) != 4:
@@ -566,6 +574,10 @@ def kvcache_problem(
             raise ValueError(f"cache_seqlens must be an int or a 1-D int32 array of length {batch}, got shape {shape}")
     else:
         check_int_seqlens(cache_seqlens, capacity, seqlen_new)
+    if tree_mask_shape is not None:  # the tree replaces the causal rule among the drafts
+        tree_mask_shape = tuple(tree_mask_shape)
+        check_tree_mask(tree_mask_shape, batch, q_shape[1], window, rotary_shapes is not None)
+        causal = False
     attn = attention_problem(
         q_shape, (batch, capacity, heads_kv, head_dim), (batch, capacity, heads_kv, head_dim),
         causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd",
@@ -581,8 +593,31 @@ def kvcache_problem(
         attn, paged, rows if paged else capacity, num_pages, capacity, seqlen_new,
         batch_idx=cache_batch_idx_shape is not None, leftpad=cache_leftpad_shape is not None,
         rotary_half=rotary_half, rotary_interleaved=bool(rotary_interleaved) and rotary_half > 0,
-        rotary_q_per_token=rotary_half > 0 and per_token,
+        rotary_q_per_token=rotary_half > 0 and per_token, tree_mask_shape=tree_mask_shape,
     )  # fmt: skip
+
+
+def check_tree_mask(shape: tuple[int, ...], batch: int, seqlen_q: int, window: Any, rotary: bool) -> None:
+    """A tree mask among the Nq draft tokens: bool ``(Nq, Nq)`` (one tree for the batch) or
+    ``(B or 1, Nq, Nq)``. Not with a window (a window counts positions, a tree's drafts share
+    theirs) nor with the rotary tables (they rotate query i at cache_seqlens + i: a tree's drafts
+    sit at their depth, which the caller's own rotation knows)."""
+    if (
+        shape[-2:] != (seqlen_q, seqlen_q)
+        or len(shape) not in (2, 3)
+        or (len(shape) == 3 and shape[0] not in (1, batch))
+    ):
+        raise ValueError(
+            f"tree_mask must be a bool array (Nq, Nq) or (batch or 1, Nq, Nq) with Nq = {seqlen_q} query tokens "
+            f"and batch = {batch}, got shape {shape}"
+        )
+    if tuple(window) != (-1, -1):
+        raise ValueError(f"tree_mask does not take a window (got {tuple(window)}): the tree says what each draft sees")
+    if rotary:
+        raise ValueError(
+            "tree_mask does not take rotary_cos / rotary_sin (they place query i at cache_seqlens + i; a tree's "
+            "drafts sit at their depth): rotate q and k_new at the drafts' positions before the call"
+        )
 
 
 def _check_rotary(shapes: tuple[tuple[int, ...], tuple[int, ...]], head_dim: int, positions: int, new: int) -> int:

@@ -1,7 +1,8 @@
 """The oracle: float64 naive attention on the host, written directly from the definition.
 
 ``out = softmax(scale * q @ k^T + mask) @ v`` with the mask rule of DESIGN.md applied from the
-raw ``causal``/``window`` arguments (not from the normalised bounds the kernels use), softcap
+raw ``causal``/``window`` arguments (not from the normalised bounds the kernels use) or from a
+speculative-decoding tree among the last Nq keys (``tree_mask``), softcap
 ``s -> softcap * tanh(s / softcap)``, bottom-right causal alignment, GQA by head grouping.
 Rows that see no key give 0 and LSE -inf. Every test compares against this.
 
@@ -55,6 +56,17 @@ def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, 
     return ok
 
 
+def tree_visible_keys(seqlen_k: int, tree_mask: np.ndarray) -> np.ndarray:
+    """Boolean [..., Nq, seqlen_k] of a tree mask [..., Nq, Nq] among the drafts: the Nq queries
+    are the last Nq keys; query i sees key j < seqlen_k - Nq (before the drafts), and key j after
+    that iff tree_mask[..., i, j - (seqlen_k - Nq)] (with seqlen_k < Nq, only the last seqlen_k
+    drafts exist as keys)."""
+    tree = np.asarray(tree_mask, dtype=bool)
+    nq = tree.shape[-1]
+    prefix = np.ones((*tree.shape[:-1], max(seqlen_k - nq, 0)), dtype=bool)
+    return np.concatenate([prefix, tree[..., max(nq - seqlen_k, 0) :]], axis=-1)
+
+
 def _weighted_values(e: np.ndarray, contributes: np.ndarray, v: np.ndarray) -> np.ndarray:
     """``e @ v`` summed over the keys that contribute to each row (visible, score > -inf) only,
     in IEEE arithmetic: a NaN value gives NaN in every row it contributes to, +-inf gives +-inf
@@ -84,10 +96,15 @@ def attention(
     layout: str = "bshd",
     return_lse: bool = False,
     sinks: Any = None,
+    tree_mask: Any = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """float64 attention; returns NumPy arrays (out in ``layout``, LSE ``[B, Hq, Nq]``).
     ``sinks`` (Hq,): gpt-oss's learnable sinks, one more score per row, always visible, whose
-    value is 0 (a key column of the sink logit against a zero value row)."""
+    value is 0 (a key column of the sink logit against a zero value row).
+    ``tree_mask``: bool (Nq, Nq) or (B, Nq, Nq), the drafts each query sees among the last Nq keys
+    (``tree_visible_keys``); it replaces ``causal``, and takes no window."""
+    if tree_mask is not None and tuple(window) != (-1, -1):
+        raise ValueError("a tree mask takes no window")
     q64, k64, v64 = (to_numpy64(x) for x in (q, k, v))
     p = attention_problem(
         q64.shape, k64.shape, v64.shape, causal=causal, scale=scale, window=window, softcap=softcap, layout=layout
@@ -102,7 +119,12 @@ def attention(
         s = p.scale * (q64 @ k64.transpose(0, 1, 3, 2))
         if p.softcap > 0:
             s = p.softcap * np.tanh(s / p.softcap)
-        s = np.where(visible_keys(p.seqlen_q, p.seqlen_k, causal, (window[0], window[1])), s, -np.inf)
+        if tree_mask is None:
+            visible = visible_keys(p.seqlen_q, p.seqlen_k, causal, (window[0], window[1]))
+        else:  # [B or 1, 1, Nq, Nk]: one tree per sequence, the same for every head
+            tree = to_numpy64(tree_mask) != 0
+            visible = tree_visible_keys(p.seqlen_k, tree.reshape(-1, 1, p.seqlen_q, p.seqlen_q))
+        s = np.where(visible, s, -np.inf)
         if sinks is not None:
             column = np.broadcast_to(to_numpy64(sinks)[None, :, None, None], (*s.shape[:3], 1))
             s = np.concatenate([s, column], axis=-1)

@@ -373,13 +373,38 @@ class Mods:
         }
 
 
-#: What a score may gain before the softmax: ALiBi's distance bias, an attention mask, or the
-#: user's score_mod / mask_mod.
-LogitBias = Alibi | MaskBias | Mods
+@dataclass(frozen=True)
+class TreeMask:
+    """Speculative decoding's tree among the draft tokens (twin of decode.cu's Is_tree rows in
+    PackedRowMask): the Nq query rows are the last Nq keys; key j >= Nk - Nq is draft
+    j - (Nk - Nq), which row i sees iff ``drafts[i, j - (Nk - Nq)]``; every key before the drafts
+    is visible. Hidden scores become -inf (a mask, not an additive bias: a NaN score of a hidden
+    key is dropped, as the kernel drops it). ``drafts`` [Nq, Nq] bool, one sequence's."""
+
+    drafts: Any
+
+    def apply(self, xp: Any, s: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
+        """The scores ``s`` [.., rows, keys] of query rows ``rows`` and keys ``keys`` (ranges)."""
+        shift = p.seqlen_k - p.seqlen_q
+        device = _device(s)
+        i = xp.reshape(xp.arange(*rows, device=device), (-1, 1))
+        draft = xp.reshape(xp.arange(*keys, device=device), (1, -1)) - shift
+        column = xp.clip(draft, 0, max(p.seqlen_q - 1, 0))  # (a key before the drafts reads column 0, unused)
+        flat = xp.reshape(xp.asarray(self.drafts, device=device), (-1,))
+        sees = xp.take(flat, xp.reshape(i * p.seqlen_q + column, (-1,)), axis=0)
+        visible = (draft < 0) | xp.reshape(sees, (rows[1] - rows[0], keys[1] - keys[0]))
+        return xp.where(visible, s, xp.full_like(s, -math.inf))
+
+
+#: What a score may gain before the softmax: ALiBi's distance bias, an attention mask, the
+#: user's score_mod / mask_mod, or a tree mask among draft tokens.
+LogitBias = Alibi | MaskBias | Mods | TreeMask
 
 
 def _biased(xp: Any, s: Any, bias: LogitBias, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
-    return bias.apply(xp, s, p, rows, keys) if isinstance(bias, Mods) else s + bias.bias(xp, p, rows, keys)
+    if isinstance(bias, (Mods, TreeMask)):
+        return bias.apply(xp, s, p, rows, keys)
+    return s + bias.bias(xp, p, rows, keys)
 
 
 def _logits(
@@ -590,21 +615,25 @@ def append_kv(xp: Any, cache: Any, new: Any, seqlens: list[int], layout: CacheLa
 
 def attention_with_kvcache(
     xp: Any, q: Any, k_cache: Any, v_cache: Any, seqlens: list[int], layout: CacheLayout, p: Problem, split_keys: int,
-    first_keys: list[int] | None = None, alibi_slopes: Any = None, sinks: Any = None,
+    first_keys: list[int] | None = None, alibi_slopes: Any = None, sinks: Any = None, tree_mask: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Per sequence b: FlashDecoding of q[b] over its cached keys first_keys[b] .. seqlens[b] - 1
     (cache_leftpad; from 0 without; new tokens already appended), splits of ``split_keys`` keys
-    as the kernel's; ALiBi slopes (Hq,) or (B, Hq); sinks (Hq,); returns (out like q, LSE
-    [B, Hq, Nq])."""
+    as the kernel's; ALiBi slopes (Hq,) or (B, Hq); sinks (Hq,); ``tree_mask`` bool (Nq, Nq) or
+    (B|1, Nq, Nq): the drafts each query token sees among the last Nq keys (``TreeMask``); returns
+    (out like q, LSE [B, Hq, Nq])."""
     outs, lses = [], []
     for b, n in enumerate(seqlens):
         first = 0 if first_keys is None else first_keys[b]
         keys = [xp.expand_dims(layout.gather(xp, c, b, n, first), axis=0) for c in (k_cache, v_cache)]
         p_b = dataclasses.replace(p, batch=1, seqlen_k=n - first)
         slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.ndim == 1 else alibi_slopes[b : b + 1, ...]
+        tree = None
+        if tree_mask is not None:
+            tree = TreeMask(tree_mask if tree_mask.ndim == 2 else tree_mask[b if tree_mask.shape[0] > 1 else 0, ...])
         out, lse = attention(
             xp, q[b : b + 1, ...], keys[0], keys[1], p_b, algorithm="decode", split_keys=split_keys,
-            alibi_slopes=slopes, sinks=sinks,
+            alibi_slopes=slopes, sinks=sinks, tree=tree,
         )  # fmt: skip
         outs.append(out)
         lses.append(lse)
@@ -650,14 +679,16 @@ def _device(x: Any) -> Any:
 def attention(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", dropout: Dropout | None = None,
     alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Mod | None = None, mask_mod: Mod | None = None,
-    sinks: Any = None, **options: Any,
+    sinks: Any = None, tree: TreeMask | None = None, **options: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Run one algorithm on caller arrays in ``p.layout``; returns (out in the caller's dtype and
     layout, LSE [B, Hq, Nq] in the compute dtype: float64 for float64 inputs, else float32).
     ``dropout``: naive and fa2 only. ``alibi_slopes``: (Hq,) or (B, Hq), every algorithm.
     ``attn_mask``: 4-D (B|1, Hq|1, Nq|1, Nk|1), boolean or additive (not with alibi_slopes).
     ``score_mod``, ``mask_mod``: traced (``_mods``), after ALiBi (not with attn_mask).
-    ``sinks``: (Hq,) logits in every row's denominator (``add_sink``), every algorithm."""
+    ``sinks``: (Hq,) logits in every row's denominator (``add_sink``), every algorithm.
+    ``tree``: a tree among the draft tokens (one sequence's; with none of the biases above, but
+    with sinks)."""
     if dropout is not None:
         if algorithm not in ("naive", "fa2"):
             raise ValueError(f"dropout runs with the naive and fa2 algorithms, not {algorithm!r}")
@@ -673,6 +704,8 @@ def attention(
         options["bias"] = MaskBias.of(xp, attn_mask, hkv, q5)
     if score_mod is not None or mask_mod is not None:
         options["bias"] = Mods.of(xp, score_mod, mask_mod, options.get("bias"), q5)
+    if tree is not None:
+        options["bias"] = tree
     k5 = xp.expand_dims(xp.astype(k, compute), axis=2)
     v5 = xp.expand_dims(xp.astype(v, compute), axis=2)
     if p.seqlen_q == 0 or b == 0:

@@ -17,6 +17,8 @@
 //   (sequence_splits), in split order, whatever else the launch holds: the splits past its keys
 //   exit at once, and one split writes the output directly. Nothing a CTA computes then depends
 //   on the batch, its size, the cache's capacity or the sequence's place in it.
+//   Is_tree (speculative decoding): the query tokens are the last Nq keys, and among them each
+//   sees the drafts its row of the caller's tree mask names (PackedRowMask, tree_row_word).
 // decode_merge -- the exact merge of partials (O_i, LSE_i) by LSE rescaling, one warp per output
 //   row (merge_row in softmax.cuh, which the fused combine uses too); the kernel serves
 //   cupyflash.merge_states.
@@ -63,7 +65,8 @@ struct MergeParams {
 
 template <int kHeadDim_, int kBlockM_, int kWarpKeys_, int kNWarps_, int kStages_, bool Q_in_regs_,
           typename Element_, bool Is_causal_, bool Is_local_ = false, bool Has_softcap_ = false,
-          int kValidDim_ = 0, bool Kv_fp8_ = false, bool Batch_invariant_ = false>
+          int kValidDim_ = 0, bool Kv_fp8_ = false, bool Batch_invariant_ = false,
+          bool Is_tree_ = false>
 struct DecodeTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -87,6 +90,10 @@ struct DecodeTraits {
   using CacheElement = typename CacheElementOf<Element, Kv_fp8>::type;
   // Each sequence merges only the splits that hold its keys (sequence_splits below).
   static constexpr bool Batch_invariant = Batch_invariant_;
+  // Speculative decoding's tree among the draft tokens (DecodeParams::tree_mask): each packed
+  // row's word of visible drafts is built once per CTA (tree_row_word) and read by the mask in
+  // the slices that reach the drafts only; the variants without a tree hold none of it.
+  static constexpr bool Is_tree = Is_tree_;
 
   static constexpr int kBlockN = kNWarps * kWarpKeys;  // keys of one CTA step (the split unit)
   static constexpr int kNThreads = kNWarps * 32;
@@ -111,6 +118,7 @@ struct DecodeTraits {
 
   static_assert(kBlockM % 16 == 0 && kWarpKeys % 16 == 0, "whole MMA tiles");
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
+  static_assert(!Is_tree || kNThreads >= kBlockM, "a thread per packed row builds its tree word");
   static_assert(32 % (kHeadDim / 8) == 0 || (kHeadDim / 8) % 32 == 0, "rows map onto lanes");
   static_assert(!Kv_fp8 || (Columns::kFull && (kHeadDim == 64 || kHeadDim == 128)),
                 "a float8 cache takes whole tiles of d = 64 or 128");
@@ -478,6 +486,17 @@ CF_DEVICE int sequence_splits(const DecodeParams& params, int seqlen_k) {
   }
 }
 
+// The drafts query token `query` of sequence `batch` sees, as a word: bit j set iff its row of
+// the caller's bool tree mask holds a nonzero byte at column j (seqlen_q <= 32 bytes, read once
+// per CTA: a bit test per score where a byte load per score would sit in the masked slices).
+CF_DEVICE uint32_t tree_row_word(const DecodeParams& p, int batch, int query) {
+  const unsigned char* row =
+      p.tree_mask + batch * p.tree_mask_batch_stride + query * p.tree_mask_row_stride;
+  uint32_t word = 0;
+  for (int j = 0; j < p.attn.seqlen_q; ++j) word |= static_cast<uint32_t>(row[j] != 0) << j;
+  return word;
+}
+
 template <typename Traits>
 CF_DEVICE void decode_partial(const DecodeParams& params) {
   using Element = typename Traits::Element;
@@ -540,6 +559,14 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   } q_rows{g_q, attn.q_row_stride, attn.q_head_stride, row0, group, rows};
   if (lane == 0) s_bad_page[warp] = 0;
   __syncwarp();
+  // A tree's words of the CTA's packed rows (padding rows see no draft; published by the
+  // barrier after the Q load).
+  __shared__ uint32_t s_tree_rows[Traits::Is_tree ? Traits::kBlockM : 1];
+  if constexpr (Traits::Is_tree) {
+    if (tid < Traits::kBlockM)
+      s_tree_rows[tid] =
+          row0 + tid < rows ? tree_row_word(params, batch, (row0 + tid) / group) : 0u;
+  }
   load_rows_async<Traits, Traits::kBlockM, Traits::kNThreads>(s_q, q_rows, tid);
   cp_async_commit();
 
@@ -622,9 +649,9 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     }
     __syncthreads();  // (s_kv_scale)
   }
-  const PackedRowMask<Traits::Is_causal, Traits::Is_local> mask(
+  const PackedRowMask<Traits::Is_causal, Traits::Is_local, Traits::Is_tree> mask(
       row0, min(row0 + Traits::kBlockM, rows), group, seqlen_q, seqlen_k, attn.window_left,
-      attn.window_right);
+      attn.window_right, Traits::Is_tree ? smem_addr(s_tree_rows) : 0u);
   const typename Traits::Transform transform(attn);
 
   // A step's softmax over the scores of the warp's slice: the transform, the mask (the keys in

@@ -59,6 +59,12 @@ struct DecodeParams {
   float k_scale, v_scale;
   int32_t k_scale_head_stride, v_scale_head_stride;  // 0 (one scale per tensor) or 1 (per KV head)
   int32_t kv_fp8;
+  // Speculative decoding's tree among the draft tokens (the decode kernel's Is_tree variants): the
+  // Nq queries are the last Nq keys, and query token i of sequence b sees draft j (key
+  // seqlen_k - Nq + j) iff tree_mask[b * tree_mask_batch_stride + i * tree_mask_row_stride + j]
+  // is nonzero (the caller's bool array; batch stride 0 for one tree shared by the batch).
+  const unsigned char* tree_mask;  // [B|1, Nq, Nq] bytes, unit stride on the last axis, or nullptr
+  int64_t tree_mask_batch_stride, tree_mask_row_stride;
 };
 
 // The (K, V) scales of KV head head_k of a float8 cache.

@@ -7,6 +7,7 @@
 // Query row i sees key j iff  j < seqlen_k,
 //                             j <= i + shift + window_right   (Is_causal; causal: window_right = 0)
 //                             j >= i + shift - window_left    (Is_local)
+//                             j < shift or bit j - shift of row i's tree word   (Is_tree, decode)
 // with shift = seqlen_k - seqlen_q (bottom-right alignment, as flash-attn >= 2.1).
 #pragma once
 
@@ -86,25 +87,35 @@ struct KeyMask {
 };
 
 // Which keys the packed rows of a CTA see: MMA row r holds query token (row0 + r) / group; the
-// CTA's rows hold tokens query_first .. query_last.
-template <bool Is_causal, bool Is_local = false>
+// CTA's rows hold tokens query_first .. query_last. Is_tree (speculative decoding's tree, never
+// with a causal or window bound): the query tokens are the last seqlen_q keys, the drafts; key j
+// >= shift is draft j - shift, which row r sees iff bit j - shift of word r at tree_rows is set
+// (the words built once per CTA, in shared memory); every key before the drafts is visible.
+template <bool Is_causal, bool Is_local = false, bool Is_tree = false>
 struct PackedRowMask {
+  static_assert(!(Is_tree && (Is_causal || Is_local)), "the tree replaces the causal rule");
   KeyMask<1, 1, Is_causal, Is_local> keys;  // the visibility rule per query token
   int row0, group, query_first, query_last;
+  // Is_tree: the shared-memory address of [kBlockM] words, one per packed row of the CTA (a
+  // 32-bit shared address: one register across the key loop, where a pointer would hold two).
+  uint32_t tree_rows;
 
   CF_DEVICE PackedRowMask(int row0_, int row_end, int group_, int seqlen_q, int seqlen_k,
-                          int window_left, int window_right)
+                          int window_left, int window_right, uint32_t tree_rows_ = 0)
       : keys(0, seqlen_q, seqlen_k, window_left, window_right),
         row0(row0_),
         group(group_),
         query_first(row0_ / group_),
-        query_last((row_end - 1) / group_) {}
+        query_last((row_end - 1) / group_),
+        tree_rows(tree_rows_) {}
 
-  // Does the key range hide a key from some row (the ragged tail, the causal edge, the window)?
+  // Does the key range hide a key from some row (the ragged tail, the causal edge, the window,
+  // the drafts of a tree)?
   CF_DEVICE bool needs_mask(int key_first, int key_last) const {
     bool partial = key_last >= keys.seqlen_k;
     if (Is_causal) partial |= key_last > query_first + keys.shift + keys.window_right;
     if (Is_local) partial |= key_first < query_last + keys.shift - keys.window_left;
+    if (Is_tree) partial |= key_last >= keys.shift;
     return partial;
   }
 
@@ -117,13 +128,24 @@ struct PackedRowMask {
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int query = (row0 + 16 * mt + lane / 4 + 8 * half) / group;
+        const int row = 16 * mt + lane / 4 + 8 * half;
+        const int query = (row0 + row) / group;
+        uint32_t tree_word = 0;
+        if constexpr (Is_tree) tree_word = ld_shared_b32(tree_rows + 4 * row);
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int e = 2 * half; e < 2 * half + 2; ++e) {
             const int key = key0 + key_of(nt, lane, e);
-            if (!keys.visible(query, key)) s[mt][nt][e] = neg_infinity();
+            bool visible;
+            if constexpr (Is_tree) {  // a key before the drafts, or a draft the row's word names
+              // (the word has no bit at or past seqlen_q: the ragged tail is hidden with it)
+              const int draft = key - keys.shift;
+              visible = draft < 0 || (draft < 32 && ((tree_word >> draft) & 1u));
+            } else {
+              visible = keys.visible(query, key);
+            }
+            if (!visible) s[mt][nt][e] = neg_infinity();
           }
       }
   }

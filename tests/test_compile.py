@@ -70,6 +70,18 @@ def head_dim_sample() -> list[KernelSpec]:
                 specs.append(
                     _dispatch.decode_spec("float16", width, tile.block_m, True, True, True, True, batch_invariant=True)
                 )
+    # A tree mask among draft tokens (speculative decoding) with softcap, compiled on first use:
+    # every tile of the 16-bit and float8 caches, in both element types, so that the sample's
+    # softcap pairs hold the tree's variants in each arch's type.
+    for dtype in ("bfloat16", "float16"):
+        for width, tiles in _dispatch.DECODE_TILES.items():
+            for tile in tiles:
+                specs.append(_dispatch.decode_spec(dtype, width, tile.block_m, False, softcap=True, tree=True))
+        for width in _dispatch.FP8_DECODE_HEAD_DIMS:
+            for tile in _dispatch.FP8_DECODE_TILES[width]:
+                specs.append(
+                    _dispatch.decode_spec(dtype, width, tile.block_m, False, softcap=True, fp8=True, tree=True)
+                )
     # attn_mask's backward variants and softcap's with ALiBi (compiled on first use, not by
     # warmup): a sample of each kind, with the flags that take the most registers among them
     sample = [
@@ -113,7 +125,9 @@ OTHER_TYPE_EVERY = 8
 LEVEL = int(os.environ.get("CUPYFLASH_COMPILE_ALL") or 0)
 # The fields that switch a masking or gradient feature on (each adds code and registers to the
 # same kernel shape); every other field but the element type makes the shape.
-FLAG_FIELDS = ("causal", "local", "softcap", "dropout", "alibi", "mask", "deterministic", "varlen", "batch_invariant")
+FLAG_FIELDS = (
+    "causal", "local", "softcap", "dropout", "alibi", "mask", "deterministic", "varlen", "batch_invariant", "tree",
+)  # fmt: skip
 
 
 def select_jobs(jobs: list[tuple[KernelSpec, str]], build_all: bool) -> list[tuple[KernelSpec, str]]:

@@ -18,10 +18,10 @@ A100 = _device.DeviceInfo(0, "sm_80", 108, 166912, 167936, 65536, 2048, 32)
 
 def _decode_specs() -> list[DecodeSpec]:
     plain = [
-        DecodeSpec(dtype, d, tile, causal)
+        DecodeSpec(dtype, d, tile, causal, tree=tree)
         for d, tiles in _dispatch.DECODE_TILES.items()
         for tile in tiles
-        for causal in (False, True)
+        for causal, tree in ((False, False), (True, False), (False, True))
         for dtype in ("bfloat16", "float16")
     ]
     fp8 = [
@@ -59,7 +59,7 @@ def test_decode_register_table_matches_ptxas():
         )
     jobs = [(spec, arch) for spec in _decode_specs() for arch in ("sm_80", "sm_90a")]
     full = int(os.environ.get("CUPYFLASH_COMPILE_ALL") or 0) >= 1  # CI; tests/test_compile.py's levels
-    if not full:  # every 5th (prime to the 2 archs, 2 types, causal or not): both archs, each head dim
+    if not full:  # every 5th (prime to the 2 archs, 2 types, 3 masks): both archs, each head dim
         jobs = jobs[::5]
         assert {arch for _, arch in jobs} == {"sm_80", "sm_90a"}
         assert {spec.head_dim for spec, _ in jobs} == set(_dispatch.DECODE_TILES)

@@ -63,11 +63,15 @@ def plan_kvcache(
     ``layout``, every sequence ``attn.seqlen_k`` keys long) on the split-KV kernel.
     ``fp8``: float8 caches (dequantised by the split-KV kernel, k_new / v_new quantised by the
     append; operands "k_scale" / "v_scale": a per-call host float, or a float32 device array).
+    ``kp.tree``: a bool tree mask among the draft tokens (operand "tree_mask", read by the
+    split-KV kernel's tree variant).
     """
     a = kp.attn
     if batch_invariant and num_splits:
         raise ValueError(BATCH_INVARIANT_SPLITS)
-    skip = INDEX_NAMES if fp8 is None else (*INDEX_NAMES, "k_cache", "v_cache")
+    if kp.tree:
+        _check_tree_call(kp, dtypes.get("tree_mask"))
+    skip = (*INDEX_NAMES, "tree_mask") if fp8 is None else (*INDEX_NAMES, "tree_mask", "k_cache", "v_cache")
     dtype = check_gpu_dtypes({n: d for n, d in dtypes.items() if d is not None and n not in skip})
     check_int32({n: dtypes.get(n) for n in INDEX_NAMES})
     check_head_dim(a.head_dim, "the decode kernels")
@@ -92,7 +96,7 @@ def plan_kvcache(
         rows = group * a.seqlen_q
         spec = _dispatch.decode_spec(
             dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0, fp8=fp8 is not None,
-            batch_invariant=batch_invariant,
+            batch_invariant=batch_invariant, tree=kp.tree,
         )  # fmt: skip
         m_blocks = -(-rows // spec.tile.block_m)
         key_blocks = -(-kp.capacity // spec.tile.block_n)
@@ -161,6 +165,12 @@ def plan_kvcache(
         operands.append(Operand("cache_batch_idx", INDEX, params.slot("cache_batch_idx")))
     if kp.leftpad:
         operands.append(Operand("cache_leftpad", INDEX, params.slot("cache_leftpad")))
+    if kp.tree_mask_shape is not None:  # (Nq, Nq) or (1, Nq, Nq): one tree for the batch, batch stride 0
+        shape = kp.tree_mask_shape
+        strides = [(params.slot("tree_mask_row_stride"), len(shape) - 2)]
+        if len(shape) == 3 and shape[0] > 1:
+            strides.append((params.slot("tree_mask_batch_stride"), 0))
+        operands.append(Operand("tree_mask", INDEX, params.slot("tree_mask"), tuple(strides)))
     operands += fa2_option_operands(params, a)  # ALiBi slopes (the FA2 path)
     steps: list[KernelStep] = []
     if kp.seqlen_new:
@@ -224,6 +234,18 @@ def _check_fp8_call(kp: KvCacheProblem, over_cache: bool) -> None:
         )
     if a.head_dim not in FP8_DECODE_HEAD_DIMS:
         raise ValueError(f"a float8 KV cache on the GPU takes head_dim {FP8_DECODE_HEAD_DIMS}, got {a.head_dim}")
+
+
+def _check_tree_call(kp: KvCacheProblem, dtype: str | None) -> None:
+    """A tree mask runs on the split-KV decode kernel (1 to DECODE_MAX_QUERIES query tokens: one
+    bit word per row), and is a bool array (the kernel reads its bytes)."""
+    if kp.attn.seqlen_q > DECODE_MAX_QUERIES:
+        raise ValueError(
+            f"tree_mask on the GPU takes 1 to {DECODE_MAX_QUERIES} query tokens (the split-KV decode kernel's), got "
+            f"{kp.attn.seqlen_q}"
+        )
+    if dtype != "bool":
+        raise TypeError(f"tree_mask must be a bool array, got {dtype}")
 
 
 def _scale_operands(params: ParamsTemplate, fp8: Fp8Cache) -> list[Operand]:
