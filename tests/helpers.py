@@ -191,19 +191,32 @@ def check_attention(
 # KV caches.
 # ---------------------------------------------------------------------------------------------
 def kv_reference(
-    q: Any, k: Any, v: Any, lengths: Any, causal: bool, scale: Any = None
+    q: Any, k: Any, v: Any, lengths: Any, causal: bool, scale: Any = None, tree_mask: Any = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """float64 attention of each sequence b over its first lengths[b] keys of contiguous caches
-    [B, L, Hkv, d]; returns (out [B, Nq, Hq, d], LSE [B, Hq, Nq])."""
+    [B, L, Hkv, d]; returns (out [B, Nq, Hq, d], LSE [B, Hq, Nq]). ``tree_mask``: bool (B, Nq, Nq),
+    sequence b's drafts among its last Nq keys (``reference.tree_visible_keys``)."""
     outs, lses = [], []
     for b, n in enumerate(lengths):
         n = int(n)
+        tree = None if tree_mask is None else tree_mask[b]
         out, lse = reference.attention(
-            q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], causal=causal, scale=scale, return_lse=True
-        )
+            q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], causal=causal, scale=scale, return_lse=True,
+            tree_mask=tree,
+        )  # fmt: skip
         outs.append(out)
         lses.append(lse)
     return np.concatenate(outs), np.concatenate(lses)
+
+
+def random_tree_mask(rng: np.random.Generator, nq: int) -> np.ndarray:
+    """A random token tree of ``nq`` drafts as speculative decoding draws one: draft 0 the root,
+    draft i > 0 a child of a random earlier draft; bool (nq, nq), row i true at i's ancestors and
+    i itself (FlashInfer's custom_mask / vLLM's tree attention, unpacked)."""
+    mask = np.eye(nq, dtype=bool)
+    for i in range(1, nq):
+        mask[i] |= mask[int(rng.integers(i))]
+    return mask
 
 
 def check_kvcache(out, lse, q, k, v, lengths, causal, dtype, scale=None):
