@@ -219,12 +219,21 @@ def random_tree_mask(rng: np.random.Generator, nq: int) -> np.ndarray:
     return mask
 
 
-def check_kvcache(out, lse, q, k, v, lengths, causal, dtype, scale=None):
+def check_kvcache(out, lse, q, k, v, lengths, causal, dtype, scale=None, tree_mask=None):
     """A GPU attention_with_kvcache result against kv_reference on contiguous caches holding
-    what the call should have seen (new tokens appended): the error rules and the LSE."""
-    ref, ref_lse = kv_reference(q, k, v, lengths, causal, scale)
+    what the call should have seen (new tokens appended): the error rules and the LSE.
+    ``tree_mask``: bool NumPy (B, Nq, Nq), each sequence's drafts (the naive baseline takes the
+    tree as a -inf bias)."""
+    ref, ref_lse = kv_reference(q, k, v, lengths, causal, scale, tree_mask)
     out64 = reference.to_numpy64(out)
     assert not np.isnan(out64).any(), "unwritten (NaN-poisoned) output"
+
+    def tree_bias(i: int, n: int) -> Any:
+        if tree_mask is None:
+            return None
+        visible = need_torch().from_numpy(reference.tree_visible_keys(n, tree_mask[i]))
+        return need_torch().zeros(visible.shape).masked_fill(~visible, -math.inf)
+
     naive = np.concatenate(
         [
             reference.to_numpy64(
@@ -232,11 +241,12 @@ def check_kvcache(out, lse, q, k, v, lengths, causal, dtype, scale=None):
                     q[i : i + 1],
                     k[i : i + 1, :n],
                     v[i : i + 1, :n],
-                    causal=causal,
+                    causal=causal and tree_mask is None,
                     window=(-1, -1),
                     softcap=0.0,
                     scale=scale,
                     layout="bshd",
+                    bias=tree_bias(i, n),
                 )
             )
             for i, n in enumerate(lengths)
