@@ -215,6 +215,17 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         print(bench.format_batch_invariant_table(inv_rows))
         _write_json(args.json, {"batch_invariant_decode": inv_rows})
         return 0
+    if args.tree:  # speculative decoding's tree mask only
+        tree_rows = []
+        for b, length in bench.TREE_DECODE_SHAPES:
+            for drafts in bench.TREE_DRAFTS:
+                tree_rows.append(bench.run_tree_decode(bench.DecodeShape(b, length), drafts))
+                print(bench.format_tree_table(tree_rows[-1:]), flush=True)
+        print("cost = tree us / causal us; speedup = SDPA (boolean attn_mask) us / tree us; timings: " + ", ".join(
+            bench.TIMINGS))  # fmt: skip
+        print(bench.format_tree_table(tree_rows))
+        _write_json(args.json, {"tree_decode": tree_rows})
+        return 0
     if args.page_sizes:  # the paged-cache table only
         paged = []
         for b, length in bench.PAGED_DECODE_SHAPES:
@@ -369,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     bench_decode.add_argument(
         "--batch-invariant", action="store_true",
         help="instead: batch_invariant=True beside the default (contiguous, page 16), under the three timings",
+    )  # fmt: skip
+    bench_decode.add_argument(
+        "--tree", action="store_true",
+        help="instead: speculative decoding's tree mask ({2,4,8,16} drafts) beside causal and SDPA with attn_mask",
     )  # fmt: skip
     bench_decode.set_defaults(func=cmd_bench_decode)
     bench_varlen = sub.add_parser("bench-varlen", help="packed sequences: TFLOP/s of both kernels and PyTorch's varlen")

@@ -796,6 +796,87 @@ def format_batch_invariant_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: (B, L) of the tree-mask table (speculative decoding): one long sequence, a mid batch, a large
+#: batch of short caches; each with TREE_DRAFTS draft tokens.
+TREE_DECODE_SHAPES = ((1, 32768), (8, 32768), (64, 4096))
+TREE_DRAFTS = (2, 4, 8, 16)
+
+
+def binary_tree_mask(drafts: int) -> Any:
+    """The bool (drafts, drafts) tree mask of a binary draft tree (draft i's parent (i - 1) // 2,
+    the shape of a speculative decoder's top-2 expansion): row i true at i and its ancestors."""
+    import numpy as np
+
+    mask = np.eye(drafts, dtype=bool)
+    for i in range(1, drafts):
+        mask[i] |= mask[(i - 1) // 2]
+    return mask
+
+
+def run_tree_decode(
+    shape: DecodeShape, drafts: int, *, timings: tuple[str, ...] = TIMINGS, repeat: int = 20
+) -> dict[str, Any]:
+    """A speculative decoding step over full caches: ``drafts`` query tokens through a binary
+    tree mask (``tree``) beside the causal chain of as many tokens (``causal``, the cost of the
+    tree variant) and PyTorch SDPA with the same tree as a boolean ``attn_mask`` (``sdpa_mask``:
+    (1, 1, drafts, L), every key before the drafts true; ``enable_gqa``), under each of
+    ``timings`` (:func:`three_timings_ms`). The row: us and TB/s of KV read per call and timing,
+    ``cost_<timing>`` = tree us / causal us, ``speedup_<timing>`` = SDPA us / tree us, and the
+    largest difference of the tree's output from SDPA's."""
+    import torch
+
+    import cupyflash
+
+    torch.cuda.empty_cache()  # (the previous row's caches, freed)
+    _, k, v, seqlens = decode_inputs(shape)
+    gen = torch.Generator(device=k.device).manual_seed(1)
+    q = torch.randn(shape.batch, drafts, shape.heads_q, shape.head_dim, generator=gen, device=k.device,
+                    dtype=k.dtype)  # fmt: skip
+    tree = torch.from_numpy(binary_tree_mask(drafts)).to(k.device)
+    visible = torch.ones(1, 1, drafts, shape.seqlen, dtype=torch.bool, device=k.device)
+    visible[..., shape.seqlen - drafts :] = tree
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls: dict[str, Callable[[], Any]] = {
+        "tree": functools.partial(cupyflash.attention_with_kvcache, q, k, v, cache_seqlens=seqlens, tree_mask=tree),
+        "causal": functools.partial(cupyflash.attention_with_kvcache, q, k, v, cache_seqlens=seqlens, causal=True),
+        "sdpa_mask": lambda: sdpa(qt, kt, vt, attn_mask=visible, enable_gqa=True),
+    }
+    row: dict[str, Any] = {**asdict(shape), "drafts": drafts, "kv_GB": round(shape.kv_bytes / 1e9, 3)}
+    timed = runnable(calls, row)
+    if "sdpa_mask" in timed:
+        ref = timed["sdpa_mask"]().transpose(1, 2).float()
+        row["max_abs_diff_vs_sdpa"] = round(float((calls["tree"]().float() - ref).abs().max()), 5)
+    times = three_timings_ms(timed, repeat=repeat, warmup_ms=100.0, timings=timings)
+    row["timings"] = {t: {name: round(ms * 1e3, 1) for name, ms in by_name.items()} for t, by_name in times.items()}
+    for timing, by_name in times.items():
+        for name, ms in by_name.items():
+            row[f"{name}_{timing}_TBps"] = round(shape.kv_bytes / (ms * 1e-3) / 1e12, 2)
+        row[f"cost_{timing}"] = round(by_name["tree"] / by_name["causal"], 3)
+        if "sdpa_mask" in by_name:
+            row[f"speedup_{timing}"] = round(by_name["sdpa_mask"] / by_name["tree"], 2)
+    return row
+
+
+def format_tree_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (shape, drafts): tree / causal / SDPA-with-mask us under each timing, the
+    tree's cost against causal and its speedup over SDPA (ranges over the timings)."""
+    lines = []
+    for r in rows:
+        timings = r["timings"]
+        us = " ".join(
+            f"{t[:6]} " + "/".join(f"{timings[t].get(n, float('nan')):.1f}" for n in ("tree", "causal", "sdpa_mask"))
+            for t in timings
+        )
+        cost = " ".join(f"{r[f'cost_{t}']:.3f}" for t in timings)
+        speedup = " ".join(f"{r.get(f'speedup_{t}', float('nan')):.2f}" for t in timings)
+        lines.append(
+            f"B={r['batch']:>2} L={r['seqlen']:>6} drafts={r['drafts']:>2} | tree/causal/sdpa_mask us: {us} | "
+            f"cost {cost} | speedup {speedup}"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
 #: Shared-prefix (cascade) decoding: (B, prefix keys, own keys per request, page size).
 CASCADE_SHAPES = ((64, 32768, 512, 16), (16, 32768, 512, 16), (64, 4096, 512, 16))
 

@@ -291,6 +291,32 @@ def test_run_batch_invariant_decode_times_the_flag_beside_the_default(on_the_hos
     assert all(b * n >= 4096 and b * n <= bench.DECODE_MAX_TOKENS for b, n in bench.BATCH_INVARIANT_SHAPES)
 
 
+def test_run_tree_decode_times_the_tree_beside_causal_and_sdpa(on_the_host, monkeypatch):
+    """The speculative-decoding row: the tree, the causal chain and SDPA with the tree as a boolean
+    attn_mask under each timing, the tree's cost and speedup, and its agreement with SDPA; on torch
+    CPU tensors (the host path)."""
+    torch = pytest.importorskip("torch")
+
+    def inputs(shape, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        k, v = (torch.randn(shape.batch, shape.seqlen, shape.heads_kv, shape.head_dim, generator=gen) for _ in "kv")
+        return None, k, v, torch.full((shape.batch,), shape.seqlen, dtype=torch.int32)
+
+    monkeypatch.setattr(bench, "decode_inputs", inputs)
+    shape = bench.DecodeShape(2, 64, heads_q=4, heads_kv=2, head_dim=16, dtype="float32")
+    rows = [bench.run_tree_decode(shape, drafts, repeat=2) for drafts in (1, 4)]
+    for row in rows:
+        assert set(row["timings"]) == set(bench.TIMINGS)
+        assert all(set(t) == {"tree", "causal", "sdpa_mask"} for t in row["timings"].values())
+        assert all(row[f"cost_{t}"] > 0 and row[f"speedup_{t}"] > 0 for t in bench.TIMINGS)
+        assert row["max_abs_diff_vs_sdpa"] < 1e-5  # the same tree: the same answer
+    table = bench.format_tree_table(rows).splitlines()
+    assert len(table) == 2 and "drafts= 1" in table[0] and "drafts= 4" in table[1]
+    assert bench.binary_tree_mask(4).tolist() == [
+        [True, False, False, False], [True, True, False, False], [True, False, True, False], [True, True, False, True],
+    ]  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # The tables: a ratio as its range over the timings of a row.
 # ---------------------------------------------------------------------------------------------
