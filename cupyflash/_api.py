@@ -745,9 +745,10 @@ def attention_with_kvcache(
             1 1 1 0 1                       [1, 0, 1]]
 
         A draft that does not see itself is taken as written (its row then has one key fewer; a
-        row that sees no key outputs 0, LSE ``-inf``). Nothing else is checked in the values (on the
-        GPU they are read by the kernel, never copied back). Not with ``window``, ``alibi_slopes``
-        or the rotary tables (rotate q and k_new at the drafts' depths yourself). On the GPU the
+        row that sees no key outputs 0, LSE ``-inf``, or ``sinks[h]`` with sinks). Nothing else is
+        checked in the values (on the GPU they are read by the kernel, never copied back). Not with
+        ``window``, ``alibi_slopes`` or the rotary tables (rotate q and k_new at the drafts' depths
+        yourself); ``sinks`` join a tree's rows as any other row's. On the GPU the
         split-KV kernel's tree variants run it: 1 to 16 query tokens (docs/api.md).
 
     Float8 caches: q, ``k_new`` and ``v_new`` stay in q's dtype and the output is q's. ``k_new`` /

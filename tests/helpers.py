@@ -191,18 +191,18 @@ def check_attention(
 # KV caches.
 # ---------------------------------------------------------------------------------------------
 def kv_reference(
-    q: Any, k: Any, v: Any, lengths: Any, causal: bool, scale: Any = None, tree_mask: Any = None
+    q: Any, k: Any, v: Any, lengths: Any, causal: bool, scale: Any = None, tree_mask: Any = None, sinks: Any = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """float64 attention of each sequence b over its first lengths[b] keys of contiguous caches
     [B, L, Hkv, d]; returns (out [B, Nq, Hq, d], LSE [B, Hq, Nq]). ``tree_mask``: bool (B, Nq, Nq),
-    sequence b's drafts among its last Nq keys (``reference.tree_visible_keys``)."""
+    sequence b's drafts among its last Nq keys (``reference.tree_visible_keys``); ``sinks``: (Hq,)."""
     outs, lses = [], []
     for b, n in enumerate(lengths):
         n = int(n)
         tree = None if tree_mask is None else tree_mask[b]
         out, lse = reference.attention(
             q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], causal=causal, scale=scale, return_lse=True,
-            tree_mask=tree,
+            tree_mask=tree, sinks=sinks,
         )  # fmt: skip
         outs.append(out)
         lses.append(lse)

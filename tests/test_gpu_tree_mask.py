@@ -2,8 +2,9 @@
 split-KV kernel's tree variant) against the float64 reference: random trees over ragged caches
 of odd lengths with the drafts appended by k_new (read back), contiguous and paged caches (page
 sizes 1 and 16), e4m3 caches, a chain against the causal variant bit for bit, the mask's forms
-(shared, per sequence, broadcast and strided views, CuPy), softcap with batch_invariant, CUDA
-graph capture, and the refusals. Outputs are NaN-poisoned before every launch (conftest)."""
+(shared, per sequence, broadcast and strided views, CuPy), softcap with batch_invariant,
+learnable sinks, CUDA graph capture, and the refusals. Outputs are NaN-poisoned before every
+launch (conftest)."""
 
 from __future__ import annotations
 
@@ -188,6 +189,35 @@ def test_softcap_and_batch_invariant(rng):
     )
     assert torch.equal(alone, out[3:])
     assert not torch.isnan(lse).any()
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_tree_with_sinks(rng, num_splits):
+    """Learnable sinks over a tree's rows (bf16, d = 128, GQA 4, a paged cache, the drafts
+    appended by k_new): one split adds the sink in its epilogue, several in the merge; a draft
+    that sees no key outputs 0 with LSE = its head's sink. Against the float64 reference with both."""
+    torch = need_torch()
+    nq, hq, hkv = ROWS["nq4-gqa4"]
+    gen, q, k, v, k_new, v_new, cached = _draft_step(torch, rng, "bfloat16", 128, nq, hq, hkv)
+    trees = _trees(rng, len(cached), nq)
+    trees[0, 2] = False  # sequence 0 has no prefix: its draft 2 sees no key
+    sinks = (torch.randn(hq, generator=gen) * 2).float()
+    expected_k, expected_v = k.clone(), v.clone()
+    for i, n in enumerate(cached):
+        expected_k[i, n : n + nq], expected_v[i, n : n + nq] = k_new[i], v_new[i]
+    (k_cache, v_cache), table = _paginate(torch, (k, v), 16, gen)
+    out, lse = cupyflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=torch.tensor(cached, dtype=torch.int32, device="cuda"),
+        block_table=table, k_new=k_new, v_new=v_new, tree_mask=torch.from_numpy(trees).cuda(), sinks=sinks.cuda(),
+        num_splits=num_splits, return_lse=True,
+    )  # fmt: skip
+    cupyflash.check_device_errors()
+    lengths = [n + nq for n in cached]
+    want, want_lse = kv_reference(q, expected_k, expected_v, lengths, False, tree_mask=trees, sinks=sinks)
+    got = reference.to_numpy64(out)
+    assert rel_error(got, want) < BOUND["bfloat16"]
+    np.testing.assert_allclose(reference.to_numpy64(lse), want_lse, atol=2e-2, rtol=1e-3)
+    assert (got[0, 2] == 0).all()
 
 
 def test_cuda_graph_capture_replays_with_new_trees():

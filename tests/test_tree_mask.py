@@ -129,6 +129,49 @@ def test_fewer_keys_than_drafts(rng):
     assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
 
 
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_tree_with_sinks(xp, rng, page_size):
+    """Learnable sinks join a tree's rows as any other row's: attention_with_kvcache(tree_mask=,
+    sinks=) against reference.attention with both, drafts appended by k_new, a draft that sees no
+    key at all (output 0, LSE = its head's sink); and the reference itself against the rule a sink
+    follows (lse' = logaddexp(lse, sink), out' = out exp(lse - lse') of the tree alone)."""
+    b, length, hq, hkv, d, nq = 3, 24, 4, 2, 8, 5
+    q = rng.standard_normal((b, nq, hq, d))
+    k_cache, v_cache = (rng.standard_normal((b, length, hkv, d)) for _ in "kv")
+    k_new, v_new = (rng.standard_normal((b, nq, hkv, d)) for _ in "kv")
+    sinks = rng.standard_normal(hq) * 2
+    cached = np.array([0, 7, length - nq], dtype=np.int32)
+    trees = np.stack([random_tree_mask(rng, nq) for _ in range(b)])
+    trees[0, 3] = False  # sequence 0 has no prefix: its draft 3 sees no key
+    k_dev, v_dev, table = k_cache, v_cache, None
+    if page_size is not None:
+        (k_dev, v_dev), table = paginate(rng, (k_cache, v_cache), page_size)
+    args = [xp.asarray(x.astype(np.float32)) for x in (q, k_dev, v_dev, k_new, v_new, sinks)]
+    out, lse = cupyflash.attention_with_kvcache(
+        args[0], args[1], args[2], cache_seqlens=xp.asarray(cached), k_new=args[3], v_new=args[4],
+        block_table=None if table is None else xp.asarray(table), tree_mask=xp.asarray(trees), sinks=args[5],
+        return_lse=True,
+    )  # fmt: skip
+    ref_k, ref_v = _f32(k_cache), _f32(v_cache)
+    for i in range(b):
+        ref_k[i, cached[i] : cached[i] + nq] = _f32(k_new[i])
+        ref_v[i, cached[i] : cached[i] + nq] = _f32(v_new[i])
+    sinks32 = _f32(sinks)
+    lengths = cached + nq
+    ref, ref_lse = kv_reference(_f32(q), ref_k, ref_v, lengths, False, tree_mask=trees, sinks=sinks32)
+    out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+    np.testing.assert_allclose(out64, ref, atol=2e-5)
+    np.testing.assert_allclose(lse64, ref_lse, atol=1e-4)
+    assert (out64[0, 3] == 0).all()
+    np.testing.assert_allclose(lse64[0, :, 3], sinks32, atol=1e-6)
+    # The reference's two features together follow the sink's rule over the tree alone.
+    tree_only, tree_lse = kv_reference(_f32(q), ref_k, ref_v, lengths, False, tree_mask=trees)
+    merged = np.logaddexp(tree_lse, sinks32[None, :, None])
+    np.testing.assert_allclose(ref_lse, merged, atol=1e-12)
+    weight = np.exp(tree_lse - merged).transpose(0, 2, 1)[..., None]  # [B, Nq, Hq, 1]
+    np.testing.assert_allclose(ref, tree_only * weight, atol=1e-12)
+
+
 @pytest.mark.parametrize("layout", ["batch_idx-leftpad", "e4m3", "e4m3-paged4"])
 def test_tree_over_the_other_cache_layouts(rng, layout):
     """cache_batch_idx with cache_leftpad, and float8 caches (contiguous and paged), with softcap:
