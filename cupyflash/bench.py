@@ -1370,6 +1370,9 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
     block_mask = None
     if functions.get("flex_mask") is not None:
         block_mask = create_block_mask(functions["flex_mask"], None, None, n, n, device="cuda")
+    # Each function (and shape) is a recompile of flex_attention: past Dynamo's recompile limit
+    # (8) it would fall back to the uncompiled FlexAttention, which materialises the scores.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     flex = torch.compile(flex_attention, dynamic=False)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 

@@ -77,10 +77,11 @@ def test_tree_matches_reference(rng, dtype, head_dim, rows, page_size):
 
 @pytest.mark.parametrize("page_size", [0, 16], ids=["contiguous", "paged16"])
 @pytest.mark.parametrize("nq", [1, 5, 16])
-def test_a_chain_is_the_causal_variant_bit_for_bit(rng, nq, page_size):
-    """A chain tree hides exactly the scores causal hides, and the two variants share every other
-    instruction of the softmax: at the same split count (the automatic one follows each variant's
-    registers) they give the same bits."""
+def test_a_chain_is_the_causal_variant(rng, nq, page_size):
+    """A chain tree hides exactly the scores causal hides: at the same split count (the automatic
+    one follows each variant's registers) the outputs are the same bits. The LSEs agree to float32
+    rounding, not bit for bit: the two variants' compiled code may contract its additions into
+    fused multiply-adds differently (seen on an H100 at 5 drafts, one split)."""
     torch = need_torch()
     gen, q, k, v, _, _, cached = _draft_step(torch, rng, "bfloat16", 128, nq, 8, 2)
     seqlens = torch.tensor([n + nq for n in cached], dtype=torch.int32, device="cuda")
@@ -92,7 +93,8 @@ def test_a_chain_is_the_causal_variant_bit_for_bit(rng, nq, page_size):
         common = {"cache_seqlens": seqlens, "block_table": table, "num_splits": splits, "return_lse": True}
         tree_out, tree_lse = cupyflash.attention_with_kvcache(q, k, v, tree_mask=chain, **common)
         causal_out, causal_lse = cupyflash.attention_with_kvcache(q, k, v, causal=True, **common)
-        assert torch.equal(tree_out, causal_out) and torch.equal(tree_lse, causal_lse), f"num_splits={splits}"
+        assert torch.equal(tree_out, causal_out), f"num_splits={splits}"
+        torch.testing.assert_close(tree_lse, causal_lse, rtol=2e-6, atol=2e-6, msg=f"num_splits={splits}")
 
 
 def test_the_mask_forms_agree(rng):
