@@ -393,8 +393,6 @@ def _gpu_mods(
 def _kernel_mods_of(call: Forward | Backward, device: int) -> tuple[Any, _mods.KernelMods, tuple[Any, ...]]:
     """A GPU call's score_mod / mask_mod: their key, their device code (written once per key)
     and their captured arrays in mod_buffer order, adopted as q was (one library, q's device)."""
-    if not _mods.gpu_enabled():
-        raise NotImplementedError(_mods.ON_HOST_ONLY)
     score_mod, mask_mod = call.mods
     mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key)
     kernel = _kernel_mods.get(mods_key)

@@ -75,7 +75,7 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     None unless wanted."""
     q, k, v, alibi_slopes, sinks = call.q, call.k, call.v, call.alibi_slopes, call.sinks
     if call.mods is not None:
-        raise NotImplementedError(f"{_mods.ON_HOST_ONLY} (nor under torch.compile or JAX tracing)")
+        raise NotImplementedError(_mods.UNTRACEABLE_HERE)
     if call.attn_mask is not None:
         raise NotImplementedError("attention with attn_mask does not run under a JAX transformation yet")
     dropout_p, _ = check_dropout(call.dropout_p, None)

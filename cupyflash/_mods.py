@@ -17,25 +17,13 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
-import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-#: The refusal of score_mod / mask_mod where they cannot run: the GPU hooks (variants.cuh's
-#: UserMods in the FA2 and Hopper forwards and the FA2 backward) are built but wait for their
-#: first GPU validation behind GPU_SWITCH; torch.compile and JAX have no hook yet.
-GPU_SWITCH = "CUPYFLASH_GPU_MODS"
-ON_HOST_ONLY = (
-    "score_mod / mask_mod run on the host path so far; the GPU kernels' score hook is built but not yet "
-    f"validated on a GPU ({GPU_SWITCH}=1 turns it on)"
-)
-
-
-def gpu_enabled() -> bool:
-    """Is the GPU forward's score hook switched on (``CUPYFLASH_GPU_MODS=1``)?"""
-    return os.environ.get(GPU_SWITCH, "") == "1"
+#: The refusal of score_mod / mask_mod where they have no hook yet (torch.compile, JAX tracing).
+UNTRACEABLE_HERE = "score_mod / mask_mod do not run under torch.compile or JAX tracing yet"
 
 
 #: The values a node yields: float32 scores, integer indices, booleans.

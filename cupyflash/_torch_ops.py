@@ -153,7 +153,7 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     """An ``attention`` call through the custom op: (out, lse)."""
     if call.mods is not None:  # no custom op (the functions are not tensors): autograd only
         if _interop.compiling():
-            raise NotImplementedError(f"{_mods.ON_HOST_ONLY} (nor under torch.compile or JAX tracing)")
+            raise NotImplementedError(_mods.UNTRACEABLE_HERE)
         return _with_mods(call)
     _refuse_slope_grad(call.alibi_slopes)
     mask = call.attn_mask

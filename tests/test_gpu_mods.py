@@ -1,5 +1,5 @@
 """score_mod / mask_mod compiled into the FA2 forward's score hook (kernels_cu/variants.cuh's
-UserMods; CUPYFLASH_GPU_MODS=1 until this file has passed on a GPU): each against the float64 host
+UserMods): each against the float64 host
 path on the same values (the host path is the functions' reference), with causal and windows, GQA,
 odd lengths and head dims, captured 1-D and 2-D arrays (strided too), rows every key of which is
 hidden (output 0, LSE -inf), NaN in giving NaN out; CuPy and PyTorch inputs. Outputs are
@@ -17,11 +17,6 @@ from cupyflash import mods, reference
 pytestmark = pytest.mark.gpu
 
 B, NQ, NK, HQ, HKV = 2, 197, 301, 8, 2
-
-
-@pytest.fixture(autouse=True)
-def _hook_on(monkeypatch):
-    monkeypatch.setenv("CUPYFLASH_GPU_MODS", "1")
 
 
 def _functions(to_array, seed):

@@ -137,15 +137,15 @@ def test_fp8_forward(launches):
 
 
 def test_score_and_mask_functions_route_to_the_fa2_hook(launches, monkeypatch):
-    """score_mod / mask_mod on GPU arrays (with CUPYFLASH_GPU_MODS=1): the FA2 kernel with the
-    functions compiled in (mask kind "mods"), the softmax multiplier log2 e, the function's scale
-    the caller's (negative: |scale| on -q), each captured array an operand in slot order; the
-    same functions again plan nothing new; an array on the host is refused, named."""
+    """score_mod / mask_mod on GPU arrays: the FA2 kernel with the functions compiled in (mask
+    kind "mods"), the softmax multiplier log2 e, the function's scale the caller's (negative:
+    |scale| on -q), each captured array an operand in slot order; the same functions again plan
+    nothing new; the backward on the mma.sync kernels with the hook (no Hopper backward); an
+    array on the host is refused, named."""
     import math
 
     from cupyflash import _plan
 
-    monkeypatch.setenv("CUPYFLASH_GPU_MODS", "1")
     q = stand_in((2, 300, 8, 64), "bfloat16")
     kv = stand_in((2, 333, 2, 64), "bfloat16")
     bias, doc = stand_in((8, 333), "float32"), stand_in((333,), "int32")
@@ -175,6 +175,12 @@ def test_score_and_mask_functions_route_to_the_fa2_hook(launches, monkeypatch):
     strides = {op.name: len(op.stride_slots) for op in launch.operands}
     assert strides["mod_buffer0"] == 2 and strides["mod_buffer1"] == 1
     assert not math.isnan(values.value("mod_score_scale"))
+    lse = stand_in((2, 8, 300), "float32")
+    cupyflash.attention_backward(q, q, kv, kv, q, lse, scale=-0.3, score_mod=score_mod, mask_mod=mask_mod)
+    _check(launches, "fa2_bwd", optional=("dlse",))
+    names = [step.spec.name for step in launches[-1][0].steps]
+    assert not any("fa3" in n for n in names) and any("mods" in n for n in names)
+    launches.clear()
     import numpy as np
 
     on_host = np.zeros(333, np.int32)
