@@ -25,6 +25,7 @@ from ._validate import (
     check_attn_mask,
     check_dropout,
     check_sinks,
+    normalize_window,
     varlen_problem,
 )
 from .xp_impl import Dropout
@@ -379,7 +380,7 @@ def _gpu_mods(
            _shapes(sinks), _dtypes(sinks))  # fmt: skip
 
     def plan() -> _plan.Launch:
-        problem, _ = forward_problem(call)
+        problem = with_implied_bounds(forward_problem(call)[0], call.mods[1])
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
         _check_sinks_dtype(lib, sinks)
         info = _device.device_info(device)
@@ -406,6 +407,21 @@ def _kernel_mods_of(call: Forward | Backward, device: int) -> tuple[Any, _mods.K
     found = _interop.gpu_arrays(("q", *names), (call.q, *captured))
     assert found is not None and found[1] == device
     return mods_key, kernel, tuple(found[2][1:])
+
+
+def with_implied_bounds(problem: Problem, mask_mod: _mods.Mod | None) -> Problem:
+    """The problem with the causal / window bounds ``mask_mod`` implies (``_mods.implied_window``)
+    where it has none of its own and its rows and keys align (Nq = Nk: the mask's q_idx <= kv_idx
+    is the kernels' causal bound then), so that the kernels skip the tiles those bounds hide. The
+    mask still runs on every score: the result is the mask's alone."""
+    bounded = problem.window_left >= 0 or problem.window_right >= 0
+    if mask_mod is None or bounded or problem.seqlen_q != problem.seqlen_k:
+        return problem
+    left, right = _mods.implied_window(mask_mod)
+    if left < 0 and right < 0:
+        return problem
+    left, right = normalize_window(right == 0, (left, right), problem.seqlen_q, problem.seqlen_k)
+    return dataclasses.replace(problem, window_left=left, window_right=right)
 
 
 def _gpu_masked(lib: _interop.ArrayLib, device: int, call: Forward, want_lse: bool) -> tuple[Any, Any]:
@@ -627,7 +643,8 @@ def _gpu_mods_backward(lib: _interop.ArrayLib, device: int, call: Backward, prob
     def plan() -> _plan.Launch:
         _check_sinks_dtype(lib, sinks)
         return _plan.plan_backward(
-            problem, _backward_dtypes(lib, q, k, v, out, dout, lse, dlse), _device.device_info(device),
+            with_implied_bounds(problem, call.mods[1]), _backward_dtypes(lib, q, k, v, out, dout, lse, dlse),
+            _device.device_info(device),
             q_shape=tuple(q.shape), k_shape=tuple(k.shape), deterministic=call.deterministic, mods=kernel,
         )  # fmt: skip
 

@@ -765,6 +765,47 @@ def _buffer_specs(root: Expr) -> list[BufferSpec]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Bounds a mask_mod implies: what the kernels' causal and window bounds can skip by the tile.
+# ---------------------------------------------------------------------------------------------
+def implied_window(mask: Mod) -> tuple[int, int]:
+    """``(left, right)`` such that every (q_idx, kv_idx) the mask shows has
+    ``q_idx - left <= kv_idx <= q_idx + right`` (-1: no bound found), read from the terms of the
+    mask's top-level ``&``: ``kv_idx <= q_idx`` (or ``<``, or ``q_idx >= kv_idx``) gives right 0;
+    ``q_idx - kv_idx < c`` (or ``<= c``, or the mirrored comparison) gives left ``c - 1`` (``c``).
+    Both are implied by the mask, so a kernel that also applies them (and skips the tiles they
+    hide) computes the same attention; any other term is left to the mask itself."""
+    left = right = -1
+    stack = [mask.expr]
+    while stack:
+        e = stack.pop()
+        if e.op == "and":
+            stack.extend(e.args)
+            continue
+        if e.op not in ("lt", "le", "gt", "ge"):
+            continue
+        a, b = e.args
+        op = e.op
+        if op in ("gt", "ge"):  # a > b as b < a
+            a, b, op = b, a, "lt" if op == "gt" else "le"
+        if _is_arg(a, "kv_idx") and _is_arg(b, "q_idx"):  # kv <= q (kv < q implies it)
+            right = 0
+        elif _is_difference(a) and b.op == "const" and b.kind == INT:  # q - kv < c or <= c
+            bound = b.args[0] - (1 if op == "lt" else 0)
+            if bound >= 0:
+                left = bound if left < 0 else min(left, bound)
+    return left, right
+
+
+def _is_arg(e: Expr, name: str) -> bool:
+    return e.op == "arg" and e.args[0] == name
+
+
+def _is_difference(e: Expr) -> bool:
+    """``q_idx - kv_idx``."""
+    return e.op == "sub" and _is_arg(e.args[0], "q_idx") and _is_arg(e.args[1], "kv_idx")
+
+
+# ---------------------------------------------------------------------------------------------
 # The derivative d score_mod / d score, for the backward: dS = P (dP - D) times it.
 # ---------------------------------------------------------------------------------------------
 def score_derivative(mod: Mod) -> Mod:

@@ -181,6 +181,11 @@ def test_score_and_mask_functions_route_to_the_fa2_hook(launches, monkeypatch):
     names = [step.spec.name for step in launches[-1][0].steps]
     assert not any("fa3" in n for n in names) and any("mods" in n for n in names)
     launches.clear()
+    square = stand_in((2, 333, 2, 64), "bfloat16")
+    cupyflash.attention(square, square, square, mask_mod=lambda b, h, i, j: (j <= i) & (i - j < 100))
+    (step,) = launches[-1][0].steps
+    assert step.spec.causal and step.spec.local  # the bounds the mask implies: tiles skipped
+    launches.clear()
     import numpy as np
 
     on_host = np.zeros(333, np.int32)

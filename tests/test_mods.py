@@ -540,3 +540,53 @@ def test_the_backward_plan_runs_the_hook_on_the_mma_sync_kernels():
     with pytest.raises(ValueError, match="do not combine with softcap"):
         _plan.plan_backward(changed(p, softcap=5.0), "bfloat16", h100, q_shape=(2, 200, 8, 128),
                             k_shape=(2, 300, 2, 128), mods=kernel)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mask_mod", "window"),
+    [
+        (lambda b, h, i, j: j <= i, (-1, 0)),
+        (lambda b, h, i, j: i >= j, (-1, 0)),
+        (lambda b, h, i, j: j < i, (-1, 0)),  # implies j <= i
+        (lambda b, h, i, j: (j <= i) & (i - j < 5), (4, 0)),
+        (lambda b, h, i, j: (i - j <= 5) & (j <= i) & ((i + j) % 2 == 0), (5, 0)),
+        (lambda b, h, i, j: (5 > i - j) & ~(j > i), (4, -1)),  # ~(j > i) is not read
+        (lambda b, h, i, j: (j <= i) | (j < 3), (-1, -1)),  # an or: nothing implied
+        (lambda b, h, i, j: j <= i + 1, (-1, -1)),
+        (lambda b, h, i, j: i - j < 0, (-1, -1)),  # shows nothing; no bound taken
+        (lambda b, h, i, j: (i // 4 == j // 4) & (j <= i), (-1, 0)),
+    ],
+)
+def test_implied_window_is_implied_by_the_mask(mask_mod, window):
+    """The bounds read from a mask's top-level ``&`` hold wherever the mask shows a key (checked
+    on a grid), and are the ones expected."""
+    from cupyflash import _mods
+
+    traced = _mods.trace_mask_mod(mask_mod)
+    left, right = _mods.implied_window(traced)
+    assert (left, right) == window
+    i, j = np.meshgrid(np.arange(40), np.arange(40), indexing="ij")
+    shown = np.broadcast_to(mask_mod(0, 0, i, j), i.shape)
+    if right >= 0:
+        assert not (shown & (j > i + right)).any()
+    if left >= 0:
+        assert not (shown & (j < i - left)).any()
+
+
+def test_implied_bounds_reach_the_plan_only_where_rows_and_keys_align():
+    """A causal mask_mod over Nq = Nk plans the kernels' causal variant (its tiles above the
+    diagonal skipped); with Nq != Nk, or bounds of the call's own, the problem is left alone."""
+    from dataclasses import replace as changed
+
+    from cupyflash import _attention, _mods
+    from cupyflash._validate import attention_problem
+
+    sliding = _mods.trace_mask_mod(lambda b, h, i, j: (j <= i) & (i - j < 100))
+    square = attention_problem((1, 300, 4, 64), (1, 300, 4, 64), (1, 300, 4, 64), causal=False, scale=None,
+                               window=(-1, -1), softcap=0.0, layout="bshd")  # fmt: skip
+    bounded = _attention.with_implied_bounds(square, sliding)
+    assert (bounded.window_left, bounded.window_right) == (99, 0)
+    assert _attention.with_implied_bounds(changed(square, seqlen_k=301), sliding) == changed(square, seqlen_k=301)
+    own = changed(square, window_left=10)
+    assert _attention.with_implied_bounds(own, sliding) is own
+    assert _attention.with_implied_bounds(square, None) is square
