@@ -292,8 +292,6 @@ def attention_with_kvcache(call: _kvcache.CacheCall, want_lse: bool) -> tuple[An
     custom call's results alias the cache operands: XLA writes in place into donated caches and
     copies the others first)."""
     arrays = call.named
-    if arrays["sinks"] is not None:
-        raise NotImplementedError("attention_with_kvcache with sinks does not run on JAX arrays yet")
     if call.fp8 or "float8" in str(arrays["k_cache"].dtype):
         raise NotImplementedError("attention_with_kvcache with a float8 cache does not run on JAX arrays yet")
     if arrays["tree_mask"] is not None:
@@ -305,7 +303,7 @@ def attention_with_kvcache(call: _kvcache.CacheCall, want_lse: bool) -> tuple[An
     problem = _kvcache.kvcache_problem_of(
         arrays["q"], arrays["k_cache"], arrays["v_cache"], seqlens, arrays["block_table"], arrays["k_new"],
         arrays["v_new"], options, arrays["cache_batch_idx"], arrays["cache_leftpad"], arrays["alibi_slopes"],
-        (arrays["rotary_cos"], arrays["rotary_sin"], rotary),
+        (arrays["rotary_cos"], arrays["rotary_sin"], rotary), arrays["sinks"],
     )  # fmt: skip
     operands = {n: x for n, x in others.items() if x is not None}
     _host.check_kvcache_dtypes(jnp, operands)

@@ -181,6 +181,7 @@ KV_CASES = {
     "speculative-contiguous-append": (2, 4, 8, 2, 64, 300, 4, 0, ()),
     "prefill-chunk-paged16-append": (2, 40, 8, 2, 128, 512, 40, 16, ("lse",)),
     "rotary-decode-paged16-append": (2, 1, 4, 2, 64, 256, 1, 16, ("rotary", "lse")),
+    "sinks-speculative-paged16-append": (2, 3, 8, 2, 128, 1024, 3, 16, ("sinks", "lse")),
 }
 _STEP = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # one rounding step of the dtype, relative
 
@@ -207,10 +208,11 @@ def _cache_arrays(rng, case, dtype):
         theta = rng.uniform(0, 2 * np.pi, (capacity + nq, d // 4))
         host["rotary_cos"], host["rotary_sin"] = np.cos(theta), np.sin(theta)
         static["rotary_interleaved"] = False
+    if "sinks" in extras:  # float32, as the kernels read them
+        host["sinks"] = rng.standard_normal(hq).astype(np.float32)
     device = _gpu()
-    arrays = {
-        n: jax.device_put(jnp.asarray(x, jnp.int32 if x.dtype == np.int32 else dtype), device) for n, x in host.items()
-    }
+    kept = (np.int32, np.float32)  # indices and sinks keep theirs; the rest is the call's dtype
+    arrays = {n: jax.device_put(jnp.asarray(x, x.dtype if x.dtype in kept else dtype), device) for n, x in host.items()}
     return arrays, static
 
 
@@ -219,7 +221,7 @@ def _torch_copies(torch, arrays, dtype):
     appends in place)."""
     copies = {}
     for name, x in arrays.items():
-        if x.dtype == jnp.int32:
+        if x.dtype in (jnp.int32, jnp.float32):
             copies[name] = torch.from_numpy(np.asarray(x)).cuda()
         else:
             copies[name] = torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(getattr(torch, dtype))

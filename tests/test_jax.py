@@ -239,6 +239,7 @@ KV_CASES = {
     "rotary-append": (2, 2, 0, ("rotary",), {}),
     "batch-idx-leftpad-append": (1, 1, 0, ("batch_idx", "lse"), {}),
     "alibi-window-softcap": (4, 2, 4, ("alibi",), {"window": (5, 0), "softcap": 3.0, "scale": 0.3}),
+    "sinks-paged-append-lse": (2, 2, 4, ("sinks", "lse"), {}),
 }
 _B, _HQ, _HKV, _D, _CAPACITY = 3, 4, 2, 16, 24
 
@@ -282,6 +283,8 @@ def _cache_case(case, seed=0):
         arrays["cache_leftpad"] = (lengths // 2).astype(np.int32)
     if "alibi" in extras:
         arrays["alibi_slopes"] = rng.uniform(0.05, 0.5, _HQ).astype(np.float32)
+    if "sinks" in extras:
+        arrays["sinks"] = rng.standard_normal(_HQ).astype(np.float32)
     return arrays, static
 
 
