@@ -590,3 +590,19 @@ def test_implied_bounds_reach_the_plan_only_where_rows_and_keys_align():
     own = changed(square, window_left=10)
     assert _attention.with_implied_bounds(own, sliding) is own
     assert _attention.with_implied_bounds(square, None) is square
+
+
+def test_the_gallery_example_agrees_with_the_other_way():
+    """examples/score_functions.py on the host: every gallery function equals the same attention
+    computed another way (the built-in option, or the float64 reference with the mask written out)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "score_functions.py"
+    run = subprocess.run([sys.executable, str(script), "--n", "130"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 9
+    for line in lines:
+        assert float(line.rsplit(" ", 1)[-1]) < 1e-5, line
