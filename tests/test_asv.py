@@ -108,6 +108,13 @@ def suite(monkeypatch):
     monkeypatch.setattr(bench, "run_prefill", run_prefill)
     monkeypatch.setattr(bench, "run_training", run_training)
     monkeypatch.setattr(bench, "run_decode", decode_row)
+
+    def tree_row(shape, drafts, timings):
+        assert timings == ("interleaved",)
+        us = {b: len(b) + shape.batch + shape.seqlen / 1024 + drafts for b in ("tree", "causal", "sdpa_mask")}
+        return {"timings": {"interleaved": us}, **{f"{b}_interleaved_TBps": 1 / us[b] for b in us}}
+
+    monkeypatch.setattr(bench, "run_tree_decode", tree_row)
     monkeypatch.setattr(bench, "host_overhead_us", lambda rounds, calls: {"cupyflash_torch_us": 20.0,
                         "cupyflash_cupy_us": 18.0, "sdpa_us": 15.0})  # fmt: skip
     return benchmarks
@@ -144,6 +151,11 @@ def test_every_entry_is_read_from_its_familys_setup_cache(suite):
         assert ratio == pytest.approx(prefill[combo] / 800.0)
     assert values["prefill.PrefillGemm.track_gemm_tflops"] == {(): 800.0}
     assert values["decode.DecodeCopy.track_copy_gbps"] == {(): 4000.0}
+    tree_gbps = values["tree_decode.TreeDecode.track_gbps"]
+    for (backend, shape, drafts), ratio in values["tree_decode.TreeDecodeOverCopy.track_gbps_ratio"].items():
+        assert ratio == pytest.approx(tree_gbps[backend, shape, drafts] / 4000.0)
+    # the row of (B, L, drafts) = (8, 32768, 4), read from the entry its name gives
+    assert values["tree_decode.TreeDecode.track_us"][("tree", "8x32768", 4)] == pytest.approx(4 + 8 + 32 + 4)
     gbps = values["decode.Decode.track_gbps"]
     for combo, ratio in values["decode.DecodeOverCopy.track_gbps_ratio"].items():
         assert (ratio is None) == (gbps[combo] is None)  # B * L beyond 2M tokens: skipped in both
