@@ -304,3 +304,17 @@ def check_against_formula(got: Any, want: Any, low: Any, name: str) -> float:
     err, naive_err = rel_error(got64, want64), rel_error(low64, want64)
     assert err <= 2 * BOUND[dtype] and err <= 2 * naive_err + FLOOR[dtype], f"{name}: {err:.2e} (naive {naive_err:.2e})"
     return err
+
+
+def capture(torch: Any, step: Any) -> tuple[Any, Any]:
+    """``step`` warmed up on a side stream (compile, plan) and captured in a CUDA graph on the
+    current one: (the graph, the output tensor its replays rewrite)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

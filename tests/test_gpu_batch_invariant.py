@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BOUND, check_kvcache, kv_reference, need_torch, rel_error
+from helpers import BOUND, capture, check_kvcache, kv_reference, need_torch, rel_error
 
 import cupyflash
 from cupyflash import reference
@@ -191,14 +191,7 @@ def test_cuda_graph_capture_replays_batch_invariant():
             q, k, v, cache_seqlens=seqlens, k_new=k_new, v_new=v_new, batch_invariant=True
         )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile, plan
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = step()
+    graph, graph_out = capture(torch, step)
     for _ in range(3):
         q.copy_(torch.randn_like(q))
         k_new.copy_(torch.randn_like(k_new))

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import BOUND, kv_reference, need_torch, rel_error, skip_unless_kernel
+from helpers import BOUND, capture, kv_reference, need_torch, rel_error, skip_unless_kernel
 
 import cupyflash
 from cupyflash import reference
@@ -528,14 +528,7 @@ def test_bad_cu_seqlens_in_a_captured_graph():
     q, k, v, cu, bad, _, _ = _bad_varlen_case(torch, rng, "k-past-total")
     cu_q, cu_k = (torch.from_numpy(cu[n]).cuda() for n in ("q", "k"))
     step = lambda: cupyflash.attention_varlen(q, k, v, cu_q, cu_k, 64, 130, causal=True, algorithm="fa2")  # noqa: E731
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile, plan, the error word
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = step()
+    graph, graph_out = capture(torch, step)
     eager = step()
     graph.replay()
     torch.cuda.synchronize()

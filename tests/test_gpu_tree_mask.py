@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BOUND, check_kvcache, kv_reference, need_torch, random_tree_mask, rel_error
+from helpers import BOUND, capture, check_kvcache, kv_reference, need_torch, random_tree_mask, rel_error
 from test_gpu_decode import _paginate
 from test_gpu_fp8_decode import _quantise
 
@@ -237,14 +237,7 @@ def test_cuda_graph_capture_replays_with_new_trees():
     step = lambda: cupyflash.attention_with_kvcache(  # noqa: E731
         q, k, v, cache_seqlens=seqlens, k_new=k_new, v_new=v_new, tree_mask=tree
     )
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile, plan
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = step()
+    graph, graph_out = capture(torch, step)
     for _ in range(3):
         q.copy_(torch.randn_like(q))
         k_new.copy_(torch.randn_like(k_new))
