@@ -730,11 +730,12 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None) -> KernelMods:
             continue
         parts.append(cuda_source(mod))
         call[mod.role] = arguments(mod, which)
-    gradient = "1.f"
+    # d score_mod / d score (1 without one): reads a subset of score_mod's arrays
+    gradient = "  return 1.f;\n"
     if score_mod is not None:
-        derivative = score_derivative(score_mod)  # reads a subset of score_mod's arrays
+        derivative = score_derivative(score_mod)
         parts.append(cuda_source(derivative))
-        gradient = arguments(derivative, 0)
+        gradient = f"  bool outside = false;\n  return {arguments(derivative, 0)};\n"
     body = ["  bool outside = false;  // an index outside a captured array: the score is NaN"]
     body.append(f"  const bool shown = {call.get('mask_mod', 'true')};")
     body.append(f"  const float logit = {call.get('score_mod', 'score')};")
@@ -746,8 +747,7 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None) -> KernelMods:
     )
     parts.append(  # (an index outside an array made the forward's row NaN, hence its gradients)
         "__device__ __forceinline__ float cf_user_mods_grad(const AttnParams& p, float score, int b, int h,\n"
-        "                                                    int q_idx, int kv_idx) {\n"
-        + ("  return 1.f;\n}\n" if score_mod is None else f"  bool outside = false;\n  return {gradient};\n}}\n")
+        "                                                    int q_idx, int kv_idx) {\n" + gradient + "}\n"
     )
     source = "".join(parts)
     return KernelMods(source, tuple(order), hashlib.sha256(source.encode()).hexdigest()[:12], tuple(ndims))
