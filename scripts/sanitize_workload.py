@@ -129,6 +129,7 @@ def _attention(
     if alibi:  # (B, Hq) slopes
         options["alibi_slopes"] = a.randn(b, hq, dtype="float32")
     _add_mask(a, options, b, hq, sq, sk, dtype)
+    _add_variants(a, options, hq, sk)
     return cupyflash.attention(q, k, v, return_lse=True, **options)
 
 
@@ -246,6 +247,7 @@ def _kvcache(
         capacity = length if page_size is None else -(-length // page_size) * page_size
         options.update(rotary_cos=a.randn(capacity, d // 4), rotary_sin=a.randn(capacity, d // 4))
         options["rotary_interleaved"] = False
+    _add_variants(a, options, hq, nq)
     fmt = options.pop("fp8", None)  # a float8 cache of this format, uint8 bytes
     cache = a.fp8_bytes if fmt else a.randn
     if fmt:
@@ -319,6 +321,7 @@ def _backward(a: Arrays, nq: int, nk: int, d: int, deterministic: bool, alibi: b
     if alibi:  # (Hq,) slopes
         options["alibi_slopes"] = a.randn(4, dtype="float32")
     _add_mask(a, options, 2, 4, nq, nk, "float16")
+    _add_variants(a, options, 4, nk)
     out, lse = cupyflash.attention(q, k, v, return_lse=True, **options)
     dout = a.randn(2, nq, 4, d)
     return cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
@@ -429,6 +432,70 @@ def cascade_cases(size: str) -> Iterator[Case]:
         yield f"shared prefix page={page_size}", call
 
 
+def _sinks(a: Arrays, hq: int) -> Any:
+    return a.randn(hq, dtype="float32")
+
+
+def _score_functions(a: Arrays, n: int) -> dict[str, Any]:
+    """A document mask over a captured id array (three documents, odd lengths) and a softcap."""
+    doc_id = a.ints(np.repeat(np.arange(3), [n // 3, n // 3 + 1, n - 2 * (n // 3) - 1]))
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc_id[q_idx] == doc_id[kv_idx]
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * cupyflash.mods.tanh(score / 20.0)
+
+    return {"mask_mod": same_document, "score_mod": softcap}
+
+
+def _tree(a: Arrays, nq: int) -> Any:
+    """Draft token i sees itself and its parent chain in a binary tree (parent (i - 1) // 2)."""
+    sees = np.eye(nq, dtype=bool)
+    for i in range(1, nq):
+        sees[i] |= sees[(i - 1) // 2]
+    return a.bools(sees, (nq, nq))
+
+
+def _add_variants(a: Arrays, options: dict[str, Any], hq: int, n: int) -> None:
+    """options["sinks"] -> (Hq,) float32 sinks; options["mods"] -> the score functions over ``n``
+    tokens; options["tree"] -> a tree mask over the ``n`` query tokens."""
+    if options.pop("sinks", False):
+        options["sinks"] = a.randn(hq, dtype="float32")
+    if options.pop("mods", False):
+        options.update(_score_functions(a, n))
+    if options.pop("tree", False):
+        options["tree_mask"] = _tree(a, n)
+
+
+def variant_cases(size: str, hopper: bool) -> Iterator[Case]:
+    """Learnable sinks (forwards, backward, decode with one split and many), score and mask
+    functions compiled into the forwards and the backward, and tree masks in the decode kernel."""
+    nq, nk = (70, 97) if size == "tiny" else (97, 200)
+    length = 300 if size == "tiny" else 1031
+    for d in (64, 128):
+        for algorithm in ("fa2", "fa3") if hopper else ("fa2",):
+            call = partial(_attention, b=2, sq=nq, sk=nk, hq=4, hkv=2, d=d, algorithm=algorithm, causal=True,
+                           sinks=True)  # fmt: skip
+            yield f"variant sinks attention {algorithm} d={d}", call
+            call = partial(_attention, b=1, sq=nk, sk=nk, hq=4, hkv=2, d=d, algorithm=algorithm, mods=True)
+            yield f"variant mods attention {algorithm} d={d}", call
+        for deterministic in (False, True):
+            call = partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, causal=True, sinks=True)
+            yield f"variant sinks backward d={d} det={deterministic}", call
+            call = partial(_backward, nq=nk, nk=nk, d=d, deterministic=deterministic, mods=True)
+            yield f"variant mods backward d={d} det={deterministic}", call
+        for page_size in (None, 16):
+            for splits in (1, 0):
+                call = partial(_kvcache, length=length, cached=[0, 1, length // 2, length - 8], d=d,
+                               page_size=page_size, num_splits=splits, nq=2, new=2, sinks=True)  # fmt: skip
+                yield f"variant sinks kvcache d={d} page={page_size} splits={splits}", call
+            for drafts in (5, 16):
+                call = partial(_kvcache, length=length, cached=[0, 1, length // 2, length - 20], d=d,
+                               page_size=page_size, num_splits=0, nq=drafts, new=drafts, tree=True)  # fmt: skip
+                yield f"variant tree kvcache d={d} page={page_size} drafts={drafts}", call
+
+
 def cases(size: str = "small", hopper: bool = True) -> list[Case]:
     """Every call of the workload, in order: (label, fn(arrays))."""
     return [
@@ -439,6 +506,7 @@ def cases(size: str = "small", hopper: bool = True) -> list[Case]:
         *cascade_cases(size),
         *backward_cases(size),
         *tail_head_dim_cases(size, hopper),
+        *variant_cases(size, hopper),
     ]
 
 

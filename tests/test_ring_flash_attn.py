@@ -3,8 +3,8 @@ ring, zigzag and stripe functions on several virtual ranks in one process (a thr
 the K/V send/recv of ``RingComm`` replaced by an in-process exchange with the same protocol),
 forward and backward against single-process ``cupyflash.attention``, and llama3's varlen
 function (its all-gather and reduce-scatter in process) against ``attention_varlen``; and the real
-``torch.distributed`` path (gloo) at world size 1. Host float32 tensors here; on GPUs the same
-calls run the kernels."""
+``torch.distributed`` path (gloo) at world size 1. Host float64 tensors, and (marked gpu) bf16
+CUDA tensors with a stream per virtual rank, where the same calls run the kernels."""
 
 from __future__ import annotations
 
@@ -79,8 +79,10 @@ class _VirtualRingComm:
     def commit(self) -> None:
         if self._committed:
             raise RuntimeError("commit called twice")
-        for x in self._sends:
-            self.exchange.box(self.send_rank, self.number).put(x.clone())
+        sent = [x.clone() for x in self._sends]
+        _settle(sent)
+        for x in sent:
+            self.exchange.box(self.send_rank, self.number).put(x)
         self._committed = True
 
     def wait(self) -> None:
@@ -96,14 +98,27 @@ class _VirtualRingComm:
         return next_k, next_v
 
 
-def _on_virtual_ranks(world_size: int, work) -> list:
-    """``work(rank, group)`` on one thread per rank; their results in rank order."""
+def _settle(tensors: list) -> None:
+    """Wait for the copies a rank made on its own stream before another rank's stream reads them
+    (the in-process stand-in for NCCL's stream ordering)."""
+    if tensors and tensors[0].is_cuda:
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+
+
+def _on_virtual_ranks(world_size: int, work, device: str = "cpu") -> list:
+    """``work(rank, group)`` on one thread per rank (on CUDA each with its own stream, as ranks
+    on separate GPUs are unordered); their results in rank order."""
     exchange, results, errors = _Exchange(world_size), [None] * world_size, []
 
     def run(rank: int) -> None:
         exchange.local.rank, exchange.local.comms = rank, 0
         try:
-            results[rank] = work(rank, exchange)
+            if device == "cuda":
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    results[rank] = work(rank, exchange)
+                    _settle([results[rank][0]])
+            else:
+                results[rank] = work(rank, exchange)
         except BaseException as error:  # noqa: B036 - reported below
             errors.append(error)
 
@@ -134,6 +149,24 @@ def _shards(kind: str, world_size: int, n: int) -> list[list[int]]:
 _NAMES = {"ring": "ring_flash_attn", "zigzag": "zigzag_ring_flash_attn", "stripe": "stripe_flash_attn"}
 
 
+# The host runs float64 (ring-flash-attn accumulates its gradients in float32 starting from
+# ``block_dq_buffer.to(torch.float32)``, which aliases the buffer, not a copy, for float32
+# inputs); a GPU runs bf16, its result against single-GPU cupyflash.attention within bf16 rounding.
+_DEVICES = [
+    pytest.param("cpu", id="host"),
+    pytest.param("cuda", id="cuda-bf16", marks=pytest.mark.gpu),
+]
+
+
+def _tolerances(device: str) -> tuple[dict, dict]:
+    """(out, dk and dv) and dq tolerances: ring-flash-attn returns dq in bfloat16
+    (ring_flash_attn_backward's .to(torch.bfloat16))."""
+    if device == "cuda":
+        return dict(rtol=2e-2, atol=2e-2), dict(rtol=3e-2, atol=3e-2)
+    return dict(rtol=1e-5, atol=1e-5), dict(rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", _DEVICES)
 @pytest.mark.parametrize(
     ("kind", "world_size", "causal"),
     [
@@ -145,39 +178,38 @@ _NAMES = {"ring": "ring_flash_attn", "zigzag": "zigzag_ring_flash_attn", "stripe
         ("stripe", 4, True),
     ],  # zigzag and stripe are causal only
 )
-def test_ring_functions_on_virtual_ranks_match_attention(ring, monkeypatch, kind, world_size, causal):
+def test_ring_functions_on_virtual_ranks_match_attention(ring, monkeypatch, kind, world_size, causal, device):
     name = _NAMES[kind]
     monkeypatch.setattr(importlib.import_module(f"ring_flash_attn.{name}"), "RingComm", _VirtualRingComm)
     function = getattr(ring, f"{name}_func")
     torch.manual_seed(world_size)
-    n, h, d = 32 * world_size, 2, 16
-    # float64: ring-flash-attn accumulates its gradients in float32 starting from
-    # ``block_dq_buffer.to(torch.float32)``, which aliases the buffer (not a copy) for float32 inputs
-    q, k, v = (torch.randn(1, n, h, d, dtype=torch.float64) for _ in range(3))
-    dout = torch.randn(1, n, h, d, dtype=torch.float64)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float64
+    # on the GPU, odd-sized shards of a few hundred tokens (several tiles per rank) and d = 64
+    n, h, d = (96 * world_size, 4, 64) if device == "cuda" else (32 * world_size, 2, 16)
+    q, k, v, dout = (torch.randn(1, n, h, d, dtype=torch.float64).to(device, dtype) for _ in range(4))
     shards = _shards(kind, world_size, n)
 
     def work(rank, group):
-        idx = torch.tensor(shards[rank])
+        idx = torch.tensor(shards[rank], device=device)
         mine = [x[:, idx].clone().requires_grad_() for x in (q, k, v)]
         out = function(*mine, causal=causal, group=group)
         out.backward(dout[:, idx])
         return out.detach(), *(x.grad for x in mine)
 
-    results = _on_virtual_ranks(world_size, work)
-    order = torch.tensor([i for s in shards for i in s])
+    results = _on_virtual_ranks(world_size, work, device)
+    order = torch.tensor([i for s in shards for i in s], device=device)
     out, dq, dk, dv = (
-        torch.empty(1, n, h, d, dtype=torch.float64).index_copy_(1, order, torch.cat([r[i] for r in results], 1))
+        torch.empty(1, n, h, d, dtype=dtype, device=device).index_copy_(1, order, torch.cat([r[i] for r in results], 1))
         for i in range(4)
     )
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     want = cupyflash.attention(*leaves, causal=causal)
     want.backward(dout)
-    torch.testing.assert_close(out, want.detach(), rtol=1e-5, atol=1e-5)
-    # ring-flash-attn returns dq in bfloat16 (ring_flash_attn_backward's .to(torch.bfloat16))
-    torch.testing.assert_close(dq, leaves[0].grad, rtol=2e-2, atol=2e-2)
+    close, close_dq = _tolerances(device)
+    torch.testing.assert_close(out, want.detach(), **close)
+    torch.testing.assert_close(dq.to(dtype), leaves[0].grad, **close_dq)
     for got, leaf in zip((dk, dv), leaves[1:]):
-        torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, leaf.grad, **close)
 
 
 def test_ring_over_torch_distributed_at_world_size_1(ring, tmp_path):
@@ -211,6 +243,7 @@ class _Collectives:
         with self.condition:
             slot = self.slots.setdefault(number, [None] * size)
             slot[local.rank] = tensor.clone()
+            _settle([slot[local.rank]])
             self.condition.notify_all()
             if not self.condition.wait_for(lambda: all(x is not None for x in slot), timeout=60):
                 raise TimeoutError("a virtual rank did not join the collective")
@@ -243,18 +276,20 @@ class _VirtualDist:
         output.copy_(total.chunk(group.exchange.world_size)[group.exchange.local.rank])
 
 
+@pytest.mark.parametrize("device", _DEVICES)
 @pytest.mark.parametrize(("world_size", "causal"), [(2, True), (4, True), (4, False)])
-def test_llama3_varlen_on_virtual_ranks_matches_attention_varlen(ring, monkeypatch, world_size, causal):
+def test_llama3_varlen_on_virtual_ranks_matches_attention_varlen(ring, monkeypatch, world_size, causal, device):
     """llama3's context parallelism (each rank's query slice against the keys all-gathered in
     head strides, dk and dv reduce-scattered) over packed sequences that cross the ranks' slices."""
     module = importlib.import_module("ring_flash_attn.llama3_flash_attn_varlen")
     monkeypatch.setattr(module, "Comm", _VirtualAllGatherComm)
     monkeypatch.setattr(module, "dist", _VirtualDist)
     torch.manual_seed(7 + world_size)
-    n, h, d = 16 * world_size, 2, 16
-    cu = torch.tensor([0, 5, n // 2 + 3, n - 7, n], dtype=torch.int32)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float64
+    n, h, d = (96 * world_size, 4, 64) if device == "cuda" else (16 * world_size, 2, 16)
+    cu = torch.tensor([0, 5, n // 2 + 3, n - 7, n], dtype=torch.int32, device=device)
     longest = int((cu[1:] - cu[:-1]).max())
-    q, k, v, dout = (torch.randn(n, h, d, dtype=torch.float64) for _ in range(4))
+    q, k, v, dout = (torch.randn(n, h, d, dtype=torch.float64).to(device, dtype) for _ in range(4))
     per = n // world_size
 
     def work(rank, exchange):
@@ -274,11 +309,12 @@ def test_llama3_varlen_on_virtual_ranks_matches_attention_varlen(ring, monkeypat
                 exchange.__dict__.setdefault("collectives", _Collectives(exchange))
         return work(rank, exchange)
 
-    results = _on_virtual_ranks(world_size, run)
+    results = _on_virtual_ranks(world_size, run, device)
     out, dq, dk, dv = (torch.cat([r[i] for r in results]) for i in range(4))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     want = cupyflash.attention_varlen(*leaves, cu, cu, longest, longest, causal=causal)
     want.backward(dout)
-    torch.testing.assert_close(out, want.detach(), rtol=1e-5, atol=1e-5)
+    close, _ = _tolerances(device)  # llama3 returns dq in the inputs' dtype
+    torch.testing.assert_close(out, want.detach(), **close)
     for got, leaf in zip((dq, dk, dv), leaves):
-        torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, leaf.grad, **close)

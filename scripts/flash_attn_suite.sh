@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# flash-attn's own test file, unchanged, against cupyflash.flash_attn (installed as `flash_attn`).
+#
+#   scripts/flash_attn_suite.sh stage FLASH_ATTENTION_CHECKOUT DIR   # on a machine with the checkout
+#   scripts/flash_attn_suite.sh run DIR [pytest arguments]           # on the GPU machine
+#
+# `stage` copies four files of a flash-attention checkout into DIR: tests/test_flash_attn.py and the
+# pure-Python helpers it imports besides the interface (bert_padding's pad/unpad, the rotary
+# embedding and its Triton kernel), and writes DIR/conftest.py, which calls
+# cupyflash.flash_attn.install() and registers the helpers under their flash_attn.* names before
+# pytest imports the test file. Nothing of flash-attn's interface or kernels is used. `run`
+# runs pytest there (einops and triton must be importable) and prints the outcome counts.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+case "${1:-}" in
+stage)
+  src=$2 dir=$3
+  mkdir -p "$dir"
+  cp "$src/tests/test_flash_attn.py" "$dir/test_flash_attn.py"
+  cp "$src/flash_attn/bert_padding.py" "$dir/_fa_bert_padding.py"
+  cp "$src/flash_attn/layers/rotary.py" "$dir/_fa_layers_rotary.py"
+  cp "$src/flash_attn/ops/triton/rotary.py" "$dir/_fa_ops_triton_rotary.py"
+  (cd "$src" && git log -1 --format='flash-attention %H %cs' 2>/dev/null || echo "flash-attention (no git)") > "$dir/SOURCE"
+  cat > "$dir/conftest.py" <<'PY'
+"""cupyflash.flash_attn as `flash_attn`, with flash-attn's own pure-Python helpers under their
+names (the test file imports them beside the interface)."""
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import cupyflash.flash_attn
+
+cupyflash.flash_attn.install()
+here = Path(__file__).parent
+for name, file in [
+    ("flash_attn.ops.triton.rotary", "_fa_ops_triton_rotary.py"),
+    ("flash_attn.bert_padding", "_fa_bert_padding.py"),
+    ("flash_attn.layers.rotary", "_fa_layers_rotary.py"),
+]:
+    for parent in ("flash_attn.ops", "flash_attn.ops.triton", "flash_attn.layers"):
+        sys.modules.setdefault(parent, types.ModuleType(parent))
+    spec = importlib.util.spec_from_file_location(name, here / file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+PY
+  echo "staged $(cat "$dir/SOURCE") into $dir"
+  ;;
+run)
+  dir=$2; shift 2
+  cd "$dir"
+  PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider -o addopts="" "$@" test_flash_attn.py \
+    | tee pytest.log | tail -30
+  ;;
+*) sed -n 2,12p "$0"; exit 2 ;;
+esac
