@@ -30,12 +30,14 @@
 #               default "prefill host"; AB_ROUNDS, default 3)
 #     train     forward + backward against PyTorch SDPA (bench-train), then examples/train.py
 #               (a 99M decoder trained with cupyflash and with SDPA; TRAIN_STEPS, default 500)
+#     flashattn flash-attn's own test file against cupyflash.flash_attn (scripts/flash_attn_suite.sh;
+#               FA_SUITE: the folder its `stage` made, default .peers/fa2tests; einops in .whl/)
 #   STEP_TIMEOUT (seconds) bounds each step, so that one slow step still leaves the others' logs.
 #
 # The machine has no network: Python packages it lacks travel as wheels in .whl/ (see README).
 # Exits 1 if any step failed.
 set -uo pipefail
-ALL_STEPS="warmup tests bench decode varlen chunked mask transformers serve host generate sass io tune sanitize ab train"
+ALL_STEPS="warmup tests bench decode varlen chunked mask transformers serve host generate sass io tune sanitize ab train flashattn"
 LOG_DIR=${OUT:-gpu_logs}
 if [ $# -gt 0 ] && [[ " $ALL_STEPS " != *" $1 "* ]]; then  # the first argument is not a step
   LOG_DIR=$1
@@ -121,6 +123,9 @@ step_sanitize() {
 step_train() {
   run train python3 -m cupyflash bench-train --json "$LOG_DIR/bench_train.json" || return 1
   run train python3 examples/train.py --steps "${TRAIN_STEPS:-500}" --json "$LOG_DIR/train_run.json"
+}
+step_flashattn() {
+  run flashattn bash scripts/flash_attn_suite.sh run "${FA_SUITE:-.peers/fa2tests}" -n 12 -rfE
 }
 step_ab() {
   local mode status=0
