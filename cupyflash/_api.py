@@ -221,10 +221,12 @@ def attention(
         its batch entry, query head, query row and key, traced once per call into an expression
         (arithmetic, comparisons, ``&`` ``|`` ``~``, the functions of :mod:`cupyflash.mods`, and
         captured 1-D / 2-D arrays indexed by index expressions). Python control flow on its
-        arguments (``if``, ``bool``, ``int``, ``float``) is refused with a TypeError. On host
-        arrays only so far (its backward: :func:`attention_backward` with the same functions):
-        on the GPU, under torch.compile or JAX tracing, or with tensors that require grad it
-        raises NotImplementedError. Not with ``attn_mask``.
+        arguments (``if``, ``bool``, ``int``, ``float``) is refused with a TypeError. On the host
+        path and the GPU kernels, forward and backward (:func:`attention_backward` with the same
+        functions; PyTorch autograd, ``jax.grad``), under ``torch.compile(fullgraph=True)`` and
+        ``jax.jit`` (the expression is the compiled op's static argument, the captured arrays its
+        inputs: new values need no recompile). Captured arrays get no gradient (one that requires
+        grad is refused). Not with ``attn_mask``.
     mask_mod : function ``(b, h, q_idx, kv_idx) -> bool``, optional
         FlexAttention's: the key ``kv_idx`` takes part in row ``q_idx`` iff it returns True
         (together with ``causal`` / ``window``; a row that sees no key outputs 0, LSE ``-inf``).
@@ -461,7 +463,7 @@ def attention_backward(
         M the keep mask and ``r`` the forward's scale of the kept values.
     alibi_slopes : the forward's (the slopes get no gradient, as in flash-attn).
     attn_mask : the forward's (it gets no gradient; a masked score's dS is 0).
-    score_mod, mask_mod : the forward's (host arrays only so far). ``dS`` is multiplied by
+    score_mod, mask_mod : the forward's. ``dS`` is multiplied by
         ``d score_mod / d score``, derived from the traced expression; captured arrays get no
         gradient.
     sinks : the forward's ``(Hq,)``: the gradient ``dsinks = -sum over rows of

@@ -12,7 +12,9 @@ on CPU arrays does), whose fresh results are copied into XLA's buffers: one copy
 LSE, the host path's way, never a reference computation standing in for the kernels.
 
 ``jax.custom_vjp`` gives the call a backward: the forward saves q, k, v, out and the LSE; the
-backward is a second custom call running ``attention_backward``'s pipeline. Dropout's seed is an
+backward is a second custom call running ``attention_backward``'s pipeline. A score_mod /
+mask_mod's traced expressions are part of the static key (``Config.mods``) and their captured
+arrays are operands of both calls (a new doc_id: the same program). Dropout's seed is an
 operand of both calls (a ``(2,)`` uint32 array: low and high words), as the PyTorch ops carry it
 in a tensor, so forward and backward draw one mask; JAX has no global generator, so under a
 transformation the caller gives the seed (an int, or a JAX integer array such as one drawn from

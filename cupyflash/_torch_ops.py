@@ -2,6 +2,9 @@
 (meta) implementation and a registered backward, so that tensors that require grad get their
 gradients (the FA2 backward) and ``torch.compile(fullgraph=True)`` keeps the call in its graph
 as one opaque op; ``attention_with_kvcache`` as one too (no backward; the caches mutated).
+``attention`` with a score_mod / mask_mod is the ``attention_mods`` op under torch.compile (the
+traced expressions its text argument, the captured tensors graph inputs) and an autograd.Function
+of its own in eager mode (``_ModsAttention``: the traced functions ride in the call).
 Imported when cupyflash first meets a torch tensor (``_interop.torch_module``) or at ``import
 cupyflash`` when torch is already imported: importing cupyflash never imports torch.
 
