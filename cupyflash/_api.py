@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from . import _attention, _fp8, _fp8_forward, _front, _interop, _kvcache, _mods
+from . import _attention, _fp8, _fp8_forward, _front, _kvcache, _mods
 from ._validate import check_algorithm, check_batch_invariant, check_flag, check_num_splits, check_options
 
 # The forward entry points, as the front door routes them.
@@ -279,9 +279,7 @@ def attention(
         raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
     if type(algorithm) is not str or algorithm != "auto":  # the default skips the check
         algorithm = check_algorithm("attention", algorithm)
-    mods = None
-    if score_mod is not None or mask_mod is not None:
-        mods = _traced(score_mod, mask_mod, attn_mask, compiled=_interop.compiling())
+    mods = None if score_mod is None and mask_mod is None else _traced(score_mod, mask_mod, attn_mask, compilable=True)
     if attn_mask is not None and algorithm not in ("auto", "fa2"):
         raise ValueError(f"attn_mask runs on the FA2 kernel: algorithm must be 'auto' or 'fa2', got {algorithm!r}")
     if deterministic is not False and deterministic is not True:
@@ -842,13 +840,13 @@ def attention_with_kvcache(
     return ((out, lse) if return_lse else out), k_cache, v_cache
 
 
-def _traced(score_mod: Any, mask_mod: Any, attn_mask: Any, *, compiled: bool = False) -> tuple[Any, Any]:
-    """A call's score_mod and mask_mod traced (``_mods``), each None where not given. ``compiled``:
-    an ``attention`` call Dynamo traces, whose functions go on as given (the PyTorch adapter traces
-    them into its custom op's arguments, ``_torch_ops``)."""
+def _traced(score_mod: Any, mask_mod: Any, attn_mask: Any, *, compilable: bool = False) -> tuple[Any, Any]:
+    """A call's score_mod and mask_mod traced (``_mods``), each None where not given.
+    ``compilable``: the entry point runs under torch.compile, where the functions go on as given
+    while Dynamo traces it (the PyTorch adapter traces them into its custom op's arguments)."""
     if attn_mask is not None:
         raise ValueError("score_mod / mask_mod do not take attn_mask: write the mask as a mask_mod")
-    if compiled:
+    if compilable and _front.compiling():
         return score_mod, mask_mod
     return (
         None if score_mod is None else _mods.trace_score_mod(score_mod),
