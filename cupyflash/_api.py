@@ -221,10 +221,12 @@ def attention(
         its batch entry, query head, query row and key, traced once per call into an expression
         (arithmetic, comparisons, ``&`` ``|`` ``~``, the functions of :mod:`cupyflash.mods`, and
         captured 1-D / 2-D arrays indexed by index expressions). Python control flow on its
-        arguments (``if``, ``bool``, ``int``, ``float``) is refused with a TypeError. On host
-        arrays only so far (its backward: :func:`attention_backward` with the same functions):
-        on the GPU, under torch.compile or JAX tracing, or with tensors that require grad it
-        raises NotImplementedError. Not with ``attn_mask``.
+        arguments (``if``, ``bool``, ``int``, ``float``) is refused with a TypeError. On the host
+        path and the GPU kernels, forward and backward (:func:`attention_backward` with the same
+        functions; PyTorch autograd, ``jax.grad``), under ``torch.compile(fullgraph=True)`` and
+        ``jax.jit`` (the expression is the compiled op's static argument, the captured arrays its
+        inputs: new values need no recompile). Captured arrays get no gradient (one that requires
+        grad is refused). Not with ``attn_mask``.
     mask_mod : function ``(b, h, q_idx, kv_idx) -> bool``, optional
         FlexAttention's: the key ``kv_idx`` takes part in row ``q_idx`` iff it returns True
         (together with ``causal`` / ``window``; a row that sees no key outputs 0, LSE ``-inf``).
@@ -277,7 +279,7 @@ def attention(
         raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
     if type(algorithm) is not str or algorithm != "auto":  # the default skips the check
         algorithm = check_algorithm("attention", algorithm)
-    mods = None if score_mod is None and mask_mod is None else _traced(score_mod, mask_mod, attn_mask)
+    mods = None if score_mod is None and mask_mod is None else _traced(score_mod, mask_mod, attn_mask, compilable=True)
     if attn_mask is not None and algorithm not in ("auto", "fa2"):
         raise ValueError(f"attn_mask runs on the FA2 kernel: algorithm must be 'auto' or 'fa2', got {algorithm!r}")
     if deterministic is not False and deterministic is not True:
@@ -459,7 +461,7 @@ def attention_backward(
         M the keep mask and ``r`` the forward's scale of the kept values.
     alibi_slopes : the forward's (the slopes get no gradient, as in flash-attn).
     attn_mask : the forward's (it gets no gradient; a masked score's dS is 0).
-    score_mod, mask_mod : the forward's (host arrays only so far). ``dS`` is multiplied by
+    score_mod, mask_mod : the forward's. ``dS`` is multiplied by
         ``d score_mod / d score``, derived from the traced expression; captured arrays get no
         gradient.
     sinks : the forward's ``(Hq,)``: the gradient ``dsinks = -sum over rows of
@@ -838,10 +840,14 @@ def attention_with_kvcache(
     return ((out, lse) if return_lse else out), k_cache, v_cache
 
 
-def _traced(score_mod: Any, mask_mod: Any, attn_mask: Any) -> tuple[Any, Any]:
-    """A call's score_mod and mask_mod traced (``_mods``), each None where not given."""
+def _traced(score_mod: Any, mask_mod: Any, attn_mask: Any, *, compilable: bool = False) -> tuple[Any, Any]:
+    """A call's score_mod and mask_mod traced (``_mods``), each None where not given.
+    ``compilable``: the entry point runs under torch.compile, where the functions go on as given
+    while Dynamo traces it (the PyTorch adapter traces them into its custom op's arguments)."""
     if attn_mask is not None:
         raise ValueError("score_mod / mask_mod do not take attn_mask: write the mask as a mask_mod")
+    if compilable and _front.compiling():
+        return score_mod, mask_mod
     return (
         None if score_mod is None else _mods.trace_score_mod(score_mod),
         None if mask_mod is None else _mods.trace_mask_mod(mask_mod),

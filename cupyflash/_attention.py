@@ -54,7 +54,7 @@ class Forward:
     seed: int | None = None
     alibi_slopes: Any = None
     attn_mask: Any = None
-    mods: Any = None  # (score_mod, mask_mod) traced (_mods.Mod or None each), or None: the host path only
+    mods: Any = None  # (score_mod, mask_mod) traced (_mods.Mod or None each; as given while Dynamo traces), or None
     batch_invariant: bool = False  # each sequence's result independent of the batch (the decode kernel's splits)
     sinks: Any = None  # learnable sinks (Hq,): a logit per head in every row's softmax denominator
 
@@ -151,7 +151,7 @@ class Backward:
     seed: int | None = None  # required with dropout: the forward's mask is regenerated from it
     alibi_slopes: Any = None
     attn_mask: Any = None
-    mods: Any = None  # the forward's (score_mod, mask_mod), traced: the host path only
+    mods: Any = None  # the forward's (score_mod, mask_mod), traced
     sinks: Any = None  # the forward's sinks (Hq,): their gradient is a fourth result
 
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask", "sinks")
@@ -588,8 +588,6 @@ def backward(call: Backward) -> tuple[Any, ...]:
             score_mod, mask_mod, call.sinks,
         )  # fmt: skip
     lib, device, arrays = found
-    if call.mods is not None:
-        return _gpu_mods_backward(lib, device, call.on(arrays), problem)
     return gpu_backward(lib, device, call.on(arrays), problem)
 
 
@@ -599,6 +597,8 @@ def gpu_backward(
     """The kernels' backward on arrays the pipeline reads (``problem``: the call's, checked, its
     mask 4-D as ``call.attn_mask``): (dq, dk, dv), and dsinks with sinks. ``given``: output
     buffers to write, by name."""
+    if call.mods is not None:
+        return _gpu_mods_backward(lib, device, call, problem, given)
     q, k, v, out, dout, lse, dlse, slopes, mask, sinks = (
         call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.alibi_slopes, call.attn_mask, call.sinks
     )  # fmt: skip
@@ -632,7 +632,9 @@ def _with_sink_gradient(grads: tuple[Any, ...]) -> tuple[Any, ...]:
     return dq, dk, dv, rows.sum(axis=(0, 2))
 
 
-def _gpu_mods_backward(lib: _interop.ArrayLib, device: int, call: Backward, problem: Problem) -> tuple[Any, ...]:
+def _gpu_mods_backward(
+    lib: _interop.ArrayLib, device: int, call: Backward, problem: Problem, given: Any = _launch.EMPTY
+) -> tuple[Any, ...]:
     """The backward of a call with a score_mod / mask_mod: the mma.sync kernels with the
     functions and score_mod's derivative compiled in (``_plan.plan_backward``'s ``mods``)."""
     mods_key, kernel, buffers = _kernel_mods_of(call, device)
@@ -651,7 +653,7 @@ def _gpu_mods_backward(lib: _interop.ArrayLib, device: int, call: Backward, prob
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse, "sinks": sinks,
                       **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}  # fmt: skip
-    return _with_sink_gradient(_launch.run_outputs(launch, lib, device, arrays_by_name))
+    return _with_sink_gradient(_launch.run_outputs(launch, lib, device, arrays_by_name, given))
 
 
 def _lean_backward_key(lib: _interop.ArrayLib, device: int, call: Backward) -> tuple[Any, ...]:

@@ -76,6 +76,11 @@ def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, ...]:
     return _autograd_route(op, call.prepared(), want_lse)  # tensors that require grad
 
 
+def compiling() -> bool:
+    """Whether Dynamo traces the call (torch.compile): then route takes the custom op's way."""
+    return _interop.compiling()
+
+
 def _compile_route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, ...]:
     if op.torch is None:
         raise NotImplementedError(f"{op.name} does not run under torch.compile yet")

@@ -12,7 +12,9 @@ on CPU arrays does), whose fresh results are copied into XLA's buffers: one copy
 LSE, the host path's way, never a reference computation standing in for the kernels.
 
 ``jax.custom_vjp`` gives the call a backward: the forward saves q, k, v, out and the LSE; the
-backward is a second custom call running ``attention_backward``'s pipeline. Dropout's seed is an
+backward is a second custom call running ``attention_backward``'s pipeline. A score_mod /
+mask_mod's traced expressions are part of the static key (``Config.mods``) and their captured
+arrays are operands of both calls (a new doc_id: the same program). Dropout's seed is an
 operand of both calls (a ``(2,)`` uint32 array: low and high words), as the PyTorch ops carry it
 in a tensor, so forward and backward draw one mask; JAX has no global generator, so under a
 transformation the caller gives the seed (an int, or a JAX integer array such as one drawn from
@@ -68,18 +70,23 @@ class Config:
     dropout_p: float
     problem: Any  # the validated Problem (shapes, mask): the backward's plan key
     batch_invariant: bool = False
+    mods: Any = None  # score_mod / mask_mod without their arrays (_mods.Static; the arrays are operands)
 
 
 def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     """An ``attention`` call with traced inputs (options checked by the entry): (out, lse), lse
     None unless wanted."""
     q, k, v, alibi_slopes, sinks = call.q, call.k, call.v, call.alibi_slopes, call.sinks
-    if call.mods is not None:
-        raise NotImplementedError(_mods.UNTRACEABLE_HERE)
     if call.attn_mask is not None:
         raise NotImplementedError("attention with attn_mask does not run under a JAX transformation yet")
     dropout_p, _ = check_dropout(call.dropout_p, None)
     _check_jax_arrays("attention", {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "sinks": sinks})
+    mods: Any = None
+    mod_arrays: tuple[Any, ...] = ()
+    if call.mods is not None:  # the expressions are static (the callbacks' key), their arrays operands
+        mods, mod_arrays = _mods.static(*call.mods), _mods.captured(*call.mods)
+        named: dict[str, Any] = {f"a score_mod / mask_mod's captured array {i}": x for i, x in enumerate(mod_arrays)}
+        _check_jax_arrays("attention", named)
     problem = _attention.problem_of(q, k, v, call.options, call.layout, dropout_p, alibi_slopes, sinks)
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"q, k and v must share one floating dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
@@ -89,9 +96,9 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
         raise TypeError(f"sinks must be float32 (sinks.astype(jnp.float32) keeps its gradient), got {sinks.dtype}")
     config = Config(
         call.options, call.layout, call.algorithm, bool(want_lse), bool(call.deterministic), dropout_p, problem,
-        bool(call.batch_invariant),
+        bool(call.batch_invariant), mods,
     )  # fmt: skip
-    result = _attention_vjp(config, q, k, v, _seed_operand(dropout_p, call.seed), alibi_slopes, sinks)
+    result = _attention_vjp(config, q, k, v, _seed_operand(dropout_p, call.seed), alibi_slopes, sinks, mod_arrays)
     return result if want_lse else (result, None)
 
 
@@ -135,35 +142,46 @@ def _seed_value(words: np.ndarray) -> int:
 # The differentiable function: primal, forward with residuals, backward.
 # ---------------------------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention_vjp(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any) -> Any:
-    out, lse = _forward(config, q, k, v, seed, slopes, sinks, config.return_lse)
+def _attention_vjp(
+    config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any, mod_arrays: tuple[Any, ...]
+) -> Any:
+    out, lse = _forward(config, q, k, v, seed, slopes, sinks, mod_arrays, config.return_lse)
     return (out, lse) if config.return_lse else out
 
 
-def _attention_fwd(config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any) -> tuple[Any, Any]:
+def _attention_fwd(
+    config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any, mod_arrays: tuple[Any, ...]
+) -> tuple[Any, Any]:
     # symbolic_zeros: each primal comes as (value, perturbed), so differentiated slopes are seen
     if slopes is not None and slopes.perturbed:
         raise RuntimeError(
             "alibi_slopes are differentiated, but ALiBi's slopes get no gradient (as in flash-attn): pass "
             "jax.lax.stop_gradient(slopes)"
         )
+    if any(x.perturbed for x in mod_arrays):
+        raise NotImplementedError(
+            "a score_mod / mask_mod's captured array is differentiated, but it gets no gradient from cupyflash yet: "
+            "pass jax.lax.stop_gradient(x)"
+        )
     q, k, v = q.value, k.value, v.value
     seed = None if seed is None else seed.value
     slopes = None if slopes is None else slopes.value
     sinks = None if sinks is None else sinks.value
-    out, lse = _forward(config, q, k, v, seed, slopes, sinks, True)
-    return ((out, lse) if config.return_lse else out), (q, k, v, out, lse, seed, slopes, sinks)
+    mod_arrays = tuple(x.value for x in mod_arrays)
+    out, lse = _forward(config, q, k, v, seed, slopes, sinks, mod_arrays, True)
+    return ((out, lse) if config.return_lse else out), (q, k, v, out, lse, seed, slopes, sinks, mod_arrays)
 
 
 def _attention_bwd(config: Config, residuals: Any, cotangent: Any) -> tuple[Any, ...]:
-    q, k, v, out, lse, seed, slopes, sinks = residuals
+    q, k, v, out, lse, seed, slopes, sinks, mod_arrays = residuals
     dout, dlse = cotangent if config.return_lse else (cotangent, None)
     if isinstance(dlse, SymbolicZero):  # the loss does not use the LSE
         dlse = None
     if isinstance(dout, SymbolicZero):  # a loss of the LSE alone
         dout = jnp.zeros(out.shape, out.dtype)
-    grads = _backward(config, dout, q, k, v, out, lse, dlse, seed, slopes, sinks)
-    return *grads[:3], None, None, (grads[3] if sinks is not None else None)  # the seed and the slopes get none
+    grads = _backward(config, dout, q, k, v, out, lse, dlse, seed, slopes, sinks, mod_arrays)
+    # the seed, the slopes and the captured arrays get none
+    return *grads[:3], None, None, (grads[3] if sinks is not None else None), None
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -176,27 +194,28 @@ def _lse_struct(problem: Any, q: Any) -> Any:
 
 
 def _forward(
-    config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any, want_lse: bool
-) -> tuple[Any, Any]:
+    config: Config, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any, mod_arrays: tuple[Any, ...],
+    want_lse: bool,
+) -> tuple[Any, Any]:  # fmt: skip
     results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if want_lse:
         results.append(_lse_struct(config.problem, q))
     callback = _forward_callback(config, seed is not None, slopes is not None, sinks is not None, want_lse)
-    extras = tuple(x for x in (seed, slopes, sinks) if x is not None)
+    extras = (*(x for x in (seed, slopes, sinks) if x is not None), *mod_arrays)
     outputs = buffer_callback(callback, tuple(results), vmap_method=_VMAP_METHOD)(q, k, v, *extras)
     return outputs[0], (outputs[1] if want_lse else None)
 
 
 def _backward(
     config: Config, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, seed: Any, slopes: Any,
-    sinks: Any,
+    sinks: Any, mod_arrays: tuple[Any, ...],
 ) -> tuple[Any, ...]:  # fmt: skip
     """(dq, dk, dv), and dsinks (in the sinks' float32) with sinks."""
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     if sinks is not None:
         results += (jax.ShapeDtypeStruct(sinks.shape, sinks.dtype),)
     callback = _backward_callback(config, dlse is not None, seed is not None, slopes is not None, sinks is not None)
-    extras = tuple(x for x in (dlse, seed, slopes, sinks) if x is not None)
+    extras = (*(x for x in (dlse, seed, slopes, sinks) if x is not None), *mod_arrays)
     return tuple(buffer_callback(callback, results, vmap_method=_VMAP_METHOD)(dout, q, k, v, out, lse, *extras))
 
 
@@ -205,18 +224,24 @@ def _backward(
 # carries it as a parameter, so a stable object lets JAX reuse what it compiled for it.
 # ---------------------------------------------------------------------------------------------
 def _split(extras: tuple[Any, ...], *present: bool) -> list[Any]:
-    """The optional operands, None where absent, from the ones passed."""
+    """The optional operands, None where absent, from the ones passed, then a tuple of the rest
+    (the captured arrays of a score_mod / mask_mod)."""
     it = iter(extras)
-    return [next(it) if here else None for here in present]
+    return [*(next(it) if here else None for here in present), tuple(it)]
+
+
+def _mods_on(config: Config, arrays: tuple[Any, ...], view: Any) -> Any:
+    """The call's score_mod / mask_mod on its captured arrays' buffers (as ``view`` makes them), or None."""
+    return None if config.mods is None else _mods.rebuilt(config.mods, (view(x) for x in arrays))
 
 
 @functools.cache
 def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, has_sinks: bool, want_lse: bool) -> Any:
     def callback(ctx: Any, results: Any, q: Any, k: Any, v: Any, *extras: Any) -> None:
-        seed, slopes, sinks = _split(extras, has_seed, has_slopes, has_sinks)
+        seed, slopes, sinks, mod_arrays = _split(extras, has_seed, has_slopes, has_sinks)
         stream = _xla_stream(ctx)
         if stream is None:
-            _host_forward(config, results, q, k, v, seed, slopes, sinks)
+            _host_forward(config, results, q, k, v, seed, slopes, sinks, mod_arrays)
             runs["cpu", "forward"] += 1
             return
         cupy = _interop.cupy_module()
@@ -228,7 +253,8 @@ def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, has_sink
                 given["lse"] = _cupy_view(results[1])
             call = _attention.Forward(
                 q, k, v, config.options, config.layout, config.algorithm, config.deterministic, config.dropout_p,
-                _gpu_seed(seed), None if slopes is None else _cupy_view(slopes), batch_invariant=config.batch_invariant,
+                _gpu_seed(seed), None if slopes is None else _cupy_view(slopes),
+                mods=_mods_on(config, mod_arrays, _cupy_view), batch_invariant=config.batch_invariant,
                 sinks=None if sinks is None else _cupy_view(sinks),
             )  # fmt: skip
             _attention.gpu_forward(_interop.CUPY_LIB, device, call, want_lse, given)
@@ -241,10 +267,10 @@ def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, has_sink
 def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slopes: bool, has_sinks: bool) -> Any:
     def callback(ctx: Any, results: Any, *operands: Any) -> None:
         dout, q, k, v, out, lse = operands[:6]
-        dlse, seed, slopes, sinks = _split(operands[6:], has_dlse, has_seed, has_slopes, has_sinks)
+        dlse, seed, slopes, sinks, mod_arrays = _split(operands[6:], has_dlse, has_seed, has_slopes, has_sinks)
         stream = _xla_stream(ctx)
         if stream is None:
-            _host_backward(config, results, dout, q, k, v, out, lse, dlse, seed, slopes, sinks)
+            _host_backward(config, results, dout, q, k, v, out, lse, dlse, seed, slopes, sinks, mod_arrays)
             runs["cpu", "backward"] += 1
             return
         cupy = _interop.cupy_module()
@@ -255,7 +281,7 @@ def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slope
             given = {name: _cupy_view(x) for name, x in zip(("dq", "dk", "dv"), results)}
             call = _attention.Backward(
                 dout, q, k, v, out, lse, dlse, config.options, config.layout, config.deterministic, config.dropout_p,
-                _gpu_seed(seed), slopes, sinks=sinks,
+                _gpu_seed(seed), slopes, mods=_mods_on(config, mod_arrays, _cupy_view), sinks=sinks,
             )  # fmt: skip
             grads = _attention.gpu_backward(_interop.CUPY_LIB, device, call, config.problem, given)
             if sinks is not None:  # summed per head on the stream, into XLA's result
@@ -471,13 +497,13 @@ def _host_array(buffer: Any) -> Any:
 
 
 def _host_forward(
-    config: Config, results: Any, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any = None
+    config: Config, results: Any, q: Any, k: Any, v: Any, seed: Any, slopes: Any, sinks: Any, mod_arrays: Any
 ) -> None:
     call = _attention.Forward(
         _host_array(q), _host_array(k), _host_array(v), config.options, config.layout, config.algorithm,
         config.deterministic, config.dropout_p, None if seed is None else _seed_value(np.asarray(seed)),
-        None if slopes is None else np.asarray(slopes), batch_invariant=config.batch_invariant,
-        sinks=None if sinks is None else np.asarray(sinks),
+        None if slopes is None else np.asarray(slopes), mods=_mods_on(config, mod_arrays, _host_array),
+        batch_invariant=config.batch_invariant, sinks=None if sinks is None else np.asarray(sinks),
     )  # fmt: skip
     out, lse = _attention.host_forward(call)
     np.asarray(results[0])[...] = out
@@ -487,13 +513,14 @@ def _host_forward(
 
 def _host_backward(
     config: Config, results: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, seed: Any,
-    slopes: Any, sinks: Any = None,
+    slopes: Any, sinks: Any, mod_arrays: Any,
 ) -> None:  # fmt: skip
     call = _attention.Backward(
         _host_array(dout), _host_array(q), _host_array(k), _host_array(v), _host_array(out), np.asarray(lse),
         None if dlse is None else np.asarray(dlse), config.options, config.layout, config.deterministic,
         config.dropout_p, None if seed is None else _seed_value(np.asarray(seed)),
-        None if slopes is None else np.asarray(slopes), sinks=None if sinks is None else np.asarray(sinks),
+        None if slopes is None else np.asarray(slopes), mods=_mods_on(config, mod_arrays, _host_array),
+        sinks=None if sinks is None else np.asarray(sinks),
     )  # fmt: skip
     grads = _attention.backward(call)
     for buffer, grad in zip(results, grads):

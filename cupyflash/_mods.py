@@ -14,17 +14,15 @@ so it is refused with a TypeError that names the operation and the way out.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
 import numbers
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-#: The refusal of score_mod / mask_mod where they have no hook yet (torch.compile, JAX tracing).
-UNTRACEABLE_HERE = "score_mod / mask_mod do not run under torch.compile or JAX tracing yet"
-
 
 #: The values a node yields: float32 scores, integer indices, booleans.
 FLOAT, INT, BOOL = "float", "int", "bool"
@@ -313,26 +311,45 @@ def _empty(cell: Any) -> bool:
     return False
 
 
+def reads(fn: Callable[..., Any]) -> list[tuple[tuple[str, Any], Any]]:
+    """What ``fn`` reads besides its arguments, where the trace looks for captured arrays: its
+    closure cells ``(("cell", i), value)``, its defaults ``(("default", i), value)`` and the
+    globals it names ``(("global", name), value)``. Nothing for a callable that is not a plain
+    function (its arrays are not captured: indexing one by a traced value is refused)."""
+    if not isinstance(fn, types.FunctionType):
+        return []
+    found: list[tuple[tuple[str, Any], Any]] = [
+        (("cell", i), c.cell_contents) for i, c in enumerate(fn.__closure__ or ()) if not _empty(c)
+    ]
+    found += [(("default", i), d) for i, d in enumerate(fn.__defaults__ or ())]
+    found += [(("global", n), fn.__globals__[n]) for n in fn.__code__.co_names if n in fn.__globals__]
+    return found
+
+
 def _with_buffers(fn: Callable[..., Any], trace: _Trace) -> Callable[..., Any]:
-    """``fn`` with the 1-D / 2-D arrays it captures (closure cells, globals it names, defaults)
-    replaced by ``TracedBuffer``s, so that ``doc_id[q_idx]`` records a read."""
+    """``fn`` with the 1-D / 2-D arrays it captures (``reads``) replaced by ``TracedBuffer``s, so
+    that ``doc_id[q_idx]`` records a read."""
     if not isinstance(fn, types.FunctionType):
         return fn
-
-    def wrap(name: str, x: Any) -> Any:
-        return TracedBuffer(x, name, trace) if _is_array(x) and x.ndim in (1, 2) else x
-
     code = fn.__code__
+
+    def name(kind: str, at: Any) -> str:  # the captured variable's, for messages
+        return str(code.co_freevars[at] if kind == "cell" else at if kind == "global" else "default")
+
+    swapped = {
+        where: TracedBuffer(x, name(*where), trace) for where, x in reads(fn) if _is_array(x) and x.ndim in (1, 2)
+    }
+    if not swapped:
+        return fn
     cells = fn.__closure__ or ()
-    closure = tuple(
-        c if _empty(c) else types.CellType(wrap(n, c.cell_contents)) for n, c in zip(code.co_freevars, cells)
-    )
-    names = [n for n in code.co_names if n in fn.__globals__ and _is_array(fn.__globals__[n])]
+    closure = tuple(types.CellType(swapped[("cell", i)]) if ("cell", i) in swapped else c for i, c in enumerate(cells))
     namespace = fn.__globals__
-    if names:
+    if any(kind == "global" for kind, _ in swapped):
         namespace = dict(fn.__globals__)
-        namespace.update({n: wrap(n, fn.__globals__[n]) for n in names})
-    defaults = None if fn.__defaults__ is None else tuple(wrap("default", d) for d in fn.__defaults__)
+        namespace.update({n: x for (kind, n), x in swapped.items() if kind == "global"})
+    defaults = fn.__defaults__
+    if defaults is not None:
+        defaults = tuple(swapped.get(("default", i), d) for i, d in enumerate(defaults))
     return types.FunctionType(code, namespace, fn.__name__, defaults, closure or None)
 
 
@@ -460,6 +477,84 @@ def trace_score_mod(fn: Callable[..., Any]) -> Mod:
 def trace_mask_mod(fn: Callable[..., Any]) -> Mod:
     """``fn(b, h, q_idx, kv_idx) -> bool``, traced."""
     return _trace(fn, "mask_mod", ("b", "h", "q_idx", "kv_idx"))
+
+
+# ---------------------------------------------------------------------------------------------
+# A call's pair without its arrays: what stays fixed while the arrays change, the static part of
+# a traced call (the torch custom ops' text argument, the JAX custom calls' key).
+# ---------------------------------------------------------------------------------------------
+#: score_mod's and mask_mod's (expression, number of captured arrays), None where not given.
+Static = tuple[tuple[Expr, int] | None, tuple[Expr, int] | None]
+
+_ROLES = ("score_mod", "mask_mod")
+
+
+def static(score_mod: Mod | None, mask_mod: Mod | None) -> Static:
+    """The pair's expressions, hashable and free of arrays (their slots keep shapes and dtypes)."""
+    return (
+        None if score_mod is None else (score_mod.expr, len(score_mod.buffers)),
+        None if mask_mod is None else (mask_mod.expr, len(mask_mod.buffers)),
+    )
+
+
+def captured(score_mod: Mod | None, mask_mod: Mod | None) -> tuple[Any, ...]:
+    """The pair's captured arrays: score_mod's, then mask_mod's, each in slot order."""
+    return tuple(x for mod in (score_mod, mask_mod) if mod is not None for x in mod.buffers)
+
+
+def rebuilt(pair: Static, arrays: Any) -> tuple[Mod | None, Mod | None]:
+    """The pair of ``static`` again, on ``arrays`` (``captured``'s order; e.g. graph inputs or a
+    custom call's operands, the same shapes and dtypes)."""
+    arrays = tuple(arrays)
+    mods: list[Mod | None] = []
+    for role, part in zip(_ROLES, pair):
+        if part is None:
+            mods.append(None)
+            continue
+        expr, count = part
+        mods.append(Mod(role, expr, arrays[:count]))
+        arrays = arrays[count:]
+    return mods[0], mods[1]
+
+
+def encode(pair: Static) -> str:
+    """``pair`` as text (JSON: the nodes in post-order, a shared node once, each naming its
+    operands by position), a string argument of the torch custom ops. ``decode`` reads it back."""
+    nodes: list[list[Any]] = []
+    at: dict[int, int] = {}
+
+    def visit(e: Expr) -> int:
+        if id(e) not in at:
+            if e.op == "buf":
+                spec = e.args[0]
+                payload = [spec.slot, list(spec.shape), spec.dtype]
+            elif e.op in ("arg", "const"):
+                payload = [e.args[0]]
+            else:
+                payload = [visit(a) for a in e.args]
+            at[id(e)] = len(nodes)
+            nodes.append([e.op, e.kind, *payload])
+        return at[id(e)]
+
+    roots = {role: [visit(part[0]), part[1]] for role, part in zip(_ROLES, pair) if part is not None}
+    return json.dumps({"nodes": nodes, **roots}, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=256)
+def decode(text: str) -> Static:
+    """``encode``'s text as the pair of expressions (parsed once per text)."""
+    data = json.loads(text)
+    built: list[Expr] = []
+    for op, kind, *payload in data["nodes"]:
+        if op == "buf":
+            args: tuple[Any, ...] = (BufferSpec(payload[0], tuple(payload[1]), payload[2]),)
+        elif op in ("arg", "const"):
+            args = (payload[0],)
+        else:
+            args = tuple(built[i] for i in payload)
+        built.append(Expr(op, kind, args))
+    parts = [(built[data[role][0]], data[role][1]) if role in data else None for role in _ROLES]
+    return parts[0], parts[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 (meta) implementation and a registered backward, so that tensors that require grad get their
 gradients (the FA2 backward) and ``torch.compile(fullgraph=True)`` keeps the call in its graph
 as one opaque op; ``attention_with_kvcache`` as one too (no backward; the caches mutated).
+``attention`` with a score_mod / mask_mod is the ``attention_mods`` op under torch.compile (the
+traced expressions its text argument, the captured tensors graph inputs) and an autograd.Function
+of its own in eager mode (``_ModsAttention``: the traced functions ride in the call).
 Imported when cupyflash first meets a torch tensor (``_interop.torch_module``) or at ``import
 cupyflash`` when torch is already imported: importing cupyflash never imports torch.
 
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -151,10 +156,8 @@ attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
 
 def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
     """An ``attention`` call through the custom op: (out, lse)."""
-    if call.mods is not None:  # no custom op (the functions are not tensors): autograd only
-        if _interop.compiling():
-            raise NotImplementedError(_mods.UNTRACEABLE_HERE)
-        return _with_mods(call)
+    if call.mods is not None:
+        return _compiled_mods(call) if _interop.compiling() else _with_mods(call)
     _refuse_slope_grad(call.alibi_slopes)
     mask = call.attn_mask
     if mask is not None and mask.requires_grad and torch.is_grad_enabled():
@@ -204,15 +207,200 @@ class _ModsAttention(torch.autograd.Function):
 def _with_mods(call: _attention.Forward) -> tuple[Any, Any]:
     for mod in call.mods:
         for x in () if mod is None else mod.buffers:
-            if isinstance(x, Tensor) and x.requires_grad and torch.is_grad_enabled():
-                raise NotImplementedError(
-                    "a score_mod / mask_mod's captured tensor gets no gradient from cupyflash yet: pass it detached"
-                )
+            _refuse_captured_grad(x)
     if call.dropout_p:
         raise NotImplementedError("score_mod / mask_mod with dropout have no autograd yet")
     _refuse_slope_grad(call.alibi_slopes)
     out, lse = _ModsAttention.apply(call, call.q, call.k, call.v, call.sinks)
     return out, lse
+
+
+def _refuse_captured_grad(x: Any) -> None:
+    if isinstance(x, Tensor) and x.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            "a score_mod / mask_mod's captured tensor gets no gradient from cupyflash yet: pass it detached"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# attention with a score_mod / mask_mod under torch.compile: the traced pair is the ops' text
+# argument (``_mods.encode``: the expressions, which name the kernel variant) and the captured
+# tensors their Tensor[] argument, graph inputs, so that new values need no recompile.
+# ---------------------------------------------------------------------------------------------
+def _mods_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int,
+    softcap: float, layout: str, algorithm: str, deterministic: bool, alibi_slopes: Tensor | None,
+    sinks: Tensor | None, batch_invariant: bool, mods: str, mod_arrays: list[Tensor],
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    options = Options(causal, scale, (window_left, window_right), softcap)
+    call = _attention.Forward(
+        q, k, v, options, layout, algorithm, deterministic, alibi_slopes=alibi_slopes,
+        mods=_mods.rebuilt(_mods.decode(mods), mod_arrays), batch_invariant=batch_invariant, sinks=sinks,
+    )  # fmt: skip
+    with torch.no_grad():
+        out, lse = _attention.forward(call, want_lse=True)
+    return _contiguous(out, lse)
+
+
+attention_mods_op = torch.library.custom_op(f"{_LIB}::attention_mods", _mods_forward, mutates_args=())
+
+
+@attention_mods_op.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int, window_right: int,
+    softcap: float, layout: str, algorithm: str, deterministic: bool, alibi_slopes: Tensor | None,
+    sinks: Tensor | None, batch_invariant: bool, mods: str, mod_arrays: list[Tensor],
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    p = _problem(q, k, v, causal, scale, window_left, window_right, softcap, layout)
+    lse = q.new_empty((p.batch, p.heads_q, p.seqlen_q), dtype=_lse_dtype(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+
+
+def _mods_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
+    scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
+    alibi_slopes: Tensor | None, sinks: Tensor | None, mods: str, mod_arrays: list[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    options = Options(causal, scale, (window_left, window_right), softcap)
+    call = _attention.Backward(
+        dout, q, k, v, out, lse, dlse, options, layout, deterministic, alibi_slopes=alibi_slopes,
+        mods=_mods.rebuilt(_mods.decode(mods), mod_arrays), sinks=sinks,
+    )  # fmt: skip
+    with torch.no_grad():
+        grads = _attention.backward(call)
+    return _contiguous(*_four(q, grads))
+
+
+attention_mods_backward_op = torch.library.custom_op(
+    f"{_LIB}::attention_mods_backward", _mods_backward, mutates_args=()
+)
+
+
+@attention_mods_backward_op.register_fake
+def _(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
+    scale: float, window_left: int, window_right: int, softcap: float, layout: str, deterministic: bool,
+    alibi_slopes: Tensor | None, sinks: Tensor | None, mods: str, mod_arrays: list[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    return (*_empty_like(q, k, v), _dsinks_like(q, sinks))
+
+
+def _setup_mods(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, causal, scale, window_left, window_right, softcap, layout, _, deterministic = inputs[:11]
+    alibi_slopes, sinks, _, mods, mod_arrays = inputs[11:]
+    ctx.save_for_backward(q, k, v, *output, alibi_slopes, sinks, *mod_arrays)
+    ctx.options = (causal, scale, window_left, window_right, softcap, layout, deterministic)
+    ctx.mods = mods
+
+
+def _mods_grads(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
+    """The gradients of the ``attention_mods`` op's inputs: q, k, v and the sinks' (the captured
+    tensors get none: refused where they require grad)."""
+    q, k, v, out, lse, alibi_slopes, sinks, *mod_arrays = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv, dsinks = attention_mods_backward_op(
+        dout, q, k, v, out, lse, dlse, *ctx.options, alibi_slopes, sinks, ctx.mods, mod_arrays
+    )
+    # the options and the slopes get none; the sinks theirs; batch_invariant, the text, the arrays none
+    return dq, dk, dv, *(None,) * 9, _sink_grad(dsinks, sinks), None, None, [None] * len(mod_arrays)
+
+
+attention_mods_op.register_autograd(_mods_grads, setup_context=_setup_mods)
+
+
+def _compiled_mods(call: _attention.Forward) -> tuple[Any, Any]:
+    """An ``attention`` call with a score_mod / mask_mod while Dynamo traces it (``call.mods``:
+    the functions as given), through the ``attention_mods`` op."""
+    if call.dropout_p:
+        raise NotImplementedError("score_mod / mask_mod with dropout do not run under torch.compile yet")
+    _refuse_slope_grad(call.alibi_slopes)
+    mods, mod_arrays = _traced_while_compiling(*call.mods)
+    o, q = call.options, call.q
+    scale = 1.0 / math.sqrt(q.shape[-1]) if o.scale is None else float(o.scale)
+    out, lse = attention_mods_op(
+        q, call.k, call.v, bool(o.causal), scale, int(o.window[0]), int(o.window[1]), float(o.softcap), call.layout,
+        call.algorithm, bool(call.deterministic), call.alibi_slopes, call.sinks, bool(call.batch_invariant), mods,
+        mod_arrays,
+    )  # fmt: skip
+    return out, lse
+
+
+def _traced_while_compiling(score_mod: Any, mask_mod: Any) -> tuple[str, list[Tensor]]:
+    """The pair traced while Dynamo traces the caller: the expressions' text (``_trace_once``,
+    outside Dynamo's view) and the captured tensors, read here where Dynamo sees them, so that they
+    enter the graph as inputs (not constants: a new doc_id of the same shape reruns the graph) and
+    that Dynamo guards the numbers the functions capture (a new one recompiles). Numbers reached
+    through other objects (``config.window``) are fixed at compile time."""
+    functions = (score_mod, mask_mod)
+    for role, fn in zip(("score_mod", "mask_mod"), functions):
+        if _made_while_compiling(fn) and fn.__code__.co_freevars:
+            raise NotImplementedError(
+                f"under torch.compile, a {role} made inside the compiled code cannot capture its local variables "
+                f"({', '.join(fn.__code__.co_freevars)}): Dynamo does not show cupyflash their values. Make it "
+                "outside and pass it in, as an argument or a module attribute (e.g. mask_mod = make_mask(doc_id) "
+                "before the compiled call); a function made inside may read module globals"
+            )
+    mods, arrays, numbers = _trace_once(score_mod, mask_mod)
+    for which, where, value in numbers:
+        if _read(functions[which], where) != value:  # equal: comparing makes Dynamo guard the number
+            raise AssertionError(f"{where} changed while Dynamo traced")
+    mod_arrays = []
+    for which, where, shape in arrays:
+        x = _read(functions[which], where)
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"under torch.compile, the arrays a {('score_mod', 'mask_mod')[which]} captures must be torch tensors, "
+                f"got a {type(x).__name__}"
+            )
+        if tuple(x.shape) != shape:  # equal: comparing makes Dynamo guard the shape (the text holds it)
+            raise AssertionError(f"{where} changed shape while Dynamo traced")
+        _refuse_captured_grad(x)
+        mod_arrays.append(x)
+    return mods, mod_arrays
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _trace_once(score_mod: Any, mask_mod: Any) -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
+    """The pair traced (``_mods``) once per compilation: Dynamo runs this on the functions
+    themselves, outside its view, and keeps what it returns as constants: the expressions' text,
+    where each captured array lives in its function ``(which, where, shape)``, and the Python
+    numbers the functions read ``(which, where, value)`` (``_mods.reads``)."""
+    score = None if score_mod is None else _mods.trace_score_mod(score_mod)
+    mask = None if mask_mod is None else _mods.trace_mask_mod(mask_mod)
+    arrays: list[tuple[int, Any, tuple[int, ...]]] = []
+    numbers: list[tuple[int, Any, Any]] = []
+    for which, (fn, mod) in enumerate(((score_mod, score), (mask_mod, mask))):
+        if mod is None:
+            continue
+        reads = _mods.reads(fn)
+        arrays += [(which, next(w for w, value in reads if value is x), tuple(x.shape)) for x in mod.buffers]
+        numbers += [(which, w, value) for w, value in reads if type(value) in (bool, int, float)]
+    return _mods.encode(_mods.static(score, mask)), tuple(arrays), tuple(numbers)
+
+
+def _made_while_compiling(fn: Any) -> bool:
+    """Whether Dynamo traced the making of ``fn`` (it shows no closure of such a function)."""
+    if not isinstance(fn, types.FunctionType):
+        return False
+    try:
+        fn.__closure__  # noqa: B018 (the attribute read is the question)
+    except AttributeError:
+        return True
+    return False
+
+
+def _read(fn: Any, where: tuple[str, Any]) -> Any:
+    """What ``fn`` holds at ``where`` (``_mods.reads``' places), read where Dynamo sees it."""
+    kind, at = where
+    if kind == "cell":
+        return fn.__closure__[at].cell_contents
+    if kind == "default":
+        return fn.__defaults__[at]
+    try:
+        namespace = fn.__globals__
+    except AttributeError:  # a function made while Dynamo traced: its module's globals are its own
+        return getattr(sys.modules[fn.__module__], at)
+    return namespace[at]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -379,3 +379,42 @@ def test_jit_grad_with_sinks_runs_the_kernels():
     want = cupyflash.attention_backward(2 * out, *host[:3], out, lse, causal=True, sinks=host[3])
     for name, got, ref in zip(("dq", "dk", "dv", "dsinks"), grads, want, strict=True):
         assert rel_error(np.asarray(got.astype(jnp.float32), dtype=np.float64), ref) < 3e-2, name
+
+
+def test_jit_grad_with_score_and_mask_functions_runs_the_kernels():
+    """A score_mod over a captured bias table and a mask_mod over a captured doc_id under jax.jit +
+    jax.grad on the GPU: the kernels with the functions compiled in, forward and backward (the run
+    counters move), the captured arrays operands (a new doc_id: the same program, its own answer),
+    against the float64 host path on the same values."""
+    gpu = _gpu()
+    from cupyflash import mods
+
+    rng = np.random.default_rng(8)
+    shapes = ((2, 97, 4, 64), (2, 130, 2, 64), (2, 130, 2, 64))
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    bias = rng.standard_normal((4, 130)).astype(np.float32)
+    args = [jax.device_put(x, gpu).astype(jnp.bfloat16) for x in (q, k, v)]
+
+    def functions(table, doc_id):
+        score = lambda s, b, h, i, j: 10.0 * mods.tanh(s / 10.0) + table[h, j]  # noqa: E731
+        mask = lambda b, h, i, j: (doc_id[i] == doc_id[j]) & (j <= i + 33)  # noqa: E731
+        return score, mask
+
+    def loss(q, k, v, table, doc_id):
+        score_mod, mask_mod = functions(table, doc_id)
+        out = cupyflash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    host = [np.asarray(x.astype(jnp.float32), dtype=np.float64) for x in args]
+    for groups in (2, 5):
+        doc_id = np.sort(rng.integers(0, groups, 130)).astype(np.int32)
+        before = (_runs(("gpu", "forward")), _runs(("gpu", "backward")))
+        grads = f(*args, jax.device_put(bias, gpu), jax.device_put(doc_id, gpu))
+        assert (_runs(("gpu", "forward")), _runs(("gpu", "backward"))) == (before[0] + 1, before[1] + 1)
+        score_mod, mask_mod = functions(bias.astype(np.float64), doc_id)
+        out, lse = cupyflash.attention(*host, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+        want = cupyflash.attention_backward(2 * out, *host, out, lse, score_mod=score_mod, mask_mod=mask_mod)
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
+            assert rel_error(np.asarray(got.astype(jnp.float32), dtype=np.float64), ref) < 3e-2, (groups, name)
+    assert f._cache_size() == 1

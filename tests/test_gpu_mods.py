@@ -183,3 +183,123 @@ def test_masks_with_implied_bounds(rng, head_dim):
         np.testing.assert_allclose(reference.to_numpy64(lse), want_lse, atol=2e-2, err_msg=name)
         for grad_name, leaf, ref in zip(("dq", "dk", "dv"), leaves, grads, strict=True):
             assert rel_error(reference.to_numpy64(leaf.grad), ref) < 3e-2, (name, grad_name)
+
+
+def _document(doc_id):
+    """Document masking over a captured doc_id (indexed by rows and keys)."""
+    return lambda b, h, i, j: doc_id[i] == doc_id[j]
+
+
+def _step(score_mod, mask_mod):
+    """A training step's attention and loss, deterministic (its gradients repeat bit for bit)."""
+
+    def step(q, k, v):
+        out = cupyflash.attention(q, k, v, causal=True, score_mod=score_mod, mask_mod=mask_mod, deterministic=True)
+        return out, out.float().square().sum()
+
+    return step
+
+
+def _grads(step, leaves, *extra):
+    for x in leaves:
+        x.grad = None
+    out, loss = step(*leaves, *extra)
+    loss.backward()
+    return [out.detach(), *(x.grad.clone() for x in leaves)]
+
+
+def _host_check(torch, got, tensors, score_mod, mask_mod):
+    """The output and gradients of sum(out^2) against the float64 host path on the same values."""
+    host = [x.detach().double().cpu().numpy() for x in tensors]
+    out, lse = cupyflash.attention(*host, causal=True, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+    want = [out, *cupyflash.attention_backward(2 * out, *host, out, lse, causal=True, score_mod=score_mod,
+                                                mask_mod=mask_mod)]  # fmt: skip
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert rel_error(reference.to_numpy64(g), w) < 3e-2, name
+
+
+@pytest.mark.parametrize("name", ["softcap", "bias-2d", "document", "both"])
+def test_torch_compile_fullgraph_matches_the_eager_call(rng, name):
+    """torch.compile(fullgraph=True) over a training step with the functions (the attention_mods
+    op and its backward): no graph break; the output and gradients equal the eager call's bit for
+    bit (the same kernels, deterministic) and match the float64 host path."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    tensors = [torch.randn(B, n, h, 64, generator=gen).to(torch.bfloat16) for n, h in ((NQ, HQ), (NK, HKV), (NK, HKV))]
+    on_host = {n: (s, m) for n, s, m in _functions(lambda x: x, 7)}
+    on_gpu = {n: (s, m) for n, s, m in _functions(lambda x: torch.from_numpy(x).cuda(), 7)}
+    step = _step(*on_gpu[name])
+    leaves = [x.cuda().requires_grad_() for x in tensors]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(*leaves)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = _grads(torch.compile(step, fullgraph=True, backend="aot_eager"), leaves)
+    eager = _grads(step, leaves)
+    for what, got, want in zip(("out", "dq", "dk", "dv"), compiled, eager, strict=True):
+        assert torch.equal(got, want), (name, what)
+    _host_check(torch, compiled, tensors, *on_host[name])
+    inductor = _grads(torch.compile(step, fullgraph=True), leaves)  # the default backend around the ops
+    _host_check(torch, inductor, tensors, *on_host[name])
+
+
+def test_torch_compile_reads_new_captured_values_without_recompiling(rng):
+    """A document mask over a captured doc_id passed to the compiled step: new doc_id values (a new
+    closure over a tensor of the same shape) run the same graph and give their own answer."""
+    torch = need_torch()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    shapes = ((B, NQ, HQ, 64), (B, NK, HKV, 64), (B, NK, HKV, 64))
+    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v, mask: cupyflash.attention(q, k, v, mask_mod=mask), fullgraph=True,
+                             backend=counter)  # fmt: skip
+    host = [x.double().cpu().numpy() for x in (q, k, v)]
+    for groups in (2, 5, 9):
+        doc = np.sort(rng.integers(0, groups, NK)).astype(np.int32)
+        got = compiled(q, k, v, _document(torch.from_numpy(doc).cuda()))
+        want = cupyflash.attention(*host, mask_mod=_document(doc))
+        assert rel_error(reference.to_numpy64(got), want) < BOUND["bfloat16"], groups
+    assert counter.frame_count == 1
+
+
+def test_eager_step_with_functions_captures_in_a_cuda_graph(rng):
+    """The eager route (autograd.Function) with a score_mod and a mask_mod captured in a CUDA graph,
+    forward and backward: replays after new q values and new doc_id values written in place equal
+    the eager step bit for bit (deterministic)."""
+    torch = need_torch()
+    leaves = [torch.randn(B, n, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for n, h in ((NQ, HQ), (NK, HKV), (NK, HKV))]  # fmt: skip
+    doc = torch.from_numpy(np.sort(rng.integers(0, 3, NK)).astype(np.int32)).cuda()
+    bias = torch.from_numpy(rng.standard_normal((HQ, NK)).astype(np.float32)).cuda()
+    dout = torch.randn(B, NQ, HQ, 64, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        return cupyflash.attention(*leaves, causal=True, score_mod=lambda s, b, h, i, j: s + bias[h, j],
+                                   mask_mod=lambda b, h, i, j: doc[i] == doc[j], deterministic=True)  # fmt: skip
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run().backward(dout)  # compile and plan before capture
+    torch.cuda.current_stream().wait_stream(side)
+    for x in leaves:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+        out.backward(dout)
+    captured = [out, *(x.grad for x in leaves)]
+    for _ in range(2):
+        with torch.no_grad():
+            leaves[0].copy_(torch.randn_like(leaves[0]))
+            doc.copy_(torch.from_numpy(np.sort(rng.integers(0, 4, NK)).astype(np.int32)))
+        graph.replay()
+        replayed = [x.detach().clone() for x in captured]
+        for x in leaves:
+            x.grad = None
+        eager = run()
+        eager.backward(dout)
+        torch.cuda.synchronize()
+        for name, got, want in zip(("out", "dq", "dk", "dv"), replayed, [eager, *(x.grad for x in leaves)]):
+            assert torch.equal(got, want.detach()), name

@@ -258,14 +258,6 @@ def test_reads_outside_a_captured_array_are_refused(qkv):
         cupyflash.attention(*qkv, mask_mod=lambda b, h, q, kv: short[kv] == 0)
 
 
-def test_tracing_is_refused(qkv, monkeypatch):
-    from cupyflash import _interop
-
-    monkeypatch.setattr(_interop, "compiling", lambda: True)
-    with pytest.raises(NotImplementedError, match="do not run under torch.compile or JAX tracing"):
-        cupyflash.attention(*qkv, mask_mod=lambda b, h, i, j: j <= i)
-
-
 def test_autograd_matches_torch_autograd_of_the_formula():
     """Tensors that require grad get the gradients of the score function's formula (dS times its
     derivative, a hidden score none), the sinks' included."""
