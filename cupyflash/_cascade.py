@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ _MAX_SPLITS = 32
 #: by the GPU executor).
 NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "prefix_block_table",
          "prefix_seqlens")  # fmt: skip
+_named_arrays = operator.itemgetter(*NAMES)
 
 
 @dataclasses.dataclass(slots=True)
@@ -147,14 +149,13 @@ def attention_with_shared_prefix(
     >>> bool(np.allclose(out, want, atol=1e-5))
     True
     """
-    b, nq, hq, d = (int(n) for n in q.shape)
-    if len(k_cache.shape) != 4:
-        raise ValueError(f"k_cache must be paged (num_pages, page_size, Hkv, d), got shape {tuple(k_cache.shape)}")
-    page_size, hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
-    if len(prefix_block_table.shape) != 2:
-        raise ValueError(f"prefix_block_table must be (groups, pages), got shape {tuple(prefix_block_table.shape)}")
-    num_groups, prefix_pages = (int(n) for n in prefix_block_table.shape)
-    groups = _check_groups(prefix_groups, num_groups, b)
+    q_shape, cache_shape, table_shape = q.shape, k_cache.shape, prefix_block_table.shape
+    if len(q_shape) != 4 or len(cache_shape) != 4 or len(table_shape) != 2:
+        _refuse_ranks(q_shape, cache_shape, table_shape)
+    b, nq, hq, _ = q_shape
+    _, page_size, hkv, _ = cache_shape
+    num_groups, prefix_pages = table_shape
+    groups = (0, b) if prefix_groups is None and num_groups == 1 else _check_groups(prefix_groups, num_groups, b)
     if hkv == 0 or hq % hkv:
         raise ValueError(f"Hq = {hq} must be a multiple of Hkv = {hkv}")
     if causal and nq > 1 and (k_new is None or int(k_new.shape[1]) < nq - 1):
@@ -164,7 +165,9 @@ def attention_with_shared_prefix(
         num_splits = check_num_splits(num_splits)
     # Host lengths (an int, NumPy values) are read and checked here, before any append; an array
     # is an operand (on the GPU checked by the kernel).
-    lengths = _host_lengths(prefix_seqlens, num_groups, prefix_pages * page_size)
+    lengths = prefix_seqlens
+    if type(lengths) is not int or not 0 <= lengths <= prefix_pages * page_size:
+        lengths = _host_lengths(prefix_seqlens, num_groups, prefix_pages * page_size)
     named = {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens, "block_table": block_table,
         "k_new": k_new, "v_new": v_new, "prefix_block_table": prefix_block_table, "prefix_seqlens": lengths,
@@ -189,9 +192,7 @@ _routes = _plan.new_route_cache()
 def gpu_shared_prefix(lib: _interop.ArrayLib, device: int, call: SharedPrefixCall, want_lse: bool) -> tuple[Any, Any]:
     """A call on arrays the pipeline reads: one launch where it fits (``_route``), else
     ``_composed``; (out, lse), lse None unless wanted."""
-    a = call.named
-    q, k_cache, v_cache, seqlens, table, k_new, v_new = (a[n] for n in NAMES[:7])
-    prefix_table, lengths = a["prefix_block_table"], a["prefix_seqlens"]
+    q, k_cache, v_cache, seqlens, table, k_new, v_new, prefix_table, lengths = _named_arrays(call.named)
     key = (
         lib.name, device, call.options, call.num_splits, call.groups, q.shape, q.dtype, k_cache.shape, k_cache.dtype,
         v_cache.shape, v_cache.dtype, None if type(seqlens) is int else (seqlens.shape, seqlens.dtype),
@@ -220,8 +221,7 @@ def gpu_shared_prefix(lib: _interop.ArrayLib, device: int, call: SharedPrefixCal
 def _route(lib: _interop.ArrayLib, device: int, call: SharedPrefixCall) -> tuple[_plan.Launch, Any, Any] | None:
     """The call's one-launch plan and the device arrays it reads, or None for the composition (a
     request's packed rows past one decode tile: ``one_launch``)."""
-    a = call.named
-    q, k_cache, v_cache, seqlens, table, k_new, v_new, prefix_table, lengths = (a[n] for n in NAMES)
+    q, k_cache, v_cache, seqlens, table, k_new, v_new, prefix_table, lengths = _named_arrays(call.named)
     if lib.name == _interop.DLPACK and k_new is not None:  # as the cache call
         namespace = getattr(lib, "namespace", None)
         raise TypeError(
@@ -533,6 +533,14 @@ def _gpu_prefix(
 
     launch = _prefix_plans.get(key, plan)
     return _launch.run(launch, lib, device, named, True)
+
+
+def _refuse_ranks(q_shape: Any, cache_shape: Any, table_shape: Any) -> None:
+    if len(q_shape) != 4:
+        raise ValueError(f"q must be 4-D (batch, seqlen_q, heads, head_dim), got shape {tuple(q_shape)}")
+    if len(cache_shape) != 4:
+        raise ValueError(f"k_cache must be paged (num_pages, page_size, Hkv, d), got shape {tuple(cache_shape)}")
+    raise ValueError(f"prefix_block_table must be (groups, pages), got shape {tuple(table_shape)}")
 
 
 def _check_groups(prefix_groups: Sequence[int] | None, num_groups: int, batch: int) -> tuple[int, ...]:

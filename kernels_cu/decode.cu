@@ -19,6 +19,12 @@
 //   on the batch, its size, the cache's capacity or the sequence's place in it.
 //   Is_tree (speculative decoding): the query tokens are the last Nq keys, and among them each
 //   sees the drafts its row of the caller's tree mask names (PackedRowMask, tree_row_word).
+//   Is_cascade (shared-prefix decoding): one grid axis (decode_work) holds the prefixes' CTAs --
+//   split sp of group g's prefix pages for a row block of whole requests of g (rows request-major,
+//   packed_row), every key visible -- then each request's CTAs over its own pages as above. Each
+//   writes fp32 partials: a request's own split s in slot s, prefix split sp in slot num_splits +
+//   sp; each takes a ticket on the counter of every request whose rows it holds, and the CTA that
+//   draws a request's last (num_splits + prefix_splits) merges that request's rows.
 // decode_merge -- the exact merge of partials (O_i, LSE_i) by LSE rescaling, one warp per output
 //   row (merge_row in softmax.cuh, which the fused combine uses too); the kernel serves
 //   cupyflash.merge_states.
