@@ -268,7 +268,8 @@ def one_launch(seqlen_q: int, group: int, head_dim: int) -> bool:
 # The host: the kernel's steps in the array-API standard (the GPU's order, side by side).
 # ---------------------------------------------------------------------------------------------
 def host_shared_prefix(call: SharedPrefixCall) -> tuple[Any, Any]:
-    """The cascade kernel's steps on host arrays, every value checked first:
+    """The cascade kernel's steps on host arrays, every value checked before anything is written
+    (the prefixes' by ``_host_prefix_layout``, the requests' by the cache call):
 
     1. decode_append, then each request's CTAs over its own keys: the cache call's host twin,
        (O_s, LSE_s) per row;
@@ -279,29 +280,25 @@ def host_shared_prefix(call: SharedPrefixCall) -> tuple[Any, Any]:
     from . import _host, xp_impl
 
     a = call.named
-    q, k_cache, v_cache = a["q"], a["k_cache"], a["v_cache"]
-    prefix_out, prefix_lse = _host_prefix(call)  # (checks every prefix value before the append)
+    xp = _host.namespace(
+        ("q", "k_cache", "v_cache", "prefix_block_table"), (a["q"], a["k_cache"], a["v_cache"], a["prefix_block_table"])
+    )  # fmt: skip
+    layout, lengths = _host_prefix_layout(call)
     suffix = {n: a.get(n) for n in _kvcache.KV_NAMES}
     out_s, lse_s = _kvcache.host_with_kvcache(_kvcache.cache_call(suffix, call.options, call.num_splits))
-    xp = _host.namespace(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+    prefix_out, prefix_lse = _host_prefix(xp, call, layout, lengths)
     return xp_impl.merge_states(xp, prefix_out, prefix_lse, out_s, lse_s)
 
 
-def _host_prefix(call: SharedPrefixCall) -> tuple[Any, Any]:
-    """Step 2 of ``host_shared_prefix``: for each group g, its requests' queries as one sequence of
-    n_g x Nq tokens against prefix g's keys (non-causal: every row sees the whole prefix), split
-    into ``_host_prefix_splits`` key ranges merged by LSE as the kernel's prefix splits are;
-    (out (B, Nq, Hq, d), LSE (B, Hq, Nq))."""
+def _host_prefix_layout(call: SharedPrefixCall) -> tuple[Any, tuple[int, ...]]:
+    """The prefixes' pages (an ``xp_impl.CacheLayout``) and lengths, each length within its table
+    row and each page in use within the pool (the kernel's prefix_span and page checks, raised)."""
     from . import _host, xp_impl
-    from ._validate import attention_problem
 
     a = call.named
-    q, k_cache, v_cache, table = a["q"], a["k_cache"], a["v_cache"], a["prefix_block_table"]
-    xp = _host.namespace(("q", "k_cache", "v_cache", "prefix_block_table"), (q, k_cache, v_cache, table))
-    b, nq, hq, d = (int(n) for n in q.shape)
-    num_pages, page_size, hkv = (int(n) for n in k_cache.shape[:3])
+    table, lengths = a["prefix_block_table"], a["prefix_seqlens"]
+    num_pages, page_size = (int(n) for n in a["k_cache"].shape[:2])
     pages = _host._host_ints(table)
-    lengths = a["prefix_seqlens"]
     if isinstance(lengths, int):
         lengths = (lengths,) * len(pages)
     elif not isinstance(lengths, tuple):
@@ -312,7 +309,20 @@ def _host_prefix(call: SharedPrefixCall) -> tuple[Any, Any]:
         if bad is None or bad:
             why = f"{n} keys, outside [0, {capacity}]" if bad is None else f"pages {bad} outside [0, {num_pages})"
             raise ValueError(f"prefix {g}: {why}")
-    layout = xp_impl.CacheLayout(pages, page_size)
+    return xp_impl.CacheLayout(pages, page_size), lengths
+
+
+def _host_prefix(xp: Any, call: SharedPrefixCall, layout: Any, lengths: tuple[int, ...]) -> tuple[Any, Any]:
+    """Step 2 of ``host_shared_prefix``: for each group g, its requests' queries as one sequence of
+    n_g x Nq tokens against prefix g's keys (non-causal: every row sees the whole prefix), split
+    into ``_host_prefix_splits`` key ranges merged by LSE as the kernel's prefix splits are;
+    (out (B, Nq, Hq, d), LSE (B, Hq, Nq))."""
+    from . import xp_impl
+    from ._validate import attention_problem
+
+    a = call.named
+    q, k_cache, v_cache = a["q"], a["k_cache"], a["v_cache"]
+    b, nq, hq, d = (int(n) for n in q.shape)
     outs, lses = [], []
     for g, (begin, end) in enumerate(zip(call.groups, call.groups[1:])):
         if begin == end:

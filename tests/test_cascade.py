@@ -183,6 +183,49 @@ def test_prefix_lengths_past_the_prefix_table_raise_before_the_append(rng):
     np.testing.assert_array_equal(pool, before)
 
 
+def test_the_host_twin_in_every_namespace(rng, xp):
+    """The kernel's steps in the array-API standard (array_api_strict, torch CPU): an append, two
+    groups, prefix lengths as an array of the namespace, against the flat call in NumPy."""
+    page_size, groups = 4, [0, 1, 3]
+    pool, v_pool, prefix_table, own_table, flat_table = _pool_and_tables(rng, page_size, [8, 12], [2, 0, 5], groups)
+    q = rng.standard_normal((3, 1, 4, pool.shape[-1]))
+    k_new, v_new = (rng.standard_normal((3, 1, 2, pool.shape[-1])) for _ in range(2))
+    seqlens = np.array([2, 0, 5], dtype=np.int32)
+    k_flat, v_flat = pool.copy(), v_pool.copy()
+    want, want_lse = cupyflash.attention_with_kvcache(
+        q, k_flat, v_flat, cache_seqlens=seqlens + np.array([8, 12, 12], dtype=np.int32), block_table=flat_table,
+        k_new=k_new, v_new=v_new, return_lse=True,
+    )  # fmt: skip
+    arrays = [xp.asarray(x) for x in (q, pool, v_pool, prefix_table, own_table, seqlens, k_new, v_new)]
+    out, lse = cupyflash.attention_with_shared_prefix(
+        *arrays[:3], prefix_block_table=arrays[3], prefix_seqlens=xp.asarray(np.array([8, 12], dtype=np.int32)),
+        block_table=arrays[4], cache_seqlens=arrays[5], k_new=arrays[6], v_new=arrays[7], prefix_groups=groups,
+        return_lse=True,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-12)
+    np.testing.assert_array_equal(np.asarray(arrays[1]), k_flat)  # the append, in place
+
+
+def test_a_prefix_page_outside_the_pool_raises_before_the_append(rng):
+    pool, v_pool, prefix_table, own_table, _ = _pool_and_tables(rng, 4, [8], [2, 2], [0, 2])
+    q = rng.standard_normal((2, 1, 2, pool.shape[-1]))
+    k_new = v_new = rng.standard_normal((2, 1, 2, pool.shape[-1]))
+    before = pool.copy()
+    bad = prefix_table.copy()
+    bad[0, 1] = pool.shape[0]  # the second page holds keys 4 .. 7: in use
+    with pytest.raises(ValueError, match=rf"prefix 0: pages \[{pool.shape[0]}\] outside"):
+        cupyflash.attention_with_shared_prefix(
+            q, pool, v_pool, prefix_block_table=bad, prefix_seqlens=8, block_table=own_table, cache_seqlens=2,
+            k_new=k_new, v_new=v_new,
+        )  # fmt: skip
+    np.testing.assert_array_equal(pool, before)
+    out = cupyflash.attention_with_shared_prefix(  # a page past the prefix's keys is never read
+        q, pool, v_pool, prefix_block_table=bad, prefix_seqlens=4, block_table=own_table, cache_seqlens=2
+    )
+    assert np.isfinite(out).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # The GPU's one launch, planned on the CPU: its tile, its splits, its grid and what its CTAs do.
 # ---------------------------------------------------------------------------------------------
