@@ -298,11 +298,11 @@ def _host_prefix_layout(call: SharedPrefixCall) -> tuple[Any, tuple[int, ...]]:
     a = call.named
     table, lengths = a["prefix_block_table"], a["prefix_seqlens"]
     num_pages, page_size = (int(n) for n in a["k_cache"].shape[:2])
-    pages = _host._host_ints(table)
+    pages = _host.host_ints(table)
     if isinstance(lengths, int):
         lengths = (lengths,) * len(pages)
     elif not isinstance(lengths, tuple):
-        lengths = tuple(_host._host_ints(lengths))
+        lengths = tuple(_host.host_ints(lengths))
     capacity = int(table.shape[1]) * page_size
     for g, n in enumerate(lengths):
         bad = [p for p in pages[g][: -(-n // page_size)] if not 0 <= p < num_pages] if 0 <= n <= capacity else None
@@ -337,8 +337,8 @@ def _host_prefix(xp: Any, call: SharedPrefixCall, layout: Any, lengths: tuple[in
         out, lse = xp_impl.attention(xp, rows, keys[0], keys[1], p, algorithm="decode", split_keys=split_keys)
         outs.append(xp.reshape(out, (end - begin, nq, hq, d)))
         lses.append(xp.permute_dims(xp.reshape(lse, (hq, end - begin, nq)), (1, 0, 2)))
-    if not outs:  # an empty batch
-        return q, xp.zeros((0, hq, nq), dtype=xp_impl.compute_dtype(xp, q), device=xp_impl._device(q))
+    if not outs:  # an empty batch: the cache call's empty state
+        return q, xp.zeros((0, hq, nq), dtype=xp_impl.compute_dtype(xp, q))
     return xp.concat(outs, axis=0), xp.concat(lses, axis=0)
 
 
