@@ -35,19 +35,19 @@ class Case:
 
 CASES = {
     # one group; the prefix ends inside a page; own keys empty, short and past a key block
-    "one-group-gqa32/8-d128": Case((32, 8), 128, 1, 0, (0, 5), (4100,), (37, 0, 500, 1, 250), lengths="int"),
+    "one-group-gqa32to8-d128": Case((32, 8), 128, 1, 0, (0, 5), (4100,), (37, 0, 500, 1, 250), lengths="int"),
     # uneven groups over 64-row tiles: a group of 5 takes two row blocks, one of 1 a padded one
-    "uneven-gqa8/2-d64-nq4": Case(
+    "uneven-gqa8to2-d64-nq4": Case(
         (8, 2), 64, 4, 4, (0, 3, 4, 9), (1000, 37, 2049), (5, 0, 17, 300, 3, 0, 64, 1, 90), dtype="float16"
     ),
     # several query tokens and an append, host lengths of several values, an empty group
-    "groups-gqa8/2-d128-nq4": Case(
+    "groups-gqa8to2-d128-nq4": Case(
         (8, 2), 128, 4, 4, (0, 2, 2, 6), (5000, 7, 333), (12, 0, 3, 700, 45, 0), lengths="host"
     ),
     # one request over a long prefix: the prefix split for two waves, one decode token appended
-    "one-request-gqa32/8-d128": Case((32, 8), 128, 1, 1, (0, 1), (20001,), (3,)),
+    "one-request-gqa32to8-d128": Case((32, 8), 128, 1, 1, (0, 1), (20001,), (3,)),
     # d = 256 (16-row tiles: 4 requests a row block) with fp16
-    "gqa8/2-d256": Case((8, 2), 256, 1, 1, (0, 2, 3), (777, 2500), (10, 0, 129), dtype="float16"),
+    "gqa8to2-d256": Case((8, 2), 256, 1, 1, (0, 2, 3), (777, 2500), (10, 0, 129), dtype="float16"),
 }
 FALLBACK = Case((8, 1), 128, 8, 8, (0, 2, 3), (640, 2000), (9, 0, 30))  # 64 rows a request: the composition
 
@@ -187,7 +187,7 @@ def test_repeats_and_a_cuda_graph_give_the_same_bits(one_launch):
     """The tickets' counters are left at 0: the same call three times, and replays of a captured
     one, give the same bits; a replay after q changes gives the eager call's new result."""
     torch = need_torch()
-    case = CASES["uneven-gqa8/2-d64-nq4"]  # (the append writes the same keys at the same places each time)
+    case = CASES["uneven-gqa8to2-d64-nq4"]  # (the append writes the same keys at the same places each time)
     gen = torch.Generator(device="cuda").manual_seed(3)
     pools, prefix_table, own_table, _, _, q, new = _pool(torch, gen, case, 16)
     lengths = _lengths(torch, case)
