@@ -306,6 +306,7 @@ def cmd_bench_cascade(args: argparse.Namespace) -> int:
     for shape in bench.CASCADE_SHAPES:
         rows.append(bench.run_cascade(*shape))
         print(json.dumps(rows[-1]), flush=True)
+    print(bench.format_cascade_table(rows))
     _write_json(args.json, {"cascade": rows})
     return 0
 

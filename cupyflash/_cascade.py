@@ -1,36 +1,84 @@
 """Shared-prefix (cascade) decoding: ``attention_with_shared_prefix``.
 
 Requests that share a long prefix (a system prompt, parallel sampling, beams) attend to its keys
-once per group instead of once per request. The keys are split in two and the two attentions
-merged exactly by their LSE (``merge_states``: softmax over a union of disjoint key sets):
+once per group instead of once per request. Each request's keys are split in two -- its group's
+prefix, then its own suffix -- and the two attentions merged exactly by their LSE (softmax over a
+union of disjoint key sets).
 
-- the shared prefix: every query of a group against the group's prefix pages, all of them
-  visible, as one packed sequence of ``attention_varlen`` over the pages (the FA2 kernel over the
-  cache view), with the query heads of a KV head packed as rows (GQA: the K/V tiles are read once
-  for the whole group of heads) and the prefix split into a few key ranges so that the grid fills
-  the GPU (FlashDecoding's split, merged by the same LSE rule);
-- each request's own suffix: ``attention_with_kvcache`` over its own pages (the split-KV decode
-  kernel), with the append of ``k_new`` / ``v_new``.
-
-Every step is a public call of the library, so the host path (any array-API namespace) runs the
-same composition; no kernel of its own.
+On the GPU that is one launch of the split-KV decode kernel's cascade variant (kernels_cu/
+decode.cu, ``Is_cascade``), after the append of ``k_new`` / ``v_new``: the prefixes' CTAs take a
+row block of a group's requests (query heads of a KV head packed as rows, GQA) against a split of
+the group's prefix pages, read once for all those rows; the requests' CTAs take splits of their
+own pages; every CTA writes fp32 partials, and whichever CTA draws a request's last ticket merges
+its own and its prefix's parts (``gpu_shared_prefix``). Where a request's packed rows do not fit
+one decode tile (more than DECODE_MAX_QUERIES query tokens, or query tokens x the GQA group past
+the head dim's largest tile: 32 rows at d = 128, 16 at d = 256), the call runs as a composition
+of library calls instead (``_composed``: the suffix's cache call, the prefix as a paged varlen
+call over GQA-packed rows, and merges). On the host, the array-API twin of the kernel's steps
+(``host_shared_prefix``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import operator
+import os
 from collections.abc import Sequence
 from typing import Any
 
-from . import _attention, _device, _interop, _plan
+import numpy as np
+
+from . import _attention, _device, _dispatch, _front, _interop, _kvcache, _launch, _plan
 from ._api import attention_with_kvcache
 from ._kvcache import merge_states
-from ._validate import check_options
+from ._specs import DECODE_MAX_QUERIES
+from ._validate import Options, check_num_splits, check_options
 
-# Splits of the prefix's keys: enough CTAs for two waves of the GPU, each split at least this
-# many keys (a split's fixed cost, its partial state and a merge, is then below its read time).
+# Splits of the prefix's keys in the composition: enough CTAs for two waves of the GPU, each split
+# at least this many keys (a split's fixed cost, its partial state and a merge, is then below its
+# read time).
 _MIN_SPLIT_KEYS = 2048
 _MAX_SPLITS = 32
+
+#: The arrays of a call, in its ``arrays()`` order (``prefix_rows``: the kernel's row blocks, made
+#: by the GPU executor).
+NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "prefix_block_table",
+         "prefix_seqlens")  # fmt: skip
+_named_arrays = operator.itemgetter(*NAMES)
+
+
+@dataclasses.dataclass(slots=True)
+class SharedPrefixCall:
+    """One ``attention_with_shared_prefix`` call, its options checked: its arrays by name
+    (``NAMES``; an int ``cache_seqlens``, and ``prefix_seqlens`` as an int or a tuple of host ints,
+    passed per call) and the same in ``NAMES``' order (those as None), as the front door reads
+    them; ``groups``: the G + 1 offsets of the prefixes' groups (host ints)."""
+
+    named: dict[str, Any]
+    operands: tuple[Any, ...]
+    options: Options
+    groups: tuple[int, ...]
+    num_splits: int
+
+    names = NAMES
+
+    def arrays(self) -> tuple[Any, ...]:
+        return self.operands
+
+    @property
+    def writes(self) -> bool:
+        return self.named["k_new"] is not None
+
+    def prepared(self) -> SharedPrefixCall:
+        return self
+
+    def on(self, arrays: list[Any]) -> SharedPrefixCall:
+        named = dict(zip(NAMES, arrays))
+        for name in ("cache_seqlens", "prefix_seqlens"):  # host values, passed per call
+            if named[name] is None:
+                named[name] = self.named[name]
+        return SharedPrefixCall(named, tuple(arrays), self.options, self.groups, self.num_splits)
 
 
 def attention_with_shared_prefix(
@@ -102,32 +150,248 @@ def attention_with_shared_prefix(
     >>> bool(np.allclose(out, want, atol=1e-5))
     True
     """
-    from array_api_compat import array_namespace
-    from array_api_compat import device as device_of
-
-    b, nq, hq, d = (int(n) for n in q.shape)
-    if len(k_cache.shape) != 4:
-        raise ValueError(f"k_cache must be paged (num_pages, page_size, Hkv, d), got shape {tuple(k_cache.shape)}")
-    page_size, hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
-    if len(prefix_block_table.shape) != 2:
-        raise ValueError(f"prefix_block_table must be (groups, pages), got shape {tuple(prefix_block_table.shape)}")
-    num_groups, prefix_pages = (int(n) for n in prefix_block_table.shape)
-    groups = _check_groups(prefix_groups, num_groups, b)
+    q_shape, cache_shape, table_shape = q.shape, k_cache.shape, prefix_block_table.shape
+    if len(q_shape) != 4 or len(cache_shape) != 4 or len(table_shape) != 2:
+        _refuse_ranks(q_shape, cache_shape, table_shape)
+    b, nq, hq, _ = q_shape
+    _, page_size, hkv, _ = cache_shape
+    num_groups, prefix_pages = table_shape
+    groups = (0, b) if prefix_groups is None and num_groups == 1 else _check_groups(prefix_groups, num_groups, b)
     if hkv == 0 or hq % hkv:
         raise ValueError(f"Hq = {hq} must be a multiple of Hkv = {hkv}")
     if causal and nq > 1 and (k_new is None or int(k_new.shape[1]) < nq - 1):
         _check_suffix_covers_queries(cache_seqlens, nq)
-    host_lens = _host_lengths(prefix_seqlens, num_groups, prefix_pages * page_size)  # before any append
+    options = check_options(causal, scale, (-1, -1), softcap)
+    if type(num_splits) is not int:
+        num_splits = check_num_splits(num_splits)
+    # Host lengths (an int, NumPy values) are read and checked here, before any append; an array
+    # is an operand (on the GPU checked by the kernel).
+    lengths = prefix_seqlens
+    if type(lengths) is not int or not 0 <= lengths <= prefix_pages * page_size:
+        lengths = _host_lengths(prefix_seqlens, num_groups, prefix_pages * page_size)
+    named = {
+        "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens, "block_table": block_table,
+        "k_new": k_new, "v_new": v_new, "prefix_block_table": prefix_block_table, "prefix_seqlens": lengths,
+    }  # fmt: skip
+    operands = (q, k_cache, v_cache, None if type(cache_seqlens) is int else cache_seqlens, block_table, k_new, v_new,
+                prefix_block_table, None if isinstance(lengths, (int, tuple)) else lengths)  # fmt: skip
+    call = SharedPrefixCall(named, operands, options, groups, num_splits)
+    out, lse = _front.route(_SHARED_PREFIX, call, return_lse)[:2]
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU: one launch of the decode kernel's cascade variant (after the append).
+# ---------------------------------------------------------------------------------------------
+# Per call signature: (the Launch, the device arrays of its "prefix_rows" and of host prefix
+# lengths), or None where the call runs as the composition. The row blocks are made once per
+# signature: a host-to-device copy from pageable memory waits for the stream, so one per call
+# would be a synchronisation per decode step.
+_routes = _plan.new_route_cache()
+
+
+def gpu_shared_prefix(lib: _interop.ArrayLib, device: int, call: SharedPrefixCall, want_lse: bool) -> tuple[Any, Any]:
+    """A call on arrays the pipeline reads: one launch where it fits (``_route``), else
+    ``_composed``; (out, lse), lse None unless wanted."""
+    q, k_cache, v_cache, seqlens, table, k_new, v_new, prefix_table, lengths = _named_arrays(call.named)
+    key = (
+        lib.name, device, call.options, call.num_splits, call.groups, q.shape, q.dtype, k_cache.shape, k_cache.dtype,
+        v_cache.shape, v_cache.dtype, None if type(seqlens) is int else (seqlens.shape, seqlens.dtype),
+        (table.shape, table.dtype), None if k_new is None else (k_new.shape, k_new.dtype),
+        None if v_new is None else (v_new.shape, v_new.dtype), (prefix_table.shape, prefix_table.dtype),
+        # an int goes to the kernel per call (one plan for every value); host values, on the device
+        None if type(lengths) is int else lengths if type(lengths) is tuple else (lengths.shape, lengths.dtype),
+    )  # fmt: skip
+    try:
+        route = _routes.find(key)
+    except TypeError:  # a part that cannot be hashed: planned uncached (which refuses it)
+        route = None
+    if route is None:
+        route = _routes.get(key, lambda: _route(lib, device, call))
+    if route is None:
+        return _composed(call)
+    launch, rows, host_lengths = route
+    arrays = {
+        "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": seqlens, "block_table": table,
+        "k_new": k_new, "v_new": v_new, "prefix_block_table": prefix_table,
+        "prefix_seqlens": lengths if host_lengths is None else host_lengths, "prefix_rows": rows,
+    }  # fmt: skip
+    return _launch.run(launch, lib, device, arrays, want_lse)
+
+
+def _route(lib: _interop.ArrayLib, device: int, call: SharedPrefixCall) -> tuple[_plan.Launch, Any, Any] | None:
+    """The call's one-launch plan and the device arrays it reads, or None for the composition (a
+    request's packed rows past one decode tile: ``one_launch``)."""
+    q, k_cache, v_cache, seqlens, table, k_new, v_new, prefix_table, lengths = _named_arrays(call.named)
+    if lib.name == _interop.DLPACK and k_new is not None:  # as the cache call
+        namespace = getattr(lib, "namespace", None)
+        raise TypeError(
+            "attention_with_shared_prefix with k_new on the GPU takes CuPy arrays, PyTorch tensors or JAX arrays (the "
+            f"cache is written in place), got {getattr(namespace, '__name__', 'other')} arrays"
+        )
+    kp = _kvcache.kvcache_problem_of(
+        q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, call.options, None, None
+    )
+    if not one_launch_enabled() or not one_launch(
+        kp.attn.seqlen_q, kp.attn.heads_q // max(kp.attn.heads_kv, 1), kp.attn.head_dim
+    ):
+        return None
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
+             "cache_seqlens": None if type(seqlens) is int else seqlens, "block_table": table}  # fmt: skip
+    dtypes = {n: None if x is None else lib.dtype_name(x) for n, x in named.items()}
+    _plan.check_int32({
+        "prefix_block_table": lib.dtype_name(prefix_table),
+        "prefix_seqlens": None if isinstance(lengths, (int, tuple)) else lib.dtype_name(lengths),
+    })  # fmt: skip
+    launch = _plan.plan_kvcache(
+        kp, dtypes, _device.device_info(device), num_splits=call.num_splits,
+        cascade=_plan.CascadePrefix(call.groups, int(prefix_table.shape[1])),
+    )  # fmt: skip
+    rows = device_ints(q, _plan.cascade_blocks(launch, call.groups) or [(0, 0, 0)])
+    return launch, rows, device_ints(q, lengths) if isinstance(lengths, tuple) else None
+
+
+def device_ints(like: Any, values: Sequence[Any]) -> Any:
+    """Host ints as an int32 array on ``like``'s device, in its library (made once per call
+    signature: the copy waits for the stream)."""
+    from array_api_compat import array_namespace
+    from array_api_compat import device as device_of
+
+    xp = array_namespace(like)
+    return xp.asarray(values, dtype=xp.int32, device=device_of(like))
+
+
+def one_launch_enabled() -> bool:
+    """The one-launch kernel is opt-in (``CUPYFLASH_CASCADE_ONE_LAUNCH=1``, read when a call
+    signature is first planned) until a GPU run has validated it (tests/test_gpu_cascade.py);
+    the composition of validated calls is the default meanwhile."""
+    return os.environ.get("CUPYFLASH_CASCADE_ONE_LAUNCH") == "1"
+
+
+def one_launch(seqlen_q: int, group: int, head_dim: int) -> bool:
+    """Whether the GPU runs a call in one launch: at most DECODE_MAX_QUERIES query tokens whose
+    packed rows (x the GQA ``group``) fit one decode tile of ``head_dim`` (``cascade_tiles``)."""
+    return seqlen_q <= DECODE_MAX_QUERIES and bool(_dispatch.cascade_tiles(head_dim, seqlen_q * group))
+
+
+# ---------------------------------------------------------------------------------------------
+# The host: the kernel's steps in the array-API standard (the GPU's order, side by side).
+# ---------------------------------------------------------------------------------------------
+def host_shared_prefix(call: SharedPrefixCall) -> tuple[Any, Any]:
+    """The cascade kernel's steps on host arrays, every value checked before anything is written
+    (the prefixes' by ``_host_prefix_layout``, the requests' by the cache call):
+
+    1. decode_append, then each request's CTAs over its own keys: the cache call's host twin,
+       (O_s, LSE_s) per row;
+    2. each prefix's CTAs: the rows of every request of its group (tokens x query heads), one
+       attention over the prefix's keys, all visible (``_host_prefix``): (O_p, LSE_p) per row;
+    3. the last ticket's merge_row: the two states of each row merged by their LSE.
+    """
+    from . import _host, xp_impl
+
+    a = call.named
+    xp = _host.namespace(
+        ("q", "k_cache", "v_cache", "prefix_block_table"), (a["q"], a["k_cache"], a["v_cache"], a["prefix_block_table"])
+    )  # fmt: skip
+    layout, lengths = _host_prefix_layout(call)
+    suffix = {n: a.get(n) for n in _kvcache.KV_NAMES}
+    out_s, lse_s = _kvcache.host_with_kvcache(_kvcache.cache_call(suffix, call.options, call.num_splits))
+    prefix_out, prefix_lse = _host_prefix(xp, call, layout, lengths)
+    return xp_impl.merge_states(xp, prefix_out, prefix_lse, out_s, lse_s)
+
+
+def _host_prefix_layout(call: SharedPrefixCall) -> tuple[Any, tuple[int, ...]]:
+    """The prefixes' pages (an ``xp_impl.CacheLayout``) and lengths, each length within its table
+    row and each page in use within the pool (the kernel's prefix_span and page checks, raised)."""
+    from . import _host, xp_impl
+
+    a = call.named
+    table, lengths = a["prefix_block_table"], a["prefix_seqlens"]
+    num_pages, page_size = (int(n) for n in a["k_cache"].shape[:2])
+    pages = _host.host_ints(table)
+    if isinstance(lengths, int):
+        lengths = (lengths,) * len(pages)
+    elif not isinstance(lengths, tuple):
+        lengths = tuple(_host.host_ints(lengths))
+    capacity = int(table.shape[1]) * page_size
+    for g, n in enumerate(lengths):
+        bad = [p for p in pages[g][: -(-n // page_size)] if not 0 <= p < num_pages] if 0 <= n <= capacity else None
+        if bad is None or bad:
+            why = f"{n} keys, outside [0, {capacity}]" if bad is None else f"pages {bad} outside [0, {num_pages})"
+            raise ValueError(f"prefix {g}: {why}")
+    return xp_impl.CacheLayout(pages, page_size), lengths
+
+
+def _host_prefix(xp: Any, call: SharedPrefixCall, layout: Any, lengths: tuple[int, ...]) -> tuple[Any, Any]:
+    """Step 2 of ``host_shared_prefix``: for each group g, its requests' queries as one sequence of
+    n_g x Nq tokens against prefix g's keys (non-causal: every row sees the whole prefix), split
+    into ``_host_prefix_splits`` key ranges merged by LSE as the kernel's prefix splits are;
+    (out (B, Nq, Hq, d), LSE (B, Hq, Nq))."""
+    from . import xp_impl
+    from ._validate import attention_problem
+
+    a = call.named
+    q, k_cache, v_cache = a["q"], a["k_cache"], a["v_cache"]
+    b, nq, hq, d = (int(n) for n in q.shape)
+    outs, lses = [], []
+    for g, (begin, end) in enumerate(zip(call.groups, call.groups[1:])):
+        if begin == end:
+            continue
+        rows = xp.reshape(q[begin:end, ...], (1, (end - begin) * nq, hq, d))  # the group's rows, one sequence
+        keys = [xp.expand_dims(layout.gather(xp, c, g, lengths[g]), axis=0) for c in (k_cache, v_cache)]
+        p = attention_problem(
+            tuple(rows.shape), tuple(keys[0].shape), tuple(keys[1].shape), causal=False, scale=call.options.scale,
+            window=(-1, -1), softcap=call.options.softcap, layout="bshd",
+        )  # fmt: skip
+        split_keys = -(-max(lengths[g], 1) // _host_prefix_splits(lengths[g]))
+        out, lse = xp_impl.attention(xp, rows, keys[0], keys[1], p, algorithm="decode", split_keys=split_keys)
+        outs.append(xp.reshape(out, (end - begin, nq, hq, d)))
+        lses.append(xp.permute_dims(xp.reshape(lse, (hq, end - begin, nq)), (1, 0, 2)))
+    if not outs:  # an empty batch: the cache call's empty state
+        return q, xp.zeros((0, hq, nq), dtype=xp_impl.compute_dtype(xp, q))
+    return xp.concat(outs, axis=0), xp.concat(lses, axis=0)
+
+
+def _host_prefix_splits(prefix_keys: int) -> int:
+    """Key ranges of a prefix on the host: one (the tests set more, to check the merge of splits)."""
+    return 1
+
+
+_SHARED_PREFIX = _front.Operation("attention_with_shared_prefix", host_shared_prefix, gpu_shared_prefix)
+
+
+# ---------------------------------------------------------------------------------------------
+# The composition, where one launch cannot take a call (``one_launch``): public calls on the GPU.
+# ---------------------------------------------------------------------------------------------
+def _composed(call: SharedPrefixCall) -> tuple[Any, Any]:
+    """The suffix's cache call (with the append), the prefix as one paged ``attention_varlen`` over
+    the GQA-packed rows of each group split into key ranges (the FA2 kernel over the cache view),
+    the merge of the prefix's ranges, and ``merge_states`` of the two; on the GPU's arrays."""
+    from array_api_compat import array_namespace
+    from array_api_compat import device as device_of
+
+    a = call.named
+    q, k_cache, v_cache, prefix_block_table = a["q"], a["k_cache"], a["v_cache"], a["prefix_block_table"]
+    lengths = a["prefix_seqlens"]
+    b, nq, hq, d = (int(n) for n in q.shape)
+    page_size, hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
+    num_groups, prefix_pages = (int(n) for n in prefix_block_table.shape)
+    groups, options = call.groups, call.options
+    scale, softcap = options.scale, options.softcap
+    host_lens = (lengths,) * num_groups if isinstance(lengths, int) else lengths if isinstance(lengths, tuple) else None
     xp = array_namespace(q)
     where = device_of(q)
-    # (library, device, ...) on a GPU, None on the host; the prefix table in q's library and device
+    # (library, device, ...): the prefix table in q's library and device
     gpu = _interop.gpu_arrays(("q", "prefix_block_table"), (q, prefix_block_table))
+    assert gpu is not None  # (the host runs host_shared_prefix)
+    lib, device = gpu[0], gpu[1]
 
     # The suffix first: its append must land before anything reads the pages (no other read of
     # those pages follows, but a caller may pass the same pool as prefix and suffix).
     out_s, lse_s = attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
-        causal=causal, scale=scale, softcap=softcap, num_splits=num_splits, return_lse=True,
+        q, k_cache, v_cache, cache_seqlens=a["cache_seqlens"], block_table=a["block_table"], k_new=a["k_new"],
+        v_new=a["v_new"], causal=options.causal, scale=scale, softcap=softcap, num_splits=call.num_splits,
+        return_lse=True,
     )  # fmt: skip
 
     # The prefix: S key ranges of `chunk` pages each; pseudo-sequence (s, g) is group g's queries
@@ -139,13 +403,13 @@ def attention_with_shared_prefix(
     heads, rows_per_query = (hkv, group) if packed else (hq, 1)
     t = b * nq
     rows = t * rows_per_query
-    splits = _prefix_splits(gpu, prefix_pages * page_size, heads, rows)
+    splits = _prefix_splits(device, prefix_pages * page_size, heads, rows)
     chunk = -(-prefix_pages // splits) if prefix_pages else 1
     splits = max(-(-prefix_pages // chunk), 1)
     chunk_keys = chunk * page_size
     table = _split_table(xp, where, prefix_block_table, splits, chunk)
     group_rows = tuple((groups[g + 1] - groups[g]) * nq * rows_per_query for g in range(num_groups))
-    cu_q, cu_k = _offsets(xp, where, group_rows, splits, chunk_keys, prefix_seqlens, host_lens)
+    cu_q, cu_k = _offsets(xp, where, group_rows, splits, chunk_keys, lengths, host_lens)
     if packed:
         q_rows = xp.reshape(xp.permute_dims(xp.reshape(q, (t, hkv, group, d)), (0, 2, 1, 3)), (rows, hkv, d))
     else:
@@ -153,16 +417,9 @@ def attention_with_shared_prefix(
     if splits > 1:
         q_rows = xp.reshape(xp.broadcast_to(q_rows[None], (splits, rows, heads, d)), (splits * rows, heads, d))
     prefix_args = (q_rows, k_cache, v_cache, cu_q, cu_k, max(group_rows, default=0), chunk_keys, scale, softcap, table)
-    dims = (b, nq, hq, hkv, d)
-    if gpu is None:
-        out_p, lse_p = _varlen(*prefix_args)
-        prefix_out, prefix_lse = _merge_prefix(xp, out_p, lse_p, splits, dims, packed)
-    else:
-        lib, device = gpu[0], gpu[1]
-        out_p, lse_p = _gpu_prefix(lib, device, *prefix_args)
-        prefix_out, prefix_lse = _gpu_merge_prefix(lib, device, out_p, lse_p, splits, dims, packed)
-    out, lse = merge_states(prefix_out, prefix_lse, out_s, lse_s)
-    return (out, lse) if return_lse else out
+    out_p, lse_p = _gpu_prefix(lib, device, *prefix_args)
+    prefix_out, prefix_lse = _gpu_merge_prefix(lib, device, out_p, lse_p, splits, (b, nq, hq, hkv, d), packed)
+    return merge_states(prefix_out, prefix_lse, out_s, lse_s)
 
 
 def _split_table(xp: Any, where: Any, table: Any, splits: int, chunk: int) -> Any:
@@ -212,25 +469,26 @@ def _offsets(
     return cu_q, cu_k
 
 
-def _host_lengths(x: Any, count: int, capacity: int) -> tuple[int, ...] | None:
-    """Host prefix lengths as ``count`` ints (an int is every prefix's), each checked within the
-    prefix table's ``capacity`` keys; None for an array on a device (read there, checked by the
-    kernels: no synchronisation)."""
-    from . import _interop
-
-    if isinstance(x, int):
-        values: tuple[int, ...] = (int(x),) * count
-    elif _interop.gpu_arrays(("prefix_seqlens",), (x,)) is not None:
-        return None
-    else:
-        import numpy as np
-
+def _host_lengths(x: Any, count: int, capacity: int) -> Any:
+    """The prefix lengths as a call passes them on: an int (every prefix's, or NumPy values that
+    are all equal) or a tuple of ``count`` ints, each checked within the prefix table's
+    ``capacity`` keys; any other array as it is (checked for its shape here, for its values by the
+    kernel, or by the host path)."""
+    if type(x) is int:
+        values: tuple[int, ...] = (x,)
+    elif isinstance(x, (np.ndarray, list, tuple)):
         values = tuple(int(n) for n in np.asarray(x).reshape(-1))
-    if len(values) != count:
-        raise ValueError(f"prefix_seqlens must have one entry per prefix ({count}), got {len(values)}")
+        if len(values) != count:
+            raise ValueError(f"prefix_seqlens must have one entry per prefix ({count}), got {len(values)}")
+    else:
+        if tuple(x.shape) != (count,):
+            raise ValueError(f"prefix_seqlens must be ({count},), one length per prefix, got shape {tuple(x.shape)}")
+        return x
     bad = [n for n in values if not 0 <= n <= capacity]
     if bad:
         raise ValueError(f"prefix_seqlens {bad} outside [0, {capacity}] (the keys prefix_block_table's pages hold)")
+    if len(set(values)) <= 1:  # one length for every prefix: an int the kernel takes per call
+        return values[0] if values else 0
     return values
 
 
@@ -269,33 +527,6 @@ def _gpu_merge_prefix(
     return _launch.run(launch, lib, device, {"o_parts": out_p, "lse_parts": lse_p}, True)
 
 
-def _merge_prefix(
-    xp: Any, out_p: Any, lse_p: Any, splits: int, dims: tuple[int, int, int, int, int], packed: bool
-) -> tuple[Any, Any]:
-    """The host's merge of the prefix's S states (the GPU's: ``_gpu_merge_prefix``): pairwise
-    ``merge_states`` over the varlen output rearranged to (S, B Nq, Hq, d) and (S, Hq, B Nq)."""
-    b, nq, hq, hkv, d = dims
-    t, group = b * nq, hq // hkv
-    if packed:
-        out_p = xp.reshape(
-            xp.permute_dims(xp.reshape(out_p, (splits, t, group, hkv, d)), (0, 1, 3, 2, 4)), (splits, t, hq, d)
-        )
-        lse_p = xp.reshape(xp.permute_dims(xp.reshape(lse_p, (hkv, splits, t, group)), (1, 0, 3, 2)), (splits, hq, t))
-    else:
-        out_p = xp.reshape(out_p, (splits, t, hq, d))
-        lse_p = xp.permute_dims(xp.reshape(lse_p, (hq, splits, t)), (1, 0, 2))
-    while splits > 1:  # pairs of parts merged at once: log2(S) rounds of one call each
-        half = splits // 2
-        merged, merged_lse = merge_states(out_p[:half], lse_p[:half], out_p[half : 2 * half], lse_p[half : 2 * half])
-        if splits % 2:
-            merged = xp.concat([merged, out_p[2 * half :]], axis=0)
-            merged_lse = xp.concat([merged_lse, lse_p[2 * half :]], axis=0)
-        out_p, lse_p, splits = merged, merged_lse, half + splits % 2
-    prefix_out = xp.reshape(out_p[0], (b, nq, hq, d))
-    prefix_lse = xp.permute_dims(xp.reshape(lse_p[0], (hq, b, nq)), (1, 0, 2))
-    return prefix_out, prefix_lse
-
-
 _prefix_plans = _plan.new_cache()
 
 
@@ -324,22 +555,20 @@ def _gpu_prefix(
     return _launch.run(launch, lib, device, named, True)
 
 
-def _varlen(
-    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, scale: Any, softcap: float, table: Any
-) -> tuple[Any, Any]:
-    call = _attention.VarlenForward(
-        q, k, v, cu_q, cu_k, max_q, max_k, check_options(False, scale, (-1, -1), softcap), block_table=table
-    )
-    out, lse = _attention.varlen_forward(call, want_lse=True)
-    return out, lse
+def _refuse_ranks(q_shape: Any, cache_shape: Any, table_shape: Any) -> None:
+    if len(q_shape) != 4:
+        raise ValueError(f"q must be 4-D (batch, seqlen_q, heads, head_dim), got shape {tuple(q_shape)}")
+    if len(cache_shape) != 4:
+        raise ValueError(f"k_cache must be paged (num_pages, page_size, Hkv, d), got shape {tuple(cache_shape)}")
+    raise ValueError(f"prefix_block_table must be (groups, pages), got shape {tuple(table_shape)}")
 
 
-def _check_groups(prefix_groups: Sequence[int] | None, num_groups: int, batch: int) -> list[int]:
+def _check_groups(prefix_groups: Sequence[int] | None, num_groups: int, batch: int) -> tuple[int, ...]:
     if prefix_groups is None:
         if num_groups != 1:
             raise ValueError(f"prefix_groups is needed with {num_groups} prefixes (which requests share which)")
-        return [0, batch]
-    groups = [int(g) for g in prefix_groups]
+        return (0, batch)
+    groups = tuple(int(g) for g in prefix_groups)
     if len(groups) != num_groups + 1 or groups[0] != 0 or groups[-1] != batch:
         raise ValueError(
             f"prefix_groups must be {num_groups + 1} offsets from 0 to B = {batch} (one group per prefix_block_table "
@@ -371,13 +600,9 @@ def _check_suffix_covers_queries(cache_seqlens: Any, nq: int) -> None:
         )
 
 
-def _prefix_splits(gpu: Any, prefix_keys: int, heads: int, rows: int) -> int:
-    """How many key ranges the prefix is split into on the GPU (``gpu``: gpu_arrays' answer):
-    CTAs for two waves (a CTA takes 128 packed rows of one head), each range at least
-    _MIN_SPLIT_KEYS keys; one on the host."""
-    if gpu is None:
-        return 1
-    device = gpu[1]
+def _prefix_splits(device: int, prefix_keys: int, heads: int, rows: int) -> int:
+    """How many key ranges the composition splits the prefix into: CTAs for two waves (a CTA
+    takes 128 packed rows of one head), each range at least _MIN_SPLIT_KEYS keys."""
     ctas = heads * max(-(-rows // 128), 1)
     want = max(1, (2 * _device.device_info(device).num_sms) // ctas)
     most = max(1, prefix_keys // _MIN_SPLIT_KEYS)

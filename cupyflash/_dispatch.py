@@ -476,6 +476,49 @@ def split_blocks(key_blocks: int, num_splits: int) -> tuple[int, int]:
     return per_split, -(-max(key_blocks, 1) // per_split)
 
 
+def cascade_spec(
+    dtype: str, head_dim: int, rows_per_request: int, group_rows: int, causal: bool, softcap: bool = False
+) -> DecodeSpec | None:  # fmt: skip
+    """The decode variant of a one-launch cascade (``attention_with_shared_prefix``), or None where
+    a request's packed rows (``rows_per_request``: query tokens x the GQA group) do not fit one
+    tile of the head dim: the kernel takes a ticket per request and merges whole requests, so a
+    request is one m-block, and a prefix CTA holds the rows of block_m // rows_per_request
+    requests. Of the tiles that hold a request, the smallest that holds the largest group's rows
+    (``group_rows``), else the largest: a prefix's pages are read once per row block, so fewer row
+    blocks read less (B = 64, GQA 32/8, d = 128: 8 row blocks of 32 rows against 16 of 16); a
+    request's own few keys pay the padded rows' MMAs, which its read hides."""
+    width, valid_dim = columns(head_dim, DECODE_HEAD_DIMS)
+    fits = cascade_tiles(head_dim, rows_per_request)
+    if not fits:
+        return None
+    tile = next((t for t in fits if t.block_m >= group_rows), fits[-1])
+    return DecodeSpec(dtype, width, tile, causal, valid_dim, softcap=softcap, cascade=True)
+
+
+def cascade_tiles(head_dim: int, rows_per_request: int) -> tuple[DecodeTile, ...]:
+    """The decode tiles of ``head_dim`` that hold a request's packed rows in one m-block."""
+    width, _ = columns(head_dim, DECODE_HEAD_DIMS)
+    return tuple(t for t in DECODE_TILES[width] if t.block_m >= rows_per_request)
+
+
+def cascade_prefix_splits(*, prefix_ctas: int, key_blocks: int, num_sms: int, ctas_per_sm: int, own_splits: int) -> int:
+    """Splits of every prefix's keys in a one-launch cascade, for ``prefix_ctas`` = prefix row
+    blocks x KV heads CTAs per split: the prefix is the long work, so its CTAs alone fill at
+    least two waves (the requests' short CTAs fill the last wave's gaps), the fewest splits within
+    DECODE_WAVE_TOLERANCE of the best wave efficiency past that; a split keeps at least
+    DECODE_MIN_BLOCKS_PER_SPLIT key blocks, and a request merges at most DECODE_MAX_SPLITS parts
+    (its ``own_splits`` and the prefix's)."""
+    slots = max(1, num_sms * ctas_per_sm)
+    most = min(DECODE_MAX_SPLITS - own_splits, key_blocks // DECODE_MIN_BLOCKS_PER_SPLIT)
+    if prefix_ctas <= 0 or most <= 1:
+        return 1
+    least = min(most, -(-2 * slots // prefix_ctas))
+    counts = range(least, most + 1)
+    efficiency = [prefix_ctas * s / (-(-prefix_ctas * s // slots) * slots) for s in counts]
+    good_enough = max(efficiency) * (1 - DECODE_WAVE_TOLERANCE)
+    return next(s for s, eff in zip(counts, efficiency) if eff >= good_enough)
+
+
 def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
     """Every decode variant the dispatcher can pick (what warmup and the CI compile test build),
     and merge_states' kernels at the decode head dims."""
@@ -493,7 +536,10 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
         specs += fp8_decode_specs(dtype)
     # batch_invariant's twin of every partial kernel (its windows and softcap compile on first
     # use, as the default's)
-    specs += [replace(s, batch_invariant=True) for s in specs if isinstance(s, DecodeSpec)]
+    partial = [s for s in specs if isinstance(s, DecodeSpec)]
+    specs += [replace(s, batch_invariant=True) for s in partial]
+    # the one-launch cascade's twin of every 16-bit cache's variant, causal or not
+    specs += [replace(s, cascade=True) for s in partial if not (s.fp8 or s.tree)]
     return specs
 
 
@@ -634,137 +680,186 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
 # (no compile, no driver query), so registers per thread come from this table: ptxas's count
 # for each shipped decode variant and arch with NVRTC 13.0.88 (the H200 machine's, pinned in CI),
 # which tests/test_plan.py checks against a compile. The float8-cache variants (``_fp8``,
-# FP8_DECODE_TILES) and the tree-mask variants (speculative decoding: ``_tree``) are listed too.
+# FP8_DECODE_TILES), the tree-mask variants (speculative decoding: ``_tree``) and the one-launch
+# cascade's (``_cascade``) are listed too.
 # ---------------------------------------------------------------------------------------------
 DECODE_REGISTERS: dict[tuple[str, str], int] = {
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 195,
+    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_cascade"): 197,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal"): 198,
+    ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal_cascade"): 200,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_tree"): 198,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_causal_fp8"): 128,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_fp8"): 128,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_fp8_tree"): 128,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2"): 240,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_cascade"): 242,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 246,
+    ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_causal_cascade"): 245,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s2_tree"): 243,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s4_causal_fp8"): 214,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s4_fp8"): 212,
     ("sm_80", "cf_decode_bf16_d128_m32_k16_w8_s4_fp8_tree"): 212,
     ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3"): 244,
+    ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3_cascade"): 241,
     ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3_causal"): 244,
+    ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3_causal_cascade"): 244,
     ("sm_80", "cf_decode_bf16_d256_m16_k16_w4_s3_tree"): 244,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2"): 126,
+    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_cascade"): 128,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_causal"): 128,
+    ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_causal_cascade"): 127,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_tree"): 124,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 138,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_fp8"): 134,
     ("sm_80", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_fp8_tree"): 136,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg"): 198,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_cascade"): 199,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 198,
+    ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal_cascade"): 200,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_tree"): 197,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 206,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_fp8"): 200,
     ("sm_80", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_fp8_tree"): 204,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3"): 255,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_cascade"): 254,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 255,
+    ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_causal_cascade"): 254,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s3_tree"): 255,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s6_causal_fp8"): 250,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s6_fp8"): 248,
     ("sm_80", "cf_decode_bf16_d64_m64_k16_w4_s6_fp8_tree"): 250,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg"): 195,
+    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_cascade"): 197,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal"): 198,
+    ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal_cascade"): 200,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_tree"): 198,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_causal_fp8"): 128,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_fp8"): 128,
     ("sm_80", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_fp8_tree"): 128,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2"): 240,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_cascade"): 242,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 246,
+    ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_causal_cascade"): 245,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s2_tree"): 243,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s4_causal_fp8"): 212,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s4_fp8"): 210,
     ("sm_80", "cf_decode_fp16_d128_m32_k16_w8_s4_fp8_tree"): 210,
     ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3"): 244,
+    ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3_cascade"): 241,
     ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3_causal"): 244,
+    ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3_causal_cascade"): 244,
     ("sm_80", "cf_decode_fp16_d256_m16_k16_w4_s3_tree"): 244,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2"): 126,
+    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_cascade"): 128,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_causal"): 128,
+    ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_causal_cascade"): 127,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_tree"): 124,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 135,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_fp8"): 133,
     ("sm_80", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_fp8_tree"): 136,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg"): 198,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_cascade"): 199,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 198,
+    ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal_cascade"): 200,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_tree"): 197,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 199,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_fp8"): 192,
     ("sm_80", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_fp8_tree"): 194,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3"): 255,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_cascade"): 254,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 255,
+    ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_causal_cascade"): 254,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s3_tree"): 255,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s6_causal_fp8"): 248,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s6_fp8"): 248,
     ("sm_80", "cf_decode_fp16_d64_m64_k16_w4_s6_fp8_tree"): 248,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 194,
+    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_cascade"): 197,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal"): 197,
+    ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_causal_cascade"): 200,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_tree"): 197,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_causal_fp8"): 122,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_fp8"): 123,
     ("sm_90a", "cf_decode_bf16_d128_m16_k16_w8_s3_b2_fp8_tree"): 123,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2"): 238,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_cascade"): 242,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_causal"): 240,
+    ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_causal_cascade"): 246,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s2_tree"): 241,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s4_causal_fp8"): 221,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s4_fp8"): 221,
     ("sm_90a", "cf_decode_bf16_d128_m32_k16_w8_s4_fp8_tree"): 222,
     ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3"): 241,
+    ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3_cascade"): 245,
     ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3_causal"): 244,
+    ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3_causal_cascade"): 244,
     ("sm_90a", "cf_decode_bf16_d256_m16_k16_w4_s3_tree"): 245,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2"): 128,
+    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_cascade"): 124,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_causal"): 126,
+    ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_causal_cascade"): 128,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s2_qreg_b2_tree"): 128,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 152,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_fp8"): 146,
     ("sm_90a", "cf_decode_bf16_d64_m16_k16_w8_s4_qreg_fp8_tree"): 150,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg"): 193,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_cascade"): 199,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal"): 199,
+    ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_causal_cascade"): 199,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s2_qreg_tree"): 197,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 226,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_fp8"): 209,
     ("sm_90a", "cf_decode_bf16_d64_m32_k16_w8_s4_qreg_fp8_tree"): 220,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3"): 254,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_cascade"): 254,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_causal"): 254,
+    ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_causal_cascade"): 255,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s3_tree"): 254,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s6_causal_fp8"): 241,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s6_fp8"): 245,
     ("sm_90a", "cf_decode_bf16_d64_m64_k16_w4_s6_fp8_tree"): 245,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg"): 194,
+    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_cascade"): 197,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal"): 197,
+    ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_causal_cascade"): 200,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s2_qreg_tree"): 197,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_causal_fp8"): 121,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_fp8"): 121,
     ("sm_90a", "cf_decode_fp16_d128_m16_k16_w8_s3_b2_fp8_tree"): 122,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2"): 238,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_cascade"): 242,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_causal"): 240,
+    ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_causal_cascade"): 246,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s2_tree"): 241,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s4_causal_fp8"): 221,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s4_fp8"): 221,
     ("sm_90a", "cf_decode_fp16_d128_m32_k16_w8_s4_fp8_tree"): 222,
     ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3"): 241,
+    ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3_cascade"): 245,
     ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3_causal"): 244,
+    ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3_causal_cascade"): 244,
     ("sm_90a", "cf_decode_fp16_d256_m16_k16_w4_s3_tree"): 245,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2"): 128,
+    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_cascade"): 124,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_causal"): 126,
+    ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_causal_cascade"): 128,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s2_qreg_b2_tree"): 128,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_causal_fp8"): 148,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_fp8"): 144,
     ("sm_90a", "cf_decode_fp16_d64_m16_k16_w8_s4_qreg_fp8_tree"): 146,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg"): 193,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_cascade"): 199,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal"): 199,
+    ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_causal_cascade"): 199,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s2_qreg_tree"): 197,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_causal_fp8"): 211,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_fp8"): 208,
     ("sm_90a", "cf_decode_fp16_d64_m32_k16_w8_s4_qreg_fp8_tree"): 209,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3"): 254,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_cascade"): 254,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_causal"): 254,
+    ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_causal_cascade"): 255,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s3_tree"): 254,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s6_causal_fp8"): 245,
     ("sm_90a", "cf_decode_fp16_d64_m64_k16_w4_s6_fp8"): 242,

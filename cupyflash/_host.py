@@ -175,7 +175,7 @@ def _paged_layout(table: Any, page_shape: tuple[int, ...], used: list[int], cu_k
     """The pages of packed sequences (attention_varlen's block_table), every page in use checked."""
     from . import xp_impl
 
-    pages, (num_pages, page_size) = _host_ints(table), page_shape[:2]
+    pages, (num_pages, page_size) = host_ints(table), page_shape[:2]
     check_paged_keys(pages, [end - int(start) for end, start in zip(used, cu_k)], num_pages, page_size)
     return xp_impl.CacheLayout(pages, page_size)
 
@@ -267,10 +267,10 @@ def attention_with_kvcache(
         scales = [
             _fp8.host_scale_array(xp, n, s, heads_kv, k_cache) for n, s in (("k_scale", fp8[1]), ("v_scale", fp8[2]))
         ]
-    cached = [seqlens] * p.attn.batch if type(seqlens) is int else _host_ints(seqlens)
-    pages = None if table is None else _host_ints(table)
-    entries = None if batch_idx is None else _host_ints(batch_idx)
-    first_keys = None if leftpad is None else _host_ints(leftpad)
+    cached = [seqlens] * p.attn.batch if type(seqlens) is int else host_ints(seqlens)
+    pages = None if table is None else host_ints(table)
+    entries = None if batch_idx is None else host_ints(batch_idx)
+    first_keys = None if leftpad is None else host_ints(leftpad)
     check_kvcache_values(cached, pages, p, entries, first_keys)
     layout = xp_impl.CacheLayout(pages, p.page_size, entries)
     if p.rotary_half:  # k_new at its cache positions, q at the first new one (+ i per token)
@@ -336,7 +336,7 @@ def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
     return xp_impl.merge_states(xp, o_a, lse_a, o_b, lse_b)
 
 
-def _host_ints(x: Any) -> Any:
+def host_ints(x: Any) -> Any:
     """An integer host array of any namespace as (nested) Python lists."""
     from .reference import to_numpy64
 

@@ -169,6 +169,15 @@ DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("tree_mask", "u8"),
     ("tree_mask_batch_stride", "i8"),
     ("tree_mask_row_stride", "i8"),
+    ("prefix_block_table", "u8"),
+    ("prefix_seqlens", "u8"),
+    ("prefix_rows", "u8"),
+    ("prefix_block_table_batch_stride", "i8"),
+    ("prefix_seqlen", "i4"),
+    ("prefix_capacity", "i4"),
+    ("num_prefix_blocks", "i4"),
+    ("prefix_splits", "i4"),
+    ("prefix_blocks_per_split", "i4"),
 )
 
 MERGE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (

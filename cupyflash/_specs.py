@@ -620,6 +620,7 @@ class DecodeSpec(_KernelSpecBase):
     fp8: bool = False  # a float8 cache (the format, e4m3 or e5m2, is a run-time field)
     batch_invariant: bool = False  # each sequence merges only the fixed-size splits of its own keys
     tree: bool = False  # speculative decoding's tree mask among the draft tokens (no causal or window bound)
+    cascade: bool = False  # shared-prefix decoding: the prefixes' CTAs and the requests' in one launch
 
     kernel = "decode_partial"
     source_file = "decode.cu"
@@ -640,6 +641,8 @@ class DecodeSpec(_KernelSpecBase):
             )
         if self.tree and (self.causal or self.local):
             raise ValueError("a tree mask replaces the causal rule among the drafts: no causal or window bound with it")
+        if self.cascade and (self.local or self.fp8 or self.batch_invariant or self.tree):
+            raise ValueError("the cascade variant takes a 16-bit cache, causal or not, softcap or not: nothing else")
 
     def _name_parts(self) -> tuple[object, ...]:
         t = self.tile
@@ -656,7 +659,7 @@ class DecodeSpec(_KernelSpecBase):
         t = self.tile
         return (("qreg", t.q_in_regs), (f"b{t.min_blocks}", t.min_blocks > 1),
                 *_mask_flags(self.causal, self.local, self.softcap), ("fp8", self.fp8),
-                ("inv", self.batch_invariant), ("tree", self.tree))  # fmt: skip
+                ("inv", self.batch_invariant), ("tree", self.tree), ("cascade", self.cascade))  # fmt: skip
 
     @property
     def num_threads(self) -> int:
@@ -671,10 +674,11 @@ class DecodeSpec(_KernelSpecBase):
 
     def _traits_args(self) -> tuple[object, ...]:
         t = self.tile
-        # The trailing kValidDim_, Kv_fp8_, Batch_invariant_, Is_tree_ spelled out only as far as
-        # needed (a variant without them is spelled as before).
+        # The trailing kValidDim_, Kv_fp8_, Batch_invariant_, Is_tree_, Is_cascade_ spelled out only
+        # as far as needed (a variant without them is spelled as before).
         tail: tuple[object, ...] = (
-            (self.valid_dim, self.fp8, self.batch_invariant, True) if self.tree
+            (self.valid_dim, self.fp8, self.batch_invariant, self.tree, True) if self.cascade
+            else (self.valid_dim, self.fp8, self.batch_invariant, True) if self.tree
             else (self.valid_dim, self.fp8, True) if self.batch_invariant
             else (self.valid_dim, True) if self.fp8 else _columns_arg(self.valid_dim)
         )  # fmt: skip

@@ -19,6 +19,12 @@
 //   on the batch, its size, the cache's capacity or the sequence's place in it.
 //   Is_tree (speculative decoding): the query tokens are the last Nq keys, and among them each
 //   sees the drafts its row of the caller's tree mask names (PackedRowMask, tree_row_word).
+//   Is_cascade (shared-prefix decoding): one grid axis (decode_work) holds the prefixes' CTAs --
+//   split sp of group g's prefix pages for a row block of whole requests of g (rows request-major,
+//   packed_row), every key visible -- then each request's CTAs over its own pages as above. Each
+//   writes fp32 partials: a request's own split s in slot s, prefix split sp in slot num_splits +
+//   sp; each takes a ticket on the counter of every request whose rows it holds, and the CTA that
+//   draws a request's last (num_splits + prefix_splits) merges that request's rows.
 // decode_merge -- the exact merge of partials (O_i, LSE_i) by LSE rescaling, one warp per output
 //   row (merge_row in softmax.cuh, which the fused combine uses too); the kernel serves
 //   cupyflash.merge_states.
@@ -66,7 +72,7 @@ struct MergeParams {
 template <int kHeadDim_, int kBlockM_, int kWarpKeys_, int kNWarps_, int kStages_, bool Q_in_regs_,
           typename Element_, bool Is_causal_, bool Is_local_ = false, bool Has_softcap_ = false,
           int kValidDim_ = 0, bool Kv_fp8_ = false, bool Batch_invariant_ = false,
-          bool Is_tree_ = false>
+          bool Is_tree_ = false, bool Is_cascade_ = false>
 struct DecodeTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -94,6 +100,9 @@ struct DecodeTraits {
   // row's word of visible drafts is built once per CTA (tree_row_word) and read by the mask in
   // the slices that reach the drafts only; the variants without a tree hold none of it.
   static constexpr bool Is_tree = Is_tree_;
+  // Cascade decoding: the grid holds the prefixes' CTAs, then the requests' (cascade_work); every
+  // CTA writes fp32 partials, and a request's last one merges its own and its prefix's splits.
+  static constexpr bool Is_cascade = Is_cascade_;
 
   static constexpr int kBlockN = kNWarps * kWarpKeys;  // keys of one CTA step (the split unit)
   static constexpr int kNThreads = kNWarps * 32;
@@ -119,6 +128,9 @@ struct DecodeTraits {
   static_assert(kBlockM % 16 == 0 && kWarpKeys % 16 == 0, "whole MMA tiles");
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
   static_assert(!Is_tree || kNThreads >= kBlockM, "a thread per packed row builds its tree word");
+  static_assert(!Is_cascade || kNThreads >= kBlockM, "a thread per request takes its ticket");
+  static_assert(!Is_cascade || !(Is_local || Kv_fp8 || Batch_invariant || Is_tree),
+                "the cascade takes a 16-bit paged cache, causal or not, softcap or not");
   static_assert(32 % (kHeadDim / 8) == 0 || (kHeadDim / 8) % 32 == 0, "rows map onto lanes");
   static_assert(!Kv_fp8 || (Columns::kFull && (kHeadDim == 64 || kHeadDim == 128)),
                 "a float8 cache takes whole tiles of d = 64 or 128");
@@ -497,6 +509,57 @@ CF_DEVICE uint32_t tree_row_word(const DecodeParams& p, int batch, int query) {
   return word;
 }
 
+// What one CTA of decode_partial computes: split `split` of the keys, for packed rows [row0, row0
+// + kBlockM) of KV head head_k of sequence `batch` -- or (Is_cascade, prefix >= 0) split `split`
+// of prefix `prefix`'s keys, for the rows of its requests batch .. batch + requests - 1.
+struct DecodeWork {
+  int batch, head_k, split, row0, prefix, requests;
+};
+
+// The grid of an Is_cascade launch is one axis, the KV head fastest: first the prefixes' CTAs,
+// split-major (the row blocks of one split read the same pages at the same time: from HBM once,
+// then from L2) -- they are the long ones, so they start first -- then each request's num_splits
+// CTAs over its own keys. Otherwise the grid is (num_splits x m-blocks, Hkv, B).
+template <typename Traits>
+CF_DEVICE DecodeWork decode_work(const DecodeParams& p) {
+  if constexpr (Traits::Is_cascade) {
+    const int head_k = blockIdx.x % p.attn.h_k;
+    const int index = blockIdx.x / p.attn.h_k;
+    const int prefix_ctas = p.prefix_splits * p.num_prefix_blocks;
+    if (index < prefix_ctas) {
+      const int32_t* block = p.prefix_rows + 3 * (index % p.num_prefix_blocks);
+      return {block[1], head_k, index / p.num_prefix_blocks, 0, block[0], block[2] - block[1]};
+    }
+    const int own = index - prefix_ctas;
+    return {own / p.num_splits, head_k, own % p.num_splits, 0, -1, 1};
+  } else {
+    const int m_blocks = gridDim.x / p.num_splits;  // (each split's m-blocks)
+    return {static_cast<int>(blockIdx.z),
+            static_cast<int>(blockIdx.y),
+            static_cast<int>(blockIdx.x / m_blocks),
+            static_cast<int>((blockIdx.x % m_blocks) * Traits::kBlockM),
+            -1,
+            1};
+  }
+}
+
+// Packed row `packed` of a CTA whose first sequence is `batch`: (sequence, query token, query
+// head). A sequence's rows are (token, head of the group) pairs, token-major; an Is_cascade
+// prefix CTA's run over its requests, request-major.
+struct PackedRow {
+  int batch, query, head;
+};
+template <typename Traits>
+CF_DEVICE PackedRow packed_row(int packed, int batch, int head_k, int group, int seqlen_q) {
+  if constexpr (Traits::Is_cascade) {
+    const int per_request = group * seqlen_q;
+    const int within = packed % per_request;
+    return {batch + packed / per_request, within / group, head_k * group + within % group};
+  } else {
+    return {batch, packed / group, head_k * group + packed % group};
+  }
+}
+
 template <typename Traits>
 CF_DEVICE void decode_partial(const DecodeParams& params) {
   using Element = typename Traits::Element;
@@ -511,20 +574,27 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   const uint32_t s_ring = s_q + Traits::kSmemQBytes;  // per warp: [kStages][K, V][kWarpKeys][d]
   float* s_merge = reinterpret_cast<float*>(smem_raw + Traits::kSmemQBytes);  // after the loop
 
-  const int m_blocks = gridDim.x / params.num_splits;
-  const int split = blockIdx.x / m_blocks;
-  const int row0 = (blockIdx.x % m_blocks) * Traits::kBlockM;  // first packed row of the CTA
-  const int head_k = blockIdx.y;
-  const int batch = blockIdx.z;
+  const DecodeWork work = decode_work<Traits>(params);
+  const int m_blocks = gridDim.x / params.num_splits;  // (unless Is_cascade: one m-block)
+  const int split = work.split;
+  const int row0 = work.row0;  // first packed row of the CTA
+  const int head_k = work.head_k;
+  const int batch = work.batch;
+  const int prefix = work.prefix;  // (-1: a sequence's own keys; always unless Is_cascade)
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
   const int group = attn.h_h_k_ratio;
   const int seqlen_q = attn.seqlen_q;
-  const int rows = group * seqlen_q;  // packed rows of this KV head
+  const int rows = group * seqlen_q * work.requests;  // packed rows of this KV head
 
-  const CacheSpan span = decode_span(params, batch);  // device values (see the file comment)
-  const int seqlen_k = decode_seqlen_k(params, span);
+  // Device values (see the file comment). A prefix's keys are all visible to every row (the
+  // host checks that each request has >= Nq - 1 keys of its own): the mask sees no query
+  // token before them (mask_seqlen_q = 0 puts the causal edge past the prefix's last key).
+  const CacheSpan span = prefix >= 0 ? prefix_span(params, prefix) : decode_span(params, batch);
+  const int seqlen_k = prefix >= 0 ? span.cached : decode_seqlen_k(params, span);
+  const int mask_seqlen_q = prefix >= 0 ? 0 : seqlen_q;
+  const int per_split = prefix >= 0 ? params.prefix_blocks_per_split : params.blocks_per_split;
   if constexpr (Traits::Batch_invariant) {
     // past this sequence's keys: not among its splits
     if (split >= sequence_splits<Traits>(params, seqlen_k)) return;
@@ -533,30 +603,36 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   __shared__ int s_bad_page[Traits::kNWarps];
   // A window's left edge: the key blocks before the first key any row of the CTA sees (that of
   // its first query token) are skipped.
-  int n_begin = split * params.blocks_per_split;
+  int n_begin = split * per_split;
   if constexpr (Traits::Is_local) {
     const int key_begin = row0 / group + (seqlen_k - seqlen_q) - attn.window_left;
     n_begin = max(n_begin, max(key_begin, 0) / kBlockN);
   }
-  const int n_end = min((split + 1) * params.blocks_per_split, ceil_div(seqlen_k, kBlockN));
+  const int n_end = min((split + 1) * per_split, ceil_div(seqlen_k, kBlockN));
   // This warp's slices: keys [n * kBlockN + warp * kWarpKeys, + kWarpKeys) for n in [n_begin, w_end).
   const int warp_key0 = warp * kWarpKeys;
   const int w_end = seqlen_k > warp_key0 ? min(n_end, ceil_div(seqlen_k - warp_key0, kBlockN)) : 0;
 
-  // Q: packed row r is token (row0 + r) / group of query head head_k * group + (row0 + r) % group.
+  // Q: packed row r is token (row0 + r) / group of query head head_k * group + (row0 + r) % group
+  // (Is_cascade: of request batch + (row0 + r) / (group x Nq), packed_row).
   const Element* g_q = static_cast<const Element*>(attn.q_ptr) + batch * attn.q_batch_stride +
                        (head_k * group) * attn.q_head_stride;
   struct {
     const Element* g_q;
-    int64_t row_stride, head_stride;
-    int row0, group, rows;
+    int64_t row_stride, head_stride, batch_stride;
+    int row0, group, rows, seqlen_q;
     CF_DEVICE const Element* operator()(int r) const {
       const int packed = row0 + r;
       if (packed >= rows) return nullptr;
+      if constexpr (Traits::Is_cascade) {
+        const PackedRow at = packed_row<Traits>(packed, 0, 0, group, seqlen_q);
+        return g_q + at.batch * batch_stride + at.query * row_stride + at.head * head_stride;
+      }
       return g_q + (packed / group) * row_stride + (packed % group) * head_stride;
     }
     CF_DEVICE const Element* fallback() const { return g_q; }
-  } q_rows{g_q, attn.q_row_stride, attn.q_head_stride, row0, group, rows};
+  } q_rows{g_q,  attn.q_row_stride, attn.q_head_stride, attn.q_batch_stride, row0, group,
+           rows, seqlen_q};
   if (lane == 0) s_bad_page[warp] = 0;
   __syncwarp();
   // A tree's words of the CTA's packed rows (padding rows see no draft; published by the
@@ -572,11 +648,17 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
 
   using CacheElement = typename Traits::CacheElement;
   const CacheRows<CacheElement> k_rows =
-      cache_rows<CacheElement>(params, attn.k_ptr, attn.k_batch_stride, attn.k_row_stride,
-                               attn.k_head_stride, batch, head_k, span.entry, span.first_key);
+      prefix >= 0
+          ? prefix_rows<CacheElement>(params, attn.k_ptr, attn.k_batch_stride, attn.k_row_stride,
+                                      attn.k_head_stride, head_k, prefix)
+          : cache_rows<CacheElement>(params, attn.k_ptr, attn.k_batch_stride, attn.k_row_stride,
+                                     attn.k_head_stride, batch, head_k, span.entry, span.first_key);
   const CacheRows<CacheElement> v_rows =
-      cache_rows<CacheElement>(params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride,
-                               attn.v_head_stride, batch, head_k, span.entry, span.first_key);
+      prefix >= 0
+          ? prefix_rows<CacheElement>(params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride,
+                                      attn.v_head_stride, head_k, prefix)
+          : cache_rows<CacheElement>(params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride,
+                                     attn.v_head_stride, batch, head_k, span.entry, span.first_key);
   const uint32_t s_warp_ring = s_ring + warp * Traits::kWarpRingBytes;
   auto load_kv = [&](int n_block, int stage) {
     const int key0 = n_block * kBlockN + warp_key0;
@@ -650,7 +732,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     __syncthreads();  // (s_kv_scale)
   }
   const PackedRowMask<Traits::Is_causal, Traits::Is_local, Traits::Is_tree> mask(
-      row0, min(row0 + Traits::kBlockM, rows), group, seqlen_q, seqlen_k, attn.window_left,
+      row0, min(row0 + Traits::kBlockM, rows), group, mask_seqlen_q, seqlen_k, attn.window_left,
       attn.window_right, Traits::Is_tree ? smem_addr(s_tree_rows) : 0u);
   const typename Traits::Transform transform(attn);
 
@@ -722,7 +804,8 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   softmax.finalize(scale_log2, inv_sum, lse);
   // One split makes its rows' final O and LSE in this CTA: a sink joins warp 0's partial (the
   // merge over the warps below then counts it once). Split rows take it in the merge of splits.
-  if (warp == 0 && attn.sinks != nullptr && sequence_splits<Traits>(params, seqlen_k) == 1) {
+  if (!Traits::Is_cascade && warp == 0 && attn.sinks != nullptr &&
+      sequence_splits<Traits>(params, seqlen_k) == 1) {
 #pragma unroll
     for (int r = 0; r < 2 * kMTiles; ++r) {
       const int packed = row0 + 16 * (r / 2) + lane / 4 + 8 * (r % 2);
@@ -770,10 +853,12 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   __syncthreads();
 
   // Epilogue 2: merge the warps' partials (verb 4) and write the CTA's rows, 4 columns a thread:
-  // the final output when there is one split, else this split's fp32 partial.
+  // the final output when there is one split, else this split's fp32 partial (Is_cascade: always
+  // a partial, in slot `split` of a request's own keys, or num_splits + `split` of its prefix's).
   constexpr int kQuads = Traits::kHeadDim / 4;
   // (sequence_splits at each use: a value held across the loop cost the default variants registers)
-  const bool single = sequence_splits<Traits>(params, seqlen_k) == 1;
+  const bool single = !Traits::Is_cascade && sequence_splits<Traits>(params, seqlen_k) == 1;
+  const int slot = prefix >= 0 ? params.num_splits + split : split;
 #pragma unroll 1
   for (int idx = tid; idx < Traits::kBlockM * kQuads; idx += Traits::kNThreads) {
     const int row = idx / kQuads;
@@ -799,8 +884,9 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
       o = make_float4(quiet_nan(), quiet_nan(), quiet_nan(), quiet_nan());
       row_lse = quiet_nan();
     }
-    const int query = packed / group;
-    const int head = head_k * group + packed % group;
+    const PackedRow at = packed_row<Traits>(packed, batch, head_k, group, seqlen_q);
+    const int query = at.query;
+    const int head = at.head;
     if (single) {
       Element* g_o = static_cast<Element*>(attn.o_ptr) + batch * attn.o_batch_stride +
                      query * attn.o_row_stride + head * attn.o_head_stride + col;
@@ -817,7 +903,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
       }
     } else {
       const int64_t row_index =
-          ((static_cast<int64_t>(split) * attn.batch + batch) * attn.h + head) * seqlen_q + query;
+          ((static_cast<int64_t>(slot) * attn.batch + at.batch) * attn.h + head) * seqlen_q + query;
       *reinterpret_cast<float4*>(params.o_partial_ptr + row_index * Traits::kHeadDim + col) = o;
       if (col == 0) params.lse_partial_ptr[row_index] = row_lse;
     }
@@ -826,36 +912,57 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
 
   // Fused combine. The fence orders this CTA's partial writes before its ticket (the last-block
   // pattern): the CTA that draws ticket num_splits - 1 finds every split's partial in L2, and
-  // merges them in split order.
+  // merges them in split order. Is_cascade: a CTA takes a ticket for each request whose rows it
+  // holds (a prefix CTA, several), on that request's counter, which expects its num_splits and
+  // its prefix's prefix_splits; the CTA that draws a request's last merges that request's rows.
   __shared__ int s_is_last;
+  __shared__ bool s_last_of[Traits::Is_cascade ? Traits::kBlockM : 1];  // per request of the CTA
   __threadfence();
   __syncthreads();
-  if (tid == 0) {
-    const int64_t group_index = static_cast<int64_t>(batch) * gridDim.y + head_k;
-    int32_t* counter = params.split_counters + group_index * m_blocks + blockIdx.x % m_blocks;
-    const bool last = atomicAdd(counter, 1) == sequence_splits<Traits>(params, seqlen_k) - 1;
-    if (last) *counter = 0;  // every split has drawn: ready for the next call on this stream
-    s_is_last = last;
+  if constexpr (Traits::Is_cascade) {
+    bool last = false;
+    if (tid < work.requests) {
+      int32_t* counter =
+          params.split_counters + static_cast<int64_t>(batch + tid) * attn.h_k + head_k;
+      last = atomicAdd(counter, 1) == params.num_splits + params.prefix_splits - 1;
+      if (last) *counter = 0;  // every split has drawn: ready for the next call on this stream
+      s_last_of[tid] = last;
+    }
+    if (!__syncthreads_or(last)) return;
+  } else {
+    if (tid == 0) {
+      const int64_t group_index = static_cast<int64_t>(batch) * gridDim.y + head_k;
+      int32_t* counter = params.split_counters + group_index * m_blocks + blockIdx.x % m_blocks;
+      const bool last = atomicAdd(counter, 1) == sequence_splits<Traits>(params, seqlen_k) - 1;
+      if (last) *counter = 0;  // every split has drawn: ready for the next call on this stream
+      s_is_last = last;
+    }
+    __syncthreads();
+    if (!s_is_last) return;
   }
-  __syncthreads();
-  if (!s_is_last) return;
   __threadfence();
   const int64_t part_rows = static_cast<int64_t>(attn.batch) * attn.h * seqlen_q;
   const int row_end = min(row0 + Traits::kBlockM, rows);
 #pragma unroll 1
   for (int packed = row0 + warp; packed < row_end; packed += Traits::kNWarps) {
-    const int query = packed / group;
-    const int head = head_k * group + packed % group;
-    const int64_t row_index = (static_cast<int64_t>(batch) * attn.h + head) * seqlen_q + query;
-    Element* g_o = static_cast<Element*>(attn.o_ptr) + batch * attn.o_batch_stride +
+    if constexpr (Traits::Is_cascade) {
+      if (!s_last_of[packed / (group * seqlen_q)]) continue;  // another CTA merges that request
+    }
+    const PackedRow at = packed_row<Traits>(packed, batch, head_k, group, seqlen_q);
+    const int query = at.query;
+    const int head = at.head;
+    const int64_t row_index = (static_cast<int64_t>(at.batch) * attn.h + head) * seqlen_q + query;
+    Element* g_o = static_cast<Element*>(attn.o_ptr) + at.batch * attn.o_batch_stride +
                    query * attn.o_row_stride + head * attn.o_head_stride;
     float* g_lse = attn.lse_ptr == nullptr ? nullptr
-                                           : attn.lse_ptr + batch * attn.lse_batch_stride +
+                                           : attn.lse_ptr + at.batch * attn.lse_batch_stride +
                                                  head * attn.lse_head_stride + query;
+    const int parts = Traits::Is_cascade ? params.num_splits + params.prefix_splits
+                                         : sequence_splits<Traits>(params, seqlen_k);
     merge_row<Traits::kHeadDim, Traits::Columns::kValidDim>(
         params.o_partial_ptr + row_index * Traits::kHeadDim, part_rows * Traits::kHeadDim,
-        params.lse_partial_ptr + row_index, part_rows, sequence_splits<Traits>(params, seqlen_k),
-        g_o, g_lse, lane, attn.sinks == nullptr ? neg_infinity() : attn.sinks[head]);
+        params.lse_partial_ptr + row_index, part_rows, parts, g_o, g_lse, lane,
+        attn.sinks == nullptr ? neg_infinity() : attn.sinks[head]);
   }
 }
 

@@ -65,6 +65,21 @@ struct DecodeParams {
   // is nonzero (the caller's bool array; batch stride 0 for one tree shared by the batch).
   const unsigned char* tree_mask;  // [B|1, Nq, Nq] bytes, unit stride on the last axis, or nullptr
   int64_t tree_mask_batch_stride, tree_mask_row_stride;
+  // Cascade (shared-prefix) decoding (the decode kernel's Is_cascade variants): sequence b's keys
+  // are its group's prefix, then its own (the cache view above, after the append). Prefix g's
+  // key j is slot j % page_size of page prefix_block_table[g * prefix_block_table_batch_stride
+  // + j / page_size], in the same pool. A prefix row block (prefix_rows[3 i .. 3 i + 2] = its
+  // prefix g, its first request, one past its last: whole requests of one group) reads its pages
+  // once for the rows of all its requests.
+  const int32_t* prefix_block_table;  // [G, max_prefix_pages]
+  const int32_t* prefix_seqlens;      // [G] keys of each prefix, or nullptr: prefix_seqlen for all
+  const int32_t* prefix_rows;         // [num_prefix_blocks, 3], built by the host
+  int64_t prefix_block_table_batch_stride;
+  int32_t prefix_seqlen;
+  int32_t prefix_capacity;  // keys a prefix table row holds: max_prefix_pages * page_size
+  int32_t num_prefix_blocks;
+  int32_t prefix_splits;            // key splits of every prefix (a request's own: num_splits)
+  int32_t prefix_blocks_per_split;  // CTA key blocks per prefix split
 };
 
 // The (K, V) scales of KV head head_k of a float8 cache.
@@ -166,6 +181,28 @@ CF_DEVICE CacheSpan decode_span(const DecodeParams& p, int batch) {
 // (0 when the span is bad).
 CF_DEVICE int decode_seqlen_k(const DecodeParams& p, const CacheSpan& span) {
   return span.bad() ? 0 : span.cached + p.seqlen_new - span.first_key;
+}
+
+// The keys of prefix g (cascade decoding): a length outside [0, prefix_capacity] is kBadSeqlen,
+// and the prefix is empty (its requests' rows NaN).
+CF_DEVICE CacheSpan prefix_span(const DecodeParams& p, int prefix) {
+  CacheSpan s;
+  s.cached = p.prefix_seqlens != nullptr ? p.prefix_seqlens[prefix] : p.prefix_seqlen;
+  s.first_key = s.entry = 0;
+  s.bits = s.cached < 0 || s.cached > p.prefix_capacity ? kBadSeqlen : 0;
+  if (s.bad()) s.cached = 0;
+  return s;
+}
+
+// The rows of prefix g's keys (KV head head_k): cache_rows over the prefix's table row.
+template <typename Element>
+CF_DEVICE CacheRows<Element> prefix_rows(const DecodeParams& p, const void* cache,
+                                         int64_t page_stride, int64_t row_stride,
+                                         int64_t head_stride, int head_k, int prefix) {
+  CacheRows<Element> rows = cache_rows<Element>(p, cache, page_stride, row_stride, head_stride,
+                                                /*batch=*/0, head_k, /*entry=*/0, /*first_key=*/0);
+  rows.pages = p.prefix_block_table + prefix * p.prefix_block_table_batch_stride;
+  return rows;
 }
 
 // Packed sequences over a paged cache (attention_varlen's block_table): sequence b's key count

@@ -67,6 +67,9 @@ def _stub_device() -> None:
     from cupyflash import _interop
 
     _interop.current_device = lambda: 0
+    from cupyflash import _cascade
+
+    _cascade.device_ints = lambda like, values: stand_in(np.shape(values), "int32")
 
 
 def _time(call: object, calls: int, repeats: int) -> float:
@@ -95,6 +98,12 @@ def main() -> None:
     new = stand_in((8, 1, 8, 128), "float16")
     seqlens = stand_in((8,), "int32")
     lse = stand_in((1, 16, 1024), "float32")
+    # 64 requests over a 32k prefix of 16-token pages, 512 keys of their own each
+    q64 = stand_in((64, 1, 32, 128), "float16")
+    pool = stand_in((2048 + 64 * 33, 16, 8, 128), "float16")
+    prefix_table = stand_in((1, 2048), "int32")
+    own_table, flat_table = stand_in((64, 33), "int32"), stand_in((64, 2048 + 33), "int32")
+    seqlens64 = stand_in((64,), "int32")
     cases = {
         "attention, prefill (1, 1k, 16, 128)": lambda: cupyflash.attention(q, k, v, causal=True),
         "attention, one query token over 4k keys": lambda: cupyflash.attention(q1, cache, cache),
@@ -103,6 +112,18 @@ def main() -> None:
         ),
         "attention_with_kvcache, decode step appending": lambda: cupyflash.attention_with_kvcache(
             q1, cache, cache, cache_seqlens=seqlens, k_new=new, v_new=new
+        ),
+        "attention_with_kvcache, flat (64 x 32.5k)": lambda: cupyflash.attention_with_kvcache(
+            q64, pool, pool, cache_seqlens=seqlens64, block_table=flat_table
+        ),
+        "attention_with_shared_prefix (64 x 32k+512)": lambda: cupyflash.attention_with_shared_prefix(
+            q64,
+            pool,
+            pool,
+            prefix_block_table=prefix_table,
+            prefix_seqlens=32768,
+            block_table=own_table,
+            cache_seqlens=seqlens64,
         ),
         "attention_varlen (2 sequences, 1k rows)": lambda: cupyflash.attention_varlen(
             packed, packed, packed, cu, cu, 512, 512, causal=True

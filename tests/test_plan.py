@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -27,7 +28,8 @@ def _decode_specs() -> list[DecodeSpec]:
     fp8 = [
         s for dtype in ("bfloat16", "float16") for s in _dispatch.fp8_decode_specs(dtype) if isinstance(s, DecodeSpec)
     ]
-    return plain + fp8
+    cascade = [replace(s, cascade=True) for s in plain if not s.tree]
+    return plain + fp8 + cascade
 
 
 # The NVRTC (major, minor) that made DECODE_REGISTERS: 13.0.88, the H200 machine's, which the

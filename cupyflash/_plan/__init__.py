@@ -10,7 +10,7 @@ on the blocks of ``common``. This face names what the executors use.
 
 from .backward import plan_backward
 from .common import check_gpu_dtypes, check_int32, softmax_factors
-from .decode import plan_kvcache, split_ranges
+from .decode import CascadePrefix, cascade_blocks, plan_kvcache, split_ranges
 from .forward import forward_spec, plan_attention, plan_forward, plan_paged_varlen
 from .fp8_forward import plan_fp8_forward
 from .merge import PartsLayout, plan_merge, plan_merge_parts
@@ -33,12 +33,13 @@ from .model import (
     clear_caches,
     new_cache,
     new_pair_cache,
+    new_route_cache,
 )
 
 __all__ = [
-    "CONTIGUOUS", "FP8_TILE", "INDEX", "LENGTHS", "ROWS", "SCALAR", "TILE", "KernelStep", "Launch", "Operand",
-    "Output", "PartsLayout", "PlanCache", "Scratch", "Temporary", "TmaMaps", "check_gpu_dtypes", "check_int32",
-    "clear_caches", "forward_spec", "new_cache", "new_pair_cache", "plan_attention", "plan_backward",
-    "plan_forward", "plan_fp8_forward", "plan_kvcache", "plan_merge", "plan_merge_parts", "plan_paged_varlen",
-    "softmax_factors", "split_ranges",
+    "CONTIGUOUS", "FP8_TILE", "INDEX", "LENGTHS", "ROWS", "SCALAR", "TILE", "CascadePrefix", "KernelStep", "Launch",
+    "Operand", "Output", "PartsLayout", "PlanCache", "Scratch", "Temporary", "TmaMaps", "cascade_blocks",
+    "check_gpu_dtypes", "check_int32", "clear_caches", "forward_spec", "new_cache", "new_pair_cache",
+    "new_route_cache", "plan_attention", "plan_backward", "plan_forward", "plan_fp8_forward", "plan_kvcache",
+    "plan_merge", "plan_merge_parts", "plan_paged_varlen", "softmax_factors", "split_ranges",
 ]  # fmt: skip

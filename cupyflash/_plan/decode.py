@@ -3,6 +3,8 @@ v_new (with rotary) and the split-KV decode kernel, over contiguous, paged and f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .. import _dispatch
 from .._device import DeviceInfo
 from .._fp8 import Fp8Cache
@@ -39,6 +41,17 @@ from .model import CONTIGUOUS, FP8_TILE, INDEX, LENGTHS, SCALAR, KernelStep, Lau
 # ---------------------------------------------------------------------------------------------
 # Decoding over a KV cache (FlashDecoding) and merge_states.
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CascadePrefix:
+    """The shared prefixes of a one-launch cascade (``attention_with_shared_prefix``): requests
+    ``groups[g] .. groups[g + 1] - 1`` attend prefix g's keys, pages of the same pool through a
+    table of ``table_pages`` pages per prefix (operand "prefix_block_table", lengths
+    "prefix_seqlens": an int or a device array), before their own."""
+
+    groups: tuple[int, ...]
+    table_pages: int
+
+
 def plan_kvcache(
     kp: KvCacheProblem,
     dtypes: dict[str, str | None],
@@ -49,6 +62,7 @@ def plan_kvcache(
     dense: bool = False,
     fp8: Fp8Cache | None = None,
     batch_invariant: bool = False,
+    cascade: CascadePrefix | None = None,
 ) -> Launch:
     """At most two launches: append k_new / v_new into the cache, then the attention: the split-KV
     kernel for up to DECODE_MAX_QUERIES query tokens (its last split of each row to finish merges
@@ -65,12 +79,16 @@ def plan_kvcache(
     append; operands "k_scale" / "v_scale": a per-call host float, or a float32 device array).
     ``kp.tree``: a bool tree mask among the draft tokens (operand "tree_mask", read by the
     split-KV kernel's tree variant).
+    ``cascade``: the requests' shared prefixes, read in the same launch (``_cascade_step``; the
+    call must fit it: ``cascade_spec`` not None).
     """
     a = kp.attn
     if batch_invariant and num_splits:
         raise ValueError(BATCH_INVARIANT_SPLITS)
     if kp.tree:
         _check_tree_call(kp, dtypes.get("tree_mask"))
+    if cascade is not None:
+        _check_cascade_call(kp, fp8 is not None or batch_invariant or dense)
     skip = (*INDEX_NAMES, "tree_mask") if fp8 is None else (*INDEX_NAMES, "tree_mask", "k_cache", "v_cache")
     dtype = check_gpu_dtypes({n: d for n, d in dtypes.items() if d is not None and n not in skip})
     check_int32({n: dtypes.get(n) for n in INDEX_NAMES})
@@ -87,6 +105,7 @@ def plan_kvcache(
     has_work = a.batch > 0 and a.seqlen_q > 0 and a.heads_q > 0
     d, hq, nq = a.head_dim, a.heads_q, a.seqlen_q
     splits, per_split, ctas = 1, 0, 0
+    prefix_fields: dict[str, int] = {}
     if over_cache:
         fa2 = _dispatch.fa2_fwd_spec(dtype, d, mask_flags(a), device.max_smem_per_block, over_cache=True)
         grid = (-(-nq // fa2.tile.block_m), a.batch, hq)
@@ -94,10 +113,13 @@ def plan_kvcache(
     else:
         group = a.heads_q // a.heads_kv
         rows = group * a.seqlen_q
-        spec = _dispatch.decode_spec(
-            dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0, fp8=fp8 is not None,
-            batch_invariant=batch_invariant, tree=kp.tree,
-        )  # fmt: skip
+        if cascade is None:
+            spec = _dispatch.decode_spec(
+                dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0, fp8=fp8 is not None,
+                batch_invariant=batch_invariant, tree=kp.tree,
+            )  # fmt: skip
+        else:
+            spec = _cascade_spec(kp, cascade, dtype)
         m_blocks = -(-rows // spec.tile.block_m)
         key_blocks = -(-kp.capacity // spec.tile.block_n)
         ctas = a.batch * a.heads_kv * m_blocks
@@ -114,6 +136,8 @@ def plan_kvcache(
                 )
             per_split, splits = _dispatch.split_blocks(key_blocks, max(num_splits, 1))
         grid = (splits * m_blocks, a.heads_kv, a.batch)
+        if cascade is not None:
+            prefix_fields, grid = _cascade_step(kp, cascade, spec, device, splits)
         attention_step = KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes)
     axes = LAYOUT_AXES[layout]
     out_shape = (a.batch, nq, hq, d) if layout == "bshd" else (a.batch, hq, nq, d)
@@ -126,7 +150,7 @@ def plan_kvcache(
         lse_batch_stride=hq * nq, lse_head_stride=nq,
         seqlen_new=kp.seqlen_new, page_size_log2=kp.page_size_log2, num_pages=kp.num_pages,
         cache_capacity=kp.capacity, num_splits=splits, blocks_per_split=per_split,
-        cache_batch=a.batch if kp.paged else kp.num_pages,
+        cache_batch=a.batch if kp.paged else kp.num_pages, **prefix_fields,
         **({} if fp8 is None else {
             "kv_fp8": FP8_KV_FORMATS[fp8.format], "k_scale": 1.0, "v_scale": 1.0,
             "k_scale_head_stride": int(fp8.k_scale == "head"), "v_scale_head_stride": int(fp8.v_scale == "head"),
@@ -171,6 +195,8 @@ def plan_kvcache(
         if len(shape) == 3 and shape[0] > 1:
             strides.append((params.slot("tree_mask_batch_stride"), 0))
         operands.append(Operand("tree_mask", INDEX, params.slot("tree_mask"), tuple(strides)))
+    if cascade is not None:
+        operands += _prefix_operands(params, prefix_fields["prefix_capacity"])
     operands += fa2_option_operands(params, a)  # ALiBi slopes (the FA2 path)
     steps: list[KernelStep] = []
     if kp.seqlen_new:
@@ -187,11 +213,13 @@ def plan_kvcache(
             rotate = RotaryQSpec(dtype, d)
             steps.append(KernelStep(rotate, (nq, hq, a.batch), (rotate.num_threads, 1, 1), 0))
         steps.append(attention_step)
-        if splits > 1:  # the splits' tickets (left at 0 by the kernel), partial O (rows of the tile's width), LSE
+        # A cascade's partials: each request's own splits, then its prefix's (every one written).
+        parts = splits + prefix_fields.get("prefix_splits", 0)
+        if parts > 1:  # the splits' tickets (left at 0 by the kernel), partial O (rows of the tile's width), LSE
             row_count, width = a.batch * a.heads_q * a.seqlen_q, spec.head_dim
             scratch = Scratch(
-                4 * ctas, 4 * row_count * (width + 1) * splits, params.slot("split_counters"),
-                ((params.slot("o_partial_ptr"), 0), (params.slot("lse_partial_ptr"), 4 * row_count * width * splits)),
+                4 * ctas, 4 * row_count * (width + 1) * parts, params.slot("split_counters"),
+                ((params.slot("o_partial_ptr"), 0), (params.slot("lse_partial_ptr"), 4 * row_count * width * parts)),
             )  # fmt: skip
     lse_shape = (a.batch, a.heads_q, a.seqlen_q)
     outputs: tuple[Output, ...] = (
@@ -219,6 +247,89 @@ def split_ranges(launch: Launch, seqlen_k: int) -> tuple[tuple[int, int], ...]:
     if spec.batch_invariant:
         splits = min(splits, max(1, -(-seqlen_k // keys)))
     return tuple((min(s * keys, seqlen_k), min((s + 1) * keys, seqlen_k)) for s in range(int(splits)))
+
+
+def cascade_row_blocks(groups: tuple[int, ...], per_block: int) -> tuple[tuple[int, int, int], ...]:
+    """The prefixes' row blocks of a one-launch cascade, in the order of the kernel's
+    ``prefix_rows`` (DecodeParams): (prefix g, first request, one past its last), at most
+    ``per_block`` requests of one group each (an empty group has none)."""
+    return tuple(
+        (g, first, min(first + per_block, end))
+        for g, (begin, end) in enumerate(zip(groups, groups[1:]))
+        for first in range(begin, end, per_block)
+    )
+
+
+def cascade_blocks(launch: Launch, groups: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """``cascade_row_blocks`` of a cascade Launch: what its "prefix_rows" operand holds."""
+    step = next(s for s in launch.steps if isinstance(s.spec, DecodeSpec))
+    params = launch.params
+    per_request = int(params.value("h_h_k_ratio")) * int(params.value("seqlen_q"))
+    return cascade_row_blocks(groups, step.spec.tile.block_m // max(per_request, 1))
+
+
+def _cascade_spec(kp: KvCacheProblem, cascade: CascadePrefix, dtype: str) -> DecodeSpec:
+    a = kp.attn
+    group_rows = max((e - b for b, e in zip(cascade.groups, cascade.groups[1:])), default=0)
+    per_request = a.heads_q // a.heads_kv * a.seqlen_q
+    spec = _dispatch.cascade_spec(dtype, a.head_dim, per_request, group_rows * per_request, a.causal_bound,
+                                  a.softcap > 0)  # fmt: skip
+    if spec is None:
+        raise ValueError(
+            f"a one-launch cascade takes a request's {per_request} packed rows (query tokens x GQA group) in one "
+            f"tile of head_dim {a.head_dim}: too many"
+        )
+    return spec
+
+
+def _cascade_step(
+    kp: KvCacheProblem, cascade: CascadePrefix, spec: DecodeSpec, device: DeviceInfo, own_splits: int
+) -> tuple[dict[str, int], tuple[int, int, int]]:
+    """The prefix fields of DecodeParams and the grid of a one-launch cascade: the prefixes' row
+    blocks x their splits, then each request's ``own_splits``, times the KV heads (decode.cu's
+    decode_work)."""
+    a = kp.attn
+    per_request = max(a.heads_q // a.heads_kv * a.seqlen_q, 1)
+    blocks = cascade_row_blocks(cascade.groups, spec.tile.block_m // per_request)
+    capacity = cascade.table_pages * (1 << kp.page_size_log2)
+    key_blocks = -(-capacity // spec.tile.block_n)
+    prefix_splits = _dispatch.cascade_prefix_splits(
+        prefix_ctas=len(blocks) * a.heads_kv, key_blocks=key_blocks, num_sms=device.num_sms,
+        ctas_per_sm=_dispatch.ctas_per_sm(spec, device), own_splits=own_splits,
+    )  # fmt: skip
+    per_split, prefix_splits = _dispatch.split_blocks(key_blocks, prefix_splits)
+    fields = {
+        "prefix_capacity": capacity, "num_prefix_blocks": len(blocks), "prefix_splits": prefix_splits,
+        "prefix_blocks_per_split": per_split,
+    }  # fmt: skip
+    ctas = (prefix_splits * len(blocks) + a.batch * own_splits) * a.heads_kv
+    if ctas >= 2**31:
+        raise ValueError(f"a one-launch cascade of {ctas} CTAs is beyond a grid's x extent")
+    return fields, (ctas, 1, 1)
+
+
+def _prefix_operands(params: ParamsTemplate, capacity: int) -> list[Operand]:
+    """A cascade's prefix table, its lengths (an int for every prefix, checked per call against the
+    table's ``capacity``, or an int32 device array, checked by the kernel) and the host-built row
+    blocks (``cascade_row_blocks``)."""
+    return [
+        Operand("prefix_block_table", INDEX, params.slot("prefix_block_table"),
+                ((params.slot("prefix_block_table_batch_stride"), 0),)),
+        Operand("prefix_seqlens", LENGTHS, params.slot("prefix_seqlens"), int_slot=params.slot("prefix_seqlen"),
+                int_limit=(capacity, 0)),
+        Operand("prefix_rows", INDEX, params.slot("prefix_rows")),
+    ]  # fmt: skip
+
+
+def _check_cascade_call(kp: KvCacheProblem, other_variant: bool) -> None:
+    """A one-launch cascade runs the split-KV kernel's cascade variant over a paged 16-bit cache:
+    1 to DECODE_MAX_QUERIES query tokens, no window, ALiBi, sinks, rotary, tree, float8 cache or
+    fixed split size (``attention_with_shared_prefix`` passes none of them)."""
+    a = kp.attn
+    if not kp.paged or a.seqlen_q > DECODE_MAX_QUERIES or other_variant:
+        raise ValueError(f"a one-launch cascade takes a paged 16-bit cache and 1 to {DECODE_MAX_QUERIES} query tokens")
+    if a.local_bound or a.alibi != ALIBI_NONE or a.sinks or kp.rotary_half or kp.tree or kp.batch_idx or kp.leftpad:
+        raise ValueError("a one-launch cascade takes no window, ALiBi, sinks, rotary, tree mask or cache index")
 
 
 def _check_fp8_call(kp: KvCacheProblem, over_cache: bool) -> None:

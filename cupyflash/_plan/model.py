@@ -198,6 +198,14 @@ def new_pair_cache() -> PlanCache[tuple[Launch, Launch]]:
     return cache
 
 
+def new_route_cache() -> PlanCache[Any]:
+    """A cache of an entry point's routes: a Launch with the device arrays it reads (made once per
+    signature), or None where the call takes another way (the cascade's)."""
+    cache: PlanCache[Any] = PlanCache()
+    ALL_CACHES.append(cache)
+    return cache
+
+
 def clear_caches() -> None:
     """Forget every plan (the tuning scripts change the tile tables between measurements)."""
     for cache in ALL_CACHES:
