@@ -101,7 +101,7 @@ def _block_size(block_size: Any) -> tuple[int, int]:
     return sizes
 
 
-def _size(name: str, value: Any, optional: bool) -> int | None:
+def _size(name: str, value: Any, optional: bool = True) -> int | None:
     if value is None and optional:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -110,9 +110,16 @@ def _size(name: str, value: Any, optional: bool) -> int | None:
     return value
 
 
+def _length(name: str, value: Any) -> int:
+    length = _size(name, value, optional=False)
+    assert length is not None
+    return length
+
+
 def _reads(mod: _mods.Mod) -> set[str]:
     """The arguments (b, h, q_idx, kv_idx) the traced mask reads."""
-    found, stack = set(), [mod.expr]
+    found: set[str] = set()
+    stack = [mod.expr]
     while stack:
         e = stack.pop()
         if e.op == "arg":
@@ -126,10 +133,9 @@ def create(
 ) -> BlockMask:
     """``create_block_mask``'s work (its arguments checked here)."""
     mod = _mods.trace_mask_mod(mask_mod)
-    shape = (
-        _size("B", batch, True), _size("H", heads, True), _size("Q_LEN", seqlen_q, False),
-        _size("KV_LEN", seqlen_k, False),
-    )  # fmt: skip
+    batch, heads = _size("B", batch, True), _size("H", heads, True)
+    seqlen_q, seqlen_k = _length("Q_LEN", seqlen_q), _length("KV_LEN", seqlen_k)
+    shape = (batch, heads, seqlen_q, seqlen_k)
     block = _block_size(block_size)
     reads = _reads(mod)
     for arg, name, given in (("b", "B", shape[0]), ("h", "H", shape[1])):
@@ -138,11 +144,11 @@ def create(
                 f"mask_mod reads {arg}, so its summary differs between {'batch entries' if arg == 'b' else 'heads'}: "
                 f"give {name} (None is for a mask that is the same for all)"
             )
-    extents = (shape[0] if "b" in reads else 1, shape[1] if "h" in reads else 1)
+    extents = (batch if batch is not None and "b" in reads else 1, heads if heads is not None and "h" in reads else 1)
     # whole blocks of 128 rows and keys (the largest tile of a kernel that reads the cells)
     units = (max(block[0], _plan.RANGE_BLOCK), max(block[1], _plan.RANGE_BLOCK))
-    lengths = (shape[2], shape[3])
-    cells = tuple(-(-n // unit) * unit // size for n, unit, size in zip(lengths, units, block, strict=True))
+    lengths = (seqlen_q, seqlen_k)
+    cells = (-(-seqlen_q // units[0]) * units[0] // block[0], -(-seqlen_k // units[1]) * units[1] // block[1])
     if extents[0] * extents[1] * cells[0] * cells[1] >= 2**31:
         raise ValueError(
             f"the summary would have {extents[0] * extents[1] * cells[0] * cells[1]} cells (32-bit offsets in the "
@@ -150,8 +156,8 @@ def create(
         )
     gpu = _where(mod, device)
     if gpu is None:
-        return _on_host(mask_mod, shape, block, mod, extents, lengths, cells)  # type: ignore[arg-type]
-    return _on_gpu(mask_mod, shape, block, mod, extents, lengths, cells, *gpu)  # type: ignore[arg-type]
+        return _on_host(mask_mod, shape, block, mod, extents, lengths, cells)
+    return _on_gpu(mask_mod, shape, block, mod, extents, lengths, cells, *gpu)
 
 
 def _where(mod: _mods.Mod, device: Any) -> tuple[Any, int, tuple[Any, ...]] | None:
