@@ -68,9 +68,9 @@ template <typename Traits>
 CF_DEVICE void attn_mask_cells(const AttnParams& p) {
   using BiasElement = typename Traits::BiasElement;
   const auto read = [&](int batch, int head, int row, int key, bool* shown, bool* plain) {
-    const BiasElement b = static_cast<const BiasElement*>(p.bias_ptr)[
-        batch * p.bias_batch_stride + head * p.bias_head_stride + row * p.bias_row_stride +
-        key * p.bias_key_stride];
+    const auto* mask = static_cast<const BiasElement*>(p.bias_ptr);
+    const BiasElement b = mask[batch * p.bias_batch_stride + head * p.bias_head_stride +
+                               row * p.bias_row_stride + key * p.bias_key_stride];
     if constexpr (Traits::Is_bool) {
       *shown = *plain = b != 0;
     } else {
