@@ -278,7 +278,7 @@ def attention(
     if fp8_options or _fp8_forward.is_fp8_array(q):  # the FP8 forward
         # (the Hopper kernel on e4m3 splits no keys: batch-invariant either way)
         if score_mod is not None or mask_mod is not None or block_mask is not None or sinks is not None:
-            raise ValueError("the FP8 forward takes no score_mod / mask_mod / block_mask or sinks")
+            raise ValueError("the FP8 forward takes no score_mod / mask_mod or sinks, nor a block_mask")
         _fp8_forward.refuse_options(options, algorithm, dropout_p, alibi_slopes, attn_mask)
         fp8 = _fp8_forward.Fp8Forward(q, k, v, options, layout, (q_descale, k_descale, v_descale), out_dtype, fp8_dtype)
         out, lse = _front.route(_FP8_ATTENTION, fp8, return_lse)
