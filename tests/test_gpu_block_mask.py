@@ -88,7 +88,7 @@ def test_forward_with_a_block_mask(rng, options, dtype, head_dim, algorithm):
     q, k, v = _qkv(torch, gen, tdtype, head_dim)
     host = [x.double().numpy() for x in (q, k, v)]
     bias = torch.randn(HQ, NK, generator=gen)
-    bias_gpu = bias.cuda()
+    bias_gpu, bias = bias.cuda(), bias.double().numpy()  # (the host path's in its arrays' namespace)
     for (name, on_host, batch, heads), (_, on_gpu, _, _) in zip(
         _masks(lambda x: x, 7), _masks(lambda x: torch.from_numpy(x).cuda(), 7), strict=True
     ):
