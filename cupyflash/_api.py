@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from . import _attention, _fp8, _fp8_forward, _front, _kvcache, _mods
+from . import _attention, _block_mask, _fp8, _fp8_forward, _front, _kvcache, _mods
+from ._block_mask import BlockMask
 from ._validate import check_algorithm, check_batch_invariant, check_flag, check_num_splits, check_options
 
 # The forward entry points, as the front door routes them.
@@ -59,6 +60,7 @@ def attention(
     score_mod: Callable[..., Any] | None = ...,
     mask_mod: Callable[..., Any] | None = ...,
     sinks: Any = ...,
+    block_mask: BlockMask | None = ...,
 ) -> Any: ...
 @overload
 def attention(
@@ -87,6 +89,7 @@ def attention(
     score_mod: Callable[..., Any] | None = ...,
     mask_mod: Callable[..., Any] | None = ...,
     sinks: Any = ...,
+    block_mask: BlockMask | None = ...,
 ) -> tuple[Any, Any]: ...
 def attention(
     q: Any,
@@ -114,6 +117,7 @@ def attention(
     score_mod: Callable[..., Any] | None = None,
     mask_mod: Callable[..., Any] | None = None,
     sinks: Any = None,
+    block_mask: BlockMask | None = None,
 ) -> Any:
     """Exact attention ``softmax(scale * q @ k^T + mask) @ v``.
 
@@ -232,6 +236,12 @@ def attention(
         (together with ``causal`` / ``window``; a row that sees no key outputs 0, LSE ``-inf``).
         Traced and run as ``score_mod``. E.g. document masking over packed sequences, with a
         captured ``doc_id`` array: ``lambda b, h, q, kv: doc_id[q] == doc_id[kv]``.
+    block_mask : BlockMask, optional
+        A mask_mod with its block summary (:func:`create_block_mask`), in place of ``mask_mod``
+        (giving both is allowed only for the same function): the kernels skip the tiles the mask
+        hides (no K/V load, no MMA) and evaluate it only on the tiles it cuts through; the result
+        is the mask_mod's. Made for this call's ``Q_LEN = Nq``, ``KV_LEN = Nk``, and its batch and
+        query heads (or None / 1: broadcast).
     sinks : array ``(Hq,)``, optional
         Learnable attention sinks (gpt-oss's): a logit per query head that joins every row's
         softmax denominator and takes no value, ``out = sum_j exp(s_j - lse) v_j`` with
@@ -269,8 +279,8 @@ def attention(
     fp8_options = q_descale is not None or k_descale is not None or v_descale is not None or fp8_dtype is not None
     if fp8_options or _fp8_forward.is_fp8_array(q):  # the FP8 forward
         # (the Hopper kernel on e4m3 splits no keys: batch-invariant either way)
-        if score_mod is not None or mask_mod is not None or sinks is not None:
-            raise ValueError("the FP8 forward takes no score_mod / mask_mod or sinks")
+        if score_mod is not None or mask_mod is not None or block_mask is not None or sinks is not None:
+            raise ValueError("the FP8 forward takes no score_mod / mask_mod or sinks, nor a block_mask")
         _fp8_forward.refuse_options(options, algorithm, dropout_p, alibi_slopes, attn_mask)
         fp8 = _fp8_forward.Fp8Forward(q, k, v, options, layout, (q_descale, k_descale, v_descale), out_dtype, fp8_dtype)
         out, lse = _front.route(_FP8_ATTENTION, fp8, return_lse)
@@ -279,14 +289,18 @@ def attention(
         raise TypeError("out_dtype is the FP8 forward's (float8 q, k, v); other calls return q's dtype")
     if type(algorithm) is not str or algorithm != "auto":  # the default skips the check
         algorithm = check_algorithm("attention", algorithm)
-    mods = None if score_mod is None and mask_mod is None else _traced(score_mod, mask_mod, attn_mask, compilable=True)
+    mods = (
+        None
+        if score_mod is None and mask_mod is None and block_mask is None
+        else _traced(score_mod, mask_mod, attn_mask, block_mask, compilable=True)
+    )
     if attn_mask is not None and algorithm not in ("auto", "fa2"):
         raise ValueError(f"attn_mask runs on the FA2 kernel: algorithm must be 'auto' or 'fa2', got {algorithm!r}")
     if deterministic is not False and deterministic is not True:
         deterministic = check_flag("deterministic", deterministic)
     call = _attention.Forward(
         q, k, v, options, layout, algorithm, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods,
-        batch_invariant, sinks,
+        batch_invariant, sinks, block_mask,
     )  # fmt: skip
     out, lse = _front.route(_ATTENTION, call, return_lse)
     return (out, lse) if return_lse else out
@@ -435,6 +449,7 @@ def attention_backward(
     score_mod: Callable[..., Any] | None = None,
     mask_mod: Callable[..., Any] | None = None,
     sinks: Any = None,
+    block_mask: BlockMask | None = None,
 ) -> tuple[Any, ...]:
     """The gradients (dq, dk, dv) of :func:`attention` at ``out, lse = attention(q, k, v, ...,
     return_lse=True)`` for the output gradient ``dout``, as FlashAttention-2's backward computes
@@ -461,9 +476,9 @@ def attention_backward(
         M the keep mask and ``r`` the forward's scale of the kept values.
     alibi_slopes : the forward's (the slopes get no gradient, as in flash-attn).
     attn_mask : the forward's (it gets no gradient; a masked score's dS is 0).
-    score_mod, mask_mod : the forward's. ``dS`` is multiplied by
+    score_mod, mask_mod, block_mask : the forward's. ``dS`` is multiplied by
         ``d score_mod / d score``, derived from the traced expression; captured arrays get no
-        gradient.
+        gradient. With ``block_mask`` the kernels skip the tiles its mask hides, as the forward's.
     sinks : the forward's ``(Hq,)``: the gradient ``dsinks = -sum over rows of
         exp(sinks[h] - lse) * (rowsum(dout * out) - dlse)`` is returned too (dq, dk and dv need
         nothing more: P recomputed from ``lse``, which holds the sink, leaves its share out).
@@ -496,10 +511,10 @@ def attention_backward(
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
     dropout_p, seed = _attention.backward_dropout(dropout_p, seed)
-    mods = None if score_mod is None and mask_mod is None else _traced(score_mod, mask_mod, attn_mask)
+    mods = _traced(score_mod, mask_mod, attn_mask, block_mask)
     call = _attention.Backward(
         dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods,
-        sinks,
+        sinks, block_mask,
     )  # fmt: skip
     return _attention.backward(call)
 
@@ -840,15 +855,95 @@ def attention_with_kvcache(
     return ((out, lse) if return_lse else out), k_cache, v_cache
 
 
-def _traced(score_mod: Any, mask_mod: Any, attn_mask: Any, *, compilable: bool = False) -> tuple[Any, Any]:
-    """A call's score_mod and mask_mod traced (``_mods``), each None where not given.
-    ``compilable``: the entry point runs under torch.compile, where the functions go on as given
-    while Dynamo traces it (the PyTorch adapter traces them into its custom op's arguments)."""
+def _traced(
+    score_mod: Any, mask_mod: Any, attn_mask: Any, block_mask: Any, *, compilable: bool = False
+) -> tuple[Any, Any] | None:
+    """A call's score_mod and mask_mod traced (``_mods``), each None where not given; the mask a
+    ``block_mask`` carries (traced when it was made), which a ``mask_mod`` given beside it must
+    be. None without either function. ``compilable``: the entry point runs under torch.compile,
+    where the functions go on as given while Dynamo traces it (the PyTorch adapter traces them
+    into its custom op's arguments)."""
+    if score_mod is None and mask_mod is None and block_mask is None:
+        return None
     if attn_mask is not None:
-        raise ValueError("score_mod / mask_mod do not take attn_mask: write the mask as a mask_mod")
+        raise ValueError("score_mod / mask_mod / block_mask do not take attn_mask: write the mask as a mask_mod")
     if compilable and _front.compiling():
+        if block_mask is not None:
+            raise NotImplementedError(
+                "block_mask under torch.compile is not supported yet: pass its mask_mod as mask_mod= (the same result, "
+                "every tile computed), or make the call outside the compiled region"
+            )
         return score_mod, mask_mod
-    return (
-        None if score_mod is None else _mods.trace_score_mod(score_mod),
-        None if mask_mod is None else _mods.trace_mask_mod(mask_mod),
-    )
+    mask = None if mask_mod is None else _mods.trace_mask_mod(mask_mod)
+    if block_mask is not None:
+        carried = _block_mask.traced(block_mask)
+        if mask is not None and not _block_mask.same_mask(block_mask, mask):
+            raise ValueError(
+                "mask_mod is not the block_mask's mask_mod (another expression, or other captured arrays): pass the "
+                "block_mask alone (it carries its mask_mod), or make one for this mask_mod"
+            )
+        mask = carried
+    return (None if score_mod is None else _mods.trace_score_mod(score_mod), mask)
+
+
+def create_block_mask(
+    mask_mod: Callable[..., Any],
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: Any = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+) -> BlockMask:
+    """A ``mask_mod`` with its block summary, for ``attention(..., block_mask=...)``, as
+    FlexAttention's ``create_block_mask``: made once, it saves every call the tiles the mask
+    hides (no K/V load, no MMA) and the mask's evaluation where it shows a whole tile.
+
+    Parameters
+    ----------
+    mask_mod : function ``(b, h, q_idx, kv_idx) -> bool``
+        As :func:`attention`'s ``mask_mod``: traced once, here.
+    B, H : int or None
+        The batch size and query heads of the calls it serves; None: the mask is the same for
+        every batch entry (head), which a mask that reads ``b`` (``h``) is not (refused). A mask
+        that does not read ``b`` is summarised once for all batch entries (so for heads).
+    Q_LEN, KV_LEN : int
+        The calls' query rows and keys (a call of other lengths is refused).
+    device : optional
+        Where to make it, for a mask_mod that captures no array: ``"cuda"``, ``"cuda:N"`` or a
+        ``torch.device`` (the summary in PyTorch tensors), an int or a ``cupy.cuda.Device``
+        (CuPy), ``"cpu"``. None: where the mask's captured arrays are, the host if none (the
+        summary is then copied to a GPU at its first call there). On a GPU one kernel evaluates
+        the mask at every score of each cell (a CTA per cell); on the host it runs on index
+        grids in the arrays' own namespace.
+    BLOCK_SIZE : int or (int, int)
+        Rows and keys of a cell: powers of two from 16. The kernels read cells of any size: a
+        tile that spans several takes their combined state, one inside a cell takes the cell's
+        (smaller cells skip more precisely; 64 or 128 matches the kernels' tiles).
+
+    Returns
+    -------
+    BlockMask
+        ``mask_mod``, ``shape`` (B, H, Q_LEN, KV_LEN), ``BLOCK_SIZE`` (rows, keys), ``cells``
+        (per cell ``BlockMask.HIDDEN``, ``MIXED`` or ``PLAIN``) and ``sparsity()``.
+
+    Notes
+    -----
+    The summary is of the captured arrays' values when it is made: make a new one when they
+    change. A block_mask gives the result its mask_mod gives alone: cells it hides, the mask
+    hides at every score; cells it shows whole, at every score the mask shows (an index outside
+    a captured array counts as neither: such a cell is evaluated score by score, as without it).
+
+    Examples
+    --------
+    >>> import numpy as np, cupyflash
+    >>> doc = np.repeat(np.arange(4), 64)  # four documents of 64 tokens, packed
+    >>> bm = cupyflash.create_block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (kv <= q), None, None, 256, 256,
+    ...                                  BLOCK_SIZE=64)
+    >>> bm.sparsity()  # of 4 x 4 cells, those off the diagonal
+    75.0
+    >>> q = k = v = np.ones((1, 256, 2, 16), dtype=np.float32)
+    >>> cupyflash.attention(q, k, v, block_mask=bm).shape
+    (1, 256, 2, 16)
+    """
+    return _block_mask.create(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _baselines_gpu, _device, _host, _interop, _launch, _mods, _plan
+from . import _baselines_gpu, _block_mask, _device, _host, _interop, _launch, _mods, _plan
 from ._validate import (
     Options,
     Problem,
@@ -57,6 +57,7 @@ class Forward:
     mods: Any = None  # (score_mod, mask_mod) traced (_mods.Mod or None each; as given while Dynamo traces), or None
     batch_invariant: bool = False  # each sequence's result independent of the batch (the decode kernel's splits)
     sinks: Any = None  # learnable sinks (Hq,): a logit per head in every row's softmax denominator
+    block_mask: Any = None  # a BlockMask (_block_mask): mods' mask_mod with its block summary
 
     names = ("q", "k", "v", "alibi_slopes", "attn_mask", "sinks")
     writes = False  # into none of its arrays
@@ -73,7 +74,7 @@ class Forward:
         dropout_p, seed = _prepared(self)
         return Forward(
             self.q, self.k, self.v, self.options, self.layout, self.algorithm, self.deterministic, dropout_p, seed,
-            self.alibi_slopes, self.attn_mask, self.mods, self.batch_invariant, self.sinks,
+            self.alibi_slopes, self.attn_mask, self.mods, self.batch_invariant, self.sinks, self.block_mask,
         )  # fmt: skip
 
     def on(self, arrays: list[Any]) -> Forward:
@@ -81,7 +82,7 @@ class Forward:
         q, k, v, slopes, mask, sinks = arrays
         return Forward(
             q, k, v, self.options, self.layout, self.algorithm, self.deterministic, self.dropout_p, self.seed, slopes,
-            mask, self.mods, self.batch_invariant, sinks,
+            mask, self.mods, self.batch_invariant, sinks, self.block_mask,
         )  # fmt: skip
 
 
@@ -153,6 +154,7 @@ class Backward:
     attn_mask: Any = None
     mods: Any = None  # the forward's (score_mod, mask_mod), traced
     sinks: Any = None  # the forward's sinks (Hq,): their gradient is a fourth result
+    block_mask: Any = None  # the forward's BlockMask
 
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask", "sinks")
 
@@ -164,7 +166,7 @@ class Backward:
         dout, q, k, v, out, lse, dlse, slopes, mask, sinks = arrays
         return Backward(
             dout, q, k, v, out, lse, dlse, self.options, self.layout, self.deterministic, self.dropout_p, self.seed,
-            slopes, mask, self.mods, sinks,
+            slopes, mask, self.mods, sinks, self.block_mask,
         )  # fmt: skip
 
 
@@ -304,6 +306,8 @@ def _where_they_live(
 
 def host_forward(call: Forward) -> tuple[Any, Any]:
     problem, mask = forward_problem(call)
+    if call.block_mask is not None:  # (the host path evaluates its mask_mod: the summary saves no work here)
+        _check_block_mask(call.block_mask, problem)
     dropout = host_dropout(call.q, call.dropout_p, call.seed)
     score_mod, mask_mod = (None, None) if call.mods is None else call.mods
     return _host.attention(
@@ -371,24 +375,40 @@ def _gpu_mods(
 ) -> tuple[Any, Any]:
     """attention with a score_mod / mask_mod: the FA2 kernel with the functions compiled into its
     score hook (kernels_cu/variants.cuh's UserMods), their captured arrays read where they are
-    (on q's device, of q's library)."""
+    (on q's device, of q's library); with a block_mask, its summary read beside them."""
     mods_key, kernel, buffers = _kernel_mods_of(call, device)
     q, k, v = call.q, call.k, call.v
-    sinks = call.sinks
+    sinks, block_mask = call.sinks, call.block_mask
+    cells = None if block_mask is None else _block_mask.layout(block_mask)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
            call.algorithm, call.dropout_p, call.alibi_slopes is not None, mods_key,
-           _shapes(sinks), _dtypes(sinks))  # fmt: skip
+           _shapes(sinks), _dtypes(sinks), cells, None if block_mask is None else block_mask.shape)  # fmt: skip
 
     def plan() -> _plan.Launch:
-        problem = with_implied_bounds(forward_problem(call)[0], call.mods[1])
+        problem = forward_problem(call)[0]
+        if block_mask is not None:
+            _check_block_mask(block_mask, problem)
+        problem = with_implied_bounds(problem, call.mods[1])
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
         _check_sinks_dtype(lib, sinks)
         info = _device.device_info(device)
-        return _plan.plan_attention(problem, dtype, info, call.algorithm, tuple(q.shape), mods=kernel)
+        return _plan.plan_attention(problem, dtype, info, call.algorithm, tuple(q.shape), mods=kernel, cells=cells)
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "sinks": sinks, **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}
+    if block_mask is not None:
+        arrays_by_name.update(_block_mask_buffers(block_mask, lib, device))
     return _launch.run(launch, lib, device, arrays_by_name, want_lse, given)
+
+
+def _check_block_mask(block_mask: Any, problem: Problem) -> None:
+    _block_mask.check_call(block_mask, problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k)
+
+
+def _block_mask_buffers(block_mask: Any, lib: _interop.ArrayLib, device: int) -> dict[str, int]:
+    """A BlockMask's summary on ``device``, by address, under the names of its plan's operands."""
+    cells, key_ranges, row_ranges = _block_mask.kernel_buffers(block_mask, lib, device)
+    return {"mask_cells": cells, "mask_key_ranges": key_ranges, "mask_row_ranges": row_ranges}
 
 
 def _kernel_mods_of(call: Forward | Backward, device: int) -> tuple[Any, _mods.KernelMods, tuple[Any, ...]]:
@@ -579,6 +599,8 @@ def backward(call: Backward) -> tuple[Any, ...]:
                                   "sinks": sinks}  # fmt: skip
                 return _with_sink_gradient(_launch.run_outputs(launch, lib, device, arrays_by_name))
     problem, mask = backward_problem(call)
+    if call.block_mask is not None:
+        _check_block_mask(call.block_mask, problem)
     found = _interop.gpu_arrays(call.names, (*call.arrays()[:-2], mask, call.sinks))  # the mask as 4-D
     if found is None:
         dropout = Dropout(call.dropout_p, call.seed) if call.seed is not None else None
@@ -639,8 +661,9 @@ def _gpu_mods_backward(
     functions and score_mod's derivative compiled in (``_plan.plan_backward``'s ``mods``)."""
     mods_key, kernel, buffers = _kernel_mods_of(call, device)
     q, k, v, out, dout, lse, dlse, sinks = call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.sinks
+    cells = None if call.block_mask is None else _block_mask.layout(call.block_mask)  # (checked by the caller)
     key = ("bwd-mods", lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, out, dout, lse, dlse, sinks),
-           call.deterministic, mods_key)  # fmt: skip
+           call.deterministic, mods_key, cells)  # fmt: skip
 
     def plan() -> _plan.Launch:
         _check_sinks_dtype(lib, sinks)
@@ -648,11 +671,14 @@ def _gpu_mods_backward(
             with_implied_bounds(problem, call.mods[1]), _backward_dtypes(lib, q, k, v, out, dout, lse, dlse),
             _device.device_info(device),
             q_shape=tuple(q.shape), k_shape=tuple(k.shape), deterministic=call.deterministic, mods=kernel,
+            cells=cells,
         )  # fmt: skip
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse, "sinks": sinks,
                       **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}  # fmt: skip
+    if call.block_mask is not None:
+        arrays_by_name.update(_block_mask_buffers(call.block_mask, lib, device))
     return _with_sink_gradient(_launch.run_outputs(launch, lib, device, arrays_by_name, given))
 
 

@@ -383,6 +383,44 @@ def gpu_arrays(names: Sequence[str], arrays: Sequence[Any]) -> tuple[ArrayLib, i
     return DlpackLib(namespace), device, adopted
 
 
+def gpu_of_device(device: Any) -> tuple[ArrayLib, int] | None:
+    """The library and GPU a ``device=`` argument names, or None for the host: ``"cuda"``,
+    ``"cuda:N"`` or a ``torch.device`` (PyTorch's current GPU, or GPU N), an int or a
+    ``cupy.cuda.Device`` (CuPy's GPU N), ``"cpu"`` (the host)."""
+    if type(device).__module__.split(".")[0] == "torch":  # torch.device
+        device = str(device)
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if kind == "cpu" and not index:
+            return None
+        if kind == "cuda" and (not index or index.isdigit()):
+            return TORCH_LIB, int(index) if index else int(torch_module().cuda.current_device())
+    elif isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return CUPY_LIB, device
+    elif type(device).__module__.startswith("cupy") and hasattr(device, "id"):  # cupy.cuda.Device
+        return CUPY_LIB, int(device.id)
+    raise ValueError(
+        f"device must be 'cpu', 'cuda', 'cuda:N', a torch.device, a GPU index or a cupy.cuda.Device, got {device!r}"
+    )
+
+
+def device_of(x: Any) -> int:
+    """The GPU an array lives on, or -1 for the host."""
+    return _device_of(_kind(x), x)
+
+
+def upload(x: Any, device: int) -> Any:
+    """A host array (NumPy, or any array with DLPack on the CPU) copied to GPU ``device`` as a CuPy
+    array, the copy complete on return (its source may change or go at once)."""
+    import numpy as np
+
+    cupy = cupy_module()
+    with cupy.cuda.Device(device):
+        copy = cupy.asarray(np.from_dlpack(x))
+        cupy.cuda.get_current_stream().synchronize()
+    return copy
+
+
 def _refuse_traced(name: str) -> None:
     """A JAX tracer (``jax.jit``, ``grad``, ``vmap``) has no memory to hand the kernels, and the
     host path's array-API algorithms branch on values (NaN checks, split counts), which tracing

@@ -129,7 +129,7 @@ def _run(
     stream = lib.stream(device)
     poison = POISON_OUTPUTS and bool(launch.steps)
     results: dict[str, Any] = {}
-    like = arrays.get(launch.operands[0].name)
+    like = arrays.get(launch.operands[0].name) if launch.operands else None  # (a mask summary may have none)
     for output in launch.outputs:
         if output.optional and not want_lse:
             continue

@@ -797,8 +797,9 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None) -> KernelMods:
     """The device source of a score_mod and / or mask_mod for the kernels' score hook: each
     function (``cuda_source``), then ``cf_user_mods``, which reads their captured arrays from
     AttnParams (at most MAX_KERNEL_BUFFERS), hides the score where mask_mod is false (-inf) and
-    else returns score_mod's value (the score itself without one); and ``cf_user_mods_grad``, the
-    backward's d score_mod / d score at the same arguments (``score_derivative``; 1 without one)."""
+    else returns score_mod's value (the score itself without one); ``cf_user_score``, score_mod's
+    value alone (a BlockMask's plain tiles); and ``cf_user_mods_grad``, the backward's
+    d score_mod / d score at the same arguments (``score_derivative``; 1 without one)."""
     parts, call = [CUDA_HELPERS], {}
     order: list[tuple[int, int]] = []
     ndims: list[int] = []
@@ -839,6 +840,13 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None) -> KernelMods:
     parts.append(
         "__device__ __forceinline__ float cf_user_mods(const AttnParams& p, float score, int b, int h, int q_idx,\n"
         "                                               int kv_idx) {\n" + "\n".join(body) + "\n}\n"
+    )
+    # score_mod alone: a BlockMask's plain tiles, where mask_mod shows every key
+    alone = ["  bool outside = false;", f"  const float logit = {call.get('score_mod', 'score')};"]
+    alone.append("  return outside ? __int_as_float(0x7fffffff) : logit;")
+    parts.append(
+        "__device__ __forceinline__ float cf_user_score(const AttnParams& p, float score, int b, int h, int q_idx,\n"
+        "                                                int kv_idx) {\n" + "\n".join(alone) + "\n}\n"
     )
     parts.append(  # (an index outside an array made the forward's row NaN, hence its gradients)
         "__device__ __forceinline__ float cf_user_mods_grad(const AttnParams& p, float score, int b, int h,\n"

@@ -1078,6 +1078,38 @@ class MaskCellsSpec(_KernelSpecBase):
         return ("unsigned char" if is_bool else CUDA_ELEMENT_TYPES[self.mask_dtype], is_bool)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockMaskCellsSpec(_KernelSpecBase):
+    """``block_mask_cells`` (``kernels_cu/attn_mask.cuh``): a BlockMask's summary, the user's
+    mask_mod (``mods_source``: ``_mods.kernel_mods(None, mask_mod)``) evaluated at every (row, key)
+    of each cell, written once when the BlockMask is made (``cupyflash.create_block_mask``). One
+    CTA per cell, as ``attn_mask_cells``."""
+
+    mods_source: str
+
+    kernel = "block_mask_cells"
+    source_file = "attn_mask.cuh"
+    archs = CI_ARCHS
+    params_type = "AttnParams"
+    param_decl = "const AttnParams params"
+    uses_tma = False
+    num_threads = 256
+    smem_bytes = 0
+    traits = "MaskCellsTraits"  # (its element unused: the cells come from the function)
+    prefix = "block_mask_cells"
+    entry = "block_mask_cells<Traits>(params);"
+
+    def __post_init__(self) -> None:
+        if not self.mods_source:
+            raise ValueError("a BlockMask's summary takes its mask_mod's device source")
+
+    def _name_parts(self) -> tuple[object, ...]:
+        return (_digest(self.mods_source),)
+
+    def _traits_args(self) -> tuple[object, ...]:
+        return ("unsigned char", True)
+
+
 KernelSpec = (
     Fa2FwdSpec
     | Fa3FwdSpec
@@ -1092,4 +1124,5 @@ KernelSpec = (
     | Fa3BwdSpec
     | BwdRowSpec
     | MaskCellsSpec
+    | BlockMaskCellsSpec
 )

@@ -196,7 +196,7 @@ class _ModsAttention(torch.autograd.Function):
         c = ctx.call
         call = _attention.Backward(
             torch.zeros_like(out) if dout is None else dout, q, k, v, out, lse, dlse, c.options, c.layout,
-            c.deterministic, alibi_slopes=c.alibi_slopes, mods=c.mods, sinks=sinks,
+            c.deterministic, alibi_slopes=c.alibi_slopes, mods=c.mods, sinks=sinks, block_mask=c.block_mask,
         )  # fmt: skip
         with torch.no_grad():
             grads = _attention.backward(call)

@@ -1372,9 +1372,11 @@ def mods_gallery(seqlen: int) -> dict[str, dict[str, Any]]:
 def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward: bool) -> dict[str, Any]:
     """ms of one gallery function (forward, or forward + backward through autograd) under the
     three timings: cupyflash's score functions, torch's compiled FlexAttention with the same
-    functions (its block mask made once, outside the timing, as a fixed mask is used) and
-    cupyflash's built-in options where they compute the same attention; the largest difference
-    from FlexAttention's output."""
+    functions, and cupyflash's built-in options where they compute the same attention; the
+    largest difference from FlexAttention's output. A mask function runs with its block mask on
+    both sides (each made once, outside the timing, as a fixed mask is used: cupyflash's
+    ``create_block_mask`` and FlexAttention's), and on ours without it too ("cupyflash_mask_mod":
+    the mask evaluated on every tile, ``over_mask_mod_*`` the block mask's speed-up)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -1387,9 +1389,12 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
     row: dict[str, Any] = {**asdict(shape), "function": name, "backward": backward}
     score_mod, mask_mod = functions.get("score_mod"), functions.get("mask_mod")
     n = shape.seqlen
-    block_mask = None
+    block_mask = ours_block = None
     if functions.get("flex_mask") is not None:
         block_mask = create_block_mask(functions["flex_mask"], None, None, n, n, device="cuda")
+    if mask_mod is not None:  # in place of mask_mod: the same function, with its summary
+        ours_block = cupyflash.create_block_mask(mask_mod, None, None, n, n, device="cuda")
+        row["block_mask_sparsity"] = round(ours_block.sparsity(), 2)
     # Each function (and shape) is a recompile of flex_attention: past Dynamo's recompile limit
     # (8) it would fall back to the uncompiled FlexAttention, which materialises the scores.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
@@ -1401,18 +1406,21 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
             return forward
         return lambda: torch.autograd.grad(forward(), (q, k, v), dout)
 
+    masking = {"mask_mod": mask_mod} if ours_block is None else {"block_mask": ours_block}
     calls: dict[str, Callable[[], Any]] = {
-        "cupyflash_mods": step(lambda: cupyflash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)),
+        "cupyflash_mods": step(lambda: cupyflash.attention(q, k, v, score_mod=score_mod, **masking)),
         "flex": step(
             lambda: flex(qt, kt, vt, score_mod=functions.get("flex_score"), block_mask=block_mask).transpose(1, 2)
         ),
     }
+    if ours_block is not None:
+        calls["cupyflash_mask_mod"] = step(lambda: cupyflash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod))
     if functions["builtin"] is not None:
         calls["cupyflash_builtin"] = step(lambda: cupyflash.attention(q, k, v, **functions["builtin"]))
     ok = runnable(calls, row)
     if {"cupyflash_mods", "flex"} <= ok.keys():
         with torch.no_grad():
-            ours = cupyflash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod).float()
+            ours = cupyflash.attention(q, k, v, score_mod=score_mod, **masking).float()
             theirs = flex(qt, kt, vt, score_mod=functions.get("flex_score"), block_mask=block_mask)
             row["max_abs_diff_vs_flex"] = float((ours - theirs.transpose(1, 2).float()).abs().max())
     row["timings_ms"] = {
@@ -1424,13 +1432,19 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
             row[f"over_flex_{timing}"] = round(ms["flex"] / ms["cupyflash_mods"], 3)
         if "cupyflash_mods" in ms and "cupyflash_builtin" in ms:
             row[f"over_builtin_{timing}"] = round(ms["cupyflash_builtin"] / ms["cupyflash_mods"], 3)
+        if "cupyflash_mods" in ms and "cupyflash_mask_mod" in ms:
+            row[f"over_mask_mod_{timing}"] = round(ms["cupyflash_mask_mod"] / ms["cupyflash_mods"], 3)
     return row
 
 
 def format_mods_table(rows: list[dict[str, Any]]) -> str:
-    """One line per row: the speed-up over FlexAttention and over the built-in path (>1: the
-    score functions are faster) as ranges over the three timings."""
-    lines = ["function           d     N  pass  | over flex (range)   over built-in (range) | max |diff| vs flex"]
+    """One line per row: the speed-up over FlexAttention, over the built-in path (>1: the score
+    functions are faster) and the block mask's over the mask_mod alone, as ranges over the three
+    timings."""
+    lines = [
+        "function           d     N  pass  | over flex (range)   over built-in (range) block mask (range) | "
+        "max |diff| vs flex"
+    ]
 
     def span(r: dict[str, Any], prefix: str) -> str:
         values = [r[key] for key in r if key.startswith(prefix)]
@@ -1439,6 +1453,7 @@ def format_mods_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"{r['function']:<17} {r['head_dim']:>3} {r['seqlen']:>5}  {'f+b' if r['backward'] else 'fwd':<4} | "
-            f"{span(r, 'over_flex_'):<19} {span(r, 'over_builtin_'):<21} | {r.get('max_abs_diff_vs_flex', '-')}"
+            f"{span(r, 'over_flex_'):<19} {span(r, 'over_builtin_'):<21} {span(r, 'over_mask_mod_'):<18} | "
+            f"{r.get('max_abs_diff_vs_flex', '-')}"
         )
     return "\n".join(lines)

@@ -396,6 +396,111 @@ class TreeMask:
         return xp.where(visible, s, xp.full_like(s, -math.inf))
 
 
+# ---------------------------------------------------------------------------------------------
+# A mask_mod's block summary (cupyflash.create_block_mask), the twin of kernels_cu/attn_mask.cuh's
+# block_mask_cells, and its shown ranges (variants.cuh's block_mask_key_blocks reads them).
+# ---------------------------------------------------------------------------------------------
+#: The states of a cell (variants.cuh's kMaskCell*): every key hidden, some shown, every key shown
+#: (the mask changes no score there), past the mask's rows or keys.
+MASK_CELL_HIDDEN, MASK_CELL_MIXED, MASK_CELL_PLAIN, MASK_CELL_EMPTY = 0, 1, 2, 3
+#: Rows (keys) per entry of the shown ranges (variants.cuh's kMaskRangeBlock).
+MASK_RANGE_BLOCK = 128
+#: Scores evaluated at a time while summarising on the host (memory, not speed).
+_CELL_CHUNK_SCORES = 1 << 22
+
+
+def block_mask_cells(
+    xp: Any, mask_mod: Mod, buffers: tuple[Any, ...], extents: tuple[int, int], lengths: tuple[int, int],
+    block: tuple[int, int], cells: tuple[int, int],
+) -> Any:  # fmt: skip
+    """The summary [extents[0], extents[1], cells[0], cells[1]] (uint8 states) of ``mask_mod``
+    (its captured arrays ``buffers`` in ``xp``) over ``lengths`` = (Nq, Nk), cells of ``block`` =
+    (rows, keys): a cell every one of whose (row, key) the mask hides is hidden, one that shows
+    all of them plain, any other mixed; cells past the lengths empty. The mask is evaluated as the
+    kernels evaluate it (float32 arithmetic), a few cell rows at a time; b, h run over
+    ``extents`` (1 on an axis the mask does not read: index 0 stands for all)."""
+    rows, keys = block
+    seqlen_q, seqlen_k = lengths
+    cells_m, cells_n = cells
+    device = _device(buffers[0]) if buffers else None
+    chunk = max(1, _CELL_CHUNK_SCORES // max(rows * cells_n * keys, 1))  # cell rows per evaluation
+    kv_idx = xp.reshape(xp.arange(seqlen_k, dtype=xp.int64, device=device), (1, -1))
+    out = []
+    for b in range(extents[0]):
+        for h in range(extents[1]):
+            parts = []
+            for m0 in range(0, cells_m, chunk):
+                m1 = min(m0 + chunk, cells_m)
+                row0, row1 = min(m0 * rows, seqlen_q), min(m1 * rows, seqlen_q)
+                q_idx = xp.reshape(xp.arange(row0, row1, dtype=xp.int64, device=device), (-1, 1))
+                b_h = (xp.asarray(b, dtype=xp.int64, device=device), xp.asarray(h, dtype=xp.int64, device=device))
+                index = {"b": b_h[0], "h": b_h[1], "q_idx": q_idx, "kv_idx": kv_idx}
+                shown = evaluate(xp, mask_mod, index, buffers, xp.float32)
+                shown = xp.broadcast_to(xp.asarray(shown, dtype=xp.bool, device=device), (row1 - row0, seqlen_k))
+                parts.append(_cell_states(xp, shown, (m1 - m0, cells_n), block, device))
+            out.append(xp.concat(parts, axis=0) if parts else xp.zeros((0, cells_n), dtype=xp.uint8, device=device))
+    return xp.reshape(xp.stack(out), (extents[0], extents[1], cells_m, cells_n))
+
+
+def _cell_states(xp: Any, shown: Any, cells: tuple[int, int], block: tuple[int, int], device: Any) -> Any:
+    """The states of ``cells`` cells of ``block`` from the mask's values ``shown`` [rows, keys]
+    over the part of them inside the lengths (their first rows, keys: the rest is past them)."""
+    (cells_m, cells_n), (rows, keys) = cells, block
+    pad = ((0, cells_m * rows - shown.shape[0]), (0, cells_n * keys - shown.shape[1]))
+    inside = xp.ones(shown.shape, dtype=xp.bool, device=device)
+    shown, inside = (_padded(xp, x, pad, device) for x in (shown, inside))
+    grid = (cells_m, rows, cells_n, keys)
+    shown, inside = xp.reshape(shown, grid), xp.reshape(inside, grid)
+    any_shown = xp.any(shown, axis=(1, 3))
+    all_plain = xp.all(shown | ~inside, axis=(1, 3))
+    shown_state = xp.astype(all_plain, xp.uint8) * (MASK_CELL_PLAIN - MASK_CELL_MIXED) + MASK_CELL_MIXED
+    state = xp.where(any_shown, shown_state, xp.full_like(shown_state, MASK_CELL_HIDDEN))
+    return xp.where(xp.any(inside, axis=(1, 3)), state, xp.full_like(state, MASK_CELL_EMPTY))
+
+
+def _padded(xp: Any, x: Any, pad: tuple[tuple[int, int], tuple[int, int]], device: Any) -> Any:
+    """``x`` [r, c] with ``pad`` false rows and columns after it."""
+    (_, rows), (_, cols) = pad
+    if cols:
+        x = xp.concat([x, xp.zeros((x.shape[0], cols), dtype=xp.bool, device=device)], axis=1)
+    if rows:
+        x = xp.concat([x, xp.zeros((rows, x.shape[1]), dtype=xp.bool, device=device)], axis=0)
+    return x
+
+
+def block_mask_ranges(xp: Any, cells: Any, block: tuple[int, int]) -> tuple[Any, Any]:
+    """The shown ranges of a summary ``cells`` [B, H, M, N] of ``block`` = (rows, keys) cells
+    (its rows and keys whole multiples of MASK_RANGE_BLOCK, and of the block): int32
+    [B, H, M rows / MASK_RANGE_BLOCK, 2], per block of MASK_RANGE_BLOCK rows the keys [first, end)
+    of its shown cells ((0, 0): none), and [B, H, N keys / MASK_RANGE_BLOCK, 2], per block of
+    keys the rows of its shown cells. Sound bounds on a tile's loop: outside them every cell of
+    the tile's block is hidden."""
+    shown = (cells == MASK_CELL_MIXED) | (cells == MASK_CELL_PLAIN)
+    rows, keys = block
+    key_ranges = _spans(xp, shown, rows, keys)
+    row_ranges = _spans(xp, xp.permute_dims(shown, (0, 1, 3, 2)), keys, rows)
+    return key_ranges, row_ranges
+
+
+def _spans(xp: Any, shown: Any, along: int, across: int) -> Any:
+    """Per block of MASK_RANGE_BLOCK positions along axis -2 (cells of ``along`` positions), the
+    positions [first, end) of the shown cells along axis -1 (cells of ``across``)."""
+    b, h, m, n = shown.shape
+    if along < MASK_RANGE_BLOCK:  # several cell rows per range block: their union
+        group = MASK_RANGE_BLOCK // along
+        shown = xp.any(xp.reshape(shown, (b, h, m // group, group, n)), axis=3)
+    elif along > MASK_RANGE_BLOCK:  # a cell row spans several range blocks: each takes its range
+        copies = along // MASK_RANGE_BLOCK
+        shown = xp.reshape(xp.broadcast_to(shown[:, :, :, None, :], (b, h, m, copies, n)), (b, h, m * copies, n))
+    flags = xp.astype(shown, xp.int8)
+    some = xp.any(shown, axis=-1)
+    first = xp.argmax(flags, axis=-1)
+    end = n - xp.argmax(xp.flip(flags, axis=-1), axis=-1)
+    first = xp.where(some, first * across, xp.zeros_like(first))
+    end = xp.where(some, end * across, xp.zeros_like(end))
+    return xp.astype(xp.stack([first, end], axis=-1), xp.int32)
+
+
 #: What a score may gain before the softmax: ALiBi's distance bias, an attention mask, the
 #: user's score_mod / mask_mod, or a tree mask among draft tokens.
 LogitBias = Alibi | MaskBias | Mods | TreeMask

@@ -238,10 +238,12 @@ struct Fa2BwdTraits {
   static constexpr bool Dq_atomic = Dq_atomic_;
   static constexpr bool Has_dropout = Has_dropout_;
   static constexpr int kBias = kBias_;  // an attn_mask (kAdditiveBias, kBoolBias), kUserMods
-  // An attn_mask tensor has a block summary (mask_cells); a user mask_mod has none yet.
+  // An attn_mask tensor has a block summary (mask_cells); a user mask_mod has one where the call
+  // has a BlockMask (mask_cells non-null).
   static constexpr bool Has_mask_tensor = kBias_ == kAdditiveBias || kBias_ == kBoolBias;
   // A user score_mod: dS times its derivative at the raw score (kept beside the logits).
   static constexpr bool Has_user_mods = kBias_ == kUserMods;
+  static constexpr bool Has_cells = Has_mask_tensor || Has_user_mods;
   using Transform = ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;
 
   // The shape names of tile_mma.cuh for a warp's products with 16 key rows: M = keys (one
@@ -329,9 +331,11 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   if (key0 >= seqlen_k) return;  // varlen: a sequence shorter than the grid
   const QueryRangeOfKeys<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> range(
       n_block, seqlen_q, seqlen_k, a.window_left, a.window_right);
-  const int m_begin = range.m_block_begin();
-  const int m_blocks = max(range.m_block_end() - m_begin, 0);
   const int group = a.h_h_k_ratio;
+  int m_begin = range.m_block_begin(), m_end = range.m_block_end();
+  if constexpr (Traits::Has_user_mods)  // a BlockMask's shown rows bound the loop too
+    block_mask_row_blocks<kBlockM, kBlockN>(a, batch, head_k * group, group, key0, m_begin, m_end);
+  const int m_blocks = max(m_end - m_begin, 0);
   const int steps = m_blocks * group;  // (query head of the group, query block) pairs
 
   const int64_t key_row0 = rows_k.start + key0;
@@ -381,13 +385,15 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   const uint32_t no_regs[1][Traits::kDSteps][4] = {};  // gemm_qk's Q_in_regs operand (unused)
   const float scale_log2 = a.softmax_scale_log2;
 
-  // An attn_mask's state of step `step`'s tile (variants.cuh): a tile it hides is skipped (no
-  // load, no MMA: its P and dS are 0), one it shows unchanged is not read. Mixed without a mask.
-  // Read a step before it is needed (the step after the one prefetched): no load waits at the
-  // top of the loop.
+  // A mask's state of step `step`'s tile (variants.cuh): a tile it hides is skipped (no load,
+  // no MMA: its P and dS are 0), one it shows unchanged is not read (an attn_mask) or evaluated
+  // (mask_mod). Mixed without a summary. Read a step before it is needed (the step after the one
+  // prefetched): no load waits at the top of the loop.
   auto tile_state = [&](int step) {
-    if constexpr (Traits::Has_mask_tensor) {
+    if constexpr (Traits::Has_cells) {
       if (step >= steps) return static_cast<int>(kMaskCellHidden);
+      if (Traits::Has_user_mods && a.mask_cells == nullptr)  // no BlockMask
+        return static_cast<int>(kMaskCellMixed);
       return mask_tile_state<kBlockM, kBlockN, false>(a, batch, step_head(step), step_row0(step),
                                                       key0);
     } else {
@@ -431,8 +437,15 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) raw_s[0][nt][e] = acc_s[0][nt][e];
     }
-    if (state != kMaskCellPlain)
+    if constexpr (Traits::Has_user_mods) {
+      if (state == kMaskCellPlain)  // a BlockMask's plain tile: score_mod alone
+        transform_scores_transposed(ScoreOnly<typename Traits::Transform>{transform}, acc_s,
+                                    key0 + warp_key0, row0 + phase_row0, lane);
+      else
+        transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0 + phase_row0, lane);
+    } else if (state != kMaskCellPlain) {
       transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0 + phase_row0, lane);
+    }
     if (range.needs_mask(row0 / kBlockM)) {
       range.apply(acc_s, key0 + warp_key0, row0 + phase_row0, lane);
     }
@@ -628,10 +641,12 @@ struct Fa2BwdDqTraits {
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Has_dropout = Has_dropout_;
   static constexpr int kBias = kBias_;  // an attn_mask (kAdditiveBias, kBoolBias), kUserMods
-  // An attn_mask tensor has a block summary (mask_cells); a user mask_mod has none yet.
+  // An attn_mask tensor has a block summary (mask_cells); a user mask_mod has one where the call
+  // has a BlockMask (mask_cells non-null).
   static constexpr bool Has_mask_tensor = kBias_ == kAdditiveBias || kBias_ == kBoolBias;
   // A user score_mod: dS times its derivative at the raw score (kept beside the logits).
   static constexpr bool Has_user_mods = kBias_ == kUserMods;
+  static constexpr bool Has_cells = Has_mask_tensor || Has_user_mods;
   using Transform = ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;
   // tile_mma.cuh's names, as the forward's: M = query rows, N = keys, K-steps over d (S, dP),
   // then over keys (dQ).
@@ -692,8 +707,10 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
   }
   const KeyMask<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> mask(
       m_block, seqlen_q, seqlen_k, a.window_left, a.window_right);
-  const int n_begin = mask.n_block_begin();
-  const int n_end = mask.n_block_end();
+  int n_begin = mask.n_block_begin();
+  int n_end = mask.n_block_end();
+  if constexpr (Traits::Has_user_mods)  // a BlockMask's shown keys bound the loop too
+    block_mask_key_blocks<kBlockM, kBlockN>(a, batch, head, row_block0, n_begin, n_end);
 
   const int64_t q_row0 = rows_q.start + row_block0;
   const auto* g_q = static_cast<const Element*>(a.q_ptr) + batch * a.q_batch_stride +
@@ -735,11 +752,13 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
 
   load_tile_async<Traits, kBlockM>(s_q, g_q, a.q_row_stride, seqlen_q - row_block0, tid);
   load_tile_async<Traits, kBlockM>(s_do, g_do, p.do_row_stride, seqlen_q - row_block0, tid);
-  // An attn_mask's state of key block n_block, as in the forward: hidden tiles skipped, the
-  // states read an iteration ahead.
+  // A mask's state of key block n_block, as in the forward: hidden tiles skipped, the states
+  // read an iteration ahead.
   auto tile_state = [&](int n_block) {
-    if constexpr (Traits::Has_mask_tensor) {
+    if constexpr (Traits::Has_cells) {
       if (n_block < n_begin) return static_cast<int>(kMaskCellHidden);
+      if (Traits::Has_user_mods && a.mask_cells == nullptr)  // no BlockMask
+        return static_cast<int>(kMaskCellMixed);
       return mask_tile_state<kBlockM, kBlockN, false>(a, batch, head, row_block0,
                                                       n_block * kBlockN);
     } else {
@@ -772,8 +791,15 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) raw_s[mt][nt][e] = acc_s[mt][nt][e];
     }
-    if (state != kMaskCellPlain)
+    if constexpr (Traits::Has_user_mods) {
+      if (state == kMaskCellPlain)  // a BlockMask's plain tile: score_mod alone
+        transform_scores(ScoreOnly<typename Traits::Transform>{transform}, acc_s,
+                         row_block0 + warp_row0, n_block * kBlockN, lane);
+      else
+        transform_scores(transform, acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
+    } else if (state != kMaskCellPlain) {
       transform_scores(transform, acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
+    }
     if (mask.needs_mask(n_block)) {
       mask.apply(acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
     }

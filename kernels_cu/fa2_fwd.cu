@@ -50,9 +50,12 @@ struct Fa2FwdTraits {
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Has_dropout = Has_dropout_;
   static constexpr int kBias = kBias_;  // an attn_mask (kAdditiveBias, kBoolBias), kUserMods
-  // A mask tensor: its block summary, its staged tiles (a user mask_mod has neither yet: every
-  // tile it may touch is mixed).
+  // A mask tensor: its block summary, its staged tiles.
   static constexpr bool Has_mask_tensor = kBias_ == kAdditiveBias || kBias_ == kBoolBias;
+  static constexpr bool Has_user_mods = kBias_ == kUserMods;
+  // A block summary to read: a mask tensor's, or a user mask_mod's where the call has a BlockMask
+  // (AttnParams::mask_cells non-null; without one every tile the function may touch is mixed).
+  static constexpr bool Has_cells = Has_mask_tensor || Has_user_mods;
   using Transform = ScoreTransform<Has_softcap, Has_alibi_, kBias_, Element_>;
 
   static constexpr int kNThreads = kNWarps * 32;
@@ -78,7 +81,7 @@ struct Fa2FwdTraits {
   static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
   static_assert(!Overlap || kStages == 2, "the overlapped loop runs two K and two V stages");
-  static_assert(!Overlap || !Has_mask_tensor, "a mask's tile skipping runs in the K/V ring");
+  static_assert(!Overlap || !Has_cells, "a mask's tile skipping runs in the K/V ring");
 };
 
 // K and V of one (batch, KV head) in dense or packed tensors: key block n_block at a fixed stride.
@@ -244,8 +247,10 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   if (row_block0 >= seqlen_q) return false;  // varlen: a sequence shorter than the grid
   const KeyMask<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> mask(
       m_block, seqlen_q, seqlen_k, params.window_left, params.window_right);
-  const int n_begin = mask.n_block_begin();
-  const int n_end = mask.n_block_end();
+  int n_begin = mask.n_block_begin();
+  int n_end = mask.n_block_end();
+  if constexpr (Traits::Has_user_mods)  // a BlockMask's shown keys bound the loop too
+    block_mask_key_blocks<kBlockM, kBlockN>(params, batch, head, row_block0, n_begin, n_end);
 
   const int64_t q_row0 = rows_q.start + row_block0;  // first query row of the block
   const Element* g_q = static_cast<const Element*>(params.q_ptr) + batch * params.q_batch_stride +
@@ -267,21 +272,25 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
     if constexpr (Traits::Q_in_regs) ::load_q_regs<Traits>(r_q, s_q, warp_row0, lane);
   };
 
-  // An attn_mask's state of key block n_block (variants.cuh): a tile it hides is skipped (no
-  // load, no MMA), one it shows unchanged is not read; blocks before n_begin are never visited.
-  // Without a mask every block is mixed: a constant, and the branches on it fold away.
+  // A mask's state of key block n_block (variants.cuh): a tile it hides is skipped (no load, no
+  // MMA), one it shows unchanged is not read (an attn_mask) or evaluated (mask_mod); blocks
+  // before n_begin are never visited. Without a summary every block is mixed: a constant, and
+  // the branches on it fold away.
   auto tile_state = [&](int n_block) {
-    if constexpr (Traits::Has_mask_tensor) {
+    if constexpr (Traits::Has_cells) {
       if (n_block < n_begin) return static_cast<int>(kMaskCellHidden);
-      return mask_tile_state<kBlockM, kBlockN, /*kOneCell=*/true>(params, batch, head, row_block0,
-                                                                  n_block * kBlockN);
+      if (Traits::Has_user_mods && params.mask_cells == nullptr)  // no BlockMask
+        return static_cast<int>(kMaskCellMixed);
+      return mask_tile_state<kBlockM, kBlockN, /*kOneCell=*/Traits::Has_mask_tensor>(
+          params, batch, head, row_block0, n_block * kBlockN);
     } else {
       return static_cast<int>(kMaskCellMixed);
     }
   };
   // Scores of key block n_block -> logits: the score variant (softcap), then the mask. An
   // attn_mask's mixed tiles come from their staged copy in `stage` where the mask is stageable
-  // (a uniform branch), else from global memory per score.
+  // (a uniform branch), else from global memory per score. A BlockMask's plain tiles run
+  // score_mod alone.
   const typename Traits::Transform transform(params, batch, head, seqlen_k - seqlen_q);
   bool mask_staged = false;
   if constexpr (Traits::Has_mask_tensor) mask_staged = transform.stageable();
@@ -293,7 +302,13 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
     }
   };
   auto logits = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int state, int stage) {
-    if (state != kMaskCellPlain) {
+    if constexpr (Traits::Has_user_mods) {
+      if (state == kMaskCellPlain)
+        transform_scores(ScoreOnly<typename Traits::Transform>{transform}, s,
+                         row_block0 + warp_row0, n_block * kBlockN, lane);
+      else
+        transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
+    } else if (state != kMaskCellPlain) {
       if constexpr (Traits::Has_mask_tensor) {
         if (mask_staged)
           transform_scores_staged<Traits::kMaskRowBytes>(
@@ -334,7 +349,7 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
     // A mask's tile states are read an iteration before they are needed (the block after the
     // one prefetched), so that no load waits at the top of the loop; the ring is then two
     // stages deep, the prefetched block being the next one.
-    static_assert(!Traits::Has_mask_tensor || kStages == 2, "a mask's state pipeline");
+    static_assert(!Traits::Has_cells || kStages == 2, "a mask's state pipeline");
     int state_cur = tile_state(n_end - 1), state_next = tile_state(n_end - 2);
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {

@@ -321,8 +321,17 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     const Rows rows(params, tile.batch);
     const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
                                 params.window_right);
-    const int n_end = mask.n_block_end();
-    const int n_blocks = max(n_end - mask.n_block_begin(), 0);
+    int n_begin = mask.n_block_begin(), n_end = mask.n_block_end();
+    // A BlockMask (a user mask_mod's summary, cupyflash.create_block_mask) narrows the tile's key
+    // blocks to those its rows may see, as the producer's loads do: the leading and trailing
+    // hidden ones are not visited. Hidden blocks inside that range, and plain ones, run as mixed
+    // ones (mask_mod on every score): skipping them in the middle would need the producer and
+    // both consumers to walk one list of blocks through the K/V ring; the FA2 kernel
+    // (algorithm="fa2") skips every hidden block and runs score_mod alone on plain ones.
+    if constexpr (Traits::User_mods)
+      block_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head, row_block0, n_begin,
+                                              n_end);
+    const int n_blocks = max(n_end - n_begin, 0);
     // The score variant of this tile's (batch, head): a user function reads them.
     const typename Traits::Transform transform(params, tile.batch, tile.head,
                                                rows.k.len - rows.q.len);

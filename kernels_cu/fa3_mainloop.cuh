@@ -11,6 +11,7 @@
 #include "mask.cuh"
 #include "params.cuh"
 #include "tile_scheduler.cuh"
+#include "variants.cuh"  // block_mask_key_blocks
 
 template <typename Traits>
 using TileMask = KeyMask<Traits::kBlockM, Traits::kBlockN, Traits::Is_causal, Traits::Is_local>;
@@ -40,8 +41,11 @@ struct Fa3Producer {
     const int tma_batch = Traits::Varlen ? 0 : tile.batch;
     const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
                                 params.window_right);
-    const int n_begin = mask.n_block_begin();
-    const int n_end = mask.n_block_end();
+    int n_begin = mask.n_block_begin();
+    int n_end = mask.n_block_end();
+    if constexpr (Traits::User_mods)  // a BlockMask's shown keys, as the consumers bound them
+      block_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head, tile.m_block * kBlockM,
+                                              n_begin, n_end);
     mbar_arrive_expect_tx(smem.q_full(qb), Traits::kQBytes);
 #pragma unroll
     for (int cb = 0; cb < Traits::kColBlocks; ++cb) {

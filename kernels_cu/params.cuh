@@ -88,6 +88,17 @@ struct AttnParams {
   int32_t mask_cells_row_stride, mask_cells_key_stride;
   int32_t mask_cell_rows_log2, mask_cell_keys_log2;
   int32_t mask_heads;  // heads of the mask (1 or Hq): the summary kernel's grid z is batch x heads
+  // A BlockMask's (cupyflash.create_block_mask: a mask_mod's summary, its cells above) shown
+  // ranges, which bound a tile's loop as causal / window bounds do (variants.cuh's
+  // block_mask_key_blocks): per block r of kMaskRangeBlock (128) query rows, the keys
+  // [first, end) outside which it sees none (first = end = 0: none at all), an int32 pair at
+  // mask_key_ranges[b * mask_key_ranges_batch_stride + h * mask_key_ranges_head_stride + 2 r];
+  // per block of 128 keys, the rows [first, end) that see one likewise (mask_row_ranges).
+  // Strides 0 on a broadcast axis; nullptr: none.
+  const int32_t* mask_key_ranges;  // [B|1, Hq|1, row blocks, 2]
+  const int32_t* mask_row_ranges;  // [B|1, Hq|1, key blocks, 2]
+  int32_t mask_key_ranges_batch_stride, mask_key_ranges_head_stride;
+  int32_t mask_row_ranges_batch_stride, mask_row_ranges_head_stride;
 
   // The device error word ([1], one per GPU, cupyflash/_workspace.py), or nullptr: a kernel that
   // meets a bad device-side value ORs in its bit (kBadCuSeqlensQ ... below), and

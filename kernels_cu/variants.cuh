@@ -124,10 +124,12 @@ struct AttnBias {
 enum : int { kMaskCellHidden = 0, kMaskCellMixed = 1, kMaskCellPlain = 2, kMaskCellEmpty = 3 };
 
 // The state of a tile of kBlockM query rows from row0 and kBlockN keys from key0 of query head
-// `head`, from the summary's cells covering it. The cells are the tiles of the launch's smallest
-// kernel: kOneCell where the caller's tile is one cell (the forward; one load), else a tile spans
-// a few cells (the backward's key-block kernel beside its dQ kernel). Uniform over the CTA: a
-// broadcast load per cell.
+// `head`, from the summary's cells covering it. An attn_mask's cells are the tiles of the launch's
+// smallest kernel: kOneCell where the caller's tile is one cell (the forward; one load), else a
+// tile spans a few cells (the backward's key-block kernel beside its dQ kernel). A BlockMask's
+// cells have the size its maker chose: a tile spans a few, or lies in one (whose state is then
+// the tile's: hidden or plain hold for every part of a cell; mixed is left to the function).
+// Uniform over the CTA: a broadcast load per cell.
 template <int kBlockM, int kBlockN, bool kOneCell>
 CF_DEVICE int mask_tile_state(const AttnParams& p, int batch, int head, int row0, int key0) {
   const unsigned char* cells =
@@ -150,6 +152,60 @@ CF_DEVICE int mask_tile_state(const AttnParams& p, int batch, int head, int row0
       }
     return !any_shown ? kMaskCellHidden : all_plain ? kMaskCellPlain : kMaskCellMixed;
   }
+}
+
+// A BlockMask's bounds on a tile's loop (AttnParams::mask_key_ranges, mask_row_ranges: a user
+// mask_mod's summary, cupyflash.create_block_mask), as causal / window bounds narrow it; no change
+// without one. The ranges are kept per kMaskRangeBlock rows (keys), so that any kernel's tile
+// (at most that many rows and keys, at a multiple of its size) reads one: one load, which the
+// Hopper producer's 24 registers hold (a loop over cells spilled 36-40 bytes there). CTA-uniform.
+constexpr int kMaskRangeBlock = 128;
+
+// The key blocks [n_begin, n_end) of the kBlockM query rows from row0 of query head `head`: only
+// those holding a key that some row of the tile's range block sees.
+template <int kBlockM, int kBlockN>
+CF_DEVICE void block_mask_key_blocks(const AttnParams& p, int batch, int head, int row0,
+                                     int& n_begin, int& n_end) {
+  static_assert(kMaskRangeBlock % kBlockM == 0, "a tile lies in one range block");
+  if (p.mask_key_ranges == nullptr) return;
+  const int2 keys = __ldg(reinterpret_cast<const int2*>(p.mask_key_ranges +
+                                                        batch * p.mask_key_ranges_batch_stride +
+                                                        head * p.mask_key_ranges_head_stride) +
+                          row0 / kMaskRangeBlock);
+  if (keys.x >= keys.y) {  // every key hidden from every row
+    n_end = n_begin;
+    return;
+  }
+  n_begin = max(n_begin, keys.x / kBlockN);
+  n_end = min(n_end, ceil_div(keys.y, kBlockN));
+}
+
+// The query blocks [m_begin, m_end) that see the kBlockN keys from key0, for any of the `heads`
+// query heads from head0 (the backward's CTA of a KV head serves its GQA group): only those
+// holding a row that sees some key of the block's range block.
+template <int kBlockM, int kBlockN>
+CF_DEVICE void block_mask_row_blocks(const AttnParams& p, int batch, int head0, int heads, int key0,
+                                     int& m_begin, int& m_end) {
+  static_assert(kMaskRangeBlock % kBlockN == 0, "a tile lies in one range block");
+  if (p.mask_row_ranges == nullptr) return;
+  if (p.mask_row_ranges_head_stride == 0) heads = 1;  // one mask for every head
+  int first = 0x7fffffff, end = 0;
+  for (int h = head0; h < head0 + heads; ++h) {
+    const int2 rows = __ldg(reinterpret_cast<const int2*>(p.mask_row_ranges +
+                                                          batch * p.mask_row_ranges_batch_stride +
+                                                          h * p.mask_row_ranges_head_stride) +
+                            key0 / kMaskRangeBlock);
+    if (rows.x < rows.y) {
+      first = min(first, rows.x);
+      end = max(end, rows.y);
+    }
+  }
+  if (end == 0) {  // every row hidden from every key
+    m_end = m_begin;
+    return;
+  }
+  m_begin = max(m_begin, first / kBlockM);
+  m_end = min(m_end, ceil_div(end, kBlockM));
 }
 
 // The variant of a kernel's flags (a mask does not combine with softcap or ALiBi yet).
@@ -180,6 +236,16 @@ struct SelectScoreTransform<Element, false, false, kBoolBias> {
   using type = AttnBias<unsigned char, true>;
 };
 
+// UserMods (below) on a block mask's plain tile, as a variant transform_scores takes: score_mod
+// alone. (A template, so that kernels without CF_USER_MODS can name it in a discarded branch.)
+template <typename Mods>
+struct ScoreOnly {
+  Mods mods;
+  CF_DEVICE float operator()(float score, int row, int key) const {
+    return mods.score_only(score, row, key);
+  }
+};
+
 #ifdef CF_USER_MODS
 // logit(s) = score_mod(s * scale, b, h, row, key), -inf where mask_mod(b, h, row, key) is false
 // (FlexAttention's score_mod / mask_mod, traced in Python: cupyflash/_mods.py writes cf_user_mods
@@ -195,6 +261,12 @@ struct UserMods {
   CF_DEVICE float operator()(float score, int row, int key) const {
     if (row >= rows || key >= keys) return score;
     return cf_user_mods(params, score * params.mod_score_scale, batch, head, row, key);
+  }
+  // A block mask's plain tile (every key of it shown: cupyflash.create_block_mask): score_mod
+  // alone, mask_mod not evaluated.
+  CF_DEVICE float score_only(float score, int row, int key) const {
+    if (row >= rows || key >= keys) return score;
+    return cf_user_score(params, score * params.mod_score_scale, batch, head, row, key);
   }
   // The backward's d logit / d (scaled score) at the raw score: score_mod's derivative (the
   // kernels' dq_scale / dk_scale carry the scale itself).

@@ -240,3 +240,71 @@ def test_fp8_cache_host_scales_checked_every_call(launches):
             cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, kv_dtype="e4m3", k_scale=bad)
     with pytest.raises(TypeError, match="v_scale must be a positive float"):
         cupyflash.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, kv_dtype="e4m3", v_scale=True)
+
+
+def test_a_block_mask_reaches_the_kernels(launches, monkeypatch):
+    """A block_mask on GPU arrays: made on the host, its summary copied to the GPU at the first
+    call there (the copy stubbed: stand-ins), its layout fixed in each plan (the Hopper forward,
+    FA2's, the mma.sync backward) and its three buffers handed to the launch by address (the
+    same copy for every later call); a call of another length is refused before anything runs."""
+    from cupyflash import _block_mask
+
+    copies = []
+    monkeypatch.setattr(_interop, "upload", lambda x, device: copies.append(x) or stand_in(x.shape, str(x.dtype)))
+    q = stand_in((2, 300, 8, 128), "bfloat16")
+    kv = stand_in((2, 300, 2, 128), "bfloat16")
+    bm = cupyflash.create_block_mask(lambda b, h, i, j: (i // 100) == (j // 100), None, 8, 300, 300, BLOCK_SIZE=64)
+    pointers = _block_mask.kernel_buffers(bm, _interop.CUPY_LIB, 0)
+    assert len(copies) == 3 and all(isinstance(p, int) for p in pointers)
+    for algorithm, kernel in (("auto", "fa3_fwd"), ("fa2", "fa2_fwd")):
+        cupyflash.attention(q, kv, kv, block_mask=bm, algorithm=algorithm)
+        _check(launches, kernel)
+        launch, given = launches[-1]
+        assert {"mask_cells", "mask_key_ranges", "mask_row_ranges"} <= given
+        values = launch.params
+        assert values.value("mask_cell_rows_log2") == 6 and values.value("mask_cell_keys_log2") == 6
+        assert values.value("mask_cells_batch_stride") == 0 and values.value("mask_cells_head_stride") == 0
+        assert values.value("mask_cells_row_stride") == 6  # 300 keys: three 128-key blocks of two 64-key cells
+        assert values.value("mask_key_ranges_head_stride") == 0  # the mask reads no h: one summary for all
+    lse = stand_in((2, 8, 300), "float32")
+    cupyflash.attention_backward(q, q, kv, kv, q, lse, block_mask=bm)
+    _check(launches, "fa2_bwd", optional=("dlse",))
+    assert {"mask_cells", "mask_key_ranges", "mask_row_ranges"} <= launches[-1][1]
+    assert len(copies) == 3  # copied once
+    short = stand_in((2, 299, 8, 128), "bfloat16")
+    with pytest.raises(ValueError, match="Q_LEN=300"):
+        cupyflash.attention(short, kv, kv, block_mask=bm)
+    elsewhere = _on_gpu_1(bm)
+    with pytest.raises(ValueError, match="made on GPU 1; this call runs on GPU 0"):
+        _block_mask.kernel_buffers(elsewhere, _interop.CUPY_LIB, 0)
+
+
+def _on_gpu_1(bm):
+    """A copy of ``bm`` as if made on GPU 1 (no address known yet)."""
+    clone = type(bm).__new__(type(bm))
+    for name in type(bm).__slots__:
+        setattr(clone, name, getattr(bm, name))
+    clone._device, clone._pointers = 1, {}
+    return clone
+
+
+def test_the_block_mask_summary_plan():
+    """The summary kernel's launch: a CTA per cell (grid keys x rows x summarised (batch, head)),
+    the cells' strides and sizes, the mask's captured arrays as operands, the "cells" output."""
+    import numpy as np
+
+    from cupyflash import _mods, _plan
+
+    doc = np.zeros(300, np.int32)
+    mod = _mods.trace_mask_mod(lambda b, h, i, j: (doc[i] == doc[j]) & (h > 1))
+    kernel = _mods.kernel_mods(None, mod)
+    launch = _plan.plan_block_mask_cells(kernel, (1, 8), (300, 500), (32, 64), (12, 8))
+    (step,) = launch.steps
+    assert step.grid == (8, 12, 8) and step.spec.name.startswith("cf_block_mask_cells_")
+    assert [o.name for o in launch.operands] == ["mod_buffer0"]
+    (cells,) = launch.outputs
+    assert cells.shape == (1, 8, 12, 8) and cells.dtype == "uint8"
+    v = launch.params.value
+    assert (v("mask_cells_batch_stride"), v("mask_cells_head_stride"), v("mask_cells_row_stride")) == (0, 96, 8)
+    assert (v("mask_cell_rows_log2"), v("mask_cell_keys_log2"), v("mask_heads")) == (5, 6, 8)
+    assert (v("seqlen_q"), v("seqlen_k")) == (300, 500)

@@ -187,7 +187,7 @@ def test_a_function_made_inside_the_compiled_function_reads_globals():
 def test_what_compile_refuses_names_it():
     """An untraceable function (the eager message, naming the operation); a function made in the
     compiled region that captures its locals (how to write it instead); a captured tensor that
-    requires grad (the eager message); dropout."""
+    requires grad (the eager message); dropout; a block mask (not yet under compile)."""
     torch = need_torch()
     torch._dynamo.reset()
     q, k, v = (x.detach() for x in _leaves(torch))
@@ -198,6 +198,7 @@ def test_what_compile_refuses_names_it():
         return -s
 
     learned = _relative(torch.zeros(NQ + NK - 1, dtype=torch.float64, requires_grad=True))
+    block_mask = cupyflash.create_block_mask(_window(3), None, None, NQ, NK, BLOCK_SIZE=16)
     cases = [
         (lambda q: cupyflash.attention(q, k, v, score_mod=branchy), r"score_mod uses `if`"),
         (lambda q, w=3: cupyflash.attention(q, k, v, mask_mod=lambda b, h, i, j: i - j < w + q.shape[1]),
@@ -205,6 +206,8 @@ def test_what_compile_refuses_names_it():
         (lambda q: cupyflash.attention(q, k, v, score_mod=learned), r"captured tensor gets no gradient from cupyflash"),
         (lambda q: cupyflash.attention(q, k, v, mask_mod=_window(3), dropout_p=0.1, seed=1),
          r"score_mod / mask_mod with dropout do not run under torch.compile yet"),
+        (lambda q: cupyflash.attention(q, k, v, block_mask=block_mask),
+         r"block_mask under torch.compile is not supported yet"),
     ]  # fmt: skip
     for f, message in cases:
         torch._dynamo.reset()

@@ -9,6 +9,7 @@ on the blocks of ``common``. This face names what the executors use.
 """
 
 from .backward import plan_backward
+from .block_mask import RANGE_BLOCK, BlockCells, plan_block_mask_cells
 from .common import check_gpu_dtypes, check_int32, softmax_factors
 from .decode import CascadePrefix, cascade_blocks, plan_kvcache, split_ranges
 from .forward import forward_spec, plan_attention, plan_forward, plan_paged_varlen
@@ -37,9 +38,10 @@ from .model import (
 )
 
 __all__ = [
-    "CONTIGUOUS", "FP8_TILE", "INDEX", "LENGTHS", "ROWS", "SCALAR", "TILE", "CascadePrefix", "KernelStep", "Launch",
-    "Operand", "Output", "PartsLayout", "PlanCache", "Scratch", "Temporary", "TmaMaps", "cascade_blocks",
-    "check_gpu_dtypes", "check_int32", "clear_caches", "forward_spec", "new_cache", "new_pair_cache",
-    "new_route_cache", "plan_attention", "plan_backward", "plan_forward", "plan_fp8_forward", "plan_kvcache",
-    "plan_merge", "plan_merge_parts", "plan_paged_varlen", "softmax_factors", "split_ranges",
+    "BlockCells", "CONTIGUOUS", "FP8_TILE", "INDEX", "LENGTHS", "RANGE_BLOCK", "ROWS", "SCALAR", "TILE",
+    "CascadePrefix", "KernelStep", "Launch", "Operand", "Output", "PartsLayout", "PlanCache", "Scratch", "Temporary",
+    "TmaMaps", "cascade_blocks", "check_gpu_dtypes", "check_int32", "clear_caches", "forward_spec", "new_cache",
+    "new_pair_cache", "new_route_cache", "plan_attention", "plan_backward", "plan_block_mask_cells", "plan_forward",
+    "plan_fp8_forward", "plan_kvcache", "plan_merge", "plan_merge_parts", "plan_paged_varlen", "softmax_factors",
+    "split_ranges",
 ]  # fmt: skip

@@ -15,6 +15,7 @@ from .._specs import (
     BwdRowSpec,
 )
 from .._validate import Problem
+from .block_mask import BlockCells
 from .common import (
     LAYOUT_AXES,
     LOG2E,
@@ -48,6 +49,7 @@ def plan_backward(
     packed_rows: tuple[int, int] | None = None,
     deterministic: bool = False,
     mods: KernelMods | None = None,
+    cells: BlockCells | None = None,
 ) -> Launch:
     """The backward: the per-row preparation, the main kernel over key blocks, dQ from its fp32
     accumulator (kernels_cu/fa2_bwd.cu; on Hopper the main kernel is kernels_cu/fa3_bwd.cu's
@@ -62,7 +64,7 @@ def plan_backward(
     kernel over query blocks instead of fp32 atomics (two of the five products computed twice).
     ``mods``: the forward's score_mod / mask_mod, compiled into the mma.sync kernels (dS times the
     score function's derivative; the Hopper backward has no hook yet), its captured arrays
-    operands mod_buffer0, 1, ..."""
+    operands mod_buffer0, 1, ...; ``cells``: its BlockMask's summary, as ``plan_forward``'s."""
     check_grid(p.batch, p.heads_q)
     check_head_dim(p.head_dim, "the GPU backward kernels")
     packed = packed_rows is not None
@@ -118,6 +120,7 @@ def plan_backward(
         # a score function sees the scaled score and returns the logit itself (as the forward's)
         | ({"mod_score_scale": scale_log2 / LOG2E, "softmax_scale_log2": LOG2E} if mods is not None else {}),
         **cell_fields,
+        **(dict(cells.fields) if cells is not None else {}),
         **output_strides,
         row_batch_stride=row_strides[0],
         row_head_stride=row_strides[1],
@@ -144,6 +147,9 @@ def plan_backward(
     operands += fa2_option_operands(params, p)
     if mods is not None:
         operands += mods_operands(params, mods)
+    if cells is not None:
+        assert mods is not None, "a BlockMask's summary comes with its mask_mod"
+        operands += BlockCells.operands(params)
     if packed:
         operands += [
             Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),

@@ -19,6 +19,7 @@ from .._specs import (
     Fa3FwdSpec,
 )
 from .._validate import ALIBI_NONE, KvCacheProblem, Problem
+from .block_mask import BlockCells
 from .common import (
     LAYOUT_AXES,
     LOG2E,
@@ -128,12 +129,15 @@ def plan_forward(
     packed_rows: tuple[int, int] | None = None,
     mods: KernelMods | None = None,
     batch_invariant: bool = False,
+    cells: BlockCells | None = None,
 ) -> Launch:
     """One forward kernel over a padded batch (``p.layout`` "bshd"/"bhsd") or packed sequences
     (``packed_rows`` = the packed totals (total_q, total_k): each tile finds its rows in
     cu_seqlens, batch strides 0; rows outside every sequence are 0 with LSE -inf). ``mods``: a
-    user score_mod / mask_mod (FA2), its captured arrays operands mod_buffer0, 1, ...;
-    ``batch_invariant``: the variant not chosen by the batch (``forward_spec``)."""
+    user score_mod / mask_mod (FA2), its captured arrays operands mod_buffer0, 1, ...; ``cells``:
+    its BlockMask's summary (its layout fixed here, its buffers operands mask_cells,
+    mask_key_ranges, mask_row_ranges); ``batch_invariant``: the variant not chosen by the batch
+    (``forward_spec``)."""
     check_grid(p.batch, p.heads_q)
     packed = packed_rows is not None
     scale_log2, prescale, negate_q = softmax_factors(p)
@@ -165,6 +169,9 @@ def plan_forward(
     if mods is not None:  # the function sees the scaled score and returns the logit itself
         fixed["mod_score_scale"] = scale_log2 / LOG2E
         fixed["softmax_scale_log2"] = LOG2E
+    if cells is not None:
+        assert mods is not None, "a BlockMask's summary comes with its mask_mod"
+        fixed.update(cells.fields)
     steps: tuple[KernelStep, ...] = ()
     scratch = None
     cells_shape: tuple[int, ...] = ()
@@ -210,6 +217,8 @@ def plan_forward(
     operands += fa2_option_operands(params, p)
     if mods is not None:
         operands += mods_operands(params, mods)
+    if cells is not None:
+        operands += BlockCells.operands(params)
     outputs: tuple[Output, ...] = (
         Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0 if packed else None),
         Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=-math.inf if packed else None, optional=True),
@@ -290,7 +299,7 @@ def decode_applies(p: Problem) -> bool:
 
 def plan_attention(
     p: Problem, dtype: str, device: DeviceInfo, algorithm: str, q_shape: tuple[int, ...],
-    mods: KernelMods | None = None, batch_invariant: bool = False,
+    mods: KernelMods | None = None, batch_invariant: bool = False, cells: BlockCells | None = None,
 ) -> Launch:  # fmt: skip
     """``attention`` on the GPU with the flash kernels ("auto", "fa2", "fa3", "decode"; the
     baselines are ``_baselines_gpu.plan_baseline``). "auto" runs one-token queries on the decode
@@ -298,7 +307,9 @@ def plan_attention(
     where it applies, else on FA2. ``batch_invariant``: the decode kernel's splits of a fixed
     size in keys (``plan_kvcache``), not a count from the batch's occupancy."""
     if mods is not None:
-        return plan_forward(p, dtype, device, algorithm, q_shape=q_shape, mods=mods, batch_invariant=batch_invariant)
+        return plan_forward(
+            p, dtype, device, algorithm, q_shape=q_shape, mods=mods, batch_invariant=batch_invariant, cells=cells
+        )
     one_token = algorithm == "auto" and p.seqlen_q == 1 and p.seqlen_k > 0
     if algorithm == "decode" or (one_token and decode_applies(p)):
         if not decode_applies(p):
