@@ -321,7 +321,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     const Rows rows(params, tile.batch);
     const TileMask<Traits> mask(tile.m_block, rows.q.len, rows.k.len, params.window_left,
                                 params.window_right);
-    int n_begin = mask.n_block_begin(), n_end = mask.n_block_end();
+    int n_end = mask.n_block_end();  // (n_end first: without mods the code is as before it)
+    int n_begin = mask.n_block_begin();
     // A BlockMask (a user mask_mod's summary, cupyflash.create_block_mask) narrows the tile's key
     // blocks to those its rows may see, as the producer's loads do: the leading and trailing
     // hidden ones are not visited. Hidden blocks inside that range, and plain ones, run as mixed
