@@ -378,16 +378,17 @@ def _gpu_mods(
     (on q's device, of q's library); with a block_mask, its summary read beside them."""
     mods_key, kernel, buffers = _kernel_mods_of(call, device)
     q, k, v = call.q, call.k, call.v
-    sinks, block_mask = call.sinks, call.block_mask
+    sinks, given_mask = call.sinks, call.block_mask
+    block_mask = given_mask if given_mask is not None and _block_mask.kernels_read_it() else None
     cells = None if block_mask is None else _block_mask.layout(block_mask)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
            call.algorithm, call.dropout_p, call.alibi_slopes is not None, mods_key,
-           _shapes(sinks), _dtypes(sinks), cells, None if block_mask is None else block_mask.shape)  # fmt: skip
+           _shapes(sinks), _dtypes(sinks), cells, None if given_mask is None else given_mask.shape)  # fmt: skip
 
     def plan() -> _plan.Launch:
         problem = forward_problem(call)[0]
-        if block_mask is not None:
-            _check_block_mask(block_mask, problem)
+        if given_mask is not None:
+            _check_block_mask(given_mask, problem)
         problem = with_implied_bounds(problem, call.mods[1])
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
         _check_sinks_dtype(lib, sinks)
@@ -661,7 +662,8 @@ def _gpu_mods_backward(
     functions and score_mod's derivative compiled in (``_plan.plan_backward``'s ``mods``)."""
     mods_key, kernel, buffers = _kernel_mods_of(call, device)
     q, k, v, out, dout, lse, dlse, sinks = call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.sinks
-    cells = None if call.block_mask is None else _block_mask.layout(call.block_mask)  # (checked by the caller)
+    block_mask = call.block_mask if call.block_mask is not None and _block_mask.kernels_read_it() else None
+    cells = None if block_mask is None else _block_mask.layout(block_mask)  # (checked by the caller)
     key = ("bwd-mods", lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, out, dout, lse, dlse, sinks),
            call.deterministic, mods_key, cells)  # fmt: skip
 
@@ -677,8 +679,8 @@ def _gpu_mods_backward(
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse, "sinks": sinks,
                       **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}  # fmt: skip
-    if call.block_mask is not None:
-        arrays_by_name.update(_block_mask_buffers(call.block_mask, lib, device))
+    if block_mask is not None:
+        arrays_by_name.update(_block_mask_buffers(block_mask, lib, device))
     return _with_sink_gradient(_launch.run_outputs(launch, lib, device, arrays_by_name, given))
 
 
