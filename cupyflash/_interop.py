@@ -468,10 +468,14 @@ def lean_arrays(arrays: Sequence[Any]) -> tuple[ArrayLib, int, bool] | None:
         device = first.get_device()
         if device < 0:
             return None
+        grad = False
         for x in arrays:
-            if x is not None and ((type(x) is not cls and _kind(x) != TORCH) or x.get_device() != device):
-                return None
-        return TORCH_LIB, device, TORCH_LIB.check_inputs(arrays)
+            if x is not None:
+                if (type(x) is not cls and _kind(x) != TORCH) or x.get_device() != device:
+                    return None
+                grad = grad or x.requires_grad
+        # A kernel launch is invisible to autograd (TorchLib.check_inputs): the custom op then.
+        return TORCH_LIB, device, grad and bool(torch_module().is_grad_enabled())
     if kind == CUPY:
         device = first.data.device_id
         for x in arrays:
