@@ -325,3 +325,44 @@ def test_the_block_mask_summary_plan():
     assert (v("mask_cells_batch_stride"), v("mask_cells_head_stride"), v("mask_cells_row_stride")) == (0, 96, 8)
     assert (v("mask_cell_rows_log2"), v("mask_cell_keys_log2"), v("mask_heads")) == (5, 6, 8)
     assert (v("seqlen_q"), v("seqlen_k")) == (300, 500)
+
+
+def test_a_call_site_s_last_plan_serves_only_its_own_signature(launches):
+    """gpu_forward and gpu_with_kvcache keep the plan of the call before (``PlanCache.last``): a
+    call that differs from it in any part of its signature (a shape, an option, an optional array)
+    gets its own plan, the same one each time, also when the calls alternate; a cleared cache
+    forgets the last plan with the others."""
+    from cupyflash import _plan
+
+    q = stand_in((2, 177, 8, 128), "float16")  # shapes no other test plans (the plans outlive a test)
+    kv = stand_in((2, 199, 2, 128), "float16")
+    q1 = stand_in((2, 1, 8, 128), "float16")
+    sinks = stand_in((8,), "float32")
+    square = stand_in((2, 24, 24, 128), "float16")
+    cache = stand_in((2, 211, 2, 128), "float16")
+    seqlens = stand_in((2,), "int32")
+    calls = [
+        lambda: cupyflash.attention(q, kv, kv),
+        lambda: cupyflash.attention(q, kv, kv, causal=True),
+        lambda: cupyflash.attention(q, kv, kv, window=(16, 0)),
+        lambda: cupyflash.attention(q, kv, kv, sinks=sinks),
+        lambda: cupyflash.attention(q1, kv, kv),
+        lambda: cupyflash.attention(square, square, square),
+        lambda: cupyflash.attention(square, square, square, layout="bhsd"),  # the same shapes read otherwise
+        lambda: cupyflash.attention_with_kvcache(q1, cache, cache, cache_seqlens=200),
+        lambda: cupyflash.attention_with_kvcache(q1, cache, cache, cache_seqlens=seqlens),
+        lambda: cupyflash.attention_with_kvcache(q1, cache, cache, cache_seqlens=seqlens, causal=False),
+    ]
+    for _ in range(2):
+        for call in calls:
+            call()
+            call()
+    plans = [launch for launch, _ in launches]
+    n = len(calls)
+    for i in range(n):
+        assert plans[2 * i] is plans[2 * i + 1] is plans[2 * n + 2 * i] is plans[2 * n + 2 * i + 1]
+    assert len({id(plan) for plan in plans}) == n
+    _plan.clear_caches()
+    for call in (calls[0], calls[-1]):
+        call()
+    assert launches[-2][0] is not plans[0] and launches[-1][0] is not plans[2 * n - 2]
