@@ -366,3 +366,30 @@ def test_a_call_site_s_last_plan_serves_only_its_own_signature(launches):
     for call in (calls[0], calls[-1]):
         call()
     assert launches[-2][0] is not plans[0] and launches[-1][0] is not plans[2 * n - 2]
+
+
+def test_the_per_token_check_reads_every_array(monkeypatch):
+    """``_interop.lean_arrays``, the route's per-token check: one library on one GPU, and for
+    tensors whether any requires grad (grad mode on), whichever array it is; anything else is
+    left to ``gpu_arrays`` (None)."""
+    a, b = stand_in((2, 8), "float16"), stand_in((2, 8), "float16")
+    assert _interop.lean_arrays((a, None, b)) == (_interop.CUPY_LIB, 0, False)
+    other = stand_in((2, 8), "float16")
+    other.data = type(a.data)(1 << 20)
+    other.data.device_id = 1
+    assert _interop.lean_arrays((a, b, None, other)) is None
+    assert _interop.lean_arrays((other, a)) is None
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: getattr(self, "gpu", 0), raising=False)
+    t, u, w = (torch.zeros(2, 8) for _ in range(3))
+    assert _interop.lean_arrays((t, u, None, w)) == (_interop.TORCH_LIB, 0, False)
+    assert _interop.lean_arrays((t, a)) is None and _interop.lean_arrays((a, t)) is None
+    w.gpu = 1
+    assert _interop.lean_arrays((t, u, None, w)) is None
+    w.gpu = 0
+    for grad in (t, w):
+        grad.requires_grad_(True)
+        assert _interop.lean_arrays((t, u, None, w)) == (_interop.TORCH_LIB, 0, True)
+        with torch.no_grad():
+            assert _interop.lean_arrays((t, u, None, w)) == (_interop.TORCH_LIB, 0, False)
+        grad.requires_grad_(False)
