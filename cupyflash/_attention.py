@@ -31,7 +31,7 @@ from ._validate import (
 from .xp_impl import Dropout
 
 # The plans, by call signature (library, device, shapes, dtypes, options): the plain forward's
-# (``gpu_forward``, whose call site keeps its last plan) and the others'.
+# (``gpu_forward``, whose call site reads its recent plans first) and the others'.
 _forward_plans = _plan.new_cache()
 _plans = _plan.new_cache()
 
@@ -338,15 +338,13 @@ def gpu_forward(
                call.algorithm, call.dropout_p, call.batch_invariant, _shapes(slopes, sinks),
                _dtypes(slopes, sinks))  # fmt: skip
         arrays_by_name = {"q": q, "k": k, "v": v, "alibi_slopes": slopes, "sinks": sinks}
-    last_key, launch = _forward_plans.last
-    if key != last_key:  # another signature than the call before's
-        try:
-            launch = _forward_plans.find(key)
-        except TypeError:  # a part that cannot be hashed: planned uncached (which refuses it)
-            launch = None
-        if launch is None:
-            launch = _forward_plans.get(key, lambda: _plan_forward(lib, device, call))
-        _forward_plans.last = (key, launch)
+    (key0, plan0), (key1, plan1) = _forward_plans.recent
+    if key == key0:
+        launch = plan0
+    elif key == key1:
+        launch = plan1
+    else:
+        launch = _forward_plans.lookup(key, _plan_forward, lib, device, call)
     if call.dropout_p:
         arrays_by_name["dropout_seed"] = gpu_seed(lib, device, q, call.seed)
     return _launch.run(launch, lib, device, arrays_by_name, want_lse, given)

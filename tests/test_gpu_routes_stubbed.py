@@ -327,11 +327,11 @@ def test_the_block_mask_summary_plan():
     assert (v("seqlen_q"), v("seqlen_k")) == (300, 500)
 
 
-def test_a_call_site_s_last_plan_serves_only_its_own_signature(launches):
-    """gpu_forward and gpu_with_kvcache keep the plan of the call before (``PlanCache.last``): a
-    call that differs from it in any part of its signature (a shape, an option, an optional array)
-    gets its own plan, the same one each time, also when the calls alternate; a cleared cache
-    forgets the last plan with the others."""
+def test_a_call_site_s_recent_plans_serve_only_their_own_signatures(launches):
+    """gpu_forward and gpu_with_kvcache keep the plans of the last two signatures they met
+    (``PlanCache.recent``): a call that differs from them in any part of its signature (a shape,
+    an option, an optional array) gets its own plan, the same one each time, also when two or
+    more kinds of call alternate; a cleared cache forgets the recent plans with the others."""
     from cupyflash import _plan
 
     q = stand_in((2, 177, 8, 128), "float16")  # shapes no other test plans (the plans outlive a test)
@@ -362,6 +362,13 @@ def test_a_call_site_s_last_plan_serves_only_its_own_signature(launches):
     for i in range(n):
         assert plans[2 * i] is plans[2 * i + 1] is plans[2 * n + 2 * i] is plans[2 * n + 2 * i + 1]
     assert len({id(plan) for plan in plans}) == n
+    for first, second in ((0, 1), (1, 4), (6, 7)):  # two kinds of call alternating, each its own plan
+        launches.clear()
+        for _ in range(3):
+            calls[first]()
+            calls[second]()
+        expected = [plans[2 * first], plans[2 * second]] * 3
+        assert all(launch is plan for (launch, _), plan in zip(launches, expected, strict=True))
     _plan.clear_caches()
     for call in (calls[0], calls[-1]):
         call()
