@@ -14,7 +14,14 @@ from typing import Any, Literal, overload
 
 from . import _attention, _block_mask, _fp8, _fp8_forward, _front, _kvcache, _mods
 from ._block_mask import BlockMask
-from ._validate import check_algorithm, check_batch_invariant, check_flag, check_num_splits, check_options
+from ._validate import (
+    NO_WINDOW,
+    check_algorithm,
+    check_batch_invariant,
+    check_flag,
+    check_num_splits,
+    check_options,
+)
 
 # The forward entry points, as the front door routes them.
 _ATTENTION = _front.Operation(
@@ -98,7 +105,7 @@ def attention(
     *,
     causal: bool = False,
     scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
+    window: tuple[int, int] = NO_WINDOW,
     softcap: float = 0.0,
     layout: str = "bshd",
     algorithm: str = "auto",
@@ -317,7 +324,7 @@ def attention_varlen(
     *,
     causal: bool = False,
     scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
+    window: tuple[int, int] = NO_WINDOW,
     softcap: float = 0.0,
     return_lse: bool = False,
     algorithm: str = "auto",
@@ -438,7 +445,7 @@ def attention_backward(
     dlse: Any = None,
     causal: bool = False,
     scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
+    window: tuple[int, int] = NO_WINDOW,
     softcap: float = 0.0,
     layout: str = "bshd",
     deterministic: bool = False,
@@ -534,7 +541,7 @@ def attention_varlen_backward(
     dlse: Any = None,
     causal: bool = False,
     scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
+    window: tuple[int, int] = NO_WINDOW,
     softcap: float = 0.0,
     deterministic: bool = False,
     dropout_p: float = 0.0,
@@ -635,7 +642,7 @@ def attention_with_kvcache(
     cache_leftpad: Any = None,
     causal: bool = True,
     scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
+    window: tuple[int, int] = NO_WINDOW,
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     rotary_cos: Any = None,

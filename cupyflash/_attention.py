@@ -30,7 +30,9 @@ from ._validate import (
 )
 from .xp_impl import Dropout
 
-# The plans, by call signature (library, device, shapes, dtypes, options).
+# The plans, by call signature (library, device, shapes, dtypes, options): the plain forward's
+# (``gpu_forward``, whose call site reads its recent plans first) and the others'.
+_forward_plans = _plan.new_cache()
 _plans = _plan.new_cache()
 
 
@@ -326,17 +328,23 @@ def gpu_forward(
     if call.attn_mask is not None:
         return _gpu_masked(lib, device, call, want_lse)
     q, k, v, slopes, sinks = call.q, call.k, call.v, call.alibi_slopes, call.sinks
-    alibi_key = None if slopes is None else (tuple(slopes.shape), slopes.dtype)
-    sinks_key = None if sinks is None else (tuple(sinks.shape), sinks.dtype)
-    key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
-           call.algorithm, call.dropout_p, alibi_key, call.batch_invariant, sinks_key)  # fmt: skip
-    try:
-        launch = _plans.find(key)
-    except TypeError:  # a part that cannot be hashed: planned uncached (which refuses it)
-        launch = None
-    if launch is None:
-        launch = _plans.get(key, lambda: _plan_forward(lib, device, call))
-    arrays_by_name = {"q": q, "k": k, "v": v, "alibi_slopes": slopes, "sinks": sinks}
+    key: tuple[Any, ...]
+    if slopes is None and sinks is None:  # most calls: two key parts and two operands fewer (~40 ns)
+        key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
+               call.algorithm, call.dropout_p, call.batch_invariant)  # fmt: skip
+        arrays_by_name = {"q": q, "k": k, "v": v}
+    else:
+        key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
+               call.algorithm, call.dropout_p, call.batch_invariant, _shapes(slopes, sinks),
+               _dtypes(slopes, sinks))  # fmt: skip
+        arrays_by_name = {"q": q, "k": k, "v": v, "alibi_slopes": slopes, "sinks": sinks}
+    (key0, plan0), (key1, plan1) = _forward_plans.recent
+    if key == key0:
+        launch = plan0
+    elif key == key1:
+        launch = plan1
+    else:
+        launch = _forward_plans.lookup(key, _plan_forward, lib, device, call)
     if call.dropout_p:
         arrays_by_name["dropout_seed"] = gpu_seed(lib, device, q, call.seed)
     return _launch.run(launch, lib, device, arrays_by_name, want_lse, given)

@@ -272,13 +272,10 @@ def refuse_autograd(entry: str) -> NoReturn:
     )
 
 
-def _not_compiling() -> bool:
-    return False
-
-
 #: ``torch.compiler.is_compiling`` once cupyflash's torch ops exist (``_torch_ops`` registers it),
-#: so that a call Dynamo traces goes straight to the custom op; a constant False before.
-compiling = _not_compiling
+#: so that a call Dynamo traces goes straight to the custom op; False before: ``bool()``, a C call
+#: (a Python function returning False cost every call ~10 ns more).
+compiling: Callable[[], bool] = bool
 
 
 class DlpackLib(CupyLib):
@@ -459,8 +456,9 @@ def lean_arrays(arrays: Sequence[Any]) -> tuple[ArrayLib, int, bool] | None:
     """The per-token fast path: (library, device, autograd) when a call's arrays (the first one
     given, None entries skipped) are all CuPy arrays or all PyTorch CUDA tensors on one GPU (a
     few attribute reads), else None for ``gpu_arrays``; autograd as ``ArrayLib.check_inputs``
-    says (never for CuPy, whose call to ask cost the per-token path ~40 ns). The first array is
-    checked again in the loop: a slice that left it out cost as much."""
+    says, read in the loop that checks the devices (never for CuPy, whose call to ask cost the
+    per-token path ~40 ns). The first array, read before the loop, is passed over in it by
+    identity (a slice that left it out cost as much as reading it again)."""
     first = arrays[0]
     cls = type(first)
     kind = _kind_of_type.get(cls) or _kind(first)
@@ -468,15 +466,20 @@ def lean_arrays(arrays: Sequence[Any]) -> tuple[ArrayLib, int, bool] | None:
         device = first.get_device()
         if device < 0:
             return None
+        grad = first.requires_grad
         for x in arrays:
-            if x is not None and ((type(x) is not cls and _kind(x) != TORCH) or x.get_device() != device):
-                return None
-        return TORCH_LIB, device, TORCH_LIB.check_inputs(arrays)
+            if x is not None and x is not first:
+                if (type(x) is not cls and _kind(x) != TORCH) or x.get_device() != device:
+                    return None
+                grad = grad or x.requires_grad
+        # A kernel launch is invisible to autograd (TorchLib.check_inputs): the custom op then.
+        return TORCH_LIB, device, grad and bool(torch_module().is_grad_enabled())
     if kind == CUPY:
         device = first.data.device_id
         for x in arrays:
-            if x is not None and ((type(x) is not cls and _kind(x) != CUPY) or x.data.device_id != device):
-                return None
+            if x is not None and x is not first:
+                if (type(x) is not cls and _kind(x) != CUPY) or x.data.device_id != device:
+                    return None
         return CUPY_LIB, device, False
     return None
 

@@ -1,28 +1,34 @@
 """Host time per call of the public entry points, with the device stubbed out: no GPU needed.
 
 The arrays are stand-ins that cupyflash takes for CuPy arrays on GPU 0 (shape, dtype, strides,
-a pointer), the device's description is an H100's, and ``_launch.run`` returns at once: what is
-timed is everything a call does on the host before its launch (option checks, routing, the plan
-lookup, the operands' binding is not included). The first call of each shape plans (nothing is
-compiled); the figure is the median over repeats of the mean of many calls after it.
+a pointer), or with ``--torch`` PyTorch CPU tensors that say they are on GPU 0 (``get_device``
+patched; torch imported before cupyflash, as a PyTorch program does); the device's description
+is an H100's, and ``_launch.run`` returns at once: what is timed is everything a call does on
+the host before its launch (option checks, routing, the plan lookup, the operands' binding is
+not included). The first call of each shape plans (nothing is compiled); the figure is the
+median over repeats of the mean of many calls after it.
 
-    PYTHONPATH=TREE python scripts/host_overhead.py [--calls 20000] [--repeats 7]
+    PYTHONPATH=TREE python scripts/host_overhead.py [--torch] [--calls 20000] [--repeats 7]
 
-Run it once per tree (an export of another commit as TREE) to compare two commits on one machine.
+To compare trees (exports of other commits) on a noisy machine, ``--ab`` runs each tree in its own
+process, the order rotating every round, and reports each call's minimum and median over rounds:
+
+    python scripts/host_overhead.py --ab TREE_A TREE_B [--rounds 7] [--calls 5000] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
-import cupyflash
-from cupyflash import _launch
 
 H100 = dict(arch="sm_90a", num_sms=132, max_smem_per_block=232448, smem_per_sm=233472, regs_per_sm=65536,
              max_threads_per_sm=2048, max_blocks_per_sm=32)  # fmt: skip
@@ -55,8 +61,25 @@ def stand_in(shape: tuple[int, ...], dtype: str) -> object:
     return x
 
 
+def torch_stand_in(shape: tuple[int, ...], dtype: str) -> Any:
+    """A PyTorch CPU tensor that cupyflash reads as a CUDA tensor on GPU 0 (``_stub_torch``): its
+    shape, dtype and requires_grad are read in C as a CUDA tensor's are."""
+    import torch
+
+    return torch.empty(shape, dtype=getattr(torch, dtype))
+
+
+def _stub_torch() -> None:
+    """Every tensor says it is on GPU 0 (a Python method here; a C one on a real tensor)."""
+    import torch
+
+    torch.Tensor.get_device = lambda self: 0  # type: ignore[method-assign]
+
+
 def _stub_device() -> None:
     """The device's description without a driver, and no launch."""
+    from cupyflash import _interop, _launch
+
     for name in ("_device", "_plan"):
         module = sys.modules.get(f"cupyflash.{name}") or __import__(f"cupyflash.{name}", fromlist=["_"])
         if hasattr(module, "DeviceInfo") and hasattr(module, "device_info"):
@@ -64,15 +87,13 @@ def _stub_device() -> None:
             module.device_info = lambda index, info=info: info
     _launch.run = lambda *args, **kwargs: (None, None)
     _launch.run_outputs = lambda launch, *args, **kwargs: tuple(None for _ in launch.outputs)
-    from cupyflash import _interop
-
     _interop.current_device = lambda: 0
     from cupyflash import _cascade
 
     _cascade.device_ints = lambda like, values: stand_in(np.shape(values), "int32")
 
 
-def _time(call: object, calls: int, repeats: int) -> float:
+def _time(call: Callable[[], object], calls: int, repeats: int) -> float:
     call()  # plans
     means = []
     for _ in range(repeats):
@@ -83,16 +104,23 @@ def _time(call: object, calls: int, repeats: int) -> float:
     return statistics.median(means) * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--calls", type=int, default=20000)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-    _stub_device()
-    q = stand_in((1, 1024, 16, 128), "float16")
-    k = v = stand_in((1, 1024, 16, 128), "float16")
-    q1 = stand_in((8, 1, 32, 128), "float16")
-    cache = stand_in((8, 4096, 8, 128), "float16")
+def _cases(torch: bool) -> dict[str, Callable[[], object]]:
+    """The calls timed: CuPy stand-ins, or with ``torch`` the tensor ones of a PyTorch program."""
+    import cupyflash
+
+    make = torch_stand_in if torch else stand_in
+    q = make((1, 1024, 16, 128), "float16")
+    k = v = make((1, 1024, 16, 128), "float16")
+    q1 = make((8, 1, 32, 128), "float16")
+    cache = make((8, 4096, 8, 128), "float16")
+    if torch:
+        return {
+            "attention, prefill, torch": lambda: cupyflash.attention(q, k, v, causal=True),
+            "attention, one query token, torch": lambda: cupyflash.attention(q1, cache, cache),
+            "attention_with_kvcache, decode, torch": lambda: cupyflash.attention_with_kvcache(
+                q1, cache, cache, cache_seqlens=4000
+            ),
+        }
     packed = stand_in((1024, 16, 128), "float16")
     cu = stand_in((3,), "int32")
     new = stand_in((8, 1, 8, 128), "float16")
@@ -104,7 +132,7 @@ def main() -> None:
     prefix_table = stand_in((1, 2048), "int32")
     own_table, flat_table = stand_in((64, 33), "int32"), stand_in((64, 2048 + 33), "int32")
     seqlens64 = stand_in((64,), "int32")
-    cases = {
+    return {
         "attention, prefill (1, 1k, 16, 128)": lambda: cupyflash.attention(q, k, v, causal=True),
         "attention, one query token over 4k keys": lambda: cupyflash.attention(q1, cache, cache),
         "attention_with_kvcache, decode (8 x 4k)": lambda: cupyflash.attention_with_kvcache(
@@ -132,9 +160,69 @@ def main() -> None:
             q, q, k, v, q, lse, causal=True
         ),
     }
+
+
+def measure(torch: bool, calls: int, repeats: int) -> dict[str, float | None]:
+    """Microseconds per call of each case, in this process (the tree on ``sys.path``); None for a
+    case the tree cannot run (an older tree without that entry point or option)."""
+    if torch:
+        _stub_torch()
+    _stub_device()
+    results: dict[str, float | None] = {}
+    for name, call in _cases(torch).items():
+        try:
+            results[name] = _time(call, calls, repeats)
+        except (TypeError, ValueError, NotImplementedError):
+            results[name] = None
+    return results
+
+
+def compare(trees: list[str], rounds: int, calls: int, repeats: int) -> None:
+    """Each tree in its own process, CuPy then torch, the order rotating every round."""
+    results: dict[str, dict[str, list[float]]] = {tree: {} for tree in trees}
+    for r in range(rounds):
+        for i in range(len(trees)):
+            tree = trees[(r + i) % len(trees)]
+            for torch in (False, True):
+                env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+                argv = [sys.executable, __file__, "--json", f"--calls={calls}", f"--repeats={repeats}"]
+                out = subprocess.run(argv + ["--torch"] * torch, env=env, check=True, capture_output=True, text=True)
+                for name, us in json.loads(out.stdout).items():
+                    if us is not None:
+                        results[tree].setdefault(name, []).append(us)
+    names = list(dict.fromkeys(name for tree in trees for name in results[tree]))
+    print(f"{rounds} rounds, us per call: minimum / median over rounds")
+    print(f"{'call':45s}" + "".join(f" {os.path.basename(os.path.abspath(t))[:19]:>19s}" for t in trees))
+    for name in names:
+        cells = [results[t].get(name) for t in trees]
+        print(f"{name:45s}" + "".join(
+            f" {min(c):8.2f} / {statistics.median(c):6.2f}" if c else f" {'-':>19s}" for c in cells
+        ))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--torch", action="store_true", help="PyTorch tensors (torch imported first)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--ab", nargs="+", metavar="TREE", help="compare these trees, each in its own process")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    if args.ab:
+        compare(args.ab, args.rounds, args.calls, args.repeats)
+        return
+    if args.torch:
+        import torch  # noqa: F401  (before cupyflash, which then registers its custom ops)
+    import cupyflash
+
+    results = measure(args.torch, args.calls, args.repeats)
+    if args.json:
+        print(json.dumps(results))
+        return
     print(f"cupyflash from {cupyflash.__file__}")
-    for name, call in cases.items():
-        print(f"{name:45s} {_time(call, args.calls, args.repeats):7.2f} us")
+    for name, us in results.items():
+        print(f"{name:45s} {'-' if us is None else f'{us:7.2f}':>7s} us")
 
 
 if __name__ == "__main__":

@@ -325,3 +325,78 @@ def test_the_block_mask_summary_plan():
     assert (v("mask_cells_batch_stride"), v("mask_cells_head_stride"), v("mask_cells_row_stride")) == (0, 96, 8)
     assert (v("mask_cell_rows_log2"), v("mask_cell_keys_log2"), v("mask_heads")) == (5, 6, 8)
     assert (v("seqlen_q"), v("seqlen_k")) == (300, 500)
+
+
+def test_a_call_site_s_recent_plans_serve_only_their_own_signatures(launches):
+    """gpu_forward and gpu_with_kvcache keep the plans of the last two signatures they met
+    (``PlanCache.recent``): a call that differs from them in any part of its signature (a shape,
+    an option, an optional array) gets its own plan, the same one each time, also when two or
+    more kinds of call alternate; a cleared cache forgets the recent plans with the others."""
+    from cupyflash import _plan
+
+    q = stand_in((2, 177, 8, 128), "float16")  # shapes no other test plans (the plans outlive a test)
+    kv = stand_in((2, 199, 2, 128), "float16")
+    q1 = stand_in((2, 1, 8, 128), "float16")
+    sinks = stand_in((8,), "float32")
+    square = stand_in((2, 24, 24, 128), "float16")
+    cache = stand_in((2, 211, 2, 128), "float16")
+    seqlens = stand_in((2,), "int32")
+    calls = [
+        lambda: cupyflash.attention(q, kv, kv),
+        lambda: cupyflash.attention(q, kv, kv, causal=True),
+        lambda: cupyflash.attention(q, kv, kv, window=(16, 0)),
+        lambda: cupyflash.attention(q, kv, kv, sinks=sinks),
+        lambda: cupyflash.attention(q1, kv, kv),
+        lambda: cupyflash.attention(square, square, square),
+        lambda: cupyflash.attention(square, square, square, layout="bhsd"),  # the same shapes read otherwise
+        lambda: cupyflash.attention_with_kvcache(q1, cache, cache, cache_seqlens=200),
+        lambda: cupyflash.attention_with_kvcache(q1, cache, cache, cache_seqlens=seqlens),
+        lambda: cupyflash.attention_with_kvcache(q1, cache, cache, cache_seqlens=seqlens, causal=False),
+    ]
+    for _ in range(2):
+        for call in calls:
+            call()
+            call()
+    plans = [launch for launch, _ in launches]
+    n = len(calls)
+    for i in range(n):
+        assert plans[2 * i] is plans[2 * i + 1] is plans[2 * n + 2 * i] is plans[2 * n + 2 * i + 1]
+    assert len({id(plan) for plan in plans}) == n
+    for first, second in ((0, 1), (1, 4), (6, 7)):  # two kinds of call alternating, each its own plan
+        launches.clear()
+        for _ in range(3):
+            calls[first]()
+            calls[second]()
+        expected = [plans[2 * first], plans[2 * second]] * 3
+        assert all(launch is plan for (launch, _), plan in zip(launches, expected, strict=True))
+    _plan.clear_caches()
+    for call in (calls[0], calls[-1]):
+        call()
+    assert launches[-2][0] is not plans[0] and launches[-1][0] is not plans[2 * n - 2]
+
+
+def test_the_per_token_check_reads_every_array(monkeypatch):
+    """``_interop.lean_arrays``, the route's per-token check: one library on one GPU, and for
+    tensors whether any requires grad (grad mode on), whichever array it is; anything else is
+    left to ``gpu_arrays`` (None)."""
+    a, b = stand_in((2, 8), "float16"), stand_in((2, 8), "float16")
+    assert _interop.lean_arrays((a, None, b)) == (_interop.CUPY_LIB, 0, False)
+    other = stand_in((2, 8), "float16")
+    other.data = type(a.data)(1 << 20)
+    other.data.device_id = 1
+    assert _interop.lean_arrays((a, b, None, other)) is None
+    assert _interop.lean_arrays((other, a)) is None
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: getattr(self, "gpu", 0), raising=False)
+    t, u, w = (torch.zeros(2, 8) for _ in range(3))
+    assert _interop.lean_arrays((t, u, None, w)) == (_interop.TORCH_LIB, 0, False)
+    assert _interop.lean_arrays((t, a)) is None and _interop.lean_arrays((a, t)) is None
+    w.gpu = 1
+    assert _interop.lean_arrays((t, u, None, w)) is None
+    w.gpu = 0
+    for grad in (t, w):
+        grad.requires_grad_(True)
+        assert _interop.lean_arrays((t, u, None, w)) == (_interop.TORCH_LIB, 0, True)
+        with torch.no_grad():
+            assert _interop.lean_arrays((t, u, None, w)) == (_interop.TORCH_LIB, 0, False)
+        grad.requires_grad_(False)

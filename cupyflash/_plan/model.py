@@ -147,6 +147,9 @@ class Launch:
 PlanT = TypeVar("PlanT")
 
 
+_NO_RECENT: tuple[tuple[Any, Any], tuple[Any, Any]] = (((), None), ((), None))  # no key is ()
+
+
 class PlanCache(Generic[PlanT]):
     """Launches (or an entry point's tuple of them) by call signature. A process that meets
     endlessly new shapes starts over when the cache is full (no LRU bookkeeping on the hot path);
@@ -161,6 +164,11 @@ class PlanCache(Generic[PlanT]):
         #: The dict's own ``get`` (a method around it cost every call ~40 ns), so a key that
         #: cannot be hashed raises TypeError, which the caller takes as a miss (``get`` plans it).
         self.find: Callable[[Any], PlanT | None] = self._entries.get
+        #: The (key, plan) of the last two signatures ``lookup`` met, newest first, for a cache that
+        #: one call site reads: a call with one of them (every layer's in a decode step, or layers
+        #: that alternate two kinds, local and global) compares its key to theirs, part by part and
+        #: mostly by identity, instead of hashing it (~2k instructions, ~80 ns on the 2-core host).
+        self.recent: tuple[tuple[Any, Any], tuple[Any, Any]] = _NO_RECENT
 
     def get(self, key: Any, make: Callable[[], PlanT]) -> PlanT:
         try:
@@ -175,8 +183,21 @@ class PlanCache(Generic[PlanT]):
                 self._entries[key] = hit
         return hit
 
+    def lookup(self, key: Any, plan: Callable[..., PlanT], *args: Any) -> PlanT:
+        """The plan of ``key`` (``plan(*args)`` made once), kept in ``recent``: the way past
+        ``recent`` of a call site that reads it first."""
+        try:
+            hit = self._entries.get(key)
+        except TypeError:  # a part that cannot be hashed: planned uncached (which refuses it)
+            return plan(*args)
+        if hit is None:
+            hit = self.get(key, lambda: plan(*args))
+        self.recent = ((key, hit), self.recent[0])
+        return hit
+
     def clear(self) -> None:
         self._entries.clear()
+        self.recent = _NO_RECENT
 
     def values(self) -> list[PlanT]:
         return list(self._entries.values())
