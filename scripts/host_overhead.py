@@ -162,24 +162,26 @@ def _cases(torch: bool) -> dict[str, Callable[[], object]]:
     }
 
 
-def measure(torch: bool, calls: int, repeats: int) -> dict[str, float | None]:
-    """Microseconds per call of each case, in this process (the tree on ``sys.path``); None for a
-    case the tree cannot run (an older tree without that entry point or option)."""
+def measure(torch: bool, calls: int, repeats: int) -> tuple[dict[str, float], dict[str, str]]:
+    """Microseconds per call of each case, in this process (the tree on ``sys.path``), and the
+    error of each case the tree could not run (an older tree without that entry point or option;
+    a path the stand-ins cannot take), by name."""
     if torch:
         _stub_torch()
     _stub_device()
-    results: dict[str, float | None] = {}
+    times, errors = {}, {}
     for name, call in _cases(torch).items():
         try:
-            results[name] = _time(call, calls, repeats)
-        except (TypeError, ValueError, NotImplementedError):
-            results[name] = None
-    return results
+            times[name] = _time(call, calls, repeats)
+        except Exception as e:  # noqa: BLE001  (named in the report, not hidden)
+            errors[name] = f"{type(e).__name__}: {e}"
+    return times, errors
 
 
 def compare(trees: list[str], rounds: int, calls: int, repeats: int) -> None:
     """Each tree in its own process, CuPy then torch, the order rotating every round."""
     results: dict[str, dict[str, list[float]]] = {tree: {} for tree in trees}
+    errors: dict[tuple[str, str], str] = {}
     for r in range(rounds):
         for i in range(len(trees)):
             tree = trees[(r + i) % len(trees)]
@@ -187,10 +189,11 @@ def compare(trees: list[str], rounds: int, calls: int, repeats: int) -> None:
                 env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
                 argv = [sys.executable, __file__, "--json", f"--calls={calls}", f"--repeats={repeats}"]
                 out = subprocess.run(argv + ["--torch"] * torch, env=env, check=True, capture_output=True, text=True)
-                for name, us in json.loads(out.stdout).items():
-                    if us is not None:
-                        results[tree].setdefault(name, []).append(us)
-    names = list(dict.fromkeys(name for tree in trees for name in results[tree]))
+                times, failed = json.loads(out.stdout)
+                for name, us in times.items():
+                    results[tree].setdefault(name, []).append(us)
+                errors.update({(tree, name): error for name, error in failed.items()})
+    names = list(dict.fromkeys([*(n for t in trees for n in results[t]), *(n for _, n in errors)]))
     print(f"{rounds} rounds, us per call: minimum / median over rounds")
     print(f"{'call':45s}" + "".join(f" {os.path.basename(os.path.abspath(t))[:19]:>19s}" for t in trees))
     for name in names:
@@ -198,6 +201,8 @@ def compare(trees: list[str], rounds: int, calls: int, repeats: int) -> None:
         print(f"{name:45s}" + "".join(
             f" {min(c):8.2f} / {statistics.median(c):6.2f}" if c else f" {'-':>19s}" for c in cells
         ))  # fmt: skip
+    for (tree, name), error in errors.items():
+        print(f"not run: {name} on {tree}: {error}")
 
 
 def main() -> None:
@@ -216,13 +221,15 @@ def main() -> None:
         import torch  # noqa: F401  (before cupyflash, which then registers its custom ops)
     import cupyflash
 
-    results = measure(args.torch, args.calls, args.repeats)
+    times, errors = measure(args.torch, args.calls, args.repeats)
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps([times, errors]))
         return
     print(f"cupyflash from {cupyflash.__file__}")
-    for name, us in results.items():
-        print(f"{name:45s} {'-' if us is None else f'{us:7.2f}':>7s} us")
+    for name, us in times.items():
+        print(f"{name:45s} {us:7.2f} us")
+    for name, error in errors.items():
+        print(f"not run: {name}: {error}")
 
 
 if __name__ == "__main__":
