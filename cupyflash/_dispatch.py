@@ -679,10 +679,26 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
 # Occupancy of the decode kernel, which decides how many splits fill the GPU. The plan is pure
 # (no compile, no driver query), so registers per thread come from this table: ptxas's count
 # for each shipped decode variant and arch with NVRTC 13.0.88 (the H200 machine's, pinned in CI),
-# which tests/test_plan.py checks against a compile. The float8-cache variants (``_fp8``,
-# FP8_DECODE_TILES), the tree-mask variants (speculative decoding: ``_tree``) and the one-launch
-# cascade's (``_cascade``) are listed too.
+# which tests/test_compile.py checks on its build (decode_register_table_specs: the float8-cache
+# variants ``_fp8``, FP8_DECODE_TILES; the tree-mask variants of speculative decoding ``_tree``;
+# the one-launch cascade's ``_cascade``).
 # ---------------------------------------------------------------------------------------------
+def decode_register_table_specs() -> list[DecodeSpec]:
+    """The decode variants DECODE_REGISTERS lists, for each arch: every tile of both element types
+    plain, causal or with a tree mask; the float8 cache's; the one-launch cascade's (plain and
+    causal)."""
+    plain = [
+        DecodeSpec(dtype, d, tile, causal, tree=tree)
+        for d, tiles in DECODE_TILES.items()
+        for tile in tiles
+        for causal, tree in ((False, False), (True, False), (False, True))
+        for dtype in ("bfloat16", "float16")
+    ]
+    fp8 = [s for dtype in ("bfloat16", "float16") for s in fp8_decode_specs(dtype) if isinstance(s, DecodeSpec)]
+    cascade = [replace(s, cascade=True) for s in plain if not s.tree]
+    return plain + fp8 + cascade
+
+
 DECODE_REGISTERS: dict[tuple[str, str], int] = {
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg"): 195,
     ("sm_80", "cf_decode_bf16_d128_m16_k16_w8_s2_qreg_cascade"): 197,

@@ -21,6 +21,7 @@ Which variants, by ``CUPYFLASH_COMPILE_ALL``:
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 
@@ -199,6 +200,18 @@ def sample_jobs(jobs: list[tuple[KernelSpec, str]]) -> list[tuple[KernelSpec, st
 
 JOBS = ALL_JOBS if LEVEL >= 2 else select_jobs(ALL_JOBS, build_all=False) if LEVEL == 1 else sample_jobs(ALL_JOBS)
 
+# DECODE_REGISTERS (the registers per thread the decode occupancy model, and so the split count,
+# reads) is checked on the same build: the table's variants join the jobs, all of them at levels 1
+# and 2, every 5th by default (prime to the 2 archs, 2 types and 3 masks: both archs, every head
+# dim). Most are jobs already; a second build of them was two minutes of CI on two cores.
+TABLE_JOBS = [(spec, arch) for spec in _dispatch.decode_register_table_specs() for arch in ("sm_80", "sm_90a")]
+TABLE_JOBS = TABLE_JOBS if LEVEL >= 1 else TABLE_JOBS[::5]
+BUILD_JOBS = list(dict.fromkeys([*JOBS, *TABLE_JOBS]))
+# The NVRTC (major, minor) that made DECODE_REGISTERS: 13.0.88, the H200 machine's, which the
+# cuda13 extra pins (cuda-toolkit 13.0.2). Another release allocates registers differently (13.5
+# differs on 27 of the 88 decode variants), so the table is checked only against its own NVRTC.
+DECODE_REGISTERS_NVRTC = (13, 0)
+
 
 def _build(job):
     spec, arch = job
@@ -240,8 +253,8 @@ def test_every_variant_compiles_cleanly():
     """One test for the one build (its checks in separate tests would let pytest-xdist build the
     list on two workers): every job gives a cubin with no local-memory spill, no serialised wgmma
     and no compiler warning."""
-    builds = _build_all(JOBS)
-    assert len(builds) == len(JOBS) > 0
+    builds = _build_all(BUILD_JOBS)
+    assert len(builds) == len(BUILD_JOBS) > 0
     for name, arch, build in builds:
         assert build.cubin, f"{name} {arch}: empty cubin"
         assert f"Compiling entry function '{name}' for '{arch}'" in build.log
@@ -258,6 +271,38 @@ def test_every_variant_compiles_cleanly():
         f"variants compiled with warnings: {warned}" * bool(warned),
     ]
     assert not any(problems), "\n".join(p for p in problems if p)
+    check_decode_register_table({(arch, name): build.registers for name, arch, build in builds})
+
+
+def check_decode_register_table(registers: dict[tuple[str, str], int]) -> None:
+    """DECODE_REGISTERS against ptxas's counts of the table's variants in ``registers`` (on a
+    mismatch the message holds the table to paste); a warning, not a check, under another NVRTC."""
+    version = nvrtc_version()
+    if version != DECODE_REGISTERS_NVRTC:
+        made = ".".join(map(str, DECODE_REGISTERS_NVRTC))
+        found = "none" if version is None else ".".join(map(str, version))
+        warnings.warn(
+            f"DECODE_REGISTERS not checked: it was made with NVRTC {made}.88 and register counts differ "
+            f"between NVRTC releases; this process loads NVRTC {found} (pip install -e '.[cuda13]' pins {made})",
+            stacklevel=2,
+        )
+        return
+    actual = {(arch, spec.name): registers[arch, spec.name] for spec, arch in TABLE_JOBS}
+    table = _dispatch.DECODE_REGISTERS
+    expected = table if LEVEL >= 1 else {key: table.get(key) for key in actual}
+    if actual != expected:
+        lines = "".join(f'    ("{a}", "{n}"): {r},\n' for (a, n), r in sorted(actual.items()))
+        rerun = "" if LEVEL >= 1 else " (of a sample: CUPYFLASH_COMPILE_ALL=1 gives every entry)"
+        pytest.fail(f"DECODE_REGISTERS is stale; the compiled variants give{rerun}:\n{lines}")
+
+
+def nvrtc_version() -> tuple[int, int] | None:
+    try:
+        from cupy.cuda import nvrtc
+
+        return tuple(nvrtc.getVersion())  # type: ignore[return-value]
+    except Exception:  # no CuPy, or no NVRTC library: compile_offline cannot run either
+        return None
 
 
 def test_a_warning_is_seen(monkeypatch):

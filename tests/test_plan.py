@@ -1,80 +1,15 @@
 """The pure planner on the CPU: what a Launch holds for each entry point, and the facts it takes
-from tables instead of the driver (decode registers per thread, checked against ptxas)."""
+from tables instead of the driver (decode registers per thread: tests/test_compile.py checks them against ptxas)."""
 
 from __future__ import annotations
-
-import os
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import pytest
 
 from cupyflash import _device, _dispatch, _interop, _kernels, _plan
-from cupyflash._specs import DecodeSpec
 from cupyflash._validate import attention_problem, kvcache_problem, varlen_problem
 
 H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
 A100 = _device.DeviceInfo(0, "sm_80", 108, 166912, 167936, 65536, 2048, 32)
-
-
-def _decode_specs() -> list[DecodeSpec]:
-    plain = [
-        DecodeSpec(dtype, d, tile, causal, tree=tree)
-        for d, tiles in _dispatch.DECODE_TILES.items()
-        for tile in tiles
-        for causal, tree in ((False, False), (True, False), (False, True))
-        for dtype in ("bfloat16", "float16")
-    ]
-    fp8 = [
-        s for dtype in ("bfloat16", "float16") for s in _dispatch.fp8_decode_specs(dtype) if isinstance(s, DecodeSpec)
-    ]
-    cascade = [replace(s, cascade=True) for s in plain if not s.tree]
-    return plain + fp8 + cascade
-
-
-# The NVRTC (major, minor) that made DECODE_REGISTERS: 13.0.88, the H200 machine's, which the
-# cuda13 extra pins (cuda-toolkit 13.0.2). Another release allocates registers differently (13.5
-# differs on 27 of the 88 decode variants), so the table is checked only against its own NVRTC.
-DECODE_REGISTERS_NVRTC = (13, 0)
-
-
-def _nvrtc_version() -> tuple[int, int] | None:
-    try:
-        from cupy.cuda import nvrtc
-
-        return tuple(nvrtc.getVersion())  # type: ignore[return-value]
-    except Exception:  # no CuPy, or no NVRTC library: compile_offline cannot run either
-        return None
-
-
-def test_decode_register_table_matches_ptxas():
-    """The occupancy model (and so the split count) uses DECODE_REGISTERS: it must be what ptxas
-    gives each shipped decode variant. On a mismatch the message holds the table to paste. Every
-    variant with CUPYFLASH_COMPILE_ALL=1 (CI), a fifth of them by default."""
-    version = _nvrtc_version()
-    if version != DECODE_REGISTERS_NVRTC:
-        made = ".".join(map(str, DECODE_REGISTERS_NVRTC))
-        found = "none" if version is None else ".".join(map(str, version))
-        pytest.skip(
-            f"DECODE_REGISTERS was made with NVRTC {made}.88 and register counts differ between NVRTC "
-            f"releases; this process loads NVRTC {found} (pip install -e '.[cuda13]' pins {made})"
-        )
-    jobs = [(spec, arch) for spec in _decode_specs() for arch in ("sm_80", "sm_90a")]
-    full = int(os.environ.get("CUPYFLASH_COMPILE_ALL") or 0) >= 1  # CI; tests/test_compile.py's levels
-    if not full:  # every 5th (prime to the 2 archs, 2 types, 3 masks): both archs, each head dim
-        jobs = jobs[::5]
-        assert {arch for _, arch in jobs} == {"sm_80", "sm_90a"}
-        assert {spec.head_dim for spec, _ in jobs} == set(_dispatch.DECODE_TILES)
-    build = lambda job: (job, _kernels.compile_offline(*job).registers)  # noqa: E731
-    first = build(jobs[0])  # alone first: NVRTC loads its builtins library once (a race otherwise)
-    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        built = [first, *pool.map(build, jobs[1:])]
-    actual = {(arch, spec.name): regs for (spec, arch), regs in built}
-    expected = _dispatch.DECODE_REGISTERS if full else {key: _dispatch.DECODE_REGISTERS.get(key) for key in actual}
-    if actual != expected:
-        table = "".join(f'    ("{a}", "{n}"): {r},\n' for (a, n), r in sorted(actual.items()))
-        rerun = "" if full else " (of a sample: CUPYFLASH_COMPILE_ALL=1 gives every entry)"
-        pytest.fail(f"DECODE_REGISTERS is stale; the compiled variants give{rerun}:\n{table}")
 
 
 def test_occupancy_model_on_the_h200():

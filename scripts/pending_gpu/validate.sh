@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One call (any machine, no FlashAttention-4) for when device time is short: what removing the two
+# opt-in switches needs. The GPU tests of the one-launch cascade and block masks (their tests set
+# the switches themselves), the kernels they touched (score functions, the dense attn_mask summary,
+# the decode kernel and its tree variant), score functions under torch.compile, ring-flash-attn on
+# virtual ranks, the flash-attn lower-level functions; then the one-launch cascade beside the flat
+# paged call (bench-cascade), compute-sanitizer over the shared-prefix and variant cases, and
+# flash-attn's test file (.peers/fa2tests) with the time left.
+#   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate.sh [SECONDS]
+#   carry: .whl .peers/fa2tests
+set -uo pipefail
+END=${1:-560}
+left() { echo $((END - SECONDS)); }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.log
+git log -1 --format=%H 2>/dev/null | tee -a $OUT/env.log
+timeout 250 python3 -m pytest -q -n 14 -p no:cacheprovider -m gpu -rf --durations=15 tests/test_gpu_cascade.py \
+  tests/test_gpu_block_mask.py tests/test_gpu_mods.py tests/test_gpu_attn_mask.py tests/test_mods_traced.py \
+  tests/test_gpu_tree_mask.py tests/test_gpu_decode.py tests/test_ring_flash_attn.py \
+  tests/test_flash_attn_lowlevel.py tests/test_flash_attn_bounds.py > $OUT/tests.log 2>&1
+echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-300 | tail -25
+CUPYFLASH_CASCADE_ONE_LAUNCH=1 timeout 100 python3 -m cupyflash bench-cascade --json $OUT/cascade.json \
+  > $OUT/cascade.log 2>&1; echo "cascade rc=$? at ${SECONDS}s"; tail -16 $OUT/cascade.log | cut -c1-300
+for only in "shared prefix" variant; do
+  tag=${only// /_}
+  CUPYFLASH_CASCADE_ONE_LAUNCH=1 CUPYFLASH_GPU_BLOCK_MASK=1 timeout 80 python3 scripts/sanitize.py \
+    --out $OUT/sanitize_$tag --only "$only" --tools memcheck,racecheck --timeout 35 > $OUT/sanitize_$tag.log 2>&1
+  echo "sanitize $only rc=$? at ${SECONDS}s"; tail -3 $OUT/sanitize_$tag.log
+done
+if [ "$(left)" -gt 60 ]; then
+  timeout $(( $(left) - 10 )) bash scripts/flash_attn_suite.sh run .peers/fa2tests -n 14 -rfE --maxfail=50 \
+    > $OUT/fa2suite.log 2>&1; echo "fa2 suite rc=$? at ${SECONDS}s"
+  tail -5 .peers/fa2tests/pytest.log | cut -c1-250; cp .peers/fa2tests/pytest.log $OUT/fa2suite_pytest.log
+fi
