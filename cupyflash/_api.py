@@ -307,7 +307,7 @@ def attention(
         deterministic = check_flag("deterministic", deterministic)
     call = _attention.Forward(
         q, k, v, options, layout, algorithm, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods,
-        batch_invariant, sinks, block_mask,
+        batch_invariant, sinks, block_mask, mods is not None and _front.captured_grad(mods),
     )  # fmt: skip
     out, lse = _front.route(_ATTENTION, call, return_lse)
     return (out, lse) if return_lse else out

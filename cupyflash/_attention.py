@@ -60,6 +60,7 @@ class Forward:
     batch_invariant: bool = False  # each sequence's result independent of the batch (the decode kernel's splits)
     sinks: Any = None  # learnable sinks (Hq,): a logit per head in every row's softmax denominator
     block_mask: Any = None  # a BlockMask (_block_mask): mods' mask_mod with its block summary
+    captured_grad: bool = False  # a tensor the functions capture requires grad: autograd's route
 
     names = ("q", "k", "v", "alibi_slopes", "attn_mask", "sinks")
     writes = False  # into none of its arrays
@@ -77,6 +78,7 @@ class Forward:
         return Forward(
             self.q, self.k, self.v, self.options, self.layout, self.algorithm, self.deterministic, dropout_p, seed,
             self.alibi_slopes, self.attn_mask, self.mods, self.batch_invariant, self.sinks, self.block_mask,
+            self.captured_grad,
         )  # fmt: skip
 
     def on(self, arrays: list[Any]) -> Forward:
@@ -84,7 +86,7 @@ class Forward:
         q, k, v, slopes, mask, sinks = arrays
         return Forward(
             q, k, v, self.options, self.layout, self.algorithm, self.deterministic, self.dropout_p, self.seed, slopes,
-            mask, self.mods, self.batch_invariant, sinks, self.block_mask,
+            mask, self.mods, self.batch_invariant, sinks, self.block_mask, self.captured_grad,
         )  # fmt: skip
 
 
@@ -157,6 +159,7 @@ class Backward:
     mods: Any = None  # the forward's (score_mod, mask_mod), traced
     sinks: Any = None  # the forward's sinks (Hq,): their gradient is a fourth result
     block_mask: Any = None  # the forward's BlockMask
+    captured_grads: bool = False  # one more result: the gradients of score_mod's captured arrays
 
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask", "sinks")
 
@@ -168,7 +171,7 @@ class Backward:
         dout, q, k, v, out, lse, dlse, slopes, mask, sinks = arrays
         return Backward(
             dout, q, k, v, out, lse, dlse, self.options, self.layout, self.deterministic, self.dropout_p, self.seed,
-            slopes, mask, self.mods, sinks, self.block_mask,
+            slopes, mask, self.mods, sinks, self.block_mask, self.captured_grads,
         )  # fmt: skip
 
 
@@ -611,12 +614,14 @@ def backward(call: Backward) -> tuple[Any, ...]:
     if call.block_mask is not None:
         _check_block_mask(call.block_mask, problem)
     found = _interop.gpu_arrays(call.names, (*call.arrays()[:-2], mask, call.sinks))  # the mask as 4-D
-    if found is None:
+    if found is None or call.captured_grads:
+        # The kernels have no scatter of a captured array's gradient (an atomic add per score):
+        # such a backward runs the array-API path where its arrays live, in larger steps on a GPU.
         dropout = Dropout(call.dropout_p, call.seed) if call.seed is not None else None
         score_mod, mask_mod = (None, None) if call.mods is None else call.mods
         return _host.attention_backward(
             call.dout, call.q, call.k, call.v, call.out, call.lse, call.dlse, problem, dropout, call.alibi_slopes, mask,
-            score_mod, mask_mod, call.sinks,
+            score_mod, mask_mod, call.sinks, call.captured_grads, 64 if found is None else 256,
         )  # fmt: skip
     lib, device, arrays = found
     return gpu_backward(lib, device, call.on(arrays), problem)

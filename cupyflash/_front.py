@@ -54,6 +54,8 @@ def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, ...]:
     writes into JAX arrays, (out, lse, *written): the written arrays, new."""
     if _interop.compiling():  # before anything Dynamo would have to trace
         return _compile_route(op, call, want_lse)
+    if getattr(call, "captured_grad", False):  # q, k and v may not require grad: the functions' arrays do
+        return _autograd_route(op, call.prepared(), want_lse)
     arrays = call.arrays()
     found = _interop.lean_arrays(arrays)
     if found is not None:
@@ -74,6 +76,16 @@ def route(op: Operation, call: Any, want_lse: bool) -> tuple[Any, ...]:
         if not lib.check_inputs(arrays):
             return op.gpu(lib, device, call, want_lse)
     return _autograd_route(op, call.prepared(), want_lse)  # tensors that require grad
+
+
+def captured_grad(mods: tuple[Any, Any]) -> bool:
+    """Whether a tensor that a traced score_mod / mask_mod (``_mods.Mod``) captures requires grad
+    (with grad mode on): autograd must see the call even where q, k and v do not require grad.
+    False while Dynamo traces (the compiled route refuses such a tensor by name)."""
+    if _interop.compiling():
+        return False
+    captured = [x for mod in mods if mod is not None for x in mod.buffers]
+    return bool(captured) and _interop.needs_autograd(captured)
 
 
 def compiling() -> bool:

@@ -103,8 +103,10 @@ def _namespace_with_slopes(names: tuple[str, ...], arrays: tuple[Any, ...], slop
 def attention_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, problem: Problem, dropout: Any = None,
     alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Any = None, mask_mod: Any = None, sinks: Any = None,
+    captured_grads: bool = False, block: int = 64,
 ) -> tuple[Any, ...]:  # fmt: skip
-    """(dq, dk, dv), and dsinks with ``sinks``."""
+    """(dq, dk, dv), and dsinks with ``sinks``, and with ``captured_grads`` the gradients of
+    score_mod's captured arrays (``xp_impl.attention_backward``)."""
     from . import xp_impl
 
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "attn_mask", "sinks")
@@ -113,7 +115,8 @@ def attention_backward(
     _check_floats(xp, [("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)])
     return xp_impl.attention_backward(
         xp, dout, q, k, v, out, lse, problem, dlse=dlse, dropout=dropout, alibi_slopes=alibi_slopes,
-        attn_mask=attn_mask, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+        attn_mask=attn_mask, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, captured_grads=captured_grads,
+        block=block,
     )  # fmt: skip
 
 

@@ -909,11 +909,53 @@ def _is_difference(e: Expr) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The derivative d score_mod / d score, for the backward: dS = P (dP - D) times it.
+# Derivatives for the backward: d score_mod / d score (dS = P (dP - D) times it), and d score_mod
+# / d (an element of a captured array it read), for that array's gradient.
 # ---------------------------------------------------------------------------------------------
 def score_derivative(mod: Mod) -> Mod:
     """``d mod / d score`` as a score_mod of the same arguments and buffers (a float expression;
     0 where the score does not reach, as through ``//``, comparisons and captured arrays)."""
+    return derivative(mod, lambda e: _is_arg(e, "score"))
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedRead:
+    """One read ``array[i]`` / ``array[i, j]`` of a captured float array in a score_mod: the
+    array's slot, the index expressions (score_mod's arguments, integers) and d score_mod / d (the
+    element read). The array's gradient adds, over every score, dS times ``slope`` at the index."""
+
+    slot: int
+    indices: tuple[Mod, ...]
+    slope: Mod
+
+
+def captured_reads(mod: Mod) -> list[CapturedRead]:
+    """The reads of captured float arrays in ``mod`` (each node once, in the order met), with
+    their derivatives: what a captured array's gradient is made of (a learned bias table's)."""
+    reads: dict[int, Expr] = {}
+    stack, seen = [mod.expr], set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen or not isinstance(e, Expr):
+            continue
+        seen.add(id(e))
+        if e.op == "index" and e.kind == FLOAT:
+            reads.setdefault(id(e), e)
+        stack.extend(x for x in reversed(e.args) if isinstance(x, Expr))
+    return [
+        CapturedRead(
+            node.args[0].args[0].slot,
+            tuple(Mod(mod.role, i, mod.buffers) for i in node.args[1:]),
+            derivative(mod, lambda e, node=node: e is node),  # type: ignore[misc]
+        )
+        for node in reads.values()
+    ]
+
+
+def derivative(mod: Mod, of: Callable[[Expr], bool]) -> Mod:
+    """``d mod / d x`` as a score_mod of the same arguments and buffers (a float expression), where
+    ``of`` names the node x (the score argument, or one read of a captured array); 0 where x does
+    not reach, as through ``//`` and comparisons."""
     memo: dict[int, Expr | None] = {}
     one = Expr("const", FLOAT, (1.0,))
 
@@ -938,9 +980,9 @@ def score_derivative(mod: Mod) -> Mod:
             return memo[id(e)]
         op, args = e.op, e.args
         out: Expr | None
-        if op == "arg":
-            out = one if args[0] == "score" else None
-        elif op in ("const", "buf", "index", "floordiv", "not") or op in _COMPARE or op in _LOGIC:
+        if of(e):
+            out = one
+        elif op in ("arg", "const", "buf", "index", "floordiv", "not") or op in _COMPARE or op in _LOGIC:
             out = None
         elif op in ("add", "sub"):
             out = add(d(args[0]), d(args[1]), op)

@@ -24,7 +24,7 @@ import math
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -176,12 +176,13 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
 class _ModsAttention(torch.autograd.Function):
     """``attention`` with a score_mod / mask_mod under autograd (eager; the traced functions ride
     in the call, not in an op's schema): the backward is attention_backward with the same
-    functions, dS times score_mod's derivative. The functions' captured tensors get no gradient
-    (refused where they require one)."""
+    functions, dS times score_mod's derivative. score_mod's captured float tensors are inputs too
+    (``captured``, slot order): those that require grad get dS times d score_mod / d (each element
+    read), summed where it was read (a learned bias table's gradient)."""
 
     @staticmethod
     def forward(
-        ctx: Any, call: _attention.Forward, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None
+        ctx: Any, call: _attention.Forward, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *captured: Tensor
     ) -> tuple[Any, Any]:
         out, lse = _contiguous(*_attention.forward(call, want_lse=True))
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -194,31 +195,43 @@ class _ModsAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         c = ctx.call
+        wanted = any(ctx.needs_input_grad[5:])
         call = _attention.Backward(
             torch.zeros_like(out) if dout is None else dout, q, k, v, out, lse, dlse, c.options, c.layout,
             c.deterministic, alibi_slopes=c.alibi_slopes, mods=c.mods, sinks=sinks, block_mask=c.block_mask,
+            captured_grads=wanted,
         )  # fmt: skip
         with torch.no_grad():
             grads = _attention.backward(call)
         dsinks = _sink_grad(grads[3], sinks) if sinks is not None else None
-        return None, *grads[:3], dsinks
+        needs = ctx.needs_input_grad[5:]
+        dcaptured = [g if need else None for g, need in zip(grads[-1], needs)] if wanted else [None] * len(needs)
+        return None, *grads[:3], dsinks, *dcaptured
 
 
 def _with_mods(call: _attention.Forward) -> tuple[Any, Any]:
-    for mod in call.mods:
-        for x in () if mod is None else mod.buffers:
-            _refuse_captured_grad(x)
+    score_mod, mask_mod = call.mods
+    for x in () if mask_mod is None else mask_mod.buffers:
+        if isinstance(x, Tensor) and x.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(
+                "a mask_mod's captured tensor gets no gradient (a mask is piecewise constant in it): pass it detached"
+            )
+    captured = () if score_mod is None else score_mod.buffers
     if call.dropout_p:
         raise NotImplementedError("score_mod / mask_mod with dropout have no autograd yet")
     _refuse_slope_grad(call.alibi_slopes)
-    out, lse = _ModsAttention.apply(call, call.q, call.k, call.v, call.sinks)
+    if any(isinstance(x, Tensor) and x.requires_grad for x in captured):  # the call reads them detached
+        detached = tuple(x.detach() if isinstance(x, Tensor) else x for x in captured)
+        call = replace(call, mods=(replace(score_mod, buffers=detached), mask_mod))
+    out, lse = _ModsAttention.apply(call, call.q, call.k, call.v, call.sinks, *captured)
     return out, lse
 
 
 def _refuse_captured_grad(x: Any) -> None:
     if isinstance(x, Tensor) and x.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(
-            "a score_mod / mask_mod's captured tensor gets no gradient from cupyflash yet: pass it detached"
+            "under torch.compile a score_mod / mask_mod's captured tensor gets no gradient from cupyflash yet (in "
+            "eager mode score_mod's do): pass it detached"
         )
 
 

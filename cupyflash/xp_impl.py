@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._mods import Mod, evaluate, score_derivative
+from ._mods import Mod, captured_reads, evaluate, score_derivative
 from ._validate import Problem
 
 LOG2E = math.log2(math.e)
@@ -371,6 +371,72 @@ class Mods:
             "q_idx": xp.reshape(xp.arange(*rows, device=device), (-1, 1)),
             "kv_idx": xp.reshape(xp.arange(*keys, device=device), (1, -1)),
         }
+
+
+class CapturedGradients:
+    """The gradients of score_mod's captured float arrays (a learned bias table), accumulated over
+    the backward's blocks: each score's dS (the loss's gradient at score_mod's output) times
+    d score_mod / d (the element it read), added at that element (``_mods.captured_reads``). In
+    the compute dtype; ``result`` casts each to its array's dtype. The kernels' twin would add
+    them atomically per score: the kernels have no such scatter yet."""
+
+    def __init__(self, xp: Any, mods: Mods, compute: Any) -> None:
+        assert mods.score_mod is not None
+        self.mods, self.reads = mods, captured_reads(mods.score_mod)
+        arrays = mods.buffers[0]
+        self.sums: list[Any] = [
+            xp.zeros(math.prod(x.shape), dtype=compute, device=_device(x)) if xp.isdtype(x.dtype, "real floating")
+            else None
+            for x in arrays
+        ]  # fmt: skip
+
+    def add(self, xp: Any, ds: Any, capped: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> None:
+        """Block (``rows``, ``keys``): ``ds`` [B, Hkv, G, rows, keys] (0 where hidden), ``capped``
+        the scores before the bias and score_mod (scaled and soft-capped)."""
+        mods = self.mods
+        s = capped if mods.base is None else capped + mods.base.bias(xp, p, rows, keys)
+        index = Mods._index(xp, s, p, rows, keys)
+        arrays = mods.buffers[0]
+        for read in self.reads:
+            slope = mods._score(xp, read.slope, s, index)
+            grad = xp.where(ds != 0, ds * slope, xp.zeros_like(ds))  # a hidden score's slope may be inf
+            shape = arrays[read.slot].shape
+            flat = None
+            for axis, expr in enumerate(read.indices):
+                i = evaluate(xp, expr, index, arrays, s.dtype)
+                i = xp.broadcast_to(xp.asarray(i, dtype=xp.int64, device=_device(ds)), ds.shape)
+                flat = i if flat is None else flat * shape[axis] + i
+            assert flat is not None
+            self.sums[read.slot] = scatter_add(xp, self.sums[read.slot], xp.reshape(flat, (-1,)),
+                                               xp.reshape(grad, (-1,)))  # fmt: skip
+
+    def result(self, xp: Any) -> tuple[Any, ...]:
+        """Per captured array of score_mod (slot order): its gradient in its shape and dtype, or
+        None for an integer or boolean array."""
+        return tuple(
+            None if total is None else xp.reshape(xp.astype(total, x.dtype), x.shape)
+            for total, x in zip(self.sums, self.mods.buffers[0])
+        )
+
+
+def scatter_add(xp: Any, target: Any, index: Any, values: Any) -> Any:
+    """``target`` (1-D) with ``values`` added at ``index`` (1-D integers, repeats summed): the
+    namespace's own scatter where it has one, else a sort and a float64 running sum."""
+    import array_api_compat as compat
+
+    if compat.is_numpy_namespace(xp) or compat.is_cupy_namespace(xp):
+        lib = __import__("cupy" if compat.is_cupy_namespace(xp) else "numpy")
+        return target + lib.bincount(index, weights=values, minlength=target.shape[0]).astype(target.dtype)
+    if compat.is_torch_namespace(xp):
+        return target.index_add(0, index, values.to(target.dtype))
+    if compat.is_jax_namespace(xp):
+        return target.at[index].add(values.astype(target.dtype))
+    order = xp.argsort(index)
+    index, values = xp.take(index, order, axis=0), xp.astype(xp.take(values, order, axis=0), xp.float64)
+    running = xp.concat([xp.zeros(1, dtype=xp.float64, device=_device(values)), xp.cumulative_sum(values)])
+    slots = xp.arange(target.shape[0], dtype=index.dtype, device=_device(values))
+    first, past = xp.searchsorted(index, slots, side="left"), xp.searchsorted(index, slots, side="right")
+    return target + xp.astype(xp.take(running, past, axis=0) - xp.take(running, first, axis=0), target.dtype)
 
 
 @dataclass(frozen=True)
@@ -866,11 +932,13 @@ def dropout_pattern(
 def fa2_backward(
     xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, *, dlse: Any = None,
     block_m: int = 64, block_n: int = 64, dropout: Dropout | None = None, bias: LogitBias | None = None,
+    captured: CapturedGradients | None = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """(dQ, dK, dV) in the internal layout: q, dout, out [B, Hkv, G, Nq, d]; k, v [B, Hkv, 1, Nk, d];
     lse and dlse (the LSE's gradient, or None) [B, Hkv, G, Nq]. dK and dV are summed over the G
     query heads that read each KV head. With ``dropout`` (the forward's mask M regenerated,
-    r = Dropout.scale): dV += (P M r)^T dO and dS = P (dP M r - D)."""
+    r = Dropout.scale): dV += (P M r)^T dO and dS = P (dP M r - D). ``captured``: where score_mod's
+    captured arrays' gradients accumulate (from dS at score_mod's output)."""
     d_rows = xp.sum(dout * out, axis=-1)  # D_i = rowsum(dO_i * O_i)
     if dlse is not None:  # d LSE_i / d s_ij = P_ij: an LSE gradient enters dS = P (dP - D) as -D
         d_rows = d_rows - dlse
@@ -904,6 +972,8 @@ def fa2_backward(
                 kept, dp = xp.where(keep, probs * dropout.scale, zeros), xp.where(keep, dp * dropout.scale, zeros)
             dv = dv + xp.matrix_transpose(kept) @ do_blk
             ds = probs * (dp - d_rows[..., row0:row1, None])
+            if captured is not None:
+                captured.add(xp, xp.where(visible, ds, xp.zeros_like(ds)), capped, p, (row0, row1), (key0, key1))
             if isinstance(bias, Mods) and bias.score_mod is not None:  # through score_mod: its slope
                 slope = bias.score_slope(xp, capped, p, (row0, row1), (key0, key1))
                 ds = xp.where(visible, ds * slope, xp.zeros_like(ds))
@@ -923,14 +993,16 @@ def fa2_backward(
 def attention_backward(
     xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, dlse: Any = None,
     dropout: Dropout | None = None, alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Mod | None = None,
-    mask_mod: Mod | None = None, sinks: Any = None,
+    mask_mod: Mod | None = None, sinks: Any = None, captured_grads: bool = False, block: int = 64,
 ) -> tuple[Any, ...]:  # fmt: skip
     """The gradients of ``attention`` on caller arrays in ``p.layout``: (dq, dk, dv) in the
     inputs' dtype and layout, computed in float32 (float64 for float64 inputs). ``alibi_slopes``,
     ``attn_mask``, ``score_mod``, ``mask_mod``: the forward's (none gets a gradient). With
     ``sinks`` (Hq,) (whose weight ``lse`` holds), (dq, dk, dv, dsinks), dsinks in the compute
     dtype: the keys' gradients need nothing more, since P = exp(S - lse) already leaves the sink's
-    share out."""
+    share out. ``captured_grads``: one more result, the gradients of score_mod's captured arrays
+    (``CapturedGradients.result``). ``block``: rows and keys per step (larger on a GPU's arrays,
+    where each step is a launch per operation)."""
     compute = compute_dtype(xp, q)
     b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
     to_bhsd = (lambda x: xp.permute_dims(x, (0, 2, 1, 3))) if p.layout == "bshd" else (lambda x: x)
@@ -947,12 +1019,20 @@ def attention_backward(
         bias = MaskBias.of(xp, attn_mask, hkv, q5)
     if score_mod is not None or mask_mod is not None:
         bias = Mods.of(xp, score_mod, mask_mod, bias if isinstance(bias, Alibi) else None, q5)
-    dq5, dk5, dv5 = fa2_backward(xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout, bias=bias)
+    captured = None
+    if captured_grads:
+        if not isinstance(bias, Mods) or bias.score_mod is None:
+            raise ValueError("captured_grads=True needs a score_mod: its captured arrays are what get gradients")
+        captured = CapturedGradients(xp, bias, compute)
+    dq5, dk5, dv5 = fa2_backward(
+        xp, do5, q5, k5, v5, o5, lse4, p, dlse=dlse4, dropout=dropout, bias=bias, captured=captured, block_m=block,
+        block_n=block,
+    )  # fmt: skip
     dq = to_bhsd(xp.reshape(dq5, (b, p.heads_q, p.seqlen_q, p.head_dim)))
     dk, dv = (to_bhsd(x[:, :, 0, ...]) for x in (dk5, dv5))
-    grads = (xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype))
-    if sinks is None:
-        return grads
-    dsum = xp.sum(do5 * o5, axis=-1) - (0.0 if dlse4 is None else dlse4)
-    rows = sink_gradient(xp, lse4, dsum, _per_head(xp, sinks, hkv, compute))
-    return (*grads, xp.reshape(xp.sum(rows, axis=(0, 3)), (p.heads_q,)))
+    grads: tuple[Any, ...] = (xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype))
+    if sinks is not None:
+        dsum = xp.sum(do5 * o5, axis=-1) - (0.0 if dlse4 is None else dlse4)
+        rows = sink_gradient(xp, lse4, dsum, _per_head(xp, sinks, hkv, compute))
+        grads = (*grads, xp.reshape(xp.sum(rows, axis=(0, 3)), (p.heads_q,)))
+    return grads if captured is None else (*grads, captured.result(xp))

@@ -65,6 +65,26 @@ def biased_reference(q, k, v, bias, scale):  # noqa: ANN001, ANN201
     return ((p / p.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2)[None]
 
 
+def learned_bias_gradient(n: int, heads: int, d: int, device: str) -> float:
+    """A relative-position bias table that trains: its gradient through ``score_mod`` (dS times
+    the derivative, summed where each entry was read) against torch autograd of the bias written
+    out, in float64. The largest difference."""
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, n, heads, d, generator=gen, dtype=torch.float64).to(device) for _ in range(3))
+    table = (0.1 * torch.randn(heads, 2 * n, generator=gen, dtype=torch.float64)).to(device)
+    weights = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(device)  # a loss of the output
+    mine, theirs = (table.clone().requires_grad_() for _ in range(2))
+    out = cupyflash.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + mine[h, j - i + n], causal=True)
+    i, j = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None, :]
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * d**-0.5 + theirs[:, j - i + n]
+    want = torch.einsum("bhij,bjhd->bihd", s.masked_fill(j > i, float("-inf")).softmax(-1), v)
+    for result in (out, want):
+        (result * weights).sum().backward()
+    return float((mine.grad - theirs.grad).abs().max())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="PyTorch CUDA tensors in bf16 (the kernels)")
@@ -89,6 +109,11 @@ def main() -> None:
             other = biased_reference(*inputs, bias, scale)
         diff = float(np.abs(reference.to_numpy64(out) - reference.to_numpy64(other)).max())
         print(f"{name:24s} max |difference| {diff:.2e}")
+    try:  # the learned bias's gradient (torch autograd: on the GPU with --gpu, else the host path)
+        diff = learned_bias_gradient(min(n, 128), heads, d, "cuda" if args.gpu else "cpu")
+        print(f"{'learned bias, gradient':24s} max |difference| {diff:.2e}")
+    except ImportError:
+        print("learned bias, gradient   (needs PyTorch)")
 
 
 if __name__ == "__main__":

@@ -154,6 +154,31 @@ def test_autograd_on_the_gpu(rng):
         assert rel_error(reference.to_numpy64(g), w.numpy()) < 3e-2, name
 
 
+@pytest.mark.parametrize("require", ["all", "table only"])
+def test_a_learned_bias_table_trains_on_the_gpu(rng, require):
+    """A captured bias table that requires grad (q, k, v too, or the table alone): its gradient
+    (the array-API backward on the GPU's tensors: the kernels have no scatter for it yet) and
+    dq, dk, dv against the float64 host path's, bf16 inputs, causal, GQA."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    q, k, v = (torch.randn(B, n, h, 64, generator=gen).to(torch.bfloat16) for n, h in ((NQ, HQ), (NK, HKV), (NK, HKV)))
+    table = 0.5 * torch.randn(HQ, NQ + NK, generator=gen)
+
+    def run(tensors, table):
+        leaves = [x.clone().requires_grad_(require == "all") for x in tensors]
+        learned = table.clone().requires_grad_()
+        out = cupyflash.attention(*leaves, causal=True, score_mod=lambda s, b, h, i, j: s + learned[h, j - i + NQ])
+        out.float().square().sum().backward()
+        grads = [x.grad for x in leaves] if require == "all" else []
+        return [out.detach(), learned.grad, *grads]
+
+    got = run([x.cuda() for x in (q, k, v)], table.cuda())
+    want = run([x.double() for x in (q, k, v)], table.double())
+    assert got[1].device.type == "cuda" and got[1].dtype == torch.float32
+    for name, g, w in zip(("out", "dtable", "dq", "dk", "dv"), got, want, strict=False):
+        assert rel_error(reference.to_numpy64(g), w.numpy()) < 3e-2, name
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_masks_with_implied_bounds(rng, head_dim):
     """Nq = Nk: a mask_mod whose top-level & holds kv_idx <= q_idx (and q_idx - kv_idx < c) runs the

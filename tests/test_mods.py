@@ -282,12 +282,127 @@ def test_autograd_matches_torch_autograd_of_the_formula():
         torch.testing.assert_close(got.grad, r.grad)
 
 
-def test_captured_tensors_that_require_grad_and_attn_mask_are_refused():
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True}, {"window": (3, 1), "softcap": 4.0}, {"sinks": True}, {"alibi": True}, {"mask": True}],
+    ids=lambda o: "-".join(o) or "plain",
+)
+def test_captured_tensors_get_their_gradients(options):
+    """A learned relative-position bias table, a per-head temperature and a table read through a
+    function of it (tanh), GQA, odd lengths: every tensor that requires grad, the captured ones
+    included, gets what torch autograd gives the formula, with the forward's other options
+    (causal, window, softcap before the function, sinks, ALiBi, a mask_mod beside it)."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(5)
+    hq, nq, nk = 4, 7, 10
+    q, k, v = (torch.randn(2, n, h, 8, generator=gen, dtype=torch.float64) for n, h in ((nq, hq), (nk, 2), (nk, 2)))
+    table = 0.3 * torch.randn(hq, nq + nk, generator=gen, dtype=torch.float64)
+    temperature = 1 + 0.2 * torch.randn(hq, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(hq, generator=gen, dtype=torch.float64) if options.get("sinks") else None
+    slopes = torch.rand(hq, generator=gen, dtype=torch.float64) if options.get("alibi") else None
+    doc = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 2, 2])[:nk]  # keys' documents, read by the mask
+
+    def run(table, temperature, q, k, v):
+        def score_mod(s, b, h, i, j):
+            return s * temperature[h] + table[h, j - i + nq] + 0.5 * mods.tanh(table[h, i])
+
+        return cupyflash.attention(
+            q, k, v, score_mod=score_mod, causal=options.get("causal", False), window=options.get("window", (-1, -1)),
+            softcap=options.get("softcap", 0.0), sinks=sinks, alibi_slopes=slopes, return_lse=True,
+            mask_mod=(lambda b, h, i, j: doc[j] != 1) if options.get("mask") else None,
+        )  # fmt: skip
+
+    leaves = [x.clone().requires_grad_() for x in (table, temperature, q, k, v)]
+    out, lse = run(*leaves)
+    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    ((out * weights).sum() + lse.sum()).backward()
+
+    ref = [x.clone().requires_grad_() for x in (table, temperature, q, k, v)]
+    rt, rtemp, rq, rk, rv = ref
+    s = torch.einsum("bihd,bjhd->bhij", rq, rk.repeat_interleave(2, 2)) / 8**0.5
+    if options.get("softcap"):
+        s = options["softcap"] * torch.tanh(s / options["softcap"])
+    h, i, j = torch.arange(hq)[:, None, None], torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    if slopes is not None:  # ALiBi before the function, bottom-right aligned
+        s = s - slopes[:, None, None] * (i + nk - nq - j).abs()
+    s = s * rtemp[h] + rt[h, j - i + nq] + 0.5 * torch.tanh(rt[h, i])
+    hidden = torch.zeros(nq, nk, dtype=torch.bool)
+    if options.get("causal"):
+        hidden |= j > i + nk - nq
+    if options.get("window"):
+        left, right = options["window"]
+        hidden |= (j < i + nk - nq - left) | (j > i + nk - nq + right)
+    if options.get("mask"):
+        hidden = hidden | (doc[None, :] == 1)
+    s = s.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks[None, :, None, None].expand(2, hq, nq, 1)], -1)
+    p = s.softmax(-1).nan_to_num(0.0)[..., :nk]
+    want = torch.einsum("bhij,bjhd->bihd", p, rv.repeat_interleave(2, 2))
+    torch.testing.assert_close(out, want)
+    ((want * weights).sum() + torch.logsumexp(s, -1).sum()).backward()
+    for name, got, r in zip(("table", "temperature", "q", "k", "v"), leaves, ref, strict=True):
+        torch.testing.assert_close(got.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("namespace", ["numpy", "array_api_strict"])
+def test_captured_gradients_on_the_array_api_path(namespace):
+    """xp_impl's gradients of score_mod's captured arrays in NumPy and in the strict namespace
+    (whose scatter is a sort and a running sum), causal, GQA, against central differences of the
+    forward; an integer array read beside the table gets none."""
+    from cupyflash import xp_impl
+    from cupyflash._validate import attention_problem
+
+    xp = pytest.importorskip(namespace)
+    rng = np.random.default_rng(7)
+    q, k, v = (xp.asarray(rng.standard_normal(s)) for s in ((1, 5, 2, 4), (1, 6, 1, 4), (1, 6, 1, 4)))
+    weights = xp.asarray(rng.standard_normal((1, 5, 2, 4)))
+    table = 0.5 * rng.standard_normal((2, 11))
+    ids = np.array([0, 2, 1, 0, 2, 1])
+    p = attention_problem(q.shape, k.shape, v.shape, causal=True, scale=None, window=(-1, -1), softcap=0.0,
+                          layout="bshd")  # fmt: skip
+    traced = _mods.trace_score_mod(lambda s, b, h, i, j: s + table[h, j - i + 5] * mods.exp(0.1 * ids[j]))
+
+    def on(values):
+        return _mods.Mod(traced.role, traced.expr, (xp.asarray(values), xp.asarray(ids)))
+
+    def loss(values):
+        out, _ = xp_impl.attention(xp, q, k, v, p, score_mod=on(values))
+        return float(xp.sum(out * weights))
+
+    out, lse = xp_impl.attention(xp, q, k, v, p, score_mod=on(table))
+    *_, (dtable, dids) = xp_impl.attention_backward(xp, weights, q, k, v, out, lse, p, score_mod=on(table),
+                                                    captured_grads=True)  # fmt: skip
+    assert dids is None
+    step, numeric = 1e-6, np.zeros_like(table)
+    for index in np.ndindex(table.shape):
+        up, down = table.copy(), table.copy()
+        up[index] += step
+        down[index] -= step
+        numeric[index] = (loss(up) - loss(down)) / (2 * step)
+    np.testing.assert_allclose(np.asarray(dtable), numeric, atol=1e-7)
+
+
+def test_a_captured_tensor_alone_that_requires_grad_takes_autograds_route():
+    """q, k and v that do not require grad, a captured table that does: the table gets its
+    gradient (the call goes through autograd for it); under no_grad nothing does."""
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    table = torch.zeros(2, 5, dtype=torch.float64, requires_grad=True)
+    out = cupyflash.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + table[h, j])
+    assert out.requires_grad
+    out.sum().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert not cupyflash.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + table[h, j]).requires_grad
+
+
+def test_a_mask_mods_captured_tensor_that_requires_grad_and_attn_mask_are_refused():
     torch = pytest.importorskip("torch")
     q = torch.randn(1, 5, 2, 8, requires_grad=True)
-    bias = torch.zeros(5, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="captured tensor gets no gradient"):
-        cupyflash.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + bias[j])
+    doc = torch.zeros(5, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="mask_mod's captured tensor gets no gradient"):
+        cupyflash.attention(q, q, q, mask_mod=lambda b, h, i, j: doc[j] == doc[i])
     with pytest.raises(ValueError, match="write the mask as a mask_mod"):
         cupyflash.attention(q.detach(), q.detach(), q.detach(), mask_mod=lambda b, h, i, j: j <= i,
                             attn_mask=torch.ones(5, 5, dtype=torch.bool))  # fmt: skip
@@ -593,7 +708,8 @@ def test_implied_bounds_reach_the_plan_only_where_rows_and_keys_align():
 
 def test_the_gallery_example_agrees_with_the_other_way():
     """examples/score_functions.py on the host: every gallery function equals the same attention
-    computed another way (the built-in option, or the float64 reference with the mask written out)."""
+    computed another way (the built-in option, or the float64 reference with the mask written out),
+    and the learned bias table's gradient equals torch autograd's of the bias written out."""
     import subprocess
     import sys
     from pathlib import Path
@@ -602,6 +718,6 @@ def test_the_gallery_example_agrees_with_the_other_way():
     run = subprocess.run([sys.executable, str(script), "--n", "130"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
-    assert len(lines) == 9
+    assert len(lines) == 10 and lines[-1].startswith("learned bias, gradient")
     for line in lines:
         assert float(line.rsplit(" ", 1)[-1]) < 1e-5, line
