@@ -158,30 +158,48 @@ def _attention_fwd(
             "alibi_slopes are differentiated, but ALiBi's slopes get no gradient (as in flash-attn): pass "
             "jax.lax.stop_gradient(slopes)"
         )
-    if any(x.perturbed for x in mod_arrays):
+    score_arrays = _score_mod_arrays(config)
+    if any(x.perturbed for x in mod_arrays[score_arrays:]):
         raise NotImplementedError(
-            "a score_mod / mask_mod's captured array is differentiated, but it gets no gradient from cupyflash yet: "
-            "pass jax.lax.stop_gradient(x)"
+            "a mask_mod's captured array is differentiated, but it gets no gradient (a mask is piecewise constant in "
+            "it): pass jax.lax.stop_gradient(x)"
         )
+    # score_mod's differentiated arrays: the backward computes their gradients (a marker in the
+    # residuals, which carry arrays or None, not Python flags)
+    captured = jnp.zeros((0,)) if any(x.perturbed for x in mod_arrays[:score_arrays]) else None
     q, k, v = q.value, k.value, v.value
     seed = None if seed is None else seed.value
     slopes = None if slopes is None else slopes.value
     sinks = None if sinks is None else sinks.value
     mod_arrays = tuple(x.value for x in mod_arrays)
     out, lse = _forward(config, q, k, v, seed, slopes, sinks, mod_arrays, True)
-    return ((out, lse) if config.return_lse else out), (q, k, v, out, lse, seed, slopes, sinks, mod_arrays)
+    return ((out, lse) if config.return_lse else out), (q, k, v, out, lse, seed, slopes, sinks, mod_arrays, captured)
 
 
 def _attention_bwd(config: Config, residuals: Any, cotangent: Any) -> tuple[Any, ...]:
-    q, k, v, out, lse, seed, slopes, sinks, mod_arrays = residuals
+    q, k, v, out, lse, seed, slopes, sinks, mod_arrays, captured = residuals
     dout, dlse = cotangent if config.return_lse else (cotangent, None)
     if isinstance(dlse, SymbolicZero):  # the loss does not use the LSE
         dlse = None
     if isinstance(dout, SymbolicZero):  # a loss of the LSE alone
         dout = jnp.zeros(out.shape, out.dtype)
-    grads = _backward(config, dout, q, k, v, out, lse, dlse, seed, slopes, sinks, mod_arrays)
-    # the seed, the slopes and the captured arrays get none
-    return *grads[:3], None, None, (grads[3] if sinks is not None else None), None
+    grads = _backward(config, dout, q, k, v, out, lse, dlse, seed, slopes, sinks, mod_arrays, captured is not None)
+    dsinks = grads[3] if sinks is not None else None
+    # the seed and the slopes get none; score_mod's float arrays theirs where asked, the rest none
+    found = iter(grads[3 + (sinks is not None) :])
+    dcaptured = tuple(next(found) if slot in _float_slots(config, mod_arrays) and captured is not None else None
+                      for slot in range(len(mod_arrays)))  # fmt: skip
+    return *grads[:3], None, None, dsinks, dcaptured
+
+
+def _score_mod_arrays(config: Config) -> int:
+    """How many of the captured arrays (``_mods.captured``'s order) are score_mod's."""
+    return 0 if config.mods is None or config.mods[0] is None else config.mods[0][1]
+
+
+def _float_slots(config: Config, mod_arrays: tuple[Any, ...]) -> list[int]:
+    """score_mod's captured float arrays (those with a gradient), by position."""
+    return [i for i, x in enumerate(mod_arrays[: _score_mod_arrays(config)]) if jnp.issubdtype(x.dtype, jnp.floating)]
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -208,13 +226,19 @@ def _forward(
 
 def _backward(
     config: Config, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, seed: Any, slopes: Any,
-    sinks: Any, mod_arrays: tuple[Any, ...],
+    sinks: Any, mod_arrays: tuple[Any, ...], captured: bool = False,
 ) -> tuple[Any, ...]:  # fmt: skip
-    """(dq, dk, dv), and dsinks (in the sinks' float32) with sinks."""
+    """(dq, dk, dv), and dsinks (in the sinks' float32) with sinks, and with ``captured`` the
+    gradients of score_mod's captured float arrays (``_float_slots``' order)."""
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     if sinks is not None:
         results += (jax.ShapeDtypeStruct(sinks.shape, sinks.dtype),)
-    callback = _backward_callback(config, dlse is not None, seed is not None, slopes is not None, sinks is not None)
+    if captured:
+        results += tuple(jax.ShapeDtypeStruct(mod_arrays[i].shape, mod_arrays[i].dtype)
+                         for i in _float_slots(config, mod_arrays))  # fmt: skip
+    callback = _backward_callback(
+        config, dlse is not None, seed is not None, slopes is not None, sinks is not None, captured
+    )
     extras = (*(x for x in (dlse, seed, slopes, sinks) if x is not None), *mod_arrays)
     return tuple(buffer_callback(callback, results, vmap_method=_VMAP_METHOD)(dout, q, k, v, out, lse, *extras))
 
@@ -264,14 +288,21 @@ def _forward_callback(config: Config, has_seed: bool, has_slopes: bool, has_sink
 
 
 @functools.cache
-def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slopes: bool, has_sinks: bool) -> Any:
+def _backward_callback(
+    config: Config, has_dlse: bool, has_seed: bool, has_slopes: bool, has_sinks: bool, captured: bool = False
+) -> Any:
     def callback(ctx: Any, results: Any, *operands: Any) -> None:
         dout, q, k, v, out, lse = operands[:6]
         dlse, seed, slopes, sinks, mod_arrays = _split(operands[6:], has_dlse, has_seed, has_slopes, has_sinks)
         stream = _xla_stream(ctx)
         if stream is None:
-            _host_backward(config, results, dout, q, k, v, out, lse, dlse, seed, slopes, sinks, mod_arrays)
+            _host_backward(config, results, dout, q, k, v, out, lse, dlse, seed, slopes, sinks, mod_arrays, captured)
             runs["cpu", "backward"] += 1
+            return
+        if captured:  # the array-API backward on CuPy views (the kernels have no scatter for it)
+            _captured_gpu_backward(config, stream, results, dout, q, k, v, out, lse, dlse, seed, slopes, sinks,
+                                   mod_arrays)  # fmt: skip
+            runs["gpu", "backward"] += 1
             return
         cupy = _interop.cupy_module()
         dout, q, k, v, out, lse = (_cupy_view(x) for x in (dout, q, k, v, out, lse))
@@ -289,6 +320,27 @@ def _backward_callback(config: Config, has_dlse: bool, has_seed: bool, has_slope
         runs["gpu", "backward"] += 1
 
     return callback
+
+
+def _captured_gpu_backward(
+    config: Config, stream: int, results: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any,
+    seed: Any, slopes: Any, sinks: Any, mod_arrays: Any,
+) -> None:  # fmt: skip
+    """A backward that also gives score_mod's captured arrays their gradients, on the GPU: the
+    array-API algorithm on CuPy views of XLA's buffers, on XLA's stream, into its results."""
+    cupy = _interop.cupy_module()
+    dout, q, k, v, out, lse = (_cupy_view(x) for x in (dout, q, k, v, out, lse))
+    dlse, slopes, sinks = (None if x is None else _cupy_view(x) for x in (dlse, slopes, sinks))
+    device = q.data.device_id
+    with cupy.cuda.Device(device), _cupy_stream(stream, device):
+        call = _attention.Backward(
+            dout, q, k, v, out, lse, dlse, config.options, config.layout, config.deterministic, config.dropout_p,
+            _gpu_seed(seed), slopes, mods=_mods_on(config, mod_arrays, _cupy_view), sinks=sinks, captured_grads=True,
+        )  # fmt: skip
+        grads = _attention.backward(call)
+        wanted = [*grads[:-1], *(g for g in grads[-1] if g is not None)]
+        for buffer, grad in zip(results, wanted, strict=True):
+            _cupy_view(buffer)[...] = grad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,17 +565,19 @@ def _host_forward(
 
 def _host_backward(
     config: Config, results: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, seed: Any,
-    slopes: Any, sinks: Any, mod_arrays: Any,
+    slopes: Any, sinks: Any, mod_arrays: Any, captured: bool = False,
 ) -> None:  # fmt: skip
     call = _attention.Backward(
         _host_array(dout), _host_array(q), _host_array(k), _host_array(v), _host_array(out), np.asarray(lse),
         None if dlse is None else np.asarray(dlse), config.options, config.layout, config.deterministic,
         config.dropout_p, None if seed is None else _seed_value(np.asarray(seed)),
         None if slopes is None else np.asarray(slopes), mods=_mods_on(config, mod_arrays, _host_array),
-        sinks=None if sinks is None else np.asarray(sinks),
+        sinks=None if sinks is None else np.asarray(sinks), captured_grads=captured,
     )  # fmt: skip
     grads = _attention.backward(call)
-    for buffer, grad in zip(results, grads):
+    if captured:  # dq, dk, dv (dsinks), then score_mod's float arrays' gradients
+        grads = (*grads[:-1], *(g for g in grads[-1] if g is not None))
+    for buffer, grad in zip(results, grads, strict=True):
         np.asarray(buffer)[...] = grad
 
 

@@ -327,14 +327,46 @@ def test_jit_captured_arrays_are_operands():
     assert f._cache_size() == 1 and values[0] != values[1]
 
 
+@pytest.mark.parametrize("argnums", [(0, 1, 2, 3), (3,)], ids=["all", "table-only"])
+def test_jit_grad_of_a_learned_bias_table(argnums):
+    """jax.jit(jax.grad) with respect to score_mod's captured table (beside q, k, v, or alone),
+    with a mask_mod's integer array beside it: the table's gradient and q, k, v's against float64
+    torch autograd of the formula; one backward run per call."""
+    jax, jnp = _jax()
+    from cupyflash import _jax as jax_ops
+
+    torch = pytest.importorskip("torch")
+    q, k, v = _jax_inputs(jax)
+    rng = np.random.default_rng(9)
+    table = jnp.asarray(rng.standard_normal(NQ + NK - 1).astype(np.float32))
+    doc_id = jnp.asarray(np.sort(rng.integers(0, 3, NK)).astype(np.int32))
+
+    def loss(q, k, v, t, doc_id):
+        out = cupyflash.attention(q, k, v, score_mod=_relative(t), mask_mod=_document(doc_id))
+        return jnp.sum(out * out)
+
+    before = jax_ops.runs[("cpu", "backward")]
+    grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, table, doc_id)
+    assert jax_ops.runs[("cpu", "backward")] == before + 1
+    leaves = [torch.tensor(np.asarray(x, np.float64), requires_grad=True) for x in (q, k, v, table)]
+    torch_doc = torch.tensor(np.asarray(doc_id))
+    f = lambda q, k, v, t: _formula(torch, q, k, v, _relative(t), _document(torch_doc))  # noqa: E731
+    f(*leaves).square().sum().backward()
+    for index, got in zip(argnums, grads, strict=True):
+        np.testing.assert_allclose(np.asarray(got), leaves[index].grad.numpy(), rtol=2e-4, atol=2e-5,
+                                   err_msg="qkvt"[index])  # fmt: skip
+
+
 def test_what_jax_refuses_names_it():
-    """A differentiated captured array; a captured NumPy array inside a transformation (its dtype
-    may not be JAX's: int64 without x64); an untraceable function (the eager message)."""
+    """A differentiated mask_mod's captured array; a captured NumPy array inside a transformation
+    (its dtype may not be JAX's: int64 without x64); an untraceable function (the eager message)."""
     jax, jnp = _jax()
     q, k, v = _jax_inputs(jax)
     table = jnp.zeros(NQ + NK - 1, jnp.float32)
-    with pytest.raises(NotImplementedError, match="captured array is differentiated.*stop_gradient"):
-        jax.grad(lambda q, t: cupyflash.attention(q, k, v, score_mod=_relative(t)).sum(), argnums=(0, 1))(q, table)
+    levels = jnp.zeros(NK, jnp.float32)
+    with pytest.raises(NotImplementedError, match="mask_mod's captured array is differentiated.*stop_gradient"):
+        jax.grad(lambda q, t: cupyflash.attention(q, k, v, mask_mod=lambda b, h, i, j: t[j] >= 0).sum(),
+                 argnums=(0, 1))(q, levels)  # fmt: skip
     doc_id = np.zeros(NK, np.int64)
     with pytest.raises(TypeError, match="captured array 0 must be a JAX array"):
         jax.jit(lambda q: cupyflash.attention(q, k, v, mask_mod=_document(doc_id)))(q)
