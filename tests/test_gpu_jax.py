@@ -418,3 +418,30 @@ def test_jit_grad_with_score_and_mask_functions_runs_the_kernels():
         for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
             assert rel_error(np.asarray(got.astype(jnp.float32), dtype=np.float64), ref) < 3e-2, (groups, name)
     assert f._cache_size() == 1
+
+
+def test_jit_grad_of_a_learned_bias_table_on_the_gpu():
+    """jax.jit(jax.grad) with respect to score_mod's captured table as well as q, k, v on the GPU
+    (the backward custom call runs the array-API algorithm on CuPy views of XLA's buffers: the
+    kernels have no scatter for the table's gradient), bf16, against the same jitted gradient on
+    the CPU backend's host path in float32 (which tests/test_mods_traced.py checks against float64
+    torch autograd)."""
+    gpu = _gpu()
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(12)
+    shapes = ((2, 61, 4, 64), (2, 90, 2, 64), (2, 90, 2, 64))
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    table = (0.5 * rng.standard_normal((4, 61 + 90))).astype(np.float32)
+
+    def loss(q, k, v, table):
+        out = cupyflash.attention(q, k, v, causal=True, score_mod=lambda s, b, h, i, j: s + table[h, j - i + 61])
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    before = _runs(("gpu", "backward"))
+    got = f(*(jax.device_put(x, gpu).astype(jnp.bfloat16) for x in (q, k, v)), jax.device_put(table, gpu))
+    assert _runs(("gpu", "backward")) == before + 1
+    rounded = [np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v)]
+    want = f(*(jax.device_put(x, cpu) for x in rounded), jax.device_put(table, cpu))
+    for name, g, w in zip(("dq", "dk", "dv", "dtable"), got, want, strict=True):
+        assert rel_error(np.asarray(g.astype(jnp.float32), dtype=np.float64), np.asarray(w, np.float64)) < 3e-2, name

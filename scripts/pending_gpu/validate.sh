@@ -2,7 +2,8 @@
 # One call (any machine, no FlashAttention-4) for when device time is short: what removing the two
 # opt-in switches needs. The GPU tests of the one-launch cascade and block masks (their tests set
 # the switches themselves), the kernels they touched (score functions, the dense attn_mask summary,
-# the decode kernel and its tree variant), score functions under torch.compile, ring-flash-attn on
+# the decode kernel and its tree variant), score functions under torch.compile and jax.jit (a learned
+# bias table's gradient on the GPU, eager and under jax.grad), ring-flash-attn on
 # virtual ranks, the flash-attn lower-level functions; then the one-launch cascade beside the flat
 # paged call (bench-cascade), compute-sanitizer over the shared-prefix and variant cases, and
 # flash-attn's test file (.peers/fa2tests) with the time left.
@@ -20,6 +21,8 @@ timeout 250 python3 -m pytest -q -n 14 -p no:cacheprovider -m gpu -rf --duration
   tests/test_gpu_tree_mask.py tests/test_gpu_decode.py tests/test_ring_flash_attn.py \
   tests/test_flash_attn_lowlevel.py tests/test_flash_attn_bounds.py > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-300 | tail -25
+timeout 90 python3 -m pytest -q -n 2 -p no:cacheprovider -m gpu -rf tests/test_gpu_jax.py -k "score or learned or sinks" \
+  > $OUT/tests_jax.log 2>&1; echo "jax rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests_jax.log | tail -6
 CUPYFLASH_CASCADE_ONE_LAUNCH=1 timeout 100 python3 -m cupyflash bench-cascade --json $OUT/cascade.json \
   > $OUT/cascade.log 2>&1; echo "cascade rc=$? at ${SECONDS}s"; tail -16 $OUT/cascade.log | cut -c1-300
 for only in "shared prefix" variant; do
