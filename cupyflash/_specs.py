@@ -580,6 +580,11 @@ FP8_DECODE_HEAD_DIMS = (64, 128)
 FP8_KV_FORMATS = {"e4m3": 1, "e5m2": 2}
 #: Query tokens per sequence the decode kernel takes (one, or a few for speculative decoding).
 DECODE_MAX_QUERIES = 16
+#: Draft tokens a tree mask takes on the split-KV decode kernel: one 32-bit word of visible drafts
+#: per packed row (decode.cu's tree_row_word). More query tokens run the FA2 forward over the cache
+#: otherwise, which has no tree variant; a tree past 16 drafts stays on the decode kernel, its
+#: packed rows tiled over more m-blocks.
+DECODE_MAX_TREE_QUERIES = 32
 #: Element types of merge_states on the GPU (the split-KV partials are float32).
 MERGE_ELEMENT_TYPES = {**CUDA_ELEMENT_TYPES, "float32": "float"}
 

@@ -15,6 +15,7 @@ from helpers import kv_reference, paginate, random_tree_mask
 import cupyflash
 from cupyflash import _device, _plan, reference
 from cupyflash._dispatch import DECODE_REGISTERS, decode_spec
+from cupyflash._specs import DecodeSpec
 from cupyflash._validate import kvcache_problem
 
 H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
@@ -284,9 +285,26 @@ def test_the_plan_runs_the_tree_variant(shape, batch_axis, row_axis):
     assert params.value("tree_mask_batch_stride") == 0
 
 
+@pytest.mark.parametrize("nq", [17, 32])
+def test_a_tree_past_16_drafts_stays_on_the_decode_kernel(nq):
+    """17 to 32 drafts (one 32-bit word per row): the split-KV kernel's tree variant, its packed
+    rows (drafts x GQA group 4) over several m-blocks, where more query tokens without a tree run
+    the FA2 forward over the cache."""
+    _, launch = _tree_plan((nq, nq), nq=nq)
+    step = launch.steps[-1]
+    assert isinstance(step.spec, DecodeSpec) and step.spec.tree
+    assert step.grid[0] == -(-nq * 4 // step.spec.tile.block_m) > 1  # m-blocks (one split: 64 keys)
+    kp = kvcache_problem(
+        (3, nq, 8, 128), (3, 64, 2, 128), (3, 64, 2, 128), cache_seqlens=5, block_table_shape=None,
+        k_new_shape=None, v_new_shape=None, causal=True, scale=None, tree_mask_shape=None,
+    )  # fmt: skip
+    causal = _plan.plan_kvcache(kp, {"q": "bfloat16", "k_cache": "bfloat16", "v_cache": "bfloat16"}, H200, num_splits=0)
+    assert not isinstance(causal.steps[-1].spec, DecodeSpec)  # the FA2 forward over the cache
+
+
 def test_the_plan_refuses_what_the_tree_kernel_does_not_take():
-    with pytest.raises(ValueError, match="tree_mask on the GPU takes 1 to 16 query tokens"):
-        _tree_plan((17, 17), nq=17)
+    with pytest.raises(ValueError, match="tree_mask on the GPU takes 1 to 32 query tokens"):
+        _tree_plan((33, 33), nq=33)
     with pytest.raises(TypeError, match="tree_mask must be a bool array, got uint8"):
         _tree_plan((4, 4), dtype="uint8")
 

@@ -11,6 +11,7 @@ from .._fp8 import Fp8Cache
 from .._params import PARAMS_STRUCTS, ParamsTemplate
 from .._specs import (
     DECODE_MAX_QUERIES,
+    DECODE_MAX_TREE_QUERIES,
     FP8_DECODE_HEAD_DIMS,
     FP8_KV_FORMATS,
     DecodeAppendSpec,
@@ -95,7 +96,8 @@ def plan_kvcache(
     check_head_dim(a.head_dim, "the decode kernels")
     if kp.capacity >= 2**31 - 64:
         raise ValueError(f"a cache of {kp.capacity} tokens per sequence is beyond the kernels' int32 positions")
-    over_cache = not dense and (a.seqlen_q > DECODE_MAX_QUERIES or a.alibi != ALIBI_NONE)
+    most_queries = DECODE_MAX_TREE_QUERIES if kp.tree else DECODE_MAX_QUERIES
+    over_cache = not dense and (a.seqlen_q > most_queries or a.alibi != ALIBI_NONE)
     if dense and a.seqlen_q > DECODE_MAX_QUERIES:
         raise ValueError(f"the split-KV kernel takes 1 to {DECODE_MAX_QUERIES} query tokens, got {a.seqlen_q}")
     if fp8 is not None:
@@ -348,12 +350,12 @@ def _check_fp8_call(kp: KvCacheProblem, over_cache: bool) -> None:
 
 
 def _check_tree_call(kp: KvCacheProblem, dtype: str | None) -> None:
-    """A tree mask runs on the split-KV decode kernel (1 to DECODE_MAX_QUERIES query tokens: one
-    bit word per row), and is a bool array (the kernel reads its bytes)."""
-    if kp.attn.seqlen_q > DECODE_MAX_QUERIES:
+    """A tree mask runs on the split-KV decode kernel (1 to DECODE_MAX_TREE_QUERIES query tokens:
+    one bit word per row), and is a bool array (the kernel reads its bytes)."""
+    if kp.attn.seqlen_q > DECODE_MAX_TREE_QUERIES:
         raise ValueError(
-            f"tree_mask on the GPU takes 1 to {DECODE_MAX_QUERIES} query tokens (the split-KV decode kernel's), got "
-            f"{kp.attn.seqlen_q}"
+            f"tree_mask on the GPU takes 1 to {DECODE_MAX_TREE_QUERIES} query tokens (a 32-bit word of visible "
+            f"drafts per row in the split-KV decode kernel), got {kp.attn.seqlen_q}"
         )
     if dtype != "bool":
         raise TypeError(f"tree_mask must be a bool array, got {dtype}")
