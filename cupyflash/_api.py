@@ -773,7 +773,7 @@ def attention_with_kvcache(
         checked in the values (on the GPU they are read by the kernel, never copied back). Not with
         ``window``, ``alibi_slopes`` or the rotary tables (rotate q and k_new at the drafts' depths
         yourself); ``sinks`` join a tree's rows as any other row's. On the GPU the
-        split-KV kernel's tree variants run it: 1 to 32 query tokens (docs/api.md).
+        split-KV kernel's tree variants run it: 1 to 64 query tokens (docs/api.md).
 
     Float8 caches: q, ``k_new`` and ``v_new`` stay in q's dtype and the output is q's. ``k_new`` /
     ``v_new`` are stored as ``saturate(round_to_nearest_even(float32(x) / scale))`` -- vLLM's and

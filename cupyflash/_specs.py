@@ -580,11 +580,13 @@ FP8_DECODE_HEAD_DIMS = (64, 128)
 FP8_KV_FORMATS = {"e4m3": 1, "e5m2": 2}
 #: Query tokens per sequence the decode kernel takes (one, or a few for speculative decoding).
 DECODE_MAX_QUERIES = 16
-#: Draft tokens a tree mask takes on the split-KV decode kernel: one 32-bit word of visible drafts
-#: per packed row (decode.cu's tree_row_word). More query tokens run the FA2 forward over the cache
+#: Draft tokens a tree mask takes on the split-KV decode kernel: a word of visible drafts per packed
+#: row (decode.cu's tree_row_word), 32-bit up to DECODE_TREE_WORD_QUERIES drafts and 64-bit past
+#: them (the ``wide_tree`` variants). More query tokens run the FA2 forward over the cache
 #: otherwise, which has no tree variant; a tree past 16 drafts stays on the decode kernel, its
 #: packed rows tiled over more m-blocks.
-DECODE_MAX_TREE_QUERIES = 32
+DECODE_MAX_TREE_QUERIES = 64
+DECODE_TREE_WORD_QUERIES = 32
 #: Element types of merge_states on the GPU (the split-KV partials are float32).
 MERGE_ELEMENT_TYPES = {**CUDA_ELEMENT_TYPES, "float32": "float"}
 
@@ -626,6 +628,7 @@ class DecodeSpec(_KernelSpecBase):
     batch_invariant: bool = False  # each sequence merges only the fixed-size splits of its own keys
     tree: bool = False  # speculative decoding's tree mask among the draft tokens (no causal or window bound)
     cascade: bool = False  # shared-prefix decoding: the prefixes' CTAs and the requests' in one launch
+    wide_tree: bool = False  # a tree of 33 to 64 drafts: a 64-bit word of visible drafts per packed row
 
     kernel = "decode_partial"
     source_file = "decode.cu"
@@ -646,6 +649,8 @@ class DecodeSpec(_KernelSpecBase):
             )
         if self.tree and (self.causal or self.local):
             raise ValueError("a tree mask replaces the causal rule among the drafts: no causal or window bound with it")
+        if self.wide_tree and not self.tree:
+            raise ValueError("wide_tree is a tree mask's variant (33 to 64 drafts): tree must be set")
         if self.cascade and (self.local or self.fp8 or self.batch_invariant or self.tree):
             raise ValueError("the cascade variant takes a 16-bit cache, causal or not, softcap or not: nothing else")
 
@@ -664,7 +669,8 @@ class DecodeSpec(_KernelSpecBase):
         t = self.tile
         return (("qreg", t.q_in_regs), (f"b{t.min_blocks}", t.min_blocks > 1),
                 *_mask_flags(self.causal, self.local, self.softcap), ("fp8", self.fp8),
-                ("inv", self.batch_invariant), ("tree", self.tree), ("cascade", self.cascade))  # fmt: skip
+                ("inv", self.batch_invariant), ("tree", self.tree), ("cascade", self.cascade),
+                ("wide", self.wide_tree))  # fmt: skip
 
     @property
     def num_threads(self) -> int:
@@ -679,10 +685,11 @@ class DecodeSpec(_KernelSpecBase):
 
     def _traits_args(self) -> tuple[object, ...]:
         t = self.tile
-        # The trailing kValidDim_, Kv_fp8_, Batch_invariant_, Is_tree_, Is_cascade_ spelled out only
-        # as far as needed (a variant without them is spelled as before).
+        # The trailing kValidDim_, Kv_fp8_, Batch_invariant_, Is_tree_, Is_cascade_, Wide_tree_
+        # spelled out only as far as needed (a variant without them is spelled as before).
         tail: tuple[object, ...] = (
-            (self.valid_dim, self.fp8, self.batch_invariant, self.tree, True) if self.cascade
+            (self.valid_dim, self.fp8, self.batch_invariant, True, False, True) if self.wide_tree
+            else (self.valid_dim, self.fp8, self.batch_invariant, self.tree, True) if self.cascade
             else (self.valid_dim, self.fp8, self.batch_invariant, True) if self.tree
             else (self.valid_dim, self.fp8, True) if self.batch_invariant
             else (self.valid_dim, True) if self.fp8 else _columns_arg(self.valid_dim)

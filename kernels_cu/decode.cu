@@ -72,7 +72,7 @@ struct MergeParams {
 template <int kHeadDim_, int kBlockM_, int kWarpKeys_, int kNWarps_, int kStages_, bool Q_in_regs_,
           typename Element_, bool Is_causal_, bool Is_local_ = false, bool Has_softcap_ = false,
           int kValidDim_ = 0, bool Kv_fp8_ = false, bool Batch_invariant_ = false,
-          bool Is_tree_ = false, bool Is_cascade_ = false>
+          bool Is_tree_ = false, bool Is_cascade_ = false, bool Wide_tree_ = false>
 struct DecodeTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -100,6 +100,9 @@ struct DecodeTraits {
   // row's word of visible drafts is built once per CTA (tree_row_word) and read by the mask in
   // the slices that reach the drafts only; the variants without a tree hold none of it.
   static constexpr bool Is_tree = Is_tree_;
+  // 33 to 64 drafts: a 64-bit word per packed row (the 32-bit variants hold up to 32).
+  static constexpr bool Wide_tree = Wide_tree_;
+  using TreeWord = typename TreeWordOf<Wide_tree>::type;
   // Cascade decoding: the grid holds the prefixes' CTAs, then the requests' (cascade_work); every
   // CTA writes fp32 partials, and a request's last one merges its own and its prefix's splits.
   static constexpr bool Is_cascade = Is_cascade_;
@@ -128,6 +131,7 @@ struct DecodeTraits {
   static_assert(kBlockM % 16 == 0 && kWarpKeys % 16 == 0, "whole MMA tiles");
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
   static_assert(!Is_tree || kNThreads >= kBlockM, "a thread per packed row builds its tree word");
+  static_assert(Is_tree || !Wide_tree, "a wide tree is a tree");
   static_assert(!Is_cascade || kNThreads >= kBlockM, "a thread per request takes its ticket");
   static_assert(!Is_cascade || !(Is_local || Kv_fp8 || Batch_invariant || Is_tree),
                 "the cascade takes a 16-bit paged cache, causal or not, softcap or not");
@@ -499,13 +503,15 @@ CF_DEVICE int sequence_splits(const DecodeParams& params, int seqlen_k) {
 }
 
 // The drafts query token `query` of sequence `batch` sees, as a word: bit j set iff its row of
-// the caller's bool tree mask holds a nonzero byte at column j (seqlen_q <= 32 bytes, read once
-// per CTA: a bit test per score where a byte load per score would sit in the masked slices).
-CF_DEVICE uint32_t tree_row_word(const DecodeParams& p, int batch, int query) {
+// the caller's bool tree mask holds a nonzero byte at column j (seqlen_q <= the word's bits
+// bytes, read once per CTA: a bit test per score where a byte load per score would sit in the
+// masked slices).
+template <typename Word>
+CF_DEVICE Word tree_row_word(const DecodeParams& p, int batch, int query) {
   const unsigned char* row =
       p.tree_mask + batch * p.tree_mask_batch_stride + query * p.tree_mask_row_stride;
-  uint32_t word = 0;
-  for (int j = 0; j < p.attn.seqlen_q; ++j) word |= static_cast<uint32_t>(row[j] != 0) << j;
+  Word word = 0;
+  for (int j = 0; j < p.attn.seqlen_q; ++j) word |= static_cast<Word>(row[j] != 0) << j;
   return word;
 }
 
@@ -637,11 +643,13 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   __syncwarp();
   // A tree's words of the CTA's packed rows (padding rows see no draft; published by the
   // barrier after the Q load).
-  __shared__ uint32_t s_tree_rows[Traits::Is_tree ? Traits::kBlockM : 1];
+  using TreeWord = typename Traits::TreeWord;
+  __shared__ TreeWord s_tree_rows[Traits::Is_tree ? Traits::kBlockM : 1];
   if constexpr (Traits::Is_tree) {
     if (tid < Traits::kBlockM)
-      s_tree_rows[tid] =
-          row0 + tid < rows ? tree_row_word(params, batch, (row0 + tid) / group) : 0u;
+      s_tree_rows[tid] = row0 + tid < rows
+                             ? tree_row_word<TreeWord>(params, batch, (row0 + tid) / group)
+                             : TreeWord(0);
   }
   load_rows_async<Traits, Traits::kBlockM, Traits::kNThreads>(s_q, q_rows, tid);
   cp_async_commit();
@@ -731,7 +739,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
     }
     __syncthreads();  // (s_kv_scale)
   }
-  const PackedRowMask<Traits::Is_causal, Traits::Is_local, Traits::Is_tree> mask(
+  const PackedRowMask<Traits::Is_causal, Traits::Is_local, Traits::Is_tree, Traits::Wide_tree> mask(
       row0, min(row0 + Traits::kBlockM, rows), group, mask_seqlen_q, seqlen_k, attn.window_left,
       attn.window_right, Traits::Is_tree ? smem_addr(s_tree_rows) : 0u);
   const typename Traits::Transform transform(attn);

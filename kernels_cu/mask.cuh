@@ -91,9 +91,22 @@ struct KeyMask {
 // with a causal or window bound): the query tokens are the last seqlen_q keys, the drafts; key j
 // >= shift is draft j - shift, which row r sees iff bit j - shift of word r at tree_rows is set
 // (the words built once per CTA, in shared memory); every key before the drafts is visible.
-template <bool Is_causal, bool Is_local = false, bool Is_tree = false>
+// Wide_tree: 64-bit words (33 to 64 drafts), where a 32-bit word holds up to 32.
+template <bool Wide_tree>
+struct TreeWordOf {
+  using type = uint32_t;
+};
+template <>
+struct TreeWordOf<true> {
+  using type = uint64_t;
+};
+
+template <bool Is_causal, bool Is_local = false, bool Is_tree = false, bool Wide_tree = false>
 struct PackedRowMask {
   static_assert(!(Is_tree && (Is_causal || Is_local)), "the tree replaces the causal rule");
+  static_assert(Is_tree || !Wide_tree, "a wide tree is a tree");
+  using TreeWord = typename TreeWordOf<Wide_tree>::type;
+  static constexpr int kTreeBits = 8 * static_cast<int>(sizeof(TreeWord));
   KeyMask<1, 1, Is_causal, Is_local> keys;  // the visibility rule per query token
   int row0, group, query_first, query_last;
   // Is_tree: the shared-memory address of [kBlockM] words, one per packed row of the CTA (a
@@ -130,8 +143,13 @@ struct PackedRowMask {
       for (int half = 0; half < 2; ++half) {
         const int row = 16 * mt + lane / 4 + 8 * half;
         const int query = (row0 + row) / group;
-        uint32_t tree_word = 0;
-        if constexpr (Is_tree) tree_word = ld_shared_b32(tree_rows + 4 * row);
+        TreeWord tree_word = 0;
+        if constexpr (Wide_tree) {
+          const uint2 halves = ld_shared_b64(tree_rows + 8 * row);
+          tree_word = (static_cast<uint64_t>(halves.y) << 32) | halves.x;
+        } else if constexpr (Is_tree) {
+          tree_word = ld_shared_b32(tree_rows + 4 * row);
+        }
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -141,7 +159,7 @@ struct PackedRowMask {
             if constexpr (Is_tree) {  // a key before the drafts, or a draft the row's word names
               // (the word has no bit at or past seqlen_q: the ragged tail is hidden with it)
               const int draft = key - keys.shift;
-              visible = draft < 0 || (draft < 32 && ((tree_word >> draft) & 1u));
+              visible = draft < 0 || (draft < kTreeBits && ((tree_word >> draft) & 1u));
             } else {
               visible = keys.visible(query, key);
             }

@@ -20,10 +20,10 @@ from cupyflash import reference
 pytestmark = pytest.mark.gpu
 
 # (Nq, Hq, Hkv): drafts x GQA group = packed rows. 4 drafts with GQA 4 (16 rows: one MMA tile),
-# 7 drafts MHA (odd), 16 drafts MQA 8 (128 rows: several m-blocks of every tile), 32 drafts GQA 4
-# (the most a tree takes: every bit of the row's word) and 23 (odd, past 16).
-ROWS = {"nq4-gqa4": (4, 8, 2), "nq7-mha": (7, 2, 2), "nq16-mqa8": (16, 8, 1), "nq32-gqa4": (32, 8, 2),
-        "nq23-gqa2": (23, 4, 2)}  # fmt: skip
+# 7 drafts MHA (odd), 16 drafts MQA 8 (128 rows: several m-blocks of every tile), 23 drafts (odd,
+# past 16), 32 (every bit of a 32-bit row word), 41 and 64 (the wide variant's 64-bit words).
+ROWS = {"nq4-gqa4": (4, 8, 2), "nq7-mha": (7, 2, 2), "nq16-mqa8": (16, 8, 1), "nq23-gqa2": (23, 4, 2),
+        "nq32-gqa4": (32, 8, 2), "nq41-mha": (41, 2, 2), "nq64-gqa2": (64, 4, 2)}  # fmt: skip
 
 
 def _trees(rng, b, nq):

@@ -30,13 +30,13 @@ def _f32(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("page_size", [None, 1, 4, 16], ids=["contiguous", "paged1", "paged4", "paged16"])
-@pytest.mark.parametrize("nq", [1, 4, 7])
+@pytest.mark.parametrize("nq", [1, 4, 7, 40])
 @pytest.mark.parametrize("form", ["per-sequence", "shared", "shared-3d"])
 def test_tree_matches_reference(xp, rng, page_size, nq, form):
     """Random trees over ragged caches (0, 1, 20 and a full cache before the append), GQA 3: the
     drafts appended by k_new land at cache_seqlens[b] + t, and each row sees every earlier key and
-    the drafts its tree row names."""
-    b, length, hq, hkv, d = 4, 37, 6, 2, 16
+    the drafts its tree row names (40 drafts: past a 32-bit row word)."""
+    b, length, hq, hkv, d = 4, max(37, 21 + nq), 6, 2, 16
     q = rng.standard_normal((b, nq, hq, d))
     k_cache, v_cache = (rng.standard_normal((b, length, hkv, d)) for _ in range(2))
     k_new, v_new = (rng.standard_normal((b, nq, hkv, d)) for _ in range(2))
@@ -285,14 +285,15 @@ def test_the_plan_runs_the_tree_variant(shape, batch_axis, row_axis):
     assert params.value("tree_mask_batch_stride") == 0
 
 
-@pytest.mark.parametrize("nq", [17, 32])
+@pytest.mark.parametrize("nq", [17, 32, 33, 64])
 def test_a_tree_past_16_drafts_stays_on_the_decode_kernel(nq):
-    """17 to 32 drafts (one 32-bit word per row): the split-KV kernel's tree variant, its packed
-    rows (drafts x GQA group 4) over several m-blocks, where more query tokens without a tree run
-    the FA2 forward over the cache."""
+    """17 to 64 drafts: the split-KV kernel's tree variant (32-bit words of visible drafts up to
+    32 drafts, the wide variant's 64-bit ones past them), its packed rows (drafts x GQA group 4)
+    over several m-blocks, where more query tokens without a tree run the FA2 forward over the
+    cache."""
     _, launch = _tree_plan((nq, nq), nq=nq)
     step = launch.steps[-1]
-    assert isinstance(step.spec, DecodeSpec) and step.spec.tree
+    assert isinstance(step.spec, DecodeSpec) and step.spec.tree and step.spec.wide_tree == (nq > 32)
     assert step.grid[0] == -(-nq * 4 // step.spec.tile.block_m) > 1  # m-blocks (one split: 64 keys)
     kp = kvcache_problem(
         (3, nq, 8, 128), (3, 64, 2, 128), (3, 64, 2, 128), cache_seqlens=5, block_table_shape=None,
@@ -303,8 +304,8 @@ def test_a_tree_past_16_drafts_stays_on_the_decode_kernel(nq):
 
 
 def test_the_plan_refuses_what_the_tree_kernel_does_not_take():
-    with pytest.raises(ValueError, match="tree_mask on the GPU takes 1 to 32 query tokens"):
-        _tree_plan((33, 33), nq=33)
+    with pytest.raises(ValueError, match="tree_mask on the GPU takes 1 to 64 query tokens"):
+        _tree_plan((65, 65), nq=65)
     with pytest.raises(TypeError, match="tree_mask must be a bool array, got uint8"):
         _tree_plan((4, 4), dtype="uint8")
 
@@ -320,6 +321,13 @@ def test_the_tree_variant_spec():
     assert spec._traits_args() == (*dataclasses.replace(spec, tree=False)._traits_args(), 0, False, False, True)
     tree_names = {name for _, name in DECODE_REGISTERS if name.endswith("_tree")}
     assert len(tree_names) == 22  # 2 types x (6 tiles of the 16-bit caches + 5 of the float8 ones)
+    # 33 to 64 drafts: the wide variant (64-bit words), the trailing Wide_tree_ spelled out
+    wide = decode_spec("float16", 128, 4, False, tree=True, wide_tree=True)
+    assert wide.name == spec.name + "_wide"
+    assert wide._traits_args() == (*spec._traits_args(), False, True)
+    assert {name[: -len("_wide")] for _, name in DECODE_REGISTERS if name.endswith("_tree_wide")} == tree_names
+    with pytest.raises(ValueError, match="tree must be set"):
+        dataclasses.replace(wide, tree=False)
 
 
 def test_torch_compile_keeps_the_tree_mask_in_the_op():

@@ -12,6 +12,7 @@ from .._params import PARAMS_STRUCTS, ParamsTemplate
 from .._specs import (
     DECODE_MAX_QUERIES,
     DECODE_MAX_TREE_QUERIES,
+    DECODE_TREE_WORD_QUERIES,
     FP8_DECODE_HEAD_DIMS,
     FP8_KV_FORMATS,
     DecodeAppendSpec,
@@ -118,7 +119,7 @@ def plan_kvcache(
         if cascade is None:
             spec = _dispatch.decode_spec(
                 dtype, a.head_dim, rows, a.causal_bound, a.local_bound, a.softcap > 0, fp8=fp8 is not None,
-                batch_invariant=batch_invariant, tree=kp.tree,
+                batch_invariant=batch_invariant, tree=kp.tree, wide_tree=kp.tree and nq > DECODE_TREE_WORD_QUERIES,
             )  # fmt: skip
         else:
             spec = _cascade_spec(kp, cascade, dtype)
@@ -354,7 +355,7 @@ def _check_tree_call(kp: KvCacheProblem, dtype: str | None) -> None:
     one bit word per row), and is a bool array (the kernel reads its bytes)."""
     if kp.attn.seqlen_q > DECODE_MAX_TREE_QUERIES:
         raise ValueError(
-            f"tree_mask on the GPU takes 1 to {DECODE_MAX_TREE_QUERIES} query tokens (a 32-bit word of visible "
+            f"tree_mask on the GPU takes 1 to {DECODE_MAX_TREE_QUERIES} query tokens (a 64-bit word of visible "
             f"drafts per row in the split-KV decode kernel), got {kp.attn.seqlen_q}"
         )
     if dtype != "bool":
