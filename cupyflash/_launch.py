@@ -103,11 +103,12 @@ def _run(
 ) -> dict[str, Any]:
     # The layouts last found readable (``Launch.layouts``): a call whose arrays have the same raw
     # strides starts from params values that hold their strides, and checks only the pointers.
-    raws, known, template = launch.layouts[0]
+    raws, known, template, packed = launch.layouts[0]
     values = list(template)
     bound: list[Any] | None = [None] * len(raws) if launch.needs_bound else None  # (ptr, strides)
     keep: list[Any] = []  # copies made for this call: alive until the launches are queued
     ptr_of, raw_strides_of = lib.ptr, lib.raw_strides
+    pointers_only = launch.pointer_words is not None  # values differ from the template in pointers alone
     # The common operand (an array, read as it is) takes the loop's straight path; an int length,
     # a negated q, a pointer offset or a layout the kernels cannot read take _bind.
     for i, name, ptr_slot, align in launch.bindings:
@@ -115,6 +116,7 @@ def _run(
         if x is None:
             if raws[i] is not None:  # an optional operand left out: its strides as planned
                 _unbind(launch, i, values)
+                pointers_only = False
             continue
         raw = raws[i]
         if raw is not None and type(x) is not int:
@@ -125,6 +127,7 @@ def _run(
                     bound[i] = (ptr, known[i])
                 continue
         _bind(launch, i, x, lib, values, bound, keep)
+        pointers_only = False
 
     stream = lib.stream(device)
     poison = POISON_OUTPUTS and bool(launch.steps)
@@ -162,6 +165,7 @@ def _run(
         values[launch.error_slot] = word if word is not None else _workspace.device_error_word(device, stream)
 
     kernels = launch.kernels or _first_meeting(launch, device)
+    fast = (launch.params.struct, packed, launch.pointer_words) if pointers_only else None
     for step, kernel in zip(launch.steps, kernels):
         if kernel is None:  # a step that launches itself (the naive baseline's cuBLAS GEMMs)
             step.execute(lib, device, stream, launch, bound, results, temporaries)
@@ -170,7 +174,7 @@ def _run(
             kernel.launch_with_buffers(step.grid, step.block, step.smem, stream, tuple(values), buffers)
         else:
             maps = None if step.tma is None else _tensor_maps(step.tma, launch, bound)
-            kernel.launch(step.grid, step.block, step.smem, stream, values, maps)
+            kernel.launch(step.grid, step.block, step.smem, stream, values, maps, fast)
     del keep
     if lib.wraps:
         return {name: lib.wrap(array) for name, array in results.items()}
@@ -216,11 +220,14 @@ def _bind(
 def _remember(launch: Launch, i: int, raw: Any, strides: tuple[int, ...]) -> None:
     """Operand ``i``'s readable layout into ``launch.layouts``, as a new item built from the
     current one (a thread that reads the item meanwhile sees the old one or the new one whole)."""
-    raws, known, template = launch.layouts[0]
+    raws, known, template, _ = launch.layouts[0]
     values = list(template)
     for slot, axis in launch.operands[i].stride_slots:
         values[slot] = strides[axis]
-    launch.layouts[0] = (raws[:i] + (raw,) + raws[i + 1 :], known[:i] + (strides,) + known[i + 1 :], tuple(values))
+    launch.layouts[0] = (
+        raws[:i] + (raw,) + raws[i + 1 :], known[:i] + (strides,) + known[i + 1 :], tuple(values),
+        launch.params.struct.pack_bytes(values),
+    )  # fmt: skip
 
 
 def _unbind(launch: Launch, i: int, values: list[Any]) -> None:

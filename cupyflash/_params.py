@@ -89,11 +89,19 @@ class ParamsStruct:
         assert self._packer.size == self.dtype.itemsize
         self._opaque = np.dtype((np.void, self.dtype.itemsize))
         self._slots = {field: i for i, (field, _) in enumerate(fields)}
+        #: Per field, its index among the struct's 8-byte words where it is a pointer ("u8": 8-byte
+        #: aligned by ``align=True``), else -1: where a call writes only pointers into a packed
+        #: template (``_launch``), each is one store into the words, not a pack of every field.
+        self.pointer_word = tuple(layout[name][1] // 8 if code == "u8" else -1 for name, code in fields)
 
     def pack_into(self, buffer: memoryview, values: Sequence[int | float]) -> None:
         """Pack one call's field values (in field order) into a caller-owned buffer (the
         direct-launch path)."""
         self._packer.pack_into(buffer, 0, *values)
+
+    def pack_bytes(self, values: Sequence[int | float]) -> bytes:
+        """The struct's bytes for ``values`` (a Launch's template, packed once per layout)."""
+        return self._packer.pack(*values)
 
     def pack(self, *values: int | float) -> np.ndarray:
         """Pack one call's field values (in field order) into a size-1 array CuPy passes by

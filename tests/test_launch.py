@@ -5,6 +5,7 @@ and the straight path of a repeated call gives the same params as the first."""
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def launch(self, grid, block, smem, stream, values, tma_maps=None):  # type: ignore[no-untyped-def]
+    def launch(self, grid, block, smem, stream, values, tma_maps=None, packed=None):  # type: ignore[no-untyped-def]
         self.calls.append((grid, block, smem, stream, tuple(values), tma_maps))
 
 
@@ -214,3 +215,103 @@ def test_merge_part_b_as_an_offset_from_part_a(recorder):
         assert _field(launch, values, "o_parts_ptr") == o_a.ctypes.data
         assert _field(launch, values, "o_part_stride") == (o_b.ctypes.data - o_a.ctypes.data) // 2
         assert _field(launch, values, "lse_part_stride") == (lse_b.ctypes.data - lse_a.ctypes.data) // 4
+
+
+def _launches_of_every_kind() -> list:
+    """Forward (FA2, the Hopper kernel, the decode kernel), the cache call with an append, the
+    backward (plain and deterministic), planned for an H200."""
+
+    def _dense(shapes=((2, 300, 8, 128), (2, 333, 2, 128), (2, 333, 2, 128)), causal=False):
+        return attention_problem(*shapes, causal=causal, scale=None, window=(-1, -1), softcap=0.0, layout="bshd")
+
+    long = ((2, 3000, 8, 128), (2, 3000, 2, 128), (2, 3000, 2, 128))
+    one = ((4, 1, 8, 128), (4, 4096, 2, 128), (4, 4096, 2, 128))
+    kp = kvcache_problem(
+        (4, 1, 8, 128), (64, 16, 2, 128), (64, 16, 2, 128), cache_seqlens=5, block_table_shape=(4, 16),
+        k_new_shape=(4, 1, 2, 128), v_new_shape=(4, 1, 2, 128), causal=True, scale=None,
+    )  # fmt: skip
+    p = _dense(causal=True)
+    return [
+        _plan.plan_forward(p, "bfloat16", H200, "fa2", q_shape=(2, 300, 8, 128)),
+        _plan.plan_attention(_dense(shapes=long, causal=True), "bfloat16", H200, "fa3", long[0]),
+        _plan.plan_attention(_dense(shapes=one), "bfloat16", H200, "decode", one[0]),
+        _plan.plan_kvcache(kp, {"q": "bfloat16", "block_table": "int32"}, H200, num_splits=0),
+        _plan.plan_backward(p, "bfloat16", H200, q_shape=(2, 300, 8, 128), k_shape=(2, 333, 2, 128)),
+        _plan.plan_backward(
+            p, "bfloat16", H200, q_shape=(2, 300, 8, 128), k_shape=(2, 333, 2, 128), deterministic=True
+        ),  # fmt: skip
+    ]
+
+
+def test_a_call_that_sets_only_pointers_launches_the_packed_template(monkeypatch):
+    """``_launch``'s straight path: a call whose operands' layouts the Launch knows sets only
+    pointers (``Launch.pointer_words``), and its kernels get the Launch's template packed once
+    with those pointers stored: the same bytes as a pack of every field the call set, for each
+    kind of launch (stand-in arrays and kernels, the driver stubbed: bytes, not a GPU). The first
+    call (layouts not yet known) packs every field."""
+    from cupyflash import _launch, _workspace
+
+    handed = []
+
+    class Driver:
+        CUDADriverError = RuntimeError
+
+        @staticmethod
+        def launchKernel(function, *args):  # noqa: N802  (the driver's name)
+            handed.append(bytes(_kernels._scratch.params_view))
+
+    class Array:
+        def __init__(self, shape, dtype, ptr):
+            self.shape, self.dtype, self.ptr = tuple(shape), dtype, ptr
+            step, strides = 1, []
+            for n in reversed(self.shape):
+                strides.append(step)
+                step *= n
+            self.strides = tuple(reversed(strides))
+
+    pointers = iter(range(1 << 20, 1 << 40, 1 << 16))
+
+    class Lib:
+        name, wraps = "stand-in", False
+        ptr = staticmethod(lambda x: x.ptr)
+        raw_strides = strides = staticmethod(lambda x: x.strides)
+        stream = staticmethod(lambda device: 0)
+        empty = staticmethod(lambda shape, dtype, device, like: Array(shape, dtype, next(pointers)))
+        fill = staticmethod(lambda array, value: None)
+
+    monkeypatch.setattr(_kernels, "_driver", lambda: Driver)
+    monkeypatch.setattr(_workspace, "stream_scratch", lambda *a, **k: (next(pointers), next(pointers)))
+    monkeypatch.setitem(_workspace.error_word_ptrs, 0, next(pointers))
+    monkeypatch.setattr(_launch, "_tensor_maps", lambda *a: b"")
+    monkeypatch.setattr(_interop, "current_device", lambda: 0)
+    for launch in _launches_of_every_kind():
+        assert launch.pointer_words
+        launch.kernels[:] = [
+            _kernels.CompiledKernel(step.spec, "sm_90a", types.SimpleNamespace(ptr=1), 0, 0, 0.0)
+            for step in launch.steps
+        ]
+        seen: list[tuple[list, bool]] = []
+        real = _kernels.CompiledKernel.launch
+
+        def spy(self, grid, block, smem, stream, params, maps=None, packed=None, real=real, seen=seen):
+            seen.append((list(params), packed is not None))
+            real(self, grid, block, smem, stream, params, maps, packed)
+
+        monkeypatch.setattr(_kernels.CompiledKernel, "launch", spy)
+        for call in range(3):
+            arrays = {}
+            for op in launch.operands:
+                shape = {"q": (2, 300, 8, 128), "k": (2, 333, 2, 128)}.get(op.name)
+                if op.kind in (_launch.TILE, _launch.CONTIGUOUS) and shape is None:
+                    shape = (4, 16, 2, 128)
+                if shape is not None:
+                    arrays[op.name] = Array(shape, "bfloat16", next(pointers))
+            handed.clear()
+            seen.clear()
+            _launch._run(launch, Lib, 0, arrays, True, _launch.EMPTY)
+            size = launch.params.struct.dtype.itemsize
+            assert len(seen) == len(handed) == len(launch.steps)
+            assert [fast for _, fast in seen] == [call > 0] * len(seen)  # the first call packs every field
+            for (values, _fast), got in zip(seen, handed, strict=True):
+                assert got[:size] == launch.params.struct.pack_bytes(values), (call, launch.steps)
+        monkeypatch.setattr(_kernels.CompiledKernel, "launch", real)

@@ -111,9 +111,10 @@ class Launch:
     # The layouts last found readable by the kernels (``_launch``: a call whose operands have
     # the same raw strides checks only their pointers' alignment), in a one-item list: threads
     # share a Launch, so the item is replaced whole, never edited. It holds, per operand, the raw
-    # strides (None: none yet, or not ``plain`` below) and the element strides, and the params
-    # values with those operands' strides in their slots (a call starts from these values).
-    layouts: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[int | float, ...]]] = field(
+    # strides (None: none yet, or not ``plain`` below) and the element strides, the params
+    # values with those operands' strides in their slots (a call starts from these values), and
+    # those values packed (the bytes a call that sets only ``pointer_words`` launches with).
+    layouts: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[int | float, ...], bytes]] = field(
         init=False, repr=False, compare=False
     )
 
@@ -125,11 +126,17 @@ class Launch:
     # Whether a call keeps each operand's (pointer, strides): the TMA maps, a pointer offset and
     # the steps that launch themselves read them.
     needs_bound: bool = field(init=False, repr=False, compare=False)
+    # (slot, index among the struct's 8-byte words) of every pointer a call's straight path sets:
+    # the operands', the outputs', the temporaries', the scratch's and the error word's. A call
+    # that sets nothing else launches with the packed template and these stores (_launch); None
+    # where one of them is not a pointer field.
+    pointer_words: tuple[tuple[int, int], ...] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.operands)
         object.__setattr__(self, "operand_index", {op.name: i for i, op in enumerate(self.operands)})
-        object.__setattr__(self, "layouts", [((None,) * n, (None,) * n, self.params.values)])
+        values = self.params.values
+        object.__setattr__(self, "layouts", [((None,) * n, (None,) * n, values, self.params.struct.pack_bytes(values))])
         bindings = tuple(
             (i, op.name, op.ptr_slot, 15 if op.kind in (TILE, FP8_TILE) else 0) for i, op in enumerate(self.operands)
         )
@@ -139,6 +146,14 @@ class Launch:
             type(step) is not KernelStep or step.tma is not None for step in self.steps
         )
         object.__setattr__(self, "needs_bound", needs_bound)
+        slots = [op.ptr_slot for op, plain in zip(self.operands, self.plain) if plain]
+        slots += [o.ptr_slot for o in self.outputs] + [t.ptr_slot for t in self.temporaries if t.ptr_slot >= 0]
+        if self.scratch is not None:
+            slots += [self.scratch.counter_slot, *(slot for slot, _ in self.scratch.scratch_slots)]
+        slots += [self.error_slot] if self.error_slot >= 0 else []
+        words = self.params.struct.pointer_word
+        pointer_words = tuple((slot, words[slot]) for slot in dict.fromkeys(slots))
+        object.__setattr__(self, "pointer_words", pointer_words if all(w >= 0 for _, w in pointer_words) else None)
 
 
 # ---------------------------------------------------------------------------------------------
