@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cupyflash import _device, _interop, _kernels, _launch, _plan, _workspace
+from cupyflash._params import PARAMS_STRUCTS, ParamsStruct
 from cupyflash._validate import attention_problem, kvcache_problem, varlen_problem
 
 H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
@@ -284,6 +285,9 @@ def test_a_call_that_sets_only_pointers_launches_the_packed_template(monkeypatch
     monkeypatch.setitem(_workspace.error_word_ptrs, 0, next(pointers))
     monkeypatch.setattr(_launch, "_tensor_maps", lambda *a: b"")
     monkeypatch.setattr(_interop, "current_device", lambda: 0)
+    packs = []
+    real_pack = ParamsStruct.pack_into
+    monkeypatch.setattr(ParamsStruct, "pack_into", lambda self, *a: packs.append(self) or real_pack(self, *a))
     for launch in _launches_of_every_kind():
         assert launch.pointer_words
         launch.kernels[:] = [
@@ -308,7 +312,12 @@ def test_a_call_that_sets_only_pointers_launches_the_packed_template(monkeypatch
                     arrays[op.name] = Array(shape, "bfloat16", next(pointers))
             handed.clear()
             seen.clear()
+            packs.clear()
             _launch._run(launch, Lib, 0, arrays, True, _launch.EMPTY)
+            # after the first call, only a step of another struct than the Launch's packs its fields
+            # (the Hopper backward's Fa3BwdParams beside the row kernels' BwdParams)
+            others = [s for s in launch.steps if PARAMS_STRUCTS[s.spec.params_type] is not launch.params.struct]
+            assert len(packs) == (len(launch.steps) if call == 0 else len(others))
             size = launch.params.struct.dtype.itemsize
             assert len(seen) == len(handed) == len(launch.steps)
             assert [fast for _, fast in seen] == [call > 0] * len(seen)  # the first call packs every field
