@@ -59,12 +59,13 @@ class CompiledKernel:
 
         ``packed``: (the struct, ``params`` packed but for the pointers a call sets, and those
         pointers' (slot, word index)), where ``params`` differs from its Launch's template only in
-        them: the template's bytes copied and one 8-byte store per pointer, ~0.27 us where packing
+        them (used where the kernel's struct has the same field list: Fa3BwdParams' are
+        BwdParams'): the template's bytes copied and one 8-byte store per pointer, ~0.27 us where packing
         every field took 0.9-1.3 us on the 2-core host (AttnParams' 72 fields, DecodeParams' 123)."""
         driver = _driver()
         layout = PARAMS_STRUCTS[self.spec.params_type]
         scratch = _scratch
-        if packed is not None and packed[0] is layout:
+        if packed is not None and packed[0].fields is layout.fields:  # one field list: the same bytes
             template = packed[1]
             scratch.params_view[: len(template)] = template
             words = scratch.params_words
