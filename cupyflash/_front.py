@@ -84,7 +84,7 @@ def captured_grad(mods: tuple[Any, Any]) -> bool:
     False while Dynamo traces (the compiled route refuses such a tensor by name)."""
     if _interop.compiling():
         return False
-    captured = [x for mod in mods if mod is not None for x in mod.buffers]
+    captured = [x for mod in mods if mod is not None for x in mod.buffers if hasattr(x, "requires_grad")]
     return bool(captured) and _interop.needs_autograd(captured)
 
 
