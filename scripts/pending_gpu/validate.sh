@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One call (any machine, no FlashAttention-4) for when device time is short: what removing the two
-# opt-in switches needs. The GPU tests of the one-launch cascade and block masks (their tests set
+# One call (any machine, no FlashAttention-4) for when device time is short: the packed launch
+# template on every kind of launch (tests/test_gpu_launch_template.py: it is on every default path,
+# checked byte for byte on the CPU only), then what removing the two opt-in switches needs. The GPU tests of the one-launch cascade and block masks (their tests set
 # the switches themselves), the kernels they touched (score functions, the dense attn_mask summary,
 # the decode kernel and its tree variant), score functions under torch.compile and jax.jit (a learned
 # bias table's gradient on the GPU, eager and under jax.grad), ring-flash-attn on
@@ -17,7 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.log
 git log -1 --format=%H 2>/dev/null | tee -a $OUT/env.log
-timeout $(upto 250 120) python3 -m pytest -q -n 14 -p no:cacheprovider -m gpu -rf --durations=15 tests/test_gpu_cascade.py \
+timeout $(upto 250 120) python3 -m pytest -q -n 14 -p no:cacheprovider -m gpu -rf --durations=15 tests/test_gpu_launch_template.py tests/test_gpu_cascade.py \
   tests/test_gpu_block_mask.py tests/test_gpu_mods.py tests/test_gpu_attn_mask.py tests/test_mods_traced.py \
   tests/test_gpu_tree_mask.py tests/test_gpu_decode.py tests/test_ring_flash_attn.py \
   tests/test_flash_attn_lowlevel.py tests/test_flash_attn_bounds.py > $OUT/tests.log 2>&1
