@@ -591,7 +591,10 @@ def evaluate(xp: Any, mod: Mod, values: dict[str, Any], buffers: tuple[Any, ...]
             out = args[0]
         elif op == "index":
             out = _gather(xp, mod.role, buffers[args[0].args[0].slot], [array(run(i), INT) for i in args[1:]])
-            out = as_kind(out, e.kind) if e.kind == FLOAT else out
+            if e.kind == FLOAT:
+                out = as_kind(out, e.kind)
+            elif e.kind == INT and out.dtype != xp.int64:  # int8 .. int32, uint8: 64-bit, as the kernels'
+                out = xp.astype(out, xp.int64)  # (abs(-128) of an int8 array is 128, 200 + 100 is 300)
         elif op in _ARITH or op in ("minimum", "maximum"):
             a, b = (as_kind(run(x), e.kind) for x in args)
             if op in ("minimum", "maximum"):

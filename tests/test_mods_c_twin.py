@@ -1,0 +1,251 @@
+"""The score hook's generated CUDA C, run on the host against the host path.
+
+``_mods.kernel_mods`` writes the C that the kernels include: each traced function, then
+``cf_user_mods`` (the mask's -inf, an index outside a captured array's NaN), ``cf_user_score``
+(a BlockMask's plain tiles) and ``cf_user_mods_grad`` (the backward's d score_mod / d score).
+NVRTC checks that this C compiles (tests/test_mods.py); it cannot check that it computes what
+the trace means. Here the same text is compiled as C++ by the host's compiler, with a few lines
+standing in for CUDA's qualifiers and intrinsics, called on random scores and indices, and
+compared element by element with ``_mods.evaluate`` in float32, the host path's twin: integer
+and boolean results exactly (Python's floor division and modulo on negative operands, index
+arithmetic, comparisons across kinds), float results to float32 rounding (the math library's
+exp / log / tanh differ from NumPy's in the last bits), NaN and infinities where they fall.
+Captured arrays of every element type the kernels read, with strides of sliced views. A wrong
+expression that compiles fails here, on a machine with no GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from cupyflash import _mods, mods
+
+CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+pytestmark = pytest.mark.skipif(CXX is None, reason="no host C++ compiler")
+
+# What CUDA gives the generated text and a host compiler lacks. x86-64 float arithmetic is IEEE
+# binary32 (SSE), as the GPU's; -ffp-contract=off keeps a * b + c two roundings, as NumPy's.
+PRELUDE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+static inline float __int_as_float(unsigned int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+static inline long long min(long long a, long long b) { return a < b ? a : b; }
+static inline long long max(long long a, long long b) { return a > b ? a : b; }
+struct AttnParams {  // the fields kernels_cu/params.cuh's AttnParams gives the score hook
+  const void* mod_buffer0; const void* mod_buffer1; const void* mod_buffer2; const void* mod_buffer3;
+  int64_t mod_buffer0_stride0, mod_buffer0_stride1, mod_buffer1_stride0, mod_buffer1_stride1;
+  int64_t mod_buffer2_stride0, mod_buffer2_stride1, mod_buffer3_stride0, mod_buffer3_stride1;
+};
+"""
+
+DRIVER = r"""
+extern "C" void cf_run_{n}(int count, const AttnParams* p, const float* score, const int* b, const int* h,
+                          const int* q, const int* kv, float* both, float* alone, float* slope) {{
+  for (int i = 0; i < count; ++i) {{
+    both[i] = pair{n}::cf_user_mods(*p, score[i], b[i], h[i], q[i], kv[i]);
+    alone[i] = pair{n}::cf_user_score(*p, score[i], b[i], h[i], q[i], kv[i]);
+    slope[i] = pair{n}::cf_user_mods_grad(*p, score[i], b[i], h[i], q[i], kv[i]);
+  }}
+}}
+"""
+
+
+class Params(ctypes.Structure):
+    _fields_ = [(f"mod_buffer{i}", ctypes.c_void_p) for i in range(4)] + [
+        (f"mod_buffer{i}_stride{axis}", ctypes.c_int64) for i in range(4) for axis in range(2)
+    ]
+
+
+NB, NH, NQ, NK = 2, 4, 61, 75  # index ranges of the grids
+COUNT = 6000
+
+
+def _captured(rng):
+    """Captured arrays of every element type the kernels read, several as sliced views (strides
+    other than their shapes' own)."""
+    doc = np.repeat(np.arange(9), 9)[:NK].astype(np.int32)  # documents of 9 tokens
+    table = rng.standard_normal((NH, 2 * 128)).astype(np.float32)[:, ::2]  # (4, 128), stride 2
+    slopes = (2.0 ** -np.arange(1, NH + 1)).astype(np.float64)
+    wide = rng.integers(-50, 50, (NK, 3)).astype(np.int64)[:, 1]  # 1-D, stride 3
+    small = rng.integers(-7, 7, NK).astype(np.int16)
+    keep = rng.random(NK) < 0.7
+    bytes_ = rng.integers(0, 255, NK).astype(np.uint8)
+    signed = rng.integers(-128, 127, (NK, NQ)).astype(np.int8).T  # (NQ, NK), transposed strides
+    return doc, table, slopes, wide, small, keep, bytes_, signed
+
+
+def _pairs(rng):
+    """(name, score_mod, mask_mod) as Python functions, traced by the test: the gallery's forms and
+    the operations whose C differs from Python's (// and % on negatives, int / int, kinds mixed)."""
+    doc, table, slopes, wide, small, keep, bytes_, signed = _captured(rng)
+    return {
+        "document-causal": (None, lambda b, h, q, kv: (doc[q] == doc[kv]) & ~(kv > q)),
+        "chunks-or-stride": (None, lambda b, h, q, kv: (q // 8 == kv // 8) | (kv % 3 == 0)),
+        "negative-floordiv-mod": (
+            lambda s, b, h, q, kv: s + ((kv - q) // 7) * 0.25 + ((q - kv) % -5) - (kv - 40) // -3,
+            lambda b, h, q, kv: ((q - kv) % 4 != 1) | ((kv - q) // 6 == -2),
+        ),
+        "relative-table": (lambda s, b, h, q, kv: s + table[h, kv - q + 64] - 0.5 * mods.abs(q - kv), None),
+        "alibi-window": (
+            lambda s, b, h, q, kv: s - slopes[h] * mods.abs(q - kv),
+            lambda b, h, q, kv: (q - kv < 16) & (kv <= q),
+        ),
+        "softcap-where": (
+            lambda s, b, h, q, kv: mods.where(q >= kv, 30.0 * mods.tanh(s / 30.0), mods.log(mods.exp(s) + 1) / 2),
+            None,
+        ),
+        "min-max-float-mod": (
+            lambda s, b, h, q, kv: mods.maximum(mods.minimum(s, 5), -math.inf) + (s // 2) % 1.5 + q / (kv + 1),
+            None,
+        ),
+        "integer-dtypes": (
+            lambda s, b, h, q, kv: s * (1 + small[kv]) + wide[kv] / 64 + mods.minimum(bytes_[kv], 200) / 255,
+            lambda b, h, q, kv: keep[kv] | (h == b),
+        ),
+        "bool-and-int-compare": (
+            lambda s, b, h, q, kv: mods.where(keep[kv] & ~(q > 30), s, -s) + mods.abs(signed[q, kv]),
+            lambda b, h, q, kv: (mods.maximum(q - kv, kv - q) <= 2 * h + 3) | (signed[q, kv] > 100),
+        ),
+    }
+
+
+def _host(mod, values, buffers):
+    """The host path's value (its index grids are int64 aranges; the kernels' ints are 32-bit)."""
+    values = {k: v.astype(np.int64) if k != "score" else v for k, v in values.items()}
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # the grid's NaN and infinite scores
+        return np.asarray(_mods.evaluate(np, mod, values, buffers, np.float32))
+
+
+def _expected(score_mod, mask_mod, values):
+    """What cf_user_mods, cf_user_score and cf_user_mods_grad should return, from the host path."""
+    shape = values["score"].shape
+    logit = values["score"] if score_mod is None else _host(score_mod, values, score_mod.buffers)
+    logit = np.broadcast_to(np.asarray(logit, np.float32), shape)
+    shown = np.ones(shape, bool)
+    if mask_mod is not None:
+        shown = np.broadcast_to(_host(mask_mod, values, mask_mod.buffers), shape)
+    if score_mod is None:
+        slope = np.ones(shape, np.float32)
+    else:
+        slope = np.broadcast_to(_host(_mods.score_derivative(score_mod), values, score_mod.buffers), shape)
+    return np.where(shown, logit, np.float32(-np.inf)), logit, slope.astype(np.float32)
+
+
+def _params(kernel, score_mod, mask_mod):
+    params = Params()
+    for n, array in enumerate(kernel.arrays(score_mod, mask_mod)):
+        setattr(params, f"mod_buffer{n}", array.ctypes.data)
+        for axis, stride in enumerate(array.strides):
+            setattr(params, f"mod_buffer{n}_stride{axis}", stride // array.itemsize)
+    return params
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Every pair's kernel_mods source, each in its own namespace, in one shared library."""
+    rng = np.random.default_rng(11)
+    pairs = _pairs(rng)
+    traced = {}
+    parts = [PRELUDE]
+    for n, (name, (score_fn, mask_fn)) in enumerate(pairs.items()):
+        score_mod = None if score_fn is None else _mods.trace_score_mod(score_fn)
+        mask_mod = None if mask_fn is None else _mods.trace_mask_mod(mask_fn)
+        kernel = _mods.kernel_mods(score_mod, mask_mod)
+        traced[name] = (n, score_mod, mask_mod, kernel)
+        parts += [f"namespace pair{n} {{", kernel.source, "}", DRIVER.format(n=n)]
+    folder = tmp_path_factory.mktemp("mods_c")
+    source, library = folder / "mods.cpp", folder / "mods.so"
+    source.write_text("\n".join(parts))
+    command = [CXX, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-Werror",
+               "-Wall", "-Wno-unused-variable", "-Wno-unused-function", "-o", str(library), str(source)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return ctypes.CDLL(str(library)), traced
+
+
+def _grid(rng, in_range):
+    values = {
+        "b": rng.integers(0, NB, COUNT).astype(np.int32),
+        "h": rng.integers(0, NH, COUNT).astype(np.int32),
+        "q_idx": rng.integers(0, NQ, COUNT).astype(np.int32),
+        "kv_idx": rng.integers(0, NK, COUNT).astype(np.int32),
+    }
+    score = (rng.standard_normal(COUNT) * 8).astype(np.float32)
+    score[::97] = np.nan  # NaN in gives NaN out
+    score[5::89] = np.inf
+    score[7::101] = -np.inf
+    values["score"] = score
+    if in_range:  # the relative table reads kv - q + 64: keep it inside its 128 columns
+        keep = np.abs(values["kv_idx"].astype(np.int64) - values["q_idx"]) < 64
+        values = {k: v[keep] for k, v in values.items()}
+    return values
+
+
+def _run(library, n, params, values):
+    count = values["score"].shape[0]
+    outs = [np.empty(count, np.float32) for _ in range(3)]
+    pointer = ctypes.POINTER(ctypes.c_float)
+
+    def ptr(a):
+        return a.ctypes.data_as(ctypes.c_void_p)
+
+    getattr(library, f"cf_run_{n}")(
+        ctypes.c_int(count), ctypes.byref(params), *(ptr(values[k]) for k in ("score", "b", "h", "q_idx", "kv_idx")),
+        *(o.ctypes.data_as(pointer) for o in outs),
+    )  # fmt: skip
+    return outs
+
+
+def _same(got, want, name, exact):
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all(), f"{name}: NaN at {np.flatnonzero(np.isnan(got) != nan)[:8]}"
+    if exact:
+        np.testing.assert_array_equal(got[~nan], want[~nan], err_msg=name)
+    else:  # float32 rounding; infinities equal
+        np.testing.assert_allclose(got[~nan], want[~nan], rtol=4e-6, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("name", list(_pairs(np.random.default_rng(0))))
+def test_the_generated_c_computes_what_the_host_path_does(compiled, name):
+    library, traced = compiled
+    n, score_mod, mask_mod, kernel = traced[name]
+    values = _grid(np.random.default_rng(hash(name) % 2**32), in_range=True)
+    both, alone, slope = _run(library, n, _params(kernel, score_mod, mask_mod), values)
+    want_both, want_alone, want_slope = _expected(score_mod, mask_mod, values)
+    # a score_mod of indices and integers alone gives exact results; transcendental ones round
+    exact = name in ("document-causal", "chunks-or-stride")
+    _same(both, want_both, f"{name}: cf_user_mods", exact)
+    _same(alone, want_alone, f"{name}: cf_user_score", exact)
+    _same(slope, want_slope, f"{name}: cf_user_mods_grad", exact)
+    if mask_mod is not None:  # where the mask hides a score: -inf exactly, whatever the score
+        hidden = ~np.broadcast_to(_host(mask_mod, values, mask_mod.buffers), both.shape)
+        assert hidden.any() and (~hidden).any(), "the grid should show and hide scores"
+        assert np.isneginf(both[hidden]).all()
+
+
+def test_an_index_outside_a_captured_array_makes_the_score_nan(compiled):
+    """The host path raises for such a read; the kernel's function reads nothing there and makes
+    the score NaN (its row's output NaN, never a value from past the array)."""
+    library, traced = compiled
+    n, score_mod, mask_mod, kernel = traced["relative-table"]
+    values = _grid(np.random.default_rng(5), in_range=False)
+    column = values["kv_idx"].astype(np.int64) - values["q_idx"] + 64
+    outside = (column < 0) | (column >= 128)
+    assert outside.any() and (~outside).any()
+    both, alone, _ = _run(library, n, _params(kernel, score_mod, mask_mod), values)
+    assert np.isnan(both[outside]).all() and np.isnan(alone[outside]).all()
+    inside = {k: v[~outside] for k, v in values.items()}
+    want_both, _, _ = _expected(score_mod, mask_mod, inside)
+    _same(both[~outside], want_both, "inside", exact=False)
+    with pytest.raises(IndexError, match="outside the array"):
+        _host(score_mod, values, score_mod.buffers)
