@@ -8,7 +8,7 @@
 # summary, the mods forwards and backward), then flash-attn's own test file against
 # cupyflash.flash_attn (scripts/flash_attn_suite.sh, staged into .peers/fa2tests) with the time left.
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/call1.sh [SECONDS]
-#   carry: .peers/fa4x1 .peers/bin .peers/fa2tests .whl   (.whl: einops and ring-flash-attn too)
+#   carry: .peers/fa4x1 .peers/bin .peers/fa2tests .whl   (scripts/pending_gpu/stage.sh makes them)
 set -uo pipefail
 END=${1:-560}
 left() { echo $((END - SECONDS)); }

@@ -4,7 +4,7 @@
 # the one-launch cascade beside the flat paged call (bench-cascade: B in {1, 2, 8, 64}, 4k and
 # 32k prefixes), and score functions with block masks beside FlexAttention (bench-mods).
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/call2.sh [SECONDS]
-#   carry: .peers/fa4x2 .peers/bin .peers/fa4w .whl
+#   carry: .peers/fa4x2 .peers/bin .peers/fa4w .whl   (scripts/pending_gpu/stage.sh makes them)
 set -uo pipefail
 END=${1:-560}
 left() { echo $((END - SECONDS)); }

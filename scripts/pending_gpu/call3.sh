@@ -5,7 +5,7 @@
 # front-door redesign) beside SDPA, two processes per tree (.ab/host_ab.py; .ab/t8f = `git archive
 # 8f608e0 cupyflash kernels_cu`).
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/call3.sh [SECONDS]
-#   carry: .whl .ab/t8f .ab/host_ab.py
+#   carry: .whl .ab/t8f .ab/host_ab.py   (scripts/pending_gpu/stage.sh makes them)
 set -uo pipefail
 END=${1:-560}
 left() { echo $((END - SECONDS)); }

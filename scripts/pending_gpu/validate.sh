@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One call (any machine, no FlashAttention-4) for when device time is short: the packed launch
-# template on every kind of launch (tests/test_gpu_launch_template.py: it is on every default path,
-# checked byte for byte on the CPU only), then what removing the two opt-in switches needs. The GPU tests of the one-launch cascade and block masks (their tests set
-# the switches themselves), the kernels they touched (score functions, the dense attn_mask summary,
-# the decode kernel and its tree variant), score functions under torch.compile and jax.jit (a learned
-# bias table's gradient on the GPU, eager and under jax.grad), ring-flash-attn on
-# virtual ranks, the flash-attn lower-level functions; then the one-launch cascade beside the flat
-# paged call (bench-cascade), compute-sanitizer over the shared-prefix and variant cases, and
-# flash-attn's test file (.peers/fa2tests) with the time left.
+# template on every kind of launch (tests/test_gpu_launch_template.py: it is on every default
+# path, checked byte for byte on the CPU only), then what removing the two opt-in switches needs:
+# the GPU tests of the one-launch cascade and block masks (their tests set the switches
+# themselves), the kernels they touched (score functions, the dense attn_mask summary, the decode
+# kernel and its tree variant), score functions under torch.compile and jax.jit (a learned bias
+# table's gradient on the GPU, eager and under jax.grad), ring-flash-attn on virtual ranks, the
+# flash-attn lower-level functions; then the one-launch cascade beside the flat paged call
+# (bench-cascade), compute-sanitizer over the shared-prefix and variant cases, and flash-attn's
+# test file (.peers/fa2tests) with the time left.
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate.sh [SECONDS]
-#   carry: .whl .peers/fa2tests
+#   carry: .whl .peers/fa2tests   (scripts/pending_gpu/stage.sh makes them)
 set -uo pipefail
 END=${1:-560}
 left() { echo $((END - SECONDS)); }
