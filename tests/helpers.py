@@ -1,13 +1,18 @@
 """What several test files share: the per-dtype error bounds of the GPU tests, GPU inputs, the
 naive low-precision baseline of flash-attn's "2x naive" rule, the forward check, the float64
-reference of a KV cache, and paged caches. Imported as ``from helpers import ...`` (pytest puts
-tests/ on sys.path, as for conftest.py); nothing here is a test.
+reference of a KV cache, paged caches, and the host compiler that runs device code's C twins.
+Imported as ``from helpers import ...`` (pytest puts tests/ on sys.path, as for conftest.py);
+nothing here is a test.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -318,3 +323,23 @@ def capture(torch: Any, step: Any) -> tuple[Any, Any]:
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code run on the host (the *_c_twin tests): kernels_cu's and the generated C compiled by
+# the host's C++ compiler, so that what it computes is checked on a machine with no GPU.
+# ---------------------------------------------------------------------------------------------
+HOST_CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+needs_host_cxx = pytest.mark.skipif(HOST_CXX is None, reason="no host C++ compiler")
+
+
+def host_library(source: str, folder: Path, *flags: str) -> ctypes.CDLL:
+    """``source`` (C++17) built as a shared library in ``folder`` with warnings as errors; an
+    error fails the test with the compiler's message."""
+    path, library = folder / "twin.cpp", folder / "twin.so"
+    path.write_text(source)
+    command = [HOST_CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror", *flags, "-o", str(library),
+               str(path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return ctypes.CDLL(str(library))

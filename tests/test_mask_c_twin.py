@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import host_library, needs_host_cxx
 
 from cupyflash import _source
 
-CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-pytestmark = pytest.mark.skipif(CXX is None, reason="no host C++ compiler")
+pytestmark = needs_host_cxx
 
 COMMON_STANDIN = r"""
 #pragma once
@@ -173,14 +171,7 @@ def library(tmp_path_factory):
             f"words, unsigned char* needs, unsigned char* hidden) {{ packed_rows{template}(row0, row_end, group, "
             "sq, sk, wl, wr, words, needs, hidden); }"
         )
-    source = folder / "driver.cpp"
-    source.write_text(DRIVER + "\n".join(wrappers) + "\n")
-    out = folder / "mask.so"
-    command = [CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror", "-Wno-unknown-pragmas",
-               f"-I{folder}", "-o", str(out), str(source)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return ctypes.CDLL(str(out))
+    return host_library(DRIVER + "\n".join(wrappers) + "\n", folder, "-Wno-unknown-pragmas", f"-I{folder}")
 
 
 def _rule(rows, keys, sq, sk, causal, local, wl, wr):

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import math
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
+from helpers import host_library, needs_host_cxx
 
 from cupyflash import _mods, mods
 
-CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-pytestmark = pytest.mark.skipif(CXX is None, reason="no host C++ compiler")
+pytestmark = needs_host_cxx
 
 # What CUDA gives the generated text and a host compiler lacks. x86-64 float arithmetic is IEEE
 # binary32 (SSE), as the GPU's; -ffp-contract=off keeps a * b + c two roundings, as NumPy's.
@@ -163,14 +161,9 @@ def compiled(tmp_path_factory):
         kernel = _mods.kernel_mods(score_mod, mask_mod)
         traced[name] = (n, score_mod, mask_mod, kernel)
         parts += [f"namespace pair{n} {{", kernel.source, "}", DRIVER.format(n=n)]
-    folder = tmp_path_factory.mktemp("mods_c")
-    source, library = folder / "mods.cpp", folder / "mods.so"
-    source.write_text("\n".join(parts))
-    command = [CXX, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-Werror",
-               "-Wall", "-Wno-unused-variable", "-Wno-unused-function", "-o", str(library), str(source)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return ctypes.CDLL(str(library)), traced
+    flags = ("-ffp-contract=off", "-fno-fast-math", "-Wno-unused-variable", "-Wno-unused-function")
+    library = host_library("\n".join(parts), tmp_path_factory.mktemp("mods_c"), *flags)
+    return library, traced
 
 
 def _grid(rng, in_range):
