@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _baselines_gpu, _block_mask, _device, _host, _interop, _launch, _mods, _plan
+from . import _baselines_gpu, _block_mask, _device, _host, _interop, _launch, _mod_tiles, _mods, _plan
 from ._validate import (
     Options,
     Problem,
@@ -427,12 +427,16 @@ def _kernel_mods_of(call: Forward | Backward, device: int) -> tuple[Any, _mods.K
     """A GPU call's score_mod / mask_mod: their key, their device code (written once per key)
     and their captured arrays in mod_buffer order, adopted as q was (one library, q's device)."""
     score_mod, mask_mod = call.mods
-    mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key)
+    # the mask's own tile classes (_mod_tiles) go with the kernels' tile skipping, opt-in as a
+    # BlockMask's is until a GPU run validates it
+    tiles = mask_mod is not None and _block_mask.kernels_read_it()
+    mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key, tiles)
     kernel = _kernel_mods.get(mods_key)
     if kernel is None:
         if len(_kernel_mods) >= _plan.PlanCache.MAX_ENTRIES:  # a process of endless new functions
             _kernel_mods.clear()
-        kernel = _kernel_mods.setdefault(mods_key, _mods.kernel_mods(score_mod, mask_mod))
+        source = _mod_tiles.kernel_source(mask_mod) if tiles else ""
+        kernel = _kernel_mods.setdefault(mods_key, _mods.kernel_mods(score_mod, mask_mod, source))
     captured = kernel.arrays(score_mod, mask_mod)
     names = tuple(f"{('score_mod', 'mask_mod')[which]}'s captured array {slot}" for which, slot in kernel.buffers)
     # One library on q's device (an array elsewhere is refused there, named), adopted as q was.

@@ -796,13 +796,14 @@ class KernelMods:
         return tuple(mods[which].buffers[slot] for which, slot in self.buffers)  # type: ignore[union-attr]
 
 
-def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None) -> KernelMods:
+def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") -> KernelMods:
     """The device source of a score_mod and / or mask_mod for the kernels' score hook: each
     function (``cuda_source``), then ``cf_user_mods``, which reads their captured arrays from
     AttnParams (at most MAX_KERNEL_BUFFERS), hides the score where mask_mod is false (-inf) and
     else returns score_mod's value (the score itself without one); ``cf_user_score``, score_mod's
     value alone (a BlockMask's plain tiles); and ``cf_user_mods_grad``, the backward's
-    d score_mod / d score at the same arguments (``score_derivative``; 1 without one)."""
+    d score_mod / d score at the same arguments (``score_derivative``; 1 without one). ``tiles``:
+    the mask's tile classes (``_mod_tiles.kernel_source``), appended where a call asks for them."""
     parts, call = [CUDA_HELPERS], {}
     order: list[tuple[int, int]] = []
     ndims: list[int] = []
@@ -855,6 +856,7 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None) -> KernelMods:
         "__device__ __forceinline__ float cf_user_mods_grad(const AttnParams& p, float score, int b, int h,\n"
         "                                                    int q_idx, int kv_idx) {\n" + gradient + "}\n"
     )
+    parts.append(tiles)
     source = "".join(parts)
     return KernelMods(source, tuple(order), hashlib.sha256(source.encode()).hexdigest()[:12], tuple(ndims))
 

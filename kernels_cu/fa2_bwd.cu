@@ -392,8 +392,12 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
   auto tile_state = [&](int step) {
     if constexpr (Traits::Has_cells) {
       if (step >= steps) return static_cast<int>(kMaskCellHidden);
-      if (Traits::Has_user_mods && a.mask_cells == nullptr)  // no BlockMask
+      if (Traits::Has_user_mods && a.mask_cells == nullptr) {  // no BlockMask
+        if constexpr (user_mask_tiles())  // the mask's own bounds, where the call asks
+          return user_mask_tile_state<kBlockM, kBlockN>(a, batch, step_head(step), step_row0(step),
+                                                        key0, seqlen_q, seqlen_k);
         return static_cast<int>(kMaskCellMixed);
+      }
       return mask_tile_state<kBlockM, kBlockN, false>(a, batch, step_head(step), step_row0(step),
                                                       key0);
     } else {
@@ -757,8 +761,12 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
   auto tile_state = [&](int n_block) {
     if constexpr (Traits::Has_cells) {
       if (n_block < n_begin) return static_cast<int>(kMaskCellHidden);
-      if (Traits::Has_user_mods && a.mask_cells == nullptr)  // no BlockMask
+      if (Traits::Has_user_mods && a.mask_cells == nullptr) {  // no BlockMask
+        if constexpr (user_mask_tiles())  // the mask's own bounds, where the call asks
+          return user_mask_tile_state<kBlockM, kBlockN>(a, batch, head, row_block0,
+                                                        n_block * kBlockN, seqlen_q, seqlen_k);
         return static_cast<int>(kMaskCellMixed);
+      }
       return mask_tile_state<kBlockM, kBlockN, false>(a, batch, head, row_block0,
                                                       n_block * kBlockN);
     } else {

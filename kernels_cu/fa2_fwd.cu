@@ -279,8 +279,12 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   auto tile_state = [&](int n_block) {
     if constexpr (Traits::Has_cells) {
       if (n_block < n_begin) return static_cast<int>(kMaskCellHidden);
-      if (Traits::Has_user_mods && params.mask_cells == nullptr)  // no BlockMask
+      if (Traits::Has_user_mods && params.mask_cells == nullptr) {  // no BlockMask
+        if constexpr (user_mask_tiles())  // the mask's own bounds, where the call asks
+          return user_mask_tile_state<kBlockM, kBlockN>(params, batch, head, row_block0,
+                                                        n_block * kBlockN, seqlen_q, seqlen_k);
         return static_cast<int>(kMaskCellMixed);
+      }
       return mask_tile_state<kBlockM, kBlockN, /*kOneCell=*/Traits::Has_mask_tensor>(
           params, batch, head, row_block0, n_block * kBlockN);
     } else {

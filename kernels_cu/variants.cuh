@@ -281,6 +281,28 @@ struct SelectScoreTransform<Element, false, false, kUserMods> {
 };
 #endif
 
+// The class of a tile of mask_mod's, without a BlockMask: cupyflash/_mod_tiles.py reads the
+// traced mask over the tile's rows and keys as intervals (cf_user_mask_tile: hidden, plain or
+// mixed, an answer other than mixed holding for every score of it) and defines
+// CF_USER_MASK_TILES where a call asks for it. The kernels call it under `if constexpr
+// (user_mask_tiles())`, so that a variant without it compiles to the code it had before. Bounds
+// clipped to the sequence (rows and keys past it are the kernels' to drop).
+#ifdef CF_USER_MASK_TILES
+CF_DEVICE constexpr bool user_mask_tiles() { return true; }
+template <int kBlockM, int kBlockN>
+CF_DEVICE int user_mask_tile_state(const AttnParams& p, int batch, int head, int row0, int key0,
+                                   int seqlen_q, int seqlen_k) {
+  return cf_user_mask_tile(p, batch, head, row0, min(row0 + kBlockM, seqlen_q) - 1, key0,
+                           min(key0 + kBlockN, seqlen_k) - 1);
+}
+#else
+CF_DEVICE constexpr bool user_mask_tiles() { return false; }
+template <int kBlockM, int kBlockN>
+CF_DEVICE int user_mask_tile_state(const AttnParams&, int, int, int, int, int, int) {
+  return kMaskCellMixed;
+}
+#endif
+
 template <bool Has_softcap, bool Has_alibi = false, int kBias = kNoBias, typename Element = __half>
 using ScoreTransform = typename SelectScoreTransform<Element, Has_softcap, Has_alibi, kBias>::type;
 

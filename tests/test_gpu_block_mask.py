@@ -213,6 +213,73 @@ def test_a_block_mask_skips_work(rng):
         assert times["block"] * 3 < times["alone"], (algorithm, times)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64)])
+def test_a_mask_mod_alone_classes_its_own_tiles(rng, monkeypatch, dtype, head_dim, deterministic):
+    """Without a BlockMask, the kernels class each tile from the traced mask itself
+    (cupyflash/_mod_tiles.py's cf_user_mask_tile: hidden tiles skipped, plain ones with score_mod
+    alone): the FA2 forward and the mma.sync backward against the float64 host path and against
+    the same call with the classes off, for the gallery's masks (index-only ones decided, a
+    captured array's mixed), with a score_mod beside them."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    tdtype = getattr(torch, dtype)
+    q, k, v = _qkv(torch, gen, tdtype, head_dim)
+    gpu = [x.cuda() for x in (q, k, v)]
+    host = [x.double().numpy() for x in (q, k, v)]
+    bias = torch.randn(HQ, NK, generator=gen)
+    bias_gpu, bias_host = bias.cuda(), bias.double().numpy()
+    for (name, on_host, _, _), (_, on_gpu, _, _) in zip(
+        _masks(lambda x: x, 5), _masks(lambda x: torch.from_numpy(x).cuda(), 5), strict=True
+    ):
+        results = {}
+        for switch in ("1", "0"):
+            monkeypatch.setenv("CUPYFLASH_GPU_BLOCK_MASK", switch)
+            out, lse = cupyflash.attention(*gpu, score_mod=lambda s, b, h, i, j: s + bias_gpu[h, j], mask_mod=on_gpu,
+                                           algorithm="fa2", return_lse=True)  # fmt: skip
+            dout = torch.ones_like(out)
+            grads = cupyflash.attention_backward(dout, *gpu, out, lse, mask_mod=on_gpu, deterministic=deterministic,
+                                                 score_mod=lambda s, b, h, i, j: s + bias_gpu[h, j])  # fmt: skip
+            results[switch] = [reference.to_numpy64(x) for x in (out, lse, *grads)]
+        want_out, want_lse = cupyflash.attention(*host, score_mod=lambda s, b, h, i, j: s + bias_host[h, j],
+                                                 mask_mod=on_host, return_lse=True)  # fmt: skip
+        got, got_lse = results["1"][:2]
+        assert rel_error(got, want_out) < BOUND[dtype], name
+        finite = np.isfinite(want_lse)
+        assert (np.isfinite(got_lse) == finite).all(), name
+        np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=2e-2, err_msg=name)
+        for label, on, off in zip(("out", "lse", "dq", "dk", "dv"), results["1"], results["0"], strict=True):
+            both = np.isfinite(off)
+            assert (np.isfinite(on) == both).all(), (name, label)
+            assert rel_error(on[both], off[both]) < 1e-2, (name, label)
+
+
+def test_a_mask_mod_alone_skips_the_tiles_it_hides(rng, monkeypatch):
+    """Chunked local attention (chunks of 512 over 8k keys: ~94% of the tiles hidden), written as
+    a mask_mod with no BlockMask: with the kernels' tile classes the FA2 forward runs several
+    times faster than without them (a loose bound), with the same result."""
+    torch = need_torch()
+    n = 8192
+    q, k, v = (torch.randn(1, n, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def chunked(b, h, i, j):
+        return (i // 512 == j // 512) & (j <= i)
+
+    times, outs = {}, {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("CUPYFLASH_GPU_BLOCK_MASK", switch)
+        cupyflash.attention(q, k, v, mask_mod=chunked, algorithm="fa2")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            outs[switch] = cupyflash.attention(q, k, v, mask_mod=chunked, algorithm="fa2")
+        end.record()
+        torch.cuda.synchronize()
+        times[switch] = start.elapsed_time(end)
+    assert rel_error(reference.to_numpy64(outs["1"]), reference.to_numpy64(outs["0"])) < 1e-2
+    assert times["1"] * 3 < times["0"], times
+
+
 def test_an_index_outside_a_captured_array_stays_nan_with_a_block_mask():
     """Where the mask reads outside its array the kernels make the score NaN; the summary calls
     such cells mixed (never hidden or plain), so the rows that reach them are NaN as without it."""
