@@ -1376,7 +1376,9 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
     largest difference from FlexAttention's output. A mask function runs with its block mask on
     both sides (each made once, outside the timing, as a fixed mask is used: cupyflash's
     ``create_block_mask`` and FlexAttention's), and on ours without it too ("cupyflash_mask_mod":
-    the mask evaluated on every tile, ``over_mask_mod_*`` the block mask's speed-up)."""
+    the mask alone, its tiles classed by its own trace under CUPYFLASH_GPU_BLOCK_MASK=1, else
+    evaluated on every tile; ``over_mask_mod_*`` the block mask's speed-up over it,
+    ``alone_over_builtin_*`` the built-in path's time over it)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -1434,16 +1436,18 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
             row[f"over_builtin_{timing}"] = round(ms["cupyflash_builtin"] / ms["cupyflash_mods"], 3)
         if "cupyflash_mods" in ms and "cupyflash_mask_mod" in ms:
             row[f"over_mask_mod_{timing}"] = round(ms["cupyflash_mask_mod"] / ms["cupyflash_mods"], 3)
+        if "cupyflash_mask_mod" in ms and "cupyflash_builtin" in ms:  # the mask_mod alone (its own tile classes)
+            row[f"alone_over_builtin_{timing}"] = round(ms["cupyflash_builtin"] / ms["cupyflash_mask_mod"], 3)
     return row
 
 
 def format_mods_table(rows: list[dict[str, Any]]) -> str:
     """One line per row: the speed-up over FlexAttention, over the built-in path (>1: the score
-    functions are faster) and the block mask's over the mask_mod alone, as ranges over the three
-    timings."""
+    functions are faster), the block mask's over the mask_mod alone, and the mask_mod alone over
+    the built-in path, as ranges over the three timings."""
     lines = [
-        "function           d     N  pass  | over flex (range)   over built-in (range) block mask (range) | "
-        "max |diff| vs flex"
+        "function           d     N  pass  | over flex (range)   over built-in (range) block mask (range) "
+        "alone / built-in | max |diff| vs flex"
     ]
 
     def span(r: dict[str, Any], prefix: str) -> str:
@@ -1453,7 +1457,8 @@ def format_mods_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"{r['function']:<17} {r['head_dim']:>3} {r['seqlen']:>5}  {'f+b' if r['backward'] else 'fwd':<4} | "
-            f"{span(r, 'over_flex_'):<19} {span(r, 'over_builtin_'):<21} {span(r, 'over_mask_mod_'):<18} | "
+            f"{span(r, 'over_flex_'):<19} {span(r, 'over_builtin_'):<21} {span(r, 'over_mask_mod_'):<18} "
+            f"{span(r, 'alone_over_builtin_'):<16} | "
             f"{r.get('max_abs_diff_vs_flex', '-')}"
         )
     return "\n".join(lines)
