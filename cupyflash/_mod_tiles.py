@@ -13,8 +13,8 @@ Every answer other than mixed holds for every score of the tile (interval arithm
 
 Two readers of one rule, as ``_mods`` has for the scores: ``tile_classes`` (NumPy, any number of
 tiles at once: the host's and the tests') and ``cuda_source`` (``cf_user_mask_tile``, one tile, in
-the kernels). Integer endpoints are doubles, exact while below 2^52 in magnitude: a value past
-that becomes unbounded (still sound), and ``//`` and ``%`` run on 64-bit integers.
+the kernels). Integer endpoints are doubles holding 32-bit integers: a value past them becomes
+unbounded (still sound), and ``//`` and ``%`` by a constant run on ints.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from ._mods import BOOL, FLOAT, INT, Expr, Mod
 #: Tile classes, as kernels_cu/variants.cuh's kMaskCell* and xp_impl's MASK_CELL_*.
 HIDDEN, MIXED, PLAIN = 0, 1, 2
 
-#: Endpoints past this magnitude are unbounded (doubles hold integers exactly below 2^53).
-_EXACT = 2.0**52
+#: Endpoints past this magnitude are unbounded: every bounded endpoint is a 32-bit integer (the
+#: kernels' // and % run on ints, where 64-bit ones spilled in the Hopper producer's 24 registers).
+_EXACT = 2.0**31 - 1
 
 
 def _widen(lo: Any, hi: Any) -> tuple[Any, Any]:
@@ -44,7 +45,7 @@ def _constant(e: Expr) -> int | None:
 
 
 def _floordiv(a: Any, c: int) -> Any:
-    """Python's a // c on finite endpoints (as 64-bit integers), infinities kept."""
+    """Python's a // c on finite endpoints (32-bit integers: _EXACT), infinities kept."""
     finite = np.isfinite(a)
     exact = np.floor_divide(np.where(finite, a, 0).astype(np.int64), c).astype(np.float64)
     return np.where(finite, exact, a if c > 0 else -a)
@@ -157,19 +158,20 @@ def tile_classes(mask: Mod, b: Any, h: Any, rows: tuple[Any, Any], keys: tuple[A
 # ---------------------------------------------------------------------------------------------
 # CUDA C: the same rule for one tile.
 # ---------------------------------------------------------------------------------------------
-#: Interval helpers (include once). Doubles: integers exact below 2^52 (past it: unbounded).
+#: Interval helpers (include once). Doubles holding 32-bit integers (past them: unbounded).
 CUDA_HELPERS = """\
 #ifndef CF_TILE_INF  // (NVRTC has no INFINITY)
 #define CF_TILE_INF __longlong_as_double(0x7ff0000000000000LL)
 #endif
-__device__ __forceinline__ double cf_tile_lo(double x) { return fabs(x) > 4503599627370496.0 ? -CF_TILE_INF : x; }
-__device__ __forceinline__ double cf_tile_hi(double x) { return fabs(x) > 4503599627370496.0 ? CF_TILE_INF : x; }
+__device__ __forceinline__ double cf_tile_lo(double x) { return fabs(x) > 2147483647.0 ? -CF_TILE_INF : x; }
+__device__ __forceinline__ double cf_tile_hi(double x) { return fabs(x) > 2147483647.0 ? CF_TILE_INF : x; }
 __device__ __forceinline__ double cf_tile_nan_lo(double x) { return x != x ? -CF_TILE_INF : x; }
 __device__ __forceinline__ double cf_tile_nan_hi(double x) { return x != x ? CF_TILE_INF : x; }
-// Python's a // c of a finite endpoint as 64-bit integers; an infinite one stays (its sign by c's)
-__device__ __forceinline__ double cf_tile_floordiv(double a, long long c) {
+// Python's a // c of a finite endpoint (a 32-bit integer, c a literal); an infinite one stays
+// (its sign by c's)
+__device__ __forceinline__ double cf_tile_floordiv(double a, int c) {
   if (isinf(a)) return c > 0 ? a : -a;
-  const long long x = (long long)a, q = x / c;
+  const int x = (int)a, q = x / c;
   return (double)((x % c != 0 && ((x < 0) != (c < 0))) ? q - 1 : q);
 }
 """
@@ -255,15 +257,15 @@ def cuda_source(mask: Mod | None) -> str:
         if c is None:
             return None
         if op == "floordiv":
-            lo, hi = f"cf_tile_floordiv({alo}, {c}LL)", f"cf_tile_floordiv({ahi}, {c}LL)"
+            lo, hi = f"cf_tile_floordiv({alo}, {c})", f"cf_tile_floordiv({ahi}, {c})"
             return (lo, hi) if c > 0 else (hi, lo)
         if op == "mod":
             n = len(lines)
             lines.append(
                 f"  const bool m{n} = !isinf({alo}) && !isinf({ahi}) && "
-                f"cf_tile_floordiv({alo}, {c}LL) == cf_tile_floordiv({ahi}, {c}LL);"
+                f"cf_tile_floordiv({alo}, {c}) == cf_tile_floordiv({ahi}, {c});"
             )
-            lines.append(f"  const double k{n} = m{n} ? cf_tile_floordiv({alo}, {c}LL) : 0.0;")
+            lines.append(f"  const double k{n} = m{n} ? cf_tile_floordiv({alo}, {c}) : 0.0;")
             lo, hi = (0.0, c - 1.0) if c > 0 else (c + 1.0, 0.0)
             return f"(m{n} ? {alo} - {c}.0 * k{n} : {lo!r})", f"(m{n} ? {ahi} - {c}.0 * k{n} : {hi!r})"
         return None

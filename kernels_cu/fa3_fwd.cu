@@ -163,17 +163,6 @@ struct Fa3FwdTraits {
   static_assert(!Pingpong || kConsumers == 2, "ping-pong alternates two consumers");
 };
 
-// A mask_mod's own tile classes per step (variants.cuh's user_mask_tile_state, where the call
-// asks for them): plain blocks run score_mod alone, hidden ones inside the range no function.
-// At d = 64; at d = 128 the class's arithmetic beside the consumer's 240 live registers spilled
-// 56-80 bytes (sm_90a, tests/test_mod_tiles.py's masks), so there the classes only narrow the
-// tile's range (user_mask_key_blocks, once per tile). (A function, not a constexpr member: NVRTC
-// emitted that as a constant, which changed the cubins of variants without the classes.)
-template <typename Traits>
-CF_DEVICE constexpr bool mask_tile_classes() {
-  return Traits::User_mods && user_mask_tiles() && Traits::kHeadDim <= 64;
-}
-
 // O += P V for the V tile in `v_slot` (a function template, not a lambda of the kernel: NVRTC
 // instantiates both branches of an `if constexpr` inside a lambda). The tile's first P V
 // overwrites O (acc_o still holds the previous tile's).
@@ -339,16 +328,10 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // hidden ones are not visited. Hidden blocks inside that range, and plain ones, run as mixed
     // ones (mask_mod on every score): skipping them in the middle would need the producer and
     // both consumers to walk one list of blocks through the K/V ring; the FA2 kernel
-    // (algorithm="fa2") skips every hidden block and runs score_mod alone on plain ones. A
-    // mask_mod's own tile classes (where the call asks for them) narrow the range the same way,
-    // and at d = 64 pick per block what the softmax step runs (tile_class below).
-    if constexpr (Traits::User_mods) {
+    // (algorithm="fa2") skips every hidden block and runs score_mod alone on plain ones.
+    if constexpr (Traits::User_mods)
       block_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head, row_block0, n_begin,
                                               n_end);
-      if constexpr (user_mask_tiles())  // the mask's own classes (variants.cuh), as the producer's
-        user_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head, row_block0,
-                                               rows.q.len, rows.k.len, n_begin, n_end);
-    }
     const int n_blocks = max(n_end - n_begin, 0);
     // The score variant of this tile's (batch, head): a user function reads them.
     const typename Traits::Transform transform(params, tile.batch, tile.head,
@@ -389,31 +372,9 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     auto issue_pv = [&](uint32_t v_slot, bool first) {
       issue_pv_wgmmas<Traits>(acc_o[0], p_prev, v_slot, first);
     };
-    // The mask's own class of key block n_block for this consumer's 64 rows (variants.cuh's
-    // user_mask_tile_state; mixed, a constant, unless the call asks for the classes). Taken at the
-    // top of a step, before S is live: in the softmax its doubles spilled at d = 128.
-    auto tile_class = [&](int n_block) {
-      if constexpr (mask_tile_classes<Traits>())
-        return user_mask_tile_state<Traits::kRowsPerConsumer, kBlockN>(
-            params, tile.batch, tile.head, row_block0 + consumer_row0, n_block * kBlockN,
-            rows.q.len, rows.k.len);
-      return static_cast<int>(kMaskCellMixed);
-    };
-    // Softcap or score_mod (alone where the mask shows the whole block, none where it hides it),
-    // mask, running max and P = exp2(..) of one block of scores.
-    auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, int state,
-                            float (&rescale)[2]) {
-      if constexpr (mask_tile_classes<Traits>()) {
-        if (state == kMaskCellPlain)
-          transform_scores(ScoreOnly<typename Traits::Transform>{transform}, s,
-                           row_block0 + warp_row0, n_block * kBlockN, lane);
-        else if (state == kMaskCellHidden)
-          fill_neg_infinity(s);
-        else
-          transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
-      } else {
-        transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
-      }
+    // Softcap, mask, running max and P = exp2(..) of one block of scores.
+    auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, float (&rescale)[2]) {
+      transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
       if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
       softmax.update_max(s, tile_scale_log2, rescale);
       softmax.exp_accumulate(s, tile_scale_log2, rescale);
@@ -464,7 +425,6 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       float s0[1][Traits::kNTiles][4];
       int stage, parity;
       slot(0, stage, parity);
-      const int state = tile_class(n_end - 1);
       begin_turn();
       mbar_wait(smem.ring(KvBarrier::kKFull, stage), parity);
       wgmma_fence();
@@ -476,14 +436,13 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       wgmma_fence_operands(s0[0]);
       if (lane == 0) mbar_arrive(smem.ring(KvBarrier::kKEmpty, stage));
       float rescale[2];
-      softmax_step(s0, n_end - 1, state, rescale);
+      softmax_step(s0, n_end - 1, rescale);
       to_operand(s0);
     } else {
       finish_pending(/*qk_in_flight=*/false);
       softmax = OnlineSoftmax<1>();
     }
     for (int it = 1; it < n_blocks; ++it) {
-      const int state = tile_class(n_end - 1 - it);
       int stage, parity, prev_stage, prev_parity;
       slot(it, stage, parity);
       slot(it - 1, prev_stage, prev_parity);
@@ -500,7 +459,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       wgmma_fence_operands(s[0]);
       if (lane == 0) mbar_arrive(smem.ring(KvBarrier::kKEmpty, stage));
       float rescale[2];
-      softmax_step(s, n_end - 1 - it, state, rescale);
+      softmax_step(s, n_end - 1 - it, rescale);
       if constexpr (Traits::Softmax_under_pv) keep_above_wait(softmax.row_sum);
       wgmma_wait<0>();
       wgmma_fence_operands(acc_o[0]);

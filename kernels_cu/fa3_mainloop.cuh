@@ -43,14 +43,9 @@ struct Fa3Producer {
                                 params.window_right);
     int n_begin = mask.n_block_begin();
     int n_end = mask.n_block_end();
-    if constexpr (Traits::User_mods) {  // a BlockMask's shown keys, as the consumers bound them
+    if constexpr (Traits::User_mods)  // a BlockMask's shown keys, as the consumers bound them
       block_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head, tile.m_block * kBlockM,
                                               n_begin, n_end);
-      if constexpr (user_mask_tiles())  // and the mask's own classes, where the call asks
-        user_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head,
-                                               tile.m_block * kBlockM, rows.q.len, rows.k.len,
-                                               n_begin, n_end);
-    }
     mbar_arrive_expect_tx(smem.q_full(qb), Traits::kQBytes);
 #pragma unroll
     for (int cb = 0; cb < Traits::kColBlocks; ++cb) {

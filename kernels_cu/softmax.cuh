@@ -164,17 +164,6 @@ CF_DEVICE void zero_fill(float (&acc)[kMTiles][kCols][4]) {
       for (int e = 0; e < 4; ++e) acc[mt][c][e] = 0.f;
 }
 
-// Set every score of a tile to -inf (a tile a mask hides whole).
-template <int kMTiles, int kCols>
-CF_DEVICE void fill_neg_infinity(float (&acc)[kMTiles][kCols][4]) {
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int c = 0; c < kCols; ++c)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][c][e] = neg_infinity();
-}
-
 // Multiply each accumulator row by its factor (row slot 2 mt + e / 2).
 template <int kMTiles, int kCols>
 CF_DEVICE void scale_rows(float (&acc)[kMTiles][kCols][4], const float (&factor)[2 * kMTiles]) {

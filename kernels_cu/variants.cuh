@@ -303,20 +303,6 @@ CF_DEVICE int user_mask_tile_state(const AttnParams&, int, int, int, int, int, i
 }
 #endif
 
-// [n_begin, n_end) of the kBlockM rows from row0 without the leading and trailing key blocks the
-// mask's own classes hide (the Hopper forward's producer and consumers each narrow the range so,
-// and so visit the same blocks). CTA-uniform.
-template <int kBlockM, int kBlockN>
-CF_DEVICE void user_mask_key_blocks(const AttnParams& p, int batch, int head, int row0,
-                                    int seqlen_q, int seqlen_k, int& n_begin, int& n_end) {
-  auto hidden = [&](int n_block) {
-    return user_mask_tile_state<kBlockM, kBlockN>(p, batch, head, row0, n_block * kBlockN, seqlen_q,
-                                                  seqlen_k) == kMaskCellHidden;
-  };
-  while (n_begin < n_end && hidden(n_begin)) ++n_begin;
-  while (n_end > n_begin && hidden(n_end - 1)) --n_end;
-}
-
 template <bool Has_softcap, bool Has_alibi = false, int kBias = kNoBias, typename Element = __half>
 using ScoreTransform = typename SelectScoreTransform<Element, Has_softcap, Has_alibi, kBias>::type;
 
