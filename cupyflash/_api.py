@@ -457,6 +457,7 @@ def attention_backward(
     mask_mod: Callable[..., Any] | None = None,
     sinks: Any = None,
     block_mask: BlockMask | None = None,
+    captured_grads: bool = False,
 ) -> tuple[Any, ...]:
     """The gradients (dq, dk, dv) of :func:`attention` at ``out, lse = attention(q, k, v, ...,
     return_lse=True)`` for the output gradient ``dout``, as FlashAttention-2's backward computes
@@ -484,8 +485,14 @@ def attention_backward(
     alibi_slopes : the forward's (the slopes get no gradient, as in flash-attn).
     attn_mask : the forward's (it gets no gradient; a masked score's dS is 0).
     score_mod, mask_mod, block_mask : the forward's. ``dS`` is multiplied by
-        ``d score_mod / d score``, derived from the traced expression; captured arrays get no
-        gradient. With ``block_mask`` the kernels skip the tiles its mask hides, as the forward's.
+        ``d score_mod / d score``, derived from the traced expression. With ``block_mask`` the
+        kernels skip the tiles its mask hides, as the forward's.
+    captured_grads : bool
+        With a ``score_mod``: one more result, the gradients of the arrays it captures (a learned
+        bias table's): dS times ``d score_mod / d (each element read)``, summed where the element
+        was read. The array-API algorithm computes it where the arrays live (on a GPU too: the
+        kernels have no scatter of it yet); PyTorch autograd and ``jax.grad`` ask for it by
+        themselves.
     sinks : the forward's ``(Hq,)``: the gradient ``dsinks = -sum over rows of
         exp(sinks[h] - lse) * (rowsum(dout * out) - dlse)`` is returned too (dq, dk and dv need
         nothing more: P recomputed from ``lse``, which holds the sink, leaves its share out).
@@ -495,6 +502,9 @@ def attention_backward(
     (dq, dk, dv) : arrays like ``q``, ``k``, ``v`` (fresh and contiguous on the GPU)
     (dq, dk, dv, dsinks) with ``sinks``: dsinks float32 ``(Hq,)`` (float64 for float64 inputs on
         the host)
+    ..., captured with ``captured_grads``: a tuple, per array score_mod captures (in the order it
+        first reads them), its gradient in its shape and dtype, or None for an integer or boolean
+        array
 
     Notes
     -----
@@ -517,11 +527,14 @@ def attention_backward(
     """
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
+    captured_grads = check_flag("captured_grads", captured_grads)
+    if captured_grads and score_mod is None:
+        raise ValueError("captured_grads=True needs a score_mod: its captured arrays are what get gradients")
     dropout_p, seed = _attention.backward_dropout(dropout_p, seed)
     mods = _traced(score_mod, mask_mod, attn_mask, block_mask)
     call = _attention.Backward(
         dout, q, k, v, out, lse, dlse, options, layout, deterministic, dropout_p, seed, alibi_slopes, attn_mask, mods,
-        sinks, block_mask,
+        sinks, block_mask, captured_grads,
     )  # fmt: skip
     return _attention.backward(call)
 

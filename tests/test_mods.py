@@ -383,6 +383,39 @@ def test_captured_gradients_on_the_array_api_path(namespace):
     np.testing.assert_allclose(np.asarray(dtable), numeric, atol=1e-7)
 
 
+def test_explicit_backward_returns_captured_gradients():
+    """attention_backward(captured_grads=True): the gradients of score_mod's captured arrays as a
+    last result (None for an integer one), equal to torch autograd's through the forward, with
+    sinks and a mask_mod beside them; refused without a score_mod."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, n, h, 8, generator=gen, dtype=torch.float64) for n, h in ((7, 4), (10, 2), (10, 2)))
+    table = 0.3 * torch.randn(4, 17, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    ids = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+
+    def call(table):
+        def score_mod(s, b, h, i, j):
+            return s + table[h, j - i + 7] * mods.exp(0.1 * ids[j])
+
+        return score_mod, (lambda b, h, i, j: ids[j] != 2)
+
+    leaf = table.clone().requires_grad_()
+    score_mod, mask_mod = call(leaf)
+    out, lse = cupyflash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, return_lse=True)
+    dout, dlse = (torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in (out, lse))
+    ((out * dout).sum() + (lse * dlse).sum()).backward()
+    score_mod, mask_mod = call(table)
+    *grads, dsinks, (dtable, dids) = cupyflash.attention_backward(
+        dout, q, k, v, out.detach(), lse.detach(), dlse=dlse, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+        captured_grads=True,
+    )  # fmt: skip
+    assert dids is None and len(grads) == 3 and dsinks.shape == (4,)
+    torch.testing.assert_close(dtable, leaf.grad)
+    with pytest.raises(ValueError, match="captured_grads=True needs a score_mod"):
+        cupyflash.attention_backward(dout, q, k, v, out.detach(), lse.detach(), mask_mod=mask_mod, captured_grads=True)
+
+
 def test_a_captured_tensor_alone_that_requires_grad_takes_autograds_route():
     """q, k and v that do not require grad, a captured table that does: the table gets its
     gradient (the call goes through autograd for it); under no_grad nothing does."""
