@@ -12,9 +12,10 @@ granularity; what intervals cannot bound (a captured array's values, a float) co
 Every answer other than mixed holds for every score of the tile (interval arithmetic only widens).
 
 Two readers of one rule, as ``_mods`` has for the scores: ``tile_classes`` (NumPy, any number of
-tiles at once: the host's and the tests') and ``cuda_source`` (``cf_user_mask_tile``, one tile, in
-the kernels). Integer endpoints are doubles holding 32-bit integers: a value past them becomes
-unbounded (still sound), and ``//`` and ``%`` by a constant run on ints.
+tiles at once: the reference the tests hold the kernels' C to) and ``cuda_source``
+(``cf_user_mask_tile``, one tile, in the kernels). Integer endpoints are doubles holding 32-bit
+integers: a value past them becomes unbounded (still sound), and ``//`` and ``%`` by a constant
+run on ints.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ._mods import BOOL, FLOAT, INT, Expr, Mod
 HIDDEN, MIXED, PLAIN = 0, 1, 2
 
 #: Endpoints past this magnitude are unbounded: every bounded endpoint is a 32-bit integer (the
-#: kernels' // and % run on ints, where 64-bit ones spilled in the Hopper producer's 24 registers).
+#: kernels' // and % run on ints: 64-bit division is a long subroutine that costs registers).
 _EXACT = 2.0**31 - 1
 
 
