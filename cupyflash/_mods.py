@@ -565,6 +565,7 @@ def evaluate(xp: Any, mod: Mod, values: dict[str, Any], buffers: tuple[Any, ...]
     mutually broadcastable arrays (integer indices, the score in ``float_dtype``); ``buffers``
     the captured arrays in ``xp``, slot order. Returns an array (or a Python number)."""
     memo: dict[int, Any] = {}
+    wide = xp.arange(1).dtype  # the namespace's index integer: int64 (int32 in JAX without x64)
 
     def as_kind(x: Any, kind: str) -> Any:
         if kind == FLOAT:
@@ -576,7 +577,7 @@ def evaluate(xp: Any, mod: Mod, values: dict[str, Any], buffers: tuple[Any, ...]
 
     def array(x: Any, kind: str) -> Any:
         if isinstance(x, (bool, int, float)):
-            dtype = xp.bool if kind == BOOL else float_dtype if kind == FLOAT else xp.int64
+            dtype = xp.bool if kind == BOOL else float_dtype if kind == FLOAT else wide
             return xp.asarray(x, dtype=dtype)
         return x
 
@@ -590,11 +591,12 @@ def evaluate(xp: Any, mod: Mod, values: dict[str, Any], buffers: tuple[Any, ...]
         elif op == "const":
             out = args[0]
         elif op == "index":
-            out = _gather(xp, mod.role, buffers[args[0].args[0].slot], [array(run(i), INT) for i in args[1:]])
+            indices = [array(run(i), INT) for i in args[1:]]
+            out = _gather(xp, mod.role, buffers[args[0].args[0].slot], indices, wide)
             if e.kind == FLOAT:
                 out = as_kind(out, e.kind)
-            elif e.kind == INT and out.dtype != xp.int64:  # int8 .. int32, uint8: 64-bit, as the kernels'
-                out = xp.astype(out, xp.int64)  # (abs(-128) of an int8 array is 128, 200 + 100 is 300)
+            elif e.kind == INT and out.dtype != wide:  # int8 .. int32, uint8: 64-bit as the kernels' (JAX: 32)
+                out = xp.astype(out, wide)  # (abs(-128) of an int8 array is 128, 200 + 100 is 300)
         elif op in _ARITH or op in ("minimum", "maximum"):
             a, b = (as_kind(run(x), e.kind) for x in args)
             if op in ("minimum", "maximum"):
@@ -636,10 +638,11 @@ def evaluate(xp: Any, mod: Mod, values: dict[str, Any], buffers: tuple[Any, ...]
     return run(mod.expr)
 
 
-def _gather(xp: Any, role: str, buffer: Any, indices: list[Any]) -> Any:
-    """``buffer[i, j]`` at broadcast integer index arrays, every index checked to lie in the
-    array (Python would wrap a negative one; the kernels' functions make such a score NaN)."""
-    indices = [xp.astype(i, xp.int64) if i.dtype != xp.int64 else i for i in indices]
+def _gather(xp: Any, role: str, buffer: Any, indices: list[Any], wide: Any) -> Any:
+    """``buffer[i, j]`` at broadcast integer index arrays (as ``wide`` integers), every index
+    checked to lie in the array (Python would wrap a negative one; the kernels' functions make such
+    a score NaN)."""
+    indices = [xp.astype(i, wide) if i.dtype != wide else i for i in indices]
     indices = list(xp.broadcast_arrays(*indices)) if len(indices) > 1 else indices
     flat_index = indices[0]
     for axis, (i, n) in enumerate(zip(indices, buffer.shape)):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import check_attention, check_kvcache, gpu_inputs, need_torch, skip_unless_kernel
 from test_gpu_backward import check_backward
+from test_gpu_decode import _paginate
 
 import cupyflash
 from cupyflash import _kernels
@@ -82,18 +83,7 @@ def test_decode_with_append_calls_after_the_first(rng, packed_launches, paged):
         table = None
         k_cache, v_cache = k, v
         if paged:
-            # page j of sequence i at a shuffled place in the pool
-            pages = length // page + 1
-            order = torch.randperm(b * pages, generator=gen)
-            table = order.view(b, pages).to("cuda", torch.int32)
-            pad = pages * page - length
-            k_cache, v_cache = (
-                torch.empty(b * pages, page, hkv, d, dtype=x.dtype, device="cuda").index_copy_(
-                    0, order.to("cuda"),
-                    torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).reshape(b * pages, page, hkv, d),
-                )
-                for x in (k, v)
-            )  # fmt: skip
+            (k_cache, v_cache), table = _paginate(torch, (k, v), page, gen)
         out, lse = cupyflash.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new, v_new=v_new, causal=True,
             return_lse=True,
