@@ -404,7 +404,7 @@ class CapturedGradients:
             flat = None
             for axis, expr in enumerate(read.indices):
                 i = evaluate(xp, expr, index, arrays, s.dtype)
-                i = xp.broadcast_to(xp.asarray(i, dtype=xp.int64, device=_device(ds)), ds.shape)
+                i = xp.broadcast_to(xp.asarray(i, dtype=xp.arange(1).dtype, device=_device(ds)), ds.shape)
                 flat = i if flat is None else flat * shape[axis] + i
             assert flat is not None
             self.sums[read.slot] = scatter_add(xp, self.sums[read.slot], xp.reshape(flat, (-1,)),
