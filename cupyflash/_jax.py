@@ -329,18 +329,25 @@ def _captured_gpu_backward(
     """A backward that also gives score_mod's captured arrays their gradients, on the GPU: the
     array-API algorithm on CuPy views of XLA's buffers, on XLA's stream, into its results."""
     cupy = _interop.cupy_module()
-    dout, q, k, v, out, lse = (_cupy_view(x) for x in (dout, q, k, v, out, lse))
-    dlse, slopes, sinks = (None if x is None else _cupy_view(x) for x in (dlse, slopes, sinks))
-    device = q.data.device_id
+
+    def view(x: Any) -> Any:
+        """A CuPy view, bfloat16 widened to float32 (exact): NumPy's isdtype, which CuPy's array
+        API uses, does not take ml_dtypes' bfloat16, and the algorithm computes in float32 anyway."""
+        x = _cupy_view(x)
+        return x.astype(cupy.float32) if x.dtype.name == "bfloat16" else x
+
+    device = _cupy_view(q).data.device_id
     with cupy.cuda.Device(device), _cupy_stream(stream, device):
+        dout, q, k, v, out, lse = (view(x) for x in (dout, q, k, v, out, lse))
+        dlse, slopes, sinks = (None if x is None else view(x) for x in (dlse, slopes, sinks))
         call = _attention.Backward(
             dout, q, k, v, out, lse, dlse, config.options, config.layout, config.deterministic, config.dropout_p,
-            _gpu_seed(seed), slopes, mods=_mods_on(config, mod_arrays, _cupy_view), sinks=sinks, captured_grads=True,
+            _gpu_seed(seed), slopes, mods=_mods_on(config, mod_arrays, view), sinks=sinks, captured_grads=True,
         )  # fmt: skip
         grads = _attention.backward(call)
         wanted = [*grads[:-1], *(g for g in grads[-1] if g is not None)]
         for buffer, grad in zip(results, wanted, strict=True):
-            _cupy_view(buffer)[...] = grad
+            _cupy_view(buffer)[...] = grad  # (rounded to the result's dtype)
 
 
 # ---------------------------------------------------------------------------------------------

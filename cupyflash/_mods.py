@@ -566,6 +566,10 @@ def evaluate(xp: Any, mod: Mod, values: dict[str, Any], buffers: tuple[Any, ...]
     the captured arrays in ``xp``, slot order. Returns an array (or a Python number)."""
     memo: dict[int, Any] = {}
     wide = xp.arange(1).dtype  # the namespace's index integer: int64 (int32 in JAX without x64)
+    # where the arguments are (a GPU for PyTorch's CUDA tensors): a constant made an array goes there
+    from array_api_compat import device as array_device
+
+    device = next((array_device(x) for x in values.values() if not isinstance(x, (bool, int, float))), None)
 
     def as_kind(x: Any, kind: str) -> Any:
         if kind == FLOAT:
@@ -578,7 +582,7 @@ def evaluate(xp: Any, mod: Mod, values: dict[str, Any], buffers: tuple[Any, ...]
     def array(x: Any, kind: str) -> Any:
         if isinstance(x, (bool, int, float)):
             dtype = xp.bool if kind == BOOL else float_dtype if kind == FLOAT else wide
-            return xp.asarray(x, dtype=dtype)
+            return xp.asarray(x, dtype=dtype, device=device)
         return x
 
     def run(e: Expr) -> Any:

@@ -365,7 +365,9 @@ def _traced_while_compiling(score_mod: Any, mask_mod: Any) -> tuple[str, list[Te
                 f"under torch.compile, the arrays a {('score_mod', 'mask_mod')[which]} captures must be torch tensors, "
                 f"got a {type(x).__name__}"
             )
-        if tuple(x.shape) != shape:  # equal: comparing makes Dynamo guard the shape (the text holds it)
+        # equal: comparing makes Dynamo guard the shape (the text holds it). Size by size: Dynamo
+        # 2.11 cannot guard a tuple comparison against _trace_once's constant result
+        if x.dim() != len(shape) or any(size != want for size, want in zip(x.shape, shape)):
             raise AssertionError(f"{where} changed shape while Dynamo traced")
         _refuse_captured_grad(x)
         mod_arrays.append(x)

@@ -260,8 +260,9 @@ class KeyMask:
 
     def apply(self, xp: Any, logits: Any, key_first: int, key_last: int) -> Any:
         """Set hidden logits of the [rows, keys] block (last two axes) to -inf."""
-        rows = xp.reshape(xp.arange(self.row_first, self.row_last + 1), (-1, 1))
-        keys = xp.reshape(xp.arange(key_first, key_last + 1), (1, -1))
+        device = _device(logits)
+        rows = xp.reshape(xp.arange(self.row_first, self.row_last + 1, device=device), (-1, 1))
+        keys = xp.reshape(xp.arange(key_first, key_last + 1, device=device), (1, -1))
         ok = keys < self.seqlen_k
         if self.window_right >= 0:
             ok = ok & (keys <= rows + self.shift + self.window_right)
@@ -285,8 +286,9 @@ class Alibi:
         return Alibi(xp.asarray(s, device=_device(like)))
 
     def bias(self, xp: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
-        i = xp.reshape(xp.arange(*rows), (-1, 1))
-        j = xp.reshape(xp.arange(*keys), (1, -1))
+        device = _device(self.slopes)
+        i = xp.reshape(xp.arange(*rows, device=device), (-1, 1))
+        j = xp.reshape(xp.arange(*keys, device=device), (1, -1))
         distance = xp.abs(i + (p.seqlen_k - p.seqlen_q) - j)
         return -self.slopes * xp.astype(distance, self.slopes.dtype)
 

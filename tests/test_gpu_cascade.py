@@ -124,8 +124,11 @@ def _flat_paged(torch, q, caches, lengths, page_size, **options):
     )
 
 
-def _call(case, pools, prefix_table, own_table, q, new, lengths, **options):
-    seqlens = need_torch().tensor(case.own_lens, dtype=need_torch().int32, device="cuda")
+def _call(case, pools, prefix_table, own_table, q, new, lengths, seqlens=None, **options):
+    """``seqlens``: the requests' own lengths on the GPU (made from ``case`` when None; a captured
+    call is given them, as a copy from the host cannot be captured)."""
+    if seqlens is None:
+        seqlens = need_torch().tensor(case.own_lens, dtype=need_torch().int32, device="cuda")
     return cupyflash.attention_with_shared_prefix(
         q, *pools, prefix_block_table=prefix_table, prefix_seqlens=lengths, block_table=own_table,
         cache_seqlens=seqlens, k_new=new[0], v_new=new[1], prefix_groups=list(case.groups), return_lse=True, **options,
@@ -204,7 +207,8 @@ def test_repeats_and_a_cuda_graph_give_the_same_bits(one_launch):
     for _ in range(2):
         again = _call(case, pools, prefix_table, own_table, q, new, lengths)
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
-    graph, (out, lse) = capture(torch, lambda: _call(case, pools, prefix_table, own_table, q, new, lengths))
+    seqlens = torch.tensor(case.own_lens, dtype=torch.int32, device="cuda")
+    graph, (out, lse) = capture(torch, lambda: _call(case, pools, prefix_table, own_table, q, new, lengths, seqlens))
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()

@@ -257,10 +257,10 @@ def test_cuda_graph_capture_replays_with_new_trees():
 
 def test_gpu_refusals():
     torch = need_torch()
-    q = torch.zeros(2, 17, 8, 64, device="cuda", dtype=torch.float16)
-    k = torch.zeros(2, 64, 2, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(ValueError, match="tree_mask on the GPU takes 1 to 16 query tokens"):
-        cupyflash.attention_with_kvcache(q, k, k, cache_seqlens=40, tree_mask=torch.ones(17, 17, dtype=torch.bool,
+    q = torch.zeros(2, 65, 8, 64, device="cuda", dtype=torch.float16)
+    k = torch.zeros(2, 128, 2, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="tree_mask on the GPU takes 1 to 64 query tokens"):
+        cupyflash.attention_with_kvcache(q, k, k, cache_seqlens=40, tree_mask=torch.ones(65, 65, dtype=torch.bool,
                                                                                         device="cuda"))  # fmt: skip
     with pytest.raises(TypeError, match="tree_mask must be a bool array, got int8"):
         cupyflash.attention_with_kvcache(q[:, :4], k, k, cache_seqlens=40,

@@ -132,6 +132,21 @@ def _on_virtual_ranks(world_size: int, work, device: str = "cpu") -> list:
     return results
 
 
+def _backward(out: torch.Tensor, dout: torch.Tensor, leaves: list) -> list:
+    """The gradients of ``leaves`` (the ring function's q, k, v inputs) from ``out``'s backward,
+    run on the calling rank's thread. On CPU that is ``out.backward``. On CUDA, autograd's engine
+    runs every backward node on one thread per device, where the first virtual rank to reach a
+    collective would wait for ranks queued behind it; there each rank applies its Function's own
+    backward as the engine would: without grad mode, each gradient in its input's dtype (the first
+    three results are dq, dk, dv)."""
+    if not out.is_cuda:
+        out.backward(dout)
+        return [x.grad for x in leaves]
+    with torch.no_grad():
+        grads = out.grad_fn.apply(dout)[:3]
+    return [g.to(x.dtype) for g, x in zip(grads, leaves, strict=True)]
+
+
 def _shards(kind: str, world_size: int, n: int) -> list[list[int]]:
     """Each rank's token indices: contiguous (ring), chunks r and 2W-1-r (zigzag), every W-th (stripe)."""
     if kind == "zigzag":
@@ -193,8 +208,7 @@ def test_ring_functions_on_virtual_ranks_match_attention(ring, monkeypatch, kind
         idx = torch.tensor(shards[rank], device=device)
         mine = [x[:, idx].clone().requires_grad_() for x in (q, k, v)]
         out = function(*mine, causal=causal, group=group)
-        out.backward(dout[:, idx])
-        return out.detach(), *(x.grad for x in mine)
+        return out.detach(), *_backward(out, dout[:, idx], mine)
 
     results = _on_virtual_ranks(world_size, work, device)
     order = torch.tensor([i for s in shards for i in s], device=device)
@@ -300,8 +314,7 @@ def test_llama3_varlen_on_virtual_ranks_matches_attention_varlen(ring, monkeypat
         out = ring.llama3_flash_attn_varlen_func(
             *mine, cu_q, cu_k, max_q, max_k, heads_k_stride=1, local_k_slice=keys, causal=causal, group=group
         )
-        out.backward(dout[rows])
-        return out.detach(), *(x.grad for x in mine)
+        return out.detach(), *_backward(out, dout[rows], mine)
 
     def run(rank, exchange):
         if not hasattr(exchange, "collectives"):
