@@ -389,17 +389,16 @@ def _gpu_mods(
     (on q's device, of q's library); with a block_mask, its summary read beside them."""
     mods_key, kernel, buffers = _kernel_mods_of(call, device)
     q, k, v = call.q, call.k, call.v
-    sinks, given_mask = call.sinks, call.block_mask
-    block_mask = given_mask if given_mask is not None and _block_mask.kernels_read_it() else None
+    sinks, block_mask = call.sinks, call.block_mask
     cells = None if block_mask is None else _block_mask.layout(block_mask)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
            call.algorithm, call.dropout_p, call.alibi_slopes is not None, mods_key,
-           _shapes(sinks), _dtypes(sinks), cells, None if given_mask is None else given_mask.shape)  # fmt: skip
+           _shapes(sinks), _dtypes(sinks), cells, None if block_mask is None else block_mask.shape)  # fmt: skip
 
     def plan() -> _plan.Launch:
         problem = forward_problem(call)[0]
-        if given_mask is not None:
-            _check_block_mask(given_mask, problem)
+        if block_mask is not None:
+            _check_block_mask(block_mask, problem)
         problem = with_implied_bounds(problem, call.mods[1])
         dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
         _check_sinks_dtype(lib, sinks)
@@ -427,15 +426,13 @@ def _kernel_mods_of(call: Forward | Backward, device: int) -> tuple[Any, _mods.K
     """A GPU call's score_mod / mask_mod: their key, their device code (written once per key)
     and their captured arrays in mod_buffer order, adopted as q was (one library, q's device)."""
     score_mod, mask_mod = call.mods
-    # the mask's own tile classes (_mod_tiles) go with the kernels' tile skipping, opt-in as a
-    # BlockMask's is until a GPU run validates it
-    tiles = mask_mod is not None and _block_mask.kernels_read_it()
-    mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key, tiles)
+    mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key)
     kernel = _kernel_mods.get(mods_key)
     if kernel is None:
         if len(_kernel_mods) >= _plan.PlanCache.MAX_ENTRIES:  # a process of endless new functions
             _kernel_mods.clear()
-        source = _mod_tiles.kernel_source(mask_mod) if tiles else ""
+        # with the mask's own tile classes (_mod_tiles): hidden tiles skipped, plain ones unmasked
+        source = _mod_tiles.kernel_source(mask_mod)
         kernel = _kernel_mods.setdefault(mods_key, _mods.kernel_mods(score_mod, mask_mod, source))
     captured = kernel.arrays(score_mod, mask_mod)
     names = tuple(f"{('score_mod', 'mask_mod')[which]}'s captured array {slot}" for which, slot in kernel.buffers)
@@ -679,7 +676,7 @@ def _gpu_mods_backward(
     functions and score_mod's derivative compiled in (``_plan.plan_backward``'s ``mods``)."""
     mods_key, kernel, buffers = _kernel_mods_of(call, device)
     q, k, v, out, dout, lse, dlse, sinks = call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.sinks
-    block_mask = call.block_mask if call.block_mask is not None and _block_mask.kernels_read_it() else None
+    block_mask = call.block_mask
     cells = None if block_mask is None else _block_mask.layout(block_mask)  # (checked by the caller)
     key = ("bwd-mods", lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, out, dout, lse, dlse, sinks),
            call.deterministic, mods_key, cells)  # fmt: skip

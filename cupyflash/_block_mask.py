@@ -15,7 +15,6 @@ mask per score on mixed ones: its result is the mask_mod's alone, the summary on
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -257,14 +256,6 @@ def check_call(block_mask: BlockMask, batch: int, heads: int, seqlen_q: int, seq
         why = f" (its mask_mod reads {arg}: a mask made for one does not stand for all)" if made == 1 else ""
         what = "batch entries" if arg == "b" else "query heads"
         raise ValueError(f"the block_mask was made for {name}={made}; this call has {have} {what}{why}")
-
-
-def kernels_read_it() -> bool:
-    """Whether the GPU kernels read a BlockMask's summary (skip the tiles it hides): opt-in
-    (``CUPYFLASH_GPU_BLOCK_MASK=1``) until a GPU run has validated that path
-    (tests/test_gpu_block_mask.py). Meanwhile a call with a block_mask runs its mask_mod on every
-    tile, which gives the same result; the summary's checks (shapes, the mask_mod) still apply."""
-    return os.environ.get("CUPYFLASH_GPU_BLOCK_MASK") == "1"
 
 
 def layout(block_mask: BlockMask) -> _plan.BlockCells:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -232,9 +231,7 @@ def _route(lib: _interop.ArrayLib, device: int, call: SharedPrefixCall) -> tuple
     kp = _kvcache.kvcache_problem_of(
         q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, call.options, None, None
     )
-    if not one_launch_enabled() or not one_launch(
-        kp.attn.seqlen_q, kp.attn.heads_q // max(kp.attn.heads_kv, 1), kp.attn.head_dim
-    ):
+    if not one_launch(kp.attn.seqlen_q, kp.attn.heads_q // max(kp.attn.heads_kv, 1), kp.attn.head_dim):
         return None
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
              "cache_seqlens": None if type(seqlens) is int else seqlens, "block_table": table}  # fmt: skip
@@ -259,13 +256,6 @@ def device_ints(like: Any, values: Sequence[Any]) -> Any:
 
     xp = array_namespace(like)
     return xp.asarray(values, dtype=xp.int32, device=device_of(like))
-
-
-def one_launch_enabled() -> bool:
-    """The one-launch kernel is opt-in (``CUPYFLASH_CASCADE_ONE_LAUNCH=1``, read when a call
-    signature is first planned) until a GPU run has validated it (tests/test_gpu_cascade.py);
-    the composition of validated calls is the default meanwhile."""
-    return os.environ.get("CUPYFLASH_CASCADE_ONE_LAUNCH") == "1"
 
 
 def one_launch(seqlen_q: int, group: int, head_dim: int) -> bool:

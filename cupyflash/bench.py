@@ -1376,9 +1376,8 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
     largest difference from FlexAttention's output. A mask function runs with its block mask on
     both sides (each made once, outside the timing, as a fixed mask is used: cupyflash's
     ``create_block_mask`` and FlexAttention's), and on ours without it too ("cupyflash_mask_mod":
-    the mask alone, its tiles classed by its own trace under CUPYFLASH_GPU_BLOCK_MASK=1, else
-    evaluated on every tile; ``over_mask_mod_*`` the block mask's speed-up over it,
-    ``alone_over_builtin_*`` the built-in path's time over it)."""
+    the mask alone, its tiles classed by its own trace (_mod_tiles); ``over_mask_mod_*`` the block
+    mask's speed-up over it, ``alone_over_builtin_*`` the built-in path's time over it)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

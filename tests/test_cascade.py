@@ -351,7 +351,6 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(_interop, "current_device", lambda: 0)
     monkeypatch.setattr(_cascade, "device_ints", device_ints)
     monkeypatch.setattr(_cascade, "_composed", composed)
-    monkeypatch.setenv("CUPYFLASH_CASCADE_ONE_LAUNCH", "1")
     _cascade._routes.clear()
     yield seen
     _cascade._routes.clear()
@@ -367,13 +366,6 @@ def _stand_in_call(b=8, nq=1, heads=(32, 8), d=128, prefix_seqlens=4096, groups=
         k_new=stand_in((b, nq, hkv, d), "float16") if nq > 1 else None,
         v_new=stand_in((b, nq, hkv, d), "float16") if nq > 1 else None, prefix_groups=groups, **options,
     )  # fmt: skip
-
-
-def test_the_one_launch_is_opt_in_until_a_gpu_run_validates_it(stubbed, monkeypatch):
-    monkeypatch.delenv("CUPYFLASH_CASCADE_ONE_LAUNCH")
-    _cascade._routes.clear()
-    assert _stand_in_call() == "composed"
-    assert stubbed["composed"] == 1 and not stubbed["launches"]
 
 
 def test_the_gpu_call_is_one_launch_planned_once(stubbed):

@@ -17,10 +17,13 @@ from cupyflash import reference
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def kernels_read_block_masks(monkeypatch):
-    """The kernels' tile skipping, opt-in until these tests have passed on a GPU."""
-    monkeypatch.setenv("CUPYFLASH_GPU_BLOCK_MASK", "1")
+def _unclassed(torch, mask_mod, rows, keys):
+    """``mask_mod`` with its query and key indices read through identity tables of ``rows`` and
+    ``keys`` entries (past the lengths: the kernels evaluate padding rows and keys too): the same
+    mask, which index arithmetic cannot class (an array read may hold anything), so the kernels
+    evaluate it score by score on every tile."""
+    row_ids, key_ids = (torch.arange(n, device="cuda") for n in (rows, keys))
+    return lambda b, h, i, j: mask_mod(b, h, row_ids[i], key_ids[j])
 
 
 B, NQ, NK, HQ, HKV = 2, 333, 461, 8, 2
@@ -213,11 +216,11 @@ def test_a_block_mask_skips_work():
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64)])
-def test_a_mask_mod_alone_classes_its_own_tiles(rng, monkeypatch, dtype, head_dim, deterministic):
+def test_a_mask_mod_alone_classes_its_own_tiles(rng, dtype, head_dim, deterministic):
     """Without a BlockMask, the kernels class each tile from the traced mask itself
     (cupyflash/_mod_tiles.py's cf_user_mask_tile: hidden tiles skipped, plain ones with score_mod
     alone): the FA2 forward and the mma.sync backward against the float64 host path and against
-    the same call with the classes off, for the gallery's masks (index-only ones decided, a
+    the same mask unclassed (``_unclassed``), for the gallery's masks (index-only ones decided, a
     captured array's mixed), with a score_mod beside them."""
     torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
@@ -231,33 +234,32 @@ def test_a_mask_mod_alone_classes_its_own_tiles(rng, monkeypatch, dtype, head_di
         _masks(lambda x: x, 5), _masks(lambda x: torch.from_numpy(x).cuda(), 5), strict=True
     ):
         results = {}
-        for switch in ("1", "0"):
-            monkeypatch.setenv("CUPYFLASH_GPU_BLOCK_MASK", switch)
-            out, lse = cupyflash.attention(*gpu, score_mod=lambda s, b, h, i, j: s + bias_gpu[h, j], mask_mod=on_gpu,
+        for classed, mask_mod in ((True, on_gpu), (False, _unclassed(torch, on_gpu, NQ + 128, NK + 128))):
+            out, lse = cupyflash.attention(*gpu, score_mod=lambda s, b, h, i, j: s + bias_gpu[h, j], mask_mod=mask_mod,
                                            algorithm="fa2", return_lse=True)  # fmt: skip
             dout = torch.ones_like(out)
-            grads = cupyflash.attention_backward(dout, *gpu, out, lse, mask_mod=on_gpu, deterministic=deterministic,
+            grads = cupyflash.attention_backward(dout, *gpu, out, lse, mask_mod=mask_mod, deterministic=deterministic,
                                                  score_mod=lambda s, b, h, i, j: s + bias_gpu[h, j])  # fmt: skip
-            results[switch] = [reference.to_numpy64(x) for x in (out, lse, *grads)]
+            results[classed] = [reference.to_numpy64(x) for x in (out, lse, *grads)]
         want_out, want_lse = cupyflash.attention(*host, score_mod=lambda s, b, h, i, j: s + bias_host[h, j],
                                                  mask_mod=on_host, return_lse=True)  # fmt: skip
-        got, got_lse = results["1"][:2]
+        got, got_lse = results[True][:2]
         assert rel_error(got, want_out) < BOUND[dtype], name
         finite = np.isfinite(want_lse)
         assert (np.isfinite(got_lse) == finite).all(), name
         np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=2e-2, err_msg=name)
-        for label, on, off in zip(("out", "lse", "dq", "dk", "dv"), results["1"], results["0"], strict=True):
+        for label, on, off in zip(("out", "lse", "dq", "dk", "dv"), results[True], results[False], strict=True):
             both = np.isfinite(off)
             assert (np.isfinite(on) == both).all(), (name, label)
             assert rel_error(on[both], off[both]) < 1e-2, (name, label)
 
 
-def test_a_mask_mod_alone_skips_the_tiles_it_hides(monkeypatch):
+def test_a_mask_mod_alone_skips_the_tiles_it_hides():
     """The tiles a mask_mod's own classes hide are never loaded: chunked local attention (chunks
     of 512) over the first 4k of 8k keys, written as a mask_mod with no BlockMask, the other keys'
-    V NaN. Without the classes every key tile is loaded and 0 x NaN in the P.V product makes NaN
-    rows; with them (index arithmetic decides those tiles hidden) the FA2 forward skips them and
-    gives the result with finite V. (The speed-up is bench-mods'.)"""
+    V NaN. Unclassed (``_unclassed``) every key tile is loaded and 0 x NaN in the P.V product
+    makes NaN rows; classed (index arithmetic decides those tiles hidden) the FA2 forward skips
+    them and gives the result with finite V. (The speed-up is bench-mods'.)"""
     torch = need_torch()
     n = 8192
     q, k, v = (torch.randn(1, n, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -267,11 +269,10 @@ def test_a_mask_mod_alone_skips_the_tiles_it_hides(monkeypatch):
     def chunked(b, h, i, j):
         return (i // 512 == j // 512) & (j <= i) & (j < n // 2)
 
-    monkeypatch.setenv("CUPYFLASH_GPU_BLOCK_MASK", "0")
-    want = cupyflash.attention(q, k, v, mask_mod=chunked, algorithm="fa2")
+    unclassed = _unclassed(torch, chunked, n + 128, n + 128)
+    want = cupyflash.attention(q, k, v, mask_mod=unclassed, algorithm="fa2")
     assert torch.isfinite(want).all()
-    assert torch.isnan(cupyflash.attention(q, k, poisoned, mask_mod=chunked, algorithm="fa2")).any()
-    monkeypatch.setenv("CUPYFLASH_GPU_BLOCK_MASK", "1")
+    assert torch.isnan(cupyflash.attention(q, k, poisoned, mask_mod=unclassed, algorithm="fa2")).any()
     got = cupyflash.attention(q, k, poisoned, mask_mod=chunked, algorithm="fa2")
     assert torch.isfinite(got).all()
     assert rel_error(reference.to_numpy64(got), reference.to_numpy64(want)) < 1e-2

@@ -152,15 +152,6 @@ def _check_case(torch, case, page_size, seed, **options):
     return pools, prefix_table, own_table, q, new, out, lse
 
 
-@pytest.fixture(autouse=True)
-def one_launch_on(monkeypatch):
-    """The one launch, opt-in until these tests have passed on a GPU, taken by every test here."""
-    monkeypatch.setenv("CUPYFLASH_CASCADE_ONE_LAUNCH", "1")
-    _cascade._routes.clear()
-    yield
-    _cascade._routes.clear()
-
-
 @pytest.fixture
 def one_launch(monkeypatch):
     """The call must run as one launch: the composition raises."""

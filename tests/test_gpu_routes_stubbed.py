@@ -249,7 +249,6 @@ def test_a_block_mask_reaches_the_kernels(launches, monkeypatch):
     same copy for every later call); a call of another length is refused before anything runs."""
     from cupyflash import _block_mask
 
-    monkeypatch.setenv("CUPYFLASH_GPU_BLOCK_MASK", "1")
     copies = []
     monkeypatch.setattr(_interop, "upload", lambda x, device: copies.append(x) or stand_in(x.shape, str(x.dtype)))
     q = stand_in((2, 300, 8, 128), "bfloat16")
@@ -278,22 +277,6 @@ def test_a_block_mask_reaches_the_kernels(launches, monkeypatch):
     elsewhere = _on_gpu_1(bm)
     with pytest.raises(ValueError, match="made on GPU 1; this call runs on GPU 0"):
         _block_mask.kernel_buffers(elsewhere, _interop.CUPY_LIB, 0)
-
-
-def test_the_kernels_read_a_block_mask_only_when_opted_in(launches, monkeypatch):
-    """Until a GPU run has validated the kernels' tile skipping, a block_mask's call runs its
-    mask_mod on every tile (no summary handed over), its checks still made."""
-    monkeypatch.delenv("CUPYFLASH_GPU_BLOCK_MASK", raising=False)
-    q = stand_in((2, 300, 8, 128), "bfloat16")
-    kv = stand_in((2, 300, 2, 128), "bfloat16")
-    bm = cupyflash.create_block_mask(lambda b, h, i, j: (i // 100) == (j // 100), None, 8, 300, 300, BLOCK_SIZE=64)
-    cupyflash.attention(q, kv, kv, block_mask=bm, algorithm="fa2")
-    _check(launches, "fa2_fwd")
-    assert not {"mask_cells", "mask_key_ranges", "mask_row_ranges"} & launches[-1][1]
-    cupyflash.attention_backward(q, q, kv, kv, q, stand_in((2, 8, 300), "float32"), block_mask=bm)
-    assert not {"mask_cells", "mask_key_ranges", "mask_row_ranges"} & launches[-1][1]
-    with pytest.raises(ValueError, match="Q_LEN=300"):
-        cupyflash.attention(stand_in((2, 299, 8, 128), "bfloat16"), kv, kv, block_mask=bm)
 
 
 def _on_gpu_1(bm):

@@ -199,9 +199,9 @@ def test_no_mask_is_mixed_everywhere():
 
 def test_the_kernels_compile_with_tile_classes():
     """The FA2 forward and the mma.sync backward's key-block and dQ kernels with a mask's tile
-    classes compiled in (what a call gets under CUPYFLASH_GPU_BLOCK_MASK=1): a cubin for sm_80 and
-    sm_90a, no spill, no warning. (Without them every variant compiles to the bytes it had: the
-    kernels call cf_user_mask_tile under `if constexpr`.) Four masks with
+    classes compiled in (what a call with a mask_mod gets): a cubin for sm_80 and sm_90a, no spill,
+    no warning. (Without a mask every variant compiles to the bytes it had: the kernels call
+    cf_user_mask_tile under `if constexpr`.) Four masks with
     CUPYFLASH_COMPILE_ALL=1 (CI), two by default."""
     pytest.importorskip("cupy")
     from helpers import FULL

@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 240 python3 -m cupyflash bench-train --dtype bfloat16 --backends cupyflash cudnn fa4 \
   --json $OUT/train.json > $OUT/train.log 2>&1
 echo "train rc=$? at ${SECONDS}s"; grep -v "^ *warn\|Warning" $OUT/train.log | tail -16 | cut -c1-330
-CUPYFLASH_CASCADE_ONE_LAUNCH=1 timeout 120 python3 -m cupyflash bench-cascade --json $OUT/cascade.json \
+timeout 120 python3 -m cupyflash bench-cascade --json $OUT/cascade.json \
   > $OUT/cascade.log 2>&1; echo "cascade rc=$? at ${SECONDS}s"; tail -14 $OUT/cascade.log | cut -c1-300
-CUPYFLASH_GPU_BLOCK_MASK=1 timeout $(left) python3 -m cupyflash bench-mods --head-dims 128 --backward --json $OUT/mods.json > $OUT/mods.log 2>&1
+timeout $(left) python3 -m cupyflash bench-mods --head-dims 128 --backward --json $OUT/mods.json > $OUT/mods.log 2>&1
 echo "mods rc=$? at ${SECONDS}s"; grep -v "^ *warn\|Warning" $OUT/mods.log | tail -14 | cut -c1-300

@@ -20,7 +20,7 @@ timeout 280 python3 -m pytest -q -n 14 -p no:cacheprovider -m gpu -rf tests/test
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-300 | tail -15
 for only in variant "shared prefix"; do
   tag=${only// /_}
-  CUPYFLASH_CASCADE_ONE_LAUNCH=1 CUPYFLASH_GPU_BLOCK_MASK=1 timeout $(( $(left) / 2 )) python3 scripts/sanitize.py --out $OUT/sanitize_$tag \
+  timeout $(( $(left) / 2 )) python3 scripts/sanitize.py --out $OUT/sanitize_$tag \
     --only "$only" --tools memcheck,racecheck --timeout 90 > $OUT/sanitize_$tag.log 2>&1
   echo "sanitize $only rc=$? at ${SECONDS}s"; tail -3 $OUT/sanitize_$tag.log
 done

@@ -9,7 +9,7 @@
 # flash-attn lower-level functions; then the one-launch cascade beside the flat paged call
 # (bench-cascade), compute-sanitizer over the shared-prefix and variant cases, and flash-attn's
 # test file (.peers/fa2tests) with the time left.
-#   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate.sh [SECONDS]
+#   usage (GPU machine, tree root, $OUT set): bash validate.sh [SECONDS]   (scripts/pending_gpu/validate.sh at 729fb83: call 1 of docs/evidence/2026-12-06-h100-validate)
 #   carry: .whl .peers/fa2tests   (scripts/pending_gpu/stage.sh makes them)
 set -uo pipefail
 END=${1:-560}
