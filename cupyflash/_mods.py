@@ -311,14 +311,40 @@ def _empty(cell: Any) -> bool:
     return False
 
 
-def reads(fn: Callable[..., Any]) -> list[tuple[tuple[str, Any], Any]]:
-    """What ``fn`` reads besides its arguments, where the trace looks for captured arrays: its
-    closure cells ``(("cell", i), value)``, its defaults ``(("default", i), value)`` and the
-    globals it names ``(("global", name), value)``. Nothing for a callable that is not a plain
-    function (its arrays are not captured: indexing one by a traced value is refused)."""
-    if not isinstance(fn, types.FunctionType):
-        return []
-    found: list[tuple[tuple[str, Any], Any]] = [
+#: Packages whose functions the trace does not enter looking for captured arrays: a function may
+#: call them, but what they read is theirs, not the caller's.
+_LIBRARY_PACKAGES = frozenset(
+    {"cupyflash", "numpy", "cupy", "cupyx", "torch", "jax", "jaxlib", "array_api_compat", "array_api_strict", "math"}
+)
+#: How deep the trace follows functions calling functions (``and_masks(causal, document)``'s
+#: masks are one level down).
+_MAX_NESTING = 4
+
+#: A place a function reads: ("cell", i), ("default", i) or ("global", name).
+Step = tuple[str, Any]
+
+
+def _entered(x: Any) -> bool:
+    """Whether the trace looks inside ``x`` for captured arrays: a plain Python function of the
+    caller's own (a mask a mask calls) or ``and_masks`` / ``or_masks``', not a library's."""
+    if not isinstance(x, types.FunctionType):
+        return False
+    return x.__code__ in _COMPOSERS or (x.__module__ or "").split(".")[0] not in _LIBRARY_PACKAGES
+
+
+def _functions_in(x: Any) -> list[tuple[Step, Any]]:
+    """What the trace enters of a value a function reads: the value itself (``("", None)``), or
+    the functions in a tuple or list of them (``("item", k)``: and_masks' masks)."""
+    if _entered(x):
+        return [(("", None), x)]
+    if isinstance(x, (tuple, list)) and len(x) <= 64:
+        return [(("item", k), f) for k, f in enumerate(x) if _entered(f)]
+    return []
+
+
+def _own_reads(fn: types.FunctionType) -> list[tuple[Step, Any]]:
+    """``fn``'s closure cells, defaults and the globals it names, with their values."""
+    found: list[tuple[Step, Any]] = [
         (("cell", i), c.cell_contents) for i, c in enumerate(fn.__closure__ or ()) if not _empty(c)
     ]
     found += [(("default", i), d) for i, d in enumerate(fn.__defaults__ or ())]
@@ -326,31 +352,70 @@ def reads(fn: Callable[..., Any]) -> list[tuple[tuple[str, Any], Any]]:
     return found
 
 
+def reads(fn: Callable[..., Any]) -> list[tuple[tuple[Step, ...], Any]]:
+    """What ``fn`` reads besides its arguments, where the trace looks for captured arrays: its
+    closure cells, defaults and the globals it names, and through the functions among them that
+    it may call (``_entered``, up to ``_MAX_NESTING`` deep) theirs; each as ``(path, value)``,
+    ``path`` the steps from ``fn`` (``(("cell", 0), ("global", "doc_id"))``: the global doc_id of
+    the function in fn's first closure cell). Nothing for a callable that is not a plain function
+    (its arrays are not captured: indexing one by a traced value is refused)."""
+    found: list[tuple[tuple[Step, ...], Any]] = []
+
+    def visit(f: types.FunctionType, path: tuple[Step, ...], entered: set[int]) -> None:
+        for step, value in _own_reads(f):
+            found.append(((*path, step), value))
+            for item, inner in _functions_in(value):
+                if id(inner) not in entered and len(path) < _MAX_NESTING:
+                    inner_path = (*path, step) if item[0] == "" else (*path, step, item)
+                    visit(inner, inner_path, entered | {id(inner)})
+
+    if isinstance(fn, types.FunctionType):
+        visit(fn, (), {id(fn)})
+    return found
+
+
 def _with_buffers(fn: Callable[..., Any], trace: _Trace) -> Callable[..., Any]:
     """``fn`` with the 1-D / 2-D arrays it captures (``reads``) replaced by ``TracedBuffer``s, so
-    that ``doc_id[q_idx]`` records a read."""
-    if not isinstance(fn, types.FunctionType):
-        return fn
-    code = fn.__code__
+    that ``doc_id[q_idx]`` records a read; a function it may call (``_entered``) likewise."""
+    made: dict[int, Any] = {}
 
-    def name(kind: str, at: Any) -> str:  # the captured variable's, for messages
-        return str(code.co_freevars[at] if kind == "cell" else at if kind == "global" else "default")
+    def rebuilt(f: Any, depth: int) -> Any:
+        if not isinstance(f, types.FunctionType):
+            return f
+        if id(f) in made:  # called twice, or recursive: one copy
+            return made[id(f)]
+        made[id(f)] = f  # (itself while its reads are rebuilt)
+        code = f.__code__
 
-    swapped = {
-        where: TracedBuffer(x, name(*where), trace) for where, x in reads(fn) if _is_array(x) and x.ndim in (1, 2)
-    }
-    if not swapped:
-        return fn
-    cells = fn.__closure__ or ()
-    closure = tuple(types.CellType(swapped[("cell", i)]) if ("cell", i) in swapped else c for i, c in enumerate(cells))
-    namespace = fn.__globals__
-    if any(kind == "global" for kind, _ in swapped):
-        namespace = dict(fn.__globals__)
-        namespace.update({n: x for (kind, n), x in swapped.items() if kind == "global"})
-    defaults = fn.__defaults__
-    if defaults is not None:
-        defaults = tuple(swapped.get(("default", i), d) for i, d in enumerate(defaults))
-    return types.FunctionType(code, namespace, fn.__name__, defaults, closure or None)
+        def name(kind: str, at: Any) -> str:  # the captured variable's, for messages
+            return str(code.co_freevars[at] if kind == "cell" else at if kind == "global" else "default")
+
+        swapped: dict[Step, Any] = {}
+        for where, x in _own_reads(f):
+            if _is_array(x) and x.ndim in (1, 2):
+                swapped[where] = TracedBuffer(x, name(*where), trace)
+            elif depth < _MAX_NESTING and _entered(x) and (inner := rebuilt(x, depth + 1)) is not x:
+                swapped[where] = inner
+            elif depth < _MAX_NESTING and isinstance(x, (tuple, list)) and _functions_in(x):  # and_masks' masks
+                items = [rebuilt(y, depth + 1) if _entered(y) else y for y in x]
+                if any(a is not b for a, b in zip(items, x, strict=True)):
+                    swapped[where] = tuple(items) if isinstance(x, tuple) else items
+        if swapped:
+            cells = f.__closure__ or ()
+            closure = tuple(
+                types.CellType(swapped[("cell", i)]) if ("cell", i) in swapped else c for i, c in enumerate(cells)
+            )
+            namespace = f.__globals__
+            if any(kind == "global" for kind, _ in swapped):
+                namespace = dict(f.__globals__)
+                namespace.update({n: x for (kind, n), x in swapped.items() if kind == "global"})
+            defaults = f.__defaults__
+            if defaults is not None:
+                defaults = tuple(swapped.get(("default", i), d) for i, d in enumerate(defaults))
+            made[id(f)] = types.FunctionType(code, namespace, f.__name__, defaults, closure or None)
+        return made[id(f)]
+
+    return rebuilt(fn, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,6 +482,49 @@ def _make_binary(name: str) -> Callable[[Any, Any], Any]:
 
 minimum = _make_binary("minimum")
 maximum = _make_binary("maximum")
+
+
+def and_masks(*mask_mods: Callable[..., Any]) -> Callable[..., Any]:
+    """A mask_mod that shows a score where every one of ``mask_mods`` shows it (FlexAttention's
+    ``and_masks``; none: every score). The masks' captured arrays are the result's: traced through
+    it, so ``and_masks(causal, document)`` is one expression."""
+    _check_masks("and_masks", mask_mods)
+
+    def and_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        if not mask_mods:
+            return True
+        shown = mask_mods[0](b, h, q_idx, kv_idx)
+        for mask_mod in mask_mods[1:]:
+            shown = shown & mask_mod(b, h, q_idx, kv_idx)
+        return shown
+
+    return and_mask
+
+
+def or_masks(*mask_mods: Callable[..., Any]) -> Callable[..., Any]:
+    """A mask_mod that shows a score where any one of ``mask_mods`` shows it (FlexAttention's
+    ``or_masks``; none: no score)."""
+    _check_masks("or_masks", mask_mods)
+
+    def or_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        if not mask_mods:
+            return False
+        shown = mask_mods[0](b, h, q_idx, kv_idx)
+        for mask_mod in mask_mods[1:]:
+            shown = shown | mask_mod(b, h, q_idx, kv_idx)
+        return shown
+
+    return or_mask
+
+
+def _check_masks(name: str, mask_mods: tuple[Any, ...]) -> None:
+    for k, mask_mod in enumerate(mask_mods):
+        if not callable(mask_mod):
+            raise TypeError(f"{name} takes mask_mod functions, got a {type(mask_mod).__name__} at position {k}")
+
+
+#: The composers' code: the trace enters them (and the masks they hold) though they are ours.
+_COMPOSERS = frozenset({and_masks().__code__, or_masks().__code__})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -404,18 +404,24 @@ def _made_while_compiling(fn: Any) -> bool:
     return False
 
 
-def _read(fn: Any, where: tuple[str, Any]) -> Any:
-    """What ``fn`` holds at ``where`` (``_mods.reads``' places), read where Dynamo sees it."""
-    kind, at = where
-    if kind == "cell":
-        return fn.__closure__[at].cell_contents
-    if kind == "default":
-        return fn.__defaults__[at]
-    try:
-        namespace = fn.__globals__
-    except AttributeError:  # a function made while Dynamo traced: its module's globals are its own
-        return getattr(sys.modules[fn.__module__], at)
-    return namespace[at]
+def _read(fn: Any, where: tuple[tuple[str, Any], ...]) -> Any:
+    """What ``fn`` holds at ``where`` (``_mods.reads``' paths: the steps into each function it
+    calls, then the place), read where Dynamo sees it."""
+    for kind, at in where:
+        if kind == "cell":
+            fn = fn.__closure__[at].cell_contents
+        elif kind == "default":
+            fn = fn.__defaults__[at]
+        elif kind == "item":  # a function in a tuple or list the caller holds (and_masks')
+            fn = fn[at]
+        else:
+            try:
+                namespace = fn.__globals__
+            except AttributeError:  # a function made while Dynamo traced: its module's globals are its own
+                fn = getattr(sys.modules[fn.__module__], at)
+                continue
+            fn = namespace[at]
+    return fn
 
 
 # ---------------------------------------------------------------------------------------------

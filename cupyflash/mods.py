@@ -11,8 +11,35 @@ record on traced values and run the array namespace's own function on arrays)::
 
     def document(b, h, q_idx, kv_idx):  # doc_id: a captured (N,) integer array
         return (doc_id[q_idx] == doc_id[kv_idx]) & (kv_idx <= q_idx)
+
+A function may call others (``and_masks`` / ``or_masks`` combine masks, as FlexAttention's do):
+the arrays they capture are traced through it.
 """
 
-from ._mods import abs, exp, log, maximum, minimum, tanh, trace_mask_mod, trace_score_mod, where
+from ._mods import (
+    abs,
+    and_masks,
+    exp,
+    log,
+    maximum,
+    minimum,
+    or_masks,
+    tanh,
+    trace_mask_mod,
+    trace_score_mod,
+    where,
+)
 
-__all__ = ["abs", "exp", "log", "maximum", "minimum", "tanh", "trace_mask_mod", "trace_score_mod", "where"]
+__all__ = [
+    "abs",
+    "and_masks",
+    "exp",
+    "log",
+    "maximum",
+    "minimum",
+    "or_masks",
+    "tanh",
+    "trace_mask_mod",
+    "trace_score_mod",
+    "where",
+]

@@ -207,6 +207,45 @@ def test_globals_defaults_and_unassigned_cells(qkv):
 GLOBAL_IDS = np.arange(NK) // 10
 
 
+def test_functions_calling_functions_trace_their_arrays(qkv):
+    """Masks built from masks: the arrays each one captures (in a closure, a global, a default or
+    and_masks' tuple, several levels down) are traced through the function given; and_masks /
+    or_masks give the expression written inline (one kernel for both), and the score functions'
+    arrays too."""
+    rng = np.random.default_rng(9)
+    doc_q, doc_k = (np.sort(rng.integers(0, 4, n)) for n in (NQ, NK))
+    bias = rng.standard_normal(NK)
+
+    def document(b, h, q_idx, kv_idx):
+        return doc_q[q_idx] == doc_k[kv_idx]
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + SHIFT
+
+    def window(width):
+        return lambda b, h, q_idx, kv_idx: q_idx + SHIFT - kv_idx < width
+
+    combined = mods.or_masks(mods.and_masks(causal, document), window(5))
+    wrapped = lambda b, h, i, j: combined(b, h, i, j) & (bias[j] < 1.5)  # noqa: E731
+    visible = lambda b, h, i, j: (((j <= i + SHIFT) & (doc_q[i] == doc_k[j])) | (i + SHIFT - j < 5)) & (bias[j] < 1.5)  # noqa: E731
+    check(*qkv, ref_visible=visible, mask_mod=wrapped)
+    inline = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx + SHIFT) & (doc_q[q_idx] == doc_k[kv_idx])  # noqa: E731
+    assert _mods.trace_mask_mod(mods.and_masks(causal, document)).key == _mods.trace_mask_mod(inline).key
+    traced = _mods.trace_mask_mod(wrapped)
+    assert len(traced.buffers) == 3  # doc_q, doc_k (inside and_masks, inside or_masks), bias
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score + shift(kv_idx)
+
+    def shift(kv_idx):
+        return 0.5 * bias[kv_idx]
+
+    check(*qkv, ref_score=lambda s, b, h, i, j: s + 0.5 * bias[j], score_mod=scaled)
+    check(*qkv, ref_visible=lambda b, h, i, j: np.ones_like(i, bool), mask_mod=mods.and_masks())
+    with pytest.raises(TypeError, match="and_masks takes mask_mod functions, got a int at position 1"):
+        mods.and_masks(causal, 3)
+
+
 def test_the_mods_functions_on_arrays():
     x = np.array([-1.0, 0.5, 2.0])
     np.testing.assert_array_equal(mods.where(x > 0, x, 0.0), [0.0, 0.5, 2.0])

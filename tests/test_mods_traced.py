@@ -161,6 +161,34 @@ def test_captured_tensors_are_graph_inputs_and_captured_numbers_are_guarded():
         seen = counter.frame_count
 
 
+def test_masks_built_from_masks_are_traced_through_under_compile():
+    """and_masks / or_masks of masks made outside the compiled function: the arrays they capture
+    a level or two down are graph inputs (a new doc_id: no recompile) and the numbers they capture
+    are guarded (a new window width: a recompile)."""
+    torch = need_torch()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def f(q, k, v, mask_mod):
+        return cupyflash.attention(q, k, v, mask_mod=mask_mod)
+
+    def causal(b, h, i, j):
+        return j <= i + (NK - NQ)
+
+    compiled = torch.compile(f, fullgraph=True, backend=counter)
+    q, k, v = (x.detach() for x in _leaves(torch))
+    rng = np.random.default_rng(5)
+    docs = [torch.from_numpy(np.sort(rng.integers(0, n, NK))) for n in (3, 5)]
+    seen = 0
+    for doc, width, new in ((0, 4, True), (0, 4, False), (1, 4, False), (1, 9, True)):
+        mask_mod = mods.and_masks(causal, mods.or_masks(_document(docs[doc]), _window(width)))
+        torch.testing.assert_close(compiled(q, k, v, mask_mod), _formula(torch, q, k, v, None, mask_mod))
+        assert (counter.frame_count > seen) == new, (doc, width, counter.frame_count)
+        seen = counter.frame_count
+
+
 DOC_IDS = None  # a module global a function made inside the compiled region reads (set by the test)
 
 
