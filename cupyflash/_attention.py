@@ -376,6 +376,9 @@ def _plan_forward(lib: _interop.ArrayLib, device: int, call: Forward) -> _plan.L
     )
 
 
+# (batch, row, head) axes of q's shape per layout (padded calls: a mask's implied summary).
+_SHAPE_AXES = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1)}
+
 # The device code of each score_mod / mask_mod pair met, by their keys (the expressions, with
 # their arrays' shapes and dtypes): a call traces its functions again, but writes no code twice.
 _kernel_mods: dict[Any, _mods.KernelMods] = {}
@@ -386,10 +389,17 @@ def _gpu_mods(
 ) -> tuple[Any, Any]:
     """attention with a score_mod / mask_mod: the FA2 kernel with the functions compiled into its
     score hook (kernels_cu/variants.cuh's UserMods), their captured arrays read where they are
-    (on q's device, of q's library); with a block_mask, its summary read beside them."""
+    (on q's device, of q's library); with a block_mask, its summary read beside them (without
+    one, the summary the mask_mod implies, where it decides some cell: _block_mask.implied)."""
     mods_key, kernel, buffers = _kernel_mods_of(call, device)
     q, k, v = call.q, call.k, call.v
     sinks, block_mask = call.sinks, call.block_mask
+    if block_mask is None and call.mods[1] is not None and call.layout in _SHAPE_AXES:
+        (batch, rows, heads), keys = (
+            (q.shape[a] for a in _SHAPE_AXES[call.layout]),
+            k.shape[_SHAPE_AXES[call.layout][1]],
+        )
+        block_mask = _block_mask.implied_on(call.mods[1], batch, heads, rows, keys, lib, device, kernel)
     cells = None if block_mask is None else _block_mask.layout(block_mask)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,
            call.algorithm, call.dropout_p, call.alibi_slopes is not None, mods_key,
@@ -677,6 +687,11 @@ def _gpu_mods_backward(
     mods_key, kernel, buffers = _kernel_mods_of(call, device)
     q, k, v, out, dout, lse, dlse, sinks = call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.sinks
     block_mask = call.block_mask
+    if block_mask is None and call.mods[1] is not None:  # the forward's (the same signature's)
+        p = problem
+        block_mask = _block_mask.implied_on(
+            call.mods[1], p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, lib, device, kernel
+        )
     cells = None if block_mask is None else _block_mask.layout(block_mask)  # (checked by the caller)
     key = ("bwd-mods", lib.name, device, problem, q.shape, k.shape, _dtypes(q, k, v, out, dout, lse, dlse, sinks),
            call.deterministic, mods_key, cells)  # fmt: skip

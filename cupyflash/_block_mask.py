@@ -10,16 +10,19 @@ It is made where the mask's captured arrays live: on a GPU by one kernel (kernel
 on the host by ``xp_impl.block_mask_cells`` (the mask on index grids). A call with it skips the
 tiles whose cells are hidden (no K/V load, no MMA), runs score_mod alone on plain tiles and the
 mask per score on mixed ones: its result is the mask_mod's alone, the summary only saves work.
+A call with a mask_mod and no BlockMask gets the summary the mask's own tile classes imply
+(``implied``: interval arithmetic on the host, no evaluation), where they decide some cell.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from . import _interop, _launch, _mods, _plan, xp_impl
+from . import _interop, _launch, _mod_tiles, _mods, _plan, xp_impl
 
 
 class BlockMask:
@@ -31,7 +34,7 @@ class BlockMask:
 
     Attributes
     ----------
-    mask_mod : the function, as given
+    mask_mod : the function, as given (None in the summary a call's mask_mod implies)
     shape : (B, H, Q_LEN, KV_LEN) as given (None: broadcast over that axis)
     BLOCK_SIZE : (rows, keys) of a cell
     cells : uint8 array (B or 1, H or 1, ceil(Q_LEN / rows), ceil(KV_LEN / keys)) of the library
@@ -52,8 +55,8 @@ class BlockMask:
     )  # fmt: skip
 
     def __init__(
-        self, mask_mod: Callable[..., Any], shape: tuple[Any, Any, int, int], block: tuple[int, int], mod: _mods.Mod,
-        extents: tuple[int, int], cells: Any, ranges: tuple[Any, Any], lib: Any, device: int,
+        self, mask_mod: Callable[..., Any] | None, shape: tuple[Any, Any, int, int], block: tuple[int, int],
+        mod: _mods.Mod, extents: tuple[int, int], cells: Any, ranges: tuple[Any, Any], lib: Any, device: int,
     ) -> None:  # fmt: skip
         self.mask_mod = mask_mod
         self.shape = shape
@@ -219,6 +222,98 @@ def _on_gpu(
     (summary,) = _launch.run_outputs(launch, lib, device, arrays)
     ranges = xp_impl.block_mask_ranges(array_namespace(summary), summary, block)
     return BlockMask(mask_mod, shape, block, mod, extents, summary, ranges, lib, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary a mask_mod implies: a call with a mask_mod and no BlockMask.
+# ---------------------------------------------------------------------------------------------
+#: Cells of an implied summary: 64 x 64 (the kernels' tiles are 64 or 128 rows by 32 to 176 keys;
+#: a tile spanning several cells takes their combined state).
+IMPLIED_BLOCK = (64, 64)
+#: An implied summary has at most this many cells: its interval arithmetic runs on the host at a
+#: signature's first call, a few NumPy passes over every cell (B x H x Nq/64 x Nk/64 for a mask
+#: that reads b and h; about 0.1 s at 2M cells).
+IMPLIED_MAX_CELLS = 1 << 21
+#: Past that, cells of 128 x 128 (the largest the GPU tests cover): sequences up to about 180k.
+IMPLIED_LARGEST_BLOCK = 128
+_implied: OrderedDict[Any, BlockMask | None] = OrderedDict()
+_implied_lock = threading.Lock()
+_IMPLIED_ENTRIES = 64
+
+
+def implied(
+    mod: _mods.Mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, signature: Any = None
+) -> BlockMask | None:
+    """The summary a mask_mod implies by its own tile classes (``_mod_tiles.tile_classes``:
+    interval arithmetic over each cell's rows and keys, the mask never evaluated): what a call
+    with a mask_mod and no BlockMask hands the kernels, so that each skips the cells the mask
+    hides by its index arithmetic alone (a window, chunks, a prefix, a causal term beside a
+    captured array's), runs score_mod alone on the cells it shows whole, and bounds its loops by
+    the shown ranges; the Hopper forward, which reads summaries but classes no tile itself, too.
+    Made on the host once per (expression, batch, heads, lengths) and copied to a GPU at its
+    first call there; None where the classes decide no cell (every one mixed: a document mask
+    alone) or the summary would pass IMPLIED_MAX_CELLS. ``signature``: an object that stands for
+    the expression, kept across calls (the call's compiled KernelMods): a cheaper key than the
+    expression a call traces anew (no deep comparison)."""
+    key = (mod.key if signature is None else signature, batch, heads, seqlen_q, seqlen_k)
+    with _implied_lock:
+        if key in _implied:
+            _implied.move_to_end(key)
+            return _implied[key]
+    made = _implied_summary(mod, batch, heads, seqlen_q, seqlen_k)
+    with _implied_lock:
+        _implied[key] = made
+        while len(_implied) > _IMPLIED_ENTRIES:
+            _implied.popitem(last=False)
+    return made
+
+
+def _implied_summary(mod: _mods.Mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> BlockMask | None:
+    import numpy as np
+
+    reads = _reads(mod)
+    extents = (batch if "b" in reads else 1, heads if "h" in reads else 1)
+    if min(extents) <= 0:
+        return None
+    block = IMPLIED_BLOCK
+    while True:  # cells of 64, or larger for long sequences (a cell holding several tiles: its state)
+        units = (max(block[0], _plan.RANGE_BLOCK), max(block[1], _plan.RANGE_BLOCK))
+        cells = (-(-seqlen_q // units[0]) * units[0] // block[0], -(-seqlen_k // units[1]) * units[1] // block[1])
+        if extents[0] * extents[1] * cells[0] * cells[1] <= IMPLIED_MAX_CELLS:
+            break
+        if block[0] >= IMPLIED_LARGEST_BLOCK:
+            return None
+        block = (2 * block[0], 2 * block[1])
+    row0, key0 = np.arange(cells[0]) * block[0], np.arange(cells[1]) * block[1]
+    row1, key1 = np.minimum(row0 + block[0], seqlen_q) - 1, np.minimum(key0 + block[1], seqlen_k) - 1
+    states = _mod_tiles.tile_classes(
+        mod, np.arange(extents[0]).reshape(-1, 1, 1, 1), np.arange(extents[1]).reshape(1, -1, 1, 1),
+        (row0.reshape(1, 1, -1, 1), row1.reshape(1, 1, -1, 1)), (key0.reshape(1, 1, 1, -1), key1.reshape(1, 1, 1, -1)),
+    )  # fmt: skip
+    full = (extents[0], extents[1], cells[0], cells[1])
+    states = np.broadcast_to(np.asarray(states, dtype=np.uint8), full)
+    past = (row0 >= seqlen_q).reshape(-1, 1) | (key0 >= seqlen_k).reshape(1, -1)  # cells past the lengths
+    states = np.where(past, np.uint8(xp_impl.MASK_CELL_EMPTY), states)
+    decided = (states == xp_impl.MASK_CELL_HIDDEN) | (states == xp_impl.MASK_CELL_PLAIN)
+    if not decided.any():
+        return None
+    states = np.ascontiguousarray(states)
+    shape = (batch, heads, seqlen_q, seqlen_k)
+    ranges = xp_impl.block_mask_ranges(np, states, block)
+    return BlockMask(None, shape, block, mod, extents, states, ranges, None, -1)
+
+
+def implied_on(
+    mod: _mods.Mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, lib: Any, device: int, signature: Any
+) -> BlockMask | None:
+    """``implied``, where a call on ``device`` can read it: not while its stream captures a
+    CUDA graph before the summary's first copy there (the call then classes tiles in the
+    kernels, FA2's and the mma.sync backward's, or not at all, the Hopper forward's: the same
+    result)."""
+    summary = implied(mod, batch, heads, seqlen_q, seqlen_k, signature)
+    if summary is None or device in summary._pointers or not _interop.stream_is_capturing(lib.stream(device)):
+        return summary
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -254,12 +254,14 @@ def test_a_mask_mod_alone_classes_its_own_tiles(rng, dtype, head_dim, determinis
             assert rel_error(on[both], off[both]) < 1e-2, (name, label)
 
 
-def test_a_mask_mod_alone_skips_the_tiles_it_hides():
+@pytest.mark.parametrize("algorithm", ["auto", "fa2"])
+def test_a_mask_mod_alone_skips_the_tiles_it_hides(algorithm):
     """The tiles a mask_mod's own classes hide are never loaded: chunked local attention (chunks
     of 512) over the first 4k of 8k keys, written as a mask_mod with no BlockMask, the other keys'
     V NaN. Unclassed (``_unclassed``) every key tile is loaded and 0 x NaN in the P.V product
-    makes NaN rows; classed (index arithmetic decides those tiles hidden) the FA2 forward skips
-    them and gives the result with finite V. (The speed-up is bench-mods'.)"""
+    makes NaN rows; classed (index arithmetic decides those tiles hidden) the kernels skip them and
+    give the result with finite V: the Hopper forward ("auto") by the summary the mask implies
+    (_block_mask.implied), FA2's by that summary too. (The speed-up is bench-mods'.)"""
     torch = need_torch()
     n = 8192
     q, k, v = (torch.randn(1, n, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -270,12 +272,33 @@ def test_a_mask_mod_alone_skips_the_tiles_it_hides():
         return (i // 512 == j // 512) & (j <= i) & (j < n // 2)
 
     unclassed = _unclassed(torch, chunked, n + 128, n + 128)
-    want = cupyflash.attention(q, k, v, mask_mod=unclassed, algorithm="fa2")
+    want = cupyflash.attention(q, k, v, mask_mod=unclassed, algorithm=algorithm)
     assert torch.isfinite(want).all()
-    assert torch.isnan(cupyflash.attention(q, k, poisoned, mask_mod=unclassed, algorithm="fa2")).any()
-    got = cupyflash.attention(q, k, poisoned, mask_mod=chunked, algorithm="fa2")
+    assert torch.isnan(cupyflash.attention(q, k, poisoned, mask_mod=unclassed, algorithm=algorithm)).any()
+    got = cupyflash.attention(q, k, poisoned, mask_mod=chunked, algorithm=algorithm)
     assert torch.isfinite(got).all()
     assert rel_error(reference.to_numpy64(got), reference.to_numpy64(want)) < 1e-2
+
+
+def test_a_mask_mod_alone_in_a_cuda_graph():
+    """A mask_mod whose summary is implied, in a CUDA graph: the warm-up call before the capture
+    copies the summary to the GPU, the captured call reads it, and replays give the eager call's
+    bits. (Inside a capture with no copy yet the call runs without it: tests/
+    test_gpu_routes_stubbed.py.)"""
+    torch = need_torch()
+    n = 1000
+    q, k, v = (torch.randn(2, n, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def chunked(b, h, i, j):  # (a chunk size no other test uses: a fresh implied summary)
+        return (i // 192 == j // 192) & (j <= i)
+
+    graph, out = capture(torch, lambda: cupyflash.attention(q, k, v, mask_mod=chunked))
+    eager = cupyflash.attention(q, k, v, mask_mod=chunked)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
 
 
 def test_an_index_outside_a_captured_array_stays_nan_with_a_block_mask():

@@ -39,6 +39,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(_interop, "current_device", lambda: 0)
     monkeypatch.setattr(_interop, "stream_is_capturing", lambda stream: False)
     monkeypatch.setattr(_interop.CupyLib, "stream", lambda self, device: 0)
+    # a host summary's copy to the GPU (a mask_mod's implied one): a stand-in
+    monkeypatch.setattr(_interop, "upload", lambda x, device: stand_in(x.shape, str(x.dtype)))
     return seen
 
 
@@ -277,6 +279,53 @@ def test_a_block_mask_reaches_the_kernels(launches, monkeypatch):
     elsewhere = _on_gpu_1(bm)
     with pytest.raises(ValueError, match="made on GPU 1; this call runs on GPU 0"):
         _block_mask.kernel_buffers(elsewhere, _interop.CUPY_LIB, 0)
+
+
+def test_a_mask_mod_alone_hands_the_kernels_the_summary_it_implies(launches, monkeypatch):
+    """A mask_mod whose index arithmetic hides or shows whole cells (chunks here) and no
+    block_mask: the summary its tile classes imply, made on the host once and copied to the GPU at
+    the first call, handed to the Hopper forward, FA2's and the mma.sync backward; none for a mask
+    whose cells all depend on its array (a document mask alone), nor while a CUDA graph is being
+    captured before the first copy (the same result: the kernels then evaluate every tile)."""
+    from cupyflash import _block_mask
+
+    copies = []
+    monkeypatch.setattr(_interop, "upload", lambda x, device: copies.append(x) or stand_in(x.shape, str(x.dtype)))
+    q = stand_in((2, 300, 8, 128), "float16")
+    kv = stand_in((2, 300, 2, 128), "float16")
+    lse = stand_in((2, 8, 300), "float32")
+    summary = {"mask_cells", "mask_key_ranges", "mask_row_ranges"}
+
+    def chunked(b, h, i, j):
+        return (i // 128 == j // 128) & (j <= i)
+
+    capturing = [True]
+    monkeypatch.setattr(_interop, "stream_is_capturing", lambda stream: capturing[0])
+    cupyflash.attention(q, kv, kv, mask_mod=chunked)
+    assert not summary & launches[-1][1] and not copies
+    capturing[0] = False
+    for algorithm, kernel in (("auto", "fa3_fwd"), ("fa2", "fa2_fwd")):
+        cupyflash.attention(q, kv, kv, mask_mod=chunked, algorithm=algorithm)
+        _check(launches, kernel)
+        assert summary <= launches[-1][1]
+        assert launches[-1][0].params.value("mask_cell_rows_log2") == 6
+    cupyflash.attention_backward(q, q, kv, kv, q, lse, mask_mod=chunked)
+    _check(launches, "fa2_bwd", optional=("dlse",))
+    assert summary <= launches[-1][1]
+    assert len(copies) == 3  # one copy, for every call
+    capturing[0] = True  # copied already: read while capturing too
+    cupyflash.attention(q, kv, kv, mask_mod=chunked)
+    assert summary <= launches[-1][1]
+    doc = stand_in((300,), "int32")
+    cupyflash.attention(q, kv, kv, mask_mod=lambda b, h, i, j: doc[i] == doc[j])
+    assert not summary & launches[-1][1]
+    assert _block_mask.implied(_mods_trace(lambda b, h, i, j: doc[i] == doc[j]), 2, 8, 300, 300) is None
+
+
+def _mods_trace(mask_mod):
+    from cupyflash import _mods
+
+    return _mods.trace_mask_mod(mask_mod)
 
 
 def _on_gpu_1(bm):

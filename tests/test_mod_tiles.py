@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from helpers import host_library, needs_host_cxx
 
+import cupyflash
 from cupyflash import _mod_tiles, _mods, mods
 
 NB, NH, NQ, NK = 2, 3, 300, 331
@@ -101,6 +102,37 @@ def test_gallery_tile_classes_are_sound_and_exact(name):
         above = t["k0"] > t["r1"]
         np.testing.assert_array_equal(classes == _mod_tiles.HIDDEN, above)
         assert not (classes == _mod_tiles.PLAIN).any()  # the documents are a captured array's
+
+
+@pytest.mark.parametrize("name", list(GALLERY))
+def test_the_summary_a_mask_implies_is_the_exact_one_where_it_decides(name):
+    """``_block_mask.implied`` (the cells' classes, what a call with a mask_mod alone hands the
+    kernels) against ``create_block_mask``'s summary (the mask at every score): every cell it
+    calls hidden, plain or past the lengths is so, the same cells as the exact summary's for
+    index-only masks, and its shown ranges hold the exact ones (sound bounds on the kernels'
+    loops). A mask none of whose cells the classes decide implies none: the dilated one (every
+    64 x 64 cell holds shown and hidden scores), a document mask alone (its array's)."""
+    from cupyflash import _block_mask, xp_impl
+
+    mask = _mods.trace_mask_mod(GALLERY[name])
+    implied = _block_mask.implied(mask, NB, NH, NQ, NK)
+    if name == "dilated":
+        assert implied is None
+        return
+    exact = cupyflash.create_block_mask(GALLERY[name], NB, NH, NQ, NK, BLOCK_SIZE=_block_mask.IMPLIED_BLOCK)
+    assert implied is not None and implied._cells.shape[:2] == exact._cells.shape[:2], name
+    got, want = np.asarray(implied._cells), np.asarray(exact._cells)
+    decided = got != xp_impl.MASK_CELL_MIXED
+    np.testing.assert_array_equal(got[decided], want[decided], err_msg=name)
+    if name in EXACT:
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    for r_got, r_want in zip(implied._ranges, exact._ranges, strict=True):
+        r_got, r_want = np.asarray(r_got), np.asarray(r_want)
+        shown = r_want[..., 1] > r_want[..., 0]
+        assert (r_got[..., 0][shown] <= r_want[..., 0][shown]).all() and (r_got[..., 1] >= r_want[..., 1]).all(), name
+    assert _block_mask.implied(mask, NB, NH, NQ, NK) is implied  # made once per signature
+    document = _mods.trace_mask_mod(lambda b, h, q, kv: DOC[q] == DOC[kv])
+    assert _block_mask.implied(document, NB, NH, NQ, NK) is None
 
 
 def test_tiles_of_the_kernels_grid():
