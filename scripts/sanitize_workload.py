@@ -436,17 +436,23 @@ def _sinks(a: Arrays, hq: int) -> Any:
     return a.randn(hq, dtype="float32")
 
 
-def _score_functions(a: Arrays, n: int) -> dict[str, Any]:
-    """A document mask over a captured id array (three documents, odd lengths) and a softcap."""
+def _score_functions(a: Arrays, n: int, implied: bool = False) -> dict[str, Any]:
+    """A document mask over a captured id array (three documents, odd lengths) and a softcap;
+    ``implied``: the mask also hides keys 64 to 127 (a whole 64-key cell for every row), so the
+    call hands the kernels the summary the mask implies (_block_mask.implied), where without it
+    every cell is the array's (the kernels class tiles themselves, or not at all)."""
     doc_id = a.ints(np.repeat(np.arange(3), [n // 3, n // 3 + 1, n - 2 * (n // 3) - 1]))
 
     def same_document(b, h, q_idx, kv_idx):
         return doc_id[q_idx] == doc_id[kv_idx]
 
+    def same_document_past_a_gap(b, h, q_idx, kv_idx):
+        return (doc_id[q_idx] == doc_id[kv_idx]) & (kv_idx // 64 != 1)
+
     def softcap(score, b, h, q_idx, kv_idx):
         return 20.0 * cupyflash.mods.tanh(score / 20.0)
 
-    return {"mask_mod": same_document, "score_mod": softcap}
+    return {"mask_mod": same_document_past_a_gap if implied else same_document, "score_mod": softcap}
 
 
 def _tree(a: Arrays, nq: int) -> Any:
@@ -462,8 +468,9 @@ def _add_variants(a: Arrays, options: dict[str, Any], hq: int, n: int) -> None:
     tokens; options["tree"] -> a tree mask over the ``n`` query tokens."""
     if options.pop("sinks", False):
         options["sinks"] = a.randn(hq, dtype="float32")
-    if options.pop("mods", False):
-        options.update(_score_functions(a, n))
+    mods = options.pop("mods", False)
+    if mods:
+        options.update(_score_functions(a, n, implied=mods == "implied"))
     if options.pop("tree", False):
         options["tree_mask"] = _tree(a, n)
 
@@ -478,13 +485,15 @@ def variant_cases(size: str, hopper: bool) -> Iterator[Case]:
             call = partial(_attention, b=2, sq=nq, sk=nk, hq=4, hkv=2, d=d, algorithm=algorithm, causal=True,
                            sinks=True)  # fmt: skip
             yield f"variant sinks attention {algorithm} d={d}", call
-            call = partial(_attention, b=1, sq=nk, sk=nk, hq=4, hkv=2, d=d, algorithm=algorithm, mods=True)
-            yield f"variant mods attention {algorithm} d={d}", call
+            for mods in (True, "implied"):
+                call = partial(_attention, b=1, sq=nk, sk=nk, hq=4, hkv=2, d=d, algorithm=algorithm, mods=mods)
+                yield f"variant mods{'-implied' if mods == 'implied' else ''} attention {algorithm} d={d}", call
         for deterministic in (False, True):
             call = partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, causal=True, sinks=True)
             yield f"variant sinks backward d={d} det={deterministic}", call
-            call = partial(_backward, nq=nk, nk=nk, d=d, deterministic=deterministic, mods=True)
-            yield f"variant mods backward d={d} det={deterministic}", call
+            for mods in (True, "implied"):
+                call = partial(_backward, nq=nk, nk=nk, d=d, deterministic=deterministic, mods=mods)
+                yield f"variant mods{'-implied' if mods == 'implied' else ''} backward d={d} det={deterministic}", call
         for page_size in (None, 16):
             for splits in (1, 0):
                 call = partial(_kvcache, length=length, cached=[0, 1, length // 2, length - 8], d=d,
