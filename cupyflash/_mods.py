@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import numbers
+import operator
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -487,44 +488,35 @@ maximum = _make_binary("maximum")
 def and_masks(*mask_mods: Callable[..., Any]) -> Callable[..., Any]:
     """A mask_mod that shows a score where every one of ``mask_mods`` shows it (FlexAttention's
     ``and_masks``; none: every score). The masks' captured arrays are the result's: traced through
-    it, so ``and_masks(causal, document)`` is one expression."""
-    _check_masks("and_masks", mask_mods)
-
-    def and_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        if not mask_mods:
-            return True
-        shown = mask_mods[0](b, h, q_idx, kv_idx)
-        for mask_mod in mask_mods[1:]:
-            shown = shown & mask_mod(b, h, q_idx, kv_idx)
-        return shown
-
-    return and_mask
+    it, so ``and_masks(causal, document)`` is one expression, the one written inline."""
+    return _combined("and_masks", mask_mods, operator.and_, True)
 
 
 def or_masks(*mask_mods: Callable[..., Any]) -> Callable[..., Any]:
     """A mask_mod that shows a score where any one of ``mask_mods`` shows it (FlexAttention's
     ``or_masks``; none: no score)."""
-    _check_masks("or_masks", mask_mods)
-
-    def or_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        if not mask_mods:
-            return False
-        shown = mask_mods[0](b, h, q_idx, kv_idx)
-        for mask_mod in mask_mods[1:]:
-            shown = shown | mask_mod(b, h, q_idx, kv_idx)
-        return shown
-
-    return or_mask
+    return _combined("or_masks", mask_mods, operator.or_, False)
 
 
-def _check_masks(name: str, mask_mods: tuple[Any, ...]) -> None:
+def _combined(name: str, mask_mods: tuple[Any, ...], both: Callable[[Any, Any], Any], empty: bool) -> Any:
     for k, mask_mod in enumerate(mask_mods):
         if not callable(mask_mod):
             raise TypeError(f"{name} takes mask_mod functions, got a {type(mask_mod).__name__} at position {k}")
 
+    def combined(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        if not mask_mods:
+            return empty
+        shown = mask_mods[0](b, h, q_idx, kv_idx)
+        for mask_mod in mask_mods[1:]:
+            shown = both(shown, mask_mod(b, h, q_idx, kv_idx))
+        return shown
 
-#: The composers' code: the trace enters them (and the masks they hold) though they are ours.
-_COMPOSERS = frozenset({and_masks().__code__, or_masks().__code__})
+    combined.__name__ = combined.__qualname__ = name.removesuffix("s")
+    return combined
+
+
+#: The combined masks' code: the trace enters them (and the masks they hold) though they are ours.
+_COMPOSERS = frozenset({_combined("", (), operator.and_, True).__code__})
 
 
 # ---------------------------------------------------------------------------------------------
