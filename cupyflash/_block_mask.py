@@ -239,6 +239,7 @@ IMPLIED_LARGEST_BLOCK = 128
 _implied: OrderedDict[Any, BlockMask | None] = OrderedDict()
 _implied_lock = threading.Lock()
 _IMPLIED_ENTRIES = 64
+_captured: dict[int, BlockMask] = {}  # the summaries CUDA graphs read (``implied_on``)
 
 
 def implied(
@@ -309,11 +310,16 @@ def implied_on(
     """``implied``, where a call on ``device`` can read it: not while its stream captures a
     CUDA graph before the summary's first copy there (the call then classes tiles in the
     kernels, FA2's and the mma.sync backward's, or not at all, the Hopper forward's: the same
-    result)."""
+    result). One a capture reads is kept for the process: the graph holds its addresses, which
+    the cache's eviction would otherwise free."""
     summary = implied(mod, batch, heads, seqlen_q, seqlen_k, signature)
-    if summary is None or device in summary._pointers or not _interop.stream_is_capturing(lib.stream(device)):
+    if summary is None or not _interop.stream_is_capturing(lib.stream(device)):
         return summary
-    return None
+    if device not in summary._pointers:
+        return None
+    with _implied_lock:
+        _captured.setdefault(id(summary), summary)
+    return summary
 
 
 # ---------------------------------------------------------------------------------------------

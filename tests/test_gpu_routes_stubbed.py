@@ -286,7 +286,8 @@ def test_a_mask_mod_alone_hands_the_kernels_the_summary_it_implies(launches, mon
     block_mask: the summary its tile classes imply, made on the host once and copied to the GPU at
     the first call, handed to the Hopper forward, FA2's and the mma.sync backward; none for a mask
     whose cells all depend on its array (a document mask alone), nor while a CUDA graph is being
-    captured before the first copy (the same result: the kernels then evaluate every tile)."""
+    captured before the first copy (the same result: the kernels then evaluate every tile); one a
+    capture reads is kept for the process."""
     from cupyflash import _block_mask
 
     copies = []
@@ -313,9 +314,10 @@ def test_a_mask_mod_alone_hands_the_kernels_the_summary_it_implies(launches, mon
     _check(launches, "fa2_bwd", optional=("dlse",))
     assert summary <= launches[-1][1]
     assert len(copies) == 3  # one copy, for every call
-    capturing[0] = True  # copied already: read while capturing too
+    capturing[0] = True  # copied already: read while capturing too, and kept (the graph holds its addresses)
     cupyflash.attention(q, kv, kv, mask_mod=chunked)
     assert summary <= launches[-1][1]
+    assert any(bm.shape == (2, 8, 300, 300) and bm._mod.key for bm in _block_mask._captured.values())
     doc = stand_in((300,), "int32")
     cupyflash.attention(q, kv, kv, mask_mod=lambda b, h, i, j: doc[i] == doc[j])
     assert not summary & launches[-1][1]
