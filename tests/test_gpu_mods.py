@@ -210,6 +210,48 @@ def test_masks_with_implied_bounds(rng, head_dim):
             assert rel_error(reference.to_numpy64(leaf.grad), ref) < 3e-2, (name, grad_name)
 
 
+def test_masks_built_from_masks(rng):
+    """and_masks / or_masks of masks that capture GPU arrays (chunks, documents, a prefix): the
+    forward and backward against the float64 host path, and the same bits as the mask written
+    inline (the same expression, so the same kernel and the same implied summary)."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    n = 777
+    q, k, v = (torch.randn(2, n, h, 64, generator=gen).to(torch.bfloat16) for h in (HQ, HKV, HKV))
+    doc = np.sort(rng.integers(0, 5, n)).astype(np.int32)
+    doc_gpu = torch.from_numpy(doc).cuda()
+
+    def chunked(b, h, i, j):
+        return (i // 128 == j // 128) & (j <= i)
+
+    def documents(ids):
+        return lambda b, h, i, j: ids[i] == ids[j]
+
+    def prefix(b, h, i, j):
+        return j < 40
+
+    combined = {lib: mods.or_masks(mods.and_masks(chunked, documents(ids)), prefix) for lib, ids in
+                (("gpu", doc_gpu), ("host", doc))}  # fmt: skip
+    inline = lambda b, h, i, j: ((i // 128 == j // 128) & (j <= i) & (doc_gpu[i] == doc_gpu[j])) | (j < 40)  # noqa: E731
+    leaves = [x.cuda().requires_grad_() for x in (q, k, v)]
+    out = cupyflash.attention(*leaves, mask_mod=combined["gpu"], deterministic=True)
+    dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16).cuda()
+    out.backward(dout)
+    got = [out.detach(), *(x.grad.clone() for x in leaves)]
+    for x in leaves:
+        x.grad = None
+    again = cupyflash.attention(*leaves, mask_mod=inline, deterministic=True)
+    again.backward(dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, [again.detach(), *(x.grad for x in leaves)], strict=True):
+        assert torch.equal(g, w), name
+    host = [x.double().numpy() for x in (q, k, v)]
+    want, want_lse = cupyflash.attention(*host, mask_mod=combined["host"], return_lse=True)
+    grads = cupyflash.attention_backward(reference.to_numpy64(dout), *host, want, want_lse, mask_mod=combined["host"])
+    assert rel_error(reference.to_numpy64(got[0]), want) < BOUND["bfloat16"]
+    for name, g, ref in zip(("dq", "dk", "dv"), got[1:], grads, strict=True):
+        assert rel_error(reference.to_numpy64(g), ref) < 3e-2, name
+
+
 def _document(doc_id):
     """Document masking over a captured doc_id (indexed by rows and keys)."""
     return lambda b, h, i, j: doc_id[i] == doc_id[j]
