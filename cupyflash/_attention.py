@@ -18,6 +18,7 @@ from typing import Any
 
 from . import _baselines_gpu, _block_mask, _device, _host, _interop, _launch, _mod_tiles, _mods, _plan
 from ._validate import (
+    LAYOUTS,
     Options,
     Problem,
     attention_problem,
@@ -26,6 +27,7 @@ from ._validate import (
     check_dropout,
     check_sinks,
     normalize_window,
+    split_dims,
     varlen_problem,
 )
 from .xp_impl import Dropout
@@ -376,9 +378,6 @@ def _plan_forward(lib: _interop.ArrayLib, device: int, call: Forward) -> _plan.L
     )
 
 
-# (batch, row, head) axes of q's shape per layout (padded calls: a mask's implied summary).
-_SHAPE_AXES = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1)}
-
 # The device code of each score_mod / mask_mod pair met, by their keys (the expressions, with
 # their arrays' shapes and dtypes): a call traces its functions again, but writes no code twice.
 _kernel_mods: dict[Any, _mods.KernelMods] = {}
@@ -394,11 +393,9 @@ def _gpu_mods(
     mods_key, kernel, buffers = _kernel_mods_of(call, device)
     q, k, v = call.q, call.k, call.v
     sinks, block_mask = call.sinks, call.block_mask
-    if block_mask is None and call.mods[1] is not None and call.layout in _SHAPE_AXES:
-        (batch, rows, heads), keys = (
-            (q.shape[a] for a in _SHAPE_AXES[call.layout]),
-            k.shape[_SHAPE_AXES[call.layout][1]],
-        )
+    if block_mask is None and call.mods[1] is not None and call.layout in LAYOUTS:
+        batch, rows, heads, _ = split_dims(tuple(q.shape), call.layout)
+        keys = split_dims(tuple(k.shape), call.layout)[1]
         block_mask = _block_mask.implied_on(call.mods[1], batch, heads, rows, keys, lib, device, kernel)
     cells = None if block_mask is None else _block_mask.layout(block_mask)
     key = (lib.name, device, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, call.options, call.layout,

@@ -362,16 +362,16 @@ def reads(fn: Callable[..., Any]) -> list[tuple[tuple[Step, ...], Any]]:
     (its arrays are not captured: indexing one by a traced value is refused)."""
     found: list[tuple[tuple[Step, ...], Any]] = []
 
-    def visit(f: types.FunctionType, path: tuple[Step, ...], entered: set[int]) -> None:
+    def visit(f: types.FunctionType, path: tuple[Step, ...], depth: int, entered: set[int]) -> None:
         for step, value in _own_reads(f):
             found.append(((*path, step), value))
             for item, inner in _functions_in(value):
-                if id(inner) not in entered and len(path) < _MAX_NESTING:
+                if id(inner) not in entered and depth < _MAX_NESTING:  # (the depth _with_buffers enters)
                     inner_path = (*path, step) if item[0] == "" else (*path, step, item)
-                    visit(inner, inner_path, entered | {id(inner)})
+                    visit(inner, inner_path, depth + 1, entered | {id(inner)})
 
     if isinstance(fn, types.FunctionType):
-        visit(fn, (), {id(fn)})
+        visit(fn, (), 0, {id(fn)})
     return found
 
 

@@ -233,6 +233,10 @@ def test_functions_calling_functions_trace_their_arrays(qkv):
     assert _mods.trace_mask_mod(mods.and_masks(causal, document)).key == _mods.trace_mask_mod(inline).key
     traced = _mods.trace_mask_mod(wrapped)
     assert len(traced.buffers) == 3  # doc_q, doc_k (inside and_masks, inside or_masks), bias
+    # every array the trace reads, as deep as it goes, has a place in reads() (torch.compile reads it there)
+    deep = mods.and_masks(mods.or_masks(mods.and_masks(document, causal)))  # document: three functions down
+    places = [value for _, value in _mods.reads(deep)]
+    assert all(any(x is buffer for x in places) for buffer in _mods.trace_mask_mod(deep).buffers)
 
     def scaled(score, b, h, q_idx, kv_idx):
         return score + shift(kv_idx)
