@@ -18,12 +18,14 @@ pytestmark = pytest.mark.gpu
 
 
 def _unclassed(torch, mask_mod, rows, keys):
-    """``mask_mod`` with its query and key indices read through identity tables of ``rows`` and
-    ``keys`` entries (past the lengths: the kernels evaluate padding rows and keys too): the same
-    mask, which index arithmetic cannot class (an array read may hold anything), so the kernels
-    evaluate it score by score on every tile."""
-    row_ids, key_ids = (torch.arange(n, device="cuda") for n in (rows, keys))
-    return lambda b, h, i, j: mask_mod(b, h, row_ids[i], key_ids[j])
+    """``mask_mod`` with its query and key indices read through an identity table of
+    max(``rows``, ``keys``) entries (past the lengths: the kernels evaluate padding rows and keys
+    too): the same mask, which index arithmetic cannot class (an array read may hold anything), so
+    the kernels evaluate it score by score on every tile. One table, not one per index: the
+    kernels take at most 4 captured arrays, and the document masks and the score_mod beside them
+    hold 3."""
+    ids = torch.arange(max(rows, keys), device="cuda")
+    return lambda b, h, i, j: mask_mod(b, h, ids[i], ids[j])
 
 
 B, NQ, NK, HQ, HKV = 2, 333, 461, 8, 2

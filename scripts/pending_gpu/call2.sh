@@ -17,5 +17,12 @@ timeout 240 python3 -m cupyflash bench-train --dtype bfloat16 --backends cupyfla
 echo "train rc=$? at ${SECONDS}s"; grep -v "^ *warn\|Warning" $OUT/train.log | tail -16 | cut -c1-330
 timeout 120 python3 -m cupyflash bench-cascade --json $OUT/cascade.json \
   > $OUT/cascade.log 2>&1; echo "cascade rc=$? at ${SECONDS}s"; tail -14 $OUT/cascade.log | cut -c1-300
-timeout $(left) python3 -m cupyflash bench-mods --head-dims 128 --backward --json $OUT/mods.json > $OUT/mods.log 2>&1
+timeout $(( $(left) - 100 )) python3 -m cupyflash bench-mods --head-dims 128 --backward --json $OUT/mods.json > $OUT/mods.log 2>&1
 echo "mods rc=$? at ${SECONDS}s"; grep -v "^ *warn\|Warning" $OUT/mods.log | tail -14 | cut -c1-300
+# Nsight Compute where the cascade loses (B = 1 and 2, 4k prefix): its kernel beside the flat one
+for b in 1 2; do
+  [ "$(left)" -gt 40 ] && timeout 60 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+    --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis --section SchedulerStats \
+    --section WarpStateStats python3 scripts/pending_gpu/ncu_cascade.py $b 4096 > $OUT/ncu_cascade_b$b.log 2>&1
+  echo "ncu b=$b rc=$? at ${SECONDS}s"
+done

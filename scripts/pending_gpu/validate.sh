@@ -24,8 +24,8 @@ run_tests() {  # LOG LIMIT WORKERS FILES...
 run_tests tests.log 300 14 tests/test_gpu_block_mask.py tests/test_gpu_mods.py tests/test_mods_traced.py \
   tests/test_gpu_routes_stubbed.py
 run_tests tests_jax.log 90 3 tests/test_gpu_jax.py -k "score or learned or mods"
-[ "$(left)" -gt 100 ] && timeout 90 python3 scripts/sanitize.py --out $OUT/sanitize_variant --only variant \
-  --tools memcheck,racecheck --timeout 40 > $OUT/sanitize_variant.log 2>&1 && tail -3 $OUT/sanitize_variant.log
+[ "$(left)" -gt 220 ] && timeout 200 python3 scripts/sanitize.py --out $OUT/sanitize_variant --only variant \
+  --tools memcheck,racecheck --timeout 80 > $OUT/sanitize_variant.log 2>&1 && tail -3 $OUT/sanitize_variant.log
 [ "$(left)" -gt 60 ] && run_tests tests_more.log $(( $(left) - 15 )) 14 tests/test_gpu_attn_mask.py \
   tests/test_gpu_cascade.py tests/test_gpu_fa2.py tests/test_gpu_backward.py
 rm -rf $OUT/sanitize_variant  # (its per-tool files: the log above has the counts)
