@@ -183,7 +183,7 @@ def attention_with_shared_prefix(
 # The GPU: one launch of the decode kernel's cascade variant (after the append).
 # ---------------------------------------------------------------------------------------------
 # Per call signature: (the Launch, the device arrays of its "prefix_rows" and of host prefix
-# lengths), or None where the call runs as the composition. The row blocks are made once per
+# lengths), or () where the call runs as the composition. The row blocks are made once per
 # signature: a host-to-device copy from pageable memory waits for the stream, so one per call
 # would be a synchronisation per decode step.
 _routes = _plan.new_route_cache()
@@ -201,26 +201,26 @@ def gpu_shared_prefix(lib: _interop.ArrayLib, device: int, call: SharedPrefixCal
         # an int goes to the kernel per call (one plan for every value); host values, on the device
         None if type(lengths) is int else lengths if type(lengths) is tuple else (lengths.shape, lengths.dtype),
     )  # fmt: skip
-    try:
-        route = _routes.find(key)
-    except TypeError:  # a part that cannot be hashed: planned uncached (which refuses it)
-        route = None
-    if route is None:
-        route = _routes.get(key, lambda: _route(lib, device, call))
-    if route is None:
+    (key0, route0), (key1, route1) = _routes.recent  # a decode step's signature: compared, not hashed
+    if key == key0:
+        route = route0
+    elif key == key1:
+        route = route1
+    else:
+        route = _routes.lookup(key, _route, lib, device, call)
+    if not route:
         return _composed(call)
     launch, rows, host_lengths = route
-    arrays = {
-        "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": seqlens, "block_table": table,
-        "k_new": k_new, "v_new": v_new, "prefix_block_table": prefix_table,
-        "prefix_seqlens": lengths if host_lengths is None else host_lengths, "prefix_rows": rows,
-    }  # fmt: skip
+    arrays = {**call.named, "prefix_rows": rows}
+    if host_lengths is not None:
+        arrays["prefix_seqlens"] = host_lengths
     return _launch.run(launch, lib, device, arrays, want_lse)
 
 
-def _route(lib: _interop.ArrayLib, device: int, call: SharedPrefixCall) -> tuple[_plan.Launch, Any, Any] | None:
-    """The call's one-launch plan and the device arrays it reads, or None for the composition (a
-    request's packed rows past one decode tile: ``one_launch``)."""
+def _route(lib: _interop.ArrayLib, device: int, call: SharedPrefixCall) -> tuple[Any, ...]:
+    """The call's one-launch plan and the device arrays it reads, or () for the composition (a
+    request's packed rows past one decode tile: ``one_launch``; () and not None, which the
+    cache would take for a miss and plan again every call)."""
     q, k_cache, v_cache, seqlens, table, k_new, v_new, prefix_table, lengths = _named_arrays(call.named)
     if lib.name == _interop.DLPACK and k_new is not None:  # as the cache call
         namespace = getattr(lib, "namespace", None)
@@ -232,7 +232,7 @@ def _route(lib: _interop.ArrayLib, device: int, call: SharedPrefixCall) -> tuple
         q, k_cache, v_cache, 0 if type(seqlens) is int else seqlens, table, k_new, v_new, call.options, None, None
     )
     if not one_launch(kp.attn.seqlen_q, kp.attn.heads_q // max(kp.attn.heads_kv, 1), kp.attn.head_dim):
-        return None
+        return ()
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
              "cache_seqlens": None if type(seqlens) is int else seqlens, "block_table": table}  # fmt: skip
     dtypes = {n: None if x is None else lib.dtype_name(x) for n, x in named.items()}

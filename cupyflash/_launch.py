@@ -109,8 +109,10 @@ def _run(
     keep: list[Any] = []  # copies made for this call: alive until the launches are queued
     ptr_of, raw_strides_of = lib.ptr, lib.raw_strides
     pointers_only = launch.pointer_words is not None  # values differ from the template in pointers alone
-    # The common operand (an array, read as it is) takes the loop's straight path; an int length,
-    # a negated q, a pointer offset or a layout the kernels cannot read take _bind.
+    # The common operand (an array, read as it is) takes the loop's straight path, and so does an
+    # int length the Launch was last given (checked then, in the template: a shared prefix's
+    # length, the same every decode step); another int, a negated q, a pointer offset or a layout
+    # the kernels cannot read take _bind.
     for i, name, ptr_slot, align in launch.bindings:
         x = arrays.get(name)
         if x is None:
@@ -119,12 +121,15 @@ def _run(
                 pointers_only = False
             continue
         raw = raws[i]
-        if raw is not None and type(x) is not int:
-            ptr = ptr_of(x)
-            if not ptr & align and raw_strides_of(x) == raw:
-                values[ptr_slot] = ptr
-                if bound is not None:
-                    bound[i] = (ptr, known[i])
+        if raw is not None:
+            if type(x) is not int:
+                ptr = ptr_of(x)
+                if not ptr & align and raw_strides_of(x) == raw:
+                    values[ptr_slot] = ptr
+                    if bound is not None:
+                        bound[i] = (ptr, known[i])
+                    continue
+            elif raw == x:
                 continue
         _bind(launch, i, x, lib, values, bound, keep)
         pointers_only = False
@@ -193,6 +198,7 @@ def _bind(
     if op.kind is LENGTHS and type(x) is int:  # one length for every sequence: check it here
         check_int_seqlens(x, *op.int_limit)
         values[op.int_slot] = x
+        _remember_int(launch, i, x)
         return
     if op.negate:
         x = -x
@@ -230,11 +236,28 @@ def _remember(launch: Launch, i: int, raw: Any, strides: tuple[int, ...]) -> Non
     )  # fmt: skip
 
 
+def _remember_int(launch: Launch, i: int, x: int) -> None:
+    """An int length ``x`` (checked) into ``launch.layouts``: the template holds it and its raw
+    entry is the int, so the next call with the same int takes the straight path."""
+    raws, known, template, _ = launch.layouts[0]
+    if raws[i] == x:
+        return
+    values = list(template)
+    values[launch.operands[i].int_slot] = x
+    launch.layouts[0] = (
+        raws[:i] + (x,) + raws[i + 1 :], known, tuple(values), launch.params.struct.pack_bytes(values)
+    )  # fmt: skip
+
+
 def _unbind(launch: Launch, i: int, values: list[Any]) -> None:
-    """An absent optional operand's stride slots back to the plan's values (0)."""
+    """An absent optional operand's stride slots (and an int length's slot) back to the plan's
+    values (0)."""
     planned = launch.params.values
-    for slot, _ in launch.operands[i].stride_slots:
+    op = launch.operands[i]
+    for slot, _ in op.stride_slots:
         values[slot] = planned[slot]
+    if op.int_slot >= 0:
+        values[op.int_slot] = planned[op.int_slot]
 
 
 def _first_meeting(launch: Launch, device: int) -> list[Any]:

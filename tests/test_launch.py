@@ -53,7 +53,7 @@ class _Recorder:
         self.calls: list[tuple[Any, ...]] = []
 
     def launch(self, grid, block, smem, stream, values, tma_maps=None, packed=None):  # type: ignore[no-untyped-def]
-        self.calls.append((grid, block, smem, stream, tuple(values), tma_maps))
+        self.calls.append((grid, block, smem, stream, tuple(values), tma_maps, packed is not None))
 
 
 @pytest.fixture
@@ -138,6 +138,35 @@ def test_decode_lengths_scratch_and_error_word(recorder):
     assert counters and _field(launch, int_call, "o_partial_ptr") > counters
     with pytest.raises(ValueError, match="goes beyond the cache"):
         _launch.run(launch, lib, 0, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": 4097}, False)
+
+
+def test_an_int_length_given_again_takes_the_straight_path(recorder):
+    """An int length the Launch was last given is in its template (a shared prefix's length is the
+    same every decode step): the next call with that int sets only pointers (the packed template),
+    and an array, another int, or one out of range still take the general way, checked."""
+    rng = np.random.default_rng(3)
+    q, k, v = _arrays(rng, (2, 1, 8, 128), (2, 4096, 2, 128), (2, 4096, 2, 128))
+    kp = kvcache_problem(q.shape, k.shape, v.shape, cache_seqlens=0, block_table_shape=None, k_new_shape=None,
+                         v_new_shape=None, causal=True, scale=None)  # fmt: skip
+    launch = _plan.plan_kvcache(kp, {"q": "float16", "cache_seqlens": "int32"}, H200, num_splits=4)
+    lib = _NumpyLib()
+    lens = np.array([4000, 17], dtype=np.int32)
+    given = (300, 300, lens, lens, 300, 300, 200, 0, 0)
+    for seqlens in given:
+        _launch.run(launch, lib, 0, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": seqlens}, False)
+        with pytest.raises(ValueError, match="goes beyond the cache"):  # never remembered past its check
+            _launch.run(launch, lib, 0, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": 4097}, False)
+    calls = recorder.calls
+    assert len(calls) == len(given)
+    for seqlens, call, before in zip(given, calls, (None, *given[:-1]), strict=True):
+        values, fast = call[4], call[6]
+        if type(seqlens) is int:
+            assert _field(launch, values, "cache_seqlens") == 0 and _field(launch, values, "seqlen_k") == seqlens
+        else:
+            assert _field(launch, values, "cache_seqlens") == lens.ctypes.data
+        # the straight path: the same int, or an array of a layout seen (the first array call
+        # remembers it; ints in between leave it)
+        assert fast == (before is seqlens or (type(seqlens) is not int and type(before) is not int)), (seqlens, before)
 
 
 @pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
