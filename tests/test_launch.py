@@ -120,12 +120,18 @@ def test_unreadable_operands_are_copied_and_caches_never(recorder):
                                              "cache_seqlens": 5}, False)  # fmt: skip
 
 
-def test_decode_lengths_scratch_and_error_word(recorder):
-    rng = np.random.default_rng(2)
+def _decode_launch(rng: np.random.Generator) -> tuple[Any, ...]:
+    """q, k, v of a decode call (B = 2, 4096 keys, GQA 8/2, d = 128) and its Launch of 4 splits
+    over int32 lengths."""
     q, k, v = _arrays(rng, (2, 1, 8, 128), (2, 4096, 2, 128), (2, 4096, 2, 128))
     kp = kvcache_problem(q.shape, k.shape, v.shape, cache_seqlens=0, block_table_shape=None, k_new_shape=None,
                          v_new_shape=None, causal=True, scale=None)  # fmt: skip
     launch = _plan.plan_kvcache(kp, {"q": "float16", "cache_seqlens": "int32"}, H200, num_splits=4)
+    return q, k, v, launch
+
+
+def test_decode_lengths_scratch_and_error_word(recorder):
+    q, k, v, launch = _decode_launch(np.random.default_rng(2))
     lib = _NumpyLib()
     lens = np.array([4000, 17], dtype=np.int32)
     for seqlens in (lens, 300):
@@ -144,11 +150,7 @@ def test_an_int_length_given_again_takes_the_straight_path(recorder):
     """An int length the Launch was last given is in its template (a shared prefix's length is the
     same every decode step): the next call with that int sets only pointers (the packed template),
     and an array, another int, or one out of range still take the general way, checked."""
-    rng = np.random.default_rng(3)
-    q, k, v = _arrays(rng, (2, 1, 8, 128), (2, 4096, 2, 128), (2, 4096, 2, 128))
-    kp = kvcache_problem(q.shape, k.shape, v.shape, cache_seqlens=0, block_table_shape=None, k_new_shape=None,
-                         v_new_shape=None, causal=True, scale=None)  # fmt: skip
-    launch = _plan.plan_kvcache(kp, {"q": "float16", "cache_seqlens": "int32"}, H200, num_splits=4)
+    q, k, v, launch = _decode_launch(np.random.default_rng(3))
     lib = _NumpyLib()
     lens = np.array([4000, 17], dtype=np.int32)
     given = (300, 300, lens, lens, 300, 300, 200, 0, 0)
