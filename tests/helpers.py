@@ -21,7 +21,7 @@ import pytest
 import cupyflash
 from cupyflash import reference
 
-# CUPYFLASH_COMPILE_ALL=1 (CI; tests/test_compile.py's levels) also runs the slow host checks at
+# CUPYFLASH_COMPILE_ALL=1 (scripts/gpu_check.sh; tests/test_compile.py's levels) also runs the slow host checks at
 # their full budget: gradcheck's full Jacobians, where the default compares one random
 # projection of them (torch's fast_mode: any wrong gradient still fails, 10-50x fewer calls).
 FULL = int(os.environ.get("CUPYFLASH_COMPILE_ALL") or 0) >= 1

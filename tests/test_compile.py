@@ -6,15 +6,16 @@ HGMMA / UTMALDG.
 
 Which variants, by ``CUPYFLASH_COMPILE_ALL``:
 
-* unset or 0 (the default, ``python -m pytest -n auto``: a few minutes on two cores): a sample.
+* unset or 0 (the default, ``python -m pytest -n auto``, CI's: a few minutes on two cores): a sample.
   Every kernel family on every arch it targets, and for each kernel shape (family, arch, head
   dim, tile and every other field that is not a mask flag) the variant with the most mask flags
   (causal, window, softcap, dropout, ALiBi, attn_mask, deterministic, varlen) and those with
   softcap and one other flag (the most registers on the GPU machine's logs: registers do not grow
   with the flag count), so the ones most likely to spill, in the arch's element type; the other
   element type's twin of each family's widest heaviest variant.
-* 1 (CI: ``.ci/run`` sets it): every variant the dispatcher can pick, in one element type per
-  arch, and the other type's twin of every 8th (SELECT_OTHER_TYPE below).
+* 1 (``scripts/gpu_check.sh`` sets it; CI runs the default): every variant the dispatcher can
+  pick, in one element type per arch, and the other type's twin of every 8th (SELECT_OTHER_TYPE
+  below).
 * 2: every variant in both element types, as ``python -m cupyflash warmup`` builds them on a GPU.
 """
 

@@ -234,7 +234,7 @@ def test_the_kernels_compile_with_tile_classes():
     classes compiled in (what a call with a mask_mod gets): a cubin for sm_80 and sm_90a, no spill,
     no warning. (Without a mask every variant compiles to the bytes it had: the kernels call
     cf_user_mask_tile under `if constexpr`.) Four masks with
-    CUPYFLASH_COMPILE_ALL=1 (CI), two by default."""
+    CUPYFLASH_COMPILE_ALL=1 (scripts/gpu_check.sh), two by default."""
     pytest.importorskip("cupy")
     from helpers import FULL
 

@@ -628,7 +628,7 @@ def test_the_hook_compiles_cleanly_for_every_arch():
     a float-only score function, a mask of indices only) at both tile shapes, causal or not, in
     both element types: a cubin for sm_80 and sm_90a with no spill and no warning; the Hopper
     forward's at d = 64, 80, 128 (sm_90a), whose tiles do not depend on the length with them.
-    Every combination with CUPYFLASH_COMPILE_ALL=1 (CI); by default d = 128, causal, one length."""
+    Every combination with CUPYFLASH_COMPILE_ALL=1 (scripts/gpu_check.sh); by default d = 128, causal, one length."""
     from helpers import FULL
 
     from cupyflash import _dispatch, _kernels, _mods
@@ -665,7 +665,7 @@ def test_the_hook_compiles_cleanly_for_every_arch():
 def test_the_backward_hook_compiles_cleanly():
     """The mma.sync backward (key blocks, and the deterministic mode's dQ kernel) with a score
     function, its derivative and a mask function compiled in: no spill, no warning, both archs;
-    head dims 64, 128 and 256 with CUPYFLASH_COMPILE_ALL=1 (CI), 128 by default."""
+    head dims 64, 128 and 256 with CUPYFLASH_COMPILE_ALL=1 (scripts/gpu_check.sh), 128 by default."""
     from helpers import FULL
 
     from cupyflash import _dispatch, _kernels, _mods
