@@ -779,6 +779,24 @@ __device__ __forceinline__ long long cf_mods_mod(long long a, long long b) {
   long long r = a % b;
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
+__device__ __forceinline__ int cf_mods_floordiv(int a, int b) {
+  int q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ int cf_mods_mod(int a, int b) {
+  int r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+// tanh.approx.f32: one MUFU op (the built-in softcap's; tanhf is about 20 instructions).
+__device__ __forceinline__ float cf_mods_tanh(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else  // (a host compiler: tests/test_mods_c_twin.py)
+  return tanhf(x);
+#endif
+}
 __device__ __forceinline__ float cf_mods_fmod(float a, float b) { return a - b * floorf(a / b); }
 // NaN in either gives NaN, as the array API's minimum / maximum (fminf / fmaxf drop it).
 __device__ __forceinline__ float cf_mods_minimum(float a, float b) { return (a < b || a != a) ? a : b; }
@@ -790,7 +808,7 @@ def _c_const(value: Any, kind: str) -> str:
     if kind == BOOL:
         return "true" if value else "false"
     if kind == INT:
-        return f"{int(value)}LL"
+        return f"{int(value)}" if _INT32[0] <= int(value) <= _INT32[1] else f"{int(value)}LL"
     if math.isnan(value):
         return "__int_as_float(0x7fffffff)"
     if math.isinf(value):
@@ -798,26 +816,159 @@ def _c_const(value: Any, kind: str) -> str:
     return f"{float(value)!r}f"
 
 
+# Integer values as the kernels compute them: in 32 bits wherever the value and its operands
+# provably fit (``_int_ranges``), else in 64 bits as the host path does. A 64-bit integer op is 2
+# to 4 SASS instructions and a 64-bit int-to-float conversion a multi-cycle one, per score; a
+# score costs the tensor cores about 1/8 of a cycle of an SM at d = 128, and an instruction per
+# score 1/128 of one, so a few per score decide the kernel's speed.
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+# b, h, q_idx and kv_idx: indices inside the problem, never negative (the kernels call the hooks
+# for row < Nq and key < Nk alone: kernels_cu/variants.cuh's UserMods).
+_INDEX_RANGE = (0, _INT32[1])
+_ELEMENT_RANGE = {
+    "int32": _INT32,
+    "int16": (-(1 << 15), (1 << 15) - 1),
+    "int8": (-128, 127),
+    "uint8": (0, 255),
+    "bool": (0, 1),
+}  # fmt: skip  (int64: none)
+Range = tuple[int, int] | None
+
+
+def _int_ranges(root: Expr) -> dict[int, Range]:
+    """The interval each integer (and boolean) node of ``root`` takes, by node id; None where it
+    is not bounded (a 64-bit array's values, a division by a range holding 0)."""
+    ranges: dict[int, Range] = {}
+
+    def corners(values: list[int]) -> Range:
+        return min(values), max(values)
+
+    def of(e: Expr) -> Range:
+        if id(e) in ranges:
+            return ranges[id(e)]
+        op, args = e.op, e.args
+        found: Range = None
+        if e.kind == BOOL:
+            found = (0, 1)
+        elif e.kind != INT:
+            found = None
+        elif op == "arg":
+            found = _INDEX_RANGE
+        elif op == "const":
+            found = (int(args[0]), int(args[0]))
+        elif op == "index":
+            found = _ELEMENT_RANGE.get(args[0].args[0].dtype)
+        elif op in ("add", "sub", "mul", "floordiv", "mod", "minimum", "maximum"):
+            a, b = of(args[0]), of(args[1])
+            if a is not None and b is not None:
+                if op == "add":
+                    found = (a[0] + b[0], a[1] + b[1])
+                elif op == "sub":
+                    found = (a[0] - b[1], a[1] - b[0])
+                elif op == "mul":
+                    found = corners([x * y for x in a for y in b])
+                elif op == "floordiv" and (b[0] > 0 or b[1] < 0):  # monotone in each, b of one sign
+                    found = corners([x // y for x in a for y in b])
+                elif op == "mod" and b[0] > 0:
+                    found = (0, b[1] - 1)
+                elif op == "mod" and b[1] < 0:
+                    found = (b[0] + 1, 0)
+                elif op == "minimum":
+                    found = (min(a[0], b[0]), min(a[1], b[1]))
+                elif op == "maximum":
+                    found = (max(a[0], b[0]), max(a[1], b[1]))
+        elif op == "neg":
+            a = of(args[0])
+            found = None if a is None else (-a[1], -a[0])
+        elif op == "abs":
+            a = of(args[0])
+            if a is not None:
+                found = a if a[0] >= 0 else (-a[1], -a[0]) if a[1] <= 0 else (0, max(-a[0], a[1]))
+        elif op == "where":
+            a, b = of(args[1]), of(args[2])
+            found = None if a is None or b is None else (min(a[0], b[0]), max(a[1], b[1]))
+        for x in args:  # every integer node below gets its range too
+            if isinstance(x, Expr) and id(x) not in ranges:
+                of(x)
+        ranges[id(e)] = found
+        return found
+
+    of(root)
+    return ranges
+
+
+def _fits32(r: Range) -> bool:
+    return r is not None and _INT32[0] <= r[0] and r[1] <= _INT32[1]
+
+
+# The math functions, each as the kernels' own score transforms compute it: tanh is
+# tanh.approx.f32 (one MUFU op, relative error 2^-11, what the built-in softcap uses: tanhf is
+# about 20 instructions a score), exp and log the fast intrinsics (MUFU.EX2 / LG2 with a multiply,
+# errors of a few ulp, far under a 16-bit input's rounding).
+_MATH = {"exp": "__expf", "log": "__logf", "tanh": "cf_mods_tanh"}
+
+
+def _per_score(root: Expr) -> set[int]:
+    """Ids of the nodes whose value depends on the score, q_idx or kv_idx; the others depend on b
+    and h alone (constants, ALiBi's slope, a per-head table's row)."""
+    varying: set[int] = set()
+    seen: set[int] = set()
+
+    def visit(e: Expr) -> bool:
+        if id(e) in seen:
+            return id(e) in varying
+        seen.add(id(e))
+        here = e.op == "arg" and e.args[0] in ("score", "q_idx", "kv_idx")
+        for x in e.args:
+            if isinstance(x, Expr) and visit(x):
+                here = True
+        if here:
+            varying.add(id(e))
+        return here
+
+    visit(root)
+    return varying
+
+
 def cuda_source(mod: Mod) -> str:
-    """``mod`` as a ``__device__ __forceinline__`` function (deterministic text; include
-    ``CUDA_HELPERS`` once before it). Parameters: (score,) b, h, q_idx, kv_idx, then per captured
-    array its pointer and one int64 element stride per axis, then ``bool& outside``: set where an
-    index falls outside its array (the host path raises there; the kernel reads nothing and its
-    caller makes the score NaN, so the row's output is NaN, never a value read past the array)."""
-    params = ["float score"] if mod.role == "score_mod" else []
-    params += ["int b", "int h", "int q_idx", "int kv_idx"]
-    specs = _buffer_specs(mod.expr)
-    for spec in specs:
+    """``mod`` as device C (deterministic text; include ``CUDA_HELPERS`` once before it): a state
+    struct ``<name>_state``, ``<name>_head(b, h, arrays..., state&)`` that computes into it what
+    depends on b and h alone, and the per-score ``__device__ __forceinline__`` function
+    ``<name>((score,) b, h, q_idx, kv_idx, arrays..., const state&, bool& outside)``. The arrays:
+    per captured array its pointer and one int64 element stride per axis. ``outside`` is set
+    where an index falls outside its array (the host path raises there; the kernel reads nothing
+    past the array and its caller makes the score NaN, so the row's output is NaN).
+
+    For speed, as the kernels' built-in transforms: what depends on b and h alone (ALiBi's
+    slope, a per-head table's value) is computed once per tile by the head function, not once
+    per score (the compiler cannot hoist the reads: each score's hook sits in its own branch);
+    integers in 32 bits where they fit (``_int_ranges``); a division by a constant as a multiply
+    by its reciprocal; captured arrays read through the read-only cache, from an address always
+    inside the array (element 0 for an index outside it)."""
+    score_args = ["float score"] if mod.role == "score_mod" else []
+    buffer_params: list[str] = []
+    for spec in _buffer_specs(mod.expr):
         element = _C_ELEMENT.get(spec.dtype)
         if element is None:
             raise TypeError(f"{mod.role} captures a {spec.dtype} array: the kernels read {sorted(_C_ELEMENT)}")
-        params.append(f"const {element}* __restrict__ buf{spec.slot}")
-        params += [f"long long buf{spec.slot}_stride{axis}" for axis in range(len(spec.shape))]
-    lines: list[str] = []
+        buffer_params.append(f"const {element}* __restrict__ buf{spec.slot}")
+        buffer_params += [f"long long buf{spec.slot}_stride{axis}" for axis in range(len(spec.shape))]
+    ranges = _int_ranges(mod.expr)
+    per_score = _per_score(mod.expr)
+    lines: list[str] = []  # the per-score function's
+    head: list[str] = []  # the head function's, into st
+    fields: list[str] = []
     names: dict[int, str] = {}
+    count = [0]
 
-    def cast(name: str, have: str, want: str) -> str:
-        return name if have == want else f"({_C_TYPES[want]})({name})"
+    def ctype(e: Expr) -> str:
+        if e.kind == INT:
+            return "int" if _fits32(ranges.get(id(e))) else "long long"
+        return _C_TYPES[e.kind]
+
+    def cast(e: Expr, want: str) -> str:  # e's value as the C type ``want``
+        name = emit(e)
+        return name if ctype(e) == want else f"({want})({name})"
 
     def emit(e: Expr) -> str:
         hit = names.get(id(e))
@@ -825,59 +976,111 @@ def cuda_source(mod: Mod) -> str:
             return hit
         op, args = e.op, e.args
         if op == "arg":
-            return "score" if args[0] == "score" else f"(long long){args[0]}"
+            return args[0]
         if op == "const":
             return _c_const(args[0], e.kind)
+        hoisted = id(e) not in per_score
+        out, number = (head if hoisted else lines), count[0]
+        count[0] += 1
+        mine = ctype(e)
+        # integer ops in 32 bits where the result and the operands fit, else in 64
+        wide = "long long" if any(ctype(x) == "long long" for x in args if isinstance(x, Expr)) else "int"
+        work = mine if e.kind != INT else wide if mine == "int" else "long long"
+        if op in ("floordiv", "mod") and work == "int":  # INT_MIN / -1 overflows 32 bits
+            a_range, b_range = ranges[id(args[0])], ranges[id(args[1])]
+            if a_range and b_range and a_range[0] == _INT32[0] and b_range[0] <= -1 <= b_range[1]:
+                work = "long long"
         if op == "index":
             spec = args[0].args[0]
             slot, indices = spec.slot, [emit(i) for i in args[1:]]
-            inside = " && ".join(f"{i} >= 0 && {i} < {n}LL" for i, n in zip(indices, spec.shape, strict=True))
-            check = f"in{len(lines)}"
-            lines.append(f"  const bool {check} = {inside};")
-            lines.append(f"  outside |= !{check};")
+            inside = " && ".join(f"{i} >= 0 && {i} < {n}" for i, n in zip(indices, spec.shape, strict=True))
+            check = f"in{number}"
+            out.append(f"  const bool {check} = {inside};")
+            out.append(f"  {'st.' if hoisted else ''}outside |= !{check};")
             offset = " + ".join(f"{i} * buf{slot}_stride{axis}" for axis, i in enumerate(indices))
-            text = f"{check} ? ({_C_TYPES[e.kind]})(buf{slot}[{offset}]) : ({_C_TYPES[e.kind]})0"
-        elif op in _ARITH:
-            a, b = (cast(emit(x), x.kind, e.kind if op != "truediv" else FLOAT) for x in args)
-            if op == "floordiv":
-                text = f"cf_mods_floordiv({a}, {b})" if e.kind == INT else f"floorf({a} / {b})"
-            elif op == "mod":
-                text = f"cf_mods_mod({a}, {b})" if e.kind == INT else f"cf_mods_fmod({a}, {b})"
+            read = f"buf{slot}[{check} ? {offset} : 0LL]"
+            if spec.dtype == "bool":  # (__ldg has no bool overload: its byte)
+                read = f"(__ldg(reinterpret_cast<const unsigned char*>(&{read})) != 0)"
             else:
-                text = f"({a} {_ARITH[op]} {b})"
+                read = f"__ldg(&{read})"
+            text = f"{check} ? ({mine})({read}) : ({mine})0"
+        elif op in _ARITH:
+            operand = FLOAT if op == "truediv" or e.kind == FLOAT else work
+            a_range, b_range = ranges.get(id(args[0])), ranges.get(id(args[1]))
+            reciprocal = None
+            if op == "truediv" and args[1].op == "const" and args[1].kind != BOOL:
+                reciprocal = _exact_reciprocal(float(args[1].args[0]))
+            if reciprocal is not None:
+                text = f"({cast(args[0], operand)} * {_c_const(reciprocal, FLOAT)})"
+            else:
+                a, b = cast(args[0], operand), cast(args[1], operand)
+                if op in ("floordiv", "mod") and e.kind == INT and a_range and b_range and a_range[0] >= 0 < b_range[0]:
+                    text = f"({a} {'/' if op == 'floordiv' else '%'} {b})"  # C's, as Python's on these signs
+                elif op == "floordiv":
+                    text = f"cf_mods_floordiv({a}, {b})" if e.kind == INT else f"floorf({a} / {b})"
+                elif op == "mod":
+                    text = f"cf_mods_mod({a}, {b})" if e.kind == INT else f"cf_mods_fmod({a}, {b})"
+                else:
+                    text = f"({a} {_ARITH[op]} {b})"
+            text = text if operand == mine else f"({mine})({text})"
         elif op in ("minimum", "maximum"):
-            a, b = (cast(emit(x), x.kind, e.kind) for x in args)
+            operand = FLOAT if e.kind == FLOAT else work
+            a, b = cast(args[0], operand), cast(args[1], operand)
             function = f"cf_mods_{op}" if e.kind == FLOAT else op[:3]
             text = f"{function}({a}, {b})"
+            text = text if operand == mine else f"({mine})({text})"
         elif op in _COMPARE:
             kind = BOOL if BOOL in (args[0].kind, args[1].kind) else _promote(args[0].kind, args[1].kind)
-            a, b = (cast(emit(x), x.kind, kind) for x in args)
-            text = f"({a} {_COMPARE[op]} {b})"
+            operand = _C_TYPES[kind] if kind != INT else wide
+            text = f"({cast(args[0], operand)} {_COMPARE[op]} {cast(args[1], operand)})"
         elif op in _LOGIC:
             text = f"({emit(args[0])} {'&&' if op == 'and' else '||'} {emit(args[1])})"
         elif op == "not":
             text = f"(!{emit(args[0])})"
         elif op == "neg":
-            text = f"(-{emit(args[0])})"
+            text = f"(-{cast(args[0], work)})"
+            text = text if work == mine else f"({mine})({text})"
         elif op == "abs":
-            text = f"{'fabsf' if e.kind == FLOAT else 'llabs'}({emit(args[0])})"
-        elif op in ("exp", "log", "tanh"):
-            text = f"{op}f({cast(emit(args[0]), args[0].kind, FLOAT)})"
+            function = "fabsf" if e.kind == FLOAT else "abs" if work == "int" else "llabs"
+            text = f"{function}({cast(args[0], work)})"
+            text = text if work == mine else f"({mine})({text})"
+        elif op in _MATH:
+            text = f"{_MATH[op]}({cast(args[0], 'float')})"
         elif op == "where":
-            a, b = (cast(emit(x), x.kind, e.kind) for x in args[1:])
-            text = f"({emit(args[0])} ? {a} : {b})"
+            text = f"({emit(args[0])} ? {cast(args[1], mine)} : {cast(args[2], mine)})"
         else:  # pragma: no cover - the tracer makes no other node
             raise AssertionError(op)
-        name = f"t{len(lines)}"
-        lines.append(f"  const {_C_TYPES[e.kind]} {name} = {text};")
+        if hoisted:
+            name = f"st.t{number}"
+            fields.append(f"  {mine} t{number};")
+            out.append(f"  {name} = {text};")
+        else:
+            name = f"t{number}"
+            out.append(f"  const {mine} {name} = {text};")
         names[id(e)] = name
         return name
 
-    result = emit(mod.expr)
-    params.append("bool& outside")
     returns = "float" if mod.role == "score_mod" else "bool"
-    body = "\n".join([*lines, f"  return {cast(result, mod.expr.kind, FLOAT if returns == 'float' else BOOL)};"])
-    return f"__device__ __forceinline__ {returns} {mod.name}({', '.join(params)}) {{\n{body}\n}}\n"
+    result = cast(mod.expr, returns)
+    state = f"{mod.name}_state"
+    return (
+        f"struct {state} {{\n  bool outside;\n{''.join(f + chr(10) for f in fields)}}};\n"
+        f"__device__ __forceinline__ void {mod.name}_head({', '.join(['int b', 'int h', *buffer_params])}, "
+        f"{state}& st) {{\n  st.outside = false;\n{''.join(line + chr(10) for line in head)}}}\n"
+        f"__device__ __forceinline__ {returns} {mod.name}("
+        f"{', '.join([*score_args, 'int b', 'int h', 'int q_idx', 'int kv_idx', *buffer_params])}, "
+        f"const {state}& st, bool& outside) {{\n  outside |= st.outside;\n"
+        f"{''.join(line + chr(10) for line in lines)}  return {result};\n}}\n"
+    )
+
+
+def _exact_reciprocal(c: float) -> float | None:
+    """1 / c where ``x * (1 / c)`` is ``x / c`` to within an ulp of float32 (a finite, nonzero c
+    whose reciprocal is a normal float32; exact for a power of two), else None (the division)."""
+    if c == 0 or not math.isfinite(c):
+        return None
+    r = 1.0 / c
+    return r if 2.0**-126 <= math.fabs(r) < 2.0**127 else None
 
 
 #: Captured arrays the kernels take (AttnParams' mod_buffer0..3, each 1-D or 2-D).
@@ -911,13 +1114,12 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
     value alone (a BlockMask's plain tiles); and ``cf_user_mods_grad``, the backward's
     d score_mod / d score at the same arguments (``score_derivative``; 1 without one). ``tiles``:
     the mask's tile classes (``_mod_tiles.kernel_source``), appended where a call asks for them."""
-    parts, call = [CUDA_HELPERS], {}
+    parts, call, heads, fields = [CUDA_HELPERS], {}, [], []
     order: list[tuple[int, int]] = []
     ndims: list[int] = []
 
-    def arguments(mod: Mod, which: int) -> str:  # its call, its arrays read from the mod_buffers
-        args = ["score"] if mod.role == "score_mod" else []
-        args += ["b", "h", "q_idx", "kv_idx"]
+    def buffers(mod: Mod, which: int) -> list[str]:  # its arrays, read from the mod_buffers
+        args = []
         for spec in _buffer_specs(mod.expr):
             if (which, spec.slot) not in order:
                 if len(order) == MAX_KERNEL_BUFFERS:
@@ -930,39 +1132,43 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
             n = order.index((which, spec.slot))
             args += [f"static_cast<const {_C_ELEMENT[spec.dtype]}*>(p.mod_buffer{n})"]
             args += [f"p.mod_buffer{n}_stride{axis}" for axis in range(len(spec.shape))]
-        return f"{mod.name}({', '.join([*args, 'outside'])})"
+        return args
+
+    def add(mod: Mod, which: int, field: str) -> str:  # its source and state; returns its call
+        arrays = buffers(mod, which)
+        parts.append(cuda_source(mod))
+        fields.append(f"  {mod.name}_state {field};")
+        heads.append(f"  {mod.name}_head({', '.join(['b', 'h', *arrays, f'st.{field}'])});")
+        args = ["score"] if mod.role == "score_mod" else []
+        return f"{mod.name}({', '.join([*args, 'b', 'h', 'q_idx', 'kv_idx', *arrays, f'st.{field}', 'outside'])})"
 
     for which, mod in enumerate((score_mod, mask_mod)):
-        if mod is None:
-            continue
-        parts.append(cuda_source(mod))
-        call[mod.role] = arguments(mod, which)
+        if mod is not None:
+            call[mod.role] = add(mod, which, mod.role)
     # d score_mod / d score (1 without one): reads a subset of score_mod's arrays
     gradient = "  return 1.f;\n"
     if score_mod is not None:
-        derivative = score_derivative(score_mod)
-        parts.append(cuda_source(derivative))
-        gradient = f"  bool outside = false;\n  return {arguments(derivative, 0)};\n"
+        gradient = f"  bool outside = false;\n  return {add(score_derivative(score_mod), 0, 'gradient')};\n"
+    # What depends on b and h alone, computed once per tile (UserMods' constructor) for every score
+    parts.append("struct CfUserModsState {\n  char unused;\n" + "".join(f + "\n" for f in fields) + "};\n")
+    parts.append(
+        "__device__ __forceinline__ void cf_user_mods_head(const AttnParams& p, int b, int h, CfUserModsState& st) {\n"
+        + "".join(line + "\n" for line in heads)
+        + "}\n"
+    )
+    signature = "(const AttnParams& p, const CfUserModsState& st, float score, int b, int h, int q_idx, int kv_idx)"
     body = ["  bool outside = false;  // an index outside a captured array: the score is NaN"]
     body.append(f"  const bool shown = {call.get('mask_mod', 'true')};")
     body.append(f"  const float logit = {call.get('score_mod', 'score')};")
     body.append("  if (outside) return __int_as_float(0x7fffffff);")
     body.append("  return shown ? logit : __int_as_float(0xff800000);  // -inf where the mask hides it")
-    parts.append(
-        "__device__ __forceinline__ float cf_user_mods(const AttnParams& p, float score, int b, int h, int q_idx,\n"
-        "                                               int kv_idx) {\n" + "\n".join(body) + "\n}\n"
-    )
+    parts.append(f"__device__ __forceinline__ float cf_user_mods{signature} {{\n" + "\n".join(body) + "\n}\n")
     # score_mod alone: a BlockMask's plain tiles, where mask_mod shows every key
     alone = ["  bool outside = false;", f"  const float logit = {call.get('score_mod', 'score')};"]
     alone.append("  return outside ? __int_as_float(0x7fffffff) : logit;")
-    parts.append(
-        "__device__ __forceinline__ float cf_user_score(const AttnParams& p, float score, int b, int h, int q_idx,\n"
-        "                                                int kv_idx) {\n" + "\n".join(alone) + "\n}\n"
-    )
-    parts.append(  # (an index outside an array made the forward's row NaN, hence its gradients)
-        "__device__ __forceinline__ float cf_user_mods_grad(const AttnParams& p, float score, int b, int h,\n"
-        "                                                    int q_idx, int kv_idx) {\n" + gradient + "}\n"
-    )
+    parts.append(f"__device__ __forceinline__ float cf_user_score{signature} {{\n" + "\n".join(alone) + "\n}\n")
+    # (an index outside an array made the forward's row NaN, hence its gradients)
+    parts.append(f"__device__ __forceinline__ float cf_user_mods_grad{signature} {{\n" + gradient + "}\n")
     parts.append(tiles)
     source = "".join(parts)
     return KernelMods(source, tuple(order), hashlib.sha256(source.encode()).hexdigest()[:12], tuple(ndims))

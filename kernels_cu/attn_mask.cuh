@@ -90,7 +90,9 @@ CF_DEVICE void attn_mask_cells(const AttnParams& p) {
 template <typename Traits>
 CF_DEVICE void block_mask_cells(const AttnParams& p) {
   const auto read = [&](int batch, int head, int row, int key, bool* shown, bool* plain) {
-    const float x = cf_user_mods(p, 0.f, batch, head, row, key);
+    CfUserModsState state;
+    cf_user_mods_head(p, batch, head, state);
+    const float x = cf_user_mods(p, state, 0.f, batch, head, row, key);
     *shown = x != neg_infinity();
     *plain = x == 0.f;
   };

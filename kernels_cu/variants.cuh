@@ -253,26 +253,32 @@ struct ScoreOnly {
 // logit, so the softmax multiplies by log2 e alone (params.cuh: mod_score_scale). (row, key)
 // past the sequence are left alone: the key mask hides those keys, no row past Nq is stored,
 // and the function's captured arrays are not read out of their range there.
+// What the functions read that depends on (b, h) alone (ALiBi's slope, a per-head table's value)
+// is read once here, per tile: in a hook called score by score, each call in its own branch, the
+// compiler reloads it for every score (cf_user_mods_head, written by cupyflash/_mods.py).
 struct UserMods {
   const AttnParams& params;
   int batch, head, rows, keys;
+  CfUserModsState state;
   CF_DEVICE UserMods(const AttnParams& p, int batch_, int head_, int /*shift*/)
-      : params(p), batch(batch_), head(head_), rows(p.seqlen_q), keys(p.seqlen_k) {}
+      : params(p), batch(batch_), head(head_), rows(p.seqlen_q), keys(p.seqlen_k) {
+    cf_user_mods_head(p, batch_, head_, state);
+  }
   CF_DEVICE float operator()(float score, int row, int key) const {
     if (row >= rows || key >= keys) return score;
-    return cf_user_mods(params, score * params.mod_score_scale, batch, head, row, key);
+    return cf_user_mods(params, state, score * params.mod_score_scale, batch, head, row, key);
   }
   // A block mask's plain tile (every key of it shown: cupyflash.create_block_mask): score_mod
   // alone, mask_mod not evaluated.
   CF_DEVICE float score_only(float score, int row, int key) const {
     if (row >= rows || key >= keys) return score;
-    return cf_user_score(params, score * params.mod_score_scale, batch, head, row, key);
+    return cf_user_score(params, state, score * params.mod_score_scale, batch, head, row, key);
   }
   // The backward's d logit / d (scaled score) at the raw score: score_mod's derivative (the
   // kernels' dq_scale / dk_scale carry the scale itself).
   CF_DEVICE float grad(float score, int row, int key) const {
     if (row >= rows || key >= keys) return 1.f;
-    return cf_user_mods_grad(params, score * params.mod_score_scale, batch, head, row, key);
+    return cf_user_mods_grad(params, state, score * params.mod_score_scale, batch, head, row, key);
   }
 };
 template <typename Element>

@@ -531,8 +531,24 @@ def test_cuda_source_is_deterministic():
     first, second = (_mods.cuda_source(m) for m in _gallery()[:3]), (_mods.cuda_source(m) for m in _gallery()[:3])
     assert list(first) == list(second)
     text = _mods.cuda_source(_gallery()[0])
-    assert text.startswith("__device__ __forceinline__ bool cf_mask_mod_")
+    assert text.startswith("struct cf_mask_mod_") and "__device__ __forceinline__ bool cf_mask_mod_" in text
     assert "const int* __restrict__ buf0, long long buf0_stride0" in text
+
+
+def test_what_depends_on_b_and_h_alone_is_computed_per_tile():
+    """The head function computes a per-head read (ALiBi's slope) and what follows from it
+    alone, the per-score function reads it from the state; integers that fit in 32 bits are
+    computed in 32 (q_idx - kv_idx of two indices), a division by a constant is a multiply, tanh
+    the MUFU op."""
+    slopes = np.linspace(0.1, 1.0, 8).astype(np.float32)
+    mod = _mods.trace_score_mod(lambda s, b, h, q, kv: 30 * mods.tanh(s / 30) - 2 * slopes[h] * mods.abs(q - kv))
+    text = _mods.cuda_source(mod)
+    head, per_score = text.split("__device__ __forceinline__ float ")
+    assert "__ldg(&buf0[" in head and "st.outside |= !in" in head and "2 * st.t" not in head
+    assert "buf0[" not in per_score and "st.t" in per_score and "outside |= st.outside;" in per_score
+    assert "const int t" in per_score and "abs(" in per_score and "llabs" not in per_score
+    assert "long long t" not in per_score and "(long long)" not in per_score
+    assert "/ 30" not in per_score and "cf_mods_tanh(" in per_score
 
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
@@ -547,8 +563,10 @@ def test_cuda_source_compiles(arch):
     for index, mod in enumerate(gallery):  # a test kernel that calls each function once
         specs = _mods._buffer_specs(mod.expr)
         buffers = [f"(const {_mods._C_ELEMENT[s.dtype]}*)p, {', '.join(['1LL'] * len(s.shape))}" for s in specs]
-        args = (["x[i]"] if mod.role == "score_mod" else []) + ["0", "1", "i", "i + 1"] + buffers + ["outside"]
-        calls.append(f"  x[i] += (float){mod.name}({', '.join(args)});  // {index}")
+        args = (["x[i]"] if mod.role == "score_mod" else []) + ["0", "1", "i", "i + 1"] + buffers
+        calls.append(f"  {mod.name}_state st{index};")
+        calls.append(f"  {mod.name}_head({', '.join(['0', '1', *buffers, f'st{index}'])});")
+        calls.append(f"  x[i] += (float){mod.name}({', '.join([*args, f'st{index}', 'outside'])});  // {index}")
     source = "\n".join(
         [_mods.CUDA_HELPERS, *(_mods.cuda_source(m) for m in gallery),
          'extern "C" __global__ void cf_mods_test(float* x, const void* p) {',

@@ -39,6 +39,11 @@ PRELUDE = r"""
 static inline float __int_as_float(unsigned int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 static inline long long min(long long a, long long b) { return a < b ? a : b; }
 static inline long long max(long long a, long long b) { return a > b ? a : b; }
+template <typename T> static inline T __ldg(const T* p) { return *p; }  // the read-only cache's load
+static inline float cf_host_expf(float x) { return std::exp(x); }  // (the GPU's: a few ulp from these)
+static inline float cf_host_logf(float x) { return std::log(x); }
+#define __expf cf_host_expf
+#define __logf cf_host_logf
 struct AttnParams {  // the fields kernels_cu/params.cuh's AttnParams gives the score hook
   const void* mod_buffer0; const void* mod_buffer1; const void* mod_buffer2; const void* mod_buffer3;
   int64_t mod_buffer0_stride0, mod_buffer0_stride1, mod_buffer1_stride0, mod_buffer1_stride1;
@@ -50,9 +55,11 @@ DRIVER = r"""
 extern "C" void cf_run_{n}(int count, const AttnParams* p, const float* score, const int* b, const int* h,
                           const int* q, const int* kv, float* both, float* alone, float* slope) {{
   for (int i = 0; i < count; ++i) {{
-    both[i] = pair{n}::cf_user_mods(*p, score[i], b[i], h[i], q[i], kv[i]);
-    alone[i] = pair{n}::cf_user_score(*p, score[i], b[i], h[i], q[i], kv[i]);
-    slope[i] = pair{n}::cf_user_mods_grad(*p, score[i], b[i], h[i], q[i], kv[i]);
+    pair{n}::CfUserModsState st;  // (b, h)'s part, as UserMods computes it once per tile
+    pair{n}::cf_user_mods_head(*p, b[i], h[i], st);
+    both[i] = pair{n}::cf_user_mods(*p, st, score[i], b[i], h[i], q[i], kv[i]);
+    alone[i] = pair{n}::cf_user_score(*p, st, score[i], b[i], h[i], q[i], kv[i]);
+    slope[i] = pair{n}::cf_user_mods_grad(*p, st, score[i], b[i], h[i], q[i], kv[i]);
   }}
 }}
 """
