@@ -544,7 +544,7 @@ def test_what_depends_on_b_and_h_alone_is_computed_per_tile():
     mod = _mods.trace_score_mod(lambda s, b, h, q, kv: 30 * mods.tanh(s / 30) - 2 * slopes[h] * mods.abs(q - kv))
     text = _mods.cuda_source(mod)
     head, per_score = text.split("__device__ __forceinline__ float ")
-    assert "__ldg(&buf0[" in head and "st.outside |= !in" in head and "2 * st.t" not in head
+    assert "buf0[h * buf0_stride0]" in head and "st.outside |= !in" in head and "2 * st.t" not in head
     assert "buf0[" not in per_score and "st.t" in per_score and "outside |= st.outside;" in per_score
     assert "const int t" in per_score and "abs(" in per_score and "llabs" not in per_score
     assert "long long t" not in per_score and "(long long)" not in per_score

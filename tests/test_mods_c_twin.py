@@ -39,7 +39,6 @@ PRELUDE = r"""
 static inline float __int_as_float(unsigned int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 static inline long long min(long long a, long long b) { return a < b ? a : b; }
 static inline long long max(long long a, long long b) { return a > b ? a : b; }
-template <typename T> static inline T __ldg(const T* p) { return *p; }  // the read-only cache's load
 static inline float cf_host_expf(float x) { return std::exp(x); }  // (the GPU's: a few ulp from these)
 static inline float cf_host_logf(float x) { return std::log(x); }
 #define __expf cf_host_expf
