@@ -12,7 +12,8 @@
 # runs pytest there (einops and triton must be importable) and prints the outcome counts.
 # The file holds about half a million cases (about 75 minutes on 14 workers of an H100); --sample N
 # keeps the cases whose node id hashes (CRC-32) to 0 modulo N, the same ones on every machine and
-# run, every test function represented in proportion to its cases.
+# run, every test function represented in proportion to its cases, taken as pytest parametrizes
+# each function (a sample of the collected items left each worker minutes of collecting).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
@@ -49,14 +50,34 @@ for name, file in [
     spec.loader.exec_module(module)
 
 
-def pytest_collection_modifyitems(config, items):
+SAMPLE = int(__import__("os").environ.get("FLASH_ATTN_SUITE_SAMPLE", "1"))
+
+
+def _sampled(nodeid):
     """--sample N (scripts/flash_attn_suite.sh): the cases whose node id's CRC-32 is 0 modulo N."""
-    import os
     import zlib
 
-    every = int(os.environ.get("FLASH_ATTN_SUITE_SAMPLE", "1"))
-    if every > 1:
-        chosen = [zlib.crc32(item.nodeid.encode()) % every == 0 for item in items]
+    return zlib.crc32(nodeid.encode()) % SAMPLE == 0
+
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_generate_tests(metafunc):
+    """The sample taken as each test function is parametrized, before pytest makes its items (the
+    whole file's half million took each worker minutes to collect). A function none of whose
+    cases is sampled keeps its first, dropped below (pytest would make an unparametrized item)."""
+    yield
+    calls = getattr(metafunc, "_calls", None)
+    if SAMPLE > 1 and calls:
+        kept = [c for c in calls if _sampled(f"{metafunc.definition.nodeid}[{c.id}]")]
+        metafunc._calls = kept or calls[:1]
+
+
+def pytest_collection_modifyitems(config, items):
+    if SAMPLE > 1:
+        chosen = [_sampled(item.nodeid) for item in items]
         config.hook.pytest_deselected(items=[item for item, keep in zip(items, chosen) if not keep])
         items[:] = [item for item, keep in zip(items, chosen) if keep]
 PY

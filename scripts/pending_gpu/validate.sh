@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The first call of a session (any machine, no FlashAttention-4): what main runs on a GPU that no
-# GPU has run yet. A call with a mask_mod and no BlockMask now hands every kernel the summary the
-# mask implies (_block_mask.implied; the Hopper forward's first tile skipping by it), and masks may
-# be built from masks (mods.and_masks); so the GPU tests of block masks and score functions, under
-# torch.compile and JAX too, then compute-sanitizer over the score-function variants, then the
-# GPU tests of the kernels around them with the time left.
+# GPU has run yet (docs/evidence/2026-12-06-h100-session/). The score functions' code generator
+# was rewritten (64c9474: what depends on b and h alone computed once per tile by a head
+# function into UserMods' state, integers in 32 bits where they fit, tanh / exp / log as the
+# kernels' own); an int length the Launch was last given stays in its template (b8480de: the
+# cascade's prefix length, a decode call's int cache_seqlens). So: the GPU tests of score
+# functions, block masks, the cascade and decode, compute-sanitizer over the score-function
+# variants, then the forward and forward + backward of score functions beside FlexAttention and
+# the built-in options (bench-mods), and the cascade beside the flat paged call (bench-cascade).
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate.sh [SECONDS]
 #   carry: .whl   (scripts/pending_gpu/stage.sh makes it)
 set -uo pipefail
@@ -13,7 +16,6 @@ left() { echo $((END - SECONDS)); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.log
-git log -1 --format=%H 2>/dev/null | tee -a $OUT/env.log
 # -s INT: pytest still prints its summary (the failures named) when the limit stops it
 run_tests() {  # LOG LIMIT WORKERS FILES...
   local log=$1 limit=$2 workers=$3; shift 3
@@ -21,11 +23,12 @@ run_tests() {  # LOG LIMIT WORKERS FILES...
     --tb=short -W ignore "$@" > "$OUT/$log" 2>&1
   echo "$log rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/$log" | cut -c1-300 | tail -20
 }
-run_tests tests.log 300 14 tests/test_gpu_block_mask.py tests/test_gpu_mods.py tests/test_mods_traced.py \
-  tests/test_gpu_routes_stubbed.py
-run_tests tests_jax.log 90 3 tests/test_gpu_jax.py -k "score or learned or mods"
-[ "$(left)" -gt 220 ] && timeout 200 python3 scripts/sanitize.py --out $OUT/sanitize_variant --only variant \
-  --tools memcheck,racecheck --timeout 80 > $OUT/sanitize_variant.log 2>&1 && tail -3 $OUT/sanitize_variant.log
-[ "$(left)" -gt 60 ] && run_tests tests_more.log $(( $(left) - 15 )) 14 tests/test_gpu_attn_mask.py \
-  tests/test_gpu_cascade.py tests/test_gpu_fa2.py tests/test_gpu_backward.py
-rm -rf $OUT/sanitize_variant  # (its per-tool files: the log above has the counts)
+run_tests tests.log 240 15 tests/test_gpu_mods.py tests/test_gpu_block_mask.py tests/test_mods_traced.py \
+  tests/test_gpu_cascade.py tests/test_gpu_decode.py
+timeout 200 python3 scripts/sanitize.py --out /tmp/sanitize_variant --only variant --tools memcheck,racecheck \
+  --timeout 80 > $OUT/sanitize_variant.log 2>&1; echo "sanitize rc=$? at ${SECONDS}s"; tail -3 $OUT/sanitize_variant.log
+timeout 40 python3 -m cupyflash bench-cascade --json $OUT/cascade.json > $OUT/cascade.log 2>&1
+echo "cascade rc=$? at ${SECONDS}s"; tail -9 $OUT/cascade.log | cut -c1-300
+[ "$(left)" -gt 30 ] && timeout $(( $(left) - 5 )) python3 -m cupyflash bench-mods --head-dims 128 --backward \
+  --functions softcap alibi causal document_causal --json $OUT/mods.json > $OUT/mods.log 2>&1
+echo "mods rc=$? at ${SECONDS}s"; grep -v "^ *warn\|Warning" $OUT/mods.log | tail -18 | cut -c1-300

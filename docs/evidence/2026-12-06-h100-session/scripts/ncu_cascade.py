@@ -4,7 +4,7 @@ plans launch 72 CTAs, yet the cascade's kernel takes about 6 us more): the same 
 bench.run_cascade, each call warmed (compiled) first, then profiled between cudaProfilerStart
 and Stop.
     usage (GPU machine): ncu --clock-control none --profile-from-start off --section ... \\
-        python3 scripts/pending_gpu/ncu_cascade.py BATCH PREFIX"""
+        python3 docs/evidence/2026-12-06-h100-session/scripts/ncu_cascade.py BATCH PREFIX"""
 
 import sys
 
