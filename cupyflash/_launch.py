@@ -110,7 +110,7 @@ def _run(
     ptr_of, raw_strides_of = lib.ptr, lib.raw_strides
     pointers_only = launch.pointer_words is not None  # values differ from the template in pointers alone
     # The common operand (an array, read as it is) takes the loop's straight path, and so does an
-    # int length the Launch was last given (checked then, in the template: a shared prefix's
+    # int length the Launch's template holds (given twice in a row, checked: a shared prefix's
     # length, the same every decode step); another int, a negated q, a pointer offset or a layout
     # the kernels cannot read take _bind.
     for i, name, ptr_slot, align in launch.bindings:
@@ -198,7 +198,10 @@ def _bind(
     if op.kind is LENGTHS and type(x) is int:  # one length for every sequence: check it here
         check_int_seqlens(x, *op.int_limit)
         values[op.int_slot] = x
-        _remember_int(launch, i, x)
+        if launch.ints_seen[i] == x:  # the same int twice in a row: into the template
+            _remember_int(launch, i, x)
+        else:
+            launch.ints_seen[i] = x
         return
     if op.negate:
         x = -x

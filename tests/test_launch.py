@@ -147,28 +147,29 @@ def test_decode_lengths_scratch_and_error_word(recorder):
 
 
 def test_an_int_length_given_again_takes_the_straight_path(recorder):
-    """An int length the Launch was last given is in its template (a shared prefix's length is the
-    same every decode step): the next call with that int sets only pointers (the packed template),
-    and an array, another int, or one out of range still take the general way, checked."""
+    """An int length given twice in a row goes into the Launch's template (a shared prefix's
+    length is the same every decode step): the next call with that int sets only pointers (the
+    packed template), while an int that changes every call (a decode loop's growing length) is
+    packed once a call, as before; an array, another int, or one out of range still take the
+    general way, checked."""
     q, k, v, launch = _decode_launch(np.random.default_rng(3))
     lib = _NumpyLib()
     lens = np.array([4000, 17], dtype=np.int32)
-    given = (300, 300, lens, lens, 300, 300, 200, 0, 0)
+    given = (300, 300, 300, lens, lens, 300, 300, 300, 200, 0, 0, 0)
+    straight = (False, False, True, False, True, False, True, True, False, False, False, True)
     for seqlens in given:
         _launch.run(launch, lib, 0, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": seqlens}, False)
         with pytest.raises(ValueError, match="goes beyond the cache"):  # never remembered past its check
             _launch.run(launch, lib, 0, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": 4097}, False)
     calls = recorder.calls
     assert len(calls) == len(given)
-    for seqlens, call, before in zip(given, calls, (None, *given[:-1]), strict=True):
-        values, fast = call[4], call[6]
+    for seqlens, call in zip(given, calls, strict=True):
+        values = call[4]
         if type(seqlens) is int:
             assert _field(launch, values, "cache_seqlens") == 0 and _field(launch, values, "seqlen_k") == seqlens
         else:
             assert _field(launch, values, "cache_seqlens") == lens.ctypes.data
-        # the straight path: the same int, or an array of a layout seen (the first array call
-        # remembers it; ints in between leave it)
-        assert fast == (before is seqlens or (type(seqlens) is not int and type(before) is not int)), (seqlens, before)
+    assert tuple(call[6] for call in calls) == straight
 
 
 @pytest.mark.parametrize("algorithm", ["fa2", "fa3"])

@@ -123,6 +123,11 @@ class Launch:
     # negated nor given as an offset (only these take the straight path).
     bindings: tuple[tuple[int, str, int, int], ...] = field(init=False, repr=False, compare=False)
     plain: tuple[bool, ...] = field(init=False, repr=False, compare=False)
+    # Per operand, the int length the last call gave (``_launch``: an int given twice in a row
+    # goes into ``layouts``' template; one that changes every call, a decode loop's growing
+    # length, is not packed twice a call). Written by calls without a lock: a race costs one
+    # call the straight path, never a wrong value (the template is replaced whole).
+    ints_seen: list[Any] = field(init=False, repr=False, compare=False)
     # Whether a call keeps each operand's (pointer, strides): the TMA maps, a pointer offset and
     # the steps that launch themselves read them.
     needs_bound: bool = field(init=False, repr=False, compare=False)
@@ -137,6 +142,7 @@ class Launch:
         object.__setattr__(self, "operand_index", {op.name: i for i, op in enumerate(self.operands)})
         values = self.params.values
         object.__setattr__(self, "layouts", [((None,) * n, (None,) * n, values, self.params.struct.pack_bytes(values))])
+        object.__setattr__(self, "ints_seen", [None] * n)
         bindings = tuple(
             (i, op.name, op.ptr_slot, 15 if op.kind in (TILE, FP8_TILE) else 0) for i, op in enumerate(self.operands)
         )
