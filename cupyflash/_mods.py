@@ -1011,8 +1011,10 @@ def cuda_source(mod: Mod) -> str:
                 text = f"({cast(args[0], operand)} * {_c_const(reciprocal, FLOAT)})"
             else:
                 a, b = cast(args[0], operand), cast(args[1], operand)
-                if op in ("floordiv", "mod") and e.kind == INT and a_range and b_range and a_range[0] >= 0 < b_range[0]:
-                    text = f"({a} {'/' if op == 'floordiv' else '%'} {b})"  # C's, as Python's on these signs
+                # C's / and % where they are Python's: a >= 0 (below 2^63: past it, it wrapped), b > 0
+                signs_known = a_range and b_range and 0 <= a_range[0] and a_range[1] < 1 << 63 and b_range[0] > 0
+                if op in ("floordiv", "mod") and e.kind == INT and signs_known:
+                    text = f"({a} {'/' if op == 'floordiv' else '%'} {b})"
                 elif op == "floordiv":
                     text = f"cf_mods_floordiv({a}, {b})" if e.kind == INT else f"floorf({a} / {b})"
                 elif op == "mod":

@@ -116,6 +116,13 @@ def _pairs(rng):
             lambda s, b, h, q, kv: s * (1 + small[kv]) + wide[kv] / 64 + mods.minimum(bytes_[kv], 200) / 255,
             lambda b, h, q, kv: keep[kv] | (h == b),
         ),
+        # past 32 bits: products, sums and differences the kernels must compute in 64 (their
+        # range says so), a floor division of a 32-bit value by -1 (INT_MIN / -1 overflows 32)
+        "wide-integers": (
+            lambda s, b, h, q, kv: s + ((q * 3_000_000_000 + kv * 2_147_483_647) % 1000) / 1000
+            + ((wide[kv] * 5_000_000_000) // 7) % 3,
+            lambda b, h, q, kv: ((kv - q) * 100_000 // 70_000 > -5) | ((q - 2_147_483_647 - kv) // -1 > 2**31 + 40),
+        ),
         "bool-and-int-compare": (
             lambda s, b, h, q, kv: mods.where(keep[kv] & ~(q > 30), s, -s) + mods.abs(signed[q, kv]),
             lambda b, h, q, kv: (mods.maximum(q - kv, kv - q) <= 2 * h + 3) | (signed[q, kv] > 100),
