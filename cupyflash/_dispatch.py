@@ -622,15 +622,19 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
     return BwdRowSpec(step, dtype, *columns(head_dim, FA2_BWD_HEAD_DIMS))
 
 
-def fa3_bwd_spec(dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool) -> Fa3BwdSpec | None:
+def fa3_bwd_spec(
+    dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool, mask_source: str = ""
+) -> Fa3BwdSpec | None:
     """The Hopper backward for a call, or None where it has none (then FA2's runs): head dims
-    other than FA3_BWD_HEAD_DIMS, dropout, ALiBi, an attn_mask and packed sequences.
-    ``deterministic``: dQ's adds into each tile in a fixed order (fa3_bwd.cu)."""
+    other than FA3_BWD_HEAD_DIMS, dropout, ALiBi, an attn_mask and packed sequences; of score
+    functions, a mask_mod alone (``mask_source``: its device code) with no block summary (the
+    Hopper backward skips no tile by one: FA2's does). ``deterministic``: dQ's adds into each
+    tile in a fixed order (fa3_bwd.cu)."""
     if head_dim not in FA3_BWD_HEAD_DIMS or packed:
         return None
-    if flags.dropout or flags.alibi or flags.mask:
+    if flags.dropout or flags.alibi or (flags.mask and not (flags.mask == "mods" and mask_source)):
         return None
-    return Fa3BwdSpec(dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic)
+    return Fa3BwdSpec(dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mask_source)
 
 
 def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:

@@ -1097,6 +1097,7 @@ class KernelMods:
     buffers: tuple[tuple[int, int], ...]
     digest: str
     ndims: tuple[int, ...]  # each mod_buffer's axes (1 or 2)
+    has_score_mod: bool = True  # False for a mask_mod alone (the Hopper backward takes only those)
 
     def arrays(self, score_mod: Mod | None, mask_mod: Mod | None) -> tuple[Any, ...]:
         """The captured arrays of ``score_mod`` / ``mask_mod`` (the ones this was made from) in
@@ -1170,7 +1171,8 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
     parts.append(f"__device__ __forceinline__ float cf_user_mods_grad{signature} {{\n" + gradient + "}\n")
     parts.append(tiles)
     source = "".join(parts)
-    return KernelMods(source, tuple(order), hashlib.sha256(source.encode()).hexdigest()[:12], tuple(ndims))
+    digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+    return KernelMods(source, tuple(order), digest, tuple(ndims), score_mod is not None)
 
 
 def _buffer_specs(root: Expr) -> list[BufferSpec]:

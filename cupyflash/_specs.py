@@ -945,6 +945,7 @@ class Fa3BwdSpec(_KernelSpecBase):
     local: bool = False
     softcap: bool = False
     deterministic: bool = False  # dQ's adds in a fixed order per tile (a writer warp, semaphores)
+    mods_source: str = ""  # a user mask_mod's device code alone (no score_mod: fa3_bwd.cu)
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -962,12 +963,18 @@ class Fa3BwdSpec(_KernelSpecBase):
         _check_dtype(self.dtype, CUDA_ELEMENT_TYPES)
         if self.head_dim not in FA3_BWD_HEAD_DIMS:
             raise ValueError(f"the Hopper backward takes head_dim in {FA3_BWD_HEAD_DIMS}, got {self.head_dim}")
+        if self.mods_source and self.softcap:
+            raise ValueError("a mask_mod does not combine with softcap on the Hopper backward")
 
     def _name_parts(self) -> tuple[object, ...]:
         return (_SHORT_DTYPE[self.dtype], self.head_dim)
 
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
-        return (*_mask_flags(self.causal, self.local, self.softcap), ("det", self.deterministic))
+        return (
+            *_mask_flags(self.causal, self.local, self.softcap),
+            ("det", self.deterministic),
+            (f"mods{_digest(self.mods_source)}", bool(self.mods_source)),
+        )
 
     @property
     def block_m(self) -> int:
@@ -987,7 +994,10 @@ class Fa3BwdSpec(_KernelSpecBase):
 
     def _traits_args(self) -> tuple[object, ...]:
         dtype = CUDA_ELEMENT_TYPES[self.dtype]
-        return (self.head_dim, self.block_m, dtype, self.causal, self.local, self.softcap, self.deterministic)
+        return (
+            self.head_dim, self.block_m, dtype, self.causal, self.local, self.softcap, self.deterministic,
+            bool(self.mods_source),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,8 @@ struct Fa3BwdSharedStorage {
 };
 
 template <int kHeadDim_, int kBlockM_, typename Element_, bool Is_causal_, bool Is_local_,
-          bool Has_softcap_ = false, bool Deterministic_ = false, bool Dq_writer_ = Deterministic_>
+          bool Has_softcap_ = false, bool Deterministic_ = false, bool Has_user_mask_ = false,
+          bool Dq_writer_ = Deterministic_>
 struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -85,6 +86,11 @@ struct Fa3BwdTraits {
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Deterministic = Deterministic_;
+  // A user mask_mod alone (cupyflash/_mods.py's cf_user_mods; no score_mod, whose derivative
+  // would need the raw scores kept beside S^T): -inf where it hides a score, before the
+  // exponentials, as the forward's hook; dS^T needs nothing more (d logit / d score is 1).
+  static constexpr bool Has_user_mask = Has_user_mask_;
+  using UserMask = ScoreTransform<false, false, Has_user_mask_ ? kUserMods : kNoBias, Element_>;
   // dQ's adds issued by a warp of the producer warpgroup from two staging buffers (else by a
   // consumer thread from one, which then waits for nothing but the last add's reads).
   static constexpr bool Dq_writer = Dq_writer_;
@@ -398,6 +404,9 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     wgmma_fence_operands(s[0]);
     if constexpr (Traits::Has_softcap)  // the forward's order: the cap, then the mask
       transform_scores_transposed(Softcap(a), s, key0 + warp_key0, row0, lane);
+    if constexpr (Traits::Has_user_mask)  // (the step's query head: its mask may read h)
+      transform_scores_transposed(typename Traits::UserMask(a, batch, at.head, 0), s,
+                                  key0 + warp_key0, row0, lane);
     if (range.needs_mask(m_block)) range.apply_by_row_offsets(s, key0 + warp_key0, row0, lane);
     wgmma_wait<0>();
     wgmma_fence_operands(dp[0]);

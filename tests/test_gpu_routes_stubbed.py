@@ -285,9 +285,10 @@ def test_a_mask_mod_alone_hands_the_kernels_the_summary_it_implies(launches, mon
     """A mask_mod whose index arithmetic hides or shows whole cells (chunks here) and no
     block_mask: the summary its tile classes imply, made on the host once and copied to the GPU at
     the first call, handed to the Hopper forward, FA2's and the mma.sync backward; none for a mask
-    whose cells all depend on its array (a document mask alone), nor while a CUDA graph is being
-    captured before the first copy (the same result: the kernels then evaluate every tile); one a
-    capture reads is kept for the process."""
+    whose cells all depend on its array (a document mask alone: its backward then the Hopper
+    one, the mask in its hook), nor while a CUDA graph is being captured before the first copy
+    (the same result: the kernels then evaluate every tile); one a capture reads is kept for the
+    process."""
     from cupyflash import _block_mask
 
     copies = []
@@ -322,6 +323,15 @@ def test_a_mask_mod_alone_hands_the_kernels_the_summary_it_implies(launches, mon
     cupyflash.attention(q, kv, kv, mask_mod=lambda b, h, i, j: doc[i] == doc[j])
     assert not summary & launches[-1][1]
     assert _block_mask.implied(_mods_trace(lambda b, h, i, j: doc[i] == doc[j]), 2, 8, 300, 300) is None
+    # with no summary to skip tiles by, a mask_mod alone's backward is the Hopper one, the mask in
+    # its hook (with a score_mod, or a summary, it stays on the mma.sync kernels: above)
+    for deterministic in (False, True):
+        cupyflash.attention_backward(q, q, kv, kv, q, lse, mask_mod=lambda b, h, i, j: doc[i] == doc[j],
+                                     deterministic=deterministic)  # fmt: skip
+        _check(launches, "fa3_bwd", optional=("dlse",))
+        (hopper,) = [step.spec for step in launches[-1][0].steps if "fa3_bwd" in step.spec.name]
+        assert "cf_user_mods" in hopper.mods_source and hopper.deterministic == deterministic
+        assert "mod_buffer0" in launches[-1][1] and not summary & launches[-1][1]
 
 
 def _mods_trace(mask_mod):

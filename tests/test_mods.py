@@ -705,8 +705,20 @@ def test_the_backward_hook_compiles_cleanly():
             for spec in specs:
                 assert spec.mods_source == source
                 builds += [(spec.name, arch, _kernels.compile_offline(spec, arch)) for arch in ("sm_80", "sm_90a")]
+    # a mask_mod alone in the Hopper backward (sm_90a; its head dims 64 and 128), every mode
+    masks = [pairs[1][1], _mods.trace_mask_mod(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i))]
+    for mask_mod in masks if FULL else masks[1:]:
+        source = _mods.kernel_mods(None, mask_mod).source
+        for head_dim in (64, 128):
+            modes = [(c, d) for c in (False, True) for d in (False, True)] if FULL else [(True, False)]
+            for causal, deterministic in modes:
+                flags = _dispatch.MaskFlags(causal, False, False, mask="mods")
+                spec = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, deterministic, False, source)
+                assert spec is not None and spec.mods_source == source
+                builds.append((spec.name, "sm_90a", _kernels.compile_offline(spec, "sm_90a")))
     assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
     assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]
+    assert not [(n, a) for n, a, b in builds if "wgmma.mma_async instructions are serialized" in b.log]
 
 
 def test_kernel_mods_refuses_more_arrays_than_the_kernels_take():
@@ -721,9 +733,11 @@ def test_kernel_mods_refuses_more_arrays_than_the_kernels_take():
 
 
 def test_the_backward_plan_runs_the_hook_on_the_mma_sync_kernels():
-    """On Hopper too the backward with score functions runs the mma.sync kernels (the Hopper
-    backward has no hook), the functions' arrays bound as the forward binds them, the softmax
-    factor log2 e with the scale moved into the functions' argument."""
+    """On Hopper too the backward with a score_mod runs the mma.sync kernels (the Hopper
+    backward's hook takes a mask_mod alone), the functions' arrays bound as the forward binds
+    them, the softmax factor log2 e with the scale moved into the functions' argument; a mask_mod
+    alone runs the Hopper backward with the same factors, unless a block summary comes with it
+    (the mma.sync kernels skip the tiles it hides)."""
     from dataclasses import replace as changed
 
     from cupyflash import _device, _mods, _plan
@@ -748,6 +762,19 @@ def test_the_backward_plan_runs_the_hook_on_the_mma_sync_kernels():
     with pytest.raises(ValueError, match="do not combine with softcap"):
         _plan.plan_backward(changed(p, softcap=5.0), "bfloat16", h100, q_shape=(2, 200, 8, 128),
                             k_shape=(2, 300, 2, 128), mods=kernel)  # fmt: skip
+    doc = np.zeros(300, np.int32)
+    mask = _mods.kernel_mods(None, _mods.trace_mask_mod(lambda b, h, i, j: doc[i] == doc[j]))
+    assert not mask.has_score_mod and kernel.has_score_mod
+    launch = _plan.plan_backward(p, "bfloat16", h100, q_shape=(2, 200, 8, 128), k_shape=(2, 300, 2, 128),
+                                 mods=mask)  # fmt: skip
+    (hopper,) = [step.spec for step in launch.steps if "fa3_bwd" in step.spec.name]
+    assert hopper.mods_source == mask.source and hopper.causal
+    values = dict(zip(launch.params.struct.dtype.names, launch.params.values, strict=True))
+    assert values["softmax_scale_log2"] == pytest.approx(LOG2E) and values["dq_tiled"] == 1
+    cells = _plan.BlockCells.of((1, 1, 4, 5), (64, 64))
+    launch = _plan.plan_backward(p, "bfloat16", h100, q_shape=(2, 200, 8, 128), k_shape=(2, 300, 2, 128),
+                                 mods=mask, cells=cells)  # fmt: skip
+    assert not any("fa3" in step.spec.name for step in launch.steps)
 
 
 @pytest.mark.parametrize(
