@@ -436,11 +436,12 @@ def _sinks(a: Arrays, hq: int) -> Any:
     return a.randn(hq, dtype="float32")
 
 
-def _score_functions(a: Arrays, n: int, implied: bool = False) -> dict[str, Any]:
+def _score_functions(a: Arrays, n: int, implied: bool = False, mask_only: bool = False) -> dict[str, Any]:
     """A document mask over a captured id array (three documents, odd lengths) and a softcap;
     ``implied``: the mask also hides keys 64 to 127 (a whole 64-key cell for every row), so the
     call hands the kernels the summary the mask implies (_block_mask.implied), where without it
-    every cell is the array's (the kernels class tiles themselves, or not at all)."""
+    every cell is the array's (the kernels class tiles themselves, or not at all); ``mask_only``:
+    the mask alone (its backward the Hopper one's hook, where it has one)."""
     doc_id = a.ints(np.repeat(np.arange(3), [n // 3, n // 3 + 1, n - 2 * (n // 3) - 1]))
 
     def same_document(b, h, q_idx, kv_idx):
@@ -452,7 +453,8 @@ def _score_functions(a: Arrays, n: int, implied: bool = False) -> dict[str, Any]
     def softcap(score, b, h, q_idx, kv_idx):
         return 20.0 * cupyflash.mods.tanh(score / 20.0)
 
-    return {"mask_mod": same_document_past_a_gap if implied else same_document, "score_mod": softcap}
+    mask = same_document_past_a_gap if implied else same_document
+    return {"mask_mod": mask} if mask_only else {"mask_mod": mask, "score_mod": softcap}
 
 
 def _tree(a: Arrays, nq: int) -> Any:
@@ -465,12 +467,13 @@ def _tree(a: Arrays, nq: int) -> Any:
 
 def _add_variants(a: Arrays, options: dict[str, Any], hq: int, n: int) -> None:
     """options["sinks"] -> (Hq,) float32 sinks; options["mods"] -> the score functions over ``n``
-    tokens; options["tree"] -> a tree mask over the ``n`` query tokens."""
+    tokens ("implied", "mask": as _score_functions says); options["tree"] -> a tree mask over the
+    ``n`` query tokens."""
     if options.pop("sinks", False):
         options["sinks"] = a.randn(hq, dtype="float32")
     mods = options.pop("mods", False)
     if mods:
-        options.update(_score_functions(a, n, implied=mods == "implied"))
+        options.update(_score_functions(a, n, implied=mods == "implied", mask_only=mods == "mask"))
     if options.pop("tree", False):
         options["tree_mask"] = _tree(a, n)
 
@@ -491,9 +494,10 @@ def variant_cases(size: str, hopper: bool) -> Iterator[Case]:
         for deterministic in (False, True):
             call = partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, causal=True, sinks=True)
             yield f"variant sinks backward d={d} det={deterministic}", call
-            for mods in (True, "implied"):
+            for mods in (True, "implied", "mask"):
                 call = partial(_backward, nq=nk, nk=nk, d=d, deterministic=deterministic, mods=mods)
-                yield f"variant mods{'-implied' if mods == 'implied' else ''} backward d={d} det={deterministic}", call
+                label = "" if mods is True else f"-{mods}"
+                yield f"variant mods{label} backward d={d} det={deterministic}", call
         for page_size in (None, 16):
             for splits in (1, 0):
                 call = partial(_kvcache, length=length, cached=[0, 1, length // 2, length - 8], d=d,

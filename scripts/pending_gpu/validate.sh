@@ -3,8 +3,9 @@
 # GPU has run yet (docs/evidence/2026-12-06-h100-session/). The score functions' code generator
 # was rewritten (64c9474: what depends on b and h alone computed once per tile by a head
 # function into UserMods' state, integers in 32 bits where they fit, tanh / exp / log as the
-# kernels' own); an int length the Launch was last given stays in its template (b8480de: the
-# cascade's prefix length, a decode call's int cache_seqlens). So: the GPU tests of score
+# kernels' own); an int length given twice in a row stays in the Launch's template (b8480de: the
+# cascade's prefix length, a decode call's int cache_seqlens); a mask_mod alone with no block
+# summary runs in the Hopper backward's new hook (c804dd1). So: the GPU tests of score
 # functions, block masks, the cascade and decode, compute-sanitizer over the score-function
 # variants, then the forward and forward + backward of score functions beside FlexAttention and
 # the built-in options (bench-mods), and the cascade beside the flat paged call (bench-cascade).
