@@ -1362,6 +1362,9 @@ def mods_gallery(seqlen: int) -> dict[str, dict[str, Any]]:
                            "builtin": {"causal": True, "window": (window - 1, 0)}},
         "document_causal": {"mask_mod": lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i),
                             "flex_mask": lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), "builtin": None},
+        # no causal term: the mask alone implies no summary (its backward: the Hopper one's hook)
+        "document": {"mask_mod": lambda b, h, i, j: doc[i] == doc[j],
+                     "flex_mask": lambda b, h, i, j: doc[i] == doc[j], "builtin": None},
         "softcap": {"score_mod": lambda s, b, h, i, j: cap * mods.tanh(s / cap),
                     "flex_score": lambda s, b, h, i, j: cap * torch.tanh(s / cap), "builtin": {"softcap": cap}},
         "alibi": {"score_mod": lambda s, b, h, i, j: s - slopes[h] * mods.abs(i - j),

@@ -31,5 +31,5 @@ timeout 200 python3 scripts/sanitize.py --out /tmp/sanitize_variant --only varia
 timeout 40 python3 -m cupyflash bench-cascade --json $OUT/cascade.json > $OUT/cascade.log 2>&1
 echo "cascade rc=$? at ${SECONDS}s"; tail -9 $OUT/cascade.log | cut -c1-300
 [ "$(left)" -gt 30 ] && timeout $(( $(left) - 5 )) python3 -m cupyflash bench-mods --head-dims 128 --backward \
-  --functions softcap alibi causal document_causal --json $OUT/mods.json > $OUT/mods.log 2>&1
+  --functions softcap alibi causal document_causal document --json $OUT/mods.json > $OUT/mods.log 2>&1
 echo "mods rc=$? at ${SECONDS}s"; grep -v "^ *warn\|Warning" $OUT/mods.log | tail -18 | cut -c1-300
