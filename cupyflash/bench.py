@@ -882,33 +882,34 @@ def format_tree_table(rows: list[dict[str, Any]]) -> str:
 CASCADE_SHAPES = tuple((b, prefix, 512, 16) for prefix in (4096, 32768) for b in (1, 2, 8, 64))
 
 
-def run_cascade(
-    batch: int, prefix: int, own: int, page_size: int, *, timings: tuple[str, ...] = TIMINGS, repeat: int = 20
-) -> dict[str, Any]:
-    """Microseconds per call of attention_with_shared_prefix against the flat paged call over the
-    same pages (each request's table: the prefix's pages, then its own), one decode token, GQA
-    32/8, d = 128, bf16, in one process under each of ``timings`` (:func:`three_timings_ms`); the
-    flat call's time over the cascade's (``speedup_<timing>``), and their largest difference."""
+CASCADE_HEADS = (32, 8, 128)  # Hq, Hkv, d of the cascade benchmark
+
+
+def cascade_calls(batch: int, prefix: int, own: int, page_size: int, device: str = "cuda") -> dict[str, Any]:
+    """The cascade benchmark's two calls over one pool of pages (random order, seed 0): a prefix
+    of ``prefix`` keys shared by ``batch`` requests of one decode token, each with ``own`` keys of
+    its own: "cascade" (attention_with_shared_prefix) and "flat_paged" (attention_with_kvcache,
+    each request's table the prefix's pages, then its own); GQA 32/8, d = 128, bf16, PyTorch
+    tensors on ``device`` (the CPU stands in for a GPU in host-time studies)."""
     import torch
 
     import cupyflash
 
-    check_timings(timings)
-    hq, hkv, d = 32, 8, 128
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, d = CASCADE_HEADS
+    gen = torch.Generator(device=device).manual_seed(0)
     prefix_pages, own_pages = prefix // page_size, own // page_size
     pages = prefix_pages + batch * own_pages
     k_pool, v_pool = (
-        torch.randn(pages, page_size, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2)
+        torch.randn(pages, page_size, hkv, d, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2)
     )
-    order = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)
+    order = torch.randperm(pages, device=device, generator=gen).to(torch.int32)
     prefix_table = order[:prefix_pages].reshape(1, prefix_pages)
     own_table = order[prefix_pages:].reshape(batch, own_pages)
     flat_table = torch.cat([prefix_table.expand(batch, prefix_pages), own_table], dim=1).contiguous()
-    q = torch.randn(batch, 1, hq, d, device="cuda", generator=gen, dtype=torch.bfloat16)
-    own_lens = torch.full((batch,), own, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 1, hq, d, device=device, generator=gen, dtype=torch.bfloat16)
+    own_lens = torch.full((batch,), own, dtype=torch.int32, device=device)
     flat_lens = own_lens + prefix
-    calls: dict[str, Callable[[], Any]] = {
+    return {
         "cascade": lambda: cupyflash.attention_with_shared_prefix(
             q, k_pool, v_pool, prefix_block_table=prefix_table, prefix_seqlens=prefix, block_table=own_table,
             cache_seqlens=own_lens,
@@ -917,6 +918,18 @@ def run_cascade(
             q, k_pool, v_pool, cache_seqlens=flat_lens, block_table=flat_table
         ),
     }  # fmt: skip
+
+
+def run_cascade(
+    batch: int, prefix: int, own: int, page_size: int, *, timings: tuple[str, ...] = TIMINGS, repeat: int = 20
+) -> dict[str, Any]:
+    """Microseconds per call of attention_with_shared_prefix against the flat paged call over the
+    same pages (:func:`cascade_calls`), in one process under each of ``timings``
+    (:func:`three_timings_ms`); the flat call's time over the cascade's (``speedup_<timing>``),
+    and their largest difference."""
+    check_timings(timings)
+    calls: dict[str, Callable[[], Any]] = cascade_calls(batch, prefix, own, page_size)
+    hq, hkv, _ = CASCADE_HEADS
     row: dict[str, Any] = {"batch": batch, "prefix": prefix, "own": own, "page_size": page_size, "hq": hq, "hkv": hkv}
     row["max_abs_diff"] = round(float((calls["cascade"]().float() - calls["flat_paged"]().float()).abs().max()), 5)
     times = three_timings_ms(calls, repeat=repeat, timings=timings, warmup_ms=100.0)

@@ -246,37 +246,31 @@ def test_the_generated_c_computes_what_the_host_path_does(compiled, name):
         assert np.isneginf(both[hidden]).all()
 
 
+def _check_outside(compiled, name, values, outside):
+    """Pair ``name``'s C on ``values``: NaN where ``outside`` (an index outside a captured array),
+    the host path's values elsewhere (its slope too), and the host path raising on them all."""
+    library, traced = compiled
+    n, score_mod, mask_mod, kernel = traced[name]
+    assert outside.any() and (~outside).any()
+    both, alone, slope = _run(library, n, _params(kernel, score_mod, mask_mod), values)
+    assert np.isnan(both[outside]).all() and np.isnan(alone[outside]).all()
+    want_both, _, want_slope = _expected(score_mod, mask_mod, {k: v[~outside] for k, v in values.items()})
+    _same(both[~outside], want_both, "inside", exact=False)
+    _same(slope[~outside], want_slope, "slope inside", exact=False)
+    with pytest.raises(IndexError, match="outside the array"):
+        _host(score_mod, values, score_mod.buffers)
+
+
 def test_an_index_outside_a_captured_array_makes_the_score_nan(compiled):
     """The host path raises for such a read; the kernel's function reads nothing there and makes
     the score NaN (its row's output NaN, never a value from past the array)."""
-    library, traced = compiled
-    n, score_mod, mask_mod, kernel = traced["relative-table"]
     values = _grid(np.random.default_rng(5), in_range=False)
     column = values["kv_idx"].astype(np.int64) - values["q_idx"] + 64
-    outside = (column < 0) | (column >= 128)
-    assert outside.any() and (~outside).any()
-    both, alone, _ = _run(library, n, _params(kernel, score_mod, mask_mod), values)
-    assert np.isnan(both[outside]).all() and np.isnan(alone[outside]).all()
-    inside = {k: v[~outside] for k, v in values.items()}
-    want_both, _, _ = _expected(score_mod, mask_mod, inside)
-    _same(both[~outside], want_both, "inside", exact=False)
-    with pytest.raises(IndexError, match="outside the array"):
-        _host(score_mod, values, score_mod.buffers)
+    _check_outside(compiled, "relative-table", values, (column < 0) | (column >= 128))
 
 
 def test_a_head_s_read_outside_its_array_makes_every_score_of_that_head_nan(compiled):
     """A read that depends on b and h alone runs once per tile (the state): outside its array it
     makes every score of those heads NaN, the others exact; the host path raises."""
-    library, traced = compiled
-    n, score_mod, mask_mod, kernel = traced["head-read-outside"]
     values = _grid(np.random.default_rng(6), in_range=True)
-    outside = values["h"] + 2 >= NH
-    assert outside.any() and (~outside).any()
-    both, alone, slope = _run(library, n, _params(kernel, score_mod, mask_mod), values)
-    assert np.isnan(both[outside]).all() and np.isnan(alone[outside]).all()
-    inside = {k: v[~outside] for k, v in values.items()}
-    want_both, _, want_slope = _expected(score_mod, mask_mod, inside)
-    _same(both[~outside], want_both, "inside", exact=False)
-    _same(slope[~outside], want_slope, "slope inside", exact=False)
-    with pytest.raises(IndexError, match="outside the array"):
-        _host(score_mod, values, score_mod.buffers)
+    _check_outside(compiled, "head-read-outside", values, values["h"] + 2 >= NH)

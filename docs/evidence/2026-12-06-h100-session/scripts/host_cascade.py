@@ -1,7 +1,7 @@
 """Host time of attention_with_shared_prefix beside the flat paged call over the same pages
-(bench.run_cascade's inputs: GQA 32/8, d = 128, pages of 16, a 4k prefix, 512 own keys, B = 1),
-with stub_gpu.py standing in for the GPU, in three parts: the public call, the GPU executor, and
-_launch.run alone. Each timed 25 times for 4,000 calls, the two calls alternated, the least kept.
+(bench.cascade_calls' inputs on the CPU: GQA 32/8, d = 128, pages of 16, a 4k prefix, 512 own
+keys, B = 1), with stub_gpu.py standing in for the GPU, in three parts: the public call, the GPU
+executor, and _launch.run alone. Each timed 25 times for 4,000 calls, the two calls alternated, the least kept.
     usage: PYTHONPATH=<tree> python host_cascade.py"""
 
 import sys
@@ -11,36 +11,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import stub_gpu  # noqa: E402,F401
 
-import torch  # noqa: E402
+from cupyflash import _cascade, _front, _kvcache, _launch, bench  # noqa: E402
 
-import cupyflash  # noqa: E402
-from cupyflash import _cascade, _front, _kvcache, _launch  # noqa: E402
-
-batch, prefix, own, page_size, hq, hkv, d = 1, 4096, 512, 16, 32, 8, 128
-gen = torch.Generator().manual_seed(0)
-prefix_pages, own_pages = prefix // page_size, own // page_size
-pages = prefix_pages + batch * own_pages
-k_pool, v_pool = (torch.randn(pages, page_size, hkv, d, generator=gen).to(torch.bfloat16) for _ in "kv")
-order = torch.randperm(pages, generator=gen).to(torch.int32)
-prefix_table = order[:prefix_pages].reshape(1, prefix_pages)
-own_table = order[prefix_pages:].reshape(batch, own_pages)
-flat_table = torch.cat([prefix_table.expand(batch, prefix_pages), own_table], dim=1).contiguous()
-q = torch.randn(batch, 1, hq, d, generator=gen).to(torch.bfloat16)
-own_lens = torch.full((batch,), own, dtype=torch.int32)
-flat_lens = own_lens + prefix
-
-
-def cascade():
-    return cupyflash.attention_with_shared_prefix(
-        q, k_pool, v_pool, prefix_block_table=prefix_table, prefix_seqlens=prefix, block_table=own_table,
-        cache_seqlens=own_lens,
-    )  # fmt: skip
-
-
-def flat():
-    return cupyflash.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=flat_lens, block_table=flat_table)
-
-
+pair = bench.cascade_calls(1, 4096, own=512, page_size=16, device="cpu")
+cascade, flat = pair["cascade"], pair["flat_paged"]
 calls, launches, real_route, real_run = {}, {}, _front.route, _launch.run
 _front.route = lambda op, call, want: calls.setdefault(op.name, call) and real_route(op, call, want)
 cascade(), flat()
