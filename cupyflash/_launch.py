@@ -243,8 +243,6 @@ def _remember_int(launch: Launch, i: int, x: int) -> None:
     """An int length ``x`` (checked) into ``launch.layouts``: the template holds it and its raw
     entry is the int, so the next call with the same int takes the straight path."""
     raws, known, template, _ = launch.layouts[0]
-    if raws[i] == x:
-        return
     values = list(template)
     values[launch.operands[i].int_slot] = x
     launch.layouts[0] = (

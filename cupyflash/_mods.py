@@ -769,33 +769,19 @@ _C_TYPES = {FLOAT: "float", INT: "long long", BOOL: "bool"}
 _C_ELEMENT = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool",
               "int16": "short", "uint8": "unsigned char", "int8": "signed char"}  # fmt: skip
 
-#: Python's floor division and modulo on integers (C's truncate toward zero).
+#: Python's floor division and modulo on integers (C's truncate toward zero), in the 32 or 64
+#: bits the operands are computed in. The functions use kernels_cu/common.cuh's ``fast_tanh``
+#: too (params.cuh, included before them, includes it).
 CUDA_HELPERS = """\
-__device__ __forceinline__ long long cf_mods_floordiv(long long a, long long b) {
-  long long q = a / b;
+template <typename Int>
+__device__ __forceinline__ Int cf_mods_floordiv(Int a, Int b) {
+  const Int q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
-__device__ __forceinline__ long long cf_mods_mod(long long a, long long b) {
-  long long r = a % b;
+template <typename Int>
+__device__ __forceinline__ Int cf_mods_mod(Int a, Int b) {
+  const Int r = a % b;
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
-}
-__device__ __forceinline__ int cf_mods_floordiv(int a, int b) {
-  int q = a / b;
-  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
-}
-__device__ __forceinline__ int cf_mods_mod(int a, int b) {
-  int r = a % b;
-  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
-}
-// tanh.approx.f32: one MUFU op (the built-in softcap's; tanhf is about 20 instructions).
-__device__ __forceinline__ float cf_mods_tanh(float x) {
-#ifdef __CUDA_ARCH__
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else  // (a host compiler: tests/test_mods_c_twin.py)
-  return tanhf(x);
-#endif
 }
 __device__ __forceinline__ float cf_mods_fmod(float a, float b) { return a - b * floorf(a / b); }
 // NaN in either gives NaN, as the array API's minimum / maximum (fminf / fmaxf drop it).
@@ -901,11 +887,11 @@ def _fits32(r: Range) -> bool:
     return r is not None and _INT32[0] <= r[0] and r[1] <= _INT32[1]
 
 
-# The math functions, each as the kernels' own score transforms compute it: tanh is
-# tanh.approx.f32 (one MUFU op, relative error 2^-11, what the built-in softcap uses: tanhf is
-# about 20 instructions a score), exp and log the fast intrinsics (MUFU.EX2 / LG2 with a multiply,
-# errors of a few ulp, far under a 16-bit input's rounding).
-_MATH = {"exp": "__expf", "log": "__logf", "tanh": "cf_mods_tanh"}
+# The math functions, each as the kernels' own score transforms compute it: tanh is common.cuh's
+# fast_tanh (tanh.approx.f32, one MUFU op, relative error 2^-11, what the built-in softcap uses:
+# tanhf is about 20 instructions a score), exp and log the fast intrinsics (MUFU.EX2 / LG2 with a
+# multiply, errors of a few ulp, far under a 16-bit input's rounding).
+_MATH = {"exp": "__expf", "log": "__logf", "tanh": "fast_tanh"}
 
 
 def _per_score(root: Expr) -> set[int]:

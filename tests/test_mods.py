@@ -548,13 +548,15 @@ def test_what_depends_on_b_and_h_alone_is_computed_per_tile():
     assert "buf0[" not in per_score and "st.t" in per_score and "outside |= st.outside;" in per_score
     assert "const int t" in per_score and "abs(" in per_score and "llabs" not in per_score
     assert "long long t" not in per_score and "(long long)" not in per_score
-    assert "/ 30" not in per_score and "cf_mods_tanh(" in per_score
+    assert "/ 30" not in per_score and "fast_tanh(" in per_score
 
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
 def test_cuda_source_compiles(arch):
     pytest.importorskip("cupy")
     from cupy.cuda import nvrtc
+
+    from cupyflash import _source
 
     gallery = _gallery()
     gallery += [_mods.score_derivative(m) for m in gallery if m.role == "score_mod"]  # the backward's slopes
@@ -568,14 +570,16 @@ def test_cuda_source_compiles(arch):
         calls.append(f"  {mod.name}_head({', '.join(['0', '1', *buffers, f'st{index}'])});")
         calls.append(f"  x[i] += (float){mod.name}({', '.join([*args, f'st{index}', 'outside'])});  // {index}")
     source = "\n".join(
-        [_mods.CUDA_HELPERS, *(_mods.cuda_source(m) for m in gallery),
+        ['#include "common.cuh"', _mods.CUDA_HELPERS, *(_mods.cuda_source(m) for m in gallery),
          'extern "C" __global__ void cf_mods_test(float* x, const void* p) {',
          "  const int i = threadIdx.x;", "  bool outside = false;", *calls, "  if (outside) x[i] = 0.f;", "}"]
     )  # fmt: skip
     program = nvrtc.createProgram(source, "cf_mods_test.cu", [], [])
     try:
         try:
-            nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", "--std=c++17"])
+            # (common.cuh as params.cuh brings it to the kernels: fast_tanh)
+            nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", "--std=c++17", f"-I{_source.kernel_dir()}",
+                                           *_source.cuda_include_options()])  # fmt: skip
         except nvrtc.NVRTCError as error:
             pytest.fail(f"{error}\n{nvrtc.getProgramLog(program)}\n{source}")
         assert len(nvrtc.getCUBIN(program)) > 0

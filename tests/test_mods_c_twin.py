@@ -43,6 +43,7 @@ static inline float cf_host_expf(float x) { return std::exp(x); }  // (the GPU's
 static inline float cf_host_logf(float x) { return std::log(x); }
 #define __expf cf_host_expf
 #define __logf cf_host_logf
+static inline float fast_tanh(float x) { return std::tanh(x); }  // (common.cuh's: tanh.approx.f32)
 struct AttnParams {  // the fields kernels_cu/params.cuh's AttnParams gives the score hook
   const void* mod_buffer0; const void* mod_buffer1; const void* mod_buffer2; const void* mod_buffer3;
   int64_t mod_buffer0_stride0, mod_buffer0_stride1, mod_buffer1_stride0, mod_buffer1_stride1;
