@@ -627,9 +627,9 @@ def fa3_bwd_spec(
 ) -> Fa3BwdSpec | None:
     """The Hopper backward for a call, or None where it has none (then FA2's runs): head dims
     other than FA3_BWD_HEAD_DIMS, dropout, ALiBi, an attn_mask and packed sequences; of score
-    functions, a mask_mod alone (``mask_source``: its device code) with no block summary (the
-    Hopper backward skips no tile by one: FA2's does). ``deterministic``: dQ's adds into each
-    tile in a fixed order (fa3_bwd.cu)."""
+    functions, a mask_mod alone (``mask_source``: its device code; a BlockMask's summary, where
+    the call has one, bounds its query blocks and spares its plain tiles the mask).
+    ``deterministic``: dQ's adds into each tile in a fixed order (fa3_bwd.cu)."""
     if head_dim not in FA3_BWD_HEAD_DIMS or packed:
         return None
     if flags.dropout or flags.alibi or (flags.mask and not (flags.mask == "mods" and mask_source)):

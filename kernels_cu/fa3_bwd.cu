@@ -203,9 +203,16 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   const int key0 = n_block * kBlockN;
   const QueryRangeOfKeys<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> range(
       n_block, a.seqlen_q, a.seqlen_k, a.window_left, a.window_right);
-  const int m_begin = range.m_block_begin();
-  const int m_end = max(range.m_block_end(), m_begin);
   const int group = a.h_h_k_ratio;
+  int m_begin = range.m_block_begin();
+  int m_end = max(range.m_block_end(), m_begin);
+  // A mask_mod's BlockMask narrows them to the query blocks that see some key of this block in
+  // any head of the group (its row ranges; no change without one). Not in the fixed order, whose
+  // turns count every key block of a query block's causal range.
+  if constexpr (Traits::Has_user_mask && !Traits::Deterministic) {
+    block_mask_row_blocks<kBlockM, kBlockN>(a, batch, head_k * group, group, key0, m_begin, m_end);
+    m_end = max(m_end, m_begin);
+  }
   const int steps = (m_end - m_begin) * group;
   // The steps: query blocks m_begin .. m_end - 1 of every query head of the group in turn,
   // followed step by step (a division by the block count per step kept its reciprocal's
@@ -404,9 +411,13 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     wgmma_fence_operands(s[0]);
     if constexpr (Traits::Has_softcap)  // the forward's order: the cap, then the mask
       transform_scores_transposed(Softcap(a), s, key0 + warp_key0, row0, lane);
-    if constexpr (Traits::Has_user_mask)  // (the step's query head: its mask may read h)
-      transform_scores_transposed(typename Traits::UserMask(a, batch, at.head, 0), s,
-                                  key0 + warp_key0, row0, lane);
+    if constexpr (Traits::Has_user_mask) {  // (the step's query head: its mask may read h)
+      // by the BlockMask's class of this consumer's keys x the step's rows (mixed without one)
+      const int state = block_mask_tile_state<kBlockM, Traits::kKeysPerConsumer>(
+          a, batch, at.head, row0, key0 + wg_key0);
+      user_mods_by_state</*Transposed=*/true>(typename Traits::UserMask(a, batch, at.head, 0),
+                                              state, s, row0, key0 + warp_key0, lane);
+    }
     if (range.needs_mask(m_block)) range.apply_by_row_offsets(s, key0 + warp_key0, row0, lane);
     wgmma_wait<0>();
     wgmma_fence_operands(dp[0]);

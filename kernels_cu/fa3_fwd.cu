@@ -325,10 +325,11 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     int n_begin = mask.n_block_begin();
     // A BlockMask (a user mask_mod's summary, cupyflash.create_block_mask) narrows the tile's key
     // blocks to those its rows may see, as the producer's loads do: the leading and trailing
-    // hidden ones are not visited. Hidden blocks inside that range, and plain ones, run as mixed
-    // ones (mask_mod on every score): skipping them in the middle would need the producer and
-    // both consumers to walk one list of blocks through the K/V ring; the FA2 kernel
-    // (algorithm="fa2") skips every hidden block and runs score_mod alone on plain ones.
+    // hidden ones are not visited. Inside that range each consumer classes its 64 rows x the
+    // block by the summary (softmax_step): plain runs score_mod alone, hidden is -inf without
+    // mask_mod. A hidden block in the middle is still loaded and multiplied: skipping it would
+    // need the producer and both consumers to walk one list of blocks through the K/V ring (the
+    // FA2 kernel, algorithm="fa2", skips every hidden block).
     if constexpr (Traits::User_mods)
       block_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head, row_block0, n_begin,
                                               n_end);
@@ -374,7 +375,14 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     };
     // Softcap, mask, running max and P = exp2(..) of one block of scores.
     auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, float (&rescale)[2]) {
-      transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
+      if constexpr (Traits::User_mods) {  // by the block mask's class of this consumer's rows
+        const int state = block_mask_tile_state<Traits::kRowsPerConsumer, kBlockN>(
+            params, tile.batch, tile.head, row_block0 + consumer_row0, n_block * kBlockN);
+        user_mods_by_state</*Transposed=*/false>(transform, state, s, row_block0 + warp_row0,
+                                                 n_block * kBlockN, lane);
+      } else {
+        transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
+      }
       if (mask.needs_mask(n_block)) mask.apply(s, row_block0 + warp_row0, n_block * kBlockN, lane);
       softmax.update_max(s, tile_scale_log2, rescale);
       softmax.exp_accumulate(s, tile_scale_log2, rescale);

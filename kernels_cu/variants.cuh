@@ -246,6 +246,14 @@ struct ScoreOnly {
   }
 };
 
+// The class of a kBlockM x kBlockN tile of a user mask_mod's BlockMask (mask_tile_state): mixed
+// without one (no summary: mask_mod on every score).
+template <int kBlockM, int kBlockN>
+CF_DEVICE int block_mask_tile_state(const AttnParams& p, int batch, int head, int row0, int key0) {
+  if (p.mask_cells == nullptr) return kMaskCellMixed;
+  return mask_tile_state<kBlockM, kBlockN, /*kOneCell=*/false>(p, batch, head, row0, key0);
+}
+
 #ifdef CF_USER_MODS
 // logit(s) = score_mod(s * scale, b, h, row, key), -inf where mask_mod(b, h, row, key) is false
 // (FlexAttention's score_mod / mask_mod, traced in Python: cupyflash/_mods.py writes cf_user_mods
@@ -406,3 +414,25 @@ CF_DEVICE void transform_scores_transposed(const Transform& transform, float (&s
 template <int kNTiles>
 CF_DEVICE void transform_scores_transposed(const NoScoreTransform&, float (&)[1][kNTiles][4], int,
                                            int, int) {}
+
+// Scores -> logits of a user score_mod / mask_mod's tile by its class: score_mod alone on a
+// plain tile (mask_mod's per-score reads, a document id's two gathers, are most of a masked
+// tile's cost), both functions otherwise. A hidden tile inside the Hopper kernels' range runs as
+// a mixed one, mask_mod giving its -inf: a third copy of the hook (a fill of -inf), or the
+// choice made per score, spilled their consumers. `Transposed`: the backward's tiles (keys down,
+// rows across: transform_scores_transposed).
+template <bool Transposed, typename Mods, typename Scores>
+CF_DEVICE void user_mods_by_state(const Mods& mods, int state, Scores& s, int row0, int key0,
+                                  int lane) {
+  if (state == kMaskCellPlain) {
+    if constexpr (Transposed)
+      transform_scores_transposed(ScoreOnly<Mods>{mods}, s, key0, row0, lane);
+    else
+      transform_scores(ScoreOnly<Mods>{mods}, s, row0, key0, lane);
+  } else {
+    if constexpr (Transposed)
+      transform_scores_transposed(mods, s, key0, row0, lane);
+    else
+      transform_scores(mods, s, row0, key0, lane);
+  }
+}

@@ -1,6 +1,6 @@
 """A BlockMask on the GPU: its summary made by the kernel (kernels_cu/attn_mask.cuh's
-block_mask_cells) equal to the host's; the FA2 forward, the Hopper forward and the mma.sync
-backward reading it (hidden tiles skipped, plain ones with score_mod alone) against the float64
+block_mask_cells) equal to the host's; the FA2 forward, the Hopper forward and both backwards
+reading it (hidden tiles skipped, plain ones with score_mod alone) against the float64
 host path and against the mask_mod alone on the GPU: odd lengths, GQA, causal beside the mask,
 cells finer and coarser than the tiles, a score_mod beside it, a summary made on the host, CUDA
 graph capture. Outputs are NaN-poisoned (conftest)."""
@@ -132,8 +132,10 @@ def test_forward_with_a_block_mask(rng, options, dtype, head_dim, algorithm):
 @pytest.mark.parametrize("options", [{}, {"causal": True}], ids=str)
 @pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 256)])
 def test_backward_with_a_block_mask(rng, options, dtype, head_dim, deterministic):
-    """The mma.sync backward reading the summary, against the float64 host path's gradients on the
-    same values (with a dlse and sinks) and against the mask_mod alone on the GPU."""
+    """The backward reading the summary (on sm_90 the Hopper one at d = 64 and 128: its query
+    blocks bounded by the row ranges, the mask on mixed tiles alone; else the mma.sync one),
+    against the float64 host path's gradients on the same values (with a dlse and sinks) and
+    against the mask_mod alone on the GPU."""
     torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     tdtype = getattr(torch, dtype)

@@ -740,8 +740,9 @@ def test_the_backward_plan_runs_the_hook_on_the_mma_sync_kernels():
     """On Hopper too the backward with a score_mod runs the mma.sync kernels (the Hopper
     backward's hook takes a mask_mod alone), the functions' arrays bound as the forward binds
     them, the softmax factor log2 e with the scale moved into the functions' argument; a mask_mod
-    alone runs the Hopper backward with the same factors, unless a block summary comes with it
-    (the mma.sync kernels skip the tiles it hides)."""
+    alone runs the Hopper backward with the same factors, with its block summary where one comes
+    with it (the kernel bounds its query blocks by the summary's row ranges and runs the mask on
+    mixed tiles alone)."""
     from dataclasses import replace as changed
 
     from cupyflash import _device, _mods, _plan
@@ -778,7 +779,9 @@ def test_the_backward_plan_runs_the_hook_on_the_mma_sync_kernels():
     cells = _plan.BlockCells.of((1, 1, 4, 5), (64, 64))
     launch = _plan.plan_backward(p, "bfloat16", h100, q_shape=(2, 200, 8, 128), k_shape=(2, 300, 2, 128),
                                  mods=mask, cells=cells)  # fmt: skip
-    assert not any("fa3" in step.spec.name for step in launch.steps)
+    (hopper,) = [step.spec for step in launch.steps if "fa3_bwd" in step.spec.name]
+    assert hopper.mods_source == mask.source
+    assert {"mask_cells", "mask_row_ranges"} <= {o.name for o in launch.operands}
 
 
 @pytest.mark.parametrize(

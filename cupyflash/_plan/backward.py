@@ -63,9 +63,9 @@ def plan_backward(
     into each dQ tile in a fixed order (a semaphore per tile); elsewhere dQ comes from its own
     kernel over query blocks instead of fp32 atomics (two of the five products computed twice).
     ``mods``: the forward's score_mod / mask_mod, compiled into the mma.sync kernels (dS times the
-    score function's derivative), or a mask_mod alone without ``cells`` into the Hopper
-    backward; its captured arrays operands mod_buffer0, 1, ...; ``cells``: its BlockMask's
-    summary, as ``plan_forward``'s."""
+    score function's derivative), or a mask_mod alone into the Hopper backward; its captured
+    arrays operands mod_buffer0, 1, ...; ``cells``: its BlockMask's summary, as
+    ``plan_forward``'s."""
     check_grid(p.batch, p.heads_q)
     check_head_dim(p.head_dim, "the GPU backward kernels")
     packed = packed_rows is not None
@@ -81,9 +81,10 @@ def plan_backward(
         flags, source = replace(flags, mask="mods"), mods.source
     hopper = None
     if device.arch == HOPPER_ARCH and not p.seqused_k:
-        # a mask_mod alone with no block summary: its hook in the Hopper backward (which skips
-        # no tile by a summary; with one, FA2's backward skips the tiles it hides)
-        mask_source = mods.source if mods is not None and not mods.has_score_mod and cells is None else ""
+        # a mask_mod alone: its hook in the Hopper backward, which classes its tiles by the
+        # summary where there is one (kernels_cu/fa3_bwd.cu: the query blocks bounded by its row
+        # ranges, mask_mod evaluated on mixed tiles alone); a score_mod's derivative is FA2's
+        mask_source = mods.source if mods is not None and not mods.has_score_mod else ""
         hopper = _dispatch.fa3_bwd_spec(dtype, p.head_dim, flags, deterministic, packed, mask_source)
         if hopper is not None and hopper.smem_bytes > device.max_smem_per_block:
             hopper = None
