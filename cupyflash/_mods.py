@@ -1074,10 +1074,11 @@ MAX_KERNEL_BUFFERS = 4
 
 @dataclass(frozen=True, slots=True)
 class KernelMods:
-    """A call's score_mod and mask_mod as the FA2 forward compiles them: ``source`` defines
+    """A call's score_mod and mask_mod as the kernels compile them: ``source`` defines
     ``cf_user_mods(params, score, b, h, q_idx, kv_idx)`` (kernels_cu/variants.cuh's UserMods
-    calls it); ``buffers`` says which captured array goes to AttnParams' mod_buffer0, 1, ...:
-    (0 = score_mod / 1 = mask_mod, its slot); ``digest`` names the kernel variant."""
+    calls it) and ``cf_user_has_score_mod``; ``buffers`` says which captured array goes to
+    AttnParams' mod_buffer0, 1, ...: (0 = score_mod / 1 = mask_mod, its slot); ``digest`` names
+    the kernel variant."""
 
     source: str
     buffers: tuple[tuple[int, int], ...]
@@ -1100,7 +1101,11 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
     value alone (a BlockMask's plain tiles); and ``cf_user_mods_grad``, the backward's
     d score_mod / d score at the same arguments (``score_derivative``; 1 without one). ``tiles``:
     the mask's tile classes (``_mod_tiles.kernel_source``), appended where a call asks for them."""
-    parts, call, heads, fields = [CUDA_HELPERS], {}, [], []
+    # whether there is a score function: without one, the kernels keep their own scale and a
+    # BlockMask's plain tiles run no code at all (variants.cuh's UserMods)
+    has_score = "true" if score_mod is not None else "false"
+    parts = [CUDA_HELPERS, f"constexpr bool cf_user_has_score_mod = {has_score};\n"]
+    call, heads, fields = {}, [], []
     order: list[tuple[int, int]] = []
     ndims: list[int] = []
 

@@ -237,13 +237,26 @@ struct SelectScoreTransform<Element, false, false, kBoolBias> {
 };
 
 // UserMods (below) on a block mask's plain tile, as a variant transform_scores takes: score_mod
-// alone. (A template, so that kernels without CF_USER_MODS can name it in a discarded branch.)
+// alone, nothing at all without one (kIdentity). (A template, so that kernels without
+// CF_USER_MODS can name it in a discarded branch.)
 template <typename Mods>
 struct ScoreOnly {
+  static constexpr bool kIdentity = !Mods::kHasScoreMod;
   Mods mods;
   CF_DEVICE float operator()(float score, int row, int key) const {
     return mods.score_only(score, row, key);
   }
+};
+
+// A transform that leaves every score as it is (its kIdentity, where it has one): the loops
+// applying it are not written.
+template <typename Transform, typename = void>
+struct IsIdentity {
+  static constexpr bool value = false;
+};
+template <typename Transform>
+struct IsIdentity<Transform, decltype(void(Transform::kIdentity))> {
+  static constexpr bool value = Transform::kIdentity;
 };
 
 // The class of a kBlockM x kBlockN tile of a user mask_mod's BlockMask (mask_tile_state): mixed
@@ -265,6 +278,9 @@ CF_DEVICE int block_mask_tile_state(const AttnParams& p, int batch, int head, in
 // is read once here, per tile: in a hook called score by score, each call in its own branch, the
 // compiler reloads it for every score (cf_user_mods_head, written by cupyflash/_mods.py).
 struct UserMods {
+  // A mask_mod alone changes no score: the kernels keep their own scale (mod_score_scale is 1)
+  // and a block mask's plain tile runs no code (transform_scores skips ScoreOnly).
+  static constexpr bool kHasScoreMod = cf_user_has_score_mod;
   const AttnParams& params;
   int batch, head, rows, keys;
   CfUserModsState state;
@@ -274,7 +290,8 @@ struct UserMods {
   }
   CF_DEVICE float operator()(float score, int row, int key) const {
     if (row >= rows || key >= keys) return score;
-    return cf_user_mods(params, state, score * params.mod_score_scale, batch, head, row, key);
+    const float scaled = kHasScoreMod ? score * params.mod_score_scale : score;
+    return cf_user_mods(params, state, scaled, batch, head, row, key);
   }
   // A block mask's plain tile (every key of it shown: cupyflash.create_block_mask): score_mod
   // alone, mask_mod not evaluated.
@@ -326,16 +343,18 @@ using ScoreTransform = typename SelectScoreTransform<Element, Has_softcap, Has_a
 template <typename Transform, int kMTiles, int kNTiles>
 CF_DEVICE void transform_scores(const Transform& transform, float (&s)[kMTiles][kNTiles][4],
                                 int row0, int key0, int lane) {
+  if constexpr (!IsIdentity<Transform>::value) {
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2);
-        const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
-        s[mt][nt][e] = transform(s[mt][nt][e], row, key);
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2);
+          const int key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+          s[mt][nt][e] = transform(s[mt][nt][e], row, key);
+        }
+  }
 }
 
 // A mask reads one element per score: a column of key tiles at a time, a compiler barrier between
@@ -402,14 +421,16 @@ CF_DEVICE void transform_scores(const NoScoreTransform&, float (&)[kMTiles][kNTi
 template <typename Transform, int kNTiles>
 CF_DEVICE void transform_scores_transposed(const Transform& transform, float (&s)[1][kNTiles][4],
                                            int key0, int row0, int lane) {
+  if constexpr (!IsIdentity<Transform>::value) {
 #pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt)
+    for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int key = key0 + lane / 4 + 8 * (e / 2);
-      const int row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
-      s[0][nt][e] = transform(s[0][nt][e], row, key);
-    }
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + lane / 4 + 8 * (e / 2);
+        const int row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
+        s[0][nt][e] = transform(s[0][nt][e], row, key);
+      }
+  }
 }
 template <int kNTiles>
 CF_DEVICE void transform_scores_transposed(const NoScoreTransform&, float (&)[1][kNTiles][4], int,

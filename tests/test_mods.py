@@ -740,7 +740,7 @@ def test_the_backward_plan_runs_the_hook_on_the_mma_sync_kernels():
     """On Hopper too the backward with a score_mod runs the mma.sync kernels (the Hopper
     backward's hook takes a mask_mod alone), the functions' arrays bound as the forward binds
     them, the softmax factor log2 e with the scale moved into the functions' argument; a mask_mod
-    alone runs the Hopper backward with the same factors, with its block summary where one comes
+    alone runs the Hopper backward with the kernels' own factor, with its block summary where one comes
     with it (the kernel bounds its query blocks by the summary's row ranges and runs the mask on
     mixed tiles alone)."""
     from dataclasses import replace as changed
@@ -775,13 +775,38 @@ def test_the_backward_plan_runs_the_hook_on_the_mma_sync_kernels():
     (hopper,) = [step.spec for step in launch.steps if "fa3_bwd" in step.spec.name]
     assert hopper.mods_source == mask.source and hopper.causal
     values = dict(zip(launch.params.struct.dtype.names, launch.params.values, strict=True))
-    assert values["softmax_scale_log2"] == pytest.approx(LOG2E) and values["dq_tiled"] == 1
+    # a mask changes no score: the kernels' own factor, the function called on the raw score
+    assert values["softmax_scale_log2"] == pytest.approx(128**-0.5 * LOG2E) and values["dq_tiled"] == 1
+    assert values["mod_score_scale"] == 1.0
     cells = _plan.BlockCells.of((1, 1, 4, 5), (64, 64))
     launch = _plan.plan_backward(p, "bfloat16", h100, q_shape=(2, 200, 8, 128), k_shape=(2, 300, 2, 128),
                                  mods=mask, cells=cells)  # fmt: skip
     (hopper,) = [step.spec for step in launch.steps if "fa3_bwd" in step.spec.name]
     assert hopper.mods_source == mask.source
     assert {"mask_cells", "mask_row_ranges"} <= {o.name for o in launch.operands}
+
+
+def test_a_mask_alone_keeps_the_kernels_scale():
+    """The forward's factors: a score_mod sees the scaled score (the softmax multiplies by log2 e
+    alone); a mask_mod alone changes no score, so the kernels keep their own factor (scale log2 e)
+    and its plain tiles need no code (variants.cuh: ScoreOnly of a mask alone is the identity),
+    on the Hopper kernel and on FA2's."""
+    from cupyflash import _device, _mods, _plan
+    from cupyflash._plan.common import LOG2E
+    from cupyflash._validate import attention_problem
+
+    doc, bias = np.zeros(300, np.int32), np.zeros((8, 300), np.float32)
+    h100 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+    p = attention_problem((2, 300, 8, 128), (2, 300, 2, 128), (2, 300, 2, 128), causal=False, scale=0.2,
+                          window=(-1, -1), softcap=0.0, layout="bshd")  # fmt: skip
+    mask = _mods.kernel_mods(None, _mods.trace_mask_mod(lambda b, h, i, j: doc[i] == doc[j]))
+    score = _mods.kernel_mods(_mods.trace_score_mod(lambda s, b, h, i, j: s + bias[h, j]), None)
+    assert "cf_user_has_score_mod = false" in mask.source and "cf_user_has_score_mod = true" in score.source
+    for algorithm in ("auto", "fa2"):
+        for kernel, factor, argument in ((mask, 0.2 * LOG2E, 1.0), (score, LOG2E, 0.2)):
+            launch = _plan.plan_forward(p, "bfloat16", h100, algorithm, q_shape=(2, 300, 8, 128), mods=kernel)
+            assert launch.params.value("softmax_scale_log2") == pytest.approx(factor), algorithm
+            assert launch.params.value("mod_score_scale") == pytest.approx(argument), algorithm
 
 
 @pytest.mark.parametrize(

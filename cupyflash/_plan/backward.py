@@ -18,7 +18,6 @@ from .._validate import Problem
 from .block_mask import BlockCells
 from .common import (
     LAYOUT_AXES,
-    LOG2E,
     STRIDE_NAMES,
     attn_fields,
     check_grid,
@@ -30,6 +29,7 @@ from .common import (
     mask_cells,
     mask_flags,
     mods_operands,
+    mods_scale_fields,
     softmax_factors,
     tile_kind,
     tile_operand,
@@ -122,8 +122,7 @@ def plan_backward(
         cell_fields, cells_shape, cells_step = mask_cells(p, dtype, cell_tiles, "BwdParams")
     params = PARAMS_STRUCTS["BwdParams"].template(
         **attn_fields(p, rows, scale_log2, prescale)
-        # a score function sees the scaled score and returns the logit itself (as the forward's)
-        | ({"mod_score_scale": scale_log2 / LOG2E, "softmax_scale_log2": LOG2E} if mods is not None else {}),
+        | (mods_scale_fields(mods, scale_log2) if mods is not None else {}),  # (as the forward's)
         **cell_fields,
         **(dict(cells.fields) if cells is not None else {}),
         **output_strides,

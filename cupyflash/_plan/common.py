@@ -163,6 +163,16 @@ def fa2_option_operands(params: ParamsTemplate, p: Problem) -> list[Operand]:
     return operands
 
 
+def mods_scale_fields(mods: KernelMods, scale_log2: float) -> dict[str, float]:
+    """The softmax's factors with a score_mod / mask_mod: a score_mod sees the scaled score
+    (``mod_score_scale``, the caller's scale) and returns the logit itself, so the softmax
+    multiplies by log2 e alone; a mask_mod alone changes no score, so the kernels keep their own
+    factor (and a BlockMask's plain tiles run no code: kernels_cu/variants.cuh's UserMods)."""
+    if not mods.has_score_mod:
+        return {"mod_score_scale": 1.0}
+    return {"mod_score_scale": scale_log2 / LOG2E, "softmax_scale_log2": LOG2E}
+
+
 def mods_operands(params: ParamsTemplate, mods: KernelMods) -> list[Operand]:
     """The captured arrays of a score_mod / mask_mod, in mod_buffer order: element strides into
     the buffer's stride fields (a copy where the last axis is not contiguous)."""

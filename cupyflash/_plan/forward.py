@@ -22,7 +22,6 @@ from .._validate import ALIBI_NONE, KvCacheProblem, Problem
 from .block_mask import BlockCells
 from .common import (
     LAYOUT_AXES,
-    LOG2E,
     STRIDE_NAMES,
     attn_fields,
     check_gpu_dtypes,
@@ -36,6 +35,7 @@ from .common import (
     mask_cells,
     mask_flags,
     mods_operands,
+    mods_scale_fields,
     softmax_factors,
     tile_kind,
     tile_operand,
@@ -166,9 +166,8 @@ def plan_forward(
         "lse_batch_stride": lse_strides[0],
         "lse_head_stride": lse_strides[1],
     }
-    if mods is not None:  # the function sees the scaled score and returns the logit itself
-        fixed["mod_score_scale"] = scale_log2 / LOG2E
-        fixed["softmax_scale_log2"] = LOG2E
+    if mods is not None:
+        fixed.update(mods_scale_fields(mods, scale_log2))
     if cells is not None:
         assert mods is not None, "a BlockMask's summary comes with its mask_mod"
         fixed.update(cells.fields)
