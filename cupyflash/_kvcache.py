@@ -328,7 +328,7 @@ class DeviceValueError(ValueError):
     backward) was out of range (found by the kernels, reported by :func:`check_device_errors`)."""
 
 
-# The bits of the device error word (kernels_cu/params.cuh: kBadPage ... kBadSharedCacheIndex).
+# The bits of the device error word (kernels_cu/params.cuh: kBadPage ... kBadRotaryPosition).
 _DEVICE_ERRORS = {
     1: "a block_table entry in use was outside [0, num_pages) (or a prefix_block_table entry)",
     2: "a cache_seqlens value was outside [0, capacity - seqlen_new], a cache_leftpad value outside "
@@ -339,6 +339,7 @@ _DEVICE_ERRORS = {
     16: "a cu_seqlens_k value was negative, decreasing or past the packed total (or cu_seqlens_k[0] was not 0)",
     32: "a seqused_k value was outside [0, its sequence's key count]",
     64: "a cache_batch_idx value named an entry that another sequence also names while k_new appends into it",
+    128: "a cache_seqlens value put a rotated key or query past rotary_cos's positions",
 }
 
 

@@ -170,6 +170,7 @@ DECODE_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("rotary_half", "i4"),
     ("rotary_interleaved", "i4"),
     ("rotary_q_per_token", "i4"),
+    ("rotary_max_cached", "i4"),
     ("k_scale_ptr", "u8"),
     ("v_scale_ptr", "u8"),
     ("k_scale", "f4"),

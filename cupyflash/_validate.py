@@ -474,11 +474,19 @@ class KvCacheProblem:
     rotary_half: int = 0  # rotary embedding: rotary_dim / 2 (rotary_cos.shape[1]); 0 without
     rotary_interleaved: bool = False  # pairs (2i, 2i + 1), else (i, i + rotary_half)
     rotary_q_per_token: bool = False  # query token i at cache_seqlens + i (causal or a window), else + 0
+    rotary_rows: int = 0  # rotary_cos's positions (seqlen_ro)
     tree_mask_shape: tuple[int, ...] | None = None  # a tree mask among the draft tokens (check_tree_mask)
 
     @property
     def page_size_log2(self) -> int:
         return self.page_size.bit_length() - 1 if self.paged else 0
+
+    @property
+    def rotary_max_cached(self) -> int:
+        """The largest cache_seqlens value whose rotated keys and queries stay inside rotary_cos:
+        k_new row t sits at cache_seqlens + t, query i at cache_seqlens + i per token (else + 0)."""
+        reach = max(self.seqlen_new, self.attn.seqlen_q if self.rotary_q_per_token else 1)
+        return self.rotary_rows - reach
 
     @property
     def tree(self) -> bool:
@@ -586,19 +594,26 @@ def kvcache_problem(
         q_shape, (batch, capacity, heads_kv, head_dim), (batch, capacity, heads_kv, head_dim),
         causal=causal, scale=scale, window=window, softcap=softcap, layout="bshd",
     )  # fmt: skip
-    rotary_half = 0
+    rotary_half = rotary_rows = 0
     per_token = causal is True or tuple(window) != (-1, -1)
     if rotary_shapes is not None:
-        # Query i sits at cache_seqlens + i (per token), the last at most capacity - Nnew + Nq - 1.
-        positions = max(capacity, capacity - seqlen_new + (q_shape[1] if per_token else 1))
-        rotary_half = _check_rotary(rotary_shapes, head_dim, positions, seqlen_new)
+        rotary_rows, rotary_half = _check_rotary(rotary_shapes, head_dim, seqlen_new)
         rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
-    return KvCacheProblem(
+    problem = KvCacheProblem(
         attn, paged, rows if paged else capacity, num_pages, capacity, seqlen_new,
         batch_idx=cache_batch_idx_shape is not None, leftpad=cache_leftpad_shape is not None,
         rotary_half=rotary_half, rotary_interleaved=bool(rotary_interleaved) and rotary_half > 0,
-        rotary_q_per_token=rotary_half > 0 and per_token, tree_mask_shape=tree_mask_shape,
+        rotary_q_per_token=rotary_half > 0 and per_token, rotary_rows=rotary_rows, tree_mask_shape=tree_mask_shape,
     )  # fmt: skip
+    if rotary_half:
+        if problem.rotary_max_cached < 0:
+            raise ValueError(
+                f"rotary_cos has {rotary_rows} positions, fewer than the "
+                f"{rotary_rows - problem.rotary_max_cached} new keys or queries to rotate"
+            )
+        if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+            check_rotary_positions(cache_seqlens, problem)
+    return problem
 
 
 def check_tree_mask(shape: tuple[int, ...], batch: int, seqlen_q: int, window: Any, rotary: bool) -> None:
@@ -624,10 +639,13 @@ def check_tree_mask(shape: tuple[int, ...], batch: int, seqlen_q: int, window: A
         )
 
 
-def _check_rotary(shapes: tuple[tuple[int, ...], tuple[int, ...]], head_dim: int, positions: int, new: int) -> int:
+def _check_rotary(shapes: tuple[tuple[int, ...], tuple[int, ...]], head_dim: int, new: int) -> tuple[int, int]:
     """rotary_cos and rotary_sin (seqlen_ro, rotary_dim / 2): one shape, rotary_dim even and at
-    most head_dim, a row for every position a key or query can take (``positions``: the cache's
-    capacity, more when there are more query tokens than new ones), and k_new to rotate."""
+    most head_dim, and k_new to rotate; returns (seqlen_ro, rotary_dim / 2). The positions the
+    call's cache_seqlens reach are checked against seqlen_ro where they are known: on the host
+    (``check_rotary_positions``), else by the kernels (a sequence past the table gets NaN rows and
+    a device error, as a cache_seqlens past the cache), not against the cache's capacity: a table
+    as long as the positions in use is enough, as in flash-attn."""
     if not new:
         raise ValueError("rotary_cos / rotary_sin rotate q and k_new: they need k_new and v_new")
     cos, sin = (tuple(x) for x in shapes)
@@ -636,11 +654,20 @@ def _check_rotary(shapes: tuple[tuple[int, ...], tuple[int, ...]], head_dim: int
     seqlen_ro, half = cos
     if not 1 <= 2 * half <= head_dim:
         raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * half} must be in 2 .. head_dim ({head_dim})")
-    if seqlen_ro < positions:
-        raise ValueError(
-            f"rotary_cos has {seqlen_ro} positions, fewer than the {positions} the cache's keys and queries can take"
-        )
-    return half
+    return seqlen_ro, half
+
+
+def check_rotary_positions(seqlens: list[int] | int, p: KvCacheProblem) -> None:
+    """Each sequence's rotated keys and queries inside rotary_cos's positions (host values: one
+    int for every sequence, or one per sequence)."""
+    for b, n in enumerate([seqlens] if isinstance(seqlens, int) else seqlens):
+        if n > p.rotary_max_cached:
+            name = "cache_seqlens" if isinstance(seqlens, int) else f"cache_seqlens[{b}]"
+            last = n + p.rotary_rows - p.rotary_max_cached - 1
+            raise ValueError(
+                f"{name}={n} puts a rotated key or query at position {last}, past rotary_cos's "
+                f"{p.rotary_rows} positions"
+            )
 
 
 def check_kvcache_values(
@@ -667,6 +694,8 @@ def check_kvcache_values(
             raise ValueError(f"cache_leftpad[{b}]={first_keys[b]} is outside [0, cache_seqlens[{b}]={n}]")
         if entries is not None and not 0 <= entries[b] < p.num_pages:
             raise ValueError(f"cache_batch_idx[{b}]={entries[b]} is outside the cache's {p.num_pages} entries")
+    if p.rotary_half:
+        check_rotary_positions(seqlens, p)
     if entries is not None and p.seqlen_new and len(set(entries)) < len(entries):
         # Two sequences appending into one entry: which tokens it ends up with is undefined.
         raise ValueError(f"cache_batch_idx {entries} names an entry twice, with k_new/v_new to append into it")

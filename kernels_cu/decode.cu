@@ -1034,6 +1034,13 @@ struct StoreFp8 {
   }
 };
 
+// A sequence whose rotated keys or queries would sit past the rotary tables (flash-attn's may be
+// shorter than the cache; it reads past them): nothing appended (kBadRotaryPosition reported)
+// and its queries NaN, so that its rows are NaN, not a plausible answer.
+CF_DEVICE bool rotary_refused(const DecodeParams& p, const CacheSpan& span) {
+  return !span.bad() && span.cached > p.rotary_max_cached;
+}
+
 // q rotated into the contiguous temporary attn.q_ptr [B, Nq, Hq, d] the attention reads: grid
 // (Nq, Hq, B), one warp per row. A sequence with a bad span (decode_span) is rotated at
 // position 0 (its attention rows are NaN whatever q holds; the row is still written whole).
@@ -1050,6 +1057,11 @@ CF_DEVICE void decode_rotary_q(const DecodeParams& p) {
                     token * p.q_src_row_stride + head * p.q_src_head_stride;
   auto* dst = const_cast<Element*>(static_cast<const Element*>(a.q_ptr)) +
               batch * a.q_batch_stride + token * a.q_row_stride + head * a.q_head_stride;
+  if (rotary_refused(p, span)) {
+    for (int j = threadIdx.x; j < Traits::kHeadDim; j += 32)
+      dst[j] = from_float<Element>(quiet_nan());
+    return;
+  }
   rotate_row(StoreElements<Element>{dst}, src, Traits::kHeadDim, p, pos, threadIdx.x);
 }
 
@@ -1121,8 +1133,10 @@ CF_DEVICE void decode_append(const DecodeParams& p) {
   int bad_page = 0;
   const CacheSpan span = decode_span(p, batch);
   const int pos = span.cached + token;  // of the entry (the first key does not move it)
-  if (span.bad() || pos >= p.cache_capacity) {
-    if (reporter && token == 0) report_error(p, span.bad() ? span.error_bits() : kBadSeqlen);
+  const bool refused = p.rotary_half > 0 && rotary_refused(p, span);
+  if (span.bad() || pos >= p.cache_capacity || refused) {
+    if (reporter && token == 0)
+      report_error(p, span.bad() ? span.error_bits() : refused ? kBadRotaryPosition : kBadSeqlen);
     return;
   }
   const AttnParams& a = p.attn;

@@ -50,6 +50,11 @@ struct DecodeParams {
   int32_t rotary_half;         // rotary_dim / 2; 0: no rotary embedding
   int32_t rotary_interleaved;  // pairs (2i, 2i + 1); else (i, i + rotary_half), GPT-NeoX's
   int32_t rotary_q_per_token;
+  // The largest cache_seqlens whose rotated rows stay inside the tables (seqlen_ro less the
+  // positions the call adds: k_new's, or the queries' per token). Past it the rotary kernels
+  // refuse the sequence (rotary_refused); the attention kernels, which never read the tables,
+  // carry no test of it.
+  int32_t rotary_max_cached;
   // A float8 cache (kv_fp8 = kKvE4M3 or kKvE5M2, fp8.cuh; kKvSameAsQ: the cache is in q's type):
   // k_ptr / v_ptr hold bytes, their strides in bytes, and byte b of KV head h stands for
   // fp8(b) * scale_h, scale_h = k_scale_ptr[h * k_scale_head_stride] (a device array, read as

@@ -124,7 +124,8 @@ struct AttnParams {
 // length (cache_seqlens, a cache_leftpad past it, a paged sequence's key count past its table row);
 // a cache_batch_idx entry outside the cache; packed offsets (cu_seqlens_q, cu_seqlens_k) that are
 // negative, decreasing or past the packed total; a seqused_k outside [0, the sequence's key count];
-// a cache_batch_idx entry named by two sequences that both append into it (k_new).
+// a cache_batch_idx entry named by two sequences that both append into it (k_new); a
+// cache_seqlens that puts a rotated key or query past rotary_cos's positions.
 enum : int32_t {
   kBadPage = 1,
   kBadSeqlen = 2,
@@ -132,7 +133,8 @@ enum : int32_t {
   kBadCuSeqlensQ = 8,
   kBadCuSeqlensK = 16,
   kBadSequsedK = 32,
-  kBadSharedCacheIndex = 64
+  kBadSharedCacheIndex = 64,
+  kBadRotaryPosition = 128
 };
 
 // Sets bits of *error_flags (one thread calls it; an atomic: every sequence's CTAs may report).

@@ -494,3 +494,38 @@ def test_rotary_matches_the_host_twin(rng, interleaved, nq, page_size, head_dim,
             got = k_cache[i, n : n + nq]
         np.testing.assert_allclose(reference.to_numpy64(got), host[1][i, n : n + nq], rtol=1e-2, atol=1e-2)
     cupyflash.check_device_errors()
+
+
+@pytest.mark.parametrize("nq", [1, 4, 33], ids=["decode1", "decode4", "fa2"])
+def test_rotary_table_shorter_than_the_cache(rng, nq):
+    """A rotary table as long as the positions in use (flash-attn's may be shorter than the
+    cache): the sequences inside it match the host twin; one whose causal queries reach past it
+    gets NaN rows, nothing appended, and check_device_errors names rotary_cos."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    b, length, hq, hkv, d = 3, 300, 8, 2, 64
+    bf16 = lambda *shape: torch.randn(*shape, generator=gen).bfloat16()  # noqa: E731
+    q, k, v = bf16(b, nq, hq, d), bf16(b, length, hkv, d), bf16(b, length, hkv, d)
+    k_new, v_new = bf16(b, 1, hkv, d), bf16(b, 1, hkv, d)
+    rows = 200  # the cache holds 300 per sequence
+    theta = torch.rand(rows, d // 2, generator=gen) * 6.28
+    cos, sin = theta.cos().bfloat16(), theta.sin().bfloat16()
+    cached = [0, rows - nq, rows - nq + 1]  # the last one's last query at position rows
+    host = [x.double().numpy() for x in (q, k, v, k_new, v_new, cos, sin)]
+    want, want_lse = cupyflash.attention_with_kvcache(
+        host[0][:2], host[1][:2], host[2][:2], cache_seqlens=np.array(cached[:2], np.int32), k_new=host[3][:2],
+        v_new=host[4][:2], rotary_cos=host[5], rotary_sin=host[6], causal=True, return_lse=True,
+    )  # fmt: skip
+    gpu = [x.cuda() for x in (q, k, v, k_new, v_new, cos, sin)]
+    before = gpu[1].clone()
+    out, lse = cupyflash.attention_with_kvcache(
+        gpu[0], gpu[1], gpu[2], cache_seqlens=torch.tensor(cached, dtype=torch.int32, device="cuda"),
+        k_new=gpu[3], v_new=gpu[4], rotary_cos=gpu[5], rotary_sin=gpu[6], causal=True, return_lse=True,
+    )  # fmt: skip
+    out64, lse64 = reference.to_numpy64(out), reference.to_numpy64(lse)
+    assert rel_error(out64[:2], want) < BOUND["bfloat16"]
+    np.testing.assert_allclose(lse64[:2], want_lse, atol=3e-2)
+    assert np.isnan(out64[2]).all() and np.isnan(lse64[2]).all()
+    assert torch.equal(gpu[1][2], before[2])  # nothing appended through the refused sequence
+    with pytest.raises(cupyflash.DeviceValueError, match="past rotary_cos's positions"):
+        cupyflash.check_device_errors()

@@ -60,7 +60,8 @@ def test_every_device_error_bit_has_its_message():
     assert set(bits.values()) == set(_DEVICE_ERRORS)
     named = {"kBadPage": "block_table", "kBadSeqlen": "cache_seqlens", "kBadCacheIndex": "cache_batch_idx",
              "kBadCuSeqlensQ": "cu_seqlens_q value", "kBadCuSeqlensK": "cu_seqlens_k value",
-             "kBadSequsedK": "seqused_k value", "kBadSharedCacheIndex": "another sequence also names"}  # fmt: skip
+             "kBadSequsedK": "seqused_k value", "kBadSharedCacheIndex": "another sequence also names",
+             "kBadRotaryPosition": "past rotary_cos"}  # fmt: skip
     assert set(named) == set(bits)
     for name, word in named.items():
         assert word in _DEVICE_ERRORS[bits[name]], (name, _DEVICE_ERRORS[bits[name]])

@@ -68,13 +68,24 @@ def test_rotary_checks_its_inputs(rng):
     call()
     with pytest.raises(ValueError, match="go together"):
         call(rotary_sin=None)
-    with pytest.raises(ValueError, match="fewer than the 8 the cache's keys and queries can take"):
-        call(rotary_cos=np.ones((7, 4)), rotary_sin=np.ones((7, 4)))
-    # three causal query tokens over one new one: the last query can sit at capacity - 1 + 2
+    # A table as long as the positions in use is enough (flash-attn's tables may be shorter than
+    # the cache): 7 rows, the new key and the query at 2.
+    short = {"rotary_cos": cos[:7], "rotary_sin": cos[:7]}
+    np.testing.assert_array_equal(call(**short), call())
+    with pytest.raises(ValueError, match=r"cache_seqlens=7 .*position 7, past rotary_cos's 7 positions"):
+        cupyflash.attention_with_kvcache(q, k.copy(), k.copy(), cache_seqlens=7, **{**given, **short})
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\]=7 .*position 7, past rotary_cos's 7 positions"):
+        cupyflash.attention_with_kvcache(q, k.copy(), k.copy(), cache_seqlens=np.array([7], np.int32),
+                                         **{**given, **short})  # fmt: skip
+    # three causal query tokens over one new one: query i at cache_seqlens + i
     q3 = rng.standard_normal((1, 3, 2, 16))
-    with pytest.raises(ValueError, match="fewer than the 10 the cache's keys and queries can take"):
-        cupyflash.attention_with_kvcache(q3, k.copy(), k.copy(), cache_seqlens=2, causal=True, **given)
-    cupyflash.attention_with_kvcache(q3, k.copy(), k.copy(), cache_seqlens=2, causal=False, **given)  # all at 2
+    cupyflash.attention_with_kvcache(q3, k.copy(), k.copy(), cache_seqlens=5, causal=True, **given)  # 5 .. 7
+    with pytest.raises(ValueError, match="position 9, past rotary_cos's 8 positions"):
+        cupyflash.attention_with_kvcache(q3, k.copy(), k.copy(), cache_seqlens=7, causal=True, **given)
+    cupyflash.attention_with_kvcache(q3, k.copy(), k.copy(), cache_seqlens=7, causal=False, **given)  # all at 7
+    with pytest.raises(ValueError, match="rotary_cos has 2 positions, fewer than the 3 new keys or queries"):
+        cupyflash.attention_with_kvcache(q3, k.copy(), k.copy(), cache_seqlens=0, causal=True,
+                                         **{**given, "rotary_cos": cos[:2], "rotary_sin": cos[:2]})  # fmt: skip
     with pytest.raises(ValueError, match="must be in 2 .. head_dim"):
         call(rotary_cos=np.ones((8, 9)), rotary_sin=np.ones((8, 9)))
     with pytest.raises(ValueError, match="alike"):

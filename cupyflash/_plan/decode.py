@@ -160,7 +160,7 @@ def plan_kvcache(
         }),
         **({} if not kp.rotary_half else {
             **rotated_q, "rotary_half": kp.rotary_half, "rotary_interleaved": int(kp.rotary_interleaved),
-            "rotary_q_per_token": int(kp.rotary_q_per_token),
+            "rotary_q_per_token": int(kp.rotary_q_per_token), "rotary_max_cached": kp.rotary_max_cached,
         }),
     )  # fmt: skip
     kind = tile_kind(d)
