@@ -9,7 +9,8 @@
 # embedding and its Triton kernel), and writes DIR/conftest.py, which calls
 # cupyflash.flash_attn.install() and registers the helpers under their flash_attn.* names before
 # pytest imports the test file. Nothing of flash-attn's interface or kernels is used. `run`
-# runs pytest there (einops and triton must be importable) and prints the outcome counts.
+# runs pytest there (einops and triton must be importable) and prints the outcome counts; each
+# failure is also written to DIR/failures.txt as it happens (node id, the error's last line).
 # The file holds about half a million cases (about 75 minutes on 14 workers of an H100); --sample N
 # keeps the cases whose node id hashes (CRC-32) to 0 modulo N, the same ones on every machine and
 # run, every test function represented in proportion to its cases, taken as pytest parametrizes
@@ -75,6 +76,22 @@ def pytest_generate_tests(metafunc):
         metafunc._calls = kept or calls[:1]
 
 
+_worker = []
+
+
+def pytest_configure(config):
+    _worker.append(hasattr(config, "workerinput"))  # an xdist worker (its controller writes)
+
+
+def pytest_runtest_logreport(report):
+    """Each failure as it comes, into failures.txt beside this file: its node id and the error's
+    last line (a run stopped by its time limit keeps them)."""
+    if report.failed and not _worker[0]:
+        message = str(report.longrepr).strip().splitlines()[-1:] or [""]
+        with open(Path(__file__).parent / "failures.txt", "a") as f:
+            f.write(f"{report.nodeid} ({report.when}) | {message[0][:300]}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     if SAMPLE > 1:
         chosen = [_sampled(item.nodeid) for item in items]
@@ -88,8 +105,10 @@ run)
   sample=1
   if [ "${1:-}" = --sample ]; then sample=$2; shift 2; fi
   cd "$dir"
+  rm -f failures.txt
+  # tee -i: an interrupt (timeout -s INT) stops pytest, which still prints its summary, not tee
   FLASH_ATTN_SUITE_SAMPLE=$sample PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider -o addopts="" "$@" test_flash_attn.py \
-    | tee pytest.log | tail -30
+    | tee -i pytest.log | tail -30
   ;;
 *) sed -n 2,12p "$0"; exit 2 ;;
 esac
