@@ -467,13 +467,14 @@ def _tree(a: Arrays, nq: int) -> Any:
 
 def _add_variants(a: Arrays, options: dict[str, Any], hq: int, n: int) -> None:
     """options["sinks"] -> (Hq,) float32 sinks; options["mods"] -> the score functions over ``n``
-    tokens ("implied", "mask": as _score_functions says); options["tree"] -> a tree mask over the
+    tokens ("implied", "mask", both "implied-mask": as _score_functions says); options["tree"] -> a tree mask over the
     ``n`` query tokens."""
     if options.pop("sinks", False):
         options["sinks"] = a.randn(hq, dtype="float32")
     mods = options.pop("mods", False)
     if mods:
-        options.update(_score_functions(a, n, implied=mods == "implied", mask_only=mods == "mask"))
+        implied, mask_only = mods in ("implied", "implied-mask"), mods in ("mask", "implied-mask")
+        options.update(_score_functions(a, n, implied=implied, mask_only=mask_only))
     if options.pop("tree", False):
         options["tree_mask"] = _tree(a, n)
 
@@ -488,13 +489,14 @@ def variant_cases(size: str, hopper: bool) -> Iterator[Case]:
             call = partial(_attention, b=2, sq=nq, sk=nk, hq=4, hkv=2, d=d, algorithm=algorithm, causal=True,
                            sinks=True)  # fmt: skip
             yield f"variant sinks attention {algorithm} d={d}", call
-            for mods in (True, "implied"):
+            for mods in (True, "implied", "implied-mask"):  # (a mask alone: no code on plain tiles)
                 call = partial(_attention, b=1, sq=nk, sk=nk, hq=4, hkv=2, d=d, algorithm=algorithm, mods=mods)
-                yield f"variant mods{'-implied' if mods == 'implied' else ''} attention {algorithm} d={d}", call
+                label = "" if mods is True else f"-{mods}"
+                yield f"variant mods{label} attention {algorithm} d={d}", call
         for deterministic in (False, True):
             call = partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, causal=True, sinks=True)
             yield f"variant sinks backward d={d} det={deterministic}", call
-            for mods in (True, "implied", "mask"):
+            for mods in (True, "implied", "mask", "implied-mask"):  # (the last: the Hopper one's, classed)
                 call = partial(_backward, nq=nk, nk=nk, d=d, deterministic=deterministic, mods=mods)
                 label = "" if mods is True else f"-{mods}"
                 yield f"variant mods{label} backward d={d} det={deterministic}", call
