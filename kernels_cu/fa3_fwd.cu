@@ -373,11 +373,20 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     auto issue_pv = [&](uint32_t v_slot, bool first) {
       issue_pv_wgmmas<Traits>(acc_o[0], p_prev, v_slot, first);
     };
-    // Softcap, mask, running max and P = exp2(..) of one block of scores.
-    auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, float (&rescale)[2]) {
-      if constexpr (Traits::User_mods) {  // by the block mask's class of this consumer's rows
-        const int state = block_mask_tile_state<Traits::kRowsPerConsumer, kBlockN>(
+    // The block mask's class of this consumer's rows x key block n_block (mixed without one). Read
+    // before the step's waits, so that the load (from L2) runs under the Q K^T wgmma: read where
+    // it is used, it stalled the softmax, the pipeline's critical path, once per block.
+    auto tile_state = [&](int n_block) {
+      if constexpr (Traits::User_mods)
+        return block_mask_tile_state<Traits::kRowsPerConsumer, kBlockN>(
             params, tile.batch, tile.head, row_block0 + consumer_row0, n_block * kBlockN);
+      else
+        return static_cast<int>(kMaskCellMixed);
+    };
+    // Softcap, mask, running max and P = exp2(..) of one block of scores.
+    auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, int state,
+                            float (&rescale)[2]) {
+      if constexpr (Traits::User_mods) {  // by the block mask's class of this consumer's rows
         user_mods_by_state</*Transposed=*/false>(transform, state, s, row_block0 + warp_row0,
                                                  n_block * kBlockN, lane);
       } else {
@@ -433,6 +442,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       float s0[1][Traits::kNTiles][4];
       int stage, parity;
       slot(0, stage, parity);
+      const int state = tile_state(n_end - 1);
       begin_turn();
       mbar_wait(smem.ring(KvBarrier::kKFull, stage), parity);
       wgmma_fence();
@@ -444,7 +454,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       wgmma_fence_operands(s0[0]);
       if (lane == 0) mbar_arrive(smem.ring(KvBarrier::kKEmpty, stage));
       float rescale[2];
-      softmax_step(s0, n_end - 1, rescale);
+      softmax_step(s0, n_end - 1, state, rescale);
       to_operand(s0);
     } else {
       finish_pending(/*qk_in_flight=*/false);
@@ -455,6 +465,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       slot(it, stage, parity);
       slot(it - 1, prev_stage, prev_parity);
       float s[1][Traits::kNTiles][4];
+      const int state = tile_state(n_end - 1 - it);
       begin_turn();
       mbar_wait(smem.ring(KvBarrier::kKFull, stage), parity);
       wgmma_fence();
@@ -467,7 +478,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       wgmma_fence_operands(s[0]);
       if (lane == 0) mbar_arrive(smem.ring(KvBarrier::kKEmpty, stage));
       float rescale[2];
-      softmax_step(s, n_end - 1 - it, rescale);
+      softmax_step(s, n_end - 1 - it, state, rescale);
       if constexpr (Traits::Softmax_under_pv) keep_above_wait(softmax.row_sum);
       wgmma_wait<0>();
       wgmma_fence_operands(acc_o[0]);
