@@ -623,18 +623,18 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 
 
 def fa3_bwd_spec(
-    dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool, mask_source: str = ""
+    dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool, mods_source: str = ""
 ) -> Fa3BwdSpec | None:
     """The Hopper backward for a call, or None where it has none (then FA2's runs): head dims
-    other than FA3_BWD_HEAD_DIMS, dropout, ALiBi, an attn_mask and packed sequences; of score
-    functions, a mask_mod alone (``mask_source``: its device code; a BlockMask's summary, where
-    the call has one, bounds its query blocks and spares its plain tiles the mask).
+    other than FA3_BWD_HEAD_DIMS, dropout, ALiBi, an attn_mask and packed sequences. Score
+    functions (``mods_source``: their device code) compile into it: a BlockMask's summary, where
+    the call has one, bounds its query blocks (and spares a mask alone's plain tiles the mask).
     ``deterministic``: dQ's adds into each tile in a fixed order (fa3_bwd.cu)."""
     if head_dim not in FA3_BWD_HEAD_DIMS or packed:
         return None
-    if flags.dropout or flags.alibi or (flags.mask and not (flags.mask == "mods" and mask_source)):
+    if flags.dropout or flags.alibi or (flags.mask and not (flags.mask == "mods" and mods_source)):
         return None
-    return Fa3BwdSpec(dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mask_source)
+    return Fa3BwdSpec(dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source)
 
 
 def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:

@@ -945,7 +945,7 @@ class Fa3BwdSpec(_KernelSpecBase):
     local: bool = False
     softcap: bool = False
     deterministic: bool = False  # dQ's adds in a fixed order per tile (a writer warp, semaphores)
-    mods_source: str = ""  # a user mask_mod's device code alone (no score_mod: fa3_bwd.cu)
+    mods_source: str = ""  # a user score_mod / mask_mod's device code (fa3_bwd.cu)
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -964,7 +964,7 @@ class Fa3BwdSpec(_KernelSpecBase):
         if self.head_dim not in FA3_BWD_HEAD_DIMS:
             raise ValueError(f"the Hopper backward takes head_dim in {FA3_BWD_HEAD_DIMS}, got {self.head_dim}")
         if self.mods_source and self.softcap:
-            raise ValueError("a mask_mod does not combine with softcap on the Hopper backward")
+            raise ValueError("score_mod / mask_mod do not combine with softcap on the Hopper backward")
 
     def _name_parts(self) -> tuple[object, ...]:
         return (_SHORT_DTYPE[self.dtype], self.head_dim)

@@ -86,11 +86,15 @@ struct Fa3BwdTraits {
   static constexpr bool Is_local = Is_local_;
   static constexpr bool Has_softcap = Has_softcap_;
   static constexpr bool Deterministic = Deterministic_;
-  // A user mask_mod alone (cupyflash/_mods.py's cf_user_mods; no score_mod, whose derivative
-  // would need the raw scores kept beside S^T): -inf where it hides a score, before the
+  // A user mask_mod (cupyflash/_mods.py's cf_user_mods): -inf where it hides a score, before the
   // exponentials, as the forward's hook; dS^T needs nothing more (d logit / d score is 1).
   static constexpr bool Has_user_mask = Has_user_mask_;
   using UserMask = ScoreTransform<false, false, Has_user_mask_ ? kUserMods : kNoBias, Element_>;
+  // With a score_mod (and a mask_mod or not), S^T stays raw until dS^T: each score's logit and
+  // the derivative there (cf_user_mods_grad) are computed where P^T and dS^T are, from the raw
+  // score, so that no second array of 32-64 floats (the logits beside the raw scores, as the
+  // mma.sync backward keeps them) sits beside the accumulators.
+  static constexpr bool Has_user_score = HasScoreMod<UserMask>::value;
   // dQ's adds issued by a warp of the producer warpgroup from two staging buffers (else by a
   // consumer thread from one, which then waits for nothing but the last add's reads).
   static constexpr bool Dq_writer = Dq_writer_;
@@ -411,14 +415,16 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     wgmma_fence_operands(s[0]);
     if constexpr (Traits::Has_softcap)  // the forward's order: the cap, then the mask
       transform_scores_transposed(Softcap(a), s, key0 + warp_key0, row0, lane);
-    if constexpr (Traits::Has_user_mask) {  // (the step's query head: its mask may read h)
+    if constexpr (Traits::Has_user_mask && !Traits::Has_user_score) {  // (the step's head: h)
       // by the BlockMask's class of this consumer's keys x the step's rows (mixed without one)
       const int state = block_mask_tile_state<kBlockM, Traits::kKeysPerConsumer>(
           a, batch, at.head, row0, key0 + wg_key0);
       user_mods_by_state</*Transposed=*/true>(typename Traits::UserMask(a, batch, at.head, 0),
                                               state, s, row0, key0 + warp_key0, lane);
     }
-    if (range.needs_mask(m_block)) range.apply_by_row_offsets(s, key0 + warp_key0, row0, lane);
+    const bool bounded = range.needs_mask(m_block);  // (a score_mod's step below applies them)
+    if (!Traits::Has_user_score && bounded)
+      range.apply_by_row_offsets(s, key0 + warp_key0, row0, lane);
     wgmma_wait<0>();
     wgmma_fence_operands(dp[0]);
 
@@ -433,7 +439,19 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     // complete and its wgmmas issued before the second half's exponentials, which bounds how far
     // ptxas hoists them (one pass over all 16 column tiles kept ~30 more values live next to the
     // 192 accumulators, and some variants spilled).
-    constexpr int kParts = kRowSteps > 4 ? 2 : 1;
+    // A score_mod's logits and slopes (computed here) take the same bound further: four times
+    // as many parts (softcap's tanh hoisted over a pass spilled 24-28 bytes at both head dims
+    // with one or two parts, a document mask beside a bias table 4).
+    constexpr int kParts = (kRowSteps > 4 ? 2 : 1) * (Traits::Has_user_score ? 4 : 1);
+    [[maybe_unused]] const typename Traits::UserMask user(a, batch, at.head, 0);  // (b, h) state
+    // A score_mod's bounds, applied to its logits: for this thread's keys (two 8-key halves),
+    // the rows that see them as offsets lo <= 8 nt + c <= hi from its first row.
+    int lo[2] = {0, 0}, hi[2] = {8 * kNTiles, 8 * kNTiles};
+    if (Traits::Has_user_score && bounded)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        range.template visible_offsets<kNTiles>(key0 + warp_key0 + lane / 4 + 8 * half,
+                                                row0 + 2 * (lane % 4), lo[half], hi[half]);
     auto dv_dk_part = [&](const int part) {
 #pragma unroll
       for (int nt = part * kNTiles / kParts; nt < (part + 1) * kNTiles / kParts; ++nt) {
@@ -444,11 +462,21 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
           float prob[2], ds[2];
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const float logit = s[0][nt][2 * half + c];
+            float logit = s[0][nt][2 * half + c];
+            float slope = 1.f;  // d logit / d (scaled score): score_mod's derivative
+            if constexpr (Traits::Has_user_score) {  // element 2 half + c of column tile nt
+              const int key = key0 + warp_key0 + lane / 4 + 8 * half;
+              const int row = row0 + 8 * nt + 2 * (lane % 4) + c;
+              slope = user.grad(logit, row, key);
+              logit = user(logit, row, key);
+              if (8 * nt + c < lo[half] || 8 * nt + c > hi[half]) logit = neg_infinity();
+            }
             prob[c] = fast_exp2(fmaf(logit, scale_log2, c ? neg_lse.y : neg_lse.x));
             ds[c] = prob[c] * (dp[0][nt][2 * half + c] - (c ? dsum.y : dsum.x));
             if constexpr (Traits::Has_softcap)  // the logit is the capped score here (no ALiBi)
               ds[c] = softcap_grad(ds[c], prob[c], logit);
+            if constexpr (Traits::Has_user_score)  // (a hidden score's slope may be anything)
+              ds[c] = prob[c] != 0.f ? ds[c] * slope : 0.f;
           }
           p_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(prob[0], prob[1]);
           ds_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(ds[0], ds[1]);

@@ -221,6 +221,16 @@ struct QueryRangeOfKeys {
       }
   }
 
+  // The rows that see `key`, as offsets from the thread's first row thread_row0: lo <= offset <=
+  // hi, offset = 8 nt + c for column tile nt of a transposed tile (none past the last key).
+  template <int kNTiles>
+  CF_DEVICE void visible_offsets(int key, int thread_row0, int& lo, int& hi) const {
+    // row >= key - shift - window_right (causal), row <= key - shift + window_left (local)
+    lo = Is_causal ? key - keys.shift - keys.window_right - thread_row0 : 0;
+    hi = Is_local ? key - keys.shift + keys.window_left - thread_row0 : 8 * kNTiles;
+    if (key >= keys.seqlen_k) hi = -1;  // past the last key: no row
+  }
+
   // The same as apply, with a key's visible rows as one range of offsets from the thread's first
   // row (lo <= 8 nt + e % 2 <= hi): a compare with an immediate per score, not row arithmetic.
   // The Hopper backward at d = 64 holds 192 accumulators here, where apply's per-row sums
@@ -232,11 +242,8 @@ struct QueryRangeOfKeys {
     const int thread_row0 = row0 + 2 * (lane % 4);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int key = key0 + lane / 4 + 8 * half;
-      // row >= key - shift - window_right (causal), row <= key - shift + window_left (local)
-      int lo = Is_causal ? key - keys.shift - keys.window_right - thread_row0 : 0;
-      int hi = Is_local ? key - keys.shift + keys.window_left - thread_row0 : 8 * kNTiles;
-      if (key >= keys.seqlen_k) hi = -1;  // past the last key: no row
+      int lo, hi;
+      visible_offsets<kNTiles>(key0 + lane / 4 + 8 * half, thread_row0, lo, hi);
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll

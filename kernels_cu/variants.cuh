@@ -259,6 +259,16 @@ struct IsIdentity<Transform, decltype(void(Transform::kIdentity))> {
   static constexpr bool value = Transform::kIdentity;
 };
 
+// Whether a transform is a user score_mod (UserMods::kHasScoreMod; false for any other).
+template <typename Transform, typename = void>
+struct HasScoreMod {
+  static constexpr bool value = false;
+};
+template <typename Transform>
+struct HasScoreMod<Transform, decltype(void(Transform::kHasScoreMod))> {
+  static constexpr bool value = Transform::kHasScoreMod;
+};
+
 // The class of a kBlockM x kBlockN tile of a user mask_mod's BlockMask (mask_tile_state): mixed
 // without one (no summary: mask_mod on every score).
 template <int kBlockM, int kBlockN>

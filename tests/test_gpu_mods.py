@@ -106,8 +106,10 @@ def test_an_index_outside_a_captured_array_gives_nan_not_a_value_read_past_it():
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"scale": -0.2}], ids=str)
 @pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 80)])
 def test_backward_matches_the_host_path(rng, options, dtype, head_dim, deterministic):
-    """The mma.sync backward with each function and score_mod's derivative compiled in, against
-    the float64 host path's gradients on the same values (with a dlse, and sinks)."""
+    """The backward with each function and score_mod's derivative compiled in (on sm_90 the
+    Hopper one at d = 64 and 128, where the logits and derivatives are formed beside dS^T from
+    the raw scores; the mma.sync one at d = 80), against the float64 host path's gradients on
+    the same values (with a dlse, and sinks)."""
     torch = need_torch()
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     tdtype = getattr(torch, dtype)

@@ -709,10 +709,19 @@ def test_the_backward_hook_compiles_cleanly():
             for spec in specs:
                 assert spec.mods_source == source
                 builds += [(spec.name, arch, _kernels.compile_offline(spec, arch)) for arch in ("sm_80", "sm_90a")]
-    # a mask_mod alone in the Hopper backward (sm_90a; its head dims 64 and 128), every mode
-    masks = [pairs[1][1], _mods.trace_mask_mod(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i))]
-    for mask_mod in masks if FULL else masks[1:]:
-        source = _mods.kernel_mods(None, mask_mod).source
+    # the Hopper backward (sm_90a; its head dims 64 and 128), every mode: a mask_mod alone, and
+    # score_mods (their logits and slopes formed beside dS^T: softcap's tanh, a captured table
+    # beside a document mask, ALiBi's per-head slope)
+    slopes = np.zeros(8, np.float32)
+    hopper = [
+        (None, pairs[1][1]),
+        (None, _mods.trace_mask_mod(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i))),
+        pairs[0],
+        (_mods.trace_score_mod(lambda s, b, h, i, j: 30.0 * mods.tanh(s / 30.0)), None),
+        (_mods.trace_score_mod(lambda s, b, h, i, j: s - slopes[h] * mods.abs(i - j)), None),
+    ]
+    for score_mod, mask_mod in hopper if FULL else hopper[1:4]:
+        source = _mods.kernel_mods(score_mod, mask_mod).source
         for head_dim in (64, 128):
             modes = [(c, d) for c in (False, True) for d in (False, True)] if FULL else [(True, False)]
             for causal, deterministic in modes:
@@ -736,9 +745,9 @@ def test_kernel_mods_refuses_more_arrays_than_the_kernels_take():
     assert _mods.kernel_mods(score_mod, None).buffers == ((0, 0), (0, 1), (0, 2), (0, 3))
 
 
-def test_the_backward_plan_runs_the_hook_on_the_mma_sync_kernels():
-    """On Hopper too the backward with a score_mod runs the mma.sync kernels (the Hopper
-    backward's hook takes a mask_mod alone), the functions' arrays bound as the forward binds
+def test_the_backward_plan_runs_the_hook_on_the_hopper_kernel():
+    """On Hopper the backward with a score_mod runs the Hopper backward at d = 64 and 128 (the
+    mma.sync kernels at other head dims), the functions' arrays bound as the forward binds
     them, the softmax factor log2 e with the scale moved into the functions' argument; a mask_mod
     alone runs the Hopper backward with the kernels' own factor, with its block summary where one comes
     with it (the kernel bounds its query blocks by the summary's row ranges and runs the mask on
@@ -757,13 +766,21 @@ def test_the_backward_plan_runs_the_hook_on_the_mma_sync_kernels():
     for deterministic in (False, True):
         launch = _plan.plan_backward(p, "bfloat16", h100, q_shape=(2, 200, 8, 128), k_shape=(2, 300, 2, 128),
                                      deterministic=deterministic, mods=kernel)  # fmt: skip
-        names = [step.spec.name for step in launch.steps]
-        assert not any("fa3" in n for n in names) and sum("mods" in n for n in names) == 1 + deterministic
+        (hopper,) = [step.spec for step in launch.steps if "fa3_bwd" in step.spec.name]
+        assert hopper.mods_source == kernel.source and hopper.deterministic == deterministic
+        assert sum("mods" in step.spec.name for step in launch.steps) == 1  # (the per-row steps have none)
         assert "mod_buffer0" in [o.name for o in launch.operands]
         fields = launch.params.struct.dtype.names
         values = dict(zip(fields, launch.params.values, strict=True))
         assert values["softmax_scale_log2"] == pytest.approx(LOG2E)
         assert values["mod_score_scale"] == pytest.approx(128**-0.5)
+    # d = 80: the mma.sync kernels (the deterministic mode's dQ kernel with the hook too)
+    p80 = changed(p, head_dim=80)
+    for deterministic in (False, True):
+        launch = _plan.plan_backward(p80, "bfloat16", h100, q_shape=(2, 200, 8, 80), k_shape=(2, 300, 2, 80),
+                                     deterministic=deterministic, mods=kernel)  # fmt: skip
+        names = [step.spec.name for step in launch.steps]
+        assert not any("fa3" in n for n in names) and sum("mods" in n for n in names) == 1 + deterministic
     with pytest.raises(ValueError, match="do not combine with softcap"):
         _plan.plan_backward(changed(p, softcap=5.0), "bfloat16", h100, q_shape=(2, 200, 8, 128),
                             k_shape=(2, 300, 2, 128), mods=kernel)  # fmt: skip

@@ -62,9 +62,9 @@ def plan_backward(
     ``scale``. ``deterministic``: bit-identical from run to run. On Hopper, the key blocks add
     into each dQ tile in a fixed order (a semaphore per tile); elsewhere dQ comes from its own
     kernel over query blocks instead of fp32 atomics (two of the five products computed twice).
-    ``mods``: the forward's score_mod / mask_mod, compiled into the mma.sync kernels (dS times the
-    score function's derivative), or a mask_mod alone into the Hopper backward; its captured
-    arrays operands mod_buffer0, 1, ...; ``cells``: its BlockMask's summary, as
+    ``mods``: the forward's score_mod / mask_mod, compiled into the kernels (dS times the score
+    function's derivative): the Hopper backward where it has the head dim, else the mma.sync
+    ones; its captured arrays operands mod_buffer0, 1, ...; ``cells``: its BlockMask's summary, as
     ``plan_forward``'s."""
     check_grid(p.batch, p.heads_q)
     check_head_dim(p.head_dim, "the GPU backward kernels")
@@ -81,11 +81,11 @@ def plan_backward(
         flags, source = replace(flags, mask="mods"), mods.source
     hopper = None
     if device.arch == HOPPER_ARCH and not p.seqused_k:
-        # a mask_mod alone: its hook in the Hopper backward, which classes its tiles by the
-        # summary where there is one (kernels_cu/fa3_bwd.cu: the query blocks bounded by its row
-        # ranges, mask_mod evaluated on mixed tiles alone); a score_mod's derivative is FA2's
-        mask_source = mods.source if mods is not None and not mods.has_score_mod else ""
-        hopper = _dispatch.fa3_bwd_spec(dtype, p.head_dim, flags, deterministic, packed, mask_source)
+        # the functions' hook in the Hopper backward (kernels_cu/fa3_bwd.cu): its query blocks
+        # bounded by a summary's row ranges where there is one; a mask_mod alone on mixed tiles
+        # alone, a score_mod (and its derivative) where dS^T is formed, from the raw scores
+        mods_source = mods.source if mods is not None else ""
+        hopper = _dispatch.fa3_bwd_spec(dtype, p.head_dim, flags, deterministic, packed, mods_source)
         if hopper is not None and hopper.smem_bytes > device.max_smem_per_block:
             hopper = None
     spec = _dispatch.fa2_bwd_spec(dtype, p.head_dim, flags, deterministic, source)
