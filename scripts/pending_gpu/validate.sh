@@ -3,7 +3,7 @@
 # GPU has run yet (docs/evidence/2026-12-06-h100-session-2/). A mask_mod alone keeps the kernels'
 # own scale and runs no code on a BlockMask's plain tiles (bd38b41); the Hopper forward reads a
 # tile's class before its waits (de816b3); a score_mod's backward runs on the Hopper kernel, its
-# logits and derivative formed beside dS^T (the commit after de816b3); the rotary kernels refuse
+# logits and derivative formed beside dS^T (772d394); the rotary kernels refuse
 # a sequence whose positions pass a rotary table shorter than the cache (6154ffb). So: the GPU tests
 # of score functions, block masks and rotary decoding, compute-sanitizer over the score-function
 # variants, then the gallery's forward and forward + backward beside FlexAttention and the
