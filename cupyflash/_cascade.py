@@ -32,7 +32,7 @@ from . import _attention, _device, _dispatch, _front, _interop, _kvcache, _launc
 from ._api import attention_with_kvcache
 from ._kvcache import merge_states
 from ._specs import DECODE_MAX_QUERIES
-from ._validate import Options, check_num_splits, check_options
+from ._validate import NO_WINDOW, Options, check_num_splits, check_options
 
 # Splits of the prefix's keys in the composition: enough CTAs for two waves of the GPU, each split
 # at least this many keys (a split's fixed cost, its partial state and a merge, is then below its
@@ -160,7 +160,7 @@ def attention_with_shared_prefix(
         raise ValueError(f"Hq = {hq} must be a multiple of Hkv = {hkv}")
     if causal and nq > 1 and (k_new is None or int(k_new.shape[1]) < nq - 1):
         _check_suffix_covers_queries(cache_seqlens, nq)
-    options = check_options(causal, scale, (-1, -1), softcap)
+    options = check_options(causal, scale, NO_WINDOW, softcap)
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
     # Host lengths (an int, NumPy values) are read and checked here, before any append; an array
@@ -534,7 +534,7 @@ def _gpu_prefix(
 
     def plan() -> _plan.Launch:  # the public call's checks (shapes, options, dtypes), without its launch
         problem = _attention.varlen_problem_of(
-            q, k, v, cu_q, cu_k, max_q, max_k, check_options(False, scale, (-1, -1), softcap), block_table=table
+            q, k, v, cu_q, cu_k, max_q, max_k, check_options(False, scale, NO_WINDOW, softcap), block_table=table
         )
         return _plan.plan_paged_varlen(
             problem, dict(zip(named, dtypes)), _device.device_info(device), tuple(q.shape), tuple(table.shape),
