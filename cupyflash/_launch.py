@@ -17,7 +17,7 @@ import numpy as np
 from . import _interop, _kernels, _tma, _workspace
 from ._interop import ArrayLib
 from ._plan import CONTIGUOUS, FP8_TILE, LENGTHS, SCALAR, TILE, KernelStep, Launch, Operand, TmaMaps
-from ._validate import check_int_seqlens
+from ._validate import check_int_seqlens, check_rotary_positions
 
 # The empty mapping: ``given`` of a call that lets the plan allocate every output, and the
 # temporaries of a plan that has none (one shared object, no allocation per call).
@@ -197,6 +197,8 @@ def _bind(
         return
     if op.kind is LENGTHS and type(x) is int:  # one length for every sequence: check it here
         check_int_seqlens(x, *op.int_limit)
+        if op.int_rotary is not None:  # (a plan serves every int: checked here, per call)
+            check_rotary_positions(x, *op.int_rotary)
         values[op.int_slot] = x
         if launch.ints_seen[i] == x:  # the same int twice in a row: into the template
             _remember_int(launch, i, x)

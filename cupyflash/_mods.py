@@ -1084,7 +1084,7 @@ class KernelMods:
     buffers: tuple[tuple[int, int], ...]
     digest: str
     ndims: tuple[int, ...]  # each mod_buffer's axes (1 or 2)
-    has_score_mod: bool = True  # False for a mask_mod alone (the Hopper backward takes only those)
+    has_score_mod: bool = True  # False for a mask_mod alone (the kernels keep their own scale)
 
     def arrays(self, score_mod: Mod | None, mask_mod: Mod | None) -> tuple[Any, ...]:
         """The captured arrays of ``score_mod`` / ``mask_mod`` (the ones this was made from) in

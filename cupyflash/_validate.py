@@ -612,7 +612,7 @@ def kvcache_problem(
                 f"{rotary_rows - problem.rotary_max_cached} new keys or queries to rotate"
             )
         if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-            check_rotary_positions(cache_seqlens, problem)
+            check_rotary_positions(cache_seqlens, rotary_rows, problem.rotary_max_cached)
     return problem
 
 
@@ -642,10 +642,11 @@ def check_tree_mask(shape: tuple[int, ...], batch: int, seqlen_q: int, window: A
 def _check_rotary(shapes: tuple[tuple[int, ...], tuple[int, ...]], head_dim: int, new: int) -> tuple[int, int]:
     """rotary_cos and rotary_sin (seqlen_ro, rotary_dim / 2): one shape, rotary_dim even and at
     most head_dim, and k_new to rotate; returns (seqlen_ro, rotary_dim / 2). The positions the
-    call's cache_seqlens reach are checked against seqlen_ro where they are known: on the host
-    (``check_rotary_positions``), else by the kernels (a sequence past the table gets NaN rows and
-    a device error, as a cache_seqlens past the cache), not against the cache's capacity: a table
-    as long as the positions in use is enough, as in flash-attn."""
+    call's cache_seqlens reach are checked against seqlen_ro where they are known on the host
+    (``check_rotary_positions``: an int, each call, and host arrays), else by the kernels (a
+    sequence past the table gets NaN rows and a device error, as a cache_seqlens past the cache),
+    not against the cache's capacity: a table as long as the positions in use is enough, as in
+    flash-attn."""
     if not new:
         raise ValueError("rotary_cos / rotary_sin rotate q and k_new: they need k_new and v_new")
     cos, sin = (tuple(x) for x in shapes)
@@ -657,16 +658,17 @@ def _check_rotary(shapes: tuple[tuple[int, ...], tuple[int, ...]], head_dim: int
     return seqlen_ro, half
 
 
-def check_rotary_positions(seqlens: list[int] | int, p: KvCacheProblem) -> None:
-    """Each sequence's rotated keys and queries inside rotary_cos's positions (host values: one
-    int for every sequence, or one per sequence)."""
+def check_rotary_positions(seqlens: list[int] | int, rows: int, max_cached: int) -> None:
+    """Each sequence's rotated keys and queries inside rotary_cos's ``rows`` positions: no
+    cache_seqlens past ``max_cached`` (``KvCacheProblem.rotary_max_cached``). Host values: one int
+    for every sequence (checked per call by the Launch too: ``Operand.int_rotary``), or one per
+    sequence."""
     for b, n in enumerate([seqlens] if isinstance(seqlens, int) else seqlens):
-        if n > p.rotary_max_cached:
+        if n > max_cached:
             name = "cache_seqlens" if isinstance(seqlens, int) else f"cache_seqlens[{b}]"
-            last = n + p.rotary_rows - p.rotary_max_cached - 1
             raise ValueError(
-                f"{name}={n} puts a rotated key or query at position {last}, past rotary_cos's "
-                f"{p.rotary_rows} positions"
+                f"{name}={n} puts a rotated key or query at position {n + rows - max_cached - 1}, past "
+                f"rotary_cos's {rows} positions"
             )
 
 
@@ -695,7 +697,7 @@ def check_kvcache_values(
         if entries is not None and not 0 <= entries[b] < p.num_pages:
             raise ValueError(f"cache_batch_idx[{b}]={entries[b]} is outside the cache's {p.num_pages} entries")
     if p.rotary_half:
-        check_rotary_positions(seqlens, p)
+        check_rotary_positions(seqlens, p.rotary_rows, p.rotary_max_cached)
     if entries is not None and p.seqlen_new and len(set(entries)) < len(entries):
         # Two sequences appending into one entry: which tokens it ends up with is undefined.
         raise ValueError(f"cache_batch_idx {entries} names an entry twice, with k_new/v_new to append into it")

@@ -94,7 +94,7 @@ struct Fa3BwdTraits {
   // the derivative there (cf_user_mods_grad) are computed where P^T and dS^T are, from the raw
   // score, so that no second array of 32-64 floats (the logits beside the raw scores, as the
   // mma.sync backward keeps them) sits beside the accumulators.
-  static constexpr bool Has_user_score = HasScoreMod<UserMask>::value;
+  static constexpr bool Has_user_score = UserMask::kHasScoreMod;
   // dQ's adds issued by a warp of the producer warpgroup from two staging buffers (else by a
   // consumer thread from one, which then waits for nothing but the last add's reads).
   static constexpr bool Dq_writer = Dq_writer_;

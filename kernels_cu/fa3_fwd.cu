@@ -326,8 +326,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // A BlockMask (a user mask_mod's summary, cupyflash.create_block_mask) narrows the tile's key
     // blocks to those its rows may see, as the producer's loads do: the leading and trailing
     // hidden ones are not visited. Inside that range each consumer classes its 64 rows x the
-    // block by the summary (softmax_step): plain runs score_mod alone, hidden is -inf without
-    // mask_mod. A hidden block in the middle is still loaded and multiplied: skipping it would
+    // block by the summary (tile_state): plain runs score_mod alone, the others both functions.
+    // A hidden block in the middle is still loaded, multiplied and masked: skipping it would
     // need the producer and both consumers to walk one list of blocks through the K/V ring (the
     // FA2 kernel, algorithm="fa2", skips every hidden block).
     if constexpr (Traits::User_mods)

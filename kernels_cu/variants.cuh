@@ -14,6 +14,7 @@
 
 // logit(s) = s: plain attention (the scale is folded into softmax_scale_log2).
 struct NoScoreTransform {
+  static constexpr bool kHasScoreMod = false;  // (as UserMods': the Hopper backward reads it)
   CF_DEVICE explicit NoScoreTransform(const AttnParams&) {}
   CF_DEVICE NoScoreTransform(const AttnParams& p, int /*batch*/, int /*head*/, int /*shift*/)
       : NoScoreTransform(p) {}
@@ -257,16 +258,6 @@ struct IsIdentity {
 template <typename Transform>
 struct IsIdentity<Transform, decltype(void(Transform::kIdentity))> {
   static constexpr bool value = Transform::kIdentity;
-};
-
-// Whether a transform is a user score_mod (UserMods::kHasScoreMod; false for any other).
-template <typename Transform, typename = void>
-struct HasScoreMod {
-  static constexpr bool value = false;
-};
-template <typename Transform>
-struct HasScoreMod<Transform, decltype(void(Transform::kHasScoreMod))> {
-  static constexpr bool value = Transform::kHasScoreMod;
 };
 
 // The class of a kBlockM x kBlockN tile of a user mask_mod's BlockMask (mask_tile_state): mixed

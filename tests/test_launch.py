@@ -172,6 +172,27 @@ def test_an_int_length_given_again_takes_the_straight_path(recorder):
     assert tuple(call[6] for call in calls) == straight
 
 
+def test_an_int_length_past_the_rotary_table_is_refused_per_call(recorder):
+    """A plan serves every int cache_seqlens: with rotary tables shorter than the cache, each
+    call's int is checked against them by the Launch (the problem was checked with the first
+    int only), and one refused is never remembered."""
+    rng = np.random.default_rng(4)
+    q, k, v = _arrays(rng, (1, 3, 2, 64), (1, 32, 2, 64), (1, 32, 2, 64))
+    new = rng.standard_normal((1, 1, 2, 64)).astype(np.float16)
+    cos = np.ones((20, 16), np.float16)  # 20 positions; the cache holds 32
+    kp = kvcache_problem(q.shape, k.shape, v.shape, cache_seqlens=2, block_table_shape=None, k_new_shape=new.shape,
+                         v_new_shape=new.shape, causal=True, scale=None,
+                         rotary_shapes=(cos.shape, cos.shape))  # fmt: skip
+    assert kp.rotary_max_cached == 17  # three causal queries: the last at cache_seqlens + 2
+    launch = _plan.plan_kvcache(kp, {"q": "float16"}, H200, num_splits=1)
+    arrays = {"q": q, "k_cache": k, "v_cache": v, "k_new": new, "v_new": new, "rotary_cos": cos, "rotary_sin": cos}
+    for seqlens in (17, 17):  # (the second from the template)
+        _launch.run(launch, _NumpyLib(), 0, {**arrays, "cache_seqlens": seqlens}, False)
+    with pytest.raises(ValueError, match=r"cache_seqlens=18 puts a rotated key or query at position 20, past"):
+        _launch.run(launch, _NumpyLib(), 0, {**arrays, "cache_seqlens": 18}, False)
+    assert len(recorder.calls) == 2 * len(launch.steps)  # the refused call launched nothing
+
+
 @pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
 def test_varlen_plans_bind_the_error_word(recorder, algorithm):
     """Packed sequences: the forward (FA2 and the Hopper kernel) and every backward step get the

@@ -186,6 +186,7 @@ def plan_kvcache(
                 params.slot("cache_seqlens"),
                 int_slot=params.slot("seqlen_k"),
                 int_limit=(kp.capacity, kp.seqlen_new),
+                int_rotary=(kp.rotary_rows, kp.rotary_max_cached) if kp.rotary_half else None,
             ),  # fmt: skip
         ]
     if kp.batch_idx:

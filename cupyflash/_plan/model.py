@@ -38,6 +38,8 @@ class Operand:
     negate: bool = False  # a negative scale runs as |scale| on -q
     int_slot: int = -1  # LENGTHS: the params slot of an int given for every sequence
     int_limit: tuple[int, int] = (0, 0)  # LENGTHS: (capacity, seqlen_new) an int is checked against
+    # LENGTHS with rotary tables: (their positions, the largest int whose rotated rows fit them)
+    int_rotary: tuple[int, int] | None = None
     offset_of: tuple[int, str, int] | None = None  # (slot, base operand, element bytes): ptr distance
 
 
