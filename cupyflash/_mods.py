@@ -1076,7 +1076,7 @@ MAX_KERNEL_BUFFERS = 4
 class KernelMods:
     """A call's score_mod and mask_mod as the kernels compile them: ``source`` defines
     ``cf_user_mods(params, score, b, h, q_idx, kv_idx)`` (kernels_cu/variants.cuh's UserMods
-    calls it) and ``cf_user_has_score_mod``; ``buffers`` says which captured array goes to
+    calls it), ``cf_user_has_score_mod`` and ``cf_user_has_mask_mod``; ``buffers`` says which captured array goes to
     AttnParams' mod_buffer0, 1, ...: (0 = score_mod / 1 = mask_mod, its slot); ``digest`` names
     the kernel variant."""
 
@@ -1102,9 +1102,15 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
     d score_mod / d score at the same arguments (``score_derivative``; 1 without one). ``tiles``:
     the mask's tile classes (``_mod_tiles.kernel_source``), appended where a call asks for them."""
     # whether there is a score function: without one, the kernels keep their own scale and a
-    # BlockMask's plain tiles run no code at all (variants.cuh's UserMods)
+    # BlockMask's plain tiles run no code at all; whether there is a mask function: without one,
+    # a tile's class changes nothing and the hook is written once (variants.cuh's UserMods)
     has_score = "true" if score_mod is not None else "false"
-    parts = [CUDA_HELPERS, f"constexpr bool cf_user_has_score_mod = {has_score};\n"]
+    has_mask = "true" if mask_mod is not None else "false"
+    parts = [
+        CUDA_HELPERS,
+        f"constexpr bool cf_user_has_score_mod = {has_score};\n",
+        f"constexpr bool cf_user_has_mask_mod = {has_mask};\n",
+    ]
     call, heads, fields = {}, [], []
     order: list[tuple[int, int]] = []
     ndims: list[int] = []

@@ -442,11 +442,8 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
         for (int e = 0; e < 4; ++e) raw_s[0][nt][e] = acc_s[0][nt][e];
     }
     if constexpr (Traits::Has_user_mods) {
-      if (state == kMaskCellPlain)  // a BlockMask's plain tile: score_mod alone
-        transform_scores_transposed(ScoreOnly<typename Traits::Transform>{transform}, acc_s,
-                                    key0 + warp_key0, row0 + phase_row0, lane);
-      else
-        transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0 + phase_row0, lane);
+      user_mods_by_state</*Transposed=*/true>(transform, state, acc_s, row0 + phase_row0,
+                                              key0 + warp_key0, lane);
     } else if (state != kMaskCellPlain) {
       transform_scores_transposed(transform, acc_s, key0 + warp_key0, row0 + phase_row0, lane);
     }
@@ -800,11 +797,8 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
           for (int e = 0; e < 4; ++e) raw_s[mt][nt][e] = acc_s[mt][nt][e];
     }
     if constexpr (Traits::Has_user_mods) {
-      if (state == kMaskCellPlain)  // a BlockMask's plain tile: score_mod alone
-        transform_scores(ScoreOnly<typename Traits::Transform>{transform}, acc_s,
-                         row_block0 + warp_row0, n_block * kBlockN, lane);
-      else
-        transform_scores(transform, acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
+      user_mods_by_state</*Transposed=*/false>(transform, state, acc_s, row_block0 + warp_row0,
+                                               n_block * kBlockN, lane);
     } else if (state != kMaskCellPlain) {
       transform_scores(transform, acc_s, row_block0 + warp_row0, n_block * kBlockN, lane);
     }

@@ -307,11 +307,8 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   };
   auto logits = [&](float (&s)[kMTiles][Traits::kNTiles][4], int n_block, int state, int stage) {
     if constexpr (Traits::Has_user_mods) {
-      if (state == kMaskCellPlain)
-        transform_scores(ScoreOnly<typename Traits::Transform>{transform}, s,
-                         row_block0 + warp_row0, n_block * kBlockN, lane);
-      else
-        transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
+      user_mods_by_state</*Transposed=*/false>(transform, state, s, row_block0 + warp_row0,
+                                               n_block * kBlockN, lane);
     } else if (state != kMaskCellPlain) {
       if constexpr (Traits::Has_mask_tensor) {
         if (mask_staged)

@@ -282,6 +282,9 @@ struct UserMods {
   // A mask_mod alone changes no score: the kernels keep their own scale (mod_score_scale is 1)
   // and a block mask's plain tile runs no code (transform_scores skips ScoreOnly).
   static constexpr bool kHasScoreMod = cf_user_has_score_mod;
+  // A score_mod alone: every tile is mixed (no BlockMask), so the plain tiles' copy of the hook
+  // is not written (user_mods_by_state).
+  static constexpr bool kHasMaskMod = cf_user_has_mask_mod;
   const AttnParams& params;
   int batch, head, rows, keys;
   CfUserModsState state;
@@ -441,12 +444,14 @@ CF_DEVICE void transform_scores_transposed(const NoScoreTransform&, float (&)[1]
 // plain tile (mask_mod's per-score reads, a document id's two gathers, are most of a masked
 // tile's cost), both functions otherwise. A hidden tile inside the Hopper kernels' range runs as
 // a mixed one, mask_mod giving its -inf: a third copy of the hook (a fill of -inf), or the
-// choice made per score, spilled their consumers. `Transposed`: the backward's tiles (keys down,
-// rows across: transform_scores_transposed).
+// choice made per score, spilled their consumers. A score_mod alone is written once: its two
+// copies were the same code, and each unrolled copy of a per-score gather (a bias table's 64
+// loads a tile) is a second or more of ptxas at the first call. `Transposed`: the backward's
+// tiles (keys down, rows across: transform_scores_transposed).
 template <bool Transposed, typename Mods, typename Scores>
 CF_DEVICE void user_mods_by_state(const Mods& mods, int state, Scores& s, int row0, int key0,
                                   int lane) {
-  if (state == kMaskCellPlain) {
+  if (Mods::kHasMaskMod && state == kMaskCellPlain) {
     if constexpr (Transposed)
       transform_scores_transposed(ScoreOnly<Mods>{mods}, s, key0, row0, lane);
     else
