@@ -894,40 +894,68 @@ def _fits32(r: Range) -> bool:
 _MATH = {"exp": "__expf", "log": "__logf", "tanh": "fast_tanh"}
 
 
-def _per_score(root: Expr) -> set[int]:
-    """Ids of the nodes whose value depends on the score, q_idx or kv_idx; the others depend on b
-    and h alone (constants, ALiBi's slope, a per-head table's row)."""
-    varying: set[int] = set()
-    seen: set[int] = set()
+#: What a node's value depends on, as cuda_source places it: b and h alone (the head function,
+#: once per tile), q_idx (the row function, once per row of the tile), kv_idx (the key function,
+#: once per key), or the score / both indices (the per-score function).
+_ON_SCORE, _ON_ROW, _ON_KEY = 1, 2, 4
 
-    def visit(e: Expr) -> bool:
-        if id(e) in seen:
-            return id(e) in varying
-        seen.add(id(e))
-        here = e.op == "arg" and e.args[0] in ("score", "q_idx", "kv_idx")
+
+def _dependencies(root: Expr) -> dict[int, int]:
+    """Per node id, the set (_ON_SCORE | _ON_ROW | _ON_KEY) of the arguments its value depends
+    on; 0: on b and h alone (constants, ALiBi's slope, a per-head table's row)."""
+    depends: dict[int, int] = {}
+    argument = {"score": _ON_SCORE, "q_idx": _ON_ROW, "kv_idx": _ON_KEY}
+
+    def visit(e: Expr) -> int:
+        hit = depends.get(id(e))
+        if hit is not None:
+            return hit
+        here = argument.get(e.args[0], 0) if e.op == "arg" else 0
         for x in e.args:
-            if isinstance(x, Expr) and visit(x):
-                here = True
-        if here:
-            varying.add(id(e))
+            if isinstance(x, Expr):
+                here |= visit(x)
+        depends[id(e)] = here
         return here
 
     visit(root)
-    return varying
+    return depends
+
+
+def _reads_per_score(mod: Mod) -> bool:
+    """Whether ``mod`` reads a captured array at an index that takes the score or both indices
+    (a relative-position table's ``table[h, q_idx - kv_idx]``): a read the per-score function
+    makes, not the head, row or key function."""
+    depends = _dependencies(mod.expr)
+    stack, seen = [mod.expr], set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.op == "index" and depends[id(e)] not in (0, _ON_ROW, _ON_KEY):
+            return True
+        stack.extend(a for a in e.args if isinstance(a, Expr))
+    return False
 
 
 def cuda_source(mod: Mod) -> str:
-    """``mod`` as device C (deterministic text; include ``CUDA_HELPERS`` once before it): a state
-    struct ``<name>_state``, ``<name>_head(b, h, arrays..., state&)`` that computes into it what
-    depends on b and h alone, and the per-score ``__device__ __forceinline__`` function
-    ``<name>((score,) b, h, q_idx, kv_idx, arrays..., const state&, bool& outside)``. The arrays:
-    per captured array its pointer and one int64 element stride per axis. ``outside`` is set
-    where an index falls outside its array (the host path raises there; the kernel reads nothing
-    past the array and its caller makes the score NaN, so the row's output is NaN).
+    """``mod`` as device C (deterministic text; include ``CUDA_HELPERS`` once before it), in four
+    functions by what a value depends on (``_dependencies``): ``<name>_head(b, h, arrays...,
+    <name>_state&)`` what depends on b and h alone, ``<name>_row_part(b, h, q_idx, arrays...,
+    const <name>_state&, <name>_row&)`` what depends on q_idx (and b, h) alone,
+    ``<name>_key_part(b, h, kv_idx, ..., <name>_key&)`` what depends on kv_idx alone, and the
+    per-score ``__device__ __forceinline__`` function ``<name>((score,) b, h, q_idx, kv_idx,
+    arrays..., const <name>_state&, const <name>_row&, const <name>_key&, bool& outside)``. The
+    arrays: per captured array its pointer and one int64 element stride per axis. ``outside``
+    is set where an index falls outside its array (the host path raises there; the kernel reads
+    nothing past the array and its caller makes the score NaN, so the row's output is NaN).
 
     For speed, as the kernels' built-in transforms: what depends on b and h alone (ALiBi's
     slope, a per-head table's value) is computed once per tile by the head function, not once
     per score (the compiler cannot hoist the reads: each score's hook sits in its own branch);
+    what depends on one index alone (a document id's ``doc[q_idx]`` and ``doc[kv_idx]``) once
+    per row and once per key of a thread's fragment (variants.cuh's transform_scores: 2 rows and
+    32 keys of a 64-score Hopper fragment, so 34 reads for the 128 a per-score gather makes);
     integers in 32 bits where they fit (``_int_ranges``); a division by a constant as a multiply
     by its reciprocal. (Plain loads: ``__ldg`` made ptxas reload the arrays' pointers and strides
     from constant memory for every score, 7,560 -> 8,520 instructions in the document mask's
@@ -941,12 +969,17 @@ def cuda_source(mod: Mod) -> str:
         buffer_params.append(f"const {element}* __restrict__ buf{spec.slot}")
         buffer_params += [f"long long buf{spec.slot}_stride{axis}" for axis in range(len(spec.shape))]
     ranges = _int_ranges(mod.expr)
-    per_score = _per_score(mod.expr)
-    lines: list[str] = []  # the per-score function's
-    head: list[str] = []  # the head function's, into st
-    fields: list[str] = []
+    depends = _dependencies(mod.expr)
+    # per place: its function's lines, its struct's fields, the struct's name in the functions
+    places: dict[int, tuple[list[str], list[str], str]] = {
+        0: ([], [], "st."), _ON_ROW: ([], [], "r."), _ON_KEY: ([], [], "k."), _ON_SCORE: ([], [], "")
+    }  # fmt: skip
     names: dict[int, str] = {}
     count = [0]
+
+    def place(e: Expr) -> int:  # the function that computes e (per score: the score or both indices)
+        on = depends[id(e)]
+        return on if on in (0, _ON_ROW, _ON_KEY) else _ON_SCORE
 
     def ctype(e: Expr) -> str:
         if e.kind == INT:
@@ -966,8 +999,8 @@ def cuda_source(mod: Mod) -> str:
             return args[0]
         if op == "const":
             return _c_const(args[0], e.kind)
-        hoisted = id(e) not in per_score
-        out, number = (head if hoisted else lines), count[0]
+        out, fields, prefix = places[place(e)]
+        number = count[0]
         count[0] += 1
         mine = ctype(e)
         # integer ops in 32 bits where the result and the operands fit, else in 64
@@ -983,7 +1016,7 @@ def cuda_source(mod: Mod) -> str:
             inside = " && ".join(f"{i} >= 0 && {i} < {n}" for i, n in zip(indices, spec.shape, strict=True))
             check = f"in{number}"
             out.append(f"  const bool {check} = {inside};")
-            out.append(f"  {'st.' if hoisted else ''}outside |= !{check};")
+            out.append(f"  {prefix}outside |= !{check};")
             offset = " + ".join(f"{i} * buf{slot}_stride{axis}" for axis, i in enumerate(indices))
             read = f"buf{slot}[{offset}]"  # read only where the index is inside the array
             text = f"{check} ? ({mine})({read}) : ({mine})0"
@@ -1035,8 +1068,8 @@ def cuda_source(mod: Mod) -> str:
             text = f"({emit(args[0])} ? {cast(args[1], mine)} : {cast(args[2], mine)})"
         else:  # pragma: no cover - the tracer makes no other node
             raise AssertionError(op)
-        if hoisted:
-            name = f"st.t{number}"
+        if prefix:
+            name = f"{prefix}t{number}"
             fields.append(f"  {mine} t{number};")
             out.append(f"  {name} = {text};")
         else:
@@ -1047,15 +1080,24 @@ def cuda_source(mod: Mod) -> str:
 
     returns = "float" if mod.role == "score_mod" else "bool"
     result = cast(mod.expr, returns)
-    state = f"{mod.name}_state"
+    name, lines = mod.name, {where: "".join(line + "\n" for line in out) for where, (out, _, _) in places.items()}
+    structs = ""
+    for suffix, where in (("state", 0), ("row", _ON_ROW), ("key", _ON_KEY)):
+        structs += f"struct {name}_{suffix} {{\n  bool outside;\n{''.join(f + chr(10) for f in places[where][1])}}};\n"
+    state, row, key = f"const {name}_state& st", f"const {name}_row& r", f"const {name}_key& k"
+    function = "__device__ __forceinline__"
     return (
-        f"struct {state} {{\n  bool outside;\n{''.join(f + chr(10) for f in fields)}}};\n"
-        f"__device__ __forceinline__ void {mod.name}_head({', '.join(['int b', 'int h', *buffer_params])}, "
-        f"{state}& st) {{\n  st.outside = false;\n{''.join(line + chr(10) for line in head)}}}\n"
-        f"__device__ __forceinline__ {returns} {mod.name}("
+        f"{structs}"
+        f"{function} void {name}_head({', '.join(['int b', 'int h', *buffer_params])}, {name}_state& st) {{\n"
+        f"  st.outside = false;\n{lines[0]}}}\n"
+        f"{function} void {name}_row_part({', '.join(['int b', 'int h', 'int q_idx', *buffer_params])}, {state}, "
+        f"{name}_row& r) {{\n  r.outside = st.outside;\n{lines[_ON_ROW]}}}\n"
+        f"{function} void {name}_key_part({', '.join(['int b', 'int h', 'int kv_idx', *buffer_params])}, {state}, "
+        f"{name}_key& k) {{\n  k.outside = false;\n{lines[_ON_KEY]}}}\n"
+        f"{function} {returns} {name}("
         f"{', '.join([*score_args, 'int b', 'int h', 'int q_idx', 'int kv_idx', *buffer_params])}, "
-        f"const {state}& st, bool& outside) {{\n  outside |= st.outside;\n"
-        f"{''.join(line + chr(10) for line in lines)}  return {result};\n}}\n"
+        f"{state}, {row}, {key}, bool& outside) {{\n  outside |= r.outside || k.outside;\n"
+        f"{lines[_ON_SCORE]}  return {result};\n}}\n"
     )
 
 
@@ -1099,19 +1141,27 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
     AttnParams (at most MAX_KERNEL_BUFFERS), hides the score where mask_mod is false (-inf) and
     else returns score_mod's value (the score itself without one); ``cf_user_score``, score_mod's
     value alone (a BlockMask's plain tiles); and ``cf_user_mods_grad``, the backward's
-    d score_mod / d score at the same arguments (``score_derivative``; 1 without one). ``tiles``:
+    d score_mod / d score at the same arguments (``score_derivative``; 1 without one). Each also
+    as ``<hook>_at``, taking the parts of its row (``cf_user_row``: what depends on q_idx alone)
+    and of its key (``cf_user_key``) computed once for every score that shares them. ``tiles``:
     the mask's tile classes (``_mod_tiles.kernel_source``), appended where a call asks for them."""
     # whether there is a score function: without one, the kernels keep their own scale and a
     # BlockMask's plain tiles run no code at all; whether there is a mask function: without one,
     # a tile's class changes nothing and the hook is written once (variants.cuh's UserMods)
+    # and whether a score's own value reads an array (variants.cuh's transform_scores branches
+    # around such a score where it selects the others)
     has_score = "true" if score_mod is not None else "false"
     has_mask = "true" if mask_mod is not None else "false"
+    reads = "true" if any(_reads_per_score(m) for m in (score_mod, mask_mod) if m is not None) else "false"
     parts = [
         CUDA_HELPERS,
         f"constexpr bool cf_user_has_score_mod = {has_score};\n",
         f"constexpr bool cf_user_has_mask_mod = {has_mask};\n",
+        f"constexpr bool cf_user_reads_per_score = {reads};\n",
     ]
-    call, heads, fields = {}, [], []
+    call: dict[str, str] = {}
+    heads: list[str] = []
+    fields: list[str] = []
     order: list[tuple[int, int]] = []
     ndims: list[int] = []
 
@@ -1134,11 +1184,19 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
     def add(mod: Mod, which: int, field: str) -> str:  # its source and state; returns its call
         arrays = buffers(mod, which)
         parts.append(cuda_source(mod))
-        fields.append(f"  {mod.name}_state {field};")
+        for struct, suffix in ((fields, "state"), (row_fields, "row"), (key_fields, "key")):
+            struct.append(f"  {mod.name}_{suffix} {field};")
         heads.append(f"  {mod.name}_head({', '.join(['b', 'h', *arrays, f'st.{field}'])});")
+        rows.append(f"  {mod.name}_row_part({', '.join(['b', 'h', 'q_idx', *arrays, f'st.{field}', f'r.{field}'])});")
+        keys.append(f"  {mod.name}_key_part({', '.join(['b', 'h', 'kv_idx', *arrays, f'st.{field}', f'k.{field}'])});")
         args = ["score"] if mod.role == "score_mod" else []
-        return f"{mod.name}({', '.join([*args, 'b', 'h', 'q_idx', 'kv_idx', *arrays, f'st.{field}', 'outside'])})"
+        states = [f"st.{field}", f"r.{field}", f"k.{field}"]
+        return f"{mod.name}({', '.join([*args, 'b', 'h', 'q_idx', 'kv_idx', *arrays, *states, 'outside'])})"
 
+    row_fields: list[str] = []
+    key_fields: list[str] = []
+    rows: list[str] = []
+    keys: list[str] = []
     for which, mod in enumerate((score_mod, mask_mod)):
         if mod is not None:
             call[mod.role] = add(mod, which, mod.role)
@@ -1146,26 +1204,40 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
     gradient = "  return 1.f;\n"
     if score_mod is not None:
         gradient = f"  bool outside = false;\n  return {add(score_derivative(score_mod), 0, 'gradient')};\n"
-    # What depends on b and h alone, computed once per tile (UserMods' constructor) for every score
-    parts.append("struct CfUserModsState {\n  char unused;\n" + "".join(f + "\n" for f in fields) + "};\n")
-    parts.append(
-        "__device__ __forceinline__ void cf_user_mods_head(const AttnParams& p, int b, int h, CfUserModsState& st) {\n"
-        + "".join(line + "\n" for line in heads)
-        + "}\n"
-    )
-    signature = "(const AttnParams& p, const CfUserModsState& st, float score, int b, int h, int q_idx, int kv_idx)"
+    # What depends on b and h alone, computed once per tile (UserMods' constructor) for every
+    # score; what depends on q_idx alone once per row, on kv_idx alone once per key
+    # (variants.cuh's transform_scores of UserMods)
+    for struct, members in (("CfUserModsState", fields), ("CfUserRow", row_fields), ("CfUserKey", key_fields)):
+        parts.append(f"struct {struct} {{\n  char unused;\n" + "".join(f + "\n" for f in members) + "};\n")
+    function = "__device__ __forceinline__"
+    params = "const AttnParams& p, const CfUserModsState& st"
+    for signature, body in (
+        ("void cf_user_mods_head(const AttnParams& p, int b, int h, CfUserModsState& st)", heads),
+        (f"void cf_user_row({params}, int b, int h, int q_idx, CfUserRow& r)", rows),
+        (f"void cf_user_key({params}, int b, int h, int kv_idx, CfUserKey& k)", keys),
+    ):
+        parts.append(f"{function} {signature} {{\n" + "".join(line + "\n" for line in body) + "}\n")
+    at = f"({params}, const CfUserRow& r, const CfUserKey& k, float score, int b, int h, int q_idx, int kv_idx)"
     body = ["  bool outside = false;  // an index outside a captured array: the score is NaN"]
     body.append(f"  const bool shown = {call.get('mask_mod', 'true')};")
     body.append(f"  const float logit = {call.get('score_mod', 'score')};")
     body.append("  if (outside) return __int_as_float(0x7fffffff);")
     body.append("  return shown ? logit : __int_as_float(0xff800000);  // -inf where the mask hides it")
-    parts.append(f"__device__ __forceinline__ float cf_user_mods{signature} {{\n" + "\n".join(body) + "\n}\n")
+    parts.append(f"{function} float cf_user_mods_at{at} {{\n" + "\n".join(body) + "\n}\n")
     # score_mod alone: a BlockMask's plain tiles, where mask_mod shows every key
     alone = ["  bool outside = false;", f"  const float logit = {call.get('score_mod', 'score')};"]
     alone.append("  return outside ? __int_as_float(0x7fffffff) : logit;")
-    parts.append(f"__device__ __forceinline__ float cf_user_score{signature} {{\n" + "\n".join(alone) + "\n}\n")
+    parts.append(f"{function} float cf_user_score_at{at} {{\n" + "\n".join(alone) + "\n}\n")
     # (an index outside an array made the forward's row NaN, hence its gradients)
-    parts.append(f"__device__ __forceinline__ float cf_user_mods_grad{signature} {{\n" + gradient + "}\n")
+    parts.append(f"{function} float cf_user_mods_grad_at{at} {{\n" + gradient + "}\n")
+    # The same for one score, its row's and key's parts computed for it alone
+    signature = f"({params}, float score, int b, int h, int q_idx, int kv_idx)"
+    for hook in ("cf_user_mods", "cf_user_score", "cf_user_mods_grad"):
+        parts.append(
+            f"{function} float {hook}{signature} {{\n  CfUserRow r;\n  cf_user_row(p, st, b, h, q_idx, r);\n"
+            f"  CfUserKey k;\n  cf_user_key(p, st, b, h, kv_idx, k);\n"
+            f"  return {hook}_at(p, st, r, k, score, b, h, q_idx, kv_idx);\n}}\n"
+        )
     parts.append(tiles)
     source = "".join(parts)
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]

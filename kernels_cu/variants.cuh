@@ -243,9 +243,20 @@ struct SelectScoreTransform<Element, false, false, kBoolBias> {
 template <typename Mods>
 struct ScoreOnly {
   static constexpr bool kIdentity = !Mods::kHasScoreMod;
+  static constexpr bool kByParts = true;
+  using Row = typename Mods::Row;
+  using Key = typename Mods::Key;
   Mods mods;
   CF_DEVICE float operator()(float score, int row, int key) const {
     return mods.score_only(score, row, key);
+  }
+  CF_DEVICE Row row_part(int row) const { return mods.row_part(row); }
+  CF_DEVICE Key key_part(int key) const { return mods.key_part(key); }
+  static constexpr bool kReadsPerScore = Mods::kReadsPerScore;
+  static constexpr bool kHasScoreMod = Mods::kHasScoreMod;
+  CF_DEVICE bool inside(int row, int key) const { return mods.inside(row, key); }
+  CF_DEVICE float at(float score, int row, int key, const Row& r, const Key& k) const {
+    return mods.score_only_at(score, row, key, r, k);
   }
 };
 
@@ -258,6 +269,18 @@ struct IsIdentity {
 template <typename Transform>
 struct IsIdentity<Transform, decltype(void(Transform::kIdentity))> {
   static constexpr bool value = Transform::kIdentity;
+};
+
+// A transform whose scores share per-row and per-key parts (UserMods: what a score_mod or
+// mask_mod computes from q_idx or kv_idx alone, a document id's read): transform_scores computes
+// each row's and key's part once for the scores of the thread's fragment that share it.
+template <typename Transform, typename = void>
+struct ByParts {
+  static constexpr bool value = false;
+};
+template <typename Transform>
+struct ByParts<Transform, decltype(void(Transform::kByParts))> {
+  static constexpr bool value = Transform::kByParts;
 };
 
 // The class of a kBlockM x kBlockN tile of a user mask_mod's BlockMask (mask_tile_state): mixed
@@ -303,6 +326,36 @@ struct UserMods {
     if (row >= rows || key >= keys) return score;
     return cf_user_score(params, state, score * params.mod_score_scale, batch, head, row, key);
   }
+  // The same by parts (transform_scores): what depends on the row alone, or on the key alone,
+  // computed once for the scores that share it. A row or key past the sequence has its part
+  // computed all the same (each read is checked against its array's shape), with no branch: a
+  // branch around each part made each read wait for the one before it. `at` is for the scores
+  // inside() alone (past the sequence an index's `outside` would make it NaN).
+  static constexpr bool kByParts = true;
+  // A score that reads an array itself (a relative-position table's entry) is computed under a
+  // branch; the others are computed for every score and selected (transform_scores).
+  static constexpr bool kReadsPerScore = cf_user_reads_per_score;
+  using Row = CfUserRow;
+  using Key = CfUserKey;
+  CF_DEVICE Row row_part(int row) const {
+    Row r;
+    cf_user_row(params, state, batch, head, row, r);
+    return r;
+  }
+  CF_DEVICE Key key_part(int key) const {
+    Key k;
+    cf_user_key(params, state, batch, head, key, k);
+    return k;
+  }
+  CF_DEVICE bool inside(int row, int key) const { return row < rows && key < keys; }
+  CF_DEVICE float at(float score, int row, int key, const Row& r, const Key& k) const {
+    const float scaled = kHasScoreMod ? score * params.mod_score_scale : score;
+    return cf_user_mods_at(params, state, r, k, scaled, batch, head, row, key);
+  }
+  CF_DEVICE float score_only_at(float score, int row, int key, const Row& r, const Key& k) const {
+    return cf_user_score_at(params, state, r, k, score * params.mod_score_scale, batch, head, row,
+                            key);
+  }
   // The backward's d logit / d (scaled score) at the raw score: score_mod's derivative (the
   // kernels' dq_scale / dk_scale carry the scale itself).
   CF_DEVICE float grad(float score, int row, int key) const {
@@ -347,7 +400,41 @@ using ScoreTransform = typename SelectScoreTransform<Element, Has_softcap, Has_a
 template <typename Transform, int kMTiles, int kNTiles>
 CF_DEVICE void transform_scores(const Transform& transform, float (&s)[kMTiles][kNTiles][4],
                                 int row0, int key0, int lane) {
-  if constexpr (!IsIdentity<Transform>::value) {
+  if constexpr (IsIdentity<Transform>::value) {
+    return;
+  } else if constexpr (ByParts<Transform>::value) {
+    // a thread's 2 rows of a row tile, then each of its keys once for both rows: 2 + 2 kNTiles
+    // parts for 4 kNTiles scores
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      const int row = row0 + 16 * mt + lane / 4;
+      const typename Transform::Row r[2] = {transform.row_part(row), transform.row_part(row + 8)};
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int key = key0 + 8 * nt + 2 * (lane % 4) + c;
+          const typename Transform::Key k = transform.key_part(key);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            // computed, then selected: a branch per score cost the Hopper forward 13% more
+            // instructions (a document mask's). A score that reads an array keeps its branch:
+            // 64 reads with their addresses at once spilled the Hopper forward 40 bytes.
+            float& score = s[mt][nt][2 * half + c];
+            if constexpr (Transform::kReadsPerScore) {
+              if (transform.inside(row + 8 * half, key))
+                score = transform.at(score, row + 8 * half, key, r[half], k);
+            } else {
+              const float logit = transform.at(score, row + 8 * half, key, r[half], k);
+              score = transform.inside(row + 8 * half, key) ? logit : score;
+            }
+          }
+        }
+        // (as AttnBias's: the reads of the whole tile hoisted together spill the FA2 tiles)
+        asm volatile("" ::: "memory");
+      }
+    }
+  } else {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -425,7 +512,36 @@ CF_DEVICE void transform_scores(const NoScoreTransform&, float (&)[kMTiles][kNTi
 template <typename Transform, int kNTiles>
 CF_DEVICE void transform_scores_transposed(const Transform& transform, float (&s)[1][kNTiles][4],
                                            int key0, int row0, int lane) {
-  if constexpr (!IsIdentity<Transform>::value) {
+  if constexpr (IsIdentity<Transform>::value) {
+    return;
+  } else if constexpr (ByParts<Transform>::value) {
+    // the thread's 2 keys, then each of its rows once for both keys. Which of the scores'
+    // work sits under the branch is what kept the backward's consumers from spilling (the
+    // select of transform_scores spilled the Hopper backward 24 bytes at d = 64, and that
+    // branch the mma.sync backward 12-20 with a score_mod beside a document mask).
+    const int key = key0 + lane / 4;
+    const typename Transform::Key k[2] = {transform.key_part(key), transform.key_part(key + 8)};
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int row = row0 + 8 * nt + 2 * (lane % 4) + c;
+        const typename Transform::Row r = transform.row_part(row);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float& score = s[0][nt][2 * half + c];
+          if constexpr (Transform::kHasScoreMod) {
+            const float logit = transform.at(score, row, key + 8 * half, r, k[half]);
+            if (transform.inside(row, key + 8 * half)) score = logit;
+          } else {
+            if (transform.inside(row, key + 8 * half))
+              score = transform.at(score, row, key + 8 * half, r, k[half]);
+          }
+        }
+      }
+      asm volatile("" ::: "memory");  // (as transform_scores')
+    }
+  } else {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll

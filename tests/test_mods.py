@@ -544,11 +544,33 @@ def test_what_depends_on_b_and_h_alone_is_computed_per_tile():
     mod = _mods.trace_score_mod(lambda s, b, h, q, kv: 30 * mods.tanh(s / 30) - 2 * slopes[h] * mods.abs(q - kv))
     text = _mods.cuda_source(mod)
     head, per_score = text.split("__device__ __forceinline__ float ")
+    head = head.split("_row_part(")[0]
     assert "buf0[h * buf0_stride0]" in head and "st.outside |= !in" in head and "2 * st.t" not in head
-    assert "buf0[" not in per_score and "st.t" in per_score and "outside |= st.outside;" in per_score
+    assert "buf0[" not in per_score and "st.t" in per_score
+    assert "outside |= r.outside || k.outside;" in per_score and "r.outside = st.outside;" in text
     assert "const int t" in per_score and "abs(" in per_score and "llabs" not in per_score
     assert "long long t" not in per_score and "(long long)" not in per_score
     assert "/ 30" not in per_score and "fast_tanh(" in per_score
+
+
+def test_what_depends_on_one_index_alone_is_computed_per_row_and_per_key():
+    """A document mask's two reads: doc[q_idx] in the row function (once per row of a thread's
+    fragment), doc[kv_idx] in the key function (once per key), the per-score function compares
+    them and reads nothing; a read whose index takes both (a relative-position table) stays per
+    score."""
+    doc = np.arange(64, dtype=np.int32) // 7
+    text = _mods.cuda_source(_mods.trace_mask_mod(lambda b, h, q, kv: (doc[q] == doc[kv]) & (kv <= q)))
+    head, rest = text.split("_row_part(", 1)
+    row, rest = rest.split("_key_part(", 1)
+    key, per_score = rest.split("__device__ __forceinline__ bool ", 1)
+    assert "buf0[" not in head
+    assert "buf0[q_idx * buf0_stride0]" in row and "r.outside |= !in" in row and "kv_idx" not in row
+    assert "buf0[kv_idx * buf0_stride0]" in key and "k.outside |= !in" in key and "q_idx" not in key
+    assert "buf0[" not in per_score and "r.t" in per_score and "k.t" in per_score and "(kv_idx <= q_idx)" in per_score
+    table = np.zeros((4, 128), np.float32)
+    text = _mods.cuda_source(_mods.trace_score_mod(lambda s, b, h, q, kv: s + table[h, q - kv + 64]))
+    parts = text.split("__device__ __forceinline__ float ")
+    assert "buf0[" not in parts[0] and "buf0[" in parts[1]
 
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
@@ -566,9 +588,14 @@ def test_cuda_source_compiles(arch):
         specs = _mods._buffer_specs(mod.expr)
         buffers = [f"(const {_mods._C_ELEMENT[s.dtype]}*)p, {', '.join(['1LL'] * len(s.shape))}" for s in specs]
         args = (["x[i]"] if mod.role == "score_mod" else []) + ["0", "1", "i", "i + 1"] + buffers
+        parts = [f"st{index}", f"r{index}", f"k{index}"]
         calls.append(f"  {mod.name}_state st{index};")
         calls.append(f"  {mod.name}_head({', '.join(['0', '1', *buffers, f'st{index}'])});")
-        calls.append(f"  x[i] += (float){mod.name}({', '.join([*args, f'st{index}', 'outside'])});  // {index}")
+        calls.append(f"  {mod.name}_row r{index};")
+        calls.append(f"  {mod.name}_row_part({', '.join(['0', '1', 'i', *buffers, f'st{index}', f'r{index}'])});")
+        calls.append(f"  {mod.name}_key k{index};")
+        calls.append(f"  {mod.name}_key_part({', '.join(['0', '1', 'i + 1', *buffers, f'st{index}', f'k{index}'])});")
+        calls.append(f"  x[i] += (float){mod.name}({', '.join([*args, *parts, 'outside'])});  // {index}")
     source = "\n".join(
         ['#include "common.cuh"', _mods.CUDA_HELPERS, *(_mods.cuda_source(m) for m in gallery),
          'extern "C" __global__ void cf_mods_test(float* x, const void* p) {',
@@ -655,7 +682,9 @@ def test_the_hook_compiles_cleanly_for_every_arch():
 
     from cupyflash import _dispatch, _kernels, _mods
 
-    bias, doc = np.zeros((8, 40), np.float32), np.zeros(40, np.int32)
+    # arrays as long as a real call's: with 40 entries ptxas folded the reads' bounds and hid a
+    # spill of the Hopper backward (192 bytes at d = 64) that 4k entries show
+    bias, doc = np.zeros((8, 8192), np.float32), np.zeros(4096, np.int32)
     document = _mods.trace_mask_mod(lambda b, h, i, j: doc[i] == doc[j])
     pairs = [
         (_mods.trace_score_mod(lambda s, b, h, i, j: s + bias[h, j]), document),
@@ -692,7 +721,7 @@ def test_the_backward_hook_compiles_cleanly():
 
     from cupyflash import _dispatch, _kernels, _mods
 
-    bias, doc = np.zeros((8, 40), np.float32), np.zeros(40, np.int32)
+    bias, doc = np.zeros((8, 8192), np.float32), np.zeros(4096, np.int32)  # (as above)
     pairs = [
         (_mods.trace_score_mod(lambda s, b, h, i, j: 20.0 * mods.tanh(s / 20.0) + bias[h, j]),
          _mods.trace_mask_mod(lambda b, h, i, j: doc[i] == doc[j])),

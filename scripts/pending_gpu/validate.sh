@@ -23,6 +23,11 @@ run_tests() {  # LOG LIMIT WORKERS FILES...
     --tb=short -W ignore "$@" > "$OUT/$log" 2>&1
   echo "$log rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/$log" | cut -c1-300 | tail -20
 }
+# a new score function's first-call build (asv compile.ScoreFunctionBuild: trace, plan, NVRTC; no GPU)
+timeout 90 python3 -c "import sys; sys.path.insert(0, 'benchmarks_asv')
+from benchmarks.compile import ScoreFunctionBuild as B
+b = B(); b.setup('softcap'); [print(f, round(b.track_seconds(f), 2), 's', flush=True) for f in B.params]" \
+  > $OUT/compile.log 2>&1; echo "compile rc=$? at ${SECONDS}s"; cat $OUT/compile.log | tail -6
 run_tests tests.log 240 15 tests/test_gpu_mods.py tests/test_gpu_block_mask.py tests/test_mods_traced.py \
   tests/test_gpu_decode.py::test_rotary_table_shorter_than_the_cache tests/test_gpu_decode.py::test_rotary_matches_the_host_twin
 timeout 200 python3 scripts/sanitize.py --out /tmp/sanitize_variant --only variant --tools memcheck,racecheck \
