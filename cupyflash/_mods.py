@@ -808,8 +808,10 @@ def _c_const(value: Any, kind: str) -> str:
 # score costs the tensor cores about 1/8 of a cycle of an SM at d = 128, and an instruction per
 # score 1/128 of one, so a few per score decide the kernel's speed.
 _INT32 = (-(1 << 31), (1 << 31) - 1)
-# b, h, q_idx and kv_idx: indices inside the problem, never negative (the kernels call the hooks
-# for row < Nq and key < Nk alone: kernels_cu/variants.cuh's UserMods).
+# b, h, q_idx and kv_idx: indices of the problem's grid, never negative and under 2^31 (a
+# score's hook runs for row < Nq and key < Nk alone; a row's or a key's part also runs for the
+# rows and keys of a tile past the sequence, whose values are then unused: variants.cuh's
+# UserMods).
 _INDEX_RANGE = (0, _INT32[1])
 _ELEMENT_RANGE = {
     "int32": _INT32,
@@ -921,32 +923,18 @@ def _dependencies(root: Expr) -> dict[int, int]:
     return depends
 
 
-def _reads_per_score(mod: Mod) -> bool:
-    """Whether ``mod`` reads a captured array at an index that takes the score or both indices
-    (a relative-position table's ``table[h, q_idx - kv_idx]``): a read the per-score function
-    makes, not the head, row or key function."""
-    depends = _dependencies(mod.expr)
-    stack, seen = [mod.expr], set()
-    while stack:
-        e = stack.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if e.op == "index" and depends[id(e)] not in (0, _ON_ROW, _ON_KEY):
-            return True
-        stack.extend(a for a in e.args if isinstance(a, Expr))
-    return False
-
-
-def cuda_source(mod: Mod) -> str:
-    """``mod`` as device C (deterministic text; include ``CUDA_HELPERS`` once before it), in four
-    functions by what a value depends on (``_dependencies``): ``<name>_head(b, h, arrays...,
-    <name>_state&)`` what depends on b and h alone, ``<name>_row_part(b, h, q_idx, arrays...,
+def cuda_source(mod: Mod, name: str = "") -> str:
+    """``mod`` as device C (deterministic text; include ``CUDA_HELPERS`` once before it), named
+    ``name`` (``mod.name`` by default), in four functions by what a value depends on
+    (``_dependencies``): ``<name>_head(b, h, arrays..., <name>_state&)`` what depends on b and h
+    alone, ``<name>_row_part(b, h, q_idx, arrays...,
     const <name>_state&, <name>_row&)`` what depends on q_idx (and b, h) alone,
     ``<name>_key_part(b, h, kv_idx, ..., <name>_key&)`` what depends on kv_idx alone, and the
     per-score ``__device__ __forceinline__`` function ``<name>((score,) b, h, q_idx, kv_idx,
     arrays..., const <name>_state&, const <name>_row&, const <name>_key&, bool& outside)``. The
-    arrays: per captured array its pointer and one int64 element stride per axis. ``outside``
+    arrays: per captured array its pointer and one int64 element stride per axis but the last,
+    whose stride is 1 (the launch copies an array whose last axis is not: _launch's INDEX
+    operands), so a 1-D array's read is ``buf[i]``, with no 64-bit multiply. ``outside``
     is set where an index falls outside its array (the host path raises there; the kernel reads
     nothing past the array and its caller makes the score NaN, so the row's output is NaN).
 
@@ -967,7 +955,7 @@ def cuda_source(mod: Mod) -> str:
         if element is None:
             raise TypeError(f"{mod.role} captures a {spec.dtype} array: the kernels read {sorted(_C_ELEMENT)}")
         buffer_params.append(f"const {element}* __restrict__ buf{spec.slot}")
-        buffer_params += [f"long long buf{spec.slot}_stride{axis}" for axis in range(len(spec.shape))]
+        buffer_params += [f"long long buf{spec.slot}_stride{axis}" for axis in range(len(spec.shape) - 1)]
     ranges = _int_ranges(mod.expr)
     depends = _dependencies(mod.expr)
     # per place: its function's lines, its struct's fields, the struct's name in the functions
@@ -1017,7 +1005,8 @@ def cuda_source(mod: Mod) -> str:
             check = f"in{number}"
             out.append(f"  const bool {check} = {inside};")
             out.append(f"  {prefix}outside |= !{check};")
-            offset = " + ".join(f"{i} * buf{slot}_stride{axis}" for axis, i in enumerate(indices))
+            *outer, last = indices  # (the last axis's stride is 1)
+            offset = " + ".join([*(f"{i} * buf{slot}_stride{axis}" for axis, i in enumerate(outer)), last])
             read = f"buf{slot}[{offset}]"  # read only where the index is inside the array
             text = f"{check} ? ({mine})({read}) : ({mine})0"
         elif op in _ARITH:
@@ -1080,7 +1069,8 @@ def cuda_source(mod: Mod) -> str:
 
     returns = "float" if mod.role == "score_mod" else "bool"
     result = cast(mod.expr, returns)
-    name, lines = mod.name, {where: "".join(line + "\n" for line in out) for where, (out, _, _) in places.items()}
+    name = name or mod.name
+    lines = {where: "".join(line + "\n" for line in out) for where, (out, _, _) in places.items()}
     structs = ""
     for suffix, where in (("state", 0), ("row", _ON_ROW), ("key", _ON_KEY)):
         structs += f"struct {name}_{suffix} {{\n  bool outside;\n{''.join(f + chr(10) for f in places[where][1])}}};\n"
@@ -1116,11 +1106,13 @@ MAX_KERNEL_BUFFERS = 4
 
 @dataclass(frozen=True, slots=True)
 class KernelMods:
-    """A call's score_mod and mask_mod as the kernels compile them: ``source`` defines
-    ``cf_user_mods(params, score, b, h, q_idx, kv_idx)`` (kernels_cu/variants.cuh's UserMods
-    calls it), ``cf_user_has_score_mod`` and ``cf_user_has_mask_mod``; ``buffers`` says which captured array goes to
-    AttnParams' mod_buffer0, 1, ...: (0 = score_mod / 1 = mask_mod, its slot); ``digest`` names
-    the kernel variant."""
+    """A call's score_mod and mask_mod as the kernels compile them: ``source`` defines the hooks
+    kernels_cu/variants.cuh's UserMods calls (``kernel_mods``: ``cf_user_mods_head``,
+    ``cf_user_row`` / ``cf_user_key`` and the hooks' ``_at`` forms, ``cf_user_mods``,
+    ``cf_user_score``, ``cf_user_mods_grad``) and the constants ``cf_user_has_score_mod`` and
+    ``cf_user_has_mask_mod``; ``buffers`` says which captured array goes to AttnParams'
+    mod_buffer0, 1, ...: (0 = score_mod / 1 = mask_mod, its slot); ``digest`` names the kernel
+    variant."""
 
     source: str
     buffers: tuple[tuple[int, int], ...]
@@ -1148,16 +1140,12 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
     # whether there is a score function: without one, the kernels keep their own scale and a
     # BlockMask's plain tiles run no code at all; whether there is a mask function: without one,
     # a tile's class changes nothing and the hook is written once (variants.cuh's UserMods)
-    # and whether a score's own value reads an array (variants.cuh's transform_scores branches
-    # around such a score where it selects the others)
     has_score = "true" if score_mod is not None else "false"
     has_mask = "true" if mask_mod is not None else "false"
-    reads = "true" if any(_reads_per_score(m) for m in (score_mod, mask_mod) if m is not None) else "false"
     parts = [
         CUDA_HELPERS,
         f"constexpr bool cf_user_has_score_mod = {has_score};\n",
         f"constexpr bool cf_user_has_mask_mod = {has_mask};\n",
-        f"constexpr bool cf_user_reads_per_score = {reads};\n",
     ]
     call: dict[str, str] = {}
     heads: list[str] = []
@@ -1178,20 +1166,22 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
                 ndims.append(len(spec.shape))
             n = order.index((which, spec.slot))
             args += [f"static_cast<const {_C_ELEMENT[spec.dtype]}*>(p.mod_buffer{n})"]
-            args += [f"p.mod_buffer{n}_stride{axis}" for axis in range(len(spec.shape))]
+            args += [f"p.mod_buffer{n}_stride{axis}" for axis in range(len(spec.shape) - 1)]
         return args
 
     def add(mod: Mod, which: int, field: str) -> str:  # its source and state; returns its call
         arrays = buffers(mod, which)
-        parts.append(cuda_source(mod))
+        # (score_mod's derivative under a name of its own: a constant's is the same expression)
+        name = f"{mod.name}_grad" if field == "gradient" else mod.name
+        parts.append(cuda_source(mod, name))
         for struct, suffix in ((fields, "state"), (row_fields, "row"), (key_fields, "key")):
-            struct.append(f"  {mod.name}_{suffix} {field};")
-        heads.append(f"  {mod.name}_head({', '.join(['b', 'h', *arrays, f'st.{field}'])});")
-        rows.append(f"  {mod.name}_row_part({', '.join(['b', 'h', 'q_idx', *arrays, f'st.{field}', f'r.{field}'])});")
-        keys.append(f"  {mod.name}_key_part({', '.join(['b', 'h', 'kv_idx', *arrays, f'st.{field}', f'k.{field}'])});")
+            struct.append(f"  {name}_{suffix} {field};")
+        heads.append(f"  {name}_head({', '.join(['b', 'h', *arrays, f'st.{field}'])});")
+        rows.append(f"  {name}_row_part({', '.join(['b', 'h', 'q_idx', *arrays, f'st.{field}', f'r.{field}'])});")
+        keys.append(f"  {name}_key_part({', '.join(['b', 'h', 'kv_idx', *arrays, f'st.{field}', f'k.{field}'])});")
         args = ["score"] if mod.role == "score_mod" else []
         states = [f"st.{field}", f"r.{field}", f"k.{field}"]
-        return f"{mod.name}({', '.join([*args, 'b', 'h', 'q_idx', 'kv_idx', *arrays, *states, 'outside'])})"
+        return f"{name}({', '.join([*args, 'b', 'h', 'q_idx', 'kv_idx', *arrays, *states, 'outside'])})"
 
     row_fields: list[str] = []
     key_fields: list[str] = []
@@ -1208,7 +1198,7 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
     # score; what depends on q_idx alone once per row, on kv_idx alone once per key
     # (variants.cuh's transform_scores of UserMods)
     for struct, members in (("CfUserModsState", fields), ("CfUserRow", row_fields), ("CfUserKey", key_fields)):
-        parts.append(f"struct {struct} {{\n  char unused;\n" + "".join(f + "\n" for f in members) + "};\n")
+        parts.append(f"struct {struct} {{\n  char unused = 0;\n" + "".join(f + "\n" for f in members) + "};\n")
     function = "__device__ __forceinline__"
     params = "const AttnParams& p, const CfUserModsState& st"
     for signature, body in (

@@ -108,7 +108,8 @@ struct AttnParams {
 
   // The arrays a user score_mod / mask_mod captured (cupyflash/_mods.py), in slot order (the
   // score function's, then the mask function's), each read as element (i, j) at
-  // mod_buffer[i * stride0 + j * stride1] (1-D arrays: stride1 unused); nullptr where unused.
+  // mod_buffer[i * stride0 + j], element i of a 1-D array at mod_buffer[i] (the launch copies
+  // an array whose last axis's stride is not 1: its INDEX operands); nullptr where unused.
   const void* mod_buffer0;
   const void* mod_buffer1;
   const void* mod_buffer2;

@@ -252,8 +252,6 @@ struct ScoreOnly {
   }
   CF_DEVICE Row row_part(int row) const { return mods.row_part(row); }
   CF_DEVICE Key key_part(int key) const { return mods.key_part(key); }
-  static constexpr bool kReadsPerScore = Mods::kReadsPerScore;
-  static constexpr bool kHasScoreMod = Mods::kHasScoreMod;
   CF_DEVICE bool inside(int row, int key) const { return mods.inside(row, key); }
   CF_DEVICE float at(float score, int row, int key, const Row& r, const Key& k) const {
     return mods.score_only_at(score, row, key, r, k);
@@ -330,11 +328,8 @@ struct UserMods {
   // computed once for the scores that share it. A row or key past the sequence has its part
   // computed all the same (each read is checked against its array's shape), with no branch: a
   // branch around each part made each read wait for the one before it. `at` is for the scores
-  // inside() alone (past the sequence an index's `outside` would make it NaN).
+  // inside() alone (past the sequence the score is left as it is, as operator() leaves it).
   static constexpr bool kByParts = true;
-  // A score that reads an array itself (a relative-position table's entry) is computed under a
-  // branch; the others are computed for every score and selected (transform_scores).
-  static constexpr bool kReadsPerScore = cf_user_reads_per_score;
   using Row = CfUserRow;
   using Key = CfUserKey;
   CF_DEVICE Row row_part(int row) const {
@@ -404,7 +399,8 @@ CF_DEVICE void transform_scores(const Transform& transform, float (&s)[kMTiles][
     return;
   } else if constexpr (ByParts<Transform>::value) {
     // a thread's 2 rows of a row tile, then each of its keys once for both rows: 2 + 2 kNTiles
-    // parts for 4 kNTiles scores
+    // parts for 4 kNTiles scores. (A branch per score: computing every score and selecting
+    // spilled the Hopper forward at d = 64 and 80 and the Hopper backward at d = 64.)
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
       const int row = row0 + 16 * mt + lane / 4;
@@ -417,17 +413,9 @@ CF_DEVICE void transform_scores(const Transform& transform, float (&s)[kMTiles][
           const typename Transform::Key k = transform.key_part(key);
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            // computed, then selected: a branch per score cost the Hopper forward 13% more
-            // instructions (a document mask's). A score that reads an array keeps its branch:
-            // 64 reads with their addresses at once spilled the Hopper forward 40 bytes.
             float& score = s[mt][nt][2 * half + c];
-            if constexpr (Transform::kReadsPerScore) {
-              if (transform.inside(row + 8 * half, key))
-                score = transform.at(score, row + 8 * half, key, r[half], k);
-            } else {
-              const float logit = transform.at(score, row + 8 * half, key, r[half], k);
-              score = transform.inside(row + 8 * half, key) ? logit : score;
-            }
+            if (transform.inside(row + 8 * half, key))
+              score = transform.at(score, row + 8 * half, key, r[half], k);
           }
         }
         // (as AttnBias's: the reads of the whole tile hoisted together spill the FA2 tiles)
@@ -515,10 +503,7 @@ CF_DEVICE void transform_scores_transposed(const Transform& transform, float (&s
   if constexpr (IsIdentity<Transform>::value) {
     return;
   } else if constexpr (ByParts<Transform>::value) {
-    // the thread's 2 keys, then each of its rows once for both keys. Which of the scores'
-    // work sits under the branch is what kept the backward's consumers from spilling (the
-    // select of transform_scores spilled the Hopper backward 24 bytes at d = 64, and that
-    // branch the mma.sync backward 12-20 with a score_mod beside a document mask).
+    // the thread's 2 keys, then each of its rows once for both keys
     const int key = key0 + lane / 4;
     const typename Transform::Key k[2] = {transform.key_part(key), transform.key_part(key + 8)};
 #pragma unroll
@@ -530,13 +515,8 @@ CF_DEVICE void transform_scores_transposed(const Transform& transform, float (&s
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           float& score = s[0][nt][2 * half + c];
-          if constexpr (Transform::kHasScoreMod) {
-            const float logit = transform.at(score, row, key + 8 * half, r, k[half]);
-            if (transform.inside(row, key + 8 * half)) score = logit;
-          } else {
-            if (transform.inside(row, key + 8 * half))
-              score = transform.at(score, row, key + 8 * half, r, k[half]);
-          }
+          if (transform.inside(row, key + 8 * half))
+            score = transform.at(score, row, key + 8 * half, r, k[half]);
         }
       }
       asm volatile("" ::: "memory");  // (as transform_scores')
@@ -567,15 +547,17 @@ CF_DEVICE void transform_scores_transposed(const NoScoreTransform&, float (&)[1]
 template <bool Transposed, typename Mods, typename Scores>
 CF_DEVICE void user_mods_by_state(const Mods& mods, int state, Scores& s, int row0, int key0,
                                   int lane) {
-  if (Mods::kHasMaskMod && state == kMaskCellPlain) {
-    if constexpr (Transposed)
-      transform_scores_transposed(ScoreOnly<Mods>{mods}, s, key0, row0, lane);
-    else
-      transform_scores(ScoreOnly<Mods>{mods}, s, row0, key0, lane);
-  } else {
-    if constexpr (Transposed)
-      transform_scores_transposed(mods, s, key0, row0, lane);
-    else
-      transform_scores(mods, s, row0, key0, lane);
+  if constexpr (Mods::kHasMaskMod) {
+    if (state == kMaskCellPlain) {
+      if constexpr (Transposed)
+        transform_scores_transposed(ScoreOnly<Mods>{mods}, s, key0, row0, lane);
+      else
+        transform_scores(ScoreOnly<Mods>{mods}, s, row0, key0, lane);
+      return;
+    }
   }
+  if constexpr (Transposed)
+    transform_scores_transposed(mods, s, key0, row0, lane);
+  else
+    transform_scores(mods, s, row0, key0, lane);
 }

@@ -532,7 +532,7 @@ def test_cuda_source_is_deterministic():
     assert list(first) == list(second)
     text = _mods.cuda_source(_gallery()[0])
     assert text.startswith("struct cf_mask_mod_") and "__device__ __forceinline__ bool cf_mask_mod_" in text
-    assert "const int* __restrict__ buf0, long long buf0_stride0" in text
+    assert "const int* __restrict__ buf0, " in text and "buf0_stride0" not in text  # 1-D: unit stride
 
 
 def test_what_depends_on_b_and_h_alone_is_computed_per_tile():
@@ -545,7 +545,7 @@ def test_what_depends_on_b_and_h_alone_is_computed_per_tile():
     text = _mods.cuda_source(mod)
     head, per_score = text.split("__device__ __forceinline__ float ")
     head = head.split("_row_part(")[0]
-    assert "buf0[h * buf0_stride0]" in head and "st.outside |= !in" in head and "2 * st.t" not in head
+    assert "buf0[h]" in head and "st.outside |= !in" in head and "2 * st.t" not in head
     assert "buf0[" not in per_score and "st.t" in per_score
     assert "outside |= r.outside || k.outside;" in per_score and "r.outside = st.outside;" in text
     assert "const int t" in per_score and "abs(" in per_score and "llabs" not in per_score
@@ -564,13 +564,13 @@ def test_what_depends_on_one_index_alone_is_computed_per_row_and_per_key():
     row, rest = rest.split("_key_part(", 1)
     key, per_score = rest.split("__device__ __forceinline__ bool ", 1)
     assert "buf0[" not in head
-    assert "buf0[q_idx * buf0_stride0]" in row and "r.outside |= !in" in row and "kv_idx" not in row
-    assert "buf0[kv_idx * buf0_stride0]" in key and "k.outside |= !in" in key and "q_idx" not in key
+    assert "buf0[q_idx]" in row and "r.outside |= !in" in row and "kv_idx" not in row
+    assert "buf0[kv_idx]" in key and "k.outside |= !in" in key and "q_idx" not in key
     assert "buf0[" not in per_score and "r.t" in per_score and "k.t" in per_score and "(kv_idx <= q_idx)" in per_score
     table = np.zeros((4, 128), np.float32)
     text = _mods.cuda_source(_mods.trace_score_mod(lambda s, b, h, q, kv: s + table[h, q - kv + 64]))
     parts = text.split("__device__ __forceinline__ float ")
-    assert "buf0[" not in parts[0] and "buf0[" in parts[1]
+    assert "buf0[" not in parts[0] and "buf0[h * buf0_stride0 + t" in parts[1]  # 2-D: the last axis's stride is 1
 
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
@@ -586,7 +586,7 @@ def test_cuda_source_compiles(arch):
     calls = []
     for index, mod in enumerate(gallery):  # a test kernel that calls each function once
         specs = _mods._buffer_specs(mod.expr)
-        buffers = [f"(const {_mods._C_ELEMENT[s.dtype]}*)p, {', '.join(['1LL'] * len(s.shape))}" for s in specs]
+        buffers = [", ".join([f"(const {_mods._C_ELEMENT[s.dtype]}*)p", *["1LL"] * (len(s.shape) - 1)]) for s in specs]
         args = (["x[i]"] if mod.role == "score_mod" else []) + ["0", "1", "i", "i + 1"] + buffers
         parts = [f"st{index}", f"r{index}", f"k{index}"]
         calls.append(f"  {mod.name}_state st{index};")

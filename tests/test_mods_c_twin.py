@@ -123,6 +123,8 @@ def _pairs(rng):
             lambda b, h, q, kv: (h // 2 == b) | keep[kv],
         ),
         "head-read-outside": (lambda s, b, h, q, kv: s + slopes[h + 2], None),  # heads 2, 3: outside
+        # a constant score_mod is its own derivative (0): the two under names of their own
+        "constant": (lambda s, b, h, q, kv: 0.0, lambda b, h, q, kv: kv <= q + 3),
         # past 32 bits: products, sums and differences the kernels must compute in 64 (their
         # range says so), a floor division of a 32-bit value by -1 (INT_MIN / -1 overflows 32)
         "wide-integers": (
@@ -162,7 +164,13 @@ def _expected(score_mod, mask_mod, values):
 
 def _params(kernel, score_mod, mask_mod):
     params = Params()
+    params.arrays = []  # (kept alive with the struct that points into them)
     for n, array in enumerate(kernel.arrays(score_mod, mask_mod)):
+        # as a launch binds it (_launch's INDEX operands): a copy where the last axis's stride is
+        # not 1, which the generated C assumes
+        if array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
+            array = np.ascontiguousarray(array)
+        params.arrays.append(array)
         setattr(params, f"mod_buffer{n}", array.ctypes.data)
         for axis, stride in enumerate(array.strides):
             setattr(params, f"mod_buffer{n}_stride{axis}", stride // array.itemsize)
@@ -275,3 +283,131 @@ def test_a_head_s_read_outside_its_array_makes_every_score_of_that_head_nan(comp
     makes every score of those heads NaN, the others exact; the host path raises."""
     values = _grid(np.random.default_rng(6), in_range=True)
     _check_outside(compiled, "head-read-outside", values, values["h"] + 2 >= NH)
+
+
+# -- the kernels' tile loops ---------------------------------------------------------------------
+# kernels_cu/variants.cuh itself, built on the host: transform_scores and
+# transform_scores_transposed compute what depends on a row alone or a key alone once for the
+# scores of a thread's fragment that share it (UserMods' parts), then combine them per score.
+# They must give, bit for bit, what the hook gives score by score. A few stand-ins replace
+# common.cuh (CUDA's qualifiers and intrinsics the file names); params.cuh is the kernels' own.
+HOST_COMMON = r"""
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define CF_DEVICE inline
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+struct int2 { int x, y; };
+struct __half { unsigned short bits; };
+template <typename T> static inline T __ldg(const T* p) { return *p; }
+static inline float __int_as_float(unsigned int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+static inline float fast_tanh(float x) { return std::tanh(x); }
+static inline float neg_infinity() { return __int_as_float(0xff800000u); }
+static inline float quiet_nan() { return __int_as_float(0x7fffffffu); }
+static inline constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+static inline void atomicOr(int32_t* p, int32_t bits) { *p |= bits; }
+static inline uint32_t ld_shared_b32(uint32_t) { return 0; }
+static inline uint32_t ld_shared_u16(uint32_t) { return 0; }
+static inline float cf_host_expf(float x) { return std::exp(x); }
+static inline float cf_host_logf(float x) { return std::log(x); }
+#define __expf cf_host_expf
+#define __logf cf_host_logf
+using std::max;
+using std::min;
+"""
+
+TILES_DRIVER = r"""
+namespace pair{n} {{
+constexpr int kMTiles = 2, kNTiles = 4;
+static bool same(float a, float b) {{ return (std::isnan(a) && std::isnan(b)) || std::memcmp(&a, &b, 4) == 0; }}
+// The score by score answer of a tile of class `state`: both functions (mixed), score_mod alone
+// (a BlockMask's plain tile), the score itself (plain, no score_mod).
+static float one(const UserMods& mods, int state, float score, int row, int key) {{
+  if (cf_user_has_mask_mod && state == kMaskCellPlain)
+    return UserMods::kHasScoreMod ? mods.score_only(score, row, key) : score;
+  return mods(score, row, key);
+}}
+// Every lane's fragment of kMTiles x kNTiles m16n8 tiles (and a transposed one) at (row0, key0):
+// the number of scores whose tile loop differs from the score by score answer.
+extern "C" int cf_tiles_{n}(const void* const* buffers, const int64_t* strides, int seqlen_q, int seqlen_k,
+                            float scale, int b, int h, int row0, int key0, int state, unsigned seed) {{
+  AttnParams p{{}};
+  const void** slots[4] = {{&p.mod_buffer0, &p.mod_buffer1, &p.mod_buffer2, &p.mod_buffer3}};
+  int64_t* stride_slots[4] = {{&p.mod_buffer0_stride0, &p.mod_buffer1_stride0, &p.mod_buffer2_stride0,
+                               &p.mod_buffer3_stride0}};
+  for (int i = 0; i < 4; ++i) {{ *slots[i] = buffers[i]; *stride_slots[i] = strides[i]; }}
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.mod_score_scale = scale;
+  const UserMods mods(p, b, h, 0);
+  int bad = 0;
+  auto random_score = [&] {{ seed = seed * 1664525u + 1013904223u; return ((int)(seed >> 8) % 4000) / 100.f - 20.f; }};
+  for (int lane = 0; lane < 32; ++lane) {{
+    float s[kMTiles][kNTiles][4], want[kMTiles][kNTiles][4];
+    for (int mt = 0; mt < kMTiles; ++mt) for (int nt = 0; nt < kNTiles; ++nt) for (int e = 0; e < 4; ++e) {{
+      s[mt][nt][e] = random_score();
+      const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2), key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+      want[mt][nt][e] = one(mods, state, s[mt][nt][e], row, key);
+    }}
+    user_mods_by_state</*Transposed=*/false>(mods, state, s, row0, key0, lane);
+    for (int mt = 0; mt < kMTiles; ++mt) for (int nt = 0; nt < kNTiles; ++nt) for (int e = 0; e < 4; ++e)
+      bad += !same(s[mt][nt][e], want[mt][nt][e]);
+    float t[1][kNTiles][4], want_t[1][kNTiles][4];
+    for (int nt = 0; nt < kNTiles; ++nt) for (int e = 0; e < 4; ++e) {{
+      t[0][nt][e] = random_score();
+      const int key = key0 + lane / 4 + 8 * (e / 2), row = row0 + 8 * nt + 2 * (lane % 4) + e % 2;
+      want_t[0][nt][e] = one(mods, state, t[0][nt][e], row, key);
+    }}
+    user_mods_by_state</*Transposed=*/true>(mods, state, t, row0, key0, lane);
+    for (int nt = 0; nt < kNTiles; ++nt) for (int e = 0; e < 4; ++e) bad += !same(t[0][nt][e], want_t[0][nt][e]);
+  }}
+  return bad;
+}}
+}}
+"""
+
+
+def test_the_kernels_tile_loops_match_the_hook_score_by_score(tmp_path):
+    """variants.cuh's tile loops (UserMods by parts: a row's and a key's reads once per
+    fragment, in both layouts, both tile classes) give bit for bit what the hook gives score by
+    score, on every pair here: NaN where an index is outside its array, rows and keys past the
+    sequence left alone (tiles straddling both ends), with a scale."""
+    from cupyflash import _source
+
+    kernel_dir = _source.kernel_dir()
+    variants = (kernel_dir / "variants.cuh").read_text()
+    variants = "\n".join(line for line in variants.splitlines() if not line.startswith(("#pragma once", "#include")))
+    (tmp_path / "common.cuh").write_text(HOST_COMMON)  # (beside params.cuh: the one it includes)
+    (tmp_path / "params.cuh").write_text((kernel_dir / "params.cuh").read_text())
+    pairs = _pairs(np.random.default_rng(12))
+    parts = ['#include "common.cuh"', '#include "params.cuh"', "#define CF_USER_MODS"]
+    traced = {}
+    for n, (name, (score_fn, mask_fn)) in enumerate(pairs.items()):
+        score_mod = None if score_fn is None else _mods.trace_score_mod(score_fn)
+        mask_mod = None if mask_fn is None else _mods.trace_mask_mod(mask_fn)
+        kernel = _mods.kernel_mods(score_mod, mask_mod)
+        traced[name] = (n, score_mod, mask_mod, kernel)
+        parts += [f"namespace pair{n} {{", kernel.source, variants, "}", TILES_DRIVER.format(n=n)]
+    flags = ("-ffp-contract=off", "-fno-fast-math", "-Wno-unused-variable", "-Wno-unused-function",
+             "-Wno-unknown-pragmas", "-Wno-maybe-uninitialized", f"-I{tmp_path}")  # fmt: skip
+    library = host_library("\n".join(parts), tmp_path, *flags)
+    checked = 0
+    for name, (n, score_mod, mask_mod, kernel) in traced.items():
+        params = _params(kernel, score_mod, mask_mod)
+        buffers = (ctypes.c_void_p * 4)(*(getattr(params, f"mod_buffer{i}") for i in range(4)))
+        strides = (ctypes.c_int64 * 4)(*(getattr(params, f"mod_buffer{i}_stride0") for i in range(4)))
+        run = getattr(library, f"cf_tiles_{n}")
+        run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int] * 2, ctypes.c_float, *[ctypes.c_int] * 5,
+                        ctypes.c_uint]  # fmt: skip
+        for seqlen_q, seqlen_k in ((NQ, NK), (50, 40)):  # tiles past both ends
+            for row0, key0 in ((0, 0), (32, 40), (48, 64)):
+                for state in (1, 2):  # mixed, plain (kMaskCellMixed, kMaskCellPlain)
+                    for b, h in ((0, 0), (1, 3)):
+                        bad = run(buffers, strides, seqlen_q, seqlen_k, 0.37, b, h, row0, key0, state, 7 + row0)
+                        assert bad == 0, f"{name}: {bad} scores differ (Nq {seqlen_q}, Nk {seqlen_k}, {row0}, {key0})"
+                        checked += 1
+    assert checked == len(traced) * 24
