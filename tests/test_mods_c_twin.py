@@ -29,7 +29,7 @@ pytestmark = needs_host_cxx
 
 # What CUDA gives the generated text and a host compiler lacks. x86-64 float arithmetic is IEEE
 # binary32 (SSE), as the GPU's; -ffp-contract=off keeps a * b + c two roundings, as NumPy's.
-PRELUDE = r"""
+STAND_INS = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -44,12 +44,17 @@ static inline float cf_host_logf(float x) { return std::log(x); }
 #define __expf cf_host_expf
 #define __logf cf_host_logf
 static inline float fast_tanh(float x) { return std::tanh(x); }  // (common.cuh's: tanh.approx.f32)
+"""
+PRELUDE = (
+    STAND_INS
+    + r"""
 struct AttnParams {  // the fields kernels_cu/params.cuh's AttnParams gives the score hook
   const void* mod_buffer0; const void* mod_buffer1; const void* mod_buffer2; const void* mod_buffer3;
   int64_t mod_buffer0_stride0, mod_buffer0_stride1, mod_buffer1_stride0, mod_buffer1_stride1;
   int64_t mod_buffer2_stride0, mod_buffer2_stride1, mod_buffer3_stride0, mod_buffer3_stride1;
 };
 """
+)
 
 DRIVER = r"""
 extern "C" void cf_run_{n}(int count, const AttnParams* p, const float* score, const int* b, const int* h,
@@ -291,34 +296,23 @@ def test_a_head_s_read_outside_its_array_makes_every_score_of_that_head_nan(comp
 # scores of a thread's fragment that share it (UserMods' parts), then combine them per score.
 # They must give, bit for bit, what the hook gives score by score. A few stand-ins replace
 # common.cuh (CUDA's qualifiers and intrinsics the file names); params.cuh is the kernels' own.
-HOST_COMMON = r"""
-#pragma once
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+HOST_COMMON = (
+    "#pragma once\n"
+    + STAND_INS
+    + r"""
 #define CF_DEVICE inline
-#define __device__
-#define __forceinline__ inline
 #define __restrict__
 struct int2 { int x, y; };
 struct __half { unsigned short bits; };
 template <typename T> static inline T __ldg(const T* p) { return *p; }
-static inline float __int_as_float(unsigned int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
-static inline float fast_tanh(float x) { return std::tanh(x); }
 static inline float neg_infinity() { return __int_as_float(0xff800000u); }
 static inline float quiet_nan() { return __int_as_float(0x7fffffffu); }
 static inline constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 static inline void atomicOr(int32_t* p, int32_t bits) { *p |= bits; }
 static inline uint32_t ld_shared_b32(uint32_t) { return 0; }
 static inline uint32_t ld_shared_u16(uint32_t) { return 0; }
-static inline float cf_host_expf(float x) { return std::exp(x); }
-static inline float cf_host_logf(float x) { return std::log(x); }
-#define __expf cf_host_expf
-#define __logf cf_host_logf
-using std::max;
-using std::min;
 """
+)
 
 TILES_DRIVER = r"""
 namespace pair{n} {{
