@@ -161,6 +161,16 @@ class OfflineBuild:
     cubin: bytes
     log: str
     seconds: float
+    ptx: str = ""  # what NVRTC gave ptxas: the unrolled instruction stream, countable here
+
+    @property
+    def stack_bytes(self) -> int:
+        """Bytes of stack frame ptxas reported: a register array indexed at run time lands
+        there without any spill being reported."""
+        for line in self.log.splitlines():
+            if "bytes stack frame" in line:
+                return int(line.split("bytes stack frame")[0].split()[-1])
+        return 0
 
     @property
     def spill_bytes(self) -> int:
@@ -211,9 +221,10 @@ def compile_offline(spec: KernelSpec, arch: str) -> OfflineBuild:
             raise KernelCompileError(f"compiling {name} for {arch} failed ({error}):\n{log}") from None
         log = nvrtc.getProgramLog(program).rstrip("\0")  # NVRTC's log ends in a NUL
         cubin = nvrtc.getCUBIN(program)
+        ptx = nvrtc.getPTX(program).decode().rstrip("\0")
     finally:
         nvrtc.destroyProgram(program)
-    return OfflineBuild(cubin=cubin, log=log, seconds=time.perf_counter() - start)
+    return OfflineBuild(cubin=cubin, log=log, seconds=time.perf_counter() - start, ptx=ptx)
 
 
 _compiled: dict[tuple[KernelSpec, int], CompiledKernel] = {}

@@ -708,6 +708,7 @@ def test_the_hook_compiles_cleanly_for_every_arch():
                     spec = _dispatch.fa3_fwd_spec(dtype, head_dim, flags, seqlen_k, mods_source=source)
                     builds.append((spec.name, "sm_90a", _kernels.compile_offline(spec, "sm_90a")))
     assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
+    assert not [(n, a, b.stack_bytes) for n, a, b in builds if b.stack_bytes]
     assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]
     # each function pair, tile and bound its own variant
     assert len({name for name, _, _ in builds}) == (12 + 3 * 6 if FULL else 3 + 3)
@@ -715,8 +716,10 @@ def test_the_hook_compiles_cleanly_for_every_arch():
 
 def test_the_backward_hook_compiles_cleanly():
     """The mma.sync backward (key blocks, and the deterministic mode's dQ kernel) with a score
-    function, its derivative and a mask function compiled in: no spill, no warning, both archs;
-    head dims 64, 128 and 256 with CUPYFLASH_COMPILE_ALL=1 (scripts/gpu_check.sh), 128 by default."""
+    function, its derivative and a mask function compiled in: no spill, no stack frame, no
+    warning, both archs; head dims 64, 128 and 256 with CUPYFLASH_COMPILE_ALL=1
+    (scripts/gpu_check.sh), 128 by default. The Hopper backward's variants likewise, each with as
+    many wgmmas as the built-in kernel in the same mode."""
     from helpers import FULL
 
     from cupyflash import _dispatch, _kernels, _mods
@@ -749,16 +752,28 @@ def test_the_backward_hook_compiles_cleanly():
         (_mods.trace_score_mod(lambda s, b, h, i, j: 30.0 * mods.tanh(s / 30.0)), None),
         (_mods.trace_score_mod(lambda s, b, h, i, j: s - slopes[h] * mods.abs(i - j)), None),
     ]
+    # Each is held to the built-in kernel's tensor-core work: as many wgmmas per step (a part of
+    # the dV / dK pass never run left dQ's later rows unwritten on the GPU).
+    wgmmas = {}
+    modes = [(c, d) for c in (False, True) for d in (False, True)] if FULL else [(True, False)]
+    for head_dim in (64, 128):
+        for causal, deterministic in modes:
+            plain = _dispatch.fa3_bwd_spec("bfloat16", head_dim, _dispatch.MaskFlags(causal, False, False),
+                                           deterministic, False, None)  # fmt: skip
+            build = _kernels.compile_offline(plain, "sm_90a")
+            builds.append((plain.name, "sm_90a", build))
+            wgmmas[head_dim, causal, deterministic] = build.ptx.count("wgmma.mma_async")
     for score_mod, mask_mod in hopper if FULL else hopper[1:4]:
         source = _mods.kernel_mods(score_mod, mask_mod).source
-        for head_dim in (64, 128):
-            modes = [(c, d) for c in (False, True) for d in (False, True)] if FULL else [(True, False)]
-            for causal, deterministic in modes:
-                flags = _dispatch.MaskFlags(causal, False, False, mask="mods")
-                spec = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, deterministic, False, source)
-                assert spec is not None and spec.mods_source == source
-                builds.append((spec.name, "sm_90a", _kernels.compile_offline(spec, "sm_90a")))
+        for (head_dim, causal, deterministic), built_in in wgmmas.items():
+            flags = _dispatch.MaskFlags(causal, False, False, mask="mods")
+            spec = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, deterministic, False, source)
+            assert spec is not None and spec.mods_source == source
+            build = _kernels.compile_offline(spec, "sm_90a")
+            builds.append((spec.name, "sm_90a", build))
+            assert build.ptx.count("wgmma.mma_async") == built_in > 0, spec.name
     assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
+    assert not [(n, a, b.stack_bytes) for n, a, b in builds if b.stack_bytes]
     assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]
     assert not [(n, a) for n, a, b in builds if "wgmma.mma_async instructions are serialized" in b.log]
 
