@@ -430,17 +430,22 @@ def _block_mask_buffers(block_mask: Any, lib: _interop.ArrayLib, device: int) ->
 
 
 def _kernel_mods_of(call: Forward | Backward, device: int) -> tuple[Any, _mods.KernelMods, tuple[Any, ...]]:
-    """A GPU call's score_mod / mask_mod: their key, their device code (written once per key)
-    and their captured arrays in mod_buffer order, adopted as q was (one library, q's device)."""
+    """A GPU call's score_mod / mask_mod: their key, their device code (written once per key and
+    index ranges: the reads those keep inside their arrays unchecked, _mods.Grid) and their
+    captured arrays in mod_buffer order, adopted as q was (one library, q's device)."""
     score_mod, mask_mod = call.mods
     mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key)
-    kernel = _kernel_mods.get(mods_key)
+    grid = None  # the call's index ranges: the reads they keep inside their arrays go unchecked
+    if call.layout in LAYOUTS:
+        batch, rows, heads, _ = split_dims(tuple(call.q.shape), call.layout)
+        grid = _mods.Grid(batch, heads, rows, split_dims(tuple(call.k.shape), call.layout)[1])
+    kernel = _kernel_mods.get((mods_key, grid))
     if kernel is None:
         if len(_kernel_mods) >= _plan.PlanCache.MAX_ENTRIES:  # a process of endless new functions
             _kernel_mods.clear()
         # with the mask's own tile classes (_mod_tiles): hidden tiles skipped, plain ones unmasked
         source = _mod_tiles.kernel_source(mask_mod)
-        kernel = _kernel_mods.setdefault(mods_key, _mods.kernel_mods(score_mod, mask_mod, source))
+        kernel = _kernel_mods.setdefault((mods_key, grid), _mods.kernel_mods(score_mod, mask_mod, source, grid))
     captured = kernel.arrays(score_mod, mask_mod)
     names = tuple(f"{('score_mod', 'mask_mod')[which]}'s captured array {slot}" for which, slot in kernel.buffers)
     # One library on q's device (an array elsewhere is refused there, named), adopted as q was.

@@ -823,10 +823,12 @@ _ELEMENT_RANGE = {
 Range = tuple[int, int] | None
 
 
-def _int_ranges(root: Expr) -> dict[int, Range]:
+def _int_ranges(root: Expr, arguments: dict[str, Range] | None = None) -> dict[int, Range]:
     """The interval each integer (and boolean) node of ``root`` takes, by node id; None where it
-    is not bounded (a 64-bit array's values, a division by a range holding 0)."""
+    is not bounded (a 64-bit array's values, a division by a range holding 0). ``arguments``:
+    the index arguments' intervals where a call bounds them (``Grid``), _INDEX_RANGE otherwise."""
     ranges: dict[int, Range] = {}
+    arguments = arguments or {}
 
     def corners(values: list[int]) -> Range:
         return min(values), max(values)
@@ -841,7 +843,7 @@ def _int_ranges(root: Expr) -> dict[int, Range]:
         elif e.kind != INT:
             found = None
         elif op == "arg":
-            found = _INDEX_RANGE
+            found = arguments.get(args[0], _INDEX_RANGE)
         elif op == "const":
             found = (int(args[0]), int(args[0]))
         elif op == "index":
@@ -885,6 +887,47 @@ def _int_ranges(root: Expr) -> dict[int, Range]:
     return ranges
 
 
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """One call's index ranges: b < batch, h < heads, q_idx < seqlen_q, kv_idx < seqlen_k. The
+    kernels evaluate the head's function for the call's (b, h) alone and a score's only inside
+    the sequence (variants.cuh's UserMods: a row's or a key's part, which the tile loops also
+    compute past it, keeps its checks)."""
+
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+
+    def ranges(self) -> dict[str, Range]:
+        extents = {"b": self.batch, "h": self.heads, "q_idx": self.seqlen_q, "kv_idx": self.seqlen_k}
+        return {name: (0, n - 1) for name, n in extents.items()}
+
+
+def _reads_inside(root: Expr, grid: Grid | None) -> frozenset[int]:
+    """The captured-array reads (node ids) that ``grid``'s index ranges keep inside their arrays
+    on every axis (ALiBi's ``slopes[h]`` when it has H entries, ``bias[h, q_idx - kv_idx + n]``
+    when the table has 2n columns, a document id's ``doc[q_idx]`` when doc has Nq entries).
+    None: every read checked."""
+    if grid is None or min(grid.batch, grid.heads, grid.seqlen_q, grid.seqlen_k) < 1:
+        return frozenset()
+    ranges = _int_ranges(root, grid.ranges())
+    inside = set()
+    stack, seen = [root], set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.op == "index":
+            spans = [ranges.get(id(i)) for i in e.args[1:]]
+            shape = e.args[0].args[0].shape
+            if all(r is not None and 0 <= r[0] and r[1] < n for r, n in zip(spans, shape, strict=True)):
+                inside.add(id(e))
+        stack += [x for x in e.args if isinstance(x, Expr)]
+    return frozenset(inside)
+
+
 def _fits32(r: Range) -> bool:
     return r is not None and _INT32[0] <= r[0] and r[1] <= _INT32[1]
 
@@ -923,7 +966,7 @@ def _dependencies(root: Expr) -> dict[int, int]:
     return depends
 
 
-def cuda_source(mod: Mod, name: str = "") -> str:
+def cuda_source(mod: Mod, name: str = "", inside: frozenset[int] = frozenset()) -> str:
     """``mod`` as device C (deterministic text; include ``CUDA_HELPERS`` once before it), named
     ``name`` (``mod.name`` by default), in four functions by what a value depends on
     (``_dependencies``): ``<name>_head(b, h, arrays..., <name>_state&)`` what depends on b and h
@@ -937,6 +980,9 @@ def cuda_source(mod: Mod, name: str = "") -> str:
     operands), so a 1-D array's read is ``buf[i]``, with no 64-bit multiply. ``outside``
     is set where an index falls outside its array (the host path raises there; the kernel reads
     nothing past the array and its caller makes the score NaN, so the row's output is NaN).
+    The reads in ``inside`` (node ids: ``_reads_inside``, a call's ranges keep them in their
+    arrays) have no check: per score, a check's compare and the NaN select were 2 of ALiBi's 11
+    instructions in the Hopper forward.
 
     For speed, as the kernels' built-in transforms: what depends on b and h alone (ALiBi's
     slope, a per-head table's value) is computed once per tile by the head function, not once
@@ -1001,14 +1047,17 @@ def cuda_source(mod: Mod, name: str = "") -> str:
         if op == "index":
             spec = args[0].args[0]
             slot, indices = spec.slot, [emit(i) for i in args[1:]]
-            inside = " && ".join(f"{i} >= 0 && {i} < {n}" for i, n in zip(indices, spec.shape, strict=True))
-            check = f"in{number}"
-            out.append(f"  const bool {check} = {inside};")
-            out.append(f"  {prefix}outside |= !{check};")
             *outer, last = indices  # (the last axis's stride is 1)
             offset = " + ".join([*(f"{i} * buf{slot}_stride{axis}" for axis, i in enumerate(outer)), last])
             read = f"buf{slot}[{offset}]"  # read only where the index is inside the array
-            text = f"{check} ? ({mine})({read}) : ({mine})0"
+            if id(e) in inside:
+                text = f"({mine})({read})"
+            else:
+                bounds = " && ".join(f"{i} >= 0 && {i} < {n}" for i, n in zip(indices, spec.shape, strict=True))
+                check = f"in{number}"
+                out.append(f"  const bool {check} = {bounds};")
+                out.append(f"  {prefix}outside |= !{check};")
+                text = f"{check} ? ({mine})({read}) : ({mine})0"
         elif op in _ARITH:
             operand = FLOAT if op == "truediv" or e.kind == FLOAT else work
             a_range, b_range = ranges.get(id(args[0])), ranges.get(id(args[1]))
@@ -1127,7 +1176,7 @@ class KernelMods:
         return tuple(mods[which].buffers[slot] for which, slot in self.buffers)  # type: ignore[union-attr]
 
 
-def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") -> KernelMods:
+def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", grid: Grid | None = None) -> KernelMods:
     """The device source of a score_mod and / or mask_mod for the kernels' score hook: each
     function (``cuda_source``), then ``cf_user_mods``, which reads their captured arrays from
     AttnParams (at most MAX_KERNEL_BUFFERS), hides the score where mask_mod is false (-inf) and
@@ -1136,7 +1185,10 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
     d score_mod / d score at the same arguments (``score_derivative``; 1 without one). Each also
     as ``<hook>_at``, taking the parts of its row (``cf_user_row``: what depends on q_idx alone)
     and of its key (``cf_user_key``) computed once for every score that shares them. ``tiles``:
-    the mask's tile classes (``_mod_tiles.kernel_source``), appended where a call asks for them."""
+    the mask's tile classes (``_mod_tiles.kernel_source``), appended where a call asks for them.
+    ``grid``: the call's index ranges, where a read they keep inside its array needs no check
+    (``_reads_inside``: a per-head or per-score read; the variant then holds for every call whose
+    ranges keep the same reads inside); None: every read checked."""
     # whether there is a score function: without one, the kernels keep their own scale and a
     # BlockMask's plain tiles run no code at all; whether there is a mask function: without one,
     # a tile's class changes nothing and the hook is written once (variants.cuh's UserMods)
@@ -1173,7 +1225,11 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "") ->
         arrays = buffers(mod, which)
         # (score_mod's derivative under a name of its own: a constant's is the same expression)
         name = f"{mod.name}_grad" if field == "gradient" else mod.name
-        parts.append(cuda_source(mod, name))
+        # A row's or key's part keeps its checks: unchecked, ptxas hoisted those loads (one per
+        # key of a fragment) and spilled the Hopper kernels 12-56 bytes (document masks, causal).
+        depends = _dependencies(mod.expr)
+        inside = frozenset(i for i in _reads_inside(mod.expr, grid) if depends[i] not in (_ON_ROW, _ON_KEY))
+        parts.append(cuda_source(mod, name, inside))
         for struct, suffix in ((fields, "state"), (row_fields, "row"), (key_fields, "key")):
             struct.append(f"  {name}_{suffix} {field};")
         heads.append(f"  {name}_head({', '.join(['b', 'h', *arrays, f'st.{field}'])});")

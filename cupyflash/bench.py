@@ -1381,7 +1381,8 @@ def mods_gallery(seqlen: int) -> dict[str, dict[str, Any]]:
         "softcap": {"score_mod": lambda s, b, h, i, j: cap * mods.tanh(s / cap),
                     "flex_score": lambda s, b, h, i, j: cap * torch.tanh(s / cap), "builtin": {"softcap": cap}},
         "alibi": {"score_mod": lambda s, b, h, i, j: s - slopes[h] * mods.abs(i - j),
-                  "flex_score": lambda s, b, h, i, j: s - slopes[h] * (i - j).abs(), "builtin": None},
+                  "flex_score": lambda s, b, h, i, j: s - slopes[h] * (i - j).abs(),
+                  "builtin": {"alibi_slopes": slopes}},  # (flash-attn's |i + Nk - Nq - j|; Nq = Nk here)
     }  # fmt: skip
 
 

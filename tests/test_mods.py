@@ -573,6 +573,42 @@ def test_what_depends_on_one_index_alone_is_computed_per_row_and_per_key():
     assert "buf0[" not in parts[0] and "buf0[h * buf0_stride0 + t" in parts[1]  # 2-D: the last axis's stride is 1
 
 
+def test_a_call_s_index_ranges_drop_the_checks_of_the_reads_they_keep_inside():
+    """With a call's grid (_mods.Grid: b < B, h < H, q_idx < Nq, kv_idx < Nk), a per-head or
+    per-score read whose every index stays inside its array is compiled with no check and no
+    outside flag; a row's or key's read keeps its check (the tile loops compute those parts past
+    the sequence), as does a read the ranges do not keep inside, and without a grid every read."""
+    n, heads = 256, 8
+    doc, slopes = np.zeros(n, np.int32), np.zeros(heads, np.float32)
+    bias = np.zeros((heads, 2 * n), np.float32)
+    document = _mods.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv])
+    alibi = _mods.trace_score_mod(lambda s, b, h, q, kv: s - slopes[h] * mods.abs(q - kv))
+    relative = _mods.trace_score_mod(lambda s, b, h, q, kv: s + bias[h, q - kv + n])
+
+    def unchecked(mod, grid):  # (reads unchecked, reads)
+        reads, stack = set(), [mod.expr]
+        while stack:
+            e = stack.pop()
+            reads |= {id(e)} if e.op == "index" else set()
+            stack += [x for x in e.args if isinstance(x, _mods.Expr)]
+        return len(_mods._reads_inside(mod.expr, grid)), len(reads)
+
+    assert unchecked(document, _mods.Grid(2, heads, n, n)) == (2, 2)
+    assert unchecked(document, _mods.Grid(2, heads, n + 1, n)) == (1, 2)  # doc[q_idx] may pass its end
+    assert unchecked(alibi, _mods.Grid(1, heads, 9000, 9000)) == (1, 1)
+    assert unchecked(alibi, _mods.Grid(1, heads + 1, 10, 10)) == (0, 1)
+    assert unchecked(relative, _mods.Grid(1, heads, n, n)) == (1, 1)  # q - kv + n in [1, 2n - 1]
+    assert unchecked(relative, _mods.Grid(1, heads, n + 1, n)) == (0, 1)
+    assert unchecked(relative, _mods.Grid(1, heads, 0, n)) == (0, 1)  # an empty grid proves nothing
+    assert unchecked(document, None) == (0, 2)
+
+    grid = _mods.Grid(2, heads, n, n)
+    assert _mods.kernel_mods(alibi, document).source.count("outside |= !in") == 3
+    both = _mods.kernel_mods(alibi, document, grid=grid).source
+    assert both.count("outside |= !in") == 2 and "r.outside |= !in" in both and "k.outside |= !in" in both
+    assert "outside |= !in" not in _mods.kernel_mods(relative, None, grid=grid).source
+
+
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
 def test_cuda_source_compiles(arch):
     pytest.importorskip("cupy")
@@ -672,6 +708,17 @@ def test_score_derivative_of_a_score_free_expression_is_zero():
 
 
 # -- the kernels' score hook (compiled here; run by test_gpu_mods.py) -----------------------------
+def _sources(score_mod, mask_mod, full):
+    """The device code a call compiles: over the compile tests' arrays (4k rows, 8 heads) the
+    call's ranges keep every read inside, so none is checked (_mods.Grid); with
+    CUPYFLASH_COMPILE_ALL=1 also every read checked (arrays shorter than a call's ranges)."""
+    from cupyflash import _mods
+
+    grid = _mods.Grid(2, 8, 4096, 4096)
+    unchecked = _mods.kernel_mods(score_mod, mask_mod, grid=grid).source
+    return [unchecked, _mods.kernel_mods(score_mod, mask_mod).source] if full else [unchecked]
+
+
 def test_the_hook_compiles_cleanly_for_every_arch():
     """The FA2 forward with generated functions (a 2-D and a 1-D captured array, both functions,
     a float-only score function, a mask of indices only) at both tile shapes, causal or not, in
@@ -685,33 +732,36 @@ def test_the_hook_compiles_cleanly_for_every_arch():
     # arrays as long as a real call's: with 40 entries ptxas folded the reads' bounds and hid a
     # spill of the Hopper backward (192 bytes at d = 64) that 4k entries show
     bias, doc = np.zeros((8, 8192), np.float32), np.zeros(4096, np.int32)
+    slopes = np.zeros(8, np.float32)
     document = _mods.trace_mask_mod(lambda b, h, i, j: doc[i] == doc[j])
     pairs = [
         (_mods.trace_score_mod(lambda s, b, h, i, j: s + bias[h, j]), document),
         (_mods.trace_score_mod(lambda s, b, h, i, j: 30.0 * mods.tanh(s / 30.0)), None),
         (None, _mods.trace_mask_mod(lambda b, h, i, j: (i // 64) == (j // 64))),
+        (_mods.trace_score_mod(lambda s, b, h, i, j: s - slopes[h] * mods.abs(i - j)), None),  # (a read unchecked)
     ]
-    builds = []
-    for (score_mod, mask_mod), dtype in zip(pairs, ("bfloat16", "float16", "bfloat16"), strict=True):
-        source = _mods.kernel_mods(score_mod, mask_mod).source
-        for head_dim in (64, 128) if FULL else (128,):
-            for causal in (False, True) if FULL else (True,):
-                flags = _dispatch.MaskFlags(causal, False, False, mask="mods")
-                spec = _dispatch.fa2_fwd_spec(dtype, head_dim, flags, 232448, mods_source=source)
-                assert spec.mask == "mods"
-                for arch in ("sm_80", "sm_90a"):
-                    builds.append((spec.name, arch, _kernels.compile_offline(spec, arch)))
-        for head_dim in (64, 80, 128) if FULL else (128,):  # the Hopper forward's, long and short sequences
-            for causal in (False, True) if FULL else (True,):
-                for seqlen_k in (1024, 8192) if FULL else (8192,):
-                    flags = _dispatch.MaskFlags(causal, False, False)
-                    spec = _dispatch.fa3_fwd_spec(dtype, head_dim, flags, seqlen_k, mods_source=source)
-                    builds.append((spec.name, "sm_90a", _kernels.compile_offline(spec, "sm_90a")))
+    builds, sources = [], set()
+    for (score_mod, mask_mod), dtype in zip(pairs, ("bfloat16", "float16", "bfloat16", "float16"), strict=True):
+        for source in _sources(score_mod, mask_mod, FULL):
+            sources.add(source)
+            for head_dim in (64, 128) if FULL else (128,):
+                for causal in (False, True) if FULL else (True,):
+                    flags = _dispatch.MaskFlags(causal, False, False, mask="mods")
+                    spec = _dispatch.fa2_fwd_spec(dtype, head_dim, flags, 232448, mods_source=source)
+                    assert spec.mask == "mods"
+                    for arch in ("sm_80", "sm_90a"):
+                        builds.append((spec.name, arch, _kernels.compile_offline(spec, arch)))
+            for head_dim in (64, 80, 128) if FULL else (128,):  # the Hopper forward's, long and short sequences
+                for causal in (False, True) if FULL else (True,):
+                    for seqlen_k in (1024, 8192) if FULL else (8192,):
+                        flags = _dispatch.MaskFlags(causal, False, False)
+                        spec = _dispatch.fa3_fwd_spec(dtype, head_dim, flags, seqlen_k, mods_source=source)
+                        builds.append((spec.name, "sm_90a", _kernels.compile_offline(spec, "sm_90a")))
     assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
     assert not [(n, a, b.stack_bytes) for n, a, b in builds if b.stack_bytes]
     assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]
-    # each function pair, tile and bound its own variant
-    assert len({name for name, _, _ in builds}) == (12 + 3 * 6 if FULL else 3 + 3)
+    # each function pair's source, tile and bound its own variant (FA2's 4, the Hopper one's 6)
+    assert len({name for name, _, _ in builds}) == len(sources) * (4 + 6 if FULL else 2)
 
 
 def test_the_backward_hook_compiles_cleanly():
@@ -732,15 +782,15 @@ def test_the_backward_hook_compiles_cleanly():
     ]  # fmt: skip
     builds = []
     for score_mod, mask_mod in pairs:
-        source = _mods.kernel_mods(score_mod, mask_mod).source
-        for head_dim in (64, 128, 256) if FULL else (128,):
-            flags = _dispatch.MaskFlags(True, False, False, mask="mods")
-            specs = [_dispatch.fa2_bwd_spec("bfloat16", head_dim, flags, deterministic, source)
-                     for deterministic in (False, True)]  # fmt: skip
-            specs.append(_dispatch.fa2_bwd_dq_spec("bfloat16", head_dim, flags, source))
-            for spec in specs:
-                assert spec.mods_source == source
-                builds += [(spec.name, arch, _kernels.compile_offline(spec, arch)) for arch in ("sm_80", "sm_90a")]
+        for source in _sources(score_mod, mask_mod, FULL):
+            for head_dim in (64, 128, 256) if FULL else (128,):
+                flags = _dispatch.MaskFlags(True, False, False, mask="mods")
+                specs = [_dispatch.fa2_bwd_spec("bfloat16", head_dim, flags, deterministic, source)
+                         for deterministic in (False, True)]  # fmt: skip
+                specs.append(_dispatch.fa2_bwd_dq_spec("bfloat16", head_dim, flags, source))
+                for spec in specs:
+                    assert spec.mods_source == source
+                    builds += [(spec.name, arch, _kernels.compile_offline(spec, arch)) for arch in ("sm_80", "sm_90a")]
     # the Hopper backward (sm_90a; its head dims 64 and 128), every mode: a mask_mod alone, and
     # score_mods (their logits and slopes formed beside dS^T: softcap's tanh, a captured table
     # beside a document mask, ALiBi's per-head slope)
@@ -764,14 +814,14 @@ def test_the_backward_hook_compiles_cleanly():
             builds.append((plain.name, "sm_90a", build))
             wgmmas[head_dim, causal, deterministic] = build.ptx.count("wgmma.mma_async")
     for score_mod, mask_mod in hopper if FULL else hopper[1:4]:
-        source = _mods.kernel_mods(score_mod, mask_mod).source
-        for (head_dim, causal, deterministic), built_in in wgmmas.items():
-            flags = _dispatch.MaskFlags(causal, False, False, mask="mods")
-            spec = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, deterministic, False, source)
-            assert spec is not None and spec.mods_source == source
-            build = _kernels.compile_offline(spec, "sm_90a")
-            builds.append((spec.name, "sm_90a", build))
-            assert build.ptx.count("wgmma.mma_async") == built_in > 0, spec.name
+        for source in _sources(score_mod, mask_mod, FULL):
+            for (head_dim, causal, deterministic), built_in in wgmmas.items():
+                flags = _dispatch.MaskFlags(causal, False, False, mask="mods")
+                spec = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, deterministic, False, source)
+                assert spec is not None and spec.mods_source == source
+                build = _kernels.compile_offline(spec, "sm_90a")
+                builds.append((spec.name, "sm_90a", build))
+                assert build.ptx.count("wgmma.mma_async") == built_in > 0, spec.name
     assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
     assert not [(n, a, b.stack_bytes) for n, a, b in builds if b.stack_bytes]
     assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 
 import numpy as np
 import pytest
@@ -52,6 +53,7 @@ struct AttnParams {  // the fields kernels_cu/params.cuh's AttnParams gives the 
   const void* mod_buffer0; const void* mod_buffer1; const void* mod_buffer2; const void* mod_buffer3;
   int64_t mod_buffer0_stride0, mod_buffer0_stride1, mod_buffer1_stride0, mod_buffer1_stride1;
   int64_t mod_buffer2_stride0, mod_buffer2_stride1, mod_buffer3_stride0, mod_buffer3_stride1;
+  int32_t seqlen_q, seqlen_k;
 };
 """
 )
@@ -71,12 +73,17 @@ extern "C" void cf_run_{n}(int count, const AttnParams* p, const float* score, c
 
 
 class Params(ctypes.Structure):
-    _fields_ = [(f"mod_buffer{i}", ctypes.c_void_p) for i in range(4)] + [
-        (f"mod_buffer{i}_stride{axis}", ctypes.c_int64) for i in range(4) for axis in range(2)
-    ]
+    _fields_ = (
+        [(f"mod_buffer{i}", ctypes.c_void_p) for i in range(4)]
+        + [(f"mod_buffer{i}_stride{axis}", ctypes.c_int64) for i in range(4) for axis in range(2)]
+        + [("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32)]
+    )
 
 
 NB, NH, NQ, NK = 2, 4, 61, 75  # index ranges of the grids
+# A call's index ranges (_mods.Grid): the reads they keep inside their arrays are compiled with
+# no check, so every test of the generated C runs both ways.
+GRIDS = {"checked": None, "grid": _mods.Grid(NB, NH, NQ, NK)}
 COUNT = 6000
 
 
@@ -167,13 +174,35 @@ def _expected(score_mod, mask_mod, values):
     return np.where(shown, logit, np.float32(-np.inf)), logit, slope.astype(np.float32)
 
 
-def _params(kernel, score_mod, mask_mod):
+def _guarded(array):
+    """A C-contiguous copy of ``array`` that ends where an unreadable page begins: a read past its
+    end stops the process with SIGSEGV (pytest's faulthandler names the test), where an ordinary
+    copy would hand the C a neighbour's bytes, which no comparison could tell from a value."""
+    page = mmap.PAGESIZE
+    pages = -(-array.nbytes // page) + 1
+    region = mmap.mmap(-1, pages * page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + (pages - 1) * page, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    copy = np.frombuffer(region, array.dtype, array.size, offset=(pages - 1) * page - array.nbytes)
+    copy = copy.reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
+def _params(kernel, score_mod, mask_mod, guarded=False):
+    """The AttnParams of a launch over the NQ x NK grid; ``guarded``: each array a ``_guarded``
+    copy (the tile loops compute the parts of rows and keys past the sequence)."""
     params = Params()
+    params.seqlen_q, params.seqlen_k = NQ, NK
     params.arrays = []  # (kept alive with the struct that points into them)
     for n, array in enumerate(kernel.arrays(score_mod, mask_mod)):
         # as a launch binds it (_launch's INDEX operands): a copy where the last axis's stride is
         # not 1, which the generated C assumes
-        if array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
+        if guarded:
+            array = _guarded(array)
+        elif array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
             array = np.ascontiguousarray(array)
         params.arrays.append(array)
         setattr(params, f"mod_buffer{n}", array.ctypes.data)
@@ -182,9 +211,10 @@ def _params(kernel, score_mod, mask_mod):
     return params
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """Every pair's kernel_mods source, each in its own namespace, in one shared library."""
+@pytest.fixture(scope="module", params=list(GRIDS))
+def compiled(tmp_path_factory, request):
+    """Every pair's kernel_mods source, each in its own namespace, in one shared library: every
+    read checked, or those the grid's ranges keep inside unchecked."""
     rng = np.random.default_rng(11)
     pairs = _pairs(rng)
     traced = {}
@@ -192,7 +222,7 @@ def compiled(tmp_path_factory):
     for n, (name, (score_fn, mask_fn)) in enumerate(pairs.items()):
         score_mod = None if score_fn is None else _mods.trace_score_mod(score_fn)
         mask_mod = None if mask_fn is None else _mods.trace_mask_mod(mask_fn)
-        kernel = _mods.kernel_mods(score_mod, mask_mod)
+        kernel = _mods.kernel_mods(score_mod, mask_mod, grid=GRIDS[request.param])
         traced[name] = (n, score_mod, mask_mod, kernel)
         parts += [f"namespace pair{n} {{", kernel.source, "}", DRIVER.format(n=n)]
     flags = ("-ffp-contract=off", "-fno-fast-math", "-Wno-unused-variable", "-Wno-unused-function")
@@ -369,7 +399,9 @@ def test_the_kernels_tile_loops_match_the_hook_score_by_score(tmp_path):
     """variants.cuh's tile loops (UserMods by parts: a row's and a key's reads once per
     fragment, in both layouts, both tile classes) give bit for bit what the hook gives score by
     score, on every pair here: NaN where an index is outside its array, rows and keys past the
-    sequence left alone (tiles straddling both ends), with a scale."""
+    sequence left alone (tiles straddling both ends), with a scale. Each pair with every read
+    checked and with the grid's unchecked, the arrays ending at an unreadable page: the parts
+    of rows and keys past the sequence read nothing past an array."""
     from cupyflash import _source
 
     kernel_dir = _source.kernel_dir()
@@ -380,18 +412,20 @@ def test_the_kernels_tile_loops_match_the_hook_score_by_score(tmp_path):
     pairs = _pairs(np.random.default_rng(12))
     parts = ['#include "common.cuh"', '#include "params.cuh"', "#define CF_USER_MODS"]
     traced = {}
-    for n, (name, (score_fn, mask_fn)) in enumerate(pairs.items()):
+    for name, (score_fn, mask_fn) in pairs.items():
         score_mod = None if score_fn is None else _mods.trace_score_mod(score_fn)
         mask_mod = None if mask_fn is None else _mods.trace_mask_mod(mask_fn)
-        kernel = _mods.kernel_mods(score_mod, mask_mod)
-        traced[name] = (n, score_mod, mask_mod, kernel)
-        parts += [f"namespace pair{n} {{", kernel.source, variants, "}", TILES_DRIVER.format(n=n)]
+        for grid_name, grid in GRIDS.items():  # (unchecked reads: their parts clamped into the grid)
+            n = len(traced)
+            kernel = _mods.kernel_mods(score_mod, mask_mod, grid=grid)
+            traced[name, grid_name] = (n, score_mod, mask_mod, kernel)
+            parts += [f"namespace pair{n} {{", kernel.source, variants, "}", TILES_DRIVER.format(n=n)]
     flags = ("-ffp-contract=off", "-fno-fast-math", "-Wno-unused-variable", "-Wno-unused-function",
              "-Wno-unknown-pragmas", "-Wno-maybe-uninitialized", f"-I{tmp_path}")  # fmt: skip
     library = host_library("\n".join(parts), tmp_path, *flags)
     checked = 0
     for name, (n, score_mod, mask_mod, kernel) in traced.items():
-        params = _params(kernel, score_mod, mask_mod)
+        params = _params(kernel, score_mod, mask_mod, guarded=True)
         buffers = (ctypes.c_void_p * 4)(*(getattr(params, f"mod_buffer{i}") for i in range(4)))
         strides = (ctypes.c_int64 * 4)(*(getattr(params, f"mod_buffer{i}_stride0") for i in range(4)))
         run = getattr(library, f"cf_tiles_{n}")
