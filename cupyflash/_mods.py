@@ -966,7 +966,37 @@ def _dependencies(root: Expr) -> dict[int, int]:
     return depends
 
 
-def cuda_source(mod: Mod, name: str = "", inside: frozenset[int] = frozenset()) -> str:
+#: Integers of this magnitude and below are floats exactly.
+_FLOAT_EXACT = 1 << 24
+
+
+def _float_by_parts(
+    e: Expr, depends: dict[int, int], ranges: dict[int, Range], made: Callable[[str, tuple[Any, ...], int], Expr]
+) -> Expr | None:
+    """An integer ``e`` of both indices, ``a + b`` or ``a - b`` (or its ``abs``) with ``a`` and
+    ``b`` each of one index (or of b and h), as the float it converts to, computed from ``a`` and
+    ``b`` converted in their own parts: once per row and per key of a fragment rather than per
+    score (ALiBi's |q_idx - kv_idx|: a subtraction, IABS, a move and I2FP per score, then
+    FADD with the absolute value free in the FFMA). Only where ``ranges`` (the call's grid)
+    keep ``a``, ``b`` and ``e`` under 2^24 in magnitude, where every step is exact: the same
+    float as converting ``e``. None otherwise. ``made(op, args, depends)`` makes a node."""
+    inner = e.args[0] if e.op == "abs" else e
+    if depends.get(id(e)) != _ON_ROW | _ON_KEY or inner.op not in ("add", "sub"):
+        return None
+    a, b = inner.args
+    if not all(isinstance(x, Expr) and depends[id(x)] in (0, _ON_ROW, _ON_KEY) for x in (a, b)):
+        return None
+    for x in (a, b, inner):
+        r = ranges.get(id(x))
+        if r is None or r[0] <= -_FLOAT_EXACT or r[1] >= _FLOAT_EXACT:
+            return None
+    combined = made(
+        inner.op, (made("float", (a,), depends[id(a)]), made("float", (b,), depends[id(b)])), depends[id(e)]
+    )
+    return made("abs", (combined,), depends[id(e)]) if e.op == "abs" else combined
+
+
+def cuda_source(mod: Mod, name: str = "", inside: frozenset[int] = frozenset(), grid: Grid | None = None) -> str:
     """``mod`` as device C (deterministic text; include ``CUDA_HELPERS`` once before it), named
     ``name`` (``mod.name`` by default), in four functions by what a value depends on
     (``_dependencies``): ``<name>_head(b, h, arrays..., <name>_state&)`` what depends on b and h
@@ -981,8 +1011,8 @@ def cuda_source(mod: Mod, name: str = "", inside: frozenset[int] = frozenset()) 
     is set where an index falls outside its array (the host path raises there; the kernel reads
     nothing past the array and its caller makes the score NaN, so the row's output is NaN).
     The reads in ``inside`` (node ids: ``_reads_inside``, a call's ranges keep them in their
-    arrays) have no check: per score, a check's compare and the NaN select were 2 of ALiBi's 11
-    instructions in the Hopper forward.
+    arrays; ``kernel_mods`` passes per-head and per-score ones) have no check: per score, a
+    check's compare and the NaN select were 2 of ALiBi's 11 instructions in the Hopper forward.
 
     For speed, as the kernels' built-in transforms: what depends on b and h alone (ALiBi's
     slope, a per-head table's value) is computed once per tile by the head function, not once
@@ -1020,7 +1050,26 @@ def cuda_source(mod: Mod, name: str = "", inside: frozenset[int] = frozenset()) 
             return "int" if _fits32(ranges.get(id(e))) else "long long"
         return _C_TYPES[e.kind]
 
+    # An integer of both indices that a float takes, such as ALiBi's |q_idx - kv_idx|: from its
+    # row's and its key's values, each converted once per part (``_float_by_parts``).
+    in_grid = _int_ranges(mod.expr, None if grid is None else grid.ranges())
+    by_parts: dict[int, Expr | None] = {}
+    made: list[Expr] = []  # (the new nodes, alive while their ids key depends)
+
+    def made_node(op: str, args: tuple[Any, ...], on: int) -> Expr:
+        node = Expr(op, FLOAT, args)
+        made.append(node)
+        depends[id(node)] = on
+        return node
+
+    def float_by_parts(e: Expr) -> Expr | None:
+        if id(e) not in by_parts:
+            by_parts[id(e)] = _float_by_parts(e, depends, in_grid, made_node)
+        return by_parts[id(e)]
+
     def cast(e: Expr, want: str) -> str:  # e's value as the C type ``want``
+        if want == "float" and e.kind == INT and (parts := float_by_parts(e)) is not None:
+            return emit(parts)
         name = emit(e)
         return name if ctype(e) == want else f"({want})({name})"
 
@@ -1102,6 +1151,8 @@ def cuda_source(mod: Mod, name: str = "", inside: frozenset[int] = frozenset()) 
             text = text if work == mine else f"({mine})({text})"
         elif op in _MATH:
             text = f"{_MATH[op]}({cast(args[0], 'float')})"
+        elif op == "float":  # (_float_by_parts: an integer of one index, once per row or key)
+            text = f"(float)({emit(args[0])})"
         elif op == "where":
             text = f"({emit(args[0])} ? {cast(args[1], mine)} : {cast(args[2], mine)})"
         else:  # pragma: no cover - the tracer makes no other node
@@ -1225,11 +1276,12 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", gr
         arrays = buffers(mod, which)
         # (score_mod's derivative under a name of its own: a constant's is the same expression)
         name = f"{mod.name}_grad" if field == "gradient" else mod.name
-        # A row's or key's part keeps its checks: unchecked, ptxas hoisted those loads (one per
-        # key of a fragment) and spilled the Hopper kernels 12-56 bytes (document masks, causal).
+        # A row's or key's part keeps its checks, and its outside flag: unchecked, ptxas hoisted
+        # those loads (one per key of a fragment) and spilled the Hopper kernels 12-56 bytes; with
+        # the check kept but the flag dropped, 4-32 bytes (document masks, d = 64 and 128).
         depends = _dependencies(mod.expr)
         inside = frozenset(i for i in _reads_inside(mod.expr, grid) if depends[i] not in (_ON_ROW, _ON_KEY))
-        parts.append(cuda_source(mod, name, inside))
+        parts.append(cuda_source(mod, name, inside, grid))
         for struct, suffix in ((fields, "state"), (row_fields, "row"), (key_fields, "key")):
             struct.append(f"  {name}_{suffix} {field};")
         heads.append(f"  {name}_head({', '.join(['b', 'h', *arrays, f'st.{field}'])});")

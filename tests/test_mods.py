@@ -607,6 +607,7 @@ def test_a_call_s_index_ranges_drop_the_checks_of_the_reads_they_keep_inside():
     both = _mods.kernel_mods(alibi, document, grid=grid).source
     assert both.count("outside |= !in") == 2 and "r.outside |= !in" in both and "k.outside |= !in" in both
     assert "outside |= !in" not in _mods.kernel_mods(relative, None, grid=grid).source
+    assert "outside |= !in" in _mods.kernel_mods(relative, None, grid=_mods.Grid(2, heads, n + 1, n)).source
 
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))

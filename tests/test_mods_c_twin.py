@@ -439,3 +439,42 @@ def test_the_kernels_tile_loops_match_the_hook_score_by_score(tmp_path):
                         assert bad == 0, f"{name}: {bad} scores differ (Nq {seqlen_q}, Nk {seqlen_k}, {row0}, {key0})"
                         checked += 1
     assert checked == len(traced) * 24
+
+
+def test_an_index_difference_converted_by_parts_is_the_integer_s_float(tmp_path):
+    """With a call's grid under 2^24 positions, an integer of both indices that a float takes
+    (ALiBi's |q_idx - kv_idx|, a signed distance) is computed from q_idx and kv_idx converted once
+    per row and per key (_mods._float_by_parts): bit for bit the float of the integer, up to the
+    last position; past 2^24 positions the kernels convert the integer itself."""
+    slopes = (2.0 ** -np.arange(1, NH + 1)).astype(np.float32)
+    score_mod = _mods.trace_score_mod(lambda s, b, h, q, kv: s - slopes[h] * mods.abs(q - kv) + 0.5 * (kv - q))
+    largest = (1 << 24) - 1  # positions 0 .. 2^24 - 1: every difference a float exactly
+    grids = {
+        "ints": None,
+        "parts": _mods.Grid(1, NH, largest + 1, largest + 1),
+        "past": _mods.Grid(1, NH, (1 << 24) + 1, 2),
+    }
+    sources = {name: _mods.kernel_mods(score_mod, None, grid=grid).source for name, grid in grids.items()}
+    assert "fabsf(" in sources["parts"] and "(float)(q_idx)" in sources["parts"]
+    assert "fabsf(" not in sources["ints"] and "fabsf(" not in sources["past"]
+    parts = [PRELUDE]
+    for n, source in enumerate(sources.values()):
+        parts += [f"namespace pair{n} {{", source, "}", DRIVER.format(n=n)]
+    library = host_library("\n".join(parts), tmp_path, "-ffp-contract=off", "-Wno-unused-variable")
+    rng = np.random.default_rng(13)
+    count = 4000
+    values = {
+        "score": (rng.standard_normal(count) * 8).astype(np.float32),
+        "b": np.zeros(count, np.int32),
+        "h": rng.integers(0, NH, count).astype(np.int32),
+        "q_idx": rng.integers(0, largest + 1, count).astype(np.int32),
+        "kv_idx": rng.integers(0, largest + 1, count).astype(np.int32),
+    }
+    values["q_idx"][:4], values["kv_idx"][:4] = [0, largest, largest, 0], [largest, 0, largest, 0]
+    values["kv_idx"][4:2000] = np.clip(values["q_idx"][4:2000] + rng.integers(-40, 40, 1996), 0, largest)
+    outputs = [_run(library, n, _params(kernel, score_mod, None), values) for n, kernel in enumerate(
+        _mods.kernel_mods(score_mod, None, grid=grid) for grid in grids.values())]  # fmt: skip
+    for got in outputs[1:]:
+        for a, b in zip(got, outputs[0], strict=True):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    _same(outputs[0][0], _expected(score_mod, None, values)[0], "ints against the host path", exact=False)

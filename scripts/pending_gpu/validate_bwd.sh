@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Hopper backward with a score_mod after 11f9a53 (every part of its dV / dK pass run; 772d394
 # ran one or two of 4-8 and left dQ's later rows unwritten) and the reads a call's index ranges
-# keep inside their arrays compiled unchecked (_mods.Grid): the score-function GPU tests, then
+# keep inside their arrays compiled unchecked (_mods.Grid; fdd909e) and an index difference that
+# a float takes converted by parts (ALiBi's |q_idx - kv_idx|): the score-function GPU tests, then
 # memcheck (and racecheck, given 200 s) over the score-function variants, then with what time is
 # left ALiBi's and softcap's forward and forward + backward beside FlexAttention and the built-in
 # options (d = 64 first: ALiBi's forward was 0.69-0.74x FlexAttention there).
