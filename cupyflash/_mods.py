@@ -808,6 +808,7 @@ def _c_const(value: Any, kind: str) -> str:
 # score costs the tensor cores about 1/8 of a cycle of an SM at d = 128, and an instruction per
 # score 1/128 of one, so a few per score decide the kernel's speed.
 _INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 # b, h, q_idx and kv_idx: indices of the problem's grid, never negative and under 2^31 (a
 # score's hook runs for row < Nq and key < Nk alone; a row's or a key's part also runs for the
 # rows and keys of a tile past the sequence, whose values are then unused: variants.cuh's
@@ -880,6 +881,8 @@ def _int_ranges(root: Expr, arguments: dict[str, Range] | None = None) -> dict[i
         for x in args:  # every integer node below gets its range too
             if isinstance(x, Expr) and id(x) not in ranges:
                 of(x)
+        if found is not None and (found[0] < _INT64[0] or found[1] > _INT64[1]):
+            found = None  # past 64 bits the kernels' (and NumPy's) integers wrap: no bound holds
         ranges[id(e)] = found
         return found
 
@@ -899,8 +902,12 @@ class Grid:
     seqlen_q: int
     seqlen_k: int
 
-    def ranges(self) -> dict[str, Range]:
+    def ranges(self) -> dict[str, Range] | None:
+        """Each index argument's interval; None for an empty grid (a call with no rows, keys,
+        batch entries or heads runs no function: nothing is proven by it)."""
         extents = {"b": self.batch, "h": self.heads, "q_idx": self.seqlen_q, "kv_idx": self.seqlen_k}
+        if min(extents.values()) < 1:
+            return None
         return {name: (0, n - 1) for name, n in extents.items()}
 
 
@@ -909,9 +916,10 @@ def _reads_inside(root: Expr, grid: Grid | None) -> frozenset[int]:
     on every axis (ALiBi's ``slopes[h]`` when it has H entries, ``bias[h, q_idx - kv_idx + n]``
     when the table has 2n columns, a document id's ``doc[q_idx]`` when doc has Nq entries).
     None: every read checked."""
-    if grid is None or min(grid.batch, grid.heads, grid.seqlen_q, grid.seqlen_k) < 1:
+    arguments = None if grid is None else grid.ranges()
+    if arguments is None:
         return frozenset()
-    ranges = _int_ranges(root, grid.ranges())
+    ranges = _int_ranges(root, arguments)
     inside = set()
     stack, seen = [root], set()
     while stack:
@@ -977,9 +985,10 @@ def _float_by_parts(
     ``b`` each of one index (or of b and h), as the float it converts to, computed from ``a`` and
     ``b`` converted in their own parts: once per row and per key of a fragment rather than per
     score (ALiBi's |q_idx - kv_idx|: a subtraction, IABS, a move and I2FP per score, then
-    FADD with the absolute value free in the FFMA). Only where ``ranges`` (the call's grid)
-    keep ``a``, ``b`` and ``e`` under 2^24 in magnitude, where every step is exact: the same
-    float as converting ``e``. None otherwise. ``made(op, args, depends)`` makes a node."""
+    FADD with the absolute value free in the FFMA). Only where ``ranges`` (over the call's grid,
+    or the expression's own, as ``q_idx % 64``'s) keep ``a``, ``b`` and ``e`` under 2^24 in
+    magnitude, where every step is exact: the same float as converting ``e``. None otherwise.
+    ``made(op, args, depends)`` makes a node."""
     inner = e.args[0] if e.op == "abs" else e
     if depends.get(id(e)) != _ON_ROW | _ON_KEY or inner.op not in ("add", "sub"):
         return None
@@ -1052,7 +1061,8 @@ def cuda_source(mod: Mod, name: str = "", inside: frozenset[int] = frozenset(), 
 
     # An integer of both indices that a float takes, such as ALiBi's |q_idx - kv_idx|: from its
     # row's and its key's values, each converted once per part (``_float_by_parts``).
-    in_grid = _int_ranges(mod.expr, None if grid is None else grid.ranges())
+    arguments = None if grid is None else grid.ranges()
+    in_grid = ranges if arguments is None else _int_ranges(mod.expr, arguments)
     by_parts: dict[int, Expr | None] = {}
     made: list[Expr] = []  # (the new nodes, alive while their ids key depends)
 

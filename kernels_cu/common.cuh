@@ -26,6 +26,26 @@ CF_DEVICE bool is_nan(float x) { return x != x; }
 
 CF_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// f(0), f(1), ..., f(N - 1), each index a literal after inlining: a `#pragma unroll` loop over
+// the calls of a lambda left the index to run time in one variant (the fragments it indexes went
+// to the stack), and calls written out by hand can repeat or skip one.
+template <int... I>
+struct IndexList {};
+template <int N, int... I>
+struct MakeIndexList : MakeIndexList<N - 1, N - 1, I...> {};
+template <int... I>
+struct MakeIndexList<0, I...> {
+  using type = IndexList<I...>;
+};
+template <typename F, int... I>
+CF_DEVICE void call_each_index(F& f, IndexList<I...>) {
+  (f(I), ...);
+}
+template <int N, typename F>
+CF_DEVICE void for_each_index(F& f) {
+  call_each_index(f, typename MakeIndexList<N>::type{});
+}
+
 // ---------------------------------------------------------------------------------------------
 // Element types: the two 16-bit floating types the tensor cores take.
 // ---------------------------------------------------------------------------------------------

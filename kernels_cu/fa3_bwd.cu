@@ -496,13 +496,10 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
                      1);
       wgmma_commit();
     };
-    // Every part, each called with a literal: a `#pragma unroll` loop over the calls left `part`
-    // to run time at d = 64 and put the fragments on the stack (768 bytes).
-    static_assert(kParts == 1 || kParts == 2 || kParts == 4 || kParts == 8, "parts of the rows");
-    dv_dk_part(0);
-    if constexpr (kParts >= 2) dv_dk_part(1);
-    if constexpr (kParts >= 4) dv_dk_part(2), dv_dk_part(3);
-    if constexpr (kParts == 8) dv_dk_part(4), dv_dk_part(5), dv_dk_part(6), dv_dk_part(7);
+    // Every part once, each index a literal (a `#pragma unroll` loop over the calls put the
+    // fragments on the stack at d = 64: 768 bytes)
+    static_assert(kNTiles % kParts == 0 && kRowSteps % kParts == 0, "whole k-steps a part");
+    for_each_index<kParts>(dv_dk_part);
 
     // dS^T to shared memory: key rows of 64 query rows (128 bytes) per column block, swizzled.
 #pragma unroll

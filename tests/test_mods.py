@@ -602,6 +602,14 @@ def test_a_call_s_index_ranges_drop_the_checks_of_the_reads_they_keep_inside():
     assert unchecked(relative, _mods.Grid(1, heads, 0, n)) == (0, 1)  # an empty grid proves nothing
     assert unchecked(document, None) == (0, 2)
 
+    # past 64 bits an integer wraps (the kernels' and NumPy's): no bound holds, the read is checked
+    wraps = _mods.trace_score_mod(lambda s, b, h, q, kv: s + bias[0, (q * kv * 2**32) // 2**58])
+    assert unchecked(wraps, _mods.Grid(1, 1, 65536, 65536)) == (0, 1)
+    # a call with no rows proves nothing, and its device code is every read checked
+    quotient = _mods.trace_score_mod(lambda s, b, h, q, kv: s + bias[h, kv // (q + 1)])
+    for empty in (_mods.Grid(1, heads, 0, n), _mods.Grid(0, heads, n, n)):
+        assert _mods.kernel_mods(quotient, None, grid=empty).source == _mods.kernel_mods(quotient, None).source
+
     grid = _mods.Grid(2, heads, n, n)
     assert _mods.kernel_mods(alibi, document).source.count("outside |= !in") == 3
     both = _mods.kernel_mods(alibi, document, grid=grid).source
