@@ -99,7 +99,8 @@ class ScoreFunctionBuild:
         start = time.perf_counter()
         score_mod = None if score_fn is None else _mods.trace_score_mod(score_fn)
         mask_mod = None if mask_fn is None else _mods.trace_mask_mod(mask_fn)
-        kernel = _mods.kernel_mods(score_mod, mask_mod, _mod_tiles.kernel_source(mask_mod))
+        grid = _mods.Grid(1, heads, n, n)  # (as a call's: the reads its shapes keep inside unchecked)
+        kernel = _mods.kernel_mods(score_mod, mask_mod, _mod_tiles.kernel_source(mask_mod), grid)
         problem = attention_problem(shape, shape, shape, causal=False, scale=None, window=(-1, -1), softcap=0.0,
                                     layout="bshd")  # fmt: skip
         problem = with_implied_bounds(problem, mask_mod)
