@@ -1005,7 +1005,7 @@ def _float_by_parts(
     return made("abs", (combined,), depends[id(e)]) if e.op == "abs" else combined
 
 
-def cuda_source(mod: Mod, name: str = "", inside: frozenset[int] = frozenset(), grid: Grid | None = None) -> str:
+def cuda_source(mod: Mod, name: str = "", grid: Grid | None = None) -> str:
     """``mod`` as device C (deterministic text; include ``CUDA_HELPERS`` once before it), named
     ``name`` (``mod.name`` by default), in four functions by what a value depends on
     (``_dependencies``): ``<name>_head(b, h, arrays..., <name>_state&)`` what depends on b and h
@@ -1019,9 +1019,12 @@ def cuda_source(mod: Mod, name: str = "", inside: frozenset[int] = frozenset(), 
     operands), so a 1-D array's read is ``buf[i]``, with no 64-bit multiply. ``outside``
     is set where an index falls outside its array (the host path raises there; the kernel reads
     nothing past the array and its caller makes the score NaN, so the row's output is NaN).
-    The reads in ``inside`` (node ids: ``_reads_inside``, a call's ranges keep them in their
-    arrays; ``kernel_mods`` passes per-head and per-score ones) have no check: per score, a
-    check's compare and the NaN select were 2 of ALiBi's 11 instructions in the Hopper forward.
+    A per-head or per-score read that ``grid`` (a call's index ranges, ``_reads_inside``) keeps
+    inside its array has no check: per score, a check's compare and the NaN select were 2 of
+    ALiBi's 11 instructions in the Hopper forward. A row's or key's part keeps its checks and its
+    outside flag: the tile loops compute those parts past the sequence too; unchecked, ptxas
+    hoisted their loads and spilled the Hopper kernels 12-56 bytes, and with the check kept but
+    the flag dropped 4-32 bytes (document masks, d = 64 and 128).
 
     For speed, as the kernels' built-in transforms: what depends on b and h alone (ALiBi's
     slope, a per-head table's value) is computed once per tile by the head function, not once
@@ -1063,6 +1066,7 @@ def cuda_source(mod: Mod, name: str = "", inside: frozenset[int] = frozenset(), 
     # row's and its key's values, each converted once per part (``_float_by_parts``).
     arguments = None if grid is None else grid.ranges()
     in_grid = ranges if arguments is None else _int_ranges(mod.expr, arguments)
+    inside = {i for i in _reads_inside(mod.expr, grid) if depends[i] not in (_ON_ROW, _ON_KEY)}  # (see above)
     by_parts: dict[int, Expr | None] = {}
     made: list[Expr] = []  # (the new nodes, alive while their ids key depends)
 
@@ -1247,9 +1251,9 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", gr
     as ``<hook>_at``, taking the parts of its row (``cf_user_row``: what depends on q_idx alone)
     and of its key (``cf_user_key``) computed once for every score that shares them. ``tiles``:
     the mask's tile classes (``_mod_tiles.kernel_source``), appended where a call asks for them.
-    ``grid``: the call's index ranges, where a read they keep inside its array needs no check
-    (``_reads_inside``: a per-head or per-score read; the variant then holds for every call whose
-    ranges keep the same reads inside); None: every read checked."""
+    ``grid``: the call's index ranges, where a per-head or per-score read they keep inside its
+    array needs no check (``cuda_source``; the variant then holds for every call whose ranges
+    keep the same reads inside); None: every read checked."""
     # whether there is a score function: without one, the kernels keep their own scale and a
     # BlockMask's plain tiles run no code at all; whether there is a mask function: without one,
     # a tile's class changes nothing and the hook is written once (variants.cuh's UserMods)
@@ -1286,12 +1290,7 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", gr
         arrays = buffers(mod, which)
         # (score_mod's derivative under a name of its own: a constant's is the same expression)
         name = f"{mod.name}_grad" if field == "gradient" else mod.name
-        # A row's or key's part keeps its checks, and its outside flag: unchecked, ptxas hoisted
-        # those loads (one per key of a fragment) and spilled the Hopper kernels 12-56 bytes; with
-        # the check kept but the flag dropped, 4-32 bytes (document masks, d = 64 and 128).
-        depends = _dependencies(mod.expr)
-        inside = frozenset(i for i in _reads_inside(mod.expr, grid) if depends[i] not in (_ON_ROW, _ON_KEY))
-        parts.append(cuda_source(mod, name, inside, grid))
+        parts.append(cuda_source(mod, name, grid))
         for struct, suffix in ((fields, "state"), (row_fields, "row"), (key_fields, "key")):
             struct.append(f"  {name}_{suffix} {field};")
         heads.append(f"  {name}_head({', '.join(['b', 'h', *arrays, f'st.{field}'])});")
