@@ -269,7 +269,7 @@ def cmd_bench_mods(args: argparse.Namespace) -> int:
     for shape in bench.MODS_SHAPES:
         if args.head_dims and shape.head_dim not in args.head_dims:
             continue
-        for name, functions in bench.mods_gallery(shape.seqlen).items():
+        for name, functions in bench.mods_gallery(shape.seqlen, shape.heads).items():
             if args.functions and name not in args.functions:
                 continue
             for backward in (False, True) if args.backward else (False,):

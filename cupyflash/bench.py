@@ -1353,11 +1353,11 @@ MODS_SHAPES = tuple(
 )
 
 
-def mods_gallery(seqlen: int) -> dict[str, dict[str, Any]]:
+def mods_gallery(seqlen: int, heads: int) -> dict[str, dict[str, Any]]:
     """The gallery's functions, each three ways: cupyflash's (``score_mod`` / ``mask_mod`` with
     ``cupyflash.mods``), FlexAttention's (torch ops; ``mask`` for its block mask) and the built-in
     options computing the same attention where cupyflash has them (None otherwise). Document
-    masking packs four documents of random lengths (seed 0)."""
+    masking packs four documents of random lengths (seed 0); ALiBi has a slope per head."""
     import torch
 
     from . import mods
@@ -1366,7 +1366,7 @@ def mods_gallery(seqlen: int) -> dict[str, dict[str, Any]]:
     bounds = torch.sort(torch.randint(1, seqlen, (3,), generator=gen, device="cuda")).values
     doc = torch.bucketize(torch.arange(seqlen, device="cuda"), bounds, right=True).to(torch.int32)
     window, cap = 1024, 30.0
-    slopes = torch.exp2(-torch.arange(1, 33, device="cuda", dtype=torch.float32) * 0.25)
+    slopes = torch.exp2(-torch.arange(1, heads + 1, device="cuda", dtype=torch.float32) * (8 / heads))
     return {
         "causal": {"mask_mod": lambda b, h, i, j: j <= i, "flex_mask": lambda b, h, i, j: j <= i,
                    "builtin": {"causal": True}},
