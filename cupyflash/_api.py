@@ -204,8 +204,8 @@ def attention(
         ALiBi, as flash-attn's: the score of query ``i`` and key ``j`` gains
         ``-slope * |i + Nk - Nq - j|`` (after the scale and softcap, before the mask), the slope
         of the query head (and batch entry). Same library and device as ``q``. On the GPU: the
-        FA2 kernel (``"auto"`` picks it, with softcap too; ``"fa3"`` and ``"decode"`` have
-        no ALiBi).
+        Hopper kernel where ``"auto"`` picks it (its backward too, but with softcap: FA2's), else
+        the FA2 kernel; ``"decode"`` has no ALiBi.
     attn_mask : array, optional
         SDPA's ``attn_mask``, broadcast to ``(B, Hq, Nq, Nk)`` axis by axis (2 to 4 dims, each
         full or 1, missing leading ones 1): boolean (True: the key takes part) or additive (q's

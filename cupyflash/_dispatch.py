@@ -272,8 +272,9 @@ def fa3_fwd_spec(
         short = seqlen_k <= FA3_SHORT_SEQLEN and not (varlen and batch_invariant)
         tile = (FA3_SHORT_FWD_TILES.get(key) if short else None) or FA3_FWD_TILES[key]
     return Fa3FwdSpec(
-        dtype, width, tile, flags.causal, flags.local, flags.softcap, varlen, valid_dim, mods_source=mods_source
-    )
+        dtype, width, tile, flags.causal, flags.local, flags.softcap, varlen, valid_dim, mods_source=mods_source,
+        alibi=flags.alibi,
+    )  # fmt: skip
 
 
 def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
@@ -282,10 +283,10 @@ def all_fa3_fwd_specs() -> list[Fa3FwdSpec]:
         for dtype in ("float16", "bfloat16"):
             for causal in (False, True):
                 for local in (False, True):
-                    for softcap in (False, True):
+                    for softcap, alibi in SCORE_VARIANTS:
                         for seqlen_k in (FA3_SHORT_SEQLEN, FA3_SHORT_SEQLEN + 1):
                             for varlen in (False, True):
-                                flags = MaskFlags(causal, local, softcap)
+                                flags = MaskFlags(causal, local, softcap, alibi=alibi)
                                 spec = fa3_fwd_spec(dtype, head_dim, flags, seqlen_k, varlen)
                                 assert spec is not None
                                 if spec not in specs:
@@ -626,25 +627,30 @@ def fa3_bwd_spec(
     dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool, mods_source: str = ""
 ) -> Fa3BwdSpec | None:
     """The Hopper backward for a call, or None where it has none (then FA2's runs): head dims
-    other than FA3_BWD_HEAD_DIMS, dropout, ALiBi, an attn_mask and packed sequences. Score
+    other than FA3_BWD_HEAD_DIMS, dropout, ALiBi with softcap, an attn_mask and packed sequences. Score
     functions (``mods_source``: their device code) compile into it: a BlockMask's summary, where
     the call has one, bounds its query blocks (and spares a mask alone's plain tiles the mask).
     ``deterministic``: dQ's adds into each tile in a fixed order (fa3_bwd.cu)."""
     if head_dim not in FA3_BWD_HEAD_DIMS or packed:
         return None
-    if flags.dropout or flags.alibi or (flags.mask and not (flags.mask == "mods" and mods_source)):
+    if flags.dropout or (flags.alibi and flags.softcap):
         return None
-    return Fa3BwdSpec(dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source)
+    if flags.mask and not (flags.mask == "mods" and mods_source):
+        return None
+    return Fa3BwdSpec(
+        dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi
+    )
 
 
 def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
+    """The Hopper backward's variants warmup compiles: every one but a score function's."""
     return [
-        Fa3BwdSpec(dtype, head_dim, causal, local, softcap, deterministic)
+        Fa3BwdSpec(dtype, head_dim, causal, local, softcap, deterministic, alibi=alibi)
         for head_dim in FA3_BWD_HEAD_DIMS
         for dtype in CUDA_ELEMENT_TYPES
         for causal in (False, True)
         for local in (False, True)
-        for softcap in (False, True)
+        for softcap, alibi in SCORE_VARIANTS
         for deterministic in (False, True)
     ]
 

@@ -349,6 +349,7 @@ class Fa3FwdSpec(_KernelSpecBase):
     valid_dim: int = 0  # the caller's head dim (a multiple of 8), when below head_dim
     fp8: bool = False  # q, k, v in e4m3 (V read as Vt, fp8_vt.cu's output); dtype is the output's
     mods_source: str = ""  # a user score_mod / mask_mod's device code (as Fa2FwdSpec's)
+    alibi: bool = False  # ALiBi slopes (variants.cuh's Alibi, after the softcap)
 
     kernel = "fa3_fwd"
     source_file = "fa3_fwd.cu"
@@ -370,6 +371,8 @@ class Fa3FwdSpec(_KernelSpecBase):
             raise ValueError(f"no FP8 forward variant for {self}: head dims {FP8_FWD_HEAD_DIMS}, 128-key blocks")
         if self.mods_source and (self.fp8 or self.softcap):
             raise ValueError("score_mod / mask_mod do not combine with FP8 inputs or softcap on the Hopper forward")
+        if self.alibi and (self.fp8 or self.mods_source):
+            raise ValueError("ALiBi does not combine with FP8 inputs or score_mod / mask_mod on the Hopper forward")
 
     @property
     def persistent(self) -> bool:
@@ -399,6 +402,7 @@ class Fa3FwdSpec(_KernelSpecBase):
             ("pp", t.pingpong),
             ("dyn", t.dynamic),
             *_mask_flags(self.causal, self.local, self.softcap),
+            ("alibi", self.alibi),
             ("varlen", self.varlen),
             (f"mods{_digest(self.mods_source)}", bool(self.mods_source)),
         )
@@ -425,7 +429,11 @@ class Fa3FwdSpec(_KernelSpecBase):
         return (
             self.head_dim, t.block_n, t.consumers, t.stages, t.separate_o, t.pingpong, t.dynamic, self.varlen,
             f"E4m3Inputs<{element}>" if self.fp8 else element, self.causal, self.local, self.softcap,
-            *((self.valid_dim, True) if self.mods_source else _columns_arg(self.valid_dim)),
+            *(
+                (self.valid_dim, bool(self.mods_source), True) if self.alibi
+                else (self.valid_dim, True) if self.mods_source
+                else _columns_arg(self.valid_dim)
+            ),
         )  # fmt: skip
 
     # one CTA per SM (setmaxnreg needs the whole register file): the default _min_blocks of 1
@@ -946,6 +954,7 @@ class Fa3BwdSpec(_KernelSpecBase):
     softcap: bool = False
     deterministic: bool = False  # dQ's adds in a fixed order per tile (a writer warp, semaphores)
     mods_source: str = ""  # a user score_mod / mask_mod's device code (fa3_bwd.cu)
+    alibi: bool = False  # ALiBi slopes (not with softcap or score functions)
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -965,6 +974,8 @@ class Fa3BwdSpec(_KernelSpecBase):
             raise ValueError(f"the Hopper backward takes head_dim in {FA3_BWD_HEAD_DIMS}, got {self.head_dim}")
         if self.mods_source and self.softcap:
             raise ValueError("score_mod / mask_mod do not combine with softcap on the Hopper backward")
+        if self.alibi and (self.softcap or self.mods_source):
+            raise ValueError("ALiBi does not combine with softcap or score_mod / mask_mod on the Hopper backward")
 
     def _name_parts(self) -> tuple[object, ...]:
         return (_SHORT_DTYPE[self.dtype], self.head_dim)
@@ -972,6 +983,7 @@ class Fa3BwdSpec(_KernelSpecBase):
     def _name_flags(self) -> tuple[tuple[str, bool], ...]:
         return (
             *_mask_flags(self.causal, self.local, self.softcap),
+            ("alibi", self.alibi),
             ("det", self.deterministic),
             (f"mods{_digest(self.mods_source)}", bool(self.mods_source)),
         )
@@ -996,7 +1008,7 @@ class Fa3BwdSpec(_KernelSpecBase):
         dtype = CUDA_ELEMENT_TYPES[self.dtype]
         return (
             self.head_dim, self.block_m, dtype, self.causal, self.local, self.softcap, self.deterministic,
-            bool(self.mods_source),
+            bool(self.mods_source), *((True,) if self.alibi else ()),
         )  # fmt: skip
 
 

@@ -65,7 +65,7 @@ struct Fa3BwdSharedStorage {
 
 template <int kHeadDim_, int kBlockM_, typename Element_, bool Is_causal_, bool Is_local_,
           bool Has_softcap_ = false, bool Deterministic_ = false, bool Has_user_mask_ = false,
-          bool Dq_writer_ = Deterministic_>
+          bool Has_alibi_ = false, bool Dq_writer_ = Deterministic_>
 struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -95,6 +95,12 @@ struct Fa3BwdTraits {
   // score, so that no second array of 32-64 floats (the logits beside the raw scores, as the
   // mma.sync backward keeps them) sits beside the accumulators.
   static constexpr bool Has_user_score = UserMask::kHasScoreMod;
+  // ALiBi's bias (flash-attn's alibi_slopes), added to each logit where P^T is formed: d logit /
+  // d score is 1, so dS^T is formed as without it. (Not after a softcap: its derivative would
+  // need the capped score without the bias; softcap with ALiBi runs on the mma.sync backward.)
+  static constexpr bool Has_alibi = Has_alibi_;
+  static_assert(!Has_alibi || !(Has_softcap || Has_user_mask), "ALiBi alone (no softcap, no mods)");
+  using Bias = ScoreTransform<false, Has_alibi_, kNoBias, Element_>;  // Alibi, or nothing
   // dQ's adds issued by a warp of the producer warpgroup from two staging buffers (else by a
   // consumer thread from one, which then waits for nothing but the last add's reads).
   static constexpr bool Dq_writer = Dq_writer_;
@@ -385,6 +391,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     const int stage = step % kStages;
     const BwdStep next = next_step(at);
     if (step + 1 < steps) load_row_values(next, row_values);
+    // ALiBi's slope for the step's head (a padded batch: one shift), read before the waits
+    [[maybe_unused]] const typename Traits::Bias bias(a, batch, at.head, a.seqlen_k - a.seqlen_q);
     mbar_wait(smem.q_full(stage), (step / kStages) & 1);
     const uint32_t q_tile = smem.q(stage);
     const uint32_t do_tile = smem.dout(stage);
@@ -464,6 +472,12 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
           for (int c = 0; c < 2; ++c) {
             float logit = s[0][nt][2 * half + c];
             float slope = 1.f;  // d logit / d (scaled score): score_mod's derivative
+            // ALiBi here, where P^T is formed, not over all of S^T after the mask: that kept the
+            // bias of a whole step live and spilled the bounded variants at d = 64 (4-12 bytes).
+            // After the mask, -inf stays -inf.
+            if constexpr (Traits::Has_alibi)
+              logit = bias(logit, row0 + 8 * nt + 2 * (lane % 4) + c,
+                           key0 + warp_key0 + lane / 4 + 8 * half);
             if constexpr (Traits::Has_user_score) {  // element 2 half + c of column tile nt
               const int key = key0 + warp_key0 + lane / 4 + 8 * half;
               const int row = row0 + 8 * nt + 2 * (lane % 4) + c;

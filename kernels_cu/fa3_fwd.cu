@@ -66,7 +66,8 @@ struct Fa3Elements<E4m3Inputs<Out>> {
 
 template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_,
           bool Pingpong_, bool Dynamic_, bool Varlen_, typename Element_, bool Is_causal_,
-          bool Is_local_, bool Has_softcap_, int kValidDim_ = 0, bool User_mods_ = false>
+          bool Is_local_, bool Has_softcap_, int kValidDim_ = 0, bool User_mods_ = false,
+          bool Has_alibi_ = false>
 struct Fa3FwdTraits {
   // Element: O's type (and P's, with 16-bit inputs); Input: Q's, K's and V's in memory.
   using Element = typename Fa3Elements<Element_>::Output;
@@ -115,7 +116,9 @@ struct Fa3FwdTraits {
   static constexpr bool Has_softcap = Has_softcap_;
   // A user score_mod / mask_mod (variants.cuh's UserMods): per score, after Q K^T, as the softcap.
   static constexpr bool User_mods = User_mods_;
-  using Transform = ScoreTransform<Has_softcap, false, User_mods_ ? kUserMods : kNoBias>;
+  // ALiBi's bias (flash-attn's alibi_slopes; variants.cuh's Alibi), after the softcap if any.
+  static constexpr bool Has_alibi = Has_alibi_;
+  using Transform = ScoreTransform<Has_softcap, Has_alibi, User_mods_ ? kUserMods : kNoBias>;
   // The online softmax of a warp's 16 rows (named here, where the Traits are instantiated: a
   // member of type OnlineSoftmax<1> would instantiate it at its definition, which reorders the
   // symbols of the cubin).
@@ -161,6 +164,7 @@ struct Fa3FwdTraits {
                 "O in its own buffer; no varlen, softcap or partial head dim yet");
   static_assert(Columns::kWholeChunks, "TMA rows are 16-byte multiples: head dims of 8 k");
   static_assert(!Pingpong || kConsumers == 2, "ping-pong alternates two consumers");
+  static_assert(!Has_alibi || !(Fp8 || User_mods), "ALiBi: 16-bit inputs, no score_mod");
 };
 
 // O += P V for the V tile in `v_slot` (a function template, not a lambda of the kernel: NVRTC

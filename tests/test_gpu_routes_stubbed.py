@@ -75,6 +75,29 @@ def test_attention_options_route_to_fa2(launches):
     _check(launches, "mask")
 
 
+def test_alibi_routes_to_the_hopper_kernels(launches):
+    """ALiBi alone runs on the Hopper forward and backward (and the forward of packed sequences);
+    with softcap the backward stays on the mma.sync kernel (its derivative needs the capped score)."""
+    q = stand_in((2, 300, 8, 64), "bfloat16")
+    kv = stand_in((2, 333, 2, 64), "bfloat16")
+    lse = stand_in((2, 8, 300), "float32")
+    slopes = stand_in((2, 8), "float32")
+    cupyflash.attention(q, kv, kv, alibi_slopes=slopes, causal=True)
+    _check(launches, "fa3_fwd")
+    assert "_alibi" in launches[-1][0].steps[-1].spec.name
+    cupyflash.attention_backward(q, q, kv, kv, q, lse, alibi_slopes=slopes, causal=True)
+    _check(launches, "fa3_bwd", optional=("dlse",))
+    assert any("fa3_bwd" in s.spec.name and "_alibi" in s.spec.name for s in launches[-1][0].steps)
+    cupyflash.attention_backward(q, q, kv, kv, q, lse, alibi_slopes=slopes, softcap=5.0)
+    _check(launches, "fa2_bwd", optional=("dlse",))
+    launches.clear()
+    packed = stand_in((1000, 8, 128), "bfloat16")
+    cu = stand_in((3,), "int32")
+    cupyflash.attention_varlen(packed, packed, packed, cu, cu, 600, 600, alibi_slopes=slopes)
+    _check(launches, "fa3_fwd")
+    assert "_alibi_varlen" in launches[-1][0].steps[-1].spec.name
+
+
 def test_decode_and_cache_calls(launches):
     q = stand_in((8, 1, 32, 128), "float16")
     cache = stand_in((8, 4096, 8, 128), "float16")

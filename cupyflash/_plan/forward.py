@@ -75,10 +75,10 @@ def forward_spec(
                 "or the bias into score_mod (softcap: lambda s, b, h, q, kv: c * mods.tanh(s / c))"
             )
         source = mods.source
-    fa2_only = flags.dropout or flags.alibi or p.seqused_k or bool(p.mask)
+    fa2_only = flags.dropout or p.seqused_k or bool(p.mask)
     if fa2_only and algorithm == "fa3":
         raise ValueError(
-            "algorithm='fa3' (the Hopper kernel) has no dropout, ALiBi or seqused_k: use algorithm='fa2' or 'auto'"
+            "algorithm='fa3' (the Hopper kernel) has no dropout, attn_mask or seqused_k: use algorithm='fa2' or 'auto'"
         )
     if algorithm in ("fa3", "auto") and not fa2_only:
         hopper = device.arch == HOPPER_ARCH
