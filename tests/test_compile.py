@@ -97,10 +97,14 @@ def head_dim_sample() -> list[KernelSpec]:
     ]
     for flags, head_dims in sample:
         for head_dim in head_dims:
-            if flags.softcap and flags.alibi:  # the forward's and the cache's too
+            if flags.softcap and flags.alibi:  # the forward's and the cache's too, and Hopper's
                 specs.append(_dispatch.fa2_fwd_spec("bfloat16", head_dim, flags, 232448))
                 specs.append(_dispatch.fa2_fwd_spec("float16", head_dim, replace(flags, dropout=False), 232448,
                                                     over_cache=True))  # fmt: skip
+                no_dropout = replace(flags, dropout=False)
+                for seqlen_k, varlen in ((4096, False), (1024, True)):  # its long and short tiles
+                    hopper = _dispatch.fa3_fwd_spec("bfloat16", head_dim, no_dropout, seqlen_k, varlen)
+                    specs += [hopper] if hopper is not None else []
             specs.append(_dispatch.fa2_bwd_spec("bfloat16", head_dim, flags))
             specs.append(_dispatch.fa2_bwd_spec("float16", head_dim, flags, deterministic=True))
             specs.append(_dispatch.fa2_bwd_dq_spec("float16", head_dim, flags))
