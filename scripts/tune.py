@@ -2,6 +2,7 @@
 
     python scripts/tune.py fa2 [--head-dims 64 128] [--dtype bfloat16] [--json OUT]
     python scripts/tune.py fa3 [--head-dims 64] [--short] [--dtype bfloat16] [--json OUT]
+    python scripts/tune.py mods [--head-dims 64 128] [--seqlens 4096 16384] [--functions document ...] [--json OUT]
     python scripts/tune.py bwd [--head-dims 64 128] [--dtype bfloat16] [--json OUT]
     python scripts/tune.py decode [--tolerances 0.01 0.05] [--json OUT]
     python scripts/tune.py head-dims [--head-dims 40 80 96] [--seqlens 4096] [--json OUT]
@@ -12,6 +13,10 @@ table, checked against the float64 reference on awkward shapes, and timed on ben
 shapes (H * d = 2048, B * N = 16384); a candidate that spills is skipped. The table of TFLOP/s
 per candidate is what FA2_FWD_TILES / FA3_FWD_TILES / FA3_SHORT_FWD_TILES are set from.
 ``fa3 --short``: the short-call candidates at N = 1024, with cuDNN beside them.
+
+mods: the Hopper forward's tile with a score or mask function (FA3_MODS_FWD_TILES): each
+candidate (static or dynamic schedule) for the gallery's functions beside FlexAttention
+(bench.run_mods, forward; the three timings), with the candidate's spill.
 
 bwd: the FA2 backward's (block_m, block_n, d_split) per head dim (FA2_BWD_TILES): registers and spills of
 each, its gradient error, and attention_backward's TFLOP/s on the prefill shapes.
@@ -233,6 +238,48 @@ def tune_fa3(args: argparse.Namespace) -> list[dict[str, Any]]:
             _dispatch.FA3_SHORT_FWD_TILES.pop((d, True), None)
             forget_plans()
             results.append(candidate_row(d, args.dtype, tile, regs, "fa3", seqlens))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# mods: the Hopper forward's tiles with a score or mask function (FA3_MODS_FWD_TILES).
+# ---------------------------------------------------------------------------------------------
+# The two-consumer tiles, static and dynamic: a mask function makes tiles uneven (a document
+# mask's rows see their own document's keys), which a persistent CTA on a static stride does not
+# balance. (Three consumers spilled a score_mod's hook at d = 64, and their 192 rows do not divide
+# a BlockMask's 128-row range block.)
+MODS_CANDIDATES = {
+    64: [Fa3Tile(128, 2, 4, pingpong=True, dynamic=True), Fa3Tile(128, 2, 4, pingpong=True)],
+    128: [Fa3Tile(128, pingpong=True), Fa3Tile(128, pingpong=True, dynamic=True)],
+}
+
+
+def _mods_spill_bytes(tile: Fa3Tile) -> int:
+    """The most local memory of the Hopper forwards with a function built on ``tile`` so far."""
+    built = [k for k in _kernels._compiled.values() if getattr(k.spec, "mods_source", "") and k.spec.tile == tile]
+    return max((k.local_bytes for k in built), default=0)
+
+
+def tune_mods(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each candidate tile in FA3_MODS_FWD_TILES (for calls with and without a bound), then the
+    gallery's functions (bench.mods_gallery) timed beside FlexAttention by bench.run_mods: its
+    ratios over FlexAttention and the built-in options, its output's largest difference from
+    FlexAttention's, and the candidate kernels' spill."""
+    results = []
+    head_dims = args.head_dims or sorted(MODS_CANDIDATES)
+    for d in head_dims:
+        for tile in MODS_CANDIDATES[d]:
+            _dispatch.FA3_MODS_FWD_TILES[d, False] = _dispatch.FA3_MODS_FWD_TILES[d, True] = tile
+            forget_plans()
+            for n in args.seqlens:
+                shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, False, args.dtype)
+                for name, functions in bench.mods_gallery(n, shape.heads).items():
+                    if args.functions and name not in args.functions:
+                        continue
+                    row = {"tile": repr(tile), **bench.run_mods(shape, name, functions, backward=False)}
+                    row["spill_bytes"] = _mods_spill_bytes(tile)
+                    results.append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "timings_ms"}), flush=True)
     return results
 
 
@@ -460,6 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json")
         if name == "fa3":
             p.add_argument("--short", action="store_true", help="the short-call candidates at N = 1024, with cuDNN")
+    p = sub.add_parser("mods", help="the Hopper forward's tiles with score / mask functions")
+    p.add_argument("--head-dims", type=int, nargs="+")
+    p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--functions", nargs="+", help="gallery functions (bench.mods_gallery); default all")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json")
     p = sub.add_parser("bwd", help="the FA2 backward's query and key blocks")
     p.add_argument("--head-dims", type=int, nargs="+")
     p.add_argument("--dtype", default="bfloat16")
@@ -473,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json")
     args = parser.parse_args(argv)
-    tuners = {"fa2": tune_fa2, "fa3": tune_fa3, "bwd": tune_bwd, "decode": tune_decode, "head-dims": tune_head_dims}
+    tuners = {"fa2": tune_fa2, "fa3": tune_fa3, "mods": tune_mods, "bwd": tune_bwd, "decode": tune_decode,
+              "head-dims": tune_head_dims}  # fmt: skip
     results = tuners[args.kernel](args)
     _write(args.json, results)
     return 0

@@ -34,6 +34,35 @@ def test_script_imports_and_its_help_runs(name):
         assert done.value.code == 0
 
 
+def test_tune_mods_times_every_candidate_on_every_gallery_function(monkeypatch):
+    """tune.py mods puts each candidate into FA3_MODS_FWD_TILES (bounded calls too) before it
+    times the gallery's functions, and each candidate is a Hopper tile a function's call takes."""
+    from cupyflash import _dispatch, bench
+
+    tune = load("tune")
+    names = ["softcap", "document"]
+    monkeypatch.setattr(bench, "mods_gallery", lambda n, heads: {name: {} for name in [*names, "alibi"]})
+    monkeypatch.setattr(_dispatch, "FA3_MODS_FWD_TILES", dict(_dispatch.FA3_MODS_FWD_TILES))
+    seen = []
+
+    def run_mods(shape, name, functions, backward):
+        tile = _dispatch.FA3_MODS_FWD_TILES[shape.head_dim, False]
+        assert _dispatch.FA3_MODS_FWD_TILES[shape.head_dim, True] == tile and not backward
+        seen.append((shape.head_dim, shape.seqlen, repr(tile), name))
+        return {"function": name}
+
+    monkeypatch.setattr(bench, "run_mods", run_mods)
+    rows = tune.tune_mods(tune.argparse.Namespace(head_dims=None, seqlens=[4096], functions=names, dtype="bfloat16"))
+    want = [(d, 4096, repr(t), n) for d, tiles in tune.MODS_CANDIDATES.items() for t in tiles for n in names]
+    assert seen == want and len(rows) == len(want) and all(r["spill_bytes"] == 0 for r in rows)
+    for d, tiles in tune.MODS_CANDIDATES.items():
+        for tile in tiles:
+            _dispatch.FA3_MODS_FWD_TILES[d, False] = tile
+            spec = _dispatch.fa3_fwd_spec("bfloat16", d, _dispatch.MaskFlags(False, False, False), 4096,
+                                          mods_source="// f")  # fmt: skip
+            assert spec is not None and spec.tile == tile
+
+
 def test_ab_measuring_code_is_python():
     ab = load("ab")
     ast.parse(ab.PREAMBLE + ab.MEASURE_HOST)
