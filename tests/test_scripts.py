@@ -25,7 +25,9 @@ def load(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["tune", "ab", "sanitize", "sanitize_workload", "sass_evidence", "jax_jit_bench"])
+@pytest.mark.parametrize(
+    "name", ["tune", "ab", "sanitize", "sanitize_workload", "sass_evidence", "jax_jit_bench", "ncu_backward"]
+)
 def test_script_imports_and_its_help_runs(name):
     module = load(name)
     if hasattr(module, "main"):
@@ -61,6 +63,27 @@ def test_tune_mods_times_every_candidate_on_every_gallery_function(monkeypatch):
             spec = _dispatch.fa3_fwd_spec("bfloat16", d, _dispatch.MaskFlags(False, False, False), 4096,
                                           mods_source="// f")  # fmt: skip
             assert spec is not None and spec.tile == tile
+
+
+def test_ncu_backward_summary_reads_a_report(monkeypatch, capsys):
+    """ncu_backward.py --summary: one row per kernel from ncu's raw CSV (a header row, a units
+    row), time in us, the named metrics (a missing one as -), the three largest stall ratios."""
+    ncu = load("ncu_backward")
+    names = ["Kernel Name", "gpu__time_duration.sum", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+             "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+             "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+             "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+             "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+             "smsp__average_warps_issue_stalled_not_issued_per_issue_active.ratio"]  # fmt: skip
+    table = [names, ["", "ns", "%", "", "", "", "", ""], ["cf_fa3_bwd_bf16_128", "1,234,500", "71.5", "0.5", "2.25",
+             "0.75", "1.5", "9.0"], []]  # fmt: skip
+    text = "\n".join(",".join(f'"{c}"' for c in row) for row in table)
+    monkeypatch.setattr(ncu.subprocess, "run", lambda *a, **k: ncu.subprocess.CompletedProcess(a, 0, text, ""))
+    ncu.main(["--summary", "report.ncu-rep"])
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.startswith("| cf_fa3_bwd_bf16_128 | 1234.5 | 71.5 | - |")
+    assert row.endswith("long_scoreboard_per_issue_active 2.25, math_pipe_throttle_per_issue_active 1.50, "
+                        "wait_per_issue_active 0.75 |")  # fmt: skip
 
 
 def test_ab_measuring_code_is_python():

@@ -1,0 +1,103 @@
+"""One training step's backward of cupyflash and of peers, for Nsight Compute (issue 43: where
+the Hopper backward's time goes beside the peers' on the same inputs). bench.py's prefill shape
+(bf16, B x N = 16k, H x d = 2048): each backend's forward, then its backward through autograd
+(``torch.autograd.grad`` on a retained graph), warmed three times, then profiled once between
+cudaProfilerStart and Stop.
+
+    ncu --clock-control none --profile-from-start off --set detailed \\
+        python3 scripts/ncu_backward.py HEAD_DIM SEQLEN [--causal] [--backends cupyflash cudnn fa4]
+    python3 scripts/ncu_backward.py --summary REPORT.ncu-rep   # the table, one row per kernel
+
+``--summary`` reads a report back (``ncu --import --csv --page raw``) and prints, per kernel:
+time, SM and memory throughput (% of peak), the tensor pipe's activity, achieved occupancy,
+registers, shared-memory bank conflicts and the top stall reasons. FlashAttention-4 is a peer
+where ``flash_attn.cute`` is installed (bench.FA4_MODULE)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import subprocess
+import sys
+
+# (report column, what it says); ncu 2025's raw metric names on sm_90
+COLUMNS = (
+    ("gpu__time_duration.sum", "us"),
+    ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "SM %"),
+    ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed", "mem %"),
+    ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", "gmma %"),
+    ("sm__warps_active.avg.pct_of_peak_sustained_active", "occupancy %"),
+    ("launch__registers_per_thread", "regs"),
+    ("l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum", "smem conflicts"),
+)
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+
+
+def profile(head_dim: int, seqlen: int, causal: bool, backends: list[str]) -> None:
+    import torch
+
+    from cupyflash import bench
+
+    shape = bench.PrefillShape(16384 // seqlen, seqlen, 2048 // head_dim, head_dim, causal, "bfloat16")
+    q, k, v = (x.requires_grad_(True) for x in bench.prefill_inputs(shape))
+    dout = torch.randn_like(q)
+    row: dict[str, object] = {}
+    forwards = {b: bench._training_call(b, q, k, v, causal, 0.0) for b in backends}
+    steps = {}
+    for backend, forward in bench.runnable(forwards, row).items():
+        out = forward()
+        out = out.transpose(1, 2) if backend in bench.SDPA_BACKENDS else out
+        steps[backend] = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for name, error in row.items():
+        if name.endswith("_error"):
+            print(f"not profiled: {name[: -len('_error')]}: {error}", flush=True)
+    for _ in range(3):
+        for step in steps.values():
+            step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for backend, step in steps.items():
+        torch.cuda.nvtx.range_push(backend)
+        step()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def summary(report: str) -> None:
+    raw = subprocess.run(["ncu", "--import", report, "--csv", "--page", "raw"], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    rows = list(csv.reader(io.StringIO(raw)))
+    header, body = rows[0], [r for r in rows[2:] if r]  # (the second row holds the units)
+    at = {name: i for i, name in enumerate(header)}
+    stalls = [n for n in header if n.startswith(STALL_PREFIX) and n.endswith(".ratio") and "not_issued" not in n]
+    print("| kernel | " + " | ".join(label for _, label in COLUMNS) + " | top stalls (warps per issue) |")
+    print("|---|" + "---|" * len(COLUMNS) + "---|")
+    for r in body:
+        values = [r[at[c]] if c in at else "-" for c, _ in COLUMNS]
+        if values[0] != "-":
+            values[0] = f"{float(values[0].replace(',', '')) / 1000:.1f}"  # ns -> us
+        top = sorted(((float(r[at[n]].replace(",", "") or 0), n[len(STALL_PREFIX) : -len(".ratio")]) for n in stalls),
+                     reverse=True)[:3]  # fmt: skip
+        name = r[at["Kernel Name"]][:48] if "Kernel Name" in at else "?"
+        print(f"| {name} | " + " | ".join(values) + " | " + ", ".join(f"{s} {v:.2f}" for v, s in top) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("head_dim", type=int, nargs="?", default=128)
+    parser.add_argument("seqlen", type=int, nargs="?", default=16384)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--backends", nargs="+", default=["cupyflash", "cudnn", "fa4"])
+    parser.add_argument("--summary", metavar="REPORT", help="print the table of an ncu report instead")
+    args = parser.parse_args(argv)
+    if args.summary:
+        summary(args.summary)
+    else:
+        profile(args.head_dim, args.seqlen, args.causal, args.backends)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
