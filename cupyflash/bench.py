@@ -387,13 +387,25 @@ BACKWARD_FLOP_FACTOR = 2.5
 TRAINING_BACKENDS = ("cupyflash", "cupyflash_det", "flash", "cudnn", "fa4")
 
 
+def alibi_slopes(heads: int, device: Any = "cuda") -> Any:
+    """ALiBi's standard slopes 2^(-8 i / H), i = 1 .. H: a float32 torch tensor on ``device``."""
+    import torch
+
+    return torch.exp2(-torch.arange(1, heads + 1, device=device, dtype=torch.float32) * (8 / heads))
+
+
 def _training_call(backend: str, q: Any, k: Any, v: Any, causal: bool, dropout_p: float) -> Callable[[], Any]:
     """The forward of one backend on leaves that require grad (autograd records it);
-    "cupyflash_det": cupyflash with ``deterministic=True`` (its backward without atomics)."""
+    "cupyflash_det": cupyflash with ``deterministic=True`` (its backward without atomics);
+    "cupyflash_alibi": cupyflash with ALiBi (``alibi_slopes``, the standard slopes: what ALiBi
+    costs beside the same call without it)."""
     import cupyflash
 
     if backend == "cupyflash_det":
         return functools.partial(cupyflash.attention, q, k, v, causal=causal, deterministic=True, dropout_p=dropout_p)
+    if backend == "cupyflash_alibi":
+        slopes = alibi_slopes(q.shape[2], q.device)
+        return functools.partial(cupyflash.attention, q, k, v, causal=causal, alibi_slopes=slopes, dropout_p=dropout_p)
     if backend in CUPYFLASH_BACKENDS:
         algorithm = CUPYFLASH_BACKENDS[backend]
         return functools.partial(cupyflash.attention, q, k, v, causal=causal, algorithm=algorithm, dropout_p=dropout_p)
@@ -1366,7 +1378,7 @@ def mods_gallery(seqlen: int, heads: int) -> dict[str, dict[str, Any]]:
     bounds = torch.sort(torch.randint(1, seqlen, (3,), generator=gen, device="cuda")).values
     doc = torch.bucketize(torch.arange(seqlen, device="cuda"), bounds, right=True).to(torch.int32)
     window, cap = 1024, 30.0
-    slopes = torch.exp2(-torch.arange(1, heads + 1, device="cuda", dtype=torch.float32) * (8 / heads))
+    slopes = alibi_slopes(heads)
     return {
         "causal": {"mask_mod": lambda b, h, i, j: j <= i, "flex_mask": lambda b, h, i, j: j <= i,
                    "builtin": {"causal": True}},

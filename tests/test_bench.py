@@ -249,6 +249,24 @@ def test_run_prefill_without_fa4_marks_it_and_times_the_rest(on_the_host, no_fla
     assert "fa4" in bench.format_prefill_table([row]).splitlines()[0]
 
 
+def test_training_times_alibi_beside_the_same_call_without_it(on_the_host):
+    """bench-train's cupyflash_alibi: cupyflash with the standard ALiBi slopes (2^(-8 i / H)) on
+    the same leaves, timed forward + backward and backward alone beside the call without them."""
+    import torch
+
+    import cupyflash
+
+    row = bench.run_training(on_the_host, backends=("cupyflash", "cupyflash_alibi"), timings=("interleaved",))
+    timed = {"cupyflash", "cupyflash_bwd", "cupyflash_alibi", "cupyflash_alibi_bwd"}
+    assert set(row["timings"]["interleaved"]) == timed
+    q, k, v = bench.prefill_inputs(on_the_host)
+    slopes = torch.tensor([2.0**-4, 2.0**-8])  # H = 2
+    torch.testing.assert_close(bench.alibi_slopes(2, "cpu"), slopes)
+    got = bench._training_call("cupyflash_alibi", q, k, v, True, 0.0)()
+    torch.testing.assert_close(got, cupyflash.attention(q, k, v, causal=True, alibi_slopes=slopes))
+    assert not torch.allclose(got, cupyflash.attention(q, k, v, causal=True))
+
+
 def test_run_prefill_and_training_time_fa4_beside_cupyflash(on_the_host, no_flash_attn, tmp_path, monkeypatch):
     _package(tmp_path, monkeypatch, FAKE_FA4)
     row = bench.run_prefill(on_the_host, backends=("cupyflash", "fa4"), timings=("single", "interleaved"))

@@ -1,5 +1,6 @@
 """Forward + backward TFLOP/s (the backward counted as 2.5x the forward's FLOPs) on the 12 prefill
-shapes (bf16): cupyflash through autograd (its FA2 backward), with ``deterministic=True``,
+shapes (bf16): cupyflash through autograd, with ``deterministic=True`` and with ALiBi
+(``cupyflash_alibi``: the standard slopes, what ALiBi costs beside the call without it),
 PyTorch SDPA's flash and cuDNN backends, and FlashAttention-4 where flash-attn-4 is installed
 (n/a where not), all measured in one setup_cache in one process on the same tensors, in the
 interleaved timing of bench.run_training only, with the fixed GEMM reference before and after,
@@ -16,7 +17,7 @@ from typing import Any
 from . import _reference as reference
 from ._gpu import require_gpu, require_torch
 
-BACKENDS = ["cupyflash", "cupyflash_det", "flash", "cudnn", "fa4"]
+BACKENDS = ["cupyflash", "cupyflash_det", "cupyflash_alibi", "flash", "cudnn", "fa4"]
 DROPOUT_BACKENDS = ["cupyflash", "flash", "cudnn"]
 #: The peers cupyflash's ratio is tracked against.
 RATIO_PEERS = ["cudnn", "fa4"]
@@ -62,7 +63,7 @@ class Training(_Run):
 
 
 class TrainingOverGemm(reference._RatioEntries, _Run):
-    params = (["cupyflash", "cupyflash_det"], *SHAPES)
+    params = (["cupyflash", "cupyflash_det", "cupyflash_alibi"], *SHAPES)
     param_names = ["backend", *SHAPE_NAMES]
 
 

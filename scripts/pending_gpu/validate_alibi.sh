@@ -6,7 +6,8 @@
 # flash-attn's lower-level functions' (ALiBi among their options), compute-sanitizer over the
 # ALiBi cases, then the timings: the Hopper forward against the FA2 one in one process
 # (algorithm="fa3" / "fa2"), and the built-in ALiBi beside the same ALiBi as a score_mod and
-# FlexAttention's (bench-mods; its "over built-in" column). The prediction: forward + backward
+# FlexAttention's (bench-mods; its "over built-in" column), and a training step with ALiBi beside
+# the same step without it (bench-train's cupyflash_alibi). The prediction: forward + backward
 # 1.6-1.8x what it was at d = 64 (the score_mod ALiBi on these kernels:
 # docs/evidence/2026-12-06-h100-session-4/), the forward within 5% of FA2's at d = 64 and above it
 # at d = 128.
@@ -39,6 +40,12 @@ for d in (64, 128):
         print(f"d={d} N={n} fa3/fa2 speed", [round(m["fa2"] / m["fa3"], 3) for m in t.values()], "max|diff|", diff, flush=True)
 PY
 echo "fwd A/B rc=$? at ${SECONDS}s"; cat $OUT/fwd_ab.log | tail -5
+# a training step with ALiBi beside the same step without it and cuDNN's (N = 4k, d = 64 and 128)
+timeout 150 python3 -m cupyflash bench-train --dtype bfloat16 --quick --head-dims 64 128 \
+  --backends cupyflash cupyflash_alibi cudnn --json $OUT/train.json > $OUT/train.log 2>&1
+echo "train rc=$? at ${SECONDS}s"; python3 -c "import json; from cupyflash.bench import ratio_range as r
+for row in json.load(open('$OUT/train.json'))['training']:
+    print(row['head_dim'], row['seqlen'], 'causal' if row['causal'] else 'plain', 'alibi/ours', r(row, 'cupyflash_alibi', 'cupyflash'), 'alibi/cudnn', r(row, 'cupyflash_alibi', 'cudnn'))"
 [ "$(left)" -gt 80 ] && timeout $(( $(left) - 10 )) python3 -m cupyflash bench-mods --head-dims 64 128 --backward \
   --functions alibi --json $OUT/mods.json > $OUT/mods.log 2>&1
 echo "mods rc=$? at ${SECONDS}s"; grep -v "^ *warn\|Warning" $OUT/mods.log | tail -9 | cut -c1-250
