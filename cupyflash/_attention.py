@@ -329,7 +329,13 @@ def gpu_forward(
     """The kernels' forward on arrays the pipeline reads: (out, lse), lse None unless wanted.
     ``given``: output buffers to write, by name (``_launch.run``; XLA's under ``jax.jit``)."""
     if call.mods is not None:
-        return _gpu_mods(lib, device, call, want_lse, given)
+        bounds = _mask_as_bounds(call)
+        if bounds is None:
+            return _gpu_mods(lib, device, call, want_lse, given)
+        call = Forward(
+            call.q, call.k, call.v, bounds, call.layout, call.algorithm, call.deterministic, call.dropout_p, call.seed,
+            call.alibi_slopes, call.attn_mask, None, call.batch_invariant, call.sinks,
+        )  # fmt: skip
     if call.attn_mask is not None:
         return _gpu_masked(lib, device, call, want_lse)
     q, k, v, slopes, sinks = call.q, call.k, call.v, call.alibi_slopes, call.sinks
@@ -376,6 +382,38 @@ def _plan_forward(lib: _interop.ArrayLib, device: int, call: Forward) -> _plan.L
     return _plan.plan_attention(
         problem, dtype, info, call.algorithm, tuple(call.q.shape), batch_invariant=call.batch_invariant
     )
+
+
+# A mask_mod (its key) that is a causal or sliding-window bound and nothing else: the bound
+# (_mods.exact_window), or None.
+_exact_windows: dict[Any, tuple[int, int] | None] = {}
+
+
+def _mask_as_bounds(call: Forward | Backward) -> Options | None:
+    """The call's options with its mask_mod as the bound it is, where it is one and the call's
+    rows and keys align (Nq = Nk: q_idx >= kv_idx is then the kernels' causal bound; as
+    ``with_implied_bounds``), with no score_mod and no bound of its own; else None. Such a mask
+    (``kv_idx <= q_idx``, a sliding window) then runs as the built-in bound, on the kernels without
+    a score hook: the same scores shown, none of the hook's work (its BlockMask, made from the
+    same mask, hides the tiles the bound skips)."""
+    score_mod, mask_mod = call.mods
+    options = call.options
+    if score_mod is not None or not isinstance(mask_mod, _mods.Mod) or options.causal or options.window != (-1, -1):
+        return None
+    if (
+        call.layout not in LAYOUTS
+        or split_dims(tuple(call.q.shape), call.layout)[1] != split_dims(tuple(call.k.shape), call.layout)[1]
+    ):
+        return None
+    key = mask_mod.key
+    if key not in _exact_windows:
+        if len(_exact_windows) >= _plan.PlanCache.MAX_ENTRIES:  # a process of endless new functions
+            _exact_windows.clear()
+        _exact_windows[key] = _mods.exact_window(mask_mod)
+    window = _exact_windows[key]
+    if window is None:
+        return None
+    return Options(window[1] == 0, options.scale, window, options.softcap)
 
 
 # The device code of each score_mod / mask_mod pair met, by their keys (the expressions, with
@@ -647,7 +685,14 @@ def gpu_backward(
     mask 4-D as ``call.attn_mask``): (dq, dk, dv), and dsinks with sinks. ``given``: output
     buffers to write, by name."""
     if call.mods is not None:
-        return _gpu_mods_backward(lib, device, call, problem, given)
+        bounds = _mask_as_bounds(call)
+        if bounds is None:
+            return _gpu_mods_backward(lib, device, call, problem, given)
+        problem = with_implied_bounds(problem, call.mods[1])  # (the bounds' window: normalize_window)
+        call = Backward(
+            call.dout, call.q, call.k, call.v, call.out, call.lse, call.dlse, bounds, call.layout, call.deterministic,
+            call.dropout_p, call.seed, call.alibi_slopes, call.attn_mask, None, call.sinks,
+        )  # fmt: skip
     q, k, v, out, dout, lse, dlse, slopes, mask, sinks = (
         call.q, call.k, call.v, call.out, call.dout, call.lse, call.dlse, call.alibi_slopes, call.attn_mask, call.sinks
     )  # fmt: skip

@@ -1372,7 +1372,23 @@ def implied_window(mask: Mod) -> tuple[int, int]:
     ``q_idx - kv_idx < c`` (or ``<= c``, or the mirrored comparison) gives left ``c - 1`` (``c``).
     Both are implied by the mask, so a kernel that also applies them (and skips the tiles they
     hide) computes the same attention; any other term is left to the mask itself."""
+    return _window_terms(mask)[:2]
+
+
+def exact_window(mask: Mod) -> tuple[int, int] | None:
+    """``implied_window(mask)`` where the mask is that window and nothing else (each term of its
+    top-level ``&`` one of the bounds read, ``kv_idx < q_idx`` not among them: it shows no
+    diagonal, which no window expresses), else None: such a mask_mod is the causal or
+    sliding-window bound itself, which the kernels apply without it."""
+    left, right, exact = _window_terms(mask)
+    return (left, right) if exact and (left >= 0 or right >= 0) else None
+
+
+def _window_terms(mask: Mod) -> tuple[int, int, bool]:
+    """(left, right) of ``implied_window`` and whether every term of the top-level ``&`` gave
+    one of them exactly."""
     left = right = -1
+    exact = True
     stack = [mask.expr]
     while stack:
         e = stack.pop()
@@ -1380,6 +1396,7 @@ def implied_window(mask: Mod) -> tuple[int, int]:
             stack.extend(e.args)
             continue
         if e.op not in ("lt", "le", "gt", "ge"):
+            exact = False
             continue
         a, b = e.args
         op = e.op
@@ -1387,11 +1404,16 @@ def implied_window(mask: Mod) -> tuple[int, int]:
             a, b, op = b, a, "lt" if op == "gt" else "le"
         if _is_arg(a, "kv_idx") and _is_arg(b, "q_idx"):  # kv <= q (kv < q implies it)
             right = 0
+            exact &= op == "le"
         elif _is_difference(a) and b.op == "const" and b.kind == INT:  # q - kv < c or <= c
             bound = b.args[0] - (1 if op == "lt" else 0)
             if bound >= 0:
                 left = bound if left < 0 else min(left, bound)
-    return left, right
+            else:
+                exact = False
+        else:
+            exact = False
+    return left, right, exact
 
 
 def _is_arg(e: Expr, name: str) -> bool:

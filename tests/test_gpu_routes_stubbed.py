@@ -225,6 +225,46 @@ def test_score_and_mask_functions_route_to_the_fa2_hook(launches, monkeypatch):
     _check(launches, "fa2_fwd")
 
 
+def test_a_mask_mod_that_is_a_bound_runs_as_the_bound(launches):
+    """A mask_mod that is a causal or sliding-window bound and nothing else (Nq = Nk) runs as
+    that bound: the built-in kernels and params, forward and backward, with its BlockMask too; a
+    mask with any other term, or over Nq != Nk, keeps its hook."""
+    from cupyflash import _mods
+
+    square = stand_in((2, 333, 2, 64), "bfloat16")
+    lse = stand_in((2, 2, 333), "float32")
+    window = 100
+
+    def sliding(b, h, i, j):
+        return (j <= i) & (i - j < window)
+
+    def ran() -> tuple[list[str], dict[str, int]]:
+        launch = launches[-1][0]
+        names = [step.spec.name for step in launch.steps if hasattr(step, "spec")]
+        bounds = {name: launch.params.value(name) for name in ("window_left", "window_right")}
+        return names, bounds
+
+    for mask, options in ((lambda b, h, i, j: j <= i, {"causal": True}), (sliding, {"window": (window - 1, 0)})):
+        block = cupyflash.create_block_mask(mask, None, None, 333, 333)
+        for call in (
+            lambda **kw: cupyflash.attention(square, square, square, **kw),
+            lambda **kw: cupyflash.attention_backward(square, square, square, square, square, lse, **kw),
+        ):
+            call(**options)
+            want = ran()
+            assert not any("mods" in name for name in want[0])
+            call(mask_mod=mask)
+            assert ran() == want
+            call(block_mask=block)
+            assert ran() == want
+    doc = stand_in((333,), "int32")
+    cupyflash.attention(square, square, square, mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i))
+    assert all("mods" in name for name in ran()[0])
+    cupyflash.attention(stand_in((2, 300, 2, 64), "bfloat16"), square, square, mask_mod=lambda b, h, i, j: j <= i)
+    assert all("mods" in name for name in ran()[0])  # q_idx >= kv_idx is not bottom-right causal here
+    assert _mods.exact_window(_mods.trace_mask_mod(lambda b, h, i, j: j < i)) is None  # no diagonal
+
+
 def test_a_repeated_backward_skips_its_checks_but_not_a_changed_one(launches, monkeypatch):
     """A backward whose arrays' shapes, dtypes and options were planned before goes straight to
     that plan (the problem is not rebuilt: its checks were made then); one that differs in any of

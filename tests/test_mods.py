@@ -930,23 +930,25 @@ def test_a_mask_alone_keeps_the_kernels_scale():
 
 
 @pytest.mark.parametrize(
-    ("mask_mod", "window"),
+    ("mask_mod", "window", "exact"),
     [
-        (lambda b, h, i, j: j <= i, (-1, 0)),
-        (lambda b, h, i, j: i >= j, (-1, 0)),
-        (lambda b, h, i, j: j < i, (-1, 0)),  # implies j <= i
-        (lambda b, h, i, j: (j <= i) & (i - j < 5), (4, 0)),
-        (lambda b, h, i, j: (i - j <= 5) & (j <= i) & ((i + j) % 2 == 0), (5, 0)),
-        (lambda b, h, i, j: (5 > i - j) & ~(j > i), (4, -1)),  # ~(j > i) is not read
-        (lambda b, h, i, j: (j <= i) | (j < 3), (-1, -1)),  # an or: nothing implied
-        (lambda b, h, i, j: j <= i + 1, (-1, -1)),
-        (lambda b, h, i, j: i - j < 0, (-1, -1)),  # shows nothing; no bound taken
-        (lambda b, h, i, j: (i // 4 == j // 4) & (j <= i), (-1, 0)),
+        (lambda b, h, i, j: j <= i, (-1, 0), True),
+        (lambda b, h, i, j: i >= j, (-1, 0), True),
+        (lambda b, h, i, j: j < i, (-1, 0), False),  # implies j <= i (and hides the diagonal)
+        (lambda b, h, i, j: (j <= i) & (i - j < 5), (4, 0), True),
+        (lambda b, h, i, j: (i - j <= 5) & (j <= i) & ((i + j) % 2 == 0), (5, 0), False),
+        (lambda b, h, i, j: (5 > i - j) & ~(j > i), (4, -1), False),  # ~(j > i) is not read
+        (lambda b, h, i, j: 5 > i - j, (4, -1), True),
+        (lambda b, h, i, j: (j <= i) | (j < 3), (-1, -1), False),  # an or: nothing implied
+        (lambda b, h, i, j: j <= i + 1, (-1, -1), False),
+        (lambda b, h, i, j: i - j < 0, (-1, -1), False),  # shows nothing; no bound taken
+        (lambda b, h, i, j: (i // 4 == j // 4) & (j <= i), (-1, 0), False),
     ],
 )
-def test_implied_window_is_implied_by_the_mask(mask_mod, window):
+def test_implied_window_is_implied_by_the_mask(mask_mod, window, exact):
     """The bounds read from a mask's top-level ``&`` hold wherever the mask shows a key (checked
-    on a grid), and are the ones expected."""
+    on a grid), and are the ones expected; ``exact_window`` gives them where the mask is those
+    bounds and nothing else (the same keys shown on the grid), else None."""
     from cupyflash import _mods
 
     traced = _mods.trace_mask_mod(mask_mod)
@@ -958,6 +960,9 @@ def test_implied_window_is_implied_by_the_mask(mask_mod, window):
         assert not (shown & (j > i + right)).any()
     if left >= 0:
         assert not (shown & (j < i - left)).any()
+    bounds = (j <= i + right if right >= 0 else True) & (j >= i - left if left >= 0 else True)
+    assert _mods.exact_window(traced) == (window if exact else None)
+    assert (shown == bounds).all() == exact
 
 
 def test_implied_bounds_reach_the_plan_only_where_rows_and_keys_align():
