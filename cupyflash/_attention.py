@@ -406,13 +406,17 @@ def _mask_as_bounds(call: Forward | Backward) -> Options | None:
     ):
         return None
     key = mask_mod.key
-    if key not in _exact_windows:
+    try:  # (one lookup: the key hashes the whole expression)
+        window = _exact_windows[key]
+    except KeyError:
         if len(_exact_windows) >= _plan.PlanCache.MAX_ENTRIES:  # a process of endless new functions
             _exact_windows.clear()
-        _exact_windows[key] = _mods.exact_window(mask_mod)
-    window = _exact_windows[key]
+        window = _exact_windows[key] = _mods.exact_window(mask_mod)
     if window is None:
         return None
+    if call.block_mask is not None:  # made for this call (the hook's route checks it when it plans)
+        problem = forward_problem(call)[0] if isinstance(call, Forward) else backward_problem(call)[0]
+        _check_block_mask(call.block_mask, problem)
     return Options(window[1] == 0, options.scale, window, options.softcap)
 
 

@@ -257,6 +257,13 @@ def test_a_mask_mod_that_is_a_bound_runs_as_the_bound(launches):
             assert ran() == want
             call(block_mask=block)
             assert ran() == want
+    cupyflash.attention(square, square, square, causal=True, softcap=5.0)  # options the hook has not: as the bound's
+    want = ran()
+    cupyflash.attention(square, square, square, softcap=5.0, mask_mod=lambda b, h, i, j: j <= i)
+    assert ran() == want
+    other = cupyflash.create_block_mask(sliding, None, None, 256, 256)
+    with pytest.raises(ValueError, match="Q_LEN"):  # a BlockMask made for another call is refused all the same
+        cupyflash.attention(square, square, square, block_mask=other)
     doc = stand_in((333,), "int32")
     cupyflash.attention(square, square, square, mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i))
     assert all("mods" in name for name in ran()[0])
