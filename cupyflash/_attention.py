@@ -400,10 +400,11 @@ def _mask_as_bounds(call: Forward | Backward) -> Options | None:
     options = call.options
     if score_mod is not None or not isinstance(mask_mod, _mods.Mod) or options.causal or options.window != (-1, -1):
         return None
-    if (
-        call.layout not in LAYOUTS
-        or split_dims(tuple(call.q.shape), call.layout)[1] != split_dims(tuple(call.k.shape), call.layout)[1]
-    ):
+    if call.layout not in LAYOUTS:
+        return None
+    batch, rows, heads, _ = split_dims(tuple(call.q.shape), call.layout)
+    keys = split_dims(tuple(call.k.shape), call.layout)[1]
+    if rows != keys:
         return None
     key = mask_mod.key
     try:  # (one lookup: the key hashes the whole expression)
@@ -415,8 +416,7 @@ def _mask_as_bounds(call: Forward | Backward) -> Options | None:
     if window is None:
         return None
     if call.block_mask is not None:  # made for this call (the hook's route checks it when it plans)
-        problem = forward_problem(call)[0] if isinstance(call, Forward) else backward_problem(call)[0]
-        _check_block_mask(call.block_mask, problem)
+        _block_mask.check_call(call.block_mask, batch, heads, rows, keys)
     return Options(window[1] == 0, options.scale, window, options.softcap)
 
 

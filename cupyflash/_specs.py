@@ -430,7 +430,7 @@ class Fa3FwdSpec(_KernelSpecBase):
             self.head_dim, t.block_n, t.consumers, t.stages, t.separate_o, t.pingpong, t.dynamic, self.varlen,
             f"E4m3Inputs<{element}>" if self.fp8 else element, self.causal, self.local, self.softcap,
             *(
-                (self.valid_dim, bool(self.mods_source), True) if self.alibi
+                (self.valid_dim, False, True) if self.alibi  # (no score function with ALiBi)
                 else (self.valid_dim, True) if self.mods_source
                 else _columns_arg(self.valid_dim)
             ),

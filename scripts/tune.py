@@ -256,7 +256,7 @@ MODS_CANDIDATES = {
 
 def _mods_spill_bytes(tile: Fa3Tile) -> int:
     """The most local memory of the Hopper forwards with a function built on ``tile`` so far."""
-    built = [k for k in _kernels._compiled.values() if getattr(k.spec, "mods_source", "") and k.spec.tile == tile]
+    built = [k for k in _kernels.compiled_variants() if getattr(k.spec, "mods_source", "") and k.spec.tile == tile]
     return max((k.local_bytes for k in built), default=0)
 
 
