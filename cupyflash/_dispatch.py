@@ -627,31 +627,34 @@ def fa3_bwd_spec(
     dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool, mods_source: str = ""
 ) -> Fa3BwdSpec | None:
     """The Hopper backward for a call, or None where it has none (then FA2's runs): head dims
-    other than FA3_BWD_HEAD_DIMS, dropout, ALiBi with softcap, an attn_mask and packed sequences. Score
-    functions (``mods_source``: their device code) compile into it: a BlockMask's summary, where
-    the call has one, bounds its query blocks (and spares a mask alone's plain tiles the mask).
-    ``deterministic``: dQ's adds into each tile in a fixed order (fa3_bwd.cu)."""
-    if head_dim not in FA3_BWD_HEAD_DIMS or packed:
+    other than FA3_BWD_HEAD_DIMS, dropout, ALiBi with softcap and an attn_mask. Score functions
+    (``mods_source``: their device code; not over ``packed`` sequences) compile into it: a
+    BlockMask's summary, where the call has one, bounds its query blocks (and spares a mask
+    alone's plain tiles the mask). ``deterministic``: dQ's adds into each tile in a fixed order
+    (fa3_bwd.cu)."""
+    if head_dim not in FA3_BWD_HEAD_DIMS:
         return None
     if flags.dropout or (flags.alibi and flags.softcap):
         return None
-    if flags.mask and not (flags.mask == "mods" and mods_source):
+    if flags.mask and not (flags.mask == "mods" and mods_source and not packed):
         return None
     return Fa3BwdSpec(
-        dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi
-    )
+        dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
+        varlen=packed,
+    )  # fmt: skip
 
 
 def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
     """The Hopper backward's variants warmup compiles: every one but a score function's."""
     return [
-        Fa3BwdSpec(dtype, head_dim, causal, local, softcap, deterministic, alibi=alibi)
+        Fa3BwdSpec(dtype, head_dim, causal, local, softcap, deterministic, alibi=alibi, varlen=varlen)
         for head_dim in FA3_BWD_HEAD_DIMS
         for dtype in CUDA_ELEMENT_TYPES
         for causal in (False, True)
         for local in (False, True)
         for softcap, alibi in SCORE_VARIANTS
         for deterministic in (False, True)
+        for varlen in (False, True)
     ]
 
 

@@ -332,8 +332,9 @@ class DeviceValueError(ValueError):
 _DEVICE_ERRORS = {
     1: "a block_table entry in use was outside [0, num_pages) (or a prefix_block_table entry)",
     2: "a cache_seqlens value was outside [0, capacity - seqlen_new], a cache_leftpad value outside "
-    "[0, cache_seqlens], a packed sequence's key count (cu_seqlens_k over pages) beyond its block_table row, or "
-    "a prefix_seqlens value outside [0, the keys of its prefix_block_table row]",
+    "[0, cache_seqlens], a packed sequence's key count (cu_seqlens_k over pages) beyond its block_table row, "
+    "a prefix_seqlens value outside [0, the keys of its prefix_block_table row], or a packed sequence with more keys "
+    "than max_seqlen_k in attention_varlen_backward",
     4: "a cache_batch_idx value was outside the cache's entries",
     8: "a cu_seqlens_q value was negative, decreasing or past the packed total (or cu_seqlens_q[0] was not 0)",
     16: "a cu_seqlens_k value was negative, decreasing or past the packed total (or cu_seqlens_k[0] was not 0)",

@@ -943,9 +943,10 @@ FA3_BWD_HEAD_DIMS = (64, 128)
 @dataclass(frozen=True, slots=True)
 class Fa3BwdSpec(_KernelSpecBase):
     """A variant of ``fa3_bwd`` in ``kernels_cu/fa3_bwd.cu`` (template ``Fa3BwdTraits``): Hopper
-    only. One CTA per block of 128 keys of a padded batch: a producer warpgroup (TMA) and two
-    consumers (wgmma), ``block_m`` query rows per step; dQ into the tiled accumulator
-    (``kernels_cu/dq_tiles.cuh``) that the FA2 backward's per-row dq step converts."""
+    only. One CTA per block of 128 keys of a padded batch, or of a packed sequence (``varlen``):
+    a producer warpgroup (TMA) and two consumers (wgmma), ``block_m`` query rows per step; dQ
+    into the tiled accumulator (``kernels_cu/dq_tiles.cuh``) that the FA2 backward's per-row dq
+    step converts."""
 
     dtype: str
     head_dim: int
@@ -955,6 +956,7 @@ class Fa3BwdSpec(_KernelSpecBase):
     deterministic: bool = False  # dQ's adds in a fixed order per tile (a writer warp, semaphores)
     mods_source: str = ""  # a user score_mod / mask_mod's device code (fa3_bwd.cu)
     alibi: bool = False  # ALiBi slopes (not with softcap or score functions)
+    varlen: bool = False  # packed sequences (cu_seqlens); a padded batch's variant skips that code
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -976,6 +978,8 @@ class Fa3BwdSpec(_KernelSpecBase):
             raise ValueError("score_mod / mask_mod do not combine with softcap on the Hopper backward")
         if self.alibi and (self.softcap or self.mods_source):
             raise ValueError("ALiBi does not combine with softcap or score_mod / mask_mod on the Hopper backward")
+        if self.varlen and self.mods_source:
+            raise ValueError("score_mod / mask_mod do not run over packed sequences")
 
     def _name_parts(self) -> tuple[object, ...]:
         return (_SHORT_DTYPE[self.dtype], self.head_dim)
@@ -986,6 +990,7 @@ class Fa3BwdSpec(_KernelSpecBase):
             ("alibi", self.alibi),
             ("det", self.deterministic),
             (f"mods{_digest(self.mods_source)}", bool(self.mods_source)),
+            ("varlen", self.varlen),
         )
 
     @property
@@ -1006,9 +1011,11 @@ class Fa3BwdSpec(_KernelSpecBase):
 
     def _traits_args(self) -> tuple[object, ...]:
         dtype = CUDA_ELEMENT_TYPES[self.dtype]
+        # the template's defaults left off the end (the padded batch's names stay as they were)
+        tail = (self.alibi, True) if self.varlen else (True,) if self.alibi else ()
         return (
             self.head_dim, self.block_m, dtype, self.causal, self.local, self.softcap, self.deterministic,
-            bool(self.mods_source), *((True,) if self.alibi else ()),
+            bool(self.mods_source), *tail,
         )  # fmt: skip
 
 

@@ -27,3 +27,40 @@ CF_DEVICE constexpr int dq_tile_pair(int row, int col) {
   return dq_tile_fragment_bytes(col / kDqPartCols, (col % kDqPartCols) / 8, tid) / 4 +
          2 * ((row % 16) / 8);
 }
+
+// Packed sequences (BwdParams::dq_tiled == kDqTilesPacked): sequence b's temporary rows (its
+// -LSE log2 e, D and dQacc tiles) start at a multiple of kDqSeqAlign at or after its packed
+// start, (start + b kDqSeqAlign) rounded down; the next sequence's start lies at least its rows
+// rounded up to kDqSeqAlign further on, so that a step's one or two tiles (64 or 128 rows) are
+// its own. A head's rows then end by kDqSeqAlign (ceil(total / kDqSeqAlign) + batch) (the
+// host's row_head_stride): every start is at most total + (batch - 1) kDqSeqAlign.
+enum : int { kDqTilesPadded = 1, kDqTilesPacked = 2, kDqSeqAlign = 128 };
+
+CF_DEVICE constexpr int64_t dq_seq_temp_start(int start, int batch) {
+  return (static_cast<int64_t>(start) + static_cast<int64_t>(batch) * kDqSeqAlign) / kDqSeqAlign *
+         kDqSeqAlign;
+}
+
+// Temporary row `row` of a head (0 <= row < the head's rows) in that layout: the sequence whose
+// aligned start is the last at or before it (a binary search over cu_seqlens, `batch` + 1
+// offsets), its packed rows [start, start + len) and the row's place seq_row in them; a row of
+// the sequence where 0 <= seq_row < len, else padding. Offsets are clamped into [0, total] as
+// the key-block kernel's clamped_seq_rows clamps them: bad ones (which prep reports) keep every
+// access in bounds.
+struct DqSeqRow {
+  int start, len, seq_row;
+};
+CF_DEVICE DqSeqRow dq_seq_of_temp_row(const int32_t* cu_seqlens, int batch, int total, int row) {
+  auto offset = [&](int b) { return min(max(cu_seqlens[b], 0), total); };
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (dq_seq_temp_start(offset(mid), mid) <= row)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int start = offset(lo);
+  return {start, max(offset(lo + 1) - start, 0),
+          row - static_cast<int>(dq_seq_temp_start(start, lo))};
+}

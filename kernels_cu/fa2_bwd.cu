@@ -81,6 +81,26 @@ CF_DEVICE int64_t bwd_temp_row(const BwdParams& p, int row) {
   return blockIdx.y * p.row_batch_stride + blockIdx.z * p.row_head_stride + row;
 }
 
+// Where a lane's row of the per-row kernels lies: its temporary row t, the input's row `row`
+// (of its batch entry, or of the packed tensors), its row in its sequence's tiles `seq_row`, and
+// whether it is a sequence's row (`real`; else a padding row of the temporaries). The grid's rows
+// are the input's rows, except for packed sequences in the Hopper backward's tiles
+// (kDqTilesPacked): there they are a head's temporary rows, each found in its sequence by
+// dq_seq_of_temp_row.
+struct BwdRowPlace {
+  int64_t t;
+  int row, seq_row, seq_len;  // (a padded batch: seq_row = row, seq_len = seqlen_q)
+  bool real;
+};
+CF_DEVICE BwdRowPlace bwd_row_place(const BwdParams& p, int grid_row) {
+  const AttnParams& a = p.attn;
+  if (p.dq_tiled != kDqTilesPacked)
+    return {bwd_temp_row(p, grid_row), grid_row, grid_row, a.seqlen_q, grid_row < a.seqlen_q};
+  const DqSeqRow s = dq_seq_of_temp_row(a.cu_seqlens_q, a.batch, a.seqlen_q, grid_row);
+  const bool real = grid_row < p.row_head_stride && s.seq_row >= 0 && s.seq_row < s.len;
+  return {bwd_temp_row(p, grid_row), s.start + s.seq_row, s.seq_row, s.len, real};
+}
+
 // The kHeadDim floats of dQacc at row t (row-major or tiled: the same addresses) set to 0, by the
 // row's lanes (chunk = its lane in the row).
 template <typename Traits>
@@ -96,18 +116,24 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   using Element = typename Traits::Element;
   const AttnParams& a = p.attn;
   // Packed sequences: the first CTA checks every sequence's offsets and seqused_k and reports
-  // the bad ones (the key-block kernel skips a bad sequence without a word: its registers).
+  // the bad ones (the key-block kernel skips a bad sequence without a word: its registers), and
+  // where the key-block grid covers max_seqlen_k keys (grid_keys), a sequence with more.
   if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
       (a.cu_seqlens_q != nullptr || a.seqused_k != nullptr)) {
     int32_t bits = 0;
-    for (int b = threadIdx.x; b < a.batch; b += Traits::kNThreads)
-      bits |= seq_rows(a, b).error_bits;
+    for (int b = threadIdx.x; b < a.batch; b += Traits::kNThreads) {
+      const SeqRows rows = seq_rows(a, b);
+      bits |= rows.error_bits;
+      if (p.grid_keys > 0 && rows.k.len > p.grid_keys) bits |= kBadSeqlen;
+    }
     report_error(a, bits);
   }
   int chunk;
-  const int row = bwd_lane_row<Traits>(&chunk);
-  const int64_t t = bwd_temp_row(p, row);
-  const bool real = row < a.seqlen_q;
+  const int grid_row = bwd_lane_row<Traits>(&chunk);
+  const BwdRowPlace place = bwd_row_place(p, grid_row);
+  const int64_t t = place.t;
+  const int row = place.row;
+  const bool real = place.real;
   const int b = blockIdx.y, h = blockIdx.z;
   float dot = 0.f;
   if (real && chunk < Traits::Columns::kChunks) {
@@ -128,8 +154,9 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   if (!real) {
     // The Hopper backward's tiles: a padding row's floats belong to the tile (the grid covers
     // row_head_stride rows), zeroed for the tile's other rows.
-    if (p.dq_tiled && row < p.row_head_stride) zero_accumulator_row<Traits>(p, t, chunk);
-    if (p.dsink_rows != nullptr && chunk == 0 && row < p.row_head_stride) p.dsink_rows[t] = 0.f;
+    if (p.dq_tiled && grid_row < p.row_head_stride) zero_accumulator_row<Traits>(p, t, chunk);
+    if (p.dsink_rows != nullptr && chunk == 0 && grid_row < p.row_head_stride)
+      p.dsink_rows[t] = 0.f;
     return;
   }
   if (chunk == 0) {
@@ -144,8 +171,9 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
       p.dsink_rows[t] = lse == neg_infinity() ? 0.f : -expf(a.sinks[h] - lse) * dot;
     p.neg_lse_log2[t] = lse == neg_infinity() ? neg_infinity() : -lse * kLog2e;
     // The deterministic Hopper backward's count of adds into this row's tile (tiles start at
-    // rows that are multiples of 64, all below seqlen_q).
-    if (p.dq_semaphore != nullptr && row % kDqTileRows == 0) p.dq_semaphore[t / kDqTileRows] = 0;
+    // a sequence's rows that are multiples of 64, all inside it).
+    if (p.dq_semaphore != nullptr && place.seq_row % kDqTileRows == 0)
+      p.dq_semaphore[t / kDqTileRows] = 0;
   }
   zero_accumulator_row<Traits>(p, t, chunk);  // (fa2_bwd_dq makes a NaN-LSE row's dQ NaN)
 }
@@ -159,13 +187,15 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
   using Element = typename Traits::Element;
   int chunk;
   const int pair = bwd_lane_row<Traits>(&chunk);
-  const int row0 = 16 * (pair / 8) + pair % 8;  // rows row0, row0 + 8
-  if (row0 >= p.attn.seqlen_q || chunk >= Traits::Columns::kChunks) return;
-  const int64_t t0 = bwd_temp_row(p, row0);
-  const bool second = row0 + 8 < p.attn.seqlen_q;
+  // rows row0, row0 + 8 of the grid (of one 16-row block, so of one sequence's tile)
+  const BwdRowPlace place = bwd_row_place(p, 16 * (pair / 8) + pair % 8);
+  if (!place.real || chunk >= Traits::Columns::kChunks) return;
+  const int row0 = place.row;  // the input's
+  const int64_t t0 = place.t;
+  const bool second = place.seq_row + 8 < place.seq_len;
   float4 lo[2], hi[2];  // columns 8 chunk .. + 3 and + 4 .. + 7 of rows row0, row0 + 8
   if (p.dq_tiled) {
-    const int r = row0 % kDqTileRows;
+    const int r = place.seq_row % kDqTileRows;
     const float4* frag = reinterpret_cast<const float4*>(p.dq_accum + (t0 - r) * Traits::kHeadDim +
                                                          dq_tile_pair(r, 8 * chunk));
     float4 f[4];  // threads 4 (r % 8) + i of the fragment: column pairs 2 i, 2 i + 1

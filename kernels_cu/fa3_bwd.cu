@@ -33,6 +33,9 @@
 // GQA: the CTA of a KV head loops over its group's query heads, so dK and dV are summed in
 // registers, with no per-query-head copy. Rows past seqlen_q: TMA reads zeros for their Q and
 // dO, their -LSE reads as -inf and D as 0, so that P^T and dS^T are 0 there.
+// Packed sequences (Varlen; grid: the longest sequence's key blocks, B, Hkv): a CTA takes its
+// sequence's keys and rows (none: it returns), and zeroes what TMA read past the sequence's end
+// in shared memory; the per-row temporaries start at an aligned row per sequence (dq_tiles.cuh).
 #pragma once
 
 #include "common.cuh"
@@ -65,7 +68,7 @@ struct Fa3BwdSharedStorage {
 
 template <int kHeadDim_, int kBlockM_, typename Element_, bool Is_causal_, bool Is_local_,
           bool Has_softcap_ = false, bool Deterministic_ = false, bool Has_user_mask_ = false,
-          bool Has_alibi_ = false, bool Dq_writer_ = Deterministic_>
+          bool Has_alibi_ = false, bool Varlen_ = false, bool Dq_writer_ = Deterministic_>
 struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -100,6 +103,11 @@ struct Fa3BwdTraits {
   // need the capped score without the bias; softcap with ALiBi runs on the mma.sync backward.)
   static constexpr bool Has_alibi = Has_alibi_;
   static_assert(!Has_alibi || !(Has_softcap || Has_user_mask), "ALiBi alone (no softcap, no mods)");
+  // Packed sequences (cu_seqlens): a CTA's keys and its steps' rows are its sequence's, and the
+  // rows TMA reads past a sequence's end (the next sequence's) are zeroed in shared memory
+  // before use. A padded batch's variant carries none of that.
+  static constexpr bool Varlen = Varlen_;
+  static_assert(!Varlen || !Has_user_mask, "no score functions over packed sequences");
   using Bias = ScoreTransform<false, Has_alibi_, kNoBias, Element_>;  // Alibi, or nothing
   // dQ's adds issued by a warp of the producer warpgroup from two staging buffers (else by a
   // consumer thread from one, which then waits for nothing but the last add's reads).
@@ -192,6 +200,14 @@ CF_DEVICE void dq_handover_arrive(BwdBarrier id, int buffer) {
   named_barrier_arrive(static_cast<int>(id) + buffer, kDqHandoverThreads);
 }
 
+// A CTA's sequence: a padded batch's whole rows, or (Varlen) its packed rows, with its offsets
+// clamped into the totals (prep checks them and reports a bad sequence: clamped_seq_rows).
+template <bool Varlen>
+CF_DEVICE SeqRows bwd_seq_rows(const AttnParams& a, int batch) {
+  if constexpr (Varlen) return clamped_seq_rows(a, batch);
+  return SeqRows{{0, a.seqlen_q}, {0, a.seqlen_k}, 0};
+}
+
 template <typename Traits>
 CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   using Element = typename Traits::Element;
@@ -211,8 +227,11 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   const int batch = blockIdx.y;
   const int head_k = blockIdx.z;
   const int key0 = n_block * kBlockN;
+  const SeqRows seq = bwd_seq_rows<Traits::Varlen>(a, batch);
+  // Packed: the grid covers the longest sequence's keys (the same answer for the whole CTA)
+  if (Traits::Varlen && key0 >= seq.k.len) return;
   const QueryRangeOfKeys<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> range(
-      n_block, a.seqlen_q, a.seqlen_k, a.window_left, a.window_right);
+      n_block, seq.q.len, seq.k.len, a.window_left, a.window_right);
   const int group = a.h_h_k_ratio;
   int m_begin = range.m_block_begin();
   int m_end = max(range.m_block_end(), m_begin);
@@ -232,9 +251,12 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     return at.m_block + 1 < m_end ? BwdStep{at.head, at.m_block + 1}
                                   : BwdStep{at.head + 1, m_begin};
   };
-  // The step's first per-row temporary: -LSE log2 e, D and dQacc's tile (dq_tiles.cuh).
+  // The step's first per-row temporary: -LSE log2 e, D and dQacc's tile (dq_tiles.cuh; packed
+  // sequences each from an aligned start).
   auto step_rows = [&](BwdStep at) -> int64_t {
-    return batch * p.row_batch_stride + at.head * p.row_head_stride + at.m_block * kBlockM;
+    const int64_t seq_temp0 =
+        Traits::Varlen ? dq_seq_temp_start(seq.q.start, batch) : batch * p.row_batch_stride;
+    return seq_temp0 + at.head * p.row_head_stride + at.m_block * kBlockM;
   };
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
@@ -250,12 +272,15 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
         // The last key block whose query range holds block m (ranges move up with the key
         // block, so the blocks that see m are consecutive; the same ranges the CTAs loop over).
         auto last_key_block = [&](int m) {
-          if constexpr (!Traits::Is_causal) return static_cast<int>(gridDim.x) - 1;
-          int lo = n_block, hi = gridDim.x - 1;
+          const int n_blocks =
+              Traits::Varlen ? ceil_div(seq.k.len, kBlockN) : static_cast<int>(gridDim.x);
+          if constexpr (!Traits::Is_causal) return n_blocks - 1;
+          int lo = n_block, hi = n_blocks - 1;
           while (lo < hi) {
             const int mid = (lo + hi + 1) / 2;
             const QueryRangeOfKeys<kBlockM, kBlockN, true, Traits::Is_local> later(
-                mid, a.seqlen_q, a.seqlen_k, a.window_left, a.window_right);
+                mid, Traits::Varlen ? seq.q.len : a.seqlen_q,
+                Traits::Varlen ? seq.k.len : a.seqlen_k, a.window_left, a.window_right);
             if (later.m_block_begin() <= m)
               lo = mid;
             else
@@ -295,14 +320,17 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       }
     }
     if (threadIdx.x != 0) return;
+    // TMA coordinates: packed sequences are one "batch" of the tensor maps, rows offset per
+    // sequence.
+    const int tma_batch = Traits::Varlen ? 0 : batch;
     mbar_arrive_expect_tx(smem.kv_full(), 2 * Traits::kKVBytes);
 #pragma unroll
     for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
       const uint32_t offset = cb * kBlockN * kSwizzleRowBytes;
-      tma_load_4d(smem.k() + offset, params.k_map, smem.kv_full(), cb * kColBlockElems, key0,
-                  head_k, batch);
-      tma_load_4d(smem.v() + offset, params.v_map, smem.kv_full(), cb * kColBlockElems, key0,
-                  head_k, batch);
+      tma_load_4d(smem.k() + offset, params.k_map, smem.kv_full(), cb * kColBlockElems,
+                  seq.k.start + key0, head_k, tma_batch);
+      tma_load_4d(smem.v() + offset, params.v_map, smem.kv_full(), cb * kColBlockElems,
+                  seq.k.start + key0, head_k, tma_batch);
     }
     BwdStep at = first_step;
     for (int step = 0; step < steps; ++step, at = next_step(at)) {
@@ -310,14 +338,14 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       mbar_wait(smem.q_empty(stage), ((step / kStages) & 1) ^ 1);  // its last use released
       const uint32_t full = smem.q_full(stage);
       mbar_arrive_expect_tx(full, 2 * Traits::kQBytes);
-      const int row0 = at.m_block * kBlockM;
+      const int row0 = seq.q.start + at.m_block * kBlockM;
 #pragma unroll
       for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
         const uint32_t offset = cb * kBlockM * kSwizzleRowBytes;
         tma_load_4d(smem.q(stage) + offset, params.q_map, full, cb * kColBlockElems, row0, at.head,
-                    batch);
+                    tma_batch);
         tma_load_4d(smem.dout(stage) + offset, params.do_map, full, cb * kColBlockElems, row0,
-                    at.head, batch);
+                    at.head, tma_batch);
       }
     }
     return;
@@ -361,7 +389,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     for (int i = 0; i < kRowValues; ++i) {
       const int v = tid + kWarpgroupThreads * i;
       const int r = v % kBlockM;
-      if (at.m_block * kBlockM + r < a.seqlen_q)
+      if (at.m_block * kBlockM + r < seq.q.len)
         values[i] = (v < kBlockM ? p.neg_lse_log2 : p.dsum)[step_rows(at) + r];
       else
         values[i] = v < kBlockM ? neg_infinity() : 0.f;
@@ -385,6 +413,22 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   zero_fill(acc_dk);
   zero_fill(acc_dv);
   mbar_wait(smem.kv_full(), 0);
+  if constexpr (Traits::Varlen) {
+    // Keys past the sequence's end (the next sequence's, read by TMA): their scores are masked,
+    // so P^T and dS^T are 0 there, but 0 x Inf or NaN would still be NaN in dP^T (V) and dQ
+    // (K). This consumer zeroes its own key rows of both tiles before its first wgmma; its K
+    // rows reach the other consumer's dQ after a dq_sync.
+    const int valid = seq.k.len - key0 - wg_key0;  // (the same for the whole warpgroup)
+    if (valid < Traits::kKeysPerConsumer) {
+      const int first = wg_key0 + max(valid, 0), end = wg_key0 + Traits::kKeysPerConsumer;
+      zero_tile_rows<Traits::kColBlocks, kBlockN, true>(smem.k(), first, end, tid,
+                                                        kWarpgroupThreads);
+      zero_tile_rows<Traits::kColBlocks, kBlockN, true>(smem.v(), first, end, tid,
+                                                        kWarpgroupThreads);
+      fence_proxy_async_shared();
+      bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
+    }
+  }
 
   BwdStep at = first_step;
   for (int step = 0; step < steps; ++step) {
@@ -392,12 +436,29 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     const BwdStep next = next_step(at);
     if (step + 1 < steps) load_row_values(next, row_values);
     // ALiBi's slope for the step's head (a padded batch: one shift), read before the waits
-    [[maybe_unused]] const typename Traits::Bias bias(a, batch, at.head, a.seqlen_k - a.seqlen_q);
+    [[maybe_unused]] const typename Traits::Bias bias(
+        a, batch, at.head, Traits::Varlen ? range.keys.shift : a.seqlen_k - a.seqlen_q);
     mbar_wait(smem.q_full(stage), (step / kStages) & 1);
     const uint32_t q_tile = smem.q(stage);
     const uint32_t do_tile = smem.dout(stage);
     const int m_block = at.m_block;
     const int row0 = m_block * kBlockM;
+    if constexpr (Traits::Varlen) {
+      // Rows past the sequence's end in its last query block (the next sequence's): their -LSE
+      // is -inf and D 0, so P^T and dS^T are 0, but 0 x Inf or NaN in Q or dO would be NaN in
+      // dK and dV. Both consumers read every row of both tiles: they zero them together, then
+      // meet (the same answer for both).
+      const int valid = seq.q.len - row0;
+      if (valid < kBlockM) {
+        const int thread = consumer * kWarpgroupThreads + tid;
+        zero_tile_rows<Traits::kColBlocks, kBlockM, true>(q_tile, valid, kBlockM, thread,
+                                                          Traits::kConsumers * kWarpgroupThreads);
+        zero_tile_rows<Traits::kColBlocks, kBlockM, true>(do_tile, valid, kBlockM, thread,
+                                                          Traits::kConsumers * kWarpgroupThreads);
+        fence_proxy_async_shared();
+        bwd_barrier_sync(BwdBarrier::kBoth, consumer);
+      }
+    }
 
     // S^T = K_c Q^T, dP^T = V_c dO^T: k-step ks reads 16 columns of d, 32 bytes into the 128-byte
     // rows of column block ks / 4 (this consumer's keys start wg_key0 rows into K and V).
@@ -593,7 +654,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     }
   bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
   constexpr int kChunks = kHeadDim / 8;
-  const int64_t key_row0 = key0;
+  const int64_t key_row0 = seq.k.start + key0;  // (packed: batch strides 0)
   auto* g_dk = static_cast<Element*>(p.dk_ptr) + batch * p.dk_batch_stride +
                head_k * p.dk_head_stride + key_row0 * p.dk_row_stride;
   auto* g_dv = static_cast<Element*>(p.dv_ptr) + batch * p.dv_batch_stride +
@@ -601,7 +662,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   for (int idx = tid; idx < Traits::kKeysPerConsumer * kChunks; idx += kWarpgroupThreads) {
     const int row = wg_key0 + idx / kChunks;
     const int chunk = idx % kChunks;
-    if (key0 + row >= a.seqlen_k) break;
+    if (key0 + row >= seq.k.len) break;
     const uint32_t offset = swizzled_offset<kBlockN>(row, 8 * chunk);
     st_global_b128(g_dk + row * p.dk_row_stride + 8 * chunk, ld_shared_b128(smem.k() + offset));
     st_global_b128(g_dv + row * p.dv_row_stride + 8 * chunk, ld_shared_b128(smem.v() + offset));

@@ -417,17 +417,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       if constexpr (!Traits::Varlen) return;
       const int valid = rows.k.len - n_block * kBlockN;
       if (valid >= kBlockN) return;  // the same answer for the whole warpgroup
-      constexpr int kChunksPerRow = kSwizzleRowBytes / 16;  // a key row of one column block
-      const int first = max(valid, 0);
-      const int chunks = (kBlockN - first) * Traits::kColBlocks * kChunksPerRow;
-      for (int i = tid; i < chunks; i += kWarpgroupThreads) {
-        const int row = first + i / (Traits::kColBlocks * kChunksPerRow);
-        const int cb = (i / kChunksPerRow) % Traits::kColBlocks;
-        // The swizzle permutes 16-byte chunks within a row: zeroing every chunk of the row
-        // needs no swizzle arithmetic.
-        const int chunk = i % kChunksPerRow;
-        st_shared_zero_b128(v_slot + (cb * kBlockN + row) * kSwizzleRowBytes + chunk * 16);
-      }
+      zero_tile_rows<Traits::kColBlocks, kBlockN>(v_slot, max(valid, 0), kBlockN, tid,
+                                                  kWarpgroupThreads);
       fence_proxy_async_shared();
       named_barrier_sync(NamedBarrier::kWarpgroup, consumer);
     };

@@ -28,6 +28,29 @@ CF_DEVICE uint32_t swizzled_offset(int row, int col) {
          ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
 }
 
+// Rows [first, end) of a swizzled tile of kColBlocks column blocks of kRows rows set to zero by
+// threads `thread`, `thread` + threads, ...: the swizzle permutes 16-byte chunks within a row,
+// so zeroing every chunk of a row needs no swizzle arithmetic. (Packed sequences: rows a TMA
+// load read past a sequence's end, the next sequence's.) Rolled: the loop not unrolled (the
+// Hopper backward's consumers run it beside their accumulators, where the unrolled loop's
+// precomputed addresses spilled).
+template <int kColBlocks, int kRows, bool Rolled = false>
+CF_DEVICE void zero_tile_rows(uint32_t tile, int first, int end, int thread, int threads) {
+  constexpr int kChunksPerRow = kSwizzleRowBytes / 16;
+  const int chunks = (end - first) * kColBlocks * kChunksPerRow;
+  auto zero_chunk = [&](int i) {
+    const int row = first + i / (kColBlocks * kChunksPerRow);
+    const int cb = (i / kChunksPerRow) % kColBlocks;
+    st_shared_zero_b128(tile + (cb * kRows + row) * kSwizzleRowBytes + (i % kChunksPerRow) * 16);
+  };
+  if constexpr (Rolled) {
+#pragma unroll 1
+    for (int i = thread; i < chunks; i += threads) zero_chunk(i);
+  } else {
+    for (int i = thread; i < chunks; i += threads) zero_chunk(i);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // mbarrier: arrival counts plus a transaction (byte) count that TMA completes.
 // ---------------------------------------------------------------------------------------------

@@ -122,7 +122,8 @@ struct AttnParams {
 
 // Bits of AttnParams::error_flags, one per kind of bad device-side value (cupyflash/_kvcache.py's
 // _DEVICE_ERRORS names each for the exception): a block-table entry in use outside the cache; a
-// length (cache_seqlens, a cache_leftpad past it, a paged sequence's key count past its table row);
+// length (cache_seqlens, a cache_leftpad past it, a paged sequence's key count past its table row,
+// a packed sequence's key count past max_seqlen_k in the Hopper backward);
 // a cache_batch_idx entry outside the cache; packed offsets (cu_seqlens_q, cu_seqlens_k) that are
 // negative, decreasing or past the packed total; a seqused_k outside [0, the sequence's key count];
 // a cache_batch_idx entry named by two sequences that both append into it (k_new); a
@@ -196,9 +197,12 @@ struct BwdParams {
   // b * row_batch_stride + h * row_head_stride + r.
   int64_t row_batch_stride, row_head_stride;
   float dq_scale, dk_scale;
-  // dQacc's layout: rows of d floats (0), or the Hopper backward's tiles (1: each 64-row tile of
-  // a (batch, head) in its MMA fragments' order, kernels_cu/dq_tiles.cuh; the rows padded to whole
-  // tiles, row_head_stride a multiple of 64, and prep zeroes the padding rows too).
+  // dQacc's layout: rows of d floats (0), or the Hopper backward's tiles (each 64-row tile of a
+  // (batch, head) in its MMA fragments' order, kernels_cu/dq_tiles.cuh; prep zeroes the padding
+  // rows too): 1 (kDqTilesPadded) a padded batch's rows padded to whole steps, row_head_stride a
+  // multiple of 64; 2 (kDqTilesPacked) packed sequences, each from its own 128-aligned start
+  // (dq_seq_temp_start), batch stride 0, the per-row kernels' grid over a head's row_head_stride
+  // temporary rows.
   int32_t dq_tiled;
   // The deterministic Hopper backward: per dQacc tile, how many key blocks have added into it
   // (they add in a fixed order, fa3_bwd.cu); zeroed by prep. nullptr otherwise.
@@ -206,6 +210,10 @@ struct BwdParams {
   // With attn.sinks: per temporary row, the row's share of dLoss / dsinks[h],
   // -exp(sinks[h] - LSE) * D (written by prep; the host sums them per head). nullptr otherwise.
   float* dsink_rows;
+  // Packed sequences on the Hopper backward: the keys per sequence its grid covers (key blocks
+  // x 128, from max_seqlen_k); prep reports a longer sequence (kBadSeqlen), whose last keys get
+  // no dK or dV. 0 otherwise (the grid covers the packed total).
+  int32_t grid_keys;
 };
 
 // The Hopper backward's argument (kernels_cu/fa3_bwd.cu): the tensor maps of Q, K, V and dO, then

@@ -359,7 +359,13 @@ def backward_cases(size: str) -> Iterator[Case]:
             yield (
                 f"varlen backward d={d} det={deterministic}",
                 partial(
-                    _varlen_backward, q_lens=[0, 1, 37, 70], k_lens=[5, 1, 0, 97], d=d, deterministic=deterministic
+                    # (the fifth: several query steps and key blocks, whose loads run into the
+                    # neighbours' rows on Hopper)
+                    _varlen_backward,
+                    q_lens=[0, 1, 37, 70, 150, 9],
+                    k_lens=[5, 1, 0, 97, 300, 20],
+                    d=d,
+                    deterministic=deterministic,
                 ),
             )
             # Key blocks adding into each dQ tile in turn (Hopper, deterministic): 4-12 of them.

@@ -6,14 +6,15 @@ own precision (flash-attn's rule) plus a rounding floor.
 Outputs are NaN-poisoned before every launch (conftest), so a gradient row the kernels fail to
 write shows up as NaN. Cases: every backward head dim, both dtypes, causal (bottom-right, rows
 that see no key), windows, softcap, GQA/MQA, odd lengths, both layouts, negative and zero scale,
-a loss through the LSE, packed sequences with empty and one-token ones, NaN in, CuPy inputs.
+a loss through the LSE, packed sequences with empty and one-token ones (and each option, a
+NaN-holding neighbour, a sequence longer than max_seqlen_k), NaN in, CuPy inputs.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BOUND, FLOOR, naive_low_precision, need_torch, rel_error
+from helpers import BOUND, FLOOR, is_hopper, naive_low_precision, need_torch, rel_error
 
 import cupyflash
 from cupyflash._specs import FA2_BWD_HEAD_DIMS
@@ -241,6 +242,78 @@ def test_varlen_backward(rng, dtype, head_dim, deterministic, monkeypatch):
     )
     assert (dq[int(cu_q[-1]) :] == 0).all()
     assert (dk[int(cu_k[-1]) :] == 0).all() and (dv[int(cu_k[-1]) :] == 0).all()
+
+
+# (causal, window, softcap, ALiBi) of packed sequences: every option the Hopper backward takes
+VARLEN_OPTIONS = {
+    "plain": (False, (-1, -1), 0.0, False),
+    "window": (False, (40, 7), 0.0, False),
+    "causal-softcap": (True, (-1, -1), 5.0, False),
+    "causal-window-alibi": (True, (100, -1), 0.0, True),
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("case", VARLEN_OPTIONS)
+def test_varlen_backward_options_and_neighbours(rng, case, head_dim, deterministic):
+    """Packed sequences (lengths at, under and over the 64- and 128-row blocks, empty and
+    one-token ones) under each option, one sequence's q, k, v and dout holding NaN: every other
+    sequence's gradients as the dense oracle's. A block that runs past a sequence's end reads its
+    neighbour's rows (on Hopper TMA reads them whole); those take no part, NaN or not."""
+    torch = need_torch()
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    causal, window, softcap, alibi = VARLEN_OPTIONS[case]
+    lens_q, lens_k = [64, 1, 130, 0, 77, 128], [64, 200, 1, 5, 300, 129]
+    cu_q, cu_k = (torch.tensor([0, *np.cumsum(x)], dtype=torch.int32, device="cuda") for x in (lens_q, lens_k))
+    q = torch.randn(int(cu_q[-1]), 4, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(int(cu_k[-1]), 2, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    poisoned = 2  # the neighbour of sequence 1 (one query, 200 keys) and 3 (no query)
+    for x, cu in ((q, cu_q), (k, cu_k), (v, cu_k), (dout, cu_q)):
+        x[int(cu[poisoned]) : int(cu[poisoned + 1])] = float("nan")
+    slopes = torch.rand(4, device="cuda", dtype=torch.float32) if alibi else None
+    opts = {"causal": causal, "window": window, "softcap": softcap, "scale": None}
+    out, lse = cupyflash.attention_varlen(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, alibi_slopes=slopes, **opts
+    )
+    dq, dk, dv = cupyflash.attention_varlen_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), deterministic=deterministic,
+        alibi_slopes=slopes, **opts,
+    )  # fmt: skip
+    for b in range(len(lens_q)):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if b == poisoned:
+            continue
+        if lens_q[b] == 0:  # keys no query sees
+            assert (dk[rk] == 0).all() and (dv[rk] == 0).all(), f"sequence {b}"
+            continue
+        want = _grads(torch, q[None, rq], k[None, rk], v[None, rk], dout[None, rq], torch.float64, layout="bshd",
+                      alibi_slopes=slopes, **opts)  # fmt: skip
+        for name, got, ref in zip(("dq", "dk", "dv"), (dq[rq], dk[rk], dv[rk]), want):
+            assert not torch.isnan(got).any(), f"sequence {b} {name}: NaN (unwritten, or its neighbour's)"
+            got64, ref64 = got.double().cpu().numpy(), ref[0].cpu().numpy()
+            err = float(np.linalg.norm(got64 - ref64) / max(np.linalg.norm(ref64), 1.0))
+            assert err < 2 * BOUND["bfloat16"], f"sequence {b} {name}: {err:.2e}"
+
+
+def test_varlen_backward_reports_a_sequence_longer_than_max_seqlen_k():
+    """On Hopper the packed backward's key blocks cover max_seqlen_k keys: a sequence with more
+    is reported by check_device_errors, not left with zero dK and dV in silence."""
+    torch = need_torch()
+    if not is_hopper():
+        pytest.skip("elsewhere the key blocks cover the packed total")
+    cupyflash.check_device_errors()  # (cleared)
+    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in ([0, 10, 20], [0, 10, 310]))
+    q = torch.randn(20, 2, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(310, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    out, lse = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, 10, 300, return_lse=True)
+    cupyflash.attention_varlen_backward(torch.ones_like(q), q, k, v, out, lse, cu_q, cu_k, 10, 300)
+    cupyflash.check_device_errors()  # keys within the maximum: nothing to report
+    cupyflash.attention_varlen_backward(torch.ones_like(q), q, k, v, out, lse, cu_q, cu_k, 10, 100)
+    with pytest.raises(cupyflash.DeviceValueError, match="more keys than max_seqlen_k"):
+        cupyflash.check_device_errors()
 
 
 def test_nan_in_gives_nan_out(rng):

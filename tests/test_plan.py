@@ -179,20 +179,42 @@ def test_backward_plan_packed_and_empty():
         (50, 4, 128), (70, 2, 128), (70, 2, 128), (4,), (4,), 30, 40, causal=True, scale=None, window=(-1, -1),
         softcap=0.0,
     )  # fmt: skip
-    launch = _plan.plan_backward(p, "float16", H200, q_shape=(50, 4, 128), k_shape=(70, 2, 128), packed_rows=(50, 70))
+    launch = _plan.plan_backward(p, "float16", A100, q_shape=(50, 4, 128), k_shape=(70, 2, 128), packed_rows=(50, 70))
     assert launch.params.value("row_batch_stride") == 0 and launch.params.value("row_head_stride") == 50
     assert [o.fill for o in launch.outputs] == [None, 0.0, 0.0]  # rows outside every sequence: no gradient
     assert launch.steps[0].grid == (7, 1, 4)  # d = 128: two rows per warp
     # the key blocks cover the packed total (70 keys), whatever max_seqlen_k says: one block of 128
-    assert launch.steps[1].grid == (1, 3, 2)
+    assert launch.steps[1].grid == (1, 3, 2) and launch.params.value("grid_keys") == 0
     understated = varlen_problem(
         (50, 4, 128), (700, 2, 128), (700, 2, 128), (4,), (4,), 30, 40, causal=True, scale=None, window=(-1, -1),
         softcap=0.0,
     )  # fmt: skip
-    det = _plan.plan_backward(understated, "float16", H200, q_shape=(50, 4, 128), k_shape=(700, 2, 128),
+    det = _plan.plan_backward(understated, "float16", A100, q_shape=(50, 4, 128), k_shape=(700, 2, 128),
                               packed_rows=(50, 700), deterministic=True)  # fmt: skip
     assert det.steps[1].grid[0] == -(-700 // det.steps[1].spec.block_n)  # not 40 // block_n
     assert det.steps[2].grid[0] == -(-50 // det.steps[2].spec.block_m)  # not 30 // block_m
+    # Hopper: fa3_bwd over packed sequences, each sequence's temporaries from a 128-aligned start
+    # (a head's rows: (ceil(50 / 128) + 3 sequences) x 128), the per-row kernels over those rows,
+    # the key blocks over max_seqlen_k (a longer sequence reported: grid_keys), maps over the
+    # packed totals as one batch entry, and dq filled first (rows outside every sequence)
+    launch = _plan.plan_backward(
+        understated, "float16", H200, q_shape=(50, 4, 128), k_shape=(700, 2, 128), packed_rows=(50, 700)
+    )
+    prep, main, dq = launch.steps
+    assert main.spec.kernel == "fa3_bwd" and main.spec.varlen and main.spec.causal
+    assert launch.params.value("dq_tiled") == 2 and launch.params.value("row_head_stride") == 512
+    assert launch.params.value("row_batch_stride") == 0 and launch.params.value("grid_keys") == 128
+    assert main.grid == (1, 3, 2) and prep.grid == (prep.spec.grid_x(512), 1, 4)
+    assert dq.grid == (dq.spec.grid_x(512), 1, 4)
+    q_map, kv_map = (128, 50, 4, 1), (128, 700, 2, 1)
+    assert [dims for _, dims, _ in main.tma.maps] == [q_map, kv_map, kv_map, q_map]
+    assert [o.fill for o in launch.outputs] == [0.0, 0.0, 0.0]
+    accum = next(t for t in launch.temporaries if t.name == "dq_accum")
+    assert accum.shape == (4 * 512, 128)
+    det = _plan.plan_backward(understated, "float16", H200, q_shape=(50, 4, 128), k_shape=(700, 2, 128),
+                              packed_rows=(50, 700), deterministic=True)  # fmt: skip
+    assert det.steps[1].spec.varlen and det.steps[1].spec.deterministic
+    assert next(t for t in det.temporaries if t.name == "dq_semaphore").shape == (4 * 512 // 64,)
     empty = _problem((1, 0, 2, 64), (1, 9, 2, 64), (1, 9, 2, 64))
     launch = _plan.plan_backward(empty, "float16", H200, q_shape=(1, 0, 2, 64), k_shape=(1, 9, 2, 64))
     assert not launch.steps and all(o.fill == 0.0 for o in launch.outputs)

@@ -26,7 +26,11 @@ def load(name: str):
 
 
 @pytest.mark.parametrize(
-    "name", ["tune", "ab", "sanitize", "sanitize_workload", "sass_evidence", "jax_jit_bench", "ncu_backward"]
+    "name",
+    [
+        *("tune", "ab", "sanitize", "sanitize_workload", "sass_evidence", "jax_jit_bench", "ncu_backward"),
+        "bench_varlen_train",
+    ],
 )
 def test_script_imports_and_its_help_runs(name):
     module = load(name)
@@ -34,6 +38,16 @@ def test_script_imports_and_its_help_runs(name):
         with pytest.raises(SystemExit) as done:
             module.main(["--help"])
         assert done.value.code == 0
+
+
+def test_varlen_training_bench_shapes():
+    """Packed batches of 16k tokens, each at both head dims, causal and not; the uniform ones
+    (which get a padded twin) and the uneven mix."""
+    module = load("bench_varlen_train")
+    full, quick = module.shapes(False), module.shapes(True)
+    assert {label for label, *_ in full} == {"16x1k", "4x4k", "mix"} and len(full) == 12 and len(quick) == 8
+    assert all(sum(lengths) == 16384 for _, lengths, _, _ in full)
+    assert len(set(next(lengths for label, lengths, *_ in full if label == "mix"))) > 1
 
 
 def test_tune_mods_times_every_candidate_on_every_gallery_function(monkeypatch):

@@ -37,6 +37,9 @@ from .common import (
 from .model import INDEX, KernelStep, Launch, Operand, Output, Temporary, TmaMaps
 
 DQ_TILE_ROWS = 64  # the Hopper backward's dQacc tiles (kDqTileRows, kernels_cu/dq_tiles.cuh)
+# Packed sequences in those tiles: each sequence's temporary rows from a multiple of this (kDqSeqAlign)
+DQ_SEQ_ALIGN = 128
+DQ_TILES_PADDED, DQ_TILES_PACKED = 1, 2  # BwdParams::dq_tiled (0: rows of d floats)
 
 
 def plan_backward(
@@ -97,9 +100,14 @@ def plan_backward(
 
     # Per-row temporaries: row r of query head h, batch b at b * row_batch + h * row_head + r.
     # The Hopper kernel's: each (b, h)'s rows padded to whole steps (block_m: one or two 64-row
-    # dQacc tiles; the steps' -LSE log2 e and D rows read whole).
+    # dQacc tiles; the steps' -LSE log2 e and D rows read whole); packed, each sequence's from
+    # its own aligned start (dq_seq_temp_start, kernels_cu/dq_tiles.cuh), so that a head's rows
+    # end by (ceil(total / align) + batch) align.
     padded_q = -(-p.seqlen_q // hopper.block_m) * hopper.block_m if hopper is not None else p.seqlen_q
-    if packed:
+    if packed and hopper is not None:
+        head_rows = (-(-rows[0] // DQ_SEQ_ALIGN) + p.batch) * DQ_SEQ_ALIGN
+        row_strides, temp_rows, batches = (0, head_rows), p.heads_q * head_rows, 1
+    elif packed:
         row_strides, temp_rows, batches = (0, rows[0]), p.heads_q * rows[0], 1
     else:
         row_strides, temp_rows, batches = (
@@ -120,6 +128,12 @@ def plan_backward(
     cell_fields: dict[str, int] = {}
     if p.mask:  # its block summary, for both kernels' tiles: they skip the tiles it hides
         cell_fields, cells_shape, cells_step = mask_cells(p, dtype, cell_tiles, "BwdParams")
+    # The key blocks: the Hopper kernel's over packed sequences cover the longest sequence (a CTA
+    # per key block and sequence: over the packed total most would return at once), and prep
+    # reports a sequence longer than that (grid_keys); the others' cover the packed total.
+    key_rows = p.seqlen_k if packed and hopper is not None else rows[1]
+    key_blocks = max(1, -(-key_rows // (hopper or spec).block_n))
+    dq_tiled = 0 if hopper is None else DQ_TILES_PACKED if packed else DQ_TILES_PADDED
     params = PARAMS_STRUCTS["BwdParams"].template(
         **attn_fields(p, rows, scale_log2, prescale)
         | (mods_scale_fields(mods, scale_log2) if mods is not None else {}),  # (as the forward's)
@@ -130,7 +144,8 @@ def plan_backward(
         row_head_stride=row_strides[1],
         dq_scale=p.scale,
         dk_scale=abs(p.scale) if negate_q else p.scale,
-        dq_tiled=int(hopper is not None),
+        dq_tiled=dq_tiled,
+        grid_keys=key_blocks * hopper.block_n if packed and hopper is not None else 0,
     )
 
     def lse_axes(name: str) -> tuple[tuple[int, int], ...]:  # (Hq, total_q) packed, else (B, Hq, Nq)
@@ -160,9 +175,11 @@ def plan_backward(
             Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
         ]
     fill = 0.0 if packed else None  # packed rows outside every sequence get no gradient
-    # dq: every packed row written from the zeroed accumulator, but by dq_blocks only in sequences
+    # dq: every packed row written from the zeroed accumulator, but by dq_blocks and from the
+    # Hopper kernel's sequence-aligned tiles only in sequences
+    dq_fill = fill if dq_kernel or dq_tiled == DQ_TILES_PACKED else None
     outputs: tuple[Output, ...] = (
-        Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr"), fill=fill if dq_kernel else None),
+        Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr"), fill=dq_fill),
         Output("dk", tuple(k_shape), dtype, params.slot("dk_ptr"), fill=fill),
         Output("dv", tuple(k_shape), dtype, params.slot("dv_ptr"), fill=fill),
     )
@@ -175,20 +192,21 @@ def plan_backward(
         Temporary("neg_lse_log2", (temp_rows,), "float32", params.slot("neg_lse_log2")),
         Temporary("dsum", (temp_rows,), "float32", params.slot("dsum")),
     )
-    row_count = rows[0] if packed else padded_q
+    # the per-row kernels' rows: the input's (packed: the totals, not max_seqlen_q), or the
+    # sequence-aligned temporaries'
+    row_count = row_strides[1] if dq_tiled == DQ_TILES_PACKED else rows[0] if packed else padded_q
     row_block = (BwdRowSpec.num_threads, 1, 1)
-    # Packed: the grids cover the totals, not max_seqlen_*: every sequence fits in its total, so
-    # an understated maximum cannot leave keys without dK, dV or rows without dQ (the CTAs past
-    # a sequence's end return at once).
+    # Packed: the grids over query blocks cover the totals, not max_seqlen_q: every sequence fits
+    # in its total, so an understated maximum cannot leave rows without dQ (the CTAs past a
+    # sequence's end return at once); the key blocks are above.
+    grid = (key_blocks, p.batch, p.heads_kv)
     if hopper is not None:
-        q_dims, kv_dims = (p.head_dim, p.seqlen_q, p.heads_q, p.batch), (p.head_dim, p.seqlen_k, p.heads_kv, p.batch)
+        q_dims, kv_dims = (p.head_dim, rows[0], p.heads_q, batches), (p.head_dim, rows[1], p.heads_kv, batches)
         maps = (("q", q_dims, hopper.block_m), ("k", kv_dims, hopper.block_n), ("v", kv_dims, hopper.block_n),
                 ("dout", q_dims, hopper.block_m))  # fmt: skip
         tma = TmaMaps(dtype, (axes[1], axes[2], axes[0]), maps)
-        grid = (-(-rows[1] // hopper.block_n), p.batch, p.heads_kv)
         main = KernelStep(hopper, grid, (hopper.num_threads, 1, 1), hopper.smem_bytes, tma=tma)
     else:
-        grid = (-(-rows[1] // spec.block_n), p.batch, p.heads_kv)
         main = KernelStep(spec, grid, (spec.num_threads, 1, 1), spec.smem_bytes)
     if dq_kernel:
         dq_grid = (-(-rows[0] // dq_spec.block_m), p.batch, p.heads_q)
