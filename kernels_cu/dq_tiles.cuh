@@ -44,18 +44,15 @@ CF_DEVICE constexpr int64_t dq_seq_temp_start(int start, int batch) {
 // Temporary row `row` of a head (0 <= row < the head's rows) in that layout: the sequence whose
 // aligned start is the last at or before it (a binary search over cu_seqlens, `batch` + 1
 // offsets), its packed rows [start, start + len) and the row's place seq_row in them; a row of
-// the sequence where 0 <= seq_row < len, else padding. The packed rows after the last sequence
-// [cu_seqlens[batch], total) take the place of a sequence `batch` (`after_last`: no sequence's,
-// their dQ is 0), which also fits in the head's rows. Offsets are clamped into [0, total] as the
-// key-block kernel's clamped_seq_rows clamps them: bad ones (which prep reports) keep every
+// the sequence where 0 <= seq_row < len, else padding. Offsets are clamped into [0, total] as
+// the key-block kernel's clamped_seq_rows clamps them: bad ones (which prep reports) keep every
 // access in bounds.
 struct DqSeqRow {
   int start, len, seq_row;
-  bool after_last;
 };
 CF_DEVICE DqSeqRow dq_seq_of_temp_row(const int32_t* cu_seqlens, int batch, int total, int row) {
-  auto offset = [&](int b) { return b > batch ? total : min(max(cu_seqlens[b], 0), total); };
-  int lo = 0, hi = batch;
+  auto offset = [&](int b) { return min(max(cu_seqlens[b], 0), total); };
+  int lo = 0, hi = batch - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
     if (dq_seq_temp_start(offset(mid), mid) <= row)
@@ -65,5 +62,5 @@ CF_DEVICE DqSeqRow dq_seq_of_temp_row(const int32_t* cu_seqlens, int batch, int 
   }
   const int start = offset(lo);
   return {start, max(offset(lo + 1) - start, 0),
-          row - static_cast<int>(dq_seq_temp_start(start, lo)), lo == batch};
+          row - static_cast<int>(dq_seq_temp_start(start, lo))};
 }

@@ -86,51 +86,19 @@ CF_DEVICE int64_t bwd_temp_row(const BwdParams& p, int row) {
 // whether it is a sequence's row (`real`; else a padding row of the temporaries). The grid's rows
 // are the input's rows, except for packed sequences in the Hopper backward's tiles
 // (kDqTilesPacked): there they are a head's temporary rows, each found in its sequence by
-// dq_seq_of_temp_row, and `after_last` marks a packed row after the last sequence (no output is
-// filled first there: the dq step writes its 0).
+// dq_seq_of_temp_row.
 struct BwdRowPlace {
   int64_t t;
   int row, seq_row, seq_len;  // (a padded batch: seq_row = row, seq_len = seqlen_q)
-  bool real, after_last;
+  bool real;
 };
 CF_DEVICE BwdRowPlace bwd_row_place(const BwdParams& p, int grid_row) {
   const AttnParams& a = p.attn;
   if (p.dq_tiled != kDqTilesPacked)
-    return {bwd_temp_row(p, grid_row), grid_row, grid_row, a.seqlen_q,
-            grid_row < a.seqlen_q,     false};
+    return {bwd_temp_row(p, grid_row), grid_row, grid_row, a.seqlen_q, grid_row < a.seqlen_q};
   const DqSeqRow s = dq_seq_of_temp_row(a.cu_seqlens_q, a.batch, a.seqlen_q, grid_row);
-  const bool row_of = grid_row < p.row_head_stride && s.seq_row >= 0 && s.seq_row < s.len;
-  return {bwd_temp_row(p, grid_row), s.start + s.seq_row,   s.seq_row, s.len,
-          row_of && !s.after_last,   row_of && s.after_last};
-}
-
-// Packed sequences on the Hopper backward (whose outputs are not filled first): dK = dV = 0 on
-// the key rows after the last sequence, 16-byte chunks spread over every thread of prep's grid
-// (none in the usual call, where the sequences fill the packed tensors).
-template <typename Traits>
-CF_DEVICE void zero_keys_after_last(const BwdParams& p) {
-  using Element = typename Traits::Element;
-  const AttnParams& a = p.attn;
-  const int first = min(max(a.cu_seqlens_k[a.batch], 0), a.seqlen_k);
-  constexpr int kChunks = Traits::Columns::kChunks;
-  const int64_t per_row = static_cast<int64_t>(a.h_k) * kChunks;
-  const int64_t count = (a.seqlen_k - first) * per_row;
-  const int64_t threads = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z * blockDim.x;
-  int64_t i =
-      ((static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) *
-          blockDim.x +
-      threadIdx.x;
-  for (; i < count; i += threads) {
-    const int64_t row = first + i / per_row;
-    const int head = static_cast<int>(i / kChunks % a.h_k), chunk = static_cast<int>(i % kChunks);
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    st_global_chunk<typename Traits::Columns>(
-        static_cast<Element*>(p.dk_ptr) + row * p.dk_row_stride + head * p.dk_head_stride, chunk,
-        zero);
-    st_global_chunk<typename Traits::Columns>(
-        static_cast<Element*>(p.dv_ptr) + row * p.dv_row_stride + head * p.dv_head_stride, chunk,
-        zero);
-  }
+  const bool real = grid_row < p.row_head_stride && s.seq_row >= 0 && s.seq_row < s.len;
+  return {bwd_temp_row(p, grid_row), s.start + s.seq_row, s.seq_row, s.len, real};
 }
 
 // The kHeadDim floats of dQacc at row t (row-major or tiled: the same addresses) set to 0, by the
@@ -160,7 +128,6 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
     }
     report_error(a, bits);
   }
-  if (p.dq_tiled == kDqTilesPacked) zero_keys_after_last<Traits>(p);
   int chunk;
   const int grid_row = bwd_lane_row<Traits>(&chunk);
   const BwdRowPlace place = bwd_row_place(p, grid_row);
@@ -222,18 +189,10 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
   const int pair = bwd_lane_row<Traits>(&chunk);
   // rows row0, row0 + 8 of the grid (of one 16-row block, so of one sequence's tile)
   const BwdRowPlace place = bwd_row_place(p, 16 * (pair / 8) + pair % 8);
-  if (!(place.real || place.after_last) || chunk >= Traits::Columns::kChunks) return;
+  if (!place.real || chunk >= Traits::Columns::kChunks) return;
   const int row0 = place.row;  // the input's
   const int64_t t0 = place.t;
   const bool second = place.seq_row + 8 < place.seq_len;
-  auto* g_dq = static_cast<Element*>(p.dq_ptr) + blockIdx.y * p.dq_batch_stride +
-               row0 * p.dq_row_stride + blockIdx.z * p.dq_head_stride;
-  if (place.after_last) {
-    for (int k = 0; k < (second ? 2 : 1); ++k)
-      st_global_chunk<typename Traits::Columns>(g_dq + 8 * k * p.dq_row_stride, chunk,
-                                                make_uint4(0, 0, 0, 0));
-    return;
-  }
   float4 lo[2], hi[2];  // columns 8 chunk .. + 3 and + 4 .. + 7 of rows row0, row0 + 8
   if (p.dq_tiled) {
     const int r = place.seq_row % kDqTileRows;
@@ -268,11 +227,12 @@ CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
     out.y = Traits::Ops::pack2(lo[k].z * s, lo[k].w * s);
     out.z = Traits::Ops::pack2(hi[k].x * s, hi[k].y * s);
     out.w = Traits::Ops::pack2(hi[k].z * s, hi[k].w * s);
-    Element* g_row = g_dq + 8 * k * p.dq_row_stride;
+    auto* g_dq = static_cast<Element*>(p.dq_ptr) + blockIdx.y * p.dq_batch_stride +
+                 (row0 + 8 * k) * p.dq_row_stride + blockIdx.z * p.dq_head_stride;
     if constexpr (Traits::Columns::kFull) {
-      *reinterpret_cast<uint4*>(g_row + 8 * chunk) = out;
+      *reinterpret_cast<uint4*>(g_dq + 8 * chunk) = out;
     } else {
-      st_global_chunk<typename Traits::Columns>(g_row, chunk, out);
+      st_global_chunk<typename Traits::Columns>(g_dq, chunk, out);
     }
   }
 }

@@ -12,8 +12,7 @@ sequence) against what both kernels need:
 * each sequence's steps, rounded up to 128 rows, lie inside the head's rows and apart from every
   other sequence's;
 * the per-row kernels' rows of a sequence are exactly its packed rows, each once, at the rows the
-  key-block kernel adds into; the packed rows after the last sequence each once too (their dQ is
-  written as 0); every other temporary row is padding;
+  key-block kernel adds into; every other temporary row is padding;
 * offsets that are bad (decreasing, negative, past the total: reported by prep) still map every
   row inside the packed total.
 """
@@ -48,14 +47,12 @@ DRIVER = r"""
 
 extern "C" long long temp_start(int start, int batch) { return dq_seq_temp_start(start, batch); }
 
-extern "C" void seq_of_rows(const int32_t* cu, int batch, int total, int rows, int* start, int* len, int* seq_row,
-                            unsigned char* after_last) {
+extern "C" void seq_of_rows(const int32_t* cu, int batch, int total, int rows, int* start, int* len, int* seq_row) {
   for (int r = 0; r < rows; ++r) {
     const DqSeqRow s = dq_seq_of_temp_row(cu, batch, total, r);
     start[r] = s.start;
     len[r] = s.len;
     seq_row[r] = s.seq_row;
-    after_last[r] = s.after_last;
   }
 }
 """
@@ -84,17 +81,12 @@ def head_rows(lengths: list[int], total: int, head_dim: int) -> int:
     return int(launch.params.value("row_head_stride"))
 
 
-def place_rows(library, cu: np.ndarray, total: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per temporary row of a head: the packed row it stands for (-1: padding) and whether that
-    row lies after the last sequence."""
+def place_rows(library, cu: np.ndarray, total: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     cu = np.ascontiguousarray(cu, dtype=np.int32)
-    start, length, seq_row = (np.empty(rows, np.int32) for _ in range(3))
-    after_last = np.empty(rows, np.uint8)
-    pointers = [x.ctypes.data_as(ctypes.POINTER(ctypes.c_int)) for x in (cu, start, length, seq_row)]
-    flags = after_last.ctypes.data_as(ctypes.c_void_p)
-    library.seq_of_rows(pointers[0], len(cu) - 1, total, rows, *pointers[1:], flags)
-    real = (seq_row >= 0) & (seq_row < length)
-    return np.where(real, start + seq_row, -1), after_last.astype(bool) & real
+    out = [np.empty(rows, np.int32) for _ in range(3)]
+    pointers = [x.ctypes.data_as(ctypes.POINTER(ctypes.c_int)) for x in (cu, *out)]
+    library.seq_of_rows(pointers[0], len(cu) - 1, total, rows, *pointers[1:])
+    return out[0], out[1], out[2]
 
 
 def random_lengths(rng: np.random.Generator) -> list[int]:
@@ -118,11 +110,11 @@ def test_packed_sequences_own_their_temporary_rows(library, seed):
     for (_, end), (start, _) in zip(spans, spans[1:]):
         assert end <= start, f"{lengths}: a sequence's steps reach into the next one's rows"
     assert spans[-1][1] <= rows
-    packed_row, after_last = place_rows(library, cu, total, rows)
-    assert np.array_equal(np.sort(packed_row[packed_row >= 0]), np.arange(total)), "each packed row once"
-    assert np.array_equal(np.sort(packed_row[after_last]), np.arange(cu[-1], total)), "the rows after the last"
-    in_sequences = (packed_row >= 0) & ~after_last
-    temp, packed = np.flatnonzero(in_sequences), packed_row[in_sequences]
+    start, length, seq_row = place_rows(library, cu, total, rows)
+    real = (seq_row >= 0) & (seq_row < length)
+    packed = (start + seq_row)[real]
+    assert np.array_equal(np.sort(packed), np.arange(cu[-1])), "each packed row once, none outside a sequence"
+    temp = np.flatnonzero(real)
     for b in range(len(lengths)):  # the rows the key-block kernel adds into
         mine = (packed >= cu[b]) & (packed < cu[b + 1])
         assert np.array_equal(temp[mine], spans[b][0] + packed[mine] - cu[b])
@@ -131,5 +123,7 @@ def test_packed_sequences_own_their_temporary_rows(library, seed):
 @pytest.mark.parametrize("cu", [[0, 50, 20, 90], [0, -7, 40, 90], [5, 30, 60, 90], [0, 30, 500, 90], [0, 90, 90, 90]])
 def test_bad_offsets_stay_inside_the_packed_rows(library, cu):
     total = 90
-    packed_row, _ = place_rows(library, np.array(cu), total, (-(-total // 128) + 3) * 128)
-    assert (packed_row < total).all()
+    start, length, seq_row = place_rows(library, np.array(cu), total, (-(-total // 128) + 3) * 128)
+    real = (seq_row >= 0) & (seq_row < length)
+    packed = (start + seq_row)[real]
+    assert ((packed >= 0) & (packed < total)).all()

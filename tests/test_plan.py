@@ -196,8 +196,7 @@ def test_backward_plan_packed_and_empty():
     # Hopper: fa3_bwd over packed sequences, each sequence's temporaries from a 128-aligned start
     # (a head's rows: (ceil(50 / 128) + 3 sequences) x 128), the per-row kernels over those rows,
     # the key blocks over max_seqlen_k (a longer sequence reported: grid_keys), maps over the
-    # packed totals as one batch entry, and no output filled first (the per-row kernels write
-    # the rows outside every sequence)
+    # packed totals as one batch entry, and dq filled first (rows outside every sequence)
     launch = _plan.plan_backward(
         understated, "float16", H200, q_shape=(50, 4, 128), k_shape=(700, 2, 128), packed_rows=(50, 700)
     )
@@ -209,7 +208,7 @@ def test_backward_plan_packed_and_empty():
     assert dq.grid == (dq.spec.grid_x(512), 1, 4)
     q_map, kv_map = (128, 50, 4, 1), (128, 700, 2, 1)
     assert [dims for _, dims, _ in main.tma.maps] == [q_map, kv_map, kv_map, q_map]
-    assert [o.fill for o in launch.outputs] == [None, None, None]
+    assert [o.fill for o in launch.outputs] == [0.0, 0.0, 0.0]
     accum = next(t for t in launch.temporaries if t.name == "dq_accum")
     assert accum.shape == (4 * 512, 128)
     det = _plan.plan_backward(understated, "float16", H200, q_shape=(50, 4, 128), k_shape=(700, 2, 128),

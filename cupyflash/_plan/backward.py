@@ -174,13 +174,12 @@ def plan_backward(
             Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),
             Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
         ]
-    # Packed rows outside every sequence get no gradient: filled with 0 first, but for the
-    # Hopper kernel, whose per-row kernels write those zeros (prep dK and dV's after the last
-    # sequence, the dq step dQ's), so that no output is written twice;
-    # dq: every packed row written from the zeroed accumulator, but by dq_blocks only in sequences
-    fill = 0.0 if packed and dq_tiled != DQ_TILES_PACKED else None
+    fill = 0.0 if packed else None  # packed rows outside every sequence get no gradient
+    # dq: every packed row written from the zeroed accumulator, but by dq_blocks and from the
+    # Hopper kernel's sequence-aligned tiles only in sequences
+    dq_fill = fill if dq_kernel or dq_tiled == DQ_TILES_PACKED else None
     outputs: tuple[Output, ...] = (
-        Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr"), fill=fill if dq_kernel else None),
+        Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr"), fill=dq_fill),
         Output("dk", tuple(k_shape), dtype, params.slot("dk_ptr"), fill=fill),
         Output("dv", tuple(k_shape), dtype, params.slot("dv_ptr"), fill=fill),
     )
