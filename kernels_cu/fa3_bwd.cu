@@ -271,9 +271,12 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
         // ------------------------------------------------------------ dQ writer (warp 1)
         // The last key block whose query range holds block m (ranges move up with the key
         // block, so the blocks that see m are consecutive; the same ranges the CTAs loop over).
+        // (Packed: the sequence's key blocks that the grid holds. One with more keys than
+        // max_seqlen_k, which prep reports, must not wait for a block never launched.)
         auto last_key_block = [&](int m) {
-          const int n_blocks =
-              Traits::Varlen ? ceil_div(seq.k.len, kBlockN) : static_cast<int>(gridDim.x);
+          const int n_blocks = Traits::Varlen
+                                   ? min(ceil_div(seq.k.len, kBlockN), static_cast<int>(gridDim.x))
+                                   : static_cast<int>(gridDim.x);
           if constexpr (!Traits::Is_causal) return n_blocks - 1;
           int lo = n_block, hi = n_blocks - 1;
           while (lo < hi) {
@@ -298,7 +301,15 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
             int32_t* semaphore = p.dq_semaphore + step_rows(at) / kDqTileRows;
             if constexpr (Traits::Deterministic) {
               const int turn = last_key_block(at.m_block) - n_block;
-              while (ld_acquire_gpu(semaphore) != turn) {
+              if constexpr (Traits::Varlen) {
+                // Decreasing offsets (prep reports them) can give two sequences one tile, and
+                // two blocks one turn: a count past this block's turn, which valid offsets never
+                // make, means another took it. Go on rather than wait forever.
+                while (ld_acquire_gpu(semaphore) < turn) {
+                }
+              } else {
+                while (ld_acquire_gpu(semaphore) != turn) {
+                }
               }
               fence_proxy_async_global();
             }

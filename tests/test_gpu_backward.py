@@ -298,9 +298,11 @@ def test_varlen_backward_options_and_neighbours(rng, case, head_dim, determinist
             assert err < 2 * BOUND["bfloat16"], f"sequence {b} {name}: {err:.2e}"
 
 
-def test_varlen_backward_reports_a_sequence_longer_than_max_seqlen_k():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_backward_reports_a_sequence_longer_than_max_seqlen_k(deterministic):
     """On Hopper the packed backward's key blocks cover max_seqlen_k keys: a sequence with more
-    is reported by check_device_errors, not left with zero dK and dV in silence."""
+    is reported by check_device_errors, not left with zero dK and dV in silence (and the
+    deterministic mode's dQ turns count only the key blocks launched: no wait for the others)."""
     torch = need_torch()
     if not is_hopper():
         pytest.skip("elsewhere the key blocks cover the packed total")
@@ -309,9 +311,10 @@ def test_varlen_backward_reports_a_sequence_longer_than_max_seqlen_k():
     q = torch.randn(20, 2, 64, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(310, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
     out, lse = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, 10, 300, return_lse=True)
-    cupyflash.attention_varlen_backward(torch.ones_like(q), q, k, v, out, lse, cu_q, cu_k, 10, 300)
+    det = {"deterministic": deterministic}
+    cupyflash.attention_varlen_backward(torch.ones_like(q), q, k, v, out, lse, cu_q, cu_k, 10, 300, **det)
     cupyflash.check_device_errors()  # keys within the maximum: nothing to report
-    cupyflash.attention_varlen_backward(torch.ones_like(q), q, k, v, out, lse, cu_q, cu_k, 10, 100)
+    cupyflash.attention_varlen_backward(torch.ones_like(q), q, k, v, out, lse, cu_q, cu_k, 10, 100, **det)
     with pytest.raises(cupyflash.DeviceValueError, match="more keys than max_seqlen_k"):
         cupyflash.check_device_errors()
 
