@@ -319,6 +319,25 @@ def test_varlen_backward_reports_a_sequence_longer_than_max_seqlen_k(determinist
         cupyflash.check_device_errors()
 
 
+def test_varlen_backward_with_overlapping_sequences_returns_and_reports():
+    """Decreasing cu_seqlens_q can give two sequences one dQ tile (their per-row temporaries
+    overlap): the deterministic mode, whose key blocks take turns per tile, must still return,
+    and check_device_errors names the offsets."""
+    torch = need_torch()
+    cupyflash.check_device_errors()  # (cleared)
+    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in ([0, 300, 100, 400], [0, 300, 600, 900]))
+    q = torch.randn(400, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(900, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, 300, 300, return_lse=True)
+    grads = cupyflash.attention_varlen_backward(
+        torch.ones_like(q), q, k, v, out, lse, cu_q, cu_k, 300, 300, deterministic=True
+    )
+    torch.cuda.synchronize()
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    with pytest.raises(cupyflash.DeviceValueError, match="cu_seqlens_q value"):
+        cupyflash.check_device_errors()
+
+
 def test_nan_in_gives_nan_out(rng):
     torch = need_torch()
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
