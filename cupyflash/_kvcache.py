@@ -351,7 +351,8 @@ def check_device_errors(device: int | None = None) -> None:
     ``attention_varlen`` and ``attention_varlen_backward`` (``cu_seqlens_q`` / ``cu_seqlens_k``
     offsets that are negative, decreasing, past the packed total or not starting at 0, a
     ``seqused_k`` outside ``[0, key count]``; over pages: ``block_table``, a key count beyond its
-    table row). The message names each kind of value met.
+    table row; on Hopper's backward, a sequence with more keys than ``max_seqlen_k``, whose keys
+    past it keep dK = dV = 0 and give dQ nothing). The message names each kind of value met.
 
     The kernels cannot raise: they refuse the bad value instead and set a flag that this call
     reads and clears. A cache sequence's output rows and LSE are NaN and nothing is appended
