@@ -227,6 +227,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   const int batch = blockIdx.y;
   const int head_k = blockIdx.z;
   const int key0 = n_block * kBlockN;
+  // (Where a padded batch reads a.seqlen_q / seqlen_k or batch * row_batch_stride below instead
+  // of seq's equal values, it keeps the code the GPU measured: ptxas schedules the copies apart.)
   const SeqRows seq = bwd_seq_rows<Traits::Varlen>(a, batch);
   // Packed: the grid covers the longest sequence's keys (the same answer for the whole CTA)
   if (Traits::Varlen && key0 >= seq.k.len) return;
