@@ -336,6 +336,8 @@ def attention_varlen(
     seqused_k: Any = None,
     block_table: Any = None,
     sinks: Any = None,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> Any:
     """Attention over a batch of sequences of different lengths packed end to end, as
     flash-attn's ``flash_attn_varlen_func``.
@@ -389,6 +391,15 @@ def attention_varlen(
         dropout, no gradients, not under ``torch.compile`` yet.
     sinks : array ``(Hq,)``, optional
         Learnable attention sinks, as in :func:`attention` (every sequence's rows).
+    score_mod, mask_mod : functions, optional
+        As :func:`attention`'s, per packed sequence: ``b`` is the sequence's index and ``q_idx``,
+        ``kv_idx`` are positions within it (so a document mask is the packing itself, and a
+        prefix, a chunk or a relative-position bias counts from each sequence's start; a
+        ``mask_mod`` of ``kv_idx <= q_idx`` is causal from the top left, where ``causal=True``
+        aligns each sequence's last query with its last key). On the GPU the FA2 or the Hopper
+        forward and the FA2 backward run them; every read of a captured array is checked there
+        (the sequences' lengths stay on the device), and one outside its array makes the score
+        NaN. No ``block_table``, and not under ``torch.compile`` yet.
 
     Notes
     -----
@@ -421,9 +432,13 @@ def attention_varlen(
         deterministic = check_flag("deterministic", deterministic)
     if batch_invariant is not False:
         batch_invariant = check_batch_invariant(batch_invariant)
+    mods = None
+    if score_mod is not None or mask_mod is not None:
+        mods = _varlen_traced(score_mod, mask_mod, block_table)
     call = _attention.VarlenForward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, algorithm, deterministic, dropout_p,
-        seed, alibi_slopes, seqused_k, block_table, batch_invariant, sinks,
+        seed, alibi_slopes, seqused_k, block_table, batch_invariant, sinks, mods,
+        mods is not None and _front.captured_grad(mods),
     )  # fmt: skip
     if block_table is not None:
         if algorithm == "fa3":
@@ -562,6 +577,9 @@ def attention_varlen_backward(
     alibi_slopes: Any = None,
     seqused_k: Any = None,
     sinks: Any = None,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    captured_grads: bool = False,
 ) -> tuple[Any, ...]:
     """The gradients (dq, dk, dv) of :func:`attention_varlen` at ``out, lse =
     attention_varlen(..., return_lse=True)``, as :func:`attention_backward` computes them, per
@@ -573,13 +591,21 @@ def attention_varlen_backward(
     the tensors, so a bad sequence's dk, dv are undefined and may reach the rows its clamped
     range covers, never outside the tensors. On the host they are checked. ``dropout_p`` and ``seed``:
     the forward's, as for :func:`attention_backward`; ``alibi_slopes`` and ``seqused_k`` too (keys
-    past ``seqused_k`` get zero gradients); ``sinks`` too (dsinks then a fourth result)."""
+    past ``seqused_k`` get zero gradients); ``sinks`` too (dsinks then a fourth result);
+    ``score_mod`` and ``mask_mod`` too, and ``captured_grads`` as :func:`attention_backward`'s
+    (the gradients of score_mod's captured arrays last, summed over the sequences)."""
     options = check_options(causal, scale, window, softcap)
     deterministic = check_flag("deterministic", deterministic)
+    captured_grads = check_flag("captured_grads", captured_grads)
     dropout_p, seed = _attention.backward_dropout(dropout_p, seed)
+    if captured_grads and score_mod is None:
+        raise ValueError("captured_grads=True needs a score_mod: its captured arrays are what get gradients")
+    mods = None
+    if score_mod is not None or mask_mod is not None:
+        mods = _varlen_traced(score_mod, mask_mod, None)
     call = _attention.VarlenBackward(
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, deterministic,
-        dropout_p, seed, alibi_slopes, seqused_k, sinks,
+        dropout_p, seed, alibi_slopes, seqused_k, sinks, mods, captured_grads,
     )  # fmt: skip
     return _attention.varlen_backward(call)
 
@@ -904,6 +930,21 @@ def _traced(
             )
         mask = carried
     return (None if score_mod is None else _mods.trace_score_mod(score_mod), mask)
+
+
+def _varlen_traced(score_mod: Any, mask_mod: Any, block_table: Any) -> tuple[Any, Any]:
+    """attention_varlen's score_mod and mask_mod traced (``_traced``), where the call takes them."""
+    if block_table is not None:
+        raise ValueError("score_mod / mask_mod take no block_table (paged keys) yet")
+    if _front.compiling():
+        raise NotImplementedError(
+            "attention_varlen with score_mod / mask_mod does not run under torch.compile yet: make the call outside "
+            "the compiled region, or pack the sequences as one batch entry of attention(..., mask_mod=...) with a "
+            "document mask"
+        )
+    traced = _traced(score_mod, mask_mod, None, None)
+    assert traced is not None
+    return traced
 
 
 def create_block_mask(

@@ -114,6 +114,8 @@ class VarlenForward:
     block_table: Any = None
     batch_invariant: bool = False  # the Hopper variant not chosen by the batch's longest sequence
     sinks: Any = None
+    mods: Any = None  # (score_mod, mask_mod) traced, or None: b the sequence, q_idx / kv_idx positions in it
+    captured_grad: bool = False  # a tensor score_mod captures requires grad: autograd's route
 
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k", "block_table", "sinks")
     writes = False
@@ -129,7 +131,7 @@ class VarlenForward:
         return VarlenForward(
             self.q, self.k, self.v, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k,
             self.options, self.algorithm, self.deterministic, dropout_p, seed, self.alibi_slopes, self.seqused_k,
-            self.block_table, self.batch_invariant, self.sinks,
+            self.block_table, self.batch_invariant, self.sinks, self.mods, self.captured_grad,
         )  # fmt: skip
 
     def on(self, arrays: list[Any]) -> VarlenForward:
@@ -137,6 +139,7 @@ class VarlenForward:
         return VarlenForward(
             q, k, v, cu_q, cu_k, self.max_seqlen_q, self.max_seqlen_k, self.options, self.algorithm,
             self.deterministic, self.dropout_p, self.seed, slopes, seqused_k, table, self.batch_invariant, sinks,
+            self.mods, self.captured_grad,
         )  # fmt: skip
 
 
@@ -199,6 +202,8 @@ class VarlenBackward:
     alibi_slopes: Any = None
     seqused_k: Any = None
     sinks: Any = None
+    mods: Any = None  # the forward's (score_mod, mask_mod), traced
+    captured_grads: bool = False  # one more result: the gradients of score_mod's captured arrays
 
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k",
              "sinks")  # fmt: skip
@@ -211,7 +216,7 @@ class VarlenBackward:
         dout, q, k, v, out, lse, dlse, cu_q, cu_k, slopes, seqused_k, sinks = arrays
         return VarlenBackward(
             dout, q, k, v, out, lse, dlse, cu_q, cu_k, self.max_seqlen_q, self.max_seqlen_k, self.options,
-            self.deterministic, self.dropout_p, self.seed, slopes, seqused_k, sinks,
+            self.deterministic, self.dropout_p, self.seed, slopes, seqused_k, sinks, self.mods, self.captured_grads,
         )  # fmt: skip
 
 
@@ -472,15 +477,24 @@ def _block_mask_buffers(block_mask: Any, lib: _interop.ArrayLib, device: int) ->
 
 
 def _kernel_mods_of(call: Forward | Backward, device: int) -> tuple[Any, _mods.KernelMods, tuple[Any, ...]]:
-    """A GPU call's score_mod / mask_mod: their key, their device code (written once per key and
-    index ranges: the reads those keep inside their arrays unchecked, _mods.Grid) and their
-    captured arrays in mod_buffer order, adopted as q was (one library, q's device)."""
-    score_mod, mask_mod = call.mods
-    mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key)
+    """A dense GPU call's score_mod / mask_mod (``_kernel_mods_for``), the reads its index ranges
+    keep inside their arrays unchecked."""
     grid = None  # the call's index ranges: the reads they keep inside their arrays go unchecked
     if call.layout in LAYOUTS:
         batch, rows, heads, _ = split_dims(tuple(call.q.shape), call.layout)
         grid = _mods.Grid(batch, heads, rows, split_dims(tuple(call.k.shape), call.layout)[1])
+    return _kernel_mods_for(call.mods, call.q, grid, device)
+
+
+def _kernel_mods_for(
+    mods: tuple[Any, Any], q: Any, grid: _mods.Grid | None, device: int
+) -> tuple[Any, _mods.KernelMods, tuple[Any, ...]]:
+    """A GPU call's score_mod / mask_mod: their key, their device code (written once per key and
+    index ranges ``grid``: the reads those keep inside their arrays unchecked, _mods.Grid; None:
+    every read checked) and their captured arrays in mod_buffer order, adopted as q was (one
+    library, q's device)."""
+    score_mod, mask_mod = mods
+    mods_key = (None if score_mod is None else score_mod.key, None if mask_mod is None else mask_mod.key)
     kernel = _kernel_mods.get((mods_key, grid))
     if kernel is None:
         if len(_kernel_mods) >= _plan.PlanCache.MAX_ENTRIES:  # a process of endless new functions
@@ -491,7 +505,7 @@ def _kernel_mods_of(call: Forward | Backward, device: int) -> tuple[Any, _mods.K
     captured = kernel.arrays(score_mod, mask_mod)
     names = tuple(f"{('score_mod', 'mask_mod')[which]}'s captured array {slot}" for which, slot in kernel.buffers)
     # One library on q's device (an array elsewhere is refused there, named), adopted as q was.
-    found = _interop.gpu_arrays(("q", *names), (call.q, *captured))
+    found = _interop.gpu_arrays(("q", *names), (q, *captured))
     assert found is not None and found[1] == device
     return mods_key, kernel, tuple(found[2][1:])
 
@@ -547,9 +561,10 @@ def host_varlen_forward(call: VarlenForward) -> tuple[Any, Any]:
             call.seqused_k, block_table=call.block_table, sinks=call.sinks,
         )  # fmt: skip
     dropout = host_dropout(call.q, call.dropout_p, call.seed)
+    score_mod, mask_mod = (None, None) if call.mods is None else call.mods
     return _host.attention_varlen(
         call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, problem, dropout, call.alibi_slopes,
-        call.seqused_k, sinks=call.sinks,
+        call.seqused_k, sinks=call.sinks, score_mod=score_mod, mask_mod=mask_mod,
     )  # fmt: skip
 
 
@@ -559,6 +574,8 @@ def gpu_varlen_forward(lib: _interop.ArrayLib, device: int, call: VarlenForward,
     checked once per plan: building it per call cost ~6 us)."""
     if call.block_table is not None:
         return _gpu_paged_varlen(lib, device, call, want_lse)
+    if call.mods is not None:
+        return _gpu_varlen_mods(lib, device, call, want_lse)
     q, k, v, cu_q, cu_k, slopes, seqused_k = (
         call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.alibi_slopes, call.seqused_k
     )  # fmt: skip
@@ -592,7 +609,9 @@ def _maxima(call: VarlenForward) -> tuple[int, int]:
     return max_q, max_k
 
 
-def _plan_varlen(lib: _interop.ArrayLib, device: int, call: VarlenForward) -> _plan.Launch:
+def _plan_varlen(
+    lib: _interop.ArrayLib, device: int, call: VarlenForward, mods: _mods.KernelMods | None = None
+) -> _plan.Launch:
     q, k, v = call.q, call.k, call.v
     problem = _varlen_call_problem(call)
     dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
@@ -602,8 +621,30 @@ def _plan_varlen(lib: _interop.ArrayLib, device: int, call: VarlenForward) -> _p
     rows = (q.shape[0], k.shape[0])
     return _plan.plan_forward(
         problem, dtype, _device.device_info(device), call.algorithm, q_shape=tuple(q.shape), packed_rows=rows,
-        batch_invariant=call.batch_invariant,
+        mods=mods, batch_invariant=call.batch_invariant,
     )  # fmt: skip
+
+
+def _gpu_varlen_mods(lib: _interop.ArrayLib, device: int, call: VarlenForward, want_lse: bool) -> tuple[Any, Any]:
+    """attention_varlen with a score_mod / mask_mod: the packed kernels with the functions in their
+    score hook (as ``_gpu_mods``), b the sequence and q_idx, kv_idx its own positions. No
+    BlockMask: each tile's class comes from the mask's own bounds in the kernel (_mod_tiles), and
+    every captured read is checked (the offsets, hence the positions' ranges, stay on the device)."""
+    mods_key, kernel, buffers = _kernel_mods_for(call.mods, call.q, None, device)
+    q, k, v, cu_q, cu_k, seqused_k, sinks = (
+        call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.sinks
+    )  # fmt: skip
+    key = ("varlen-mods", lib.name, device, q.shape, k.shape, v.shape, cu_q.shape, cu_k.shape, _maxima(call),
+           call.options, call.dropout_p, call.algorithm, call.batch_invariant, mods_key,
+           _dtypes(q, k, v, cu_q, cu_k, call.alibi_slopes, seqused_k, sinks),
+           _shapes(call.alibi_slopes, seqused_k, sinks))  # fmt: skip
+    launch = _plans.get(key, lambda: _plan_varlen(lib, device, call, kernel))
+    arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+                      "alibi_slopes": call.alibi_slopes, "seqused_k": seqused_k, "sinks": sinks,
+                      **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}  # fmt: skip
+    if call.dropout_p:
+        arrays_by_name["dropout_seed"] = gpu_seed(lib, device, q, call.seed)
+    return _launch.run(launch, lib, device, arrays_by_name, want_lse)
 
 
 #: The operands of a paged packed call, in ``VarlenForward.names``' order (``_cascade`` too).
@@ -783,17 +824,25 @@ def varlen_backward(call: VarlenBackward) -> tuple[Any, ...]:
     lse_shape = (problem.heads_q, call.q.shape[0])
     _check_shapes(call, (call.q.shape, call.q.shape, lse_shape, lse_shape))
     found = _interop.gpu_arrays(call.names, call.arrays())
-    if found is None:
+    if found is None or call.captured_grads:
+        # (captured arrays' gradients: the array-API path where the arrays live, as ``backward``'s)
         dropout = Dropout(call.dropout_p, call.seed) if call.seed is not None else None
+        score_mod, mask_mod = (None, None) if call.mods is None else call.mods
         return _host.attention_varlen_backward(
             call.dout, call.q, call.k, call.v, call.out, call.lse, call.dlse, call.cu_seqlens_q, call.cu_seqlens_k,
-            problem, dropout, call.alibi_slopes, call.seqused_k, call.sinks,
+            problem, dropout, call.alibi_slopes, call.seqused_k, call.sinks, score_mod, mask_mod,
+            call.captured_grads, 64 if found is None else 256,
         )  # fmt: skip
     lib, device, arrays = found
     dout, q, k, v, out, lse, dlse, cu_q, cu_k, slopes, seqused_k, sinks = arrays
+    kernel: _mods.KernelMods | None = None
+    buffers: tuple[Any, ...] = ()
+    mods_key = None
+    if call.mods is not None:  # the functions in the packed backward's hook (as the forward's)
+        mods_key, kernel, buffers = _kernel_mods_for(call.mods, q, None, device)
     key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape,
            _dtypes(q, k, v, out, dout, lse, dlse, cu_q, cu_k, slopes, seqused_k, sinks),
-           call.deterministic)  # fmt: skip
+           call.deterministic, mods_key)  # fmt: skip
 
     def plan() -> _plan.Launch:
         dtype = _backward_dtypes(lib, q, k, v, out, dout, lse, dlse)
@@ -802,13 +851,14 @@ def varlen_backward(call: VarlenBackward) -> tuple[Any, ...]:
         _check_sinks_dtype(lib, sinks)
         return _plan.plan_backward(
             problem, dtype, _device.device_info(device), q_shape=tuple(q.shape), k_shape=tuple(k.shape),
-            packed_rows=(q.shape[0], k.shape[0]), deterministic=call.deterministic,
+            packed_rows=(q.shape[0], k.shape[0]), deterministic=call.deterministic, mods=kernel,
         )  # fmt: skip
 
     launch = _plans.get(key, plan)
     arrays_by_name = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse,
                       "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "dropout_seed": call.seed,
-                      "alibi_slopes": slopes, "seqused_k": seqused_k, "sinks": sinks}  # fmt: skip
+                      "alibi_slopes": slopes, "seqused_k": seqused_k, "sinks": sinks,
+                      **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}  # fmt: skip
     return _with_sink_gradient(_launch.run_outputs(launch, lib, device, arrays_by_name))
 
 

@@ -263,8 +263,6 @@ def fa3_fwd_spec(
     width, valid_dim = columns(head_dim, FA3_HEAD_DIMS)
     key = (width, flags.causal or flags.local)
     if mods_source:
-        if varlen:
-            raise ValueError("score_mod / mask_mod take no packed sequences (varlen) yet")
         if width > FA3_MODS_MAX_HEAD_DIM:
             return None
         tile = FA3_MODS_FWD_TILES.get(key, FA3_FWD_TILES[key])

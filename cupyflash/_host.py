@@ -129,10 +129,11 @@ def _sequence(problem: Problem, b: int, rows: tuple[int, int], dropout: Any) -> 
 
 def attention_varlen(
     q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, problem: Problem, dropout: Any = None, alibi_slopes: Any = None,
-    seqused_k: Any = None, block_table: Any = None, sinks: Any = None,
+    seqused_k: Any = None, block_table: Any = None, sinks: Any = None, score_mod: Any = None, mask_mod: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """One dense attention per sequence, in the arrays' own namespace; with ``block_table``, each
-    sequence's keys gathered from its pages first."""
+    sequence's keys gathered from its pages first. ``score_mod`` / ``mask_mod`` (traced) see b =
+    the sequence's index and q_idx, kv_idx its own positions."""
     from . import xp_impl
 
     names: tuple[str, ...] = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
@@ -160,8 +161,9 @@ def attention_varlen(
         dense, seq_dropout = _sequence(problem, b, (q1 - q0, k1 - k0), dropout)
         slopes = _sequence_slopes(alibi_slopes, b)
         out, lse = xp_impl.attention(
-            xp, seq[0], seq[1], seq[2], dense, algorithm="fa2", dropout=seq_dropout, alibi_slopes=slopes, sinks=sinks
-        )
+            xp, seq[0], seq[1], seq[2], dense, algorithm="fa2", dropout=seq_dropout, alibi_slopes=slopes, sinks=sinks,
+            score_mod=score_mod, mask_mod=mask_mod, batch0=b,
+        )  # fmt: skip
         outs.append(out[0, ...])
         lses.append(lse[0, ...])
     lse_dtype = xp_impl.compute_dtype(xp, q)
@@ -185,10 +187,13 @@ def _paged_layout(table: Any, page_shape: tuple[int, ...], used: list[int], cu_k
 
 def attention_varlen_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, cu_q: Any, cu_k: Any, problem: Problem,
-    dropout: Any = None, alibi_slopes: Any = None, seqused_k: Any = None, sinks: Any = None,
+    dropout: Any = None, alibi_slopes: Any = None, seqused_k: Any = None, sinks: Any = None, score_mod: Any = None,
+    mask_mod: Any = None, captured_grads: bool = False, block: int = 64,
 ) -> tuple[Any, ...]:  # fmt: skip
     """One dense backward per sequence; packed rows outside every sequence (and keys past
-    ``seqused_k``) get zero gradients. With ``sinks``, dsinks too (the sequences' sum)."""
+    ``seqused_k``) get zero gradients. With ``sinks``, dsinks too (the sequences' sum); with
+    ``captured_grads``, the gradients of score_mod's captured arrays last (the sequences' sum,
+    added in the compute dtype). ``score_mod`` / ``mask_mod``: as ``attention_varlen``'s."""
     from . import xp_impl
 
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "seqused_k",
@@ -199,7 +204,9 @@ def attention_varlen_backward(
     # cu_seqlens start at 0 and do not decrease (checked): the sequences tile rows [0, cu[-1])
     # in order, so each gradient is the sequences' pieces, then zeros for the rows after them.
     pieces: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
-    dsinks = None if sinks is None else xp.zeros_like(xp.astype(sinks, xp_impl.compute_dtype(xp, q)))
+    compute = xp_impl.compute_dtype(xp, q)
+    dsinks = None if sinks is None else xp.zeros_like(xp.astype(sinks, compute))
+    captured: list[Any] | None = None  # score_mod's arrays' gradients, summed over the sequences
     used = _keys_used(xp, cu_k, seqused_k)
     for b in range(problem.batch):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), used[b]
@@ -210,10 +217,13 @@ def attention_varlen_backward(
         slopes = _sequence_slopes(alibi_slopes, b)
         grads = xp_impl.attention_backward(
             xp, dout_b, q_b, k_b, v_b, out_b, lse_b, dense, dlse=dlse_b, dropout=seq_dropout, alibi_slopes=slopes,
-            sinks=sinks,
+            sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, captured_grads=captured_grads, block=block, batch0=b,
         )  # fmt: skip
         if dsinks is not None:
             dsinks = dsinks + grads[3]
+        if captured_grads:
+            sequence = [None if g is None else xp.astype(g, compute) for g in grads[-1]]
+            captured = sequence if captured is None else [t if t is None else t + g for t, g in zip(captured, sequence)]
         for piece, grad in zip(pieces, grads[:3]):
             piece.append(grad[0, ...])
         unused = int(cu_k[b + 1]) - k1  # keys past seqused_k: no gradient
@@ -224,7 +234,15 @@ def attention_varlen_backward(
         xp.concat([*piece, xp.zeros((x.shape[0] - end, *x.shape[1:]), dtype=x.dtype)], axis=0)
         for piece, x, end in zip(pieces, (q, k, v), ends)
     )
-    return grads if dsinks is None else (*grads, dsinks)
+    if dsinks is not None:
+        grads = (*grads, dsinks)
+    if captured_grads:
+        arrays = score_mod.buffers
+        if captured is None:  # no sequence: every gradient 0
+            captured = [xp.zeros_like(x, dtype=compute) if xp.isdtype(x.dtype, "real floating") else None
+                        for x in arrays]  # fmt: skip
+        grads = (*grads, tuple(None if g is None else xp.astype(g, x.dtype) for g, x in zip(captured, arrays)))
+    return grads
 
 
 # num_splits=0 on the host (no SM count to fill): one split per 4 blocks of 64 keys, as the GPU's

@@ -210,6 +210,15 @@ class _ModsAttention(torch.autograd.Function):
 
 
 def _with_mods(call: _attention.Forward) -> tuple[Any, Any]:
+    call, captured = _detached_mods(call)
+    out, lse = _ModsAttention.apply(call, call.q, call.k, call.v, call.sinks, *captured)
+    return out, lse
+
+
+def _detached_mods(call: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A call with a score_mod / mask_mod (``Forward`` or ``VarlenForward``) as its autograd.Function
+    runs it: score_mod's captured tensors read detached (the Function's inputs instead, in slot
+    order: returned beside the call); what gets no gradient from cupyflash refused by name."""
     score_mod, mask_mod = call.mods
     for x in () if mask_mod is None else mask_mod.buffers:
         if isinstance(x, Tensor) and x.requires_grad and torch.is_grad_enabled():
@@ -223,8 +232,7 @@ def _with_mods(call: _attention.Forward) -> tuple[Any, Any]:
     if any(isinstance(x, Tensor) and x.requires_grad for x in captured):  # the call reads them detached
         detached = tuple(x.detach() if isinstance(x, Tensor) else x for x in captured)
         call = replace(call, mods=(replace(score_mod, buffers=detached), mask_mod))
-    out, lse = _ModsAttention.apply(call, call.q, call.k, call.v, call.sinks, *captured)
-    return out, lse
+    return call, captured
 
 
 def _refuse_captured_grad(x: Any) -> None:
@@ -545,7 +553,10 @@ attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen
 
 
 def attention_varlen(call: _attention.VarlenForward, want_lse: bool) -> tuple[Any, Any]:
-    """An ``attention_varlen`` call through the custom op: (out, lse)."""
+    """An ``attention_varlen`` call through the custom op: (out, lse); with a score_mod / mask_mod,
+    through ``_ModsVarlen`` (eager only: the front door refuses them under torch.compile)."""
+    if call.mods is not None:
+        return _varlen_with_mods(call)
     _refuse_slope_grad(call.alibi_slopes)
     o, q = call.options, call.q
     scale = 1.0 / math.sqrt(q.shape[-1]) if o.scale is None else float(o.scale)
@@ -557,6 +568,45 @@ def attention_varlen(call: _attention.VarlenForward, want_lse: bool) -> tuple[An
         bool(call.batch_invariant), call.sinks,
     )  # fmt: skip
     return out, lse
+
+
+class _ModsVarlen(torch.autograd.Function):
+    """``attention_varlen`` with a score_mod / mask_mod under autograd, as ``_ModsAttention``: the
+    traced functions ride in the call; score_mod's captured float tensors are inputs too."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, call: _attention.VarlenForward, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
+        *captured: Tensor,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        out, lse = _contiguous(*_attention.varlen_forward(call, want_lse=True))
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        c = ctx.call
+        needs = ctx.needs_input_grad[5:]
+        wanted = any(needs)
+        call = _attention.VarlenBackward(
+            torch.zeros_like(out) if dout is None else dout, q, k, v, out, lse, dlse, c.cu_seqlens_q, c.cu_seqlens_k,
+            c.max_seqlen_q, c.max_seqlen_k, c.options, c.deterministic, alibi_slopes=c.alibi_slopes,
+            seqused_k=c.seqused_k, sinks=sinks, mods=c.mods, captured_grads=wanted,
+        )  # fmt: skip
+        with torch.no_grad():
+            grads = _attention.varlen_backward(call)
+        dsinks = _sink_grad(grads[3], sinks) if sinks is not None else None
+        dcaptured = [g if need else None for g, need in zip(grads[-1], needs)] if wanted else [None] * len(needs)
+        return None, *grads[:3], dsinks, *dcaptured
+
+
+def _varlen_with_mods(call: _attention.VarlenForward) -> tuple[Any, Any]:
+    call, captured = _detached_mods(call)
+    return _ModsVarlen.apply(call, call.q, call.k, call.v, call.sinks, *captured)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -323,20 +323,25 @@ class MaskBias:
 class Mods:
     """A traced ``score_mod`` and / or ``mask_mod`` (``_mods``) on the scores after the scale, the
     softcap and ALiBi (``base``): query head h = Hkv index * G + group index, absolute query rows
-    and keys; hidden scores become -inf. ``buffers``: each one's captured arrays in ``xp``."""
+    and keys; hidden scores become -inf. ``buffers``: each one's captured arrays in ``xp``.
+    ``batch0``: the b the functions see for batch entry 0 (a packed sequence's index, where
+    ``attention_varlen`` runs each sequence as a batch of one)."""
 
     score_mod: Mod | None
     mask_mod: Mod | None
     buffers: tuple[tuple[Any, ...], tuple[Any, ...]]
     base: Alibi | None = None
+    batch0: int = 0
 
     @staticmethod
-    def of(xp: Any, score_mod: Mod | None, mask_mod: Mod | None, base: Alibi | None, like: Any) -> Mods:
+    def of(
+        xp: Any, score_mod: Mod | None, mask_mod: Mod | None, base: Alibi | None, like: Any, batch0: int = 0
+    ) -> Mods:
         buffers = tuple(
             () if mod is None else tuple(xp.asarray(x, device=_device(like)) for x in mod.buffers)
             for mod in (score_mod, mask_mod)
         )
-        return Mods(score_mod, mask_mod, (buffers[0], buffers[1]), base)
+        return Mods(score_mod, mask_mod, (buffers[0], buffers[1]), base, batch0)
 
     def apply(self, xp: Any, s: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> Any:
         """The scores ``s`` [B, Hkv, G, rows, keys] of query rows ``rows`` and keys ``keys`` (ranges)."""
@@ -364,11 +369,10 @@ class Mods:
             modded = xp.asarray(modded, dtype=s.dtype, device=_device(s))
         return xp.broadcast_to(modded, s.shape)
 
-    @staticmethod
-    def _index(xp: Any, s: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> dict[str, Any]:
+    def _index(self, xp: Any, s: Any, p: Problem, rows: tuple[int, int], keys: tuple[int, int]) -> dict[str, Any]:
         device, group = _device(s), p.heads_q // p.heads_kv
         return {
-            "b": xp.reshape(xp.arange(p.batch, device=device), (-1, 1, 1, 1, 1)),
+            "b": xp.reshape(xp.arange(self.batch0, self.batch0 + p.batch, device=device), (-1, 1, 1, 1, 1)),
             "h": xp.reshape(xp.arange(p.heads_q, device=device), (1, p.heads_kv, group, 1, 1)),
             "q_idx": xp.reshape(xp.arange(*rows, device=device), (-1, 1)),
             "kv_idx": xp.reshape(xp.arange(*keys, device=device), (1, -1)),
@@ -397,7 +401,7 @@ class CapturedGradients:
         the scores before the bias and score_mod (scaled and soft-capped)."""
         mods = self.mods
         s = capped if mods.base is None else capped + mods.base.bias(xp, p, rows, keys)
-        index = Mods._index(xp, s, p, rows, keys)
+        index = mods._index(xp, s, p, rows, keys)
         arrays = mods.buffers[0]
         for read in self.reads:
             slope = mods._score(xp, read.slope, s, index)
@@ -852,13 +856,14 @@ def _device(x: Any) -> Any:
 def attention(
     xp: Any, q: Any, k: Any, v: Any, p: Problem, *, algorithm: str = "fa2", dropout: Dropout | None = None,
     alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Mod | None = None, mask_mod: Mod | None = None,
-    sinks: Any = None, tree: TreeMask | None = None, **options: Any,
+    sinks: Any = None, tree: TreeMask | None = None, batch0: int = 0, **options: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Run one algorithm on caller arrays in ``p.layout``; returns (out in the caller's dtype and
     layout, LSE [B, Hq, Nq] in the compute dtype: float64 for float64 inputs, else float32).
     ``dropout``: naive and fa2 only. ``alibi_slopes``: (Hq,) or (B, Hq), every algorithm.
     ``attn_mask``: 4-D (B|1, Hq|1, Nq|1, Nk|1), boolean or additive (not with alibi_slopes).
-    ``score_mod``, ``mask_mod``: traced (``_mods``), after ALiBi (not with attn_mask).
+    ``score_mod``, ``mask_mod``: traced (``_mods``), after ALiBi (not with attn_mask); they see
+    b = ``batch0`` + the batch entry (``Mods.batch0``).
     ``sinks``: (Hq,) logits in every row's denominator (``add_sink``), every algorithm.
     ``tree``: a tree among the draft tokens (one sequence's; with none of the biases above, but
     with sinks)."""
@@ -876,7 +881,7 @@ def attention(
     if attn_mask is not None:
         options["bias"] = MaskBias.of(xp, attn_mask, hkv, q5)
     if score_mod is not None or mask_mod is not None:
-        options["bias"] = Mods.of(xp, score_mod, mask_mod, options.get("bias"), q5)
+        options["bias"] = Mods.of(xp, score_mod, mask_mod, options.get("bias"), q5, batch0)
     if tree is not None:
         options["bias"] = tree
     k5 = xp.expand_dims(xp.astype(k, compute), axis=2)
@@ -995,7 +1000,7 @@ def fa2_backward(
 def attention_backward(
     xp: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, p: Problem, dlse: Any = None,
     dropout: Dropout | None = None, alibi_slopes: Any = None, attn_mask: Any = None, score_mod: Mod | None = None,
-    mask_mod: Mod | None = None, sinks: Any = None, captured_grads: bool = False, block: int = 64,
+    mask_mod: Mod | None = None, sinks: Any = None, captured_grads: bool = False, block: int = 64, batch0: int = 0,
 ) -> tuple[Any, ...]:  # fmt: skip
     """The gradients of ``attention`` on caller arrays in ``p.layout``: (dq, dk, dv) in the
     inputs' dtype and layout, computed in float32 (float64 for float64 inputs). ``alibi_slopes``,
@@ -1004,7 +1009,7 @@ def attention_backward(
     dtype: the keys' gradients need nothing more, since P = exp(S - lse) already leaves the sink's
     share out. ``captured_grads``: one more result, the gradients of score_mod's captured arrays
     (``CapturedGradients.result``). ``block``: rows and keys per step (larger on a GPU's arrays,
-    where each step is a launch per operation)."""
+    where each step is a launch per operation). ``batch0``: as ``attention``'s."""
     compute = compute_dtype(xp, q)
     b, hkv, group = p.batch, p.heads_kv, p.heads_q // p.heads_kv
     to_bhsd = (lambda x: xp.permute_dims(x, (0, 2, 1, 3))) if p.layout == "bshd" else (lambda x: x)
@@ -1020,7 +1025,7 @@ def attention_backward(
     if attn_mask is not None:
         bias = MaskBias.of(xp, attn_mask, hkv, q5)
     if score_mod is not None or mask_mod is not None:
-        bias = Mods.of(xp, score_mod, mask_mod, bias if isinstance(bias, Alibi) else None, q5)
+        bias = Mods.of(xp, score_mod, mask_mod, bias if isinstance(bias, Alibi) else None, q5, batch0)
     captured = None
     if captured_grads:
         if not isinstance(bias, Mods) or bias.score_mod is None:

@@ -57,6 +57,17 @@ def gallery(n: int, heads: int, to_array):  # noqa: ANN001, ANN201
     ]  # fmt: skip
 
 
+def packed_documents(inputs, n: int, heads: int, to_array):  # noqa: ANN001, ANN201
+    """The gallery's documents as packed sequences (``attention_varlen``, one sequence per
+    document): its causal document mask is then the packing and ``kv <= q`` within each."""
+    doc = np.sort(np.random.default_rng(0).integers(0, 4, n))  # (gallery's)
+    lengths = np.bincount(doc, minlength=4)
+    cu = to_array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    q, k, v = (x[0] for x in inputs)
+    longest = int(lengths.max())
+    return cupyflash.attention_varlen(q, k, v, cu, cu, longest, longest, mask_mod=lambda b, h, q, kv: kv <= q)
+
+
 def biased_reference(q, k, v, bias, scale):  # noqa: ANN001, ANN201
     """float64 attention with an additive (H, N, N) bias (-inf: hidden), q/k/v (1, N, H, d)."""
     q, k, v = (reference.to_numpy64(x)[0].transpose(1, 0, 2) for x in (q, k, v))
@@ -109,6 +120,10 @@ def main() -> None:
             other = biased_reference(*inputs, bias, scale)
         diff = float(np.abs(reference.to_numpy64(out) - reference.to_numpy64(other)).max())
         print(f"{name:24s} max |difference| {diff:.2e}")
+        if name == "document masking":  # the same documents packed end to end: attention_varlen
+            packed = packed_documents(inputs, n, heads, to_array)
+            diff = float(np.abs(reference.to_numpy64(packed) - reference.to_numpy64(out)[0]).max())
+            print(f"{'  packed (varlen)':24s} max |difference| {diff:.2e}")
     try:  # the learned bias's gradient (torch autograd: on the GPU with --gpu, else the host path)
         diff = learned_bias_gradient(min(n, 128), heads, d, "cuda" if args.gpu else "cpu")
         print(f"{'learned bias, gradient':24s} max |difference| {diff:.2e}")

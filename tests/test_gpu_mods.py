@@ -372,3 +372,107 @@ def test_eager_step_with_functions_captures_in_a_cuda_graph(rng):
         torch.cuda.synchronize()
         for name, got, want in zip(("out", "dq", "dk", "dv"), replayed, [eager, *(x.grad for x in leaves)]):
             assert torch.equal(got, want.detach()), name
+
+
+# -- attention_varlen: b the packed sequence, q_idx / kv_idx positions within it ----------------
+# an empty sequence, one token, Nq < Nk, Nq > Nk, longer than a tile; 3 rows after the last one
+VARLEN_Q, VARLEN_K, VARLEN_PAD = (70, 0, 1, 190, 133), (129, 5, 1, 77, 133), 3
+
+
+def _varlen_functions(to_array, seed):
+    """(name, score_mod, mask_mod) over packed sequences: by sequence (a (sequence, head) table,
+    a prefix per sequence), by position within it, and one function that reads past a short
+    sequence's table (every read is checked on this route)."""
+    rng = np.random.default_rng(seed)
+    table = to_array(rng.standard_normal((len(VARLEN_Q), HQ)).astype(np.float32))
+    prefix = to_array(np.array([9, 0, 1, 40, 0], np.int32))
+    rel = to_array(rng.standard_normal((HQ, 2 * max(VARLEN_K) + 1)).astype(np.float32) * 0.3)
+    n = max(VARLEN_K)
+    return [
+        ("sequence-bias", lambda s, b, h, i, j: s + table[b, h], None),
+        ("relative", lambda s, b, h, i, j: s + rel[h, i - j + n], None),
+        ("prefix-lm", None, lambda b, h, i, j: (j <= i) | (j < prefix[b])),
+        (
+            "both",
+            lambda s, b, h, i, j: 20.0 * mods.tanh(s / 20.0) + table[b, h],
+            lambda b, h, i, j: (i // 32) == (j // 32),
+        ),
+    ]
+
+
+def _packed(torch, gen, dtype, head_dim):
+    total_q, total_k = sum(VARLEN_Q) + VARLEN_PAD, sum(VARLEN_K)
+    q = torch.randn(total_q, HQ, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(total_k, HKV, head_dim, generator=gen).to(dtype) for _ in range(2))
+    offsets = [torch.tensor(np.concatenate([[0], np.cumsum(x)]), dtype=torch.int32) for x in (VARLEN_Q, VARLEN_K)]
+    return q, k, v, offsets
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "fa2"])  # auto: the Hopper forward on sm_90
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (40, 7)}], ids=str)
+@pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 80)])
+def test_varlen_functions_match_the_host_path(rng, options, dtype, head_dim, algorithm):
+    """Forward and gradients (the mma.sync backward) per packed sequence against the float64
+    host path, NaN-poisoned outputs; a NaN in one sequence's q stays in its rows."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    q, k, v, (cu_q, cu_k) = _packed(torch, gen, getattr(torch, dtype), head_dim)
+    q[VARLEN_Q[0] + 3, 1, 5] = float("nan")  # sequence 3's row 2 (sequences 1 and 2 have 0 and 1 rows)
+    args = (max(VARLEN_Q), max(VARLEN_K))
+    host = [x.double().numpy() for x in (q, k, v)] + [cu_q.numpy(), cu_k.numpy()]
+    gpu = [x.cuda() for x in (q, k, v, cu_q, cu_k)]
+    on_host = _varlen_functions(lambda x: x, 5)
+    on_gpu = _varlen_functions(lambda x: torch.from_numpy(x).cuda(), 5)
+    for (name, score_mod, mask_mod), (_, gpu_score, gpu_mask) in zip(on_host, on_gpu, strict=True):
+        want, want_lse = cupyflash.attention_varlen(*host, *args, score_mod=score_mod, mask_mod=mask_mod,
+                                                    return_lse=True, **options)  # fmt: skip
+        out, lse = cupyflash.attention_varlen(*gpu, *args, score_mod=gpu_score, mask_mod=gpu_mask, return_lse=True,
+                                              algorithm=algorithm, **options)  # fmt: skip
+        cupyflash.check_device_errors()
+        got, got_lse = reference.to_numpy64(out), reference.to_numpy64(lse)
+        assert (np.isnan(got) == np.isnan(want)).all(), name
+        assert np.isnan(got[VARLEN_Q[0] + 3]).any() and not np.isnan(got[: VARLEN_Q[0]]).any(), name
+        ok = ~np.isnan(want)
+        assert rel_error(got[ok], want[ok]) < BOUND[dtype], name
+        finite = np.isfinite(want_lse)
+        assert (np.isfinite(got_lse) == finite).all(), name
+        np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=2e-2, err_msg=name)
+        assert (got[-VARLEN_PAD:] == 0).all(), name
+        # gradients, without the NaN row
+        q_ok = gpu[0].clone()
+        q_ok[VARLEN_Q[0] + 3] = 0
+        out, lse = cupyflash.attention_varlen(q_ok, *gpu[1:], *args, score_mod=gpu_score, mask_mod=gpu_mask,
+                                              return_lse=True, **options)  # fmt: skip
+        dout = torch.randn(out.shape, generator=gen).to(out.dtype)
+        grads = cupyflash.attention_varlen_backward(dout.cuda(), q_ok, *gpu[1:3], out, lse, *gpu[3:], *args,
+                                                    score_mod=gpu_score, mask_mod=gpu_mask, **options)  # fmt: skip
+        host_ok = [reference.to_numpy64(x) for x in (dout, q_ok, out, lse)]
+        ref = cupyflash.attention_varlen_backward(host_ok[0], host_ok[1], *host[1:3], host_ok[2], host_ok[3],
+                                                  *host[3:], *args, score_mod=score_mod, mask_mod=mask_mod,
+                                                  **options)  # fmt: skip
+        for grad_name, g, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+            g = reference.to_numpy64(g)
+            assert np.isfinite(g).all(), (name, grad_name)
+            assert rel_error(g, r) < 3e-2, (name, grad_name)
+
+
+def test_varlen_autograd_and_a_learned_table_on_the_gpu(rng):
+    """Autograd through attention_varlen with a score_mod reading a (sequence, head) table that
+    requires grad: q, k, v from the kernels, the table's gradient from the array-API path on the
+    GPU's tensors; each against the float64 host path."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    q, k, v, (cu_q, cu_k) = _packed(torch, gen, torch.bfloat16, 64)
+    table = torch.randn(len(VARLEN_Q), HQ, generator=gen) * 0.3
+    args = (max(VARLEN_Q), max(VARLEN_K))
+    results = []
+    for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float64)):
+        leaves = [x.to(device, dtype).requires_grad_() for x in (q, k, v)] + [table.to(device).requires_grad_()]
+        out = cupyflash.attention_varlen(
+            *leaves[:3], cu_q.to(device), cu_k.to(device), *args, causal=True,
+            score_mod=lambda s, b, h, i, j, t=leaves[3]: s + t[b, h] * mods.abs(i - j) * 0.01,
+        )  # fmt: skip
+        out.float().square().sum().backward()
+        results.append([x.grad.double().cpu().numpy() for x in leaves])
+    for name, got, want in zip(("dq", "dk", "dv", "dtable"), *results, strict=True):
+        assert rel_error(got, want) < 3e-2, name

@@ -225,6 +225,46 @@ def test_score_and_mask_functions_route_to_the_fa2_hook(launches, monkeypatch):
     _check(launches, "fa2_fwd")
 
 
+def test_varlen_score_and_mask_functions(launches):
+    """attention_varlen with score_mod / mask_mod on GPU arrays: the Hopper forward's packed
+    variant with the hook (FA2's with algorithm="fa2"), the offsets and each captured array an
+    operand, every read checked (no index ranges: the lengths stay on the device), planned once;
+    the backward on the mma.sync kernels with the hook (the packed Hopper backward has none)."""
+    packed = stand_in((1000, 8, 64), "bfloat16")
+    cu = stand_in((3,), "int32")
+    table, prefix = stand_in((2, 8), "float32"), stand_in((2,), "int32")
+
+    def score_mod(s, b, h, i, j):
+        return s + table[b, h]
+
+    def mask_mod(b, h, i, j):
+        return (j <= i) | (j < prefix[b])
+
+    for _ in range(2):
+        cupyflash.attention_varlen(packed, packed, packed, cu, cu, 600, 600, score_mod=score_mod, mask_mod=mask_mod)
+    _check(launches, "fa3_fwd")
+    (launch, given), again = launches[0], launches[1][0]
+    assert again is launch
+    (step,) = launch.steps
+    assert step.spec.varlen and "cf_user_mods" in step.spec.mods_source
+    assert "st.outside |= !in" in step.spec.mods_source  # every read checked
+    assert {"cu_seqlens_q", "cu_seqlens_k", "mod_buffer0", "mod_buffer1"} <= given
+    cupyflash.attention_varlen(
+        packed, packed, packed, cu, cu, 600, 600, score_mod=score_mod, mask_mod=mask_mod, algorithm="fa2"
+    )
+    _check(launches, "fa2_fwd")
+    assert launches[-1][0].steps[0].spec.mask == "mods"
+    plse = stand_in((8, 1000), "float32")
+    cupyflash.attention_varlen_backward(
+        packed, packed, packed, packed, packed, plse, cu, cu, 600, 600, score_mod=score_mod, mask_mod=mask_mod
+    )
+    _check(launches, "fa2_bwd", optional=("dlse",))
+    names = [step.spec.name for step in launches[-1][0].steps]
+    assert not any("fa3_bwd" in n for n in names) and any("mods" in n for n in names)
+    with pytest.raises(ValueError, match="do not combine with softcap"):
+        cupyflash.attention_varlen(packed, packed, packed, cu, cu, 600, 600, softcap=5.0, mask_mod=mask_mod)
+
+
 def test_a_mask_mod_that_is_a_bound_runs_as_the_bound(launches):
     """A mask_mod that is a causal or sliding-window bound and nothing else (Nq = Nk) runs as
     that bound: the built-in kernels and params, forward and backward, with its BlockMask too; a

@@ -732,8 +732,9 @@ def test_the_hook_compiles_cleanly_for_every_arch():
     """The FA2 forward with generated functions (a 2-D and a 1-D captured array, both functions,
     a float-only score function, a mask of indices only) at both tile shapes, causal or not, in
     both element types: a cubin for sm_80 and sm_90a with no spill and no warning; the Hopper
-    forward's at d = 64, 80, 128 (sm_90a), whose tiles do not depend on the length with them.
-    Every combination with CUPYFLASH_COMPILE_ALL=1 (scripts/gpu_check.sh); by default d = 128, causal, one length."""
+    forward's at d = 64, 80, 128 (sm_90a), whose tiles do not depend on the length with them, and
+    its packed variant (attention_varlen's). Every combination with CUPYFLASH_COMPILE_ALL=1
+    (scripts/gpu_check.sh); by default d = 128, causal, one length."""
     from helpers import FULL
 
     from cupyflash import _dispatch, _kernels, _mods
@@ -766,11 +767,21 @@ def test_the_hook_compiles_cleanly_for_every_arch():
                         flags = _dispatch.MaskFlags(causal, False, False)
                         spec = _dispatch.fa3_fwd_spec(dtype, head_dim, flags, seqlen_k, mods_source=source)
                         builds.append((spec.name, "sm_90a", _kernels.compile_offline(spec, "sm_90a")))
+    # attention_varlen's: the Hopper forward's packed variant, every read checked (no index ranges)
+    varlen = []
+    for score_mod, mask_mod in pairs[:2] if FULL else pairs[:1]:
+        source = _mods.kernel_mods(score_mod, mask_mod).source
+        for head_dim in (64, 128) if FULL else (128,):
+            flags = _dispatch.MaskFlags(True, False, False)
+            spec = _dispatch.fa3_fwd_spec("bfloat16", head_dim, flags, 8192, True, mods_source=source)
+            assert spec is not None and spec.varlen
+            varlen.append((spec.name, "sm_90a", _kernels.compile_offline(spec, "sm_90a")))
+    builds += varlen
     assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
     assert not [(n, a, b.stack_bytes) for n, a, b in builds if b.stack_bytes]
     assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]
     # each function pair's source, tile and bound its own variant (FA2's 4, the Hopper one's 6)
-    assert len({name for name, _, _ in builds}) == len(sources) * (4 + 6 if FULL else 2)
+    assert len({name for name, _, _ in builds}) == len(sources) * (4 + 6 if FULL else 2) + len(varlen)
 
 
 def test_the_backward_hook_compiles_cleanly():
@@ -986,8 +997,9 @@ def test_implied_bounds_reach_the_plan_only_where_rows_and_keys_align():
 
 def test_the_gallery_example_agrees_with_the_other_way():
     """examples/score_functions.py on the host: every gallery function equals the same attention
-    computed another way (the built-in option, or the float64 reference with the mask written out),
-    and the learned bias table's gradient equals torch autograd's of the bias written out."""
+    computed another way (the built-in option, or the float64 reference with the mask written out;
+    the document mask also as packed sequences), and the learned bias table's gradient equals
+    torch autograd's of the bias written out."""
     import subprocess
     import sys
     from pathlib import Path
@@ -996,6 +1008,7 @@ def test_the_gallery_example_agrees_with_the_other_way():
     run = subprocess.run([sys.executable, str(script), "--n", "130"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
-    assert len(lines) == 10 and lines[-1].startswith("learned bias, gradient")
+    assert len(lines) == 11 and lines[-1].startswith("learned bias, gradient")
+    assert lines[4].startswith("  packed (varlen)")
     for line in lines:
         assert float(line.rsplit(" ", 1)[-1]) < 1e-5, line
