@@ -480,6 +480,19 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     if (range.needs_mask(row0 / kBlockM)) {
       range.apply(acc_s, key0 + warp_key0, row0 + phase_row0, lane);
     }
+    // A packed sequence's last query block runs past its rows (up to max_seqlen_q the hook sees
+    // them): the functions' value there is not the answer, and a NaN from a read outside a
+    // captured array would reach dK and dV (NaN x the zeroed Q, dO rows). Those rows hidden.
+    if constexpr (Traits::Has_user_mods) {
+      if (row0 + kBlockM > seqlen_q) {  // (uniform)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (row0 + phase_row0 + 8 * nt + 2 * (lane % 4) + e % 2 >= seqlen_q)
+              acc_s[0][nt][e] = neg_infinity();
+      }
+    }
     // Dropout: the keep bits of this thread's elements, per pair of query n-tiles and column c.
     uint32_t keep[kNTiles / 2][2];
     if constexpr (Traits::Has_dropout) {

@@ -485,6 +485,35 @@ def _add_variants(a: Arrays, options: dict[str, Any], hq: int, n: int) -> None:
         options["tree_mask"] = _tree(a, n)
 
 
+def _varlen_score_functions(a: Arrays, q_lens: list[int]) -> dict[str, Any]:
+    """Over packed sequences: a bias by distance from each sequence's end (a read outside its
+    table at the rows past a sequence that the tiles cover) and a per-sequence prefix mask."""
+    lens = a.ints(np.array(q_lens))
+    prefix = a.ints(np.array([3 * i for i in range(len(q_lens))]))
+    rev = a.randn(4, max(q_lens), dtype="float32")
+
+    def from_the_end(score, b, h, q_idx, kv_idx):
+        return score + rev[h, lens[b] - 1 - q_idx]
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < prefix[b])
+
+    return {"score_mod": from_the_end, "mask_mod": prefix_lm}
+
+
+def _varlen_mods(a: Arrays, q_lens: list[int], k_lens: list[int], d: int, algorithm: str, backward: bool) -> Any:
+    cu_q, cu_k = np.cumsum([0, *q_lens]), np.cumsum([0, *k_lens])
+    q = a.randn(int(cu_q[-1]) + 3, 4, d)  # 3 rows after the last sequence
+    k, v = a.randn(int(cu_k[-1]), 2, d), a.randn(int(cu_k[-1]), 2, d)
+    args = (a.ints(cu_q), a.ints(cu_k), max(q_lens), max(k_lens))
+    mods = _varlen_score_functions(a, q_lens)
+    out, lse = cupyflash.attention_varlen(q, k, v, *args, algorithm=algorithm, return_lse=True, **mods)
+    if not backward:
+        return out, lse
+    dout = a.randn(*q.shape)
+    return cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, *args, **mods)
+
+
 def variant_cases(size: str, hopper: bool) -> Iterator[Case]:
     """Learnable sinks (forwards, backward, decode with one split and many), score and mask
     functions compiled into the forwards and the backward, and tree masks in the decode kernel."""
@@ -499,6 +528,11 @@ def variant_cases(size: str, hopper: bool) -> Iterator[Case]:
                 call = partial(_attention, b=1, sq=nk, sk=nk, hq=4, hkv=2, d=d, algorithm=algorithm, mods=mods)
                 label = "" if mods is True else f"-{mods}"
                 yield f"variant mods{label} attention {algorithm} d={d}", call
+        lengths = ([0, 1, 37, 70, 9], [5, 1, 0, 97, 20]) if size == "tiny" else ([0, 1, 37, 150, 9], [5, 1, 0, 300, 20])
+        for algorithm in ("fa2", "fa3") if hopper else ("fa2",):
+            call = partial(_varlen_mods, q_lens=lengths[0], k_lens=lengths[1], d=d, algorithm=algorithm,
+                           backward=algorithm == "fa2")  # fmt: skip
+            yield f"variant mods varlen {algorithm} d={d}", call
         for deterministic in (False, True):
             call = partial(_backward, nq=nq, nk=nk, d=d, deterministic=deterministic, causal=True, sinks=True)
             yield f"variant sinks backward d={d} det={deterministic}", call

@@ -381,17 +381,23 @@ VARLEN_Q, VARLEN_K, VARLEN_PAD = (70, 0, 1, 190, 133), (129, 5, 1, 77, 133), 3
 
 def _varlen_functions(to_array, seed):
     """(name, score_mod, mask_mod) over packed sequences: by sequence (a (sequence, head) table,
-    a prefix per sequence), by position within it, and one function that reads past a short
-    sequence's table (every read is checked on this route)."""
+    a prefix per sequence), by position within it, and by distance from the sequence's end (which
+    reads outside its table at the rows past the sequence that the kernels' tiles cover: every
+    read is checked on this route)."""
     rng = np.random.default_rng(seed)
     table = to_array(rng.standard_normal((len(VARLEN_Q), HQ)).astype(np.float32))
     prefix = to_array(np.array([9, 0, 1, 40, 0], np.int32))
     rel = to_array(rng.standard_normal((HQ, 2 * max(VARLEN_K) + 1)).astype(np.float32) * 0.3)
     n = max(VARLEN_K)
+    lens = to_array(np.array(VARLEN_Q, np.int32))
+    rev = to_array(rng.standard_normal((HQ, max(VARLEN_Q))).astype(np.float32))
     return [
         ("sequence-bias", lambda s, b, h, i, j: s + table[b, h], None),
         ("relative", lambda s, b, h, i, j: s + rel[h, i - j + n], None),
         ("prefix-lm", None, lambda b, h, i, j: (j <= i) | (j < prefix[b])),
+        # rows past a sequence (up to max_seqlen_q, in its last query block) read outside rev: NaN
+        # there, which must stay out of the gradients
+        ("from-the-end", lambda s, b, h, i, j: s + rev[h, lens[b] - 1 - i], None),
         (
             "both",
             lambda s, b, h, i, j: 20.0 * mods.tanh(s / 20.0) + table[b, h],

@@ -64,6 +64,8 @@ def _gallery():
     table = np.random.default_rng(5).standard_normal((len(LENS_Q), HQ)) * 0.5  # a bias per (sequence, head)
     prefix = np.array([2, 0, 1, 4, 3], np.int32)  # each sequence's prefix (bidirectional) length
     slopes = 2.0 ** -np.arange(1, HQ + 1)
+    lens = np.array(LENS_Q, np.int32)
+    rev = np.random.default_rng(6).standard_normal((HQ, max(LENS_Q)))  # a bias by distance from the end
     return [
         ("per-sequence-bias", lambda s, b, h, i, j: s + table[b, h], None, lambda s, b, h, i, j: s + table[b, h], None),
         ("alibi", lambda s, b, h, i, j: s - slopes[h] * mods.abs(i - j), None,
@@ -71,13 +73,15 @@ def _gallery():
         ("prefix-lm", None, lambda b, h, i, j: (j <= i) | (j < prefix[b]), None,
          lambda b, h, i, j: (j <= i) | (j < prefix[b])),
         ("chunked", None, lambda b, h, i, j: (i // 3) == (j // 3), None, lambda b, h, i, j: (i // 3) == (j // 3)),
+        ("from-the-end", lambda s, b, h, i, j: s + rev[h, lens[b] - 1 - i], None,
+         lambda s, b, h, i, j: s + rev[h, lens[b] - 1 - i], None),
         ("both", lambda s, b, h, i, j: 2.0 * mods.tanh(s / 2.0) + 0.1 * b, lambda b, h, i, j: (j % 3) != 1,
          lambda s, b, h, i, j: 2.0 * np.tanh(s / 2.0) + 0.1 * b, lambda b, h, i, j: (j % 3) != 1),
     ]  # fmt: skip
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("case", range(6))
 def test_functions_see_each_sequence_s_own_indices(packed, case, causal):
     q, k, v, cu_q, cu_k = packed
     name, score_mod, mask_mod, ref_score, ref_visible = _gallery()[case]
