@@ -397,7 +397,7 @@ def attention_varlen(
         prefix, a chunk or a relative-position bias counts from each sequence's start; a
         ``mask_mod`` of ``kv_idx <= q_idx`` is causal from the top left, where ``causal=True``
         aligns each sequence's last query with its last key). On the GPU the FA2 or the Hopper
-        forward and the FA2 backward run them; every read of a captured array is checked there
+        kernels run them, forward and backward; every read of a captured array is checked there
         (the sequences' lengths stay on the device), and one outside its array makes the score
         NaN. No ``block_table``, and not under ``torch.compile`` yet.
 

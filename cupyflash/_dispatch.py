@@ -626,15 +626,15 @@ def fa3_bwd_spec(
 ) -> Fa3BwdSpec | None:
     """The Hopper backward for a call, or None where it has none (then FA2's runs): head dims
     other than FA3_BWD_HEAD_DIMS, dropout, ALiBi with softcap and an attn_mask. Score functions
-    (``mods_source``: their device code; not over ``packed`` sequences) compile into it: a
-    BlockMask's summary, where the call has one, bounds its query blocks (and spares a mask
-    alone's plain tiles the mask). ``deterministic``: dQ's adds into each tile in a fixed order
-    (fa3_bwd.cu)."""
+    (``mods_source``: their device code; over ``packed`` sequences too, the rows past each
+    sequence hidden) compile into it: a BlockMask's summary, where the call has one, bounds its
+    query blocks (and spares a mask alone's plain tiles the mask). ``deterministic``: dQ's adds
+    into each tile in a fixed order (fa3_bwd.cu)."""
     if head_dim not in FA3_BWD_HEAD_DIMS:
         return None
     if flags.dropout or (flags.alibi and flags.softcap):
         return None
-    if flags.mask and not (flags.mask == "mods" and mods_source and not packed):
+    if flags.mask and not (flags.mask == "mods" and mods_source):
         return None
     return Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,

@@ -978,8 +978,6 @@ class Fa3BwdSpec(_KernelSpecBase):
             raise ValueError("score_mod / mask_mod do not combine with softcap on the Hopper backward")
         if self.alibi and (self.softcap or self.mods_source):
             raise ValueError("ALiBi does not combine with softcap or score_mod / mask_mod on the Hopper backward")
-        if self.varlen and self.mods_source:
-            raise ValueError("score_mod / mask_mod do not run over packed sequences")
 
     def _name_parts(self) -> tuple[object, ...]:
         return (_SHORT_DTYPE[self.dtype], self.head_dim)

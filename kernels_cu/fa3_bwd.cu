@@ -105,9 +105,9 @@ struct Fa3BwdTraits {
   static_assert(!Has_alibi || !(Has_softcap || Has_user_mask), "ALiBi alone (no softcap, no mods)");
   // Packed sequences (cu_seqlens): a CTA's keys and its steps' rows are its sequence's, and the
   // rows TMA reads past a sequence's end (the next sequence's) are zeroed in shared memory
-  // before use. A padded batch's variant carries none of that.
+  // before use. A padded batch's variant carries none of that. With score functions, the rows
+  // past the sequence in its last query block are hidden too (below: the hook sees them).
   static constexpr bool Varlen = Varlen_;
-  static_assert(!Varlen || !Has_user_mask, "no score functions over packed sequences");
   using Bias = ScoreTransform<false, Has_alibi_, kNoBias, Element_>;  // Alibi, or nothing
   // dQ's adds issued by a warp of the producer warpgroup from two staging buffers (else by a
   // consumer thread from one, which then waits for nothing but the last add's reads).
@@ -507,6 +507,20 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     const bool bounded = range.needs_mask(m_block);  // (a score_mod's step below applies them)
     if (!Traits::Has_user_score && bounded)
       range.apply_by_row_offsets(s, key0 + warp_key0, row0, lane);
+    // Packed, with score functions: the hook sees the rows past the sequence that its last query
+    // block covers (up to max_seqlen_q), whose Q and dO rows are zeroed but whose function value
+    // is not: a NaN from a read outside a captured array there would reach dK and dV (NaN x 0).
+    // Those rows hidden: here for a mask_mod alone, with the bounds below for a score_mod.
+    [[maybe_unused]] const bool past_rows = Traits::Varlen && seq.q.len - row0 < kBlockM;
+    if constexpr (Traits::Varlen && Traits::Has_user_mask && !Traits::Has_user_score) {
+      if (past_rows) {  // (the same answer for the whole CTA)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (row0 + 8 * nt + 2 * (lane % 4) + e % 2 >= seq.q.len) s[0][nt][e] = neg_infinity();
+      }
+    }
     wgmma_wait<0>();
     wgmma_fence_operands(dp[0]);
 
@@ -534,6 +548,12 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       for (int half = 0; half < 2; ++half)
         range.template visible_offsets<kNTiles>(key0 + warp_key0 + lane / 4 + 8 * half,
                                                 row0 + 2 * (lane % 4), lo[half], hi[half]);
+    if constexpr (Traits::Varlen && Traits::Has_user_score) {
+      if (past_rows)  // (above) no row at or past the sequence's end
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          hi[half] = min(hi[half], seq.q.len - 1 - (row0 + 2 * (lane % 4)));
+    }
     auto dv_dk_part = [&](const int part) {
 #pragma unroll
       for (int nt = part * kNTiles / kParts; nt < (part + 1) * kNTiles / kParts; ++nt) {

@@ -229,7 +229,7 @@ def test_varlen_score_and_mask_functions(launches):
     """attention_varlen with score_mod / mask_mod on GPU arrays: the Hopper forward's packed
     variant with the hook (FA2's with algorithm="fa2"), the offsets and each captured array an
     operand, every read checked (no index ranges: the lengths stay on the device), planned once;
-    the backward on the mma.sync kernels with the hook (the packed Hopper backward has none)."""
+    the backward on the packed Hopper backward with the hook (d = 64), the mma.sync one at d = 80."""
     packed = stand_in((1000, 8, 64), "bfloat16")
     cu = stand_in((3,), "int32")
     table, prefix = stand_in((2, 8), "float32"), stand_in((2,), "int32")
@@ -257,6 +257,13 @@ def test_varlen_score_and_mask_functions(launches):
     plse = stand_in((8, 1000), "float32")
     cupyflash.attention_varlen_backward(
         packed, packed, packed, packed, packed, plse, cu, cu, 600, 600, score_mod=score_mod, mask_mod=mask_mod
+    )
+    _check(launches, "fa3_bwd", optional=("dlse",))
+    names = [step.spec.name for step in launches[-1][0].steps]
+    assert any("fa3_bwd" in n and "mods" in n and "varlen" in n for n in names)
+    odd = stand_in((1000, 8, 80), "bfloat16")
+    cupyflash.attention_varlen_backward(
+        odd, odd, odd, odd, odd, plse, cu, cu, 600, 600, score_mod=score_mod, mask_mod=mask_mod
     )
     _check(launches, "fa2_bwd", optional=("dlse",))
     names = [step.spec.name for step in launches[-1][0].steps]

@@ -788,8 +788,8 @@ def test_the_backward_hook_compiles_cleanly():
     """The mma.sync backward (key blocks, and the deterministic mode's dQ kernel) with a score
     function, its derivative and a mask function compiled in: no spill, no stack frame, no
     warning, both archs; head dims 64, 128 and 256 with CUPYFLASH_COMPILE_ALL=1
-    (scripts/gpu_check.sh), 128 by default. The Hopper backward's variants likewise, each with as
-    many wgmmas as the built-in kernel in the same mode."""
+    (scripts/gpu_check.sh), 128 by default. The Hopper backward's variants likewise (its packed
+    ones too), each with as many wgmmas as the built-in kernel in the same mode."""
     from helpers import FULL
 
     from cupyflash import _dispatch, _kernels, _mods
@@ -842,6 +842,22 @@ def test_the_backward_hook_compiles_cleanly():
                 build = _kernels.compile_offline(spec, "sm_90a")
                 builds.append((spec.name, "sm_90a", build))
                 assert build.ptx.count("wgmma.mma_async") == built_in > 0, spec.name
+    # attention_varlen's: the packed Hopper backward with the hook (every read checked, the rows
+    # past a sequence hidden), as many wgmmas as the packed built-in kernel
+    lens, rev = np.zeros(4, np.int32), np.zeros((8, 4096), np.float32)
+    from_the_end = _mods.trace_score_mod(lambda s, b, h, i, j: s + rev[h, lens[b] - 1 - i])
+    for score_mod, mask_mod in [(from_the_end, None), *hopper[:1]] if FULL else [(from_the_end, None)]:
+        source = _mods.kernel_mods(score_mod, mask_mod).source
+        for head_dim, causal, deterministic in wgmmas:
+            plain = _dispatch.fa3_bwd_spec("bfloat16", head_dim, _dispatch.MaskFlags(causal, False, False),
+                                           deterministic, True, None)  # fmt: skip
+            flags = _dispatch.MaskFlags(causal, False, False, mask="mods")
+            spec = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, deterministic, True, source)
+            assert spec is not None and spec.varlen and plain.varlen
+            build = _kernels.compile_offline(spec, "sm_90a")
+            builds.append((spec.name, "sm_90a", build))
+            wanted = _kernels.compile_offline(plain, "sm_90a").ptx.count("wgmma.mma_async")
+            assert build.ptx.count("wgmma.mma_async") == wanted > 0, spec.name
     assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
     assert not [(n, a, b.stack_bytes) for n, a, b in builds if b.stack_bytes]
     assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]

@@ -7,8 +7,9 @@
 # and bad offsets through the packed Hopper backward. So: the backward, sinks and varlen GPU tests,
 # the bad-offset reliability tests, compute-sanitizer over the backward cases.
 # Then attention_varlen's score_mod / mask_mod (the Hopper forward's packed variant with the hook,
-# FA2's, the mma.sync backward with the rows past a sequence hidden): their GPU tests, the padded
-# mma.sync backward with the hook (d = 80), and compute-sanitizer over their workload cases.
+# FA2's; the packed Hopper backward and the mma.sync one, with the rows past a sequence hidden):
+# their GPU tests, the padded mma.sync backward with the hook (d = 80), and compute-sanitizer over
+# their workload cases.
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_bwd_rows.sh [SECONDS]
 #   carry: .whl   (scripts/pending_gpu/stage.sh makes it)
 set -uo pipefail
