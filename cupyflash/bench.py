@@ -1401,8 +1401,10 @@ def mods_gallery(seqlen: int, heads: int) -> dict[str, dict[str, Any]]:
 def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward: bool) -> dict[str, Any]:
     """ms of one gallery function (forward, or forward + backward through autograd) under the
     three timings: cupyflash's score functions, torch's compiled FlexAttention with the same
-    functions, and cupyflash's built-in options where they compute the same attention; the
-    largest difference from FlexAttention's output. A mask function runs with its block mask on
+    functions, FlashAttention-4 with them ("fa4": FlexAttention's FLASH backend, which compiles
+    the functions into FA4's CuTe kernels, where flash-attn-4 is installed and takes them), and
+    cupyflash's built-in options where they compute the same attention; the largest difference
+    from FlexAttention's output. A mask function runs with its block mask on
     both sides (each made once, outside the timing, as a fixed mask is used: cupyflash's
     ``create_block_mask`` and FlexAttention's), and on ours without it too ("cupyflash_mask_mod":
     the mask alone, its tiles classed by its own trace (_mod_tiles); ``over_mask_mod_*`` the block
@@ -1443,6 +1445,16 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
             lambda: flex(qt, kt, vt, score_mod=functions.get("flex_score"), block_mask=block_mask).transpose(1, 2)
         ),
     }
+    try:  # (the check that flash_attn.cute is FlashAttention-4, not cupyflash's drop-in)
+        fa4_attention()
+        flash: Any = {"BACKEND": "FLASH"}  # (torch types it FlexKernelOptions)
+        calls["fa4"] = step(
+            lambda: flex(
+                qt, kt, vt, score_mod=functions.get("flex_score"), block_mask=block_mask, kernel_options=flash
+            ).transpose(1, 2)
+        )
+    except ImportError as error:
+        row["fa4"], row["fa4_error"] = None, str(error)
     if ours_block is not None:
         calls["cupyflash_mask_mod"] = step(lambda: cupyflash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod))
     if functions["builtin"] is not None:
@@ -1460,6 +1472,8 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
     for timing, ms in row["timings_ms"].items():
         if "cupyflash_mods" in ms and "flex" in ms:
             row[f"over_flex_{timing}"] = round(ms["flex"] / ms["cupyflash_mods"], 3)
+        if "cupyflash_mods" in ms and "fa4" in ms:
+            row[f"over_fa4_{timing}"] = round(ms["fa4"] / ms["cupyflash_mods"], 3)
         if "cupyflash_mods" in ms and "cupyflash_builtin" in ms:
             row[f"over_builtin_{timing}"] = round(ms["cupyflash_builtin"] / ms["cupyflash_mods"], 3)
         if "cupyflash_mods" in ms and "cupyflash_mask_mod" in ms:
@@ -1470,12 +1484,13 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
 
 
 def format_mods_table(rows: list[dict[str, Any]]) -> str:
-    """One line per row: the speed-up over FlexAttention, over the built-in path (>1: the score
-    functions are faster), the block mask's over the mask_mod alone, and the mask_mod alone over
-    the built-in path, as ranges over the three timings."""
+    """One line per row: the speed-up over FlexAttention, over FlashAttention-4 with the same
+    functions, over the built-in path (>1: the score functions are faster), the block mask's over
+    the mask_mod alone, and the mask_mod alone over the built-in path, as ranges over the three
+    timings."""
     lines = [
-        "function           d     N  pass  | over flex (range)   over built-in (range) block mask (range) "
-        "alone / built-in | max |diff| vs flex"
+        "function           d     N  pass  | over flex (range)   over fa4 (range)    over built-in (range) "
+        "block mask (range) alone / built-in | max |diff| vs flex"
     ]
 
     def span(r: dict[str, Any], prefix: str) -> str:
@@ -1485,7 +1500,8 @@ def format_mods_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"{r['function']:<17} {r['head_dim']:>3} {r['seqlen']:>5}  {'f+b' if r['backward'] else 'fwd':<4} | "
-            f"{span(r, 'over_flex_'):<19} {span(r, 'over_builtin_'):<21} {span(r, 'over_mask_mod_'):<18} "
+            f"{span(r, 'over_flex_'):<19} {span(r, 'over_fa4_'):<19} {span(r, 'over_builtin_'):<21} "
+            f"{span(r, 'over_mask_mod_'):<18} "
             f"{span(r, 'alone_over_builtin_'):<16} | "
             f"{r.get('max_abs_diff_vs_flex', '-')}"
         )

@@ -454,3 +454,13 @@ def test_cli_passes_timings_and_backends_and_notes_the_missing_peer(cli, command
     for wrong in (["--timings", "warm"], ["--backends", "cupyflash", "sdpa"]):
         with pytest.raises(SystemExit):
             main([command, *shapes, *wrong])
+
+
+def test_the_mods_table_shows_each_peer_s_range_over_the_timings():
+    row = {"function": "alibi", "head_dim": 64, "seqlen": 4096, "backward": True, "max_abs_diff_vs_flex": 0.01,
+           "over_flex_single": 1.4, "over_flex_interleaved": 1.2, "over_fa4_single": 0.9, "over_fa4_back_to_back": 0.8,
+           "fa4_error": "flash_attn.cute is not installed"}  # fmt: skip
+    header, line = bench.format_mods_table([row]).splitlines()
+    assert "over fa4" in header
+    assert "1.20-1.40" in line and "0.80-0.90" in line and line.endswith("0.01")
+    assert line.count(" - ") >= 2  # no built-in path, no block mask: dashes
