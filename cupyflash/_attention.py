@@ -628,8 +628,9 @@ def _plan_varlen(
 def _gpu_varlen_mods(lib: _interop.ArrayLib, device: int, call: VarlenForward, want_lse: bool) -> tuple[Any, Any]:
     """attention_varlen with a score_mod / mask_mod: the packed kernels with the functions in their
     score hook (as ``_gpu_mods``), b the sequence and q_idx, kv_idx its own positions. No
-    BlockMask: each tile's class comes from the mask's own bounds in the kernel (_mod_tiles), and
-    every captured read is checked (the offsets, hence the positions' ranges, stay on the device)."""
+    BlockMask (one is per padded call): the FA2 kernel classes its tiles by the mask's own bounds
+    (_mod_tiles), the Hopper kernels run the mask on every tile the causal / window bounds leave.
+    Every captured read is checked (the offsets, hence the positions' ranges, stay on the device)."""
     mods_key, kernel, buffers = _kernel_mods_for(call.mods, call.q, None, device)
     q, k, v, cu_q, cu_k, seqused_k, sinks = (
         call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.sinks
