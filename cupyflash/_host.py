@@ -226,13 +226,12 @@ def attention_varlen_backward(
             captured = sequence if captured is None else [t if t is None else t + g for t, g in zip(captured, sequence)]
         for piece, grad in zip(pieces, grads[:3]):
             piece.append(grad[0, ...])
-        unused = int(cu_k[b + 1]) - k1  # keys past seqused_k: no gradient
+        # keys past seqused_k: no gradient (zeros where x lives, as its rows' slice)
         for piece, x in zip(pieces[1:], (k, v)):
-            piece.append(xp.zeros((unused, *x.shape[1:]), dtype=x.dtype))
+            piece.append(xp.zeros_like(x[k1 : int(cu_k[b + 1]), ...]))
     ends = (int(cu_q[-1]), int(cu_k[-1]), int(cu_k[-1]))
     grads = tuple(
-        xp.concat([*piece, xp.zeros((x.shape[0] - end, *x.shape[1:]), dtype=x.dtype)], axis=0)
-        for piece, x, end in zip(pieces, (q, k, v), ends)
+        xp.concat([*piece, xp.zeros_like(x[end:, ...])], axis=0) for piece, x, end in zip(pieces, (q, k, v), ends)
     )
     if dsinks is not None:
         grads = (*grads, dsinks)
