@@ -208,3 +208,15 @@ def test_torch_compile_refuses_them_by_name(packed):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="attention_varlen with score_mod / mask_mod does not run under torch.compile"):
         torch.compile(f, fullgraph=True, backend="aot_eager")(q)
+
+
+def test_a_captured_table_alone_that_requires_grad_takes_autograds_route(packed):
+    torch = pytest.importorskip("torch")
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in packed)
+    table = torch.zeros(HQ, dtype=torch.float64, requires_grad=True)
+    out = cupyflash.attention_varlen(
+        q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), score_mod=lambda s, b, h, i, j: s + table[h] * (i - j)
+    )
+    assert out.requires_grad
+    out.sum().backward()
+    assert table.grad is not None and table.grad.shape == (HQ,) and torch.isfinite(table.grad).all()
