@@ -4,7 +4,8 @@ gradients (the FA2 backward) and ``torch.compile(fullgraph=True)`` keeps the cal
 as one opaque op; ``attention_with_kvcache`` as one too (no backward; the caches mutated).
 ``attention`` with a score_mod / mask_mod is the ``attention_mods`` op under torch.compile (the
 traced expressions its text argument, the captured tensors graph inputs) and an autograd.Function
-of its own in eager mode (``_ModsAttention``: the traced functions ride in the call).
+of its own in eager mode (``_ModsAttention``: the traced functions ride in the call), as is
+``attention_varlen`` with them (eager only).
 Imported when cupyflash first meets a torch tensor (``_interop.torch_module``) or at ``import
 cupyflash`` when torch is already imported: importing cupyflash never imports torch.
 
@@ -174,17 +175,22 @@ def attention(call: _attention.Forward, want_lse: bool) -> tuple[Any, Any]:
 
 
 class _ModsAttention(torch.autograd.Function):
-    """``attention`` with a score_mod / mask_mod under autograd (eager; the traced functions ride
-    in the call, not in an op's schema): the backward is attention_backward with the same
-    functions, dS times score_mod's derivative. score_mod's captured float tensors are inputs too
-    (``captured``, slot order): those that require grad get dS times d score_mod / d (each element
-    read), summed where it was read (a learned bias table's gradient)."""
+    """``attention`` or ``attention_varlen`` with a score_mod / mask_mod under autograd (eager;
+    the traced functions ride in the call, not in an op's schema): the backward is the matching
+    backward with the same functions, dS times score_mod's derivative. score_mod's captured float
+    tensors are inputs too (``captured``, slot order): those that require grad get dS times
+    d score_mod / d (each element read), summed where it was read (a learned bias table's
+    gradient)."""
 
     @staticmethod
     def forward(
-        ctx: Any, call: _attention.Forward, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *captured: Tensor
-    ) -> tuple[Any, Any]:
-        out, lse = _contiguous(*_attention.forward(call, want_lse=True))
+        ctx: Any, call: _attention.Forward | _attention.VarlenForward, q: Tensor, k: Tensor, v: Tensor,
+        sinks: Tensor | None, *captured: Tensor,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        if isinstance(call, _attention.VarlenForward):
+            out, lse = _contiguous(*_attention.varlen_forward(call, want_lse=True))
+        else:
+            out, lse = _contiguous(*_attention.forward(call, want_lse=True))
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call
         ctx.set_materialize_grads(False)
@@ -195,16 +201,22 @@ class _ModsAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         c = ctx.call
-        wanted = any(ctx.needs_input_grad[5:])
-        call = _attention.Backward(
-            torch.zeros_like(out) if dout is None else dout, q, k, v, out, lse, dlse, c.options, c.layout,
-            c.deterministic, alibi_slopes=c.alibi_slopes, mods=c.mods, sinks=sinks, block_mask=c.block_mask,
-            captured_grads=wanted,
-        )  # fmt: skip
-        with torch.no_grad():
-            grads = _attention.backward(call)
-        dsinks = _sink_grad(grads[3], sinks) if sinks is not None else None
         needs = ctx.needs_input_grad[5:]
+        wanted = any(needs)
+        dout = torch.zeros_like(out) if dout is None else dout
+        with torch.no_grad():
+            if isinstance(c, _attention.VarlenForward):
+                grads = _attention.varlen_backward(_attention.VarlenBackward(
+                    dout, q, k, v, out, lse, dlse, c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k,
+                    c.options, c.deterministic, alibi_slopes=c.alibi_slopes, seqused_k=c.seqused_k, sinks=sinks,
+                    mods=c.mods, captured_grads=wanted,
+                ))  # fmt: skip
+            else:
+                grads = _attention.backward(_attention.Backward(
+                    dout, q, k, v, out, lse, dlse, c.options, c.layout, c.deterministic, alibi_slopes=c.alibi_slopes,
+                    mods=c.mods, sinks=sinks, block_mask=c.block_mask, captured_grads=wanted,
+                ))  # fmt: skip
+        dsinks = _sink_grad(grads[3], sinks) if sinks is not None else None
         dcaptured = [g if need else None for g, need in zip(grads[-1], needs)] if wanted else [None] * len(needs)
         return None, *grads[:3], dsinks, *dcaptured
 
@@ -554,7 +566,7 @@ attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen
 
 def attention_varlen(call: _attention.VarlenForward, want_lse: bool) -> tuple[Any, Any]:
     """An ``attention_varlen`` call through the custom op: (out, lse); with a score_mod / mask_mod,
-    through ``_ModsVarlen`` (eager only: the front door refuses them under torch.compile)."""
+    through ``_ModsAttention`` (eager only: the front door refuses them under torch.compile)."""
     if call.mods is not None:
         return _varlen_with_mods(call)
     _refuse_slope_grad(call.alibi_slopes)
@@ -570,43 +582,9 @@ def attention_varlen(call: _attention.VarlenForward, want_lse: bool) -> tuple[An
     return out, lse
 
 
-class _ModsVarlen(torch.autograd.Function):
-    """``attention_varlen`` with a score_mod / mask_mod under autograd, as ``_ModsAttention``: the
-    traced functions ride in the call; score_mod's captured float tensors are inputs too."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, call: _attention.VarlenForward, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
-        *captured: Tensor,
-    ) -> tuple[Any, Any]:  # fmt: skip
-        out, lse = _contiguous(*_attention.varlen_forward(call, want_lse=True))
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.call = call
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        c = ctx.call
-        needs = ctx.needs_input_grad[5:]
-        wanted = any(needs)
-        call = _attention.VarlenBackward(
-            torch.zeros_like(out) if dout is None else dout, q, k, v, out, lse, dlse, c.cu_seqlens_q, c.cu_seqlens_k,
-            c.max_seqlen_q, c.max_seqlen_k, c.options, c.deterministic, alibi_slopes=c.alibi_slopes,
-            seqused_k=c.seqused_k, sinks=sinks, mods=c.mods, captured_grads=wanted,
-        )  # fmt: skip
-        with torch.no_grad():
-            grads = _attention.varlen_backward(call)
-        dsinks = _sink_grad(grads[3], sinks) if sinks is not None else None
-        dcaptured = [g if need else None for g, need in zip(grads[-1], needs)] if wanted else [None] * len(needs)
-        return None, *grads[:3], dsinks, *dcaptured
-
-
 def _varlen_with_mods(call: _attention.VarlenForward) -> tuple[Any, Any]:
     call, captured = _detached_mods(call)
-    return _ModsVarlen.apply(call, call.q, call.k, call.v, call.sinks, *captured)
+    return _ModsAttention.apply(call, call.q, call.k, call.v, call.sinks, *captured)
 
 
 # ---------------------------------------------------------------------------------------------
