@@ -401,15 +401,23 @@ def _mask_as_bounds(call: Forward | Backward) -> Options | None:
     (``kv_idx <= q_idx``, a sliding window) then runs as the built-in bound, on the kernels without
     a score hook: the same scores shown, none of the hook's work (its BlockMask, made from the
     same mask, hides the tiles the bound skips)."""
-    score_mod, mask_mod = call.mods
-    options = call.options
-    if score_mod is not None or not isinstance(mask_mod, _mods.Mod) or options.causal or options.window != (-1, -1):
-        return None
     if call.layout not in LAYOUTS:
         return None
     batch, rows, heads, _ = split_dims(tuple(call.q.shape), call.layout)
     keys = split_dims(tuple(call.k.shape), call.layout)[1]
     if rows != keys:
+        return None
+    bounds = _exact_bounds(call.mods, call.options)
+    if bounds is not None and call.block_mask is not None:  # made for this call (the hook's route checks it)
+        _block_mask.check_call(call.block_mask, batch, heads, rows, keys)
+    return bounds
+
+
+def _exact_bounds(mods: tuple[Any, Any], options: Options) -> Options | None:
+    """``options`` with the mask_mod of ``mods`` as the causal / window bound it is exactly (no
+    score_mod, no bound of its own), or None: for a call whose rows and keys align."""
+    score_mod, mask_mod = mods
+    if score_mod is not None or not isinstance(mask_mod, _mods.Mod) or options.causal or options.window != (-1, -1):
         return None
     key = mask_mod.key
     try:  # (one lookup: the key hashes the whole expression)
@@ -420,9 +428,15 @@ def _mask_as_bounds(call: Forward | Backward) -> Options | None:
         window = _exact_windows[key] = _mods.exact_window(mask_mod)
     if window is None:
         return None
-    if call.block_mask is not None:  # made for this call (the hook's route checks it when it plans)
-        _block_mask.check_call(call.block_mask, batch, heads, rows, keys)
     return Options(window[1] == 0, options.scale, window, options.softcap)
+
+
+def packed_rows_align(call: VarlenForward | VarlenBackward) -> bool:
+    """Whether every packed sequence has as many queries as keys, known on the host: one offsets
+    array for both (self-attention over packed sequences, as training passes them), equal
+    maxima, no seqused_k. A mask_mod's q_idx / kv_idx bounds (top left) are then the kernels'
+    causal / window bounds (bottom right), as a dense call's where Nq = Nk."""
+    return call.cu_seqlens_q is call.cu_seqlens_k and call.max_seqlen_q == call.max_seqlen_k and call.seqused_k is None
 
 
 # The device code of each score_mod / mask_mod pair met, by their keys (the expressions, with
@@ -575,7 +589,10 @@ def gpu_varlen_forward(lib: _interop.ArrayLib, device: int, call: VarlenForward,
     if call.block_table is not None:
         return _gpu_paged_varlen(lib, device, call, want_lse)
     if call.mods is not None:
-        return _gpu_varlen_mods(lib, device, call, want_lse)
+        bounds = _exact_bounds(call.mods, call.options) if packed_rows_align(call) else None
+        if bounds is None:
+            return _gpu_varlen_mods(lib, device, call, want_lse)
+        call = dataclasses.replace(call, options=bounds, mods=None)  # the mask is that bound: no hook
     q, k, v, cu_q, cu_k, slopes, seqused_k = (
         call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.alibi_slopes, call.seqused_k
     )  # fmt: skip
@@ -610,10 +627,15 @@ def _maxima(call: VarlenForward) -> tuple[int, int]:
 
 
 def _plan_varlen(
-    lib: _interop.ArrayLib, device: int, call: VarlenForward, mods: _mods.KernelMods | None = None
-) -> _plan.Launch:
+    lib: _interop.ArrayLib, device: int, call: VarlenForward, mods: _mods.KernelMods | None = None,
+    aligned: bool = False,
+) -> _plan.Launch:  # fmt: skip
+    """``aligned``: the sequences' rows and keys align (``packed_rows_align``), so that the bounds
+    a mask_mod implies bound the kernels' tiles too."""
     q, k, v = call.q, call.k, call.v
     problem = _varlen_call_problem(call)
+    if aligned and call.mods is not None:
+        problem = with_implied_bounds(problem, call.mods[1])
     dtype = _plan.check_gpu_dtypes({"q": lib.dtype_name(q), "k": lib.dtype_name(k), "v": lib.dtype_name(v)})
     _check_offset_dtypes(lib, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)
     _check_slopes_dtype(lib, call.alibi_slopes)
@@ -629,17 +651,20 @@ def _gpu_varlen_mods(lib: _interop.ArrayLib, device: int, call: VarlenForward, w
     """attention_varlen with a score_mod / mask_mod: the packed kernels with the functions in their
     score hook (as ``_gpu_mods``), b the sequence and q_idx, kv_idx its own positions. No
     BlockMask (one is per padded call): the FA2 kernel classes its tiles by the mask's own bounds
-    (_mod_tiles), the Hopper kernels run the mask on every tile the causal / window bounds leave.
-    Every captured read is checked (the offsets, hence the positions' ranges, stay on the device)."""
+    (_mod_tiles), the Hopper kernels run the mask on every tile the causal / window bounds leave,
+    and where the sequences' rows and keys align (``packed_rows_align``) the bounds the mask
+    implies are those (``with_implied_bounds``). Every captured read is checked (the offsets,
+    hence the positions' ranges, stay on the device)."""
     mods_key, kernel, buffers = _kernel_mods_for(call.mods, call.q, None, device)
     q, k, v, cu_q, cu_k, seqused_k, sinks = (
         call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.sinks
     )  # fmt: skip
+    aligned = packed_rows_align(call)
     key = ("varlen-mods", lib.name, device, q.shape, k.shape, v.shape, cu_q.shape, cu_k.shape, _maxima(call),
-           call.options, call.dropout_p, call.algorithm, call.batch_invariant, mods_key,
+           call.options, call.dropout_p, call.algorithm, call.batch_invariant, mods_key, aligned,
            _dtypes(q, k, v, cu_q, cu_k, call.alibi_slopes, seqused_k, sinks),
            _shapes(call.alibi_slopes, seqused_k, sinks))  # fmt: skip
-    launch = _plans.get(key, lambda: _plan_varlen(lib, device, call, kernel))
+    launch = _plans.get(key, lambda: _plan_varlen(lib, device, call, kernel, aligned))
     arrays_by_name = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
                       "alibi_slopes": call.alibi_slopes, "seqused_k": seqused_k, "sinks": sinks,
                       **{f"mod_buffer{i}": x for i, x in enumerate(buffers)}}  # fmt: skip
@@ -839,6 +864,11 @@ def varlen_backward(call: VarlenBackward) -> tuple[Any, ...]:
     kernel: _mods.KernelMods | None = None
     buffers: tuple[Any, ...] = ()
     mods_key = None
+    if call.mods is not None and packed_rows_align(call):  # as the forward's: a mask that is a bound
+        bounds = _exact_bounds(call.mods, call.options)
+        if bounds is not None:
+            return varlen_backward(dataclasses.replace(call, options=bounds, mods=None))
+        problem = with_implied_bounds(problem, call.mods[1])
     if call.mods is not None:  # the functions in the packed backward's hook (as the forward's)
         mods_key, kernel, buffers = _kernel_mods_for(call.mods, q, None, device)
     key = ("bwd_varlen", lib.name, device, problem, q.shape, k.shape,

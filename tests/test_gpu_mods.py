@@ -495,3 +495,45 @@ def test_varlen_autograd_and_a_learned_table_on_the_gpu(rng):
         results.append([x.grad.double().cpu().numpy() for x in leaves])
     for name, got, want in zip(("dq", "dk", "dv", "dtable"), *results, strict=True):
         assert rel_error(got, want) < 3e-2, name
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_masks_over_aligned_sequences_take_their_bounds(rng, head_dim):
+    """Self-attention over packed sequences (one offsets array for queries and keys): a causal
+    mask_mod runs as the built-in packed kernels, a causal mask with more in it as the causal
+    variant with the hook, a prefix mask (no bound) as the hook alone; each, forward and
+    gradients, against the float64 host path."""
+    torch = need_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    lengths = (70, 0, 1, 190, 133)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(torch.bfloat16) for h in (HQ, HKV, HKV))
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    prefix = np.array([9, 0, 1, 40, 0], np.int32)
+    masks = {
+        "causal": lambda p: lambda b, h, i, j: j <= i,
+        "causal-chunks": lambda p: lambda b, h, i, j: (j <= i) & ((i // 32) == (j // 32)),
+        "prefix": lambda p: lambda b, h, i, j: (j <= i) | (j < p[b]),
+    }
+    host = [x.double().numpy() for x in (q, k, v)]
+    gpu = [x.cuda() for x in (q, k, v)]
+    cu_gpu = cu.cuda()
+    for name, make in masks.items():
+        want, want_lse = cupyflash.attention_varlen(*host, cu.numpy(), cu.numpy(), 190, 190, mask_mod=make(prefix),
+                                                    return_lse=True)  # fmt: skip
+        mask = make(torch.from_numpy(prefix).cuda())
+        out, lse = cupyflash.attention_varlen(*gpu, cu_gpu, cu_gpu, 190, 190, mask_mod=mask, return_lse=True)
+        assert rel_error(reference.to_numpy64(out), want) < BOUND["bfloat16"], name
+        finite = np.isfinite(want_lse)
+        np.testing.assert_allclose(reference.to_numpy64(lse)[finite], want_lse[finite], atol=2e-2, err_msg=name)
+        dout = torch.randn(out.shape, generator=gen).to(out.dtype)
+        grads = cupyflash.attention_varlen_backward(dout.cuda(), *gpu, out, lse, cu_gpu, cu_gpu, 190, 190,
+                                                    mask_mod=mask)  # fmt: skip
+        ref = cupyflash.attention_varlen_backward(
+            reference.to_numpy64(dout), *host, reference.to_numpy64(out), reference.to_numpy64(lse), cu.numpy(),
+            cu.numpy(), 190, 190, mask_mod=make(prefix),
+        )  # fmt: skip
+        for grad_name, g, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+            g = reference.to_numpy64(g)
+            assert np.isfinite(g).all(), (name, grad_name)
+            assert rel_error(g, r) < 3e-2, (name, grad_name)

@@ -272,6 +272,43 @@ def test_varlen_score_and_mask_functions(launches):
         cupyflash.attention_varlen(packed, packed, packed, cu, cu, 600, 600, softcap=5.0, mask_mod=mask_mod)
 
 
+def test_packed_sequences_whose_rows_and_keys_align_take_a_mask_s_bounds(launches):
+    """One offsets array for queries and keys (and equal maxima): each sequence's rows and keys
+    align, so a mask_mod that is a causal bound runs as the built-in packed kernels (no hook,
+    forward and backward), and one that implies a bound beside more (a prefix, a chunk) gets
+    the causal variant's tile bounds with the hook; two offsets arrays (even equal ones) or
+    seqused_k keep the hook alone over every tile."""
+    packed = stand_in((1000, 8, 64), "bfloat16")
+    cu, other = stand_in((3,), "int32"), stand_in((3,), "int32")
+    plse = stand_in((8, 1000), "float32")
+
+    def causal(b, h, i, j):
+        return j <= i
+
+    def causal_chunks(b, h, i, j):
+        return (j <= i) & (i // 64 == j // 64)
+
+    cupyflash.attention_varlen(packed, packed, packed, cu, cu, 600, 600, mask_mod=causal)
+    (step,) = launches[-1][0].steps
+    assert step.spec.causal and not step.spec.mods_source
+    cupyflash.attention_varlen_backward(packed, packed, packed, packed, packed, plse, cu, cu, 600, 600, mask_mod=causal)
+    names = [step.spec.name for step in launches[-1][0].steps]
+    assert any("fa3_bwd" in n and "causal" in n and "mods" not in n for n in names), names
+    cupyflash.attention_varlen(packed, packed, packed, cu, cu, 600, 600, mask_mod=causal_chunks)
+    (step,) = launches[-1][0].steps
+    assert step.spec.causal and step.spec.mods_source
+    cupyflash.attention_varlen_backward(
+        packed, packed, packed, packed, packed, plse, cu, cu, 600, 600, mask_mod=causal_chunks
+    )
+    names = [step.spec.name for step in launches[-1][0].steps]
+    assert any("fa3_bwd" in n and "causal" in n and "mods" in n for n in names), names
+    for args, extra in (((cu, other, 600, 600), {}), ((cu, cu, 600, 599), {}),
+                        ((cu, cu, 600, 600), {"seqused_k": stand_in((2,), "int32")})):  # fmt: skip
+        cupyflash.attention_varlen(packed, packed, packed, *args, mask_mod=causal, **extra)
+        (step,) = launches[-1][0].steps
+        assert not step.spec.causal and step.spec.mods_source
+
+
 def test_a_mask_mod_that_is_a_bound_runs_as_the_bound(launches):
     """A mask_mod that is a causal or sliding-window bound and nothing else (Nq = Nk) runs as
     that bound: the built-in kernels and params, forward and backward, with its BlockMask too; a
