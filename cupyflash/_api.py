@@ -399,7 +399,7 @@ def attention_varlen(
         aligns each sequence's last query with its last key). On the GPU the FA2 or the Hopper
         kernels run them, forward and backward; every read of a captured array is checked there
         (the sequences' lengths stay on the device), and one outside its array makes the score
-        NaN. No ``block_table``, and not under ``torch.compile`` yet.
+        NaN. No ``block_table``. Under ``torch.compile`` the call is one op, as attention's.
 
     Notes
     -----
@@ -434,7 +434,7 @@ def attention_varlen(
         batch_invariant = check_batch_invariant(batch_invariant)
     mods = None
     if score_mod is not None or mask_mod is not None:
-        mods = _varlen_traced(score_mod, mask_mod, block_table)
+        mods = _varlen_traced(score_mod, mask_mod, block_table, compilable=True)
     call = _attention.VarlenForward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, algorithm, deterministic, dropout_p,
         seed, alibi_slopes, seqused_k, block_table, batch_invariant, sinks, mods,
@@ -602,7 +602,7 @@ def attention_varlen_backward(
         raise ValueError("captured_grads=True needs a score_mod: its captured arrays are what get gradients")
     mods = None
     if score_mod is not None or mask_mod is not None:
-        mods = _varlen_traced(score_mod, mask_mod, None)
+        mods = _varlen_traced(score_mod, mask_mod, None, compilable=False)
     call = _attention.VarlenBackward(
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, deterministic,
         dropout_p, seed, alibi_slopes, seqused_k, sinks, mods, captured_grads,
@@ -932,17 +932,12 @@ def _traced(
     return (None if score_mod is None else _mods.trace_score_mod(score_mod), mask)
 
 
-def _varlen_traced(score_mod: Any, mask_mod: Any, block_table: Any) -> tuple[Any, Any]:
-    """attention_varlen's score_mod and mask_mod traced (``_traced``), where the call takes them."""
+def _varlen_traced(score_mod: Any, mask_mod: Any, block_table: Any, *, compilable: bool) -> tuple[Any, Any]:
+    """attention_varlen's score_mod and mask_mod traced (``_traced``; ``compilable``: as given while
+    Dynamo traces), where the call takes them."""
     if block_table is not None:
         raise ValueError("score_mod / mask_mod take no block_table (paged keys) yet")
-    if _front.compiling():
-        raise NotImplementedError(
-            "attention_varlen with score_mod / mask_mod does not run under torch.compile yet: make the call outside "
-            "the compiled region, or pack the sequences as one batch entry of attention(..., mask_mod=...) with a "
-            "document mask"
-        )
-    traced = _traced(score_mod, mask_mod, None, None)
+    traced = _traced(score_mod, mask_mod, None, None, compilable=compilable)
     assert traced is not None
     return traced
 

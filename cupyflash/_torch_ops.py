@@ -566,9 +566,9 @@ attention_varlen_op.register_autograd(_varlen_grads, setup_context=_setup_varlen
 
 def attention_varlen(call: _attention.VarlenForward, want_lse: bool) -> tuple[Any, Any]:
     """An ``attention_varlen`` call through the custom op: (out, lse); with a score_mod / mask_mod,
-    through ``_ModsAttention`` (eager only: the front door refuses them under torch.compile)."""
+    the ``attention_varlen_mods`` op under torch.compile, else ``_ModsAttention``."""
     if call.mods is not None:
-        return _varlen_with_mods(call)
+        return _compiled_varlen_mods(call) if _interop.compiling() else _varlen_with_mods(call)
     _refuse_slope_grad(call.alibi_slopes)
     o, q = call.options, call.q
     scale = 1.0 / math.sqrt(q.shape[-1]) if o.scale is None else float(o.scale)
@@ -585,6 +585,114 @@ def attention_varlen(call: _attention.VarlenForward, want_lse: bool) -> tuple[An
 def _varlen_with_mods(call: _attention.VarlenForward) -> tuple[Any, Any]:
     call, captured = _detached_mods(call)
     return _ModsAttention.apply(call, call.q, call.k, call.v, call.sinks, *captured)
+
+
+# attention_varlen with a score_mod / mask_mod under torch.compile, as attention_mods: the traced
+# pair the ops' text argument, the captured tensors their Tensor[] argument.
+def _varlen_mods_forward(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
+    algorithm: str, deterministic: bool, alibi_slopes: Tensor | None, seqused_k: Tensor | None,
+    sinks: Tensor | None, batch_invariant: bool, mods: str, mod_arrays: list[Tensor],
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    options = Options(causal, scale, (window_left, window_right), softcap)
+    call = _attention.VarlenForward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, algorithm, deterministic,
+        alibi_slopes=alibi_slopes, seqused_k=seqused_k, batch_invariant=batch_invariant, sinks=sinks,
+        mods=_mods.rebuilt(_mods.decode(mods), mod_arrays),
+    )  # fmt: skip
+    with torch.no_grad():
+        out, lse = _attention.varlen_forward(call, want_lse=True)
+    return _contiguous(out, lse)
+
+
+attention_varlen_mods_op = torch.library.custom_op(
+    f"{_LIB}::attention_varlen_mods", _varlen_mods_forward, mutates_args=()
+)
+
+
+@attention_varlen_mods_op.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
+    algorithm: str, deterministic: bool, alibi_slopes: Tensor | None, seqused_k: Tensor | None,
+    sinks: Tensor | None, batch_invariant: bool, mods: str, mod_arrays: list[Tensor],
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    check_options(causal, scale, (window_left, window_right), softcap)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+
+
+def _varlen_mods_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
+    window_left: int, window_right: int, softcap: float, deterministic: bool, alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None, sinks: Tensor | None, mods: str, mod_arrays: list[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    options = Options(causal, scale, (window_left, window_right), softcap)
+    call = _attention.VarlenBackward(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, deterministic,
+        alibi_slopes=alibi_slopes, seqused_k=seqused_k, sinks=sinks, mods=_mods.rebuilt(_mods.decode(mods), mod_arrays),
+    )  # fmt: skip
+    with torch.no_grad():
+        grads = _attention.varlen_backward(call)
+    return _contiguous(*_four(q, grads))
+
+
+attention_varlen_mods_backward_op = torch.library.custom_op(
+    f"{_LIB}::attention_varlen_mods_backward", _varlen_mods_backward, mutates_args=()
+)
+
+
+@attention_varlen_mods_backward_op.register_fake
+def _(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
+    window_left: int, window_right: int, softcap: float, deterministic: bool, alibi_slopes: Tensor | None,
+    seqused_k: Tensor | None, sinks: Tensor | None, mods: str, mod_arrays: list[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    return (*_empty_like(q, k, v), _dsinks_like(q, sinks))
+
+
+def _setup_varlen_mods(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, _, deterministic = inputs[:14]
+    alibi_slopes, seqused_k, sinks, _, mods, mod_arrays = inputs[14:]
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi_slopes, seqused_k, sinks, *mod_arrays)
+    ctx.options = (max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic)
+    ctx.mods = mods
+
+
+def _varlen_mods_grads(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
+    """The gradients of the ``attention_varlen_mods`` op's inputs: q, k, v and the sinks' (the
+    captured tensors get none: refused where they require grad)."""
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, seqused_k, sinks, *mod_arrays = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv, dsinks = attention_varlen_mods_backward_op(
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.options, alibi_slopes, seqused_k, sinks, ctx.mods, mod_arrays
+    )
+    # the offsets, maxima, options, slopes and seqused_k get none; the sinks theirs; the rest none
+    return dq, dk, dv, *(None,) * 13, _sink_grad(dsinks, sinks), None, None, [None] * len(mod_arrays)
+
+
+attention_varlen_mods_op.register_autograd(_varlen_mods_grads, setup_context=_setup_varlen_mods)
+
+
+def _compiled_varlen_mods(call: _attention.VarlenForward) -> tuple[Any, Any]:
+    """An ``attention_varlen`` call with a score_mod / mask_mod while Dynamo traces it (``call.mods``:
+    the functions as given), through the ``attention_varlen_mods`` op (as ``_compiled_mods``)."""
+    if call.dropout_p:
+        raise NotImplementedError("score_mod / mask_mod with dropout do not run under torch.compile yet")
+    _refuse_slope_grad(call.alibi_slopes)
+    mods, mod_arrays = _traced_while_compiling(*call.mods)
+    o, q = call.options, call.q
+    scale = 1.0 / math.sqrt(q.shape[-1]) if o.scale is None else float(o.scale)
+    out, lse = attention_varlen_mods_op(
+        q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, int(call.max_seqlen_q), int(call.max_seqlen_k),
+        bool(o.causal), scale, int(o.window[0]), int(o.window[1]), float(o.softcap), call.algorithm,
+        bool(call.deterministic), call.alibi_slopes, call.seqused_k, call.sinks, bool(call.batch_invariant), mods,
+        mod_arrays,
+    )  # fmt: skip
+    return out, lse
 
 
 # ---------------------------------------------------------------------------------------------

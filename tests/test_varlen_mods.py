@@ -196,18 +196,62 @@ def test_refusals(packed):
         cupyflash.attention_varlen(q, pages, pages, *args, block_table=table_rows, mask_mod=lambda b, h, i, j: j <= i)
 
 
-def test_torch_compile_refuses_them_by_name(packed):
+def test_torch_compile_fullgraph_matches_the_eager_call(packed):
+    """Under torch.compile(fullgraph=True) the call is the attention_varlen_mods op (the traced
+    expressions its text, the captured tensors graph inputs): the eager call's output and
+    gradients; new values of a captured tensor rerun the graph without a recompile."""
     torch = pytest.importorskip("torch")
-    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in packed)
+    from torch._dynamo.testing import CompileCounterWithBackend
 
-    def f(q):
-        return cupyflash.attention_varlen(
-            q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), mask_mod=lambda b, h, i, j: j <= i
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in packed)
+    prefix = torch.tensor([2, 0, 1, 4, 3], dtype=torch.int32)
+    slopes = torch.tensor(2.0 ** -np.arange(1, HQ + 1))
+
+    def score_mod(s, b, h, i, j):
+        return s - slopes[h] * mods.abs(i - j)
+
+    def mask_mod(b, h, i, j):
+        return (j <= i) | (j < prefix[b])
+
+    def step(q, k, v):
+        out = cupyflash.attention_varlen(
+            q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), score_mod=score_mod, mask_mod=mask_mod
         )
+        return out.square().sum()
 
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="attention_varlen with score_mod / mask_mod does not run under torch.compile"):
-        torch.compile(f, fullgraph=True, backend="aot_eager")(q)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for new_prefix in ([2, 0, 1, 4, 3], [0, 1, 1, 6, 2]):
+        prefix.copy_(torch.tensor(new_prefix, dtype=torch.int32))
+        leaves = [[x.clone().requires_grad_() for x in (q, k, v)] for _ in range(2)]
+        got, want = compiled(*leaves[0]), step(*leaves[1])
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want)
+        for a, b in zip(*leaves, strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+    assert counter.frame_count == 1
+
+
+def test_opcheck_the_packed_score_function_ops(packed):
+    torch = pytest.importorskip("torch")
+    from cupyflash import _mods, _torch_ops
+
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in packed)
+    q, k, v = (x.float().requires_grad_() for x in (q, k, v))
+    table = torch.randn(len(LENS_Q), HQ)
+    score = _mods.trace_score_mod(lambda s, b, h, i, j: s + table[b, h])
+    mask = _mods.trace_mask_mod(lambda b, h, i, j: j <= i)
+    text, arrays = _mods.encode(_mods.static(score, mask)), list(_mods.captured(score, mask))
+    args = (q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), False, 0.3, -1, -1, 0.0, "auto", False, None, None, None,
+            False, text, arrays)  # fmt: skip
+    torch.library.opcheck(_torch_ops.attention_varlen_mods_op, args)
+    out, lse = _torch_ops.attention_varlen_mods_op(*args)
+    saved = [x.detach() for x in (q, k, v, out, lse)]
+    bwd = (torch.randn_like(out), *saved, None, cu_q, cu_k, max(LENS_Q), max(LENS_K), False, 0.3, -1, -1, 0.0, False,
+           None, None, None, text, arrays)  # fmt: skip
+    torch.library.opcheck(_torch_ops.attention_varlen_mods_backward_op, bwd)
 
 
 def test_a_captured_table_alone_that_requires_grad_takes_autograds_route(packed):
