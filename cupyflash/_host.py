@@ -236,11 +236,13 @@ def attention_varlen_backward(
     if dsinks is not None:
         grads = (*grads, dsinks)
     if captured_grads:
-        arrays = score_mod.buffers
+        from array_api_compat import device  # (the arrays as xp_impl.Mods.of reads them: in xp, on q's device)
+
+        tables = [xp.asarray(x, device=device(q)) for x in score_mod.buffers]
         if captured is None:  # no sequence: every gradient 0
             captured = [xp.zeros_like(x, dtype=compute) if xp.isdtype(x.dtype, "real floating") else None
-                        for x in arrays]  # fmt: skip
-        grads = (*grads, tuple(None if g is None else xp.astype(g, x.dtype) for g, x in zip(captured, arrays)))
+                        for x in tables]  # fmt: skip
+        grads = (*grads, tuple(None if g is None else xp.astype(g, x.dtype) for g, x in zip(captured, tables)))
     return grads
 
 

@@ -480,9 +480,9 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     if (range.needs_mask(row0 / kBlockM)) {
       range.apply(acc_s, key0 + warp_key0, row0 + phase_row0, lane);
     }
-    // A packed sequence's last query block runs past its rows (up to max_seqlen_q the hook sees
-    // them): the functions' value there is not the answer, and a NaN from a read outside a
-    // captured array would reach dK and dV (NaN x the zeroed Q, dO rows). Those rows hidden.
+    // A packed sequence's last query block runs past its rows, which the hook sees (its guard is
+    // the packed total's): the functions' value there is not the answer, and a NaN from a read
+    // outside a captured array would reach dK and dV (NaN x the zeroed Q, dO rows). Hidden.
     if constexpr (Traits::Has_user_mods) {
       if (row0 + kBlockM > seqlen_q) {  // (uniform)
 #pragma unroll

@@ -508,7 +508,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     if (!Traits::Has_user_score && bounded)
       range.apply_by_row_offsets(s, key0 + warp_key0, row0, lane);
     // Packed, with score functions: the hook sees the rows past the sequence that its last query
-    // block covers (up to max_seqlen_q), whose Q and dO rows are zeroed but whose function value
+    // block covers (its guard is the packed total's), whose Q and dO rows are zeroed but whose value
     // is not: a NaN from a read outside a captured array there would reach dK and dV (NaN x 0).
     // Those rows hidden: here for a mask_mod alone, with the bounds below for a score_mod.
     [[maybe_unused]] const bool past_rows = Traits::Varlen && seq.q.len - row0 < kBlockM;

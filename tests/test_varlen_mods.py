@@ -264,3 +264,21 @@ def test_a_captured_table_alone_that_requires_grad_takes_autograds_route(packed)
     assert out.requires_grad
     out.sum().backward()
     assert table.grad is not None and table.grad.shape == (HQ,) and torch.isfinite(table.grad).all()
+
+
+def test_captured_gradients_of_a_numpy_table_beside_torch_tensors(packed):
+    """A table captured as a NumPy array beside torch q, k, v: its gradient in the tensors'
+    namespace (as attention_backward's), equal to the NumPy call's."""
+    torch = pytest.importorskip("torch")
+    q, k, v, cu_q, cu_k = packed
+    table = np.array([0.1, -0.2, 0.05, 0.3])
+    score_mod = lambda s, b, h, i, j: s + table[h] * (i - j)  # noqa: E731
+    args = (max(LENS_Q), max(LENS_K))
+    grads = []
+    for arrays in ((q, k, v, cu_q, cu_k), tuple(torch.from_numpy(x) for x in (q, k, v, cu_q, cu_k))):
+        out, lse = cupyflash.attention_varlen(*arrays, *args, score_mod=score_mod, return_lse=True)
+        grads.append(cupyflash.attention_varlen_backward(
+            out * 0 + 1, *arrays[:3], out, lse, *arrays[3:], *args, score_mod=score_mod, captured_grads=True
+        )[-1][0])  # fmt: skip
+    assert isinstance(grads[1], torch.Tensor)
+    np.testing.assert_allclose(grads[1].numpy(), grads[0], atol=1e-12)
