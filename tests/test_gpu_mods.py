@@ -277,6 +277,14 @@ def _grads(step, leaves, *extra):
     return [out.detach(), *(x.grad.clone() for x in leaves)]
 
 
+def _compiled_and_eager(torch, step, leaves):
+    """The step's output and gradients compiled (fullgraph, aot_eager; no graph break) and eager."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(*leaves)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    return _grads(torch.compile(step, fullgraph=True, backend="aot_eager"), leaves), _grads(step, leaves)
+
+
 def _host_check(torch, got, tensors, score_mod, mask_mod):
     """The output and gradients of sum(out^2) against the float64 host path on the same values."""
     host = [x.detach().double().cpu().numpy() for x in tensors]
@@ -299,11 +307,7 @@ def test_torch_compile_fullgraph_matches_the_eager_call(rng, name):
     on_gpu = {n: (s, m) for n, s, m in _functions(lambda x: torch.from_numpy(x).cuda(), 7)}
     step = _step(*on_gpu[name])
     leaves = [x.cuda().requires_grad_() for x in tensors]
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(step)(*leaves)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    compiled = _grads(torch.compile(step, fullgraph=True, backend="aot_eager"), leaves)
-    eager = _grads(step, leaves)
+    compiled, eager = _compiled_and_eager(torch, step, leaves)
     for what, got, want in zip(("out", "dq", "dk", "dv"), compiled, eager, strict=True):
         assert torch.equal(got, want), (name, what)
     _host_check(torch, compiled, tensors, *on_host[name])
@@ -560,11 +564,7 @@ def test_varlen_torch_compile_fullgraph_matches_the_eager_call(rng):
         return out, out[: sum(VARLEN_Q)].float().square().sum()
 
     leaves = [x.cuda().requires_grad_() for x in (q, k, v)]
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(step)(*leaves)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    compiled = _grads(torch.compile(step, fullgraph=True, backend="aot_eager"), leaves)
-    eager = _grads(step, leaves)
+    compiled, eager = _compiled_and_eager(torch, step, leaves)
     for what, got, want in zip(("out", "dq", "dk", "dv"), compiled, eager, strict=True):
         got, want = (x[: sum(VARLEN_Q)] if what in ("out", "dq") else x for x in (got, want))
         assert torch.equal(got, want), what
