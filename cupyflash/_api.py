@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from . import _attention, _block_mask, _fp8, _fp8_forward, _front, _kvcache, _mods
+from . import _attention, _block_mask, _fp8, _fp8_forward, _front, _interop, _kvcache, _mods
 from ._block_mask import BlockMask
 from ._validate import (
     NO_WINDOW,
@@ -638,6 +638,7 @@ def attention_with_kvcache(
     kv_dtype: str | None = ...,
     sinks: Any = ...,
     tree_mask: Any = ...,
+    mask_mod: Callable[..., Any] | None = ...,
 ) -> Any: ...
 @overload
 def attention_with_kvcache(
@@ -667,6 +668,7 @@ def attention_with_kvcache(
     kv_dtype: str | None = ...,
     sinks: Any = ...,
     tree_mask: Any = ...,
+    mask_mod: Callable[..., Any] | None = ...,
 ) -> tuple[Any, Any]: ...
 def attention_with_kvcache(
     q: Any,
@@ -695,6 +697,7 @@ def attention_with_kvcache(
     kv_dtype: str | None = None,
     sinks: Any = None,
     tree_mask: Any = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> Any:
     """Attention of a few new query tokens over a KV cache, as flash-attn's
     ``flash_attn_with_kvcache`` (FlashDecoding: the keys are split over many CTAs and the
@@ -813,6 +816,14 @@ def attention_with_kvcache(
         ``window``, ``alibi_slopes`` or the rotary tables (rotate q and k_new at the drafts' depths
         yourself); ``sinks`` join a tree's rows as any other row's. On the GPU the
         split-KV kernel's tree variants run it: 1 to 64 query tokens (docs/api.md).
+    mask_mod : function ``(b, h, q_idx, kv_idx) -> bool``, optional
+        The tree as a mask_mod over the drafts (``q_idx``, ``kv_idx`` in ``[0, Nq)``: draft
+        ``q_idx`` sees draft ``kv_idx``; every key before the drafts is seen), in place of
+        ``tree_mask``: traced as :func:`attention`'s and drawn once per call into the
+        ``(B, Nq, Nq)`` tree where q lives (a few small array operations; a read of a captured
+        array is checked against its shape, on a GPU a synchronisation). One tree per sequence,
+        so it may not read ``h``. Not under ``torch.compile`` or ``jax.jit`` yet (draw the tree
+        outside and pass ``tree_mask``).
 
     Float8 caches: q, ``k_new`` and ``v_new`` stay in q's dtype and the output is q's. ``k_new`` /
     ``v_new`` are stored as ``saturate(round_to_nearest_even(float32(x) / scale))`` -- vLLM's and
@@ -871,6 +882,8 @@ def attention_with_kvcache(
     ((2, 1, 4, 8), 1.0)
     """
     options = check_options(causal, scale, window, softcap)
+    if mask_mod is not None:  # the tree it draws over the drafts, as tree_mask
+        tree_mask = _draft_tree(mask_mod, q, tree_mask)
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
     if batch_invariant is not False:
@@ -899,6 +912,24 @@ def attention_with_kvcache(
         return results if return_lse else results[0]
     out, lse, k_cache, v_cache = results  # JAX arrays, appended: the new caches (JAX arrays are immutable)
     return ((out, lse) if return_lse else out), k_cache, v_cache
+
+
+def _draft_tree(mask_mod: Any, q: Any, tree_mask: Any) -> Any:
+    """attention_with_kvcache's mask_mod over the drafts as the tree mask it draws
+    (``_mods.draft_tree``), in q's namespace, on q's device."""
+    if tree_mask is not None:
+        raise ValueError("give a tree_mask or a mask_mod over the drafts, not both")
+    if _front.compiling() or _interop.traced((q,)):
+        raise NotImplementedError(
+            "attention_with_kvcache's mask_mod does not run under torch.compile or jax.jit yet: pass the tree as "
+            "tree_mask, drawn outside the compiled step"
+        )
+    if not hasattr(q, "shape") or len(q.shape) != 4:
+        raise ValueError("q must be an array (B, Nq, Hq, d) to draw a mask_mod's tree over its Nq drafts")
+    from array_api_compat import array_namespace
+
+    xp = array_namespace(q)
+    return _mods.draft_tree(xp, _mods.trace_mask_mod(mask_mod), q.shape[0], q.shape[1], q)
 
 
 def _traced(

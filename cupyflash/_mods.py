@@ -1543,3 +1543,42 @@ def derivative(mod: Mod, of: Callable[[Expr], bool]) -> Mod:
         return out
 
     return Mod("score_mod", zero_or(d(mod.expr)), mod.buffers)
+
+
+def uses(mod: Mod, argument: str) -> bool:
+    """Whether the traced expression reads ``argument`` ("b", "h", "q_idx", "kv_idx", "score")."""
+    stack, seen = [mod.expr], set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.op == "arg" and e.args[0] == argument:
+            return True
+        stack += [x for x in e.args if isinstance(x, Expr)]
+    return False
+
+
+def draft_tree(xp: Any, mask: Mod, batch: int, drafts: int, like: Any) -> Any:
+    """A speculative-decoding step's tree as ``attention_with_kvcache``'s ``tree_mask`` takes it:
+    ``mask`` (a mask_mod over the drafts: q_idx, kv_idx in [0, drafts)) evaluated at every
+    (b, q_idx, kv_idx) in ``xp`` where ``like`` lives, a bool ``(batch, drafts, drafts)``. It may
+    not read ``h`` (one tree per sequence, every head's). A read of a captured array is checked
+    against its shape (on a GPU that is a synchronisation), as on the host path."""
+    if uses(mask, "h"):
+        raise ValueError(
+            "a mask_mod over the drafts is one tree per sequence, every head's: this one reads h (give the call "
+            "a tree_mask, or a mask_mod that does not depend on the head)"
+        )
+    from array_api_compat import device
+
+    at = device(like)
+    steps = xp.arange(drafts, device=at)
+    index = {
+        "b": xp.reshape(xp.arange(batch, device=at), (-1, 1, 1)), "h": xp.asarray(0, device=at),
+        "q_idx": xp.reshape(steps, (1, -1, 1)), "kv_idx": xp.reshape(steps, (1, 1, -1)),
+    }  # fmt: skip
+    buffers = tuple(xp.asarray(x, device=at) for x in mask.buffers)
+    shown = evaluate(xp, mask, index, buffers, xp.float32)
+    shown = xp.asarray(shown, dtype=xp.bool, device=at) if isinstance(shown, (bool, int)) else shown
+    return xp.broadcast_to(xp.astype(shown, xp.bool), (batch, drafts, drafts))

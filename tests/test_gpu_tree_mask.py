@@ -265,3 +265,38 @@ def test_gpu_refusals():
     with pytest.raises(TypeError, match="tree_mask must be a bool array, got int8"):
         cupyflash.attention_with_kvcache(q[:, :4], k, k, cache_seqlens=40,
                                          tree_mask=torch.ones(4, 4, dtype=torch.int8, device="cuda"))  # fmt: skip
+
+
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+def test_a_mask_mod_over_the_drafts_draws_its_tree_on_the_gpu(rng, lib):
+    """attention_with_kvcache(mask_mod=) on GPU arrays: the tree drawn where q lives (a captured
+    per-sequence ancestor table, and index arithmetic alone), bit for bit the call with that
+    tree_mask."""
+    b, length, hq, hkv, d, nq = 4, 300, 8, 2, 128, 9
+    trees = np.stack([random_tree_mask(rng, nq) for _ in range(b)])
+    host = [rng.standard_normal(shape).astype(np.float32) for shape in
+            ((b, nq, hq, d), (b, length, hkv, d), (b, length, hkv, d), (b, nq, hkv, d), (b, nq, hkv, d))]  # fmt: skip
+    if lib == "torch":
+        torch = need_torch()
+        to = lambda x: torch.from_numpy(x).cuda()  # noqa: E731
+        arrays = [to(x).to(torch.bfloat16) for x in host]
+    else:
+        cp = pytest.importorskip("cupy")
+        to = cp.asarray
+        arrays = [to(x).astype(cp.float16) for x in host]
+    ancestors = to(trees.reshape(b * nq, nq))
+    seqlens = to(np.array([0, 7, 100, 250], dtype=np.int32))
+    steps = np.arange(nq)
+    parity = np.tril(np.ones((nq, nq), bool)) & (steps[:, None] % 2 == steps[None, :] % 2)
+    for mask_mod, tree in (
+        (lambda b, h, i, j: ancestors[b * nq + i, j], trees),
+        (lambda b, h, i, j: (j <= i) & (i % 2 == j % 2), np.broadcast_to(parity, trees.shape)),
+    ):
+        results = []
+        for given in ({"mask_mod": mask_mod}, {"tree_mask": to(np.ascontiguousarray(tree))}):
+            caches = [x.clone() if lib == "torch" else x.copy() for x in arrays[1:3]]
+            out, lse = cupyflash.attention_with_kvcache(arrays[0], *caches, cache_seqlens=seqlens, k_new=arrays[3],
+                                                        v_new=arrays[4], return_lse=True, **given)  # fmt: skip
+            results.append((reference.to_numpy64(out), reference.to_numpy64(lse)))
+        for got, want in zip(*results, strict=True):
+            np.testing.assert_array_equal(got, want)

@@ -349,3 +349,38 @@ def test_jax_refuses_a_tree_mask():
     kwargs = {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in _call_kwargs().items()}
     with pytest.raises(NotImplementedError, match="tree_mask does not run on JAX arrays yet"):
         jax.jit(lambda q: cupyflash.attention_with_kvcache(**(kwargs | {"q": q})))(kwargs["q"])
+
+
+def test_a_mask_mod_over_the_drafts_is_the_tree_it_draws(xp, rng):
+    """mask_mod(b, h, q_idx, kv_idx) over the drafts (indices in [0, Nq)): the same call as the
+    tree_mask it gives at every (b, q_idx, kv_idx), per sequence through a captured ancestor
+    table (b-dependent) or shared (index arithmetic alone); refused where it reads h or beside a
+    tree_mask."""
+    b, length, hq, hkv, d, nq = 3, 40, 4, 2, 16, 7
+    q = rng.standard_normal((b, nq, hq, d)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((b, length, hkv, d)).astype(np.float32) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((b, nq, hkv, d)).astype(np.float32) for _ in range(2))
+    cached = np.array([0, 5, 20], dtype=np.int32)
+    trees = np.stack([random_tree_mask(rng, nq) for _ in range(b)])
+    ancestors = xp.asarray(trees.reshape(b * nq, nq))  # (a captured array is 1-D or 2-D)
+    chunks = np.tril(np.ones((nq, nq), dtype=bool)) & ((np.arange(nq)[:, None] // 3) == (np.arange(nq)[None, :] // 3))
+    for mask_mod, tree in (
+        (lambda b, h, i, j: ancestors[b * nq + i, j], trees),
+        (lambda b, h, i, j: (j <= i) & (i // 3 == j // 3), np.broadcast_to(chunks, trees.shape)),
+    ):
+        results = []
+        for given in ({"mask_mod": mask_mod}, {"tree_mask": xp.asarray(np.ascontiguousarray(tree))}):
+            caches = [xp.asarray(x.copy()) for x in (k_cache, v_cache)]
+            results.append(cupyflash.attention_with_kvcache(
+                xp.asarray(q), *caches, cache_seqlens=xp.asarray(cached), k_new=xp.asarray(k_new),
+                v_new=xp.asarray(v_new), return_lse=True, **given,
+            ))  # fmt: skip
+        for got, want in zip(*results, strict=True):
+            np.testing.assert_array_equal(reference.to_numpy64(got), reference.to_numpy64(want))
+    args = (xp.asarray(q), xp.asarray(k_cache), xp.asarray(v_cache))
+    with pytest.raises(ValueError, match="reads h"):
+        cupyflash.attention_with_kvcache(*args, cache_seqlens=5, mask_mod=lambda b, h, i, j: (j <= i) | (h == 0))
+    with pytest.raises(ValueError, match="not both"):
+        cupyflash.attention_with_kvcache(
+            *args, cache_seqlens=5, mask_mod=lambda b, h, i, j: j <= i, tree_mask=xp.asarray(trees)
+        )
