@@ -1398,7 +1398,9 @@ def mods_gallery(seqlen: int, heads: int) -> dict[str, dict[str, Any]]:
     }  # fmt: skip
 
 
-def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward: bool) -> dict[str, Any]:
+def run_mods(
+    shape: PrefillShape, name: str, functions: dict[str, Any], backward: bool, timings: tuple[str, ...] = TIMINGS
+) -> dict[str, Any]:
     """ms of one gallery function (forward, or forward + backward through autograd) under the
     three timings: cupyflash's score functions, torch's compiled FlexAttention with the same
     functions, FlashAttention-4 with them ("fa4": FlexAttention's FLASH backend, which compiles
@@ -1471,7 +1473,7 @@ def run_mods(shape: PrefillShape, name: str, functions: dict[str, Any], backward
                 row["max_abs_diff_fa4_vs_flex"] = float((fa4.float() - theirs.float()).abs().max())
     row["timings_ms"] = {
         timing: {key: round(ms, 4) for key, ms in by_name.items()}
-        for timing, by_name in three_timings_ms(ok, repeat=15, warmup_ms=200.0).items()
+        for timing, by_name in three_timings_ms(ok, repeat=15, warmup_ms=200.0, timings=timings).items()
     }
     for timing, ms in row["timings_ms"].items():
         if "cupyflash_mods" in ms and "flex" in ms:

@@ -115,6 +115,22 @@ def suite(monkeypatch):
         return {"timings": {"interleaved": us}, **{f"{b}_interleaved_TBps": 1 / us[b] for b in us}}
 
     monkeypatch.setattr(bench, "run_tree_decode", tree_row)
+
+    def mods_row(shape, name, functions, backward, timings):
+        assert timings == ("interleaved",)
+        ms = {b: len(b) + shape.head_dim / 64 + len(name) / 10 + backward for b in ("cupyflash_mods", "flex", "fa4")}
+        if functions["builtin"] is not None:
+            ms["cupyflash_builtin"] = 1.0 + backward
+        return {"timings_ms": {"interleaved": ms}}
+
+    monkeypatch.setattr(
+        bench,
+        "mods_gallery",
+        lambda seqlen, heads: {
+            n: {"builtin": None if n == "document" else {}} for n in ("causal", "document", "softcap", "alibi")
+        },
+    )
+    monkeypatch.setattr(bench, "run_mods", mods_row)
     monkeypatch.setattr(bench, "host_overhead_us", lambda rounds, calls: {"cupyflash_torch_us": 20.0,
                         "cupyflash_cupy_us": 18.0, "sdpa_us": 15.0})  # fmt: skip
     return benchmarks
@@ -167,6 +183,15 @@ def test_every_entry_is_read_from_its_familys_setup_cache(suite):
         assert {combo[0] for combo in over_peers} == {"cudnn", "fa4"}
         for (peer, *shape), ratio in over_peers.items():
             assert ratio == pytest.approx(tflops[("cupyflash", *shape)] / tflops[(peer, *shape)])
+    mods = values["mods.Mods.track_tflops"]
+    for (peer, *combo), ratio in values["mods.ModsOverPeers.track_ratio_to_peer"].items():
+        assert ratio == pytest.approx(mods[("cupyflash", *combo)] / mods[(peer, *combo)])
+    for (_, *combo), ratio in values["mods.ModsOverGemm.track_ratio"].items():
+        assert ratio == pytest.approx(mods[("cupyflash", *combo)] / 800.0)
+    assert mods["builtin", "document", 64, "fwd"] is None  # (no built-in document mask: n/a)
+    # dense FLOPs over the row's milliseconds: alibi, d = 128, forward + backward
+    ms = len("cupyflash_mods") + 2 + 0.5 + 1
+    assert mods["cupyflash", "alibi", 128, "fwd_bwd"] == pytest.approx(3.5 * 4 * 4 * 16 * 4096**2 * 128 / ms / 1e9)
     baselines = values["baselines.Baselines.track_tflops"]
     for (peer, seqlen), ratio in values["baselines.BaselinesOverPeers.track_ratio_to_peer"].items():
         assert ratio == pytest.approx(baselines["cupyflash", seqlen] / baselines[peer, seqlen])
