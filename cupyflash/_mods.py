@@ -1553,7 +1553,7 @@ def uses(mod: Mod, argument: str) -> bool:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if e.op == "arg" and e.args[0] == argument:
+        if _is_arg(e, argument):
             return True
         stack += [x for x in e.args if isinstance(x, Expr)]
     return False

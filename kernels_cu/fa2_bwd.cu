@@ -484,14 +484,8 @@ CF_DEVICE void fa2_bwd(const BwdParams& p) {
     // the packed total's): the functions' value there is not the answer, and a NaN from a read
     // outside a captured array would reach dK and dV (NaN x the zeroed Q, dO rows). Hidden.
     if constexpr (Traits::Has_user_mods) {
-      if (row0 + kBlockM > seqlen_q) {  // (uniform)
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (row0 + phase_row0 + 8 * nt + 2 * (lane % 4) + e % 2 >= seqlen_q)
-              acc_s[0][nt][e] = neg_infinity();
-      }
+      if (row0 + kBlockM > seqlen_q)  // (uniform)
+        range.hide_rows_from(acc_s, row0 + phase_row0, seqlen_q, lane);
     }
     // Dropout: the keep bits of this thread's elements, per pair of query n-tiles and column c.
     uint32_t keep[kNTiles / 2][2];

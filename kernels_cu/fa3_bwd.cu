@@ -513,13 +513,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     // Those rows hidden: here for a mask_mod alone, with the bounds below for a score_mod.
     [[maybe_unused]] const bool past_rows = Traits::Varlen && seq.q.len - row0 < kBlockM;
     if constexpr (Traits::Varlen && Traits::Has_user_mask && !Traits::Has_user_score) {
-      if (past_rows) {  // (the same answer for the whole CTA)
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (row0 + 8 * nt + 2 * (lane % 4) + e % 2 >= seq.q.len) s[0][nt][e] = neg_infinity();
-      }
+      if (past_rows) range.hide_rows_from(s, row0, seq.q.len, lane);  // (the same for the CTA)
     }
     wgmma_wait<0>();
     wgmma_fence_operands(dp[0]);

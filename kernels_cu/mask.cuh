@@ -207,6 +207,17 @@ struct QueryRangeOfKeys {
     return partial;
   }
 
+  // -inf at the rows of a transposed tile (as apply's) at or past `rows`: a packed sequence's
+  // rows end there, and a score hook sees the rows past it (its guard is the packed total's).
+  template <int kNTiles>
+  static CF_DEVICE void hide_rows_from(float (&s)[1][kNTiles][4], int row0, int rows, int lane) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (row0 + 8 * nt + 2 * (lane % 4) + e % 2 >= rows) s[0][nt][e] = neg_infinity();
+  }
+
   // -inf at hidden (row, key) of a transposed tile: element e of tile (0, nt) is key
   // key0 + lane / 4 + 8 (e / 2), query row row0 + 8 nt + 2 (lane % 4) + e % 2.
   template <int kNTiles>
