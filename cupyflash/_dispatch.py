@@ -37,6 +37,7 @@ from ._specs import (
     MaskCellsSpec,
     MergeSpec,
     NaiveSoftmaxSpec,
+    PackedFillSpec,
     RotaryQSpec,
     TileConfig,
     tile_width,
@@ -167,6 +168,12 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
 def all_mask_cells_specs(params_type: str) -> list[MaskCellsSpec]:
     """The mask summary's variants in the forward's (``AttnParams``) or the backward's launches."""
     return [MaskCellsSpec(mask_dtype, params_type) for mask_dtype in ("bool", *CUDA_ELEMENT_TYPES)]
+
+
+def all_packed_fill_specs() -> list[PackedFillSpec]:
+    """The packed launches' first step, in each launch's params struct (forward on FA2 or the
+    Hopper kernel, backward)."""
+    return [PackedFillSpec(params_type) for params_type in ("AttnParams", "Fa3Params", "BwdParams")]
 
 
 def all_fa2_kvcache_specs(max_smem: int = 232448) -> list[Fa2FwdSpec]:
@@ -689,6 +696,7 @@ def all_kernel_specs(max_smem: int) -> list[KernelSpec]:
         *all_fa1_fwd_specs(max_smem),
         *all_fa2_bwd_specs(),
         *all_fa3_bwd_specs(),
+        *all_packed_fill_specs(),
     ]
 
 

@@ -35,6 +35,8 @@ ATTN_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("h", "i4"),
     ("h_k", "i4"),
     ("h_h_k_ratio", "i4"),
+    ("max_seqlen_q", "i4"),
+    ("max_seqlen_k", "i4"),
     ("window_left", "i4"),
     ("window_right", "i4"),
     ("softmax_scale_log2", "f4"),

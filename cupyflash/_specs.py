@@ -1149,6 +1149,60 @@ class BlockMaskCellsSpec(_KernelSpecBase):
         return ("unsigned char", True)
 
 
+@dataclass(frozen=True, slots=True)
+class PackedFillSpec(_KernelSpecBase):
+    """``packed_fill`` (``kernels_cu/packed_fill.cu``): the first step of a packed launch, the
+    output rows no sequence owns set to 0 (LSE -inf): the tail after the last sequence, or every
+    row where the offsets are bad. One variant per launch's params struct (``params_type``):
+    the forward's (``AttnParams``, or ``Fa3Params`` on the Hopper kernel, whose fields start with
+    AttnParams' and which it reads as one) and the backward's (``BwdParams``). A grid-stride loop
+    of 16-byte stores; its CTAs each check every sequence's offsets first."""
+
+    params_type: str  # "AttnParams" | "Fa3Params" | "BwdParams"
+
+    kernel = "packed_fill"
+    source_file = "packed_fill.cu"
+    archs = CI_ARCHS
+    uses_tma = False
+    num_threads = 256
+    smem_bytes = 0
+    traits = "PackedFillTraits"
+    prefix = "packed_fill"
+    max_ctas = 264  # two per SM of the H100 / H200: a tail's bytes, usually none
+
+    def __post_init__(self) -> None:
+        if self.params_type not in ("AttnParams", "Fa3Params", "BwdParams"):
+            raise ValueError(f"the packed fill runs in the forward's or the backward's launch, not {self.params_type}")
+
+    @property
+    def backward(self) -> bool:
+        return self.params_type == "BwdParams"
+
+    @property
+    def param_decl(self) -> str:
+        # Fa3Params' launch packs its fields without the tensor maps: AttnParams' bytes come first
+        return "const BwdParams params" if self.backward else "const AttnParams params"
+
+    @property
+    def entry(self) -> str:  # type: ignore[override]
+        return f"packed_fill_{'backward' if self.backward else 'forward'}(params);"
+
+    def template_args(self) -> str:
+        return self.traits  # (not a template)
+
+    def _name_parts(self) -> tuple[object, ...]:
+        return ({"AttnParams": "fwd", "Fa3Params": "fa3_fwd", "BwdParams": "bwd"}[self.params_type],)
+
+    def _traits_args(self) -> tuple[object, ...]:
+        return ()
+
+    def grid(self, rows: int, row_bytes: int) -> tuple[int, int, int]:
+        """Enough CTAs for ``rows`` rows of ``row_bytes`` (every row, as bad offsets fill), 8
+        stores of 16 bytes per thread, at most ``max_ctas``."""
+        chunks_per_cta = self.num_threads * 8
+        return (max(1, min(self.max_ctas, -(-rows * row_bytes // 16 // chunks_per_cta))), 1, 1)
+
+
 KernelSpec = (
     Fa2FwdSpec
     | Fa3FwdSpec
@@ -1164,4 +1218,5 @@ KernelSpec = (
     | BwdRowSpec
     | MaskCellsSpec
     | BlockMaskCellsSpec
+    | PackedFillSpec
 )

@@ -28,6 +28,9 @@ struct AttnParams {
   int32_t seqlen_q, seqlen_k;  // per batch entry, or the packed totals when varlen
   int32_t h, h_k;              // query heads, key/value heads
   int32_t h_h_k_ratio;         // h / h_k: query head i reads key/value head i / h_h_k_ratio
+  // Packed: the longest sequences the caller stated (max_seqlen_q / _k: the grids cover that many
+  // rows of a sequence), read by packed_fill.cu; 0 for a padded batch.
+  int32_t max_seqlen_q, max_seqlen_k;
 
   // Visible keys of query row i (bottom-right aligned, shift = seqlen_k - seqlen_q):
   //   i + shift - window_left <= j <= i + shift + window_right.

@@ -181,26 +181,41 @@ def test_backward_plan_packed_and_empty():
     )  # fmt: skip
     launch = _plan.plan_backward(p, "float16", A100, q_shape=(50, 4, 128), k_shape=(70, 2, 128), packed_rows=(50, 70))
     assert launch.params.value("row_batch_stride") == 0 and launch.params.value("row_head_stride") == 50
-    assert [o.fill for o in launch.outputs] == [None, 0.0, 0.0]  # rows outside every sequence: no gradient
-    assert launch.steps[0].grid == (7, 1, 4)  # d = 128: two rows per warp
+    # rows outside every sequence: no gradient, 0 from the first step (packed_fill.cu), no fill
+    assert [o.fill for o in launch.outputs] == [None, None, None]
+    fill = launch.steps[0]
+    # (its grid: 70 rows of 4 x 128 elements, 2048 16-byte stores per CTA)
+    assert fill.spec.kernel == "packed_fill" and fill.spec.params_type == "BwdParams" and fill.grid == (3, 1, 1)
+    assert launch.params.value("max_seqlen_q") == 30 and launch.params.value("max_seqlen_k") == 40
+    assert launch.steps[1].grid == (7, 1, 4)  # d = 128: two rows per warp
     # the key blocks cover the packed total (70 keys), whatever max_seqlen_k says: one block of 128
-    assert launch.steps[1].grid == (1, 3, 2) and launch.params.value("grid_keys") == 0
+    assert launch.steps[2].grid == (1, 3, 2) and launch.params.value("grid_keys") == 0
+    # seqused_k: the keys past a sequence's used ones are in no kernel's range: filled whole
+    used = varlen_problem(
+        (50, 4, 128), (70, 2, 128), (70, 2, 128), (4,), (4,), 30, 40, causal=True, scale=None, window=(-1, -1),
+        softcap=0.0, seqused_k_shape=(3,),
+    )  # fmt: skip
+    launch = _plan.plan_backward(
+        used, "float16", A100, q_shape=(50, 4, 128), k_shape=(70, 2, 128), packed_rows=(50, 70)
+    )
+    assert [o.fill for o in launch.outputs] == [None, 0.0, 0.0] and launch.steps[0].spec.kernel != "packed_fill"
     understated = varlen_problem(
         (50, 4, 128), (700, 2, 128), (700, 2, 128), (4,), (4,), 30, 40, causal=True, scale=None, window=(-1, -1),
         softcap=0.0,
     )  # fmt: skip
     det = _plan.plan_backward(understated, "float16", A100, q_shape=(50, 4, 128), k_shape=(700, 2, 128),
                               packed_rows=(50, 700), deterministic=True)  # fmt: skip
-    assert det.steps[1].grid[0] == -(-700 // det.steps[1].spec.block_n)  # not 40 // block_n
-    assert det.steps[2].grid[0] == -(-50 // det.steps[2].spec.block_m)  # not 30 // block_m
+    assert det.steps[2].grid[0] == -(-700 // det.steps[2].spec.block_n)  # not 40 // block_n
+    assert det.steps[3].grid[0] == -(-50 // det.steps[3].spec.block_m)  # not 30 // block_m
     # Hopper: fa3_bwd over packed sequences, each sequence's temporaries from a 128-aligned start
     # (a head's rows: (ceil(50 / 128) + 3 sequences) x 128), the per-row kernels over those rows,
     # the key blocks over max_seqlen_k (a longer sequence reported: grid_keys), maps over the
-    # packed totals as one batch entry, and dq filled first (rows outside every sequence)
+    # packed totals as one batch entry, and the rows outside every sequence written first
     launch = _plan.plan_backward(
         understated, "float16", H200, q_shape=(50, 4, 128), k_shape=(700, 2, 128), packed_rows=(50, 700)
     )
-    prep, main, dq = launch.steps
+    fill, prep, main, dq = launch.steps
+    assert fill.spec.kernel == "packed_fill" and fill.grid == (22, 1, 1)  # 700 rows of 4 x 128 elements
     assert main.spec.kernel == "fa3_bwd" and main.spec.varlen and main.spec.causal
     assert launch.params.value("dq_tiled") == 2 and launch.params.value("row_head_stride") == 512
     assert launch.params.value("row_batch_stride") == 0 and launch.params.value("grid_keys") == 128
@@ -208,12 +223,12 @@ def test_backward_plan_packed_and_empty():
     assert dq.grid == (dq.spec.grid_x(512), 1, 4)
     q_map, kv_map = (128, 50, 4, 1), (128, 700, 2, 1)
     assert [dims for _, dims, _ in main.tma.maps] == [q_map, kv_map, kv_map, q_map]
-    assert [o.fill for o in launch.outputs] == [0.0, 0.0, 0.0]
+    assert [o.fill for o in launch.outputs] == [None, None, None]
     accum = next(t for t in launch.temporaries if t.name == "dq_accum")
     assert accum.shape == (4 * 512, 128)
     det = _plan.plan_backward(understated, "float16", H200, q_shape=(50, 4, 128), k_shape=(700, 2, 128),
                               packed_rows=(50, 700), deterministic=True)  # fmt: skip
-    assert det.steps[1].spec.varlen and det.steps[1].spec.deterministic
+    assert det.steps[2].spec.varlen and det.steps[2].spec.deterministic
     assert next(t for t in det.temporaries if t.name == "dq_semaphore").shape == (4 * 512 // 64,)
     empty = _problem((1, 0, 2, 64), (1, 9, 2, 64), (1, 9, 2, 64))
     launch = _plan.plan_backward(empty, "float16", H200, q_shape=(1, 0, 2, 64), k_shape=(1, 9, 2, 64))

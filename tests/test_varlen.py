@@ -139,20 +139,45 @@ def test_gpu_varlen_ignores_what_lies_past_each_sequence(rng, algorithm):
 
 
 @pytest.mark.gpu
-def test_gpu_varlen_cupy_and_rows_outside_sequences(rng, monkeypatch):
+@pytest.mark.parametrize("head_dim", [64, 36], ids=["d64", "d36"])  # (3 x 36: rows of 216 bytes)
+@pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
+def test_gpu_varlen_rows_outside_sequences(rng, algorithm, head_dim):
+    """Under the tests' NaN poison (every output filled with NaN before the launch): the rows no
+    sequence owns are 0 (LSE -inf) in O and in dq, dk, dv, written by the packed launch's first
+    step (kernels_cu/packed_fill.cu), tails after the last sequence of both q and k; every row a
+    sequence owns finite. A sequence longer than the stated max_seqlen_q (rows past its grid's
+    reach): those rows 0 too, on CuPy arrays."""
     import cupy
 
-    from cupyflash import _launch
-
-    monkeypatch.setattr(_launch, "POISON_OUTPUTS", False)
-    q, k, v, cu_q, cu_k = _packed(rng, [5, 9], [7, 3], d=64)
-    q = np.concatenate([q, np.ones((4, *q.shape[1:]), np.float32)])  # 4 rows in no sequence
+    skip_unless_kernel(algorithm, head_dim)
+    q, k, v, cu_q, cu_k = _packed(rng, [5, 9], [7, 3], hq=3, hkv=1, d=head_dim)
+    q = np.concatenate([q, np.ones((4, *q.shape[1:]), np.float32)])  # 4 query rows in no sequence
+    k, v = (np.concatenate([x, np.ones((3, *x.shape[1:]), np.float32)]) for x in (k, v))  # 3 keys
     args = [cupy.asarray(x).astype(cupy.float16) for x in (q, k, v)] + [cupy.asarray(cu_q), cupy.asarray(cu_k)]
-    out, lse = cupyflash.attention_varlen(*args, 9, 7, return_lse=True)
+    out, lse = cupyflash.attention_varlen(*args, 9, 7, return_lse=True, algorithm=algorithm)
     assert isinstance(out, cupy.ndarray)
-    assert (out[14:] == 0).all() and cupy.isneginf(lse[:, 14:]).all()
+    assert bool(cupy.isfinite(out[:14]).all()) and bool(cupy.isfinite(lse[:, :14]).all())
+    assert bool((out[14:] == 0).all()) and bool(cupy.isneginf(lse[:, 14:]).all())
+    dout = cupy.asarray(rng.standard_normal(out.shape)).astype(cupy.float16)
+    dq, dk, dv = cupyflash.attention_varlen_backward(dout, *args[:3], out, lse, *args[3:], 9, 7)
+    for name, grad, owned in (("dq", dq, 14), ("dk", dk, 10), ("dv", dv, 10)):
+        assert bool(cupy.isfinite(grad[:owned]).all()), name
+        assert bool((grad[owned:] == 0).all()), f"{name}'s rows after the last sequence"
     with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
         cupyflash.attention_varlen(*args[:3], args[3].astype(cupy.int64), args[4], 9, 7)
+    # max_seqlen_q = 1 where a sequence has 300 rows: the grids reach its first 64 or 128 rows
+    # (whole query blocks), the rest keep 0 (docs/robustness.md), as do the 4 rows after it
+    q2 = cupy.asarray(rng.standard_normal((304, 3, head_dim))).astype(cupy.float16)
+    cu2 = cupy.asarray(np.array([0, 300], np.int32))
+    k2, v2 = (cupy.asarray(rng.standard_normal((300, 1, head_dim))).astype(cupy.float16) for _ in range(2))
+    out2, lse2 = cupyflash.attention_varlen(q2, k2, v2, cu2, cu2, 1, 300, return_lse=True, algorithm=algorithm)
+    assert not bool(cupy.isnan(out2).any()) and not bool(cupy.isnan(lse2).any())
+    reached = int((out2 != 0).any(axis=(1, 2)).sum())  # (a computed row of random data is not 0)
+    assert 1 <= reached < 300 and bool((out2[:reached] != 0).any(axis=(1, 2)).all())
+    assert bool((out2[reached:] == 0).all()) and bool(cupy.isneginf(lse2[:, reached:]).all())
+    from cupyflash import _workspace
+
+    _workspace.take_device_errors(cupy.cuda.runtime.getDevice())  # (whatever the forward reported)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from .common import (
     mask_flags,
     mods_operands,
     mods_scale_fields,
+    packed_fill_step,
+    packed_max_fields,
     softmax_factors,
     tile_kind,
     tile_operand,
@@ -146,6 +148,7 @@ def plan_backward(
         dk_scale=abs(p.scale) if negate_q else p.scale,
         dq_tiled=dq_tiled,
         grid_keys=key_blocks * hopper.block_n if packed and hopper is not None else 0,
+        **(packed_max_fields(p) if packed else {}),
     )
 
     def lse_axes(name: str) -> tuple[tuple[int, int], ...]:  # (Hq, total_q) packed, else (B, Hq, Nq)
@@ -174,9 +177,13 @@ def plan_backward(
             Operand("cu_seqlens_q", INDEX, params.slot("cu_seqlens_q")),
             Operand("cu_seqlens_k", INDEX, params.slot("cu_seqlens_k")),
         ]
-    fill = 0.0 if packed else None  # packed rows outside every sequence get no gradient
-    # dq: every packed row written from the zeroed accumulator, but by dq_blocks and from the
-    # Hopper kernel's sequence-aligned tiles only in sequences
+    # Packed rows outside every sequence get no gradient: 0, written by the launch's first step
+    # (packed_fill.cu: the rows no sequence owns). With seqused_k the keys past a sequence's used
+    # ones are in no kernel's range either: a fill of the whole of dk and dv, and of dq where its
+    # rows are not all written from the zeroed accumulator (by dq_blocks, or from the Hopper
+    # kernel's sequence-aligned tiles).
+    fill_step = packed and not p.seqused_k
+    fill = 0.0 if packed and not fill_step else None
     dq_fill = fill if dq_kernel or dq_tiled == DQ_TILES_PACKED else None
     outputs: tuple[Output, ...] = (
         Output("dq", tuple(q_shape), dtype, params.slot("dq_ptr"), fill=dq_fill),
@@ -221,6 +228,8 @@ def plan_backward(
     prep = _dispatch.bwd_row_spec("prep", dtype, p.head_dim)
     prep_step = KernelStep(prep, (prep.grid_x(row_count), batches, p.heads_q), row_block, 0)
     steps: tuple[KernelStep, ...] = (prep_step, main, dq_step)
+    if fill_step:
+        steps = (packed_fill_step("BwdParams", max(rows), max(p.heads_q, p.heads_kv) * p.head_dim), *steps)
     if p.mask:
         steps = (cells_step, *steps)
         temporaries += (Temporary("mask_cells", (math.prod(cells_shape),), "uint8", params.slot("mask_cells")),)

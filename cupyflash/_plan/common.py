@@ -16,6 +16,7 @@ from .._specs import (
     CUDA_ELEMENT_TYPES,
     MAX_HEAD_DIM,
     MaskCellsSpec,
+    PackedFillSpec,
 )
 from .._validate import ALIBI_BATCH_HEAD, ALIBI_NONE, Problem
 from ..xp_impl import Dropout
@@ -220,6 +221,20 @@ def mask_cells(
         0,
     )
     return fields, shape, step
+
+
+def packed_max_fields(p: Problem) -> dict[str, int]:
+    """AttnParams' stated longest sequences of a packed call (the grids cover that many rows of a
+    sequence; packed_fill.cu fills every row where one is longer)."""
+    return {"max_seqlen_q": p.seqlen_q, "max_seqlen_k": p.seqlen_k}
+
+
+def packed_fill_step(params_type: str, rows: int, row_elements: int) -> KernelStep:
+    """A packed launch's first step (kernels_cu/packed_fill.cu): its outputs' rows that no
+    sequence owns, 0 (LSE -inf); its grid sized for ``rows`` rows of ``row_elements`` 16-bit
+    elements, all of which it writes where the offsets are bad."""
+    spec = PackedFillSpec(params_type)
+    return KernelStep(spec, spec.grid(rows, 2 * row_elements), (spec.num_threads, 1, 1), 0)
 
 
 def error_word_slot(params: ParamsTemplate) -> int:

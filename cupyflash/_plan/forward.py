@@ -36,6 +36,8 @@ from .common import (
     mask_flags,
     mods_operands,
     mods_scale_fields,
+    packed_fill_step,
+    packed_max_fields,
     softmax_factors,
     tile_kind,
     tile_operand,
@@ -166,6 +168,8 @@ def plan_forward(
         "lse_batch_stride": lse_strides[0],
         "lse_head_stride": lse_strides[1],
     }
+    if packed:
+        fixed.update(packed_max_fields(p))
     if mods is not None:
         fixed.update(mods_scale_fields(mods, scale_log2))
     if cells is not None:
@@ -195,6 +199,8 @@ def plan_forward(
             step = KernelStep(spec, grid, block, spec.smem_bytes, tma=tma)
             fixed["num_m_blocks"] = m_blocks
         steps += (step,)
+        if packed:  # first: the rows no sequence owns, in place of a fill of the whole output
+            steps = (packed_fill_step(struct.c_name, rows[0], p.heads_q * p.head_dim), *steps)
     params = struct.template(**fixed)
     temporaries = (
         (Temporary("mask_cells", (math.prod(cells_shape),), "uint8", params.slot("mask_cells")),) if cells_shape else ()
@@ -219,8 +225,8 @@ def plan_forward(
     if cells is not None:
         operands += BlockCells.operands(params)
     outputs: tuple[Output, ...] = (
-        Output("out", tuple(q_shape), dtype, params.slot("o_ptr"), fill=0.0 if packed else None),
-        Output("lse", lse_shape, "float32", params.slot("lse_ptr"), fill=-math.inf if packed else None, optional=True),
+        Output("out", tuple(q_shape), dtype, params.slot("o_ptr")),
+        Output("lse", lse_shape, "float32", params.slot("lse_ptr"), optional=True),
     )
     if not has_work or (no_keys and not p.sinks):  # no key: O = 0, LSE = -inf, no kernel
         outputs = tuple(filled_output(o) for o in outputs)
