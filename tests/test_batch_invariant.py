@@ -261,11 +261,11 @@ def test_attention_routes_take_the_flag(monkeypatch):
     cu = stand_in((4,), "int32")
     cupyflash.attention_varlen(q, packed, packed, cu, cu, 1500, 1500)
     cupyflash.attention_varlen(q, packed, packed, cu, cu, 1500, 1500, batch_invariant=True)
-    short, general = _specs(seen[-2])[0], _specs(seen[-1])[0]
+    short, general = _specs(seen[-2])[-1], _specs(seen[-1])[-1]  # (packed: after the rows no sequence owns)
     assert short.tile == _dispatch.FA3_SHORT_FWD_TILES[(64, False)]
     assert general.tile == _dispatch.FA3_FWD_TILES[(64, False)]
     cupyflash.attention_varlen(q, packed, packed, cu, cu, 1500, 4000, batch_invariant=True)
-    assert _specs(seen[-1])[0] == general  # whatever the batch's longest sequence
+    assert _specs(seen[-1])[-1] == general  # whatever the batch's longest sequence
     causal = [cupyflash.attention_varlen(q, packed, packed, cu, cu, 1500, 1500, causal=True, batch_invariant=flag)
               for flag in (False, True)]  # fmt: skip
     assert causal and _specs(seen[-1]) == _specs(seen[-2])  # other tiles: not chosen by the batch anyway

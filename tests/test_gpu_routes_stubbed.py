@@ -245,7 +245,8 @@ def test_varlen_score_and_mask_functions(launches):
     _check(launches, "fa3_fwd")
     (launch, given), again = launches[0], launches[1][0]
     assert again is launch
-    (step,) = launch.steps
+    fill, step = launch.steps  # (the rows no sequence owns first: packed_fill.cu)
+    assert fill.spec.kernel == "packed_fill" and fill.spec.params_type == "Fa3Params"
     assert step.spec.varlen and "cf_user_mods" in step.spec.mods_source
     assert "st.outside |= !in" in step.spec.mods_source  # every read checked
     assert {"cu_seqlens_q", "cu_seqlens_k", "mod_buffer0", "mod_buffer1"} <= given
@@ -253,7 +254,8 @@ def test_varlen_score_and_mask_functions(launches):
         packed, packed, packed, cu, cu, 600, 600, score_mod=score_mod, mask_mod=mask_mod, algorithm="fa2"
     )
     _check(launches, "fa2_fwd")
-    assert launches[-1][0].steps[0].spec.mask == "mods"
+    assert launches[-1][0].steps[-1].spec.mask == "mods"
+    assert launches[-1][0].steps[0].spec.params_type == "AttnParams"  # (the packed fill, in FA2's params)
     plse = stand_in((8, 1000), "float32")
     cupyflash.attention_varlen_backward(
         packed, packed, packed, packed, packed, plse, cu, cu, 600, 600, score_mod=score_mod, mask_mod=mask_mod
@@ -289,13 +291,13 @@ def test_packed_sequences_whose_rows_and_keys_align_take_a_mask_s_bounds(launche
         return (j <= i) & (i // 64 == j // 64)
 
     cupyflash.attention_varlen(packed, packed, packed, cu, cu, 600, 600, mask_mod=causal)
-    (step,) = launches[-1][0].steps
+    step = launches[-1][0].steps[-1]
     assert step.spec.causal and not step.spec.mods_source
     cupyflash.attention_varlen_backward(packed, packed, packed, packed, packed, plse, cu, cu, 600, 600, mask_mod=causal)
     names = [step.spec.name for step in launches[-1][0].steps]
     assert any("fa3_bwd" in n and "causal" in n and "mods" not in n for n in names), names
     cupyflash.attention_varlen(packed, packed, packed, cu, cu, 600, 600, mask_mod=causal_chunks)
-    (step,) = launches[-1][0].steps
+    step = launches[-1][0].steps[-1]
     assert step.spec.causal and step.spec.mods_source
     cupyflash.attention_varlen_backward(
         packed, packed, packed, packed, packed, plse, cu, cu, 600, 600, mask_mod=causal_chunks
@@ -305,7 +307,7 @@ def test_packed_sequences_whose_rows_and_keys_align_take_a_mask_s_bounds(launche
     for args, extra in (((cu, other, 600, 600), {}), ((cu, cu, 600, 599), {}),
                         ((cu, cu, 600, 600), {"seqused_k": stand_in((2,), "int32")})):  # fmt: skip
         cupyflash.attention_varlen(packed, packed, packed, *args, mask_mod=causal, **extra)
-        (step,) = launches[-1][0].steps
+        step = launches[-1][0].steps[-1]
         assert not step.spec.causal and step.spec.mods_source
 
 
