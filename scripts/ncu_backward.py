@@ -69,15 +69,18 @@ def summary(report: str) -> None:
     raw = subprocess.run(["ncu", "--import", report, "--csv", "--page", "raw"], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
     rows = list(csv.reader(io.StringIO(raw)))
-    header, body = rows[0], [r for r in rows[2:] if r]  # (the second row holds the units)
+    header, units, body = rows[0], rows[1], [r for r in rows[2:] if r]  # (the second row: the units)
     at = {name: i for i, name in enumerate(header)}
+    # (ncu picks the unit per report: usecond at d = 64 N = 1k, msecond at d = 128 N = 16k)
+    to_us = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "second": 1e6}
     stalls = [n for n in header if n.startswith(STALL_PREFIX) and n.endswith(".ratio") and "not_issued" not in n]
     print("| kernel | " + " | ".join(label for _, label in COLUMNS) + " | top stalls (warps per issue) |")
     print("|---|" + "---|" * len(COLUMNS) + "---|")
     for r in body:
         values = [r[at[c]] if c in at else "-" for c, _ in COLUMNS]
         if values[0] != "-":
-            values[0] = f"{float(values[0].replace(',', '')) / 1000:.1f}"  # ns -> us
+            unit = units[at[COLUMNS[0][0]]]
+            values[0] = f"{float(values[0].replace(',', '')) * to_us.get(unit, float('nan')):.1f}"
         top = sorted(((float(r[at[n]].replace(",", "") or 0), n[len(STALL_PREFIX) : -len(".ratio")]) for n in stalls),
                      reverse=True)[:3]  # fmt: skip
         name = r[at["Kernel Name"]][:48] if "Kernel Name" in at else "?"

@@ -98,6 +98,11 @@ def test_ncu_backward_summary_reads_a_report(monkeypatch, capsys):
     assert row.startswith("| cf_fa3_bwd_bf16_128 | 1234.5 | 71.5 | - |")
     assert row.endswith("long_scoreboard_per_issue_active 2.25, math_pipe_throttle_per_issue_active 1.50, "
                         "wait_per_issue_active 0.75 |")  # fmt: skip
+    # the unit is the report's: a long kernel's time in msecond (as 2.6, once read as 0.0 us)
+    table[1][1], table[2][1] = "msecond", "2.61"
+    text = "\n".join(",".join(f'"{c}"' for c in row) for row in table)
+    ncu.main(["--summary", "report.ncu-rep"])
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| cf_fa3_bwd_bf16_128 | 2610.0 |")
 
 
 def test_ab_measuring_code_is_python():
