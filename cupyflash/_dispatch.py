@@ -244,7 +244,16 @@ FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 #: bytes at 160 registers) and d = 256 (12-16 bytes with a captured 2-D array and a mask) in the
 #: sm_90a builds of tests/test_mods.py's functions; above d = 128 the FA2 kernel takes them.
 FA3_MODS_MAX_HEAD_DIM = 128
-FA3_MODS_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {(64, False): FA3_SHORT_FWD_TILES[(64, False)]}
+#: At d = 128 without a bound the dynamic schedule too: a mask function makes the tiles uneven
+#: (a document mask's rows see their own document's keys), and the static stride gives CTA c the
+#: query blocks c, c + 4, c + 8, ... of each head (132 CTAs, 128 query blocks at N = 16k): a band
+#: of half the sequence, so the CTAs whose band lies in the longest document did the most work.
+#: H100, bf16, N = 16k, 4 documents: 2.65-2.73 ms static against FlashAttention-4's 1.64-1.79 with
+#: the same BlockMask (docs/evidence/2026-12-06-h100-session-7/).
+FA3_MODS_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
+    (64, False): FA3_SHORT_FWD_TILES[(64, False)],
+    (128, False): Fa3Tile(128, stages=2, pingpong=True, dynamic=True),
+}
 
 
 def fa3_fwd_spec(
