@@ -79,6 +79,17 @@ def test_tune_mods_times_every_candidate_on_every_gallery_function(monkeypatch):
             assert spec is not None and spec.tile == tile
 
 
+def test_schedule_model():
+    """Uniform tiles balance under both schedules; a document mask's band of query blocks per CTA
+    (the static stride over 128 query blocks a head) does not, the dynamic counter does."""
+    model = load("schedule_model")
+    assert model.busiest_over_even([1.0] * 264, 132) == (1.0, 1.0)
+    work = model.document_tiles([12000, 2000, 1384, 1000], batch=1, heads=16)
+    static, dynamic = model.busiest_over_even(work, 132)
+    assert len(work) == 16 * 128 and static > 1.3 and dynamic < 1.1
+    assert model.packed_tiles([300, 128], heads=1) == [3.0, 3.0, 3.0, 1.0, model.EMPTY_TILE, model.EMPTY_TILE]
+
+
 def test_ncu_backward_summary_reads_a_report(monkeypatch, capsys):
     """ncu_backward.py --summary: one row per kernel from ncu's raw CSV (a header row, a units
     row), time in us, the named metrics (a missing one as -), the three largest stall ratios."""
