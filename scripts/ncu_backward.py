@@ -71,9 +71,15 @@ def summary(report: str) -> None:
     rows = list(csv.reader(io.StringIO(raw)))
     header, units, body = rows[0], rows[1], [r for r in rows[2:] if r]  # (the second row: the units)
     at = {name: i for i, name in enumerate(header)}
+    for wanted, _ in COLUMNS:  # a metric this ncu names otherwise: the first column of its stem
+        stem = wanted.split(".")[0]
+        same_stem = [i for i, name in enumerate(header) if name.split(".")[0] == stem]
+        if wanted not in at and same_stem:
+            at[wanted] = same_stem[0]
     # (ncu picks the unit per report: usecond at d = 64 N = 1k, msecond at d = 128 N = 16k)
     to_us = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "second": 1e6}
-    stalls = [n for n in header if n.startswith(STALL_PREFIX) and n.endswith(".ratio") and "not_issued" not in n]
+    # (per issue slot: ".ratio" where this ncu appends it)
+    stalls = [n for n in header if n.startswith(STALL_PREFIX) and "per_issue_active" in n and "not_issued" not in n]
     print("| kernel | " + " | ".join(label for _, label in COLUMNS) + " | top stalls (warps per issue) |")
     print("|---|" + "---|" * len(COLUMNS) + "---|")
     for r in body:
@@ -81,8 +87,9 @@ def summary(report: str) -> None:
         if values[0] != "-":
             unit = units[at[COLUMNS[0][0]]]
             values[0] = f"{float(values[0].replace(',', '')) * to_us.get(unit, float('nan')):.1f}"
-        top = sorted(((float(r[at[n]].replace(",", "") or 0), n[len(STALL_PREFIX) : -len(".ratio")]) for n in stalls),
-                     reverse=True)[:3]  # fmt: skip
+        ratios = ((float(r[at[n]].replace(",", "") or 0), n.removeprefix(STALL_PREFIX).removesuffix(".ratio"))
+                  for n in stalls)  # fmt: skip
+        top = sorted(ratios, reverse=True)[:3]
         name = r[at["Kernel Name"]][:48] if "Kernel Name" in at else "?"
         print(f"| {name} | " + " | ".join(values) + " | " + ", ".join(f"{s} {v:.2f}" for v, s in top) + " |")
 

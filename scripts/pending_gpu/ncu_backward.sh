@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.
 for shape in "128 16384" "64 1024"; do
   set -- $shape
   [ "$(left)" -gt 60 ] || break
-  timeout $(( $(left) - 30 )) ncu --clock-control none --profile-from-start off --set detailed -f -o $OUT/bwd_d$1_n$2 \
+  timeout $(( $(left) - 30 )) ncu --clock-control none --profile-from-start off --set detailed --section WarpStateStats -f -o $OUT/bwd_d$1_n$2 \
     python3 scripts/ncu_backward.py $1 $2 --backends $backends > $OUT/ncu_d$1_n$2.log 2>&1
   echo "ncu d=$1 N=$2 rc=$? at ${SECONDS}s"; grep -E "not profiled|ERR" $OUT/ncu_d$1_n$2.log | head -5
   python3 scripts/ncu_backward.py --summary $OUT/bwd_d$1_n$2.ncu-rep | tee $OUT/summary_d$1_n$2.md | cut -c1-250
