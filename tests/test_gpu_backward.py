@@ -201,7 +201,8 @@ def test_strided_inputs_and_cupy_arrays(rng):
 def test_varlen_backward(rng, dtype, head_dim, deterministic, monkeypatch):
     """Packed sequences, an empty and a one-token one among them, rows after the last sequence:
     each sequence's gradients as the dense oracle's (every row written: outputs poisoned), zero
-    gradients outside every sequence (their fill, checked unpoisoned as test_varlen.py does)."""
+    gradients outside every sequence (written by the packed fill step: under the poison, and
+    again unpoisoned)."""
     torch = need_torch()
     from cupyflash import _launch
 
@@ -233,8 +234,10 @@ def test_varlen_backward(rng, dtype, head_dim, deterministic, monkeypatch):
             got64, ref64 = got.double().cpu().numpy(), ref[0].cpu().numpy()
             err = float(np.linalg.norm(got64 - ref64) / max(np.linalg.norm(ref64), 1.0))
             assert err < 2 * BOUND[dtype], f"sequence {b} {name}: {err:.2e}"
-    # Rows outside every sequence: zero gradients, from the forward's fill (LSE -inf there; the
-    # poisoned run above left its LSE NaN, which the prep step passes to dq as a NaN row's).
+    # Rows outside every sequence: zero gradients, written by the packed launches' first step
+    # (kernels_cu/packed_fill.cu; the forward's LSE -inf there), under the poison above too
+    assert (dq[int(cu_q[-1]) :] == 0).all() and bool(torch.isneginf(lse[:, int(cu_q[-1]) :]).all())
+    assert (dk[int(cu_k[-1]) :] == 0).all() and (dv[int(cu_k[-1]) :] == 0).all()
     monkeypatch.setattr(_launch, "POISON_OUTPUTS", False)
     out, lse = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, 129, 200, return_lse=True, **opts)
     dq, dk, dv = cupyflash.attention_varlen_backward(
