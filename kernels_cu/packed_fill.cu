@@ -19,17 +19,16 @@ struct PackedFillTraits {
   static constexpr int kSmemBytes = 0;
 };
 
-// The first row no sequence owns (see above); every thread of the CTA gets the answer.
+// The first row no sequence owns (see above); every thread of the CTA gets the answer. Each pair
+// is judged by the kernels' own rule (seq_range), which also keeps the length's subtraction to
+// offsets inside [0, total].
 CF_DEVICE int first_unowned_row(const int32_t* cu_seqlens, int batch, int total, int max_len) {
-  bool good = true;
+  int32_t bad = 0;
   for (int b = threadIdx.x; b < batch; b += blockDim.x) {
-    const int start = cu_seqlens[b], end = cu_seqlens[b + 1];
-    // (start >= 0 follows from the first offset's 0 and no decrease: every pair is checked)
-    good &= (b > 0 || start == 0) && end >= start && end - start <= max_len;
+    if (seq_range(cu_seqlens, b, total, 1, &bad).len > max_len) bad = 1;
   }
-  good = __syncthreads_and(good);
-  const int last = cu_seqlens[batch];
-  return good && last <= total ? last : 0;
+  // (every pair good: the last one's end, cu_seqlens[batch], is within the total)
+  return __syncthreads_or(bad) ? 0 : cu_seqlens[batch];
 }
 
 // Bytes [begin, end) of `base` set to `word` repeated (a 4-byte pattern, by address, so an
