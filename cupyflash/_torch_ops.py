@@ -111,6 +111,16 @@ def _four(q: Tensor, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return grads if len(grads) == 4 else (*grads, q.new_empty((0,), dtype=torch.float32))
 
 
+def _packed_outputs_like(
+    q: Tensor, causal: bool, scale: float, window_left: int, window_right: int, softcap: float
+) -> tuple[Tensor, Tensor]:
+    """The packed forward ops' fake outputs, the options checked as the op checks them: O like q,
+    LSE (Hq, total_q)."""
+    check_options(causal, scale, (window_left, window_right), softcap)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+
+
 def _dsinks_like(q: Tensor, sinks: Tensor | None) -> Tensor:
     """The fake dsinks: (Hq,) float32 with sinks (the kernels' dtype), else empty."""
     return q.new_empty((0,) if sinks is None else tuple(sinks.shape), dtype=torch.float32)
@@ -506,9 +516,7 @@ def _(
     algorithm: str, deterministic: bool, dropout_p: float, seed: Tensor, alibi_slopes: Tensor | None,
     seqused_k: Tensor | None, batch_invariant: bool = False, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    check_options(causal, scale, (window_left, window_right), softcap)
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+    return _packed_outputs_like(q, causal, scale, window_left, window_right, softcap)
 
 
 def _varlen_backward(
@@ -618,9 +626,7 @@ def _(
     algorithm: str, deterministic: bool, alibi_slopes: Tensor | None, seqused_k: Tensor | None,
     sinks: Tensor | None, batch_invariant: bool, mods: str, mod_arrays: list[Tensor],
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    check_options(causal, scale, (window_left, window_right), softcap)
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+    return _packed_outputs_like(q, causal, scale, window_left, window_right, softcap)
 
 
 def _varlen_mods_backward(
