@@ -310,8 +310,8 @@ class Fa2KvCacheSpec(Fa2FwdSpec):
 class Fa3Tile:
     """CTA shape of the Hopper forward: key block, consumer warpgroups of 64 query rows each,
     K/V slots of the mbarrier ring, O staged in its own buffer (so the next tile's Q loads during
-    the epilogue) or in the Q tile, ping-pong turns between two consumers, and the dynamic
-    schedule (persistent CTAs drawing tiles from a global counter, each head's longest first)."""
+    the epilogue) or in the Q tile, turns among the consumers for their wgmma issues (ping-pong
+    with two, round robin with three), and the dynamic schedule (persistent CTAs drawing tiles from a global counter, each head's longest first)."""
 
     block_n: int
     consumers: int = 2
@@ -325,8 +325,6 @@ class Fa3Tile:
             raise ValueError(
                 f"bad Hopper tile: block_n={self.block_n}, consumers={self.consumers}, stages={self.stages}"
             )
-        if self.pingpong and self.consumers != 2:
-            raise ValueError("ping-pong alternates exactly two consumer warpgroups")
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,8 +25,8 @@
 //     still on the tensor cores, and releasing each K / V slot to the producer as soon as its
 //     wgmma has completed.
 // The producer runs up to kStages blocks ahead, so HBM traffic overlaps the tensor-core work of
-// both consumers; with Pingpong the two consumers take turns issuing their wgmmas, so one's
-// softmax also runs under the other's GEMMs.
+// both consumers; with Pingpong the consumers take turns issuing their wgmmas (two: ping-pong;
+// three: round robin), so one's softmax also runs under the others' GEMMs.
 //
 // The pieces, as FlashAttention-3 composes its kernel: tile_scheduler.cuh (which tiles, in which
 // order), fa3_shared.cuh (the shared-memory layout as one struct, the mbarriers and the named
@@ -99,11 +99,13 @@ struct Fa3FwdTraits {
   static constexpr int kQBuffers = Separate_o ? 2 : 1;
   // A tile's epilogue (normalise O, stage and store it) runs while the next tile's first
   // Q K^T is on the tensor cores, instead of between the two: that needs the next tile's Q
-  // loaded before this tile's O leaves, so a buffer for each. Not with three consumers: in
-  // 160 registers ptxas serialises every wgmma of the kernel to fit the epilogue beside S.
-  static constexpr bool Overlap_epilogue = Separate_o && kConsumers_ == 2;
-  // The two consumers take turns issuing their wgmmas (FlashAttention-3's ping-pong), so one's
-  // softmax runs while the other's GEMMs occupy the tensor cores.
+  // loaded before this tile's O leaves, so a buffer for each. Three consumers (160 registers)
+  // fit it at d = 64 (sm_90a: no spill, no serialised wgmma); at d = 128 ptxas serialised every
+  // wgmma of the kernel to fit the epilogue beside S.
+  static constexpr bool Overlap_epilogue = Separate_o && (kConsumers_ == 2 || kHeadDim_ <= 64);
+  // The consumers take turns issuing their wgmmas (FlashAttention-3's ping-pong with two; with
+  // three, round robin as FlashAttention-3's warp-scheduler barriers do), so one's softmax runs
+  // while the others' GEMMs occupy the tensor cores.
   static constexpr bool Pingpong = Pingpong_;
   // Persistent CTAs draw their next tile from a global counter (else: the static stride).
   static constexpr bool Dynamic = Dynamic_;
@@ -149,10 +151,11 @@ struct Fa3FwdTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   // The softmax of S_j is held above the wait for P_{j-1} V_{j-1} (keep_above_wait), so it runs
-  // while that wgmma is in flight, where S, P and O all fit in the registers at once: not with
-  // three consumers (160 registers: 272 bytes of spills at d = 64) nor at d = 256 (O alone
-  // takes 128: 720), where ptxas may serialise them.
-  static constexpr bool Softmax_under_pv = kConsumers == 2 && kHeadDim <= 128;
+  // while that wgmma is in flight, where S, P and O all fit in the registers at once: two
+  // consumers up to d = 128, three (160 registers) at d = 64 (without the hold, ptxas put that
+  // tile's 64 exponentials of S_j after the wait); not at d = 256 (O alone takes 128 registers:
+  // 720 bytes of spills), where ptxas may serialise them.
+  static constexpr bool Softmax_under_pv = kHeadDim <= (kConsumers == 2 ? 128 : 64);
 
   static_assert(kHeadDim % kColBlockElems == 0, "head dim must be a multiple of 64");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
@@ -163,7 +166,6 @@ struct Fa3FwdTraits {
                 "FP8 inputs: 128-key blocks (one 128-byte Vt row), whole 128-byte rows of Q and K, "
                 "O in its own buffer; no varlen, softcap or partial head dim yet");
   static_assert(Columns::kWholeChunks, "TMA rows are 16-byte multiples: head dims of 8 k");
-  static_assert(!Pingpong || kConsumers == 2, "ping-pong alternates two consumers");
   static_assert(!Has_alibi || !(Fp8 || User_mods), "ALiBi: 16-bit inputs, no score_mod");
 };
 
@@ -254,16 +256,20 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
   const float scale_log2 = params.softmax_scale_log2;
   using Mma = Wgmma<kBlockN, typename Traits::Input>;
 
-  // Ping-pong turns: named barrier NamedBarrier::kTurn + c is consumer c's "your turn" signal. A
-  // turn is one batch of wgmma issues; consumer 1 hands consumer 0 the first. Both consumers
-  // visit the same tiles and blocks, so their turns pair up one for one.
+  // Turns: named barrier NamedBarrier::kTurn + c is consumer c's "your turn" signal. A turn is
+  // one batch of wgmma issues, handed on to the next consumer (c + 1, the last to 0); the last
+  // consumer hands consumer 0 the first. Every consumer visits the same tiles and blocks, so
+  // their turns pair up one for one.
+  constexpr int kLastConsumer = Traits::kConsumers - 1;
   auto begin_turn = [&]() {
     if constexpr (Traits::Pingpong) named_barrier_sync(NamedBarrier::kTurn, consumer);
   };
   auto end_turn = [&]() {
-    if constexpr (Traits::Pingpong) named_barrier_arrive(NamedBarrier::kTurn, 1 - consumer);
+    if constexpr (Traits::Pingpong)
+      named_barrier_arrive(NamedBarrier::kTurn, consumer == kLastConsumer ? 0 : consumer + 1);
   };
-  if (Traits::Pingpong && consumer == 1) named_barrier_arrive(NamedBarrier::kTurn, /*consumer=*/0);
+  if (Traits::Pingpong && consumer == kLastConsumer)
+    named_barrier_arrive(NamedBarrier::kTurn, /*consumer=*/0);
 
   // The accumulator and softmax state of the tile being computed; with Overlap_epilogue they
   // hold the previous tile's until its epilogue, which runs under this tile's first Q K^T.
@@ -507,6 +513,6 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     }
   }
   finish_pending(false);
-  // Consumer 1's last hand-over is still pending on consumer 0's barrier: take it.
+  // The last consumer's last hand-over is still pending on consumer 0's barrier: take it.
   if (Traits::Pingpong && consumer == 0) named_barrier_sync(NamedBarrier::kTurn, /*consumer=*/0);
 }

@@ -33,7 +33,8 @@ enum class KvBarrier : int { kKFull = 0, kKEmpty = 1, kVFull = 2, kVEmpty = 3 };
 // bar.sync / bar.arrive ids (0 is __syncthreads), each + the consumer index.
 enum class NamedBarrier : int {
   kWarpgroup = 1,  // ids 1, 2 (, 3): one consumer warpgroup's 128 threads (epilogue, V-tail clear)
-  kTurn = 3,       // ids 3, 4: ping-pong, consumer c's turn to issue (both consumers: 256 threads)
+  kTurn = 4,       // ids 4, 5 (, 6): consumer c's turn to issue its wgmmas (the consumer that
+                   // hands it over and consumer c: 256 threads)
 };
 // (An enumerator, not a constexpr variable: every constexpr variable a kernel names becomes a
 // symbol of its cubin.)

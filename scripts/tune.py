@@ -12,7 +12,8 @@ key block, consumer warpgroups, K/V stages) is compiled (in parallel), put into 
 table, checked against the float64 reference on awkward shapes, and timed on bench.py's prefill
 shapes (H * d = 2048, B * N = 16384); a candidate that spills is skipped. The table of TFLOP/s
 per candidate is what FA2_FWD_TILES / FA3_FWD_TILES / FA3_SHORT_FWD_TILES are set from.
-``fa3 --short``: the short-call candidates at N = 1024, with cuDNN beside them.
+Hopper candidates are timed after the peers in the same process (cuDNN, and FlashAttention-4 where
+it is installed). ``fa3 --short``: the short-call candidates at N = 1024.
 
 mods: the Hopper forward's tile with a score or mask function (FA3_MODS_FWD_TILES): each
 candidate (static or dynamic schedule) for the gallery's functions beside FlexAttention
@@ -180,8 +181,9 @@ def tune_fa2(args: argparse.Namespace) -> list[dict[str, Any]]:
 FA3_CANDIDATES = {
     64: [
         Fa3Tile(128, 3, 2),
-        Fa3Tile(128, 3, 2, dynamic=True),
-        Fa3Tile(128, 2, 4, pingpong=True),
+        Fa3Tile(128, 3, 2, pingpong=True),
+        Fa3Tile(128, 3, 2, pingpong=True, dynamic=True),
+        Fa3Tile(128, 3, 4, pingpong=True, dynamic=True),
         Fa3Tile(128, 2, 4, pingpong=True, dynamic=True),
     ],
     128: [
@@ -219,9 +221,17 @@ def tune_fa3(args: argparse.Namespace) -> list[dict[str, Any]]:
     specs = [s for s in specs if s.smem_bytes <= max_smem]
     compiled = {k.spec: k for k in _kernels.warmup(specs, device, workers=16)}
     results = []
-    if args.short:
-        for d in head_dims:
-            results.append({"head_dim": d, "tile": "cudnn", **prefill_row(d, args.dtype, "cudnn", seqlens)})
+    # The peers in the same process, before the candidates: cuDNN, and FlashAttention-4 where it
+    # is installed (the candidates' ratios to them are what the tables compare).
+    peers = ["cudnn"]
+    try:
+        bench.fa4_attention()
+        peers.append("fa4")
+    except ImportError:
+        pass
+    for d in head_dims:
+        for peer in peers:
+            results.append({"head_dim": d, "tile": peer, **prefill_row(d, args.dtype, peer, seqlens)})
             print(json.dumps(results[-1]), flush=True)
     for d in head_dims:
         for tile in candidates[d]:
@@ -506,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--dtype", default="bfloat16")
         p.add_argument("--json")
         if name == "fa3":
-            p.add_argument("--short", action="store_true", help="the short-call candidates at N = 1024, with cuDNN")
+            p.add_argument("--short", action="store_true", help="the short-call candidates at N = 1024")
     p = sub.add_parser("mods", help="the Hopper forward's tiles with score / mask functions")
     p.add_argument("--head-dims", type=int, nargs="+")
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
