@@ -311,7 +311,8 @@ class Fa3Tile:
     """CTA shape of the Hopper forward: key block, consumer warpgroups of 64 query rows each,
     K/V slots of the mbarrier ring, O staged in its own buffer (so the next tile's Q loads during
     the epilogue) or in the Q tile, turns among the consumers for their wgmma issues (ping-pong
-    with two, round robin with three), and the dynamic schedule (persistent CTAs drawing tiles from a global counter, each head's longest first)."""
+    with two, round robin with three), and the dynamic schedule (persistent CTAs drawing tiles
+    from a global counter, each head's longest first)."""
 
     block_n: int
     consumers: int = 2
