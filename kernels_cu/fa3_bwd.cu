@@ -118,6 +118,11 @@ struct Fa3BwdTraits {
   // 64-row dQacc tile each), by d's 64-column parts at d = 128 (64 rows). (A 64-row step at
   // d = 64 would split it by keys: two partial sums of one tile, which 128-row steps replaced.)
   static constexpr bool Dq_split_rows = kHeadDim == kDqPartCols;
+  // dK += dS^T Q issued after dQ = dS K, not with dV before the consumers' barrier
+  // (FlashAttention-3's order): dQ's staging then runs while dK is on the tensor cores, where
+  // both consumers had staged it with no wgmma of theirs in flight. At d = 128 only: at d = 64
+  // (128-row steps) the fragments it keeps live past the barrier spilled 4-16 bytes.
+  static constexpr bool Dk_after_dq = kHeadDim == 128;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -584,19 +589,22 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
           ds_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(ds[0], ds[1]);
         }
       }
-      // dV += P^T dO, dK += dS^T Q: k-step ks takes query rows 16 ks .. 16 ks + 15 (two 8-row
-      // atoms of every column block, 2048 bytes per step); d's column blocks are kBlockM rows apart.
+      // dV += P^T dO (and, unless Traits::Dk_after_dq, dK += dS^T Q): k-step ks takes query
+      // rows 16 ks .. 16 ks + 15 (two 8-row atoms of every column block, 2048 bytes per step);
+      // d's column blocks are kBlockM rows apart.
       wgmma_fence();
 #pragma unroll
       for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
         MmaKV::rs_bt(acc_dv[0], p_frag[ks], wgmma_desc_advance(desc_do, ks * 2 * kSwizzleAtomBytes),
                      1);
       wgmma_commit();
+      if constexpr (!Traits::Dk_after_dq) {
 #pragma unroll
-      for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
-        MmaKV::rs_bt(acc_dk[0], ds_frag[ks], wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes),
-                     1);
-      wgmma_commit();
+        for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
+          MmaKV::rs_bt(acc_dk[0], ds_frag[ks],
+                       wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes), 1);
+        wgmma_commit();
+      }
     };
     // Every part once, each index a literal (a `#pragma unroll` loop over the calls put the
     // fragments on the stack at d = 64: 768 bytes)
@@ -630,17 +638,17 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
                   wgmma_desc_advance(desc_k0, key_bytes), ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+    // dK += dS^T Q after dQ (Traits::Dk_after_dq), so that dQ's staging below runs while dK is
+    // on the tensor cores. (Without it the wait below finds dK complete too: an empty group.)
+    if constexpr (Traits::Dk_after_dq) {
+#pragma unroll
+      for (int ks = 0; ks < kRowSteps; ++ks)
+        MmaKV::rs_bt(acc_dk[0], ds_frag[ks], wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes),
+                     1);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ complete; dK may still run
     wgmma_fence_operands(acc_dq);
-    wgmma_fence_operands(acc_dk[0]);
-    wgmma_fence_operands(acc_dv[0]);
-#pragma unroll
-    for (int ks = 0; ks < kRowSteps; ++ks)
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        asm volatile("" : "+r"(p_frag[ks][i]), "+r"(ds_frag[ks][i])::"memory");
-    __syncwarp();
-    if (lane == 0) mbar_arrive(smem.q_empty(stage));  // Q, dO read
 
     // dQ staged in its fragments' order, then one bulk reduce-add into dQacc's tile.
     if (Traits::Dq_writer && step >= Traits::kDqBuffers)
@@ -655,6 +663,16 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       st_shared_b128(staged + dq_tile_fragment_bytes(consumer, j, tid), as_uint4(acc_dq[j]));
     fence_proxy_async_shared();
     if (step + 1 < steps) store_row_values((step + 1) % kStages, row_values);
+    wgmma_wait<0>();  // dK complete: Q, dO, P^T and dS^T read
+    wgmma_fence_operands(acc_dk[0]);
+    wgmma_fence_operands(acc_dv[0]);
+#pragma unroll
+    for (int ks = 0; ks < kRowSteps; ++ks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        asm volatile("" : "+r"(p_frag[ks][i]), "+r"(ds_frag[ks][i])::"memory");
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem.q_empty(stage));  // Q, dO read
     dq_sync();  // (also orders the next step's -LSE and D before their reads)
     if constexpr (Traits::Dq_writer) dq_handover_arrive(BwdBarrier::kDqStaged, dq_buffer);
     if (dq_issuer) {
