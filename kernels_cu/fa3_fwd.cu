@@ -100,9 +100,12 @@ struct Fa3FwdTraits {
   // A tile's epilogue (normalise O, stage and store it) runs while the next tile's first
   // Q K^T is on the tensor cores, instead of between the two: that needs the next tile's Q
   // loaded before this tile's O leaves, so a buffer for each. Three consumers (160 registers)
-  // fit it at d = 64 (sm_90a: no spill, no serialised wgmma); at d = 128 ptxas serialised every
-  // wgmma of the kernel to fit the epilogue beside S.
-  static constexpr bool Overlap_epilogue = Separate_o && (kConsumers_ == 2 || kHeadDim_ <= 64);
+  // fit it at d = 64 over padded batches without softcap (sm_90a: no spill, no serialised
+  // wgmma; packed sequences spilled 20 bytes, softcap with them or with ALiBi 64-92); at d = 128
+  // ptxas serialised every wgmma of the kernel to fit the epilogue beside S.
+  static constexpr bool Three_consumers_fit =
+      kConsumers_ == 3 && kHeadDim_ <= 64 && !Has_softcap_ && !Varlen_;
+  static constexpr bool Overlap_epilogue = Separate_o && (kConsumers_ == 2 || Three_consumers_fit);
   // The consumers take turns issuing their wgmmas (FlashAttention-3's ping-pong with two; with
   // three, round robin as FlashAttention-3's warp-scheduler barriers do), so one's softmax runs
   // while the others' GEMMs occupy the tensor cores.
@@ -152,10 +155,10 @@ struct Fa3FwdTraits {
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   // The softmax of S_j is held above the wait for P_{j-1} V_{j-1} (keep_above_wait), so it runs
   // while that wgmma is in flight, where S, P and O all fit in the registers at once: two
-  // consumers up to d = 128, three (160 registers) at d = 64 (without the hold, ptxas put that
-  // tile's 64 exponentials of S_j after the wait); not at d = 256 (O alone takes 128 registers:
-  // 720 bytes of spills), where ptxas may serialise them.
-  static constexpr bool Softmax_under_pv = kHeadDim <= (kConsumers == 2 ? 128 : 64);
+  // consumers up to d = 128, three (160 registers) where Three_consumers_fit (without the hold,
+  // ptxas put that tile's 64 exponentials of S_j after the wait); not at d = 256 (O alone takes
+  // 128 registers: 720 bytes of spills), where ptxas may serialise them.
+  static constexpr bool Softmax_under_pv = kConsumers == 2 ? kHeadDim <= 128 : Three_consumers_fit;
 
   static_assert(kHeadDim % kColBlockElems == 0, "head dim must be a multiple of 64");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
