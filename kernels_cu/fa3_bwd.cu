@@ -118,12 +118,6 @@ struct Fa3BwdTraits {
   // 64-row dQacc tile each), by d's 64-column parts at d = 128 (64 rows). (A 64-row step at
   // d = 64 would split it by keys: two partial sums of one tile, which 128-row steps replaced.)
   static constexpr bool Dq_split_rows = kHeadDim == kDqPartCols;
-  // The k-steps of dK += dS^T Q issued with dV, before the consumers' barrier; the rest follow
-  // dQ = dS K (FlashAttention-3's order), so that dQ's staging runs while they are on the tensor
-  // cores, where both consumers had staged it with no wgmma of theirs in flight. All of dK after
-  // dQ at d = 128; half at d = 64 (128-row steps), where all of it kept fragments live past the
-  // barrier that spilled 4-16 bytes (sm_90a: none with half).
-  static constexpr int kDkEarlySteps = kHeadDim == 128 ? 0 : kBlockM / 32;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -384,7 +378,6 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   using MmaQ = Wgmma<kDqPartCols, Element>;  // dQ: 64 query rows x one 64-column part
   constexpr int kNTiles = kBlockM / 8;       // 8-row column tiles of S^T
   constexpr int kRowSteps = kBlockM / 16;    // k-steps of dV, dK over the query rows
-  constexpr int kDkEarlySteps = Traits::kDkEarlySteps;
   // This consumer's part of dQ over all 128 keys: rows 64 c .. 64 c + 63 at d = 64 (A from
   // column block c of dS^T), d's columns 64 c .. 64 c + 63 at d = 128 (B from column block c of
   // K); staged as part c of the step's dQ (at d = 64 part c is its 16 KB tile c).
@@ -591,23 +584,19 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
           ds_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(ds[0], ds[1]);
         }
       }
-      // dV += P^T dO (and dK += dS^T Q's first kDkEarlySteps k-steps): k-step ks takes query
-      // rows 16 ks .. 16 ks + 15 (two 8-row atoms of every column block, 2048 bytes per step);
-      // d's column blocks are kBlockM rows apart.
+      // dV += P^T dO, dK += dS^T Q: k-step ks takes query rows 16 ks .. 16 ks + 15 (two 8-row
+      // atoms of every column block, 2048 bytes per step); d's column blocks are kBlockM rows apart.
       wgmma_fence();
 #pragma unroll
       for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
         MmaKV::rs_bt(acc_dv[0], p_frag[ks], wgmma_desc_advance(desc_do, ks * 2 * kSwizzleAtomBytes),
                      1);
       wgmma_commit();
-      if (part * kRowSteps / kParts < kDkEarlySteps) {
 #pragma unroll
-        for (int ks = part * kRowSteps / kParts;
-             ks < min((part + 1) * kRowSteps / kParts, kDkEarlySteps); ++ks)
-          MmaKV::rs_bt(acc_dk[0], ds_frag[ks],
-                       wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes), 1);
-        wgmma_commit();
-      }
+      for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
+        MmaKV::rs_bt(acc_dk[0], ds_frag[ks], wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes),
+                     1);
+      wgmma_commit();
     };
     // Every part once, each index a literal (a `#pragma unroll` loop over the calls put the
     // fragments on the stack at d = 64: 768 bytes)
@@ -641,15 +630,17 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
                   wgmma_desc_advance(desc_k0, key_bytes), ks > 0);
     }
     wgmma_commit();
-    // The rest of dK += dS^T Q (Traits::kDkEarlySteps), so that dQ's staging below runs while
-    // it is on the tensor cores.
-#pragma unroll
-    for (int ks = kDkEarlySteps; ks < kRowSteps; ++ks)
-      MmaKV::rs_bt(acc_dk[0], ds_frag[ks], wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes),
-                   1);
-    wgmma_commit();
-    wgmma_wait<1>();  // dV and dQ complete; dK may still run
+    wgmma_wait<0>();
     wgmma_fence_operands(acc_dq);
+    wgmma_fence_operands(acc_dk[0]);
+    wgmma_fence_operands(acc_dv[0]);
+#pragma unroll
+    for (int ks = 0; ks < kRowSteps; ++ks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        asm volatile("" : "+r"(p_frag[ks][i]), "+r"(ds_frag[ks][i])::"memory");
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem.q_empty(stage));  // Q, dO read
 
     // dQ staged in its fragments' order, then one bulk reduce-add into dQacc's tile.
     if (Traits::Dq_writer && step >= Traits::kDqBuffers)
@@ -664,16 +655,6 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       st_shared_b128(staged + dq_tile_fragment_bytes(consumer, j, tid), as_uint4(acc_dq[j]));
     fence_proxy_async_shared();
     if (step + 1 < steps) store_row_values((step + 1) % kStages, row_values);
-    wgmma_wait<0>();  // dK complete: Q, dO, P^T and dS^T read
-    wgmma_fence_operands(acc_dk[0]);
-    wgmma_fence_operands(acc_dv[0]);
-#pragma unroll
-    for (int ks = 0; ks < kRowSteps; ++ks)
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        asm volatile("" : "+r"(p_frag[ks][i]), "+r"(ds_frag[ks][i])::"memory");
-    __syncwarp();
-    if (lane == 0) mbar_arrive(smem.q_empty(stage));  // Q, dO read
     dq_sync();  // (also orders the next step's -LSE and D before their reads)
     if constexpr (Traits::Dq_writer) dq_handover_arrive(BwdBarrier::kDqStaged, dq_buffer);
     if (dq_issuer) {

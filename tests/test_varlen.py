@@ -100,9 +100,9 @@ def test_gpu_varlen_matches_reference(rng, algorithm, dtype, head_dim, lengths, 
 @pytest.mark.parametrize("algorithm", ["fa2", "fa3"])
 def test_gpu_varlen_many_sequences_long_and_gqa(rng, algorithm):
     """Dozens of sequences (most tiles of the longest one's grid are empty for the others),
-    lengths past the short-call tiles, GQA 4:1, d = 128 and 256, causal and not."""
+    lengths past the short-call tiles, GQA 4:1, d = 64, 128 and 256, causal and not."""
     torch = pytest.importorskip("torch")
-    for head_dim in (128, 256):
+    for head_dim in (64, 128, 256):
         skip_unless_kernel(algorithm, head_dim)
         lengths = [int(n) for n in rng.integers(0, 300, size=40)] + [2100]
         q, k, v, cu_q, cu_k = _packed(rng, lengths, lengths[::-1], hq=8, hkv=2, d=head_dim)
