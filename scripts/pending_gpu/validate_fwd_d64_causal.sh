@@ -13,7 +13,7 @@ left() { echo $((END - SECONDS)); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.log
-PYTHONPATH=$PWD:/tmp/site timeout -s INT 270 python3 -m pytest -q -n 15 -p no:cacheprovider -p no:benchmark -m gpu -rf \
+PYTHONPATH=$PWD:/tmp/site timeout -s INT $(( $(left) - 130 )) python3 -m pytest -q -n 15 -p no:cacheprovider -p no:benchmark -m gpu -rf \
   --tb=short -W ignore tests/test_gpu_fa2.py tests/test_varlen.py tests/test_gpu_mods.py tests/test_gpu_block_mask.py \
   tests/test_gpu_sinks.py tests/test_alibi.py tests/test_gpu_batch_invariant.py > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-250 | tail -15
