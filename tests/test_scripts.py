@@ -28,7 +28,7 @@ def load(name: str):
 @pytest.mark.parametrize(
     "name",
     [
-        *("tune", "ab", "sanitize", "sanitize_workload", "sass_evidence", "jax_jit_bench", "ncu_backward"),
+        *("tune", "ab", "sanitize", "sanitize_workload", "sass_evidence", "jax_jit_bench", "ncu_attention"),
         "bench_varlen_train",
     ],
 )
@@ -90,10 +90,10 @@ def test_schedule_model():
     assert model.packed_tiles([300, 128], heads=1) == [3.0, 3.0, 3.0, 1.0, model.EMPTY_TILE, model.EMPTY_TILE]
 
 
-def test_ncu_backward_summary_reads_a_report(monkeypatch, capsys):
-    """ncu_backward.py --summary: one row per kernel from ncu's raw CSV (a header row, a units
+def test_ncu_attention_summary_reads_a_report(monkeypatch, capsys):
+    """ncu_attention.py --summary: one row per kernel from ncu's raw CSV (a header row, a units
     row), time in us, the named metrics (a missing one as -), the three largest stall ratios."""
-    ncu = load("ncu_backward")
+    ncu = load("ncu_attention")
     names = ["Kernel Name", "gpu__time_duration.sum", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
              "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",

@@ -1,12 +1,13 @@
-"""One training step's backward of cupyflash and of peers, for Nsight Compute (issue 43: where
-the Hopper backward's time goes beside the peers' on the same inputs). bench.py's prefill shape
-(bf16, B x N = 16k, H x d = 2048): each backend's forward, then its backward through autograd
-(``torch.autograd.grad`` on a retained graph), warmed three times, then profiled once between
-cudaProfilerStart and Stop.
+"""One training step's backward (or, with ``--forward``, one forward) of cupyflash and of peers,
+for Nsight Compute (issue 43: where the Hopper kernels' time goes beside the peers' on the same
+inputs). bench.py's prefill shape (bf16, B x N = 16k, H x d = 2048): each backend's forward, then
+its backward through autograd (``torch.autograd.grad`` on a retained graph), or its forward alone
+(bench.py's prefill calls), warmed three times, then profiled once between cudaProfilerStart and
+Stop.
 
     ncu --clock-control none --profile-from-start off --set detailed \\
-        python3 scripts/ncu_backward.py HEAD_DIM SEQLEN [--causal] [--backends cupyflash cudnn fa4]
-    python3 scripts/ncu_backward.py --summary REPORT.ncu-rep   # the table, one row per kernel
+        python3 scripts/ncu_attention.py HEAD_DIM SEQLEN [--causal] [--forward] [--backends cupyflash cudnn fa4]
+    python3 scripts/ncu_attention.py --summary REPORT.ncu-rep   # the table, one row per kernel
 
 ``--summary`` reads a report back (``ncu --import --csv --page raw``) and prints, per kernel:
 time, SM and memory throughput (% of peak), the tensor pipe's activity, achieved occupancy,
@@ -34,21 +35,34 @@ COLUMNS = (
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 
 
-def profile(head_dim: int, seqlen: int, causal: bool, backends: list[str]) -> None:
+def profile(head_dim: int, seqlen: int, causal: bool, backends: list[str], forward_only: bool = False) -> None:
+    import functools
+
     import torch
 
+    import cupyflash
     from cupyflash import bench
 
     shape = bench.PrefillShape(16384 // seqlen, seqlen, 2048 // head_dim, head_dim, causal, "bfloat16")
-    q, k, v = (x.requires_grad_(True) for x in bench.prefill_inputs(shape))
-    dout = torch.randn_like(q)
     row: dict[str, object] = {}
-    forwards = {b: bench._training_call(b, q, k, v, causal, 0.0) for b in backends}
     steps = {}
-    for backend, forward in bench.runnable(forwards, row).items():
-        out = forward()
-        out = out.transpose(1, 2) if backend in bench.SDPA_BACKENDS else out
-        steps[backend] = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    if forward_only:
+        q, k, v = bench.prefill_inputs(shape)
+        calls = {
+            b: functools.partial(cupyflash.attention, q, k, v, causal=causal, algorithm=bench.CUPYFLASH_BACKENDS[b])
+            if b in bench.CUPYFLASH_BACKENDS
+            else bench.peer_call(b, q, k, v, causal)
+            for b in backends
+        }
+        steps = bench.runnable(calls, row)
+    else:
+        q, k, v = (x.requires_grad_(True) for x in bench.prefill_inputs(shape))
+        dout = torch.randn_like(q)
+        forwards = {b: bench._training_call(b, q, k, v, causal, 0.0) for b in backends}
+        for backend, forward in bench.runnable(forwards, row).items():
+            out = forward()
+            out = out.transpose(1, 2) if backend in bench.SDPA_BACKENDS else out
+            steps[backend] = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     for name, error in row.items():
         if name.endswith("_error"):
             print(f"not profiled: {name[: -len('_error')]}: {error}", flush=True)
@@ -99,13 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("head_dim", type=int, nargs="?", default=128)
     parser.add_argument("seqlen", type=int, nargs="?", default=16384)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--forward", action="store_true", help="profile the forward alone")
     parser.add_argument("--backends", nargs="+", default=["cupyflash", "cudnn", "fa4"])
     parser.add_argument("--summary", metavar="REPORT", help="print the table of an ncu report instead")
     args = parser.parse_args(argv)
     if args.summary:
         summary(args.summary)
     else:
-        profile(args.head_dim, args.seqlen, args.causal, args.backends)
+        profile(args.head_dim, args.seqlen, args.causal, args.backends, forward_only=args.forward)
     return 0
 
 
