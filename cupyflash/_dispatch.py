@@ -202,11 +202,12 @@ FA3_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
     # 474 at N = 16384 vs 432 with two consumers; causal: ping-pong 214/342/425 vs 198/319/410,
     # three consumers 179/330/425; dynamic ping-pong 264/381/439 vs 233/374/439 one CTA per tile
     # (2026-11-29-dynamic; the persistent CTA overlaps the next tile's loads with this one's end).
-    # Causal past 2048 keys (FA3_SHORT_FWD_TILES below them), H100 bf16, one process
-    # (docs/evidence/2026-12-07-h100-session-8/): three consumers taking turns in round robin on
-    # the dynamic schedule 361/447 at N = 4096/16384 against two-consumer ping-pong's 367/418.
+    # Causal, three consumers taking turns in round robin on the dynamic schedule: 447 against 418
+    # at N = 16384 in a tuning run (candidates in turn), the same ratio to cuDNN as this tile
+    # (1.04-1.06x against 1.03-1.05x) with each tree in its own process
+    # (docs/evidence/2026-12-07-h100-session-8/), so this one stays.
     (64, False): Fa3Tile(128, consumers=3, stages=2),
-    (64, True): Fa3Tile(128, consumers=3, stages=2, pingpong=True, dynamic=True),
+    (64, True): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
     # ping-pong 437/568/604, causal 328/477/582 vs 425/545/600, 273/448/583 without; 176-key
     # blocks (O in the Q tile) 453/518/608, 304/471/574; causal dynamic 343/486/582 vs 315/489/576
     (128, False): Fa3Tile(128, stages=2, pingpong=True),
@@ -239,8 +240,6 @@ FA3_SHORT_SEQLEN = 2048
 # 2026-11-29-short-dynamic-probe).
 FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
     (64, False): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
-    # causal at N = 1024: 256 against three consumers' 205-216 (2026-12-07-h100-session-8)
-    (64, True): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
 }
 
 
@@ -257,7 +256,6 @@ FA3_MODS_MAX_HEAD_DIM = 128
 #: the same BlockMask (docs/evidence/2026-12-06-h100-session-7/).
 FA3_MODS_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
     (64, False): FA3_SHORT_FWD_TILES[(64, False)],
-    (64, True): FA3_SHORT_FWD_TILES[(64, True)],
     (128, False): Fa3Tile(128, stages=2, pingpong=True, dynamic=True),
 }
 

@@ -13,7 +13,9 @@ table, checked against the float64 reference on awkward shapes, and timed on ben
 shapes (H * d = 2048, B * N = 16384); a candidate that spills is skipped. The table of TFLOP/s
 per candidate is what FA2_FWD_TILES / FA3_FWD_TILES / FA3_SHORT_FWD_TILES are set from.
 Hopper candidates are timed after the peers in the same process (cuDNN, and FlashAttention-4 where
-it is installed). ``fa3 --short``: the short-call candidates at N = 1024.
+it is installed), each with cuDNN in its own rounds: the table's ratios to it, not the candidates'
+TFLOP/s one after another, compare them (a run's clocks drift). ``fa3 --short``: the short-call
+candidates at N = 1024.
 
 mods: the Hopper forward's tile with a score or mask function (FA3_MODS_FWD_TILES): each
 candidate (static or dynamic schedule) for the gallery's functions beside FlexAttention
@@ -81,30 +83,47 @@ def max_relative_error(head_dim: int, dtype: str, algorithm: str) -> float:
 
 
 def prefill_row(
-    head_dim: int, dtype: str, backend: str, seqlens: tuple[int, ...] = bench.PREFILL_SEQLENS
+    head_dim: int,
+    dtype: str,
+    backend: str,
+    seqlens: tuple[int, ...] = bench.PREFILL_SEQLENS,
+    beside: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """TFLOP/s of one backend (a cupyflash one, or a peer: "cudnn") on the benchmark's shapes
-    (H * d = 2048, B * N = 16384), keyed N1024, N1024c (causal), ..."""
+    (H * d = 2048, B * N = 16384), keyed N1024, N1024c (causal), ...; with ``beside``, those peers
+    in the same rounds and the backend's ratio to each (key "N1024/cudnn", ...): candidates timed
+    one after another drift with the clocks over a run, a ratio within one round does not."""
     row: dict[str, Any] = {}
     for n in seqlens:
         for causal in (False, True):
             shape = bench.PrefillShape(16384 // n, n, 2048 // head_dim, head_dim, causal, dtype)
-            measured = bench.run_prefill(shape, backends=(backend,), timings=TUNING_TIMING)
-            row[f"N{n}{'c' if causal else ''}"] = measured[backend]
+            measured = bench.run_prefill(shape, backends=(backend, *beside), timings=TUNING_TIMING)
+            key = f"N{n}{'c' if causal else ''}"
+            row[key] = measured[backend]
+            for peer in beside:
+                if measured.get(backend) and measured.get(peer):
+                    row[f"{key}/{peer}"] = round(measured[backend] / measured[peer], 3)
     return row
 
 
 def candidate_row(
-    head_dim: int, dtype: str, tile: Any, regs: str, algorithm: str, seqlens: tuple[int, ...] = bench.PREFILL_SEQLENS
+    head_dim: int,
+    dtype: str,
+    tile: Any,
+    regs: str,
+    algorithm: str,
+    seqlens: tuple[int, ...] = bench.PREFILL_SEQLENS,
+    beside: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One candidate's line of the tuning table (already in the dispatch table): its error on
-    the awkward shapes and its TFLOP/s on the benchmark shapes, printed as it comes."""
+    the awkward shapes and its TFLOP/s on the benchmark shapes (and its ratio to the peers
+    ``beside`` it in the same rounds), printed as it comes."""
     row = {
         "head_dim": head_dim,
         "tile": repr(tile),
         "regs": regs,
         "err": max_relative_error(head_dim, dtype, algorithm),
-        **prefill_row(head_dim, dtype, f"cupyflash_{algorithm}", seqlens),
+        **prefill_row(head_dim, dtype, f"cupyflash_{algorithm}", seqlens, beside),
     }
     print(json.dumps(row), flush=True)
     return row
@@ -221,8 +240,8 @@ def tune_fa3(args: argparse.Namespace) -> list[dict[str, Any]]:
     specs = [s for s in specs if s.smem_bytes <= max_smem]
     compiled = {k.spec: k for k in _kernels.warmup(specs, device, workers=16)}
     results = []
-    # The peers in the same process, before the candidates: cuDNN, and FlashAttention-4 where it
-    # is installed (the candidates' ratios to them are what the tables compare).
+    # The peers alone first: cuDNN, and FlashAttention-4 where it is installed; then each candidate
+    # with cuDNN in its rounds (its ratio to cuDNN is what compares candidates).
     peers = ["cudnn"]
     try:
         bench.fa4_attention()
@@ -247,7 +266,7 @@ def tune_fa3(args: argparse.Namespace) -> list[dict[str, Any]]:
             _dispatch.FA3_SHORT_FWD_TILES.pop((d, False), None)  # the candidate at every length
             _dispatch.FA3_SHORT_FWD_TILES.pop((d, True), None)
             forget_plans()
-            results.append(candidate_row(d, args.dtype, tile, regs, "fa3", seqlens))
+            results.append(candidate_row(d, args.dtype, tile, regs, "fa3", seqlens, beside=("cudnn",)))
     return results
 
 

@@ -240,7 +240,7 @@ def test_the_flag_survives_the_calls_copies(monkeypatch):
 def test_attention_routes_take_the_flag(monkeypatch):
     """attention: the decode route's batch-invariant kernel, the plan keyed by the flag, the
     Hopper and FA2 kernels unchanged by it, the naive baseline (cuBLAS) refusing it;
-    attention_varlen: the Hopper tile not chosen by max_seqlen_k (d = 64, causal or not)."""
+    attention_varlen: the Hopper tile not chosen by max_seqlen_k (d = 64, no bound)."""
     seen = _stub_gpu(monkeypatch)
     one = stand_in((4, 1, 32, 128), "bfloat16")
     keys = stand_in((4, 9000, 8, 128), "bfloat16")
@@ -268,8 +268,7 @@ def test_attention_routes_take_the_flag(monkeypatch):
     assert _specs(seen[-1])[-1] == general  # whatever the batch's longest sequence
     causal = [cupyflash.attention_varlen(q, packed, packed, cu, cu, 1500, 1500, causal=True, batch_invariant=flag)
               for flag in (False, True)]  # fmt: skip
-    assert causal and _specs(seen[-2])[-1].tile == _dispatch.FA3_SHORT_FWD_TILES[(64, True)]
-    assert _specs(seen[-1])[-1].tile == _dispatch.FA3_FWD_TILES[(64, True)]
+    assert causal and _specs(seen[-1]) == _specs(seen[-2])  # other tiles: not chosen by the batch anyway
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,8 +94,8 @@ def test_long_sequence(rng, algorithm, head_dim, causal):
     ids=str,
 )
 def test_long_sequence_bounded_tiles(rng, causal, options):
-    """d = 64 past FA3_SHORT_SEQLEN keys with a bound (causal, a window) and softcap: three
-    consumers taking turns in round robin on the dynamic schedule (192-row tiles, uneven)."""
+    """d = 64 past FA3_SHORT_SEQLEN keys with a bound (causal, a window) and softcap: the long
+    calls' bounded tile (uneven tiles on the dynamic schedule)."""
     skip_unless_kernel("fa3", 64)
     q, k, v = gpu_inputs(rng, (2, 2500, 3, 64), (2, 2500, 1, 64), "float16")
     check_attention(q, k, v, causal=causal, algorithm="fa3", **options)
@@ -107,7 +107,7 @@ MANY_TILES = [
     (64, False, 2, 1001, 16, 4, "bfloat16"),  # the short-call tile: ping-pong, dynamic schedule
     (64, False, 2, 2100, 13, 1, "float16"),  # three consumers, static schedule
     (64, True, 2, 1001, 16, 4, "bfloat16"),
-    (64, True, 2, 2100, 13, 1, "bfloat16"),  # three consumers in round robin, dynamic schedule
+    (64, True, 2, 2100, 13, 1, "bfloat16"),  # past the short call: ping-pong, dynamic schedule
     (128, False, 2, 1001, 20, 4, "bfloat16"),  # 8 key blocks a tile
     (128, False, 1, 2000, 18, 6, "float16"),  # 16 key blocks a tile
     (128, True, 2, 1001, 16, 4, "bfloat16"),
