@@ -641,6 +641,12 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
     return BwdRowSpec(step, dtype, *columns(head_dim, FA2_BWD_HEAD_DIMS))
 
 
+#: The Hopper backward's consumers meet once a step instead of twice (Fa3BwdSpec.decoupled:
+#: FlashAttention-3's arrangement), default order only. Off until measured beside cuDNN and FA4:
+#: scripts/tune.py hopper-bwd times both settings, cuDNN in each one's rounds.
+FA3_BWD_DECOUPLED = False
+
+
 def fa3_bwd_spec(
     dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool, mods_source: str = ""
 ) -> Fa3BwdSpec | None:
@@ -658,7 +664,7 @@ def fa3_bwd_spec(
         return None
     return Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
-        varlen=packed,
+        varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic,
     )  # fmt: skip
 
 

@@ -956,6 +956,9 @@ class Fa3BwdSpec(_KernelSpecBase):
     mods_source: str = ""  # a user score_mod / mask_mod's device code (fa3_bwd.cu)
     alibi: bool = False  # ALiBi slopes (not with softcap or score functions)
     varlen: bool = False  # packed sequences (cu_seqlens); a padded batch's variant skips that code
+    # the consumers meet once a step, not twice (dS^T in two buffers, dQ's parts handed to the
+    # writer warp per consumer; fa3_bwd.cu's Decoupled); the default order only
+    decoupled: bool = False
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -977,6 +980,8 @@ class Fa3BwdSpec(_KernelSpecBase):
             raise ValueError("score_mod / mask_mod do not combine with softcap on the Hopper backward")
         if self.alibi and (self.softcap or self.mods_source):
             raise ValueError("ALiBi does not combine with softcap or score_mod / mask_mod on the Hopper backward")
+        if self.decoupled and self.deterministic:
+            raise ValueError("the decoupled consumers take the default order of dQ's adds, not deterministic=True")
 
     def _name_parts(self) -> tuple[object, ...]:
         return (_SHORT_DTYPE[self.dtype], self.head_dim)
@@ -988,6 +993,7 @@ class Fa3BwdSpec(_KernelSpecBase):
             ("det", self.deterministic),
             (f"mods{_digest(self.mods_source)}", bool(self.mods_source)),
             ("varlen", self.varlen),
+            ("dec", self.decoupled),
         )
 
     @property
@@ -998,18 +1004,21 @@ class Fa3BwdSpec(_KernelSpecBase):
 
     @property
     def smem_bytes(self) -> int:
-        # 1024 bytes of alignment slack; K, V; Q and dO two-deep; dS^T (16-bit); a step's dQ
-        # staged (fp32, two-deep when deterministic); -LSE log2 e and D two-deep per consumer;
-        # 5 mbarriers.
+        # 1024 bytes of alignment slack; K, V; Q and dO two-deep; dS^T (16-bit; two-deep when
+        # decoupled); a step's dQ staged (fp32, two-deep when deterministic); -LSE log2 e and D
+        # two-deep per consumer; 5 mbarriers.
         d, m, n = self.head_dim, self.block_m, self.block_n
-        stages, staging = 2, 2 if self.deterministic else 1
+        stages, staging, ds_stages = 2, 2 if self.deterministic else 1, 2 if self.decoupled else 1
         rows = 2 * stages * 2 * 4 * m
-        return 1024 + 2 * (2 * n * d + 2 * stages * m * d + n * m) + 4 * staging * m * d + rows + 8 * 5
+        return 1024 + 2 * (2 * n * d + 2 * stages * m * d + ds_stages * n * m) + 4 * staging * m * d + rows + 8 * 5
 
     def _traits_args(self) -> tuple[object, ...]:
         dtype = CUDA_ELEMENT_TYPES[self.dtype]
         # the template's defaults left off the end (the padded batch's names stay as they were)
-        tail = (self.alibi, True) if self.varlen else (True,) if self.alibi else ()
+        if self.decoupled:
+            tail: tuple[object, ...] = (self.alibi, self.varlen, False, True)
+        else:
+            tail = (self.alibi, True) if self.varlen else (True,) if self.alibi else ()
         return (
             self.head_dim, self.block_m, dtype, self.causal, self.local, self.softcap, self.deterministic,
             bool(self.mods_source), *tail,

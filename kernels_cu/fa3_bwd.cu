@@ -52,13 +52,14 @@
 // [128 keys][64], swizzled as TMA writes them), the ring's Q and dO tiles, dS^T ([query rows /
 // 64][keys][64], swizzled: the MN-major A operand of dQ), dQ's staging (dq_tiles.cuh), the ring's
 // -LSE log2 e and D rows, the mbarriers.
-template <int kKVBytes, int kQBytes, int kRowBytes, int kDsBytes, int kDqBytes, int kStages>
+template <int kKVBytes, int kQBytes, int kRowBytes, int kDsBytes, int kDqBytes, int kStages,
+          int kDsStages>
 struct Fa3BwdSharedStorage {
   unsigned char s_k[kKVBytes];
   unsigned char s_v[kKVBytes];
   unsigned char s_q[kStages][kQBytes];
   unsigned char s_do[kStages][kQBytes];
-  unsigned char s_ds[kDsBytes];
+  unsigned char s_ds[kDsStages][kDsBytes];
   unsigned char s_dq[kDqBytes];
   unsigned char s_rows[2][kStages][2][kRowBytes];  // [consumer][stage]: -LSE log2 e, then D
   uint64_t s_kv_full;                              // K and V have landed
@@ -68,7 +69,8 @@ struct Fa3BwdSharedStorage {
 
 template <int kHeadDim_, int kBlockM_, typename Element_, bool Is_causal_, bool Is_local_,
           bool Has_softcap_ = false, bool Deterministic_ = false, bool Has_user_mask_ = false,
-          bool Has_alibi_ = false, bool Varlen_ = false, bool Dq_writer_ = Deterministic_>
+          bool Has_alibi_ = false, bool Varlen_ = false, bool Dq_writer_ = Deterministic_,
+          bool Decoupled_ = false>
 struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -109,11 +111,21 @@ struct Fa3BwdTraits {
   // past the sequence in its last query block are hidden too (below: the hook sees them).
   static constexpr bool Varlen = Varlen_;
   using Bias = ScoreTransform<false, Has_alibi_, kNoBias, Element_>;  // Alibi, or nothing
-  // dQ's adds issued by a warp of the producer warpgroup from two staging buffers (else by a
-  // consumer thread from one, which then waits for nothing but the last add's reads).
-  static constexpr bool Dq_writer = Dq_writer_;
+  // The consumers meet once a step (FlashAttention-3's backward), not twice: dS^T in two
+  // buffers, so that one consumer's next dS^T never lands where the other's dQ still reads, and
+  // each consumer hands its part of dQ to the writer warp on its own barriers (staged, free),
+  // so that neither waits for the other's staging. Apart by up to a step, one consumer's
+  // exponentials may run under the other's GEMMs, where in step the two computed at once and
+  // the tensor cores waited. (Not with the fixed order yet.)
+  static constexpr bool Decoupled = Decoupled_;
+  static_assert(!Decoupled || !Deterministic, "decoupled consumers: the default order only");
+  static constexpr int kDsStages = Decoupled ? 2 : 1;
+  // dQ's adds issued by a warp of the producer warpgroup from two staging buffers (decoupled:
+  // from one, each consumer's part added as it is staged; else by a consumer thread from one,
+  // which then waits for nothing but the last add's reads).
+  static constexpr bool Dq_writer = Dq_writer_ || Decoupled;
   static_assert(Dq_writer || !Deterministic, "the fixed order waits in the writer warp");
-  static constexpr int kDqBuffers = Dq_writer ? 2 : 1;
+  static constexpr int kDqBuffers = Dq_writer && !Decoupled ? 2 : 1;
   // dQ = dS K, a 64 x 64 part per consumer over all 128 keys: by rows at d = 64 (128 rows, one
   // 64-row dQacc tile each), by d's 64-column parts at d = 128 (64 rows). (A 64-row step at
   // d = 64 would split it by keys: two partial sums of one tile, which 128-row steps replaced.)
@@ -123,10 +135,11 @@ struct Fa3BwdTraits {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kRowBytes = kBlockM * 4;  // one step's -LSE log2 e (or D)
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
-  static constexpr int kDqStepBytes = kBlockM * kHeadDim * 4;  // a step's dQ: one or two tiles
+  static constexpr int kDqStepBytes = kBlockM * kHeadDim * 4;     // a step's dQ: one or two tiles
+  static constexpr int kDqPartBytes = kDqStepBytes / kConsumers;  // a consumer's (contiguous)
   static constexpr int kDqBytes = kDqBuffers * kDqStepBytes;
   using SharedStorage =
-      Fa3BwdSharedStorage<kKVBytes, kQBytes, kRowBytes, kDsBytes, kDqBytes, kStages>;
+      Fa3BwdSharedStorage<kKVBytes, kQBytes, kRowBytes, kDsBytes, kDqBytes, kStages, kDsStages>;
   static constexpr int kSmemBytes = kSwizzleAtomBytes + static_cast<int>(sizeof(SharedStorage));
 
   static constexpr int kProducerRegs = 24;
@@ -152,7 +165,9 @@ struct Fa3BwdSmem {
   CF_DEVICE uint32_t dout(int s) const {
     return base + member_offset(&Storage::s_do) + s * Traits::kQBytes;
   }
-  CF_DEVICE uint32_t ds() const { return base + member_offset(&Storage::s_ds); }
+  CF_DEVICE uint32_t ds(int s) const {
+    return base + member_offset(&Storage::s_ds) + s * Traits::kDsBytes;
+  }
   CF_DEVICE uint32_t dq() const { return base + member_offset(&Storage::s_dq); }
   // Consumer c's copy of a step's -LSE log2 e (then D, kRowBytes on) in ring stage s.
   CF_DEVICE uint32_t rows(int c, int s) const {
@@ -179,7 +194,8 @@ struct Fa3BwdSmem {
 
 // bar.sync ids of the consumers (0 is __syncthreads): both consumers (dS^T and dQ's staging are
 // shared at d = 128), or consumer c alone; with the dQ writer warp, per staging buffer b: staged
-// (the consumers arrive, the writer waits) and free again (the writer arrives, the consumers wait).
+// (the consumers arrive, the writer waits) and free again (the writer arrives, the consumers wait);
+// decoupled, the same per consumer c (its part of the one buffer) between it and the writer.
 // A step of a CTA's loop: a query head of the KV head's group and a block of its query rows.
 struct BwdStep {
   int head, m_block;
@@ -198,6 +214,13 @@ CF_DEVICE void dq_handover_sync(BwdBarrier id, int buffer) {
 }
 CF_DEVICE void dq_handover_arrive(BwdBarrier id, int buffer) {
   named_barrier_arrive(static_cast<int>(id) + buffer, kDqHandoverThreads);
+}
+constexpr int kDqPartHandoverThreads = kWarpgroupThreads + 32;  // one consumer and the writer
+CF_DEVICE void dq_part_sync(BwdBarrier id, int consumer) {
+  named_barrier_sync(static_cast<int>(id) + consumer, kDqPartHandoverThreads);
+}
+CF_DEVICE void dq_part_arrive(BwdBarrier id, int consumer) {
+  named_barrier_arrive(static_cast<int>(id) + consumer, kDqPartHandoverThreads);
 }
 
 // A CTA's sequence: a padded batch's whole rows, or (Varlen) its packed rows, with its offsets
@@ -295,6 +318,23 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
         };
         BwdStep at = first_step;
         for (int step = 0; step < steps; ++step, at = next_step(at)) {
+          if constexpr (Traits::Decoupled) {
+            // each consumer's part as it is staged, consumer 0's first (the order of the adds
+            // into a tile is not fixed anyway)
+            for (int c = 0; c < Traits::kConsumers; ++c) {
+              dq_part_sync(BwdBarrier::kDqStaged, c);
+              if (threadIdx.x == 32) {
+                bulk_reduce_add_f32(
+                    p.dq_accum + step_rows(at) * kHeadDim + c * Traits::kDqPartBytes / 4,
+                    smem.dq() + c * Traits::kDqPartBytes, Traits::kDqPartBytes);
+                bulk_commit();
+                bulk_wait_read<0>();
+              }
+              __syncwarp();
+              if (step + 1 < steps) dq_part_arrive(BwdBarrier::kDqFree, c);
+            }
+            continue;
+          }
           const int buffer = step % Traits::kDqBuffers;
           dq_handover_sync(BwdBarrier::kDqStaged, buffer);
           if (threadIdx.x == 32) {
@@ -604,12 +644,13 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     for_each_index<kParts>(dv_dk_part);
 
     // dS^T to shared memory: key rows of 64 query rows (128 bytes) per column block, swizzled.
+    const int ds_stage = step % Traits::kDsStages;
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int half = 0; half < 2; ++half)
-        st_shared_b32(smem.ds() + swizzled_offset<kBlockN>(warp_key0 + lane / 4 + 8 * half,
-                                                           8 * nt + 2 * (lane % 4)),
+        st_shared_b32(smem.ds(ds_stage) + swizzled_offset<kBlockN>(warp_key0 + lane / 4 + 8 * half,
+                                                                   8 * nt + 2 * (lane % 4)),
                       ds_frag[nt / 2][2 * (nt % 2) + half]);
     fence_proxy_async_shared();
     if (dq_issuer) bulk_wait_read<0>();  // the last step's dQ has left the staging buffer
@@ -621,7 +662,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     // 16 keys (2048 bytes of either tile).
     float acc_dq[kDqPartCols / 8][4];
     wgmma_fence();
-    const uint64_t desc_ds0 = wgmma_desc(smem.ds() + dq_rows_offset, 0);
+    const uint64_t desc_ds0 = wgmma_desc(smem.ds(ds_stage) + dq_rows_offset, 0);
     const uint64_t desc_k0 = wgmma_desc(smem.k() + dq_cols_offset, kBlockN * kSwizzleRowBytes);
 #pragma unroll
     for (int ks = 0; ks < kBlockN / 16; ++ks) {
@@ -643,7 +684,9 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     if (lane == 0) mbar_arrive(smem.q_empty(stage));  // Q, dO read
 
     // dQ staged in its fragments' order, then one bulk reduce-add into dQacc's tile.
-    if (Traits::Dq_writer && step >= Traits::kDqBuffers)
+    if (Traits::Decoupled && step >= 1)
+      dq_part_sync(BwdBarrier::kDqFree, consumer);  // the writer has read this part's last one
+    else if (Traits::Dq_writer && !Traits::Decoupled && step >= Traits::kDqBuffers)
       dq_handover_sync(BwdBarrier::kDqFree, dq_buffer);  // the writer has read its last tile
     auto as_uint4 = [](const float (&f)[4]) {
       return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
@@ -655,11 +698,18 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       st_shared_b128(staged + dq_tile_fragment_bytes(consumer, j, tid), as_uint4(acc_dq[j]));
     fence_proxy_async_shared();
     if (step + 1 < steps) store_row_values((step + 1) % kStages, row_values);
-    dq_sync();  // (also orders the next step's -LSE and D before their reads)
-    if constexpr (Traits::Dq_writer) dq_handover_arrive(BwdBarrier::kDqStaged, dq_buffer);
-    if (dq_issuer) {
-      bulk_reduce_add_f32(p.dq_accum + step_rows(at) * kHeadDim, staged, Traits::kDqStepBytes);
-      bulk_commit();
+    if constexpr (Traits::Decoupled) {
+      // the next step's -LSE and D (this consumer's copy) before their reads; no meeting with
+      // the other consumer, whose next dS^T goes to the other buffer
+      bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
+      dq_part_arrive(BwdBarrier::kDqStaged, consumer);
+    } else {
+      dq_sync();  // (also orders the next step's -LSE and D before their reads)
+      if constexpr (Traits::Dq_writer) dq_handover_arrive(BwdBarrier::kDqStaged, dq_buffer);
+      if (dq_issuer) {
+        bulk_reduce_add_f32(p.dq_accum + step_rows(at) * kHeadDim, staged, Traits::kDqStepBytes);
+        bulk_commit();
+      }
     }
     at = next;
   }

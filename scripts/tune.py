@@ -4,6 +4,7 @@
     python scripts/tune.py fa3 [--head-dims 64] [--short] [--dtype bfloat16] [--json OUT]
     python scripts/tune.py mods [--head-dims 64 128] [--seqlens 4096 16384] [--functions document ...] [--json OUT]
     python scripts/tune.py bwd [--head-dims 64 128] [--dtype bfloat16] [--json OUT]
+    python scripts/tune.py hopper-bwd [--head-dims 64 128] [--seqlens 4096 16384] [--json OUT]
     python scripts/tune.py decode [--tolerances 0.01 0.05] [--json OUT]
     python scripts/tune.py head-dims [--head-dims 40 80 96] [--seqlens 4096] [--json OUT]
 
@@ -23,6 +24,10 @@ candidate (static or dynamic schedule) for the gallery's functions beside FlexAt
 
 bwd: the FA2 backward's (block_m, block_n, d_split) per head dim (FA2_BWD_TILES): registers and spills of
 each, its gradient error, and attention_backward's TFLOP/s on the prefill shapes.
+
+hopper-bwd: the Hopper backward's consumers meeting twice a step or once (Fa3BwdSpec.decoupled,
+_dispatch.FA3_BWD_DECOUPLED), per training shape one right after the other, each with cuDNN (and
+FlashAttention-4 where installed) in its rounds: forward + backward and backward alone over each.
 
 decode: DECODE_TILES candidates for d = 128 (bf16, Hq = 32, Hkv = 8, one query token) on four
 cache shapes, then the split counts of the best one, paged caches by page size; ``--tolerances``
@@ -526,6 +531,49 @@ def tune_head_dims(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# hopper-bwd: the Hopper backward's arrangements (Fa3BwdSpec.decoupled), each beside cuDNN.
+# ---------------------------------------------------------------------------------------------
+def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per training shape, the Hopper backward with its consumers meeting twice a step (the
+    default) and once (``_dispatch.FA3_BWD_DECOUPLED``), one right after the other, each with
+    cuDNN (and FlashAttention-4 where installed) in its own rounds; first each setting's error on
+    an awkward causal shape against the float64 host backward."""
+    backends = ["cupyflash", "cudnn"]
+    try:
+        bench.fa4_attention()
+        backends.append("fa4")
+    except ImportError:
+        pass
+    head_dims = args.head_dims or [64, 128]
+    errors = {}
+    for decoupled in (False, True):
+        _dispatch.FA3_BWD_DECOUPLED = decoupled
+        forget_plans()
+        errors[decoupled] = {d: _backward_error(d, args.dtype) for d in head_dims}
+    print(json.dumps({"error": {str(k): v for k, v in errors.items()}}), flush=True)
+    rows = []
+    for d in head_dims:
+        for n in args.seqlens:
+            for causal in (False, True):
+                shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, causal, args.dtype)
+                for decoupled in (False, True):
+                    _dispatch.FA3_BWD_DECOUPLED = decoupled
+                    forget_plans()
+                    measured = bench.run_training(shape, backends=tuple(backends), timings=TUNING_TIMING)
+                    row = {"decoupled": decoupled, "head_dim": d, "seqlen": n, "causal": causal}
+                    for peer in backends[1:]:
+                        for key in ("", "_bwd"):
+                            ours, theirs = measured.get(f"cupyflash{key}"), measured.get(f"{peer}{key}")
+                            row[f"cupyflash{key}"], row[f"{peer}{key}"] = ours, theirs
+                            if ours and theirs:
+                                row[f"{key.strip('_') or 'step'}/{peer}"] = round(ours / theirs, 3)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    _dispatch.FA3_BWD_DECOUPLED = False
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kernel", required=True)
@@ -546,6 +594,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", type=int, nargs="+")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json")
+    p = sub.add_parser("hopper-bwd", help="the Hopper backward's consumers meeting once a step or twice")
+    p.add_argument("--head-dims", type=int, nargs="+")
+    p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json")
     p = sub.add_parser("decode", help="the split-KV decode kernel's tiles, split counts and page sizes")
     p.add_argument("--tolerances", type=float, nargs="+", help="only sweep the split-count tolerance")
     p.add_argument("--json")
@@ -556,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     args = parser.parse_args(argv)
     tuners = {"fa2": tune_fa2, "fa3": tune_fa3, "mods": tune_mods, "bwd": tune_bwd, "decode": tune_decode,
-              "head-dims": tune_head_dims}  # fmt: skip
+              "head-dims": tune_head_dims, "hopper-bwd": tune_hopper_bwd}  # fmt: skip
     results = tuners[args.kernel](args)
     _write(args.json, results)
     return 0

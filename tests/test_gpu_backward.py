@@ -195,16 +195,60 @@ def test_strided_inputs_and_cupy_arrays(rng):
         assert rel_error(cupy.asnumpy(got).astype(np.float64), ref.cpu().numpy()) < 2 * BOUND["float16"]
 
 
+@pytest.fixture
+def decoupled_backward(monkeypatch):
+    """Switches the Hopper backward's consumers meeting once a step (Fa3BwdSpec.decoupled) on or
+    off for the test's calls; the plans made under either setting are dropped before and after."""
+    from cupyflash import _dispatch, _plan
+
+    def switch(on: bool) -> None:
+        if on and not is_hopper():
+            pytest.skip("the decoupled consumers are a Hopper backward variant")
+        monkeypatch.setattr(_dispatch, "FA3_BWD_DECOUPLED", on)
+        _plan.clear_caches()
+
+    yield switch
+    _plan.clear_caches()
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("case", ["causal-gqa-long", "many-key-blocks", "window-softcap", "half-step"], ids=str)
+def test_decoupled_consumers_match_float64_autograd(rng, head_dim, case, decoupled_backward):
+    """The Hopper backward with its consumers a step apart at most (dS^T in two buffers, dQ's
+    parts handed to the writer warp per consumer): the same gradients as the float64 oracle's,
+    and bit-identical dK and dV over three runs (their sums stay in registers; dQ's adds are in
+    no fixed order)."""
+    torch = need_torch()
+    decoupled_backward(True)
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    b, nq, nk, hq, hkv, causal, window, softcap = CASES[case]
+    q = torch.randn(b, nq, hq, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, nk, hkv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    opts = {"causal": causal, "window": window, "softcap": softcap, "scale": None, "layout": "bshd"}
+    check_backward(torch, q, k, v, **opts)
+    dout = torch.randn_like(q)
+    out, lse = cupyflash.attention(q, k, v, return_lse=True, **opts)
+    runs = [cupyflash.attention_backward(dout, q, k, v, out, lse, **opts) for _ in range(3)]
+    for dq, dk, dv in runs[1:]:
+        assert torch.equal(dk, runs[0][1]) and torch.equal(dv, runs[0][2])
+        assert torch.allclose(dq, runs[0][0], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", (64, 128))
-def test_varlen_backward(rng, dtype, head_dim, deterministic, monkeypatch):
+def test_varlen_backward(rng, dtype, head_dim, deterministic, decoupled, monkeypatch, decoupled_backward):
     """Packed sequences, an empty and a one-token one among them, rows after the last sequence:
     each sequence's gradients as the dense oracle's (every row written: outputs poisoned), zero
     gradients outside every sequence (written by the packed fill step: under the poison, and
-    again unpoisoned)."""
+    again unpoisoned). Decoupled: the Hopper backward's consumers a step apart (default order)."""
     torch = need_torch()
     from cupyflash import _launch
+
+    if decoupled and deterministic:
+        pytest.skip("the decoupled consumers take the default order")
+    decoupled_backward(decoupled)
 
     torch.manual_seed(int(rng.integers(1 << 31)))
     tdtype = getattr(torch, dtype)

@@ -89,6 +89,33 @@ def test_every_hopper_variant_fits_an_h100_block():
     assert all(s.num_threads == 128 * (1 + s.tile.consumers) for s in specs)
 
 
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_the_decoupled_backward_is_a_switch_and_compiles_cleanly(monkeypatch, head_dim):
+    """Fa3BwdSpec.decoupled (the consumers meeting once a step): off by default, on for the
+    default order where _dispatch.FA3_BWD_DECOUPLED says so, refused with deterministic=True; its
+    second dS^T buffer (keys x query rows, 16-bit) fits an H100 block; it builds for sm_90a with
+    no spill, no serialised wgmma and no warning (causal over packed sequences, softcap)."""
+    from cupyflash import _kernels
+    from cupyflash._specs import Fa3BwdSpec
+
+    flags = _dispatch.MaskFlags(True, False, False)
+    assert not _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, False, False).decoupled
+    monkeypatch.setattr(_dispatch, "FA3_BWD_DECOUPLED", True)
+    assert _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, False, False).decoupled
+    assert not _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, True, False).decoupled
+    with pytest.raises(ValueError, match="default order"):
+        Fa3BwdSpec("bfloat16", head_dim, deterministic=True, decoupled=True)
+    plain = Fa3BwdSpec("bfloat16", head_dim)
+    decoupled = Fa3BwdSpec("bfloat16", head_dim, decoupled=True)
+    assert decoupled.smem_bytes == plain.smem_bytes + 2 * plain.block_n * plain.block_m <= H100_SMEM
+    for spec in (Fa3BwdSpec("bfloat16", head_dim, causal=True, varlen=True, decoupled=True),
+                 Fa3BwdSpec("float16", head_dim, softcap=True, decoupled=True)):  # fmt: skip
+        build = _kernels.compile_offline(spec, "sm_90a")
+        assert f"Compiling entry function '{spec.name}'" in build.log
+        assert not build.spill_bytes and not build.warnings, (spec.name, build.spill_bytes, build.warnings)
+        assert "wgmma.mma_async instructions are serialized" not in build.log
+
+
 class _Recorder:
     """Stands in for cuTensorMapEncodeTiled: records its arguments, writes a recognisable map."""
 
