@@ -13,10 +13,10 @@ key block, consumer warpgroups, K/V stages) is compiled (in parallel), put into 
 table, checked against the float64 reference on awkward shapes, and timed on bench.py's prefill
 shapes (H * d = 2048, B * N = 16384); a candidate that spills is skipped. The table of TFLOP/s
 per candidate is what FA2_FWD_TILES / FA3_FWD_TILES / FA3_SHORT_FWD_TILES are set from.
-Hopper candidates are timed after the peers in the same process (cuDNN, and FlashAttention-4 where
-it is installed), each with cuDNN in its own rounds: the table's ratios to it, not the candidates'
-TFLOP/s one after another, compare them (a run's clocks drift). ``fa3 --short``: the short-call
-candidates at N = 1024.
+Each candidate is timed with cuDNN in its own rounds (and the Hopper ones after the peers alone,
+FlashAttention-4 among them where it is installed): the table's ratios to cuDNN, not the
+candidates' TFLOP/s one after another, compare them (a run's clocks drift). ``fa3 --short``: the
+short-call candidates at N = 1024.
 
 mods: the Hopper forward's tile with a score or mask function (FA3_MODS_FWD_TILES): each
 candidate (static or dynamic schedule) for the gallery's functions beside FlexAttention
@@ -195,7 +195,7 @@ def tune_fa2(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             _dispatch.FA2_FWD_TILES[d] = (tile,)
             forget_plans()
-            results.append(candidate_row(d, args.dtype, tile, regs, "fa2"))
+            results.append(candidate_row(d, args.dtype, tile, regs, "fa2", beside=("cudnn",)))
     return results
 
 
