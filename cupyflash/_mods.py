@@ -21,7 +21,7 @@ import math
 import numbers
 import operator
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -1446,26 +1446,30 @@ class CapturedRead:
     slope: Mod
 
 
+def _nodes(root: Expr) -> Iterator[Expr]:
+    """Every node of the expression under ``root`` once (a shared subexpression once), depth
+    first, operands in order."""
+    stack, seen = [root], set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack.extend(x for x in reversed(e.args) if isinstance(x, Expr))
+
+
 def captured_reads(mod: Mod) -> list[CapturedRead]:
     """The reads of captured float arrays in ``mod`` (each node once, in the order met), with
     their derivatives: what a captured array's gradient is made of (a learned bias table's)."""
-    reads: dict[int, Expr] = {}
-    stack, seen = [mod.expr], set()
-    while stack:
-        e = stack.pop()
-        if id(e) in seen or not isinstance(e, Expr):
-            continue
-        seen.add(id(e))
-        if e.op == "index" and e.kind == FLOAT:
-            reads.setdefault(id(e), e)
-        stack.extend(x for x in reversed(e.args) if isinstance(x, Expr))
+    reads = [e for e in _nodes(mod.expr) if e.op == "index" and e.kind == FLOAT]
     return [
         CapturedRead(
             node.args[0].args[0].slot,
             tuple(Mod(mod.role, i, mod.buffers) for i in node.args[1:]),
             derivative(mod, lambda e, node=node: e is node),  # type: ignore[misc]
         )
-        for node in reads.values()
+        for node in reads
     ]
 
 
@@ -1547,16 +1551,7 @@ def derivative(mod: Mod, of: Callable[[Expr], bool]) -> Mod:
 
 def uses(mod: Mod, argument: str) -> bool:
     """Whether the traced expression reads ``argument`` ("b", "h", "q_idx", "kv_idx", "score")."""
-    stack, seen = [mod.expr], set()
-    while stack:
-        e = stack.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if _is_arg(e, argument):
-            return True
-        stack += [x for x in e.args if isinstance(x, Expr)]
-    return False
+    return any(_is_arg(e, argument) for e in _nodes(mod.expr))
 
 
 def draft_tree(xp: Any, mask: Mod, batch: int, drafts: int, like: Any) -> Any:

@@ -208,19 +208,14 @@ CF_DEVICE void bwd_barrier_sync(BwdBarrier id, int consumer) {
   else
     named_barrier_sync(static_cast<int>(id) + consumer, kWarpgroupThreads);
 }
+// Barrier `index` (a staging buffer, or decoupled a consumer) of a dQ hand-over.
 constexpr int kDqHandoverThreads = 2 * kWarpgroupThreads + 32;  // both consumers and the writer
-CF_DEVICE void dq_handover_sync(BwdBarrier id, int buffer) {
-  named_barrier_sync(static_cast<int>(id) + buffer, kDqHandoverThreads);
-}
-CF_DEVICE void dq_handover_arrive(BwdBarrier id, int buffer) {
-  named_barrier_arrive(static_cast<int>(id) + buffer, kDqHandoverThreads);
-}
 constexpr int kDqPartHandoverThreads = kWarpgroupThreads + 32;  // one consumer and the writer
-CF_DEVICE void dq_part_sync(BwdBarrier id, int consumer) {
-  named_barrier_sync(static_cast<int>(id) + consumer, kDqPartHandoverThreads);
+CF_DEVICE void dq_handover_sync(BwdBarrier id, int index, int threads = kDqHandoverThreads) {
+  named_barrier_sync(static_cast<int>(id) + index, threads);
 }
-CF_DEVICE void dq_part_arrive(BwdBarrier id, int consumer) {
-  named_barrier_arrive(static_cast<int>(id) + consumer, kDqPartHandoverThreads);
+CF_DEVICE void dq_handover_arrive(BwdBarrier id, int index, int threads = kDqHandoverThreads) {
+  named_barrier_arrive(static_cast<int>(id) + index, threads);
 }
 
 // A CTA's sequence: a padded batch's whole rows, or (Varlen) its packed rows, with its offsets
@@ -322,7 +317,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
             // each consumer's part as it is staged, consumer 0's first (the order of the adds
             // into a tile is not fixed anyway)
             for (int c = 0; c < Traits::kConsumers; ++c) {
-              dq_part_sync(BwdBarrier::kDqStaged, c);
+              dq_handover_sync(BwdBarrier::kDqStaged, c, kDqPartHandoverThreads);
               if (threadIdx.x == 32) {
                 bulk_reduce_add_f32(
                     p.dq_accum + step_rows(at) * kHeadDim + c * Traits::kDqPartBytes / 4,
@@ -331,7 +326,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
                 bulk_wait_read<0>();
               }
               __syncwarp();
-              if (step + 1 < steps) dq_part_arrive(BwdBarrier::kDqFree, c);
+              if (step + 1 < steps)
+                dq_handover_arrive(BwdBarrier::kDqFree, c, kDqPartHandoverThreads);
             }
             continue;
           }
@@ -685,7 +681,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
 
     // dQ staged in its fragments' order, then one bulk reduce-add into dQacc's tile.
     if (Traits::Decoupled && step >= 1)
-      dq_part_sync(BwdBarrier::kDqFree, consumer);  // the writer has read this part's last one
+      dq_handover_sync(BwdBarrier::kDqFree, consumer,
+                       kDqPartHandoverThreads);  // its last part read
     else if (Traits::Dq_writer && !Traits::Decoupled && step >= Traits::kDqBuffers)
       dq_handover_sync(BwdBarrier::kDqFree, dq_buffer);  // the writer has read its last tile
     auto as_uint4 = [](const float (&f)[4]) {
@@ -702,7 +699,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       // the next step's -LSE and D (this consumer's copy) before their reads; no meeting with
       // the other consumer, whose next dS^T goes to the other buffer
       bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
-      dq_part_arrive(BwdBarrier::kDqStaged, consumer);
+      dq_handover_arrive(BwdBarrier::kDqStaged, consumer, kDqPartHandoverThreads);
     } else {
       dq_sync();  // (also orders the next step's -LSE and D before their reads)
       if constexpr (Traits::Dq_writer) dq_handover_arrive(BwdBarrier::kDqStaged, dq_buffer);

@@ -562,12 +562,12 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
                     forget_plans()
                     measured = bench.run_training(shape, backends=tuple(backends), timings=TUNING_TIMING)
                     row = {"decoupled": decoupled, "head_dim": d, "seqlen": n, "causal": causal}
-                    for peer in backends[1:]:
-                        for key in ("", "_bwd"):
-                            ours, theirs = measured.get(f"cupyflash{key}"), measured.get(f"{peer}{key}")
-                            row[f"cupyflash{key}"], row[f"{peer}{key}"] = ours, theirs
+                    for part, key in (("step", ""), ("bwd", "_bwd")):  # forward + backward; backward alone
+                        row.update({f"{b}{key}": measured.get(f"{b}{key}") for b in backends})
+                        for peer in backends[1:]:
+                            ours, theirs = row[f"cupyflash{key}"], row[f"{peer}{key}"]
                             if ours and theirs:
-                                row[f"{key.strip('_') or 'step'}/{peer}"] = round(ours / theirs, 3)
+                                row[f"{part}/{peer}"] = round(ours / theirs, 3)
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     _dispatch.FA3_BWD_DECOUPLED = False

@@ -4,7 +4,7 @@
 # change (OLD_TREE, untracked: git archive 290fa07 cupyflash kernels_cu | tar -x -C ab_old) and on
 # this one, one process each (compare ratios within a process); the Hopper backward's GPU tests
 # (dK issued after dQ at d = 128); the d = 128 training step at N = 4k (--quick) on both trees.
-#   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/fa4_call2_d64.sh [SECONDS] [OLD_TREE]
+#   usage (GPU machine, tree root, $OUT set): docs/evidence/2026-12-07-h100-session-8/scripts/fa4_call2_d64.sh [SECONDS] [OLD_TREE]
 #   carry: .whl .peers/fa4x2 .peers/fa4w .peers/bin
 set -uo pipefail
 END=${1:-580} OLD=${2:-ab_old}

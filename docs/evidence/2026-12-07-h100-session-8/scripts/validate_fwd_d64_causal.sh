@@ -5,7 +5,7 @@
 # test_varlen.py's packed d = 64), the score-function and block-mask tests, then the d = 64 prefill
 # table beside cuDNN on this tree and on OLD_TREE (untracked: git archive 290fa07 cupyflash
 # kernels_cu | tar -x -C ab_old), one process each, and this tree's training table.
-#   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_fwd_d64_causal.sh [SECONDS] [OLD_TREE]
+#   usage (GPU machine, tree root, $OUT set): docs/evidence/2026-12-07-h100-session-8/scripts/validate_fwd_d64_causal.sh [SECONDS] [OLD_TREE]
 #   carry: .whl
 set -uo pipefail
 END=${1:-480} OLD=${2:-ab_old}

@@ -5,7 +5,7 @@
 # the consumers' turns in round robin. First FlashAttention-4's first part (when carried), then
 # the forward's GPU tests (the d = 64 tiles past 2048 keys are this tile), racecheck over it, and
 # scripts/tune.py fa3 at d = 64 with cuDNN (and FA4 once staged) in the same process.
-#   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_fwd_d64.sh [SECONDS]
+#   usage (GPU machine, tree root, $OUT set): docs/evidence/2026-12-07-h100-session-8/scripts/validate_fwd_d64.sh [SECONDS]
 #   carry: .whl (and .peers/fa4x1 .peers/bin for FlashAttention-4's first part)
 set -uo pipefail
 END=${1:-580}
