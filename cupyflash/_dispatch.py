@@ -20,6 +20,8 @@ from ._specs import (
     FA3_HEAD_DIMS,
     FP8_DECODE_HEAD_DIMS,
     FP8_FWD_HEAD_DIMS,
+    HOPPER_ARCH,
+    WGMMA_PREFIX_KEYS,
     BwdRowSpec,
     DecodeAppendSpec,
     DecodeSpec,
@@ -405,6 +407,10 @@ DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {
     256: (DecodeTile(16, 16, 4, 3, q_in_regs=False),),
 }
 
+#: A one-launch cascade's prefix CTAs run by wgmma (sm_90a, 128 rows a CTA) where a group has at
+#: least this many packed rows (requests x query tokens x the GQA group).
+CASCADE_WGMMA_MIN_ROWS = 64
+
 #: Upper bound on KV splits (the combine reads num_splits partials per output row).
 DECODE_MAX_SPLITS = 128
 #: A split covers at least this many CTA key blocks, so its fixed cost (Q load, merge, partial
@@ -499,7 +505,8 @@ def split_blocks(key_blocks: int, num_splits: int) -> tuple[int, int]:
 
 
 def cascade_spec(
-    dtype: str, head_dim: int, rows_per_request: int, group_rows: int, causal: bool, softcap: bool = False
+    dtype: str, head_dim: int, rows_per_request: int, group_rows: int, causal: bool, softcap: bool = False,
+    arch: str = "",
 ) -> DecodeSpec | None:  # fmt: skip
     """The decode variant of a one-launch cascade (``attention_with_shared_prefix``), or None where
     a request's packed rows (``rows_per_request``: query tokens x the GQA group) do not fit one
@@ -508,13 +515,26 @@ def cascade_spec(
     requests. Of the tiles that hold a request, the smallest that holds the largest group's rows
     (``group_rows``), else the largest: a prefix's pages are read once per row block, so fewer row
     blocks read less (B = 64, GQA 32/8, d = 128: 8 row blocks of 32 rows against 16 of 16); a
-    request's own few keys pay the padded rows' MMAs, which its read hides."""
+    request's own few keys pay the padded rows' MMAs, which its read hides.
+    On Hopper (``arch`` sm_90a), where a group has CASCADE_WGMMA_MIN_ROWS rows or more, the
+    prefix CTAs take 128 rows by wgmma (``wgmma_prefix``) and the tile, then the requests' own
+    CTAs alone, is the smallest that holds a request among those that allow it
+    (``wgmma_prefix_tile``)."""
     width, valid_dim = columns(head_dim, DECODE_HEAD_DIMS)
     fits = cascade_tiles(head_dim, rows_per_request)
     if not fits:
         return None
+    wgmma = [t for t in fits if wgmma_prefix_tile(t)]
+    if arch == HOPPER_ARCH and width in (64, 128) and not valid_dim and group_rows >= CASCADE_WGMMA_MIN_ROWS and wgmma:
+        return DecodeSpec(dtype, width, wgmma[0], causal, softcap=softcap, cascade=True, wgmma_prefix=True)
     tile = next((t for t in fits if t.block_m >= group_rows), fits[-1])
     return DecodeSpec(dtype, width, tile, causal, valid_dim, softcap=softcap, cascade=True)
+
+
+def wgmma_prefix_tile(tile: DecodeTile) -> bool:
+    """Whether a cascade on ``tile`` can run its prefix by wgmma: 8 warps (two warpgroups) over
+    128-key blocks, one CTA an SM (the prefix CTA's shared memory)."""
+    return tile.num_warps == 8 and tile.block_n == WGMMA_PREFIX_KEYS and tile.min_blocks == 1
 
 
 def cascade_tiles(head_dim: int, rows_per_request: int) -> tuple[DecodeTile, ...]:
@@ -564,8 +584,13 @@ def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:
     partial += wide
     specs += [replace(s, batch_invariant=True) for s in partial]
     # the one-launch cascade's twin of every 16-bit cache's variant, causal or not
-    specs += [replace(s, cascade=True) for s in partial if not (s.fp8 or s.tree)]
-    return specs
+    cascades = [replace(s, cascade=True) for s in partial if not (s.fp8 or s.tree)]
+    # ... and, on Hopper, with its prefix by wgmma where the tile allows it
+    wgmma = [
+        replace(s, wgmma_prefix=True) for s in cascades
+        if s.head_dim in (64, 128) and wgmma_prefix_tile(s.tile)
+    ]  # fmt: skip
+    return specs + cascades + wgmma
 
 
 def fp8_decode_specs(dtype: str) -> list[DecodeSpec | DecodeAppendSpec]:

@@ -620,6 +620,12 @@ class DecodeTile:
         return self.num_warps * self.warp_keys
 
 
+#: The cascade's prefix CTA on Hopper (DecodeTraits::kPrefixRows, kPrefixKeys): two warpgroups'
+#: wgmma rows over 128-key tiles.
+WGMMA_PREFIX_ROWS = 128
+WGMMA_PREFIX_KEYS = 128
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeSpec(_KernelSpecBase):
     """A variant of ``decode_partial`` in ``kernels_cu/decode.cu`` (template ``DecodeTraits``)."""
@@ -636,13 +642,13 @@ class DecodeSpec(_KernelSpecBase):
     tree: bool = False  # speculative decoding's tree mask among the draft tokens (no causal or window bound)
     cascade: bool = False  # shared-prefix decoding: the prefixes' CTAs and the requests' in one launch
     wide_tree: bool = False  # a tree of 33 to 64 drafts: a 64-bit word of visible drafts per packed row
+    # the cascade's prefix CTAs by wgmma (sm_90a): 128 packed rows of whole requests a CTA
+    wgmma_prefix: bool = False
 
     kernel = "decode_partial"
     source_file = "decode.cu"
     params_type = "DecodeParams"
     param_decl = "const DecodeParams params"
-    archs = CI_ARCHS
-    uses_tma = False
     traits = "DecodeTraits"
     prefix = "decode"
     entry = "decode_partial<Traits>(params);"
@@ -660,6 +666,24 @@ class DecodeSpec(_KernelSpecBase):
             raise ValueError("wide_tree is a tree mask's variant (33 to 64 drafts): tree must be set")
         if self.cascade and (self.local or self.fp8 or self.batch_invariant or self.tree):
             raise ValueError("the cascade variant takes a 16-bit cache, causal or not, softcap or not: nothing else")
+        if self.wgmma_prefix and not (
+            self.cascade and self.tile.num_warps == 8 and self.tile.block_n == WGMMA_PREFIX_KEYS
+            and self.head_dim in (64, 128) and not self.valid_dim
+        ):  # fmt: skip
+            raise ValueError("the wgmma prefix is a cascade's, on 8-warp tiles of 128-key blocks at d = 64 or 128")
+
+    @property
+    def archs(self) -> tuple[str, ...]:
+        return (HOPPER_ARCH,) if self.wgmma_prefix else CI_ARCHS
+
+    @property
+    def uses_tma(self) -> bool:  # (what it stands for here: the variant runs on sm_90a alone)
+        return self.wgmma_prefix
+
+    @property
+    def prefix_rows(self) -> int:
+        """Packed rows of a cascade's prefix CTA (whole requests: the kernel's prefix row block)."""
+        return WGMMA_PREFIX_ROWS if self.wgmma_prefix else self.tile.block_m
 
     def _name_parts(self) -> tuple[object, ...]:
         t = self.tile
@@ -677,7 +701,7 @@ class DecodeSpec(_KernelSpecBase):
         return (("qreg", t.q_in_regs), (f"b{t.min_blocks}", t.min_blocks > 1),
                 *_mask_flags(self.causal, self.local, self.softcap), ("fp8", self.fp8),
                 ("inv", self.batch_invariant), ("tree", self.tree), ("cascade", self.cascade),
-                ("wide", self.wide_tree))  # fmt: skip
+                ("wide", self.wide_tree), ("wgp", self.wgmma_prefix))  # fmt: skip
 
     @property
     def num_threads(self) -> int:
@@ -688,14 +712,20 @@ class DecodeSpec(_KernelSpecBase):
         t, d = self.tile, self.head_dim
         ring = t.num_warps * 2 * t.stages * t.warp_keys * d * (1 if self.fp8 else 2)  # per warp: cached [K, V] slices
         merge = t.num_warps * t.block_m * (d + 8 + 1) * 4  # the warps' fp32 partials, padded rows
-        return t.block_m * d * 2 + max(ring, merge)
+        own = t.block_m * d * 2 + max(ring, merge)
+        if not self.wgmma_prefix:
+            return own
+        # an atom of alignment slack, Q's rows, the [K, V] tiles of each stage (DecodeTraits)
+        stages = 3 if d <= 64 else 2
+        return max(own, 1024 + WGMMA_PREFIX_ROWS * d * 2 + stages * 2 * WGMMA_PREFIX_KEYS * d * 2)
 
     def _traits_args(self) -> tuple[object, ...]:
         t = self.tile
         # The trailing kValidDim_, Kv_fp8_, Batch_invariant_, Is_tree_, Is_cascade_, Wide_tree_
         # spelled out only as far as needed (a variant without them is spelled as before).
         tail: tuple[object, ...] = (
-            (self.valid_dim, self.fp8, self.batch_invariant, True, False, True) if self.wide_tree
+            (self.valid_dim, self.fp8, self.batch_invariant, False, True, False, True) if self.wgmma_prefix
+            else (self.valid_dim, self.fp8, self.batch_invariant, True, False, True) if self.wide_tree
             else (self.valid_dim, self.fp8, self.batch_invariant, self.tree, True) if self.cascade
             else (self.valid_dim, self.fp8, self.batch_invariant, True) if self.tree
             else (self.valid_dim, self.fp8, True) if self.batch_invariant

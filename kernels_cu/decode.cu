@@ -46,12 +46,14 @@
 
 #include "common.cuh"
 #include "fp8.cuh"      // the float8 cache: widening, quantisation
+#include "hopper.cuh"   // the wgmma prefix: swizzled tiles, descriptors, fences
 #include "mask.cuh"     // KeyMask, PackedRowMask
 #include "kvcache.cuh"  // DecodeParams, CacheSpan, CacheRows: the cache view
 #include "params.cuh"
 #include "softmax.cuh"   // the online softmax and merge_row
 #include "tile_mma.cuh"  // gemm_qk, gemm_pv, load_q_regs: the mma.sync tile verbs
 #include "variants.cuh"
+#include "wgmma.cuh"
 
 // Exact merge of partial results: part p of output row (b, i, h) is
 //   O_p = o_parts_ptr[p * o_part_stride + b * o_batch_stride + i * o_row_stride + h * o_head_stride + :]
@@ -72,7 +74,8 @@ struct MergeParams {
 template <int kHeadDim_, int kBlockM_, int kWarpKeys_, int kNWarps_, int kStages_, bool Q_in_regs_,
           typename Element_, bool Is_causal_, bool Is_local_ = false, bool Has_softcap_ = false,
           int kValidDim_ = 0, bool Kv_fp8_ = false, bool Batch_invariant_ = false,
-          bool Is_tree_ = false, bool Is_cascade_ = false, bool Wide_tree_ = false>
+          bool Is_tree_ = false, bool Is_cascade_ = false, bool Wide_tree_ = false,
+          bool Wgmma_prefix_ = false>
 struct DecodeTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -106,6 +109,18 @@ struct DecodeTraits {
   // Cascade decoding: the grid holds the prefixes' CTAs, then the requests' (cascade_work); every
   // CTA writes fp32 partials, and a request's last one merges its own and its prefix's splits.
   static constexpr bool Is_cascade = Is_cascade_;
+  // The cascade's prefix CTAs on Hopper (sm_90a): 128 packed rows of whole requests, two
+  // warpgroups of 64 rows over shared 128-key K/V tiles, S = Q K^T and O += P V by wgmma
+  // (prefix_partial_wgmma below). The requests' own CTAs stay on the mma.sync path above.
+  static constexpr bool Wgmma_prefix = Wgmma_prefix_;
+  static constexpr int kPrefixRows = 128;  // two warpgroups' wgmma M
+  static constexpr int kPrefixKeys = 128;  // keys of a K/V tile: the CTA key block (kBlockN)
+  static constexpr int kPrefixStages = kHeadDim_ <= 64 ? 3 : 2;
+  static constexpr int kPrefixTileBytes =
+      kPrefixKeys * kHeadDim_ * 2;  // K or V, [d / 64][keys][64]
+  // (one swizzle atom of slack: the tiles start 1024-byte aligned)
+  static constexpr int kSmemPrefixBytes =
+      kSwizzleAtomBytes + kPrefixRows * kHeadDim_ * 2 + kPrefixStages * 2 * kPrefixTileBytes;
 
   static constexpr int kBlockN = kNWarps * kWarpKeys;  // keys of one CTA step (the split unit)
   static constexpr int kNThreads = kNWarps * 32;
@@ -126,7 +141,9 @@ struct DecodeTraits {
   static constexpr int kSmemMergeBytes = kNWarps * kBlockM * (kMergeRowFloats + 1) * 4;
   static constexpr int kSmemRingBytes =
       kNWarps * kWarpRingBytes > kSmemMergeBytes ? kNWarps * kWarpRingBytes : kSmemMergeBytes;
-  static constexpr int kSmemBytes = kSmemQBytes + kSmemRingBytes;
+  static constexpr int kSmemBytes = Wgmma_prefix && kSmemPrefixBytes > kSmemQBytes + kSmemRingBytes
+                                        ? kSmemPrefixBytes
+                                        : kSmemQBytes + kSmemRingBytes;
 
   static_assert(kBlockM % 16 == 0 && kWarpKeys % 16 == 0, "whole MMA tiles");
   static_assert(kStages >= 2, "the K/V ring needs at least two stages");
@@ -136,6 +153,9 @@ struct DecodeTraits {
   static_assert(!Is_cascade || !(Is_local || Kv_fp8 || Batch_invariant || Is_tree),
                 "the cascade takes a 16-bit paged cache, causal or not, softcap or not");
   static_assert(32 % (kHeadDim / 8) == 0 || (kHeadDim / 8) % 32 == 0, "rows map onto lanes");
+  static_assert(!Wgmma_prefix || (Is_cascade && kNWarps == 8 && kBlockN == kPrefixKeys &&
+                                  Columns::kFull && (kHeadDim == 64 || kHeadDim == 128)),
+                "the wgmma prefix: a cascade's 8-warp tile of 128-key blocks, d = 64 or 128");
   static_assert(!Kv_fp8 || (Columns::kFull && (kHeadDim == 64 || kHeadDim == 128)),
                 "a float8 cache takes whole tiles of d = 64 or 128");
 };
@@ -566,6 +586,259 @@ CF_DEVICE PackedRow packed_row(int packed, int batch, int head_k, int group, int
   }
 }
 
+// Fused combine, after a CTA has written its partials (rows [row0, row_end) of `work`). The
+// fence orders this CTA's partial writes before its ticket (the last-block pattern): the CTA
+// that draws ticket num_splits - 1 finds every split's partial in L2, and merges them in split
+// order. Is_cascade: a CTA takes a ticket for each request whose rows it holds (a prefix CTA,
+// several), on that request's counter, which expects its num_splits and its prefix's
+// prefix_splits; the CTA that draws a request's last merges that request's rows.
+template <typename Traits>
+CF_DEVICE void merge_when_last(const DecodeParams& params, const DecodeWork& work, int row_end,
+                               int seqlen_k) {
+  using Element = typename Traits::Element;
+  const AttnParams& attn = params.attn;
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int batch = work.batch;
+  const int head_k = work.head_k;
+  const int group = attn.h_h_k_ratio;
+  const int seqlen_q = attn.seqlen_q;
+  constexpr int kMostRequests = Traits::Wgmma_prefix ? Traits::kPrefixRows : Traits::kBlockM;
+  __shared__ int s_is_last;
+  __shared__ bool s_last_of[Traits::Is_cascade ? kMostRequests : 1];  // per request of the CTA
+  __threadfence();
+  __syncthreads();
+  if constexpr (Traits::Is_cascade) {
+    bool last = false;
+    if (tid < work.requests) {
+      int32_t* counter =
+          params.split_counters + static_cast<int64_t>(batch + tid) * attn.h_k + head_k;
+      last = atomicAdd(counter, 1) == params.num_splits + params.prefix_splits - 1;
+      if (last) *counter = 0;  // every split has drawn: ready for the next call on this stream
+      s_last_of[tid] = last;
+    }
+    if (!__syncthreads_or(last)) return;
+  } else {
+    if (tid == 0) {
+      const int m_blocks = gridDim.x / params.num_splits;
+      const int64_t group_index = static_cast<int64_t>(batch) * gridDim.y + head_k;
+      int32_t* counter = params.split_counters + group_index * m_blocks + blockIdx.x % m_blocks;
+      const bool last = atomicAdd(counter, 1) == sequence_splits<Traits>(params, seqlen_k) - 1;
+      if (last) *counter = 0;  // every split has drawn: ready for the next call on this stream
+      s_is_last = last;
+    }
+    __syncthreads();
+    if (!s_is_last) return;
+  }
+  __threadfence();
+  const int64_t part_rows = static_cast<int64_t>(attn.batch) * attn.h * seqlen_q;
+  const int rows = group * seqlen_q * work.requests;  // packed rows of this KV head
+  row_end = min(row_end, rows);
+#pragma unroll 1
+  for (int packed = work.row0 + warp; packed < row_end; packed += Traits::kNWarps) {
+    if constexpr (Traits::Is_cascade) {
+      if (!s_last_of[packed / (group * seqlen_q)]) continue;  // another CTA merges that request
+    }
+    const PackedRow at = packed_row<Traits>(packed, batch, head_k, group, seqlen_q);
+    const int query = at.query;
+    const int head = at.head;
+    const int64_t row_index = (static_cast<int64_t>(at.batch) * attn.h + head) * seqlen_q + query;
+    Element* g_o = static_cast<Element*>(attn.o_ptr) + at.batch * attn.o_batch_stride +
+                   query * attn.o_row_stride + head * attn.o_head_stride;
+    float* g_lse = attn.lse_ptr == nullptr ? nullptr
+                                           : attn.lse_ptr + at.batch * attn.lse_batch_stride +
+                                                 head * attn.lse_head_stride + query;
+    const int parts = Traits::Is_cascade ? params.num_splits + params.prefix_splits
+                                         : sequence_splits<Traits>(params, seqlen_k);
+    merge_row<Traits::kHeadDim, Traits::Columns::kValidDim>(
+        params.o_partial_ptr + row_index * Traits::kHeadDim, part_rows * Traits::kHeadDim,
+        params.lse_partial_ptr + row_index, part_rows, parts, g_o, g_lse, lane,
+        attn.sinks == nullptr ? neg_infinity() : attn.sinks[head]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cascade's prefix CTAs on Hopper (Wgmma_prefix). A prefix row block is many requests' rows
+// against the same keys: a prefill, not a decode. On the mma.sync path each warp holds all the
+// block's rows (32 at d = 128: 128 fp32 registers of O a thread), so a CTA runs 8 warps and
+// reads Q and every K/V slice from shared memory per 16 keys, and the block is compute-bound
+// far below the tensor cores' rate. Here the 128 rows of up to 128 / (group x Nq) requests are
+// two warpgroups' wgmma M (64 rows each, O 64 registers a thread) over shared 128-key tiles:
+//   all 256 threads copy K/V tile j + 1 (cp.async, pages looked up per row, the 128-byte swizzle
+//   wgmma reads) while each warpgroup computes S = Q K_j^T (wgmma, A and B from shared memory),
+//   the softmax in registers (the m16n8 layout of the mma.sync path: the same OnlineSoftmax),
+//   and O += P V_j (wgmma, P from registers, V read MN-major);
+//   one CTA barrier a tile publishes its copies (after fence.proxy.async: wgmma reads through the
+//   async proxy) and frees the other stage.
+// Each thread then writes its O rows' fp32 partial and LSE in the prefix's slot, and the CTA
+// takes its requests' tickets as the mma.sync path does (merge_when_last).
+// ---------------------------------------------------------------------------------------------
+template <typename Traits>
+CF_DEVICE void prefix_tile_load(uint32_t s_tile, const CacheRows<typename Traits::Element>& cache,
+                                int key0, int seqlen_k, int tid, int* bad_page) {
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;  // 16-byte chunks of a row
+  constexpr int kRowsPerPass = Traits::kNThreads / kChunksPerRow;
+  const int col = (tid % kChunksPerRow) * 8;
+#pragma unroll
+  for (int r = tid / kChunksPerRow; r < Traits::kPrefixKeys; r += kRowsPerPass) {
+    const bool valid = key0 + r < seqlen_k;  // (past the prefix: zeros, and no table read)
+    const auto* src = valid ? cache.row(key0 + r, bad_page) + col : cache.base;
+    cp_async_16(s_tile + swizzled_offset<Traits::kPrefixKeys>(r, col), src, valid);
+  }
+}
+
+template <typename Traits>
+CF_DEVICE void prefix_partial_wgmma(const DecodeParams& params, const DecodeWork& work,
+                                    const unsigned char* smem_raw) {
+  using Element = typename Traits::Element;
+  constexpr int kRows = Traits::kPrefixRows;
+  constexpr int kKeys = Traits::kPrefixKeys;
+  constexpr int kStages = Traits::kPrefixStages;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kTileBytes = Traits::kPrefixTileBytes;
+  const AttnParams& attn = params.attn;
+  const uint32_t s_q = swizzle_aligned_base(smem_raw);  // [d / 64][kRows][64], swizzled
+  const uint32_t s_ring = s_q + kRows * kHeadDim * 2;   // [kStages][K, V] tiles, alike
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int warpgroup = warp / 4;
+  const int group = attn.h_h_k_ratio;
+  const int seqlen_q = attn.seqlen_q;
+  const int rows = group * seqlen_q * work.requests;  // packed rows (request-major), <= kRows
+  const CacheSpan span = prefix_span(params, work.prefix);
+  const int seqlen_k = span.cached;
+  const int n_begin = work.split * params.prefix_blocks_per_split;
+  const int n_end = min(n_begin + params.prefix_blocks_per_split, ceil_div(seqlen_k, kKeys));
+  __shared__ int s_bad_page;  // did a thread read a page through a bad block-table entry?
+  if (tid == 0) s_bad_page = 0;
+
+  // Q: packed row r of the block (zeros past its rows).
+  const Element* g_q = static_cast<const Element*>(attn.q_ptr);
+#pragma unroll 1
+  for (int i = tid; i < kRows * kChunksPerRow; i += Traits::kNThreads) {
+    const int r = i / kChunksPerRow;
+    const int col = (i % kChunksPerRow) * 8;
+    const Element* src = g_q;
+    if (r < rows) {
+      const PackedRow at = packed_row<Traits>(r, work.batch, work.head_k, group, seqlen_q);
+      src += at.batch * attn.q_batch_stride + at.query * attn.q_row_stride +
+             at.head * attn.q_head_stride + col;
+    }
+    cp_async_16(s_q + swizzled_offset<kRows>(r, col), src, r < rows);
+  }
+  __syncthreads();  // (s_bad_page)
+  const CacheRows<Element> k_rows =
+      prefix_rows<Element>(params, attn.k_ptr, attn.k_batch_stride, attn.k_row_stride,
+                           attn.k_head_stride, work.head_k, work.prefix);
+  const CacheRows<Element> v_rows =
+      prefix_rows<Element>(params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride,
+                           attn.v_head_stride, work.head_k, work.prefix);
+  auto load_kv = [&](int n_block, int stage) {
+    const uint32_t s_k = s_ring + stage * 2 * kTileBytes;
+    prefix_tile_load<Traits>(s_k, k_rows, n_block * kKeys, seqlen_k, tid, &s_bad_page);
+    prefix_tile_load<Traits>(s_k + kTileBytes, v_rows, n_block * kKeys, seqlen_k, tid, &s_bad_page);
+  };
+  // Prologue: Q with the first tile, then the next kStages - 2, one commit group each.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (n_begin + s < n_end) load_kv(n_begin + s, s);
+    cp_async_commit();
+  }
+
+  using MmaQK = Wgmma<kKeys, Element>;
+  using MmaPV = Wgmma<kHeadDim, Element>;
+  float acc_o[1][kHeadDim / 8][4];
+  zero_fill(acc_o);
+  OnlineSoftmax<1> softmax;
+  const float scale_log2 = attn.softmax_scale_log2;
+  const typename Traits::Transform transform(attn);
+  // This warpgroup's 64 rows of Q: k-step ks reads 32 bytes of d into the 128-byte rows of
+  // column block ks / 4.
+  const uint64_t desc_q0 = wgmma_desc(s_q + warpgroup * 64 * kSwizzleRowBytes, 0);
+  for (int it = 0, n_block = n_begin; n_block < n_end; ++it, ++n_block) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of tile `it` have landed
+    fence_proxy_async_shared();    // ... visible to wgmma's reads
+    __syncthreads();               // ... and every thread's; tile it - 1's stage is free
+    if (n_block + kStages - 1 < n_end) load_kv(n_block + kStages - 1, (it + kStages - 1) % kStages);
+    cp_async_commit();
+    const uint32_t s_k = s_ring + (it % kStages) * 2 * kTileBytes;
+
+    float s[1][kKeys / 8][4];
+    const uint64_t desc_k0 = wgmma_desc(s_k, 0);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t col_bytes = (ks % 4) * 32;
+      MmaQK::ss(s[0], wgmma_desc_advance(desc_q0, (ks / 4) * kRows * kSwizzleRowBytes + col_bytes),
+                wgmma_desc_advance(desc_k0, (ks / 4) * kKeys * kSwizzleRowBytes + col_bytes),
+                ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s[0]);
+
+    // Every key of a prefix is visible to every row: only those past its end are masked.
+    const int key0 = n_block * kKeys;
+    transform_scores(transform, s, /*row0=*/0, key0, lane);
+    if (key0 + kKeys > seqlen_k) {
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (key0 + MmaKeyColumns{}(nt, lane, e) >= seqlen_k) s[0][nt][e] = neg_infinity();
+    }
+    float rescale[2];
+    softmax.update_max(s, scale_log2, rescale);
+    rescale_rows_if_moved(acc_o, rescale);
+    softmax.exp_accumulate(s, scale_log2, rescale);
+    uint32_t p[kKeys / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < kKeys / 16; ++ks) p_operand<typename Traits::Ops>(p[ks], s[0], ks);
+
+    // O += P V: k-step ks takes keys 16 ks .. 16 ks + 15 (two 8-row atoms of every column
+    // block); d's column blocks are kKeys rows apart.
+    const uint64_t desc_v0 = wgmma_desc(s_k + kTileBytes, kKeys * kSwizzleRowBytes);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKeys / 16; ++ks)
+      MmaPV::rs_bt(acc_o[0], p[ks], wgmma_desc_advance(desc_v0, ks * 2 * kSwizzleAtomBytes), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc_o[0]);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // (s_bad_page)
+
+  // This thread's rows (warp w holds rows 16 w .. 16 w + 15 of the block): the normalised
+  // partial and its LSE in the prefix's slot num_splits + split.
+  float inv_sum[2], lse[2];
+  softmax.finalize(scale_log2, inv_sum, lse);
+  scale_rows(acc_o, inv_sum);
+  const bool bad = span.bad() || s_bad_page != 0;  // the block's rows are NaN
+  if (tid == 0 && bad) report_error(params, (s_bad_page != 0 ? kBadPage : 0) | span.error_bits());
+  const int slot = params.num_splits + work.split;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = 16 * warp + lane / 4 + 8 * half;
+    if (r >= rows) continue;
+    const PackedRow at = packed_row<Traits>(r, work.batch, work.head_k, group, seqlen_q);
+    const int64_t row_index =
+        ((static_cast<int64_t>(slot) * attn.batch + at.batch) * attn.h + at.head) * seqlen_q +
+        at.query;
+    float* g_o = params.o_partial_ptr + row_index * kHeadDim + 2 * (lane % 4);
+#pragma unroll
+    for (int dt = 0; dt < kHeadDim / 8; ++dt) {
+      const float2 o = bad ? make_float2(quiet_nan(), quiet_nan())
+                           : make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+      *reinterpret_cast<float2*>(g_o + 8 * dt) = o;
+    }
+    if (lane % 4 == 0) params.lse_partial_ptr[row_index] = bad ? quiet_nan() : lse[half];
+  }
+}
+
 template <typename Traits>
 CF_DEVICE void decode_partial(const DecodeParams& params) {
   using Element = typename Traits::Element;
@@ -581,7 +854,13 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   float* s_merge = reinterpret_cast<float*>(smem_raw + Traits::kSmemQBytes);  // after the loop
 
   const DecodeWork work = decode_work<Traits>(params);
-  const int m_blocks = gridDim.x / params.num_splits;  // (unless Is_cascade: one m-block)
+  if constexpr (Traits::Wgmma_prefix) {
+    if (work.prefix >= 0) {
+      prefix_partial_wgmma<Traits>(params, work, smem_raw);
+      merge_when_last<Traits>(params, work, Traits::kPrefixRows, 0);
+      return;
+    }
+  }
   const int split = work.split;
   const int row0 = work.row0;  // first packed row of the CTA
   const int head_k = work.head_k;
@@ -918,60 +1197,7 @@ CF_DEVICE void decode_partial(const DecodeParams& params) {
   }
   if (single) return;
 
-  // Fused combine. The fence orders this CTA's partial writes before its ticket (the last-block
-  // pattern): the CTA that draws ticket num_splits - 1 finds every split's partial in L2, and
-  // merges them in split order. Is_cascade: a CTA takes a ticket for each request whose rows it
-  // holds (a prefix CTA, several), on that request's counter, which expects its num_splits and
-  // its prefix's prefix_splits; the CTA that draws a request's last merges that request's rows.
-  __shared__ int s_is_last;
-  __shared__ bool s_last_of[Traits::Is_cascade ? Traits::kBlockM : 1];  // per request of the CTA
-  __threadfence();
-  __syncthreads();
-  if constexpr (Traits::Is_cascade) {
-    bool last = false;
-    if (tid < work.requests) {
-      int32_t* counter =
-          params.split_counters + static_cast<int64_t>(batch + tid) * attn.h_k + head_k;
-      last = atomicAdd(counter, 1) == params.num_splits + params.prefix_splits - 1;
-      if (last) *counter = 0;  // every split has drawn: ready for the next call on this stream
-      s_last_of[tid] = last;
-    }
-    if (!__syncthreads_or(last)) return;
-  } else {
-    if (tid == 0) {
-      const int64_t group_index = static_cast<int64_t>(batch) * gridDim.y + head_k;
-      int32_t* counter = params.split_counters + group_index * m_blocks + blockIdx.x % m_blocks;
-      const bool last = atomicAdd(counter, 1) == sequence_splits<Traits>(params, seqlen_k) - 1;
-      if (last) *counter = 0;  // every split has drawn: ready for the next call on this stream
-      s_is_last = last;
-    }
-    __syncthreads();
-    if (!s_is_last) return;
-  }
-  __threadfence();
-  const int64_t part_rows = static_cast<int64_t>(attn.batch) * attn.h * seqlen_q;
-  const int row_end = min(row0 + Traits::kBlockM, rows);
-#pragma unroll 1
-  for (int packed = row0 + warp; packed < row_end; packed += Traits::kNWarps) {
-    if constexpr (Traits::Is_cascade) {
-      if (!s_last_of[packed / (group * seqlen_q)]) continue;  // another CTA merges that request
-    }
-    const PackedRow at = packed_row<Traits>(packed, batch, head_k, group, seqlen_q);
-    const int query = at.query;
-    const int head = at.head;
-    const int64_t row_index = (static_cast<int64_t>(at.batch) * attn.h + head) * seqlen_q + query;
-    Element* g_o = static_cast<Element*>(attn.o_ptr) + at.batch * attn.o_batch_stride +
-                   query * attn.o_row_stride + head * attn.o_head_stride;
-    float* g_lse = attn.lse_ptr == nullptr ? nullptr
-                                           : attn.lse_ptr + at.batch * attn.lse_batch_stride +
-                                                 head * attn.lse_head_stride + query;
-    const int parts = Traits::Is_cascade ? params.num_splits + params.prefix_splits
-                                         : sequence_splits<Traits>(params, seqlen_k);
-    merge_row<Traits::kHeadDim, Traits::Columns::kValidDim>(
-        params.o_partial_ptr + row_index * Traits::kHeadDim, part_rows * Traits::kHeadDim,
-        params.lse_partial_ptr + row_index, part_rows, parts, g_o, g_lse, lane,
-        attn.sinks == nullptr ? neg_infinity() : attn.sinks[head]);
-  }
+  merge_when_last<Traits>(params, work, row0 + Traits::kBlockM, seqlen_k);
 }
 
 // ---------------------------------------------------------------------------------------------

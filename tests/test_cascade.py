@@ -6,6 +6,7 @@ its route up to the launch, with the device stubbed."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -232,7 +233,7 @@ def test_a_prefix_page_outside_the_pool_raises_before_the_append(rng):
 H100 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
 
 
-def _plan_cascade(groups, prefix_pages, own_pages=33, page_size=16, heads=(32, 8), d=128, nq=1, nnew=0):
+def _plan_cascade(groups, prefix_pages, own_pages=33, page_size=16, heads=(32, 8), d=128, nq=1, nnew=0, device=H100):
     """The cascade Launch of one call shape (cache_seqlens an int32 array, the plan's view)."""
     b, (hq, hkv) = groups[-1], heads
     kp = kvcache_problem(
@@ -245,7 +246,7 @@ def _plan_cascade(groups, prefix_pages, own_pages=33, page_size=16, heads=(32, 8
     dtypes = {"q": "bfloat16", "k_cache": "bfloat16", "v_cache": "bfloat16", "cache_seqlens": "int32",
               "block_table": "int32", "k_new": new, "v_new": new}  # fmt: skip
     cascade = _plan.CascadePrefix(tuple(groups), prefix_pages)
-    return _plan.plan_kvcache(kp, dtypes, H100, num_splits=0, cascade=cascade)  # fmt: skip
+    return _plan.plan_kvcache(kp, dtypes, device, num_splits=0, cascade=cascade)  # fmt: skip
 
 
 def _ctas(launch, groups):
@@ -285,7 +286,7 @@ def test_every_part_of_every_request_is_written_once_and_ticketed(groups, heads,
     per_request = heads[0] // heads[1] * nq
     slots: dict[tuple[int, int], list[int]] = {}
     for first, head, split, g, requests in _ctas(launch, groups):
-        assert requests * per_request <= step.spec.tile.block_m
+        assert requests * per_request <= (step.spec.prefix_rows if g >= 0 else step.spec.tile.block_m)
         if g >= 0:
             assert groups[g] <= first and first + requests <= groups[g + 1]  # one group's requests
         for b in range(first, first + requests):
@@ -299,12 +300,19 @@ def test_every_part_of_every_request_is_written_once_and_ticketed(groups, heads,
 
 
 def test_the_tile_holds_a_group_and_the_prefix_fills_two_waves():
-    """B = 64, GQA 32/8, d = 128 over 32k keys: 32-row tiles (8 requests a row block, 8 blocks), the
-    prefix's CTAs at least two waves of the H100's 132 SMs; B = 2: 16-row tiles; one request: its
-    prefix split into as many whole key-block ranges as two waves ask."""
+    """B = 64, GQA 32/8, d = 128 over 32k keys: on the H100 the wgmma prefix (128 rows, 32 requests
+    a row block, 2 blocks; the requests' own CTAs on 16-row tiles); elsewhere (and B = 8) 32-row
+    tiles (8 requests a row block, 8 blocks); the prefix's CTAs at least two waves of the H100's
+    132 SMs; B = 2: 16-row tiles; one request: its prefix split into as many whole key-block
+    ranges as two waves ask."""
     launch = _plan_cascade([0, 64], prefix_pages=2048)
     spec, params = launch.steps[-1].spec, launch.params
-    assert spec.tile.block_m == 32 and params.value("num_prefix_blocks") == 8
+    assert spec.wgmma_prefix and spec.tile.block_m == 16 and params.value("num_prefix_blocks") == 2
+    assert params.value("prefix_splits") * 2 * 8 >= 2 * 132
+    assert not _plan_cascade([0, 8], prefix_pages=2048).steps[-1].spec.wgmma_prefix  # 32 rows a group
+    launch = _plan_cascade([0, 64], prefix_pages=2048, device=dataclasses.replace(H100, arch="sm_80"))
+    spec, params = launch.steps[-1].spec, launch.params
+    assert not spec.wgmma_prefix and spec.tile.block_m == 32 and params.value("num_prefix_blocks") == 8
     assert params.value("prefix_splits") * 8 * 8 >= 2 * 132
     assert _plan_cascade([0, 2], prefix_pages=2048).steps[-1].spec.tile.block_m == 16
     one = _plan_cascade([0, 1], prefix_pages=2048)  # 32 splits of 8 key blocks (33 would leave 256 / 33 ragged)

@@ -15,7 +15,7 @@ import pytest
 from helpers import capture, check_kvcache, need_torch
 
 import cupyflash
-from cupyflash import _cascade, reference
+from cupyflash import _cascade, _device, _dispatch, _plan, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -48,6 +48,30 @@ CASES = {
     "one-request-gqa32to8-d128": Case((32, 8), 128, 1, 1, (0, 1), (20001,), (3,)),
     # d = 256 (16-row tiles: 4 requests a row block) with fp16
     "gqa8to2-d256": Case((8, 2), 256, 1, 1, (0, 2, 3), (777, 2500), (10, 0, 129), dtype="float16"),
+    # Hopper's wgmma prefix (groups of >= 64 packed rows): a group of 37 requests (a row block of
+    # 32 and one of 5), one of 1 (the mma.sync tile's rows, the same launch's variant), one of 17;
+    # prefixes ending inside a 128-key tile and inside a page
+    "wgmma-gqa32to8-d128": Case(
+        (32, 8),
+        128,
+        1,
+        1,
+        (0, 37, 38, 55),
+        (4100, 9, 1290),
+        tuple((7 * i) % 300 for i in range(55)),
+    ),
+    # 4 query tokens x GQA 8/2 (16 rows a request: 8 a row block), d = 64, fp16, host lengths
+    "wgmma-gqa8to2-d64-nq4": Case(
+        (8, 2),
+        64,
+        4,
+        4,
+        (0, 12, 12, 20),
+        (3000, 129),
+        tuple((13 * i) % 200 for i in range(20)),
+        dtype="float16",
+        lengths="host",
+    ),
 }
 FALLBACK = Case((8, 1), 128, 8, 8, (0, 2, 3), (640, 2000), (9, 0, 30))  # 64 rows a request: the composition
 
@@ -162,6 +186,23 @@ def one_launch(monkeypatch):
     monkeypatch.setattr(_cascade, "_composed", composed)
 
 
+@pytest.fixture
+def no_wgmma_prefix(monkeypatch):
+    """The prefix CTAs on the mma.sync path whatever the groups' rows (Hopper's wgmma path off)."""
+    monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_MIN_ROWS", 1 << 30)
+    _plan.clear_caches()
+    yield
+    _plan.clear_caches()
+
+
+def _takes_wgmma_prefix(case):
+    hq, hkv = case.heads
+    per_request = hq // hkv * case.nq
+    group_rows = per_request * max(e - b for b, e in zip(case.groups, case.groups[1:]))
+    arch = _device.device_info(0).arch
+    return _dispatch.cascade_spec(case.dtype, case.d, per_request, group_rows, True, arch=arch).wgmma_prefix
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name", list(CASES))
 def test_one_launch_matches_the_reference_and_the_flat_call(one_launch, name, page_size):
@@ -169,7 +210,18 @@ def test_one_launch_matches_the_reference_and_the_flat_call(one_launch, name, pa
     case = CASES[name]
     hq, hkv = case.heads
     assert _cascade.one_launch(case.nq, hq // hkv, case.d)
+    # (on Hopper the "wgmma" cases take the wgmma prefix, the others not)
+    assert _takes_wgmma_prefix(case) == (name.startswith("wgmma") and _device.device_info(0).arch == "sm_90a")
     _check_case(torch, case, page_size, seed=10 * list(CASES).index(name) + page_size)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("wgmma")])
+def test_the_wgmma_cases_on_the_mma_sync_path(one_launch, no_wgmma_prefix, name):
+    """The same large groups with the prefix CTAs on the mma.sync tiles (what other GPUs run)."""
+    torch = need_torch()
+    case = CASES[name]
+    assert not _takes_wgmma_prefix(case)
+    _check_case(torch, case, 16, seed=3 + list(CASES).index(name))
 
 
 @pytest.mark.parametrize("options", [{"causal": False, "softcap": 4.0}, {"scale": 0.05}], ids=str)
@@ -186,11 +238,12 @@ def test_the_composition_where_a_request_passes_one_tile():
     _check_case(torch, FALLBACK, 16, seed=11)
 
 
-def test_repeats_and_a_cuda_graph_give_the_same_bits(one_launch):
+@pytest.mark.parametrize("name", ["uneven-gqa8to2-d64-nq4", "wgmma-gqa8to2-d64-nq4"])
+def test_repeats_and_a_cuda_graph_give_the_same_bits(one_launch, name):
     """The tickets' counters are left at 0: the same call three times, and replays of a captured
     one, give the same bits; a replay after q changes gives the eager call's new result."""
     torch = need_torch()
-    case = CASES["uneven-gqa8to2-d64-nq4"]  # (the append writes the same keys at the same places each time)
+    case = CASES[name]  # (the append writes the same keys at the same places each time)
     gen = torch.Generator(device="cuda").manual_seed(3)
     pools, prefix_table, own_table, _, _, q, new = _pool(torch, gen, case, 16)
     lengths = _lengths(torch, case)
@@ -212,12 +265,14 @@ def test_repeats_and_a_cuda_graph_give_the_same_bits(one_launch):
     cupyflash.check_device_errors()
 
 
-def test_bad_prefix_values_give_nan_rows_of_their_group_and_raise(one_launch):
+@pytest.mark.parametrize("requests", [3, 40], ids=["3-requests", "40-requests-wgmma-prefix-on-hopper"])
+def test_bad_prefix_values_give_nan_rows_of_their_group_and_raise(one_launch, requests):
     """A prefix length past its table row, or one of its pages in use outside the pool: that
     group's requests get NaN rows (never a plausible answer), the other group's are right, and
     check_device_errors names the value."""
     torch = need_torch()
-    case = Case((8, 2), 128, 1, 0, (0, 2, 5), (100, 300), (4, 0, 60, 7, 1))
+    own = tuple((4, 0, 60, 7, 1) * 9)[: 2 + requests]
+    case = Case((8, 2), 128, 1, 0, (0, 2, 2 + requests), (100, 300), own)
     gen = torch.Generator(device="cuda").manual_seed(5)
     pools, prefix_table, own_table, prefix_rows, own_rows, q, new = _pool(torch, gen, case, 16)
     capacity = prefix_table.shape[1] * 16

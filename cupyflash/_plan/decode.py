@@ -122,7 +122,7 @@ def plan_kvcache(
                 batch_invariant=batch_invariant, tree=kp.tree, wide_tree=kp.tree and nq > DECODE_TREE_WORD_QUERIES,
             )  # fmt: skip
         else:
-            spec = _cascade_spec(kp, cascade, dtype)
+            spec = _cascade_spec(kp, cascade, dtype, device.arch)
         m_blocks = -(-rows // spec.tile.block_m)
         key_blocks = -(-kp.capacity // spec.tile.block_n)
         ctas = a.batch * a.heads_kv * m_blocks
@@ -269,15 +269,15 @@ def cascade_blocks(launch: Launch, groups: tuple[int, ...]) -> tuple[tuple[int, 
     step = next(s for s in launch.steps if isinstance(s.spec, DecodeSpec))
     params = launch.params
     per_request = int(params.value("h_h_k_ratio")) * int(params.value("seqlen_q"))
-    return cascade_row_blocks(groups, step.spec.tile.block_m // max(per_request, 1))
+    return cascade_row_blocks(groups, step.spec.prefix_rows // max(per_request, 1))
 
 
-def _cascade_spec(kp: KvCacheProblem, cascade: CascadePrefix, dtype: str) -> DecodeSpec:
+def _cascade_spec(kp: KvCacheProblem, cascade: CascadePrefix, dtype: str, arch: str) -> DecodeSpec:
     a = kp.attn
     group_rows = max((e - b for b, e in zip(cascade.groups, cascade.groups[1:])), default=0)
     per_request = a.heads_q // a.heads_kv * a.seqlen_q
     spec = _dispatch.cascade_spec(dtype, a.head_dim, per_request, group_rows * per_request, a.causal_bound,
-                                  a.softcap > 0)  # fmt: skip
+                                  a.softcap > 0, arch)  # fmt: skip
     if spec is None:
         raise ValueError(
             f"a one-launch cascade takes a request's {per_request} packed rows (query tokens x GQA group) in one "
@@ -294,7 +294,7 @@ def _cascade_step(
     decode_work)."""
     a = kp.attn
     per_request = max(a.heads_q // a.heads_kv * a.seqlen_q, 1)
-    blocks = cascade_row_blocks(cascade.groups, spec.tile.block_m // per_request)
+    blocks = cascade_row_blocks(cascade.groups, spec.prefix_rows // per_request)
     capacity = cascade.table_pages * (1 << kp.page_size_log2)
     key_blocks = -(-capacity // spec.tile.block_n)
     prefix_splits = _dispatch.cascade_prefix_splits(
