@@ -116,6 +116,9 @@ struct DecodeTraits {
   static constexpr int kPrefixRows = 128;  // two warpgroups' wgmma M
   static constexpr int kPrefixKeys = 128;  // keys of a K/V tile: the CTA key block (kBlockN)
   static constexpr int kPrefixStages = kHeadDim_ <= 64 ? 3 : 2;
+  // A K/V tile's copy: rows a pass of all threads covers (16-byte chunks), and the passes.
+  static constexpr int kPrefixRowStep = kNWarps_ * 32 / (kHeadDim_ / 8);
+  static constexpr int kPrefixPasses = kPrefixKeys / kPrefixRowStep;
   static constexpr int kPrefixTileBytes =
       kPrefixKeys * kHeadDim_ * 2;  // K or V, [d / 64][keys][64]
   // (one swizzle atom of slack: the tiles start 1024-byte aligned)
@@ -674,18 +677,46 @@ CF_DEVICE void merge_when_last(const DecodeParams& params, const DecodeWork& wor
 // Each thread then writes its O rows' fp32 partial and LSE in the prefix's slot, and the CTA
 // takes its requests' tickets as the mma.sync path does (merge_when_last).
 // ---------------------------------------------------------------------------------------------
+// A K/V tile's copy: thread t takes 16-byte chunk t % (d / 8) of rows t / (d / 8) + i x rows a
+// pass (kPrefixPasses of them). The block-table entries of those rows are read a tile ahead
+// (prefix_tile_pages), so a tile's copies wait on no table read: a copy that read its row's entry
+// first held each step to a chain of dependent L2 round trips.
+// The table entries of tile key0's rows this thread copies (0 past the prefix: never used).
 template <typename Traits>
-CF_DEVICE void prefix_tile_load(uint32_t s_tile, const CacheRows<typename Traits::Element>& cache,
-                                int key0, int seqlen_k, int tid, int* bad_page) {
-  constexpr int kChunksPerRow = Traits::kHeadDim / 8;  // 16-byte chunks of a row
-  constexpr int kRowsPerPass = Traits::kNThreads / kChunksPerRow;
-  const int col = (tid % kChunksPerRow) * 8;
+CF_DEVICE void prefix_tile_pages(int (&entry)[Traits::kPrefixPasses], const int32_t* pages,
+                                 int page_size_log2, int key0, int seqlen_k, int tid) {
+  const int row0 = tid / (Traits::kHeadDim / 8);
 #pragma unroll
-  for (int r = tid / kChunksPerRow; r < Traits::kPrefixKeys; r += kRowsPerPass) {
-    const bool valid = key0 + r < seqlen_k;  // (past the prefix: zeros, and no table read)
-    const auto* src = valid ? cache.row(key0 + r, bad_page) + col : cache.base;
-    cp_async_16(s_tile + swizzled_offset<Traits::kPrefixKeys>(r, col), src, valid);
+  for (int i = 0; i < Traits::kPrefixPasses; ++i) {
+    const int key = key0 + row0 + i * Traits::kPrefixRowStep;
+    entry[i] = key < seqlen_k ? __ldg(pages + (key >> page_size_log2)) : 0;
   }
+}
+
+// One cache's rows of tile key0 into the swizzled tile at s_tile (zeros past the prefix); true if
+// an entry in use lies outside the pool (a row of page 0 is read instead: the rows are NaN anyway).
+template <typename Traits>
+CF_DEVICE bool prefix_tile_copy(uint32_t s_tile, const CacheRows<typename Traits::Element>& cache,
+                                const int (&entry)[Traits::kPrefixPasses], int key0, int seqlen_k,
+                                int tid) {
+  const int row0 = tid / (Traits::kHeadDim / 8);
+  const int col = (tid % (Traits::kHeadDim / 8)) * 8;
+  const int slot_mask = (1 << cache.page_size_log2) - 1;
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < Traits::kPrefixPasses; ++i) {
+    const int r = row0 + i * Traits::kPrefixRowStep;
+    const int key = key0 + r;
+    const bool valid = key < seqlen_k;
+    const bool outside = static_cast<unsigned>(entry[i]) >= static_cast<unsigned>(cache.num_pages);
+    bad |= valid && outside;
+    const int page = outside ? 0 : entry[i];
+    const auto* src =
+        cache.base + page * cache.page_stride + (key & slot_mask) * cache.row_stride + col;
+    cp_async_16(s_tile + swizzled_offset<Traits::kPrefixKeys>(r, col), valid ? src : cache.base,
+                valid);
+  }
+  return bad;
 }
 
 template <typename Traits>
@@ -736,17 +767,30 @@ CF_DEVICE void prefix_partial_wgmma(const DecodeParams& params, const DecodeWork
   const CacheRows<Element> v_rows =
       prefix_rows<Element>(params, attn.v_ptr, attn.v_batch_stride, attn.v_row_stride,
                            attn.v_head_stride, work.head_k, work.prefix);
-  auto load_kv = [&](int n_block, int stage) {
-    const uint32_t s_k = s_ring + stage * 2 * kTileBytes;
-    prefix_tile_load<Traits>(s_k, k_rows, n_block * kKeys, seqlen_k, tid, &s_bad_page);
-    prefix_tile_load<Traits>(s_k + kTileBytes, v_rows, n_block * kKeys, seqlen_k, tid, &s_bad_page);
+  // K and V share the prefix's table row: one entry serves both copies of a row.
+  int entry[Traits::kPrefixPasses];
+  bool bad_page = false;
+  auto read_pages = [&](int n_block) {
+    prefix_tile_pages<Traits>(entry, k_rows.pages, k_rows.page_size_log2, n_block * kKeys, seqlen_k,
+                              tid);
   };
-  // Prologue: Q with the first tile, then the next kStages - 2, one commit group each.
+  auto load_kv = [&](int n_block, int stage) {  // (the entries of n_block read before)
+    const uint32_t s_k = s_ring + stage * 2 * kTileBytes;
+    bad_page |= prefix_tile_copy<Traits>(s_k, k_rows, entry, n_block * kKeys, seqlen_k, tid);
+    bad_page |=
+        prefix_tile_copy<Traits>(s_k + kTileBytes, v_rows, entry, n_block * kKeys, seqlen_k, tid);
+  };
+  // Prologue: Q with the first tile, then the next kStages - 2, one commit group each; then the
+  // entries of the tile the first step copies.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (n_begin + s < n_end) load_kv(n_begin + s, s);
+    if (n_begin + s < n_end) {
+      read_pages(n_begin + s);
+      load_kv(n_begin + s, s);
+    }
     cp_async_commit();
   }
+  if (n_begin + kStages - 1 < n_end) read_pages(n_begin + kStages - 1);
 
   using MmaQK = Wgmma<kKeys, Element>;
   using MmaPV = Wgmma<kHeadDim, Element>;
@@ -764,6 +808,7 @@ CF_DEVICE void prefix_partial_wgmma(const DecodeParams& params, const DecodeWork
     __syncthreads();               // ... and every thread's; tile it - 1's stage is free
     if (n_block + kStages - 1 < n_end) load_kv(n_block + kStages - 1, (it + kStages - 1) % kStages);
     cp_async_commit();
+    if (n_block + kStages < n_end) read_pages(n_block + kStages);  // (under this step's wgmma)
     const uint32_t s_k = s_ring + (it % kStages) * 2 * kTileBytes;
 
     float s[1][kKeys / 8][4];
@@ -809,6 +854,7 @@ CF_DEVICE void prefix_partial_wgmma(const DecodeParams& params, const DecodeWork
     wgmma_wait<0>();
     wgmma_fence_operands(acc_o[0]);
   }
+  if (bad_page) s_bad_page = 1;
   cp_async_wait<0>();
   __syncthreads();  // (s_bad_page)
 

@@ -13,7 +13,7 @@ echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed|^E " $O
 cat > /tmp/sanitize_cascade.py <<'PY'
 import torch
 from cupyflash import bench
-calls = bench.cascade_calls(40, 1000, own=100, page_size=16)  # a wgmma block of 32 requests and one of 8
+calls = bench.cascade_calls(40, 1008, own=96, page_size=16)  # a wgmma block of 32 requests and one of 8
 out = calls["cascade"](); out2 = calls["flat_paged"](); torch.cuda.synchronize()
 print("max diff", float((out.float() - out2.float()).abs().max()))
 PY
@@ -27,3 +27,11 @@ timeout 90 ncu --clock-control none --profile-from-start off --section SpeedOfLi
 grep -E "cf_decode|Duration|Compute \(SM\)|DRAM Through|L2 Cache Through|Issued Warp|No Eligible" $OUT/ncu.txt | head -20
 timeout 150 python3 -m cupyflash bench-cascade --json $OUT/cascade.json > $OUT/bench.log 2>&1
 echo "bench rc=$? at ${SECONDS}s"; tail -9 $OUT/bench.log
+# The default decode variants (their SASS moved with the tickets' merge made one function): this
+# tree against ab_old/ (the tree before, when carried untracked), in turn.
+if [ -d ab_old/cupyflash ]; then
+  for tree in old new old new; do
+    dir=$PWD; [ $tree = old ] && dir=$PWD/ab_old
+    PYTHONPATH=$dir:/tmp/site timeout 60 python3 scripts/pending_gpu/decode_ab.py $tree 2>&1 | tail -1 | tee -a $OUT/decode_ab.log
+  done
+fi
