@@ -189,6 +189,15 @@ def no_wgmma_prefix(monkeypatch):
     _plan.clear_caches()
 
 
+@pytest.fixture
+def wgmma_prefix_from_64_rows(monkeypatch):
+    """Hopper's wgmma prefix wherever a group has 64 packed rows, whatever the default threshold."""
+    monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_MIN_ROWS", 64)
+    _plan.clear_caches()
+    yield
+    _plan.clear_caches()
+
+
 def _takes_wgmma_prefix(case):
     hq, hkv = case.heads
     per_request = hq // hkv * case.nq
@@ -199,12 +208,13 @@ def _takes_wgmma_prefix(case):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_one_launch_matches_the_reference_and_the_flat_call(one_launch, name, page_size):
+def test_one_launch_matches_the_reference_and_the_flat_call(request, one_launch, name, page_size):
     torch = need_torch()
     case = CASES[name]
     hq, hkv = case.heads
     assert _cascade.one_launch(case.nq, hq // hkv, case.d)
     if name.startswith("wgmma"):  # (on Hopper these take the wgmma prefix; so may others)
+        request.getfixturevalue("wgmma_prefix_from_64_rows")
         assert _takes_wgmma_prefix(case) == (_device.device_info(0).arch == "sm_90a")
     _check_case(torch, case, page_size, seed=10 * list(CASES).index(name) + page_size)
 
@@ -233,10 +243,12 @@ def test_the_composition_where_a_request_passes_one_tile():
 
 
 @pytest.mark.parametrize("name", ["uneven-gqa8to2-d64-nq4", "wgmma-gqa8to2-d64-nq4"])
-def test_repeats_and_a_cuda_graph_give_the_same_bits(one_launch, name):
+def test_repeats_and_a_cuda_graph_give_the_same_bits(request, one_launch, name):
     """The tickets' counters are left at 0: the same call three times, and replays of a captured
     one, give the same bits; a replay after q changes gives the eager call's new result."""
     torch = need_torch()
+    if name.startswith("wgmma"):
+        request.getfixturevalue("wgmma_prefix_from_64_rows")
     case = CASES[name]  # (the append writes the same keys at the same places each time)
     gen = torch.Generator(device="cuda").manual_seed(3)
     pools, prefix_table, own_table, _, _, q, new = _pool(torch, gen, case, 16)
@@ -260,11 +272,12 @@ def test_repeats_and_a_cuda_graph_give_the_same_bits(one_launch, name):
 
 
 @pytest.mark.parametrize("requests", [3, 40], ids=["3-requests", "40-requests-wgmma-prefix-on-hopper"])
-def test_bad_prefix_values_give_nan_rows_of_their_group_and_raise(one_launch, requests):
+def test_bad_prefix_values_give_nan_rows_of_their_group_and_raise(request, one_launch, requests):
     """A prefix length past its table row, or one of its pages in use outside the pool: that
     group's requests get NaN rows (never a plausible answer), the other group's are right, and
     check_device_errors names the value."""
     torch = need_torch()
+    request.getfixturevalue("wgmma_prefix_from_64_rows")
     own = tuple((4, 0, 60, 7, 1) * 9)[: 2 + requests]
     case = Case((8, 2), 128, 1, 0, (0, 2, 2 + requests), (100, 300), own)
     gen = torch.Generator(device="cuda").manual_seed(5)
