@@ -1,6 +1,6 @@
 """The cascade's prefix by wgmma against the mma.sync tiles (issue 41): the kernel alone (CUDA
 events, back to back, the best of 5 rounds of 50 calls) with the wgmma prefix on and off
-(_dispatch.CASCADE_WGMMA_MIN_ROWS), beside the flat paged call, at B in {8, 16, 32, 64} over
+(_dispatch.CASCADE_WGMMA_MIN_ROWS), beside the flat paged call, at B in {2, 8, 16, 32, 64} over
 4k and 32k prefixes (GQA 32/8, d = 128, pages of 16, 512 own keys, bf16), and their outputs'
 largest difference from each other.
     usage (GPU machine): python3 scripts/pending_gpu/cascade_wgmma.py"""
@@ -30,7 +30,7 @@ def kernel_us(fn, reps: int = 50) -> float:
 
 default = _dispatch.CASCADE_WGMMA_MIN_ROWS
 for prefix in (32768, 4096):
-    for batch in (8, 16, 32, 64):
+    for batch in (2, 8, 16, 32, 64):
         calls = bench.cascade_calls(batch, prefix, own=512, page_size=16)
         row = {"batch": batch, "prefix": prefix, "flat": kernel_us(calls["flat_paged"])}
         outs = {}
