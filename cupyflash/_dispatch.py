@@ -408,8 +408,10 @@ DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {
 }
 
 #: A one-launch cascade's prefix CTAs run by wgmma (sm_90a, 128 rows a CTA) where a group has at
-#: least this many packed rows (requests x query tokens x the GQA group).
-CASCADE_WGMMA_MIN_ROWS = 64
+#: least this many packed rows (requests x query tokens x the GQA group): on an H100 the first
+#: wgmma prefix was faster than the mma.sync tiles from 128 rows, slower at 32 and 64
+#: (docs/evidence/2026-12-07-h100-session-9).
+CASCADE_WGMMA_MIN_ROWS = 128
 
 #: Upper bound on KV splits (the combine reads num_splits partials per output row).
 DECODE_MAX_SPLITS = 128
