@@ -14,9 +14,9 @@ its own and its prefix's parts (``gpu_shared_prefix``). On Hopper, where a group
 rows or more, the prefixes' CTAs take 128 rows by wgmma (``DecodeSpec.wgmma_prefix``). Where a
 request's packed rows do not fit one decode tile (more than DECODE_MAX_QUERIES query tokens, or
 query tokens x the GQA group past the head dim's largest tile: 32 rows at d = 128, 16 at d = 256),
-the call runs as a composition of library calls instead (``_composed``: the suffix's cache call, the prefix as a paged varlen
-call over GQA-packed rows, and merges). On the host, the array-API twin of the kernel's steps
-(``host_shared_prefix``).
+the call runs as a composition of library calls instead (``_composed``: the suffix's cache call,
+the prefix as a paged varlen call over GQA-packed rows, and merges). On the host, the array-API
+twin of the kernel's steps (``host_shared_prefix``).
 """
 
 from __future__ import annotations
