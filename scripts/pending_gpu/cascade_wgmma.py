@@ -8,24 +8,9 @@ largest difference from each other.
 import json
 
 import torch
+from event_timing import kernel_us
 
 from cupyflash import _dispatch, _plan, bench
-
-
-def kernel_us(fn, reps: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return round(best, 1)
 
 
 default = _dispatch.CASCADE_WGMMA_MIN_ROWS

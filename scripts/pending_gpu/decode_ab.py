@@ -7,24 +7,9 @@ import json
 import sys
 
 import torch
+from event_timing import kernel_us
 
 import cupyflash
-
-
-def kernel_us(fn, reps: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return round(best, 1)
 
 
 def shape_row(row: dict, batch: int, length: int, gen) -> None:

@@ -9,6 +9,6 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.
 timeout 240 python3 scripts/pending_gpu/cascade_profile.py 2>&1 | tee $OUT/profile.log | tail -20
 timeout 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \
   --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
-  --section SchedulerStats python3 scripts/pending_gpu/cascade_ncu.py 64 32768 > $OUT/ncu.txt 2>&1
+  --section SchedulerStats python3 docs/evidence/2026-12-07-h100-session-9/scripts/cascade_ncu.py 64 32768 > $OUT/ncu.txt 2>&1
 echo "ncu rc=$?"
 grep -E "decode_partial|Duration|Throughput|Pipe|Warp Cycles Per Issued|Achieved Occ|Theoretical Occ|Registers Per|Eligible Warps|Issued Warp|No Eligible|Block Limit" $OUT/ncu.txt | head -80
