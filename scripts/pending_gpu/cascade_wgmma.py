@@ -7,11 +7,9 @@ largest difference from each other.
 
 import json
 
-import torch
 from event_timing import kernel_us
 
 from cupyflash import _dispatch, _plan, bench
-
 
 default = _dispatch.CASCADE_WGMMA_MIN_ROWS
 for prefix in (32768, 4096):
