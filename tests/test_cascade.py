@@ -274,11 +274,14 @@ def _ctas(launch, groups):
     [([0, 64], (32, 8), 128, 1), ([0, 1], (32, 8), 128, 1), ([0, 3, 3, 4, 9], (8, 2), 64, 4),
      ([0, 2, 7], (8, 2), 128, 4), ([0, 5], (8, 2), 256, 1)],
 )  # fmt: skip
-def test_every_part_of_every_request_is_written_once_and_ticketed(groups, heads, d, nq):
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma-sync-prefix", "wgmma-prefix"])
+def test_every_part_of_every_request_is_written_once_and_ticketed(monkeypatch, groups, heads, d, nq, wgmma):
     """The cascade grid (decode_work) against the plan: each (request, KV head) gets its own
     splits' parts and one part per prefix split, each slot once, and exactly as many tickets as
     its counter expects (num_splits + prefix_splits); a prefix CTA holds whole requests of one
     group within a tile; the prefix's splits cover its keys."""
+    monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_PREFIX", wgmma)
+    monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_MIN_ROWS", 32)
     launch = _plan_cascade(groups, prefix_pages=300, d=d, heads=heads, nq=nq, nnew=nq if nq > 1 else 0)
     params, step = launch.params, launch.steps[-1]
     assert step.spec.cascade and step.grid[1:] == (1, 1)
@@ -299,12 +302,13 @@ def test_every_part_of_every_request_is_written_once_and_ticketed(groups, heads,
     assert {"prefix_block_table", "prefix_seqlens", "prefix_rows"} <= {op.name for op in launch.operands}
 
 
-def test_the_tile_holds_a_group_and_the_prefix_fills_two_waves():
+def test_the_tile_holds_a_group_and_the_prefix_fills_two_waves(monkeypatch):
     """B = 64, GQA 32/8, d = 128 over 32k keys: on the H100 the wgmma prefix (128 rows, 32 requests
     a row block, 2 blocks; the requests' own CTAs on 16-row tiles); elsewhere (and B = 8) 32-row
     tiles (8 requests a row block, 8 blocks); the prefix's CTAs at least two waves of the H100's
     132 SMs; B = 2: 16-row tiles; one request: its prefix split into as many whole key-block
     ranges as two waves ask."""
+    monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_PREFIX", True)  # (off until its GPU run)
     launch = _plan_cascade([0, 64], prefix_pages=2048)
     spec, params = launch.steps[-1].spec, launch.params
     assert spec.wgmma_prefix and spec.tile.block_m == 16 and params.value("num_prefix_blocks") == 2

@@ -12,6 +12,7 @@ from event_timing import kernel_us
 from cupyflash import _dispatch, _plan, bench
 
 default = _dispatch.CASCADE_WGMMA_MIN_ROWS
+_dispatch.CASCADE_WGMMA_PREFIX = True  # (off by default until this run)
 for prefix in (32768, 4096):
     for batch in (2, 8, 16, 32, 64):
         calls = bench.cascade_calls(batch, prefix, own=512, page_size=16)

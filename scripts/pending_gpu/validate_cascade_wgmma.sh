@@ -12,12 +12,13 @@ timeout 120 python3 -m pytest -q -n 12 -p no:cacheprovider -p no:benchmark -m gp
   tests/test_gpu_cascade.py > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed|^E " $OUT/tests.log | cut -c1-300 | head -30
 timeout 90 python3 scripts/pending_gpu/cascade_wgmma.py 2>&1 | tee $OUT/wgmma.log
-timeout 120 python3 -m cupyflash bench-cascade --json $OUT/cascade.json > $OUT/bench.log 2>&1
+timeout 120 python3 -c 'import sys; from cupyflash import _dispatch, __main__; _dispatch.CASCADE_WGMMA_PREFIX = True; sys.exit(__main__.main(["bench-cascade", "--json", sys.argv[1]]))' $OUT/cascade.json > $OUT/bench.log 2>&1
 echo "bench rc=$? at ${SECONDS}s"; tail -8 $OUT/bench.log
 cat > /tmp/sanitize_cascade.py <<'PY'
 import torch
 from cupyflash import _dispatch, bench
 _dispatch.CASCADE_WGMMA_MIN_ROWS = 64
+_dispatch.CASCADE_WGMMA_PREFIX = True
 calls = bench.cascade_calls(40, 1008, own=96, page_size=16)  # a wgmma block of 32 requests and one of 8
 out = calls["cascade"](); out2 = calls["flat_paged"](); torch.cuda.synchronize()
 print("max diff", float((out.float() - out2.float()).abs().max()))
