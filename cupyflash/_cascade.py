@@ -10,9 +10,8 @@ decode.cu, ``Is_cascade``), after the append of ``k_new`` / ``v_new``: the prefi
 row block of a group's requests (query heads of a KV head packed as rows, GQA) against a split of
 the group's prefix pages, read once for all those rows; the requests' CTAs take splits of their
 own pages; every CTA writes fp32 partials, and whichever CTA draws a request's last ticket merges
-its own and its prefix's parts (``gpu_shared_prefix``). On Hopper, where a group holds 128 packed
-rows or more, the prefixes' CTAs can take 128 rows by wgmma (``DecodeSpec.wgmma_prefix``; off until
-its GPU run: ``_dispatch.CASCADE_WGMMA_PREFIX``). Where a
+its own and its prefix's parts (``gpu_shared_prefix``). On Hopper, where a group holds 64 packed
+rows or more, the prefixes' CTAs take 128 rows by wgmma (``DecodeSpec.wgmma_prefix``). Where a
 request's packed rows do not fit one decode tile (more than DECODE_MAX_QUERIES query tokens, or
 query tokens x the GQA group past the head dim's largest tile: 32 rows at d = 128, 16 at d = 256),
 the call runs as a composition of library calls instead (``_composed``: the suffix's cache call,

@@ -408,13 +408,12 @@ DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {
 }
 
 #: A one-launch cascade's prefix CTAs run by wgmma (sm_90a, 128 rows a CTA) where a group has at
-#: least this many packed rows (requests x query tokens x the GQA group): on an H100 the first
-#: wgmma prefix was faster than the mma.sync tiles from 128 rows, slower at 32 and 64
-#: (docs/evidence/2026-12-07-h100-session-9).
-CASCADE_WGMMA_MIN_ROWS = 128
-#: The wgmma prefix is off until its GPU run (scripts/pending_gpu/validate_cascade_wgmma.sh: tests,
-#: compute-sanitizer, speed) passes on the tree that reads a tile's block-table entries ahead.
-CASCADE_WGMMA_PREFIX = False
+#: least this many packed rows (requests x query tokens x the GQA group): on an H100 faster than
+#: the mma.sync tiles from 64 rows (GQA 32/8: B = 16, 0.86-0.96x their time; B = 64, 0.67-0.74x),
+#: at 32 slower over a 4k prefix (1.13x) (docs/evidence/2026-12-07-h100-session-9).
+CASCADE_WGMMA_MIN_ROWS = 64
+#: The wgmma prefix on Hopper (a switch kept for A/B runs).
+CASCADE_WGMMA_PREFIX = True
 
 #: Upper bound on KV splits (the combine reads num_splits partials per output row).
 DECODE_MAX_SPLITS = 128

@@ -302,18 +302,18 @@ def test_every_part_of_every_request_is_written_once_and_ticketed(monkeypatch, g
     assert {"prefix_block_table", "prefix_seqlens", "prefix_rows"} <= {op.name for op in launch.operands}
 
 
-def test_the_tile_holds_a_group_and_the_prefix_fills_two_waves(monkeypatch):
+def test_the_tile_holds_a_group_and_the_prefix_fills_two_waves():
     """B = 64, GQA 32/8, d = 128 over 32k keys: on the H100 the wgmma prefix (128 rows, 32 requests
     a row block, 2 blocks; the requests' own CTAs on 16-row tiles); elsewhere (and B = 8) 32-row
     tiles (8 requests a row block, 8 blocks); the prefix's CTAs at least two waves of the H100's
     132 SMs; B = 2: 16-row tiles; one request: its prefix split into as many whole key-block
     ranges as two waves ask."""
-    monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_PREFIX", True)  # (off until its GPU run)
     launch = _plan_cascade([0, 64], prefix_pages=2048)
     spec, params = launch.steps[-1].spec, launch.params
     assert spec.wgmma_prefix and spec.tile.block_m == 16 and params.value("num_prefix_blocks") == 2
     assert params.value("prefix_splits") * 2 * 8 >= 2 * 132
     assert not _plan_cascade([0, 8], prefix_pages=2048).steps[-1].spec.wgmma_prefix  # 32 rows a group
+    assert _plan_cascade([0, 16], prefix_pages=2048).steps[-1].spec.wgmma_prefix  # 64
     launch = _plan_cascade([0, 64], prefix_pages=2048, device=dataclasses.replace(H100, arch="sm_80"))
     spec, params = launch.steps[-1].spec, launch.params
     assert not spec.wgmma_prefix and spec.tile.block_m == 32 and params.value("num_prefix_blocks") == 8
