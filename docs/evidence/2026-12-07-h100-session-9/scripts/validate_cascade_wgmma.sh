@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.
 timeout 120 python3 -m pytest -q -n 12 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore \
   tests/test_gpu_cascade.py > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed|^E " $OUT/tests.log | cut -c1-300 | head -30
-timeout 90 python3 scripts/pending_gpu/cascade_wgmma.py 2>&1 | tee $OUT/wgmma.log
+timeout 90 python3 docs/evidence/2026-12-07-h100-session-9/scripts/cascade_wgmma.py 2>&1 | tee $OUT/wgmma.log
 timeout 120 python3 -c 'import sys; from cupyflash import _dispatch, __main__; _dispatch.CASCADE_WGMMA_PREFIX = True; sys.exit(__main__.main(["bench-cascade", "--json", sys.argv[1]]))' $OUT/cascade.json > $OUT/bench.log 2>&1
 echo "bench rc=$? at ${SECONDS}s"; tail -8 $OUT/bench.log
 cat > /tmp/sanitize_cascade.py <<'PY'
@@ -30,6 +30,6 @@ done
 if [ -d ab_old/cupyflash ]; then
   for tree in old new; do
     dir=$PWD; [ $tree = old ] && dir=$PWD/ab_old
-    PYTHONPATH=$dir:/tmp/site timeout 45 python3 scripts/pending_gpu/decode_ab.py $tree 2>&1 | tail -1 | tee -a $OUT/decode_ab.log
+    PYTHONPATH=$dir:/tmp/site timeout 45 python3 docs/evidence/2026-12-07-h100-session-9/scripts/decode_ab.py $tree 2>&1 | tail -1 | tee -a $OUT/decode_ab.log
   done
 fi

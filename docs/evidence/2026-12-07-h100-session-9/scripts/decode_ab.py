@@ -1,7 +1,7 @@
 """The split-KV decode call's kernel time (CUDA events, back to back, the best of 5 rounds of 50
 calls) on the tree this process imports: GQA 32/8, d = 128, bf16, contiguous and paged (pages of
 16) caches. Run once per tree, in turn, to compare two trees' default decode variants.
-    usage (GPU machine): PYTHONPATH=TREE python3 scripts/pending_gpu/decode_ab.py LABEL"""
+    usage (GPU machine): PYTHONPATH=TREE python3 docs/evidence/2026-12-07-h100-session-9/scripts/decode_ab.py LABEL"""
 
 import json
 import sys

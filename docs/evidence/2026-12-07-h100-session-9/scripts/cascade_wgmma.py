@@ -3,7 +3,7 @@ events, back to back, the best of 5 rounds of 50 calls) with the wgmma prefix on
 (_dispatch.CASCADE_WGMMA_MIN_ROWS), beside the flat paged call, at B in {2, 8, 16, 32, 64} over
 4k and 32k prefixes (GQA 32/8, d = 128, pages of 16, 512 own keys, bf16), and their outputs'
 largest difference from each other.
-    usage (GPU machine): python3 scripts/pending_gpu/cascade_wgmma.py"""
+    usage (GPU machine): python3 docs/evidence/2026-12-07-h100-session-9/scripts/cascade_wgmma.py"""
 
 import json
 
