@@ -412,8 +412,6 @@ DECODE_TILES: dict[int, tuple[DecodeTile, ...]] = {
 #: the mma.sync tiles from 64 rows (GQA 32/8: B = 16, 0.86-0.96x their time; B = 64, 0.67-0.74x),
 #: at 32 slower over a 4k prefix (1.13x) (docs/evidence/2026-12-07-h100-session-9).
 CASCADE_WGMMA_MIN_ROWS = 64
-#: The wgmma prefix on Hopper (a switch kept for A/B runs).
-CASCADE_WGMMA_PREFIX = True
 
 #: Upper bound on KV splits (the combine reads num_splits partials per output row).
 DECODE_MAX_SPLITS = 128
@@ -520,17 +518,15 @@ def cascade_spec(
     (``group_rows``), else the largest: a prefix's pages are read once per row block, so fewer row
     blocks read less (B = 64, GQA 32/8, d = 128: 8 row blocks of 32 rows against 16 of 16); a
     request's own few keys pay the padded rows' MMAs, which its read hides.
-    On Hopper (``arch`` sm_90a, with CASCADE_WGMMA_PREFIX), where a group has
-    CASCADE_WGMMA_MIN_ROWS rows or more, the prefix CTAs take 128 rows by wgmma (``wgmma_prefix``)
-    and the tile, then the requests' own CTAs alone, is the smallest that holds a request among
-    those that allow it (``wgmma_prefix_tile``)."""
+    On Hopper (``arch`` sm_90a), where a group has CASCADE_WGMMA_MIN_ROWS rows or more, the prefix
+    CTAs take 128 rows by wgmma (``wgmma_prefix``) and the tile, then the requests' own CTAs alone,
+    is the smallest that holds a request among those that allow it (``wgmma_prefix_tile``)."""
     width, valid_dim = columns(head_dim, DECODE_HEAD_DIMS)
     fits = cascade_tiles(head_dim, rows_per_request)
     if not fits:
         return None
     wgmma = [t for t in fits if wgmma_prefix_tile(t)]
-    hopper = CASCADE_WGMMA_PREFIX and arch == HOPPER_ARCH
-    if hopper and width in (64, 128) and not valid_dim and group_rows >= CASCADE_WGMMA_MIN_ROWS and wgmma:
+    if arch == HOPPER_ARCH and width in (64, 128) and not valid_dim and group_rows >= CASCADE_WGMMA_MIN_ROWS and wgmma:
         return DecodeSpec(dtype, width, wgmma[0], causal, softcap=softcap, cascade=True, wgmma_prefix=True)
     tile = next((t for t in fits if t.block_m >= group_rows), fits[-1])
     return DecodeSpec(dtype, width, tile, causal, valid_dim, softcap=softcap, cascade=True)

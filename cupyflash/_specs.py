@@ -715,7 +715,8 @@ class DecodeSpec(_KernelSpecBase):
         own = t.block_m * d * 2 + max(ring, merge)
         if not self.wgmma_prefix:
             return own
-        # an atom of alignment slack, Q's rows, the [K, V] tiles of each stage (DecodeTraits)
+        # DecodeTraits::kSmemPrefixBytes: an atom of alignment slack, Q's rows, and the [K, V]
+        # tiles of each of kPrefixStages stages (3 at d = 64, 2 at d = 128)
         stages = 3 if d <= 64 else 2
         return max(own, 1024 + WGMMA_PREFIX_ROWS * d * 2 + stages * 2 * WGMMA_PREFIX_KEYS * d * 2)
 

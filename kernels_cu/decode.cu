@@ -53,7 +53,7 @@
 #include "softmax.cuh"   // the online softmax and merge_row
 #include "tile_mma.cuh"  // gemm_qk, gemm_pv, load_q_regs: the mma.sync tile verbs
 #include "variants.cuh"
-#include "wgmma.cuh"
+#include "wgmma.cuh"  // the wgmma prefix: m64nNk16 wrappers
 
 // Exact merge of partial results: part p of output row (b, i, h) is
 //   O_p = o_parts_ptr[p * o_part_stride + b * o_batch_stride + i * o_row_stride + h * o_head_stride + :]
@@ -668,10 +668,11 @@ CF_DEVICE void merge_when_last(const DecodeParams& params, const DecodeWork& wor
 // reads Q and every K/V slice from shared memory per 16 keys, and the block is compute-bound
 // far below the tensor cores' rate. Here the 128 rows of up to 128 / (group x Nq) requests are
 // two warpgroups' wgmma M (64 rows each, O 64 registers a thread) over shared 128-key tiles:
-//   all 256 threads copy K/V tile j + 1 (cp.async, pages looked up per row, the 128-byte swizzle
-//   wgmma reads) while each warpgroup computes S = Q K_j^T (wgmma, A and B from shared memory),
-//   the softmax in registers (the m16n8 layout of the mma.sync path: the same OnlineSoftmax),
-//   and O += P V_j (wgmma, P from registers, V read MN-major);
+//   all 256 threads copy K/V tile j + 1 (cp.async into the 128-byte swizzle wgmma reads; the
+//   tile's block-table entries read one tile earlier) while each warpgroup computes
+//   S = Q K_j^T (wgmma, A and B from shared memory), the softmax in registers (the m16n8 layout
+//   of the mma.sync path: the same OnlineSoftmax), and O += P V_j (wgmma, P from registers, V
+//   read MN-major);
 //   one CTA barrier a tile publishes its copies (after fence.proxy.async: wgmma reads through the
 //   async proxy) and frees the other stage.
 // Each thread then writes its O rows' fp32 partial and LSE in the prefix's slot, and the CTA
@@ -681,6 +682,7 @@ CF_DEVICE void merge_when_last(const DecodeParams& params, const DecodeWork& wor
 // pass (kPrefixPasses of them). The block-table entries of those rows are read a tile ahead
 // (prefix_tile_pages), so a tile's copies wait on no table read: a copy that read its row's entry
 // first held each step to a chain of dependent L2 round trips.
+//
 // The table entries of tile key0's rows this thread copies (0 past the prefix: never used).
 template <typename Traits>
 CF_DEVICE void prefix_tile_pages(int (&entry)[Traits::kPrefixPasses], const int32_t* pages,
@@ -701,18 +703,15 @@ CF_DEVICE bool prefix_tile_copy(uint32_t s_tile, const CacheRows<typename Traits
                                 int tid) {
   const int row0 = tid / (Traits::kHeadDim / 8);
   const int col = (tid % (Traits::kHeadDim / 8)) * 8;
-  const int slot_mask = (1 << cache.page_size_log2) - 1;
   bool bad = false;
 #pragma unroll
   for (int i = 0; i < Traits::kPrefixPasses; ++i) {
     const int r = row0 + i * Traits::kPrefixRowStep;
     const int key = key0 + r;
     const bool valid = key < seqlen_k;
-    const bool outside = static_cast<unsigned>(entry[i]) >= static_cast<unsigned>(cache.num_pages);
+    const bool outside = cache.outside_pool(entry[i]);
     bad |= valid && outside;
-    const int page = outside ? 0 : entry[i];
-    const auto* src =
-        cache.base + page * cache.page_stride + (key & slot_mask) * cache.row_stride + col;
+    const auto* src = cache.paged_row(outside ? 0 : entry[i], key) + col;
     cp_async_16(s_tile + swizzled_offset<Traits::kPrefixKeys>(r, col), valid ? src : cache.base,
                 valid);
   }

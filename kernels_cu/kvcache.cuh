@@ -114,11 +114,17 @@ struct CacheRows {
   CF_DEVICE Element* row(int key, int* bad_page) const {
     if (pages == nullptr) return base + key * row_stride;
     const int entry = __ldg(pages + (key >> page_size_log2));
-    const bool bad = static_cast<unsigned>(entry) >= static_cast<unsigned>(num_pages);
+    const bool bad = outside_pool(entry);
     if (bad) *bad_page = 1;
-    const int page = bad ? 0 : entry;
-    const int slot = key & ((1 << page_size_log2) - 1);
-    return base + page * page_stride + slot * row_stride;
+    return paged_row(bad ? 0 : entry, key);
+  }
+  // Paged: whether a block-table entry lies outside [0, num_pages), and key `key`'s row in page
+  // `page` (for callers that read a tile's entries ahead of its rows).
+  CF_DEVICE bool outside_pool(int entry) const {
+    return static_cast<unsigned>(entry) >= static_cast<unsigned>(num_pages);
+  }
+  CF_DEVICE Element* paged_row(int page, int key) const {
+    return base + page * page_stride + (key & ((1 << page_size_log2) - 1)) * row_stride;
   }
 };
 

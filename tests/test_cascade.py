@@ -280,8 +280,7 @@ def test_every_part_of_every_request_is_written_once_and_ticketed(monkeypatch, g
     splits' parts and one part per prefix split, each slot once, and exactly as many tickets as
     its counter expects (num_splits + prefix_splits); a prefix CTA holds whole requests of one
     group within a tile; the prefix's splits cover its keys."""
-    monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_PREFIX", wgmma)
-    monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_MIN_ROWS", 32)
+    monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_MIN_ROWS", 32 if wgmma else 1 << 30)
     launch = _plan_cascade(groups, prefix_pages=300, d=d, heads=heads, nq=nq, nnew=nq if nq > 1 else 0)
     params, step = launch.params, launch.steps[-1]
     assert step.spec.cascade and step.grid[1:] == (1, 1)

@@ -193,7 +193,6 @@ def no_wgmma_prefix(monkeypatch):
 def wgmma_prefix_from_64_rows(monkeypatch):
     """Hopper's wgmma prefix wherever a group has 64 packed rows, whatever the default threshold."""
     monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_MIN_ROWS", 64)
-    monkeypatch.setattr(_dispatch, "CASCADE_WGMMA_PREFIX", True)
     _plan.clear_caches()
     yield
     _plan.clear_caches()
