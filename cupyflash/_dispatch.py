@@ -671,6 +671,9 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 #: FlashAttention-3's arrangement), default order only. Off until measured beside cuDNN and FA4:
 #: scripts/tune.py hopper-bwd times both settings, cuDNN in each one's rounds.
 FA3_BWD_DECOUPLED = False
+#: The Hopper backward's exponentials after dP^T, with dS^T (Fa3BwdSpec.late_exp), where they now
+#: run under it: the order before, kept for scripts/tune.py hopper-bwd's A/B.
+FA3_BWD_LATE_EXP = False
 
 
 def fa3_bwd_spec(
@@ -690,7 +693,7 @@ def fa3_bwd_spec(
         return None
     return Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
-        varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic,
+        varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP,
     )  # fmt: skip
 
 

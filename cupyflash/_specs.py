@@ -990,6 +990,9 @@ class Fa3BwdSpec(_KernelSpecBase):
     # the consumers meet once a step, not twice (dS^T in two buffers, dQ's parts handed to the
     # writer warp per consumer; fa3_bwd.cu's Decoupled); the default order only
     decoupled: bool = False
+    # P^T formed after dP^T, with dS^T (fa3_bwd.cu's Late_exp_: the order before the exponentials
+    # moved under dP^T; scripts/tune.py hopper-bwd times the two)
+    late_exp: bool = False
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -1025,6 +1028,7 @@ class Fa3BwdSpec(_KernelSpecBase):
             (f"mods{_digest(self.mods_source)}", bool(self.mods_source)),
             ("varlen", self.varlen),
             ("dec", self.decoupled),
+            ("late", self.late_exp),
         )
 
     @property
@@ -1046,8 +1050,10 @@ class Fa3BwdSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         dtype = CUDA_ELEMENT_TYPES[self.dtype]
         # the template's defaults left off the end (the padded batch's names stay as they were)
-        if self.decoupled:
-            tail: tuple[object, ...] = (self.alibi, self.varlen, False, True)
+        if self.late_exp:
+            tail: tuple[object, ...] = (self.alibi, self.varlen, self.deterministic, self.decoupled, True)
+        elif self.decoupled:
+            tail = (self.alibi, self.varlen, False, True)
         else:
             tail = (self.alibi, True) if self.varlen else (True,) if self.alibi else ()
         return (

@@ -70,7 +70,7 @@ struct Fa3BwdSharedStorage {
 template <int kHeadDim_, int kBlockM_, typename Element_, bool Is_causal_, bool Is_local_,
           bool Has_softcap_ = false, bool Deterministic_ = false, bool Has_user_mask_ = false,
           bool Has_alibi_ = false, bool Varlen_ = false, bool Dq_writer_ = Deterministic_,
-          bool Decoupled_ = false>
+          bool Decoupled_ = false, bool Late_exp_ = false>
 struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -130,6 +130,13 @@ struct Fa3BwdTraits {
   // 64-row dQacc tile each), by d's 64-column parts at d = 128 (64 rows). (A 64-row step at
   // d = 64 would split it by keys: two partial sums of one tile, which 128-row steps replaced.)
   static constexpr bool Dq_split_rows = kHeadDim == kDqPartCols;
+  // P^T = exp2(S^T scale_log2 - LSE log2 e) formed in S^T's registers as soon as S^T is complete,
+  // while dP^T = V_c dO^T is still on the tensor cores (FlashAttention-3's and FA4's order), not
+  // after dP^T with dS^T: a step's exponentials (32 a thread at d = 128, 64 at d = 64; MUFU does
+  // 16 a clock per SM, so 512-1024 clocks for the two consumers) otherwise ran with no wgmma of
+  // either consumer in flight. Not with softcap or a score_mod, whose dS^T needs the logit beside
+  // P^T (32-64 more registers live through dP^T). (Late_exp_: the order before, for the A/B.)
+  static constexpr bool Exp_under_dp = !Has_softcap && !Has_user_score && !Late_exp_;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -551,14 +558,22 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     if constexpr (Traits::Varlen && Traits::Has_user_mask && !Traits::Has_user_score) {
       if (past_rows) range.hide_rows_from(s, row0, seq.q.len, lane);  // (the same for the CTA)
     }
-    wgmma_wait<0>();
-    wgmma_fence_operands(dp[0]);
-
+    // this thread's query rows of column tile nt: 8 nt + 2 (lane % 4) and the next
+    const uint32_t thread_rows = smem.rows(consumer, stage) + 2 * (lane % 4) * 4;
+    // element 2 half + c of column tile nt: row 8 nt + 2 (lane % 4) + c, key lane / 4 + 8 half
+    // of the warp's 16
+    auto logit_with_bias = [&](float score, int nt, int half, int c) {
+      // ALiBi here, where P^T is formed, not over all of S^T after the mask: that kept the bias
+      // of a whole step live and spilled the bounded variants at d = 64 (4-12 bytes). After the
+      // mask, -inf stays -inf.
+      if constexpr (Traits::Has_alibi)
+        return bias(score, row0 + 8 * nt + 2 * (lane % 4) + c,
+                    key0 + warp_key0 + lane / 4 + 8 * half);
+      return score;
+    };
     // P^T and dS^T in the element type, as the A fragments of dV and dK: k-step ks is column
     // tiles 2 ks, 2 ks + 1, rows lane / 4 and + 8 (p_operand's order).
     uint32_t p_frag[kRowSteps][4], ds_frag[kRowSteps][4];
-    // this thread's query rows of column tile nt: 8 nt + 2 (lane % 4) and the next
-    const uint32_t thread_rows = smem.rows(consumer, stage) + 2 * (lane % 4) * 4;
     const uint64_t desc_do = wgmma_desc(do_tile, kBlockM * kSwizzleRowBytes);
     const uint64_t desc_q = wgmma_desc(q_tile, kBlockM * kSwizzleRowBytes);
     // At 128 rows a step (d = 64) in two halves of the rows: the first half's fragments are
@@ -594,15 +609,9 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
           float prob[2], ds[2];
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            float logit = s[0][nt][2 * half + c];
+            float logit = logit_with_bias(s[0][nt][2 * half + c], nt, half, c);
             float slope = 1.f;  // d logit / d (scaled score): score_mod's derivative
-            // ALiBi here, where P^T is formed, not over all of S^T after the mask: that kept the
-            // bias of a whole step live and spilled the bounded variants at d = 64 (4-12 bytes).
-            // After the mask, -inf stays -inf.
-            if constexpr (Traits::Has_alibi)
-              logit = bias(logit, row0 + 8 * nt + 2 * (lane % 4) + c,
-                           key0 + warp_key0 + lane / 4 + 8 * half);
-            if constexpr (Traits::Has_user_score) {  // element 2 half + c of column tile nt
+            if constexpr (Traits::Has_user_score) {
               const int key = key0 + warp_key0 + lane / 4 + 8 * half;
               const int row = row0 + 8 * nt + 2 * (lane % 4) + c;
               slope = user.grad(logit, row, key);
@@ -637,7 +646,56 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     // Every part once, each index a literal (a `#pragma unroll` loop over the calls put the
     // fragments on the stack at d = 64: 768 bytes)
     static_assert(kNTiles % kParts == 0 && kRowSteps % kParts == 0, "whole k-steps a part");
-    for_each_index<kParts>(dv_dk_part);
+    if constexpr (Traits::Exp_under_dp) {
+      // Per part of the rows: P^T in S^T's registers and dV += P^T dO issued, in the first part
+      // while dP^T is still on the tensor cores; then dS^T = P^T (dP^T - D) and dK += dS^T Q. (An
+      // order ptxas keeps: dV's wgmma reads the exponentials, and the wait for dP^T cannot move
+      // above dV's commit.)
+      auto early_part = [&](const int part) {
+#pragma unroll
+        for (int nt = part * kNTiles / kParts; nt < (part + 1) * kNTiles / kParts; ++nt) {
+          const float2 neg_lse = ld_shared_f32x2_offset(thread_rows, 8 * nt * 4);
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[0][nt][e] = fast_exp2(fmaf(logit_with_bias(s[0][nt][e], nt, e / 2, e % 2), scale_log2,
+                                         e % 2 ? neg_lse.y : neg_lse.x));
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            p_frag[nt / 2][2 * (nt % 2) + half] =
+                Ops::pack2(s[0][nt][2 * half], s[0][nt][2 * half + 1]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
+          MmaKV::rs_bt(acc_dv[0], p_frag[ks],
+                       wgmma_desc_advance(desc_do, ks * 2 * kSwizzleAtomBytes), 1);
+        wgmma_commit();
+        if (part == 0) {
+          wgmma_wait<1>();  // dP^T complete; dV may still run
+          wgmma_fence_operands(dp[0]);
+        }
+#pragma unroll
+        for (int nt = part * kNTiles / kParts; nt < (part + 1) * kNTiles / kParts; ++nt) {
+          const float2 dsum = ld_shared_f32x2_offset(thread_rows, Traits::kRowBytes + 8 * nt * 4);
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            ds_frag[nt / 2][2 * (nt % 2) + half] =
+                Ops::pack2(s[0][nt][2 * half] * (dp[0][nt][2 * half] - dsum.x),
+                           s[0][nt][2 * half + 1] * (dp[0][nt][2 * half + 1] - dsum.y));
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
+          MmaKV::rs_bt(acc_dk[0], ds_frag[ks],
+                       wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes), 1);
+        wgmma_commit();
+      };
+      for_each_index<kParts>(early_part);
+    } else {
+      wgmma_wait<0>();
+      wgmma_fence_operands(dp[0]);
+      for_each_index<kParts>(dv_dk_part);
+    }
 
     // dS^T to shared memory: key rows of 64 query rows (128 bytes) per column block, swizzled.
     const int ds_stage = step % Traits::kDsStages;

@@ -4,7 +4,7 @@
     python scripts/tune.py fa3 [--head-dims 64] [--short] [--dtype bfloat16] [--json OUT]
     python scripts/tune.py mods [--head-dims 64 128] [--seqlens 4096 16384] [--functions document ...] [--json OUT]
     python scripts/tune.py bwd [--head-dims 64 128] [--dtype bfloat16] [--json OUT]
-    python scripts/tune.py hopper-bwd [--head-dims 64 128] [--seqlens 4096 16384] [--json OUT]
+    python scripts/tune.py hopper-bwd [--switch late_exp] [--head-dims 64 128] [--seqlens 4096 16384] [--json OUT]
     python scripts/tune.py decode [--tolerances 0.01 0.05] [--json OUT]
     python scripts/tune.py head-dims [--head-dims 40 80 96] [--seqlens 4096] [--json OUT]
 
@@ -25,9 +25,10 @@ candidate (static or dynamic schedule) for the gallery's functions beside FlexAt
 bwd: the FA2 backward's (block_m, block_n, d_split) per head dim (FA2_BWD_TILES): registers and spills of
 each, its gradient error, and attention_backward's TFLOP/s on the prefill shapes.
 
-hopper-bwd: the Hopper backward's consumers meeting twice a step or once (Fa3BwdSpec.decoupled,
-_dispatch.FA3_BWD_DECOUPLED), per training shape one right after the other, each with cuDNN (and
-FlashAttention-4 where installed) in its rounds: forward + backward and backward alone over each.
+hopper-bwd: the Hopper backward with a switch off and on (``--switch``: late_exp, its exponentials
+after dP^T as before they ran under it; decoupled, its consumers meeting once a step), per training
+shape one right after the other, each with cuDNN (and FlashAttention-4 where installed) in its
+rounds: forward + backward and backward alone over each.
 
 decode: DECODE_TILES candidates for d = 128 (bf16, Hq = 32, Hkv = 8, one query token) on four
 cache shapes, then the split counts of the best one, paged caches by page size; ``--tolerances``
@@ -532,13 +533,20 @@ def tune_head_dims(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# hopper-bwd: the Hopper backward's arrangements (Fa3BwdSpec.decoupled), each beside cuDNN.
+# hopper-bwd: the Hopper backward with a switch off and on, each beside cuDNN.
 # ---------------------------------------------------------------------------------------------
+#: hopper-bwd's switches: the _dispatch flag each sets
+HOPPER_BWD_SWITCHES = {"decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP"}
+
+
 def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Per training shape, the Hopper backward with its consumers meeting twice a step (the
-    default) and once (``_dispatch.FA3_BWD_DECOUPLED``), one right after the other, each with
-    cuDNN (and FlashAttention-4 where installed) in its own rounds; first each setting's error on
-    an awkward causal shape against the float64 host backward."""
+    """Per training shape, the Hopper backward with a switch (``args.switch``) off (the default)
+    and on: ``decoupled``, its consumers meeting once a step (``_dispatch.FA3_BWD_DECOUPLED``);
+    ``late_exp``, its exponentials after dP^T as before they ran under it
+    (``_dispatch.FA3_BWD_LATE_EXP``); one right after the other, each with cuDNN (and
+    FlashAttention-4 where installed) in its own rounds; first each setting's error on an awkward
+    causal shape against the float64 host backward."""
+    flag = HOPPER_BWD_SWITCHES[args.switch]
     backends = ["cupyflash", "cudnn"]
     try:
         bench.fa4_attention()
@@ -547,21 +555,21 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
         pass
     head_dims = args.head_dims or [64, 128]
     errors = {}
-    for decoupled in (False, True):
-        _dispatch.FA3_BWD_DECOUPLED = decoupled
+    for on in (False, True):
+        setattr(_dispatch, flag, on)
         forget_plans()
-        errors[decoupled] = {d: _backward_error(d, args.dtype) for d in head_dims}
+        errors[on] = {d: _backward_error(d, args.dtype) for d in head_dims}
     print(json.dumps({"error": {str(k): v for k, v in errors.items()}}), flush=True)
     rows = []
     for d in head_dims:
         for n in args.seqlens:
             for causal in (False, True):
                 shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, causal, args.dtype)
-                for decoupled in (False, True):
-                    _dispatch.FA3_BWD_DECOUPLED = decoupled
+                for on in (False, True):
+                    setattr(_dispatch, flag, on)
                     forget_plans()
                     measured = bench.run_training(shape, backends=tuple(backends), timings=TUNING_TIMING)
-                    row = {"decoupled": decoupled, "head_dim": d, "seqlen": n, "causal": causal}
+                    row = {args.switch: on, "head_dim": d, "seqlen": n, "causal": causal}
                     for part, key in (("step", ""), ("bwd", "_bwd")):  # forward + backward; backward alone
                         row.update({f"{b}{key}": measured.get(f"{b}{key}") for b in backends})
                         for peer in backends[1:]:
@@ -570,7 +578,7 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 row[f"{part}/{peer}"] = round(ours / theirs, 3)
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-    _dispatch.FA3_BWD_DECOUPLED = False
+    setattr(_dispatch, flag, False)
     return rows
 
 
@@ -594,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", type=int, nargs="+")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json")
-    p = sub.add_parser("hopper-bwd", help="the Hopper backward's consumers meeting once a step or twice")
+    p = sub.add_parser("hopper-bwd", help="the Hopper backward with a switch off and on")
+    p.add_argument("--switch", choices=sorted(HOPPER_BWD_SWITCHES), default="late_exp")
     p.add_argument("--head-dims", type=int, nargs="+")
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--dtype", default="bfloat16")

@@ -1,0 +1,57 @@
+"""Issue 41, the cascade at small batches (B = 2: 0.90-0.99x the flat paged call): the kernel alone
+(CUDA events, back to back) of the one-launch cascade with its prefix split into 8 ... 128 parts
+(``_dispatch.cascade_prefix_splits`` replaced; the default's count printed), beside the flat paged
+call with its own split count and with others, at B in {1, 2, 4} over 4k and 32k prefixes
+(bench.cascade_calls: GQA 32/8, d = 128, bf16, pages of 16, 512 own keys). Where the time goes:
+wave quantisation and per-CTA start-up (few keys a split) or the prefix CTAs' read rate.
+    usage (GPU machine): python3 scripts/pending_gpu/cascade_small.py"""
+
+import json
+import sys
+
+sys.path.insert(0, "docs/evidence/2026-12-07-h100-session-9/scripts")
+from event_timing import kernel_us  # noqa: E402
+
+from cupyflash import _dispatch, _plan, bench  # noqa: E402
+
+default_prefix_splits = _dispatch.cascade_prefix_splits
+default_num_splits = _dispatch.decode_num_splits
+chosen: dict[str, int] = {}
+
+
+def record_prefix(**kw: int) -> int:
+    chosen["prefix"] = default_prefix_splits(**kw)
+    return chosen["prefix"]
+
+
+def record_flat(**kw: int) -> int:
+    chosen.setdefault("flat", default_num_splits(**kw))
+    return default_num_splits(**kw)
+
+
+def forced(count: int):
+    return lambda **kw: count
+
+
+for prefix in (32768, 4096):
+    for batch in (1, 2, 4):
+        calls = bench.cascade_calls(batch, prefix, own=512, page_size=16)
+        row: dict[str, object] = {"batch": batch, "prefix": prefix}
+        _dispatch.cascade_prefix_splits, _dispatch.decode_num_splits = record_prefix, record_flat
+        _plan.clear_caches()
+        chosen.clear()
+        row["flat"] = kernel_us(calls["flat_paged"])
+        row["cascade"] = kernel_us(calls["cascade"])
+        row["chosen"] = dict(chosen)
+        for count in (8, 16, 32, 64, 128):
+            _dispatch.cascade_prefix_splits = forced(count)
+            _plan.clear_caches()
+            row[f"cascade_p{count}"] = kernel_us(calls["cascade"])
+        _dispatch.cascade_prefix_splits = default_prefix_splits
+        for count in (8, 16, 32, 64):
+            _dispatch.decode_num_splits = forced(count)
+            _plan.clear_caches()
+            row[f"flat_s{count}"] = kernel_us(calls["flat_paged"])
+        _dispatch.decode_num_splits = default_num_splits
+        print(json.dumps(row), flush=True)
+_plan.clear_caches()
