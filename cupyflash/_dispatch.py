@@ -674,6 +674,9 @@ FA3_BWD_DECOUPLED = False
 #: The Hopper backward's exponentials after dP^T, with dS^T (Fa3BwdSpec.late_exp), where they now
 #: run under it: the order before, kept for scripts/tune.py hopper-bwd's A/B.
 FA3_BWD_LATE_EXP = False
+#: dK += dS^T Q issued after dQ = dS K, dQ's staging under dK (Fa3BwdSpec.dq_first): off until
+#: measured (tune.py hopper-bwd --switch dq_first).
+FA3_BWD_DQ_FIRST = False
 
 
 def fa3_bwd_spec(
@@ -694,6 +697,7 @@ def fa3_bwd_spec(
     return Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
         varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP,
+        dq_first=FA3_BWD_DQ_FIRST,
     )  # fmt: skip
 
 

@@ -993,6 +993,8 @@ class Fa3BwdSpec(_KernelSpecBase):
     # P^T formed after dP^T, with dS^T (fa3_bwd.cu's Late_exp_: the order before the exponentials
     # moved under dP^T; scripts/tune.py hopper-bwd times the two)
     late_exp: bool = False
+    # dK += dS^T Q after dQ = dS K, dQ staged under dK (fa3_bwd.cu's Dq_first; not with late_exp)
+    dq_first: bool = False
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -1029,6 +1031,7 @@ class Fa3BwdSpec(_KernelSpecBase):
             ("varlen", self.varlen),
             ("dec", self.decoupled),
             ("late", self.late_exp),
+            ("dqf", self.dq_first),
         )
 
     @property
@@ -1050,8 +1053,9 @@ class Fa3BwdSpec(_KernelSpecBase):
     def _traits_args(self) -> tuple[object, ...]:
         dtype = CUDA_ELEMENT_TYPES[self.dtype]
         # the template's defaults left off the end (the padded batch's names stay as they were)
-        if self.late_exp:
-            tail: tuple[object, ...] = (self.alibi, self.varlen, self.deterministic, self.decoupled, True)
+        if self.late_exp or self.dq_first:
+            tail: tuple[object, ...] = (self.alibi, self.varlen, self.deterministic, self.decoupled, self.late_exp)
+            tail += (True,) if self.dq_first else ()
         elif self.decoupled:
             tail = (self.alibi, self.varlen, False, True)
         else:

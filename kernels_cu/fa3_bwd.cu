@@ -70,7 +70,7 @@ struct Fa3BwdSharedStorage {
 template <int kHeadDim_, int kBlockM_, typename Element_, bool Is_causal_, bool Is_local_,
           bool Has_softcap_ = false, bool Deterministic_ = false, bool Has_user_mask_ = false,
           bool Has_alibi_ = false, bool Varlen_ = false, bool Dq_writer_ = Deterministic_,
-          bool Decoupled_ = false, bool Late_exp_ = false>
+          bool Decoupled_ = false, bool Late_exp_ = false, bool Dq_first_ = false>
 struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -137,6 +137,9 @@ struct Fa3BwdTraits {
   // either consumer in flight. Not with softcap or a score_mod, whose dS^T needs the logit beside
   // P^T (32-64 more registers live through dP^T). (Late_exp_: the order before, for the A/B.)
   static constexpr bool Exp_under_dp = !Has_softcap && !Has_user_score && !Late_exp_;
+  // With it, dK += dS^T Q issued after dQ = dS K, so that dQ's staging runs while dK is on the
+  // tensor cores (FlashAttention-3's and FA4's order; the A/B of tune.py hopper-bwd's dq_first).
+  static constexpr bool Dq_first = Dq_first_ && Exp_under_dp;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -683,12 +686,14 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
                 Ops::pack2(s[0][nt][2 * half] * (dp[0][nt][2 * half] - dsum.x),
                            s[0][nt][2 * half + 1] * (dp[0][nt][2 * half + 1] - dsum.y));
         }
-        wgmma_fence();
+        if constexpr (!Traits::Dq_first) {
+          wgmma_fence();
 #pragma unroll
-        for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
-          MmaKV::rs_bt(acc_dk[0], ds_frag[ks],
-                       wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes), 1);
-        wgmma_commit();
+          for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
+            MmaKV::rs_bt(acc_dk[0], ds_frag[ks],
+                         wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes), 1);
+          wgmma_commit();
+        }
       };
       for_each_index<kParts>(early_part);
     } else {
@@ -725,17 +730,30 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
                   wgmma_desc_advance(desc_k0, key_bytes), ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+    // Every wgmma of the step complete: P^T and dS^T (register operands) free, Q and dO read.
+    auto step_read = [&]() {
+      wgmma_wait<0>();
+      wgmma_fence_operands(acc_dk[0]);
+      wgmma_fence_operands(acc_dv[0]);
+#pragma unroll
+      for (int ks = 0; ks < kRowSteps; ++ks)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          asm volatile("" : "+r"(p_frag[ks][i]), "+r"(ds_frag[ks][i])::"memory");
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem.q_empty(stage));
+    };
+    if constexpr (Traits::Dq_first) {
+#pragma unroll
+      for (int ks = 0; ks < kRowSteps; ++ks)
+        MmaKV::rs_bt(acc_dk[0], ds_frag[ks], wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes),
+                     1);
+      wgmma_commit();
+      wgmma_wait<1>();  // dQ complete; dK may still run
+    } else {
+      step_read();
+    }
     wgmma_fence_operands(acc_dq);
-    wgmma_fence_operands(acc_dk[0]);
-    wgmma_fence_operands(acc_dv[0]);
-#pragma unroll
-    for (int ks = 0; ks < kRowSteps; ++ks)
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        asm volatile("" : "+r"(p_frag[ks][i]), "+r"(ds_frag[ks][i])::"memory");
-    __syncwarp();
-    if (lane == 0) mbar_arrive(smem.q_empty(stage));  // Q, dO read
 
     // dQ staged in its fragments' order, then one bulk reduce-add into dQacc's tile.
     if (Traits::Decoupled && step >= 1)
@@ -753,6 +771,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       st_shared_b128(staged + dq_tile_fragment_bytes(consumer, j, tid), as_uint4(acc_dq[j]));
     fence_proxy_async_shared();
     if (step + 1 < steps) store_row_values((step + 1) % kStages, row_values);
+    if constexpr (Traits::Dq_first) step_read();
     if constexpr (Traits::Decoupled) {
       // the next step's -LSE and D (this consumer's copy) before their reads; no meeting with
       // the other consumer, whose next dS^T goes to the other buffer

@@ -536,14 +536,15 @@ def tune_head_dims(args: argparse.Namespace) -> list[dict[str, Any]]:
 # hopper-bwd: the Hopper backward with a switch off and on, each beside cuDNN.
 # ---------------------------------------------------------------------------------------------
 #: hopper-bwd's switches: the _dispatch flag each sets
-HOPPER_BWD_SWITCHES = {"decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP"}
+HOPPER_BWD_SWITCHES = {"decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP", "dq_first": "FA3_BWD_DQ_FIRST"}
 
 
 def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per training shape, the Hopper backward with a switch (``args.switch``) off (the default)
     and on: ``decoupled``, its consumers meeting once a step (``_dispatch.FA3_BWD_DECOUPLED``);
     ``late_exp``, its exponentials after dP^T as before they ran under it
-    (``_dispatch.FA3_BWD_LATE_EXP``); one right after the other, each with cuDNN (and
+    (``_dispatch.FA3_BWD_LATE_EXP``); ``dq_first``, dK issued after dQ, dQ staged under it
+    (``_dispatch.FA3_BWD_DQ_FIRST``); one right after the other, each with cuDNN (and
     FlashAttention-4 where installed) in its own rounds; first each setting's error on an awkward
     causal shape against the float64 host backward."""
     flag = HOPPER_BWD_SWITCHES[args.switch]
