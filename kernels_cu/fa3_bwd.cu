@@ -13,6 +13,7 @@
 //       (softcap: S^T = tanh(S^T softcap_prescale) first, and dS^T times its 1 - tanh^2)
 //     dV_c += P^T dO,  dK_c += dS^T Q        wgmma rs: P^T and dS^T from registers as the A
 //                                            operand (the forward's P V), dO and Q read MN-major
+//       (P^T formed and dV issued while dP^T is still on the tensor cores: Exp_under_dp)
 //     dS^T to shared memory, dQ = dS K       wgmma ss_tt, both operands MN-major
 //       (d = 128: consumer c computes d's columns 64 c .. 64 c + 63 over all 128 keys; d = 64:
 //        rows 64 c .. 64 c + 63 of the 128 over all 128 keys)
