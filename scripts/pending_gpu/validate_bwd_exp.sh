@@ -7,7 +7,7 @@
 # after FlashAttention-4's two parts on this machine (then it is timed beside): the backward's
 # GPU tests, scripts/tune.py hopper-bwd --switch late_exp (both orders per training shape, cuDNN
 # and FA4 in each one's rounds, one process), racecheck over both head dims, then the same tuning
-# with --switch dq_first (dK after dQ too) with the time left.
+# with --switch dq_first (dK after dQ too) with the time left, after issue 41's cascade_small.py.
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_bwd_exp.sh [SECONDS]
 #   carry: .whl (and .peers/bin after FlashAttention-4's two parts, for it beside)
 set -uo pipefail
@@ -40,6 +40,9 @@ for d in (64, 128):
 PY
 [ "$(left)" -gt 50 ] && timeout 45 compute-sanitizer --tool racecheck python3 /tmp/race_bwd.py > $OUT/racecheck.log 2>&1
 echo "racecheck rc=$? at ${SECONDS}s"; grep -E "SUMMARY|^(64|128) " $OUT/racecheck.log | head -4
+# issue 41's small-batch cascade: prefix split counts against the flat call's (kernel time)
+timeout 70 python3 scripts/pending_gpu/cascade_small.py > $OUT/cascade_small.log 2>&1
+echo "cascade_small rc=$? at ${SECONDS}s"; cut -c1-600 $OUT/cascade_small.log | tail -8
 # dK after dQ as well (dq_first), dQ staged under dK: predicted +3-8% more
 [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 scripts/tune.py hopper-bwd --switch dq_first \
   --head-dims 128 64 --seqlens 4096 16384 --json $OUT/tune_dq_first.json > $OUT/tune_dq_first.log 2>&1
