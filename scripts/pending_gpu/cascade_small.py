@@ -1,6 +1,7 @@
 """Issue 41, the cascade at small batches (B = 2: 0.90-0.99x the flat paged call): the kernel alone
 (CUDA events, back to back) of the one-launch cascade with its prefix split into 8 ... 128 parts
-(``_dispatch.cascade_prefix_splits`` replaced; the default's count printed), beside the flat paged
+(``_dispatch.cascade_prefix_splits`` replaced; the default's count printed) and the requests' own
+keys in the default's splits, 1 or 4 (``_dispatch.decode_num_splits``), beside the flat paged
 call with its own split count and with others, at B in {1, 2, 4} over 4k and 32k prefixes
 (bench.cascade_calls: GQA 32/8, d = 128, bf16, pages of 16, 512 own keys). Where the time goes:
 wave quantisation and per-CTA start-up (few keys a split) or the prefix CTAs' read rate.
@@ -45,9 +46,11 @@ for prefix in (32768, 4096):
         row["chosen"] = dict(chosen)
         for count in (8, 16, 32, 64, 128):
             _dispatch.cascade_prefix_splits = forced(count)
-            _plan.clear_caches()
-            row[f"cascade_p{count}"] = kernel_us(calls["cascade"])
-        _dispatch.cascade_prefix_splits = default_prefix_splits
+            for own in (0, 1, 4):  # the requests' own splits: 0, the default's count
+                _dispatch.decode_num_splits = forced(own) if own else default_num_splits
+                _plan.clear_caches()
+                row[f"cascade_p{count}" + (f"_o{own}" if own else "")] = kernel_us(calls["cascade"])
+        _dispatch.cascade_prefix_splits, _dispatch.decode_num_splits = default_prefix_splits, default_num_splits
         for count in (8, 16, 32, 64):
             _dispatch.decode_num_splits = forced(count)
             _plan.clear_caches()
