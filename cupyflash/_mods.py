@@ -1259,10 +1259,15 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", gr
     # a tile's class changes nothing and the hook is written once (variants.cuh's UserMods)
     has_score = "true" if score_mod is not None else "false"
     has_mask = "true" if mask_mod is not None else "false"
+    # whether d score_mod / d score is 1 everywhere (an additive bias: ALiBi, a relative-position
+    # table): the Hopper backward then forms P^T without keeping the raw score for the derivative
+    derivative = None if score_mod is None else score_derivative(score_mod).expr
+    grad_is_one = "true" if derivative is None or (derivative.op == "const" and derivative.args == (1.0,)) else "false"
     parts = [
         CUDA_HELPERS,
         f"constexpr bool cf_user_has_score_mod = {has_score};\n",
         f"constexpr bool cf_user_has_mask_mod = {has_mask};\n",
+        f"constexpr bool cf_user_grad_is_one = {grad_is_one};\n",
     ]
     call: dict[str, str] = {}
     heads: list[str] = []

@@ -135,9 +135,11 @@ struct Fa3BwdTraits {
   // while dP^T = V_c dO^T is still on the tensor cores (FlashAttention-3's and FA4's order), not
   // after dP^T with dS^T: a step's exponentials (32 a thread at d = 128, 64 at d = 64; MUFU does
   // 16 a clock per SM, so 512-1024 clocks for the two consumers) otherwise ran with no wgmma of
-  // either consumer in flight. Not with softcap or a score_mod, whose dS^T needs the logit beside
-  // P^T (32-64 more registers live through dP^T). (Late_exp_: the order before, for the A/B.)
-  static constexpr bool Exp_under_dp = !Has_softcap && !Has_user_score && !Late_exp_;
+  // either consumer in flight. Not with softcap or a score_mod whose derivative is not 1 (dS^T
+  // needs the raw score beside P^T: 32-64 more registers live through dP^T); an additive bias's
+  // is. (Late_exp_: the order before, for the A/B.)
+  static constexpr bool Exp_under_dp =
+      !Has_softcap && (!Has_user_score || UserMask::kGradIsOne) && !Late_exp_;
   // With it, dK += dS^T Q issued after dQ = dS K, so that dQ's staging runs while dK is on the
   // tensor cores (FlashAttention-3's and FA4's order; the A/B of tune.py hopper-bwd's dq_first).
   static constexpr bool Dq_first = Dq_first_ && Exp_under_dp;
@@ -660,9 +662,16 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
         for (int nt = part * kNTiles / kParts; nt < (part + 1) * kNTiles / kParts; ++nt) {
           const float2 neg_lse = ld_shared_f32x2_offset(thread_rows, 8 * nt * 4);
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            s[0][nt][e] = fast_exp2(fmaf(logit_with_bias(s[0][nt][e], nt, e / 2, e % 2), scale_log2,
-                                         e % 2 ? neg_lse.y : neg_lse.x));
+          for (int e = 0; e < 4; ++e) {
+            float logit = logit_with_bias(s[0][nt][e], nt, e / 2, e % 2);
+            if constexpr (Traits::Has_user_score) {  // (its derivative 1: no slope kept)
+              const int half = e / 2, c = e % 2;
+              logit = user(logit, row0 + 8 * nt + 2 * (lane % 4) + c,
+                           key0 + warp_key0 + lane / 4 + 8 * half);
+              if (8 * nt + c < lo[half] || 8 * nt + c > hi[half]) logit = neg_infinity();
+            }
+            s[0][nt][e] = fast_exp2(fmaf(logit, scale_log2, e % 2 ? neg_lse.y : neg_lse.x));
+          }
 #pragma unroll
           for (int half = 0; half < 2; ++half)
             p_frag[nt / 2][2 * (nt % 2) + half] =

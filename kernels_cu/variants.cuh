@@ -15,6 +15,7 @@
 // logit(s) = s: plain attention (the scale is folded into softmax_scale_log2).
 struct NoScoreTransform {
   static constexpr bool kHasScoreMod = false;  // (as UserMods': the Hopper backward reads it)
+  static constexpr bool kGradIsOne = true;
   CF_DEVICE explicit NoScoreTransform(const AttnParams&) {}
   CF_DEVICE NoScoreTransform(const AttnParams& p, int /*batch*/, int /*head*/, int /*shift*/)
       : NoScoreTransform(p) {}
@@ -306,6 +307,8 @@ struct UserMods {
   // A score_mod alone: every tile is mixed (no BlockMask), so the plain tiles' copy of the hook
   // is not written (user_mods_by_state).
   static constexpr bool kHasMaskMod = cf_user_has_mask_mod;
+  // d score_mod / d score is 1 everywhere (an additive bias): grad() need not be called.
+  static constexpr bool kGradIsOne = cf_user_grad_is_one;
   const AttnParams& params;
   int batch, head, rows, keys;
   CfUserModsState state;
