@@ -21,8 +21,8 @@ fi
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.log
 git log -1 --format=%h 2>/dev/null | tee -a $OUT/env.log
-timeout -s INT 150 python3 -m pytest -q -n 15 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore \
-  tests/test_gpu_backward.py > $OUT/tests.log 2>&1
+timeout -s INT 170 python3 -m pytest -q -n 15 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore \
+  tests/test_gpu_backward.py tests/test_gpu_mods.py -k "not torch_compile and not cuda_graph" > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-250 | tail -15
 timeout $(( $(left) * 5 / 9 )) python3 scripts/tune.py hopper-bwd --switch late_exp --head-dims 128 64 \
   --seqlens 4096 16384 --json $OUT/tune_hopper_bwd.json > $OUT/tune_hopper_bwd.log 2>&1
