@@ -1052,17 +1052,17 @@ class Fa3BwdSpec(_KernelSpecBase):
 
     def _traits_args(self) -> tuple[object, ...]:
         dtype = CUDA_ELEMENT_TYPES[self.dtype]
-        # the template's defaults left off the end (the padded batch's names stay as they were)
-        if self.late_exp or self.dq_first:
-            tail: tuple[object, ...] = (self.alibi, self.varlen, self.deterministic, self.decoupled, self.late_exp)
-            tail += (True,) if self.dq_first else ()
-        elif self.decoupled:
-            tail = (self.alibi, self.varlen, False, True)
-        else:
-            tail = (self.alibi, True) if self.varlen else (True,) if self.alibi else ()
+        # the template's optional parameters as (value, its default), those at their defaults
+        # left off the end (the instantiations of the variants before them stay as they were)
+        optional = [
+            (self.alibi, False), (self.varlen, False), (self.deterministic, self.deterministic),  # Dq_writer_
+            (self.decoupled, False), (self.late_exp, False), (self.dq_first, False),
+        ]  # fmt: skip
+        while optional and optional[-1][0] == optional[-1][1]:
+            optional.pop()
         return (
             self.head_dim, self.block_m, dtype, self.causal, self.local, self.softcap, self.deterministic,
-            bool(self.mods_source), *tail,
+            bool(self.mods_source), *(value for value, _ in optional),
         )  # fmt: skip
 
 
