@@ -671,9 +671,11 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 #: FlashAttention-3's arrangement), default order only. Off until measured beside cuDNN and FA4:
 #: scripts/tune.py hopper-bwd times both settings, cuDNN in each one's rounds.
 FA3_BWD_DECOUPLED = False
-#: The Hopper backward's exponentials after dP^T, with dS^T (Fa3BwdSpec.late_exp), where they now
-#: run under it: the order before, kept for scripts/tune.py hopper-bwd's A/B.
-FA3_BWD_LATE_EXP = False
+#: The Hopper backward's exponentials after dP^T, with dS^T (Fa3BwdSpec.late_exp): the order
+#: before they ran under dP^T (fa3_bwd.cu's Exp_under_dp). On until that order's GPU run
+#: (scripts/pending_gpu/validate_bwd_exp.sh: its tests, racecheck and tune.py hopper-bwd
+#: --switch late_exp beside cuDNN); built and checked offline only (no spill, SASS in order).
+FA3_BWD_LATE_EXP = True
 #: dK += dS^T Q issued after dQ = dS K, dQ's staging under dK (Fa3BwdSpec.dq_first): off until
 #: measured (tune.py hopper-bwd --switch dq_first).
 FA3_BWD_DQ_FIRST = False
@@ -704,7 +706,17 @@ def fa3_bwd_spec(
 def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
     """The Hopper backward's variants warmup compiles: every one but a score function's."""
     return [
-        Fa3BwdSpec(dtype, head_dim, causal, local, softcap, deterministic, alibi=alibi, varlen=varlen)
+        Fa3BwdSpec(
+            dtype,
+            head_dim,
+            causal,
+            local,
+            softcap,
+            deterministic,
+            alibi=alibi,
+            varlen=varlen,
+            late_exp=FA3_BWD_LATE_EXP,
+        )
         for head_dim in FA3_BWD_HEAD_DIMS
         for dtype in CUDA_ELEMENT_TYPES
         for causal in (False, True)

@@ -537,17 +537,24 @@ def tune_head_dims(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 #: hopper-bwd's switches: the _dispatch flag each sets
 HOPPER_BWD_SWITCHES = {"decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP", "dq_first": "FA3_BWD_DQ_FIRST"}
+#: the other flags a switch's two settings both run with (the exponentials under dP^T)
+HOPPER_BWD_BASE = {"dq_first": {"FA3_BWD_LATE_EXP": False}, "decoupled": {"FA3_BWD_LATE_EXP": False}}
 
 
 def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Per training shape, the Hopper backward with a switch (``args.switch``) off (the default)
-    and on: ``decoupled``, its consumers meeting once a step (``_dispatch.FA3_BWD_DECOUPLED``);
-    ``late_exp``, its exponentials after dP^T as before they ran under it
-    (``_dispatch.FA3_BWD_LATE_EXP``); ``dq_first``, dK issued after dQ, dQ staged under it
-    (``_dispatch.FA3_BWD_DQ_FIRST``); one right after the other, each with cuDNN (and
-    FlashAttention-4 where installed) in its own rounds; first each setting's error on an awkward
-    causal shape against the float64 host backward."""
+    """Per training shape, the Hopper backward with a switch (``args.switch``) off and on, one
+    right after the other, each with cuDNN (and FlashAttention-4 where installed) in its own
+    rounds; first each setting's error on an awkward causal shape against the float64 host
+    backward. ``late_exp``: its exponentials after dP^T, the order before they ran under it
+    (``_dispatch.FA3_BWD_LATE_EXP``); ``dq_first``: dK issued after dQ, dQ staged under it
+    (``_dispatch.FA3_BWD_DQ_FIRST``); ``decoupled``: its consumers meeting once a step
+    (``_dispatch.FA3_BWD_DECOUPLED``); the last two with the exponentials under dP^T
+    (HOPPER_BWD_BASE)."""
     flag = HOPPER_BWD_SWITCHES[args.switch]
+    base = HOPPER_BWD_BASE.get(args.switch, {})
+    defaults = {name: getattr(_dispatch, name) for name in (flag, *base)}
+    for name, value in base.items():
+        setattr(_dispatch, name, value)
     backends = ["cupyflash", "cudnn"]
     try:
         bench.fa4_attention()
@@ -579,7 +586,8 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 row[f"{part}/{peer}"] = round(ours / theirs, 3)
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-    setattr(_dispatch, flag, False)
+    for name, value in defaults.items():
+        setattr(_dispatch, name, value)
     return rows
 
 

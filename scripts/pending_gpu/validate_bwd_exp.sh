@@ -21,7 +21,10 @@ fi
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.log
 git log -1 --format=%h 2>/dev/null | tee -a $OUT/env.log
-timeout -s INT 170 python3 -m pytest -q -n 15 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore \
+# the tests on the new order (_dispatch.FA3_BWD_LATE_EXP off: a plugin every worker loads)
+mkdir -p /tmp/cfplugin && echo "from cupyflash import _dispatch; _dispatch.FA3_BWD_LATE_EXP = False" \
+  > /tmp/cfplugin/new_bwd_order.py
+PYTHONPATH=/tmp/cfplugin:$PYTHONPATH timeout -s INT 170 python3 -m pytest -p new_bwd_order -q -n 15 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore \
   tests/test_gpu_backward.py tests/test_gpu_mods.py -k "not torch_compile and not cuda_graph" > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-250 | tail -15
 timeout $(( $(left) * 5 / 9 )) python3 scripts/tune.py hopper-bwd --switch late_exp --head-dims 128 64 \
@@ -30,6 +33,8 @@ echo "tune hopper-bwd rc=$? at ${SECONDS}s"
 grep -v "^ *warn\|Warning\|exe_args" $OUT/tune_hopper_bwd.log | cut -c1-420 | tail -18
 cat > /tmp/race_bwd.py <<'PY'
 import torch, cupyflash
+from cupyflash import _dispatch
+_dispatch.FA3_BWD_LATE_EXP = False
 for d in (64, 128):
     q = torch.randn(1, 300, 4, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 333, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
