@@ -234,6 +234,48 @@ def test_decoupled_consumers_match_float64_autograd(rng, head_dim, case, decoupl
         assert torch.allclose(dq, runs[0][0], rtol=1e-2, atol=1e-2)
 
 
+@pytest.fixture
+def backward_order(monkeypatch):
+    """Sets the Hopper backward's step order for the test's calls: the exponentials under dP^T
+    (``_dispatch.FA3_BWD_LATE_EXP`` off) and, with ``dq_first``, dK issued after dQ; the plans
+    made under either setting are dropped before and after."""
+    from cupyflash import _dispatch, _plan
+
+    def switch(dq_first: bool) -> None:
+        if not is_hopper():
+            pytest.skip("a Hopper backward variant")
+        monkeypatch.setattr(_dispatch, "FA3_BWD_LATE_EXP", False)
+        monkeypatch.setattr(_dispatch, "FA3_BWD_DQ_FIRST", dq_first)
+        _plan.clear_caches()
+
+    yield switch
+    _plan.clear_caches()
+
+
+@pytest.mark.parametrize("dq_first", [False, True], ids=["exp-under-dp", "dq-first"])
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("case", ["causal-gqa-odd", "causal-gqa-long", "many-key-blocks", "window-both"], ids=str)
+def test_exponentials_under_dp_match_float64_autograd(rng, head_dim, case, dq_first, backward_order):
+    """The Hopper backward with P^T formed and dV issued while dP^T is on the tensor cores (and
+    dK after dQ): the same gradients as the float64 oracle's, and bit-identical dK and dV over
+    three runs (their sums stay in registers)."""
+    torch = need_torch()
+    backward_order(dq_first)
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    b, nq, nk, hq, hkv, causal, window, softcap = CASES[case]
+    q = torch.randn(b, nq, hq, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, nk, hkv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    opts = {"causal": causal, "window": window, "softcap": softcap, "scale": None, "layout": "bshd"}
+    check_backward(torch, q, k, v, **opts)
+    check_backward(torch, q, k, v, deterministic=True, **opts)
+    dout = torch.randn_like(q)
+    out, lse = cupyflash.attention(q, k, v, return_lse=True, **opts)
+    runs = [cupyflash.attention_backward(dout, q, k, v, out, lse, **opts) for _ in range(3)]
+    for dq, dk, dv in runs[1:]:
+        assert torch.equal(dk, runs[0][1]) and torch.equal(dv, runs[0][2])
+        assert torch.allclose(dq, runs[0][0], rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -116,6 +116,40 @@ def test_the_decoupled_backward_is_a_switch_and_compiles_cleanly(monkeypatch, he
         assert "wgmma.mma_async instructions are serialized" not in build.log
 
 
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_the_backward_exponentials_under_dp_are_a_switch_and_compile_cleanly(monkeypatch, head_dim):
+    """Fa3BwdSpec.late_exp (the exponentials after dP^T, the order before): what the dispatcher
+    and warmup pick until the new order's GPU run (_dispatch.FA3_BWD_LATE_EXP); dq_first follows
+    _dispatch.FA3_BWD_DQ_FIRST. The new order builds for sm_90a with no spill, no serialised wgmma
+    and no warning (causal over packed sequences, deterministic, dq_first), and its PTX forms a
+    step's every exponential between the wait for S^T and the wait for dP^T."""
+    from cupyflash import _kernels
+    from cupyflash._specs import Fa3BwdSpec
+
+    flags = _dispatch.MaskFlags(True, False, False)
+    picked = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, False, False)
+    assert picked.late_exp == _dispatch.FA3_BWD_LATE_EXP
+    assert {s.late_exp for s in _dispatch.all_fa3_bwd_specs()} == {_dispatch.FA3_BWD_LATE_EXP}
+    monkeypatch.setattr(_dispatch, "FA3_BWD_LATE_EXP", False)
+    monkeypatch.setattr(_dispatch, "FA3_BWD_DQ_FIRST", True)
+    picked = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, False, False)
+    assert not picked.late_exp and picked.dq_first
+    # a thread's exponentials before the wait for dP^T: 64 keys x 64 query rows / 128 threads (at
+    # d = 64 the first of two parts of 64 rows)
+    first_part = 64 * 64 // 128
+    for spec in (Fa3BwdSpec("bfloat16", head_dim, causal=True, varlen=True),
+                 Fa3BwdSpec("float16", head_dim, deterministic=True),
+                 Fa3BwdSpec("bfloat16", head_dim, dq_first=True)):  # fmt: skip
+        build = _kernels.compile_offline(spec, "sm_90a")
+        assert not build.spill_bytes and not build.warnings, (spec.name, build.spill_bytes, build.warnings)
+        assert "wgmma.mma_async instructions are serialized" not in build.log
+        lines = build.ptx.splitlines()
+        waits = [i for i, line in enumerate(lines) if "wgmma.wait_group.sync.aligned" in line]
+        first = next(i for i in waits if "wgmma.wait_group.sync.aligned 1" in lines[i])
+        under_dp = sum("ex2.approx" in line for line in lines[first : next(i for i in waits if i > first)])
+        assert under_dp == first_part, (spec.name, under_dp)
+
+
 class _Recorder:
     """Stands in for cuTensorMapEncodeTiled: records its arguments, writes a recognisable map."""
 
