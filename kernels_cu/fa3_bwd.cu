@@ -582,6 +582,15 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     uint32_t p_frag[kRowSteps][4], ds_frag[kRowSteps][4];
     const uint64_t desc_do = wgmma_desc(do_tile, kBlockM * kSwizzleRowBytes);
     const uint64_t desc_q = wgmma_desc(q_tile, kBlockM * kSwizzleRowBytes);
+    // dV += P^T dO or dK += dS^T Q over the k-steps of part `part` of `parts` (k-step ks takes
+    // query rows 16 ks .. 16 ks + 15: two 8-row atoms of every column block, 2048 bytes; d's
+    // column blocks are kBlockM rows apart), the fragments as the A operand from registers.
+    auto issue_kv = [&](float (&acc)[kHeadDim / 8][4], const uint32_t (&frags)[kRowSteps][4],
+                        uint64_t desc, int part, int parts) {
+#pragma unroll
+      for (int ks = part * kRowSteps / parts; ks < (part + 1) * kRowSteps / parts; ++ks)
+        MmaKV::rs_bt(acc, frags[ks], wgmma_desc_advance(desc, ks * 2 * kSwizzleAtomBytes), 1);
+    };
     // At 128 rows a step (d = 64) in two halves of the rows: the first half's fragments are
     // complete and its wgmmas issued before the second half's exponentials, which bounds how far
     // ptxas hoists them (one pass over all 16 column tiles kept ~30 more values live next to the
@@ -635,18 +644,10 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
           ds_frag[nt / 2][2 * (nt % 2) + half] = Ops::pack2(ds[0], ds[1]);
         }
       }
-      // dV += P^T dO, dK += dS^T Q: k-step ks takes query rows 16 ks .. 16 ks + 15 (two 8-row
-      // atoms of every column block, 2048 bytes per step); d's column blocks are kBlockM rows apart.
       wgmma_fence();
-#pragma unroll
-      for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
-        MmaKV::rs_bt(acc_dv[0], p_frag[ks], wgmma_desc_advance(desc_do, ks * 2 * kSwizzleAtomBytes),
-                     1);
+      issue_kv(acc_dv[0], p_frag, desc_do, part, kParts);
       wgmma_commit();
-#pragma unroll
-      for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
-        MmaKV::rs_bt(acc_dk[0], ds_frag[ks], wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes),
-                     1);
+      issue_kv(acc_dk[0], ds_frag, desc_q, part, kParts);
       wgmma_commit();
     };
     // Every part once, each index a literal (a `#pragma unroll` loop over the calls put the
@@ -678,10 +679,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
                 Ops::pack2(s[0][nt][2 * half], s[0][nt][2 * half + 1]);
         }
         wgmma_fence();
-#pragma unroll
-        for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
-          MmaKV::rs_bt(acc_dv[0], p_frag[ks],
-                       wgmma_desc_advance(desc_do, ks * 2 * kSwizzleAtomBytes), 1);
+        issue_kv(acc_dv[0], p_frag, desc_do, part, kParts);
         wgmma_commit();
         if (part == 0) {
           wgmma_wait<1>();  // dP^T complete; dV may still run
@@ -698,10 +696,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
         }
         if constexpr (!Traits::Dq_first) {
           wgmma_fence();
-#pragma unroll
-          for (int ks = part * kRowSteps / kParts; ks < (part + 1) * kRowSteps / kParts; ++ks)
-            MmaKV::rs_bt(acc_dk[0], ds_frag[ks],
-                         wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes), 1);
+          issue_kv(acc_dk[0], ds_frag, desc_q, part, kParts);
           wgmma_commit();
         }
       };
@@ -754,10 +749,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       if (lane == 0) mbar_arrive(smem.q_empty(stage));
     };
     if constexpr (Traits::Dq_first) {
-#pragma unroll
-      for (int ks = 0; ks < kRowSteps; ++ks)
-        MmaKV::rs_bt(acc_dk[0], ds_frag[ks], wgmma_desc_advance(desc_q, ks * 2 * kSwizzleAtomBytes),
-                     1);
+      issue_kv(acc_dk[0], ds_frag, desc_q, 0, 1);
       wgmma_commit();
       wgmma_wait<1>();  // dQ complete; dK may still run
     } else {

@@ -218,14 +218,22 @@ def test_decoupled_consumers_match_float64_autograd(rng, head_dim, case, decoupl
     parts handed to the writer warp per consumer): the same gradients as the float64 oracle's,
     and bit-identical dK and dV over three runs (their sums stay in registers; dQ's adds are in
     no fixed order)."""
-    torch = need_torch()
     decoupled_backward(True)
+    check_variant_backward(need_torch(), rng, head_dim, case)
+
+
+def check_variant_backward(torch, rng, head_dim, case, deterministic_too=False):
+    """A Hopper backward variant on CASES[case], bf16: its gradients against the float64
+    oracle's (and the fixed order's too), and dK and dV bit-identical over three runs (their sums
+    stay in registers; dQ's adds are in no fixed order)."""
     torch.manual_seed(int(rng.integers(1 << 31)))
     b, nq, nk, hq, hkv, causal, window, softcap = CASES[case]
     q = torch.randn(b, nq, hq, head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, nk, hkv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     opts = {"causal": causal, "window": window, "softcap": softcap, "scale": None, "layout": "bshd"}
     check_backward(torch, q, k, v, **opts)
+    if deterministic_too:
+        check_backward(torch, q, k, v, deterministic=True, **opts)
     dout = torch.randn_like(q)
     out, lse = cupyflash.attention(q, k, v, return_lse=True, **opts)
     runs = [cupyflash.attention_backward(dout, q, k, v, out, lse, **opts) for _ in range(3)]
@@ -259,21 +267,8 @@ def test_exponentials_under_dp_match_float64_autograd(rng, head_dim, case, dq_fi
     """The Hopper backward with P^T formed and dV issued while dP^T is on the tensor cores (and
     dK after dQ): the same gradients as the float64 oracle's, and bit-identical dK and dV over
     three runs (their sums stay in registers)."""
-    torch = need_torch()
     backward_order(dq_first)
-    torch.manual_seed(int(rng.integers(1 << 31)))
-    b, nq, nk, hq, hkv, causal, window, softcap = CASES[case]
-    q = torch.randn(b, nq, hq, head_dim, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, nk, hkv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    opts = {"causal": causal, "window": window, "softcap": softcap, "scale": None, "layout": "bshd"}
-    check_backward(torch, q, k, v, **opts)
-    check_backward(torch, q, k, v, deterministic=True, **opts)
-    dout = torch.randn_like(q)
-    out, lse = cupyflash.attention(q, k, v, return_lse=True, **opts)
-    runs = [cupyflash.attention_backward(dout, q, k, v, out, lse, **opts) for _ in range(3)]
-    for dq, dk, dv in runs[1:]:
-        assert torch.equal(dk, runs[0][1]) and torch.equal(dv, runs[0][2])
-        assert torch.allclose(dq, runs[0][0], rtol=1e-2, atol=1e-2)
+    check_variant_backward(need_torch(), rng, head_dim, case, deterministic_too=True)
 
 
 @pytest.mark.parametrize("decoupled", [False, True])

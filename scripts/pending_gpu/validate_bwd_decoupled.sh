@@ -18,23 +18,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.
 timeout -s INT 150 python3 -m pytest -q -n 15 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore \
   tests/test_gpu_backward.py > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-250 | tail -15
-cat > /tmp/race_bwd.py <<'PY'
-import torch, cupyflash
-from cupyflash import _dispatch, _plan
-_dispatch.FA3_BWD_DECOUPLED = True
-_plan.clear_caches()
-for d in (64, 128):
-    q = torch.randn(1, 300, 4, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(1, 333, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
-    dq, dk, dv = cupyflash.attention_backward(torch.randn_like(q), q, k, v, out, lse, causal=True)
-    torch.cuda.synchronize()
-    print(d, bool(torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()), flush=True)
-PY
 for tool in racecheck synccheck; do
-  timeout 90 compute-sanitizer --tool $tool python3 /tmp/race_bwd.py > $OUT/$tool.log 2>&1
+  timeout 90 compute-sanitizer --tool $tool python3 scripts/pending_gpu/race_bwd.py FA3_BWD_LATE_EXP=0 FA3_BWD_DECOUPLED=1 > $OUT/$tool.log 2>&1
   echo "$tool rc=$? at ${SECONDS}s"; grep -E "SUMMARY|^(64|128) " $OUT/$tool.log | head -4
 done
-timeout $(( $(left) - 5 )) python3 scripts/tune.py hopper-bwd --head-dims 128 64 --json $OUT/tune_hopper_bwd.json \
+timeout $(( $(left) - 5 )) python3 scripts/tune.py hopper-bwd --switch decoupled --head-dims 128 64 --json $OUT/tune_hopper_bwd.json \
   > $OUT/tune_hopper_bwd.log 2>&1
 echo "tune hopper-bwd rc=$? at ${SECONDS}s"; grep -v "^ *warn\|Warning\|exe_args" $OUT/tune_hopper_bwd.log | cut -c1-400 | tail -12
