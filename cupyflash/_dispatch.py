@@ -676,8 +676,8 @@ FA3_BWD_DECOUPLED = False
 #: (scripts/pending_gpu/validate_bwd_exp.sh: its tests, racecheck and tune.py hopper-bwd
 #: --switch late_exp beside cuDNN); built and checked offline only (no spill, SASS in order).
 FA3_BWD_LATE_EXP = True
-#: dK += dS^T Q issued after dQ = dS K, dQ's staging under dK (Fa3BwdSpec.dq_first): off until
-#: measured (tune.py hopper-bwd --switch dq_first).
+#: dK += dS^T Q issued after dQ = dS K, dQ's staging under dK (Fa3BwdSpec.dq_first, d = 128): off
+#: until measured (tune.py hopper-bwd --switch dq_first).
 FA3_BWD_DQ_FIRST = False
 
 
@@ -699,7 +699,7 @@ def fa3_bwd_spec(
     return Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
         varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP,
-        dq_first=FA3_BWD_DQ_FIRST,
+        dq_first=FA3_BWD_DQ_FIRST and head_dim == 128,
     )  # fmt: skip
 
 

@@ -993,7 +993,8 @@ class Fa3BwdSpec(_KernelSpecBase):
     # P^T formed after dP^T, with dS^T (fa3_bwd.cu's Late_exp_: the order before the exponentials
     # moved under dP^T; scripts/tune.py hopper-bwd times the two)
     late_exp: bool = False
-    # dK += dS^T Q after dQ = dS K, dQ staged under dK (fa3_bwd.cu's Dq_first; not with late_exp)
+    # dK += dS^T Q after dQ = dS K, dQ staged under dK (fa3_bwd.cu's Dq_first; d = 128, not with
+    # late_exp)
     dq_first: bool = False
 
     kernel = "fa3_bwd"
@@ -1016,6 +1017,8 @@ class Fa3BwdSpec(_KernelSpecBase):
             raise ValueError("score_mod / mask_mod do not combine with softcap on the Hopper backward")
         if self.alibi and (self.softcap or self.mods_source):
             raise ValueError("ALiBi does not combine with softcap or score_mod / mask_mod on the Hopper backward")
+        if self.dq_first and self.head_dim != 128:
+            raise ValueError("dK after dQ (dq_first) is a d = 128 variant of the Hopper backward")
         if self.decoupled and self.deterministic:
             raise ValueError("the decoupled consumers take the default order of dQ's adds, not deterministic=True")
 

@@ -142,7 +142,9 @@ struct Fa3BwdTraits {
       !Has_softcap && (!Has_user_score || UserMask::kGradIsOne) && !Late_exp_;
   // With it, dK += dS^T Q issued after dQ = dS K, so that dQ's staging runs while dK is on the
   // tensor cores (FlashAttention-3's and FA4's order; the A/B of tune.py hopper-bwd's dq_first).
-  static constexpr bool Dq_first = Dq_first_ && Exp_under_dp;
+  // At d = 128: at d = 64 (128-row steps) the fragments kept past the barrier made ptxas
+  // serialise the wgmmas of 6 of 21 variants.
+  static constexpr bool Dq_first = Dq_first_ && Exp_under_dp && kHeadDim == 128;
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -415,7 +417,11 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<Traits::kConsumerRegs>();
-  const int consumer = warpgroup - 1;
+  // Uniform across the warp as ptxas sees it in the new order's variants (warpgroup_index: their
+  // wgmma descriptors in uniform registers, 94 instructions fewer a step at d = 128); the order
+  // before keeps the SASS that was measured (and its d = 64 causal, local, softcap, deterministic
+  // variant spilled 8 bytes with it).
+  const int consumer = Traits::Exp_under_dp ? warpgroup_index() - 1 : warpgroup - 1;
   const int tid = threadIdx.x % kWarpgroupThreads;
   const int lane = tid % 32;
   const int warp = tid / 32;
@@ -707,15 +713,27 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       for_each_index<kParts>(dv_dk_part);
     }
 
-    // dS^T to shared memory: key rows of 64 query rows (128 bytes) per column block, swizzled.
+    // dS^T to shared memory: key rows of 64 query rows (128 bytes) per column block, swizzled;
+    // k-step ks's fragments are four 8 x 8 tiles (keys +0 / +8, query rows 16 ks / + 8), one
+    // stmatrix, lanes 8 j .. 8 j + 7 pointing at tile j's key rows.
     const int ds_stage = step % Traits::kDsStages;
+    if constexpr (Traits::Exp_under_dp) {
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+      for (int ks = 0; ks < kRowSteps; ++ks)
+        stmatrix_x4(
+            smem.ds(ds_stage) + swizzled_offset<kBlockN>(warp_key0 + lane % 8 + 8 * (lane / 8 % 2),
+                                                         16 * ks + 8 * (lane / 16)),
+            ds_frag[ks][0], ds_frag[ks][1], ds_frag[ks][2], ds_frag[ks][3]);
+    } else {  // (the order before: a 32-bit store a fragment register)
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        st_shared_b32(smem.ds(ds_stage) + swizzled_offset<kBlockN>(warp_key0 + lane / 4 + 8 * half,
-                                                                   8 * nt + 2 * (lane % 4)),
-                      ds_frag[nt / 2][2 * (nt % 2) + half]);
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          st_shared_b32(
+              smem.ds(ds_stage) + swizzled_offset<kBlockN>(warp_key0 + lane / 4 + 8 * half,
+                                                           8 * nt + 2 * (lane % 4)),
+              ds_frag[nt / 2][2 * (nt % 2) + half]);
+    }
     fence_proxy_async_shared();
     if (dq_issuer) bulk_wait_read<0>();  // the last step's dQ has left the staging buffer
     dq_sync();
@@ -735,9 +753,9 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
                   wgmma_desc_advance(desc_k0, key_bytes), ks > 0);
     }
     wgmma_commit();
-    // Every wgmma of the step complete: P^T and dS^T (register operands) free, Q and dO read.
+    // Once every wgmma of the step is complete: P^T and dS^T (register operands) free, Q and dO
+    // read.
     auto step_read = [&]() {
-      wgmma_wait<0>();
       wgmma_fence_operands(acc_dk[0]);
       wgmma_fence_operands(acc_dv[0]);
 #pragma unroll
@@ -752,10 +770,12 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       issue_kv(acc_dk[0], ds_frag, desc_q, 0, 1);
       wgmma_commit();
       wgmma_wait<1>();  // dQ complete; dK may still run
+      wgmma_fence_operands(acc_dq);
     } else {
+      wgmma_wait<0>();
+      wgmma_fence_operands(acc_dq);
       step_read();
     }
-    wgmma_fence_operands(acc_dq);
 
     // dQ staged in its fragments' order, then one bulk reduce-add into dQacc's tile.
     if (Traits::Decoupled && step >= 1)
@@ -773,7 +793,10 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       st_shared_b128(staged + dq_tile_fragment_bytes(consumer, j, tid), as_uint4(acc_dq[j]));
     fence_proxy_async_shared();
     if (step + 1 < steps) store_row_values((step + 1) % kStages, row_values);
-    if constexpr (Traits::Dq_first) step_read();
+    if constexpr (Traits::Dq_first) {
+      wgmma_wait<0>();
+      step_read();
+    }
     if constexpr (Traits::Decoupled) {
       // the next step's -LSE and D (this consumer's copy) before their reads; no meeting with
       // the other consumer, whose next dS^T goes to the other buffer

@@ -40,6 +40,14 @@ enum class NamedBarrier : int {
 // symbol of its cubin.)
 enum : int { kWarpgroupThreads = 128 };
 
+// This thread's warpgroup, broadcast from lane 0 (CUTLASS's canonical_warp_group_idx): ptxas
+// then knows it is the same across the warp and keeps what derives from it (a consumer's wgmma
+// descriptors, its tiles' addresses) in uniform registers; from threadIdx.x directly, every
+// wgmma's descriptor was computed per thread and moved to uniform registers (R2UR) first.
+CF_DEVICE int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroupThreads, 0);
+}
+
 CF_DEVICE constexpr int named_barrier_threads(NamedBarrier id) {
   return id == NamedBarrier::kTurn ? 2 * kWarpgroupThreads : kWarpgroupThreads;
 }

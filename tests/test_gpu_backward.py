@@ -267,6 +267,8 @@ def test_exponentials_under_dp_match_float64_autograd(rng, head_dim, case, dq_fi
     """The Hopper backward with P^T formed and dV issued while dP^T is on the tensor cores (and
     dK after dQ): the same gradients as the float64 oracle's, and bit-identical dK and dV over
     three runs (their sums stay in registers)."""
+    if dq_first and head_dim != 128:
+        pytest.skip("dK after dQ is a d = 128 variant")
     backward_order(dq_first)
     check_variant_backward(need_torch(), rng, head_dim, case, deterministic_too=True)
 

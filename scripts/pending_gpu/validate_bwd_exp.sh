@@ -38,6 +38,6 @@ timeout 70 python3 scripts/pending_gpu/cascade_small.py > $OUT/cascade_small.log
 echo "cascade_small rc=$? at ${SECONDS}s"; cut -c1-600 $OUT/cascade_small.log | tail -8
 # dK after dQ as well (dq_first), dQ staged under dK: predicted +3-8% more
 [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 scripts/tune.py hopper-bwd --switch dq_first \
-  --head-dims 128 64 --seqlens 4096 16384 --json $OUT/tune_dq_first.json > $OUT/tune_dq_first.log 2>&1
+  --head-dims 128 --seqlens 4096 16384 --json $OUT/tune_dq_first.json > $OUT/tune_dq_first.log 2>&1
 echo "tune dq_first rc=$? at ${SECONDS}s"
 grep -v "^ *warn\|Warning\|exe_args" $OUT/tune_dq_first.log | cut -c1-420 | tail -18
