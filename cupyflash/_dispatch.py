@@ -672,9 +672,10 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 #: scripts/tune.py hopper-bwd times both settings, cuDNN in each one's rounds.
 FA3_BWD_DECOUPLED = False
 #: The Hopper backward's exponentials after dP^T, with dS^T (Fa3BwdSpec.late_exp): the order
-#: before they ran under dP^T (fa3_bwd.cu's Exp_under_dp). On until that order's GPU run
-#: (scripts/pending_gpu/validate_bwd_exp.sh: its tests, racecheck and tune.py hopper-bwd
-#: --switch late_exp beside cuDNN); built and checked offline only (no spill, SASS in order).
+#: before they ran under dP^T (fa3_bwd.cu's Exp_under_dp). On until the whole backward and
+#: score-function GPU suites have run on the new order (scripts/pending_gpu/validate_bwd_exp.sh).
+#: So far (H100, docs/evidence/2026-12-07-cpu-session-10): 51 + 18 of its GPU tests passed,
+#: racecheck clean, the backward over cuDNN +6-10% at d = 64 (+2-3% causal), +0-1% at d = 128.
 FA3_BWD_LATE_EXP = True
 #: dK += dS^T Q issued after dQ = dS K, dQ's staging under dK (Fa3BwdSpec.dq_first, d = 128): off
 #: until measured (tune.py hopper-bwd --switch dq_first).
