@@ -137,7 +137,8 @@ struct Fa3BwdTraits {
   // 16 a clock per SM, so 512-1024 clocks for the two consumers) otherwise ran with no wgmma of
   // either consumer in flight. Not with softcap or a score_mod whose derivative is not 1 (dS^T
   // needs the raw score beside P^T: 32-64 more registers live through dP^T); an additive bias's
-  // is. (Late_exp_: the order before, for the A/B.)
+  // is. (Late_exp_: the order before, what the dispatcher picks until the new order's GPU
+  // suites have run: _dispatch.FA3_BWD_LATE_EXP.)
   static constexpr bool Exp_under_dp =
       !Has_softcap && (!Has_user_score || UserMask::kGradIsOne) && !Late_exp_;
   // With it, dK += dS^T Q issued after dQ = dS K, so that dQ's staging runs while dK is on the
