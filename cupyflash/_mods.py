@@ -1261,8 +1261,9 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", gr
     has_mask = "true" if mask_mod is not None else "false"
     # whether d score_mod / d score is 1 everywhere (an additive bias: ALiBi, a relative-position
     # table): the Hopper backward then forms P^T without keeping the raw score for the derivative
-    derivative = None if score_mod is None else score_derivative(score_mod).expr
-    grad_is_one = "true" if derivative is None or (derivative.op == "const" and derivative.args == (1.0,)) else "false"
+    slope = None if score_mod is None else score_derivative(score_mod)
+    one = slope is None or (slope.expr.op == "const" and slope.expr.args == (1.0,))
+    grad_is_one = "true" if one else "false"
     parts = [
         CUDA_HELPERS,
         f"constexpr bool cf_user_has_score_mod = {has_score};\n",
@@ -1314,8 +1315,8 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", gr
             call[mod.role] = add(mod, which, mod.role)
     # d score_mod / d score (1 without one): reads a subset of score_mod's arrays
     gradient = "  return 1.f;\n"
-    if score_mod is not None:
-        gradient = f"  bool outside = false;\n  return {add(score_derivative(score_mod), 0, 'gradient')};\n"
+    if slope is not None:
+        gradient = f"  bool outside = false;\n  return {add(slope, 0, 'gradient')};\n"
     # What depends on b and h alone, computed once per tile (UserMods' constructor) for every
     # score; what depends on q_idx alone once per row, on kv_idx alone once per key
     # (variants.cuh's transform_scores of UserMods)

@@ -621,6 +621,16 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
         for (int half = 0; half < 2; ++half)
           hi[half] = min(hi[half], seq.q.len - 1 - (row0 + 2 * (lane % 4)));
     }
+    // A score_mod's logit of element 2 half + c of column tile nt, from its (biased) score, -inf
+    // outside the bounds above; the score itself without one.
+    auto user_logit = [&](float logit, int nt, int half, int c) {
+      if constexpr (Traits::Has_user_score) {
+        logit =
+            user(logit, row0 + 8 * nt + 2 * (lane % 4) + c, key0 + warp_key0 + lane / 4 + 8 * half);
+        if (8 * nt + c < lo[half] || 8 * nt + c > hi[half]) logit = neg_infinity();
+      }
+      return logit;
+    };
     auto dv_dk_part = [&](const int part) {
 #pragma unroll
       for (int nt = part * kNTiles / kParts; nt < (part + 1) * kNTiles / kParts; ++nt) {
@@ -633,13 +643,10 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
           for (int c = 0; c < 2; ++c) {
             float logit = logit_with_bias(s[0][nt][2 * half + c], nt, half, c);
             float slope = 1.f;  // d logit / d (scaled score): score_mod's derivative
-            if constexpr (Traits::Has_user_score) {
-              const int key = key0 + warp_key0 + lane / 4 + 8 * half;
-              const int row = row0 + 8 * nt + 2 * (lane % 4) + c;
-              slope = user.grad(logit, row, key);
-              logit = user(logit, row, key);
-              if (8 * nt + c < lo[half] || 8 * nt + c > hi[half]) logit = neg_infinity();
-            }
+            if constexpr (Traits::Has_user_score)
+              slope = user.grad(logit, row0 + 8 * nt + 2 * (lane % 4) + c,
+                                key0 + warp_key0 + lane / 4 + 8 * half);
+            logit = user_logit(logit, nt, half, c);
             prob[c] = fast_exp2(fmaf(logit, scale_log2, c ? neg_lse.y : neg_lse.x));
             ds[c] = prob[c] * (dp[0][nt][2 * half + c] - (c ? dsum.y : dsum.x));
             if constexpr (Traits::Has_softcap)  // the logit is the capped score here (no ALiBi)
@@ -671,13 +678,9 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
           const float2 neg_lse = ld_shared_f32x2_offset(thread_rows, 8 * nt * 4);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float logit = logit_with_bias(s[0][nt][e], nt, e / 2, e % 2);
-            if constexpr (Traits::Has_user_score) {  // (its derivative 1: no slope kept)
-              const int half = e / 2, c = e % 2;
-              logit = user(logit, row0 + 8 * nt + 2 * (lane % 4) + c,
-                           key0 + warp_key0 + lane / 4 + 8 * half);
-              if (8 * nt + c < lo[half] || 8 * nt + c > hi[half]) logit = neg_infinity();
-            }
+            // (a score_mod's derivative is 1 here: no slope kept)
+            const float logit =
+                user_logit(logit_with_bias(s[0][nt][e], nt, e / 2, e % 2), nt, e / 2, e % 2);
             s[0][nt][e] = fast_exp2(fmaf(logit, scale_log2, e % 2 ? neg_lse.y : neg_lse.x));
           }
 #pragma unroll

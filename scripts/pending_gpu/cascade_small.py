@@ -1,5 +1,5 @@
 """Issue 41, the cascade at small batches (B = 2: 0.90-0.99x the flat paged call): the kernel alone
-(CUDA events, back to back) of the one-launch cascade with its prefix split into 8 ... 128 parts
+(CUDA events, 50 calls back to back) of the one-launch cascade with its prefix split into 8 ... 128 parts
 (``_dispatch.cascade_prefix_splits`` replaced; the default's count printed) and the requests' own
 keys in the default's splits, 1 or 4 (``_dispatch.decode_num_splits``), beside the flat paged
 call with its own split count and with others, at B in {1, 2, 4} over 4k and 32k prefixes
@@ -8,12 +8,15 @@ wave quantisation and per-CTA start-up (few keys a split) or the prefix CTAs' re
     usage (GPU machine): python3 scripts/pending_gpu/cascade_small.py"""
 
 import json
-import sys
 
-sys.path.insert(0, "docs/evidence/2026-12-07-h100-session-9/scripts")
-from event_timing import kernel_us  # noqa: E402
+from cupyflash import _dispatch, _plan, bench
 
-from cupyflash import _dispatch, _plan, bench  # noqa: E402
+
+def kernel_us(fn) -> float:
+    """Microseconds a call, 50 calls back to back between two events (bench.cuda_time_ms: the
+    median of its rounds, after its warm-up)."""
+    return round(bench.cuda_time_ms(fn, repeat=5, calls=50) * 1e3, 1)
+
 
 default_prefix_splits = _dispatch.cascade_prefix_splits
 default_num_splits = _dispatch.decode_num_splits

@@ -1,31 +1,15 @@
 """Where the one-launch cascade's time goes at B = 64 over a 32k prefix (issue 41): the kernel
 alone (CUDA events, back to back) with 512 and 16 own keys per request (the prefix's share), the
 flat paged call beside it, and each decode tile the cascade can take (16 or 32 packed rows).
-    usage (GPU machine): python3 scripts/pending_gpu/cascade_profile.py"""
+    usage (GPU machine): python3 docs/evidence/2026-12-07-h100-session-9/scripts/cascade_profile.py"""
 
 import json
 
-import torch
+from event_timing import kernel_us
 
 from cupyflash import _dispatch, _plan, bench
 
 forget_plans = _plan.clear_caches
-
-
-def kernel_us(fn, reps: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return round(best, 1)
 
 
 default = _dispatch.cascade_tiles

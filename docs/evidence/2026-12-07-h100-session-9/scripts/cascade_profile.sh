@@ -6,7 +6,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.log
-timeout 240 python3 scripts/pending_gpu/cascade_profile.py 2>&1 | tee $OUT/profile.log | tail -20
+timeout 240 python3 docs/evidence/2026-12-07-h100-session-9/scripts/cascade_profile.py 2>&1 | tee $OUT/profile.log | tail -20
 timeout 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \
   --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
   --section SchedulerStats python3 docs/evidence/2026-12-07-h100-session-9/scripts/cascade_ncu.py 64 32768 > $OUT/ncu.txt 2>&1
