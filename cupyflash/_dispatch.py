@@ -672,13 +672,14 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 #: scripts/tune.py hopper-bwd times both settings, cuDNN in each one's rounds.
 FA3_BWD_DECOUPLED = False
 #: The Hopper backward's exponentials after dP^T, with dS^T (Fa3BwdSpec.late_exp): the order
-#: before they ran under dP^T (fa3_bwd.cu's Exp_under_dp). On until the whole backward and
-#: score-function GPU suites have run on the new order (scripts/pending_gpu/validate_bwd_exp.sh).
-#: So far (H100, docs/evidence/2026-12-07-cpu-session-10): 51 + 18 of its GPU tests passed,
-#: racecheck clean, the backward over cuDNN +6-10% at d = 64 (+2-3% causal), +0-1% at d = 128.
-FA3_BWD_LATE_EXP = True
+#: before they ran under dP^T (fa3_bwd.cu's Exp_under_dp). Off: the new order passed the backward
+#: and score-function GPU suites (342 run, none failed) and racecheck; beside cuDNN the backward
+#: was +5-9% at d = 64 (causal N = 4k even) and even to +2% at d = 128 (H100,
+#: docs/evidence/2026-12-07-gpu-session-11). The switch stays for tune.py hopper-bwd's A/B.
+FA3_BWD_LATE_EXP = False
 #: dK += dS^T Q issued after dQ = dS K, dQ's staging under dK (Fa3BwdSpec.dq_first, d = 128): off
-#: until measured (tune.py hopper-bwd --switch dq_first).
+#: until the backward's GPU suites have run with it; timed +1-3% over the new order in 10 of 12
+#: (shape, run) pairs, -1 to -3% in the other two (causal, N = 4k).
 FA3_BWD_DQ_FIRST = False
 
 
@@ -717,6 +718,7 @@ def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
             alibi=alibi,
             varlen=varlen,
             late_exp=FA3_BWD_LATE_EXP,
+            dq_first=FA3_BWD_DQ_FIRST and head_dim == 128,
         )
         for head_dim in FA3_BWD_HEAD_DIMS
         for dtype in CUDA_ELEMENT_TYPES

@@ -991,8 +991,7 @@ class Fa3BwdSpec(_KernelSpecBase):
     # writer warp per consumer; fa3_bwd.cu's Decoupled); the default order only
     decoupled: bool = False
     # P^T formed after dP^T, with dS^T (fa3_bwd.cu's Late_exp_: the order before the exponentials
-    # moved under dP^T, picked while _dispatch.FA3_BWD_LATE_EXP is on; tune.py hopper-bwd times
-    # the two)
+    # moved under dP^T; tune.py hopper-bwd times the two)
     late_exp: bool = False
     # dK += dS^T Q after dQ = dS K, dQ staged under dK (fa3_bwd.cu's Dq_first; d = 128, not with
     # late_exp)

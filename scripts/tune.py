@@ -291,7 +291,10 @@ MODS_CANDIDATES = {
 
 def _mods_spill_bytes(tile: Fa3Tile) -> int:
     """The most local memory of the Hopper forwards with a function built on ``tile`` so far."""
-    built = [k for k in _kernels.compiled_variants() if getattr(k.spec, "mods_source", "") and k.spec.tile == tile]
+    built = [
+        k for k in _kernels.compiled_variants()
+        if isinstance(k.spec, Fa3FwdSpec) and k.spec.mods_source and k.spec.tile == tile
+    ]  # fmt: skip
     return max((k.local_bytes for k in built), default=0)
 
 

@@ -118,11 +118,11 @@ def test_the_decoupled_backward_is_a_switch_and_compiles_cleanly(monkeypatch, he
 
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_the_backward_exponentials_under_dp_are_a_switch_and_compile_cleanly(monkeypatch, head_dim):
-    """Fa3BwdSpec.late_exp (the exponentials after dP^T, the order before): what the dispatcher
-    and warmup pick until the new order's GPU run (_dispatch.FA3_BWD_LATE_EXP); dq_first follows
-    _dispatch.FA3_BWD_DQ_FIRST. The new order builds for sm_90a with no spill, no serialised wgmma
-    and no warning (causal over packed sequences, deterministic, dq_first), and its PTX forms a
-    step's every exponential between the wait for S^T and the wait for dP^T."""
+    """Fa3BwdSpec.late_exp (the exponentials after dP^T, the order before) and dq_first follow
+    _dispatch.FA3_BWD_LATE_EXP and FA3_BWD_DQ_FIRST in the dispatcher and warmup. The new order
+    builds for sm_90a with no spill, no serialised wgmma and no warning (causal over packed
+    sequences, deterministic, dq_first), and its PTX forms a step's every exponential between the
+    wait for S^T and the wait for dP^T."""
     from cupyflash import _kernels
     from cupyflash._specs import Fa3BwdSpec
 
@@ -130,6 +130,7 @@ def test_the_backward_exponentials_under_dp_are_a_switch_and_compile_cleanly(mon
     picked = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, False, False)
     assert picked.late_exp == _dispatch.FA3_BWD_LATE_EXP
     assert {s.late_exp for s in _dispatch.all_fa3_bwd_specs()} == {_dispatch.FA3_BWD_LATE_EXP}
+    assert {s.dq_first for s in _dispatch.all_fa3_bwd_specs() if s.head_dim == 128} == {_dispatch.FA3_BWD_DQ_FIRST}
     monkeypatch.setattr(_dispatch, "FA3_BWD_LATE_EXP", False)
     monkeypatch.setattr(_dispatch, "FA3_BWD_DQ_FIRST", True)
     picked = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, False, False)

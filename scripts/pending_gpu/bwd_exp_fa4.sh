@@ -10,7 +10,7 @@
 set -uo pipefail
 END=${1:-560}
 left() { echo $((END - SECONDS)); }
-[ -f /tmp/fa4site/flash_attn/cute/__init__.py ] || exec bash scripts/pending_gpu/validate_mods_schedule.sh "$END"
+[ -d /tmp/fa4site/nvidia_cutlass_dsl ] && [ -d .peers/fa4w ] || exec bash scripts/pending_gpu/validate_mods_schedule.sh "$END"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 source .peers/bin/fa4_env.sh
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache

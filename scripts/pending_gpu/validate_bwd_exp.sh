@@ -9,13 +9,13 @@
 # and FA4 in each one's rounds, one process), racecheck over both head dims, then the same tuning
 # with --switch dq_first (dK after dQ too) with the time left, after issue 41's cascade_small.py.
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_bwd_exp.sh [SECONDS]
-#   carry: .whl (and .peers/bin after FlashAttention-4's two parts, for it beside)
+#   carry: .whl (and .peers/bin .peers/fa4w after FlashAttention-4's two parts, for it beside)
 set -uo pipefail
 END=${1:-560}
 left() { echo $((END - SECONDS)); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 backends="cupyflash cudnn"
-if [ -f /tmp/fa4site/flash_attn/cute/__init__.py ] && [ -d .peers/bin ] && source .peers/bin/fa4_env.sh; then
+if [ -d /tmp/fa4site/nvidia_cutlass_dsl ] && [ -d .peers/fa4w ] && [ -d .peers/bin ] && source .peers/bin/fa4_env.sh; then
   backends="$backends fa4"
 fi
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
