@@ -546,20 +546,19 @@ def cascade_tiles(head_dim: int, rows_per_request: int) -> tuple[DecodeTile, ...
 
 def cascade_prefix_splits(*, prefix_ctas: int, key_blocks: int, num_sms: int, ctas_per_sm: int, own_splits: int) -> int:
     """Splits of every prefix's keys in a one-launch cascade, for ``prefix_ctas`` = prefix row
-    blocks x KV heads CTAs per split: the prefix is the long work, so its CTAs alone fill at
-    least two waves (the requests' short CTAs fill the last wave's gaps), the fewest splits within
-    DECODE_WAVE_TOLERANCE of the best wave efficiency past that; a split keeps at least
-    DECODE_MIN_BLOCKS_PER_SPLIT key blocks, and a request merges at most DECODE_MAX_SPLITS parts
-    (its ``own_splits`` and the prefix's)."""
+    blocks x KV heads CTAs per split: the prefix is the long work, so its CTAs take one wave (as
+    many splits as fit in the resident slots) and the requests' short CTAs fill the gaps after.
+    A second wave of prefix CTAs costs more than it spreads: on an H100 (GQA 32/8, d = 128, 32k
+    prefix) one wave against the two asked for before took 16 splits to 33's 55-56 / 61-62 us at
+    B = 1, 69 / 80 at B = 8, 76 / 87 at B = 16, and 8 to 24's 167 / 195 us at B = 64 (wgmma prefix,
+    16 CTAs a split); fewer splits than a wave read too slowly (B = 64, 4 splits: 237 us). A split
+    keeps at least DECODE_MIN_BLOCKS_PER_SPLIT key blocks, and a request merges at most
+    DECODE_MAX_SPLITS parts (its ``own_splits`` and the prefix's)."""
     slots = max(1, num_sms * ctas_per_sm)
     most = min(DECODE_MAX_SPLITS - own_splits, key_blocks // DECODE_MIN_BLOCKS_PER_SPLIT)
     if prefix_ctas <= 0 or most <= 1:
         return 1
-    least = min(most, -(-2 * slots // prefix_ctas))
-    counts = range(least, most + 1)
-    efficiency = [prefix_ctas * s / (-(-prefix_ctas * s // slots) * slots) for s in counts]
-    good_enough = max(efficiency) * (1 - DECODE_WAVE_TOLERANCE)
-    return next(s for s, eff in zip(counts, efficiency) if eff >= good_enough)
+    return max(1, min(most, slots // prefix_ctas))
 
 
 def all_decode_specs() -> list[DecodeSpec | DecodeAppendSpec | MergeSpec]:

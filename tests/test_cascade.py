@@ -301,29 +301,31 @@ def test_every_part_of_every_request_is_written_once_and_ticketed(monkeypatch, g
     assert {"prefix_block_table", "prefix_seqlens", "prefix_rows"} <= {op.name for op in launch.operands}
 
 
-def test_the_tile_holds_a_group_and_the_prefix_fills_two_waves():
+def test_the_tile_holds_a_group_and_the_prefix_takes_one_wave():
     """B = 64, GQA 32/8, d = 128 over 32k keys: on the H100 the wgmma prefix (128 rows, 32 requests
     a row block, 2 blocks; the requests' own CTAs on 16-row tiles); elsewhere (and B = 8) 32-row
-    tiles (8 requests a row block, 8 blocks); the prefix's CTAs at least two waves of the H100's
-    132 SMs; B = 2: 16-row tiles; one request: its prefix split into as many whole key-block
-    ranges as two waves ask."""
+    tiles (8 requests a row block, 8 blocks); the prefix's CTAs one wave of the H100's 132 SMs
+    (as many splits as fit); B = 2: 16-row tiles; one request: 16 splits of its prefix."""
     launch = _plan_cascade([0, 64], prefix_pages=2048)
     spec, params = launch.steps[-1].spec, launch.params
     assert spec.wgmma_prefix and spec.tile.block_m == 16 and params.value("num_prefix_blocks") == 2
-    assert params.value("prefix_splits") * 2 * 8 >= 2 * 132
+    assert params.value("prefix_splits") == 8  # 8 x 2 x 8 = 128 CTAs <= 132 < 9 x 2 x 8
     assert not _plan_cascade([0, 8], prefix_pages=2048).steps[-1].spec.wgmma_prefix  # 32 rows a group
     assert _plan_cascade([0, 16], prefix_pages=2048).steps[-1].spec.wgmma_prefix  # 64
     launch = _plan_cascade([0, 64], prefix_pages=2048, device=dataclasses.replace(H100, arch="sm_80"))
     spec, params = launch.steps[-1].spec, launch.params
     assert not spec.wgmma_prefix and spec.tile.block_m == 32 and params.value("num_prefix_blocks") == 8
-    assert params.value("prefix_splits") * 8 * 8 >= 2 * 132
+    assert params.value("prefix_splits") == 2  # 2 x 8 x 8 = 128
     assert _plan_cascade([0, 2], prefix_pages=2048).steps[-1].spec.tile.block_m == 16
-    one = _plan_cascade([0, 1], prefix_pages=2048)  # 32 splits of 8 key blocks (33 would leave 256 / 33 ragged)
-    assert one.params.value("prefix_splits") == 32 and one.steps[-1].grid[0] == (32 + 1) * 8 >= 2 * 132
+    one = _plan_cascade([0, 1], prefix_pages=2048)  # 16 splits of 16 key blocks, then the request's own
+    assert one.params.value("prefix_splits") == 16 and one.steps[-1].grid[0] == (16 + 1) * 8
     # few keys: a split keeps DECODE_MIN_BLOCKS_PER_SPLIT key blocks (4 x 128 keys)
     assert _plan_cascade([0, 1], prefix_pages=64).params.value("prefix_splits") == 2
     assert _dispatch.cascade_prefix_splits(prefix_ctas=8, key_blocks=10**6, num_sms=132, ctas_per_sm=1,
                                            own_splits=120) == 8  # fmt: skip
+    # a prefix with more CTAs than slots is not split
+    assert _dispatch.cascade_prefix_splits(prefix_ctas=200, key_blocks=10**6, num_sms=132, ctas_per_sm=1,
+                                           own_splits=1) == 1  # fmt: skip
 
 
 def test_one_launch_takes_a_request_in_one_tile_else_the_composition():

@@ -44,7 +44,7 @@ CASES = {
     "groups-gqa8to2-d128-nq4": Case(
         (8, 2), 128, 4, 4, (0, 2, 2, 6), (5000, 7, 333), (12, 0, 3, 700, 45, 0), lengths="host"
     ),
-    # one request over a long prefix: the prefix split for two waves, one decode token appended
+    # one request over a long prefix: the prefix split for one wave, one decode token appended
     "one-request-gqa32to8-d128": Case((32, 8), 128, 1, 1, (0, 1), (20001,), (3,)),
     # d = 256 (16-row tiles: 4 requests a row block) with fp16
     "gqa8to2-d256": Case((8, 2), 256, 1, 1, (0, 2, 3), (777, 2500), (10, 0, 129), dtype="float16"),
