@@ -676,10 +676,18 @@ FA3_BWD_DECOUPLED = False
 #: was +5-9% at d = 64 (causal N = 4k even) and even to +2% at d = 128 (H100,
 #: docs/evidence/2026-12-07-gpu-session-11). The switch stays for tune.py hopper-bwd's A/B.
 FA3_BWD_LATE_EXP = False
-#: dK += dS^T Q issued after dQ = dS K, dQ's staging under dK (Fa3BwdSpec.dq_first, d = 128): off
-#: until the backward's GPU suites have run with it; timed +1-3% over the new order in 10 of 12
-#: (shape, run) pairs, -1 to -3% in the other two (causal, N = 4k).
-FA3_BWD_DQ_FIRST = False
+#: dK += dS^T Q issued after dQ = dS K, dQ's staging under dK (Fa3BwdSpec.dq_first, d = 128): on.
+#: The backward and score-function GPU suites passed with it (351, none failed); beside cuDNN and
+#: FA4 it was +1-4% in 10 of 12 (shape, run) pairs, -1 to -3% in the other two (causal, N = 4k)
+#: (H100, docs/evidence/2026-12-07-h100-session-11).
+FA3_BWD_DQ_FIRST = True
+
+
+def _fa3_bwd_dq_first(head_dim: int, softcap: bool) -> bool:
+    """Whether the Hopper backward issues dK after dQ: where FA3_BWD_DQ_FIRST reaches the kernel
+    (fa3_bwd.cu's Dq_first: d = 128, the exponentials under dP^T, which softcap's derivative
+    keeps out), so that no variant compiles twice under two names."""
+    return FA3_BWD_DQ_FIRST and head_dim == 128 and not FA3_BWD_LATE_EXP and not softcap
 
 
 def fa3_bwd_spec(
@@ -700,7 +708,7 @@ def fa3_bwd_spec(
     return Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
         varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP,
-        dq_first=FA3_BWD_DQ_FIRST and head_dim == 128,
+        dq_first=_fa3_bwd_dq_first(head_dim, flags.softcap),
     )  # fmt: skip
 
 
@@ -717,7 +725,7 @@ def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
             alibi=alibi,
             varlen=varlen,
             late_exp=FA3_BWD_LATE_EXP,
-            dq_first=FA3_BWD_DQ_FIRST and head_dim == 128,
+            dq_first=_fa3_bwd_dq_first(head_dim, softcap),
         )
         for head_dim in FA3_BWD_HEAD_DIMS
         for dtype in CUDA_ELEMENT_TYPES

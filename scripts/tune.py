@@ -541,7 +541,8 @@ def tune_head_dims(args: argparse.Namespace) -> list[dict[str, Any]]:
 #: hopper-bwd's switches: the _dispatch flag each sets
 HOPPER_BWD_SWITCHES = {"decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP", "dq_first": "FA3_BWD_DQ_FIRST"}
 #: the other flags a switch's two settings both run with (the exponentials under dP^T)
-HOPPER_BWD_BASE = {"dq_first": {"FA3_BWD_LATE_EXP": False}, "decoupled": {"FA3_BWD_LATE_EXP": False}}
+HOPPER_BWD_BASE = {"dq_first": {"FA3_BWD_LATE_EXP": False}, "decoupled": {"FA3_BWD_LATE_EXP": False},
+                   "late_exp": {"FA3_BWD_DQ_FIRST": False}}  # fmt: skip
 
 
 def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -551,8 +552,8 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     backward. ``late_exp``: its exponentials after dP^T, the order before they ran under it
     (``_dispatch.FA3_BWD_LATE_EXP``); ``dq_first``: dK issued after dQ, dQ staged under it
     (``_dispatch.FA3_BWD_DQ_FIRST``); ``decoupled``: its consumers meeting once a step
-    (``_dispatch.FA3_BWD_DECOUPLED``); the last two with the exponentials under dP^T
-    (HOPPER_BWD_BASE)."""
+    (``_dispatch.FA3_BWD_DECOUPLED``); the last two with the exponentials under dP^T, the first
+    with dK issued in its order (HOPPER_BWD_BASE)."""
     flag = HOPPER_BWD_SWITCHES[args.switch]
     base = HOPPER_BWD_BASE.get(args.switch, {})
     defaults = {name: getattr(_dispatch, name) for name in (flag, *base)}

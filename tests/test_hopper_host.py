@@ -130,7 +130,9 @@ def test_the_backward_exponentials_under_dp_are_a_switch_and_compile_cleanly(mon
     picked = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, False, False)
     assert picked.late_exp == _dispatch.FA3_BWD_LATE_EXP
     assert {s.late_exp for s in _dispatch.all_fa3_bwd_specs()} == {_dispatch.FA3_BWD_LATE_EXP}
-    assert {s.dq_first for s in _dispatch.all_fa3_bwd_specs() if s.head_dim == 128} == {_dispatch.FA3_BWD_DQ_FIRST}
+    under_dp = [s for s in _dispatch.all_fa3_bwd_specs() if s.head_dim == 128 and not s.softcap]
+    assert {s.dq_first for s in under_dp} == {_dispatch.FA3_BWD_DQ_FIRST and not _dispatch.FA3_BWD_LATE_EXP}
+    assert not any(s.dq_first for s in _dispatch.all_fa3_bwd_specs() if s.softcap or s.head_dim != 128)
     monkeypatch.setattr(_dispatch, "FA3_BWD_LATE_EXP", False)
     monkeypatch.setattr(_dispatch, "FA3_BWD_DQ_FIRST", True)
     picked = _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, False, False)
