@@ -683,6 +683,31 @@ FA3_BWD_LATE_EXP = False
 FA3_BWD_DQ_FIRST = True
 
 
+#: The causal Hopper backward hands out its CTAs in sections of (batch, KV head) pairs, each key
+#: block first (fa3_bwd.cu's bwd_cta), so that a section's longest CTAs start first; a section's
+#: pairs keep their Q and dO (16-bit), dQacc (fp32), -LSE and D rows within FA3_BWD_LPT_L2_BYTES
+#: (of the H100's 50 MB of L2). Off until timed (tune.py hopper-bwd --switch lpt). Predicted by a
+#: list-scheduling model of the launch (CTAs handed out in order as SMs free up, 3 steps'
+#: start-up each; B = 16k / N, H = 2048 / d): the main kernel 2-5% shorter at causal N = 1k-8k,
+#: the same at 16k (there a pair's 128 key blocks are about one wave already).
+FA3_BWD_LPT = False
+FA3_BWD_LPT_L2_BYTES = 32 << 20
+
+
+def fa3_bwd_lpt_pairs(spec: Fa3BwdSpec, rows_per_pair: int, group: int, pairs: int) -> int:
+    """The (batch, KV head) pairs a section of the causal Hopper backward's CTA order holds
+    (BwdParams.lpt_pairs; 0: the launch order): at most as many as keep their per-row data,
+    ``group`` query heads of ``rows_per_pair`` rows each, within FA3_BWD_LPT_L2_BYTES, and the
+    sections as even as that allows (a short last section's long CTAs would start last). The
+    deterministic order has its own (its key blocks last to first)."""
+    if not (FA3_BWD_LPT and spec.causal and not spec.deterministic) or pairs <= 1:
+        return 0
+    per_pair = rows_per_pair * group * (spec.head_dim * (2 + 2 + 4) + 4 + 4)
+    most = max(1, min(pairs, FA3_BWD_LPT_L2_BYTES // max(per_pair, 1)))
+    sections = -(-pairs // most)
+    return -(-pairs // sections)
+
+
 def _fa3_bwd_dq_first(head_dim: int, softcap: bool) -> bool:
     """Whether the Hopper backward issues dK after dQ: where FA3_BWD_DQ_FIRST reaches the kernel
     (fa3_bwd.cu's Dq_first: d = 128, the exponentials under dP^T, which softcap's derivative

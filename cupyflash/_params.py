@@ -232,6 +232,7 @@ BWD_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     ("dq_semaphore", "u8"),
     ("dsink_rows", "u8"),
     ("grid_keys", "i4"),
+    ("lpt_pairs", "i4"),
 )
 
 # Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters;

@@ -242,6 +242,38 @@ CF_DEVICE SeqRows bwd_seq_rows(const AttnParams& a, int batch) {
   return SeqRows{{0, a.seqlen_q}, {0, a.seqlen_k}, 0};
 }
 
+// Which key block and (batch, KV head) a CTA takes. The grid is (key blocks, batch, KV heads),
+// which the hardware hands out in launch order, x fastest. Deterministic: the key blocks last to
+// first (the fixed order of dQ's adds, above). Causal with lpt_pairs > 1 (_plan's
+// fa3_bwd_lpt_pairs): the (batch, head) pairs in sections of lpt_pairs, each walked key block
+// first, so that a section's first key blocks, which see the most query rows, all start before
+// any shorter one (longest processing time first: in launch order the last pair's longest CTA
+// starts near the end and runs past it), and a section's Q, dO and dQacc rows share L2.
+// Otherwise as launched: a pair's key blocks first to last, then the next pair.
+struct BwdCta {
+  int n_block, batch, head_k;
+};
+
+template <typename Traits>
+CF_DEVICE BwdCta bwd_cta(int lpt_pairs) {
+  const int blocks = gridDim.x;
+  if constexpr (Traits::Deterministic) {
+    return {blocks - 1 - int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+  } else if constexpr (Traits::Is_causal) {
+    if (lpt_pairs > 1) {
+      const int batches = gridDim.y;
+      const int pairs = batches * int(gridDim.z);
+      const int t = blockIdx.x + blocks * (blockIdx.y + batches * blockIdx.z);
+      const int first_pair = t / (blocks * lpt_pairs) * lpt_pairs;
+      const int section = min(lpt_pairs, pairs - first_pair);
+      const int r = t - first_pair * blocks;  // the CTA's place in its section, key block first
+      const int pair = first_pair + r % section;
+      return {r / section, pair % batches, pair / batches};
+    }
+  }
+  return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+}
+
 template <typename Traits>
 CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   using Element = typename Traits::Element;
@@ -256,10 +288,10 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   extern __shared__ unsigned char smem_raw[];
   const Fa3BwdSmem<Traits> smem(smem_raw);
 
-  // The first key blocks see the most rows under causal: first; deterministic: last (above).
-  const int n_block = Traits::Deterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int batch = blockIdx.y;
-  const int head_k = blockIdx.z;
+  const BwdCta cta = bwd_cta<Traits>(p.lpt_pairs);
+  const int n_block = cta.n_block;
+  const int batch = cta.batch;
+  const int head_k = cta.head_k;
   const int key0 = n_block * kBlockN;
   // (Where a padded batch reads a.seqlen_q / seqlen_k or batch * row_batch_stride below instead
   // of seq's equal values, it keeps the code the GPU measured: ptxas schedules the copies apart.)

@@ -4,7 +4,8 @@
     python scripts/tune.py fa3 [--head-dims 64] [--short] [--dtype bfloat16] [--json OUT]
     python scripts/tune.py mods [--head-dims 64 128] [--seqlens 4096 16384] [--functions document ...] [--json OUT]
     python scripts/tune.py bwd [--head-dims 64 128] [--dtype bfloat16] [--json OUT]
-    python scripts/tune.py hopper-bwd [--switch late_exp] [--head-dims 64 128] [--seqlens 4096 16384] [--json OUT]
+    python scripts/tune.py hopper-bwd [--switch late_exp] [--head-dims 64 128] [--seqlens 4096 16384] [--causal-only]
+        [--json OUT]
     python scripts/tune.py decode [--tolerances 0.01 0.05] [--json OUT]
     python scripts/tune.py head-dims [--head-dims 40 80 96] [--seqlens 4096] [--json OUT]
 
@@ -26,7 +27,8 @@ bwd: the FA2 backward's (block_m, block_n, d_split) per head dim (FA2_BWD_TILES)
 each, its gradient error, and attention_backward's TFLOP/s on the prefill shapes.
 
 hopper-bwd: the Hopper backward with a switch off and on (``--switch``: late_exp, its exponentials
-after dP^T as before they ran under it; decoupled, its consumers meeting once a step), per training
+after dP^T as before they ran under it; dq_first, dK after dQ; decoupled, its consumers meeting
+once a step; lpt, its causal CTAs longest first in sections of (batch, head) pairs), per training
 shape one right after the other, each with cuDNN (and FlashAttention-4 where installed) in its
 rounds: forward + backward and backward alone over each.
 
@@ -539,7 +541,10 @@ def tune_head_dims(args: argparse.Namespace) -> list[dict[str, Any]]:
 # hopper-bwd: the Hopper backward with a switch off and on, each beside cuDNN.
 # ---------------------------------------------------------------------------------------------
 #: hopper-bwd's switches: the _dispatch flag each sets
-HOPPER_BWD_SWITCHES = {"decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP", "dq_first": "FA3_BWD_DQ_FIRST"}
+HOPPER_BWD_SWITCHES = {
+    "decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP", "dq_first": "FA3_BWD_DQ_FIRST",
+    "lpt": "FA3_BWD_LPT",
+}  # fmt: skip
 #: the other flags a switch's two settings both run with (the exponentials under dP^T)
 HOPPER_BWD_BASE = {"dq_first": {"FA3_BWD_LATE_EXP": False}, "decoupled": {"FA3_BWD_LATE_EXP": False},
                    "late_exp": {"FA3_BWD_DQ_FIRST": False}}  # fmt: skip
@@ -553,7 +558,8 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     (``_dispatch.FA3_BWD_LATE_EXP``); ``dq_first``: dK issued after dQ, dQ staged under it
     (``_dispatch.FA3_BWD_DQ_FIRST``); ``decoupled``: its consumers meeting once a step
     (``_dispatch.FA3_BWD_DECOUPLED``); the last two with the exponentials under dP^T, the first
-    with dK issued in its order (HOPPER_BWD_BASE)."""
+    with dK issued in its order (HOPPER_BWD_BASE); ``lpt``: the causal CTAs in sections of
+    (batch, head) pairs, longest first (``_dispatch.FA3_BWD_LPT``)."""
     flag = HOPPER_BWD_SWITCHES[args.switch]
     base = HOPPER_BWD_BASE.get(args.switch, {})
     defaults = {name: getattr(_dispatch, name) for name in (flag, *base)}
@@ -575,7 +581,7 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for d in head_dims:
         for n in args.seqlens:
-            for causal in (False, True):
+            for causal in (True,) if args.causal_only else (False, True):
                 shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, causal, args.dtype)
                 for on in (False, True):
                     setattr(_dispatch, flag, on)
@@ -617,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     p = sub.add_parser("hopper-bwd", help="the Hopper backward with a switch off and on")
     p.add_argument("--switch", choices=sorted(HOPPER_BWD_SWITCHES), default="late_exp")
+    p.add_argument("--causal-only", action="store_true", help="the causal shapes alone (lpt changes no other)")
     p.add_argument("--head-dims", type=int, nargs="+")
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--dtype", default="bfloat16")

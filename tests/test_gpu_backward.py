@@ -39,6 +39,8 @@ CASES = {
     "window-long": (1, 2000, 2100, 2, 1, True, (300, -1), 0.0),
     # The Hopper kernel's 128-row steps at d = 64: the last step's second 64-row tile all padding.
     "half-step": (2, 192, 256, 4, 2, True, (-1, -1), 0.0),
+    # 7 (batch, KV head) pairs of several key blocks: the causal CTA order's sections of 4 and 3.
+    "causal-lpt-sections": (7, 700, 700, 2, 1, True, (-1, -1), 0.0),
 }
 
 
@@ -271,6 +273,28 @@ def test_exponentials_under_dp_match_float64_autograd(rng, head_dim, case, dq_fi
         pytest.skip("dK after dQ is a d = 128 variant")
     backward_order(dq_first)
     check_variant_backward(need_torch(), rng, head_dim, case, deterministic_too=True)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("case", ["causal-lpt-sections", "causal-gqa-odd", "causal-mqa-nq>nk"], ids=str)
+def test_causal_ctas_longest_first_in_sections_match_float64_autograd(rng, head_dim, case, monkeypatch):
+    """The causal Hopper backward with its CTAs in sections of (batch, KV head) pairs, each key
+    block first (_dispatch.FA3_BWD_LPT; at most 4 pairs a section, so 7 pairs make sections of 4
+    and 3): every CTA's key block and pair taken once (a lost or doubled one would leave dK and dV
+    rows unwritten or wrong), the gradients the float64 oracle's, dK and dV bit-identical over
+    three runs."""
+    from cupyflash import _dispatch, _plan
+
+    if not is_hopper():
+        pytest.skip("a Hopper backward variant")
+    b, nq, nk, hq, hkv, *_ = CASES[case]
+    monkeypatch.setattr(_dispatch, "FA3_BWD_LPT", True)
+    monkeypatch.setattr(_dispatch, "FA3_BWD_LPT_L2_BYTES", 4 * nq * (hq // hkv) * (head_dim * 8 + 8))
+    _plan.clear_caches()
+    try:
+        check_variant_backward(need_torch(), rng, head_dim, case, deterministic_too=True)
+    finally:
+        _plan.clear_caches()
 
 
 @pytest.mark.parametrize("decoupled", [False, True])

@@ -153,6 +153,34 @@ def test_the_backward_exponentials_under_dp_are_a_switch_and_compile_cleanly(mon
         assert under_dp == first_part, (spec.name, under_dp)
 
 
+def test_the_causal_backward_takes_its_ctas_longest_first_in_sections_when_lpt_is_on(monkeypatch):
+    """_dispatch.FA3_BWD_LPT: the causal Hopper backward's BwdParams.lpt_pairs (fa3_bwd.cu's
+    bwd_cta: sections of (batch, KV head) pairs, each key block first) is the most pairs whose
+    rows fit FA3_BWD_LPT_L2_BYTES, evened out over the sections (7 pairs, room for 4: two
+    sections of 4 and 3, not 4 + 3 by chance: 6 pairs give 3 + 3); 0, the launch order, when
+    off, without causal, in the deterministic order (key blocks last to first) and for one pair."""
+
+    def lpt_pairs(batch, causal=True, deterministic=False, hkv=1):
+        shapes = ((batch, 700, 2 * hkv, 128), (batch, 700, hkv, 128), (batch, 700, hkv, 128))
+        p = attention_problem(*shapes, causal=causal, scale=None, window=(-1, -1), softcap=0.0, layout="bshd")
+        launch = _plan.plan_backward(p, "bfloat16", fake_device("sm_90a"), q_shape=shapes[0], k_shape=shapes[1],
+                                     deterministic=deterministic)  # fmt: skip
+        assert any("fa3_bwd" in step.spec.name for step in launch.steps)
+        return launch.params.value("lpt_pairs")
+
+    per_pair = 700 * 2 * (128 * 8 + 8)  # Q, dO, dQacc, -LSE and D of a pair's 2 query heads
+    monkeypatch.setattr(_dispatch, "FA3_BWD_LPT_L2_BYTES", 4 * per_pair)
+    assert lpt_pairs(7) == 0  # off
+    monkeypatch.setattr(_dispatch, "FA3_BWD_LPT", True)
+    _plan.clear_caches()
+    assert lpt_pairs(7) == 4 and lpt_pairs(6) == 3 and lpt_pairs(3, hkv=2) == 3 and lpt_pairs(4) == 4
+    assert lpt_pairs(7, causal=False) == lpt_pairs(7, deterministic=True) == lpt_pairs(1) == 0
+    monkeypatch.setattr(_dispatch, "FA3_BWD_LPT_L2_BYTES", per_pair // 2)  # not even one: one a section
+    _plan.clear_caches()
+    assert lpt_pairs(7) == 1
+    _plan.clear_caches()
+
+
 class _Recorder:
     """Stands in for cuTensorMapEncodeTiled: records its arguments, writes a recognisable map."""
 

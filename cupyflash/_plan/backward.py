@@ -136,6 +136,11 @@ def plan_backward(
     key_rows = p.seqlen_k if packed and hopper is not None else rows[1]
     key_blocks = max(1, -(-key_rows // (hopper or spec).block_n))
     dq_tiled = 0 if hopper is None else DQ_TILES_PACKED if packed else DQ_TILES_PADDED
+    lpt_pairs = 0  # the causal Hopper kernel's CTA order: sections of (batch, KV head) pairs
+    if hopper is not None:
+        rows_per_pair = rows[0] // max(p.batch, 1) if packed else rows[0]
+        group = p.heads_q // max(p.heads_kv, 1)
+        lpt_pairs = _dispatch.fa3_bwd_lpt_pairs(hopper, rows_per_pair, group, p.batch * p.heads_kv)
     params = PARAMS_STRUCTS["BwdParams"].template(
         **attn_fields(p, rows, scale_log2, prescale)
         | (mods_scale_fields(mods, scale_log2) if mods is not None else {}),  # (as the forward's)
@@ -148,6 +153,7 @@ def plan_backward(
         dk_scale=abs(p.scale) if negate_q else p.scale,
         dq_tiled=dq_tiled,
         grid_keys=key_blocks * hopper.block_n if packed and hopper is not None else 0,
+        lpt_pairs=lpt_pairs,
         **(packed_max_fields(p) if packed else {}),
     )
 
