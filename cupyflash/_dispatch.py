@@ -684,7 +684,7 @@ FA3_BWD_DQ_FIRST = True
 
 
 #: The causal Hopper backward hands out its CTAs in sections of (batch, KV head) pairs, each key
-#: block first (fa3_bwd.cu's bwd_cta), so that a section's longest CTAs start first; a section's
+#: block first (tile_scheduler.cuh's fa3_bwd_tile), so that a section's longest CTAs start first; a section's
 #: pairs keep their Q and dO (16-bit), dQacc (fp32), -LSE and D rows within FA3_BWD_LPT_L2_BYTES
 #: (of the H100's 50 MB of L2). Off until timed (tune.py hopper-bwd --switch lpt). Predicted by a
 #: list-scheduling model of the launch (CTAs handed out in order as SMs free up, 3 steps'

@@ -2,12 +2,15 @@
 // prep and dQ conversion kernels before and after this one) on wgmma, TMA and a producer
 // warpgroup, as FlashAttention-3 (Shah et al., 2024) runs its backward.
 //
-// One CTA per block of 128 keys (grid: key blocks, B, Hkv) of a padded batch; 3 warpgroups:
-//   producer   one thread loads K and V once, then for every step (a query head of the group and
-//              a block of query rows, 64 at d = 128 and 128 at d = 64 (Fa3BwdTraits::kBlockM),
-//              that sees the keys) Q and dO (TMA tiles) into a two-deep
+// One CTA per block of 128 keys (grid: key blocks, B, Hkv) of a padded batch, in the order of
+// tile_scheduler.cuh's fa3_bwd_tile; its work (Fa3BwdWork: the key block, its sequence and its
+// steps) shared by 3 warpgroups, each a function below:
+//   producer   (fa3_bwd_load) one thread loads K and V once, then for every step (a query head
+//              of the group and a block of query rows, 64 at d = 128 and 128 at d = 64
+//              (Fa3BwdTraits::kBlockM), that sees the keys) Q and dO (TMA tiles) into a two-deep
 //              mbarrier ring (the rows' -LSE log2 e and D: each consumer loads its own copy).
-//   consumers  consumer c owns keys 64 c .. 64 c + 63 of the block (the wgmma M rows); per step
+//   consumers  (fa3_bwd_consume) consumer c owns keys 64 c .. 64 c + 63 of the block (the wgmma
+//              M rows); per step
 //     S^T = K_c Q^T,  dP^T = V_c dO^T        wgmma ss, every operand straight from its TMA tile
 //     P^T = exp2(S^T scale_log2 - LSE log2 e),  dS^T = P^T * (dP^T - D)      in registers
 //       (softcap: S^T = tanh(S^T softcap_prescale) first, and dS^T times its 1 - tanh^2)
@@ -19,8 +22,10 @@
 //        rows 64 c .. 64 c + 63 of the 128 over all 128 keys)
 //     dQ staged in its fragments' order (dq_tiles.cuh), then added into dQacc in L2 by one
 //     bulk reduce-add (no per-element atomics)
-//   and at the end dK (times dk_scale) and dV, summed over the whole loop in registers, stored
-//   through shared memory as whole rows.
+//   and at the end (fa3_bwd_store_dk_dv) dK (times dk_scale) and dV, summed over the whole loop
+//   in registers, stored through shared memory as whole rows.
+//   dQ writer  (fa3_bwd_dq_writer, deterministic or decoupled) warp 1 of the producer warpgroup
+//              adds the staged dQ instead of a consumer thread.
 // Deterministic (bit-identical dQ run to run): a warp of the producer warpgroup adds the staged
 // dQ tiles (two-deep) while the consumers go on, and every tile of dQacc takes its adds from the
 // key blocks in one order, the last key block that sees it first: a key block waits for its turn
@@ -45,7 +50,8 @@
 #include "hopper.cuh"
 #include "mask.cuh"
 #include "params.cuh"
-#include "softmax.cuh"   // zero_fill
+#include "softmax.cuh"  // zero_fill
+#include "tile_scheduler.cuh"
 #include "variants.cuh"  // Softcap
 #include "wgmma.cuh"
 
@@ -242,213 +248,266 @@ CF_DEVICE SeqRows bwd_seq_rows(const AttnParams& a, int batch) {
   return SeqRows{{0, a.seqlen_q}, {0, a.seqlen_k}, 0};
 }
 
-// Which key block and (batch, KV head) a CTA takes. The grid is (key blocks, batch, KV heads),
-// which the hardware hands out in launch order, x fastest. Deterministic: the key blocks last to
-// first (the fixed order of dQ's adds, above). Causal with lpt_pairs > 1 (_plan's
-// fa3_bwd_lpt_pairs): the (batch, head) pairs in sections of lpt_pairs, each walked key block
-// first, so that a section's first key blocks, which see the most query rows, all start before
-// any shorter one (longest processing time first: in launch order the last pair's longest CTA
-// starts near the end and runs past it), and a section's Q, dO and dQacc rows share L2.
-// Otherwise as launched: a pair's key blocks first to last, then the next pair.
-struct BwdCta {
-  int n_block, batch, head_k;
+// A CTA's work: its key block and (batch, KV head) (tile_scheduler.cuh's fa3_bwd_tile), its
+// sequence, and its steps: query blocks m_begin .. m_end - 1 (those that see its keys) of every
+// query head of the KV head's group in turn, followed step by step (a division by the block
+// count per step kept its reciprocal's registers live through the consumers' peak and spilled).
+template <typename Traits>
+struct Fa3BwdWork {
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  using Range = QueryRangeOfKeys<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local>;
+
+  int n_block, batch, head_k, key0;
+  // (Where a padded batch reads a.seqlen_q / seqlen_k or batch * row_batch_stride below instead
+  // of seq's equal values, it keeps the code the GPU measured: ptxas schedules the copies apart.)
+  SeqRows seq;
+  Range range;
+  int m_begin, m_end, steps;
+  BwdStep first_step;
+
+  CF_DEVICE Fa3BwdWork(const AttnParams& a, const Fa3BwdTile& tile)
+      : n_block(tile.n_block),
+        batch(tile.batch),
+        head_k(tile.head_k),
+        key0(tile.n_block * kBlockN),
+        seq(bwd_seq_rows<Traits::Varlen>(a, tile.batch)),
+        range(tile.n_block, seq.q.len, seq.k.len, a.window_left, a.window_right) {
+    const int group = a.h_h_k_ratio;
+    m_begin = range.m_block_begin();
+    m_end = max(range.m_block_end(), m_begin);
+    // A mask_mod's BlockMask narrows them to the query blocks that see some key of this block
+    // in any head of the group (its row ranges; no change without one). Not in the fixed order,
+    // whose turns count every key block of a query block's causal range.
+    if constexpr (Traits::Has_user_mask && !Traits::Deterministic) {
+      block_mask_row_blocks<kBlockM, kBlockN>(a, batch, head_k * group, group, key0, m_begin,
+                                              m_end);
+      m_end = max(m_end, m_begin);
+    }
+    steps = (m_end - m_begin) * group;
+    first_step = BwdStep{head_k * group, m_begin};
+  }
+
+  // Packed: the grid covers the longest sequence's keys (the same answer for the whole CTA).
+  CF_DEVICE bool no_keys() const { return Traits::Varlen && key0 >= seq.k.len; }
+
+  CF_DEVICE BwdStep next(BwdStep at) const {
+    return at.m_block + 1 < m_end ? BwdStep{at.head, at.m_block + 1}
+                                  : BwdStep{at.head + 1, m_begin};
+  }
+
+  // The step's first per-row temporary: -LSE log2 e, D and dQacc's tile (dq_tiles.cuh; packed
+  // sequences each from an aligned start).
+  CF_DEVICE int64_t step_rows(const BwdParams& p, BwdStep at) const {
+    const int64_t seq_temp0 =
+        Traits::Varlen ? dq_seq_temp_start(seq.q.start, batch) : batch * p.row_batch_stride;
+    return seq_temp0 + at.head * p.row_head_stride + at.m_block * kBlockM;
+  }
 };
 
+// ---------------------------------------------------------------------- dQ writer
+// Warp 1 of the producer warpgroup, with Dq_writer (deterministic, decoupled): adds the staged dQ
+// into dQacc by bulk reduce-add while the consumers go on; in the fixed order, each tile's adds
+// in turn (the semaphores above).
 template <typename Traits>
-CF_DEVICE BwdCta bwd_cta(int lpt_pairs) {
-  const int blocks = gridDim.x;
-  if constexpr (Traits::Deterministic) {
-    return {blocks - 1 - int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
-  } else if constexpr (Traits::Is_causal) {
-    if (lpt_pairs > 1) {
-      const int batches = gridDim.y;
-      const int pairs = batches * int(gridDim.z);
-      const int t = blockIdx.x + blocks * (blockIdx.y + batches * blockIdx.z);
-      const int first_pair = t / (blocks * lpt_pairs) * lpt_pairs;
-      const int section = min(lpt_pairs, pairs - first_pair);
-      const int r = t - first_pair * blocks;  // the CTA's place in its section, key block first
-      const int pair = first_pair + r % section;
-      return {r / section, pair % batches, pair / batches};
+CF_DEVICE void fa3_bwd_dq_writer(const Fa3BwdSmem<Traits>& smem, const BwdParams& p,
+                                 const Fa3BwdWork<Traits>& work) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const AttnParams& a = p.attn;
+  const SeqRows& seq = work.seq;
+  const int n_block = work.n_block;
+  const int steps = work.steps;
+  // The last key block whose query range holds block m (ranges move up with the key
+  // block, so the blocks that see m are consecutive; the same ranges the CTAs loop over).
+  // (Packed: the sequence's key blocks that the grid holds. One with more keys than
+  // max_seqlen_k, which prep reports, must not wait for a block never launched.)
+  auto last_key_block = [&](int m) {
+    const int n_blocks = Traits::Varlen
+                             ? min(ceil_div(seq.k.len, kBlockN), static_cast<int>(gridDim.x))
+                             : static_cast<int>(gridDim.x);
+    if constexpr (!Traits::Is_causal) return n_blocks - 1;
+    int lo = n_block, hi = n_blocks - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      const QueryRangeOfKeys<kBlockM, kBlockN, true, Traits::Is_local> later(
+          mid, Traits::Varlen ? seq.q.len : a.seqlen_q, Traits::Varlen ? seq.k.len : a.seqlen_k,
+          a.window_left, a.window_right);
+      if (later.m_block_begin() <= m)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
+    return lo;
+  };
+  BwdStep at = work.first_step;
+  for (int step = 0; step < steps; ++step, at = work.next(at)) {
+    if constexpr (Traits::Decoupled) {
+      // each consumer's part as it is staged, consumer 0's first (the order of the adds
+      // into a tile is not fixed anyway)
+      for (int c = 0; c < Traits::kConsumers; ++c) {
+        dq_handover_sync(BwdBarrier::kDqStaged, c, kDqPartHandoverThreads);
+        if (threadIdx.x == 32) {
+          bulk_reduce_add_f32(
+              p.dq_accum + work.step_rows(p, at) * kHeadDim + c * Traits::kDqPartBytes / 4,
+              smem.dq() + c * Traits::kDqPartBytes, Traits::kDqPartBytes);
+          bulk_commit();
+          bulk_wait_read<0>();
+        }
+        __syncwarp();
+        if (step + 1 < steps) dq_handover_arrive(BwdBarrier::kDqFree, c, kDqPartHandoverThreads);
+      }
+      continue;
+    }
+    const int buffer = step % Traits::kDqBuffers;
+    dq_handover_sync(BwdBarrier::kDqStaged, buffer);
+    if (threadIdx.x == 32) {
+      float* tile = p.dq_accum + work.step_rows(p, at) * kHeadDim;
+      // the step's first tile's (a step's tiles are added together)
+      int32_t* semaphore = p.dq_semaphore + work.step_rows(p, at) / kDqTileRows;
+      if constexpr (Traits::Deterministic) {
+        const int turn = last_key_block(at.m_block) - n_block;
+        if constexpr (Traits::Varlen) {
+          // Decreasing offsets (prep reports them) can give two sequences one tile, and
+          // two blocks one turn: a count past this block's turn, which valid offsets never
+          // make, means another took it. Go on rather than wait forever.
+          while (ld_acquire_gpu(semaphore) < turn) {
+          }
+        } else {
+          while (ld_acquire_gpu(semaphore) != turn) {
+          }
+        }
+        fence_proxy_async_global();
+      }
+      bulk_reduce_add_f32(tile, smem.dq() + buffer * Traits::kDqStepBytes, Traits::kDqStepBytes);
+      bulk_commit();
+      if constexpr (Traits::Deterministic) {
+        bulk_wait<0>();  // the add done before the turn passes
+        fence_proxy_async_global();
+        red_release_gpu_add(semaphore, 1);
+      } else {
+        bulk_wait_read<0>();
+      }
+    }
+    __syncwarp();
+    if (step + Traits::kDqBuffers < steps) dq_handover_arrive(BwdBarrier::kDqFree, buffer);
   }
-  return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+  if (threadIdx.x == 32) bulk_wait<0>();  // the staging buffers stay until the adds are done
 }
 
+// ---------------------------------------------------------------------- producer
+// One thread: K and V once, then each step's Q and dO into the ring.
 template <typename Traits>
-CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
+CF_DEVICE void fa3_bwd_load(const Fa3BwdSmem<Traits>& smem, const Fa3BwdParams& params,
+                            const Fa3BwdWork<Traits>& work) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  const SeqRows& seq = work.seq;
+  const int batch = work.batch;
+  const int key0 = work.key0;
+  const int head_k = work.head_k;
+  const int steps = work.steps;
+  // TMA coordinates: packed sequences are one "batch" of the tensor maps, rows offset per
+  // sequence.
+  const int tma_batch = Traits::Varlen ? 0 : batch;
+  mbar_arrive_expect_tx(smem.kv_full(), 2 * Traits::kKVBytes);
+#pragma unroll
+  for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+    const uint32_t offset = cb * kBlockN * kSwizzleRowBytes;
+    tma_load_4d(smem.k() + offset, params.k_map, smem.kv_full(), cb * kColBlockElems,
+                seq.k.start + key0, head_k, tma_batch);
+    tma_load_4d(smem.v() + offset, params.v_map, smem.kv_full(), cb * kColBlockElems,
+                seq.k.start + key0, head_k, tma_batch);
+  }
+  BwdStep at = work.first_step;
+  for (int step = 0; step < steps; ++step, at = work.next(at)) {
+    const int stage = step % kStages;
+    mbar_wait(smem.q_empty(stage), ((step / kStages) & 1) ^ 1);  // its last use released
+    const uint32_t full = smem.q_full(stage);
+    mbar_arrive_expect_tx(full, 2 * Traits::kQBytes);
+    const int row0 = seq.q.start + at.m_block * kBlockM;
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      const uint32_t offset = cb * kBlockM * kSwizzleRowBytes;
+      tma_load_4d(smem.q(stage) + offset, params.q_map, full, cb * kColBlockElems, row0, at.head,
+                  tma_batch);
+      tma_load_4d(smem.dout(stage) + offset, params.do_map, full, cb * kColBlockElems, row0,
+                  at.head, tma_batch);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------- epilogue
+// dK * dk_scale and dV into the K and V tiles (once both consumers' last dQ has read K), this
+// consumer's 64 key rows, then to global memory as 16-byte chunks of whole rows.
+template <typename Traits>
+CF_DEVICE void fa3_bwd_store_dk_dv(const Fa3BwdSmem<Traits>& smem, const BwdParams& p,
+                                   const Fa3BwdWork<Traits>& work,
+                                   const float (&acc_dk)[1][Traits::kHeadDim / 8][4],
+                                   const float (&acc_dv)[1][Traits::kHeadDim / 8][4],
+                                   int consumer) {
+  using Element = typename Traits::Element;
+  using Ops = typename Traits::Ops;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const SeqRows& seq = work.seq;
+  const int batch = work.batch;
+  const int head_k = work.head_k;
+  const int key0 = work.key0;
+  const int tid = threadIdx.x % kWarpgroupThreads;
+  const int lane = tid % 32;
+  const int wg_key0 = Traits::kKeysPerConsumer * consumer;
+  const int warp_key0 = wg_key0 + 16 * (tid / 32);
+  bwd_barrier_sync(BwdBarrier::kBoth, consumer);
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t offset =
+          swizzled_offset<kBlockN>(warp_key0 + lane / 4 + 8 * half, 8 * j + 2 * (lane % 4));
+      st_shared_b32(smem.k() + offset, Ops::pack2(acc_dk[0][j][2 * half] * p.dk_scale,
+                                                  acc_dk[0][j][2 * half + 1] * p.dk_scale));
+      st_shared_b32(smem.v() + offset,
+                    Ops::pack2(acc_dv[0][j][2 * half], acc_dv[0][j][2 * half + 1]));
+    }
+  bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
+  constexpr int kChunks = kHeadDim / 8;
+  const int64_t key_row0 = seq.k.start + key0;  // (packed: batch strides 0)
+  auto* g_dk = static_cast<Element*>(p.dk_ptr) + batch * p.dk_batch_stride +
+               head_k * p.dk_head_stride + key_row0 * p.dk_row_stride;
+  auto* g_dv = static_cast<Element*>(p.dv_ptr) + batch * p.dv_batch_stride +
+               head_k * p.dv_head_stride + key_row0 * p.dv_row_stride;
+  for (int idx = tid; idx < Traits::kKeysPerConsumer * kChunks; idx += kWarpgroupThreads) {
+    const int row = wg_key0 + idx / kChunks;
+    const int chunk = idx % kChunks;
+    if (key0 + row >= seq.k.len) break;
+    const uint32_t offset = swizzled_offset<kBlockN>(row, 8 * chunk);
+    st_global_b128(g_dk + row * p.dk_row_stride + 8 * chunk, ld_shared_b128(smem.k() + offset));
+    st_global_b128(g_dv + row * p.dv_row_stride + 8 * chunk, ld_shared_b128(smem.v() + offset));
+  }
+}
+
+// ---------------------------------------------------------------------- consumers
+// Consumer warpgroup 1 + c: keys 64 c .. 64 c + 63 of the block; the steps (the file's head),
+// then the epilogue.
+template <typename Traits>
+CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& p,
+                               const Fa3BwdWork<Traits>& work) {
   using Element = typename Traits::Element;
   using Ops = typename Traits::Ops;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
-  const BwdParams& p = params.bwd;
   const AttnParams& a = p.attn;
-
-  extern __shared__ unsigned char smem_raw[];
-  const Fa3BwdSmem<Traits> smem(smem_raw);
-
-  const BwdCta cta = bwd_cta<Traits>(p.lpt_pairs);
-  const int n_block = cta.n_block;
-  const int batch = cta.batch;
-  const int head_k = cta.head_k;
-  const int key0 = n_block * kBlockN;
-  // (Where a padded batch reads a.seqlen_q / seqlen_k or batch * row_batch_stride below instead
-  // of seq's equal values, it keeps the code the GPU measured: ptxas schedules the copies apart.)
-  const SeqRows seq = bwd_seq_rows<Traits::Varlen>(a, batch);
-  // Packed: the grid covers the longest sequence's keys (the same answer for the whole CTA)
-  if (Traits::Varlen && key0 >= seq.k.len) return;
-  const QueryRangeOfKeys<kBlockM, kBlockN, Traits::Is_causal, Traits::Is_local> range(
-      n_block, seq.q.len, seq.k.len, a.window_left, a.window_right);
-  const int group = a.h_h_k_ratio;
-  int m_begin = range.m_block_begin();
-  int m_end = max(range.m_block_end(), m_begin);
-  // A mask_mod's BlockMask narrows them to the query blocks that see some key of this block in
-  // any head of the group (its row ranges; no change without one). Not in the fixed order, whose
-  // turns count every key block of a query block's causal range.
-  if constexpr (Traits::Has_user_mask && !Traits::Deterministic) {
-    block_mask_row_blocks<kBlockM, kBlockN>(a, batch, head_k * group, group, key0, m_begin, m_end);
-    m_end = max(m_end, m_begin);
-  }
-  const int steps = (m_end - m_begin) * group;
-  // The steps: query blocks m_begin .. m_end - 1 of every query head of the group in turn,
-  // followed step by step (a division by the block count per step kept its reciprocal's
-  // registers live through the consumers' peak and spilled).
-  const BwdStep first_step{head_k * group, m_begin};
-  auto next_step = [&](BwdStep at) {
-    return at.m_block + 1 < m_end ? BwdStep{at.head, at.m_block + 1}
-                                  : BwdStep{at.head + 1, m_begin};
-  };
-  // The step's first per-row temporary: -LSE log2 e, D and dQacc's tile (dq_tiles.cuh; packed
-  // sequences each from an aligned start).
-  auto step_rows = [&](BwdStep at) -> int64_t {
-    const int64_t seq_temp0 =
-        Traits::Varlen ? dq_seq_temp_start(seq.q.start, batch) : batch * p.row_batch_stride;
-    return seq_temp0 + at.head * p.row_head_stride + at.m_block * kBlockM;
-  };
-
+  const SeqRows& seq = work.seq;
+  const auto& range = work.range;
+  const int batch = work.batch;
+  const int key0 = work.key0;
+  const int steps = work.steps;
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
-  if (threadIdx.x == 0) smem.init_barriers();
-  __syncthreads();
-
-  if (warpgroup == 0) {
-    // ---------------------------------------------------------------- producer
-    setmaxnreg_dec<Traits::kProducerRegs>();
-    if constexpr (Traits::Dq_writer) {
-      if (threadIdx.x / 32 == 1) {
-        // ------------------------------------------------------------ dQ writer (warp 1)
-        // The last key block whose query range holds block m (ranges move up with the key
-        // block, so the blocks that see m are consecutive; the same ranges the CTAs loop over).
-        // (Packed: the sequence's key blocks that the grid holds. One with more keys than
-        // max_seqlen_k, which prep reports, must not wait for a block never launched.)
-        auto last_key_block = [&](int m) {
-          const int n_blocks = Traits::Varlen
-                                   ? min(ceil_div(seq.k.len, kBlockN), static_cast<int>(gridDim.x))
-                                   : static_cast<int>(gridDim.x);
-          if constexpr (!Traits::Is_causal) return n_blocks - 1;
-          int lo = n_block, hi = n_blocks - 1;
-          while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            const QueryRangeOfKeys<kBlockM, kBlockN, true, Traits::Is_local> later(
-                mid, Traits::Varlen ? seq.q.len : a.seqlen_q,
-                Traits::Varlen ? seq.k.len : a.seqlen_k, a.window_left, a.window_right);
-            if (later.m_block_begin() <= m)
-              lo = mid;
-            else
-              hi = mid - 1;
-          }
-          return lo;
-        };
-        BwdStep at = first_step;
-        for (int step = 0; step < steps; ++step, at = next_step(at)) {
-          if constexpr (Traits::Decoupled) {
-            // each consumer's part as it is staged, consumer 0's first (the order of the adds
-            // into a tile is not fixed anyway)
-            for (int c = 0; c < Traits::kConsumers; ++c) {
-              dq_handover_sync(BwdBarrier::kDqStaged, c, kDqPartHandoverThreads);
-              if (threadIdx.x == 32) {
-                bulk_reduce_add_f32(
-                    p.dq_accum + step_rows(at) * kHeadDim + c * Traits::kDqPartBytes / 4,
-                    smem.dq() + c * Traits::kDqPartBytes, Traits::kDqPartBytes);
-                bulk_commit();
-                bulk_wait_read<0>();
-              }
-              __syncwarp();
-              if (step + 1 < steps)
-                dq_handover_arrive(BwdBarrier::kDqFree, c, kDqPartHandoverThreads);
-            }
-            continue;
-          }
-          const int buffer = step % Traits::kDqBuffers;
-          dq_handover_sync(BwdBarrier::kDqStaged, buffer);
-          if (threadIdx.x == 32) {
-            float* tile = p.dq_accum + step_rows(at) * kHeadDim;
-            // the step's first tile's (a step's tiles are added together)
-            int32_t* semaphore = p.dq_semaphore + step_rows(at) / kDqTileRows;
-            if constexpr (Traits::Deterministic) {
-              const int turn = last_key_block(at.m_block) - n_block;
-              if constexpr (Traits::Varlen) {
-                // Decreasing offsets (prep reports them) can give two sequences one tile, and
-                // two blocks one turn: a count past this block's turn, which valid offsets never
-                // make, means another took it. Go on rather than wait forever.
-                while (ld_acquire_gpu(semaphore) < turn) {
-                }
-              } else {
-                while (ld_acquire_gpu(semaphore) != turn) {
-                }
-              }
-              fence_proxy_async_global();
-            }
-            bulk_reduce_add_f32(tile, smem.dq() + buffer * Traits::kDqStepBytes,
-                                Traits::kDqStepBytes);
-            bulk_commit();
-            if constexpr (Traits::Deterministic) {
-              bulk_wait<0>();  // the add done before the turn passes
-              fence_proxy_async_global();
-              red_release_gpu_add(semaphore, 1);
-            } else {
-              bulk_wait_read<0>();
-            }
-          }
-          __syncwarp();
-          if (step + Traits::kDqBuffers < steps) dq_handover_arrive(BwdBarrier::kDqFree, buffer);
-        }
-        if (threadIdx.x == 32) bulk_wait<0>();  // the staging buffers stay until the adds are done
-      }
-    }
-    if (threadIdx.x != 0) return;
-    // TMA coordinates: packed sequences are one "batch" of the tensor maps, rows offset per
-    // sequence.
-    const int tma_batch = Traits::Varlen ? 0 : batch;
-    mbar_arrive_expect_tx(smem.kv_full(), 2 * Traits::kKVBytes);
-#pragma unroll
-    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-      const uint32_t offset = cb * kBlockN * kSwizzleRowBytes;
-      tma_load_4d(smem.k() + offset, params.k_map, smem.kv_full(), cb * kColBlockElems,
-                  seq.k.start + key0, head_k, tma_batch);
-      tma_load_4d(smem.v() + offset, params.v_map, smem.kv_full(), cb * kColBlockElems,
-                  seq.k.start + key0, head_k, tma_batch);
-    }
-    BwdStep at = first_step;
-    for (int step = 0; step < steps; ++step, at = next_step(at)) {
-      const int stage = step % kStages;
-      mbar_wait(smem.q_empty(stage), ((step / kStages) & 1) ^ 1);  // its last use released
-      const uint32_t full = smem.q_full(stage);
-      mbar_arrive_expect_tx(full, 2 * Traits::kQBytes);
-      const int row0 = seq.q.start + at.m_block * kBlockM;
-#pragma unroll
-      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-        const uint32_t offset = cb * kBlockM * kSwizzleRowBytes;
-        tma_load_4d(smem.q(stage) + offset, params.q_map, full, cb * kColBlockElems, row0, at.head,
-                    tma_batch);
-        tma_load_4d(smem.dout(stage) + offset, params.do_map, full, cb * kColBlockElems, row0,
-                    at.head, tma_batch);
-      }
-    }
-    return;
-  }
-
-  // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<Traits::kConsumerRegs>();
   // Uniform across the warp as ptxas sees it in the new order's variants (warpgroup_index: their
   // wgmma descriptors in uniform registers, 94 instructions fewer a step at d = 128); the order
@@ -491,7 +550,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       const int v = tid + kWarpgroupThreads * i;
       const int r = v % kBlockM;
       if (at.m_block * kBlockM + r < seq.q.len)
-        values[i] = (v < kBlockM ? p.neg_lse_log2 : p.dsum)[step_rows(at) + r];
+        values[i] = (v < kBlockM ? p.neg_lse_log2 : p.dsum)[work.step_rows(p, at) + r];
       else
         values[i] = v < kBlockM ? neg_infinity() : 0.f;
     }
@@ -504,7 +563,7 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   };
   float row_values[kRowValues];
   if (steps > 0) {
-    load_row_values(first_step, row_values);
+    load_row_values(work.first_step, row_values);
     store_row_values(0, row_values);
   }
   bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
@@ -531,10 +590,10 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
     }
   }
 
-  BwdStep at = first_step;
+  BwdStep at = work.first_step;
   for (int step = 0; step < steps; ++step) {
     const int stage = step % kStages;
-    const BwdStep next = next_step(at);
+    const BwdStep next = work.next(at);
     if (step + 1 < steps) load_row_values(next, row_values);
     // ALiBi's slope for the step's head (a padded batch: one shift), read before the waits
     [[maybe_unused]] const typename Traits::Bias bias(
@@ -842,7 +901,8 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
       dq_sync();  // (also orders the next step's -LSE and D before their reads)
       if constexpr (Traits::Dq_writer) dq_handover_arrive(BwdBarrier::kDqStaged, dq_buffer);
       if (dq_issuer) {
-        bulk_reduce_add_f32(p.dq_accum + step_rows(at) * kHeadDim, staged, Traits::kDqStepBytes);
+        bulk_reduce_add_f32(p.dq_accum + work.step_rows(p, at) * kHeadDim, staged,
+                            Traits::kDqStepBytes);
         bulk_commit();
       }
     }
@@ -850,33 +910,26 @@ CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
   }
   if (dq_issuer) bulk_wait<0>();  // the staging buffer stays valid until the last add is done
 
-  // Epilogue: dK * dk_scale and dV into the K and V tiles (once both consumers' last dQ has read
-  // K), this consumer's 64 key rows, then to global memory as 16-byte chunks of whole rows.
-  bwd_barrier_sync(BwdBarrier::kBoth, consumer);
-#pragma unroll
-  for (int j = 0; j < kHeadDim / 8; ++j)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint32_t offset =
-          swizzled_offset<kBlockN>(warp_key0 + lane / 4 + 8 * half, 8 * j + 2 * (lane % 4));
-      st_shared_b32(smem.k() + offset, Ops::pack2(acc_dk[0][j][2 * half] * p.dk_scale,
-                                                  acc_dk[0][j][2 * half + 1] * p.dk_scale));
-      st_shared_b32(smem.v() + offset,
-                    Ops::pack2(acc_dv[0][j][2 * half], acc_dv[0][j][2 * half + 1]));
+  fa3_bwd_store_dk_dv<Traits>(smem, p, work, acc_dk, acc_dv, consumer);
+}
+
+template <typename Traits>
+CF_DEVICE void fa3_bwd(const Fa3BwdParams& params) {
+  const BwdParams& p = params.bwd;
+  extern __shared__ unsigned char smem_raw[];
+  const Fa3BwdSmem<Traits> smem(smem_raw);
+  const Fa3BwdWork<Traits> work(p.attn, fa3_bwd_tile<Traits>(p.lpt_pairs));
+  if (work.no_keys()) return;
+
+  if (threadIdx.x == 0) smem.init_barriers();
+  __syncthreads();
+  if (threadIdx.x / kWarpgroupThreads == 0) {  // the producer warpgroup
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if constexpr (Traits::Dq_writer) {
+      if (threadIdx.x / 32 == 1) fa3_bwd_dq_writer<Traits>(smem, p, work);
     }
-  bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
-  constexpr int kChunks = kHeadDim / 8;
-  const int64_t key_row0 = seq.k.start + key0;  // (packed: batch strides 0)
-  auto* g_dk = static_cast<Element*>(p.dk_ptr) + batch * p.dk_batch_stride +
-               head_k * p.dk_head_stride + key_row0 * p.dk_row_stride;
-  auto* g_dv = static_cast<Element*>(p.dv_ptr) + batch * p.dv_batch_stride +
-               head_k * p.dv_head_stride + key_row0 * p.dv_row_stride;
-  for (int idx = tid; idx < Traits::kKeysPerConsumer * kChunks; idx += kWarpgroupThreads) {
-    const int row = wg_key0 + idx / kChunks;
-    const int chunk = idx % kChunks;
-    if (key0 + row >= seq.k.len) break;
-    const uint32_t offset = swizzled_offset<kBlockN>(row, 8 * chunk);
-    st_global_b128(g_dk + row * p.dk_row_stride + 8 * chunk, ld_shared_b128(smem.k() + offset));
-    st_global_b128(g_dv + row * p.dv_row_stride + 8 * chunk, ld_shared_b128(smem.v() + offset));
+    if (threadIdx.x == 0) fa3_bwd_load<Traits>(smem, params, work);
+    return;
   }
+  fa3_bwd_consume<Traits>(smem, p, work);
 }

@@ -217,8 +217,8 @@ struct BwdParams {
   // x 128, from max_seqlen_k); prep reports a longer sequence (kBadSeqlen), whose last keys get
   // no dK or dV. 0 otherwise (the grid covers the packed total).
   int32_t grid_keys;
-  // The causal Hopper backward: (batch, head) pairs a section of its CTA order (fa3_bwd.cu's
-  // bwd_cta); 0 or 1: the launch order.
+  // The causal Hopper backward: (batch, head) pairs a section of its CTA order
+  // (tile_scheduler.cuh's fa3_bwd_tile); 0 or 1: the launch order.
   int32_t lpt_pairs;
 };
 

@@ -1,12 +1,15 @@
-// The Hopper forward's tile scheduler: which tiles a CTA computes, in which order. A tile is
-// (query block, batch, head). Query blocks run fastest, so the CTAs working at one time share a
-// (batch, head) and its K/V stays in L2; under causal the last query blocks (the most keys) come
-// first, so the long tiles do not straggle at the end. Three schedules:
+// The Hopper kernels' tile schedulers: which tiles a CTA computes, in which order.
+// The forward's: a tile is (query block, batch, head). Query blocks run fastest, so the CTAs
+// working at one time share a (batch, head) and its K/V stays in L2; under causal the last query
+// blocks (the most keys) come first, so the long tiles do not straggle at the end. Three
+// schedules:
 //   static   one CTA per SM, tiles blockIdx.x + k gridDim.x: uniform tiles (no causal / window);
 //   dynamic  one CTA per SM, each next tile drawn from a global counter in tile order (each
 //            (batch, head)'s longest first): uneven tiles (causal) balance themselves, greedily;
 //   per tile one CTA per tile (gridDim.x = tiles), handed out in the same order by the hardware.
 // Only the producer walks the schedule; it passes each tile to the consumers with its Q.
+// The backward's (fa3_bwd_tile, below): a CTA per key block, (batch, KV head) pairs in launch
+// order or, under causal, key block first in sections of pairs.
 #pragma once
 
 #include "common.cuh"
@@ -87,3 +90,36 @@ struct TileScheduler {
     }
   }
 };
+
+// The Hopper backward's: which key block and (batch, KV head) a CTA takes. The grid is (key
+// blocks, batch, KV heads), which the hardware hands out in launch order, x fastest.
+// Deterministic: the key blocks last to first (the fixed order of dQ's adds, fa3_bwd.cu).
+// Causal with lpt_pairs > 1 (_dispatch.fa3_bwd_lpt_pairs): the (batch, head) pairs in sections
+// of lpt_pairs, each walked key block first, so that a section's first key blocks, which see the
+// most query rows, all start before any shorter one (longest processing time first: in launch
+// order the last pair's longest CTA starts near the end and runs past it), and a section's Q, dO
+// and dQacc rows share L2. Otherwise as launched: a pair's key blocks first to last, then the
+// next pair.
+struct Fa3BwdTile {
+  int n_block, batch, head_k;
+};
+
+template <typename Traits>
+CF_DEVICE Fa3BwdTile fa3_bwd_tile(int lpt_pairs) {
+  const int blocks = gridDim.x;
+  if constexpr (Traits::Deterministic) {
+    return {blocks - 1 - int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+  } else if constexpr (Traits::Is_causal) {
+    if (lpt_pairs > 1) {
+      const int batches = gridDim.y;
+      const int pairs = batches * int(gridDim.z);
+      const int t = blockIdx.x + blocks * (blockIdx.y + batches * blockIdx.z);
+      const int first_pair = t / (blocks * lpt_pairs) * lpt_pairs;
+      const int section = min(lpt_pairs, pairs - first_pair);
+      const int r = t - first_pair * blocks;  // the CTA's place in its section, key block first
+      const int pair = first_pair + r % section;
+      return {r / section, pair % batches, pair / batches};
+    }
+  }
+  return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+}

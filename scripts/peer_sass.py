@@ -84,10 +84,15 @@ def summary(name: str, body: list[str]) -> str:
 
 
 def compare(fa4_cubin: str, head_dim: int, causal: bool, late_exp: bool) -> None:
-    from cupyflash import _kernels
-    from cupyflash._specs import Fa3BwdSpec
+    from dataclasses import replace
 
-    spec = Fa3BwdSpec("bfloat16", head_dim, causal=causal, late_exp=late_exp)
+    from cupyflash import _dispatch, _kernels
+
+    # the variant the dispatcher picks (dq_first where it applies), or the order before
+    spec = _dispatch.fa3_bwd_spec("bfloat16", head_dim, _dispatch.MaskFlags(causal, False, False), False, False)
+    assert spec is not None
+    if late_exp:
+        spec = replace(spec, late_exp=True, dq_first=False)
     ours = _kernels.compile_offline(spec, "sm_90a")
     print("| kernel | instructions a step | exponentials | opcodes |\n|---|---|---|---|")
     with open(fa4_cubin, "rb") as f:

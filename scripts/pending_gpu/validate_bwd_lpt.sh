@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The causal Hopper backward's CTAs longest first in sections of (batch, KV head) pairs
-# (fa3_bwd.cu's bwd_cta, _dispatch.FA3_BWD_LPT, off until this runs). Predicted by a
+# (tile_scheduler.cuh's fa3_bwd_tile, _dispatch.FA3_BWD_LPT, off until this runs). Predicted by a
 # list-scheduling model of the launch: the main kernel 2-5% shorter at causal N = 1k-8k, the same
 # at 16k. Its GPU test (sections of 4 and 3 pairs, float64 oracle, bit-identical dK and dV), then
 # tune.py hopper-bwd --switch lpt over the causal shapes (both settings one after the other, cuDNN
