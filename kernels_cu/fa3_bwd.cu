@@ -489,6 +489,161 @@ CF_DEVICE void fa3_bwd_store_dk_dv(const Fa3BwdSmem<Traits>& smem, const BwdPara
   }
 }
 
+// ---------------------------------------------------------------------- a consumer's steps
+// A consumer warpgroup's step besides forming P^T and dS^T and the products that read them from
+// registers (fa3_bwd_consume): its loads and stores of shared memory and the products whose
+// operands all come from there.
+template <typename Traits>
+struct Fa3BwdConsumer {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kNTiles = kBlockM / 8;     // 8-row column tiles of S^T
+  static constexpr int kRowSteps = kBlockM / 16;  // k-steps of dV, dK over the query rows
+  static constexpr int kRowValues = 2 * kBlockM / kWarpgroupThreads;
+  using MmaS = Wgmma<kBlockM, Element>;      // S^T, dP^T: 64 keys x kBlockM query rows
+  using MmaQ = Wgmma<kDqPartCols, Element>;  // dQ: 64 query rows x one 64-column part
+
+  const Fa3BwdSmem<Traits>& smem;
+  const BwdParams& p;
+  const Fa3BwdWork<Traits>& work;
+  int consumer, tid, lane;
+  int wg_key0;    // this consumer's first key in the block
+  int warp_key0;  // this warp's
+
+  // A step's -LSE log2 e and D: thread tid loads values tid, tid + 128, ... of the 2 kBlockM
+  // (value v: row v of -LSE, or row v - kBlockM of D) a step ahead into this consumer's copy in
+  // the ring (plain loads and stores, ordered by the consumer's barriers). A padding row (past
+  // seqlen_q; prep does not write its values) reads -LSE = -inf and D = 0: its Q and dO are
+  // TMA's zeros, so its scores are 0 or masked, P^T = exp2(-inf) = 0 and dS^T = 0 (dP^T = 0)
+  // with no test per score, as a real row that sees no key.
+  CF_DEVICE void load_row_values(BwdStep at, float (&values)[kRowValues]) const {
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i) {
+      const int v = tid + kWarpgroupThreads * i;
+      const int r = v % kBlockM;
+      if (at.m_block * kBlockM + r < work.seq.q.len)
+        values[i] = (v < kBlockM ? p.neg_lse_log2 : p.dsum)[work.step_rows(p, at) + r];
+      else
+        values[i] = v < kBlockM ? neg_infinity() : 0.f;
+    }
+  }
+  CF_DEVICE void store_row_values(int stage, const float (&values)[kRowValues]) const {
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i)
+      st_shared_b32(smem.rows(consumer, stage) + (tid + kWarpgroupThreads * i) * 4,
+                    __float_as_uint(values[i]));
+  }
+
+  // (Varlen) Keys past the sequence's end (the next sequence's, read by TMA): their scores are
+  // masked, so P^T and dS^T are 0 there, but 0 x Inf or NaN would still be NaN in dP^T (V) and
+  // dQ (K). This consumer zeroes its own key rows of both tiles before its first wgmma; its K
+  // rows reach the other consumer's dQ after a dq_sync.
+  CF_DEVICE void zero_past_keys() const {
+    const int valid = work.seq.k.len - work.key0 - wg_key0;  // (the same for the whole warpgroup)
+    if (valid < Traits::kKeysPerConsumer) {
+      const int first = wg_key0 + max(valid, 0), end = wg_key0 + Traits::kKeysPerConsumer;
+      zero_tile_rows<Traits::kColBlocks, kBlockN, true>(smem.k(), first, end, tid,
+                                                        kWarpgroupThreads);
+      zero_tile_rows<Traits::kColBlocks, kBlockN, true>(smem.v(), first, end, tid,
+                                                        kWarpgroupThreads);
+      fence_proxy_async_shared();
+      bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
+    }
+  }
+
+  // (Varlen) Rows past the sequence's end in its last query block (the next sequence's): their
+  // -LSE is -inf and D 0, so P^T and dS^T are 0, but 0 x Inf or NaN in Q or dO would be NaN in
+  // dK and dV. Both consumers read every row of both tiles: they zero them together, then meet
+  // (the same answer for both).
+  CF_DEVICE void zero_past_rows(uint32_t q_tile, uint32_t do_tile, int row0) const {
+    const int valid = work.seq.q.len - row0;
+    if (valid < kBlockM) {
+      const int thread = consumer * kWarpgroupThreads + tid;
+      zero_tile_rows<Traits::kColBlocks, kBlockM, true>(q_tile, valid, kBlockM, thread,
+                                                        Traits::kConsumers * kWarpgroupThreads);
+      zero_tile_rows<Traits::kColBlocks, kBlockM, true>(do_tile, valid, kBlockM, thread,
+                                                        Traits::kConsumers * kWarpgroupThreads);
+      fence_proxy_async_shared();
+      bwd_barrier_sync(BwdBarrier::kBoth, consumer);
+    }
+  }
+
+  // S^T = K_c Q^T (or dP^T = V_c dO^T) issued and committed: k-step ks reads 16 columns of d, 32
+  // bytes into the 128-byte rows of column block ks / 4 (this consumer's keys start wg_key0
+  // rows into K and V).
+  CF_DEVICE void issue_scores(float (&acc)[kNTiles][4], uint32_t keys, uint32_t rows) const {
+    const uint64_t desc_a0 = wgmma_desc(keys + wg_key0 * kSwizzleRowBytes, 0);
+    const uint64_t desc_b0 = wgmma_desc(rows, 0);
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t col_bytes = (ks % 4) * 32;
+      const uint64_t desc_a =
+          wgmma_desc_advance(desc_a0, (ks / 4) * kBlockN * kSwizzleRowBytes + col_bytes);
+      const uint64_t desc_b =
+          wgmma_desc_advance(desc_b0, (ks / 4) * kBlockM * kSwizzleRowBytes + col_bytes);
+      MmaS::ss(acc, desc_a, desc_b, ks > 0);
+    }
+    wgmma_commit();
+  }
+
+  // dS^T to shared memory: key rows of 64 query rows (128 bytes) per column block, swizzled;
+  // k-step ks's fragments are four 8 x 8 tiles (keys +0 / +8, query rows 16 ks / + 8), one
+  // stmatrix, lanes 8 j .. 8 j + 7 pointing at tile j's key rows.
+  CF_DEVICE void store_ds(int ds_stage, const uint32_t (&ds_frag)[kRowSteps][4]) const {
+    if constexpr (Traits::Exp_under_dp) {
+#pragma unroll
+      for (int ks = 0; ks < kRowSteps; ++ks)
+        stmatrix_x4(
+            smem.ds(ds_stage) + swizzled_offset<kBlockN>(warp_key0 + lane % 8 + 8 * (lane / 8 % 2),
+                                                         16 * ks + 8 * (lane / 16)),
+            ds_frag[ks][0], ds_frag[ks][1], ds_frag[ks][2], ds_frag[ks][3]);
+    } else {  // (the order before: a 32-bit store a fragment register)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          st_shared_b32(
+              smem.ds(ds_stage) + swizzled_offset<kBlockN>(warp_key0 + lane / 4 + 8 * half,
+                                                           8 * nt + 2 * (lane % 4)),
+              ds_frag[nt / 2][2 * (nt % 2) + half]);
+    }
+  }
+
+  // dQ = dS K issued and committed: A = dS (query rows x keys) read from dS^T, B = K (keys x d)
+  // read from the K tile, both MN-major; k-step ks takes 16 keys (2048 bytes of either tile).
+  // This consumer's part over all 128 keys: rows 64 c .. 64 c + 63 at d = 64 (A from column
+  // block c of dS^T), d's columns 64 c .. 64 c + 63 at d = 128 (B from column block c of K);
+  // staged as part c of the step's dQ (at d = 64 part c is its 16 KB tile c).
+  CF_DEVICE void issue_dq(float (&acc_dq)[kDqPartCols / 8][4], int ds_stage) const {
+    const uint32_t dq_rows_offset =
+        Traits::Dq_split_rows ? consumer * kBlockN * kSwizzleRowBytes : 0;
+    const uint32_t dq_cols_offset =
+        Traits::Dq_split_rows ? 0 : consumer * kBlockN * kSwizzleRowBytes;
+    wgmma_fence();
+    const uint64_t desc_ds0 = wgmma_desc(smem.ds(ds_stage) + dq_rows_offset, 0);
+    const uint64_t desc_k0 = wgmma_desc(smem.k() + dq_cols_offset, kBlockN * kSwizzleRowBytes);
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      const uint32_t key_bytes = 16 * ks * kSwizzleRowBytes;
+      MmaQ::ss_tt(acc_dq, wgmma_desc_advance(desc_ds0, key_bytes),
+                  wgmma_desc_advance(desc_k0, key_bytes), ks > 0);
+    }
+    wgmma_commit();
+  }
+
+  // dQ staged at `staged` in its fragments' order (dq_tiles.cuh), for one bulk reduce-add.
+  CF_DEVICE void stage_dq(uint32_t staged, const float (&acc_dq)[kDqPartCols / 8][4]) const {
+#pragma unroll
+    for (int j = 0; j < kDqPartCols / 8; ++j)
+      st_shared_b128(staged + dq_tile_fragment_bytes(consumer, j, tid),
+                     make_uint4(__float_as_uint(acc_dq[j][0]), __float_as_uint(acc_dq[j][1]),
+                                __float_as_uint(acc_dq[j][2]), __float_as_uint(acc_dq[j][3])));
+    fence_proxy_async_shared();
+  }
+};
+
 // ---------------------------------------------------------------------- consumers
 // Consumer warpgroup 1 + c: keys 64 c .. 64 c + 63 of the block; the steps (the file's head),
 // then the epilogue.
@@ -498,7 +653,6 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
   using Element = typename Traits::Element;
   using Ops = typename Traits::Ops;
   constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
   const AttnParams& a = p.attn;
@@ -520,51 +674,22 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
   const int wg_key0 = Traits::kKeysPerConsumer * consumer;  // this consumer's keys in the block
   const int warp_key0 = wg_key0 + 16 * warp;
   const float scale_log2 = a.softmax_scale_log2;
-  using MmaS = Wgmma<kBlockM, Element>;      // S^T, dP^T: 64 keys x kBlockM query rows
-  using MmaKV = Wgmma<kHeadDim, Element>;    // dV, dK: 64 keys x d
-  using MmaQ = Wgmma<kDqPartCols, Element>;  // dQ: 64 query rows x one 64-column part
-  constexpr int kNTiles = kBlockM / 8;       // 8-row column tiles of S^T
-  constexpr int kRowSteps = kBlockM / 16;    // k-steps of dV, dK over the query rows
-  // This consumer's part of dQ over all 128 keys: rows 64 c .. 64 c + 63 at d = 64 (A from
-  // column block c of dS^T), d's columns 64 c .. 64 c + 63 at d = 128 (B from column block c of
-  // K); staged as part c of the step's dQ (at d = 64 part c is its 16 KB tile c).
-  const uint32_t dq_rows_offset = Traits::Dq_split_rows ? consumer * kBlockN * kSwizzleRowBytes : 0;
-  const uint32_t dq_cols_offset = Traits::Dq_split_rows ? 0 : consumer * kBlockN * kSwizzleRowBytes;
+  using Steps = Fa3BwdConsumer<Traits>;
+  using MmaKV = Wgmma<kHeadDim, Element>;  // dV, dK: 64 keys x d
+  constexpr int kNTiles = Steps::kNTiles;
+  constexpr int kRowSteps = Steps::kRowSteps;
   // One issuer and one reduce of the whole step per step: each consumer adding its own half
   // (two 16 KB reduces, one barrier fewer per step) measured 5-9% slower at d = 128
   // (docs/evidence.md (2026-12-01-hopper-backward)).
   const bool dq_issuer = !Traits::Dq_writer && tid == 0 && consumer == 0;
   // dS^T complete, dQ staged: both consumers (each one's part of dQ reads both's dS^T).
   auto dq_sync = [&]() { bwd_barrier_sync(BwdBarrier::kBoth, consumer); };
+  const Steps c{smem, p, work, consumer, tid, lane, wg_key0, warp_key0};
 
-  // A step's -LSE log2 e and D: thread tid loads values tid, tid + 128, ... of the 2 kBlockM
-  // (value v: row v of -LSE, or row v - kBlockM of D) a step ahead into this consumer's copy in
-  // the ring (plain loads and stores, ordered by the consumer's barriers). A padding row (past
-  // seqlen_q; prep does not write its values) reads -LSE = -inf and D = 0: its Q and dO are
-  // TMA's zeros, so its scores are 0 or masked, P^T = exp2(-inf) = 0 and dS^T = 0 (dP^T = 0)
-  // with no test per score, as a real row that sees no key.
-  constexpr int kRowValues = 2 * kBlockM / kWarpgroupThreads;
-  auto load_row_values = [&](BwdStep at, float (&values)[kRowValues]) {
-#pragma unroll
-    for (int i = 0; i < kRowValues; ++i) {
-      const int v = tid + kWarpgroupThreads * i;
-      const int r = v % kBlockM;
-      if (at.m_block * kBlockM + r < seq.q.len)
-        values[i] = (v < kBlockM ? p.neg_lse_log2 : p.dsum)[work.step_rows(p, at) + r];
-      else
-        values[i] = v < kBlockM ? neg_infinity() : 0.f;
-    }
-  };
-  auto store_row_values = [&](int stage, const float (&values)[kRowValues]) {
-#pragma unroll
-    for (int i = 0; i < kRowValues; ++i)
-      st_shared_b32(smem.rows(consumer, stage) + (tid + kWarpgroupThreads * i) * 4,
-                    __float_as_uint(values[i]));
-  };
-  float row_values[kRowValues];
+  float row_values[Steps::kRowValues];
   if (steps > 0) {
-    load_row_values(work.first_step, row_values);
-    store_row_values(0, row_values);
+    c.load_row_values(work.first_step, row_values);
+    c.store_row_values(0, row_values);
   }
   bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
 
@@ -573,28 +698,13 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
   zero_fill(acc_dk);
   zero_fill(acc_dv);
   mbar_wait(smem.kv_full(), 0);
-  if constexpr (Traits::Varlen) {
-    // Keys past the sequence's end (the next sequence's, read by TMA): their scores are masked,
-    // so P^T and dS^T are 0 there, but 0 x Inf or NaN would still be NaN in dP^T (V) and dQ
-    // (K). This consumer zeroes its own key rows of both tiles before its first wgmma; its K
-    // rows reach the other consumer's dQ after a dq_sync.
-    const int valid = seq.k.len - key0 - wg_key0;  // (the same for the whole warpgroup)
-    if (valid < Traits::kKeysPerConsumer) {
-      const int first = wg_key0 + max(valid, 0), end = wg_key0 + Traits::kKeysPerConsumer;
-      zero_tile_rows<Traits::kColBlocks, kBlockN, true>(smem.k(), first, end, tid,
-                                                        kWarpgroupThreads);
-      zero_tile_rows<Traits::kColBlocks, kBlockN, true>(smem.v(), first, end, tid,
-                                                        kWarpgroupThreads);
-      fence_proxy_async_shared();
-      bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
-    }
-  }
+  if constexpr (Traits::Varlen) c.zero_past_keys();
 
   BwdStep at = work.first_step;
   for (int step = 0; step < steps; ++step) {
     const int stage = step % kStages;
     const BwdStep next = work.next(at);
-    if (step + 1 < steps) load_row_values(next, row_values);
+    if (step + 1 < steps) c.load_row_values(next, row_values);
     // ALiBi's slope for the step's head (a padded batch: one shift), read before the waits
     [[maybe_unused]] const typename Traits::Bias bias(
         a, batch, at.head, Traits::Varlen ? range.keys.shift : a.seqlen_k - a.seqlen_q);
@@ -603,43 +713,13 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
     const uint32_t do_tile = smem.dout(stage);
     const int m_block = at.m_block;
     const int row0 = m_block * kBlockM;
-    if constexpr (Traits::Varlen) {
-      // Rows past the sequence's end in its last query block (the next sequence's): their -LSE
-      // is -inf and D 0, so P^T and dS^T are 0, but 0 x Inf or NaN in Q or dO would be NaN in
-      // dK and dV. Both consumers read every row of both tiles: they zero them together, then
-      // meet (the same answer for both).
-      const int valid = seq.q.len - row0;
-      if (valid < kBlockM) {
-        const int thread = consumer * kWarpgroupThreads + tid;
-        zero_tile_rows<Traits::kColBlocks, kBlockM, true>(q_tile, valid, kBlockM, thread,
-                                                          Traits::kConsumers * kWarpgroupThreads);
-        zero_tile_rows<Traits::kColBlocks, kBlockM, true>(do_tile, valid, kBlockM, thread,
-                                                          Traits::kConsumers * kWarpgroupThreads);
-        fence_proxy_async_shared();
-        bwd_barrier_sync(BwdBarrier::kBoth, consumer);
-      }
-    }
+    if constexpr (Traits::Varlen) c.zero_past_rows(q_tile, do_tile, row0);
 
-    // S^T = K_c Q^T, dP^T = V_c dO^T: k-step ks reads 16 columns of d, 32 bytes into the 128-byte
-    // rows of column block ks / 4 (this consumer's keys start wg_key0 rows into K and V).
+    // S^T = K_c Q^T, dP^T = V_c dO^T
     float s[1][kNTiles][4], dp[1][kNTiles][4];
-    auto issue_scores = [&](float (&acc)[kNTiles][4], uint32_t keys, uint32_t rows) {
-      const uint64_t desc_a0 = wgmma_desc(keys + wg_key0 * kSwizzleRowBytes, 0);
-      const uint64_t desc_b0 = wgmma_desc(rows, 0);
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const uint32_t col_bytes = (ks % 4) * 32;
-        const uint64_t desc_a =
-            wgmma_desc_advance(desc_a0, (ks / 4) * kBlockN * kSwizzleRowBytes + col_bytes);
-        const uint64_t desc_b =
-            wgmma_desc_advance(desc_b0, (ks / 4) * kBlockM * kSwizzleRowBytes + col_bytes);
-        MmaS::ss(acc, desc_a, desc_b, ks > 0);
-      }
-      wgmma_commit();
-    };
     wgmma_fence();
-    issue_scores(s[0], smem.k(), q_tile);
-    issue_scores(dp[0], smem.v(), do_tile);
+    c.issue_scores(s[0], smem.k(), q_tile);
+    c.issue_scores(dp[0], smem.v(), do_tile);
     wgmma_wait<1>();
     wgmma_fence_operands(s[0]);
     if constexpr (Traits::Has_softcap)  // the forward's order: the cap, then the mask
@@ -808,46 +888,15 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
       for_each_index<kParts>(dv_dk_part);
     }
 
-    // dS^T to shared memory: key rows of 64 query rows (128 bytes) per column block, swizzled;
-    // k-step ks's fragments are four 8 x 8 tiles (keys +0 / +8, query rows 16 ks / + 8), one
-    // stmatrix, lanes 8 j .. 8 j + 7 pointing at tile j's key rows.
     const int ds_stage = step % Traits::kDsStages;
-    if constexpr (Traits::Exp_under_dp) {
-#pragma unroll
-      for (int ks = 0; ks < kRowSteps; ++ks)
-        stmatrix_x4(
-            smem.ds(ds_stage) + swizzled_offset<kBlockN>(warp_key0 + lane % 8 + 8 * (lane / 8 % 2),
-                                                         16 * ks + 8 * (lane / 16)),
-            ds_frag[ks][0], ds_frag[ks][1], ds_frag[ks][2], ds_frag[ks][3]);
-    } else {  // (the order before: a 32-bit store a fragment register)
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          st_shared_b32(
-              smem.ds(ds_stage) + swizzled_offset<kBlockN>(warp_key0 + lane / 4 + 8 * half,
-                                                           8 * nt + 2 * (lane % 4)),
-              ds_frag[nt / 2][2 * (nt % 2) + half]);
-    }
+    c.store_ds(ds_stage, ds_frag);  // dS^T to shared memory
     fence_proxy_async_shared();
     if (dq_issuer) bulk_wait_read<0>();  // the last step's dQ has left the staging buffer
     dq_sync();
     const int dq_buffer = step % Traits::kDqBuffers;
 
-    // dQ = dS K: A = dS (query rows x keys) read from dS^T (this consumer's rows: a 64-row
-    // column block of it), B = K (keys x d) read from the K tile, both MN-major; k-step ks takes
-    // 16 keys (2048 bytes of either tile).
     float acc_dq[kDqPartCols / 8][4];
-    wgmma_fence();
-    const uint64_t desc_ds0 = wgmma_desc(smem.ds(ds_stage) + dq_rows_offset, 0);
-    const uint64_t desc_k0 = wgmma_desc(smem.k() + dq_cols_offset, kBlockN * kSwizzleRowBytes);
-#pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      const uint32_t key_bytes = 16 * ks * kSwizzleRowBytes;
-      MmaQ::ss_tt(acc_dq, wgmma_desc_advance(desc_ds0, key_bytes),
-                  wgmma_desc_advance(desc_k0, key_bytes), ks > 0);
-    }
-    wgmma_commit();
+    c.issue_dq(acc_dq, ds_stage);  // dQ = dS K
     // Once every wgmma of the step is complete: P^T and dS^T (register operands) free, Q and dO
     // read.
     auto step_read = [&]() {
@@ -878,16 +927,9 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
                        kDqPartHandoverThreads);  // its last part read
     else if (Traits::Dq_writer && !Traits::Decoupled && step >= Traits::kDqBuffers)
       dq_handover_sync(BwdBarrier::kDqFree, dq_buffer);  // the writer has read its last tile
-    auto as_uint4 = [](const float (&f)[4]) {
-      return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
-                        __float_as_uint(f[3]));
-    };
     const uint32_t staged = smem.dq() + dq_buffer * Traits::kDqStepBytes;
-#pragma unroll
-    for (int j = 0; j < kDqPartCols / 8; ++j)
-      st_shared_b128(staged + dq_tile_fragment_bytes(consumer, j, tid), as_uint4(acc_dq[j]));
-    fence_proxy_async_shared();
-    if (step + 1 < steps) store_row_values((step + 1) % kStages, row_values);
+    c.stage_dq(staged, acc_dq);
+    if (step + 1 < steps) c.store_row_values((step + 1) % kStages, row_values);
     if constexpr (Traits::Dq_first) {
       wgmma_wait<0>();
       step_read();
