@@ -708,6 +708,30 @@ def fa3_bwd_lpt_pairs(spec: Fa3BwdSpec, rows_per_pair: int, group: int, pairs: i
     return -(-pairs // sections)
 
 
+#: The causal Hopper forward's tiles in sections of (batch, head) pairs, each query block first
+#: (tile_scheduler.cuh's TileScheduler), so that a section's longest tiles come first; a
+#: section's pairs keep their share of K and V within FA3_FWD_LPT_L2_BYTES. Off until timed
+#: (tune.py hopper-bwd --switch fwd_lpt: the forward + backward step). Predicted by the
+#: list-scheduling model of the backward's sections (tiles drawn in order as CTAs free up, 2
+#: blocks' start-up each; B = 16k / N, H = 2048 / d): the causal forward 3-6% shorter at N =
+#: 2k-8k, 1-3% at 1k and 16k.
+FA3_FWD_LPT = False
+FA3_FWD_LPT_L2_BYTES = 32 << 20
+
+
+def fa3_fwd_lpt_pairs(causal: bool, keys: int, head_dim: int, group: int, pairs: int) -> int:
+    """The (batch, head) pairs a section of the causal Hopper forward's tile order holds
+    (Fa3Params.lpt_pairs; 0: each pair's query blocks in turn): at most as many as keep their
+    share of K and V (16-bit, ``keys`` rows of ``head_dim``, a KV head's shared by ``group``
+    query heads) within FA3_FWD_LPT_L2_BYTES, the sections as even as that allows."""
+    if not (FA3_FWD_LPT and causal) or pairs <= 1:
+        return 0
+    per_pair = -(-keys * head_dim * 2 * 2 // max(group, 1))
+    most = max(1, min(pairs, FA3_FWD_LPT_L2_BYTES // max(per_pair, 1)))
+    sections = -(-pairs // most)
+    return -(-pairs // sections)
+
+
 def _fa3_bwd_dq_first(head_dim: int, softcap: bool) -> bool:
     """Whether the Hopper backward issues dK after dQ: where FA3_BWD_DQ_FIRST reaches the kernel
     (fa3_bwd.cu's Dq_first: d = 128, the exponentials under dP^T, which softcap's derivative

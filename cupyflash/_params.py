@@ -236,12 +236,13 @@ BWD_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
 )
 
 # Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters;
-# int32_t num_m_blocks; }: the launch buffer holds the maps apart (bytes 0-383); this list is
+# int32_t num_m_blocks, lpt_pairs; Fa3Descale ... }: the launch buffer holds the maps apart (bytes 0-383); this list is
 # what follows them.
 FA3_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     *ATTN_PARAMS_FIELDS,
     ("tile_counters", "u8"),
     ("num_m_blocks", "i4"),
+    ("lpt_pairs", "i4"),
     # Fa3Descale q_descale, k_descale, v_descale (the FP8 forward): { ptr, batch_stride,
     # head_stride, value } each, flattened as <name>_ptr, <name>_batch_stride, ... and <name>.
     *(

@@ -174,6 +174,9 @@ struct Fa3Params {
   // Both read 0 at launch; the last CTA to finish sets them back (cupyflash/_workspace.py).
   int32_t* tile_counters;
   int32_t num_m_blocks;  // query blocks per (batch, head): of the longest sequence when varlen
+  // Causal: (batch, head) pairs a section of the tile order (tile_scheduler.cuh); 0 or 1: each
+  // pair's query blocks in turn.
+  int32_t lpt_pairs;
   Fa3Descale q_descale, k_descale, v_descale;  // FP8 inputs only
 };
 

@@ -41,18 +41,33 @@ template <typename Traits>
 struct TileScheduler {
   int num_m_blocks;
   int num_tiles;
+  int lpt_pairs;
 
   CF_DEVICE explicit TileScheduler(const Fa3Params& p)
-      : num_m_blocks(p.num_m_blocks), num_tiles(p.num_m_blocks * p.attn.batch * p.attn.h) {}
+      : num_m_blocks(p.num_m_blocks),
+        num_tiles(p.num_m_blocks * p.attn.batch * p.attn.h),
+        lpt_pairs(p.lpt_pairs) {}
 
   struct Tile {
     int m_block, batch, head;
   };
 
-  // Tile t -> (query block, batch, head).
+  // Tile t -> (query block, batch, head). Causal with lpt_pairs > 1 (_dispatch.fa3_fwd_lpt_pairs):
+  // the (batch, head) pairs in sections of lpt_pairs, each walked query block first, so that a
+  // section's longest tiles all come before any shorter one (in pair order the last pair's
+  // longest tile is drawn near the end and runs past it), and a section's K and V share L2.
   CF_DEVICE Tile operator()(int t, const AttnParams& params) const {
-    const int m = t % num_m_blocks;
-    const int bh = t / num_m_blocks;
+    int m = t % num_m_blocks;
+    int bh = t / num_m_blocks;
+    if constexpr (Traits::Is_causal) {
+      if (lpt_pairs > 1) {
+        const int first = bh / lpt_pairs * lpt_pairs;
+        const int section = min(lpt_pairs, num_tiles / num_m_blocks - first);
+        const int r = t - first * num_m_blocks;  // the tile's place in its section
+        m = r / section;
+        bh = first + r % section;
+      }
+    }
     return {Traits::Is_causal ? num_m_blocks - 1 - m : m, bh / params.h, bh % params.h};
   }
 

@@ -127,6 +127,28 @@ def test_many_tiles_per_cta(rng, head_dim, causal, batch, seqlen, heads, heads_k
         assert bool((cupyflash.attention(q, k, v, causal=causal, algorithm="fa3") == first).all())
 
 
+@pytest.mark.parametrize("head_dim, causal, batch, seqlen, heads, heads_kv, dtype", [c for c in MANY_TILES if c[1]])
+def test_causal_tiles_longest_first_in_sections(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype,
+                                                monkeypatch):  # fmt: skip
+    """The causal Hopper forward's tiles in sections of 3 (batch, head) pairs, each query block
+    first (_dispatch.FA3_FWD_LPT): every tile drawn once (a lost or doubled one would leave rows
+    unwritten: outputs poisoned), the float64 reference's output, bit-identical on later calls."""
+    from cupyflash import _dispatch, _plan
+
+    skip_unless_kernel("fa3", head_dim)
+    monkeypatch.setattr(_dispatch, "FA3_FWD_LPT", True)
+    group = heads // heads_kv
+    monkeypatch.setattr(_dispatch, "FA3_FWD_LPT_L2_BYTES", 3 * (seqlen + 7) * head_dim * 4 // group)
+    _plan.clear_caches()
+    try:
+        q, k, v = gpu_inputs(rng, (batch, seqlen, heads, head_dim), (batch, seqlen + 7, heads_kv, head_dim), dtype)
+        first, _ = check_attention(q, k, v, causal=True, algorithm="fa3")
+        for _ in range(2):
+            assert bool((cupyflash.attention(q, k, v, causal=True, algorithm="fa3") == first).all())
+    finally:
+        _plan.clear_caches()
+
+
 def test_auto_runs_the_hopper_kernel_there(rng):
     """On sm_90 "auto" is the wgmma kernel for head_dim 128 (its variant shows in the cache)."""
     from cupyflash import _kernels

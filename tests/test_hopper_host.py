@@ -181,6 +181,29 @@ def test_the_causal_backward_takes_its_ctas_longest_first_in_sections_when_lpt_i
     _plan.clear_caches()
 
 
+def test_the_causal_forward_takes_its_tiles_longest_first_in_sections_when_lpt_is_on(monkeypatch):
+    """_dispatch.FA3_FWD_LPT: the causal Hopper forward's Fa3Params.lpt_pairs (tile_scheduler.cuh's
+    TileScheduler: sections of (batch, head) pairs, each query block first) is the most pairs
+    whose share of K and V fits FA3_FWD_LPT_L2_BYTES, evened out over the sections (7 pairs, room
+    for 4: 4 and 3); 0 when off, without causal, and for one pair."""
+
+    def lpt_pairs(batch, causal=True, heads=1):
+        shapes = ((batch, 700, heads, 128), (batch, 700, 1, 128), (batch, 700, 1, 128))
+        p = attention_problem(*shapes, causal=causal, scale=None, window=(-1, -1), softcap=0.0, layout="bshd")
+        launch = _plan.plan_attention(p, "bfloat16", fake_device("sm_90a"), "fa3", shapes[0])
+        assert any("fa3_fwd" in step.spec.name for step in launch.steps)
+        return launch.params.value("lpt_pairs")
+
+    per_pair = 700 * 128 * 2 * 2  # K and V of its KV head (one query head a KV head)
+    monkeypatch.setattr(_dispatch, "FA3_FWD_LPT_L2_BYTES", 4 * per_pair)
+    assert lpt_pairs(7) == 0  # off
+    monkeypatch.setattr(_dispatch, "FA3_FWD_LPT", True)
+    _plan.clear_caches()
+    assert lpt_pairs(7) == 4 and lpt_pairs(6) == 3 and lpt_pairs(1, heads=8) == 8  # GQA 8: a KV head's share
+    assert lpt_pairs(7, causal=False) == lpt_pairs(1) == 0
+    _plan.clear_caches()
+
+
 class _Recorder:
     """Stands in for cuTensorMapEncodeTiled: records its arguments, writes a recognisable map."""
 

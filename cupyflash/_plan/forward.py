@@ -198,6 +198,10 @@ def plan_forward(
             tma = TmaMaps(dtype, (axes[1], axes[2], axes[0]), maps)
             step = KernelStep(spec, grid, block, spec.smem_bytes, tma=tma)
             fixed["num_m_blocks"] = m_blocks
+            fixed["lpt_pairs"] = _dispatch.fa3_fwd_lpt_pairs(
+                spec.causal, rows[1] // max(p.batch, 1) if packed else rows[1], spec.head_dim,
+                p.heads_q // max(p.heads_kv, 1), p.batch * p.heads_q,
+            )  # fmt: skip
         steps += (step,)
         if packed:  # first: the rows no sequence owns, in place of a fill of the whole output
             steps = (packed_fill_step(struct.c_name, rows[0], p.heads_q * p.head_dim), *steps)
