@@ -262,6 +262,14 @@ FA3_MODS_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 }
 
 
+#: The Hopper forward's consumer index broadcast from lane 0 (Fa3FwdSpec.uniform_consumer): its
+#: wgmma descriptors in uniform registers, 15-91 fewer instructions in a tile's main loop, no
+#: spill. Off until timed beside the SASS it replaces (tune.py hopper-bwd --switch fwd_uniform:
+#: the step's column). Predicted: 0-2% on the forward (the loop is bound by its wgmmas and
+#: exponentials more than by issue), most at d = 256 (91 fewer) and d = 64.
+FA3_FWD_UNIFORM_CONSUMER = False
+
+
 def fa3_fwd_spec(
     dtype: str,
     head_dim: int,
@@ -293,7 +301,7 @@ def fa3_fwd_spec(
         tile = (FA3_SHORT_FWD_TILES.get(key) if short else None) or FA3_FWD_TILES[key]
     return Fa3FwdSpec(
         dtype, width, tile, flags.causal, flags.local, flags.softcap, varlen, valid_dim, mods_source=mods_source,
-        alibi=flags.alibi,
+        alibi=flags.alibi, uniform_consumer=FA3_FWD_UNIFORM_CONSUMER,
     )  # fmt: skip
 
 

@@ -349,6 +349,9 @@ class Fa3FwdSpec(_KernelSpecBase):
     fp8: bool = False  # q, k, v in e4m3 (V read as Vt, fp8_vt.cu's output); dtype is the output's
     mods_source: str = ""  # a user score_mod / mask_mod's device code (as Fa2FwdSpec's)
     alibi: bool = False  # ALiBi slopes (variants.cuh's Alibi, after the softcap)
+    # the consumer index broadcast from lane 0: wgmma descriptors in uniform registers
+    # (Fa3FwdTraits::Uniform_consumer; picked while _dispatch.FA3_FWD_UNIFORM_CONSUMER is on)
+    uniform_consumer: bool = False
 
     kernel = "fa3_fwd"
     source_file = "fa3_fwd.cu"
@@ -404,6 +407,7 @@ class Fa3FwdSpec(_KernelSpecBase):
             ("alibi", self.alibi),
             ("varlen", self.varlen),
             (f"mods{_digest(self.mods_source)}", bool(self.mods_source)),
+            ("uc", self.uniform_consumer),
         )
 
     @property
@@ -429,7 +433,8 @@ class Fa3FwdSpec(_KernelSpecBase):
             self.head_dim, t.block_n, t.consumers, t.stages, t.separate_o, t.pingpong, t.dynamic, self.varlen,
             f"E4m3Inputs<{element}>" if self.fp8 else element, self.causal, self.local, self.softcap,
             *(
-                (self.valid_dim, False, True) if self.alibi  # (no score function with ALiBi)
+                (self.valid_dim, bool(self.mods_source), self.alibi, True) if self.uniform_consumer
+                else (self.valid_dim, False, True) if self.alibi  # (no score function with ALiBi)
                 else (self.valid_dim, True) if self.mods_source
                 else _columns_arg(self.valid_dim)
             ),

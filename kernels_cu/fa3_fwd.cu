@@ -67,7 +67,7 @@ struct Fa3Elements<E4m3Inputs<Out>> {
 template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, bool Separate_o_,
           bool Pingpong_, bool Dynamic_, bool Varlen_, typename Element_, bool Is_causal_,
           bool Is_local_, bool Has_softcap_, int kValidDim_ = 0, bool User_mods_ = false,
-          bool Has_alibi_ = false>
+          bool Has_alibi_ = false, bool Uniform_consumer_ = false>
 struct Fa3FwdTraits {
   // Element: O's type (and P's, with 16-bit inputs); Input: Q's, K's and V's in memory.
   using Element = typename Fa3Elements<Element_>::Output;
@@ -123,6 +123,12 @@ struct Fa3FwdTraits {
   static constexpr bool User_mods = User_mods_;
   // ALiBi's bias (flash-attn's alibi_slopes; variants.cuh's Alibi), after the softcap if any.
   static constexpr bool Has_alibi = Has_alibi_;
+  // The consumer's index broadcast from lane 0 (fa3_shared.cuh's warpgroup_index), so that
+  // ptxas sees it uniform across the warp and keeps the wgmma descriptors built from it in
+  // uniform registers, as the backward's new order does: 15-91 fewer instructions between a
+  // tile's first and last wgmma (bf16 variants; fewer R2UR), no spill. Off until timed
+  // (_dispatch.FA3_FWD_UNIFORM_CONSUMER).
+  static constexpr bool Uniform_consumer = Uniform_consumer_;
   using Transform = ScoreTransform<Has_softcap, Has_alibi, User_mods_ ? kUserMods : kNoBias>;
   // The online softmax of a warp's 16 rows (named here, where the Traits are instantiated: a
   // member of type OnlineSoftmax<1> would instantiate it at its definition, which reorders the
@@ -250,7 +256,7 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<Traits::kConsumerRegs>();
-  const int consumer = warpgroup - 1;
+  const int consumer = Traits::Uniform_consumer ? warpgroup_index() - 1 : warpgroup - 1;
   const int tid = threadIdx.x % kWarpgroupThreads;
   const int lane = tid % 32;
   const int warp = tid / 32;

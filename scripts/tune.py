@@ -29,7 +29,7 @@ each, its gradient error, and attention_backward's TFLOP/s on the prefill shapes
 hopper-bwd: the Hopper backward with a switch off and on (``--switch``: late_exp, its exponentials
 after dP^T as before they ran under it; dq_first, dK after dQ; decoupled, its consumers meeting
 once a step; lpt, its causal CTAs longest first in sections of (batch, head) pairs; fwd_lpt, the
-forward's causal tiles so), per training
+forward's causal tiles so; fwd_uniform, the forward's consumer index uniform), per training
 shape one right after the other, each with cuDNN (and FlashAttention-4 where installed) in its
 rounds: forward + backward and backward alone over each.
 
@@ -544,7 +544,7 @@ def tune_head_dims(args: argparse.Namespace) -> list[dict[str, Any]]:
 #: hopper-bwd's switches: the _dispatch flag each sets
 HOPPER_BWD_SWITCHES = {
     "decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP", "dq_first": "FA3_BWD_DQ_FIRST",
-    "lpt": "FA3_BWD_LPT", "fwd_lpt": "FA3_FWD_LPT",
+    "lpt": "FA3_BWD_LPT", "fwd_lpt": "FA3_FWD_LPT", "fwd_uniform": "FA3_FWD_UNIFORM_CONSUMER",
 }  # fmt: skip
 #: the other flags a switch's two settings both run with (the exponentials under dP^T)
 HOPPER_BWD_BASE = {"dq_first": {"FA3_BWD_LATE_EXP": False}, "decoupled": {"FA3_BWD_LATE_EXP": False},
@@ -561,7 +561,8 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     (``_dispatch.FA3_BWD_DECOUPLED``); the last two with the exponentials under dP^T, the first
     with dK issued in its order (HOPPER_BWD_BASE); ``lpt``: the causal CTAs in sections of
     (batch, head) pairs, longest first (``_dispatch.FA3_BWD_LPT``); ``fwd_lpt``: the causal
-    forward's tiles so (``_dispatch.FA3_FWD_LPT``: the step's column moves, not the backward's)."""
+    forward's tiles so (``_dispatch.FA3_FWD_LPT``: the step's column moves, not the backward's);
+    ``fwd_uniform``: the forward's consumer index uniform (``_dispatch.FA3_FWD_UNIFORM_CONSUMER``)."""
     flag = HOPPER_BWD_SWITCHES[args.switch]
     base = HOPPER_BWD_BASE.get(args.switch, {})
     defaults = {name: getattr(_dispatch, name) for name in (flag, *base)}

@@ -149,6 +149,25 @@ def test_causal_tiles_longest_first_in_sections(rng, head_dim, causal, batch, se
         _plan.clear_caches()
 
 
+@pytest.mark.parametrize("head_dim, causal, batch, seqlen, heads, heads_kv, dtype", MANY_TILES)
+def test_uniform_consumer_index(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype, monkeypatch):
+    """The Hopper forward with its consumer index broadcast from lane 0
+    (_dispatch.FA3_FWD_UNIFORM_CONSUMER): the float64 reference's output over persistent CTAs of
+    several tiles each, bit-identical on later calls."""
+    from cupyflash import _dispatch, _plan
+
+    skip_unless_kernel("fa3", head_dim)
+    monkeypatch.setattr(_dispatch, "FA3_FWD_UNIFORM_CONSUMER", True)
+    _plan.clear_caches()
+    try:
+        q, k, v = gpu_inputs(rng, (batch, seqlen, heads, head_dim), (batch, seqlen + 7, heads_kv, head_dim), dtype)
+        first, _ = check_attention(q, k, v, causal=causal, algorithm="fa3")
+        for _ in range(2):
+            assert bool((cupyflash.attention(q, k, v, causal=causal, algorithm="fa3") == first).all())
+    finally:
+        _plan.clear_caches()
+
+
 def test_auto_runs_the_hopper_kernel_there(rng):
     """On sm_90 "auto" is the wgmma kernel for head_dim 128 (its variant shows in the cache)."""
     from cupyflash import _kernels

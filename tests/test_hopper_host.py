@@ -204,6 +204,25 @@ def test_the_causal_forward_takes_its_tiles_longest_first_in_sections_when_lpt_i
     _plan.clear_caches()
 
 
+def test_the_forward_consumer_index_is_a_uniform_switch_that_compiles_cleanly(monkeypatch):
+    """_dispatch.FA3_FWD_UNIFORM_CONSUMER: the dispatcher's and warmup's forward variants take
+    Fa3FwdSpec.uniform_consumer (named "_uc"); on, a causal packed and a windowed softcap ALiBi
+    variant build for sm_90a with no spill, no serialised wgmma and no warning."""
+    from cupyflash import _kernels
+
+    flags = _dispatch.MaskFlags(True, False, False)
+    assert not _dispatch.fa3_fwd_spec("bfloat16", 128, flags, 4096).uniform_consumer
+    monkeypatch.setattr(_dispatch, "FA3_FWD_UNIFORM_CONSUMER", True)
+    on = _dispatch.fa3_fwd_spec("bfloat16", 128, flags, 4096, varlen=True)
+    assert on.uniform_consumer and on.name.endswith("_uc")
+    assert all(s.uniform_consumer for s in _dispatch.all_fa3_fwd_specs())
+    other = _dispatch.fa3_fwd_spec("float16", 96, _dispatch.MaskFlags(False, True, True, alibi=True), 300)
+    for spec in (on, other):
+        build = _kernels.compile_offline(spec, "sm_90a")
+        assert not build.spill_bytes and not build.warnings, (spec.name, build.spill_bytes, build.warnings)
+        assert "wgmma.mma_async instructions are serialized" not in build.log
+
+
 class _Recorder:
     """Stands in for cuTensorMapEncodeTiled: records its arguments, writes a recognisable map."""
 
