@@ -120,44 +120,18 @@ def test_many_tiles_per_cta(rng, head_dim, causal, batch, seqlen, heads, heads_k
     """Persistent CTAs over two tiles or more each: the Q buffers alternate, a tile's epilogue
     runs under the next one's first Q K^T, the K/V ring runs on across tiles, and a ragged last
     query block ends each (batch, head). Bit-identical on later calls (a race would move it)."""
-    skip_unless_kernel("fa3", head_dim)
-    q, k, v = gpu_inputs(rng, (batch, seqlen, heads, head_dim), (batch, seqlen + 7, heads_kv, head_dim), dtype)
-    first, _ = check_attention(q, k, v, causal=causal, algorithm="fa3")
-    for _ in range(2):
-        assert bool((cupyflash.attention(q, k, v, causal=causal, algorithm="fa3") == first).all())
+    check_many_tiles(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype)
 
 
-@pytest.mark.parametrize("head_dim, causal, batch, seqlen, heads, heads_kv, dtype", [c for c in MANY_TILES if c[1]])
-def test_causal_tiles_longest_first_in_sections(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype,
-                                                monkeypatch):  # fmt: skip
-    """The causal Hopper forward's tiles in sections of 3 (batch, head) pairs, each query block
-    first (_dispatch.FA3_FWD_LPT): every tile drawn once (a lost or doubled one would leave rows
-    unwritten: outputs poisoned), the float64 reference's output, bit-identical on later calls."""
+def check_many_tiles(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype, **switches):
+    """A MANY_TILES case on the Hopper forward against the float64 reference, bit-identical on
+    two later calls, with ``switches`` (_dispatch's names and values) set for its plans only."""
     from cupyflash import _dispatch, _plan
 
     skip_unless_kernel("fa3", head_dim)
-    monkeypatch.setattr(_dispatch, "FA3_FWD_LPT", True)
-    group = heads // heads_kv
-    monkeypatch.setattr(_dispatch, "FA3_FWD_LPT_L2_BYTES", 3 * (seqlen + 7) * head_dim * 4 // group)
-    _plan.clear_caches()
-    try:
-        q, k, v = gpu_inputs(rng, (batch, seqlen, heads, head_dim), (batch, seqlen + 7, heads_kv, head_dim), dtype)
-        first, _ = check_attention(q, k, v, causal=True, algorithm="fa3")
-        for _ in range(2):
-            assert bool((cupyflash.attention(q, k, v, causal=True, algorithm="fa3") == first).all())
-    finally:
-        _plan.clear_caches()
-
-
-@pytest.mark.parametrize("head_dim, causal, batch, seqlen, heads, heads_kv, dtype", MANY_TILES)
-def test_uniform_consumer_index(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype, monkeypatch):
-    """The Hopper forward with its consumer index broadcast from lane 0
-    (_dispatch.FA3_FWD_UNIFORM_CONSUMER): the float64 reference's output over persistent CTAs of
-    several tiles each, bit-identical on later calls."""
-    from cupyflash import _dispatch, _plan
-
-    skip_unless_kernel("fa3", head_dim)
-    monkeypatch.setattr(_dispatch, "FA3_FWD_UNIFORM_CONSUMER", True)
+    saved = {name: getattr(_dispatch, name) for name in switches}
+    for name, value in switches.items():
+        setattr(_dispatch, name, value)
     _plan.clear_caches()
     try:
         q, k, v = gpu_inputs(rng, (batch, seqlen, heads, head_dim), (batch, seqlen + 7, heads_kv, head_dim), dtype)
@@ -165,7 +139,26 @@ def test_uniform_consumer_index(rng, head_dim, causal, batch, seqlen, heads, hea
         for _ in range(2):
             assert bool((cupyflash.attention(q, k, v, causal=causal, algorithm="fa3") == first).all())
     finally:
+        for name, value in saved.items():
+            setattr(_dispatch, name, value)
         _plan.clear_caches()
+
+
+@pytest.mark.parametrize("head_dim, causal, batch, seqlen, heads, heads_kv, dtype", [c for c in MANY_TILES if c[1]])
+def test_causal_tiles_longest_first_in_sections(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype):
+    """The causal Hopper forward's tiles in sections of 3 (batch, head) pairs, each query block
+    first (_dispatch.FA3_FWD_LPT): every tile drawn once (a lost or doubled one would leave rows
+    unwritten: outputs poisoned), the float64 reference's output, bit-identical on later calls."""
+    room = 3 * (seqlen + 7) * head_dim * 4 // (heads // heads_kv)  # 3 pairs' share of K and V
+    check_many_tiles(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype, FA3_FWD_LPT=True,
+                     FA3_FWD_LPT_L2_BYTES=room)  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim, causal, batch, seqlen, heads, heads_kv, dtype", MANY_TILES)
+def test_uniform_consumer_index(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype):
+    """The Hopper forward with its consumer index broadcast from lane 0
+    (_dispatch.FA3_FWD_UNIFORM_CONSUMER) over persistent CTAs of several tiles each."""
+    check_many_tiles(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype, FA3_FWD_UNIFORM_CONSUMER=True)
 
 
 def test_auto_runs_the_hopper_kernel_there(rng):

@@ -12,10 +12,7 @@
 set -uo pipefail
 END=${1:-560}
 left() { echo $((END - SECONDS)); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-[ -d /tmp/fa4site/nvidia_cutlass_dsl ] && [ -d .peers/fa4w ] && source .peers/bin/fa4_env.sh
-export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.log
+source scripts/pending_gpu/gpu_env.sh
 # the backward and score-function suites (the restructured kernel, b22591c, and the order's test)
 timeout -s INT $(( $(left) * 2 / 3 )) python3 -m pytest -q -n 15 -p no:cacheprovider -p no:benchmark -m gpu -rf \
   --tb=short -W ignore tests/test_gpu_backward.py tests/test_gpu_mods.py -k "not torch_compile and not cuda_graph" \

@@ -11,9 +11,7 @@
 set -uo pipefail
 END=${1:-480}
 left() { echo $((END - SECONDS)); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.log
+source scripts/pending_gpu/gpu_env.sh
 git log -1 --format=%h 2>/dev/null | tee -a $OUT/env.log
 mkdir -p /tmp/cfplugin && echo "from cupyflash import _dispatch; _dispatch.FA3_BWD_DQ_FIRST = True" > /tmp/cfplugin/dq_first.py
 PYTHONPATH=/tmp/cfplugin:$PYTHONPATH timeout -s INT 260 python3 -m pytest -p dq_first -q -n 15 -p no:cacheprovider \

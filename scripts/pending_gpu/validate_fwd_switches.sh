@@ -12,10 +12,7 @@
 set -uo pipefail
 END=${1:-560}
 left() { echo $((END - SECONDS)); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-[ -d /tmp/fa4site/nvidia_cutlass_dsl ] && [ -d .peers/fa4w ] && source .peers/bin/fa4_env.sh
-export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupyflash_cache
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.log
+source scripts/pending_gpu/gpu_env.sh
 timeout -s INT $(( $(left) / 3 )) python3 -m pytest -q -n 15 -p no:cacheprovider -p no:benchmark -m gpu -rf \
   --tb=short -W ignore tests/test_gpu_fa2.py > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-250 | tail -8
