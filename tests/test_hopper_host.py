@@ -154,11 +154,12 @@ def test_the_backward_exponentials_under_dp_are_a_switch_and_compile_cleanly(mon
 
 
 def test_the_causal_backward_takes_its_ctas_longest_first_in_sections_when_lpt_is_on(monkeypatch):
-    """_dispatch.FA3_BWD_LPT: the causal Hopper backward's BwdParams.lpt_pairs (fa3_bwd.cu's
-    bwd_cta: sections of (batch, KV head) pairs, each key block first) is the most pairs whose
-    rows fit FA3_BWD_LPT_L2_BYTES, evened out over the sections (7 pairs, room for 4: two
-    sections of 4 and 3, not 4 + 3 by chance: 6 pairs give 3 + 3); 0, the launch order, when
-    off, without causal, in the deterministic order (key blocks last to first) and for one pair."""
+    """_dispatch.FA3_BWD_LPT: the causal Hopper backward's BwdParams.lpt_pairs
+    (tile_scheduler.cuh's fa3_bwd_tile: sections of (batch, KV head) pairs, each key block
+    first) is the most pairs whose rows fit FA3_BWD_LPT_L2_BYTES, evened out over the sections
+    (7 pairs, room for 4: sections of 4 and 3; 6 pairs: 3 and 3, not 4 and 2); 0, the launch
+    order, when off, without causal, in the deterministic order (key blocks last to first) and
+    for one pair."""
 
     def lpt_pairs(batch, causal=True, deterministic=False, hkv=1):
         shapes = ((batch, 700, 2 * hkv, 128), (batch, 700, hkv, 128), (batch, 700, hkv, 128))
