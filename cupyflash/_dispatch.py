@@ -680,21 +680,33 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 FA3_BWD_DECOUPLED = False
 #: The Hopper backward's exponentials after dP^T, with dS^T (Fa3BwdSpec.late_exp): the order
 #: before they ran under dP^T (fa3_bwd.cu's Exp_under_dp). Off: the new order passed the backward
-#: and score-function GPU suites (342 run, none failed) and racecheck; beside cuDNN the backward
-#: was +5-9% at d = 64 (causal N = 4k even) and even to +2% at d = 128 (H100,
-#: docs/evidence/2026-12-07-gpu-session-11). The switch stays for tune.py hopper-bwd's A/B.
+#: and score-function GPU suites (342 run, none failed) and racecheck; against the order before it
+#: was +9-12% TFLOP/s at d = 64 without a mask, 0-6% causal, and -0.2% to +1.8% over cuDNN at
+#: d = 128 (H100, docs/evidence/2026-12-07-h100-session-11). The switch stays for tune.py
+#: hopper-bwd's A/B.
 FA3_BWD_LATE_EXP = False
 #: dK += dS^T Q issued after dQ = dS K, dQ's staging under dK (Fa3BwdSpec.dq_first, d = 128): on.
 #: The backward and score-function GPU suites passed with it (351, none failed); beside cuDNN and
-#: FA4 it was +1-4% in 10 of 12 (shape, run) pairs, -1 to -3% in the other two (causal, N = 4k)
-#: (H100, docs/evidence/2026-12-07-h100-session-11).
+#: FA4 it was +0.9% to +3.7% in 10 of 12 (shape, run) pairs, -1.1% and -3.4% in the other two
+#: (causal, N = 4k) (H100, docs/evidence/2026-12-07-h100-session-11).
 FA3_BWD_DQ_FIRST = True
 
 
+def _even_sections(pairs: int, per_pair: int, budget: int) -> int:
+    """Pairs a section of a sectioned tile order (tile_scheduler.cuh's section_major): at most
+    as many as keep ``per_pair`` bytes each within ``budget``, the sections as even as that
+    allows (a short last section's long tiles would start last); 0 (no sections) for one pair."""
+    if pairs <= 1:
+        return 0
+    most = max(1, min(pairs, budget // max(per_pair, 1)))
+    sections = -(-pairs // most)
+    return -(-pairs // sections)
+
+
 #: The causal Hopper backward hands out its CTAs in sections of (batch, KV head) pairs, each key
-#: block first (tile_scheduler.cuh's fa3_bwd_tile), so that a section's longest CTAs start first; a section's
-#: pairs keep their Q and dO (16-bit), dQacc (fp32), -LSE and D rows within FA3_BWD_LPT_L2_BYTES
-#: (of the H100's 50 MB of L2). Off until timed (tune.py hopper-bwd --switch lpt). Predicted by a
+#: block first (tile_scheduler.cuh's fa3_bwd_tile), so that a section's longest CTAs start first;
+#: a section's pairs keep their Q and dO (16-bit), dQacc (fp32), -LSE and D rows within
+#: FA3_BWD_LPT_L2_BYTES (of the H100's 50 MB of L2). Off until timed (tune.py hopper-bwd --switch lpt). Predicted by a
 #: list-scheduling model of the launch (CTAs handed out in order as SMs free up, 3 steps'
 #: start-up each; B = 16k / N, H = 2048 / d): the main kernel 2-5% shorter at causal N = 1k-8k,
 #: the same at 16k (there a pair's 128 key blocks are about one wave already).
@@ -708,12 +720,10 @@ def fa3_bwd_lpt_pairs(spec: Fa3BwdSpec, rows_per_pair: int, group: int, pairs: i
     ``group`` query heads of ``rows_per_pair`` rows each, within FA3_BWD_LPT_L2_BYTES, and the
     sections as even as that allows (a short last section's long CTAs would start last). The
     deterministic order has its own (its key blocks last to first)."""
-    if not (FA3_BWD_LPT and spec.causal and not spec.deterministic) or pairs <= 1:
+    if not (FA3_BWD_LPT and spec.causal and not spec.deterministic):
         return 0
     per_pair = rows_per_pair * group * (spec.head_dim * (2 + 2 + 4) + 4 + 4)
-    most = max(1, min(pairs, FA3_BWD_LPT_L2_BYTES // max(per_pair, 1)))
-    sections = -(-pairs // most)
-    return -(-pairs // sections)
+    return _even_sections(pairs, per_pair, FA3_BWD_LPT_L2_BYTES)
 
 
 #: The causal Hopper forward's tiles in sections of (batch, head) pairs, each query block first
@@ -732,12 +742,9 @@ def fa3_fwd_lpt_pairs(causal: bool, keys: int, head_dim: int, group: int, pairs:
     (Fa3Params.lpt_pairs; 0: each pair's query blocks in turn): at most as many as keep their
     share of K and V (16-bit, ``keys`` rows of ``head_dim``, a KV head's shared by ``group``
     query heads) within FA3_FWD_LPT_L2_BYTES, the sections as even as that allows."""
-    if not (FA3_FWD_LPT and causal) or pairs <= 1:
+    if not (FA3_FWD_LPT and causal):
         return 0
-    per_pair = -(-keys * head_dim * 2 * 2 // max(group, 1))
-    most = max(1, min(pairs, FA3_FWD_LPT_L2_BYTES // max(per_pair, 1)))
-    sections = -(-pairs // most)
-    return -(-pairs // sections)
+    return _even_sections(pairs, -(-keys * head_dim * 2 * 2 // max(group, 1)), FA3_FWD_LPT_L2_BYTES)
 
 
 def _fa3_bwd_dq_first(head_dim: int, softcap: bool) -> bool:

@@ -236,8 +236,8 @@ BWD_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
 )
 
 # Fa3Params = { TmaMap q_map, k_map, v_map; AttnParams attn; int32_t* tile_counters;
-# int32_t num_m_blocks, lpt_pairs; Fa3Descale ... }: the launch buffer holds the maps apart (bytes 0-383); this list is
-# what follows them.
+# int32_t num_m_blocks, lpt_pairs; Fa3Descale ... }: the launch buffer holds the maps apart
+# (bytes 0-383); this list is what follows them.
 FA3_PARAMS_FIELDS: tuple[tuple[str, str], ...] = (
     *ATTN_PARAMS_FIELDS,
     ("tile_counters", "u8"),

@@ -37,6 +37,22 @@ struct TileRows {
   CF_DEVICE bool bad() const { return error_bits != 0; }
 };
 
+// Index t of a launch over `pairs` (batch, head) pairs of `blocks` tiles each, pair-major (its
+// pair t / blocks: the caller's `pair_major`), taken in sections of `section_pairs` pairs walked
+// block first instead: (block, pair). A section's
+// first blocks (under causal its longest tiles) then all come before any later one, and its
+// pairs' data shares L2 (the host's section size: _dispatch._even_sections).
+struct SectionedIndex {
+  int block, pair;
+};
+CF_DEVICE SectionedIndex section_major(int t, int pair_major, int blocks, int pairs,
+                                       int section_pairs) {
+  const int first = pair_major / section_pairs * section_pairs;
+  const int section = min(section_pairs, pairs - first);
+  const int r = t - first * blocks;  // t's place in its section, block first
+  return {r / section, first + r % section};
+}
+
 template <typename Traits>
 struct TileScheduler {
   int num_m_blocks;
@@ -61,11 +77,10 @@ struct TileScheduler {
     int bh = t / num_m_blocks;
     if constexpr (Traits::Is_causal) {
       if (lpt_pairs > 1) {
-        const int first = bh / lpt_pairs * lpt_pairs;
-        const int section = min(lpt_pairs, num_tiles / num_m_blocks - first);
-        const int r = t - first * num_m_blocks;  // the tile's place in its section
-        m = r / section;
-        bh = first + r % section;
+        const SectionedIndex at =
+            section_major(t, bh, num_m_blocks, num_tiles / num_m_blocks, lpt_pairs);
+        m = at.block;
+        bh = at.pair;
       }
     }
     return {Traits::Is_causal ? num_m_blocks - 1 - m : m, bh / params.h, bh % params.h};
@@ -127,13 +142,10 @@ CF_DEVICE Fa3BwdTile fa3_bwd_tile(int lpt_pairs) {
   } else if constexpr (Traits::Is_causal) {
     if (lpt_pairs > 1) {
       const int batches = gridDim.y;
-      const int pairs = batches * int(gridDim.z);
-      const int t = blockIdx.x + blocks * (blockIdx.y + batches * blockIdx.z);
-      const int first_pair = t / (blocks * lpt_pairs) * lpt_pairs;
-      const int section = min(lpt_pairs, pairs - first_pair);
-      const int r = t - first_pair * blocks;  // the CTA's place in its section, key block first
-      const int pair = first_pair + r % section;
-      return {r / section, pair % batches, pair / batches};
+      const int pair_major = blockIdx.y + batches * blockIdx.z;
+      const SectionedIndex at = section_major(blockIdx.x + blocks * pair_major, pair_major, blocks,
+                                              batches * int(gridDim.z), lpt_pairs);
+      return {at.block, at.pair % batches, at.pair / batches};
     }
   }
   return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
