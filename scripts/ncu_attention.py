@@ -7,7 +7,13 @@ Stop.
 
     ncu --clock-control none --profile-from-start off --set detailed \\
         python3 scripts/ncu_attention.py HEAD_DIM SEQLEN [--causal] [--forward] [--backends cupyflash cudnn fa4]
+    python3 scripts/ncu_attention.py HEAD_DIM SEQLEN --mods FUNCTION   # a gallery function (issue 40)
     python3 scripts/ncu_attention.py --summary REPORT.ncu-rep   # the table, one row per kernel
+
+``--mods``: one forward of a bench.mods_gallery function (``document``, ``alibi``, ...): ours with
+its block mask (cupyflash.create_block_mask), torch's compiled FlexAttention with the same
+function and its block mask, and FlashAttention-4 through FlexAttention's FLASH backend where it
+takes them; the built-in path where cupyflash has the same attention built in.
 
 ``--summary`` reads a report back (``ncu --import --csv --page raw``) and prints, per kernel:
 time, SM and memory throughput (% of peak), the tensor pipe's activity, achieved occupancy,
@@ -79,6 +85,53 @@ def profile(head_dim: int, seqlen: int, causal: bool, backends: list[str], forwa
     torch.cuda.profiler.stop()
 
 
+def profile_mods(head_dim: int, seqlen: int, function: str) -> None:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import cupyflash
+    from cupyflash import bench
+
+    shape = bench.PrefillShape(16384 // seqlen, seqlen, 2048 // head_dim, head_dim, False, "bfloat16")
+    functions = bench.mods_gallery(seqlen, shape.heads)[function]
+    q, k, v = bench.prefill_inputs(shape)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    score_mod, mask_mod, flex_score = functions.get("score_mod"), functions.get("mask_mod"), functions.get("flex_score")
+    ours_masking, flex_block = {}, None
+    if mask_mod is not None:
+        ours_masking = {"block_mask": cupyflash.create_block_mask(mask_mod, None, None, seqlen, seqlen, device="cuda")}
+        flex_block = create_block_mask(functions["flex_mask"], None, None, seqlen, seqlen, device="cuda")
+    flex = torch.compile(flex_attention, dynamic=False)
+    calls = {
+        "cupyflash": lambda: cupyflash.attention(q, k, v, score_mod=score_mod, **ours_masking),
+        "flex": lambda: flex(qt, kt, vt, score_mod=flex_score, block_mask=flex_block),
+    }
+    try:
+        bench.fa4_attention()  # (FlashAttention-4 itself, not cupyflash's drop-in)
+        calls["fa4"] = lambda: flex(qt, kt, vt, score_mod=flex_score, block_mask=flex_block,
+                                    kernel_options={"BACKEND": "FLASH"})  # fmt: skip
+    except (ImportError, RuntimeError) as error:
+        print(f"not profiled: fa4: {error}", flush=True)
+    if functions["builtin"] is not None:
+        calls["cupyflash_builtin"] = lambda: cupyflash.attention(q, k, v, **functions["builtin"])
+    row: dict[str, object] = {}
+    steps = bench.runnable(calls, row)
+    for name, error in row.items():
+        if name.endswith("_error"):
+            print(f"not profiled: {name[: -len('_error')]}: {error}", flush=True)
+    for _ in range(3):
+        for step in steps.values():
+            step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for backend, step in steps.items():
+        torch.cuda.nvtx.range_push(backend)
+        step()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def summary(report: str) -> None:
     raw = subprocess.run(["ncu", "--import", report, "--csv", "--page", "raw"], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
@@ -115,10 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--forward", action="store_true", help="profile the forward alone")
     parser.add_argument("--backends", nargs="+", default=["cupyflash", "cudnn", "fa4"])
+    parser.add_argument("--mods", metavar="FUNCTION", help="a gallery function's forward (bench.mods_gallery)")
     parser.add_argument("--summary", metavar="REPORT", help="print the table of an ncu report instead")
     args = parser.parse_args(argv)
     if args.summary:
         summary(args.summary)
+    elif args.mods:
+        profile_mods(args.head_dim, args.seqlen, args.mods)
     else:
         profile(args.head_dim, args.seqlen, args.causal, args.backends, forward_only=args.forward)
     return 0
