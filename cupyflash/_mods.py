@@ -1264,11 +1264,15 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", gr
     slope = None if score_mod is None else score_derivative(score_mod)
     one = slope is None or (slope.expr.op == "const" and slope.expr.args == (1.0,))
     grad_is_one = "true" if one else "false"
+    # 32-bit words a key's part reads from captured arrays (a document id: 1), for the Hopper
+    # forward, which reads one word per key ahead of the scores (variants.cuh's UserMods::kKeysAhead)
+    key_words = sum(_key_read_words(mod) for mod in (score_mod, mask_mod) if mod is not None)
     parts = [
         CUDA_HELPERS,
         f"constexpr bool cf_user_has_score_mod = {has_score};\n",
         f"constexpr bool cf_user_has_mask_mod = {has_mask};\n",
         f"constexpr bool cf_user_grad_is_one = {grad_is_one};\n",
+        f"constexpr int cf_user_key_read_words = {key_words};\n",
     ]
     call: dict[str, str] = {}
     heads: list[str] = []
@@ -1355,6 +1359,14 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", gr
     source = "".join(parts)
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]
     return KernelMods(source, tuple(order), digest, tuple(ndims), score_mod is not None)
+
+
+def _key_read_words(mod: Mod) -> int:
+    """32-bit words of captured arrays that ``mod`` reads per key: its reads whose index depends
+    on kv_idx alone (a document id ``doc[kv_idx]``), two words for an 8-byte element."""
+    depends = _dependencies(mod.expr)
+    reads = (e for e in _nodes(mod.expr) if e.op == "index" and depends[id(e)] == _ON_KEY)
+    return sum(2 if e.args[0].args[0].dtype in ("float64", "int64") else 1 for e in reads)
 
 
 def _buffer_specs(root: Expr) -> list[BufferSpec]:

@@ -130,6 +130,9 @@ struct Fa3FwdTraits {
   // (_dispatch.FA3_FWD_UNIFORM_CONSUMER).
   static constexpr bool Uniform_consumer = Uniform_consumer_;
   using Transform = ScoreTransform<Has_softcap, Has_alibi, User_mods_ ? kUserMods : kNoBias>;
+  // The score functions' per-row and per-key parts read ahead of the scores (variants.cuh's
+  // PartsAhead): where a key's part is a gather, its loads run under the Q K^T wgmma.
+  static constexpr bool Parts_ahead = KeysAhead<Transform>::value;
   // The online softmax of a warp's 16 rows (named here, where the Traits are instantiated: a
   // member of type OnlineSoftmax<1> would instantiate it at its definition, which reorders the
   // symbols of the cubin).
@@ -356,6 +359,11 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // The score variant of this tile's (batch, head): a user function reads them.
     const typename Traits::Transform transform(params, tile.batch, tile.head,
                                                rows.k.len - rows.q.len);
+    // A score function's per-row and per-key parts, read ahead of the scores that use them
+    // (variants.cuh's PartsAhead): the rows' once here, each block's keys with its class.
+    PartsAhead<typename Traits::Transform, Traits::kNTiles, Traits::Parts_ahead> parts;
+    if constexpr (Traits::Parts_ahead)
+      read_row_parts(transform, parts, row_block0 + warp_row0, lane);
     // FP8: the scores are q_descale k_descale (Q8 K8^T), so the softmax's factor takes both;
     // v_descale scales O with 1 / l in the epilogue.
     float tile_scale_log2 = scale_log2, v_descale = 1.f;
@@ -392,22 +400,30 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     auto issue_pv = [&](uint32_t v_slot, bool first) {
       issue_pv_wgmmas<Traits>(acc_o[0], p_prev, v_slot, first);
     };
-    // The block mask's class of this consumer's rows x key block n_block (mixed without one). Read
-    // before the step's waits, so that the load (from L2) runs under the Q K^T wgmma: read where
-    // it is used, it stalled the softmax, the pipeline's critical path, once per block.
+    // The block mask's class of this consumer's rows x key block n_block (mixed without one), and
+    // the score functions' parts of its keys. Read before the step's waits, so that the loads
+    // (from L2 and L1) run under the Q K^T wgmma: read where they are used, they stalled the
+    // softmax, the pipeline's critical path, once per block.
     auto tile_state = [&](int n_block) {
-      if constexpr (Traits::User_mods)
+      if constexpr (Traits::User_mods) {
+        if constexpr (Traits::Parts_ahead)
+          read_key_parts(transform, parts, n_block * kBlockN, lane);
         return block_mask_tile_state<Traits::kRowsPerConsumer, kBlockN>(
             params, tile.batch, tile.head, row_block0 + consumer_row0, n_block * kBlockN);
-      else
+      } else {
         return static_cast<int>(kMaskCellMixed);
+      }
     };
     // Softcap, mask, running max and P = exp2(..) of one block of scores.
     auto softmax_step = [&](float (&s)[1][Traits::kNTiles][4], int n_block, int state,
                             float (&rescale)[2]) {
       if constexpr (Traits::User_mods) {  // by the block mask's class of this consumer's rows
-        user_mods_by_state</*Transposed=*/false>(transform, state, s, row_block0 + warp_row0,
-                                                 n_block * kBlockN, lane);
+        if constexpr (Traits::Parts_ahead)
+          user_mods_by_state_ahead(transform, state, s, row_block0 + warp_row0, n_block * kBlockN,
+                                   lane, parts);
+        else
+          user_mods_by_state</*Transposed=*/false>(transform, state, s, row_block0 + warp_row0,
+                                                   n_block * kBlockN, lane);
       } else {
         transform_scores(transform, s, row_block0 + warp_row0, n_block * kBlockN, lane);
       }

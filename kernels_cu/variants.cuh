@@ -309,6 +309,11 @@ struct UserMods {
   static constexpr bool kHasMaskMod = cf_user_has_mask_mod;
   // d score_mod / d score is 1 everywhere (an additive bias): grad() need not be called.
   static constexpr bool kGradIsOne = cf_user_grad_is_one;
+  // A mask_mod alone whose key part is one 32-bit read (a document id): the Hopper forward reads
+  // a block's ahead of its scores (PartsAhead), 32 registers a thread. With a score_mod's read
+  // (a bias table's value, alone or beside the id) its tiles spilled 44-320 bytes at d = 64-128;
+  // a part of index arithmetic alone (ALiBi's) has no load to hide.
+  static constexpr bool kKeysAhead = cf_user_key_read_words == 1 && !kHasScoreMod;
   const AttnParams& params;
   int batch, head, rows, keys;
   CfUserModsState state;
@@ -563,4 +568,85 @@ CF_DEVICE void user_mods_by_state(const Mods& mods, int state, Scores& s, int ro
     transform_scores_transposed(mods, s, key0, row0, lane);
   else
     transform_scores(mods, s, row0, key0, lane);
+}
+
+// A transform whose key parts the Hopper forward reads ahead (UserMods::kKeysAhead).
+template <typename Transform, typename = void>
+struct KeysAhead {
+  static constexpr bool value = false;
+};
+template <typename Transform>
+struct KeysAhead<Transform, decltype(void(Transform::kKeysAhead))> {
+  static constexpr bool value = Transform::kKeysAhead;
+};
+
+// The same parts read ahead (the Hopper forward): a thread's two rows' parts once per tile and
+// its keys' parts of the next key block before the wait for that block's scores, so that their
+// loads (a document id's 2 + 32 gathers) run under the Q K^T wgmma. Read where they are used,
+// each key tile's reads waited for the one before (transform_scores' compiler barrier, which the
+// FA2 tiles need against spills): at d = 64 over a document mask the forward's warps stalled
+// 1.2 cycles per issued instruction on those loads (Nsight Compute, H100, N = 4k: 1084 us against
+// FlexAttention's 806).
+template <typename Mods, int kNTiles, bool kUsed = true>
+struct PartsAhead {
+  typename Mods::Row row[2];           // rows row0 + lane / 4 and 8 below it
+  typename Mods::Key key[kNTiles][2];  // keys key0 + 8 nt + 2 (lane % 4) + c
+};
+template <typename Mods, int kNTiles>
+struct PartsAhead<Mods, kNTiles, false> {};  // read where they are used
+
+template <typename Mods, int kNTiles>
+CF_DEVICE void read_row_parts(const Mods& mods, PartsAhead<Mods, kNTiles>& parts, int row0,
+                              int lane) {
+  parts.row[0] = mods.row_part(row0 + lane / 4);
+  parts.row[1] = mods.row_part(row0 + lane / 4 + 8);
+}
+// The keys' parts of a block, whatever its class: a branch on the class would wait for the
+// class's own read (from L2) before the block's Q K^T is issued. (A mask_mod's plain tile uses
+// none of them: its loads are issued and not waited for.)
+template <typename Mods, int kNTiles>
+CF_DEVICE void read_key_parts(const Mods& mods, PartsAhead<Mods, kNTiles>& parts, int key0,
+                              int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+      parts.key[nt][c] = mods.key_part(key0 + 8 * nt + 2 * (lane % 4) + c);
+}
+
+// transform_scores of a ByParts transform (UserMods, ScoreOnly) over one row tile, its parts read
+// ahead.
+template <typename Transform, typename Mods, int kNTiles>
+CF_DEVICE void transform_scores_ahead(const Transform& transform, float (&s)[1][kNTiles][4],
+                                      int row0, int key0, int lane,
+                                      const PartsAhead<Mods, kNTiles>& parts) {
+  if constexpr (!IsIdentity<Transform>::value) {
+    const int row = row0 + lane / 4;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int key = key0 + 8 * nt + 2 * (lane % 4) + c;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float& score = s[0][nt][2 * half + c];
+          if (transform.inside(row + 8 * half, key))
+            score = transform.at(score, row + 8 * half, key, parts.row[half], parts.key[nt][c]);
+        }
+      }
+  }
+}
+
+// user_mods_by_state with the parts read ahead (one row tile, not transposed).
+template <typename Mods, int kNTiles>
+CF_DEVICE void user_mods_by_state_ahead(const Mods& mods, int state, float (&s)[1][kNTiles][4],
+                                        int row0, int key0, int lane,
+                                        const PartsAhead<Mods, kNTiles>& parts) {
+  if constexpr (Mods::kHasMaskMod) {
+    if (state == kMaskCellPlain) {
+      transform_scores_ahead(ScoreOnly<Mods>{mods}, s, row0, key0, lane, parts);
+      return;
+    }
+  }
+  transform_scores_ahead(mods, s, row0, key0, lane, parts);
 }
