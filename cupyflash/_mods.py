@@ -1241,6 +1241,18 @@ class KernelMods:
         return tuple(mods[which].buffers[slot] for which, slot in self.buffers)  # type: ignore[union-attr]
 
 
+#: The Hopper forward reads a mask_mod's part of each key ahead of the scores where that part is
+#: one 32-bit read (a document id; variants.cuh's PartsAhead, UserMods::kKeysAhead): the 32
+#: gathers of a thread's keys issued before the wait for the block's Q K^T, where read one key
+#: tile after another on the softmax's path they stalled the forward (Nsight Compute, H100, d = 64,
+#: N = 4k, a 4-document mask: 1.2 long-scoreboard stalls per issued instruction, 1084 us against
+#: FlexAttention's 806). Not with a score_mod's read (a bias table's value, alone or beside the id:
+#: the tiles spilled 44-320 bytes at d = 64-128). Built and compiled (no spill at d = 64 and 128,
+#: padded and packed); off until its GPU tests and bench-mods have run
+#: (scripts/pending_gpu/validate_keys_ahead.sh).
+READ_KEYS_AHEAD = False
+
+
 def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", grid: Grid | None = None) -> KernelMods:
     """The device source of a score_mod and / or mask_mod for the kernels' score hook: each
     function (``cuda_source``), then ``cf_user_mods``, which reads their captured arrays from
@@ -1264,15 +1276,15 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", gr
     slope = None if score_mod is None else score_derivative(score_mod)
     one = slope is None or (slope.expr.op == "const" and slope.expr.args == (1.0,))
     grad_is_one = "true" if one else "false"
-    # 32-bit words a key's part reads from captured arrays (a document id: 1), for the Hopper
-    # forward, which reads one word per key ahead of the scores (variants.cuh's UserMods::kKeysAhead)
-    key_words = sum(_key_read_words(mod) for mod in (score_mod, mask_mod) if mod is not None)
+    # whether the Hopper forward reads each key's part ahead of the scores (READ_KEYS_AHEAD)
+    key_words = 0 if mask_mod is None else _key_read_words(mask_mod)
+    keys_ahead = "true" if READ_KEYS_AHEAD and score_mod is None and key_words == 1 else "false"
     parts = [
         CUDA_HELPERS,
         f"constexpr bool cf_user_has_score_mod = {has_score};\n",
         f"constexpr bool cf_user_has_mask_mod = {has_mask};\n",
         f"constexpr bool cf_user_grad_is_one = {grad_is_one};\n",
-        f"constexpr int cf_user_key_read_words = {key_words};\n",
+        f"constexpr bool cf_user_keys_ahead = {keys_ahead};\n",
     ]
     call: dict[str, str] = {}
     heads: list[str] = []

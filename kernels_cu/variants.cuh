@@ -309,11 +309,10 @@ struct UserMods {
   static constexpr bool kHasMaskMod = cf_user_has_mask_mod;
   // d score_mod / d score is 1 everywhere (an additive bias): grad() need not be called.
   static constexpr bool kGradIsOne = cf_user_grad_is_one;
-  // A mask_mod alone whose key part is one 32-bit read (a document id): the Hopper forward reads
-  // a block's ahead of its scores (PartsAhead), 32 registers a thread. With a score_mod's read
-  // (a bias table's value, alone or beside the id) its tiles spilled 44-320 bytes at d = 64-128;
-  // a part of index arithmetic alone (ALiBi's) has no load to hide.
-  static constexpr bool kKeysAhead = cf_user_key_read_words == 1 && !kHasScoreMod;
+  // The Hopper forward reads each key's part ahead of its scores (PartsAhead): a mask_mod alone
+  // whose key part is one 32-bit read, a document id, 32 registers a thread (_mods.py's
+  // READ_KEYS_AHEAD says when). A part of index arithmetic alone (ALiBi's) has no load to hide.
+  static constexpr bool kKeysAhead = cf_user_keys_ahead;
   const AttnParams& params;
   int batch, head, rows, keys;
   CfUserModsState state;

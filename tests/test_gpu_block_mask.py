@@ -128,6 +128,48 @@ def test_forward_with_a_block_mask(rng, options, dtype, head_dim, algorithm):
                     assert (got[:, 3::7] == 0).all() and np.isneginf(got_lse[:, :, 3::7]).all()
 
 
+@pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 80)])
+def test_key_ids_read_ahead_give_the_same_bits(rng, dtype, head_dim, monkeypatch):
+    """_mods.READ_KEYS_AHEAD (the Hopper forward reads a mask's one read per key, a document id or
+    a per-head table's entry, ahead of the scores): output and LSE bit for bit those of the reads
+    where they are used, and the float64 host path's; with the block mask and without (every tile
+    mixed), causal beside it or not."""
+    torch = need_torch()
+    from cupyflash import _attention, _mods, _plan
+
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    q, k, v = (x.cuda() for x in _qkv(torch, gen, getattr(torch, dtype), head_dim))
+    host = [reference.to_numpy64(x) for x in (q, k, v)]
+    masks = [
+        (on_host, on_gpu, batch, heads)
+        for (name, on_host, batch, heads), (_, on_gpu, _, _) in zip(
+            _masks(lambda x: x, 5), _masks(lambda x: torch.from_numpy(x).cuda(), 5), strict=True
+        )
+        if name in ("document", "document-causal", "per-head-keys")
+    ]
+    runs: dict[bool, list] = {}
+    try:
+        for ahead in (False, True):
+            monkeypatch.setattr(_mods, "READ_KEYS_AHEAD", ahead)
+            _attention._kernel_mods.clear()
+            _plan.clear_caches()
+            runs[ahead] = []
+            for on_host, on_gpu, batch, heads in masks:
+                bm = cupyflash.create_block_mask(on_gpu, batch, heads, NQ, NK)
+                for options in ({}, {"causal": True}):
+                    for masking in ({"block_mask": bm}, {"mask_mod": on_gpu}):
+                        out, lse = cupyflash.attention(q, k, v, return_lse=True, **masking, **options)
+                        runs[ahead].append((out.clone(), lse.clone()))
+                        if ahead:
+                            want = cupyflash.attention(*host, mask_mod=on_host, **options)
+                            assert rel_error(reference.to_numpy64(out), want) < BOUND[dtype]
+    finally:  # (no variant of either setting left in the caches for the tests after this one)
+        _attention._kernel_mods.clear()
+        _plan.clear_caches()
+    for (out, lse), (out_ahead, lse_ahead) in zip(runs[False], runs[True], strict=True):
+        assert torch.equal(out, out_ahead) and torch.equal(lse, lse_ahead)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("options", [{}, {"causal": True}], ids=str)
 @pytest.mark.parametrize(("dtype", "head_dim"), [("bfloat16", 128), ("float16", 64), ("bfloat16", 256)])

@@ -728,6 +728,40 @@ def _sources(score_mod, mask_mod, full):
     return [unchecked, _mods.kernel_mods(score_mod, mask_mod).source] if full else [unchecked]
 
 
+def test_only_a_mask_with_one_read_per_key_reads_it_ahead(monkeypatch):
+    """_mods.READ_KEYS_AHEAD: the Hopper forward reads a key's part ahead of the scores where it is
+    a mask_mod's one 32-bit read (a document id, a per-head table's entry); not an 8-byte read,
+    two reads, index arithmetic alone, or a score_mod (a bias table's read spilled the tiles); and
+    none while the switch is off. Where on, the Hopper forward's variants compile with no spill."""
+    from cupyflash import _dispatch, _kernels, _mods
+
+    doc, doc64, table = np.zeros(4096, np.int32), np.zeros(4096, np.int64), np.zeros((8, 4096), np.int32)
+    bias = np.zeros((8, 4096), np.float32)
+    cases = [
+        (None, lambda b, h, i, j: doc[i] == doc[j], True),
+        (None, lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), True),
+        (None, lambda b, h, i, j: (table[h, j] == 1) | (j > 400), True),
+        (None, lambda b, h, i, j: doc64[i] == doc64[j], False),
+        (None, lambda b, h, i, j: (doc[j] == 1) & (table[h, j] == 1), False),
+        (None, lambda b, h, i, j: (i // 64) == (j // 64), False),
+        (lambda s, b, h, i, j: s + bias[h, j], lambda b, h, i, j: doc[i] == doc[j], False),
+    ]
+    grid = _mods.Grid(2, 8, 4096, 4096)
+    for on in (False, True):
+        monkeypatch.setattr(_mods, "READ_KEYS_AHEAD", on)
+        for score, mask, ahead in cases:
+            traced = (None if score is None else _mods.trace_score_mod(score), _mods.trace_mask_mod(mask))
+            source = _mods.kernel_mods(*traced, grid=grid).source
+            assert f"cf_user_keys_ahead = {'true' if on and ahead else 'false'};" in source
+    monkeypatch.setattr(_mods, "READ_KEYS_AHEAD", True)
+    source = _mods.kernel_mods(None, _mods.trace_mask_mod(cases[0][1]), grid=grid).source
+    for head_dim in (64, 128):
+        spec = _dispatch.fa3_fwd_spec("bfloat16", head_dim, _dispatch.MaskFlags(False, False, False), 8192,
+                                      mods_source=source)  # fmt: skip
+        build = _kernels.compile_offline(spec, "sm_90a")
+        assert not build.spill_bytes and not build.warnings, (head_dim, build.spill_bytes, build.warnings)
+
+
 def test_the_hook_compiles_cleanly_for_every_arch():
     """The FA2 forward with generated functions (a 2-D and a 1-D captured array, both functions,
     a float-only score function, a mask of indices only) at both tile shapes, causal or not, in
