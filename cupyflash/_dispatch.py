@@ -264,9 +264,10 @@ FA3_MODS_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 
 #: The Hopper forward's consumer index broadcast from lane 0 (Fa3FwdSpec.uniform_consumer): its
 #: wgmma descriptors in uniform registers, 15-91 fewer instructions in a tile's main loop, no
-#: spill. Off until timed beside the SASS it replaces (tune.py hopper-bwd --switch fwd_uniform:
-#: the step's column). Predicted: 0-2% on the forward (the loop is bound by its wgmmas and
-#: exponentials more than by issue), most at d = 256 (91 fewer) and d = 64.
+#: spill. Predicted: 0-2% on the forward (the loop is bound by its wgmmas and exponentials more
+#: than by issue). Measured (H100, tune.py hopper-bwd --switch fwd_uniform, d = 64 and 128,
+#: N = 1k and 4k): -3% to +3% on the step, the unchanged backward moving as much between the same
+#: rounds (docs/evidence/2026-12-07-h100-session-12/). Off.
 FA3_FWD_UNIFORM_CONSUMER = False
 
 
@@ -706,10 +707,11 @@ def _even_sections(pairs: int, per_pair: int, budget: int) -> int:
 #: The causal Hopper backward hands out its CTAs in sections of (batch, KV head) pairs, each key
 #: block first (tile_scheduler.cuh's fa3_bwd_tile), so that a section's longest CTAs start first;
 #: a section's pairs keep their Q and dO (16-bit), dQacc (fp32), -LSE and D rows within
-#: FA3_BWD_LPT_L2_BYTES (of the H100's 50 MB of L2). Off until timed (tune.py hopper-bwd --switch lpt). Predicted by a
-#: list-scheduling model of the launch (CTAs handed out in order as SMs free up, 3 steps'
-#: start-up each; B = 16k / N, H = 2048 / d): the main kernel 2-5% shorter at causal N = 1k-8k,
-#: the same at 16k (there a pair's 128 key blocks are about one wave already).
+#: FA3_BWD_LPT_L2_BYTES (of the H100's 50 MB of L2). Predicted by a list-scheduling model of the
+#: launch (CTAs handed out in order as SMs free up, 3 steps' start-up each; B = 16k / N,
+#: H = 2048 / d): the main kernel 2-5% shorter at causal N = 1k-8k. Measured (H100, tune.py
+#: hopper-bwd --switch lpt, causal N = 1k-16k): no shape faster beyond the noise, d = 128 at
+#: N = 1k and 4k 2-5% slower over cuDNN (docs/evidence/2026-12-07-h100-session-12/). Off.
 FA3_BWD_LPT = False
 FA3_BWD_LPT_L2_BYTES = 32 << 20
 
@@ -728,11 +730,11 @@ def fa3_bwd_lpt_pairs(spec: Fa3BwdSpec, rows_per_pair: int, group: int, pairs: i
 
 #: The causal Hopper forward's tiles in sections of (batch, head) pairs, each query block first
 #: (tile_scheduler.cuh's TileScheduler), so that a section's longest tiles come first; a
-#: section's pairs keep their share of K and V within FA3_FWD_LPT_L2_BYTES. Off until timed
-#: (tune.py hopper-bwd --switch fwd_lpt: the forward + backward step). Predicted by the
-#: list-scheduling model of the backward's sections (tiles drawn in order as CTAs free up, 2
-#: blocks' start-up each; B = 16k / N, H = 2048 / d): the causal forward 3-6% shorter at N =
-#: 2k-8k, 1-3% at 1k and 16k.
+#: section's pairs keep their share of K and V within FA3_FWD_LPT_L2_BYTES. Predicted by the
+#: list-scheduling model of the backward's sections: the causal forward 3-6% shorter at N =
+#: 2k-8k. Measured (H100, tune.py hopper-bwd --switch fwd_lpt, causal N = 2k-8k): the step over
+#: cuDNN +0.1% to +3.9% while the unchanged backward moved -0.7% to +1.3%; over FA4 -2.3% to
+#: +1.5%: at most about 1% on the forward (docs/evidence/2026-12-07-h100-session-12/). Off.
 FA3_FWD_LPT = False
 FA3_FWD_LPT_L2_BYTES = 32 << 20
 
