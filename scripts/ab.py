@@ -3,6 +3,7 @@ process (the tree order rotating), so clock and thermal drift fall on all alike;
 gives each round and the medians over rounds.
 
     python scripts/ab.py prefill TREE_A TREE_B [TREE ...] [--rounds 3] [--shapes bf16-64-1024-0 ...]
+    python scripts/ab.py train TREE_A TREE_B [TREE ...] [--rounds 3] [--shapes bf16-128-4096-1 ...]
     python scripts/ab.py host TREE_A TREE_B [TREE ...] [--rounds 5] [--calls 2000]
     python scripts/ab.py decode TREE_A TREE_B [TREE ...] [--rounds 3] [--shapes 1-131072 ...]
 
@@ -10,6 +11,9 @@ prefill: TFLOP/s of cupyflash and cuDNN (PyTorch SDPA) per shape; a shape is dty
 (B = 16384 / N, H = 2048 / d, as the prefill benchmark). Each process imports the tree's
 cupyflash and times it with this checkout's harness (cupyflash/bench.py), so trees from before a
 change of timing method compare alike.
+
+train: TFLOP/s of a training step (forward + backward through autograd) and of the backward
+alone, cupyflash and cuDNN, per shape as prefill's (bench.run_training).
 
 decode: microseconds per decode step (bf16, GQA 32/8, d = 128, one token, full caches) of
 cupyflash's automatic split and of cuDNN, per shape B-L, with this checkout's harness as prefill.
@@ -59,6 +63,17 @@ for case in sys.argv[1:]:
     dtype, d, n, causal = case.split("-")
     shape = bench.PrefillShape(16384 // int(n), int(n), 2048 // int(d), int(d), causal == "1", {dtypes}[dtype])
     rows.append(bench.run_prefill(shape, ("cupyflash", "cudnn"), timings=("interleaved",)))
+print("AB-JSON", json.dumps(rows))
+"""
+)
+MEASURE_TRAIN = (
+    LOAD_HARNESS
+    + """
+for case in sys.argv[1:]:
+    dtype, d, n, causal = case.split("-")
+    shape = bench.PrefillShape(16384 // int(n), int(n), 2048 // int(d), int(d), causal == "1", {dtypes}[dtype])
+    row = bench.run_training(shape, ("cupyflash", "cudnn"), timings=("interleaved",))
+    rows.append({{key: row[key] for key in ("cupyflash", "cudnn", "cupyflash_bwd", "cudnn_bwd")}})
 print("AB-JSON", json.dumps(rows))
 """
 )
@@ -148,18 +163,22 @@ def rounds(trees: list[str], count: int, code: str, args: list[str], show: Any) 
 
 def ab_prefill(args: argparse.Namespace) -> None:
     harness = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cupyflash", "bench.py")
-    measure_code = MEASURE_PREFILL if args.mode == "prefill" else MEASURE_DECODE
+    measure_code = {"prefill": MEASURE_PREFILL, "train": MEASURE_TRAIN, "decode": MEASURE_DECODE}[args.mode]
     code = measure_code.format(dtypes=DTYPES, harness=os.path.abspath(harness))
     show = lambda rows: " ".join(f"{s}: {x['cupyflash']}/{x['cudnn']}" for s, x in zip(args.shapes, rows))  # noqa: E731
     results = rounds(args.trees, args.rounds, code, args.shapes, show)
-    unit = "TFLOP/s" if args.mode == "prefill" else "us per step"
+    unit = {"prefill": "TFLOP/s", "train": "TFLOP/s of the step (of the backward)", "decode": "us per step"}[args.mode]
     print(f"medians (cupyflash / cuDNN {unit}):")
     for tree, per_round in results.items():
         cells = []
         for i, shape in enumerate(args.shapes):
-            ours = statistics.median(rows[i]["cupyflash"] for rows in per_round)
-            cudnn = statistics.median(rows[i]["cudnn"] for rows in per_round)
-            cells.append(f"{shape}: {ours:.1f}/{cudnn:.1f}")
+            ours, cudnn = (statistics.median(rows[i][key] for rows in per_round) for key in ("cupyflash", "cudnn"))
+            cell = f"{shape}: {ours:.1f}/{cudnn:.1f}"
+            if args.mode == "train":
+                ours_bwd, cudnn_bwd = (statistics.median(rows[i][f"{key}_bwd"] for rows in per_round)
+                                       for key in ("cupyflash", "cudnn"))  # fmt: skip
+                cell += f" ({ours_bwd:.1f}/{cudnn_bwd:.1f})"
+            cells.append(cell)
         print(f"  {tree:24}", " ".join(cells))
 
 
@@ -185,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     prefill.add_argument("trees", nargs="+")
     prefill.add_argument("--rounds", type=int, default=3)
     prefill.add_argument("--shapes", nargs="+", default=["bf16-64-1024-0", "bf16-64-1024-1", "fp16-64-1024-1"])
+    train = sub.add_parser("train", help="TFLOP/s of training steps and backwards, cupyflash and cuDNN")
+    train.add_argument("trees", nargs="+")
+    train.add_argument("--rounds", type=int, default=3)
+    train.add_argument("--shapes", nargs="+", default=["bf16-128-4096-0", "bf16-128-4096-1", "bf16-64-4096-0"])
     decode = sub.add_parser("decode", help="microseconds per decode step, cupyflash and cuDNN")
     decode.add_argument("trees", nargs="+")
     decode.add_argument("--rounds", type=int, default=3)
