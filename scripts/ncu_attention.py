@@ -27,6 +27,7 @@ import csv
 import io
 import subprocess
 import sys
+from typing import Any
 
 # (report column, what it says); ncu 2025's raw metric names on sm_90
 COLUMNS = (
@@ -69,6 +70,14 @@ def profile(head_dim: int, seqlen: int, causal: bool, backends: list[str], forwa
             out = forward()
             out = out.transpose(1, 2) if backend in bench.SDPA_BACKENDS else out
             steps[backend] = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    _profile(steps, row)
+
+
+def _profile(steps: dict[str, Any], row: dict[str, object]) -> None:
+    """Each backend's step warmed three times, then run once between cudaProfilerStart and Stop
+    under its NVTX range; the backends that refused the inputs named first."""
+    import torch
+
     for name, error in row.items():
         if name.endswith("_error"):
             print(f"not profiled: {name[: -len('_error')]}: {error}", flush=True)
@@ -116,20 +125,7 @@ def profile_mods(head_dim: int, seqlen: int, function: str) -> None:
         calls["cupyflash_builtin"] = lambda: cupyflash.attention(q, k, v, **functions["builtin"])
     row: dict[str, object] = {}
     steps = bench.runnable(calls, row)
-    for name, error in row.items():
-        if name.endswith("_error"):
-            print(f"not profiled: {name[: -len('_error')]}: {error}", flush=True)
-    for _ in range(3):
-        for step in steps.values():
-            step()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    for backend, step in steps.items():
-        torch.cuda.nvtx.range_push(backend)
-        step()
-        torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    _profile(steps, row)
 
 
 def summary(report: str) -> None:
