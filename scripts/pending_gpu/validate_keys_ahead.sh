@@ -16,5 +16,10 @@ timeout -s INT $(( $(left) * 2 / 5 )) python3 -m pytest -q -n 15 -p no:cacheprov
   --tb=short -W ignore tests/test_gpu_block_mask.py tests/test_gpu_mods.py \
   -k "read_ahead or forward_with or functions_match or varlen_functions or masks" > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-250 | tail -8
+# memcheck over the new test (its reads of key ids past a sequence's end, as before it, checked or
+# inside the call's index ranges)
+[ "$(left)" -gt 150 ] && timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+  -p no:benchmark -m gpu -x tests/test_gpu_block_mask.py -k "read_ahead and float16" > $OUT/memcheck.log 2>&1
+echo "memcheck rc=$? at ${SECONDS}s"; grep -E "ERROR SUMMARY|passed|failed" $OUT/memcheck.log | head -3
 timeout $(( $(left) - 3 )) python3 scripts/pending_gpu/keys_ahead_bench.py $OUT/keys_ahead.json > $OUT/bench.log 2>&1
 echo "bench rc=$? at ${SECONDS}s"; grep -v "^ *warn\|Warning\|exe_args" $OUT/bench.log | cut -c1-300 | tail -12
