@@ -453,9 +453,10 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       fence_proxy_async_shared();
       named_barrier_sync(NamedBarrier::kWarpgroup, consumer);
     };
-    auto slot = [&](int it, int& stage, int& parity) {
-      stage = (kv_iter + it) % kStages;
-      parity = ((kv_iter + it) / kStages) & 1;
+    auto slot = [&](int it, int& stage, int& parity) {  // block it's use of the K / V ring
+      const RingUse<kStages> use(kv_iter + it);
+      stage = use.stage;
+      parity = use.parity;
     };
 
     // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step `it` issues

@@ -47,36 +47,28 @@ struct Fa3Producer {
       block_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head, tile.m_block * kBlockM,
                                               n_begin, n_end);
     mbar_arrive_expect_tx(smem.q_full(qb), Traits::kQBytes);
-#pragma unroll
-    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-      tma_load_4d(smem.q(qb) + cb * kBlockM * kSwizzleRowBytes, p.q_map, smem.q_full(qb),
-                  cb * Traits::kInColBlockElems, rows.q.start + tile.m_block * kBlockM, tile.head,
-                  tma_batch);
-    }
-    // Key block n_block of K or V into its slot of the ring, once the consumers released it.
-    // With FP8 inputs V comes transposed (Vt: d rows of keys): one box of 128 keys x d rows.
+    tma_load_rows<Traits::kColBlocks, kBlockM, Traits::kInColBlockElems>(
+        smem.q(qb), p.q_map, smem.q_full(qb), rows.q.start + tile.m_block * kBlockM, tile.head,
+        tma_batch);
+    // Key block n_block of K or V into its slot of the ring (hopper.cuh's RingUse), once the
+    // consumers released it. With FP8 inputs V comes transposed (Vt: d rows of keys): one box of
+    // 128 keys x d rows.
     auto load_block = [&](const TmaMap& map, uint32_t slot, uint32_t full_bar, uint32_t empty_bar,
                           int parity, int n_block, bool transposed) {
-      mbar_wait(empty_bar, parity);
-      mbar_arrive_expect_tx(full_bar, Traits::kKVBytes);
+      ring_acquire(full_bar, empty_bar, parity, Traits::kKVBytes);
       if (Traits::Fp8 && transposed) {
         tma_load_4d(slot, map, full_bar, n_block * kBlockN, 0, head_k, tma_batch);
         return;
       }
-#pragma unroll
-      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-        tma_load_4d(slot + cb * kBlockN * kSwizzleRowBytes, map, full_bar,
-                    cb * Traits::kInColBlockElems, rows.k.start + n_block * kBlockN, head_k,
-                    tma_batch);
-      }
+      tma_load_rows<Traits::kColBlocks, kBlockN, Traits::kInColBlockElems>(
+          slot, map, full_bar, rows.k.start + n_block * kBlockN, head_k, tma_batch);
     };
     for (int n_block = n_end - 1; n_block >= n_begin; --n_block, ++kv_iter) {
-      const int stage = kv_iter % kStages;
-      const int parity = ((kv_iter / kStages) & 1) ^ 1;  // the slot's previous use was released
-      load_block(p.k_map, smem.k(stage), smem.ring(KvBarrier::kKFull, stage),
-                 smem.ring(KvBarrier::kKEmpty, stage), parity, n_block, false);
-      load_block(p.v_map, smem.v(stage), smem.ring(KvBarrier::kVFull, stage),
-                 smem.ring(KvBarrier::kVEmpty, stage), parity, n_block, true);
+      const RingUse<kStages> use(kv_iter);
+      load_block(p.k_map, smem.k(use.stage), smem.ring(KvBarrier::kKFull, use.stage),
+                 smem.ring(KvBarrier::kKEmpty, use.stage), use.parity, n_block, false);
+      load_block(p.v_map, smem.v(use.stage), smem.ring(KvBarrier::kVFull, use.stage),
+                 smem.ring(KvBarrier::kVEmpty, use.stage), use.parity, n_block, true);
     }
   }
 };

@@ -111,6 +111,36 @@ CF_DEVICE void tma_load_4d(uint32_t dst, const TmaMap& map, uint32_t bar, int c0
       : "memory");
 }
 
+// Rows row0 .. row0 + kRows - 1 of head `head`, batch `batch` of a tensor map, as every Hopper
+// kernel's tiles take them (Q, K, V, dO): kColBlocks boxes of kColElems columns, one 128-byte
+// swizzled row each, column block cb at dst + cb * kRows rows; all on the mbarrier `bar`.
+template <int kColBlocks, int kRows, int kColElems>
+CF_DEVICE void tma_load_rows(uint32_t dst, const TmaMap& map, uint32_t bar, int row0, int head,
+                             int batch) {
+#pragma unroll
+  for (int cb = 0; cb < kColBlocks; ++cb)
+    tma_load_4d(dst + cb * kRows * kSwizzleRowBytes, map, bar, cb * kColElems, row0, head, batch);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A ring of TMA-filled buffers (FlashAttention-3's PipelineTmaAsync), the same protocol in the
+// forward (K and V blocks) and the backward (Q and dO blocks): slot s has a full mbarrier (one
+// producer arrival with the bytes its loads bring) and an empty one (one arrival per consumer
+// warp once done reading). Use u of the ring (u = 0, 1, 2, ...) is slot u % kStages, whose full
+// barrier completes that use with phase parity (u / kStages) & 1.
+// ---------------------------------------------------------------------------------------------
+template <int kStages>
+struct RingUse {
+  int stage, parity;
+  CF_DEVICE explicit RingUse(int use) : stage(use % kStages), parity((use / kStages) & 1) {}
+};
+// The producer's side of a use: wait until the consumers released the slot's use before it
+// (the other parity; the first kStages uses pass at once), then announce the bytes to land.
+CF_DEVICE void ring_acquire(uint32_t full_bar, uint32_t empty_bar, int parity, int bytes) {
+  mbar_wait(empty_bar, parity ^ 1);
+  mbar_arrive_expect_tx(full_bar, bytes);
+}
+
 // dst[i] += src[i] for `bytes` of fp32 (a multiple of 16, 16-byte aligned), in L2 by the TMA
 // engine: one instruction for a whole tile (the backward's dQ), tracked by bulk groups, not mbarriers.
 CF_DEVICE void bulk_reduce_add_f32(float* dst, uint32_t src, int bytes) {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Hopper kernels with their wgmma descriptors stepped by a 64-bit add (30d7bc7, hopper.cuh's
 # wgmma_desc_advance: the same descriptor values, 46-57 fewer instructions a backward step) and
-# the backward's -LSE read before the wait for S^T, not yet run on a GPU: first the GPU suites of every kernel that issues wgmma (the forward's in
+# the backward's -LSE read before the wait for S^T (and the producers' shared ring, the same
+# SASS but for register names and order), not yet run on a GPU: first the GPU suites of every kernel that issues wgmma (the forward's in
 # test_gpu_fa2.py, the backward's, the score functions', block masks', FP8 forward, the cascade's
 # wgmma prefix), racecheck of the backward; then (time left) scripts/ab.py train of the tree
 # before it (OLD_TREE) against this one, trees in rotating processes beside cuDNN. Predicted:
