@@ -716,12 +716,19 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
     c.issue_scores(dp[0], smem.v(), do_tile);
     // this thread's query rows of column tile nt: 8 nt + 2 (lane % 4) and the next
     const uint32_t thread_rows = smem.rows(consumer, stage) + 2 * (lane % 4) * 4;
+    // The step's exponentials in parts. At 128 rows a step (d = 64) in two halves of the rows:
+    // the first half's fragments are complete and its wgmmas issued before the second half's
+    // exponentials, which bounds how far ptxas hoists them (one pass over all 16 column tiles
+    // kept ~30 more values live next to the 192 accumulators, and some variants spilled).
+    // A score_mod's logits and slopes (computed here) take the same bound further: four times
+    // as many parts (softcap's tanh hoisted over a pass spilled 24-28 bytes at both head dims
+    // with one or two parts, a document mask beside a bias table 4).
+    constexpr int kParts = (kRowSteps > 4 ? 2 : 1) * (Traits::Has_user_score ? 4 : 1);
     // The first part's -LSE log2 e of them, read while S^T and dP^T are on the tensor cores
     // (this consumer stored them a step ago): read after the wait, the loads' latency sat
     // between S^T and its exponentials, the step's critical path (FA4's step reads them among
     // its S^T wgmmas). (D read so before the wait for dP^T, or every part's -LSE, spilled the
     // causal variants 4-12 bytes.)
-    constexpr int kParts = (kRowSteps > 4 ? 2 : 1) * (Traits::Has_user_score ? 4 : 1);
     constexpr int kLseAhead = kNTiles / kParts;  // the first part's
     [[maybe_unused]] float2 neg_lse_ahead[kLseAhead];
     if constexpr (Traits::Exp_under_dp) {
@@ -776,13 +783,6 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
       for (int ks = part * kRowSteps / parts; ks < (part + 1) * kRowSteps / parts; ++ks)
         MmaKV::rs_bt(acc, frags[ks], wgmma_desc_advance(desc, ks * 2 * kSwizzleAtomBytes), 1);
     };
-    // At 128 rows a step (d = 64) in two halves of the rows: the first half's fragments are
-    // complete and its wgmmas issued before the second half's exponentials, which bounds how far
-    // ptxas hoists them (one pass over all 16 column tiles kept ~30 more values live next to the
-    // 192 accumulators, and some variants spilled).
-    // A score_mod's logits and slopes (computed here) take the same bound further: four times
-    // as many parts (softcap's tanh hoisted over a pass spilled 24-28 bytes at both head dims
-    // with one or two parts, a document mask beside a bias table 4).
     [[maybe_unused]] const typename Traits::UserMask user(a, batch, at.head, 0);  // (b, h) state
     // A score_mod's bounds, applied to its logits: for this thread's keys (two 8-key halves),
     // the rows that see them as offsets lo <= 8 nt + c <= hi from its first row.
