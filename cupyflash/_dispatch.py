@@ -771,10 +771,14 @@ def fa3_bwd_spec(
         return None
     if flags.mask and not (flags.mask == "mods" and mods_source):
         return None
+    # The deterministic order with score functions at d = 128 keeps the exponentials after dP^T
+    # (the order before, and so dK before dQ): with them under dP^T its causal variants spilled
+    # 4 bytes (tests/test_mods.py's sm_90a builds with CUPYFLASH_COMPILE_ALL=1).
+    order_before = deterministic and bool(mods_source) and head_dim == 128
     return Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
-        varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP,
-        dq_first=_fa3_bwd_dq_first(head_dim, flags.softcap),
+        varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP or order_before,
+        dq_first=_fa3_bwd_dq_first(head_dim, flags.softcap) and not order_before,
     )  # fmt: skip
 
 
