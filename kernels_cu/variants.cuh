@@ -396,6 +396,19 @@ CF_DEVICE int user_mask_tile_state(const AttnParams&, int, int, int, int, int, i
 template <bool Has_softcap, bool Has_alibi = false, int kBias = kNoBias, typename Element = __half>
 using ScoreTransform = typename SelectScoreTransform<Element, Has_softcap, Has_alibi, kBias>::type;
 
+// A ByParts transform on the two scores of key `key` (column c of an m16n8 tile, rows `row` and
+// row + 8), from those rows' parts r and the key's part k.
+template <typename Transform, typename Row, typename Key>
+CF_DEVICE void apply_parts(const Transform& transform, float (&tile)[4], int c, int row, int key,
+                           const Row (&r)[2], const Key& k) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float& score = tile[2 * half + c];
+    if (transform.inside(row + 8 * half, key))
+      score = transform.at(score, row + 8 * half, key, r[half], k);
+  }
+}
+
 // Apply a variant to a tile of scores. Fragment layout of m16n8 tiles (as KeyMask::apply):
 // element e of tile (mt, nt) is row row0 + 16 mt + lane / 4 + 8 (e / 2),
 // key key0 + 8 nt + 2 (lane % 4) + e % 2.
@@ -417,13 +430,7 @@ CF_DEVICE void transform_scores(const Transform& transform, float (&s)[kMTiles][
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int key = key0 + 8 * nt + 2 * (lane % 4) + c;
-          const typename Transform::Key k = transform.key_part(key);
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            float& score = s[mt][nt][2 * half + c];
-            if (transform.inside(row + 8 * half, key))
-              score = transform.at(score, row + 8 * half, key, r[half], k);
-          }
+          apply_parts(transform, s[mt][nt], c, row, key, r, transform.key_part(key));
         }
         // (as AttnBias's: the reads of the whole tile hoisted together spill the FA2 tiles)
         asm volatile("" ::: "memory");
@@ -624,15 +631,9 @@ CF_DEVICE void transform_scores_ahead(const Transform& transform, float (&s)[1][
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int key = key0 + 8 * nt + 2 * (lane % 4) + c;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float& score = s[0][nt][2 * half + c];
-          if (transform.inside(row + 8 * half, key))
-            score = transform.at(score, row + 8 * half, key, parts.row[half], parts.key[nt][c]);
-        }
-      }
+      for (int c = 0; c < 2; ++c)
+        apply_parts(transform, s[0][nt], c, row, key0 + 8 * nt + 2 * (lane % 4) + c, parts.row,
+                    parts.key[nt][c]);
   }
 }
 
