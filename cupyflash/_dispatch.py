@@ -691,6 +691,13 @@ FA3_BWD_LATE_EXP = False
 #: FA4 it was +0.9% to +3.7% in 10 of 12 (shape, run) pairs, -1.1% and -3.4% in the other two
 #: (causal, N = 4k) (H100, docs/evidence/2026-12-07-h100-session-11).
 FA3_BWD_DQ_FIRST = True
+#: 80 query rows a step at d = 128 where no causal mask or window bounds them (Fa3BwdSpec.rows80,
+#: fa3_bwd.cu's Dq_swapped: FlashAttention-3's and FA4's non-causal d = 128 tile, dQ computed as
+#: dQ^T = K^T dS^T). Off until its GPU suites and timings have run (tune.py hopper-bwd --switch
+#: rows80). Predicted: the non-causal d = 128 backward 3-8% faster (m64n80 S^T and dP^T read the
+#: same K_c and V_c as m64n64: shared-memory reads a FLOP 0.85 -> 0.79 of the tensor cores' time,
+#: and a step's fixed cost over 25% more work).
+FA3_BWD_ROWS80 = False
 
 
 def _even_sections(pairs: int, per_pair: int, budget: int) -> int:
@@ -756,6 +763,14 @@ def _fa3_bwd_dq_first(head_dim: int, softcap: bool) -> bool:
     return FA3_BWD_DQ_FIRST and head_dim == 128 and not FA3_BWD_LATE_EXP and not softcap
 
 
+def _fa3_bwd_rows80(head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool, mods_source: str) -> bool:
+    """Whether the Hopper backward takes 80-row steps (FA3_BWD_ROWS80 where Fa3BwdSpec.rows80
+    applies: d = 128, a padded batch, no mask, window, score variant or fixed order)."""
+    plain = not (flags.causal or flags.local or flags.softcap or flags.alibi or mods_source)
+    ordered = _fa3_bwd_dq_first(head_dim, flags.softcap) and not (packed or deterministic or FA3_BWD_DECOUPLED)
+    return FA3_BWD_ROWS80 and head_dim == 128 and plain and ordered
+
+
 def fa3_bwd_spec(
     dtype: str, head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool, mods_source: str = ""
 ) -> Fa3BwdSpec | None:
@@ -779,6 +794,7 @@ def fa3_bwd_spec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
         varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP or order_before,
         dq_first=_fa3_bwd_dq_first(head_dim, flags.softcap) and not order_before,
+        rows80=_fa3_bwd_rows80(head_dim, flags, deterministic, packed, mods_source),
     )  # fmt: skip
 
 
@@ -796,6 +812,7 @@ def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
             varlen=varlen,
             late_exp=FA3_BWD_LATE_EXP,
             dq_first=_fa3_bwd_dq_first(head_dim, softcap),
+            rows80=_fa3_bwd_rows80(head_dim, MaskFlags(causal, local, softcap, alibi=alibi), deterministic, varlen, ""),
         )
         for head_dim in FA3_BWD_HEAD_DIMS
         for dtype in CUDA_ELEMENT_TYPES

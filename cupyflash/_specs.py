@@ -27,8 +27,8 @@ HOPPER_ARCH = "sm_90a"
 #: e4m3, in the shared memory two Q buffers, O and two K / V stages take (d = 256 needs 256 KB).
 FP8_FWD_HEAD_DIMS = (128,)
 #: wgmma N extents with a wrapper in kernels_cu/wgmma.cuh (scripts/gen_wgmma.py SHAPES): the shipped
-#: key blocks (64, 128) and head dims (64, 128, 256).
-WGMMA_N = (64, 128, 256)
+#: key blocks (64, 128), head dims (64, 128, 256) and the backward's 80-row steps.
+WGMMA_N = (64, 80, 128, 256)
 
 
 def _cxx(value: object) -> str:
@@ -1001,6 +1001,9 @@ class Fa3BwdSpec(_KernelSpecBase):
     # dK += dS^T Q after dQ = dS K, dQ staged under dK (fa3_bwd.cu's Dq_first; d = 128, not with
     # late_exp)
     dq_first: bool = False
+    # 80 query rows a step, dQ computed swapped (fa3_bwd.cu's Dq_swapped): d = 128 without a
+    # causal mask, window, softcap, ALiBi, score functions, packed sequences or the fixed order
+    rows80: bool = False
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -1026,6 +1029,22 @@ class Fa3BwdSpec(_KernelSpecBase):
             raise ValueError("dK after dQ (dq_first) is a d = 128 variant of the Hopper backward")
         if self.decoupled and self.deterministic:
             raise ValueError("the decoupled consumers take the default order of dQ's adds, not deterministic=True")
+        if self.rows80 and (
+            self.head_dim != 128
+            or self.causal
+            or self.local
+            or self.softcap
+            or self.alibi
+            or self.mods_source
+            or self.varlen
+            or self.deterministic
+            or self.decoupled
+            or not self.dq_first
+        ):
+            raise ValueError(
+                "80-row steps (rows80) are the Hopper backward's d = 128 variant of a padded batch without "
+                "a causal mask, window, softcap, ALiBi, score functions or deterministic=True, with dq_first"
+            )
 
     def _name_parts(self) -> tuple[object, ...]:
         return (_SHORT_DTYPE[self.dtype], self.head_dim)
@@ -1040,13 +1059,14 @@ class Fa3BwdSpec(_KernelSpecBase):
             ("dec", self.decoupled),
             ("late", self.late_exp),
             ("dqf", self.dq_first),
+            ("m80", self.rows80),
         )
 
     @property
     def block_m(self) -> int:
         """Query rows per step: FlashAttention-3's 128 at d = 64 (m64n128 wgmmas for S^T and
-        dP^T), 64 at d = 128 (the consumers' registers)."""
-        return 128 if self.head_dim == 64 else 64
+        dP^T), 64 at d = 128 (the consumers' registers), 80 there with ``rows80``."""
+        return 128 if self.head_dim == 64 else 80 if self.rows80 else 64
 
     @property
     def smem_bytes(self) -> int:

@@ -28,13 +28,28 @@ CF_DEVICE constexpr int dq_tile_pair(int row, int col) {
          2 * ((row % 16) / 8);
 }
 
+// The 80-row steps' tiles (BwdParams::dq_tiled == kDqTilesSwapped; d = 128, fa3_bwd.cu's
+// Dq_swapped): a consumer computes dQ^T = K^T dS^T (d's 64 columns of its part on wgmma's M, the
+// step's 80 rows on N; 80 is no multiple of wgmma's M of 64), so each 80-row tile of a (batch,
+// head)'s rows holds its 80 x 128 floats in that accumulator's order, over the same addresses as
+// its rows row by row:
+//   float (row, col) at ((part * 10 + j) * 128 + tid) * 4 + e, with part = col / 64,
+//   j = row / 8, tid = 32 (col % 64 / 16) + 4 (col % 8) + row % 8 / 2,
+//   e = 2 (col % 16 / 8) + row % 2
+// (the m64n80 accumulator with d as its row: fragment j is 8 query rows).
+enum : int { kDqSwappedRows = 80 };
+
+CF_DEVICE constexpr int dq_swapped_fragment_bytes(int part, int j, int tid) {
+  return ((part * (kDqSwappedRows / 8) + j) * kDqPartThreads + tid) * 16;
+}
+
 // Packed sequences (BwdParams::dq_tiled == kDqTilesPacked): sequence b's temporary rows (its
 // -LSE log2 e, D and dQacc tiles) start at a multiple of kDqSeqAlign at or after its packed
 // start, (start + b kDqSeqAlign) rounded down; the next sequence's start lies at least its rows
 // rounded up to kDqSeqAlign further on, so that a step's one or two tiles (64 or 128 rows) are
 // its own. A head's rows then end by kDqSeqAlign (ceil(total / kDqSeqAlign) + batch) (the
 // host's row_head_stride): every start is at most total + (batch - 1) kDqSeqAlign.
-enum : int { kDqTilesPadded = 1, kDqTilesPacked = 2, kDqSeqAlign = 128 };
+enum : int { kDqTilesPadded = 1, kDqTilesPacked = 2, kDqTilesSwapped = 3, kDqSeqAlign = 128 };
 
 CF_DEVICE constexpr int64_t dq_seq_temp_start(int start, int batch) {
   return (static_cast<int64_t>(start) + static_cast<int64_t>(batch) * kDqSeqAlign) / kDqSeqAlign *

@@ -178,6 +178,46 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
   zero_accumulator_row<Traits>(p, t, chunk);  // (fa2_bwd_dq makes a NaN-LSE row's dQ NaN)
 }
 
+// dQ from the 80-row steps' tiles (kDqTilesSwapped; d = 128, a padded batch), on dq's grid: a
+// lane per row and 16 columns (the grid's lanes: rows x d / 16). Lanes 0-7 of a group of 8 take
+// rows 8 j .. 8 j + 7 of a 16-column group: the 8 fragments each reads are 64 contiguous bytes
+// for the 8 (two lanes a float4: rows 2 i, 2 i + 1), and a row's 16 columns 32 bytes of dQ.
+template <typename Traits>
+CF_DEVICE void fa2_bwd_dq_swapped(const BwdParams& p) {
+  using Element = typename Traits::Element;
+  constexpr int kGroups = Traits::kHeadDim / 16;  // 16-column groups a row
+  static_assert(Traits::kHeadDim == 2 * kDqPartCols, "the 80-row steps are d = 128's");
+  const int lane_index = (blockIdx.x * Traits::kNWarps + threadIdx.x / 32) * 32 + threadIdx.x % 32;
+  const int row = lane_index / (8 * kGroups) * 8 + lane_index % 8;
+  const int group = lane_index / 8 % kGroups;
+  if (row >= p.attn.seqlen_q) return;
+  const int64_t t = bwd_temp_row(p, row);
+  const int r = row % kDqSwappedRows;  // in its tile
+  const float* tile = p.dq_accum + (t - r) * Traits::kHeadDim;
+  float lo[8], hi[8];  // columns 16 group + k and + 8 + k
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int tid = 32 * (group % 4) + 4 * k + r % 8 / 2;
+    const float4 f = __ldg(reinterpret_cast<const float4*>(
+        tile + dq_swapped_fragment_bytes(group / 4, r / 8, tid) / 4));
+    lo[k] = r % 2 ? f.y : f.x;
+    hi[k] = r % 2 ? f.w : f.z;
+  }
+  // (a NaN LSE: NaN dQ, as fa2_bwd_dq's)
+  const float s = is_nan(p.neg_lse_log2[t]) ? quiet_nan() : p.dq_scale;
+  uint4 out[2];
+  uint32_t* words = reinterpret_cast<uint32_t*>(out);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    words[k] = Traits::Ops::pack2(lo[2 * k] * s, lo[2 * k + 1] * s);
+    words[4 + k] = Traits::Ops::pack2(hi[2 * k] * s, hi[2 * k + 1] * s);
+  }
+  auto* g_dq = static_cast<Element*>(p.dq_ptr) + blockIdx.y * p.dq_batch_stride +
+               row * p.dq_row_stride + blockIdx.z * p.dq_head_stride + 16 * group;
+  reinterpret_cast<uint4*>(g_dq)[0] = out[0];
+  reinterpret_cast<uint4*>(g_dq)[1] = out[1];
+}
+
 // Grid (ceil(pairs / (4 kRowsPerWarp)), B or 1, Hq), pairs = 8 ceil(rows / 16): each lane takes
 // one chunk of two rows, r and r + 8 of a 16-row block. In the Hopper backward's tiles those are
 // the two rows of each fragment (dq_tiles.cuh): the chunk's 8 columns of both rows are 64
@@ -185,6 +225,9 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
 template <typename Traits>
 CF_DEVICE void fa2_bwd_dq(const BwdParams& p) {
   using Element = typename Traits::Element;
+  if constexpr (Traits::kHeadDim == 2 * kDqPartCols && Traits::Columns::kFull) {
+    if (p.dq_tiled == kDqTilesSwapped) return fa2_bwd_dq_swapped<Traits>(p);
+  }
   int chunk;
   const int pair = bwd_lane_row<Traits>(&chunk);
   // rows row0, row0 + 8 of the grid (of one 16-row block, so of one sequence's tile)

@@ -152,6 +152,21 @@ struct Fa3BwdTraits {
   // At d = 128: at d = 64 (128-row steps) the fragments kept past the barrier made ptxas
   // serialise the wgmmas of 6 of 21 variants.
   static constexpr bool Dq_first = Dq_first_ && Exp_under_dp && kHeadDim == 128;
+  // 80-row steps at d = 128 (FlashAttention-3's and FA4's tile where no causal mask or window
+  // bounds the rows): S^T and dP^T are m64n80 wgmmas, whose 25% more columns than m64n64 take
+  // the same A operand (K_c, V_c) from shared memory, and a step's barriers, -LSE / D loads and
+  // dQ reduce serve 25% more work. dQ's 80 rows are no multiple of wgmma's M (64), so each
+  // consumer computes its part swapped, dQ^T = K^T dS^T: d's 64 columns of its part on M, the
+  // 80 rows on N, K read MN-major and dS stored [rows][keys] (K-major), staged in that
+  // accumulator's order (dq_tiles.cuh's kDqTilesSwapped). Without causal masks, windows,
+  // softcap, ALiBi, score functions, packed sequences or the fixed order (their 64-row paths).
+  static constexpr bool Dq_swapped = kBlockM % kDqTileRows != 0;
+  static_assert(!Dq_swapped ||
+                    (kBlockM == kDqSwappedRows && kHeadDim == 2 * kDqPartCols && !Is_causal &&
+                     !Is_local && !Has_softcap && !Deterministic && !Has_user_mask && !Has_alibi &&
+                     !Varlen && !Decoupled && !Dq_writer && Dq_first),
+                "80-row steps: d = 128, a padded batch, no mask, score variant or fixed order; "
+                "dK after dQ");
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -168,7 +183,8 @@ struct Fa3BwdTraits {
   static constexpr int kConsumerRegs = 240;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the head dims of the Hopper backward");
-  static_assert(kBlockM == (Dq_split_rows ? 2 : 1) * kDqTileRows, "a dQ part per consumer");
+  static_assert(Dq_swapped || kBlockM == (Dq_split_rows ? 2 : 1) * kDqTileRows,
+                "a dQ part per consumer");
   static_assert(sizeof(Element) == 2, "16-bit elements");
 };
 
@@ -502,9 +518,11 @@ struct Fa3BwdConsumer {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kNTiles = kBlockM / 8;     // 8-row column tiles of S^T
   static constexpr int kRowSteps = kBlockM / 16;  // k-steps of dV, dK over the query rows
-  static constexpr int kRowValues = 2 * kBlockM / kWarpgroupThreads;
-  using MmaS = Wgmma<kBlockM, Element>;      // S^T, dP^T: 64 keys x kBlockM query rows
-  using MmaQ = Wgmma<kDqPartCols, Element>;  // dQ: 64 query rows x one 64-column part
+  static constexpr int kRowValues = ceil_div(2 * kBlockM, kWarpgroupThreads);
+  using MmaS = Wgmma<kBlockM, Element>;  // S^T, dP^T: 64 keys x kBlockM query rows
+  // dQ: 64 query rows x one 64-column part, or swapped: the part's 64 columns x kBlockM rows
+  static constexpr int kDqCols = Traits::Dq_swapped ? kBlockM : kDqPartCols;
+  using MmaQ = Wgmma<kDqCols, Element>;
 
   const Fa3BwdSmem<Traits>& smem;
   const BwdParams& p;
@@ -523,7 +541,9 @@ struct Fa3BwdConsumer {
 #pragma unroll
     for (int i = 0; i < kRowValues; ++i) {
       const int v = tid + kWarpgroupThreads * i;
-      const int r = v % kBlockM;
+      if (v >= 2 * kBlockM) break;  // (80-row steps: 160 values, the second pass's first 32)
+      // (80 rows: v % 80 held through the loop spilled 8 bytes; a compare is recomputed)
+      const int r = Traits::Dq_swapped ? (v < kBlockM ? v : v - kBlockM) : v % kBlockM;
       if (at.m_block * kBlockM + r < work.seq.q.len)
         values[i] = (v < kBlockM ? p.neg_lse_log2 : p.dsum)[work.step_rows(p, at) + r];
       else
@@ -533,8 +553,9 @@ struct Fa3BwdConsumer {
   CF_DEVICE void store_row_values(int stage, const float (&values)[kRowValues]) const {
 #pragma unroll
     for (int i = 0; i < kRowValues; ++i)
-      st_shared_b32(smem.rows(consumer, stage) + (tid + kWarpgroupThreads * i) * 4,
-                    __float_as_uint(values[i]));
+      if (tid + kWarpgroupThreads * i < 2 * kBlockM)
+        st_shared_b32(smem.rows(consumer, stage) + (tid + kWarpgroupThreads * i) * 4,
+                      __float_as_uint(values[i]));
   }
 
   // (Varlen) Keys past the sequence's end (the next sequence's, read by TMA): their scores are
@@ -592,8 +613,18 @@ struct Fa3BwdConsumer {
   // dS^T to shared memory: key rows of 64 query rows (128 bytes) per column block, swizzled;
   // k-step ks's fragments are four 8 x 8 tiles (keys +0 / +8, query rows 16 ks / + 8), one
   // stmatrix, lanes 8 j .. 8 j + 7 pointing at tile j's key rows.
+  // Swapped dQ: dS instead, [keys / 64][query rows][64 keys] (the K-major B operand of dQ^T):
+  // each 8 x 8 tile transposed, lanes 8 j .. 8 j + 7 pointing at its query rows.
   CF_DEVICE void store_ds(int ds_stage, const uint32_t (&ds_frag)[kRowSteps][4]) const {
-    if constexpr (Traits::Exp_under_dp) {
+    if constexpr (Traits::Dq_swapped) {
+      const int tile = lane / 8;  // fragment register: rows + 8 (tile / 2), keys + 8 (tile % 2)
+#pragma unroll
+      for (int ks = 0; ks < kRowSteps; ++ks)
+        stmatrix_x4_trans(
+            smem.ds(ds_stage) + swizzled_offset<kBlockM>(16 * ks + 8 * (tile / 2) + lane % 8,
+                                                         warp_key0 + 8 * (tile % 2)),
+            ds_frag[ks][0], ds_frag[ks][1], ds_frag[ks][2], ds_frag[ks][3]);
+    } else if constexpr (Traits::Exp_under_dp) {
 #pragma unroll
       for (int ks = 0; ks < kRowSteps; ++ks)
         stmatrix_x4(
@@ -617,7 +648,24 @@ struct Fa3BwdConsumer {
   // This consumer's part over all 128 keys: rows 64 c .. 64 c + 63 at d = 64 (A from column
   // block c of dS^T), d's columns 64 c .. 64 c + 63 at d = 128 (B from column block c of K);
   // staged as part c of the step's dQ (at d = 64 part c is its 16 KB tile c).
-  CF_DEVICE void issue_dq(float (&acc_dq)[kDqPartCols / 8][4], int ds_stage) const {
+  // Swapped (80-row steps): dQ^T = K^T dS^T, A = K^T (d x keys) from column block c of K read
+  // MN-major, B = dS from its [keys / 64][rows][64] tile K-major (k-step ks: 32 bytes into the
+  // rows of key block ks / 4).
+  CF_DEVICE void issue_dq(float (&acc_dq)[kDqCols / 8][4], int ds_stage) const {
+    if constexpr (Traits::Dq_swapped) {
+      wgmma_fence();
+      const uint64_t desc_k0 =
+          wgmma_desc(smem.k() + consumer * kBlockN * kSwizzleRowBytes, kBlockN * kSwizzleRowBytes);
+      const uint64_t desc_ds0 = wgmma_desc(smem.ds(ds_stage), 0);
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        MmaQ::ss_ta(
+            acc_dq, wgmma_desc_advance(desc_k0, 16 * ks * kSwizzleRowBytes),
+            wgmma_desc_advance(desc_ds0, (ks / 4) * kBlockM * kSwizzleRowBytes + (ks % 4) * 32),
+            ks > 0);
+      wgmma_commit();
+      return;
+    }
     const uint32_t dq_rows_offset =
         Traits::Dq_split_rows ? consumer * kBlockN * kSwizzleRowBytes : 0;
     const uint32_t dq_cols_offset =
@@ -635,10 +683,11 @@ struct Fa3BwdConsumer {
   }
 
   // dQ staged at `staged` in its fragments' order (dq_tiles.cuh), for one bulk reduce-add.
-  CF_DEVICE void stage_dq(uint32_t staged, const float (&acc_dq)[kDqPartCols / 8][4]) const {
+  CF_DEVICE void stage_dq(uint32_t staged, const float (&acc_dq)[kDqCols / 8][4]) const {
 #pragma unroll
-    for (int j = 0; j < kDqPartCols / 8; ++j)
-      st_shared_b128(staged + dq_tile_fragment_bytes(consumer, j, tid),
+    for (int j = 0; j < kDqCols / 8; ++j)
+      st_shared_b128(staged + (Traits::Dq_swapped ? dq_swapped_fragment_bytes(consumer, j, tid)
+                                                  : dq_tile_fragment_bytes(consumer, j, tid)),
                      make_uint4(__float_as_uint(acc_dq[j][0]), __float_as_uint(acc_dq[j][1]),
                                 __float_as_uint(acc_dq[j][2]), __float_as_uint(acc_dq[j][3])));
     fence_proxy_async_shared();
@@ -731,13 +780,13 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
     // A score_mod's logits and slopes (computed here) take the same bound further: four times
     // as many parts (softcap's tanh hoisted over a pass spilled 24-28 bytes at both head dims
     // with one or two parts, a document mask beside a bias table 4).
-    constexpr int kParts = (kRowSteps > 4 ? 2 : 1) * (Traits::Has_user_score ? 4 : 1);
+    constexpr int kParts = (kRowSteps >= 8 ? 2 : 1) * (Traits::Has_user_score ? 4 : 1);
     // The first part's -LSE log2 e of them, read while S^T and dP^T are on the tensor cores
     // (this consumer stored them a step ago): read after the wait, the loads' latency sat
     // between S^T and its exponentials, the step's critical path (FA4's step reads them among
     // its S^T wgmmas). (D read so before the wait for dP^T, or every part's -LSE, spilled the
     // causal variants 4-12 bytes.)
-    constexpr int kLseAhead = kNTiles / kParts;  // the first part's
+    constexpr int kLseAhead = Traits::Dq_swapped ? 2 : kNTiles / kParts;  // the first part's
     [[maybe_unused]] float2 neg_lse_ahead[kLseAhead];
     if constexpr (Traits::Exp_under_dp) {
 #pragma unroll
@@ -857,6 +906,10 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
       // while dP^T is still on the tensor cores; then dS^T = P^T (dP^T - D) and dK += dS^T Q. (An
       // order ptxas keeps: dV's wgmma reads the exponentials, and the wait for dP^T cannot move
       // above dV's commit.)
+      // 80-row steps: P^T packed and dV issued after dS^T instead (FA4's order), so that P^T's
+      // fragments never sit beside S^T, dP^T, dK and dV (40 + 40 + 64 + 64 + 20 of 240 registers
+      // spilled 64 bytes of dK and serialised every wgmma).
+      constexpr bool kDvAfterDs = Traits::Dq_swapped;
       auto early_part = [&](const int part) {
 #pragma unroll
         for (int nt = part * kNTiles / kParts; nt < (part + 1) * kNTiles / kParts; ++nt) {
@@ -869,26 +922,39 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
                 user_logit(logit_with_bias(s[0][nt][e], nt, e / 2, e % 2), nt, e / 2, e % 2);
             s[0][nt][e] = fast_exp2(fmaf(logit, scale_log2, e % 2 ? neg_lse.y : neg_lse.x));
           }
+          if constexpr (!kDvAfterDs) {
 #pragma unroll
-          for (int half = 0; half < 2; ++half)
-            p_frag[nt / 2][2 * (nt % 2) + half] =
-                Ops::pack2(s[0][nt][2 * half], s[0][nt][2 * half + 1]);
+            for (int half = 0; half < 2; ++half)
+              p_frag[nt / 2][2 * (nt % 2) + half] =
+                  Ops::pack2(s[0][nt][2 * half], s[0][nt][2 * half + 1]);
+          }
         }
-        wgmma_fence();
-        issue_kv(acc_dv[0], p_frag, desc_do, part, kParts);
-        wgmma_commit();
+        if constexpr (!kDvAfterDs) {
+          wgmma_fence();
+          issue_kv(acc_dv[0], p_frag, desc_do, part, kParts);
+          wgmma_commit();
+        }
         if (part == 0) {
-          wgmma_wait<1>();  // dP^T complete; dV may still run
+          wgmma_wait<kDvAfterDs ? 0 : 1>();  // dP^T complete; dV may still run
           wgmma_fence_operands(dp[0]);
         }
 #pragma unroll
         for (int nt = part * kNTiles / kParts; nt < (part + 1) * kNTiles / kParts; ++nt) {
           const float2 dsum = ld_shared_f32x2_offset(thread_rows, Traits::kRowBytes + 8 * nt * 4);
 #pragma unroll
-          for (int half = 0; half < 2; ++half)
+          for (int half = 0; half < 2; ++half) {
             ds_frag[nt / 2][2 * (nt % 2) + half] =
                 Ops::pack2(s[0][nt][2 * half] * (dp[0][nt][2 * half] - dsum.x),
                            s[0][nt][2 * half + 1] * (dp[0][nt][2 * half + 1] - dsum.y));
+            if constexpr (kDvAfterDs)
+              p_frag[nt / 2][2 * (nt % 2) + half] =
+                  Ops::pack2(s[0][nt][2 * half], s[0][nt][2 * half + 1]);
+          }
+        }
+        if constexpr (kDvAfterDs) {
+          wgmma_fence();
+          issue_kv(acc_dv[0], p_frag, desc_do, part, kParts);
+          wgmma_commit();
         }
         if constexpr (!Traits::Dq_first) {
           wgmma_fence();
@@ -910,7 +976,17 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
     dq_sync();
     const int dq_buffer = step % Traits::kDqBuffers;
 
-    float acc_dq[kDqPartCols / 8][4];
+    if constexpr (Traits::Dq_swapped) {
+      // dV complete (it ran under dS^T's store and the meeting): P^T's registers free before
+      // dQ's 40 accumulators join dK, dV and dS^T's fragments
+      wgmma_wait<0>();
+      wgmma_fence_operands(acc_dv[0]);
+#pragma unroll
+      for (int ks = 0; ks < kRowSteps; ++ks)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(p_frag[ks][i])::"memory");
+    }
+    float acc_dq[Steps::kDqCols / 8][4];
     c.issue_dq(acc_dq, ds_stage);  // dQ = dS K
     // Once every wgmma of the step is complete: P^T and dS^T (register operands) free, Q and dO
     // read.
@@ -920,8 +996,10 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
 #pragma unroll
       for (int ks = 0; ks < kRowSteps; ++ks)
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          asm volatile("" : "+r"(p_frag[ks][i]), "+r"(ds_frag[ks][i])::"memory");
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (!Traits::Dq_swapped) asm volatile("" : "+r"(p_frag[ks][i])::"memory");
+          asm volatile("" : "+r"(ds_frag[ks][i])::"memory");
+        }
       __syncwarp();
       if (lane == 0) mbar_arrive(smem.q_empty(stage));
     };

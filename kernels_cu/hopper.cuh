@@ -37,6 +37,17 @@ CF_DEVICE void stmatrix_x4(uint32_t row_addr, uint32_t r0, uint32_t r1, uint32_t
                : "memory");
 }
 
+// The same four tiles stored transposed (stmatrix.trans): register j's element (lane / 4,
+// 2 (lane % 4) + c) lands in row 2 (lane % 4) + c, column lane / 4 of tile j, the rows where
+// lanes 8 j .. 8 j + 7 point.
+CF_DEVICE void stmatrix_x4_trans(uint32_t row_addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                 uint32_t r3) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_addr),
+      "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+      : "memory");
+}
+
 // Rows [first, end) of a swizzled tile of kColBlocks column blocks of kRows rows set to zero by
 // threads `thread`, `thread` + threads, ...: the swizzle permutes 16-byte chunks within a row,
 // so zeroing every chunk of a row needs no swizzle arithmetic. (Packed sequences: rows a TMA

@@ -16,11 +16,13 @@ import sys
 from pathlib import Path
 
 # N of m64nNk16: the key blocks (Q K^T) and head dims (P V) of the shipped Hopper tiles
-# (_dispatch.FA3_FWD_TILES block_n 64 / 128, FA3_HEAD_DIMS 64 / 128 / 256); = _specs.WGMMA_N.
-SHAPES = (64, 128, 256)
+# (_dispatch.FA3_FWD_TILES block_n 64 / 128, FA3_HEAD_DIMS 64 / 128 / 256), and the backward's
+# 80-row steps (S^T, dP^T and dQ^T: N = the step's query rows); = _specs.WGMMA_N.
+SHAPES = (64, 80, 128, 256)
 TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
 # 8-bit inputs (the FP8 forward): m64nNk32, K-major operands only (wgmma has no transpose for them).
 FP8_TYPES = {"__nv_fp8_e4m3": "e4m3"}
+FP8_SHAPES = (64, 128, 256)  # the FP8 forward's key blocks and head dims
 
 HEADER = """\
 // wgmma.mma_async wrappers (m64nNk16 for 16-bit inputs, m64nNk32 for e4m3; fp32 accumulate),
@@ -36,6 +38,8 @@ HEADER = """\
 //                                      MN-major (P V: V stored [keys][d], transposed on the fly).
 //   ss_tt(d, desc_a, desc_b, accumulate): A and B both MN-major in shared memory (the backward's
 //                                      dQ = dS K: dS stored [keys][query rows], K [keys][d]).
+//   ss_ta(d, desc_a, desc_b, accumulate): A MN-major, B K-major in shared memory (the backward's
+//                                      dQ^T = K^T dS^T: K stored [keys][d], dS [query rows][keys]).
 // e4m3 (a k-step is 32 elements: 32 bytes of a row, as for 16-bit inputs) has no transposed
 // operand, so both of its forms read B K-major:
 //   ss(d, desc_a, desc_b, accumulate): as above (Q K^T);
@@ -99,10 +103,12 @@ def _specialisation(n: int, ctype: str, ptx_type: str) -> str:
     # immediates: scale-a, scale-b, transpose-a, transpose-b (the register form: scale-a, -b, transpose-b)
     ss, rs = _asm_bodies(n, f"m64n{n}k16.f32.{ptx_type}.{ptx_type}", "1, 1, 0, 0", "1, 1, 1")
     ss_tt = ss.replace("p, 1, 1, 0, 0;", "p, 1, 1, 1, 1;")
+    ss_ta = ss.replace("p, 1, 1, 0, 0;", "p, 1, 1, 1, 0;")
     return (
         f"template <>\nstruct Wgmma<{n}, {ctype}> {{\n"
         + _method("ss", n, "uint64_t desc_a, uint64_t desc_b", ss)
         + _method("ss_tt", n, "uint64_t desc_a, uint64_t desc_b", ss_tt)
+        + _method("ss_ta", n, "uint64_t desc_a, uint64_t desc_b", ss_ta)
         + _method("rs_bt", n, "const uint32_t (&a)[4], uint64_t desc_b", rs)
         + "};\n"
     )
@@ -129,7 +135,8 @@ def render() -> str:
         for ctype, ptx_type in TYPES.items():
             parts.append(_specialisation(n, ctype, ptx_type))
         for ctype, ptx_type in FP8_TYPES.items():
-            parts.append(_fp8_specialisation(n, ctype, ptx_type))
+            if n in FP8_SHAPES:
+                parts.append(_fp8_specialisation(n, ctype, ptx_type))
     return "\n".join(parts)
 
 

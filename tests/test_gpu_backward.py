@@ -225,11 +225,11 @@ def test_decoupled_consumers_match_float64_autograd(rng, head_dim, case, decoupl
 
 
 def check_variant_backward(torch, rng, head_dim, case, deterministic_too=False):
-    """A Hopper backward variant on CASES[case], bf16: its gradients against the float64
-    oracle's (and the fixed order's too), and dK and dV bit-identical over three runs (their sums
-    stay in registers; dQ's adds are in no fixed order)."""
+    """A Hopper backward variant on CASES[case] (or ROWS80_CASES[case]), bf16: its gradients
+    against the float64 oracle's (and the fixed order's too), and dK and dV bit-identical over
+    three runs (their sums stay in registers; dQ's adds are in no fixed order)."""
     torch.manual_seed(int(rng.integers(1 << 31)))
-    b, nq, nk, hq, hkv, causal, window, softcap = CASES[case]
+    b, nq, nk, hq, hkv, causal, window, softcap = CASES[case] if case in CASES else ROWS80_CASES[case]
     q = torch.randn(b, nq, hq, head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, nk, hkv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     opts = {"causal": causal, "window": window, "softcap": softcap, "scale": None, "layout": "bshd"}
@@ -242,6 +242,56 @@ def check_variant_backward(torch, rng, head_dim, case, deterministic_too=False):
     for dq, dk, dv in runs[1:]:
         assert torch.equal(dk, runs[0][1]) and torch.equal(dv, runs[0][2])
         assert torch.allclose(dq, runs[0][0], rtol=1e-2, atol=1e-2)
+
+
+# The 80-row steps' own cases (no causal mask, window or softcap, where they apply): a GQA group
+# of 8 over 13 steps of 80 rows each (the last 40: padding rows), whole steps, one query row.
+ROWS80_CASES = {
+    "rows80-gqa-long": (1, 1000, 1000, 8, 1, False, (-1, -1), 0.0),
+    "rows80-whole-steps": (2, 160, 333, 4, 2, False, (-1, -1), 0.0),
+    "rows80-one-query": (2, 1, 200, 4, 4, False, (-1, -1), 0.0),
+}
+
+
+@pytest.fixture
+def rows80_backward(monkeypatch):
+    """The d = 128 Hopper backward with 80-row steps (_dispatch.FA3_BWD_ROWS80) for the test's
+    calls, checked to be what the dispatcher picks; the plans made under it dropped before and
+    after."""
+    from cupyflash import _dispatch, _plan
+
+    if not is_hopper():
+        pytest.skip("a Hopper backward variant")
+    monkeypatch.setattr(_dispatch, "FA3_BWD_ROWS80", True)
+    _plan.clear_caches()
+    assert _dispatch.fa3_bwd_spec("bfloat16", 128, _dispatch.MaskFlags(False, False, False), False, False).rows80
+    yield
+    _plan.clear_caches()
+
+
+@pytest.mark.parametrize("case", ["square", "one-query", "many-key-blocks", *ROWS80_CASES], ids=str)
+def test_80_row_steps_match_float64_autograd(rng, case, rows80_backward):
+    """The d = 128 Hopper backward in 80-row steps (S^T, dP^T m64n80; dQ^T = K^T dS^T into the
+    swapped dQacc tiles, converted by dq's swapped path): the float64 oracle's gradients (the
+    fixed order's 64-row steps too), dK and dV bit-identical over three runs."""
+    check_variant_backward(need_torch(), rng, 128, case, deterministic_too=True)
+
+
+def test_80_row_steps_in_float16_through_the_lse_and_with_nan(rng, rows80_backward):
+    """The 80-row steps in float16 with a loss through the LSE (D less dLSE), and NaN in one
+    head's key: that head's dQ NaN on every row, the other head's finite."""
+    torch = need_torch()
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    q = torch.randn(2, 250, 4, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 190, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    dlse = torch.randn(2, 4, 250, device="cuda")
+    opts = {"causal": False, "window": (-1, -1), "softcap": 0.0, "scale": None, "layout": "bshd"}
+    check_backward(torch, q, k, v, dlse=dlse, **opts)
+    k[0, 5, 0, 3] = float("nan")
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    dq, dk, _ = cupyflash.attention_backward(torch.ones_like(out), q, k, v, out, lse)
+    assert torch.isnan(dq[0, :, :2]).all() and torch.isnan(dk[0, :, 0]).any()  # KV head 0: query heads 0, 1
+    assert not torch.isnan(dq[0, :, 2:]).any() and not torch.isnan(dq[1]).any()
 
 
 @pytest.fixture

@@ -153,6 +153,62 @@ def test_the_backward_exponentials_under_dp_are_a_switch_and_compile_cleanly(mon
         assert under_dp == first_part, (spec.name, under_dp)
 
 
+def test_the_80_row_backward_is_a_switch_plans_its_tiles_and_compiles_cleanly(monkeypatch):
+    """_dispatch.FA3_BWD_ROWS80: the d = 128 Hopper backward of a padded batch without a mask,
+    window, score variant or fixed order takes 80-row steps (Fa3BwdSpec.rows80), and no other
+    call does; its plan pads each (batch, head)'s rows to whole steps, reads Q and dO in 80-row
+    boxes and marks dQacc's tiles swapped (BwdParams::dq_tiled 3, kernels_cu/dq_tiles.cuh), and
+    the variant fits an H100 block and builds for sm_90a with no spill, no serialised wgmma and
+    no warning, its S^T, dP^T and dQ^T m64n80 wgmmas (dQ^T's A transposed) and dS stored by
+    transposing stmatrix."""
+    from cupyflash import _kernels
+    from cupyflash._specs import Fa3BwdSpec
+
+    plain = _dispatch.MaskFlags(False, False, False)
+    assert not _dispatch.fa3_bwd_spec("bfloat16", 128, plain, False, False).rows80  # off
+    assert not any(s.rows80 for s in _dispatch.all_fa3_bwd_specs())
+    monkeypatch.setattr(_dispatch, "FA3_BWD_ROWS80", True)
+    _plan.clear_caches()
+    spec = _dispatch.fa3_bwd_spec("bfloat16", 128, plain, False, False)
+    assert spec.rows80 and spec.dq_first and spec.block_m == 80 and spec.smem_bytes <= H100_SMEM
+    others = [
+        ("bfloat16", 64, plain, False, False),
+        ("bfloat16", 128, _dispatch.MaskFlags(True, False, False), False, False),
+        ("bfloat16", 128, _dispatch.MaskFlags(False, True, False), False, False),
+        ("bfloat16", 128, _dispatch.MaskFlags(False, False, True), False, False),
+        ("bfloat16", 128, _dispatch.MaskFlags(False, False, False, alibi=True), False, False),
+        ("bfloat16", 128, plain, True, False),  # deterministic
+        ("bfloat16", 128, plain, False, True),  # packed
+    ]
+    assert not any(_dispatch.fa3_bwd_spec(*args).rows80 for args in others)
+    assert {(s.dtype, s.head_dim) for s in _dispatch.all_fa3_bwd_specs() if s.rows80} == {
+        ("bfloat16", 128), ("float16", 128)
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="80-row steps"):
+        Fa3BwdSpec("bfloat16", 128, causal=True, dq_first=True, rows80=True)
+    with pytest.raises(ValueError, match="80-row steps"):
+        Fa3BwdSpec("bfloat16", 128, rows80=True)  # (dK after dQ)
+
+    shapes = ((2, 170, 4, 128), (2, 300, 2, 128), (2, 300, 2, 128))
+    p = attention_problem(*shapes, causal=False, scale=None, window=(-1, -1), softcap=0.0, layout="bshd")
+    launch = _plan.plan_backward(p, "bfloat16", fake_device("sm_90a"), q_shape=shapes[0], k_shape=shapes[1])
+    main = next(step for step in launch.steps if "fa3_bwd" in step.spec.name)
+    assert main.spec.rows80
+    assert launch.params.value("dq_tiled") == 3 and launch.params.value("row_head_stride") == 240
+    assert {box for name, _, box in main.tma.maps if name in ("q", "dout")} == {80}
+    _plan.clear_caches()
+
+    for spec in (Fa3BwdSpec("bfloat16", 128, dq_first=True, rows80=True),
+                 Fa3BwdSpec("float16", 128, dq_first=True, rows80=True)):  # fmt: skip
+        build = _kernels.compile_offline(spec, "sm_90a")
+        assert not build.spill_bytes and not build.warnings, (spec.name, build.spill_bytes, build.warnings)
+        assert "wgmma.mma_async instructions are serialized" not in build.log
+        # per step: S^T and dP^T 8 k-steps each, dQ^T 8 (A transposed: immediates 1, 1, 1, 0)
+        assert build.ptx.count("m64n80k16") == 24, spec.name
+        assert sum("m64n80k16" in line and "p, 1, 1, 1, 0;" in line for line in build.ptx.splitlines()) == 8
+        assert build.ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 5  # the 5 k-steps of dS
+
+
 def test_the_causal_backward_takes_its_ctas_longest_first_in_sections_when_lpt_is_on(monkeypatch):
     """_dispatch.FA3_BWD_LPT: the causal Hopper backward's BwdParams.lpt_pairs
     (tile_scheduler.cuh's fa3_bwd_tile: sections of (batch, KV head) pairs, each key block

@@ -41,7 +41,8 @@ from .model import INDEX, KernelStep, Launch, Operand, Output, Temporary, TmaMap
 DQ_TILE_ROWS = 64  # the Hopper backward's dQacc tiles (kDqTileRows, kernels_cu/dq_tiles.cuh)
 # Packed sequences in those tiles: each sequence's temporary rows from a multiple of this (kDqSeqAlign)
 DQ_SEQ_ALIGN = 128
-DQ_TILES_PADDED, DQ_TILES_PACKED = 1, 2  # BwdParams::dq_tiled (0: rows of d floats)
+# BwdParams::dq_tiled (0: rows of d floats); swapped: the 80-row steps' (kDqTilesSwapped)
+DQ_TILES_PADDED, DQ_TILES_PACKED, DQ_TILES_SWAPPED = 1, 2, 3
 
 
 def plan_backward(
@@ -135,7 +136,12 @@ def plan_backward(
     # reports a sequence longer than that (grid_keys); the others' cover the packed total.
     key_rows = p.seqlen_k if packed and hopper is not None else rows[1]
     key_blocks = max(1, -(-key_rows // (hopper or spec).block_n))
-    dq_tiled = 0 if hopper is None else DQ_TILES_PACKED if packed else DQ_TILES_PADDED
+    dq_tiled = (
+        0 if hopper is None
+        else DQ_TILES_PACKED if packed
+        else DQ_TILES_SWAPPED if hopper.rows80
+        else DQ_TILES_PADDED
+    )  # fmt: skip
     lpt_pairs = 0  # the causal Hopper kernel's CTA order: sections of (batch, KV head) pairs
     if hopper is not None:
         rows_per_pair = rows[0] // max(p.batch, 1) if packed else rows[0]
