@@ -545,6 +545,7 @@ def tune_head_dims(args: argparse.Namespace) -> list[dict[str, Any]]:
 HOPPER_BWD_SWITCHES = {
     "decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP", "dq_first": "FA3_BWD_DQ_FIRST",
     "lpt": "FA3_BWD_LPT", "fwd_lpt": "FA3_FWD_LPT", "fwd_uniform": "FA3_FWD_UNIFORM_CONSUMER",
+    "rows80": "FA3_BWD_ROWS80",
 }  # fmt: skip
 #: the other flags a switch's two settings both run with (the exponentials under dP^T)
 HOPPER_BWD_BASE = {"dq_first": {"FA3_BWD_LATE_EXP": False}, "decoupled": {"FA3_BWD_LATE_EXP": False},
@@ -562,7 +563,8 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     with dK issued in its order (HOPPER_BWD_BASE); ``lpt``: the causal CTAs in sections of
     (batch, head) pairs, longest first (``_dispatch.FA3_BWD_LPT``); ``fwd_lpt``: the causal
     forward's tiles so (``_dispatch.FA3_FWD_LPT``: the step's column moves, not the backward's);
-    ``fwd_uniform``: the forward's consumer index uniform (``_dispatch.FA3_FWD_UNIFORM_CONSUMER``)."""
+    ``fwd_uniform``: the forward's consumer index uniform (``_dispatch.FA3_FWD_UNIFORM_CONSUMER``);
+    ``rows80``: d = 128's 80-row steps without a causal mask (``_dispatch.FA3_BWD_ROWS80``)."""
     flag = HOPPER_BWD_SWITCHES[args.switch]
     base = HOPPER_BWD_BASE.get(args.switch, {})
     defaults = {name: getattr(_dispatch, name) for name in (flag, *base)}
@@ -584,7 +586,7 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for d in head_dims:
         for n in args.seqlens:
-            for causal in (True,) if args.causal_only else (False, True):
+            for causal in (True,) if args.causal_only else (False,) if args.noncausal_only else (False, True):
                 shape = bench.PrefillShape(16384 // n, n, 2048 // d, d, causal, args.dtype)
                 for on in (False, True):
                     setattr(_dispatch, flag, on)
@@ -627,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("hopper-bwd", help="the Hopper backward with a switch off and on")
     p.add_argument("--switch", choices=sorted(HOPPER_BWD_SWITCHES), default="late_exp")
     p.add_argument("--causal-only", action="store_true", help="the causal shapes alone (lpt changes no other)")
+    p.add_argument("--noncausal-only", action="store_true", help="the non-causal shapes alone (rows80's)")
     p.add_argument("--head-dims", type=int, nargs="+")
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--dtype", default="bfloat16")
