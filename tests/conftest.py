@@ -76,6 +76,24 @@ def poison_gpu_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_launch, "POISON_OUTPUTS", True)
 
 
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory(request: pytest.FixtureRequest):
+    """After each GPU test, the memory PyTorch's and CuPy's allocators keep cached is given back:
+    a worker otherwise holds its largest tests' float64 references (a 15-worker run on one H100
+    had one worker at 61 GiB and 195 of its tests failing for memory, 2026-12-07)."""
+    yield
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     """Fresh random data per test (seeded by the test's name: reproducible, never shared)."""
