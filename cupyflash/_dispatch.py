@@ -693,11 +693,12 @@ FA3_BWD_LATE_EXP = False
 FA3_BWD_DQ_FIRST = True
 #: 80 query rows a step at d = 128 where no causal mask or window bounds them (Fa3BwdSpec.rows80,
 #: fa3_bwd.cu's Dq_swapped: FlashAttention-3's and FA4's non-causal d = 128 tile, dQ computed as
-#: dQ^T = K^T dS^T). Off until its GPU suites and timings have run (tune.py hopper-bwd --switch
-#: rows80). Predicted: the non-causal d = 128 backward 3-8% faster (m64n80 S^T and dP^T read the
-#: same K_c and V_c as m64n64: shared-memory reads a FLOP 0.85 -> 0.79 of the tensor cores' time,
-#: and a step's fixed cost over 25% more work).
-FA3_BWD_ROWS80 = False
+#: dQ^T = K^T dS^T): on. Predicted 3-8% on the non-causal d = 128 backward; measured (H100,
+#: tune.py hopper-bwd --switch rows80, two runs, bf16, the backward over cuDNN's in the same
+#: rounds) N = 1k 0.929 -> 0.972 and 0.921 -> 0.963, 4k 0.954 -> 0.972 and 0.947 -> 0.990, 16k
+#: 0.938 -> 1.014 and 0.944 -> 1.013 (+2-8%); its GPU tests and the d = 128 backward suite with it
+#: on passed (docs/evidence/2026-12-07-h100-session-13).
+FA3_BWD_ROWS80 = True
 
 
 def _even_sections(pairs: int, per_pair: int, budget: int) -> int:

@@ -771,28 +771,8 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
     wgmma_fence();
     c.issue_scores(s[0], smem.k(), q_tile);
     c.issue_scores(dp[0], smem.v(), do_tile);
-    // this thread's query rows of column tile nt: 8 nt + 2 (lane % 4) and the next
-    const uint32_t thread_rows = smem.rows(consumer, stage) + 2 * (lane % 4) * 4;
-    // The step's exponentials in parts. At 128 rows a step (d = 64) in two halves of the rows:
-    // the first half's fragments are complete and its wgmmas issued before the second half's
-    // exponentials, which bounds how far ptxas hoists them (one pass over all 16 column tiles
-    // kept ~30 more values live next to the 192 accumulators, and some variants spilled).
-    // A score_mod's logits and slopes (computed here) take the same bound further: four times
-    // as many parts (softcap's tanh hoisted over a pass spilled 24-28 bytes at both head dims
-    // with one or two parts, a document mask beside a bias table 4).
-    constexpr int kParts = (kRowSteps >= 8 ? 2 : 1) * (Traits::Has_user_score ? 4 : 1);
-    // The first part's -LSE log2 e of them, read while S^T and dP^T are on the tensor cores
-    // (this consumer stored them a step ago): read after the wait, the loads' latency sat
-    // between S^T and its exponentials, the step's critical path (FA4's step reads them among
-    // its S^T wgmmas). (D read so before the wait for dP^T, or every part's -LSE, spilled the
-    // causal variants 4-12 bytes.)
-    constexpr int kLseAhead = Traits::Dq_swapped ? 2 : kNTiles / kParts;  // the first part's
-    [[maybe_unused]] float2 neg_lse_ahead[kLseAhead];
-    if constexpr (Traits::Exp_under_dp) {
-#pragma unroll
-      for (int nt = 0; nt < kLseAhead; ++nt)
-        neg_lse_ahead[nt] = ld_shared_f32x2_offset(thread_rows, 8 * nt * 4);
-    }
+    // (The -LSE of the first part's rows read here, before the wait for S^T, as FA4 reads them
+    // among its S^T wgmmas: measured 1-4% slower, H100 2026-12-07, so read where used.)
     wgmma_wait<1>();
     wgmma_fence_operands(s[0]);
     if constexpr (Traits::Has_softcap)  // the forward's order: the cap, then the mask
@@ -815,6 +795,8 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
     if constexpr (Traits::Varlen && Traits::Has_user_mask && !Traits::Has_user_score) {
       if (past_rows) range.hide_rows_from(s, row0, seq.q.len, lane);  // (the same for the CTA)
     }
+    // this thread's query rows of column tile nt: 8 nt + 2 (lane % 4) and the next
+    const uint32_t thread_rows = smem.rows(consumer, stage) + 2 * (lane % 4) * 4;
     // element 2 half + c of column tile nt: row 8 nt + 2 (lane % 4) + c, key lane / 4 + 8 half
     // of the warp's 16
     auto logit_with_bias = [&](float score, int nt, int half, int c) {
@@ -840,6 +822,14 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
       for (int ks = part * kRowSteps / parts; ks < (part + 1) * kRowSteps / parts; ++ks)
         MmaKV::rs_bt(acc, frags[ks], wgmma_desc_advance(desc, ks * 2 * kSwizzleAtomBytes), 1);
     };
+    // At 128 rows a step (d = 64) in two halves of the rows: the first half's fragments are
+    // complete and its wgmmas issued before the second half's exponentials, which bounds how far
+    // ptxas hoists them (one pass over all 16 column tiles kept ~30 more values live next to the
+    // 192 accumulators, and some variants spilled).
+    // A score_mod's logits and slopes (computed here) take the same bound further: four times
+    // as many parts (softcap's tanh hoisted over a pass spilled 24-28 bytes at both head dims
+    // with one or two parts, a document mask beside a bias table 4).
+    constexpr int kParts = (kRowSteps >= 8 ? 2 : 1) * (Traits::Has_user_score ? 4 : 1);
     [[maybe_unused]] const typename Traits::UserMask user(a, batch, at.head, 0);  // (b, h) state
     // A score_mod's bounds, applied to its logits: for this thread's keys (two 8-key halves),
     // the rows that see them as offsets lo <= 8 nt + c <= hi from its first row.
@@ -913,8 +903,7 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
       auto early_part = [&](const int part) {
 #pragma unroll
         for (int nt = part * kNTiles / kParts; nt < (part + 1) * kNTiles / kParts; ++nt) {
-          const float2 neg_lse =
-              nt < kLseAhead ? neg_lse_ahead[nt] : ld_shared_f32x2_offset(thread_rows, 8 * nt * 4);
+          const float2 neg_lse = ld_shared_f32x2_offset(thread_rows, 8 * nt * 4);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             // (a score_mod's derivative is 1 here: no slope kept)

@@ -30,7 +30,7 @@ import pytest
 
 from cupyflash import _dispatch, _kernels
 from cupyflash._dispatch import FA1_DEVICE_SMEM, MaskFlags, all_kernel_specs
-from cupyflash._specs import DecodeAppendSpec, Fa2FwdSpec, Fa3BwdSpec, KernelSpec, TileConfig
+from cupyflash._specs import DecodeAppendSpec, Fa2FwdSpec, KernelSpec, TileConfig
 
 
 def head_dim_sample() -> list[KernelSpec]:
@@ -109,8 +109,6 @@ def head_dim_sample() -> list[KernelSpec]:
             specs.append(_dispatch.fa2_bwd_spec("float16", head_dim, flags, deterministic=True))
             specs.append(_dispatch.fa2_bwd_dq_spec("float16", head_dim, flags))
     specs += _dispatch.all_mask_cells_specs("BwdParams")
-    # The Hopper backward's 80-row steps (_dispatch.FA3_BWD_ROWS80: not in warmup's set while off)
-    specs += [Fa3BwdSpec(dtype, 128, dq_first=True, rows80=True) for dtype in ("bfloat16", "float16")]
     return list(dict.fromkeys(specs))
 
 

@@ -154,7 +154,7 @@ def test_the_backward_exponentials_under_dp_are_a_switch_and_compile_cleanly(mon
 
 
 def test_the_80_row_backward_is_a_switch_plans_its_tiles_and_compiles_cleanly(monkeypatch):
-    """_dispatch.FA3_BWD_ROWS80: the d = 128 Hopper backward of a padded batch without a mask,
+    """_dispatch.FA3_BWD_ROWS80 (on): the d = 128 Hopper backward of a padded batch without a mask,
     window, score variant or fixed order takes 80-row steps (Fa3BwdSpec.rows80), and no other
     call does; its plan pads each (batch, head)'s rows to whole steps, reads Q and dO in 80-row
     boxes and marks dQacc's tiles swapped (BwdParams::dq_tiled 3, kernels_cu/dq_tiles.cuh), and
@@ -165,7 +165,8 @@ def test_the_80_row_backward_is_a_switch_plans_its_tiles_and_compiles_cleanly(mo
     from cupyflash._specs import Fa3BwdSpec
 
     plain = _dispatch.MaskFlags(False, False, False)
-    assert not _dispatch.fa3_bwd_spec("bfloat16", 128, plain, False, False).rows80  # off
+    monkeypatch.setattr(_dispatch, "FA3_BWD_ROWS80", False)
+    assert not _dispatch.fa3_bwd_spec("bfloat16", 128, plain, False, False).rows80
     assert not any(s.rows80 for s in _dispatch.all_fa3_bwd_specs())
     monkeypatch.setattr(_dispatch, "FA3_BWD_ROWS80", True)
     _plan.clear_caches()
