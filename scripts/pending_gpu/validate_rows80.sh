@@ -8,8 +8,8 @@
 #   3. scripts/ab.py train of 4f04560, 30d7bc7 (64-bit descriptor steps), 4c4001b (+ -LSE ahead)
 #      and this tree (+ the shared ring): the call before measured this tree's backward 1-4.5%
 #      below 4f04560's over cuDNN (2 rounds);
-#   4. the tests the call before could not run (rerun_failed.txt: out of memory beside a 61 GiB
-#      worker at -n 15), at -n 6.
+#   4. the tests the call before could not run (out of memory beside a 61 GiB worker at -n 15:
+#      its 195 node ids, listed in rerun_failed.txt beside this script on that run), at -n 6.
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_rows80.sh
 #   carry: .whl .ab   (.ab/C: git archive C cupyflash kernels_cu | tar x -C .ab/C, C = 4f04560 30d7bc7 4c4001b)
 set -uo pipefail
