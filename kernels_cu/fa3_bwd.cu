@@ -6,8 +6,8 @@
 // tile_scheduler.cuh's fa3_bwd_tile; its work (Fa3BwdWork: the key block, its sequence and its
 // steps) shared by 3 warpgroups, each a function below:
 //   producer   (fa3_bwd_load) one thread loads K and V once, then for every step (a query head
-//              of the group and a block of query rows, 64 at d = 128 and 128 at d = 64
-//              (Fa3BwdTraits::kBlockM), that sees the keys) Q and dO (TMA tiles) into a two-deep
+//              of the group and a block of query rows, 64 at d = 128 (80 without a causal
+//              mask or window) and 128 at d = 64 (Fa3BwdTraits::kBlockM), that sees the keys) Q and dO (TMA tiles) into a two-deep
 //              mbarrier ring (the rows' -LSE log2 e and D: each consumer loads its own copy).
 //   consumers  (fa3_bwd_consume) consumer c owns keys 64 c .. 64 c + 63 of the block (the wgmma
 //              M rows); per step
@@ -19,7 +19,8 @@
 //       (P^T formed and dV issued while dP^T is still on the tensor cores: Exp_under_dp)
 //     dS^T to shared memory, dQ = dS K       wgmma ss_tt, both operands MN-major
 //       (d = 128: consumer c computes d's columns 64 c .. 64 c + 63 over all 128 keys; d = 64:
-//        rows 64 c .. 64 c + 63 of the 128 over all 128 keys)
+//        rows 64 c .. 64 c + 63 of the 128 over all 128 keys; 80-row steps: dS stored instead
+//        and dQ^T = K^T dS^T, wgmma ss_ta, K read MN-major and dS K-major: Dq_swapped)
 //     dQ staged in its fragments' order (dq_tiles.cuh), then added into dQacc in L2 by one
 //     bulk reduce-add (no per-element atomics)
 //   and at the end (fa3_bwd_store_dk_dv) dK (times dk_scale) and dV, summed over the whole loop
@@ -57,7 +58,8 @@
 
 // Shared memory after the base is aligned up to a 1024-byte swizzle atom: K, V (each [d / 64]
 // [128 keys][64], swizzled as TMA writes them), the ring's Q and dO tiles, dS^T ([query rows /
-// 64][keys][64], swizzled: the MN-major A operand of dQ), dQ's staging (dq_tiles.cuh), the ring's
+// 64][keys][64], swizzled: the MN-major A operand of dQ; 80-row steps: dS, [keys / 64][query
+// rows][64], the K-major B operand of dQ^T), dQ's staging (dq_tiles.cuh), the ring's
 // -LSE log2 e and D rows, the mbarriers.
 template <int kKVBytes, int kQBytes, int kRowBytes, int kDsBytes, int kDqBytes, int kStages,
           int kDsStages>
@@ -87,6 +89,7 @@ struct Fa3BwdTraits {
   // at d = 64 (S^T and dP^T 64 each, dK and dV 32 each), so that S^T = K_c Q^T and dP^T = V_c dO^T
   // are m64n128 wgmmas: at m64n64 the two consumers' operand reads alone fill shared memory's
   // 128 bytes a cycle (4 KB per 131 kFLOP, 32 cycles of tensor core), at m64n128 three quarters.
+  // 80 at d = 128 without a causal mask or window (Dq_swapped below), as FlashAttention-3's.
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = 128;  // keys per CTA: 64 per consumer (wgmma M)
   static constexpr int kConsumers = 2;

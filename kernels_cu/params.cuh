@@ -208,7 +208,8 @@ struct BwdParams {
   // rows too): 1 (kDqTilesPadded) a padded batch's rows padded to whole steps, row_head_stride a
   // multiple of 64; 2 (kDqTilesPacked) packed sequences, each from its own 128-aligned start
   // (dq_seq_temp_start), batch stride 0, the per-row kernels' grid over a head's row_head_stride
-  // temporary rows.
+  // temporary rows; 3 (kDqTilesSwapped) a padded batch's 80-row steps, each tile in the order of
+  // the swapped dQ^T accumulator, row_head_stride a multiple of 80.
   int32_t dq_tiled;
   // The deterministic Hopper backward: per dQacc tile, how many key blocks have added into it
   // (they add in a fixed order, fa3_bwd.cu); zeroed by prep. nullptr otherwise.
