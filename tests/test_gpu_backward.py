@@ -161,14 +161,21 @@ def test_deterministic_is_bit_identical_and_right(rng, head_dim, case):
         assert rel_error(det.double().cpu().numpy(), atomic.double().cpu().numpy()) < 1e-2
 
 
-def test_loss_through_the_lse(rng):
+def check_through_the_lse(rng, nq, nk, hq, hkv, causal):
+    """A float16 backward (B = 2, d = 128) with a loss through the LSE too, against the float64
+    oracle; returns torch and the inputs."""
     torch = need_torch()
     torch.manual_seed(int(rng.integers(1 << 31)))
-    q = torch.randn(2, 100, 4, 128, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(2, 130, 4, 128, device="cuda", dtype=torch.float16) for _ in range(2))
-    dlse = torch.randn(2, 4, 100, device="cuda")
-    opts = {"causal": True, "window": (-1, -1), "softcap": 0.0, "scale": None, "layout": "bshd"}
+    q = torch.randn(2, nq, hq, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, nk, hkv, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    dlse = torch.randn(2, hq, nq, device="cuda")
+    opts = {"causal": causal, "window": (-1, -1), "softcap": 0.0, "scale": None, "layout": "bshd"}
     check_backward(torch, q, k, v, dlse=dlse, **opts)
+    return torch, q, k, v
+
+
+def test_loss_through_the_lse(rng):
+    check_through_the_lse(rng, 100, 130, 4, 4, causal=True)
 
 
 def test_strided_inputs_and_cupy_arrays(rng):
@@ -280,13 +287,7 @@ def test_80_row_steps_match_float64_autograd(rng, case, rows80_backward):
 def test_80_row_steps_in_float16_through_the_lse_and_with_nan(rng, rows80_backward):
     """The 80-row steps in float16 with a loss through the LSE (D less dLSE), and NaN in one
     head's key: that head's dQ NaN on every row, the other head's finite."""
-    torch = need_torch()
-    torch.manual_seed(int(rng.integers(1 << 31)))
-    q = torch.randn(2, 250, 4, 128, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(2, 190, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
-    dlse = torch.randn(2, 4, 250, device="cuda")
-    opts = {"causal": False, "window": (-1, -1), "softcap": 0.0, "scale": None, "layout": "bshd"}
-    check_backward(torch, q, k, v, dlse=dlse, **opts)
+    torch, q, k, v = check_through_the_lse(rng, 250, 190, 4, 2, causal=False)
     k[0, 5, 0, 3] = float("nan")
     out, lse = cupyflash.attention(q, k, v, return_lse=True)
     dq, dk, _ = cupyflash.attention_backward(torch.ones_like(out), q, k, v, out, lse)
