@@ -103,9 +103,9 @@ def plan_backward(
 
     # Per-row temporaries: row r of query head h, batch b at b * row_batch + h * row_head + r.
     # The Hopper kernel's: each (b, h)'s rows padded to whole steps (block_m: one or two 64-row
-    # dQacc tiles, or one 80-row swapped tile; the steps' -LSE log2 e and D rows read whole); packed, each sequence's from
-    # its own aligned start (dq_seq_temp_start, kernels_cu/dq_tiles.cuh), so that a head's rows
-    # end by (ceil(total / align) + batch) align.
+    # dQacc tiles, or one 80-row swapped tile; the steps' -LSE log2 e and D rows read whole);
+    # packed, each sequence's from its own aligned start (dq_seq_temp_start,
+    # kernels_cu/dq_tiles.cuh), so that a head's rows end by (ceil(total / align) + batch) align.
     padded_q = -(-p.seqlen_q // hopper.block_m) * hopper.block_m if hopper is not None else p.seqlen_q
     if packed and hopper is not None:
         head_rows = (-(-rows[0] // DQ_SEQ_ALIGN) + p.batch) * DQ_SEQ_ALIGN
