@@ -43,6 +43,13 @@ CF_DEVICE constexpr int dq_swapped_fragment_bytes(int part, int j, int tid) {
   return ((part * (kDqSwappedRows / 8) + j) * kDqPartThreads + tid) * 16;
 }
 
+// The float4 of an 80-row tile holding columns 16 group + k and 16 group + 8 + k (k < 8) of rows
+// row and row + 1 (row even; an odd row's is its pair's): floats 0 and 1 the first column's two
+// rows, 2 and 3 the second's (the dq conversion's reads).
+CF_DEVICE constexpr int dq_swapped_float4(int row, int group, int k) {
+  return dq_swapped_fragment_bytes(group / 4, row / 8, 32 * (group % 4) + 4 * k + row % 8 / 2) / 4;
+}
+
 // Packed sequences (BwdParams::dq_tiled == kDqTilesPacked): sequence b's temporary rows (its
 // -LSE log2 e, D and dQacc tiles) start at a multiple of kDqSeqAlign at or after its packed
 // start, (start + b kDqSeqAlign) rounded down; the next sequence's start lies at least its rows

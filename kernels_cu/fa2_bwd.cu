@@ -197,9 +197,7 @@ CF_DEVICE void fa2_bwd_dq_swapped(const BwdParams& p) {
   float lo[8], hi[8];  // columns 16 group + k and + 8 + k
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    const int tid = 32 * (group % 4) + 4 * k + r % 8 / 2;
-    const float4 f = __ldg(reinterpret_cast<const float4*>(
-        tile + dq_swapped_fragment_bytes(group / 4, r / 8, tid) / 4));
+    const float4 f = __ldg(reinterpret_cast<const float4*>(tile + dq_swapped_float4(r, group, k)));
     lo[k] = r % 2 ? f.y : f.x;
     hi[k] = r % 2 ? f.w : f.z;
   }

@@ -15,6 +15,15 @@ sequence) against what both kernels need:
   key-block kernel adds into; every other temporary row is padding;
 * offsets that are bad (decreasing, negative, past the total: reported by prep) still map every
   row inside the packed total.
+
+And where a tile puts each (row, column) of dQ: a consumer warpgroup stages its accumulator a
+float4 per fragment (``dq_tile_fragment_bytes``; the 80-row steps' ``dq_swapped_fragment_bytes``)
+for one bulk reduce-add, and the dq conversion reads (row, column) back through ``dq_tile_pair``
+(64-row tiles) or ``dq_swapped_float4`` (80-row tiles, dQ^T on wgmma's M). Each reader is checked
+against every element the writer stages, with the accumulator layout wgmma.cuh states (thread
+32 w + lane, fragment j, element e holds M-row 16 w + lane / 4 + 8 (e / 2), N-column
+8 j + 2 (lane % 4) + e % 2): at d = 128 a 64-row tile's part c is its rows (M) x d's columns
+64 c .. (N); an 80-row tile's part c is d's columns 64 c .. (M) x its rows (N).
 """
 
 from __future__ import annotations
@@ -46,6 +55,11 @@ DRIVER = r"""
 #include "dq_tiles.cuh"
 
 extern "C" long long temp_start(int start, int batch) { return dq_seq_temp_start(start, batch); }
+extern "C" int tile_fragment_bytes(int part, int j, int tid) { return dq_tile_fragment_bytes(part, j, tid); }
+extern "C" int tile_pair(int row, int col) { return dq_tile_pair(row, col); }
+extern "C" int swapped_fragment_bytes(int part, int j, int tid) { return dq_swapped_fragment_bytes(part, j, tid); }
+extern "C" int swapped_float4(int row, int group, int k) { return dq_swapped_float4(row, group, k); }
+extern "C" int swapped_rows() { return kDqSwappedRows; }
 
 extern "C" void seq_of_rows(const int32_t* cu, int batch, int total, int rows, int* start, int* len, int* seq_row) {
   for (int r = 0; r < rows; ++r) {
@@ -127,3 +141,46 @@ def test_bad_offsets_stay_inside_the_packed_rows(library, cu):
     real = (seq_row >= 0) & (seq_row < length)
     packed = (start + seq_row)[real]
     assert ((packed >= 0) & (packed < total)).all()
+
+
+TILE_WIDTH = 128  # d = 128: two 64-column parts
+
+
+def staged(fragment_bytes, rows_on_m: bool, tile_rows: int) -> dict[tuple[int, int], int]:
+    """(row, column) -> the float the consumers stage it at, over both parts' 128 threads."""
+    where = {}
+    n_extent = TILE_WIDTH // 2 if rows_on_m else tile_rows  # the accumulator's N
+    for part in range(2):
+        for tid in range(128):
+            w, lane = divmod(tid, 32)
+            for j in range(n_extent // 8):
+                for e in range(4):
+                    m = 16 * w + lane // 4 + 8 * (e // 2)
+                    n = 8 * j + 2 * (lane % 4) + e % 2
+                    row, col = (m, 64 * part + n) if rows_on_m else (n, 64 * part + m)
+                    where[row, col] = fragment_bytes(part, j, tid) // 4 + e
+    return where
+
+
+def test_a_64_row_tile_s_pairs_are_where_the_consumers_stage_them(library):
+    where = staged(library.tile_fragment_bytes, rows_on_m=True, tile_rows=64)
+    assert sorted(where.values()) == list(range(64 * TILE_WIDTH))  # every float once
+    for (row, col), at in where.items():
+        if col % 2 == 0:  # a pair: (row, col) and (row, col + 1) in one float2
+            assert library.tile_pair(row, col) == at and where[row, col + 1] == at + 1, (row, col)
+
+
+def test_an_80_row_tile_s_floats_are_where_the_swapped_consumers_stage_them(library):
+    rows = library.swapped_rows()
+    assert rows == 80
+    where = staged(library.swapped_fragment_bytes, rows_on_m=False, tile_rows=rows)
+    assert sorted(where.values()) == list(range(rows * TILE_WIDTH))
+    # the dq conversion's float4 of columns 16 g + k and 16 g + 8 + k, rows r and r + 1 (r even)
+    for r in range(0, rows, 2):
+        for g in range(TILE_WIDTH // 16):
+            for k in range(8):
+                base = library.swapped_float4(r, g, k)
+                assert library.swapped_float4(r + 1, g, k) == base, (r, g, k)
+                first, second = 16 * g + k, 16 * g + 8 + k
+                got = [where[r, first], where[r + 1, first], where[r, second], where[r + 1, second]]
+                assert got == [base, base + 1, base + 2, base + 3], (r, g, k)
