@@ -764,12 +764,9 @@ def _fa3_bwd_dq_first(head_dim: int, softcap: bool) -> bool:
     return FA3_BWD_DQ_FIRST and head_dim == 128 and not FA3_BWD_LATE_EXP and not softcap
 
 
-def _fa3_bwd_rows80(head_dim: int, flags: MaskFlags, deterministic: bool, packed: bool, mods_source: str) -> bool:
-    """Whether the Hopper backward takes 80-row steps (FA3_BWD_ROWS80 where Fa3BwdSpec.rows80
-    applies: d = 128, a padded batch, no mask, window, score variant or fixed order)."""
-    plain = not (flags.causal or flags.local or flags.softcap or flags.alibi or mods_source)
-    ordered = _fa3_bwd_dq_first(head_dim, flags.softcap) and not (packed or deterministic or FA3_BWD_DECOUPLED)
-    return FA3_BWD_ROWS80 and head_dim == 128 and plain and ordered
+def _with_rows80(spec: Fa3BwdSpec) -> Fa3BwdSpec:
+    """``spec`` in 80-row steps where FA3_BWD_ROWS80 is on and its other fields allow them."""
+    return replace(spec, rows80=True) if FA3_BWD_ROWS80 and spec.rows80_applies else spec
 
 
 def fa3_bwd_spec(
@@ -791,29 +788,29 @@ def fa3_bwd_spec(
     # (the order before, and so dK before dQ): with them under dP^T its causal variants spilled
     # 4 bytes (tests/test_mods.py's sm_90a builds with CUPYFLASH_COMPILE_ALL=1).
     order_before = deterministic and bool(mods_source) and head_dim == 128
-    return Fa3BwdSpec(
+    return _with_rows80(Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
         varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP or order_before,
         dq_first=_fa3_bwd_dq_first(head_dim, flags.softcap) and not order_before,
-        rows80=_fa3_bwd_rows80(head_dim, flags, deterministic, packed, mods_source),
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
     """The Hopper backward's variants warmup compiles: every one but a score function's."""
     return [
-        Fa3BwdSpec(
-            dtype,
-            head_dim,
-            causal,
-            local,
-            softcap,
-            deterministic,
-            alibi=alibi,
-            varlen=varlen,
-            late_exp=FA3_BWD_LATE_EXP,
-            dq_first=_fa3_bwd_dq_first(head_dim, softcap),
-            rows80=_fa3_bwd_rows80(head_dim, MaskFlags(causal, local, softcap, alibi=alibi), deterministic, varlen, ""),
+        _with_rows80(
+            Fa3BwdSpec(
+                dtype,
+                head_dim,
+                causal,
+                local,
+                softcap,
+                deterministic,
+                alibi=alibi,
+                varlen=varlen,
+                late_exp=FA3_BWD_LATE_EXP,
+                dq_first=_fa3_bwd_dq_first(head_dim, softcap),
+            )
         )
         for head_dim in FA3_BWD_HEAD_DIMS
         for dtype in CUDA_ELEMENT_TYPES

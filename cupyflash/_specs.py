@@ -1029,18 +1029,7 @@ class Fa3BwdSpec(_KernelSpecBase):
             raise ValueError("dK after dQ (dq_first) is a d = 128 variant of the Hopper backward")
         if self.decoupled and self.deterministic:
             raise ValueError("the decoupled consumers take the default order of dQ's adds, not deterministic=True")
-        if self.rows80 and (
-            self.head_dim != 128
-            or self.causal
-            or self.local
-            or self.softcap
-            or self.alibi
-            or self.mods_source
-            or self.varlen
-            or self.deterministic
-            or self.decoupled
-            or not self.dq_first
-        ):
+        if self.rows80 and not self.rows80_applies:
             raise ValueError(
                 "80-row steps (rows80) are the Hopper backward's d = 128 variant of a padded batch without "
                 "a causal mask, window, softcap, ALiBi, score functions or deterministic=True, with dq_first"
@@ -1061,6 +1050,15 @@ class Fa3BwdSpec(_KernelSpecBase):
             ("dqf", self.dq_first),
             ("m80", self.rows80),
         )
+
+    @property
+    def rows80_applies(self) -> bool:
+        """Whether the other fields allow 80-row steps (fa3_bwd.cu's Dq_swapped static_assert):
+        d = 128 with dK after dQ, a padded batch, no causal mask, window, softcap, ALiBi, score
+        functions, fixed order or decoupled consumers."""
+        others = (self.causal, self.local, self.softcap, self.alibi, self.mods_source, self.varlen,
+                  self.deterministic, self.decoupled)  # fmt: skip
+        return self.head_dim == 128 and self.dq_first and not any(others)
 
     @property
     def block_m(self) -> int:

@@ -7,8 +7,9 @@
 // steps) shared by 3 warpgroups, each a function below:
 //   producer   (fa3_bwd_load) one thread loads K and V once, then for every step (a query head
 //              of the group and a block of query rows, 64 at d = 128 (80 without a causal
-//              mask or window) and 128 at d = 64 (Fa3BwdTraits::kBlockM), that sees the keys) Q and dO (TMA tiles) into a two-deep
-//              mbarrier ring (the rows' -LSE log2 e and D: each consumer loads its own copy).
+//              mask or window) and 128 at d = 64 (Fa3BwdTraits::kBlockM), that sees the keys)
+//              Q and dO (TMA tiles) into a two-deep mbarrier ring (the rows' -LSE log2 e and D:
+//              each consumer loads its own copy).
 //   consumers  (fa3_bwd_consume) consumer c owns keys 64 c .. 64 c + 63 of the block (the wgmma
 //              M rows); per step
 //     S^T = K_c Q^T,  dP^T = V_c dO^T        wgmma ss, every operand straight from its TMA tile
