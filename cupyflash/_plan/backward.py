@@ -232,6 +232,8 @@ def plan_backward(
         dq_step = KernelStep(dq_spec, dq_grid, (dq_spec.num_threads, 1, 1), dq_spec.smem_bytes)
     else:  # the accumulator the main kernel adds into, zeroed by prep, converted by the dq step
         convert = _dispatch.bwd_row_spec("dq", dtype, p.head_dim)  # rows of the tile's width
+        # (dq reads the 80-row tiles on its full d = 128 variant only: fa2_bwd.cu's dq_swapped path)
+        assert dq_tiled != DQ_TILES_SWAPPED or (convert.head_dim, convert.valid_dim) == (128, 0), convert
         temporaries += (Temporary("dq_accum", (temp_rows, convert.head_dim), "float32", params.slot("dq_accum")),)
         dq_step = KernelStep(convert, (convert.grid_x(row_count), batches, p.heads_q), row_block, 0)
         if hopper is not None and deterministic:  # its add count per 64-row tile, zeroed by prep
