@@ -207,9 +207,13 @@ FA3_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
     # Causal, three consumers taking turns in round robin on the dynamic schedule: 447 against 418
     # at N = 16384 in a tuning run (candidates in turn), the same ratio to cuDNN as this tile
     # (1.04-1.06x against 1.03-1.05x) with each tree in its own process
-    # (docs/evidence/2026-12-07-h100-session-8/), so this one stays.
+    # (docs/evidence/2026-12-07-h100-session-8/). Measured again beside FlashAttention-4
+    # (2026-12-07, H100, bf16 N = 16384 causal): this tile 390 TFLOP/s, cuDNN 416, FA4 479; the
+    # three consumers 1.035x cuDNN against this tile's 0.925x at 16384 and 0.975x against 0.927x
+    # at 4096 in a tuning run (docs/evidence/2026-12-07-h100-session-14/): they take over above
+    # the short calls (FA3_SHORT_FWD_TILES keeps this tile at N <= 2048: 0.869x against 0.908x).
     (64, False): Fa3Tile(128, consumers=3, stages=2),
-    (64, True): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
+    (64, True): Fa3Tile(128, consumers=3, stages=2, pingpong=True, dynamic=True),
     # ping-pong 437/568/604, causal 328/477/582 vs 425/545/600, 273/448/583 without; 176-key
     # blocks (O in the Q tile) 453/518/608, 304/471/574; causal dynamic 343/486/582 vs 315/489/576
     (128, False): Fa3Tile(128, stages=2, pingpong=True),
@@ -242,6 +246,7 @@ FA3_SHORT_SEQLEN = 2048
 # 2026-11-29-short-dynamic-probe).
 FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
     (64, False): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
+    (64, True): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
 }
 
 
@@ -258,6 +263,7 @@ FA3_MODS_MAX_HEAD_DIM = 128
 #: the same BlockMask (docs/evidence/2026-12-06-h100-session-7/).
 FA3_MODS_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
     (64, False): FA3_SHORT_FWD_TILES[(64, False)],
+    (64, True): FA3_SHORT_FWD_TILES[(64, True)],
     (128, False): Fa3Tile(128, stages=2, pingpong=True, dynamic=True),
 }
 

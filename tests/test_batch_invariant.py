@@ -240,7 +240,8 @@ def test_the_flag_survives_the_calls_copies(monkeypatch):
 def test_attention_routes_take_the_flag(monkeypatch):
     """attention: the decode route's batch-invariant kernel, the plan keyed by the flag, the
     Hopper and FA2 kernels unchanged by it, the naive baseline (cuBLAS) refusing it;
-    attention_varlen: the Hopper tile not chosen by max_seqlen_k (d = 64, no bound)."""
+    attention_varlen: the Hopper tile not chosen by max_seqlen_k (d = 64, with a bound or
+    without; d = 128 has no short-call tile)."""
     seen = _stub_gpu(monkeypatch)
     one = stand_in((4, 1, 32, 128), "bfloat16")
     keys = stand_in((4, 9000, 8, 128), "bfloat16")
@@ -266,9 +267,15 @@ def test_attention_routes_take_the_flag(monkeypatch):
     assert general.tile == _dispatch.FA3_FWD_TILES[(64, False)]
     cupyflash.attention_varlen(q, packed, packed, cu, cu, 1500, 4000, batch_invariant=True)
     assert _specs(seen[-1])[-1] == general  # whatever the batch's longest sequence
-    causal = [cupyflash.attention_varlen(q, packed, packed, cu, cu, 1500, 1500, causal=True, batch_invariant=flag)
-              for flag in (False, True)]  # fmt: skip
-    assert causal and _specs(seen[-1]) == _specs(seen[-2])  # other tiles: not chosen by the batch anyway
+    for flag in (False, True):
+        cupyflash.attention_varlen(q, packed, packed, cu, cu, 1500, 1500, causal=True, batch_invariant=flag)
+    short, general = _specs(seen[-2])[-1], _specs(seen[-1])[-1]  # causal d = 64 has a short-call tile too
+    assert short.tile == _dispatch.FA3_SHORT_FWD_TILES[(64, True)] and short.causal
+    assert general.tile == _dispatch.FA3_FWD_TILES[(64, True)] and general.causal
+    prefill = stand_in((3000, 8, 128), "bfloat16")  # d = 128: no short-call tile, the flag changes nothing
+    for flag in (False, True):
+        cupyflash.attention_varlen(prefill, prefill, prefill, cu, cu, 1500, 1500, batch_invariant=flag)
+    assert _specs(seen[-1]) == _specs(seen[-2])
 
 
 # ---------------------------------------------------------------------------------------------

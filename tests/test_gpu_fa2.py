@@ -107,7 +107,7 @@ MANY_TILES = [
     (64, False, 2, 1001, 16, 4, "bfloat16"),  # the short-call tile: ping-pong, dynamic schedule
     (64, False, 2, 2100, 13, 1, "float16"),  # three consumers, static schedule
     (64, True, 2, 1001, 16, 4, "bfloat16"),
-    (64, True, 2, 2100, 13, 1, "bfloat16"),  # past the short call: ping-pong, dynamic schedule
+    (64, True, 2, 2100, 13, 1, "bfloat16"),  # past the short call: three in round robin, dynamic
     (128, False, 2, 1001, 20, 4, "bfloat16"),  # 8 key blocks a tile
     (128, False, 1, 2000, 18, 6, "float16"),  # 16 key blocks a tile
     (128, True, 2, 1001, 16, 4, "bfloat16"),
