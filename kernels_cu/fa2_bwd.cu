@@ -789,7 +789,7 @@ CF_DEVICE void fa2_bwd_dq_blocks(const BwdParams& p) {
   int n_begin = mask.n_block_begin();
   int n_end = mask.n_block_end();
   if constexpr (Traits::Has_user_mods)  // a BlockMask's shown keys bound the loop too
-    block_mask_key_blocks<kBlockM, kBlockN>(a, batch, head, row_block0, n_begin, n_end);
+    block_mask_key_blocks<kBlockM, kBlockN>(a, batch, head, row_block0, seqlen_q, n_begin, n_end);
 
   const int64_t q_row0 = rows_q.start + row_block0;
   const auto* g_q = static_cast<const Element*>(a.q_ptr) + batch * a.q_batch_stride +

@@ -250,7 +250,8 @@ CF_DEVICE bool fa2_fwd_block(const AttnParams& params, int m_block, int batch, i
   int n_begin = mask.n_block_begin();
   int n_end = mask.n_block_end();
   if constexpr (Traits::Has_user_mods)  // a BlockMask's shown keys bound the loop too
-    block_mask_key_blocks<kBlockM, kBlockN>(params, batch, head, row_block0, n_begin, n_end);
+    block_mask_key_blocks<kBlockM, kBlockN>(params, batch, head, row_block0, seqlen_q, n_begin,
+                                            n_end);
 
   const int64_t q_row0 = rows_q.start + row_block0;  // first query row of the block
   const Element* g_q = static_cast<const Element*>(params.q_ptr) + batch * params.q_batch_stride +

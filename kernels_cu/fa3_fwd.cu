@@ -101,10 +101,11 @@ struct Fa3FwdTraits {
   // Q K^T is on the tensor cores, instead of between the two: that needs the next tile's Q
   // loaded before this tile's O leaves, so a buffer for each. Three consumers (160 registers)
   // fit it at d = 64 over padded batches without softcap (sm_90a: no spill, no serialised
-  // wgmma; packed sequences spilled 20 bytes, softcap with them or with ALiBi 64-92); at d = 128
-  // ptxas serialised every wgmma of the kernel to fit the epilogue beside S.
+  // wgmma; packed sequences spilled 20 bytes, softcap with them or with ALiBi 64-92; a user
+  // score_mod 40 bytes more than without the overlap); at d = 128 ptxas serialised every wgmma
+  // of the kernel to fit the epilogue beside S.
   static constexpr bool Three_consumers_fit =
-      kConsumers_ == 3 && kHeadDim_ <= 64 && !Has_softcap_ && !Varlen_;
+      kConsumers_ == 3 && kHeadDim_ <= 64 && !Has_softcap_ && !Varlen_ && !User_mods_;
   static constexpr bool Overlap_epilogue = Separate_o && (kConsumers_ == 2 || Three_consumers_fit);
   // The consumers take turns issuing their wgmmas (FlashAttention-3's ping-pong with two; with
   // three, round robin as FlashAttention-3's warp-scheduler barriers do), so one's softmax runs
@@ -353,8 +354,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     // need the producer and both consumers to walk one list of blocks through the K/V ring (the
     // FA2 kernel, algorithm="fa2", skips every hidden block).
     if constexpr (Traits::User_mods)
-      block_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head, row_block0, n_begin,
-                                              n_end);
+      block_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head, row_block0, rows.q.len,
+                                              n_begin, n_end);
     const int n_blocks = max(n_end - n_begin, 0);
     // The score variant of this tile's (batch, head): a user function reads them.
     const typename Traits::Transform transform(params, tile.batch, tile.head,

@@ -45,7 +45,7 @@ struct Fa3Producer {
     int n_end = mask.n_block_end();
     if constexpr (Traits::User_mods)  // a BlockMask's shown keys, as the consumers bound them
       block_mask_key_blocks<kBlockM, kBlockN>(params, tile.batch, tile.head, tile.m_block * kBlockM,
-                                              n_begin, n_end);
+                                              rows.q.len, n_begin, n_end);
     mbar_arrive_expect_tx(smem.q_full(qb), Traits::kQBytes);
     tma_load_rows<Traits::kColBlocks, kBlockM, Traits::kInColBlockElems>(
         smem.q(qb), p.q_map, smem.q_full(qb), rows.q.start + tile.m_block * kBlockM, tile.head,

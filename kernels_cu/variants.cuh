@@ -163,17 +163,29 @@ CF_DEVICE int mask_tile_state(const AttnParams& p, int batch, int head, int row0
 // Hopper producer's 24 registers hold (a loop over cells spilled 36-40 bytes there). CTA-uniform.
 constexpr int kMaskRangeBlock = 128;
 
-// The key blocks [n_begin, n_end) of the kBlockM query rows from row0 of query head `head`: only
-// those holding a key that some row of the tile's range block sees.
+// The key blocks [n_begin, n_end) of the kBlockM query rows from row0 of query head `head` (of
+// `rows` query rows): only those holding a key that some row of the tile's range blocks sees.
 template <int kBlockM, int kBlockN>
-CF_DEVICE void block_mask_key_blocks(const AttnParams& p, int batch, int head, int row0,
+CF_DEVICE void block_mask_key_blocks(const AttnParams& p, int batch, int head, int row0, int rows,
                                      int& n_begin, int& n_end) {
-  static_assert(kMaskRangeBlock % kBlockM == 0, "a tile lies in one range block");
+  static_assert(
+      kMaskRangeBlock % kBlockM == 0 || (kBlockM % 64 == 0 && kBlockM <= kMaskRangeBlock + 64),
+      "a tile lies in one range block, or (64-row parts from a multiple of 64) in two");
   if (p.mask_key_ranges == nullptr) return;
-  const int2 keys = __ldg(reinterpret_cast<const int2*>(p.mask_key_ranges +
-                                                        batch * p.mask_key_ranges_batch_stride +
-                                                        head * p.mask_key_ranges_head_stride) +
-                          row0 / kMaskRangeBlock);
+  const int2* ranges =
+      reinterpret_cast<const int2*>(p.mask_key_ranges + batch * p.mask_key_ranges_batch_stride +
+                                    head * p.mask_key_ranges_head_stride);
+  int2 keys = __ldg(ranges + row0 / kMaskRangeBlock);
+  if constexpr (kMaskRangeBlock % kBlockM != 0) {
+    // A tile of three 64-row parts (192 rows from a multiple of 192) spans two range blocks:
+    // the keys either one's rows see (the second only where a row of the tile is in it: the
+    // ranges cover the mask's rows, not a last tile's padding).
+    const int2 last = __ldg(ranges + (min(row0 + kBlockM, rows) - 1) / kMaskRangeBlock);
+    if (keys.x >= keys.y)
+      keys = last;
+    else if (last.x < last.y)
+      keys = make_int2(min(keys.x, last.x), max(keys.y, last.y));
+  }
   if (keys.x >= keys.y) {  // every key hidden from every row
     n_end = n_begin;
     return;

@@ -284,10 +284,16 @@ def tune_fa3(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 # The two-consumer tiles, static and dynamic: a mask function makes tiles uneven (a document
 # mask's rows see their own document's keys), which a persistent CTA on a static stride does not
-# balance. (Three consumers spilled a score_mod's hook at d = 64, and their 192 rows do not divide
-# a BlockMask's 128-row range block.)
+# balance. At d = 64 three consumers in round robin too, as the built-in options run there: their
+# 192-row tiles read two of a BlockMask's 128-row range blocks; some functions' builds spill
+# (sm_90a, at 160 registers a consumer: ALiBi 88-108 bytes, softcap 76-92, a gathered bias 284,
+# a document mask 4-12; index arithmetic alone none), which each row's spill_bytes reports.
 MODS_CANDIDATES = {
-    64: [Fa3Tile(128, 2, 4, pingpong=True, dynamic=True), Fa3Tile(128, 2, 4, pingpong=True)],
+    64: [
+        Fa3Tile(128, 2, 4, pingpong=True, dynamic=True),
+        Fa3Tile(128, 2, 4, pingpong=True),
+        Fa3Tile(128, consumers=3, stages=2, pingpong=True, dynamic=True),
+    ],
     128: [Fa3Tile(128, pingpong=True), Fa3Tile(128, pingpong=True, dynamic=True)],
 }
 
