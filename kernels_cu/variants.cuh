@@ -184,7 +184,7 @@ CF_DEVICE void block_mask_key_blocks(const AttnParams& p, int batch, int head, i
     if (keys.x >= keys.y)
       keys = last;
     else if (last.x < last.y)
-      keys = make_int2(min(keys.x, last.x), max(keys.y, last.y));
+      keys.x = min(keys.x, last.x), keys.y = max(keys.y, last.y);
   }
   if (keys.x >= keys.y) {  // every key hidden from every row
     n_end = n_begin;

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BOUND, capture, need_torch, rel_error
+from helpers import BOUND, capture, need_torch, rel_error, three_consumer_mods_tiles
 
 import cupyflash
 from cupyflash import reference
@@ -168,6 +168,15 @@ def test_key_ids_read_ahead_give_the_same_bits(rng, dtype, head_dim, monkeypatch
         _plan.clear_caches()
     for (out, lse), (out_ahead, lse_ahead) in zip(runs[False], runs[True], strict=True):
         assert torch.equal(out, out_ahead) and torch.equal(lse, lse_ahead)
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}], ids=str)
+def test_forward_with_a_block_mask_on_three_consumers(rng, options, monkeypatch):
+    """test_forward_with_a_block_mask at d = 64 on the Hopper forward's 192-row tiles (three
+    consumers in round robin; a tuning candidate for score functions): each tile bounded by the
+    two 128-row range blocks its rows span, the last tile's by its rows alone."""
+    three_consumer_mods_tiles(monkeypatch)
+    test_forward_with_a_block_mask(rng, options, "float16", 64, "auto")
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

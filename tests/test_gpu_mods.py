@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BOUND, need_torch, rel_error
+from helpers import BOUND, need_torch, rel_error, three_consumer_mods_tiles
 
 import cupyflash
 from cupyflash import mods, reference
@@ -63,6 +63,16 @@ def test_functions_match_the_host_path(rng, options, dtype, head_dim, algorithm)
         np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=2e-2, err_msg=name)
         if name == "hides-rows":  # rows that see no key: output 0 (not NaN), LSE -inf
             assert (reference.to_numpy64(out)[:, ::5] == 0).all()
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (50, 9)}], ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_functions_on_three_consumers_match_the_host_path(rng, options, dtype, monkeypatch):
+    """test_functions_match_the_host_path at d = 64 on the Hopper forward's 192-row tiles (three
+    consumers in round robin; a tuning candidate for score functions): a tile's rows past the
+    sequence, every function."""
+    three_consumer_mods_tiles(monkeypatch)
+    test_functions_match_the_host_path(rng, options, dtype, 64, "auto")
 
 
 def test_cupy_inputs_and_nan(rng):

@@ -478,3 +478,67 @@ def test_an_index_difference_converted_by_parts_is_the_integer_s_float(tmp_path)
         for a, b in zip(got, outputs[0], strict=True):
             np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     _same(outputs[0][0], _expected(score_mod, None, values)[0], "ints against the host path", exact=False)
+
+
+RANGES_DRIVER = r"""
+// block_mask_key_blocks for one tile of kBlockM rows from row0 (of `rows`): the key blocks
+// [n_begin, n_end) of a tile whose mask bounds gave [0, n_blocks), in out[0], out[1].
+template <int kBlockM>
+static void ranges_of(const int32_t* ranges, int row0, int rows, int n_blocks, int* out) {
+  AttnParams p{};
+  p.mask_key_ranges = ranges;
+  int n_begin = 0, n_end = n_blocks;
+  block_mask_key_blocks<kBlockM, 128>(p, 0, 0, row0, rows, n_begin, n_end);
+  out[0] = n_begin;
+  out[1] = n_end;
+}
+extern "C" void cf_key_blocks(const int32_t* ranges, int block_m, int row0, int rows, int n_blocks, int* out) {
+  if (block_m == 64) ranges_of<64>(ranges, row0, rows, n_blocks, out);
+  if (block_m == 128) ranges_of<128>(ranges, row0, rows, n_blocks, out);
+  if (block_m == 192) ranges_of<192>(ranges, row0, rows, n_blocks, out);
+}
+"""
+
+
+def test_a_tile_s_key_blocks_cover_every_key_its_rows_see(tmp_path):
+    """variants.cuh's block_mask_key_blocks (a BlockMask's keys per 128 query rows bounding a
+    tile's loop), built on the host, for the kernels' 64-, 128- and 192-row tiles (the last,
+    three consumers, spans two range blocks): the key blocks from the first that holds a key some
+    row of the tile sees to the last, none where its rows see none; a last tile's padding rows
+    read no range past the mask's rows (the ranges end there, at an unreadable page)."""
+    from cupyflash import _source
+
+    kernel_dir = _source.kernel_dir()
+    variants = (kernel_dir / "variants.cuh").read_text()
+    variants = "\n".join(line for line in variants.splitlines() if not line.startswith(("#pragma once", "#include")))
+    (tmp_path / "common.cuh").write_text(HOST_COMMON)
+    (tmp_path / "params.cuh").write_text((kernel_dir / "params.cuh").read_text())
+    source = "\n".join(['#include "common.cuh"', '#include "params.cuh"', variants, RANGES_DRIVER])
+    flags = ("-Wno-unused-variable", "-Wno-unused-function", "-Wno-unknown-pragmas", f"-I{tmp_path}")
+    run = host_library(source, tmp_path, *flags).cf_key_blocks
+    run.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 4, ctypes.c_void_p]
+    rng = np.random.default_rng(21)
+    checked = 0
+    for rows in (64, 129, 200, 300, 383, 384, 1000):
+        range_blocks = -(-rows // 128)
+        keys = 3000
+        for _ in range(20):
+            first = rng.integers(0, keys, range_blocks)
+            end = np.minimum(first + rng.integers(1, 1500, range_blocks), keys)
+            empty = rng.random(range_blocks) < 0.3
+            first[empty], end[empty] = 0, 0
+            table = np.stack([first, end], -1).astype(np.int32)
+            ranges = _guarded(table)
+            for block_m in (64, 128, 192):
+                for row0 in range(0, rows, block_m):
+                    out = np.zeros(2, np.int32)
+                    run(ranges.ctypes.data, block_m, row0, rows, 24, out.ctypes.data)
+                    blocks = range(row0 // 128, (min(row0 + block_m, rows) - 1) // 128 + 1)
+                    seen = [(table[r, 0], table[r, 1]) for r in blocks if table[r, 0] < table[r, 1]]
+                    if not seen:
+                        assert out[1] <= out[0], (rows, block_m, row0)
+                    else:
+                        lo, hi = min(s[0] for s in seen), max(s[1] for s in seen)
+                        assert tuple(out) == (lo // 128, min(24, -(-hi // 128))), (rows, block_m, row0)
+                    checked += 1
+    assert checked > 1000
