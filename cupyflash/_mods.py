@@ -1279,12 +1279,17 @@ def kernel_mods(score_mod: Mod | None, mask_mod: Mod | None, tiles: str = "", gr
     # whether the Hopper forward reads each key's part ahead of the scores (READ_KEYS_AHEAD)
     key_words = 0 if mask_mod is None else _key_read_words(mask_mod)
     keys_ahead = "true" if READ_KEYS_AHEAD and score_mod is None and key_words == 1 else "false"
+    # whether a function reads a captured array at an index of q_idx or kv_idx (a bias table's
+    # value, a document id): where none does, the scores past the sequence need no guard
+    # (variants.cuh's PastUnguarded)
+    by_index = _reads_by_index_any(score_mod, mask_mod)
     parts = [
         CUDA_HELPERS,
         f"constexpr bool cf_user_has_score_mod = {has_score};\n",
         f"constexpr bool cf_user_has_mask_mod = {has_mask};\n",
         f"constexpr bool cf_user_grad_is_one = {grad_is_one};\n",
         f"constexpr bool cf_user_keys_ahead = {keys_ahead};\n",
+        f"constexpr bool cf_user_reads_by_index = {'true' if by_index else 'false'};\n",
     ]
     call: dict[str, str] = {}
     heads: list[str] = []
@@ -1379,6 +1384,17 @@ def _key_read_words(mod: Mod) -> int:
     depends = _dependencies(mod.expr)
     reads = (e for e in _nodes(mod.expr) if e.op == "index" and depends[id(e)] == _ON_KEY)
     return sum(2 if e.args[0].args[0].dtype in ("float64", "int64") else 1 for e in reads)
+
+
+def _reads_by_index_any(*functions: Mod | None) -> bool:
+    """Whether one of ``functions`` reads a captured array at an index that depends on q_idx or
+    kv_idx (not on b and h alone: ALiBi's slope is read once per tile)."""
+    for mod in functions:
+        if mod is not None:
+            depends = _dependencies(mod.expr)
+            if any(e.op == "index" and depends[id(e)] & (_ON_ROW | _ON_KEY) for e in _nodes(mod.expr)):
+                return True
+    return False
 
 
 def _buffer_specs(root: Expr) -> list[BufferSpec]:

@@ -134,6 +134,11 @@ struct Fa3FwdTraits {
   // The score functions' per-row and per-key parts read ahead of the scores (variants.cuh's
   // PartsAhead): where a key's part is a gather, its loads run under the Q K^T wgmma.
   static constexpr bool Parts_ahead = KeysAhead<Transform>::value;
+  // Functions that read no captured array by row or key applied past the sequence too, with no
+  // branch per score (variants.cuh's PastUnguarded): on three consumers, whose 160 registers
+  // the branches overran; the two-consumer tiles' code as it was until timed.
+  static constexpr bool Mods_past_unguarded =
+      User_mods_ && kConsumers_ == 3 && !ReadsByIndex<Transform>::value;
   // The online softmax of a warp's 16 rows (named here, where the Traits are instantiated: a
   // member of type OnlineSoftmax<1> would instantiate it at its definition, which reorders the
   // symbols of the cubin).
@@ -422,6 +427,10 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
         if constexpr (Traits::Parts_ahead)
           user_mods_by_state_ahead(transform, state, s, row_block0 + warp_row0, n_block * kBlockN,
                                    lane, parts);
+        else if constexpr (Traits::Mods_past_unguarded)
+          user_mods_by_state</*Transposed=*/false>(
+              PastUnguarded<typename Traits::Transform>(transform), state, s,
+              row_block0 + warp_row0, n_block * kBlockN, lane);
         else
           user_mods_by_state</*Transposed=*/false>(transform, state, s, row_block0 + warp_row0,
                                                    n_block * kBlockN, lane);

@@ -325,6 +325,8 @@ struct UserMods {
   // whose key part is one 32-bit read, a document id, 32 registers a thread (_mods.py's
   // READ_KEYS_AHEAD says when). A part of index arithmetic alone (ALiBi's) has no load to hide.
   static constexpr bool kKeysAhead = cf_user_keys_ahead;
+  // Neither function reads a captured array at an index of the row or the key (PastUnguarded).
+  static constexpr bool kReadsByIndex = cf_user_reads_by_index;
   const AttnParams& params;
   int batch, head, rows, keys;
   CfUserModsState state;
@@ -382,6 +384,26 @@ struct SelectScoreTransform<Element, false, false, kUserMods> {
   using type = UserMods;
 };
 #endif
+
+// A forward's score functions applied past the sequence too, with no branch per score, where
+// they read no captured array by row or key (UserMods::kReadsByIndex false): the key mask hides
+// the keys past the sequence after them, no row past it is stored, and no read needs keeping
+// inside an array. (Not in a backward: there a row past the sequence meets dO's zeros, and a
+// NaN of the function's would reach dK and dV.) At d = 64 on three consumers the branches cost
+// ALiBi's score_mod 108 bytes of spill (sm_90a, 160 registers a consumer); none without them.
+template <typename Transform, typename = void>
+struct ReadsByIndex {
+  static constexpr bool value = true;
+};
+template <typename Transform>
+struct ReadsByIndex<Transform, decltype(void(Transform::kReadsByIndex))> {
+  static constexpr bool value = Transform::kReadsByIndex;
+};
+template <typename Mods>
+struct PastUnguarded : Mods {
+  CF_DEVICE explicit PastUnguarded(const Mods& mods) : Mods(mods) {}
+  CF_DEVICE bool inside(int /*row*/, int /*key*/) const { return true; }
+};
 
 // The class of a tile of mask_mod's, without a BlockMask: cupyflash/_mod_tiles.py reads the
 // traced mask over the tile's rows and keys as intervals (cf_user_mask_tile: hidden, plain or

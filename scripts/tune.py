@@ -286,8 +286,9 @@ def tune_fa3(args: argparse.Namespace) -> list[dict[str, Any]]:
 # mask's rows see their own document's keys), which a persistent CTA on a static stride does not
 # balance. At d = 64 three consumers in round robin too, as the built-in options run there: their
 # 192-row tiles read two of a BlockMask's 128-row range blocks; some functions' builds spill
-# (sm_90a, at 160 registers a consumer: ALiBi 88-108 bytes, softcap 76-92, a gathered bias 284,
-# a document mask 4-12; index arithmetic alone none), which each row's spill_bytes reports.
+# (sm_90a, at 160 registers a consumer: softcap 12-20 bytes, a gathered bias 284, a document mask
+# 4-12; ALiBi and index arithmetic none, applied past the sequence with no branch per score),
+# which each row's spill_bytes reports.
 MODS_CANDIDATES = {
     64: [
         Fa3Tile(128, 2, 4, pingpong=True, dynamic=True),

@@ -762,6 +762,38 @@ def test_only_a_mask_with_one_read_per_key_reads_it_ahead(monkeypatch):
         assert not build.spill_bytes and not build.warnings, (head_dim, build.spill_bytes, build.warnings)
 
 
+def test_functions_reading_nothing_by_index_run_unguarded_on_three_consumers():
+    """cf_user_reads_by_index: whether a function reads a captured array at an index of q_idx or
+    kv_idx (a per-head slope does not). Where neither does, the Hopper forward's three-consumer
+    d = 64 tile applies them past the sequence too (variants.cuh's PastUnguarded), and ALiBi, a
+    relative position and index masks build for sm_90a with no spill and no warning there, as
+    the tile's 160 registers a consumer did not hold with a branch per score (88-108 bytes)."""
+    from helpers import FULL
+
+    from cupyflash import _kernels
+    from cupyflash._specs import Fa3FwdSpec, Fa3Tile
+
+    slopes, bias, doc = np.zeros(8, np.float32), np.zeros((8, 4096), np.float32), np.zeros(4096, np.int32)
+    grid = _mods.Grid(2, 8, 4096, 4096)
+    reads = {
+        "alibi": (lambda s, b, h, i, j: s - slopes[h] * mods.abs(i - j), None, False),
+        "relative": (lambda s, b, h, i, j: s + 0.01 * (i - j), None, False),
+        "chunks": (None, lambda b, h, i, j: (i // 64) == (j // 64), False),
+        "bias": (lambda s, b, h, i, j: s + bias[h, j], None, True),
+        "document": (None, lambda b, h, i, j: doc[i] == doc[j], True),
+    }
+    tile = Fa3Tile(128, consumers=3, stages=2, pingpong=True, dynamic=True)
+    for name, (score, mask, by_index) in reads.items():
+        score_mod = None if score is None else _mods.trace_score_mod(score)
+        source = _mods.kernel_mods(score_mod, None if mask is None else _mods.trace_mask_mod(mask), grid=grid).source
+        assert f"cf_user_reads_by_index = {'true' if by_index else 'false'};" in source, name
+        if not by_index and (FULL or name == "alibi"):
+            for causal in (False, True) if FULL else (False,):
+                spec = Fa3FwdSpec("bfloat16", 64, tile, causal, False, False, False, 0, mods_source=source)
+                build = _kernels.compile_offline(spec, "sm_90a")
+                assert not build.spill_bytes and not build.warnings, (name, causal, build.spill_bytes, build.warnings)
+
+
 def test_the_hook_compiles_cleanly_for_every_arch():
     """The FA2 forward with generated functions (a 2-D and a 1-D captured array, both functions,
     a float-only score function, a mask of indices only) at both tile shapes, causal or not, in

@@ -368,7 +368,7 @@ extern "C" int cf_tiles_{n}(const void* const* buffers, const int64_t* strides, 
   p.seqlen_k = seqlen_k;
   p.mod_score_scale = scale;
   const UserMods mods(p, b, h, 0);
-  int bad = 0;
+  int bad = 0, unguarded_checked = 0;
   auto random_score = [&] {{ seed = seed * 1664525u + 1013904223u; return ((int)(seed >> 8) % 4000) / 100.f - 20.f; }};
   for (int lane = 0; lane < 32; ++lane) {{
     float s[kMTiles][kNTiles][4], want[kMTiles][kNTiles][4];
@@ -377,9 +377,21 @@ extern "C" int cf_tiles_{n}(const void* const* buffers, const int64_t* strides, 
       const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2), key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
       want[mt][nt][e] = one(mods, state, s[mt][nt][e], row, key);
     }}
+    float u[kMTiles][kNTiles][4];
+    std::memcpy(u, s, sizeof(s));
     user_mods_by_state</*Transposed=*/false>(mods, state, s, row0, key0, lane);
     for (int mt = 0; mt < kMTiles; ++mt) for (int nt = 0; nt < kNTiles; ++nt) for (int e = 0; e < 4; ++e)
       bad += !same(s[mt][nt][e], want[mt][nt][e]);
+    // the Hopper forward's loop without the guard (functions that read nothing by row or key):
+    // the same inside the sequence
+    if (!UserMods::kReadsByIndex) {{
+      user_mods_by_state</*Transposed=*/false>(PastUnguarded<UserMods>(mods), state, u, row0, key0, lane);
+      for (int mt = 0; mt < kMTiles; ++mt) for (int nt = 0; nt < kNTiles; ++nt) for (int e = 0; e < 4; ++e) {{
+        const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2), key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+        if (row < seqlen_q && key < seqlen_k) bad += !same(u[mt][nt][e], want[mt][nt][e]);
+      }}
+      unguarded_checked += 1;
+    }}
     float t[1][kNTiles][4], want_t[1][kNTiles][4];
     for (int nt = 0; nt < kNTiles; ++nt) for (int e = 0; e < 4; ++e) {{
       t[0][nt][e] = random_score();
@@ -389,7 +401,7 @@ extern "C" int cf_tiles_{n}(const void* const* buffers, const int64_t* strides, 
     user_mods_by_state</*Transposed=*/true>(mods, state, t, row0, key0, lane);
     for (int nt = 0; nt < kNTiles; ++nt) for (int e = 0; e < 4; ++e) bad += !same(t[0][nt][e], want_t[0][nt][e]);
   }}
-  return bad;
+  return bad + (unguarded_checked ? 1 << 20 : 0);  // (bit 20: the unguarded loop ran)
 }}
 }}
 """
@@ -436,6 +448,9 @@ def test_the_kernels_tile_loops_match_the_hook_score_by_score(tmp_path):
                 for state in (1, 2):  # mixed, plain (kMaskCellMixed, kMaskCellPlain)
                     for b, h in ((0, 0), (1, 3)):
                         bad = run(buffers, strides, seqlen_q, seqlen_k, 0.37, b, h, row0, key0, state, 7 + row0)
+                        unguarded = bad >> 20  # functions reading nothing by row or key: PastUnguarded too
+                        assert unguarded == (not _mods._reads_by_index_any(score_mod, mask_mod)), name
+                        bad &= (1 << 20) - 1
                         assert bad == 0, f"{name}: {bad} scores differ (Nq {seqlen_q}, Nk {seqlen_k}, {row0}, {key0})"
                         checked += 1
     assert checked == len(traced) * 24

@@ -4,10 +4,11 @@
 # three and FlexAttention's 1408, H100, N = 4k; a document mask 3313 against FlexAttention's
 # 2485 at 16k): the tile's GPU tests (every function of tests/test_gpu_mods.py and the block
 # masks, whose 192-row tiles span two 128-row range blocks), then scripts/tune.py mods over d = 64's
-# candidates beside FlexAttention (each candidate's rows report its builds' spill: ALiBi 88-108
-# bytes, softcap 76-92, a gathered bias 284, a document mask 4-12, offline). Predicted: ALiBi and
-# softcap 10-20% faster than on two consumers despite their spills (L1-resident, ~16 local
-# accesses a 64 x 128 block), the document mask 5-15%.
+# candidates beside FlexAttention (each candidate's rows report its builds' spill, offline:
+# ALiBi none (functions reading nothing by row or key run unguarded past the sequence there),
+# softcap 12-20 bytes, a document mask 4-12, a gathered bias 284). Predicted: ALiBi 15-20% faster
+# than on two consumers (as the built-in ALiBi's 1526 us against 1937), softcap 5-15%, the
+# document mask 5-15%.
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_mods_three.sh [SECONDS]
 #   carry: .whl
 set -uo pipefail
