@@ -385,12 +385,8 @@ struct SelectScoreTransform<Element, false, false, kUserMods> {
 };
 #endif
 
-// A forward's score functions applied past the sequence too, with no branch per score, where
-// they read no captured array by row or key (UserMods::kReadsByIndex false): the key mask hides
-// the keys past the sequence after them, no row past it is stored, and no read needs keeping
-// inside an array. (Not in a backward: there a row past the sequence meets dO's zeros, and a
-// NaN of the function's would reach dK and dV.) At d = 64 on three consumers the branches cost
-// ALiBi's score_mod 108 bytes of spill (sm_90a, 160 registers a consumer); none without them.
+// A transform that reads a captured array at an index of the row or the key (UserMods'
+// kReadsByIndex; any other transform is taken to).
 template <typename Transform, typename = void>
 struct ReadsByIndex {
   static constexpr bool value = true;
@@ -399,6 +395,13 @@ template <typename Transform>
 struct ReadsByIndex<Transform, decltype(void(Transform::kReadsByIndex))> {
   static constexpr bool value = Transform::kReadsByIndex;
 };
+
+// A forward's score functions applied past the sequence too, with no branch per score, where
+// they read no captured array by row or key (!ReadsByIndex): the key mask hides the keys past
+// the sequence after them, no row past it is stored, and no read needs keeping inside an array.
+// (Not in a backward: there a row past the sequence meets dO's zeros, and a NaN of the
+// function's would reach dK and dV.) At d = 64 on three consumers the branches cost ALiBi's
+// score_mod 108 bytes of spill (sm_90a, 160 registers a consumer); none without them.
 template <typename Mods>
 struct PastUnguarded : Mods {
   CF_DEVICE explicit PastUnguarded(const Mods& mods) : Mods(mods) {}
