@@ -76,14 +76,7 @@ def poison_gpu_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_launch, "POISON_OUTPUTS", True)
 
 
-@pytest.fixture(autouse=True)
-def release_cached_gpu_memory(request: pytest.FixtureRequest):
-    """After each GPU test, the memory PyTorch's and CuPy's allocators keep cached is given back:
-    a worker otherwise holds its largest tests' float64 references (a 15-worker run on one H100
-    had one worker at 61 GiB and 195 of its tests failing for memory, 2026-12-07)."""
-    yield
-    if request.node.get_closest_marker("gpu") is None:
-        return
+def _release_cached_gpu_memory() -> None:
     import sys
 
     torch = sys.modules.get("torch")
@@ -92,6 +85,39 @@ def release_cached_gpu_memory(request: pytest.FixtureRequest):
     cupy = sys.modules.get("cupy")
     if cupy is not None:
         cupy.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory(request: pytest.FixtureRequest):
+    """After each GPU test, the memory PyTorch's and CuPy's allocators keep cached is given back:
+    a worker otherwise holds its largest tests' float64 references (a 15-worker run on one H100
+    had one worker at 61 GiB and 195 of its tests failing for memory, 2026-12-07)."""
+    yield
+    if request.node.get_closest_marker("gpu") is not None:
+        _release_cached_gpu_memory()
+
+
+@pytest.fixture(autouse=True)
+def one_gpu_memory_test_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Tests marked gpu_memory (tens of GiB of GPU memory each) run one at a time across
+    pytest-xdist's workers: each holds a lock file in the run's shared temporary folder, and gives
+    its cached memory back before letting go. Two of them side by side ran an H100 out of memory
+    (2026-12-07: the batch-invariant decode's two caches, up to 64 x 45k tokens each, beside a
+    worker at 60 GiB)."""
+    if request.node.get_closest_marker("gpu_memory") is None:
+        yield
+        return
+    import fcntl
+
+    lock_path = tmp_path_factory.getbasetemp().parent / "cupyflash-gpu-memory.lock"  # (the workers' common parent)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if request.node.get_closest_marker("gpu") is not None:
+                _release_cached_gpu_memory()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture

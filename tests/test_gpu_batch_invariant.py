@@ -100,6 +100,7 @@ def _call(q, k, v, seqlens, scales, rows, table=None, index=None):
     )  # fmt: skip
 
 
+@pytest.mark.gpu_memory  # (caches up to 64 x 45k tokens, paged copies beside them)
 @pytest.mark.parametrize("cache", ["bf16", "e4m3"])
 def test_each_sequence_is_bit_identical_alone_and_anywhere_in_the_batch(rng, cache):
     """20 random batches (B 1..64, lengths 1..40k, GQA 32/8, d = 128, bf16 q; contiguous with
