@@ -435,28 +435,19 @@ CF_DEVICE void fa3_bwd_load(const Fa3BwdSmem<Traits>& smem, const Fa3BwdParams& 
   mbar_arrive_expect_tx(smem.kv_full(), 2 * Traits::kKVBytes);
   // K and V, then the steps' Q and dO through the ring (hopper.cuh's RingUse: the forward's K / V
   // protocol); each pair's boxes interleaved by column block
-#pragma unroll
-  for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-    const uint32_t offset = cb * kBlockN * kSwizzleRowBytes;
-    tma_load_4d(smem.k() + offset, params.k_map, smem.kv_full(), cb * kColBlockElems,
-                seq.k.start + key0, head_k, tma_batch);
-    tma_load_4d(smem.v() + offset, params.v_map, smem.kv_full(), cb * kColBlockElems,
-                seq.k.start + key0, head_k, tma_batch);
-  }
+  constexpr int kColBlocks = Traits::kColBlocks;
+  tma_load_row_pair<kColBlocks, kBlockN, kColBlockElems>(smem.k(), params.k_map, smem.v(),
+                                                         params.v_map, smem.kv_full(),
+                                                         seq.k.start + key0, head_k, tma_batch);
   BwdStep at = work.first_step;
   for (int step = 0; step < steps; ++step, at = work.next(at)) {
     const RingUse<kStages> use(step);
     const uint32_t full = smem.q_full(use.stage);
     ring_acquire(full, smem.q_empty(use.stage), use.parity, 2 * Traits::kQBytes);
     const int row0 = seq.q.start + at.m_block * kBlockM;
-#pragma unroll
-    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-      const uint32_t offset = cb * kBlockM * kSwizzleRowBytes;
-      tma_load_4d(smem.q(use.stage) + offset, params.q_map, full, cb * kColBlockElems, row0,
-                  at.head, tma_batch);
-      tma_load_4d(smem.dout(use.stage) + offset, params.do_map, full, cb * kColBlockElems, row0,
-                  at.head, tma_batch);
-    }
+    tma_load_row_pair<kColBlocks, kBlockM, kColBlockElems>(smem.q(use.stage), params.q_map,
+                                                           smem.dout(use.stage), params.do_map,
+                                                           full, row0, at.head, tma_batch);
   }
 }
 

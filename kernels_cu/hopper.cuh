@@ -133,6 +133,19 @@ CF_DEVICE void tma_load_rows(uint32_t dst, const TmaMap& map, uint32_t bar, int 
     tma_load_4d(dst + cb * kRows * kSwizzleRowBytes, map, bar, cb * kColElems, row0, head, batch);
 }
 
+// The same rows of two tensor maps of one shape (K and V, Q and dO), their boxes interleaved by
+// column block (a's column block cb, then b's), all on the mbarrier `bar`.
+template <int kColBlocks, int kRows, int kColElems>
+CF_DEVICE void tma_load_row_pair(uint32_t dst_a, const TmaMap& map_a, uint32_t dst_b,
+                                 const TmaMap& map_b, uint32_t bar, int row0, int head, int batch) {
+#pragma unroll
+  for (int cb = 0; cb < kColBlocks; ++cb) {
+    const uint32_t offset = cb * kRows * kSwizzleRowBytes;
+    tma_load_4d(dst_a + offset, map_a, bar, cb * kColElems, row0, head, batch);
+    tma_load_4d(dst_b + offset, map_b, bar, cb * kColElems, row0, head, batch);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // A ring of TMA-filled buffers (FlashAttention-3's PipelineTmaAsync), the same protocol in the
 // forward (K and V blocks) and the backward (Q and dO blocks): slot s has a full mbarrier (one
