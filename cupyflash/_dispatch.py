@@ -250,10 +250,8 @@ FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 }
 
 
-#: A user score_mod / mask_mod on the Hopper forward: the two-consumer tiles (240 registers a
-#: consumer), since the function's per-score work spilled the three-consumer d = 64 tile (108-240
-#: bytes at 160 registers) and d = 256 (12-16 bytes with a captured 2-D array and a mask) in the
-#: sm_90a builds of tests/test_mods.py's functions; above d = 128 the FA2 kernel takes them.
+#: A user score_mod / mask_mod on the Hopper forward up to d = 128; above it the FA2 kernel takes
+#: them (d = 256 spilled 12-16 bytes with a captured 2-D array and a mask).
 FA3_MODS_MAX_HEAD_DIM = 128
 #: At d = 128 without a bound the dynamic schedule too: a mask function makes the tiles uneven
 #: (a document mask's rows see their own document's keys), and the static stride gives CTA c the
@@ -262,8 +260,18 @@ FA3_MODS_MAX_HEAD_DIM = 128
 #: H100, bf16, N = 16k, 4 documents: 2.65-2.73 ms static against FlashAttention-4's 1.64-1.79 with
 #: the same BlockMask (docs/evidence/2026-12-06-h100-session-7/).
 FA3_MODS_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
-    (64, False): FA3_SHORT_FWD_TILES[(64, False)],
-    (64, True): FA3_SHORT_FWD_TILES[(64, True)],
+    # d = 64 past the short calls: three consumers in round robin, as without a function. The
+    # function's per-score work costs the 160-register consumers local memory in some builds
+    # (softcap 24 bytes, a gathered per-key bias 160, a per-pair one 192: outside the loop or
+    # not, sm_90a), yet the larger tile won for every function measured, with bit-identical
+    # output: ALiBi 1.41x / 1.49x the two-consumer tile at N = 4k / 16k, softcap 1.21x / 1.28x,
+    # a relative position 1.30x / 1.29x, a per-key bias 1.14x / 1.24x, a per-pair bias
+    # 1.31x / 1.18x, a document mask without its block mask 1.30x / 1.57x (H100, bf16;
+    # scripts/pending_gpu/mods_tiles_bench.py); with block masks, beside FlexAttention: ALiBi
+    # 0.74-0.77x to 1.02-1.12x its speed, a document mask 0.78-0.81x to 0.91-0.93x at 16k
+    # (docs/evidence/2026-12-07-h100-session-15/). Short calls keep two (FA3_SHORT_FWD_TILES).
+    (64, False): FA3_FWD_TILES[(64, True)],
+    (64, True): FA3_FWD_TILES[(64, True)],
     (128, False): Fa3Tile(128, stages=2, pingpong=True, dynamic=True),
 }
 
@@ -291,21 +299,19 @@ def fa3_fwd_spec(
     """The Hopper variant for a call (``varlen``: packed sequences, ``seqlen_k`` then the
     longest), or None where it has none: a head dim that is not a multiple of 8 (TMA moves
     16-byte rows), or, unless the caller ``chosen`` this kernel, one that runs faster on FA2
-    (``FA2_OVER_FA3_MAX_HEAD_DIM``). ``mods_source``: a user score_mod / mask_mod, on the
-    tiles of two consumers up to d = 128 (FA3_MODS_MAX_HEAD_DIM; above it, FA2's).
+    (``FA2_OVER_FA3_MAX_HEAD_DIM``). ``mods_source``: a user score_mod / mask_mod, on
+    FA3_MODS_FWD_TILES up to d = 128 (FA3_MODS_MAX_HEAD_DIM; above it, FA2's).
     ``batch_invariant`` with ``varlen``: the longest sequence is the batch's, so the short-call
     tiles (FA3_SHORT_FWD_TILES) are not chosen by it."""
     if head_dim % 8 or head_dim > FA3_HEAD_DIMS[-1] or (head_dim <= FA2_OVER_FA3_MAX_HEAD_DIM and not chosen):
         return None
     width, valid_dim = columns(head_dim, FA3_HEAD_DIMS)
     key = (width, flags.causal or flags.local)
-    if mods_source:
-        if width > FA3_MODS_MAX_HEAD_DIM:
-            return None
-        tile = FA3_MODS_FWD_TILES.get(key, FA3_FWD_TILES[key])
-    else:
-        short = seqlen_k <= FA3_SHORT_SEQLEN and not (varlen and batch_invariant)
-        tile = (FA3_SHORT_FWD_TILES.get(key) if short else None) or FA3_FWD_TILES[key]
+    if mods_source and width > FA3_MODS_MAX_HEAD_DIM:
+        return None
+    short = seqlen_k <= FA3_SHORT_SEQLEN and not (varlen and batch_invariant)
+    tiles = FA3_MODS_FWD_TILES if mods_source else FA3_FWD_TILES
+    tile = (FA3_SHORT_FWD_TILES.get(key) if short else None) or tiles.get(key) or FA3_FWD_TILES[key]
     return Fa3FwdSpec(
         dtype, width, tile, flags.causal, flags.local, flags.softcap, varlen, valid_dim, mods_source=mods_source,
         alibi=flags.alibi, uniform_consumer=FA3_FWD_UNIFORM_CONSUMER,

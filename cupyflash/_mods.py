@@ -1247,9 +1247,11 @@ class KernelMods:
 #: tile after another on the softmax's path they stalled the forward (Nsight Compute, H100, d = 64,
 #: N = 4k, a 4-document mask: 1.2 long-scoreboard stalls per issued instruction, 1084 us against
 #: FlexAttention's 806). Not with a score_mod's read (a bias table's value, alone or beside the id:
-#: the tiles spilled 44-320 bytes at d = 64-128). Built and compiled (no spill at d = 64 and 128,
-#: padded and packed); off until its GPU tests and bench-mods have run
-#: (scripts/pending_gpu/validate_keys_ahead.sh).
+#: the tiles spilled 44-320 bytes at d = 64-128). Built and compiled (no spill on the two-consumer
+#: tiles at d = 64 and 128, padded and packed; 152 bytes on d = 64's three-consumer tile, which
+#: score functions take past 2048 keys). Measured on two consumers (H100, document masks with
+#: their block masks, beside FlexAttention): ahead / not 0.97-1.09 at N = 4k and 16k
+#: (docs/evidence/2026-12-07-h100-session-15/): off.
 READ_KEYS_AHEAD = False
 
 

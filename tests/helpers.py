@@ -346,16 +346,14 @@ def host_library(source: str, folder: Path, *flags: str) -> ctypes.CDLL:
 
 
 def three_consumer_mods_tiles(monkeypatch) -> None:
-    """The Hopper forward's score / mask functions at d = 64 on three consumers in round robin
-    (192-row tiles, dynamic schedule: a tuning candidate, scripts/tune.py's MODS_CANDIDATES) for
-    the rest of a test, the plans made before forgotten (monkeypatch restores the table; the
-    caller's teardown need not)."""
+    """The Hopper forward's score / mask functions at d = 64 on the tile of calls past
+    FA3_SHORT_SEQLEN keys (three consumers in round robin: 192-row tiles on the dynamic schedule)
+    for the rest of a test's small shapes: no call is short, the plans made before forgotten
+    (monkeypatch restores the threshold; the caller's teardown need not)."""
     from cupyflash import _dispatch, _plan
-    from cupyflash._specs import Fa3Tile
 
     if not is_hopper():
         pytest.skip("the Hopper forward's tiles run on sm_90")
-    tile = Fa3Tile(128, consumers=3, stages=2, pingpong=True, dynamic=True)
-    for bounded in (False, True):
-        monkeypatch.setitem(_dispatch.FA3_MODS_FWD_TILES, (64, bounded), tile)
+    assert _dispatch.FA3_MODS_FWD_TILES[64, False].consumers == 3
+    monkeypatch.setattr(_dispatch, "FA3_SHORT_SEQLEN", 0)
     _plan.clear_caches()

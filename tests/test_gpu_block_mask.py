@@ -173,7 +173,7 @@ def test_key_ids_read_ahead_give_the_same_bits(rng, dtype, head_dim, monkeypatch
 @pytest.mark.parametrize("options", [{}, {"causal": True}], ids=str)
 def test_forward_with_a_block_mask_on_three_consumers(rng, options, monkeypatch):
     """test_forward_with_a_block_mask at d = 64 on the Hopper forward's 192-row tiles (three
-    consumers in round robin; a tuning candidate for score functions): each tile bounded by the
+    consumers in round robin, the tile of calls past 2048 keys): each tile bounded by the
     two 128-row range blocks its rows span, the last tile's by its rows alone."""
     three_consumer_mods_tiles(monkeypatch)
     test_forward_with_a_block_mask(rng, options, "float16", 64, "auto")

@@ -69,8 +69,8 @@ def test_functions_match_the_host_path(rng, options, dtype, head_dim, algorithm)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_functions_on_three_consumers_match_the_host_path(rng, options, dtype, monkeypatch):
     """test_functions_match_the_host_path at d = 64 on the Hopper forward's 192-row tiles (three
-    consumers in round robin; a tuning candidate for score functions): a tile's rows past the
-    sequence, every function."""
+    consumers in round robin, the tile of calls past 2048 keys): a tile's rows past the sequence,
+    every function."""
     three_consumer_mods_tiles(monkeypatch)
     test_functions_match_the_host_path(rng, options, dtype, 64, "auto")
 
@@ -492,6 +492,15 @@ def test_varlen_functions_match_the_host_path(rng, options, dtype, head_dim, alg
                                           algorithm=algorithm, **options)  # fmt: skip
     assert (reference.to_numpy64(out)[inside:] == 0).all()
     assert (reference.to_numpy64(lse)[:, inside:] == -np.inf).all()
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (40, 7)}], ids=str)
+def test_varlen_functions_on_three_consumers_match_the_host_path(rng, options, monkeypatch):
+    """test_varlen_functions_match_the_host_path at d = 64 on the Hopper forward's 192-row tiles
+    (three consumers in round robin, the tile of calls past 2048 keys): a tile's rows past each
+    packed sequence."""
+    three_consumer_mods_tiles(monkeypatch)
+    test_varlen_functions_match_the_host_path(rng, options, "float16", 64, "auto", monkeypatch)
 
 
 def test_varlen_autograd_and_a_learned_table_on_the_gpu(rng):

@@ -732,7 +732,8 @@ def test_only_a_mask_with_one_read_per_key_reads_it_ahead(monkeypatch):
     """_mods.READ_KEYS_AHEAD: the Hopper forward reads a key's part ahead of the scores where it is
     a mask_mod's one 32-bit read (a document id, a per-head table's entry); not an 8-byte read,
     two reads, index arithmetic alone, or a score_mod (a bias table's read spilled the tiles); and
-    none while the switch is off. Where on, the Hopper forward's variants compile with no spill."""
+    none while the switch is off. Where on, the Hopper forward's two-consumer variants (short
+    calls at d = 64) compile with no spill."""
     from cupyflash import _dispatch, _kernels, _mods
 
     doc, doc64, table = np.zeros(4096, np.int32), np.zeros(4096, np.int64), np.zeros((8, 4096), np.int32)
@@ -756,8 +757,9 @@ def test_only_a_mask_with_one_read_per_key_reads_it_ahead(monkeypatch):
     monkeypatch.setattr(_mods, "READ_KEYS_AHEAD", True)
     source = _mods.kernel_mods(None, _mods.trace_mask_mod(cases[0][1]), grid=grid).source
     for head_dim in (64, 128):
-        spec = _dispatch.fa3_fwd_spec("bfloat16", head_dim, _dispatch.MaskFlags(False, False, False), 8192,
-                                      mods_source=source)  # fmt: skip
+        spec = _dispatch.fa3_fwd_spec("bfloat16", head_dim, _dispatch.MaskFlags(False, False, False),
+                                      _dispatch.FA3_SHORT_SEQLEN, mods_source=source)  # fmt: skip
+        assert spec is not None and spec.tile.consumers == 2
         build = _kernels.compile_offline(spec, "sm_90a")
         assert not build.spill_bytes and not build.warnings, (head_dim, build.spill_bytes, build.warnings)
 
