@@ -711,6 +711,13 @@ FA3_BWD_DQ_FIRST = True
 #: 0.938 -> 1.014 and 0.944 -> 1.013 (+2-8%); its GPU tests and the d = 128 backward suite with it
 #: on passed (docs/evidence/2026-12-07-h100-session-13).
 FA3_BWD_ROWS80 = True
+#: A step's -LSE log2 e and D copied by the Hopper backward's producer into the ring with its Q
+#: and dO, one copy for both consumers (Fa3BwdSpec.rows_by_producer, fa3_bwd.cu's
+#: Rows_by_producer: FA4's producer loads them so), instead of each consumer loading its own a
+#: step ahead. Offline (sm_90a): the 80-row step loop's instructions and the variants' registers
+#: and spills in docs/hopper.md. Off until its GPU tests and tune.py hopper-bwd --switch
+#: rows_by_producer have run (scripts/pending_gpu/validate_bwd_rows_by_producer.sh).
+FA3_BWD_ROWS_BY_PRODUCER = False
 
 
 def _even_sections(pairs: int, per_pair: int, budget: int) -> int:
@@ -804,6 +811,7 @@ def fa3_bwd_spec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
         varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP or order_before,
         dq_first=_fa3_bwd_dq_first(head_dim, flags.softcap) and not order_before,
+        rows_by_producer=FA3_BWD_ROWS_BY_PRODUCER,
     ))  # fmt: skip
 
 
@@ -822,6 +830,7 @@ def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
                 varlen=varlen,
                 late_exp=FA3_BWD_LATE_EXP,
                 dq_first=_fa3_bwd_dq_first(head_dim, softcap),
+                rows_by_producer=FA3_BWD_ROWS_BY_PRODUCER,
             )
         )
         for head_dim in FA3_BWD_HEAD_DIMS

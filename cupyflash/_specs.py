@@ -1004,6 +1004,9 @@ class Fa3BwdSpec(_KernelSpecBase):
     # 80 query rows a step, dQ computed swapped (fa3_bwd.cu's Dq_swapped): d = 128 without a
     # causal mask, window, softcap, ALiBi, score functions, packed sequences or the fixed order
     rows80: bool = False
+    # a step's -LSE log2 e and D copied by the producer with its Q and dO, one copy for both
+    # consumers (fa3_bwd.cu's Rows_by_producer), instead of each consumer loading its own
+    rows_by_producer: bool = False
 
     kernel = "fa3_bwd"
     source_file = "fa3_bwd.cu"
@@ -1049,6 +1052,7 @@ class Fa3BwdSpec(_KernelSpecBase):
             ("late", self.late_exp),
             ("dqf", self.dq_first),
             ("m80", self.rows80),
+            ("rowp", self.rows_by_producer),
         )
 
     @property
@@ -1070,10 +1074,10 @@ class Fa3BwdSpec(_KernelSpecBase):
     def smem_bytes(self) -> int:
         # 1024 bytes of alignment slack; K, V; Q and dO two-deep; dS^T (16-bit; two-deep when
         # decoupled); a step's dQ staged (fp32, two-deep when deterministic); -LSE log2 e and D
-        # two-deep per consumer; 5 mbarriers.
+        # two-deep per consumer (one copy when the producer loads them); 5 mbarriers.
         d, m, n = self.head_dim, self.block_m, self.block_n
         stages, staging, ds_stages = 2, 2 if self.deterministic else 1, 2 if self.decoupled else 1
-        rows = 2 * stages * 2 * 4 * m
+        rows = (1 if self.rows_by_producer else 2) * stages * 2 * 4 * m
         return 1024 + 2 * (2 * n * d + 2 * stages * m * d + ds_stages * n * m) + 4 * staging * m * d + rows + 8 * 5
 
     def _traits_args(self) -> tuple[object, ...]:
@@ -1083,6 +1087,7 @@ class Fa3BwdSpec(_KernelSpecBase):
         optional = [
             (self.alibi, False), (self.varlen, False), (self.deterministic, self.deterministic),  # Dq_writer_
             (self.decoupled, False), (self.late_exp, False), (self.dq_first, False),
+            (self.rows_by_producer, False),
         ]  # fmt: skip
         while optional and optional[-1][0] == optional[-1][1]:
             optional.pop()

@@ -157,6 +157,12 @@ CF_DEVICE void fa2_bwd_prep(const BwdParams& p) {
     if (p.dq_tiled && grid_row < p.row_head_stride) zero_accumulator_row<Traits>(p, t, chunk);
     if (p.dsink_rows != nullptr && chunk == 0 && grid_row < p.row_head_stride)
       p.dsink_rows[t] = 0.f;
+    // and its -LSE log2 e and D: -inf and 0, so that a step's rows can be copied whole (the
+    // Hopper backward's Rows_by_producer) and a padding row's P^T and dS^T come out 0
+    if (p.dq_tiled && chunk == 0 && grid_row < p.row_head_stride) {
+      p.neg_lse_log2[t] = neg_infinity();
+      p.dsum[t] = 0.f;
+    }
     return;
   }
   if (chunk == 0) {

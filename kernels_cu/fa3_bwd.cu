@@ -9,7 +9,8 @@
 //              of the group and a block of query rows, 64 at d = 128 (80 without a causal
 //              mask or window) and 128 at d = 64 (Fa3BwdTraits::kBlockM), that sees the keys)
 //              Q and dO (TMA tiles) into a two-deep mbarrier ring (the rows' -LSE log2 e and D:
-//              each consumer loads its own copy).
+//              each consumer loads its own copy; Rows_by_producer: the producer copies them in
+//              with Q and dO).
 //   consumers  (fa3_bwd_consume) consumer c owns keys 64 c .. 64 c + 63 of the block (the wgmma
 //              M rows); per step
 //     S^T = K_c Q^T,  dP^T = V_c dO^T        wgmma ss, every operand straight from its TMA tile
@@ -63,7 +64,7 @@
 // rows][64], the K-major B operand of dQ^T), dQ's staging (dq_tiles.cuh), the ring's
 // -LSE log2 e and D rows, the mbarriers.
 template <int kKVBytes, int kQBytes, int kRowBytes, int kDsBytes, int kDqBytes, int kStages,
-          int kDsStages>
+          int kDsStages, int kRowCopies>
 struct Fa3BwdSharedStorage {
   unsigned char s_k[kKVBytes];
   unsigned char s_v[kKVBytes];
@@ -71,16 +72,17 @@ struct Fa3BwdSharedStorage {
   unsigned char s_do[kStages][kQBytes];
   unsigned char s_ds[kDsStages][kDsBytes];
   unsigned char s_dq[kDqBytes];
-  unsigned char s_rows[2][kStages][2][kRowBytes];  // [consumer][stage]: -LSE log2 e, then D
-  uint64_t s_kv_full;                              // K and V have landed
-  uint64_t s_q_full[kStages];                      // the step's Q and dO have landed
-  uint64_t s_q_empty[kStages];                     // every consumer warp is done with them
+  unsigned char s_rows[kRowCopies][kStages][2][kRowBytes];  // [copy][stage]: -LSE log2 e, then D
+  uint64_t s_kv_full;                                       // K and V have landed
+  uint64_t s_q_full[kStages];                               // the step's Q and dO have landed
+  uint64_t s_q_empty[kStages];                              // every consumer warp is done with them
 };
 
 template <int kHeadDim_, int kBlockM_, typename Element_, bool Is_causal_, bool Is_local_,
           bool Has_softcap_ = false, bool Deterministic_ = false, bool Has_user_mask_ = false,
           bool Has_alibi_ = false, bool Varlen_ = false, bool Dq_writer_ = Deterministic_,
-          bool Decoupled_ = false, bool Late_exp_ = false, bool Dq_first_ = false>
+          bool Decoupled_ = false, bool Late_exp_ = false, bool Dq_first_ = false,
+          bool Rows_by_producer_ = false>
 struct Fa3BwdTraits {
   using Element = Element_;
   using Ops = ElementTraits<Element>;
@@ -175,12 +177,27 @@ struct Fa3BwdTraits {
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kRowBytes = kBlockM * 4;  // one step's -LSE log2 e (or D)
+  // A step's -LSE log2 e and D copied whole by the producer into the ring's stage with its Q and
+  // dO (one bulk copy each, on the stage's full barrier), one copy for both consumers, as FA4's
+  // producer loads them; else each consumer loads its own copy a step ahead (kRowValues loads
+  // and stores a thread, ordered by the consumers' barrier): the 80-row step's loop ran 567
+  // instructions against FA4's 463 for the same wgmmas and exponentials, these loads among the
+  // difference. The rows are read whole, padding too: prep writes a padding row's -inf and 0,
+  // and the temporaries' rows are padded to whole steps (a padded batch) or aligned per sequence
+  // (packed), so a step's rows start 16-byte aligned and are all its own.
+  static constexpr bool Rows_by_producer = Rows_by_producer_;
+  static constexpr int kRowCopies = Rows_by_producer ? 1 : kConsumers;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kDqStepBytes = kBlockM * kHeadDim * 4;     // a step's dQ: one or two tiles
   static constexpr int kDqPartBytes = kDqStepBytes / kConsumers;  // a consumer's (contiguous)
   static constexpr int kDqBytes = kDqBuffers * kDqStepBytes;
-  using SharedStorage =
-      Fa3BwdSharedStorage<kKVBytes, kQBytes, kRowBytes, kDsBytes, kDqBytes, kStages, kDsStages>;
+  using SharedStorage = Fa3BwdSharedStorage<kKVBytes, kQBytes, kRowBytes, kDsBytes, kDqBytes,
+                                            kStages, kDsStages, kRowCopies>;
+  // (the bulk copies' 16-byte alignment of s_rows: the members before it are whole 16 bytes)
+  static_assert((2 * kKVBytes + 2 * kStages * kQBytes + kDsStages * kDsBytes + kDqBytes) % 16 ==
+                        0 &&
+                    kRowBytes % 16 == 0,
+                "the rows' copies 16-byte aligned");
   static constexpr int kSmemBytes = kSwizzleAtomBytes + static_cast<int>(sizeof(SharedStorage));
 
   static constexpr int kProducerRegs = 24;
@@ -211,10 +228,12 @@ struct Fa3BwdSmem {
     return base + member_offset(&Storage::s_ds) + s * Traits::kDsBytes;
   }
   CF_DEVICE uint32_t dq() const { return base + member_offset(&Storage::s_dq); }
-  // Consumer c's copy of a step's -LSE log2 e (then D, kRowBytes on) in ring stage s.
+  // Consumer c's copy of a step's -LSE log2 e (then D, kRowBytes on) in ring stage s (the one
+  // copy where the producer loads them).
   CF_DEVICE uint32_t rows(int c, int s) const {
+    const int copy = Traits::Rows_by_producer ? 0 : c;
     return base + member_offset(&Storage::s_rows) +
-           (c * Traits::kStages + s) * 2 * Traits::kRowBytes;
+           (copy * Traits::kStages + s) * 2 * Traits::kRowBytes;
   }
   CF_DEVICE uint32_t kv_full() const { return base + member_offset(&Storage::s_kv_full); }
   CF_DEVICE uint32_t q_full(int s) const {
@@ -417,7 +436,8 @@ CF_DEVICE void fa3_bwd_dq_writer(const Fa3BwdSmem<Traits>& smem, const BwdParams
 }
 
 // ---------------------------------------------------------------------- producer
-// One thread: K and V once, then each step's Q and dO into the ring.
+// One thread: K and V once, then each step's Q and dO (and with Rows_by_producer its -LSE
+// log2 e and D) into the ring.
 template <typename Traits>
 CF_DEVICE void fa3_bwd_load(const Fa3BwdSmem<Traits>& smem, const Fa3BwdParams& params,
                             const Fa3BwdWork<Traits>& work) {
@@ -443,11 +463,19 @@ CF_DEVICE void fa3_bwd_load(const Fa3BwdSmem<Traits>& smem, const Fa3BwdParams& 
   for (int step = 0; step < steps; ++step, at = work.next(at)) {
     const RingUse<kStages> use(step);
     const uint32_t full = smem.q_full(use.stage);
-    ring_acquire(full, smem.q_empty(use.stage), use.parity, 2 * Traits::kQBytes);
+    constexpr int kRowTx = Traits::Rows_by_producer ? 2 * Traits::kRowBytes : 0;
+    ring_acquire(full, smem.q_empty(use.stage), use.parity, 2 * Traits::kQBytes + kRowTx);
     const int row0 = seq.q.start + at.m_block * kBlockM;
     tma_load_row_pair<kColBlocks, kBlockM, kColBlockElems>(smem.q(use.stage), params.q_map,
                                                            smem.dout(use.stage), params.do_map,
                                                            full, row0, at.head, tma_batch);
+    if constexpr (Traits::Rows_by_producer) {
+      const BwdParams& p = params.bwd;
+      const int64_t rows = work.step_rows(p, at);
+      const uint32_t dst = smem.rows(0, use.stage);
+      bulk_load(dst, p.neg_lse_log2 + rows, Traits::kRowBytes, full);
+      bulk_load(dst + Traits::kRowBytes, p.dsum + rows, Traits::kRowBytes, full);
+    }
   }
 }
 
@@ -731,8 +759,8 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
   auto dq_sync = [&]() { bwd_barrier_sync(BwdBarrier::kBoth, consumer); };
   const Steps c{smem, p, work, consumer, tid, lane, wg_key0, warp_key0};
 
-  float row_values[Steps::kRowValues];
-  if (steps > 0) {
+  [[maybe_unused]] float row_values[Steps::kRowValues];  // (this consumer's copy: not loaded)
+  if (!Traits::Rows_by_producer && steps > 0) {
     c.load_row_values(work.first_step, row_values);
     c.store_row_values(0, row_values);
   }
@@ -748,7 +776,7 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
   BwdStep at = work.first_step;
   for (int step = 0; step < steps; ++step) {
     const BwdStep next = work.next(at);
-    if (step + 1 < steps) c.load_row_values(next, row_values);
+    if (!Traits::Rows_by_producer && step + 1 < steps) c.load_row_values(next, row_values);
     // ALiBi's slope for the step's head (a padded batch: one shift), read before the waits
     [[maybe_unused]] const typename Traits::Bias bias(
         a, batch, at.head, Traits::Varlen ? range.keys.shift : a.seqlen_k - a.seqlen_q);
@@ -1006,15 +1034,17 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
       dq_handover_sync(BwdBarrier::kDqFree, dq_buffer);  // the writer has read its last tile
     const uint32_t staged = smem.dq() + dq_buffer * Traits::kDqStepBytes;
     c.stage_dq(staged, acc_dq);
-    if (step + 1 < steps) c.store_row_values((step + 1) % kStages, row_values);
+    if (!Traits::Rows_by_producer && step + 1 < steps)
+      c.store_row_values((step + 1) % kStages, row_values);
     if constexpr (Traits::Dq_first) {
       wgmma_wait<0>();
       step_read();
     }
     if constexpr (Traits::Decoupled) {
       // the next step's -LSE and D (this consumer's copy) before their reads; no meeting with
-      // the other consumer, whose next dS^T goes to the other buffer
-      bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
+      // the other consumer, whose next dS^T goes to the other buffer (the producer's copy: on
+      // the stage's full barrier, nothing to order here)
+      if constexpr (!Traits::Rows_by_producer) bwd_barrier_sync(BwdBarrier::kConsumer, consumer);
       dq_handover_arrive(BwdBarrier::kDqStaged, consumer, kDqPartHandoverThreads);
     } else {
       dq_sync();  // (also orders the next step's -LSE and D before their reads)

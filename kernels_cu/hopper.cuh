@@ -146,6 +146,17 @@ CF_DEVICE void tma_load_row_pair(uint32_t dst_a, const TmaMap& map_a, uint32_t d
   }
 }
 
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) of global memory copied whole into
+// shared memory by the TMA engine, completing them on the mbarrier `bar` (no tensor map: the
+// backward's per-row -LSE log2 e and D of a step, contiguous in global memory).
+CF_DEVICE void bulk_load(uint32_t dst, const void* src, int bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------
 // A ring of TMA-filled buffers (FlashAttention-3's PipelineTmaAsync), the same protocol in the
 // forward (K and V blocks) and the backward (Q and dO blocks): slot s has a full mbarrier (one

@@ -29,7 +29,8 @@ each, its gradient error, and attention_backward's TFLOP/s on the prefill shapes
 hopper-bwd: the Hopper backward with a switch off and on (``--switch``: late_exp, its exponentials
 after dP^T as before they ran under it; dq_first, dK after dQ; decoupled, its consumers meeting
 once a step; lpt, its causal CTAs longest first in sections of (batch, head) pairs; fwd_lpt, the
-forward's causal tiles so; fwd_uniform, the forward's consumer index uniform), per training
+forward's causal tiles so; fwd_uniform, the forward's consumer index uniform; rows80, d = 128's
+80-row steps; rows_by_producer, each step's -LSE and D copied by the producer), per training
 shape one right after the other, each with cuDNN (and FlashAttention-4 where installed) in its
 rounds: forward + backward and backward alone over each.
 
@@ -552,7 +553,7 @@ def tune_head_dims(args: argparse.Namespace) -> list[dict[str, Any]]:
 HOPPER_BWD_SWITCHES = {
     "decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP", "dq_first": "FA3_BWD_DQ_FIRST",
     "lpt": "FA3_BWD_LPT", "fwd_lpt": "FA3_FWD_LPT", "fwd_uniform": "FA3_FWD_UNIFORM_CONSUMER",
-    "rows80": "FA3_BWD_ROWS80",
+    "rows80": "FA3_BWD_ROWS80", "rows_by_producer": "FA3_BWD_ROWS_BY_PRODUCER",
 }  # fmt: skip
 #: the other flags a switch's two settings both run with (the exponentials under dP^T)
 HOPPER_BWD_BASE = {"dq_first": {"FA3_BWD_LATE_EXP": False}, "decoupled": {"FA3_BWD_LATE_EXP": False},
@@ -571,7 +572,9 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     (batch, head) pairs, longest first (``_dispatch.FA3_BWD_LPT``); ``fwd_lpt``: the causal
     forward's tiles so (``_dispatch.FA3_FWD_LPT``: the step's column moves, not the backward's);
     ``fwd_uniform``: the forward's consumer index uniform (``_dispatch.FA3_FWD_UNIFORM_CONSUMER``);
-    ``rows80``: d = 128's 80-row steps without a causal mask (``_dispatch.FA3_BWD_ROWS80``)."""
+    ``rows80``: d = 128's 80-row steps without a causal mask (``_dispatch.FA3_BWD_ROWS80``);
+    ``rows_by_producer``: each step's -LSE and D copied by the producer
+    (``_dispatch.FA3_BWD_ROWS_BY_PRODUCER``)."""
     flag = HOPPER_BWD_SWITCHES[args.switch]
     base = HOPPER_BWD_BASE.get(args.switch, {})
     defaults = {name: getattr(_dispatch, name) for name in (flag, *base)}

@@ -296,6 +296,41 @@ def test_80_row_steps_in_float16_through_the_lse_and_with_nan(rng, rows80_backwa
 
 
 @pytest.fixture
+def producer_rows_backward(monkeypatch):
+    """The Hopper backward with each step's -LSE log2 e and D copied by its producer
+    (_dispatch.FA3_BWD_ROWS_BY_PRODUCER) for the test's calls, checked to be what the dispatcher
+    picks; the plans made under it dropped before and after."""
+    from cupyflash import _dispatch, _plan
+
+    if not is_hopper():
+        pytest.skip("a Hopper backward variant")
+    monkeypatch.setattr(_dispatch, "FA3_BWD_ROWS_BY_PRODUCER", True)
+    _plan.clear_caches()
+    causal = _dispatch.MaskFlags(True, False, False)
+    assert _dispatch.fa3_bwd_spec("bfloat16", 64, causal, False, False).rows_by_producer
+    yield
+    _plan.clear_caches()
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("case", [*CASES, *ROWS80_CASES], ids=str)
+def test_producer_loaded_rows_match_float64_autograd(rng, head_dim, case, producer_rows_backward):
+    """The Hopper backward with each step's -LSE log2 e and D copied whole by its producer (a
+    padding row's -inf and 0 written by prep, read as they are): the float64 oracle's gradients,
+    the fixed order's too, dK and dV bit-identical over three runs (the 80-row steps at d = 128
+    without a mask)."""
+    check_variant_backward(need_torch(), rng, head_dim, case, deterministic_too=True)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_producer_loaded_rows_over_packed_sequences(rng, head_dim, monkeypatch, decoupled_backward,
+                                                    producer_rows_backward):  # fmt: skip
+    """test_varlen_backward with the producer's copies of the rows: each sequence's aligned
+    temporaries read whole, the rows past its end (padding, -inf and 0) among them."""
+    test_varlen_backward(rng, "bfloat16", head_dim, False, False, monkeypatch, decoupled_backward)
+
+
+@pytest.fixture
 def backward_order(monkeypatch):
     """Sets the Hopper backward's step order for the test's calls: the exponentials under dP^T
     (``_dispatch.FA3_BWD_LATE_EXP`` off) and, with ``dq_first``, dK issued after dQ; the plans

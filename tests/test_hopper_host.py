@@ -4,6 +4,7 @@ the driver, and the tile table's fit in shared memory."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import pytest
 
@@ -114,6 +115,41 @@ def test_the_decoupled_backward_is_a_switch_and_compiles_cleanly(monkeypatch, he
         assert f"Compiling entry function '{spec.name}'" in build.log
         assert not build.spill_bytes and not build.warnings, (spec.name, build.spill_bytes, build.warnings)
         assert "wgmma.mma_async instructions are serialized" not in build.log
+
+
+def test_the_producer_loaded_rows_are_a_switch_and_compile_cleanly(monkeypatch):
+    """Fa3BwdSpec.rows_by_producer (a step's -LSE log2 e and D copied by the producer with its Q
+    and dO, one copy for both consumers): off by default, on in the dispatcher and warmup where
+    _dispatch.FA3_BWD_ROWS_BY_PRODUCER says so; one copy of the rows' ring (2 stages x 2 rows x
+    block_m floats) less shared memory; it builds for sm_90a with no spill, no serialised wgmma
+    and no warning (the 80-row steps, causal over packed sequences, the fixed order, decoupled
+    consumers at d = 64), its consumers loading nothing from the per-row temporaries (their
+    only global loads of them gone: the producer's bulk copies, two a step, read them)."""
+    from cupyflash import _kernels
+    from cupyflash._specs import Fa3BwdSpec
+
+    flags = _dispatch.MaskFlags(False, False, False)
+    assert not _dispatch.fa3_bwd_spec("bfloat16", 128, flags, False, False).rows_by_producer
+    assert not any(s.rows_by_producer for s in _dispatch.all_fa3_bwd_specs())
+    monkeypatch.setattr(_dispatch, "FA3_BWD_ROWS_BY_PRODUCER", True)
+    picked = _dispatch.fa3_bwd_spec("bfloat16", 128, flags, False, False)
+    assert picked.rows_by_producer and picked.rows80 == _dispatch.FA3_BWD_ROWS80
+    assert all(s.rows_by_producer for s in _dispatch.all_fa3_bwd_specs())
+    for spec in (Fa3BwdSpec("bfloat16", 128, dq_first=True, rows80=True, rows_by_producer=True),
+                 Fa3BwdSpec("float16", 64, causal=True, varlen=True, rows_by_producer=True),
+                 Fa3BwdSpec("bfloat16", 128, causal=True, deterministic=True, dq_first=True, rows_by_producer=True),
+                 Fa3BwdSpec("bfloat16", 64, decoupled=True, rows_by_producer=True)):  # fmt: skip
+        consumer_copies = replace(spec, rows_by_producer=False)
+        assert spec.smem_bytes == consumer_copies.smem_bytes - 2 * 2 * 4 * spec.block_m
+        assert spec.name != consumer_copies.name
+        build = _kernels.compile_offline(spec, "sm_90a")
+        assert f"Compiling entry function '{spec.name}'" in build.log
+        assert not build.spill_bytes and not build.warnings, (spec.name, build.spill_bytes, build.warnings)
+        assert "wgmma.mma_async instructions are serialized" not in build.log
+        assert build.ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
+        before = _kernels.compile_offline(consumer_copies, "sm_90a")
+        assert "cp.async.bulk.shared::cluster.global" not in before.ptx
+        assert build.ptx.count("ld.global") < before.ptx.count("ld.global"), spec.name
 
 
 @pytest.mark.parametrize("head_dim", (64, 128))
