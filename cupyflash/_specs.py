@@ -1035,7 +1035,8 @@ class Fa3BwdSpec(_KernelSpecBase):
         if self.rows80 and not self.rows80_applies:
             raise ValueError(
                 "80-row steps (rows80) are the Hopper backward's d = 128 variant of a padded batch without "
-                "a causal mask, window, softcap, ALiBi, score functions or deterministic=True, with dq_first"
+                "a causal mask, window, softcap, ALiBi, score functions or deterministic=True, with dq_first "
+                "(decoupled: with rows_by_producer)"
             )
 
     def _name_parts(self) -> tuple[object, ...]:
@@ -1059,9 +1060,10 @@ class Fa3BwdSpec(_KernelSpecBase):
     def rows80_applies(self) -> bool:
         """Whether the other fields allow 80-row steps (fa3_bwd.cu's Dq_swapped static_assert):
         d = 128 with dK after dQ, a padded batch, no causal mask, window, softcap, ALiBi, score
-        functions, fixed order or decoupled consumers."""
+        functions or fixed order; decoupled consumers only with the producer's rows (their second
+        dS buffer fits beside one copy of the rows, not two)."""
         others = (self.causal, self.local, self.softcap, self.alibi, self.mods_source, self.varlen,
-                  self.deterministic, self.decoupled)  # fmt: skip
+                  self.deterministic, self.decoupled and not self.rows_by_producer)  # fmt: skip
         return self.head_dim == 128 and self.dq_first and not any(others)
 
     @property

@@ -166,13 +166,17 @@ struct Fa3BwdTraits {
   // 80 rows on N, K read MN-major and dS stored [rows][keys] (K-major), staged in that
   // accumulator's order (dq_tiles.cuh's kDqTilesSwapped). Without causal masks, windows,
   // softcap, ALiBi, score functions, packed sequences or the fixed order (their 64-row paths).
+  // Decoupled too where the producer loads the rows (their one copy makes room for the second
+  // dS buffer: 231,720 bytes of the H100's 232,448); each consumer's part of the swapped tile
+  // is a contiguous half of it (dq_swapped_fragment_bytes), as the writer adds the parts.
   static constexpr bool Dq_swapped = kBlockM % kDqTileRows != 0;
   static_assert(!Dq_swapped ||
                     (kBlockM == kDqSwappedRows && kHeadDim == 2 * kDqPartCols && !Is_causal &&
                      !Is_local && !Has_softcap && !Deterministic && !Has_user_mask && !Has_alibi &&
-                     !Varlen && !Decoupled && !Dq_writer && Dq_first),
+                     !Varlen && (!Decoupled || Rows_by_producer_) && (!Dq_writer_ || Decoupled) &&
+                     Dq_first),
                 "80-row steps: d = 128, a padded batch, no mask, score variant or fixed order; "
-                "dK after dQ");
+                "dK after dQ; decoupled with the producer's rows");
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;

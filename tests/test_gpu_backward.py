@@ -322,6 +322,20 @@ def test_producer_loaded_rows_match_float64_autograd(rng, head_dim, case, produc
     check_variant_backward(need_torch(), rng, head_dim, case, deterministic_too=True)
 
 
+@pytest.mark.parametrize("case", ["many-key-blocks", *ROWS80_CASES], ids=str)
+def test_decoupled_80_row_steps_match_float64_autograd(rng, case, decoupled_backward, producer_rows_backward):
+    """The decoupled consumers in 80-row steps (d = 128 without a mask; with the producer's rows,
+    whose one copy makes room for the second dS buffer): each consumer's contiguous half of the
+    swapped dQ tile added by the writer warp as it is staged; the float64 oracle's gradients, dK
+    and dV bit-identical over three runs."""
+    from cupyflash import _dispatch
+
+    decoupled_backward(True)
+    spec = _dispatch.fa3_bwd_spec("bfloat16", 128, _dispatch.MaskFlags(False, False, False), False, False)
+    assert spec.decoupled and spec.rows80 == _dispatch.FA3_BWD_ROWS80 and spec.rows_by_producer
+    check_variant_backward(need_torch(), rng, 128, case, deterministic_too=True)
+
+
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_producer_loaded_rows_over_packed_sequences(rng, head_dim, monkeypatch, decoupled_backward,
                                                     producer_rows_backward):  # fmt: skip

@@ -150,6 +150,19 @@ def test_the_producer_loaded_rows_are_a_switch_and_compile_cleanly(monkeypatch):
         before = _kernels.compile_offline(consumer_copies, "sm_90a")
         assert "cp.async.bulk.shared::cluster.global" not in before.ptx
         assert build.ptx.count("ld.global") < before.ptx.count("ld.global"), spec.name
+    # the decoupled consumers' 80-row steps: only beside the producer's rows (one copy of them
+    # makes room for the second dS buffer), within an H100 block; built with no warning (ptxas
+    # keeps 8 bytes of two loop-invariant values in local memory there: docs/hopper.md)
+    with pytest.raises(ValueError, match="rows_by_producer"):
+        Fa3BwdSpec("bfloat16", 128, dq_first=True, rows80=True, decoupled=True)
+    decoupled80 = Fa3BwdSpec("bfloat16", 128, dq_first=True, rows80=True, decoupled=True, rows_by_producer=True)
+    assert decoupled80.smem_bytes <= H100_SMEM < decoupled80.smem_bytes + 2 * 2 * 4 * 80  # (a second copy)
+    build = _kernels.compile_offline(decoupled80, "sm_90a")
+    assert not build.warnings and "wgmma.mma_async instructions are serialized" not in build.log
+    monkeypatch.setattr(_dispatch, "FA3_BWD_DECOUPLED", True)
+    assert _dispatch.fa3_bwd_spec("bfloat16", 128, flags, False, False) == decoupled80
+    monkeypatch.setattr(_dispatch, "FA3_BWD_ROWS_BY_PRODUCER", False)
+    assert not _dispatch.fa3_bwd_spec("bfloat16", 128, flags, False, False).rows80
 
 
 @pytest.mark.parametrize("head_dim", (64, 128))
