@@ -27,6 +27,7 @@ CF_DEVICE float quad_sum(float x) {
 template <int kMTiles>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;
+  static constexpr int kMaxChains = 4;  // a row's partial maxima in update_max (8+ key tiles)
   float row_max[kRows];  // running max of raw logits, -inf until a visible key is seen
   float row_sum[kRows];  // running sum of exp2(..): this lane's columns only until finalize()
 
@@ -56,9 +57,25 @@ struct OnlineSoftmax {
       for (int half = 0; half < 2; ++half) {
         const int r = 2 * mt + half;
         float m = row_max[r];
+        if constexpr (kNTiles >= kMaxChains * 2) {
+          // kMaxChains partial maxima, then combined: a chain of kNTiles / kMaxChains + 2
+          // dependent FMNMX instead of kNTiles + 1 before the row's first exponential can issue
+          // (FA4's reduction; the same value in any order: max is exact, and fmaxf drops a NaN
+          // whichever operand it is)
+          float part[kMaxChains];
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-          m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+          for (int c = 0; c < kMaxChains; ++c)
+            part[c] = fmaxf(s[mt][c][2 * half], s[mt][c][2 * half + 1]);
+#pragma unroll
+          for (int nt = kMaxChains; nt < kNTiles; ++nt)
+            part[nt % kMaxChains] =
+                fmaxf(part[nt % kMaxChains], fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+          m = fmaxf(m, fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+          }
         }
         m = quad_max(m);
         // The first visible tile finds row_max = -inf: the accumulators are still 0 and the

@@ -1,7 +1,8 @@
 """Each verb of kernels_cu/softmax.cuh through a tiny kernel, against NumPy in float64: the online
 softmax over key blocks (update_max, exp_accumulate, finalize) and the merge of partial states
 (merge_weights). Cases: an all -inf row, a single visible score, a huge range, NaN, empty merges.
-The kernel compiles in CI (no GPU needed); the `gpu` tests run it."""
+Blocks of 16 keys and of 128 (update_max's partial maxima: 8 key tiles or more). The kernel
+compiles in CI (no GPU needed); the `gpu` tests run it."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from cupyflash import _kernels, _source
 SOURCE = r"""
 #include "softmax.cuh"
 
-constexpr int kNTiles = 2;  // 16 keys per block
-
-extern "C" __global__ void online_softmax(const float* s, int n_blocks, float scale_log2,
-                                          float* inv_sum_out, float* lse_out) {
+// kNTiles x 8 keys per block: 16 (a running max of 2 key tiles), 128 (16: update_max's partial
+// maxima, as the Hopper forward's blocks take them)
+template <int kNTiles>
+__device__ void online_softmax_blocks(const float* s, int n_blocks, float scale_log2,
+                                      float* inv_sum_out, float* lse_out) {
   const int lane = threadIdx.x;
   const int cols = n_blocks * 8 * kNTiles;
   OnlineSoftmax<1> softmax;
@@ -43,6 +45,15 @@ extern "C" __global__ void online_softmax(const float* s, int n_blocks, float sc
       inv_sum_out[lane / 4 + 8 * r] = inv_sum[r];
       lse_out[lane / 4 + 8 * r] = lse[r];
     }
+}
+
+extern "C" __global__ void online_softmax(const float* s, int n_blocks, float scale_log2,
+                                          float* inv_sum_out, float* lse_out) {
+  online_softmax_blocks<2>(s, n_blocks, scale_log2, inv_sum_out, lse_out);
+}
+extern "C" __global__ void online_softmax_wide(const float* s, int n_blocks, float scale_log2,
+                                               float* inv_sum_out, float* lse_out) {
+  online_softmax_blocks<16>(s, n_blocks, scale_log2, inv_sum_out, lse_out);
 }
 
 constexpr int kParts = 3;
@@ -83,17 +94,18 @@ def test_the_verb_kernels_compile(arch):
         nvrtc.destroyProgram(program)
 
 
-def _scores() -> tuple[np.ndarray, list[str]]:
-    """16 rows x 48 keys: each row a case (NaN rows NaN in the reference too)."""
+def _scores(block: int = 16) -> tuple[np.ndarray, list[str]]:
+    """16 rows x BLOCKS blocks of ``block`` keys: each row a case (NaN rows NaN in the reference
+    too)."""
     rng = np.random.default_rng(7)
-    s = rng.standard_normal((ROWS, BLOCKS * 16)).astype(np.float32)
+    s = rng.standard_normal((ROWS, BLOCKS * block)).astype(np.float32)
     cases = ["random"] * ROWS
     s[1] = -np.inf
     cases[1] = "no visible key"
     s[2] = -np.inf
-    s[2, 37] = 0.5
+    s[2, 2 * block + 5] = 0.5
     cases[2] = "one visible score, in the last block"
-    s[3, :16] = -np.inf
+    s[3, :block] = -np.inf
     cases[3] = "first block masked"
     s[4] *= 1e4
     cases[4] = "huge range (|s| * scale up to ~4e4)"
@@ -129,11 +141,12 @@ def _reference(s: np.ndarray, scale_log2: float) -> tuple[np.ndarray, np.ndarray
 
 
 @pytest.mark.gpu
-def test_online_softmax_verbs_match_float64():
+@pytest.mark.parametrize(("name", "block"), [("online_softmax", 16), ("online_softmax_wide", 128)])
+def test_online_softmax_verbs_match_float64(name, block):
     import cupy
 
-    kernel = _gpu_kernel("online_softmax")
-    s, cases = _scores()
+    kernel = _gpu_kernel(name)
+    s, cases = _scores(block)
     scale_log2 = 0.125 * LOG2E
     inv_sum, lse = cupy.full(ROWS, np.nan, np.float32), cupy.full(ROWS, np.nan, np.float32)
     kernel((1,), (32,), (cupy.asarray(s), np.int32(BLOCKS), np.float32(scale_log2), inv_sum, lse))

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The online softmax's row max in 4 partial chains (softmax.cuh's update_max at 8+ key tiles:
+# FA4's reduction; the same value in any order), in every forward with 64- or 128-key blocks.
+# Offline (sm_90a): the Hopper forward's dependent FMNMX chain over a loop of two key blocks
+# 37 -> 12 at d = 64 and 128, the same 148 FMNMX, registers and spills unchanged. So: the
+# softmax verbs' GPU tests (16- and 128-key blocks), the forward's suites, then scripts/ab.py
+# prefill against the tree before it (.ab/1e59e7b: git archive 1e59e7b cupyflash kernels_cu).
+# Predicted: the forward 0-2% faster at d = 64 and 128 (the first exponential of a block issues
+# ~12 FMNMX latencies earlier; at d = 64 the exponentials bound the step).
+#   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_row_max_chains.sh [SECONDS]
+#   carry: .whl .ab/1e59e7b
+set -uo pipefail
+END=${1:-560}
+left() { echo $((END - SECONDS)); }
+source scripts/pending_gpu/gpu_env.sh
+timeout -s INT 200 python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore \
+  tests/test_softmax_verbs.py tests/test_gpu_pipeline.py tests/test_gpu_fa2.py > $OUT/tests.log 2>&1
+echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-250 | tail -10
+timeout $(( $(left) - 5 )) python3 scripts/ab.py prefill .ab/1e59e7b . --rounds 3 \
+  --shapes bf16-64-4096-0 bf16-64-16384-0 bf16-64-16384-1 bf16-128-16384-0 bf16-128-4096-1 > $OUT/ab.log 2>&1
+echo "ab rc=$? at ${SECONDS}s"; tail -14 $OUT/ab.log | cut -c1-300
