@@ -540,6 +540,36 @@ CF_DEVICE void transform_scores_staged(const AttnBias<BiasElement, Is_bool>& bia
       }
 }
 
+// ALiBi over a tile: |row + shift - key| as the float of the integer row + shift - key0 (less
+// the thread's first key in the tile) less the key's offset in the tile, one conversion per row
+// and FADD, FFMA (|x| free) per score, where the per-score integer form took IADD3, IABS, I2FP
+// and FFMA (the Hopper forward's loop over two key blocks at d = 64: 2664 instructions, the same
+// ALiBi as a score_mod, converted so by _mods' _float_by_parts, 2364). Bit for bit the
+// operator's while |row + shift - key0| + 127 < 2^24 (every step exact); past that the first
+// conversion rounds (2^-24 of the distance) and the subtraction as much again: a relative error
+// of 2^-23 in a bias of 2^24 slope / M or more, which exp2 takes to 0 for any usual slope.
+// (tests/test_mods_c_twin.py checks both.)
+template <int kMTiles, int kNTiles>
+CF_DEVICE void transform_scores(const Alibi& alibi, float (&s)[kMTiles][kNTiles][4], int row0,
+                                int key0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + 16 * mt + lane / 4 + 8 * half;
+      const float distance = static_cast<float>(row + alibi.shift - key0 - 2 * (lane % 4));
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& score = s[mt][nt][2 * half + c];
+          score = fmaf(alibi.coef, fabsf(distance - static_cast<float>(8 * nt + c)), score);
+        }
+      }
+    }
+  }
+}
+
 // The identity leaves the tile alone (not even the index arithmetic above is written).
 template <int kMTiles, int kNTiles>
 CF_DEVICE void transform_scores(const NoScoreTransform&, float (&)[kMTiles][kNTiles][4], int, int,

@@ -557,3 +557,71 @@ def test_a_tile_s_key_blocks_cover_every_key_its_rows_see(tmp_path):
                         assert tuple(out) == (lo // 128, min(24, -(-hi // 128))), (rows, block_m, row0)
                     checked += 1
     assert checked > 1000
+
+
+ALIBI_DRIVER = r"""
+#include <algorithm>
+// The built-in ALiBi's tile loop (transform_scores over kMTiles x kNTiles m16n8 tiles at
+// (row0, key0)) against its per-score operator, every lane: how many scores differ in their bits,
+// and the largest difference relative to the operator's bias.
+extern "C" int cf_alibi_tiles(float slope, float scale, int shift, int row0, int key0, unsigned seed,
+                              float* worst) {
+  constexpr int kMTiles = 2, kNTiles = 16;  // (the Hopper forward's 128-key blocks)
+  AttnParams p{};
+  const float slopes[1] = {slope};
+  p.alibi_slopes = slopes;
+  p.alibi_scale = scale;
+  const Alibi alibi(p, 0, 0, shift);
+  int differ = 0;
+  *worst = 0.f;
+  for (int lane = 0; lane < 32; ++lane) {
+    float s[kMTiles][kNTiles][4], want[kMTiles][kNTiles][4], score[kMTiles][kNTiles][4];
+    for (int mt = 0; mt < kMTiles; ++mt) for (int nt = 0; nt < kNTiles; ++nt) for (int e = 0; e < 4; ++e) {
+      seed = seed * 1664525u + 1013904223u;
+      s[mt][nt][e] = score[mt][nt][e] = ((int)(seed >> 8) % 4000) / 100.f - 20.f;
+      const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2), key = key0 + 8 * nt + 2 * (lane % 4) + e % 2;
+      want[mt][nt][e] = alibi(s[mt][nt][e], row, key);
+    }
+    transform_scores(alibi, s, row0, key0, lane);
+    for (int mt = 0; mt < kMTiles; ++mt) for (int nt = 0; nt < kNTiles; ++nt) for (int e = 0; e < 4; ++e) {
+      const float got = s[mt][nt][e], ref = want[mt][nt][e];
+      differ += std::memcmp(&got, &ref, 4) != 0;
+      const float bias = std::fabs(ref - score[mt][nt][e]);
+      if (bias > 0.f) *worst = std::max(*worst, std::fabs(got - ref) / bias);
+    }
+  }
+  return differ;
+}
+"""
+
+
+def test_the_builtin_alibi_tile_loop_is_its_operator(tmp_path):
+    """variants.cuh's transform_scores for the built-in ALiBi (the distance converted once per
+    row, the key's offset in the tile subtracted in float) gives bit for bit what Alibi's
+    operator gives score by score (the integer distance's float) wherever the tile's distances
+    stay below 2^24 - 2^7, tiles straddling the diagonal, with a shift either way; past that, the
+    bias within 2^-22 of the operator's (a bias of 2^24 slope / M or more)."""
+    from cupyflash import _source
+
+    kernel_dir = _source.kernel_dir()
+    variants = (kernel_dir / "variants.cuh").read_text()
+    variants = "\n".join(line for line in variants.splitlines() if not line.startswith(("#pragma once", "#include")))
+    (tmp_path / "common.cuh").write_text(HOST_COMMON)
+    (tmp_path / "params.cuh").write_text((kernel_dir / "params.cuh").read_text())
+    source = "\n".join(['#include "common.cuh"', '#include "params.cuh"', variants, ALIBI_DRIVER])
+    flags = ("-ffp-contract=off", "-fno-fast-math", "-Wno-unused-variable", "-Wno-unused-function",
+             "-Wno-unknown-pragmas", "-Wno-maybe-uninitialized", f"-I{tmp_path}")  # fmt: skip
+    run = host_library(source, tmp_path, *flags).cf_alibi_tiles
+    run.argtypes = [ctypes.c_float, ctypes.c_float, *[ctypes.c_int] * 3, ctypes.c_uint,
+                    ctypes.POINTER(ctypes.c_float)]  # fmt: skip
+    worst = ctypes.c_float()
+    edge = (1 << 24) - 200  # the last distances every step keeps exact (a tile spans 32 rows, 128 keys)
+    exact = [(0, 0, 0), (40, 0, 64), (64, 128, -64), (0, 5000, 17), (edge, 0, 0), (0, edge, 0), (edge - 31, 0, 0),
+             (1 << 30, (1 << 30) + 3, 0), (0, 1 << 20, edge - (1 << 20))]  # fmt: skip
+    for row0, key0, shift in exact:
+        for slope, scale in ((0.5, 0.125), (2.0**-8, 1.0), (-0.25, 0.3)):
+            differ = run(slope, scale, shift, row0, key0, 11 + row0 % 97, ctypes.byref(worst))
+            assert differ == 0, (row0, key0, shift, slope, differ)
+    for row0, key0, shift in (((1 << 26) + 5, 0, 0), (0, (1 << 25) + 3, 7), ((1 << 30) + 1, 2, 1 << 24)):
+        run(0.5, 0.125, shift, row0, key0, 3, ctypes.byref(worst))
+        assert worst.value <= 2.0**-22, (row0, key0, shift, worst.value)

@@ -6,7 +6,10 @@
 # softmax verbs' GPU tests (16- and 128-key blocks), the forward's suites, then scripts/ab.py
 # prefill against the tree before it (.ab/1e59e7b: git archive 1e59e7b cupyflash kernels_cu).
 # Predicted: the forward 0-2% faster at d = 64 and 128 (the first exponential of a block issues
-# ~12 FMNMX latencies earlier; at d = 64 the exponentials bound the step).
+# ~12 FMNMX latencies earlier; at d = 64 the exponentials bound the step). With it, the built-in
+# ALiBi's tile loop in floats (variants.cuh: its Hopper loop 2664 -> 2535 instructions, bit for
+# bit the same below 2^24 positions): builtin_score_tiles.py under each tree, cuDNN in each
+# round as the yardstick; predicted the ALiBi forward 3-8% faster, plain and softcap unchanged.
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_row_max_chains.sh [SECONDS]
 #   carry: .whl .ab/1e59e7b
 set -uo pipefail
@@ -19,3 +22,8 @@ echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/t
 timeout $(( $(left) - 5 )) python3 scripts/ab.py prefill .ab/1e59e7b . --rounds 3 \
   --shapes bf16-64-4096-0 bf16-64-16384-0 bf16-64-16384-1 bf16-128-16384-0 bf16-128-4096-1 > $OUT/ab.log 2>&1
 echo "ab rc=$? at ${SECONDS}s"; tail -14 $OUT/ab.log | cut -c1-300
+for tree in .ab/1e59e7b .; do
+  [ "$(left)" -gt 60 ] && PYTHONPATH=$tree:/tmp/site timeout $(( $(left) - 5 )) python3 scripts/pending_gpu/builtin_score_tiles.py \
+    --rounds 3 > $OUT/builtin_$(basename $tree).log 2>&1
+  echo "builtin score tiles ($tree) rc=$? at ${SECONDS}s"; cut -c1-300 $OUT/builtin_$(basename $tree).log | tail -6
+done
