@@ -45,6 +45,11 @@ struct Alibi {
   CF_DEVICE float operator()(float score, int row, int key) const {
     return fmaf(coef, static_cast<float>(abs(row + shift - key)), score);
   }
+  // The same from row + shift - key already a float (the tile loops form it from a conversion
+  // per row or key and a small offset; exact below 2^24, as the operator's conversion).
+  CF_DEVICE float at_distance(float score, float distance) const {
+    return fmaf(coef, fabsf(distance), score);
+  }
 };
 
 // logit(s) = tanh(s * scale / softcap) - slope / M * |row + shift - key|: the cap, then ALiBi's
@@ -563,7 +568,7 @@ CF_DEVICE void transform_scores(const Alibi& alibi, float (&s)[kMTiles][kNTiles]
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           float& score = s[mt][nt][2 * half + c];
-          score = fmaf(alibi.coef, fabsf(distance - static_cast<float>(8 * nt + c)), score);
+          score = alibi.at_distance(score, distance - static_cast<float>(8 * nt + c));
         }
       }
     }

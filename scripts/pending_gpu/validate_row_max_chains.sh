@@ -7,8 +7,9 @@
 # prefill against the tree before it (.ab/1e59e7b: git archive 1e59e7b cupyflash kernels_cu).
 # Predicted: the forward 0-2% faster at d = 64 and 128 (the first exponential of a block issues
 # ~12 FMNMX latencies earlier; at d = 64 the exponentials bound the step). With it, the built-in
-# ALiBi's tile loop in floats (variants.cuh: its Hopper loop 2664 -> 2535 instructions, bit for
-# bit the same below 2^24 positions): builtin_score_tiles.py under each tree, cuDNN in each
+# ALiBi's tile loop in floats (variants.cuh: its Hopper loop 2664 -> 2535 instructions, the
+# Hopper backward's step 901 -> 828 at d = 64, 589 -> 552 at d = 128; bit for bit the same below
+# 2^24 positions; tests/test_alibi.py's GPU tests): builtin_score_tiles.py under each tree, cuDNN in each
 # round as the yardstick; predicted the ALiBi forward 3-8% faster, plain and softcap unchanged.
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_row_max_chains.sh [SECONDS]
 #   carry: .whl .ab/1e59e7b
@@ -17,7 +18,7 @@ END=${1:-560}
 left() { echo $((END - SECONDS)); }
 source scripts/pending_gpu/gpu_env.sh
 timeout -s INT 200 python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore \
-  tests/test_softmax_verbs.py tests/test_gpu_pipeline.py tests/test_gpu_fa2.py > $OUT/tests.log 2>&1
+  tests/test_softmax_verbs.py tests/test_alibi.py tests/test_gpu_pipeline.py tests/test_gpu_fa2.py > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-250 | tail -10
 timeout $(( $(left) - 5 )) python3 scripts/ab.py prefill .ab/1e59e7b . --rounds 3 \
   --shapes bf16-64-4096-0 bf16-64-16384-0 bf16-64-16384-1 bf16-128-16384-0 bf16-128-4096-1 > $OUT/ab.log 2>&1
