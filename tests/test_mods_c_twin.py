@@ -344,6 +344,19 @@ static inline uint32_t ld_shared_u16(uint32_t) { return 0; }
 """
 )
 
+
+def _variants_on_host(folder) -> str:
+    """kernels_cu/variants.cuh's text for a host build in ``folder``: its own includes dropped,
+    HOST_COMMON written there as common.cuh beside the kernels' params.cuh (which includes it)."""
+    from cupyflash import _source
+
+    kernel_dir = _source.kernel_dir()
+    variants = (kernel_dir / "variants.cuh").read_text()
+    (folder / "common.cuh").write_text(HOST_COMMON)
+    (folder / "params.cuh").write_text((kernel_dir / "params.cuh").read_text())
+    return "\n".join(line for line in variants.splitlines() if not line.startswith(("#pragma once", "#include")))
+
+
 TILES_DRIVER = r"""
 namespace pair{n} {{
 constexpr int kMTiles = 2, kNTiles = 4;
@@ -414,13 +427,7 @@ def test_the_kernels_tile_loops_match_the_hook_score_by_score(tmp_path):
     sequence left alone (tiles straddling both ends), with a scale. Each pair with every read
     checked and with the grid's unchecked, the arrays ending at an unreadable page: the parts
     of rows and keys past the sequence read nothing past an array."""
-    from cupyflash import _source
-
-    kernel_dir = _source.kernel_dir()
-    variants = (kernel_dir / "variants.cuh").read_text()
-    variants = "\n".join(line for line in variants.splitlines() if not line.startswith(("#pragma once", "#include")))
-    (tmp_path / "common.cuh").write_text(HOST_COMMON)  # (beside params.cuh: the one it includes)
-    (tmp_path / "params.cuh").write_text((kernel_dir / "params.cuh").read_text())
+    variants = _variants_on_host(tmp_path)
     pairs = _pairs(np.random.default_rng(12))
     parts = ['#include "common.cuh"', '#include "params.cuh"', "#define CF_USER_MODS"]
     traced = {}
@@ -521,13 +528,7 @@ def test_a_tile_s_key_blocks_cover_every_key_its_rows_see(tmp_path):
     three consumers, spans two range blocks): the key blocks from the first that holds a key some
     row of the tile sees to the last, none where its rows see none; a last tile's padding rows
     read no range past the mask's rows (the ranges end there, at an unreadable page)."""
-    from cupyflash import _source
-
-    kernel_dir = _source.kernel_dir()
-    variants = (kernel_dir / "variants.cuh").read_text()
-    variants = "\n".join(line for line in variants.splitlines() if not line.startswith(("#pragma once", "#include")))
-    (tmp_path / "common.cuh").write_text(HOST_COMMON)
-    (tmp_path / "params.cuh").write_text((kernel_dir / "params.cuh").read_text())
+    variants = _variants_on_host(tmp_path)
     source = "\n".join(['#include "common.cuh"', '#include "params.cuh"', variants, RANGES_DRIVER])
     flags = ("-Wno-unused-variable", "-Wno-unused-function", "-Wno-unknown-pragmas", f"-I{tmp_path}")
     run = host_library(source, tmp_path, *flags).cf_key_blocks
@@ -601,13 +602,7 @@ def test_the_builtin_alibi_tile_loop_is_its_operator(tmp_path):
     operator gives score by score (the integer distance's float) wherever the tile's distances
     stay below 2^24 - 2^7, tiles straddling the diagonal, with a shift either way; past that, the
     bias within 2^-22 of the operator's (a bias of 2^24 slope / M or more)."""
-    from cupyflash import _source
-
-    kernel_dir = _source.kernel_dir()
-    variants = (kernel_dir / "variants.cuh").read_text()
-    variants = "\n".join(line for line in variants.splitlines() if not line.startswith(("#pragma once", "#include")))
-    (tmp_path / "common.cuh").write_text(HOST_COMMON)
-    (tmp_path / "params.cuh").write_text((kernel_dir / "params.cuh").read_text())
+    variants = _variants_on_host(tmp_path)
     source = "\n".join(['#include "common.cuh"', '#include "params.cuh"', variants, ALIBI_DRIVER])
     flags = ("-ffp-contract=off", "-fno-fast-math", "-Wno-unused-variable", "-Wno-unused-function",
              "-Wno-unknown-pragmas", "-Wno-maybe-uninitialized", f"-I{tmp_path}")  # fmt: skip

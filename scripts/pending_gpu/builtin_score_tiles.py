@@ -18,7 +18,7 @@ import statistics
 import torch
 
 import cupyflash
-from cupyflash import _dispatch, _plan
+from cupyflash import _dispatch, _plan, bench
 from cupyflash._specs import Fa3Tile
 
 TILES = {
@@ -27,16 +27,9 @@ TILES = {
 }
 
 
-def time_ms(fn, calls: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+def time_ms(fn) -> float:
+    """ms a call, 20 calls back to back between two events, after a short warm-up."""
+    return bench.cuda_time_ms(fn, warmup_ms=50.0, repeat=1, calls=20)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import statistics
 import torch
 
 import cupyflash
-from cupyflash import _dispatch, _kernels, _plan, mods
+from cupyflash import _dispatch, _kernels, _plan, bench, mods
 from cupyflash._specs import Fa3Tile
 
 TILES = {
@@ -43,16 +43,9 @@ def gallery(n: int, heads: int) -> dict:
     }
 
 
-def time_ms(fn, calls: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+def time_ms(fn) -> float:
+    """ms a call, 20 calls back to back between two events, after a short warm-up."""
+    return bench.cuda_time_ms(fn, warmup_ms=50.0, repeat=1, calls=20)
 
 
 def local_bytes() -> int:
