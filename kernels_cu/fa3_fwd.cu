@@ -480,8 +480,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       int stage, parity;
       slot(0, stage, parity);
       const int state = tile_state(n_end - 1);
+      mbar_wait(smem.ring(KvBarrier::kKFull, stage), parity);  // (before the turn, as below)
       begin_turn();
-      mbar_wait(smem.ring(KvBarrier::kKFull, stage), parity);
       wgmma_fence();
       issue_qk(s0, smem.k(stage));
       end_turn();
@@ -503,11 +503,13 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
       slot(it - 1, prev_stage, prev_parity);
       float s[1][Traits::kNTiles][4];
       const int state = tile_state(n_end - 1 - it);
-      begin_turn();
+      // K_it and V_{it-1} waited for before the turn (FA4's order), so that a turn holds the
+      // wgmma issues alone and the next consumer's is not held up by this one's wait for a load
       mbar_wait(smem.ring(KvBarrier::kKFull, stage), parity);
+      mbar_wait(smem.ring(KvBarrier::kVFull, prev_stage), prev_parity);
+      begin_turn();
       wgmma_fence();
       issue_qk(s, smem.k(stage));
-      mbar_wait(smem.ring(KvBarrier::kVFull, prev_stage), prev_parity);
       clear_v_tail(smem.v(prev_stage), n_end - it);
       issue_pv(smem.v(prev_stage), it == 1);
       end_turn();
@@ -531,8 +533,8 @@ CF_DEVICE void fa3_fwd(const Fa3Params& p) {
     if (n_blocks > 0) {
       int parity;
       slot(n_blocks - 1, last_stage, parity);
-      begin_turn();
       mbar_wait(smem.ring(KvBarrier::kVFull, last_stage), parity);
+      begin_turn();
       clear_v_tail(smem.v(last_stage), n_end - n_blocks);
       wgmma_fence();
       issue_pv(smem.v(last_stage), n_blocks == 1);
