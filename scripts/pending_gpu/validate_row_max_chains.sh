@@ -21,7 +21,8 @@ END=${1:-560}
 left() { echo $((END - SECONDS)); }
 source scripts/pending_gpu/gpu_env.sh
 timeout -s INT 200 python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore \
-  tests/test_softmax_verbs.py tests/test_alibi.py tests/test_gpu_pipeline.py tests/test_gpu_fa2.py > $OUT/tests.log 2>&1
+  tests/test_softmax_verbs.py tests/test_alibi.py tests/test_gpu_pipeline.py tests/test_gpu_fa2.py tests/test_varlen.py \
+  > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-250 | tail -10
 timeout $(( $(left) - 100 )) python3 scripts/ab.py prefill .ab/1e59e7b .ab/0006094 . --rounds 3 \
   --shapes bf16-64-16384-0 bf16-64-16384-1 bf16-128-16384-0 bf16-128-4096-1 > $OUT/ab.log 2>&1
