@@ -7,7 +7,9 @@
 # prefill against the tree before it (.ab/1e59e7b: git archive 1e59e7b cupyflash kernels_cu) and
 # the tree with it alone (.ab/0006094), this tree adding the consumers' waits for K and V moved
 # ahead of their ping-pong turn (FA4's order: the turn 128 -> 94 instructions at d = 128, 98 -> 50
-# at d = 64 causal, offline; predicted 0-3% where the consumers take turns).
+# at d = 64 causal, offline; predicted 0-3% where the consumers take turns) and KeyMask::apply's
+# bits (the causal forward's diagonal blocks: ISETP 285 -> 110 at d = 128; predicted 1-3% at
+# N = 1k causal, where a quarter of the blocks are masked, nothing at 16k).
 # Predicted: the forward 0-2% faster at d = 64 and 128 (the first exponential of a block issues
 # ~12 FMNMX latencies earlier; at d = 64 the exponentials bound the step). With it, the built-in
 # ALiBi's tile loop in floats (variants.cuh: its Hopper loop 2664 -> 2535 instructions, the
@@ -25,7 +27,7 @@ timeout -s INT 200 python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark
   > $OUT/tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests.log | cut -c1-250 | tail -10
 timeout $(( $(left) - 100 )) python3 scripts/ab.py prefill .ab/1e59e7b .ab/0006094 . --rounds 3 \
-  --shapes bf16-64-16384-0 bf16-64-16384-1 bf16-128-16384-0 bf16-128-4096-1 > $OUT/ab.log 2>&1
+  --shapes bf16-64-16384-0 bf16-128-16384-0 bf16-64-1024-1 bf16-128-1024-1 bf16-128-4096-1 > $OUT/ab.log 2>&1
 echo "ab rc=$? at ${SECONDS}s"; tail -14 $OUT/ab.log | cut -c1-300
 for tree in .ab/1e59e7b .; do
   [ "$(left)" -gt 60 ] && PYTHONPATH=$tree:/tmp/site timeout $(( $(left) - 5 )) python3 scripts/pending_gpu/builtin_score_tiles.py \
