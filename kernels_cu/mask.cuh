@@ -68,36 +68,18 @@ struct KeyMask {
 
   // Set hidden scores of an MMA accumulator tile to -inf. Fragment layout of m16n8 tiles:
   // element e of tile (mt, nt) sits at row row0 + 16 mt + lane / 4 + 8 (e / 2),
-  // key key0 + MmaKeyColumns{}(nt, lane, e) = key0 + 2 (lane % 4) + 8 nt + e % 2.
-  // A row's visible keys are one range [lo, hi) (visible()); from the thread's first column,
-  // column 8 nt + c is visible iff lo <= 8 nt + c < hi, i.e. for each c the key tiles nt in
-  // [ceil((lo - c) / 8), ceil((hi - c) / 8)): two words of bits a row, a score kept or set to
-  // -inf by its bit (FA4's mask; ptxas tests the bits with LOP3, or moves 7 at once into
-  // predicates with R2P), where comparing each score's row and key took ~1.5 ISETP a score (the
-  // causal diagonal block of the Hopper forward at d = 128: 748 instructions against FA4's 558).
-  // Offline (sm_90a): the causal Hopper forward 4200 -> 4152 instructions at d = 128, 3480 ->
-  // 3416 at d = 64, windowed 4352 -> 4128; tests/test_mask_c_twin.py checks every fragment.
+  // key key0 + MmaKeyColumns{}(nt, lane, e).
   template <int kMTiles, int kNTiles>
   CF_DEVICE void apply(float (&s)[kMTiles][kNTiles][4], int row0, int key0, int lane) const {
-    static_assert(kNTiles < 32, "a row's key tiles as the bits of one word");
-    const int base = key0 + 2 * (lane % 4);
-    // ceil(x / 8) (an arithmetic shift rounds down for negative x too), clamped to [0, kNTiles]
-    auto tile_bound = [](int x) { return min(max((x + 7) >> 3, 0), kNTiles); };
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = row0 + 16 * mt + lane / 4 + 8 * half;
-        int hi = seqlen_k - base;
-        if (Is_causal) hi = min(hi, row + shift + window_right + 1 - base);
-        const int lo = Is_local ? row + shift - window_left - base : 0;  // (columns are >= 0)
+      for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const uint32_t bits =
-              ((1u << tile_bound(hi - c)) - 1u) & ~((1u << tile_bound(lo - c)) - 1u);
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt)
-            if (!((bits >> nt) & 1u)) s[mt][nt][2 * half + c] = neg_infinity();
+        for (int e = 0; e < 4; ++e) {
+          const int row = row0 + 16 * mt + lane / 4 + 8 * (e / 2);
+          const int key = key0 + MmaKeyColumns{}(nt, lane, e);
+          if (!visible(row, key)) s[mt][nt][e] = neg_infinity();
         }
       }
     }
@@ -262,8 +244,6 @@ struct QueryRangeOfKeys {
 
   // The same as apply, with a key's visible rows as one range of offsets from the thread's first
   // row (lo <= 8 nt + e % 2 <= hi): a compare with an immediate per score, not row arithmetic.
-  // (KeyMask::apply's bits per row measured longer here in SASS: under a causal mask alone the
-  // upper bound folds away and one compare a score is left, where a bit's test costs as much.)
   // The Hopper backward at d = 64 holds 192 accumulators here, where apply's per-row sums
   // spilled; the mma.sync backward (fa2_bwd.cu) keeps apply, where this form spilled 8 bytes in
   // two sm_80 variants (d = 128 causal softcap dropout, d = 64 causal additive mask det).

@@ -7,9 +7,7 @@
 # prefill against the tree before it (.ab/1e59e7b: git archive 1e59e7b cupyflash kernels_cu) and
 # the tree with it alone (.ab/0006094), this tree adding the consumers' waits for K and V moved
 # ahead of their ping-pong turn (FA4's order: the turn 128 -> 94 instructions at d = 128, 98 -> 50
-# at d = 64 causal, offline; predicted 0-3% where the consumers take turns) and KeyMask::apply's
-# bits (the causal forward's diagonal blocks: ISETP 285 -> 110 at d = 128; predicted 1-3% at
-# N = 1k causal, where a quarter of the blocks are masked, nothing at 16k).
+# at d = 64 causal, offline; predicted 0-3% where the consumers take turns).
 # Predicted: the forward 0-2% faster at d = 64 and 128 (the first exponential of a block issues
 # ~12 FMNMX latencies earlier; at d = 64 the exponentials bound the step). With it, the built-in
 # ALiBi's tile loop in floats (variants.cuh: its Hopper loop 2664 -> 2535 instructions, the
