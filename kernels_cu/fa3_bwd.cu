@@ -824,18 +824,17 @@ CF_DEVICE void fa3_bwd_consume(const Fa3BwdSmem<Traits>& smem, const BwdParams& 
     }
     // this thread's query rows of column tile nt: 8 nt + 2 (lane % 4) and the next
     const uint32_t thread_rows = smem.rows(consumer, stage) + 2 * (lane % 4) * 4;
-    // element 2 half + c of column tile nt: row 8 nt + 2 (lane % 4) + c, key lane / 4 + 8 half
-    // of the warp's 16
     // ALiBi's row + shift - key for this thread's first row and each of its two keys, converted
     // once a step: a score's distance is it plus the row's offset 8 nt + c (below the step's
-    // rows), in float, as the forward's tile loop forms it (variants.cuh: bit for bit the
-    // operator's below 2^24 positions).
+    // rows), in float, as the forward's tile loop forms it (variants.cuh's Alibi::distance).
     [[maybe_unused]] float alibi_distance[2];
     if constexpr (Traits::Has_alibi)
 #pragma unroll
       for (int half = 0; half < 2; ++half)
-        alibi_distance[half] = static_cast<float>(row0 + 2 * (lane % 4) + bias.shift -
-                                                  (key0 + warp_key0 + lane / 4 + 8 * half));
+        alibi_distance[half] =
+            bias.distance(row0 + 2 * (lane % 4), key0 + warp_key0 + lane / 4 + 8 * half);
+    // element 2 half + c of column tile nt: row 8 nt + 2 (lane % 4) + c, key lane / 4 + 8 half
+    // of the warp's 16
     auto logit_with_bias = [&](float score, int nt, int half, int c) {
       // ALiBi here, where P^T is formed, not over all of S^T after the mask: that kept the bias
       // of a whole step live and spilled the bounded variants at d = 64 (4-12 bytes). After the

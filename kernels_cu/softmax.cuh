@@ -70,6 +70,7 @@ struct OnlineSoftmax {
           for (int nt = kMaxChains; nt < kNTiles; ++nt)
             part[nt % kMaxChains] =
                 fmaxf(part[nt % kMaxChains], fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+          static_assert(kMaxChains == 4, "the partial maxima combined as a tree of two levels");
           m = fmaxf(m, fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
         } else {
 #pragma unroll

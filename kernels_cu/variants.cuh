@@ -45,8 +45,10 @@ struct Alibi {
   CF_DEVICE float operator()(float score, int row, int key) const {
     return fmaf(coef, static_cast<float>(abs(row + shift - key)), score);
   }
-  // The same from row + shift - key already a float (the tile loops form it from a conversion
-  // per row or key and a small offset; exact below 2^24, as the operator's conversion).
+  // The tile loops' form: row + shift - key converted once for a thread's first row and key,
+  // each score's distance that plus its small offset in float, then the same FFMA (|x| free).
+  // Exact while the distances stay below 2^24, as the operator's conversion.
+  CF_DEVICE float distance(int row, int key) const { return static_cast<float>(row + shift - key); }
   CF_DEVICE float at_distance(float score, float distance) const {
     return fmaf(coef, fabsf(distance), score);
   }
@@ -562,7 +564,7 @@ CF_DEVICE void transform_scores(const Alibi& alibi, float (&s)[kMTiles][kNTiles]
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = row0 + 16 * mt + lane / 4 + 8 * half;
-      const float distance = static_cast<float>(row + alibi.shift - key0 - 2 * (lane % 4));
+      const float distance = alibi.distance(row, key0 + 2 * (lane % 4));
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
