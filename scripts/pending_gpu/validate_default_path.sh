@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The default path's changes since the last GPU run, validated in one call (a session with device
+# time for one): the row max in four partial chains (softmax.cuh), the consumers' waits for K and V
+# ahead of their ping-pong turn, the built-in ALiBi's distances in floats (variants.cuh), and
+# prep's -inf / 0 in the Hopper backward's padding rows. So: the forward's GPU tests that cover
+# them, the backward's (not the producer's or the decoupled variants': validate_bwd_producer_and_
+# decoupled.sh), then scripts/ab.py prefill against the tree before them (.ab/1e59e7b) and the
+# built-in ALiBi's tiles under both trees. Predictions: validate_row_max_chains.sh's (forward 0-3%,
+# the ALiBi forward 3-8%).
+#   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_default_path.sh [SECONDS]
+#   carry: .whl .ab/1e59e7b
+set -uo pipefail
+END=${1:-500}
+left() { echo $((END - SECONDS)); }
+source scripts/pending_gpu/gpu_env.sh
+PYTEST=(python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore)
+timeout -s INT 130 "${PYTEST[@]}" tests/test_softmax_verbs.py tests/test_alibi.py tests/test_gpu_pipeline.py \
+  tests/test_varlen.py > $OUT/tests_fwd.log 2>&1
+echo "forward tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests_fwd.log | cut -c1-250 | tail -8
+timeout -s INT 120 "${PYTEST[@]}" tests/test_gpu_backward.py tests/test_gpu_sinks.py -k "not producer and not decoupled" \
+  > $OUT/tests_bwd.log 2>&1
+echo "backward tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests_bwd.log | cut -c1-250 | tail -8
+timeout $(( $(left) - 110 )) python3 scripts/ab.py prefill .ab/1e59e7b . --rounds 3 \
+  --shapes bf16-64-16384-0 bf16-128-16384-0 bf16-64-1024-1 bf16-128-4096-1 > $OUT/ab.log 2>&1
+echo "ab rc=$? at ${SECONDS}s"; tail -10 $OUT/ab.log | cut -c1-300
+for tree in .ab/1e59e7b .; do
+  budget=$(( $(left) - 5 )); [ $tree = .ab/1e59e7b ] && budget=$(( budget / 2 ))
+  [ "$budget" -gt 30 ] && PYTHONPATH=$tree:/tmp/site timeout $budget python3 scripts/pending_gpu/builtin_score_tiles.py \
+    --rounds 2 > $OUT/builtin_$(basename $tree).log 2>&1
+  echo "builtin score tiles ($tree) rc=$? at ${SECONDS}s"; cut -c1-300 $OUT/builtin_$(basename $tree).log | tail -6
+done
