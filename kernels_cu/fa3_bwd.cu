@@ -561,9 +561,10 @@ struct Fa3BwdConsumer {
   // A step's -LSE log2 e and D: thread tid loads values tid, tid + 128, ... of the 2 kBlockM
   // (value v: row v of -LSE, or row v - kBlockM of D) a step ahead into this consumer's copy in
   // the ring (plain loads and stores, ordered by the consumer's barriers). A padding row (past
-  // seqlen_q; prep does not write its values) reads -LSE = -inf and D = 0: its Q and dO are
-  // TMA's zeros, so its scores are 0 or masked, P^T = exp2(-inf) = 0 and dS^T = 0 (dP^T = 0)
-  // with no test per score, as a real row that sees no key.
+  // seqlen_q; prep writes its values for the producer's copies, these loads do not read them)
+  // takes -LSE = -inf and D = 0: its Q and dO are TMA's zeros, so its scores are 0 or masked,
+  // P^T = exp2(-inf) = 0 and dS^T = 0 (dP^T = 0) with no test per score, as a real row that
+  // sees no key.
   CF_DEVICE void load_row_values(BwdStep at, float (&values)[kRowValues]) const {
 #pragma unroll
     for (int i = 0; i < kRowValues; ++i) {
