@@ -284,6 +284,14 @@ FA3_MODS_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 #: rounds (docs/evidence/2026-12-07-h100-session-12/). Off.
 FA3_FWD_UNIFORM_CONSUMER = False
 
+#: The Hopper forward without a causal or window bound on one CTA per tile (Fa3Tile.single_tile:
+#: a grid of every tile, handed out by the hardware as SMs free) instead of persistent CTAs on a
+#: static stride, where the tile is not dynamic. The kernel is the same; a CTA's prologue then
+#: runs once per tile, and its epilogue under no next tile's loads, against a static stride's
+#: tail (an SM whose tiles ran slower finishes last). Predicted -3% to +3% at d = 64 and 128.
+#: Off until measured (scripts/pending_gpu/validate_single_tile.sh).
+FA3_FWD_SINGLE_TILE = False
+
 
 def fa3_fwd_spec(
     dtype: str,
@@ -312,6 +320,8 @@ def fa3_fwd_spec(
     short = seqlen_k <= FA3_SHORT_SEQLEN and not (varlen and batch_invariant)
     tiles = FA3_MODS_FWD_TILES if mods_source else FA3_FWD_TILES
     tile = (FA3_SHORT_FWD_TILES.get(key) if short else None) or tiles.get(key) or FA3_FWD_TILES[key]
+    if FA3_FWD_SINGLE_TILE and not (flags.causal or flags.local or tile.dynamic):
+        tile = replace(tile, single_tile=True)
     return Fa3FwdSpec(
         dtype, width, tile, flags.causal, flags.local, flags.softcap, varlen, valid_dim, mods_source=mods_source,
         alibi=flags.alibi, uniform_consumer=FA3_FWD_UNIFORM_CONSUMER,

@@ -312,7 +312,9 @@ class Fa3Tile:
     K/V slots of the mbarrier ring, O staged in its own buffer (so the next tile's Q loads during
     the epilogue) or in the Q tile, turns among the consumers for their wgmma issues (ping-pong
     with two, round robin with three), and the dynamic schedule (persistent CTAs drawing tiles
-    from a global counter, each head's longest first)."""
+    from a global counter, each head's longest first); ``single_tile``: one CTA per tile where the
+    tiles are uniform too (no causal or window bound), which the hardware hands out as SMs free,
+    instead of persistent CTAs on a static stride (the kernel is the same; only its grid differs)."""
 
     block_n: int
     consumers: int = 2
@@ -320,12 +322,15 @@ class Fa3Tile:
     separate_o: bool = True
     pingpong: bool = False
     dynamic: bool = False
+    single_tile: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n not in WGMMA_N or self.consumers not in (2, 3) or self.stages < 2:
             raise ValueError(
                 f"bad Hopper tile: block_n={self.block_n}, consumers={self.consumers}, stages={self.stages}"
             )
+        if self.dynamic and self.single_tile:
+            raise ValueError("a Hopper tile is either dynamic (persistent CTAs) or single_tile (a CTA each)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,7 +383,7 @@ class Fa3FwdSpec(_KernelSpecBase):
 
     @property
     def persistent(self) -> bool:
-        return self.tile.dynamic or not (self.causal or self.local)
+        return self.tile.dynamic or not (self.causal or self.local or self.tile.single_tile)
 
     @property
     def block_n(self) -> int:

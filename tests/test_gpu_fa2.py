@@ -161,6 +161,13 @@ def test_uniform_consumer_index(rng, head_dim, causal, batch, seqlen, heads, hea
     check_many_tiles(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype, FA3_FWD_UNIFORM_CONSUMER=True)
 
 
+@pytest.mark.parametrize("head_dim, causal, batch, seqlen, heads, heads_kv, dtype", [c for c in MANY_TILES if not c[1]])
+def test_single_tile_schedule(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype):
+    """The Hopper forward without a mask on one CTA per tile (_dispatch.FA3_FWD_SINGLE_TILE): every
+    tile written once (outputs poisoned), the float64 reference's output, bit-identical later."""
+    check_many_tiles(rng, head_dim, causal, batch, seqlen, heads, heads_kv, dtype, FA3_FWD_SINGLE_TILE=True)
+
+
 def test_auto_runs_the_hopper_kernel_there(rng):
     """On sm_90 "auto" is the wgmma kernel for head_dim 128 (its variant shows in the cache)."""
     from cupyflash import _kernels

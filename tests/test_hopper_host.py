@@ -311,6 +311,34 @@ def test_the_causal_forward_takes_its_tiles_longest_first_in_sections_when_lpt_i
     _plan.clear_caches()
 
 
+def test_single_tile_gives_uniform_tiles_a_cta_each_when_on(monkeypatch):
+    """_dispatch.FA3_FWD_SINGLE_TILE: the Hopper forward without a causal or window bound on a
+    grid of every tile (Fa3Tile.single_tile, not persistent) instead of one CTA per SM; causal,
+    windowed and dynamic tiles keep their schedule; a tile cannot be both; off by default."""
+
+    def grid(causal=False, window=(-1, -1), seqlen=4000):
+        shapes = ((2, seqlen, 16, 128), (2, seqlen, 4, 128), (2, seqlen, 4, 128))
+        p = attention_problem(*shapes, causal=causal, scale=None, window=window, softcap=0.0, layout="bshd")
+        launch = _plan.plan_attention(p, "bfloat16", fake_device("sm_90a"), "fa3", shapes[0])
+        (step,) = [step for step in launch.steps if "fa3_fwd" in step.spec.name]
+        return step.spec, step.grid
+
+    tiles = 2 * 16 * -(-4000 // 128)
+    spec, before = grid()
+    assert not spec.tile.single_tile and spec.persistent and before[0] < tiles
+    monkeypatch.setattr(_dispatch, "FA3_FWD_SINGLE_TILE", True)
+    _plan.clear_caches()
+    spec, after = grid()
+    assert spec.tile.single_tile and not spec.persistent and after == (tiles, 1, 1)
+    causal, _ = grid(causal=True)
+    windowed, _ = grid(window=(100, 0))
+    assert not causal.tile.single_tile and causal.persistent and causal.tile.dynamic
+    assert not windowed.tile.single_tile
+    with pytest.raises(ValueError, match="dynamic"):
+        replace(causal.tile, single_tile=True)
+    _plan.clear_caches()
+
+
 def test_the_forward_consumer_index_is_a_uniform_switch_that_compiles_cleanly(monkeypatch):
     """_dispatch.FA3_FWD_UNIFORM_CONSUMER: the dispatcher's and warmup's forward variants take
     Fa3FwdSpec.uniform_consumer (named "_uc"); on, a causal packed and a windowed softcap ALiBi
