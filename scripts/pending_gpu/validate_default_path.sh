@@ -16,21 +16,24 @@ END=${1:-500}
 left() { echo $((END - SECONDS)); }
 source scripts/pending_gpu/gpu_env.sh
 PYTEST=(python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark -m gpu -rf --tb=short -W ignore)
-timeout -s INT 130 "${PYTEST[@]}" tests/test_softmax_verbs.py tests/test_alibi.py tests/test_gpu_pipeline.py \
+timeout -s INT $(( END * 3 / 10 )) "${PYTEST[@]}" tests/test_softmax_verbs.py tests/test_alibi.py tests/test_gpu_pipeline.py \
   tests/test_varlen.py "tests/test_gpu_fa2.py::test_single_tile_schedule" > $OUT/tests_fwd.log 2>&1
 echo "forward tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests_fwd.log | cut -c1-250 | tail -8
-timeout -s INT 120 "${PYTEST[@]}" tests/test_gpu_backward.py tests/test_gpu_sinks.py -k "not producer and not decoupled" \
+timeout -s INT $(( END / 4 )) "${PYTEST[@]}" tests/test_gpu_backward.py tests/test_gpu_sinks.py -k "not producer and not decoupled" \
   > $OUT/tests_bwd.log 2>&1
 echo "backward tests rc=$? at ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/tests_bwd.log | cut -c1-250 | tail -8
 rm -rf /tmp/single_tile && mkdir -p /tmp/single_tile && cp -r cupyflash kernels_cu /tmp/single_tile/
 sed -i 's/^FA3_FWD_SINGLE_TILE = False$/FA3_FWD_SINGLE_TILE = True/' /tmp/single_tile/cupyflash/_dispatch.py
 grep -c "^FA3_FWD_SINGLE_TILE = True" /tmp/single_tile/cupyflash/_dispatch.py
-timeout $(( $(left) - 110 )) python3 scripts/ab.py prefill .ab/1e59e7b . /tmp/single_tile --rounds 3 \
-  --shapes bf16-64-16384-0 bf16-128-16384-0 bf16-64-4096-0 bf16-64-1024-1 bf16-128-4096-1 > $OUT/ab.log 2>&1
+ab_share=$(( END >= 450 ? $(left) - 110 : $(left) - 10 ))  # (the built-in ALiBi timings only in a long call)
+shapes=(bf16-64-16384-0 bf16-128-16384-0 bf16-64-4096-0 bf16-64-1024-1 bf16-128-4096-1)
+[ "$END" -lt 450 ] && shapes=(bf16-64-16384-0 bf16-128-16384-0 bf16-64-4096-0)  # (each round prints as it ends)
+timeout $ab_share python3 scripts/ab.py prefill .ab/1e59e7b . /tmp/single_tile --rounds 3 --shapes "${shapes[@]}" \
+  > $OUT/ab.log 2>&1
 echo "ab rc=$? at ${SECONDS}s"; tail -16 $OUT/ab.log | cut -c1-300
 for tree in .ab/1e59e7b .; do
   budget=$(( $(left) - 5 )); [ $tree = .ab/1e59e7b ] && budget=$(( budget / 2 ))
-  [ "$budget" -gt 30 ] && PYTHONPATH=$tree:/tmp/site timeout $budget python3 scripts/pending_gpu/builtin_score_tiles.py \
+  [ "$budget" -gt 60 ] && PYTHONPATH=$tree:/tmp/site timeout $budget python3 scripts/pending_gpu/builtin_score_tiles.py \
     --rounds 2 > $OUT/builtin_$(basename $tree).log 2>&1
   echo "builtin score tiles ($tree) rc=$? at ${SECONDS}s"; cut -c1-300 $OUT/builtin_$(basename $tree).log | tail -6
 done
