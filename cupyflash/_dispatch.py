@@ -289,7 +289,7 @@ FA3_FWD_UNIFORM_CONSUMER = False
 #: static stride, where the tile is not dynamic. The kernel is the same; a CTA's prologue then
 #: runs once per tile, and its epilogue under no next tile's loads, against a static stride's
 #: tail (an SM whose tiles ran slower finishes last). Predicted -3% to +3% at d = 64 and 128.
-#: Off until measured (scripts/pending_gpu/validate_single_tile.sh).
+#: Off until measured (scripts/pending_gpu/validate_default_path.sh A/Bs a tree with it on).
 FA3_FWD_SINGLE_TILE = False
 
 
@@ -726,7 +726,7 @@ FA3_BWD_ROWS80 = True
 #: Rows_by_producer: FA4's producer loads them so), instead of each consumer loading its own a
 #: step ahead. Offline (sm_90a): the 80-row step loop's instructions and the variants' registers
 #: and spills in docs/hopper.md. Off until its GPU tests and tune.py hopper-bwd --switch
-#: rows_by_producer have run (scripts/pending_gpu/validate_bwd_rows_by_producer.sh).
+#: rows_by_producer have run (scripts/pending_gpu/validate_bwd_producer_and_decoupled.sh).
 FA3_BWD_ROWS_BY_PRODUCER = False
 
 

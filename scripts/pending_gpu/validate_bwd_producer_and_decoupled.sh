@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# validate_bwd_rows_by_producer.sh and validate_bwd_decoupled_rows.sh in one call, for a session
-# with device time for one: the two switches' GPU tests, the backward's suites (prep's padding
-# rows are on the default path), racecheck on both new variants, then tune.py hopper-bwd at
-# d = 128 over 4k and 16k for each switch (the non-causal shapes: the 80-row steps both change).
-# Predictions as in the two scripts: rows_by_producer 1-4% at d = 128 without a mask,
-# decoupled_rows (with the producer's rows on both sides) 2-6%.
+# The Hopper backward's two switches that are off until measured, in one call: each step's -LSE
+# log2 e and D copied by the producer (_dispatch.FA3_BWD_ROWS_BY_PRODUCER; the 80-row step loop
+# 567 -> 507 instructions offline, FA4's 463) and, with it, the decoupled consumers in d = 128's
+# 80-row steps (FA3_BWD_DECOUPLED; 457 instructions, 231,720 bytes of shared memory). So: their
+# GPU tests, the backward's suites (prep's padding rows are on the default path), racecheck on
+# both variants, then tune.py hopper-bwd at d = 128 over 4k and 16k for each switch (the
+# non-causal shapes: the 80-row steps both change). Predicted: rows_by_producer 1-4% at d = 128
+# without a mask, 0-2% elsewhere; decoupled_rows (the producer's rows on both sides) 2-6%.
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_bwd_producer_and_decoupled.sh [SECONDS]
 #   carry: .whl
 set -uo pipefail

@@ -5,8 +5,10 @@
 # prep's -inf / 0 in the Hopper backward's padding rows. So: the forward's GPU tests that cover
 # them, the backward's (not the producer's or the decoupled variants': validate_bwd_producer_and_
 # decoupled.sh), then scripts/ab.py prefill against the tree before them (.ab/1e59e7b) and the
-# built-in ALiBi's tiles under both trees. Predictions: validate_row_max_chains.sh's (forward 0-3%,
-# the ALiBi forward 3-8%). With them, _dispatch.FA3_FWD_SINGLE_TILE (the forward without a mask on
+# built-in ALiBi's tiles under both trees (cuDNN in each round as the yardstick). Predicted: the
+# forward 0-3% faster at d = 64 and 128 (the row max's dependent FMNMX chain 37 -> 12 over two key
+# blocks; a turn 128 -> 94 instructions at d = 128, 98 -> 50 at d = 64 causal; offline), the
+# built-in ALiBi's forward 3-8% (its loop 2664 -> 2535 instructions at d = 64). With them, _dispatch.FA3_FWD_SINGLE_TILE (the forward without a mask on
 # one CTA per tile): its GPU tests, and a copy of this tree with it on as a third tree of the A/B
 # (its non-causal shapes; predicted -3% to +3%).
 #   usage (GPU machine, tree root, $OUT set): scripts/pending_gpu/validate_default_path.sh [SECONDS]
