@@ -288,8 +288,10 @@ FA3_FWD_UNIFORM_CONSUMER = False
 #: a grid of every tile, handed out by the hardware as SMs free) instead of persistent CTAs on a
 #: static stride, where the tile is not dynamic. The kernel is the same; a CTA's prologue then
 #: runs once per tile, and its epilogue under no next tile's loads, against a static stride's
-#: tail (an SM whose tiles ran slower finishes last). Predicted -3% to +3% at d = 64 and 128.
-#: Off until measured (scripts/pending_gpu/validate_default_path.sh A/Bs a tree with it on).
+#: tail (an SM whose tiles ran slower finishes last). Predicted -3% to +3% at d = 64 and 128;
+#: measured (H100, scripts/ab.py prefill, three rounds, the forward over cuDNN's) d = 64 N = 16k
+#: 1.097 against 1.107 off, 4k 0.995 against 1.034, d = 128 16k 0.985 against 0.997
+#: (docs/evidence/2026-12-07-h100-session-17/). Off.
 FA3_FWD_SINGLE_TILE = False
 
 
@@ -698,8 +700,10 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 
 
 #: The Hopper backward's consumers meet once a step instead of twice (Fa3BwdSpec.decoupled:
-#: FlashAttention-3's arrangement), default order only. Off until measured beside cuDNN and FA4:
-#: scripts/tune.py hopper-bwd times both settings, cuDNN in each one's rounds.
+#: FlashAttention-3's arrangement), default order only. Off: with the producer's rows in d = 128's
+#: 80-row steps (tune.py hopper-bwd --switch decoupled_rows, H100) the backward over cuDNN's went
+#: 1.049 -> 1.064 at 4k and 1.097 -> 1.114 at 16k while its own TFLOP/s fell (499 -> 486, 584 ->
+#: 581): no gain that holds (docs/evidence/2026-12-07-h100-session-17/).
 FA3_BWD_DECOUPLED = False
 #: The Hopper backward's exponentials after dP^T, with dS^T (Fa3BwdSpec.late_exp): the order
 #: before they ran under dP^T (fa3_bwd.cu's Exp_under_dp). Off: the new order passed the backward
@@ -725,9 +729,14 @@ FA3_BWD_ROWS80 = True
 #: and dO, one copy for both consumers (Fa3BwdSpec.rows_by_producer, fa3_bwd.cu's
 #: Rows_by_producer: FA4's producer loads them so), instead of each consumer loading its own a
 #: step ahead. Offline (sm_90a): the 80-row step loop's instructions and the variants' registers
-#: and spills in docs/hopper.md. Off until its GPU tests and tune.py hopper-bwd --switch
-#: rows_by_producer have run (scripts/pending_gpu/validate_bwd_producer_and_decoupled.sh).
-FA3_BWD_ROWS_BY_PRODUCER = False
+#: and spills in docs/hopper.md. On: measured (H100, bf16, tune.py hopper-bwd --switch
+#: rows_by_producer, the backward over cuDNN's in the same rounds) d = 128 without a mask 1k
+#: 0.922 -> 0.987, 4k 0.978 -> 1.042, 16k 0.999 -> 1.097; causal 0.921 -> 0.920, 0.966 -> 0.985,
+#: 0.984 -> 1.013; d = 64 without a mask 1.022 -> 1.047, 1.062 -> 1.082, 1.088 -> 1.142; causal
+#: 1.028 -> 1.011, 1.096 -> 1.100, 1.150 -> 1.176; under all three timings at d = 128 4k and 16k
+#: without a mask and 4k causal; the backward suites with it on passed
+#: (docs/evidence/2026-12-07-h100-session-17/). Not with score functions yet (fa3_bwd_spec).
+FA3_BWD_ROWS_BY_PRODUCER = True
 
 
 def _even_sections(pairs: int, per_pair: int, budget: int) -> int:
@@ -817,11 +826,14 @@ def fa3_bwd_spec(
     # (the order before, and so dK before dQ): with them under dP^T its causal variants spilled
     # 4 bytes (tests/test_mods.py's sm_90a builds with CUPYFLASH_COMPILE_ALL=1).
     order_before = deterministic and bool(mods_source) and head_dim == 128
+    # The producer's rows not yet with score functions: their GPU suite has not run with them
+    # (scripts/pending_gpu/validate_score_fn_backward.sh); the consumers' copies until it has.
+    rows_by_producer = FA3_BWD_ROWS_BY_PRODUCER and not mods_source
     return _with_rows80(Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
         varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP or order_before,
         dq_first=_fa3_bwd_dq_first(head_dim, flags.softcap) and not order_before,
-        rows_by_producer=FA3_BWD_ROWS_BY_PRODUCER,
+        rows_by_producer=rows_by_producer,
     ))  # fmt: skip
 
 
