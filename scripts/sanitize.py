@@ -16,11 +16,14 @@ neighbour in a pool. Writes ``DIR/<tool>.log`` (the sanitizer's report) and ``DI
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
@@ -33,6 +36,14 @@ WORKLOAD = Path(__file__).resolve().parent / "sanitize_workload.py"
 # errors, W warnings)" instead.
 SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?$", re.MULTILINE)
 RACECHECK_SUMMARY = re.compile(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?")
+# One racecheck report: "Error: Race reported between Write access at KERNEL+0xOFFSET", then one
+# "and Read access at KERNEL+0xOFFSET [N hazards]" line per site it raced with.
+RACE_REPORT = re.compile(r"Error: Race reported between .*\n(?:=+\s+and .*\n?)+")
+RACE_SITE = re.compile(r"(Write|Read) access at (\S+)\+0x([0-9a-f]+)")
+# A tool's summary line with no error (racecheck's may name the bulk-copy reports it set aside).
+CLEAN = re.compile(r": 0 errors(?: \(.*\))?$")
+# An H100's shared memory per block (the variants the dispatcher can pick there).
+H100_SMEM = 232448
 
 
 def find_sanitizer(explicit: str | None) -> str:
@@ -52,12 +63,80 @@ def error_count(log: str) -> int | None:
     return int(counts[-1]) if counts else None
 
 
+def race_reports(log: str) -> list[list[tuple[str, str, int]]]:
+    """racecheck's displayed reports, each as its sites: (Write | Read, kernel, offset)."""
+    return [
+        [(kind, kernel, int(offset, 16)) for kind, kernel, offset in RACE_SITE.findall(report)]
+        for report in RACE_REPORT.findall(log)
+    ]
+
+
+def bulk_copy_reports(log: str, bulk_copies: Callable[[str], set[int] | None]) -> int:
+    """How many of racecheck's reports have only bulk copies for their writes: a kernel's
+    cp.async.bulk into shared memory (SASS UBLKCP.S.G; ``bulk_copies(kernel)``: their offsets, None
+    for a kernel it cannot build) against the reads an mbarrier orders after it (and the reads
+    before the next copy, through the ring's other mbarrier). racecheck does not follow an
+    mbarrier's ordering: scripts/pending_gpu/race_bulk_control.py, the Hopper backward's ring
+    reduced to one buffer and race-free by the PTX memory model, gets the same reports, with the
+    copy and with plain stores (docs/evidence/2026-12-07-h100-session-17/). A report with any
+    other write stays an error."""
+    known = 0
+    for sites in race_reports(log):
+        writes = [(kernel, offset) for kind, kernel, offset in sites if kind == "Write"]
+        offsets = {kernel: bulk_copies(kernel) for kernel, _ in writes}
+        if writes and all(offsets[kernel] and offset in offsets[kernel] for kernel, offset in writes):
+            known += 1
+    return known
+
+
+def find_nvdisasm() -> str | None:
+    """nvdisasm on PATH, in the CUDA toolkit or from the pip package nvidia-cuda-nvdisasm."""
+    candidates = [shutil.which("nvdisasm"), Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm")]
+    try:
+        import nvidia.cu13  # type: ignore[import-not-found]
+
+        candidates.append(Path(nvidia.cu13.__path__[0], "bin", "nvdisasm"))
+    except ImportError:
+        pass
+    return next((str(c) for c in candidates if c and Path(c).is_file()), None)
+
+
+@functools.cache
+def hopper_bulk_copies(kernel: str) -> set[int] | None:
+    """The offsets of ``kernel``'s bulk copies into shared memory (UBLKCP.S.G) in its sm_90a build
+    by NVRTC, disassembled by nvdisasm (built offline, a variant's SASS is the one the GPU ran: the
+    offsets racecheck reported on 2026-12-07 are these); None where the dispatcher has no variant
+    of that name or nvdisasm is missing."""
+    from cupyflash import _dispatch, _kernels
+
+    by_name = {spec.name: spec for spec in _dispatch.all_kernel_specs(H100_SMEM) if "sm_90a" in spec.archs}
+    nvdisasm = find_nvdisasm()
+    if kernel not in by_name or nvdisasm is None:
+        return None
+    cubin = _kernels.compile_offline(by_name[kernel], "sm_90a").cubin
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin + bytes(-len(cubin) % 8))  # (NVRTC's cubin less its last zero bytes)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
+    return {int(m.group(1), 16) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+UBLKCP\.S\.G\b", text)}
+
+
 def workload_command(size: str, lib: str, only: str | None) -> list[str]:
     return [sys.executable, str(WORKLOAD), "--size", size, "--lib", lib, *(["--only", only] if only else [])]
 
 
-def run_tool(sanitizer: str, tool: str, out: Path, lib: str, only: str | None, timeout: float, env: dict) -> str:
-    """One tool over the workload; returns its summary line."""
+def run_tool(
+    sanitizer: str,
+    tool: str,
+    out: Path,
+    lib: str,
+    only: str | None,
+    timeout: float,
+    env: dict,
+    bulk_copies: Callable[[str], set[int] | None] = hopper_bulk_copies,
+) -> str:
+    """One tool over the workload; returns its summary line (racecheck's without the reports
+    whose writes are all bulk copies: bulk_copy_reports)."""
     log = out / f"{tool}.log"
     command = [
         sanitizer, "--tool", tool, "--log-file", str(log), "--print-limit", "200",
@@ -68,12 +147,15 @@ def run_tool(sanitizer: str, tool: str, out: Path, lib: str, only: str | None, t
             rc = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             return f"{tool}: timed out after {timeout:.0f} s (see {tool}.log)"
-    count = error_count(log.read_text(errors="replace")) if log.is_file() else None
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    count = error_count(text)
     if count is None:
         return f"{tool}: no error summary (rc {rc}; see {tool}.log and {tool}.out)"
     if rc != 0 and count == 0:
         return f"{tool}: 0 errors, but the workload failed (rc {rc}; see {tool}.out)"
-    return f"{tool}: {count} errors"
+    known = bulk_copy_reports(text, bulk_copies) if tool == "racecheck" and count else 0
+    aside = f" ({known} more: bulk copies ordered by an mbarrier, which racecheck does not follow)" if known else ""
+    return f"{tool}: {count - known} errors{aside}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "summary.txt").write_text("\n".join(lines) + "\n")
     for line in lines:
         print(line, flush=True)
-    return 0 if all(line.endswith(": 0 errors") for line in lines) else 1
+    return 0 if all(CLEAN.search(line) for line in lines) else 1
 
 
 if __name__ == "__main__":

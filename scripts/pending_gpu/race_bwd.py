@@ -1,7 +1,9 @@
 """One causal backward of the Hopper kernel at d = 64 and 128 (bf16, GQA 4/2, 300 queries over 333
 keys: a partial last step and key block), for compute-sanitizer, with _dispatch flags set first
 (NAME=0|1 arguments, e.g. FA3_BWD_LATE_EXP=0 FA3_BWD_DECOUPLED=1; causal=0: without the causal
-mask, d = 128's 80-row steps); prints each head dim and whether its gradients are finite.
+mask, d = 128's 80-row steps); prints each head dim and whether its gradients are finite. With
+the producer's rows (the default since 2026-12-07) racecheck reports each bulk copy's write
+against the rows' reads, which an mbarrier orders (scripts/sanitize.py sets those aside).
     usage (GPU machine): compute-sanitizer --tool racecheck python3 scripts/pending_gpu/race_bwd.py [NAME=0|1 ...]"""
 
 import sys
