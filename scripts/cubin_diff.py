@@ -117,33 +117,42 @@ def compare(a: Path, b: Path) -> int:
     return 1 if changed or added or removed else 0
 
 
-def _find_nvdisasm(given: str | None) -> str:
-    for candidate in (given, os.environ.get("NVDISASM"), shutil.which("nvdisasm")):
-        if candidate:
-            return candidate
+def find_nvdisasm(given: str | None = None) -> str | None:
+    """nvdisasm: ``given``, $NVDISASM, on PATH, in the CUDA toolkit ($CUDA_HOME) or from the pip
+    package nvidia-cuda-nvdisasm; None where there is none."""
+    toolkit = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm")
+    candidates = [given, os.environ.get("NVDISASM"), "nvdisasm", str(toolkit)]
     try:
         import nvidia.cu13  # type: ignore[import-not-found]  # pip install nvidia-cuda-nvdisasm
 
-        return str(Path(nvidia.cu13.__path__[0]) / "bin" / "nvdisasm")
+        candidates.append(str(Path(nvidia.cu13.__path__[0], "bin", "nvdisasm")))
     except ImportError:
-        raise SystemExit("nvdisasm not found: pip install nvidia-cuda-nvdisasm, or pass --nvdisasm") from None
+        pass
+    return next((found for c in candidates if c and (found := shutil.which(c))), None)
+
+
+def sass_listing(cubin: bytes, nvdisasm: str) -> list[tuple[int, str]]:
+    """The SASS instructions of a cubin with their offsets in their function (the offsets
+    compute-sanitizer reports), one (offset, instruction) each, encodings dropped."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin + bytes(-len(cubin) % 8))  # (getCUBIN's cubin less its last byte)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
+    return [
+        (int(m.group(1), 16), m.group(2).strip())
+        for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*);", text, re.MULTILINE)
+    ]
 
 
 def sass_instructions(cubin: bytes, nvdisasm: str) -> list[str]:
     """The SASS instructions of a cubin, one string each (addresses and encodings dropped)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin if len(cubin) % 8 == 0 else cubin + bytes(-len(cubin) % 8))
-        f.flush()
-        text = subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
-    return [
-        re.sub(r"/\*[0-9a-f]+\*/|;.*", "", line).strip()
-        for line in text.splitlines()
-        if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)
-    ]
+    return [instruction for _, instruction in sass_listing(cubin, nvdisasm)]
 
 
 def counts(a: Path, b: Path, name_filter: str | None, nvdisasm: str | None) -> None:
-    tool = _find_nvdisasm(nvdisasm)
+    tool = find_nvdisasm(nvdisasm)
+    if tool is None:
+        raise SystemExit("nvdisasm not found: pip install nvidia-cuda-nvdisasm, or pass --nvdisasm")
     names = sorted({p.name for p in a.glob("*.cubin")} & {p.name for p in b.glob("*.cubin")})
     print(f"{'variant':<72} {'before':>7} {'after':>7} {'delta':>6}")
     for name in names:

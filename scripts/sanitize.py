@@ -22,9 +22,15 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (cubin_diff.py beside it)
+from cubin_diff import find_nvdisasm, sass_listing  # noqa: E402
+
+if TYPE_CHECKING:
+    from cupyflash._specs import KernelSpec
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # racecheck instruments every shared-memory access and synccheck every barrier: minutes on the
@@ -78,8 +84,10 @@ def bulk_copy_reports(log: str, bulk_copies: Callable[[str], set[int] | None]) -
     before the next copy, through the ring's other mbarrier). racecheck does not follow an
     mbarrier's ordering: scripts/pending_gpu/race_bulk_control.py, the Hopper backward's ring
     reduced to one buffer and race-free by the PTX memory model, gets the same reports, with the
-    copy and with plain stores (docs/evidence/2026-12-07-h100-session-17/). A report with any
-    other write stays an error."""
+    copy and with plain stores (docs/evidence/2026-12-07-h100-session-17/). So racecheck cannot
+    tell a copy that lands too early from a correct one either: such hand-offs rest on the GPU
+    tests (float64 references, poisoned outputs, bit-identical repeats), and the summary line
+    names how many reports were set aside. A report with any other write stays an error."""
     known = 0
     for sites in race_reports(log):
         writes = [(kernel, offset) for kind, kernel, offset in sites if kind == "Write"]
@@ -89,16 +97,11 @@ def bulk_copy_reports(log: str, bulk_copies: Callable[[str], set[int] | None]) -
     return known
 
 
-def find_nvdisasm() -> str | None:
-    """nvdisasm on PATH, in the CUDA toolkit or from the pip package nvidia-cuda-nvdisasm."""
-    candidates = [shutil.which("nvdisasm"), Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm")]
-    try:
-        import nvidia.cu13  # type: ignore[import-not-found]
+@functools.cache
+def _hopper_specs_by_name() -> dict[str, KernelSpec]:
+    from cupyflash import _dispatch
 
-        candidates.append(Path(nvidia.cu13.__path__[0], "bin", "nvdisasm"))
-    except ImportError:
-        pass
-    return next((str(c) for c in candidates if c and Path(c).is_file()), None)
+    return {spec.name: spec for spec in _dispatch.all_kernel_specs(H100_SMEM) if "sm_90a" in spec.archs}
 
 
 @functools.cache
@@ -107,18 +110,13 @@ def hopper_bulk_copies(kernel: str) -> set[int] | None:
     by NVRTC, disassembled by nvdisasm (built offline, a variant's SASS is the one the GPU ran: the
     offsets racecheck reported on 2026-12-07 are these); None where the dispatcher has no variant
     of that name or nvdisasm is missing."""
-    from cupyflash import _dispatch, _kernels
+    from cupyflash import _kernels
 
-    by_name = {spec.name: spec for spec in _dispatch.all_kernel_specs(H100_SMEM) if "sm_90a" in spec.archs}
-    nvdisasm = find_nvdisasm()
-    if kernel not in by_name or nvdisasm is None:
+    spec, nvdisasm = _hopper_specs_by_name().get(kernel), find_nvdisasm()
+    if spec is None or nvdisasm is None:
         return None
-    cubin = _kernels.compile_offline(by_name[kernel], "sm_90a").cubin
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin + bytes(-len(cubin) % 8))  # (NVRTC's cubin less its last zero bytes)
-        f.flush()
-        text = subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
-    return {int(m.group(1), 16) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+UBLKCP\.S\.G\b", text)}
+    listing = sass_listing(_kernels.compile_offline(spec, "sm_90a").cubin, nvdisasm)
+    return {offset for offset, instruction in listing if re.match(r"UBLKCP\.S\.G\b", instruction)}
 
 
 def workload_command(size: str, lib: str, only: str | None) -> list[str]:
