@@ -734,8 +734,9 @@ FA3_BWD_ROWS80 = True
 #: 0.922 -> 0.987, 4k 0.978 -> 1.042, 16k 0.999 -> 1.097; causal 0.921 -> 0.920, 0.966 -> 0.985,
 #: 0.984 -> 1.013; d = 64 without a mask 1.022 -> 1.047, 1.062 -> 1.082, 1.088 -> 1.142; causal
 #: 1.028 -> 1.011, 1.096 -> 1.100, 1.150 -> 1.176; under all three timings at d = 128 4k and 16k
-#: without a mask and 4k causal; the backward suites with it on passed
-#: (docs/evidence/2026-12-07-h100-session-17/). Not with score functions yet (fa3_bwd_spec).
+#: without a mask and 4k causal; the backward suites with it on passed, and the score-function,
+#: block-mask and reliability suites' backward (55) with score functions too
+#: (docs/evidence/2026-12-07-h100-session-17/, 2026-12-07-h100-session-18/).
 FA3_BWD_ROWS_BY_PRODUCER = True
 
 
@@ -826,14 +827,11 @@ def fa3_bwd_spec(
     # (the order before, and so dK before dQ): with them under dP^T its causal variants spilled
     # 4 bytes (tests/test_mods.py's sm_90a builds with CUPYFLASH_COMPILE_ALL=1).
     order_before = deterministic and bool(mods_source) and head_dim == 128
-    # The producer's rows not yet with score functions: their GPU suite has not run with them
-    # (scripts/pending_gpu/validate_score_fn_backward.sh); the consumers' copies until it has.
-    rows_by_producer = FA3_BWD_ROWS_BY_PRODUCER and not mods_source
     return _with_rows80(Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
         varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP or order_before,
         dq_first=_fa3_bwd_dq_first(head_dim, flags.softcap) and not order_before,
-        rows_by_producer=rows_by_producer,
+        rows_by_producer=FA3_BWD_ROWS_BY_PRODUCER,
     ))  # fmt: skip
 
 

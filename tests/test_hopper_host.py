@@ -120,7 +120,7 @@ def test_the_decoupled_backward_is_a_switch_and_compiles_cleanly(monkeypatch, he
 def test_the_producer_loaded_rows_are_a_switch_and_compile_cleanly(monkeypatch):
     """Fa3BwdSpec.rows_by_producer (a step's -LSE log2 e and D copied by the producer with its Q
     and dO, one copy for both consumers): on by default (measured: _dispatch's comment), in the
-    dispatcher (not yet with score functions) and warmup as _dispatch.FA3_BWD_ROWS_BY_PRODUCER
+    dispatcher (score functions too) and warmup as _dispatch.FA3_BWD_ROWS_BY_PRODUCER
     says; one copy of the rows' ring (2 stages x 2 rows x block_m floats) less shared memory; it
     builds for sm_90a with no spill, no serialised wgmma and no warning (the 80-row steps, causal
     over packed sequences, the fixed order, decoupled consumers at d = 64), its consumers loading
@@ -137,10 +137,9 @@ def test_the_producer_loaded_rows_are_a_switch_and_compile_cleanly(monkeypatch):
     monkeypatch.setattr(_dispatch, "FA3_BWD_ROWS_BY_PRODUCER", True)
     picked = _dispatch.fa3_bwd_spec("bfloat16", 128, flags, False, False)
     assert picked.rows_by_producer and picked.rows80 == _dispatch.FA3_BWD_ROWS80
-    # (score functions keep the consumers' copies until their GPU suite has run with the rows)
     mods = _dispatch.MaskFlags(False, False, False, mask="mods")
     with_mods = _dispatch.fa3_bwd_spec("bfloat16", 128, mods, False, False, "/* a score_mod's code */")
-    assert with_mods is not None and not with_mods.rows_by_producer
+    assert with_mods is not None and with_mods.rows_by_producer
     assert all(s.rows_by_producer for s in _dispatch.all_fa3_bwd_specs())
     for spec in (Fa3BwdSpec("bfloat16", 128, dq_first=True, rows80=True, rows_by_producer=True),
                  Fa3BwdSpec("float16", 64, causal=True, varlen=True, rows_by_producer=True),
