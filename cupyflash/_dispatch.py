@@ -703,8 +703,20 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 #: FlashAttention-3's arrangement), default order only. Off: with the producer's rows in d = 128's
 #: 80-row steps (tune.py hopper-bwd --switch decoupled_rows, H100) the backward over cuDNN's went
 #: 1.049 -> 1.064 at 4k and 1.097 -> 1.114 at 16k while its own TFLOP/s fell (499 -> 486, 584 ->
-#: 581): no gain that holds (docs/evidence/2026-12-07-h100-session-17/).
+#: 581): no gain that holds (docs/evidence/2026-12-07-h100-session-17/). Everywhere: off; under
+#: the causal mask at d = 128: FA3_BWD_DECOUPLED_CAUSAL.
 FA3_BWD_DECOUPLED = False
+#: The decoupled consumers where the causal mask bounds d = 128's 64-row steps (FlashAttention-3's
+#: and FA4's causal d = 128 backward keeps two dS buffers: `num_stages_PdS=2`): on. Offline the
+#: step loop 515 -> 445 instructions, 168 registers, no spill in any variant (padded, packed,
+#: window, softcap, ALiBi, score functions). Predicted 2-4%; measured (H100, tune.py hopper-bwd
+#: --switch decoupled, the backward over cuDNN's in the same rounds, three bf16 passes) 1k 0.969
+#: -> 1.002, 0.996 -> 0.980, 0.939 -> 0.970; 4k 0.949 -> 1.040, 0.982 -> 1.025, 0.991 -> 1.012;
+#: 16k 1.013 -> 1.060, 1.020 -> 1.063, 1.027 -> 1.051 (its own TFLOP/s +2-5% at 16k); fp16 1k
+#: 0.764 -> 0.953, 4k 0.995 -> 0.994, 16k 1.006 -> 1.063. d = 64's went down (1.107 -> 1.092 at
+#: 4k, 1.186 -> 1.144 at 16k): not there. The backward, packed, sinks and score-function suites
+#: with it passed (docs/evidence/2026-12-07-h100-session-18/).
+FA3_BWD_DECOUPLED_CAUSAL = True
 #: The Hopper backward's exponentials after dP^T, with dS^T (Fa3BwdSpec.late_exp): the order
 #: before they ran under dP^T (fa3_bwd.cu's Exp_under_dp). Off: the new order passed the backward
 #: and score-function GPU suites (342 run, none failed) and racecheck; against the order before it
@@ -803,6 +815,13 @@ def _fa3_bwd_dq_first(head_dim: int, softcap: bool) -> bool:
     return FA3_BWD_DQ_FIRST and head_dim == 128 and not FA3_BWD_LATE_EXP and not softcap
 
 
+def _fa3_bwd_decoupled(head_dim: int, causal: bool, deterministic: bool) -> bool:
+    """Whether the Hopper backward's consumers meet once a step: where FA3_BWD_DECOUPLED or
+    FA3_BWD_DECOUPLED_CAUSAL (causal, d = 128) says so, in the default order of dQ's adds."""
+    wanted = FA3_BWD_DECOUPLED or (FA3_BWD_DECOUPLED_CAUSAL and causal and head_dim == 128)
+    return wanted and not deterministic
+
+
 def _with_rows80(spec: Fa3BwdSpec) -> Fa3BwdSpec:
     """``spec`` in 80-row steps where FA3_BWD_ROWS80 is on and its other fields allow them."""
     return replace(spec, rows80=True) if FA3_BWD_ROWS80 and spec.rows80_applies else spec
@@ -829,7 +848,8 @@ def fa3_bwd_spec(
     order_before = deterministic and bool(mods_source) and head_dim == 128
     return _with_rows80(Fa3BwdSpec(
         dtype, head_dim, flags.causal, flags.local, flags.softcap, deterministic, mods_source, alibi=flags.alibi,
-        varlen=packed, decoupled=FA3_BWD_DECOUPLED and not deterministic, late_exp=FA3_BWD_LATE_EXP or order_before,
+        varlen=packed, decoupled=_fa3_bwd_decoupled(head_dim, flags.causal, deterministic),
+        late_exp=FA3_BWD_LATE_EXP or order_before,
         dq_first=_fa3_bwd_dq_first(head_dim, flags.softcap) and not order_before,
         rows_by_producer=FA3_BWD_ROWS_BY_PRODUCER,
     ))  # fmt: skip
@@ -848,6 +868,7 @@ def all_fa3_bwd_specs() -> list[Fa3BwdSpec]:
                 deterministic,
                 alibi=alibi,
                 varlen=varlen,
+                decoupled=_fa3_bwd_decoupled(head_dim, causal, deterministic),
                 late_exp=FA3_BWD_LATE_EXP,
                 dq_first=_fa3_bwd_dq_first(head_dim, softcap),
                 rows_by_producer=FA3_BWD_ROWS_BY_PRODUCER,

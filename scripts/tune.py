@@ -31,7 +31,8 @@ after dP^T as before they ran under it; dq_first, dK after dQ; decoupled, its co
 once a step; lpt, its causal CTAs longest first in sections of (batch, head) pairs; fwd_lpt, the
 forward's causal tiles so; fwd_uniform, the forward's consumer index uniform; rows80, d = 128's
 80-row steps; rows_by_producer, each step's -LSE and D copied by the producer; decoupled_rows,
-decoupled with the producer's rows in both settings), per training
+decoupled with the producer's rows in both settings; decoupled_causal, decoupled under the causal
+mask at d = 128 alone), per training
 shape one right after the other, each with cuDNN (and FlashAttention-4 where installed) in its
 rounds: forward + backward and backward alone over each.
 
@@ -555,13 +556,16 @@ HOPPER_BWD_SWITCHES = {
     "decoupled": "FA3_BWD_DECOUPLED", "late_exp": "FA3_BWD_LATE_EXP", "dq_first": "FA3_BWD_DQ_FIRST",
     "lpt": "FA3_BWD_LPT", "fwd_lpt": "FA3_FWD_LPT", "fwd_uniform": "FA3_FWD_UNIFORM_CONSUMER",
     "rows80": "FA3_BWD_ROWS80", "rows_by_producer": "FA3_BWD_ROWS_BY_PRODUCER",
-    "decoupled_rows": "FA3_BWD_DECOUPLED",
+    "decoupled_rows": "FA3_BWD_DECOUPLED", "decoupled_causal": "FA3_BWD_DECOUPLED_CAUSAL",
 }  # fmt: skip
 #: the other flags a switch's two settings both run with (the exponentials under dP^T;
 #: decoupled_rows: the producer's rows, with which the decoupled consumers take 80-row steps)
-HOPPER_BWD_BASE = {"dq_first": {"FA3_BWD_LATE_EXP": False}, "decoupled": {"FA3_BWD_LATE_EXP": False},
+HOPPER_BWD_BASE = {"dq_first": {"FA3_BWD_LATE_EXP": False},
+                   "decoupled": {"FA3_BWD_LATE_EXP": False, "FA3_BWD_DECOUPLED_CAUSAL": False},
                    "late_exp": {"FA3_BWD_DQ_FIRST": False},
-                   "decoupled_rows": {"FA3_BWD_LATE_EXP": False, "FA3_BWD_ROWS_BY_PRODUCER": True}}  # fmt: skip
+                   "decoupled_rows": {"FA3_BWD_LATE_EXP": False, "FA3_BWD_ROWS_BY_PRODUCER": True,
+                                      "FA3_BWD_DECOUPLED_CAUSAL": False},
+                   "decoupled_causal": {"FA3_BWD_DECOUPLED": False}}  # fmt: skip
 
 
 def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -579,7 +583,9 @@ def tune_hopper_bwd(args: argparse.Namespace) -> list[dict[str, Any]]:
     ``rows80``: d = 128's 80-row steps without a causal mask (``_dispatch.FA3_BWD_ROWS80``);
     ``rows_by_producer``: each step's -LSE and D copied by the producer
     (``_dispatch.FA3_BWD_ROWS_BY_PRODUCER``); ``decoupled_rows``: the decoupled consumers with the
-    producer's rows on in both settings (d = 128 without a mask: 80-row steps either way)."""
+    producer's rows on in both settings (d = 128 without a mask: 80-row steps either way);
+    ``decoupled_causal``: the decoupled consumers under the causal mask at d = 128 alone
+    (``_dispatch.FA3_BWD_DECOUPLED_CAUSAL``; ``decoupled`` and ``decoupled_rows`` run with it off)."""
     flag = HOPPER_BWD_SWITCHES[args.switch]
     base = HOPPER_BWD_BASE.get(args.switch, {})
     defaults = {name: getattr(_dispatch, name) for name in (flag, *base)}

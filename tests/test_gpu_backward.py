@@ -207,13 +207,15 @@ def test_strided_inputs_and_cupy_arrays(rng):
 @pytest.fixture
 def decoupled_backward(monkeypatch):
     """Switches the Hopper backward's consumers meeting once a step (Fa3BwdSpec.decoupled) on or
-    off for the test's calls; the plans made under either setting are dropped before and after."""
+    off for the test's calls, everywhere (off: the causal d = 128 default too); the plans made
+    under either setting are dropped before and after."""
     from cupyflash import _dispatch, _plan
 
     def switch(on: bool) -> None:
         if on and not is_hopper():
             pytest.skip("the decoupled consumers are a Hopper backward variant")
         monkeypatch.setattr(_dispatch, "FA3_BWD_DECOUPLED", on)
+        monkeypatch.setattr(_dispatch, "FA3_BWD_DECOUPLED_CAUSAL", on)
         _plan.clear_caches()
 
     yield switch

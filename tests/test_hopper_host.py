@@ -92,18 +92,31 @@ def test_every_hopper_variant_fits_an_h100_block():
 
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_the_decoupled_backward_is_a_switch_and_compiles_cleanly(monkeypatch, head_dim):
-    """Fa3BwdSpec.decoupled (the consumers meeting once a step): off by default, on for the
-    default order where _dispatch.FA3_BWD_DECOUPLED says so, refused with deterministic=True; its
-    second dS^T buffer (keys x query rows, 16-bit) fits an H100 block; it builds for sm_90a with
-    no spill, no serialised wgmma and no warning (causal over packed sequences, softcap)."""
+    """Fa3BwdSpec.decoupled (the consumers meeting once a step): by default under the causal
+    mask at d = 128 alone (_dispatch.FA3_BWD_DECOUPLED_CAUSAL), in the dispatcher and warmup
+    alike; everywhere where _dispatch.FA3_BWD_DECOUPLED says so; never with deterministic=True
+    (refused); its second dS^T buffer (keys x query rows, 16-bit) fits an H100 block; it builds
+    for sm_90a with no spill, no serialised wgmma and no warning (causal over packed sequences,
+    softcap)."""
     from cupyflash import _kernels
     from cupyflash._specs import Fa3BwdSpec
 
-    flags = _dispatch.MaskFlags(True, False, False)
-    assert not _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, False, False).decoupled
+    causal, plain_flags = _dispatch.MaskFlags(True, False, False), _dispatch.MaskFlags(False, False, False)
+    window = _dispatch.MaskFlags(True, True, False)
+    by_default = head_dim == 128
+    assert _dispatch.fa3_bwd_spec("bfloat16", head_dim, causal, False, False).decoupled == by_default
+    assert _dispatch.fa3_bwd_spec("float16", head_dim, window, False, True).decoupled == by_default
+    assert not _dispatch.fa3_bwd_spec("bfloat16", head_dim, causal, True, False).decoupled
+    assert not _dispatch.fa3_bwd_spec("bfloat16", head_dim, plain_flags, False, False).decoupled
+    warmup = _dispatch.all_fa3_bwd_specs()
+    assert {s.decoupled for s in warmup if s.head_dim == head_dim and s.causal and not s.deterministic} == {by_default}
+    assert not any(s.decoupled for s in warmup if s.head_dim == head_dim and not (s.causal and by_default))
+    monkeypatch.setattr(_dispatch, "FA3_BWD_DECOUPLED_CAUSAL", False)
+    assert not _dispatch.fa3_bwd_spec("bfloat16", head_dim, causal, False, False).decoupled
     monkeypatch.setattr(_dispatch, "FA3_BWD_DECOUPLED", True)
-    assert _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, False, False).decoupled
-    assert not _dispatch.fa3_bwd_spec("bfloat16", head_dim, flags, True, False).decoupled
+    assert _dispatch.fa3_bwd_spec("bfloat16", head_dim, causal, False, False).decoupled
+    assert _dispatch.fa3_bwd_spec("bfloat16", head_dim, plain_flags, False, False).decoupled
+    assert not _dispatch.fa3_bwd_spec("bfloat16", head_dim, causal, True, False).decoupled
     with pytest.raises(ValueError, match="default order"):
         Fa3BwdSpec("bfloat16", head_dim, deterministic=True, decoupled=True)
     plain = Fa3BwdSpec("bfloat16", head_dim)
