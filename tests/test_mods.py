@@ -801,8 +801,9 @@ def test_the_hook_compiles_cleanly_for_every_arch():
     """The FA2 forward with generated functions (a 2-D and a 1-D captured array, both functions,
     a float-only score function, a mask of indices only) at both tile shapes, causal or not, in
     both element types: a cubin for sm_80 and sm_90a with no spill and no warning; the Hopper
-    forward's at d = 64, 80, 128 (sm_90a), whose tiles do not depend on the length with them, and
-    its packed variant (attention_varlen's). Every combination with CUPYFLASH_COMPILE_ALL=1
+    forward's at d = 64, 80, 128 (sm_90a), short and long calls (d = 64's tiles differ there), and
+    its packed variant (attention_varlen's), with no spill but the three-consumer d = 64 tile's
+    (at most 192 bytes: _dispatch.FA3_MODS_FWD_TILES). Every combination with CUPYFLASH_COMPILE_ALL=1
     (scripts/gpu_check.sh); by default d = 128, causal, one length."""
     from helpers import FULL
 
@@ -846,11 +847,17 @@ def test_the_hook_compiles_cleanly_for_every_arch():
             assert spec is not None and spec.varlen
             varlen.append((spec.name, "sm_90a", _kernels.compile_offline(spec, "sm_90a")))
     builds += varlen
-    assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes]
-    assert not [(n, a, b.stack_bytes) for n, a, b in builds if b.stack_bytes]
+    # The three-consumer d = 64 tile keeps some functions' per-score work partly in local memory
+    # (_dispatch.FA3_MODS_FWD_TILES: up to 192 bytes measured, and faster than the two-consumer
+    # tile for every function timed); every other build spills nothing.
+    three_consumers = {n for n, _, _ in builds if "_d64_m192_" in n}
+    assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes and n not in three_consumers]
+    assert not [(n, a, b.spill_bytes) for n, a, b in builds if b.spill_bytes > 192]
+    assert not [(n, a, b.stack_bytes) for n, a, b in builds if b.stack_bytes and n not in three_consumers]
     assert not [(n, a, b.warnings) for n, a, b in builds if b.warnings]
-    # each function pair's source, tile and bound its own variant (FA2's 4, the Hopper one's 6)
-    assert len({name for name, _, _ in builds}) == len(sources) * (4 + 6 if FULL else 2) + len(varlen)
+    # each function pair's source, tile and bound its own variant (FA2's 4, the Hopper one's 8:
+    # at d = 64 the short calls' two-consumer tile and the long calls' three-consumer one)
+    assert len({name for name, _, _ in builds}) == len(sources) * (4 + 8 if FULL else 2) + len(varlen)
 
 
 def test_the_backward_hook_compiles_cleanly():
