@@ -707,9 +707,9 @@ def bwd_row_spec(step: str, dtype: str, head_dim: int) -> BwdRowSpec:
 #: the causal mask at d = 128: FA3_BWD_DECOUPLED_CAUSAL.
 FA3_BWD_DECOUPLED = False
 #: The decoupled consumers where the causal mask bounds d = 128's 64-row steps (FlashAttention-3's
-#: and FA4's causal d = 128 backward keeps two dS buffers: `num_stages_PdS=2`): on. Offline the
-#: step loop 515 -> 445 instructions, 168 registers, no spill in any variant (padded, packed,
-#: window, softcap, ALiBi, score functions). Predicted 2-4%; measured (H100, tune.py hopper-bwd
+#: and FA4's causal d = 128 backward keeps two dS buffers: `num_stages_PdS=2`): on. Offline one
+#: step 441 -> 419 instructions (scripts/peer_sass.py; FA4's 412), 168 registers, no spill in any
+#: variant (padded, packed, window, softcap, ALiBi, score functions). Predicted 2-4%; measured (H100, tune.py hopper-bwd
 #: --switch decoupled, the backward over cuDNN's in the same rounds, three bf16 passes) 1k 0.969
 #: -> 1.002, 0.996 -> 0.980, 0.939 -> 0.970; 4k 0.949 -> 1.040, 0.982 -> 1.025, 0.991 -> 1.012;
 #: 16k 1.013 -> 1.060, 1.020 -> 1.063, 1.027 -> 1.051 (its own TFLOP/s +2-5% at 16k); fp16 1k
