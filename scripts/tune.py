@@ -227,9 +227,9 @@ FA3_CANDIDATES = {
     ],
 }
 # Short calls (FA3_SHORT_FWD_TILES): d = 64 tiles at N = 1024, beside cuDNN. (Key blocks of 176
-# and 192 were candidates too until their wgmma shapes left kernels_cu/wgmma.cuh.) The last two
-# are the long calls' three-consumer tiles (FA3_FWD_TILES), which gained 4-11% at N >= 4k since
-# the short tile was chosen (2026-11-29, H200).
+# and 192 were candidates too until their wgmma shapes left kernels_cu/wgmma.cuh.) The last four
+# are three-consumer tiles (the long calls' two among them: FA3_FWD_TILES), which gained 4-11% at
+# N >= 4k since the short tile was chosen (2026-11-29, H200).
 FA3_SHORT_CANDIDATES = {
     64: [
         Fa3Tile(128, 2, 4, pingpong=True),
@@ -238,6 +238,7 @@ FA3_SHORT_CANDIDATES = {
         Fa3Tile(128, 3, 4),
         Fa3Tile(128, 3, 2),
         Fa3Tile(128, 3, 2, pingpong=True, dynamic=True),
+        Fa3Tile(128, 3, 4, pingpong=True, dynamic=True),
     ],
 }
 
