@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from . import _interop
+from ._specs import HOPPER_ARCH, HOPPER_SMEM_PER_BLOCK
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,11 @@ class DeviceInfo:
     regs_per_sm: int
     max_threads_per_sm: int
     max_blocks_per_sm: int
+
+
+#: An H100's or H200's limits (SXM, 132 SMs; the two agree in every one): the device that host
+#: tests, offline builds and scripts plan for where no GPU is present.
+HOPPER = DeviceInfo(0, HOPPER_ARCH, 132, HOPPER_SMEM_PER_BLOCK, 228 * 1024, 65536, 2048, 32)
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from ._specs import (
     FP8_DECODE_HEAD_DIMS,
     FP8_FWD_HEAD_DIMS,
     HOPPER_ARCH,
+    HOPPER_SMEM_PER_BLOCK,
     WGMMA_PREFIX_KEYS,
     BwdRowSpec,
     DecodeAppendSpec,
@@ -163,7 +164,7 @@ def all_fa2_fwd_specs() -> list[Fa2FwdSpec]:
                     for causal in (False, True):
                         for local in (False, True):
                             flags = MaskFlags(causal, local, False, dropout, mask=mask)
-                            specs.append(fa2_fwd_spec(dtype, head_dim, flags, 232448))
+                            specs.append(fa2_fwd_spec(dtype, head_dim, flags, HOPPER_SMEM_PER_BLOCK))
     return specs
 
 
@@ -178,7 +179,7 @@ def all_packed_fill_specs() -> list[PackedFillSpec]:
     return [PackedFillSpec(params_type) for params_type in ("AttnParams", "Fa3Params", "BwdParams")]
 
 
-def all_fa2_kvcache_specs(max_smem: int = 232448) -> list[Fa2FwdSpec]:
+def all_fa2_kvcache_specs(max_smem: int = HOPPER_SMEM_PER_BLOCK) -> list[Fa2FwdSpec]:
     """The FA2-over-a-cache variants ``fa2_fwd_spec(..., over_cache=True)`` picks on a device with
     ``max_smem`` bytes of shared memory per block (no dropout: the cache calls have none)."""
     return [
@@ -390,7 +391,7 @@ def fa1_tiles(head_dim: int, element_bytes: int, max_smem: int) -> tuple[int, in
 FA1_STUDY_BLOCK_C = (32, 64, 128, 256, 448, 512, 768)
 
 #: Shared memory per block (opt-in) of the GPUs the compile test covers, by NVRTC target.
-FA1_DEVICE_SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}  # A100; H100 / H200
+FA1_DEVICE_SMEM = {"sm_80": 163 * 1024, HOPPER_ARCH: HOPPER_SMEM_PER_BLOCK}  # A100; H100 / H200
 
 
 def all_fa1_fwd_specs(max_smem: int = FA1_DEVICE_SMEM["sm_90a"]) -> list[Fa1FwdSpec]:

@@ -23,6 +23,9 @@ CI_ARCHS = ("sm_80", "sm_90a")
 #: Head dimensions of the Hopper (wgmma + TMA) forward: multiples of 64 (128-byte swizzle rows).
 FA3_HEAD_DIMS = (64, 128, 256)
 HOPPER_ARCH = "sm_90a"
+#: An H100's or H200's opt-in shared memory of one CTA (227 KB = 232448 bytes; the two agree):
+#: the device the offline builds and the all-variant lists plan for where no GPU is present.
+HOPPER_SMEM_PER_BLOCK = 227 * 1024
 #: Head dimensions of the FP8 forward (e4m3 q, k, v on the Hopper kernel): whole 128-byte rows of
 #: e4m3, in the shared memory two Q buffers, O and two K / V stages take (d = 256 needs 256 KB).
 FP8_FWD_HEAD_DIMS = (128,)

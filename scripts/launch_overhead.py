@@ -18,7 +18,7 @@ from typing import Any
 from cupyflash import _device, _interop, _kernels, _launch, _plan, _workspace
 from cupyflash._validate import attention_problem, kvcache_problem
 
-H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+H200 = _device.HOPPER
 
 
 class _Driver:

@@ -48,8 +48,6 @@ RACE_REPORT = re.compile(r"Error: Race reported between .*\n(?:=+\s+and .*\n?)+"
 RACE_SITE = re.compile(r"(Write|Read) access at (\S+)\+0x([0-9a-f]+)")
 # A tool's summary line with no error (racecheck's may name the bulk-copy reports it set aside).
 CLEAN = re.compile(r": 0 errors(?: \(.*\))?$")
-# An H100's shared memory per block (the variants the dispatcher can pick there).
-H100_SMEM = 232448
 
 
 def find_sanitizer(explicit: str | None) -> str:
@@ -100,8 +98,9 @@ def bulk_copy_reports(log: str, bulk_copies: Callable[[str], set[int] | None]) -
 @functools.cache
 def _hopper_specs_by_name() -> dict[str, KernelSpec]:
     from cupyflash import _dispatch
+    from cupyflash._specs import HOPPER_SMEM_PER_BLOCK
 
-    return {spec.name: spec for spec in _dispatch.all_kernel_specs(H100_SMEM) if "sm_90a" in spec.archs}
+    return {spec.name: spec for spec in _dispatch.all_kernel_specs(HOPPER_SMEM_PER_BLOCK) if "sm_90a" in spec.archs}
 
 
 @functools.cache

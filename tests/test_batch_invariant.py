@@ -20,9 +20,9 @@ from cupyflash._specs import DecodeSpec
 from cupyflash._validate import Options, attention_problem, kvcache_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from host_overhead import H100, stand_in  # noqa: E402
+from host_overhead import stand_in  # noqa: E402
 
-H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+H200 = _device.HOPPER
 A100 = _device.DeviceInfo(0, "sm_80", 108, 166912, 167936, 65536, 2048, 32)
 SPLIT = _dispatch.BATCH_INVARIANT_SPLIT_KEYS
 COMPOSITIONS = 20
@@ -179,7 +179,7 @@ def _stub_gpu(monkeypatch):
         seen.append(launch)
         return "out", ("lse" if want_lse else None)
 
-    info = _device.DeviceInfo(index=0, **H100)
+    info = H200
     monkeypatch.setattr(_device, "device_info", lambda index: info)
     monkeypatch.setattr(_launch, "run", run)
     monkeypatch.setattr(_interop, "current_device", lambda: 0)

@@ -19,7 +19,6 @@ from cupyflash._specs import DecodeSpec
 from cupyflash._validate import kvcache_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from host_overhead import H100 as H100_FIELDS  # noqa: E402
 from host_overhead import stand_in  # noqa: E402
 
 
@@ -230,7 +229,7 @@ def test_a_prefix_page_outside_the_pool_raises_before_the_append(rng):
 # ---------------------------------------------------------------------------------------------
 # The GPU's one launch, planned on the CPU: its tile, its splits, its grid and what its CTAs do.
 # ---------------------------------------------------------------------------------------------
-H100 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+H100 = _device.HOPPER
 
 
 def _plan_cascade(groups, prefix_pages, own_pages=33, page_size=16, heads=(32, 8), d=128, nq=1, nnew=0, device=H100):
@@ -358,7 +357,7 @@ def stubbed(monkeypatch):
         seen["composed"] += 1
         return "composed", None
 
-    info = _device.DeviceInfo(index=0, **H100_FIELDS)
+    info = _device.HOPPER
     monkeypatch.setattr(_device, "device_info", lambda index: info)
     monkeypatch.setattr(_launch, "run", run)
     monkeypatch.setattr(_interop, "current_device", lambda: 0)

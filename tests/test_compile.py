@@ -30,7 +30,7 @@ import pytest
 
 from cupyflash import _dispatch, _kernels
 from cupyflash._dispatch import FA1_DEVICE_SMEM, MaskFlags, all_kernel_specs
-from cupyflash._specs import DecodeAppendSpec, Fa2FwdSpec, KernelSpec, TileConfig
+from cupyflash._specs import HOPPER_SMEM_PER_BLOCK, DecodeAppendSpec, Fa2FwdSpec, KernelSpec, TileConfig
 
 
 def head_dim_sample() -> list[KernelSpec]:
@@ -42,7 +42,7 @@ def head_dim_sample() -> list[KernelSpec]:
     for head_dim in (8, 59, 160, 224):
         for flags in (MaskFlags(False, False, False), MaskFlags(True, True, False, True, True)):
             specs += [
-                _dispatch.fa2_fwd_spec("bfloat16", head_dim, flags, 232448),
+                _dispatch.fa2_fwd_spec("bfloat16", head_dim, flags, HOPPER_SMEM_PER_BLOCK),
                 _dispatch.fa2_bwd_spec("bfloat16", head_dim, flags),
                 _dispatch.fa2_bwd_spec("float16", head_dim, flags, deterministic=True),
                 _dispatch.fa2_bwd_dq_spec("float16", head_dim, flags),
@@ -98,10 +98,10 @@ def head_dim_sample() -> list[KernelSpec]:
     for flags, head_dims in sample:
         for head_dim in head_dims:
             if flags.softcap and flags.alibi:  # the forward's and the cache's too, and Hopper's
-                specs.append(_dispatch.fa2_fwd_spec("bfloat16", head_dim, flags, 232448))
-                specs.append(_dispatch.fa2_fwd_spec("float16", head_dim, replace(flags, dropout=False), 232448,
-                                                    over_cache=True))  # fmt: skip
                 no_dropout = replace(flags, dropout=False)
+                smem = HOPPER_SMEM_PER_BLOCK
+                specs.append(_dispatch.fa2_fwd_spec("bfloat16", head_dim, flags, smem))
+                specs.append(_dispatch.fa2_fwd_spec("float16", head_dim, no_dropout, smem, over_cache=True))
                 for seqlen_k, varlen in ((4096, False), (1024, True)):  # its long and short tiles
                     hopper = _dispatch.fa3_fwd_spec("bfloat16", head_dim, no_dropout, seqlen_k, varlen)
                     specs += [hopper] if hopper is not None else []

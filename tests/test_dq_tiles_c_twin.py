@@ -40,7 +40,7 @@ from cupyflash._validate import varlen_problem
 
 pytestmark = needs_host_cxx
 
-H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+H200 = _device.HOPPER
 
 COMMON_STANDIN = r"""
 #pragma once

@@ -118,7 +118,7 @@ def test_fp8_variants_and_plan():
         Fa3FwdSpec("bfloat16", 64, s.tile, fp8=True)
     p = attention_problem((2, 4, 77, 128), (2, 2, 300, 128), (2, 2, 300, 128), causal=True, scale=None,
                           window=(-1, -1), softcap=0.0, layout="bhsd", dropout_p=0.0)  # fmt: skip
-    device = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+    device = _device.HOPPER
     forms = {"q_descale": "host", "k_descale": "batch_head", "v_descale": "head"}
     transpose, attention = _plan.plan_fp8_forward(p, "float16", device, (2, 4, 77, 128), forms)
     assert transpose.outputs[0].shape == (2, 2, 128, 384) and transpose.steps[0].grid == (3, 2, 2)

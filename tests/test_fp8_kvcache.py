@@ -175,7 +175,7 @@ def test_scales_refused_on_a_16_bit_cache():
         )  # fmt: skip
 
 
-H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+H200 = _device.HOPPER
 
 
 def _gpu_plan(nq=1, d=128, alibi=False, k_form="host", v_form="head"):

@@ -12,12 +12,12 @@ from cupyflash import _device, _dispatch, _plan, _tma
 from cupyflash._specs import FA3_HEAD_DIMS, Fa2FwdSpec, Fa3FwdSpec
 from cupyflash._validate import attention_problem
 
-H100_SMEM = 227 * 1024
+H100_SMEM = _device.HOPPER.max_smem_per_block
 
 
 def fake_device(arch: str) -> _device.DeviceInfo:
     """A device of a chosen arch with the H100/H200's shared memory per block."""
-    return _device.DeviceInfo(0, arch, 132, H100_SMEM, 233472, 65536, 2048, 32)
+    return replace(_device.HOPPER, arch=arch)
 
 
 def _problem(head_dim: int, causal: bool = False):

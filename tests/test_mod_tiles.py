@@ -19,6 +19,7 @@ from helpers import host_library, needs_host_cxx
 
 import cupyflash
 from cupyflash import _mod_tiles, _mods, mods
+from cupyflash._specs import HOPPER_SMEM_PER_BLOCK
 
 NB, NH, NQ, NK = 2, 3, 300, 331
 DOC = np.repeat(np.arange(40), 9)[:NK].astype(np.int32)
@@ -250,7 +251,7 @@ def test_the_kernels_compile_with_tile_classes():
         assert "#define CF_USER_MASK_TILES" in source
         flags = _dispatch.MaskFlags(False, False, False, mask="mods")
         specs = [
-            _dispatch.fa2_fwd_spec("bfloat16", 128, flags, 232448, mods_source=source),
+            _dispatch.fa2_fwd_spec("bfloat16", 128, flags, HOPPER_SMEM_PER_BLOCK, mods_source=source),
             _dispatch.fa2_bwd_spec("bfloat16", 128, flags, False, source),
             _dispatch.fa2_bwd_dq_spec("float16", 64, flags, source),
         ]

@@ -16,6 +16,7 @@ import pytest
 
 import cupyflash
 from cupyflash import _mods, mods
+from cupyflash._specs import HOPPER_SMEM_PER_BLOCK
 
 B, NQ, NK, HQ, HKV, D = 2, 37, 45, 4, 2, 16
 SHIFT = NK - NQ  # bottom-right alignment of the built-in masks
@@ -827,7 +828,7 @@ def test_the_hook_compiles_cleanly_for_every_arch():
             for head_dim in (64, 128) if FULL else (128,):
                 for causal in (False, True) if FULL else (True,):
                     flags = _dispatch.MaskFlags(causal, False, False, mask="mods")
-                    spec = _dispatch.fa2_fwd_spec(dtype, head_dim, flags, 232448, mods_source=source)
+                    spec = _dispatch.fa2_fwd_spec(dtype, head_dim, flags, HOPPER_SMEM_PER_BLOCK, mods_source=source)
                     assert spec.mask == "mods"
                     for arch in ("sm_80", "sm_90a"):
                         builds.append((spec.name, arch, _kernels.compile_offline(spec, arch)))
@@ -967,7 +968,7 @@ def test_the_backward_plan_runs_the_hook_on_the_hopper_kernel():
 
     bias = np.zeros((8, 300), np.float32)
     kernel = _mods.kernel_mods(_mods.trace_score_mod(lambda s, b, h, i, j: s + bias[h, j]), None)
-    h100 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+    h100 = _device.HOPPER
     p = attention_problem((2, 200, 8, 128), (2, 300, 2, 128), (2, 300, 2, 128), causal=True, scale=None,
                           window=(-1, -1), softcap=0.0, layout="bshd")  # fmt: skip
     for deterministic in (False, True):
@@ -1020,7 +1021,7 @@ def test_a_mask_alone_keeps_the_kernels_scale():
     from cupyflash._validate import attention_problem
 
     doc, bias = np.zeros(300, np.int32), np.zeros((8, 300), np.float32)
-    h100 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+    h100 = _device.HOPPER
     p = attention_problem((2, 300, 8, 128), (2, 300, 2, 128), (2, 300, 2, 128), causal=False, scale=0.2,
                           window=(-1, -1), softcap=0.0, layout="bshd")  # fmt: skip
     mask = _mods.kernel_mods(None, _mods.trace_mask_mod(lambda b, h, i, j: doc[i] == doc[j]))

@@ -8,7 +8,7 @@ import pytest
 from cupyflash import _device, _dispatch, _interop, _kernels, _plan
 from cupyflash._validate import attention_problem, kvcache_problem, varlen_problem
 
-H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+H200 = _device.HOPPER
 A100 = _device.DeviceInfo(0, "sm_80", 108, 166912, 167936, 65536, 2048, 32)
 
 

@@ -13,7 +13,7 @@ from helpers import need_torch
 
 import cupyflash
 from cupyflash import _plan, reference
-from cupyflash._device import DeviceInfo
+from cupyflash._device import HOPPER
 from cupyflash._validate import attention_problem
 
 
@@ -152,7 +152,7 @@ def test_refusals(rng):
 def test_the_plans_carry_the_sinks():
     """The forward's plans read the sinks where every kernel family reads its options, and the
     backward's returns each row's share of dsinks (summed per head by the caller)."""
-    h100 = DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+    h100 = HOPPER
     shapes = ((2, 300, 8, 128), (2, 500, 2, 128), (2, 500, 2, 128))
     p = attention_problem(*shapes, causal=True, scale=None, window=(-1, -1), softcap=0.0, layout="bshd")
     p = replace(p, sinks=True)

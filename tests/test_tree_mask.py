@@ -18,7 +18,7 @@ from cupyflash._dispatch import DECODE_REGISTERS, decode_spec
 from cupyflash._specs import DecodeSpec
 from cupyflash._validate import kvcache_problem
 
-H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+H200 = _device.HOPPER
 
 
 def _ancestors_of_chain(nq: int) -> np.ndarray:

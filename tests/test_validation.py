@@ -12,7 +12,7 @@ from cupyflash import _device, _interop, _plan
 from cupyflash._validate import attention_problem
 
 # The H200's limits, as cupyflash._device.device_info reads them.
-H200 = _device.DeviceInfo(0, "sm_90a", 132, 232448, 233472, 65536, 2048, 32)
+H200 = _device.HOPPER
 
 Q = np.zeros((2, 5, 4, 16), dtype=np.float32)
 K = np.zeros((2, 7, 2, 16), dtype=np.float32)
