@@ -245,7 +245,18 @@ FA3_SHORT_SEQLEN = 2048
 # against 328-336 static in three runs: a CTA that falls behind (31 tiles each) draws fewer.
 # d = 128 kept its static schedule: dynamic 454/474 against 461-480 (docs/evidence.md,
 # 2026-11-29-short-dynamic-probe).
+# Three consumers over 4 stages without a bound measured 0.986x cuDNN against this tile's 0.890x
+# in one tuning run's rounds (H100, bf16, N = 1024; docs/evidence/2026-12-08-h100-session-19/),
+# the first since the three-consumer step got shorter (docs/hopper.md item 13); not yet checked
+# in separate processes (scripts/pending_gpu/short64_ab_doc.sh), so not yet the default.
 FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
+    (64, False): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
+    (64, True): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
+}
+#: Short calls with a score or mask function, kept apart from those without one: the two-consumer
+#: ping-pong tile on the dynamic schedule, bounded or not (a mask function makes tiles uneven,
+#: which a static stride does not balance; FA3_MODS_FWD_TILES past the short calls).
+FA3_MODS_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
     (64, False): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
     (64, True): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
 }
@@ -270,7 +281,7 @@ FA3_MODS_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
     # 1.31x / 1.18x, a document mask without its block mask 1.30x / 1.57x (H100, bf16;
     # scripts/pending_gpu/mods_tiles_bench.py); with block masks, beside FlexAttention: ALiBi
     # 0.74-0.77x to 1.02-1.12x its speed, a document mask 0.78-0.81x to 0.91-0.93x at 16k
-    # (docs/evidence/2026-12-07-h100-session-15/). Short calls keep two (FA3_SHORT_FWD_TILES).
+    # (docs/evidence/2026-12-07-h100-session-15/). Short calls keep two (FA3_MODS_SHORT_FWD_TILES).
     (64, False): FA3_FWD_TILES[(64, True)],
     (64, True): FA3_FWD_TILES[(64, True)],
     (128, False): Fa3Tile(128, stages=2, pingpong=True, dynamic=True),
@@ -313,7 +324,7 @@ def fa3_fwd_spec(
     (``FA2_OVER_FA3_MAX_HEAD_DIM``). ``mods_source``: a user score_mod / mask_mod, on
     FA3_MODS_FWD_TILES up to d = 128 (FA3_MODS_MAX_HEAD_DIM; above it, FA2's).
     ``batch_invariant`` with ``varlen``: the longest sequence is the batch's, so the short-call
-    tiles (FA3_SHORT_FWD_TILES) are not chosen by it."""
+    tiles (FA3_SHORT_FWD_TILES, FA3_MODS_SHORT_FWD_TILES) are not chosen by it."""
     if head_dim % 8 or head_dim > FA3_HEAD_DIMS[-1] or (head_dim <= FA2_OVER_FA3_MAX_HEAD_DIM and not chosen):
         return None
     width, valid_dim = columns(head_dim, FA3_HEAD_DIMS)
@@ -321,8 +332,10 @@ def fa3_fwd_spec(
     if mods_source and width > FA3_MODS_MAX_HEAD_DIM:
         return None
     short = seqlen_k <= FA3_SHORT_SEQLEN and not (varlen and batch_invariant)
-    tiles = FA3_MODS_FWD_TILES if mods_source else FA3_FWD_TILES
-    tile = (FA3_SHORT_FWD_TILES.get(key) if short else None) or tiles.get(key) or FA3_FWD_TILES[key]
+    tiles, short_tiles = (
+        (FA3_MODS_FWD_TILES, FA3_MODS_SHORT_FWD_TILES) if mods_source else (FA3_FWD_TILES, FA3_SHORT_FWD_TILES)
+    )
+    tile = (short_tiles.get(key) if short else None) or tiles.get(key) or FA3_FWD_TILES[key]
     if FA3_FWD_SINGLE_TILE and not (flags.causal or flags.local or tile.dynamic):
         tile = replace(tile, single_tile=True)
     return Fa3FwdSpec(

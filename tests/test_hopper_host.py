@@ -83,6 +83,18 @@ def test_short_calls_take_their_own_tile():
     assert _dispatch.fa3_fwd_spec("float16", 64, plain, 16384) in _dispatch.all_fa3_fwd_specs()
 
 
+def test_short_calls_with_a_function_keep_their_own_tiles(monkeypatch):
+    """A short call with a score or mask function takes FA3_MODS_SHORT_FWD_TILES whatever the
+    plain short calls take (a mask function makes tiles uneven: the dynamic schedule there)."""
+    three = _dispatch.Fa3Tile(128, consumers=3, stages=4)
+    monkeypatch.setitem(_dispatch.FA3_SHORT_FWD_TILES, (64, False), three)
+    plain = _dispatch.MaskFlags(False, False, False)
+    short = _dispatch.FA3_SHORT_SEQLEN
+    assert _dispatch.fa3_fwd_spec("bfloat16", 64, plain, short).tile == three
+    with_mask = _dispatch.fa3_fwd_spec("bfloat16", 64, plain, short, mods_source="/* a function */")
+    assert with_mask.tile == _dispatch.FA3_MODS_SHORT_FWD_TILES[64, False] and with_mask.tile.dynamic
+
+
 def test_every_hopper_variant_fits_an_h100_block():
     specs = _dispatch.all_fa3_fwd_specs()
     assert {s.head_dim for s in specs} == set(FA3_HEAD_DIMS)
