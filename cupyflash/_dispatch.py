@@ -257,8 +257,8 @@ FA3_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
 #: ping-pong tile on the dynamic schedule, bounded or not (a mask function makes tiles uneven,
 #: which a static stride does not balance; FA3_MODS_FWD_TILES past the short calls).
 FA3_MODS_SHORT_FWD_TILES: dict[tuple[int, bool], Fa3Tile] = {
-    (64, False): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
-    (64, True): Fa3Tile(128, stages=4, pingpong=True, dynamic=True),
+    (64, False): FA3_SHORT_FWD_TILES[(64, True)],
+    (64, True): FA3_SHORT_FWD_TILES[(64, True)],
 }
 
 
@@ -407,7 +407,7 @@ FA1_STUDY_BLOCK_C = (32, 64, 128, 256, 448, 512, 768)
 FA1_DEVICE_SMEM = {"sm_80": 163 * 1024, HOPPER_ARCH: HOPPER_SMEM_PER_BLOCK}  # A100; H100 / H200
 
 
-def all_fa1_fwd_specs(max_smem: int = FA1_DEVICE_SMEM["sm_90a"]) -> list[Fa1FwdSpec]:
+def all_fa1_fwd_specs(max_smem: int = HOPPER_SMEM_PER_BLOCK) -> list[Fa1FwdSpec]:
     """The formula-tile FA1 variants of a device with every mask flag, plus (on the H200) the
     tile study's float16 d = 64 variants: what warmup and the CI compile test build."""
     specs = []
